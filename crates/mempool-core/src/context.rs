@@ -1,0 +1,115 @@
+//! Primary contexts, retained while anything uses them, and scoped binding to the calling thread.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::handle::Handle;
+use crate::raw::{self, sys};
+
+/// A device's primary context, retained for as long as this value (and every `Arc` of it) lives.
+///
+/// Every handle in this crate (`Stream`, `Event`, `MemPool`, buffers) holds an `Arc<Context>`, so the
+/// context outlives everything made in it. No call here depends on whichever context the calling
+/// thread happens to have current: each one binds its own context for its duration with
+/// [`Context::bind`], and restores the thread's previous context afterwards.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html>.
+#[derive(Debug)]
+pub struct Context {
+    device: Device,
+    raw: Handle<sys::CUctx_st>,
+}
+
+impl Context {
+    /// The primary context of `device`, shared: while any `Arc` from an earlier call lives, the same one
+    /// is returned.
+    pub(crate) fn primary(device: Device) -> Result<Arc<Context>> {
+        static CACHE: Mutex<Option<HashMap<usize, Weak<Context>>>> = Mutex::new(None);
+        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        let map = cache.get_or_insert_with(HashMap::new);
+        if let Some(ctx) = map.get(&device.ordinal()).and_then(Weak::upgrade) {
+            return Ok(ctx);
+        }
+        let raw = raw::context::primary_retain(device.as_raw())?;
+        let ctx = Arc::new(Context { device, raw: Handle::new(raw) });
+        map.insert(device.ordinal(), Arc::downgrade(&ctx));
+        Ok(ctx)
+    }
+
+    /// The device this context belongs to.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The raw `CUcontext`, for interop (cudarc, C). It stays valid while `self` lives.
+    pub fn as_raw(&self) -> sys::CUcontext {
+        self.raw.get()
+    }
+
+    /// Makes this context current on the calling thread until the guard drops, then restores whatever
+    /// was current before. Costs one `cuCtxGetCurrent` when the context is already current.
+    pub fn bind(&self) -> Result<ContextGuard<'_>> {
+        let pushed = if raw::context::current()? == self.as_raw() {
+            false
+        } else {
+            // SAFETY: `self` holds a retain of the context for at least the guard's lifetime, which
+            // borrows `self`; the guard pops exactly once.
+            unsafe { raw::context::push(self.as_raw()) }?;
+            true
+        };
+        Ok(ContextGuard { pushed, _ctx: PhantomData })
+    }
+
+    /// Blocks until all work in this context is done (`cuCtxSynchronize`).
+    pub fn synchronize(&self) -> Result<()> {
+        let _g = self.bind()?;
+        raw::context::synchronize()
+    }
+
+    /// Free and total device memory as the driver reports them (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<MemoryInfo> {
+        let _g = self.bind()?;
+        let (free, total) = raw::context::mem_info()?;
+        Ok(MemoryInfo { free, total })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: `primary` retained the context exactly once for this value, and every user holds an
+        // `Arc` of it, so nothing uses it after this.
+        if let Err(e) = unsafe { raw::context::primary_release(self.device.as_raw()) } {
+            crate::record_drop_error(e);
+        }
+    }
+}
+
+/// Free and total memory of a device, in bytes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes free.
+    pub free: usize,
+    /// Bytes in total.
+    pub total: usize,
+}
+
+/// Keeps a context current on this thread; restores the previous one on drop. Not `Send`: the binding
+/// belongs to the thread that made it.
+#[must_use = "the context is only bound while the guard lives"]
+pub struct ContextGuard<'a> {
+    pushed: bool,
+    _ctx: PhantomData<(&'a Context, *const ())>,
+}
+
+impl Drop for ContextGuard<'_> {
+    fn drop(&mut self) {
+        if self.pushed {
+            if let Err(e) = raw::context::pop() {
+                crate::record_drop_error(e);
+            }
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Plain (non-pool) memory and raw copies: the building blocks of mempool-rmm's `CudaResource`,
+//! `ManagedResource` and `PinnedHostResource`, and of tests that move bytes.
+//!
+//! Every function binds the given context for its duration. Functions that take raw addresses are
+//! `unsafe`: the caller vouches for what the addresses point to.
+//! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+
+use std::ffi::c_void;
+
+use crate::buffer::DevicePtr;
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::Result;
+use crate::raw::{self, sys};
+use crate::stream::StreamRef;
+
+/// Device memory from `cuMemAlloc` in `ctx`. 0 bytes returns null without a driver call.
+pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
+    if bytes == 0 {
+        return Ok(DevicePtr::NULL);
+    }
+    let _g = ctx.bind()?;
+    raw::memory::alloc(bytes).map(DevicePtr)
+}
+
+/// Frees memory from [`device_alloc`] or [`managed_alloc`] (`cuMemFree`). Null is a no-op.
+///
+/// # Safety
+/// 1. `ptr` came from [`device_alloc`] or [`managed_alloc`] in `ctx` and is freed once.
+/// 2. No queued or running work uses it.
+#[allow(unsafe_code)]
+pub unsafe fn device_free(ctx: &Context, ptr: DevicePtr) -> Result<()> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    let _g = ctx.bind()?;
+    // SAFETY: points 1 and 2.
+    unsafe { raw::memory::free(ptr.0) }
+}
+
+/// Managed (unified) memory from `cuMemAllocManaged`, attached globally. 0 bytes returns null.
+pub fn managed_alloc(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
+    if bytes == 0 {
+        return Ok(DevicePtr::NULL);
+    }
+    let _g = ctx.bind()?;
+    raw::memory::alloc_managed(bytes).map(DevicePtr)
+}
+
+/// Page-locked, portable host memory from `cuMemHostAlloc`. 0 bytes returns null.
+pub fn pinned_host_alloc(ctx: &Context, bytes: usize) -> Result<*mut u8> {
+    if bytes == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    let _g = ctx.bind()?;
+    raw::memory::alloc_host(bytes).map(|p| p.cast())
+}
+
+/// Frees memory from [`pinned_host_alloc`] (`cuMemFreeHost`). Null is a no-op.
+///
+/// # Safety
+/// 1. `ptr` came from [`pinned_host_alloc`] and is freed once; no work or host code uses it afterwards.
+#[allow(unsafe_code)]
+pub unsafe fn pinned_host_free(ctx: &Context, ptr: *mut u8) -> Result<()> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    unsafe { raw::memory::free_host(ptr.cast()) }
+}
+
+/// Copies host bytes to device memory, ordered on `stream`, and waits for the copy.
+///
+/// # Safety
+/// 1. `dst..dst+src.len()` is device memory of `ctx` (or accessible from it) that work on `stream` may write.
+#[allow(unsafe_code)]
+pub unsafe fn copy_to_device(ctx: &Context, dst: DevicePtr, src: &[u8], stream: StreamRef<'_>) -> Result<()> {
+    let _g = ctx.bind()?;
+    // SAFETY: point 1 for `dst`; `src` is borrowed until the synchronize below.
+    unsafe { raw::memory::copy_htod_async(dst.0, src.as_ptr() as *const c_void, src.len(), stream.as_raw()) }?;
+    stream.synchronize()
+}
+
+/// Copies device memory to host bytes, ordered on `stream`, and waits for the copy.
+///
+/// # Safety
+/// 1. `src..src+dst.len()` is device memory that work on `stream` may read.
+#[allow(unsafe_code)]
+pub unsafe fn copy_to_host(ctx: &Context, dst: &mut [u8], src: DevicePtr, stream: StreamRef<'_>) -> Result<()> {
+    let _g = ctx.bind()?;
+    // SAFETY: point 1 for `src`; `dst` is exclusively borrowed until the synchronize below.
+    unsafe { raw::memory::copy_dtoh_async(dst.as_mut_ptr() as *mut c_void, src.0, dst.len(), stream.as_raw()) }?;
+    stream.synchronize()
+}
+
+/// Copies `len` bytes between device addresses (peers included, through unified addressing), ordered on
+/// `stream`; does not wait.
+///
+/// # Safety
+/// 1. Both ranges are valid device memory for `len` bytes for work on `stream`, and stay so until the
+///    copy completes.
+#[allow(unsafe_code)]
+pub unsafe fn copy_device_async(
+    ctx: &Context,
+    dst: DevicePtr,
+    src: DevicePtr,
+    len: usize,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    unsafe { raw::memory::copy_async(dst.0, src.0, len, stream.as_raw()) }
+}
+
+/// Fills `len` bytes with `value`, ordered on `stream`; does not wait.
+///
+/// # Safety
+/// 1. `dst..dst+len` is device memory that work on `stream` may write, until the fill completes.
+#[allow(unsafe_code)]
+pub unsafe fn fill_async(ctx: &Context, dst: DevicePtr, value: u8, len: usize, stream: StreamRef<'_>) -> Result<()> {
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    unsafe { raw::memory::memset_d8_async(dst.0, value, len, stream.as_raw()) }
+}
+
+/// Fills `count` 32-bit words with `value`, ordered on `stream`; does not wait.
+///
+/// # Safety
+/// 1. `dst` is 4-byte aligned and `dst..dst+4*count` is device memory that work on `stream` may write.
+#[allow(unsafe_code)]
+pub unsafe fn fill_u32_async(
+    ctx: &Context,
+    dst: DevicePtr,
+    value: u32,
+    count: usize,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    unsafe { raw::memory::memset_d32_async(dst.0, value, count, stream.as_raw()) }
+}
+
+/// Prefetches managed memory to `device` (or to the host with `None`), ordered on `stream`.
+///
+/// # Safety
+/// 1. `ptr..ptr+len` is managed memory that stays allocated until the prefetch completes.
+#[allow(unsafe_code)]
+pub unsafe fn prefetch_async(
+    ctx: &Context,
+    ptr: DevicePtr,
+    len: usize,
+    device: Option<Device>,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    use sys::CUmemLocationType::*;
+    let location = match device {
+        Some(d) => sys::CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d.as_raw() },
+        None => sys::CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST, id: 0 },
+    };
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    unsafe { raw::memory::prefetch_async(ptr.0, len, location, stream.as_raw()) }
+}
+
+/// What kind of memory an address is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryType {
+    /// Host memory known to the driver (pinned or registered).
+    Host,
+    /// Device memory.
+    Device,
+    /// An array.
+    Array,
+    /// Unified memory.
+    Unified,
+}
+
+/// What the driver knows of an address (`cuPointerGetAttribute`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// The memory type.
+    pub memory_type: MemoryType,
+    /// The ordinal of the device the memory belongs to (for managed or host memory, the driver's answer).
+    pub device_ordinal: i32,
+    /// Whether the memory is managed.
+    pub is_managed: bool,
+    /// Start of the allocation that contains the address.
+    pub range_start: DevicePtr,
+    /// Size of that allocation in bytes.
+    pub range_size: usize,
+}
+
+/// Looks an address up. Fails (`CUDA_ERROR_INVALID_VALUE`) for an address the driver does not know,
+/// which is how tests check that memory is really device-accessible.
+pub fn pointer_info(ptr: DevicePtr) -> Result<PointerInfo> {
+    use sys::CUpointer_attribute::*;
+    raw::init()?;
+    // SAFETY (all four): each attribute is read into the type the driver writes for it (`unsigned int`
+    // for the memory type, `int` for the ordinal, `unsigned int` (a bool) for IS_MANAGED, `CUdeviceptr`
+    // for the range start, `size_t` for the range size).
+    #[allow(unsafe_code)]
+    let (mt, ordinal, managed, start, size) = unsafe {
+        (
+            raw::memory::pointer_attribute::<u32>(ptr.0, CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?,
+            raw::memory::pointer_attribute::<i32>(ptr.0, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?,
+            raw::memory::pointer_attribute::<u32>(ptr.0, CU_POINTER_ATTRIBUTE_IS_MANAGED)?,
+            raw::memory::pointer_attribute::<u64>(ptr.0, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?,
+            raw::memory::pointer_attribute::<usize>(ptr.0, CU_POINTER_ATTRIBUTE_RANGE_SIZE)?,
+        )
+    };
+    let memory_type = match mt {
+        1 => MemoryType::Host,
+        3 => MemoryType::Array,
+        4 => MemoryType::Unified,
+        _ => MemoryType::Device,
+    };
+    Ok(PointerInfo {
+        memory_type,
+        device_ordinal: ordinal,
+        is_managed: managed != 0,
+        range_start: DevicePtr(start),
+        range_size: size,
+    })
+}

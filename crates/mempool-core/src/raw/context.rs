@@ -1,0 +1,61 @@
+//! Primary contexts and the calling thread's context stack.
+//! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html>
+
+use super::{call, sys};
+use crate::error::Result;
+
+/// Retains the device's primary context (creating it if needed). Balance with [`primary_release`].
+pub(crate) fn primary_retain(dev: sys::CUdevice) -> Result<sys::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: one handle is written; `dev` came from `cuDeviceGet`.
+    unsafe { call!(cuDevicePrimaryCtxRetain(&mut ctx, dev)) }?;
+    Ok(ctx)
+}
+
+/// Releases one retain of the device's primary context.
+///
+/// # Safety
+/// 1. Each call must balance exactly one successful [`primary_retain`] of the same device.
+/// 2. Nothing may use the context through that retain afterwards.
+pub(crate) unsafe fn primary_release(dev: sys::CUdevice) -> Result<()> {
+    // SAFETY: the caller balances a retain (point 1).
+    unsafe { call!(cuDevicePrimaryCtxRelease_v2(dev)) }
+}
+
+/// The calling thread's current context (null if none).
+pub(crate) fn current() -> Result<sys::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: one handle is written.
+    unsafe { call!(cuCtxGetCurrent(&mut ctx)) }?;
+    Ok(ctx)
+}
+
+/// Pushes `ctx` on the calling thread's context stack.
+///
+/// # Safety
+/// 1. `ctx` must be a live context (held by a retain) until the matching [`pop`].
+pub(crate) unsafe fn push(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: `ctx` is live (point 1).
+    unsafe { call!(cuCtxPushCurrent_v2(ctx)) }
+}
+
+/// Pops the calling thread's current context.
+pub(crate) fn pop() -> Result<()> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: one handle is written; popping an empty stack is an error code, not UB.
+    unsafe { call!(cuCtxPopCurrent_v2(&mut ctx)) }
+}
+
+/// Free and total memory of the current context's device.
+pub(crate) fn mem_info() -> Result<(usize, usize)> {
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: two usizes are written; without a current context this is an error code.
+    unsafe { call!(cuMemGetInfo_v2(&mut free, &mut total)) }?;
+    Ok((free, total))
+}
+
+/// Waits for all work of the current context.
+pub(crate) fn synchronize() -> Result<()> {
+    // SAFETY: no arguments; without a current context this is an error code.
+    unsafe { call!(cuCtxSynchronize()) }
+}

@@ -1,0 +1,140 @@
+//! Plain allocations, copies, fills and pointer attributes.
+//! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+
+use std::ffi::c_void;
+
+use super::{call, check_alloc, sys};
+use crate::error::Result;
+
+/// `cuMemAlloc`: device memory in the current context.
+pub(crate) fn alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut p = 0;
+    // SAFETY: one pointer is written; a context is current (callers bind one).
+    let r = unsafe { call!(cuMemAlloc_v2(&mut p, bytes)) };
+    check_alloc("cuMemAlloc", r, bytes)?;
+    Ok(p)
+}
+
+/// # Safety
+/// 1. `p` came from [`alloc`] or [`alloc_managed`], is freed once, and no pending work uses it.
+pub(crate) unsafe fn free(p: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuMemFree_v2(p)) }
+}
+
+/// `cuMemAllocManaged` with `CU_MEM_ATTACH_GLOBAL`.
+pub(crate) fn alloc_managed(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut p = 0;
+    // SAFETY: one pointer is written; flag 1 is CU_MEM_ATTACH_GLOBAL.
+    let r = unsafe { call!(cuMemAllocManaged(&mut p, bytes, 1)) };
+    check_alloc("cuMemAllocManaged", r, bytes)?;
+    Ok(p)
+}
+
+/// `cuMemHostAlloc`: page-locked host memory, portable across contexts.
+pub(crate) fn alloc_host(bytes: usize) -> Result<*mut c_void> {
+    let mut p = std::ptr::null_mut();
+    // SAFETY: one pointer is written; flag 1 is CU_MEMHOSTALLOC_PORTABLE.
+    let r = unsafe { call!(cuMemHostAlloc(&mut p, bytes, 1)) };
+    check_alloc("cuMemHostAlloc", r, bytes)?;
+    Ok(p)
+}
+
+/// # Safety
+/// 1. `p` came from [`alloc_host`], is freed once, and no pending work uses it.
+pub(crate) unsafe fn free_host(p: *mut c_void) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuMemFreeHost(p)) }
+}
+
+/// Copies `len` bytes host to device, ordered on `stream`.
+///
+/// # Safety
+/// 1. `src` is readable for `len` bytes until the copy completes (synchronize before reusing it).
+/// 2. `dst` is device memory writable for `len` bytes by work on `stream`.
+pub(crate) unsafe fn copy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: *const c_void,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: points 1 and 2.
+    unsafe { call!(cuMemcpyHtoDAsync_v2(dst, src, len, stream)) }
+}
+
+/// Copies `len` bytes device to host, ordered on `stream`.
+///
+/// # Safety
+/// 1. `dst` is writable for `len` bytes and not read until the copy completes.
+/// 2. `src` is device memory readable for `len` bytes by work on `stream`.
+pub(crate) unsafe fn copy_dtoh_async(
+    dst: *mut c_void,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: points 1 and 2.
+    unsafe { call!(cuMemcpyDtoHAsync_v2(dst, src, len, stream)) }
+}
+
+/// Copies `len` bytes between device addresses (unified addressing resolves peers), ordered on `stream`.
+///
+/// # Safety
+/// 1. Both ranges are valid for `len` bytes for work on `stream`.
+pub(crate) unsafe fn copy_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuMemcpyAsync(dst, src, len, stream)) }
+}
+
+/// Fills `len` bytes with `value`, ordered on `stream`.
+///
+/// # Safety
+/// 1. `dst` is device memory writable for `len` bytes by work on `stream`.
+pub(crate) unsafe fn memset_d8_async(dst: sys::CUdeviceptr, value: u8, len: usize, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuMemsetD8Async(dst, value, len, stream)) }
+}
+
+/// Fills `count` 32-bit words with `value`, ordered on `stream`.
+///
+/// # Safety
+/// 1. `dst` is 4-byte aligned device memory writable for `4 * count` bytes by work on `stream`.
+pub(crate) unsafe fn memset_d32_async(
+    dst: sys::CUdeviceptr,
+    value: u32,
+    count: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuMemsetD32Async(dst, value, count, stream)) }
+}
+
+/// Reads one pointer attribute into a value of type `T`.
+///
+/// # Safety
+/// 1. `T` is the type the driver writes for `attr` (see `CUpointer_attribute`).
+pub(crate) unsafe fn pointer_attribute<T: Default>(ptr: sys::CUdeviceptr, attr: sys::CUpointer_attribute) -> Result<T> {
+    let mut v = T::default();
+    // SAFETY: point 1: `v` is storage of the attribute's type.
+    unsafe { call!(cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, ptr)) }?;
+    Ok(v)
+}
+
+/// Prefetches managed memory to a location, ordered on `stream`.
+///
+/// # Safety
+/// 1. `ptr..ptr+len` is managed memory; `stream` is live or a special handle.
+pub(crate) unsafe fn prefetch_async(
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    location: sys::CUmemLocation,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: point 1; flags must be 0.
+    unsafe { call!(cuMemPrefetchAsync_v2(ptr, len, location, 0, stream)) }
+}

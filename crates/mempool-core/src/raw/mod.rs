@@ -1,0 +1,225 @@
+//! The FFI layer: every call into `libcuda` goes through this module and its children, one per CUDA area.
+//!
+//! cudarc's `sys` bindings (dynamic loading) resolve each entry point the first time it is called and
+//! *panic* if the installed driver lacks it. We never let that happen: [`call!`] first asks the loaded
+//! library whether the symbol exists (cached per call site) and turns a missing one into
+//! [`Error::DriverTooOld`]; and nothing reaches the library before [`init`] has checked that it loads at
+//! all ([`Error::DriverNotFound`]).
+//!
+//! Functions here are thin: they translate arguments, check the `CUresult`, and return Rust values. The
+//! safe types elsewhere in the crate hold the invariants (RAII, context binding) that make them sound.
+
+#![allow(unsafe_code)]
+
+pub(crate) mod context;
+pub(crate) mod device;
+pub(crate) mod event;
+pub(crate) mod memory;
+pub(crate) mod module;
+pub(crate) mod pool;
+pub(crate) mod stream;
+
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+pub(crate) use cudarc::driver::sys;
+
+use crate::error::{DriverError, DriverVersion, Error, Result};
+
+/// Calls a driver entry point through cudarc's `sys` bindings after checking that the installed driver
+/// has it, and converts the `CUresult` into a [`Result`] naming the call.
+///
+/// The expansion calls an `unsafe fn`, so every use sits in an `unsafe` block with its own `SAFETY:` line.
+/// [`init`] must have succeeded first (all safe entry points reach here through a `Device`, which only
+/// exists after `init`).
+macro_rules! call {
+    ($name:ident ( $($arg:expr),* $(,)? )) => {{
+        static PRESENT: ::std::sync::OnceLock<bool> = ::std::sync::OnceLock::new();
+        match $crate::raw::ensure(stringify!($name), &PRESENT) {
+            Ok(()) => $crate::raw::check(stringify!($name), $crate::raw::sys::$name($($arg),*)),
+            Err(e) => Err(e),
+        }
+    }};
+}
+pub(crate) use call;
+
+/// Whether `libcuda` can be loaded. Cheap after the first call.
+pub(crate) fn library_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries `dlopen` on a fixed list of names and drops what it opened;
+    // it has no preconditions.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Loads and initialises the driver once (`cuInit(0)`), returning its version. Every safe entry point
+/// that does not already hold a [`crate::Device`] calls this first.
+pub(crate) fn init() -> Result<DriverVersion> {
+    static INIT: OnceLock<Result<DriverVersion>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        if !library_present() {
+            return Err(Error::DriverNotFound);
+        }
+        let mut version = 0;
+        // SAFETY: the library loads (checked above); `cuDriverGetVersion` writes one int and is legal
+        // before `cuInit`.
+        unsafe { call!(cuDriverGetVersion(&mut version)) }?;
+        DRIVER_VERSION.get_or_init(|| DriverVersion(version));
+        // SAFETY: the library loads; `cuInit` takes flags that must be 0.
+        match unsafe { call!(cuInit(0)) } {
+            Ok(()) => Ok(DriverVersion(version)),
+            Err(Error::Driver { error, .. })
+                if error.code == sys::CUresult::CUDA_ERROR_NO_DEVICE as u32 =>
+            {
+                Err(Error::NoDevice)
+            }
+            Err(e) => Err(e),
+        }
+    })
+    .clone()
+}
+
+static DRIVER_VERSION: OnceLock<DriverVersion> = OnceLock::new();
+
+/// The installed driver's version, once the library has been loaded.
+pub(crate) fn driver_version() -> Option<DriverVersion> {
+    DRIVER_VERSION.get().copied()
+}
+
+/// Checks (once per call site, cached in `present`) that the loaded driver exports `name`.
+pub(crate) fn ensure(name: &'static str, present: &OnceLock<bool>) -> Result<()> {
+    let ok = *present.get_or_init(|| {
+        if !library_present() {
+            return false;
+        }
+        // SAFETY: the library loads (checked above), so `culib` returns it rather than panicking; we
+        // only look the symbol up and never call it through this pointer.
+        unsafe { sys::culib().get::<*const std::ffi::c_void>(name.as_bytes()).is_ok() }
+    });
+    if ok {
+        Ok(())
+    } else if !library_present() {
+        Err(Error::DriverNotFound)
+    } else {
+        Err(Error::DriverTooOld {
+            call: name,
+            driver: driver_version().unwrap_or(DriverVersion(0)),
+            required: first_driver_with(name),
+        })
+    }
+}
+
+/// The first CUDA release whose driver exports the calls this crate may use that are newer than 11.2
+/// (the release that introduced memory pools). Unknown names get `None`.
+pub(crate) fn first_driver_with(name: &str) -> Option<DriverVersion> {
+    let v = match name {
+        "cuMemGetDefaultMemPool" | "cuMemGetMemPool" | "cuMemSetMemPool" | "cuEventElapsedTime_v2" => 13000,
+        "cuMemPrefetchAsync_v2" | "cuMemAdvise_v2" => 12020,
+        "cuDeviceGetUuid_v2" => 11040,
+        n if n.starts_with("cuMemPool")
+            || n == "cuMemAllocFromPoolAsync"
+            || n == "cuMemFreeAsync"
+            || n == "cuDeviceGetMemPool"
+            || n == "cuDeviceSetMemPool"
+            || n == "cuDeviceGetDefaultMemPool" =>
+        {
+            11020
+        }
+        _ => return None,
+    };
+    Some(DriverVersion(v))
+}
+
+/// Converts a `CUresult` into a `Result`, naming the call on failure.
+pub(crate) fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
+    if result == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver { call, error: driver_error(result) })
+    }
+}
+
+/// Like [`check`], but an out-of-memory result becomes [`Error::OutOfMemory`] with the size asked for.
+pub(crate) fn check_alloc(call: &'static str, result: Result<()>, requested: usize) -> Result<()> {
+    match result {
+        Err(Error::Driver { error, .. })
+            if error.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32 =>
+        {
+            Err(Error::OutOfMemory { call, requested })
+        }
+        other => other,
+    }
+}
+
+/// The name and message of a `CUresult`. The name comes from the binding's enumerator, so it needs no
+/// driver; the message asks the driver when it is loaded.
+pub(crate) fn driver_error(result: sys::CUresult) -> DriverError {
+    let name = format!("{result:?}");
+    let mut message = None;
+    if library_present() {
+        let mut text: *const std::ffi::c_char = std::ptr::null();
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        if ensure("cuGetErrorString", &PRESENT).is_ok() {
+            // SAFETY: the library loads and has the symbol; the driver writes a pointer to a static,
+            // NUL-terminated string (or leaves it null and fails for unknown codes).
+            let rc = unsafe { sys::cuGetErrorString(result, &mut text) };
+            if rc == sys::CUresult::CUDA_SUCCESS && !text.is_null() {
+                // SAFETY: non-null, NUL-terminated, static per the driver's documentation.
+                message = Some(unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned());
+            }
+        }
+    }
+    DriverError {
+        code: result as u32,
+        name,
+        message: message.unwrap_or_else(|| "no description from the driver".to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_names_come_from_the_binding() {
+        let e = driver_error(sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(e.name, "CUDA_ERROR_INVALID_VALUE");
+        assert_eq!(e.code, 1);
+        let err = check("cuMemPoolCreate", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE"), "{text}");
+    }
+
+    #[test]
+    fn out_of_memory_keeps_the_size() {
+        let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = check_alloc("cuMemAllocFromPoolAsync", r, 1 << 40).unwrap_err();
+        assert_eq!(err, Error::OutOfMemory { call: "cuMemAllocFromPoolAsync", requested: 1 << 40 });
+        assert!(err.is_out_of_memory());
+        assert!(err.to_string().contains("1099511627776 bytes"), "{err}");
+        // Other failures pass through unchanged.
+        let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert!(matches!(check_alloc("x", r, 1), Err(Error::Driver { call: "cuMemAllocFromPoolAsync", .. })));
+    }
+
+    #[test]
+    fn success_is_ok() {
+        assert_eq!(check("cuInit", sys::CUresult::CUDA_SUCCESS), Ok(()));
+    }
+
+    #[test]
+    fn pool_calls_need_cuda_11_2() {
+        assert_eq!(first_driver_with("cuMemPoolCreate"), Some(DriverVersion(11020)));
+        assert_eq!(first_driver_with("cuMemGetDefaultMemPool"), Some(DriverVersion(13000)));
+        assert_eq!(first_driver_with("cuInit"), None);
+        let e = Error::DriverTooOld {
+            call: "cuMemGetDefaultMemPool",
+            driver: DriverVersion(12080),
+            required: first_driver_with("cuMemGetDefaultMemPool"),
+        };
+        assert_eq!(
+            e.to_string(),
+            "the installed CUDA driver (12.8) does not provide `cuMemGetDefaultMemPool`; it needs a driver \
+             for CUDA 13.0 or newer"
+        );
+    }
+}

@@ -1,0 +1,57 @@
+//! Streams. <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>
+
+use super::{call, sys};
+use crate::error::Result;
+
+/// Creates a stream in the current context. `flags` is a `CUstream_flags` value.
+pub(crate) fn create(flags: u32) -> Result<sys::CUstream> {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: one handle is written; a context is current (callers bind one first).
+    unsafe { call!(cuStreamCreate(&mut s, flags)) }?;
+    Ok(s)
+}
+
+/// Destroys a stream; work already queued on it still runs.
+///
+/// # Safety
+/// 1. `s` came from [`create`] and is destroyed once.
+/// 2. Nothing uses `s` afterwards.
+pub(crate) unsafe fn destroy(s: sys::CUstream) -> Result<()> {
+    // SAFETY: points 1 and 2.
+    unsafe { call!(cuStreamDestroy_v2(s)) }
+}
+
+/// Blocks until all work on `s` is done.
+///
+/// # Safety
+/// 1. `s` is a live stream or one of the special handles (legacy default, per-thread default).
+pub(crate) unsafe fn synchronize(s: sys::CUstream) -> Result<()> {
+    // SAFETY: point 1.
+    unsafe { call!(cuStreamSynchronize(s)) }
+}
+
+/// Whether all work on `s` has completed.
+///
+/// # Safety
+/// 1. `s` is a live stream or one of the special handles.
+pub(crate) unsafe fn query(s: sys::CUstream) -> Result<bool> {
+    // SAFETY: point 1.
+    match unsafe { call!(cuStreamQuery(s)) } {
+        Ok(()) => Ok(true),
+        Err(crate::Error::Driver { error, .. })
+            if error.code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes future work on `s` wait for the work captured by `e`.
+///
+/// # Safety
+/// 1. `s` is a live stream or a special handle; `e` is a live event.
+pub(crate) unsafe fn wait_event(s: sys::CUstream, e: sys::CUevent) -> Result<()> {
+    // SAFETY: point 1; flags must be 0 (CU_EVENT_WAIT_DEFAULT).
+    unsafe { call!(cuStreamWaitEvent(s, e, 0)) }
+}

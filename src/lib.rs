@@ -1,0 +1,11 @@
+//! # mempool
+//!
+//! Safe, fast and shareable CUDA stream-ordered memory pools, with RMM-style memory resources on top.
+//! This facade re-exports the workspace's crates:
+//!
+//! - [`core`] (`mempool-core`): devices, streams, events and [`core::MemPool`].
+//!
+//! See the README and `docs/` for the guide.
+
+pub use mempool_core as core;
+pub use mempool_core::{Device, DevicePtr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
