@@ -82,9 +82,7 @@ impl<'s> PoolBuffer<'s> {
         // SAFETY: the buffer holds at least `src.len()` bytes (checked) and is live; `src` stays borrowed
         // until the stream synchronize below returns, so the copy never reads freed host memory.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::memory::copy_htod_async(self.ptr.0, src.as_ptr().cast(), src.len(), self.stream.as_raw())
-        }?;
+        unsafe { raw::memory::copy_htod_async(self.ptr.0, src.as_ptr().cast(), src.len(), self.stream.as_raw()) }?;
         self.stream.synchronize()
     }
 
@@ -94,9 +92,7 @@ impl<'s> PoolBuffer<'s> {
         let _g = self.ctx.bind()?;
         // SAFETY: as in `copy_from_host`; `dst` is exclusively borrowed until the copy has completed.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::memory::copy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr.0, dst.len(), self.stream.as_raw())
-        }?;
+        unsafe { raw::memory::copy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr.0, dst.len(), self.stream.as_raw()) }?;
         self.stream.synchronize()
     }
 

@@ -34,7 +34,10 @@ impl Context {
             return Ok(ctx);
         }
         let raw = raw::context::primary_retain(device.as_raw())?;
-        let ctx = Arc::new(Context { device, raw: Handle::new(raw) });
+        let ctx = Arc::new(Context {
+            device,
+            raw: Handle::new(raw),
+        });
         map.insert(device.ordinal(), Arc::downgrade(&ctx));
         Ok(ctx)
     }
@@ -60,7 +63,10 @@ impl Context {
             unsafe { raw::context::push(self.as_raw()) }?;
             true
         };
-        Ok(ContextGuard { pushed, _ctx: PhantomData })
+        Ok(ContextGuard {
+            pushed,
+            _ctx: PhantomData,
+        })
     }
 
     /// Blocks until all work in this context is done (`cuCtxSynchronize`).

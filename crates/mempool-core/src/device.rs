@@ -60,7 +60,10 @@ impl Device {
         if ordinal >= count {
             return Err(Error::NoSuchDevice { ordinal, count });
         }
-        Ok(Device { ordinal, raw: raw::device::get(ordinal)? })
+        Ok(Device {
+            ordinal,
+            raw: raw::device::get(ordinal)?,
+        })
     }
 
     /// Every visible device, in ordinal order.

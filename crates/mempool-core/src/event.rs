@@ -56,7 +56,11 @@ impl Event {
         }
         let _g = ctx.bind()?;
         let raw = raw::event::create(flags.bits())?;
-        Ok(Event { ctx: ctx.clone(), raw: Handle::new(raw), flags })
+        Ok(Event {
+            ctx: ctx.clone(),
+            raw: Handle::new(raw),
+            flags,
+        })
     }
 
     /// Opens an interprocess event another process created, in `ctx` (`cuIpcOpenEventHandle`). The
@@ -102,7 +106,9 @@ impl Event {
     /// Milliseconds from `self` to `end`, both recorded and complete, neither with `DISABLE_TIMING`.
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         if self.flags.contains(EventFlags::DISABLE_TIMING) || end.flags.contains(EventFlags::DISABLE_TIMING) {
-            return Err(Error::InvalidArgument("elapsed time needs events without DISABLE_TIMING".into()));
+            return Err(Error::InvalidArgument(
+                "elapsed time needs events without DISABLE_TIMING".into(),
+            ));
         }
         // SAFETY: both events are owned by live values and were created with timing.
         #[allow(unsafe_code)]
@@ -114,7 +120,9 @@ impl Event {
     /// The handle another process opens with [`Event::open_ipc`]. Needs `INTERPROCESS`.
     pub fn ipc_handle(&self) -> Result<IpcEventHandle> {
         if !self.flags.contains(EventFlags::INTERPROCESS) {
-            return Err(Error::InvalidArgument("only an event created with INTERPROCESS has an IPC handle".into()));
+            return Err(Error::InvalidArgument(
+                "only an event created with INTERPROCESS has an IPC handle".into(),
+            ));
         }
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]

@@ -33,6 +33,7 @@ mod device;
 mod error;
 mod event;
 mod handle;
+pub mod kernels;
 pub mod memory;
 mod module;
 mod pool;

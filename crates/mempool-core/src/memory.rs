@@ -155,8 +155,14 @@ pub unsafe fn prefetch_async(
 ) -> Result<()> {
     use sys::CUmemLocationType::*;
     let location = match device {
-        Some(d) => sys::CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d.as_raw() },
-        None => sys::CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST, id: 0 },
+        Some(d) => sys::CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_DEVICE,
+            id: d.as_raw(),
+        },
+        None => sys::CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        },
     };
     let _g = ctx.bind()?;
     // SAFETY: point 1.

@@ -40,7 +40,11 @@ impl LaunchConfig {
     /// A 1-D launch covering `n` threads with `block` threads per block (at least one block).
     pub fn for_elements(n: usize, block: u32) -> LaunchConfig {
         let blocks = n.div_ceil(block as usize).max(1) as u32;
-        LaunchConfig { grid: (blocks, 1, 1), block: (block, 1, 1), shared_mem: 0 }
+        LaunchConfig {
+            grid: (blocks, 1, 1),
+            block: (block, 1, 1),
+            shared_mem: 0,
+        }
     }
 }
 
@@ -50,7 +54,10 @@ impl Module {
         let image = CString::new(ptx).map_err(|_| Error::InvalidArgument("PTX text contains a NUL byte".into()))?;
         let _g = ctx.bind()?;
         let raw = raw::module::load_data(&image)?;
-        Ok(Module { ctx: ctx.clone(), raw: Handle::new(raw) })
+        Ok(Module {
+            ctx: ctx.clone(),
+            raw: Handle::new(raw),
+        })
     }
 
     /// The kernel named `name` (its `.entry` name).
@@ -59,7 +66,10 @@ impl Module {
         // SAFETY: the module is owned by `self`, which the function borrows.
         #[allow(unsafe_code)]
         let raw = unsafe { raw::module::get_function(self.raw.get(), &cname) }?;
-        Ok(Function { module: self, raw: Handle::new(raw) })
+        Ok(Function {
+            module: self,
+            raw: Handle::new(raw),
+        })
     }
 
     /// The context the module is loaded in.
@@ -99,6 +109,15 @@ impl Function<'_> {
     pub unsafe fn launch(&self, cfg: LaunchConfig, stream: StreamRef<'_>, params: &mut [*mut c_void]) -> Result<()> {
         let _g = self.module.ctx.bind()?;
         // SAFETY: points 1 to 3 are the caller's; the function belongs to a live module.
-        unsafe { raw::module::launch(self.raw.get(), cfg.grid, cfg.block, cfg.shared_mem, stream.as_raw(), params) }
+        unsafe {
+            raw::module::launch(
+                self.raw.get(),
+                cfg.grid,
+                cfg.block,
+                cfg.shared_mem,
+                stream.as_raw(),
+                params,
+            )
+        }
     }
 }

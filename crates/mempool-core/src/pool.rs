@@ -313,9 +313,7 @@ impl MemPool {
         // SAFETY: the pool is live (owned or borrowed by `self`); the thresholds and counters are
         // `cuuint64_t`, which `v` is.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::get_attribute(self.as_raw(), attr, &mut v as *mut u64 as *mut c_void)
-        }?;
+        unsafe { raw::pool::get_attribute(self.as_raw(), attr, &mut v as *mut u64 as *mut c_void) }?;
         Ok(v)
     }
 
@@ -349,16 +347,23 @@ impl MemPool {
         use sys::CUmemPool_attribute::*;
         let mut policy = ReusePolicy::empty();
         for (attr, flag) in [
-            (CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES, ReusePolicy::FOLLOW_EVENT_DEPENDENCIES),
-            (CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, ReusePolicy::ALLOW_OPPORTUNISTIC),
-            (CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES),
+            (
+                CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+                ReusePolicy::FOLLOW_EVENT_DEPENDENCIES,
+            ),
+            (
+                CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+                ReusePolicy::ALLOW_OPPORTUNISTIC,
+            ),
+            (
+                CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES,
+            ),
         ] {
             let mut v: i32 = 0;
             // SAFETY: the pool is live; the reuse attributes are `int`, which `v` is.
             #[allow(unsafe_code)]
-            unsafe {
-                raw::pool::get_attribute(self.as_raw(), attr, &mut v as *mut i32 as *mut c_void)
-            }?;
+            unsafe { raw::pool::get_attribute(self.as_raw(), attr, &mut v as *mut i32 as *mut c_void) }?;
             if v != 0 {
                 policy |= flag;
             }
@@ -370,16 +375,23 @@ impl MemPool {
     pub fn set_reuse_policy(&self, policy: ReusePolicy) -> Result<()> {
         use sys::CUmemPool_attribute::*;
         for (attr, flag) in [
-            (CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES, ReusePolicy::FOLLOW_EVENT_DEPENDENCIES),
-            (CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, ReusePolicy::ALLOW_OPPORTUNISTIC),
-            (CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES),
+            (
+                CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+                ReusePolicy::FOLLOW_EVENT_DEPENDENCIES,
+            ),
+            (
+                CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+                ReusePolicy::ALLOW_OPPORTUNISTIC,
+            ),
+            (
+                CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES,
+            ),
         ] {
             let mut v: i32 = policy.contains(flag) as i32;
             // SAFETY: as in `reuse_policy`.
             #[allow(unsafe_code)]
-            unsafe {
-                raw::pool::set_attribute(self.as_raw(), attr, &mut v as *mut i32 as *mut c_void)
-            }?;
+            unsafe { raw::pool::set_attribute(self.as_raw(), attr, &mut v as *mut i32 as *mut c_void) }?;
         }
         Ok(())
     }
@@ -443,7 +455,10 @@ impl MemPool {
                 });
             }
         }
-        let desc = sys::CUmemAccessDesc { location: PoolLocation::Device(*peer).to_raw(), flags: access.to_raw() };
+        let desc = sys::CUmemAccessDesc {
+            location: PoolLocation::Device(*peer).to_raw(),
+            flags: access.to_raw(),
+        };
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live; one initialised descriptor.
         #[allow(unsafe_code)]
@@ -529,10 +544,12 @@ impl MemPool {
         // SAFETY: the pool is live and located on `device`; the guard borrows `self`, so it stays live
         // until the guard restores the previous pool.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::set_device_current(device.as_raw(), self.as_raw())
-        }?;
-        Ok(CurrentPoolGuard { device, previous: Handle::new(previous), _pool: self })
+        unsafe { raw::pool::set_device_current(device.as_raw(), self.as_raw()) }?;
+        Ok(CurrentPoolGuard {
+            device,
+            previous: Handle::new(previous),
+            _pool: self,
+        })
     }
 
     /// Exports the pool as a POSIX file descriptor for another process
@@ -596,7 +613,10 @@ impl MemPool {
         // SAFETY: the pool is live and imported; the data is opaque bytes the driver validates.
         #[allow(unsafe_code)]
         let ptr = unsafe { raw::pool::import_pointer(self.as_raw(), &data.0) }?;
-        Ok(ImportedPtr { ptr: DevicePtr(ptr), ctx: self.ctx.clone() })
+        Ok(ImportedPtr {
+            ptr: DevicePtr(ptr),
+            ctx: self.ctx.clone(),
+        })
     }
 }
 
@@ -658,9 +678,7 @@ impl ImportedPtr {
         // SAFETY: the pointer was imported and is freed once: `self.ptr` is now null, so drop skips it.
         // The caller orders all uses before this point of `stream`.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::free_async(ptr.0, stream.as_raw())
-        }?;
+        unsafe { raw::pool::free_async(ptr.0, stream.as_raw()) }?;
         stream.synchronize()
     }
 }
@@ -694,8 +712,14 @@ mod tests {
             HandleTypes::POSIX_FILE_DESCRIPTOR.bits(),
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0
         );
-        assert_eq!(HandleTypes::FABRIC.bits(), sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0);
-        assert_eq!(HandleTypes::WIN32_KMT.bits(), sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT.0);
+        assert_eq!(
+            HandleTypes::FABRIC.bits(),
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0
+        );
+        assert_eq!(
+            HandleTypes::WIN32_KMT.bits(),
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT.0
+        );
         for a in [Access::None, Access::Read, Access::ReadWrite] {
             assert_eq!(Access::from_raw(a.to_raw()), a);
         }
@@ -703,10 +727,15 @@ mod tests {
 
     #[test]
     fn props_builder() {
-        let p = PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).max_size(4096);
+        let p = PoolProps::new()
+            .handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)
+            .max_size(4096);
         assert_eq!(p.handle_types, HandleTypes::POSIX_FILE_DESCRIPTOR);
         assert_eq!(p.max_size, Some(4096));
         assert_eq!(p.location, None);
-        assert_eq!(PoolLocation::Host.to_raw().type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST);
+        assert_eq!(
+            PoolLocation::Host.to_raw().type_,
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
+        );
     }
 }

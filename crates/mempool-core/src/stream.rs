@@ -45,12 +45,18 @@ impl Stream {
     pub fn with_flags(ctx: &Arc<Context>, flags: StreamFlags) -> Result<Stream> {
         let _g = ctx.bind()?;
         let raw = raw::stream::create(flags.bits())?;
-        Ok(Stream { ctx: ctx.clone(), raw: Handle::new(raw) })
+        Ok(Stream {
+            ctx: ctx.clone(),
+            raw: Handle::new(raw),
+        })
     }
 
     /// A borrowed view of this stream, valid while `self` lives.
     pub fn as_ref(&self) -> StreamRef<'_> {
-        StreamRef { raw: self.raw.get() as usize, _life: PhantomData }
+        StreamRef {
+            raw: self.raw.get() as usize,
+            _life: PhantomData,
+        }
     }
 
     /// The context the stream belongs to.
@@ -89,7 +95,10 @@ impl Stream {
     /// 2. Nothing else destroys it: the returned value destroys it on drop.
     #[allow(unsafe_code)]
     pub unsafe fn from_raw(ctx: Arc<Context>, raw: sys::CUstream) -> Stream {
-        Stream { ctx, raw: Handle::new(raw) }
+        Stream {
+            ctx,
+            raw: Handle::new(raw),
+        }
     }
 }
 
@@ -117,9 +126,15 @@ pub struct StreamRef<'a> {
 impl StreamRef<'static> {
     /// The legacy default stream (`0`): synchronises with all blocking streams of its context, and uses
     /// whichever context is current on the thread that queues work.
-    pub const LEGACY: StreamRef<'static> = StreamRef { raw: 0x0, _life: PhantomData };
+    pub const LEGACY: StreamRef<'static> = StreamRef {
+        raw: 0x0,
+        _life: PhantomData,
+    };
     /// The per-thread default stream (`CU_STREAM_PER_THREAD`).
-    pub const PER_THREAD: StreamRef<'static> = StreamRef { raw: 0x2, _life: PhantomData };
+    pub const PER_THREAD: StreamRef<'static> = StreamRef {
+        raw: 0x2,
+        _life: PhantomData,
+    };
 }
 
 impl<'a> StreamRef<'a> {
@@ -129,7 +144,10 @@ impl<'a> StreamRef<'a> {
     /// 1. `raw` is a live stream (or a special handle) for all of `'a`.
     #[allow(unsafe_code)]
     pub unsafe fn from_raw(raw: sys::CUstream) -> StreamRef<'a> {
-        StreamRef { raw: raw as usize, _life: PhantomData }
+        StreamRef {
+            raw: raw as usize,
+            _life: PhantomData,
+        }
     }
 
     /// The raw `CUstream`.

@@ -69,7 +69,9 @@ pub(crate) unsafe fn ipc_handle(e: sys::CUevent) -> Result<[u8; 64]> {
 /// Opens another process's interprocess event in the current context.
 pub(crate) fn ipc_open(handle: &[u8; 64]) -> Result<sys::CUevent> {
     let mut e = std::ptr::null_mut();
-    let h = sys::CUipcEventHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+    let h = sys::CUipcEventHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
     // SAFETY: one handle is written; the 64 bytes are opaque data the driver validates.
     unsafe { call!(cuIpcOpenEventHandle(&mut e, h)) }?;
     Ok(e)

@@ -95,7 +95,12 @@ pub(crate) unsafe fn copy_async(
 ///
 /// # Safety
 /// 1. `dst` is device memory writable for `len` bytes by work on `stream`.
-pub(crate) unsafe fn memset_d8_async(dst: sys::CUdeviceptr, value: u8, len: usize, stream: sys::CUstream) -> Result<()> {
+pub(crate) unsafe fn memset_d8_async(
+    dst: sys::CUdeviceptr,
+    value: u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
     // SAFETY: point 1.
     unsafe { call!(cuMemsetD8Async(dst, value, len, stream)) }
 }

@@ -67,9 +67,7 @@ pub(crate) fn init() -> Result<DriverVersion> {
         // SAFETY: the library loads; `cuInit` takes flags that must be 0.
         match unsafe { call!(cuInit(0)) } {
             Ok(()) => Ok(DriverVersion(version)),
-            Err(Error::Driver { error, .. })
-                if error.code == sys::CUresult::CUDA_ERROR_NO_DEVICE as u32 =>
-            {
+            Err(Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_NO_DEVICE as u32 => {
                 Err(Error::NoDevice)
             }
             Err(e) => Err(e),
@@ -134,16 +132,17 @@ pub(crate) fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
     if result == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Driver { call, error: driver_error(result) })
+        Err(Error::Driver {
+            call,
+            error: driver_error(result),
+        })
     }
 }
 
 /// Like [`check`], but an out-of-memory result becomes [`Error::OutOfMemory`] with the size asked for.
 pub(crate) fn check_alloc(call: &'static str, result: Result<()>, requested: usize) -> Result<()> {
     match result {
-        Err(Error::Driver { error, .. })
-            if error.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32 =>
-        {
+        Err(Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32 => {
             Err(Error::OutOfMemory { call, requested })
         }
         other => other,
@@ -186,19 +185,34 @@ mod tests {
         assert_eq!(e.code, 1);
         let err = check("cuMemPoolCreate", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
         let text = err.to_string();
-        assert!(text.starts_with("cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE"), "{text}");
+        assert!(
+            text.starts_with("cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE"),
+            "{text}"
+        );
     }
 
     #[test]
     fn out_of_memory_keeps_the_size() {
         let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         let err = check_alloc("cuMemAllocFromPoolAsync", r, 1 << 40).unwrap_err();
-        assert_eq!(err, Error::OutOfMemory { call: "cuMemAllocFromPoolAsync", requested: 1 << 40 });
+        assert_eq!(
+            err,
+            Error::OutOfMemory {
+                call: "cuMemAllocFromPoolAsync",
+                requested: 1 << 40
+            }
+        );
         assert!(err.is_out_of_memory());
         assert!(err.to_string().contains("1099511627776 bytes"), "{err}");
         // Other failures pass through unchanged.
         let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_INVALID_VALUE);
-        assert!(matches!(check_alloc("x", r, 1), Err(Error::Driver { call: "cuMemAllocFromPoolAsync", .. })));
+        assert!(matches!(
+            check_alloc("x", r, 1),
+            Err(Error::Driver {
+                call: "cuMemAllocFromPoolAsync",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -70,7 +70,11 @@ pub(crate) unsafe fn get_access(
     // SAFETY: point 1; the location is read, one enum is written. The driver takes a mutable pointer
     // but does not write through it.
     unsafe {
-        call!(cuMemPoolGetAccess(&mut flags, pool, location as *const _ as *mut sys::CUmemLocation))
+        call!(cuMemPoolGetAccess(
+            &mut flags,
+            pool,
+            location as *const _ as *mut sys::CUmemLocation
+        ))
     }?;
     Ok(flags)
 }

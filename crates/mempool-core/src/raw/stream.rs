@@ -38,9 +38,7 @@ pub(crate) unsafe fn query(s: sys::CUstream) -> Result<bool> {
     // SAFETY: point 1.
     match unsafe { call!(cuStreamQuery(s)) } {
         Ok(()) => Ok(true),
-        Err(crate::Error::Driver { error, .. })
-            if error.code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 =>
-        {
+        Err(crate::Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 => {
             Ok(false)
         }
         Err(e) => Err(e),

@@ -1,0 +1,135 @@
+//! Built-in check kernels (hand-written PTX, JIT-compiled by the driver): fill, copy and add over
+//! 32-bit elements. Tests, examples and health checks use them to do real device work on pool memory
+//! without nvcc at build time.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use crate::buffer::DevicePtr;
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::module::{LaunchConfig, Module};
+use crate::stream::StreamRef;
+
+/// The PTX source of the kernels.
+pub const PTX: &str = include_str!("kernels.ptx");
+
+const BLOCK: u32 = 256;
+
+/// The check kernels, loaded in one context.
+///
+/// ```no_run
+/// # fn main() -> mempool_core::Result<()> {
+/// use mempool_core::{kernels::CheckKernels, Device, MemPool, PoolProps, Stream};
+/// let dev = Device::get(0)?;
+/// let ctx = dev.context()?;
+/// let kernels = CheckKernels::load(&ctx)?;
+/// let pool = MemPool::new(&dev, &PoolProps::new())?;
+/// let stream = Stream::new(&ctx)?;
+/// let buf = pool.alloc(1024 * 4, stream.as_ref())?;
+/// // SAFETY: `buf` holds 1024 u32s and lives until the stream is synchronized.
+/// unsafe { kernels.iota(buf.ptr(), 1024, 7, stream.as_ref())? };
+/// let mut host = vec![0u8; 4096];
+/// buf.copy_to_host(&mut host)?;
+/// assert_eq!(u32::from_ne_bytes(host[4..8].try_into().unwrap()), 8);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct CheckKernels {
+    module: Module,
+}
+
+impl CheckKernels {
+    /// Loads the kernels into `ctx`.
+    pub fn load(ctx: &Arc<Context>) -> Result<CheckKernels> {
+        Ok(CheckKernels {
+            module: Module::from_ptx(ctx, PTX)?,
+        })
+    }
+
+    fn launch(&self, name: &str, n: usize, stream: StreamRef<'_>, params: &mut [*mut c_void]) -> Result<()> {
+        if n >= (u32::MAX as usize) {
+            return Err(Error::InvalidArgument(format!(
+                "{n} elements is more than the check kernels index"
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.module.function(name)?;
+        // SAFETY: the public wrappers pass one pointer per parameter of `name`'s signature in kernels.ptx,
+        // each to a value of the parameter's width; the callers vouch for the addresses.
+        #[allow(unsafe_code)]
+        unsafe {
+            f.launch(LaunchConfig::for_elements(n, BLOCK), stream, params)
+        }
+    }
+
+    /// `dst[i] = base + i` for `i < n` (wrapping), ordered on `stream`.
+    ///
+    /// # Safety
+    /// 1. `dst` is device memory writable by work on `stream`, 4-byte aligned, holding `n` `u32`s, until
+    ///    the kernel completes.
+    #[allow(unsafe_code)]
+    pub unsafe fn iota(&self, dst: DevicePtr, n: usize, base: u32, stream: StreamRef<'_>) -> Result<()> {
+        let (mut d, mut b, mut len) = (dst.0, base, n as u64);
+        self.launch(
+            "mempool_iota_u32",
+            n,
+            stream,
+            &mut [
+                &mut d as *mut u64 as *mut c_void,
+                &mut b as *mut u32 as *mut c_void,
+                &mut len as *mut u64 as *mut c_void,
+            ],
+        )
+    }
+
+    /// `dst[i] = src[i]` for `i < n`, each element loaded by a thread (so a peer's memory is read through
+    /// its mapping), ordered on `stream`.
+    ///
+    /// # Safety
+    /// 1. Both ranges hold `n` 4-byte aligned `u32`s that work on `stream` may access (the source readable
+    ///    from the stream's device), until the kernel completes.
+    #[allow(unsafe_code)]
+    pub unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, n: usize, stream: StreamRef<'_>) -> Result<()> {
+        let (mut d, mut s, mut len) = (dst.0, src.0, n as u64);
+        self.launch(
+            "mempool_copy_u32",
+            n,
+            stream,
+            &mut [
+                &mut d as *mut u64 as *mut c_void,
+                &mut s as *mut u64 as *mut c_void,
+                &mut len as *mut u64 as *mut c_void,
+            ],
+        )
+    }
+
+    /// `buf[i] += value` for `i < n` (wrapping), ordered on `stream`.
+    ///
+    /// # Safety
+    /// 1. As for [`CheckKernels::iota`].
+    #[allow(unsafe_code)]
+    pub unsafe fn add(&self, buf: DevicePtr, n: usize, value: u32, stream: StreamRef<'_>) -> Result<()> {
+        let (mut p, mut v, mut len) = (buf.0, value, n as u64);
+        self.launch(
+            "mempool_add_u32",
+            n,
+            stream,
+            &mut [
+                &mut p as *mut u64 as *mut c_void,
+                &mut v as *mut u32 as *mut c_void,
+                &mut len as *mut u64 as *mut c_void,
+            ],
+        )
+    }
+}
+
+/// Reads native-endian `u32`s from bytes (a helper for checking kernel results on the host).
+pub fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
