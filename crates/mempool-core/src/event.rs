@@ -124,6 +124,8 @@ impl Event {
                 "only an event created with INTERPROCESS has an IPC handle".into(),
             ));
         }
+        // The driver needs the event's context current (CUDA_ERROR_INVALID_CONTEXT otherwise).
+        let _g = self.ctx.bind()?;
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]
         unsafe { raw::event::ipc_handle(self.raw.get()) }.map(IpcEventHandle)

@@ -39,9 +39,7 @@ fn two_gpu_revoked_peer_faults_on_access() {
     let result = launched.and_then(|()| s1.synchronize());
     let err = result.expect_err("device 1 read device 0's pool after its access was revoked");
     eprintln!("revoked access faulted as expected: {err}");
-    // Device 1's context is now unusable; leak what lives in it rather than free through it.
-    std::mem::forget(k1);
-    std::mem::forget(s1);
-    drop(src);
-    s0.synchronize().unwrap();
+    // The fault is sticky and, as seen on two H200s (driver 580), poisons device 0's context as well as
+    // device 1's: leak everything rather than free through broken contexts.
+    std::mem::forget((k1, s1, s0, src, pool));
 }
