@@ -1,0 +1,107 @@
+//! [`AlignedAdaptor`]: allocations aligned beyond 256 bytes.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use mempool_core::{DevicePtr, StreamRef};
+
+use crate::error::{Error, Result};
+use crate::resource::{MemoryResource, ALIGNMENT};
+
+/// Aligns allocations of at least `threshold` bytes to `alignment` (a power of two above 256), by
+/// over-allocating from the upstream, RMM's `aligned_resource_adaptor`. Smaller requests pass through
+/// (already 256-byte aligned).
+#[derive(Debug)]
+pub struct AlignedAdaptor<U> {
+    upstream: U,
+    alignment: usize,
+    threshold: usize,
+    // aligned address -> (upstream address, upstream size) for over-allocated blocks.
+    shifted: Mutex<HashMap<u64, (DevicePtr, usize)>>,
+}
+
+impl<U: MemoryResource> AlignedAdaptor<U> {
+    /// Wraps `upstream`. `alignment` must be a power of two.
+    pub fn new(upstream: U, alignment: usize, threshold: usize) -> Result<Self> {
+        if !alignment.is_power_of_two() {
+            return Err(Error::Unsupported {
+                resource: "AlignedAdaptor",
+                reason: format!("alignment {alignment} is not a power of two"),
+            });
+        }
+        Ok(AlignedAdaptor {
+            upstream,
+            alignment: alignment.max(ALIGNMENT),
+            threshold,
+            shifted: Mutex::default(),
+        })
+    }
+    /// The wrapped resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+    fn applies(&self, bytes: usize) -> bool {
+        self.alignment > ALIGNMENT && bytes >= self.threshold && bytes > 0
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+        if !self.applies(bytes) {
+            return self.upstream.allocate(bytes, stream);
+        }
+        let upstream_bytes = bytes + self.alignment - ALIGNMENT;
+        let raw = self.upstream.allocate(upstream_bytes, stream)?;
+        let aligned = DevicePtr(raw.0.next_multiple_of(self.alignment as u64));
+        // Keep the upstream address and size (also when no shift was needed) so deallocate frees exactly
+        // what was allocated.
+        self.shifted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(aligned.0, (raw, upstream_bytes));
+        Ok(aligned)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        if !self.applies(bytes) {
+            return self.upstream.deallocate(ptr, bytes, stream);
+        }
+        let entry = self.shifted.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr.0);
+        let (raw, upstream_bytes) = entry.ok_or_else(|| Error::InvalidDeallocation {
+            resource: "AlignedAdaptor",
+            ptr: ptr.0,
+            bytes,
+            reason: "not an aligned allocation of this adaptor".into(),
+        })?;
+        self.upstream.deallocate(raw, upstream_bytes, stream)
+    }
+
+    fn name(&self) -> &'static str {
+        "AlignedAdaptor"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::SimResource;
+    const S: StreamRef<'static> = StreamRef::LEGACY;
+
+    #[test]
+    fn aligns_large_requests_and_frees_what_it_took() {
+        let mr = AlignedAdaptor::new(SimResource::new(), 4096, 1024).unwrap();
+        let small = mr.allocate(100, S).unwrap();
+        let mut big = Vec::new();
+        for _ in 0..8 {
+            let p = mr.allocate(5000, S).unwrap();
+            assert_eq!(p.0 % 4096, 0);
+            big.push(p);
+        }
+        for p in big {
+            mr.deallocate(p, 5000, S).unwrap();
+        }
+        mr.deallocate(small, 100, S).unwrap();
+        assert_eq!(mr.upstream().live_allocations(), 0);
+        assert!(AlignedAdaptor::new(SimResource::new(), 3000, 0).is_err());
+    }
+}

@@ -1,0 +1,117 @@
+//! [`FailureCallbackAdaptor`]: a chance to free memory and retry when an allocation runs out.
+
+use mempool_core::{DevicePtr, StreamRef};
+
+use crate::error::Result;
+use crate::resource::MemoryResource;
+
+/// On out-of-memory, calls `callback(bytes, attempt)`; if it returns `true` the allocation is retried,
+/// otherwise the error is returned. RMM's `failure_callback_resource_adaptor`. Typical callbacks trim a
+/// pool, drop caches, or wait for other work to free memory. Other errors are returned at once.
+///
+/// ```no_run
+/// # fn main() -> mempool_rmm::Result<()> {
+/// use std::sync::Arc;
+/// use mempool_core::Device;
+/// use mempool_rmm::{adaptors::FailureCallbackAdaptor, AsyncOptions, AsyncResource};
+/// let dev = Device::get(0)?;
+/// let pool = Arc::new(AsyncResource::new(&dev, AsyncOptions::default())?);
+/// let trimmed = pool.clone();
+/// // Trim the pool to what is live and retry once.
+/// let mr = FailureCallbackAdaptor::new(pool, move |_bytes, attempt| {
+///     attempt == 0 && trimmed.pool().trim_to(0).is_ok()
+/// });
+/// # Ok(()) }
+/// ```
+pub struct FailureCallbackAdaptor<U, F> {
+    upstream: U,
+    callback: F,
+}
+
+impl<U, F> std::fmt::Debug for FailureCallbackAdaptor<U, F>
+where
+    U: std::fmt::Debug,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FailureCallbackAdaptor")
+            .field("upstream", &self.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<U, F> FailureCallbackAdaptor<U, F>
+where
+    U: MemoryResource,
+    F: Fn(usize, u32) -> bool + Send + Sync,
+{
+    /// Wraps `upstream`; `callback(bytes, attempt)` decides whether to retry (attempt counts from 0).
+    pub fn new(upstream: U, callback: F) -> Self {
+        FailureCallbackAdaptor { upstream, callback }
+    }
+    /// The wrapped resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+}
+
+impl<U, F> MemoryResource for FailureCallbackAdaptor<U, F>
+where
+    U: MemoryResource,
+    F: Fn(usize, u32) -> bool + Send + Sync,
+{
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+        let mut attempt = 0;
+        loop {
+            match self.upstream.allocate(bytes, stream) {
+                Err(e) if e.is_out_of_memory() && (self.callback)(bytes, attempt) => attempt += 1,
+                other => return other,
+            }
+        }
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        self.upstream.deallocate(ptr, bytes, stream)
+    }
+
+    fn name(&self) -> &'static str {
+        "FailureCallbackAdaptor"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::SimResource;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    const S: StreamRef<'static> = StreamRef::LEGACY;
+
+    #[test]
+    fn retries_while_the_callback_frees_memory() {
+        let sim = Arc::new(SimResource::with_capacity(1024));
+        let hog = sim.allocate(1024, S).unwrap();
+        let calls = Arc::new(AtomicU32::new(0));
+        let (s2, c2) = (sim.clone(), calls.clone());
+        let mr = FailureCallbackAdaptor::new(sim.clone(), move |bytes, attempt| {
+            assert_eq!(bytes, 512);
+            c2.fetch_add(1, Ordering::SeqCst);
+            if attempt == 0 {
+                s2.deallocate(hog, 1024, S).unwrap(); // free something, then retry
+                true
+            } else {
+                false
+            }
+        });
+        let p = mr.allocate(512, S).unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        mr.deallocate(p, 512, S).unwrap();
+    }
+
+    #[test]
+    fn gives_up_when_the_callback_says_so() {
+        let mr = FailureCallbackAdaptor::new(SimResource::with_capacity(256), |_, attempt| attempt < 3);
+        let e = mr.allocate(1024, S).unwrap_err();
+        assert!(e.is_out_of_memory());
+        assert_eq!(mr.upstream().failed_allocations(), 4);
+    }
+}

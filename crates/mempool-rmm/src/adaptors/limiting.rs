@@ -1,0 +1,107 @@
+//! [`LimitingAdaptor`]: refuses allocations past a byte limit.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use mempool_core::{DevicePtr, StreamRef};
+
+use crate::error::{Error, Result};
+use crate::resource::{align_up, MemoryResource};
+
+/// Refuses allocations that would take the bytes allocated through it past a limit, RMM's
+/// `limiting_resource_adaptor`. Sizes count as rounded up to [`crate::ALIGNMENT`], as they occupy.
+#[derive(Debug)]
+pub struct LimitingAdaptor<U> {
+    upstream: U,
+    limit: usize,
+    // Invariant: the sum of align_up(bytes) over live allocations made through this adaptor.
+    used: AtomicUsize,
+}
+
+impl<U: MemoryResource> LimitingAdaptor<U> {
+    /// Wraps `upstream` with a limit of `limit` bytes.
+    pub fn new(upstream: U, limit: usize) -> Self {
+        LimitingAdaptor {
+            upstream,
+            limit,
+            used: AtomicUsize::new(0),
+        }
+    }
+    /// The wrapped resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+    /// The limit in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+    /// Bytes allocated through the adaptor now (aligned).
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+        let need = align_up(bytes);
+        // Reserve first so concurrent callers cannot overshoot together.
+        let prev = self.used.fetch_add(need, Ordering::AcqRel);
+        if prev.saturating_add(need) > self.limit {
+            self.used.fetch_sub(need, Ordering::AcqRel);
+            return Err(Error::LimitExceeded {
+                requested: bytes,
+                used: prev,
+                limit: self.limit,
+            });
+        }
+        self.upstream.allocate(bytes, stream).inspect_err(|_| {
+            self.used.fetch_sub(need, Ordering::AcqRel);
+        })
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        self.upstream.deallocate(ptr, bytes, stream)?;
+        self.used.fetch_sub(align_up(bytes), Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "LimitingAdaptor"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::SimResource;
+    const S: StreamRef<'static> = StreamRef::LEGACY;
+
+    #[test]
+    fn refuses_past_the_limit_and_recovers() {
+        let mr = LimitingAdaptor::new(SimResource::new(), 1024);
+        let a = mr.allocate(500, S).unwrap(); // 512 counted
+        let b = mr.allocate(512, S).unwrap();
+        assert_eq!(mr.used(), 1024);
+        let e = mr.allocate(1, S).unwrap_err();
+        assert_eq!(
+            e,
+            Error::LimitExceeded {
+                requested: 1,
+                used: 1024,
+                limit: 1024
+            }
+        );
+        assert!(e.to_string().contains("limit of 1024 bytes"));
+        mr.deallocate(a, 500, S).unwrap();
+        let c = mr.allocate(256, S).unwrap();
+        mr.deallocate(b, 512, S).unwrap();
+        mr.deallocate(c, 256, S).unwrap();
+        assert_eq!(mr.used(), 0);
+    }
+
+    #[test]
+    fn upstream_failure_releases_the_reservation() {
+        let mr = LimitingAdaptor::new(SimResource::with_capacity(256), 4096);
+        assert!(mr.allocate(1024, S).unwrap_err().is_out_of_memory());
+        assert_eq!(mr.used(), 0);
+    }
+}

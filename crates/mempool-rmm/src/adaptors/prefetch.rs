@@ -1,0 +1,60 @@
+//! [`PrefetchAdaptor`]: moves managed memory to the device as it is allocated.
+
+use std::sync::Arc;
+
+use mempool_core::{memory, Context, Device, DevicePtr, StreamRef};
+
+use crate::error::Result;
+use crate::resource::MemoryResource;
+
+/// Prefetches every allocation to a device on the allocating stream (`cuMemPrefetchAsync`), RMM's
+/// `prefetch_resource_adaptor`. Meant for an upstream of managed memory
+/// ([`crate::ManagedResource`]); on other memory the driver refuses and the allocation fails with that
+/// error (and is returned to the upstream).
+#[derive(Debug)]
+pub struct PrefetchAdaptor<U> {
+    upstream: U,
+    device: Device,
+    ctx: Arc<Context>,
+}
+
+impl<U: MemoryResource> PrefetchAdaptor<U> {
+    /// Wraps `upstream`, prefetching to `device`.
+    pub fn new(upstream: U, device: &Device) -> Result<Self> {
+        Ok(PrefetchAdaptor {
+            upstream,
+            device: *device,
+            ctx: device.context()?,
+        })
+    }
+    /// The wrapped resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
+    #[allow(unsafe_code)]
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+        let p = self.upstream.allocate(bytes, stream)?;
+        if p.is_null() {
+            return Ok(p);
+        }
+        // SAFETY: `p..p+bytes` was just allocated and stays allocated until the caller deallocates, which
+        // the stream contract orders after this prefetch.
+        let r = unsafe { memory::prefetch_async(&self.ctx, p, bytes, Some(self.device), stream) };
+        if let Err(e) = r {
+            let _ = self.upstream.deallocate(p, bytes, stream);
+            return Err(e.into());
+        }
+        Ok(p)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        self.upstream.deallocate(ptr, bytes, stream)
+    }
+
+    fn name(&self) -> &'static str {
+        "PrefetchAdaptor"
+    }
+}

@@ -1,0 +1,76 @@
+//! The crate's error type.
+
+/// A `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a memory resource can fail with.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Not enough memory for the request. Callers may free, trim and retry (see
+    /// [`crate::adaptors::FailureCallbackAdaptor`]).
+    #[error("out of memory: {resource} could not allocate {requested} bytes")]
+    OutOfMemory {
+        /// The resource that failed, by type name.
+        resource: &'static str,
+        /// The bytes asked for.
+        requested: usize,
+    },
+    /// A [`crate::adaptors::LimitingAdaptor`] refused an allocation over its limit.
+    #[error("allocation of {requested} bytes refused: {used} of the limit of {limit} bytes are in use")]
+    LimitExceeded {
+        /// The bytes asked for.
+        requested: usize,
+        /// Bytes allocated through the adaptor now.
+        used: usize,
+        /// The adaptor's limit.
+        limit: usize,
+    },
+    /// A request the resource cannot serve by construction (too large for a fixed-size resource, an
+    /// alignment that is not a power of two, ...).
+    #[error("{resource} cannot serve this request: {reason}")]
+    Unsupported {
+        /// The resource, by type name.
+        resource: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A deallocation that does not match a live allocation (wrong pointer or size).
+    #[error("{resource}: invalid deallocation of {ptr:#x} ({bytes} bytes): {reason}")]
+    InvalidDeallocation {
+        /// The resource, by type name.
+        resource: &'static str,
+        /// The address given.
+        ptr: u64,
+        /// The size given.
+        bytes: usize,
+        /// What did not match.
+        reason: String,
+    },
+    /// An I/O error of the logging adaptor.
+    #[error("log I/O failed: {0}")]
+    Log(String),
+    /// A failure of the CUDA layer (driver missing or too old, a driver call that failed, ...).
+    #[error(transparent)]
+    Core(mempool_core::Error),
+}
+
+impl Error {
+    /// True for [`Error::OutOfMemory`], whichever layer ran out.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+}
+
+impl From<mempool_core::Error> for Error {
+    /// Out-of-memory from the driver stays out-of-memory, so callers test one variant.
+    fn from(e: mempool_core::Error) -> Self {
+        match e {
+            mempool_core::Error::OutOfMemory { call, requested } => Error::OutOfMemory {
+                resource: call,
+                requested,
+            },
+            other => Error::Core(other),
+        }
+    }
+}

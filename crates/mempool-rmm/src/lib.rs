@@ -1,0 +1,32 @@
+//! # mempool-rmm
+//!
+//! RMM-style (RAPIDS Memory Manager) composable memory resources in Rust, with the CUDA driver's
+//! stream-ordered pools as the backing.
+//!
+//! - [`MemoryResource`]: the stream-ordered, object-safe trait every resource implements; its
+//!   documentation states the stream contract.
+//! - Resources over the driver ([`AsyncResource`], [`CudaResource`], [`ManagedResource`],
+//!   [`PinnedHostResource`]).
+//! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
+//!   failure-callback, prefetch.
+//! - [`registry`]: the per-device current resource.
+//! - [`suballoc`]: the suballocator engines (pool, fixed-size, binning, arena), host-testable over a
+//!   simulated upstream.
+//! - [`testing`]: a host-only resource for tests without a GPU.
+//!
+//! See `docs/resources.md` for which resource suits which workload.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod adaptors;
+mod error;
+pub mod registry;
+mod resource;
+pub mod resources;
+pub mod suballoc;
+pub mod testing;
+
+pub use error::{Error, Result};
+pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
+pub use resources::{AsyncOptions, AsyncResource, CudaResource, ManagedResource, PinnedHostResource};

@@ -1,0 +1,44 @@
+//! The per-device current resource, RMM's `get/set_current_device_resource`.
+//!
+//! Process-wide, like RMM's: libraries that allocate "on the current device resource" all see the same
+//! one. The default, made on first use, is an [`AsyncResource`] on the device's default pool, not plain
+//! `cuMemAlloc`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use mempool_core::Device;
+
+use crate::error::Result;
+use crate::resource::SharedResource;
+use crate::resources::AsyncResource;
+
+static REGISTRY: Mutex<Option<HashMap<usize, SharedResource>>> = Mutex::new(None);
+
+fn with<T>(f: impl FnOnce(&mut HashMap<usize, SharedResource>) -> T) -> T {
+    let mut g = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    f(g.get_or_insert_with(HashMap::new))
+}
+
+/// The current resource of `device`, creating the default (an [`AsyncResource`] on the device's default
+/// pool) on first use.
+pub fn current_device_resource(device: &Device) -> Result<SharedResource> {
+    if let Some(r) = with(|m| m.get(&device.ordinal()).cloned()) {
+        return Ok(r);
+    }
+    let default: SharedResource = Arc::new(AsyncResource::default_pool(device)?);
+    Ok(with(|m| m.entry(device.ordinal()).or_insert(default).clone()))
+}
+
+/// Sets the current resource of `device` and returns the previous one (`None` if the default had not been
+/// made yet). Memory allocated from the previous resource must still be freed through it: keep the
+/// returned value while any of its allocations live.
+pub fn set_current_device_resource(device: &Device, resource: SharedResource) -> Option<SharedResource> {
+    with(|m| m.insert(device.ordinal(), resource))
+}
+
+/// Drops the registry's reference to `device`'s current resource, so the next
+/// [`current_device_resource`] makes the default again. Returns what was current.
+pub fn reset_current_device_resource(device: &Device) -> Option<SharedResource> {
+    with(|m| m.remove(&device.ordinal()))
+}

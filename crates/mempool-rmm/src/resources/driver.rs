@@ -1,0 +1,90 @@
+//! Resources over plain driver allocations: device (`cuMemAlloc`), managed and pinned host memory.
+//! These are synchronous: allocation and free wait for the device as the driver calls do, so they ignore
+//! the stream except to order the free after it.
+
+use std::sync::Arc;
+
+use mempool_core::{memory, Context, Device, DevicePtr, StreamRef};
+
+use crate::error::Result;
+use crate::resource::MemoryResource;
+
+macro_rules! plain_resource {
+    ($(#[$doc:meta])* $name:ident, $alloc:expr, $free:expr) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name {
+            ctx: Arc<Context>,
+        }
+
+        impl $name {
+            /// A resource allocating in `device`'s primary context.
+            pub fn new(device: &Device) -> Result<$name> {
+                Ok($name { ctx: device.context()? })
+            }
+
+            /// The context allocations are made in.
+            pub fn context(&self) -> &Arc<Context> {
+                &self.ctx
+            }
+        }
+
+        impl MemoryResource for $name {
+            fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
+                let alloc: fn(&Context, usize) -> mempool_core::Result<DevicePtr> = $alloc;
+                Ok(alloc(&self.ctx, bytes)?)
+            }
+
+            #[allow(unsafe_code)]
+            fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+                if ptr.is_null() {
+                    return Ok(());
+                }
+                // The free is immediate: wait for the stream, after which no ordered work uses `ptr`.
+                stream.synchronize()?;
+                // SAFETY: by the trait's contract `ptr` came from this resource's `allocate` and is returned
+                // once; its uses were ordered before this point of `stream`, which has completed.
+                unsafe { ($free)(&self.ctx, ptr) }?;
+                Ok(())
+            }
+
+            fn name(&self) -> &'static str {
+                stringify!($name)
+            }
+        }
+    };
+}
+
+plain_resource!(
+    /// Device memory from `cuMemAlloc` / `cuMemFree`, RMM's `cuda_memory_resource`: the baseline every
+    /// pool is measured against. Each call goes to the driver and the free synchronizes.
+    CudaResource,
+    memory::device_alloc,
+    memory::device_free
+);
+
+plain_resource!(
+    /// Managed (unified) memory from `cuMemAllocManaged`, RMM's `managed_memory_resource`. Pair it with
+    /// [`crate::adaptors::PrefetchAdaptor`] to move pages to the device ahead of use.
+    ManagedResource,
+    memory::managed_alloc,
+    memory::device_free
+);
+
+fn pinned_alloc(ctx: &Context, bytes: usize) -> mempool_core::Result<DevicePtr> {
+    memory::pinned_host_alloc(ctx, bytes).map(|p| DevicePtr(p as u64))
+}
+
+#[allow(unsafe_code)]
+unsafe fn pinned_free(ctx: &Context, ptr: DevicePtr) -> mempool_core::Result<()> {
+    // SAFETY: the caller's contract: `ptr` came from `pinned_alloc` and is freed once.
+    unsafe { memory::pinned_host_free(ctx, ptr.0 as *mut u8) }
+}
+
+plain_resource!(
+    /// Page-locked host memory from `cuMemHostAlloc` (portable), RMM's `pinned_host_memory_resource`.
+    /// The returned address is a host pointer, valid on the device through unified addressing.
+    PinnedHostResource,
+    pinned_alloc,
+    pinned_free
+);

@@ -1,0 +1,538 @@
+//! Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource` on
+//! addresses.
+
+use std::collections::HashMap;
+
+use super::addr_map::AddrMap;
+use super::pool::PoolCore;
+use super::{
+    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
+    OutOfMemoryCause, PoolConfig, StreamOrder, Upstream, ALIGNMENT,
+};
+
+/// The shape of an [`ArenaEngine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaConfig {
+    /// Size of the superblocks that per-stream arenas take from the global arena, rounded up to
+    /// [`ALIGNMENT`]. Requests above half of it go straight to the global arena.
+    pub superblock_size: u64,
+    /// Bytes the global arena reserves with its first growth (see [`PoolConfig::initial_size`]).
+    pub initial_size: u64,
+    /// The global arena never reserves more than this (see [`PoolConfig::maximum_size`]).
+    pub maximum_size: Option<u64>,
+    /// When to record the events that hand free superblocks and large blocks to other streams.
+    pub event_policy: EventPolicy,
+}
+
+impl Default for ArenaConfig {
+    /// 1 MiB superblocks (RMM's minimum superblock size), no initial reservation, no maximum,
+    /// [`EventPolicy::RecordOnFree`].
+    fn default() -> Self {
+        Self {
+            superblock_size: 1 << 20,
+            initial_size: 0,
+            maximum_size: None,
+            event_policy: EventPolicy::RecordOnFree,
+        }
+    }
+}
+
+/// A superblock held by a per-stream arena.
+#[derive(Debug, Clone, Copy)]
+struct Superblock<S> {
+    /// The arena (stream) that carves it. Only work ordered after this stream reuses its blocks.
+    owner: S,
+    /// Bytes of live allocations inside it.
+    used: u64,
+}
+
+/// One stream's arena.
+#[derive(Debug)]
+struct StreamArena<S> {
+    stream: S,
+    /// Free blocks inside this arena's superblocks, `chunk` naming the superblock, so that blocks
+    /// coalesce only within one superblock. Invariant: with the live blocks of each superblock,
+    /// exactly covers it.
+    free: FreeList,
+    /// A superblock with no live block that the arena keeps instead of returning, so that a stream
+    /// hovering around a superblock boundary does not bounce superblocks through the global arena.
+    /// Invariant: if set, its `used` is 0 and its owner is `stream`.
+    spare: Option<u64>,
+}
+
+/// Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource`, on
+/// addresses.
+///
+/// - The global arena is a coalescing best-fit pool (the [`PoolEngine`](super::PoolEngine)'s
+///   bookkeeping) over the upstream; its allocations are superblocks and large blocks.
+/// - Each stream has an arena of superblocks taken from the global arena. Small requests (at most
+///   half a superblock) are best fits within the stream's arena, coalescing within a superblock;
+///   no other stream touches them, so no event is needed to reuse them.
+/// - A superblock whose last block is freed goes back to the global arena (one spare per arena is
+///   kept), where the pool's event rule hands it to other streams; large requests go straight to
+///   the global arena under the same rule.
+/// - A block freed on a stream other than its arena's is returned to its arena after making the
+///   arena's stream wait on an event recorded on the freeing stream.
+///
+/// Per-thread arenas, RMM's other mode, buy nothing here: an engine is `&mut` behind its
+/// resource's lock, so the lock, not the arena, is what threads contend on.
+///
+/// ```
+/// use mempool_rmm::suballoc::{ArenaConfig, ArenaEngine, SimStream, SimStreams, SimUpstream};
+///
+/// let config = ArenaConfig { superblock_size: 1 << 16, ..Default::default() };
+/// let mut arena = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let s = SimStream::new(0);
+/// let small = arena.allocate(1000, s)?; // in a 64 KiB superblock of stream 0's arena
+/// let large = arena.allocate(1 << 17, s)?; // straight from the global arena
+/// arena.deallocate(small, 1000, s)?;
+/// arena.deallocate(large, 1 << 17, s)?;
+/// arena.check_invariants()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ArenaEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    upstream: U,
+    order: O,
+    /// Aligned to [`ALIGNMENT`].
+    superblock_size: u64,
+    /// Largest request served by a per-stream arena: `superblock_size / 2`, aligned.
+    small_max: u64,
+    /// The global arena. Its live allocations are the keys of `superblocks` plus the large
+    /// allocations.
+    global: PoolCore<O>,
+    /// Per-stream arenas. Invariant: `arena_index[&arenas[i].stream] == i`.
+    arenas: Vec<StreamArena<O::Stream>>,
+    arena_index: HashMap<O::Stream, usize>,
+    /// The arena found by the last lookup.
+    last: usize,
+    /// Superblocks held by arenas, by start address.
+    superblocks: AddrMap<Superblock<O::Stream>>,
+    /// Live small allocations: address -> (size rounded to [`ALIGNMENT`], superblock). Invariant:
+    /// sizes add up to `small_used`, and per superblock to its `used`.
+    live: AddrMap<(u64, u64)>,
+    small_used: u64,
+    /// Per freeing stream, the event recorded for frees on a stream other than the block's arena.
+    cross_events: HashMap<O::Stream, O::Event>,
+}
+
+impl<U, O> ArenaEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// An arena engine over `upstream` that orders streams through `order`. Reserves nothing yet.
+    /// Fails with [`Error::InvalidConfig`] for a superblock below 512 bytes (it must hold two
+    /// aligned blocks) or a global configuration [`PoolEngine::new`](super::PoolEngine::new) would
+    /// reject.
+    pub fn new(upstream: U, order: O, config: ArenaConfig) -> Result<Self, Error> {
+        let superblock_size = align_up(config.superblock_size).ok_or(Error::InvalidConfig(
+            "superblock_size is not representable",
+        ))?;
+        if superblock_size < 2 * ALIGNMENT {
+            return Err(Error::InvalidConfig(
+                "superblock_size must be at least 512 bytes",
+            ));
+        }
+        let global = PoolCore::new(PoolConfig {
+            initial_size: config.initial_size,
+            maximum_size: config.maximum_size,
+            event_policy: config.event_policy,
+        })?;
+        Ok(Self {
+            upstream,
+            order,
+            superblock_size,
+            small_max: (superblock_size / 2) & !(ALIGNMENT - 1),
+            global,
+            arenas: Vec::new(),
+            arena_index: HashMap::new(),
+            last: 0,
+            superblocks: AddrMap::default(),
+            live: AddrMap::default(),
+            small_used: 0,
+            cross_events: HashMap::new(),
+        })
+    }
+
+    /// The superblock size (rounded up to [`ALIGNMENT`]).
+    pub fn superblock_size(&self) -> u64 {
+        self.superblock_size
+    }
+
+    #[inline]
+    fn arena(&mut self, stream: O::Stream) -> usize {
+        if let Some(a) = self.arenas.get(self.last) {
+            if a.stream == stream {
+                return self.last;
+            }
+        }
+        let arenas = &mut self.arenas;
+        let i = *self.arena_index.entry(stream).or_insert_with(|| {
+            arenas.push(StreamArena {
+                stream,
+                free: FreeList::new(),
+                spare: None,
+            });
+            arenas.len() - 1
+        });
+        self.last = i;
+        i
+    }
+
+    /// Allocates `bytes` for use on `stream`: from the stream's arena up to half a superblock,
+    /// from the global arena above; 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when the global arena cannot
+    /// grow, [`Error::Stream`] when an event wait needed to take another stream's memory fails.
+    #[inline]
+    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let size = align_up(bytes).ok_or(Error::OutOfMemory {
+            requested: bytes,
+            cause: OutOfMemoryCause::AddressSpace,
+        })?;
+        if size > self.small_max {
+            return self
+                .global
+                .allocate(&self.upstream, &self.order, bytes, stream);
+        }
+        let i = self.arena(stream);
+        let block = match self.arenas[i].free.take_best_fit(size) {
+            Some(b) => b,
+            None => self.new_superblock(bytes, size, stream, i)?,
+        };
+        let arena = &mut self.arenas[i];
+        if arena.spare == Some(block.chunk) {
+            arena.spare = None;
+        }
+        if let Some(sb) = self.superblocks.get_mut(&block.chunk) {
+            sb.used += size;
+        }
+        self.live.insert(block.addr, (size, block.chunk));
+        self.small_used += size;
+        Ok(block.addr)
+    }
+
+    /// Takes a superblock from the global arena into arena `i` and carves `size` bytes from it.
+    /// When the global arena is full, first returns every arena's spare superblock to it.
+    #[cold]
+    fn new_superblock(
+        &mut self,
+        bytes: u64,
+        size: u64,
+        stream: O::Stream,
+        i: usize,
+    ) -> Result<Block, Error> {
+        let sb_size = self.superblock_size;
+        let addr = match self
+            .global
+            .allocate(&self.upstream, &self.order, sb_size, stream)
+        {
+            Ok(a) => a,
+            Err(Error::OutOfMemory { .. }) if self.return_spares()? > 0 => self
+                .global
+                .allocate(&self.upstream, &self.order, sb_size, stream)
+                .map_err(|e| with_requested(e, bytes))?,
+            Err(e) => return Err(with_requested(e, bytes)),
+        };
+        self.superblocks.insert(
+            addr,
+            Superblock {
+                owner: stream,
+                used: 0,
+            },
+        );
+        let free = &mut self.arenas[i].free;
+        free.insert(Block {
+            addr,
+            size: sb_size,
+            chunk: addr,
+        });
+        free.take_best_fit(size).ok_or_else(|| Error::Upstream {
+            op: "allocate",
+            source: "a fresh superblock did not fit a small block".into(),
+        })
+    }
+
+    /// Returns every arena's spare superblock to the global arena; returns how many.
+    fn return_spares(&mut self) -> Result<usize, Error> {
+        let mut n = 0;
+        for i in 0..self.arenas.len() {
+            if let Some(sb) = self.arenas[i].spare.take() {
+                self.return_superblock(i, sb)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Moves the empty superblock `sb` from arena `i` back to the global arena, freed on the
+    /// arena's stream (every block of it was last freed into this arena, so it is ordered before
+    /// that stream's current work).
+    fn return_superblock(&mut self, i: usize, sb: u64) -> Result<(), Error> {
+        let arena = &mut self.arenas[i];
+        arena.free.remove(sb);
+        self.superblocks.remove(&sb);
+        self.global
+            .deallocate(&self.order, sb, self.superblock_size, arena.stream)
+    }
+
+    /// Frees an allocation of `bytes` made by [`allocate`](Self::allocate). Freeing 0 bytes does
+    /// nothing. A small block freed on a stream other than its arena's makes the arena's stream
+    /// wait on an event recorded on `stream` first.
+    ///
+    /// Fails with [`Error::UnknownAllocation`] when `addr` is not a live allocation of that size,
+    /// or with [`Error::Stream`] when the cross-stream event fails; either way changing nothing.
+    #[inline]
+    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let Some(size) = align_up(bytes) else {
+            return Err(Error::UnknownAllocation { addr, bytes });
+        };
+        if size > self.small_max {
+            return self.global.deallocate(&self.order, addr, bytes, stream);
+        }
+        let (sb_addr, owner) = match self.live.get(&addr) {
+            Some(&(s, sb)) if s == size => match self.superblocks.get(&sb) {
+                Some(sbi) => (sb, sbi.owner),
+                None => return Err(Error::UnknownAllocation { addr, bytes }),
+            },
+            _ => return Err(Error::UnknownAllocation { addr, bytes }),
+        };
+        if owner != stream {
+            self.order_owner_after(owner, stream)?;
+        }
+        self.live.remove(&addr);
+        self.small_used -= size;
+        let i = self.arena(owner);
+        self.arenas[i].free.insert(Block {
+            addr,
+            size,
+            chunk: sb_addr,
+        });
+        let now_empty = match self.superblocks.get_mut(&sb_addr) {
+            Some(sb) => {
+                sb.used -= size;
+                sb.used == 0
+            }
+            None => false,
+        };
+        if now_empty {
+            if self.arenas[i].spare.is_none() {
+                self.arenas[i].spare = Some(sb_addr);
+            } else {
+                self.return_superblock(i, sb_addr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `owner` wait for the work issued on `freeing` so far.
+    #[cold]
+    fn order_owner_after(&mut self, owner: O::Stream, freeing: O::Stream) -> Result<(), Error> {
+        let ev = match self.cross_events.entry(freeing) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.order.create_event()?),
+        };
+        self.order.record(ev, freeing)?;
+        self.order.wait(owner, ev)
+    }
+
+    /// Returns every spare superblock to the global arena, then merges the global arena's free
+    /// lists into `into`'s (after waits), where they coalesce: once everything is freed, this leaves
+    /// one free block per upstream chunk.
+    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+        self.return_spares()?;
+        self.global.merge_free_lists(&self.order, into)
+    }
+
+    /// Synchronizes every stream seen, then returns every upstream chunk, live allocations
+    /// included, to the upstream. On a synchronize error nothing is released.
+    pub fn release(&mut self) -> Result<(), Error> {
+        for a in &self.arenas {
+            self.order.synchronize(a.stream)?;
+        }
+        for &s in self.cross_events.keys() {
+            self.order.synchronize(s)?;
+        }
+        self.global.release(&self.upstream, &self.order)?;
+        self.arenas.clear();
+        self.arena_index.clear();
+        self.last = 0;
+        self.superblocks.clear();
+        self.live.clear();
+        self.small_used = 0;
+        Ok(())
+    }
+
+    /// Bytes reserved, used (by live allocations, small and large) and free (in arenas and in the
+    /// global arena), and block counts.
+    pub fn stats(&self) -> EngineStats {
+        let g = self.global.stats();
+        let sb_bytes = self.superblocks.len() as u64 * self.superblock_size;
+        let large_used = g.used_bytes - sb_bytes;
+        let used = self.small_used + large_used;
+        EngineStats {
+            reserved_bytes: g.reserved_bytes,
+            used_bytes: used,
+            free_bytes: g.reserved_bytes - used,
+            free_blocks: g.free_blocks + self.arenas.iter().map(|a| a.free.len()).sum::<usize>(),
+            live_allocations: self.live.len() + g.live_allocations - self.superblocks.len(),
+            upstream_chunks: g.upstream_chunks,
+        }
+    }
+
+    /// Superblocks currently held by per-stream arenas.
+    pub fn superblocks_in_arenas(&self) -> usize {
+        self.superblocks.len()
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The stream order.
+    pub fn stream_order(&self) -> &O {
+        &self.order
+    }
+
+    /// Checks the global arena's invariants (as a pool's), that every superblock is a live global
+    /// allocation owned by the arena that lists its free blocks, that within each superblock free
+    /// and live blocks are aligned, disjoint and add up to it, and that free + used = reserved.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.global.check_invariants()?;
+        let sb_size = self.superblock_size;
+        let global_live: HashMap<u64, u64> =
+            self.global.live().map(|b| (b.addr, b.size)).collect();
+        // Per superblock: (free bytes, live bytes).
+        let mut per_sb: HashMap<u64, (u64, u64)> = HashMap::new();
+        let mut blocks: Vec<Block> = Vec::new();
+        for (&sb, info) in &self.superblocks {
+            ensure!(
+                global_live.get(&sb) == Some(&sb_size),
+                "arena: superblock {sb:#x} is not a live {sb_size}-byte global allocation"
+            );
+            ensure!(
+                self.arena_index.contains_key(&info.owner),
+                "arena: superblock {sb:#x} is owned by {:?}, which has no arena",
+                info.owner
+            );
+            per_sb.insert(sb, (0, 0));
+        }
+        for (i, arena) in self.arenas.iter().enumerate() {
+            ensure!(
+                self.arena_index.get(&arena.stream) == Some(&i),
+                "arena: index of stream {:?} is wrong",
+                arena.stream
+            );
+            arena.free.check_invariants()?;
+            for b in arena.free.iter() {
+                let sb = self.superblocks.get(&b.chunk);
+                ensure!(
+                    sb.is_some_and(|s| s.owner == arena.stream),
+                    "arena: free block {b:?} of {:?}'s arena is not in a superblock it owns",
+                    arena.stream
+                );
+                if let Some(e) = per_sb.get_mut(&b.chunk) {
+                    e.0 += b.size;
+                }
+                blocks.push(b);
+            }
+            if let Some(sb) = arena.spare {
+                ensure!(
+                    self.superblocks
+                        .get(&sb)
+                        .is_some_and(|s| s.used == 0 && s.owner == arena.stream),
+                    "arena: spare superblock {sb:#x} of {:?} is in use or not owned",
+                    arena.stream
+                );
+            }
+        }
+        let mut small_used = 0;
+        for (&addr, &(size, sb)) in &self.live {
+            let Some(e) = per_sb.get_mut(&sb) else {
+                return Err(InvariantViolation(format!(
+                    "arena: live block {addr:#x} names unknown superblock {sb:#x}"
+                )));
+            };
+            e.1 += size;
+            small_used += size;
+            blocks.push(Block {
+                addr,
+                size,
+                chunk: sb,
+            });
+        }
+        ensure!(
+            small_used == self.small_used,
+            "arena: live small blocks add up to {small_used}, `small_used` says {}",
+            self.small_used
+        );
+        for (sb, &(free, used)) in &per_sb {
+            ensure!(
+                free + used == sb_size,
+                "arena: superblock {sb:#x} has {free} free + {used} live bytes, not {sb_size}"
+            );
+            ensure!(
+                self.superblocks.get(sb).is_some_and(|s| s.used == used),
+                "arena: superblock {sb:#x} counts the wrong number of used bytes"
+            );
+        }
+        blocks.sort_unstable_by_key(|b| b.addr);
+        for b in &blocks {
+            ensure!(
+                b.addr % ALIGNMENT == 0
+                    && b.size % ALIGNMENT == 0
+                    && b.size > 0
+                    && b.chunk <= b.addr
+                    && b.end() <= b.chunk + sb_size,
+                "arena: block {b:?} is misaligned or outside its superblock"
+            );
+        }
+        for w in blocks.windows(2) {
+            ensure!(
+                w[0].end() <= w[1].addr,
+                "arena: blocks {:?} and {:?} overlap",
+                w[0],
+                w[1]
+            );
+        }
+        let st = self.stats();
+        ensure!(
+            st.free_bytes + st.used_bytes == st.reserved_bytes,
+            "arena: free {} + used {} != reserved {}",
+            st.free_bytes,
+            st.used_bytes,
+            st.reserved_bytes
+        );
+        Ok(())
+    }
+}
+
+/// Rewrites an out-of-memory error to name the caller's request rather than the superblock.
+fn with_requested(e: Error, requested: u64) -> Error {
+    match e {
+        Error::OutOfMemory { cause, .. } => Error::OutOfMemory { requested, cause },
+        e => e,
+    }
+}
+
+impl<U, O> Drop for ArenaEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    fn drop(&mut self) {
+        let _ = self.release();
+    }
+}

@@ -1,0 +1,312 @@
+//! Power-of-two bins of fixed-size blocks: RMM's `binning_memory_resource` on addresses.
+
+use super::addr_map::AddrMap;
+use super::fixed_size::FixedCore;
+use super::{
+    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause,
+    StreamOrder, Upstream, ALIGNMENT,
+};
+
+/// The bins of a [`BinningEngine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BinningConfig {
+    /// The smallest bin is `2^min_size_exponent` bytes; at least 8 (256 bytes, the alignment).
+    pub min_size_exponent: u32,
+    /// The largest bin is `2^max_size_exponent` bytes; larger requests go straight to the upstream.
+    /// At most 40.
+    pub max_size_exponent: u32,
+    /// Blocks carved from each upstream chunk, in every bin (at least 1).
+    pub blocks_per_chunk: u64,
+    /// When to record the events that hand free blocks to other streams.
+    pub event_policy: EventPolicy,
+}
+
+impl Default for BinningConfig {
+    /// Bins of 256 B to 1 MiB, 128 blocks per chunk (RMM's fixed-size default),
+    /// [`EventPolicy::RecordOnFree`].
+    fn default() -> Self {
+        Self {
+            min_size_exponent: 8,
+            max_size_exponent: 20,
+            blocks_per_chunk: 128,
+            event_policy: EventPolicy::RecordOnFree,
+        }
+    }
+}
+
+/// Power-of-two bins of fixed-size blocks: RMM's `binning_memory_resource`, on addresses.
+///
+/// A request of `n` bytes goes to the smallest bin of at least `n` bytes (O(1): a bit count picks
+/// the bin, the bin pops a stack); requests above the largest bin get their own upstream
+/// allocation, returned to the upstream when freed. Each bin follows the per-stream event rule of
+/// the [module docs](super). 0 bytes returns address 0 without touching any state.
+///
+/// ```
+/// use mempool_rmm::suballoc::{BinningConfig, BinningEngine, SimStream, SimStreams, SimUpstream};
+///
+/// let config = BinningConfig { min_size_exponent: 8, max_size_exponent: 12, ..Default::default() };
+/// let mut bins = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let s = SimStream::new(0);
+/// let small = bins.allocate(300, s)?; // the 512-byte bin
+/// let large = bins.allocate(10_000, s)?; // above 4 KiB: straight from the upstream
+/// assert_eq!(bins.stats().used_bytes, 512 + 10_240);
+/// bins.deallocate(large, 10_000, s)?;
+/// bins.deallocate(small, 300, s)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct BinningEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    upstream: U,
+    order: O,
+    config: BinningConfig,
+    /// `bins[k]` serves sizes in `(2^(min+k-1), 2^(min+k)]` (the first bin everything up to its size).
+    bins: Vec<FixedCore<O>>,
+    /// Allocations above the largest bin: address -> (size rounded to [`ALIGNMENT`], stream).
+    /// Each is its own upstream allocation. Invariant: sizes add up to `large_bytes`.
+    large: AddrMap<(u64, O::Stream)>,
+    large_bytes: u64,
+}
+
+impl<U, O> BinningEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// An engine with one bin per power of two from `2^min_size_exponent` to
+    /// `2^max_size_exponent`. Reserves nothing yet. Fails with [`Error::InvalidConfig`] when the
+    /// exponents are out of range or out of order, or `blocks_per_chunk` is 0 or too large.
+    pub fn new(upstream: U, order: O, config: BinningConfig) -> Result<Self, Error> {
+        let (min, max) = (config.min_size_exponent, config.max_size_exponent);
+        if min < ALIGNMENT.trailing_zeros() {
+            return Err(Error::InvalidConfig(
+                "min_size_exponent is below 8 (bins smaller than the alignment)",
+            ));
+        }
+        if max > 40 || min > max {
+            return Err(Error::InvalidConfig(
+                "need min_size_exponent <= max_size_exponent <= 40",
+            ));
+        }
+        let bins = (min..=max)
+            .map(|e| FixedCore::new(1 << e, config.blocks_per_chunk, config.event_policy))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            upstream,
+            order,
+            config,
+            bins,
+            large: AddrMap::default(),
+            large_bytes: 0,
+        })
+    }
+
+    /// The bin serving `bytes > 0`, or `None` above the largest bin.
+    #[inline]
+    fn bin(&self, bytes: u64) -> Option<usize> {
+        let size = bytes.max(1 << self.config.min_size_exponent);
+        // ceil(log2(size)), for size >= 2.
+        let exp = 64 - (size - 1).leading_zeros();
+        (exp <= self.config.max_size_exponent)
+            .then(|| (exp - self.config.min_size_exponent) as usize)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> BinningConfig {
+        self.config
+    }
+
+    /// The block size that serves a request of `bytes`, or `None` when it goes to the upstream.
+    pub fn bin_size(&self, bytes: u64) -> Option<u64> {
+        self.bin(bytes.max(1)).map(|k| self.bins[k].block_size())
+    }
+
+    /// Allocates `bytes` for use on `stream`: from its bin, or from the upstream above the largest
+    /// bin; 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when the upstream is full,
+    /// [`Error::Stream`] when the event wait to take another stream's block fails.
+    #[inline]
+    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        match self.bin(bytes) {
+            Some(k) => self.bins[k].allocate(&self.upstream, &self.order, bytes, stream),
+            None => self.allocate_large(bytes, stream),
+        }
+    }
+
+    #[cold]
+    fn allocate_large(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        let oom = |cause| Error::OutOfMemory {
+            requested: bytes,
+            cause,
+        };
+        let size = align_up(bytes).ok_or(oom(OutOfMemoryCause::AddressSpace))?;
+        let addr = match self.upstream.allocate(size, stream) {
+            Ok(a) => a,
+            Err(Error::OutOfMemory { cause, .. }) => return Err(oom(cause)),
+            Err(e) => return Err(e),
+        };
+        if addr == 0 || addr % ALIGNMENT != 0 {
+            self.upstream.deallocate(addr, size, stream);
+            return Err(Error::Upstream {
+                op: "allocate",
+                source: format!(
+                    "returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes"
+                )
+                .into(),
+            });
+        }
+        self.large.insert(addr, (size, stream));
+        self.large_bytes += size;
+        Ok(addr)
+    }
+
+    /// Frees an allocation of `bytes` made by [`allocate`](Self::allocate). A binned block may be
+    /// reused at once on `stream` and by other streams after an event wait; a large one goes back to
+    /// the upstream on `stream`. Freeing 0 bytes does nothing. Fails with
+    /// [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live allocation of that
+    /// size.
+    #[inline]
+    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        match self.bin(bytes) {
+            Some(k) => self.bins[k].deallocate(&self.order, addr, bytes, stream),
+            None => self.deallocate_large(addr, bytes, stream),
+        }
+    }
+
+    #[cold]
+    fn deallocate_large(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        let size = align_up(bytes);
+        match self.large.get(&addr) {
+            Some(&(s, _)) if Some(s) == size => {
+                self.large.remove(&addr);
+                self.large_bytes -= s;
+                self.upstream.deallocate(addr, s, stream);
+                Ok(())
+            }
+            _ => Err(Error::UnknownAllocation { addr, bytes }),
+        }
+    }
+
+    /// In every bin, moves every stream's free blocks into `into`'s list after making `into` wait
+    /// on each.
+    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+        self.bins
+            .iter_mut()
+            .try_for_each(|b| b.merge_free_lists(&self.order, into))
+    }
+
+    /// Synchronizes every stream seen, then returns every chunk of every bin, and every large
+    /// allocation, to the upstream; live blocks become invalid. On a synchronize error, stops
+    /// there (bins already released stay released).
+    pub fn release(&mut self) -> Result<(), Error> {
+        for (_, &(_, stream)) in self.large.iter() {
+            self.order.synchronize(stream)?;
+        }
+        for bin in &mut self.bins {
+            bin.release(&self.upstream, &self.order)?;
+        }
+        for (&addr, &(size, stream)) in self.large.iter() {
+            self.upstream.deallocate(addr, size, stream);
+        }
+        self.large.clear();
+        self.large_bytes = 0;
+        Ok(())
+    }
+
+    /// Bytes reserved, used and free, and block counts, over all bins and large allocations.
+    pub fn stats(&self) -> EngineStats {
+        let mut st = EngineStats {
+            reserved_bytes: self.large_bytes,
+            used_bytes: self.large_bytes,
+            free_bytes: 0,
+            free_blocks: 0,
+            live_allocations: self.large.len(),
+            upstream_chunks: self.large.len(),
+        };
+        for bin in &self.bins {
+            let b = bin.stats();
+            st.reserved_bytes += b.reserved_bytes;
+            st.used_bytes += b.used_bytes;
+            st.free_bytes += b.free_bytes;
+            st.free_blocks += b.free_blocks;
+            st.live_allocations += b.live_allocations;
+            st.upstream_chunks += b.upstream_chunks;
+        }
+        st
+    }
+
+    /// Per bin, `(block size, stats)`.
+    pub fn bin_stats(&self) -> impl Iterator<Item = (u64, EngineStats)> + '_ {
+        self.bins.iter().map(|b| (b.block_size(), b.stats()))
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The stream order.
+    pub fn stream_order(&self) -> &O {
+        &self.order
+    }
+
+    /// Checks every bin's invariants, that large allocations are aligned and disjoint from each
+    /// other, and that free + used = reserved overall. (Bins and large allocations cannot overlap:
+    /// each is a distinct upstream allocation.)
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        for bin in &self.bins {
+            bin.check_invariants()?;
+        }
+        let mut large: Vec<(u64, u64)> = self.large.iter().map(|(&a, &(s, _))| (a, s)).collect();
+        large.sort_unstable();
+        for w in large.windows(2) {
+            ensure!(
+                w[0].0 + w[0].1 <= w[1].0,
+                "binning: large allocations {:?} and {:?} overlap",
+                w[0],
+                w[1]
+            );
+        }
+        let total: u64 = large.iter().map(|&(_, s)| s).sum();
+        ensure!(
+            total == self.large_bytes,
+            "binning: large allocations add up to {total}, `large_bytes` says {}",
+            self.large_bytes
+        );
+        for &(a, s) in &large {
+            ensure!(
+                a % ALIGNMENT == 0 && s % ALIGNMENT == 0 && s > 0,
+                "binning: large allocation {a:#x} ({s} bytes) is not aligned"
+            );
+        }
+        let st = self.stats();
+        ensure!(
+            st.free_bytes + st.used_bytes == st.reserved_bytes,
+            "binning: free {} + used {} != reserved {}",
+            st.free_bytes,
+            st.used_bytes,
+            st.reserved_bytes
+        );
+        Ok(())
+    }
+}
+
+impl<U, O> Drop for BinningEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// Releases everything; on a synchronize error what is not yet released is leaked instead.
+    fn drop(&mut self) {
+        let _ = self.release();
+    }
+}

@@ -1,0 +1,370 @@
+//! Blocks of one size in O(1): RMM's `fixed_size_memory_resource` on addresses.
+
+use std::collections::{BTreeMap, HashSet};
+
+use super::addr_map::AddrSet;
+use super::stream_lists::StreamLists;
+use super::{
+    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream,
+    ALIGNMENT,
+};
+
+/// The shape of a [`FixedSizeEngine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedSizeConfig {
+    /// Size of every block, rounded up to [`ALIGNMENT`]; the largest request served.
+    pub block_size: u64,
+    /// Blocks carved from each upstream chunk (at least 1).
+    pub blocks_per_chunk: u64,
+    /// When to record the events that hand free blocks to other streams.
+    pub event_policy: EventPolicy,
+}
+
+impl Default for FixedSizeConfig {
+    /// RMM's defaults: 1 MiB blocks, 128 per chunk, [`EventPolicy::RecordOnFree`].
+    fn default() -> Self {
+        Self {
+            block_size: 1 << 20,
+            blocks_per_chunk: 128,
+            event_policy: EventPolicy::RecordOnFree,
+        }
+    }
+}
+
+/// The fixed-size bookkeeping without upstream and stream order, so that the binning engine can
+/// keep one per bin over a shared upstream.
+pub(crate) struct FixedCore<O: StreamOrder> {
+    /// Aligned to [`ALIGNMENT`], non-zero.
+    block_size: u64,
+    /// `block_size * blocks_per_chunk`, which does not overflow.
+    chunk_size: u64,
+    /// Upstream chunks by start address, with the stream each was allocated on. Each is
+    /// `chunk_size` bytes; together they are the reserved bytes.
+    chunks: BTreeMap<u64, O::Stream>,
+    /// Free blocks per stream, as stacks of addresses (LIFO: the most recently freed block is the
+    /// one most likely still in cache or not yet reused by the GPU's other work). Invariant: with
+    /// `live`, exactly the blocks of all chunks, each once.
+    lists: StreamLists<O, Vec<u64>>,
+    /// Live blocks.
+    live: AddrSet,
+}
+
+impl<O: StreamOrder> FixedCore<O> {
+    pub(crate) fn new(
+        block_size: u64,
+        blocks_per_chunk: u64,
+        policy: EventPolicy,
+    ) -> Result<Self, Error> {
+        if block_size == 0 {
+            return Err(Error::InvalidConfig("block_size is 0"));
+        }
+        if blocks_per_chunk == 0 {
+            return Err(Error::InvalidConfig("blocks_per_chunk is 0"));
+        }
+        let block_size =
+            align_up(block_size).ok_or(Error::InvalidConfig("block_size is not representable"))?;
+        let chunk_size = block_size
+            .checked_mul(blocks_per_chunk)
+            .ok_or(Error::InvalidConfig(
+                "block_size * blocks_per_chunk overflows",
+            ))?;
+        Ok(Self {
+            block_size,
+            chunk_size,
+            chunks: BTreeMap::new(),
+            lists: StreamLists::new(policy),
+            live: AddrSet::default(),
+        })
+    }
+
+    pub(crate) fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// Allocates one block for `stream`; `requested` is what the caller asked for (for errors).
+    #[inline]
+    pub(crate) fn allocate<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        requested: u64,
+        stream: O::Stream,
+    ) -> Result<u64, Error> {
+        let i = self.lists.find(stream);
+        let addr = match self.lists.list_mut(i).pop() {
+            Some(a) => a,
+            None => self.allocate_slow(upstream, order, requested, stream, i)?,
+        };
+        self.live.insert(addr);
+        Ok(addr)
+    }
+
+    /// Takes a block from another stream's list (after an event wait), or carves a new chunk.
+    /// Merging whole lists, the pool's third step, gains nothing here: any block fits.
+    #[cold]
+    fn allocate_slow<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        requested: u64,
+        stream: O::Stream,
+        i: usize,
+    ) -> Result<u64, Error> {
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.lists.order_after(order, stream, j)?;
+                if let Some(a) = self.lists.list_mut(j).pop() {
+                    return Ok(a);
+                }
+            }
+        }
+        let addr = match upstream.allocate(self.chunk_size, stream) {
+            Ok(a) => a,
+            Err(Error::OutOfMemory { cause, .. }) => {
+                return Err(Error::OutOfMemory { requested, cause })
+            }
+            Err(e) => return Err(e),
+        };
+        if addr == 0 || addr % ALIGNMENT != 0 {
+            upstream.deallocate(addr, self.chunk_size, stream);
+            return Err(Error::Upstream {
+                op: "allocate",
+                source: format!(
+                    "returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes"
+                )
+                .into(),
+            });
+        }
+        self.chunks.insert(addr, stream);
+        let n = self.chunk_size / self.block_size;
+        if n > 1 {
+            // Pushed high to low, so the chunk is handed out in address order.
+            let bs = self.block_size;
+            self.lists
+                .list_mut(i)
+                .extend((1..n).rev().map(|k| addr + k * bs));
+            self.lists.entered(order, i);
+        }
+        Ok(addr)
+    }
+
+    /// Frees the block at `addr` into `stream`'s list.
+    #[inline]
+    pub(crate) fn deallocate(
+        &mut self,
+        order: &O,
+        addr: u64,
+        bytes: u64,
+        stream: O::Stream,
+    ) -> Result<(), Error> {
+        if !self.live.remove(&addr) {
+            return Err(Error::UnknownAllocation { addr, bytes });
+        }
+        let i = self.lists.find(stream);
+        self.lists.list_mut(i).push(addr);
+        self.lists.entered(order, i);
+        Ok(())
+    }
+
+    pub(crate) fn merge_free_lists(&mut self, order: &O, into: O::Stream) -> Result<(), Error> {
+        let i = self.lists.find(into);
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.lists.merge_into(order, i, j)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Synchronizes every stream seen, then returns every chunk to the upstream and forgets all
+    /// blocks. On a synchronize error, changes nothing.
+    pub(crate) fn release<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+    ) -> Result<(), Error> {
+        self.lists.synchronize_all(order)?;
+        for (&addr, &stream) in &self.chunks {
+            upstream.deallocate(addr, self.chunk_size, stream);
+        }
+        self.chunks.clear();
+        self.lists.clear();
+        self.live.clear();
+        Ok(())
+    }
+
+    pub(crate) fn stats(&self) -> EngineStats {
+        let reserved = self.chunks.len() as u64 * self.chunk_size;
+        let used = self.live.len() as u64 * self.block_size;
+        EngineStats {
+            reserved_bytes: reserved,
+            used_bytes: used,
+            free_bytes: reserved - used,
+            free_blocks: self.lists.blocks(),
+            live_allocations: self.live.len(),
+            upstream_chunks: self.chunks.len(),
+        }
+    }
+
+    pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let bs = self.block_size;
+        let mut seen = HashSet::with_capacity(self.live.len() + self.lists.blocks());
+        let free = self.lists.iter().flat_map(|(_, l)| l.iter().map(|&a| (a, true)));
+        let live = self.live.iter().map(|&a| (a, false));
+        for (a, is_free) in free.chain(live) {
+            let what = if is_free { "free" } else { "live" };
+            ensure!(
+                seen.insert(a),
+                "fixed-size: block {a:#x} ({bs} bytes) is listed twice (free or live)"
+            );
+            let chunk = self.chunks.range(..=a).next_back().map(|(&c, _)| c);
+            ensure!(
+                chunk.is_some_and(|c| a + bs <= c + self.chunk_size && (a - c) % bs == 0),
+                "fixed-size: {what} block {a:#x} is not a block of an upstream chunk"
+            );
+            ensure!(a % ALIGNMENT == 0, "fixed-size: block {a:#x} is misaligned");
+        }
+        let st = self.stats();
+        ensure!(
+            seen.len() as u64 * bs == st.reserved_bytes,
+            "fixed-size: free {} + used {} blocks of {bs} bytes do not cover the reserved {} bytes",
+            st.free_blocks,
+            st.live_allocations,
+            st.reserved_bytes
+        );
+        Ok(())
+    }
+}
+
+/// Blocks of one fixed size, carved from upstream chunks of `blocks_per_chunk` blocks: RMM's
+/// `fixed_size_memory_resource`, on addresses.
+///
+/// Allocation and deallocation are O(1) (a stack pop or push per stream, a hash-set update for
+/// the live set that catches double frees). Blocks move between streams by the same event rule as
+/// the pool's (see the [module docs](super)). Requests above the block size fail with
+/// [`Error::TooLarge`]; 0 bytes returns address 0 without touching any state.
+///
+/// ```
+/// use mempool_rmm::suballoc::{FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
+///
+/// let config = FixedSizeConfig { block_size: 4096, blocks_per_chunk: 16, ..Default::default() };
+/// let mut fixed = FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let s = SimStream::new(0);
+/// let a = fixed.allocate(100, s)?;
+/// let b = fixed.allocate(4096, s)?;
+/// assert_eq!(b, a + 4096);
+/// assert!(fixed.allocate(4097, s).is_err());
+/// assert_eq!(fixed.stats().reserved_bytes, 16 * 4096);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct FixedSizeEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    upstream: U,
+    order: O,
+    core: FixedCore<O>,
+}
+
+impl<U, O> FixedSizeEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
+    /// with [`Error::InvalidConfig`] for a zero block size or count, or a chunk size that overflows.
+    pub fn new(upstream: U, order: O, config: FixedSizeConfig) -> Result<Self, Error> {
+        Ok(Self {
+            upstream,
+            order,
+            core: FixedCore::new(
+                config.block_size,
+                config.blocks_per_chunk,
+                config.event_policy,
+            )?,
+        })
+    }
+
+    /// The block size (rounded up to [`ALIGNMENT`]).
+    pub fn block_size(&self) -> u64 {
+        self.core.block_size()
+    }
+
+    /// Allocates one block for `bytes <= block_size` on `stream`; 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::TooLarge`] above the block size, [`Error::OutOfMemory`] (with
+    /// `requested == bytes`) when the upstream is full, [`Error::Stream`] when the event wait to
+    /// take another stream's block fails.
+    #[inline]
+    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        if bytes > self.core.block_size() {
+            return Err(Error::TooLarge {
+                requested: bytes,
+                limit: self.core.block_size(),
+            });
+        }
+        self.core
+            .allocate(&self.upstream, &self.order, bytes, stream)
+    }
+
+    /// Frees a block allocated with `bytes`; reusable at once on `stream`, by other streams after
+    /// an event wait. Freeing 0 bytes does nothing. Fails with [`Error::UnknownAllocation`]
+    /// (changing nothing) when `addr` is not a live block or `bytes` exceeds the block size.
+    #[inline]
+    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if bytes > self.core.block_size() {
+            return Err(Error::UnknownAllocation { addr, bytes });
+        }
+        self.core.deallocate(&self.order, addr, bytes, stream)
+    }
+
+    /// Moves every stream's free blocks into `into`'s list after making `into` wait on each.
+    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+        self.core.merge_free_lists(&self.order, into)
+    }
+
+    /// Synchronizes every stream seen, then returns every chunk to the upstream, live blocks
+    /// included. On a synchronize error nothing is released.
+    pub fn release(&mut self) -> Result<(), Error> {
+        self.core.release(&self.upstream, &self.order)
+    }
+
+    /// Bytes reserved, used and free, and block counts.
+    pub fn stats(&self) -> EngineStats {
+        self.core.stats()
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The stream order.
+    pub fn stream_order(&self) -> &O {
+        &self.order
+    }
+
+    /// Checks that every block, free or live, appears once, is a block of an upstream chunk and is
+    /// aligned, and that free + used = reserved.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.core.check_invariants()
+    }
+}
+
+impl<U, O> Drop for FixedSizeEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    fn drop(&mut self) {
+        let _ = self.core.release(&self.upstream, &self.order);
+    }
+}

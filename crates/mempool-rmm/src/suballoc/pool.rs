@@ -1,0 +1,941 @@
+//! The coalescing best-fit pool: RMM's `pool_memory_resource` on addresses.
+
+use std::collections::BTreeMap;
+
+use super::addr_map::AddrMap;
+use super::stream_lists::StreamLists;
+use super::{
+    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
+    OutOfMemoryCause, StreamOrder, Upstream, ALIGNMENT,
+};
+
+/// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Bytes to reserve with the first growth, rounded up to [`ALIGNMENT`]. The pool reserves it on
+    /// its first allocation (on that allocation's stream) rather than at construction, because
+    /// reserving needs a stream. 0: the first growth is the first request.
+    pub initial_size: u64,
+    /// The pool never reserves more than this (rounded down to [`ALIGNMENT`]); past it, allocations
+    /// fail with [`Error::OutOfMemory`]. `None`: limited only by the upstream.
+    pub maximum_size: Option<u64>,
+    /// When to record the events that hand free blocks to other streams.
+    pub event_policy: EventPolicy,
+}
+
+impl Default for PoolConfig {
+    /// No initial reservation, no maximum, [`EventPolicy::RecordOnFree`].
+    fn default() -> Self {
+        Self {
+            initial_size: 0,
+            maximum_size: None,
+            event_policy: EventPolicy::RecordOnFree,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Checks the configuration and rounds its sizes to [`ALIGNMENT`].
+    fn normalized(self) -> Result<Self, Error> {
+        let initial_size = align_up(self.initial_size)
+            .ok_or(Error::InvalidConfig("initial_size is not representable"))?;
+        let maximum_size = match self.maximum_size {
+            Some(max) => {
+                let max = max & !(ALIGNMENT - 1);
+                if max == 0 {
+                    return Err(Error::InvalidConfig("maximum_size is below the alignment"));
+                }
+                if initial_size > max {
+                    return Err(Error::InvalidConfig(
+                        "initial_size is larger than maximum_size",
+                    ));
+                }
+                Some(max)
+            }
+            None => None,
+        };
+        Ok(Self {
+            initial_size,
+            maximum_size,
+            event_policy: self.event_policy,
+        })
+    }
+}
+
+/// An upstream chunk.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chunk<S> {
+    pub(crate) size: u64,
+    /// The stream it was allocated on, and is returned on.
+    pub(crate) stream: S,
+}
+
+/// The pool's bookkeeping, without its upstream and stream order, so that the arena engine can run
+/// one as its global arena next to its own per-stream arenas.
+pub(crate) struct PoolCore<O: StreamOrder> {
+    /// Normalized (aligned) configuration. Invariant: `reserved <= maximum_size`.
+    config: PoolConfig,
+    /// Upstream chunks by start address. Invariants: disjoint; sizes add up to `reserved`.
+    chunks: BTreeMap<u64, Chunk<O::Stream>>,
+    /// Free blocks, one list per stream. Invariant: the blocks of every list and of `live` are
+    /// disjoint, aligned, each inside the chunk it names, and together cover every chunk exactly.
+    lists: StreamLists<O, FreeList>,
+    /// Live allocations: address -> (size rounded to [`ALIGNMENT`], chunk). Invariant: the sizes
+    /// add up to `used`.
+    live: AddrMap<(u64, u64)>,
+    reserved: u64,
+    used: u64,
+}
+
+impl<O: StreamOrder> PoolCore<O> {
+    pub(crate) fn new(config: PoolConfig) -> Result<Self, Error> {
+        let config = config.normalized()?;
+        Ok(Self {
+            config,
+            chunks: BTreeMap::new(),
+            lists: StreamLists::new(config.event_policy),
+            live: AddrMap::default(),
+            reserved: 0,
+            used: 0,
+        })
+    }
+
+    pub(crate) fn config(&self) -> PoolConfig {
+        self.config
+    }
+
+    /// Allocates `bytes > 0` for `stream`.
+    #[inline]
+    pub(crate) fn allocate<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        bytes: u64,
+        stream: O::Stream,
+    ) -> Result<u64, Error> {
+        let size = align_up(bytes).ok_or(Error::OutOfMemory {
+            requested: bytes,
+            cause: OutOfMemoryCause::AddressSpace,
+        })?;
+        let block = self.take(upstream, order, size, bytes, stream)?;
+        self.live.insert(block.addr, (block.size, block.chunk));
+        self.used += block.size;
+        Ok(block.addr)
+    }
+
+    /// Finds `size` bytes for `stream`: its own list, then another stream's list (one event wait),
+    /// then the other lists merged into its own (one wait each), then the upstream.
+    fn take<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        size: u64,
+        requested: u64,
+        stream: O::Stream,
+    ) -> Result<Block, Error> {
+        let i = self.lists.find(stream);
+        if let Some(b) = self.lists.list_mut(i).take_best_fit(size) {
+            return Ok(b);
+        }
+        self.take_slow(upstream, order, size, requested, stream, i)
+    }
+
+    #[cold]
+    fn take_slow<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        size: u64,
+        requested: u64,
+        stream: O::Stream,
+        i: usize,
+    ) -> Result<Block, Error> {
+        // Steal one block. Its remainder stays in the other stream's list: it was never ordered
+        // after anything new, so it stays covered by that list's event.
+        for j in 0..self.lists.len() {
+            if j != i && self.lists.list(j).best_fit(size).is_some() {
+                self.lists.order_after(order, stream, j)?;
+                if let Some(b) = self.lists.list_mut(j).take_best_fit(size) {
+                    return Ok(b);
+                }
+            }
+        }
+        // Merge the other lists into ours, where blocks freed on different streams can coalesce.
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.lists.merge_into(order, i, j)?;
+                if let Some(b) = self.lists.list_mut(i).take_best_fit(size) {
+                    return Ok(b);
+                }
+            }
+        }
+        let (addr, chunk_size) = self.grow(upstream, size, requested, stream)?;
+        let rest = chunk_size - size;
+        if rest > 0 {
+            self.lists.list_mut(i).insert(Block {
+                addr,
+                size: rest,
+                chunk: addr,
+            });
+            // The remainder was allocated on `stream`; others must wait for it like for a free.
+            self.lists.entered(order, i);
+        }
+        Ok(Block {
+            addr: addr + rest,
+            size,
+            chunk: addr,
+        })
+    }
+
+    /// Obtains a new chunk of at least `size` bytes from the upstream: as much as is reserved
+    /// already (so the pool doubles), at least `initial_size` the first time, capped by the maximum;
+    /// when the upstream is full, halves the attempt down to `size`. Returns `(address, size)`.
+    fn grow<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        size: u64,
+        requested: u64,
+        stream: O::Stream,
+    ) -> Result<(u64, u64), Error> {
+        let mut want = size.max(self.reserved);
+        if self.reserved == 0 {
+            want = want.max(self.config.initial_size);
+        }
+        if let Some(maximum) = self.config.maximum_size {
+            let remaining = maximum - self.reserved;
+            if size > remaining {
+                return Err(Error::OutOfMemory {
+                    requested,
+                    cause: OutOfMemoryCause::MaximumSize { maximum },
+                });
+            }
+            want = want.min(remaining);
+        }
+        loop {
+            match upstream.allocate(want, stream) {
+                Ok(addr) => {
+                    if addr == 0 || addr % ALIGNMENT != 0 {
+                        upstream.deallocate(addr, want, stream);
+                        return Err(Error::Upstream {
+                            op: "allocate",
+                            source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
+                        });
+                    }
+                    self.chunks.insert(addr, Chunk { size: want, stream });
+                    self.reserved += want;
+                    return Ok((addr, want));
+                }
+                Err(Error::OutOfMemory { .. }) if want > size => {
+                    want = (want / 2 & !(ALIGNMENT - 1)).max(size);
+                }
+                Err(Error::OutOfMemory { cause, .. }) => {
+                    return Err(Error::OutOfMemory { requested, cause })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Frees `bytes > 0` at `addr` into `stream`'s list.
+    #[inline]
+    pub(crate) fn deallocate(
+        &mut self,
+        order: &O,
+        addr: u64,
+        bytes: u64,
+        stream: O::Stream,
+    ) -> Result<(), Error> {
+        let unknown = Error::UnknownAllocation { addr, bytes };
+        let size = align_up(bytes).ok_or(Error::UnknownAllocation { addr, bytes })?;
+        let chunk = match self.live.remove(&addr) {
+            Some((s, chunk)) if s == size => chunk,
+            Some(v) => {
+                self.live.insert(addr, v);
+                return Err(unknown);
+            }
+            None => return Err(unknown),
+        };
+        self.used -= size;
+        let i = self.lists.find(stream);
+        self.lists
+            .list_mut(i)
+            .insert(Block { addr, size, chunk });
+        self.lists.entered(order, i);
+        Ok(())
+    }
+
+    /// Moves every stream's free blocks into `into`'s list (ordering `into` after each), where they
+    /// coalesce.
+    pub(crate) fn merge_free_lists(&mut self, order: &O, into: O::Stream) -> Result<(), Error> {
+        let i = self.lists.find(into);
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.lists.merge_into(order, i, j)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The free blocks of `stream`'s list that span a whole chunk, removed from the list and
+    /// returned to the upstream.
+    pub(crate) fn release_whole_chunks<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        stream: O::Stream,
+    ) -> Result<u64, Error> {
+        let i = self.lists.find(stream);
+        let whole: Vec<Block> = self
+            .lists
+            .list(i)
+            .iter()
+            .filter(|b| {
+                b.addr == b.chunk && self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size)
+            })
+            .collect();
+        if whole.is_empty() {
+            return Ok(0);
+        }
+        // Every block in `stream`'s list is ordered before `stream`'s current work (freed on it, or
+        // moved here after a wait, or grown on it), so the chunk can go back on `stream` itself.
+        let mut released = 0;
+        for b in whole {
+            self.lists.list_mut(i).remove(b.addr);
+            self.chunks.remove(&b.chunk);
+            self.reserved -= b.size;
+            released += b.size;
+            upstream.deallocate(b.addr, b.size, stream);
+        }
+        Ok(released)
+    }
+
+    /// Returns every chunk to the upstream after synchronizing every stream seen, and forgets all
+    /// blocks, live ones included. On a synchronize error, changes nothing.
+    pub(crate) fn release<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+    ) -> Result<(), Error> {
+        self.lists.synchronize_all(order)?;
+        for (&addr, chunk) in &self.chunks {
+            upstream.deallocate(addr, chunk.size, chunk.stream);
+        }
+        self.chunks.clear();
+        self.lists.clear();
+        self.live.clear();
+        self.reserved = 0;
+        self.used = 0;
+        Ok(())
+    }
+
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    pub(crate) fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub(crate) fn stats(&self) -> EngineStats {
+        EngineStats {
+            reserved_bytes: self.reserved,
+            used_bytes: self.used,
+            free_bytes: self.reserved - self.used,
+            free_blocks: self.lists.blocks(),
+            live_allocations: self.live.len(),
+            upstream_chunks: self.chunks.len(),
+        }
+    }
+
+    /// Every free block with the stream whose list holds it.
+    pub(crate) fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
+        self.lists
+            .iter()
+            .flat_map(|(s, list)| list.iter().map(move |b| (s, b)))
+    }
+
+    /// Upstream chunks as `(address, size)`.
+    pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks.iter().map(|(&a, c)| (a, c.size))
+    }
+
+    /// Live allocations as `(address, size, chunk)`.
+    pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
+        self.live.iter().map(|(&addr, &(size, chunk))| Block { addr, size, chunk })
+    }
+
+    pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let mut blocks: Vec<(Block, bool)> = Vec::with_capacity(self.live.len());
+        let mut free = 0u64;
+        for (_, list) in self.lists.iter() {
+            list.check_invariants()?;
+            free += list.total_bytes();
+            blocks.extend(list.iter().map(|b| (b, true)));
+        }
+        blocks.extend(self.live().map(|b| (b, false)));
+        let used: u64 = self.live().map(|b| b.size).sum();
+        ensure!(
+            used == self.used,
+            "pool: live allocations add up to {used} bytes, `used` says {}",
+            self.used
+        );
+        let chunk_bytes: u64 = self.chunks.values().map(|c| c.size).sum();
+        ensure!(
+            chunk_bytes == self.reserved,
+            "pool: chunks add up to {chunk_bytes} bytes, `reserved` says {}",
+            self.reserved
+        );
+        ensure!(
+            free + used == self.reserved,
+            "pool: free {free} + used {used} != reserved {}",
+            self.reserved
+        );
+        if let Some(max) = self.config.maximum_size {
+            ensure!(
+                self.reserved <= max,
+                "pool: reserved {} exceeds the maximum {max}",
+                self.reserved
+            );
+        }
+        blocks.sort_unstable_by_key(|(b, _)| b.addr);
+        let mut prev: Option<Block> = None;
+        for &(b, is_free) in &blocks {
+            let what = if is_free { "free" } else { "live" };
+            ensure!(
+                b.size > 0 && b.addr % ALIGNMENT == 0 && b.size % ALIGNMENT == 0,
+                "pool: {what} block {b:?} is empty or not aligned to {ALIGNMENT}"
+            );
+            let chunk = self.chunks.get(&b.chunk);
+            ensure!(
+                chunk.is_some_and(|c| b.chunk <= b.addr && b.end() <= b.chunk + c.size),
+                "pool: {what} block {b:?} is not inside its upstream chunk"
+            );
+            if let Some(p) = prev {
+                ensure!(p.end() <= b.addr, "pool: blocks {p:?} and {b:?} overlap");
+            }
+            prev = Some(b);
+        }
+        Ok(())
+    }
+}
+
+/// A coalescing best-fit suballocator over an upstream: RMM's `pool_memory_resource`, on addresses.
+///
+/// - Requests are rounded up to [`ALIGNMENT`]; 0 bytes returns address 0 without touching any
+///   state, and freeing 0 bytes does nothing.
+/// - Free blocks live in per-stream [`FreeList`]s (best fit and coalescing, O(log n)); a request
+///   its stream's list cannot serve steals from another stream's list, then merges the other lists
+///   into its own, each time after an event wait (see the [module docs](super)), and only then
+///   grows.
+/// - Growth takes a new upstream chunk of `max(request, reserved)` bytes, so the pool doubles (the
+///   first time at least [`PoolConfig::initial_size`]); past [`PoolConfig::maximum_size`] an
+///   allocation fails with [`Error::OutOfMemory`] naming the size asked for. When the upstream is
+///   full, the attempt is halved down to the request. A request larger than the pool becomes its
+///   own chunk.
+/// - Blocks never coalesce across chunks, so every chunk can go back to the upstream whole.
+/// - [`release`](Self::release), and dropping the engine, return every chunk to the upstream.
+///
+/// ```
+/// use mempool_rmm::suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+///
+/// let config = PoolConfig { initial_size: 1 << 20, maximum_size: Some(1 << 22), ..Default::default() };
+/// let mut pool = PoolEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let (a, b) = (SimStream::new(0), SimStream::new(1));
+/// let p = pool.allocate(3000, a)?;
+/// pool.deallocate(p, 3000, a)?;
+/// // Stream `b` gets the same block, but only after waiting on an event recorded on `a`.
+/// assert_eq!(pool.allocate(3000, b)?, p);
+/// assert_eq!(pool.stream_order().counts().waits, 1);
+/// assert_eq!(pool.stats().reserved_bytes, 1 << 20);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct PoolEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    upstream: U,
+    order: O,
+    core: PoolCore<O>,
+}
+
+impl<U, O> PoolEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// A pool over `upstream` that orders streams through `order`. Reserves nothing yet (see
+    /// [`PoolConfig::initial_size`]). Fails with [`Error::InvalidConfig`] when the initial size
+    /// exceeds the maximum or the maximum is below [`ALIGNMENT`].
+    pub fn new(upstream: U, order: O, config: PoolConfig) -> Result<Self, Error> {
+        Ok(Self {
+            upstream,
+            order,
+            core: PoolCore::new(config)?,
+        })
+    }
+
+    /// Allocates `bytes` for use on `stream`: an address aligned to [`ALIGNMENT`], or 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when neither the free lists nor
+    /// growth can serve it, or with [`Error::Stream`] when the event wait needed to take another
+    /// stream's block fails (the block then stays where it was).
+    #[inline]
+    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        self.core
+            .allocate(&self.upstream, &self.order, bytes, stream)
+    }
+
+    /// Frees an allocation: `addr` and `bytes` as given to and returned by
+    /// [`allocate`](Self::allocate). The block may be reused at once by work on `stream`, and by
+    /// other streams after they wait for `stream`. Freeing 0 bytes does nothing.
+    ///
+    /// Fails with [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live
+    /// allocation of `bytes` (rounded up as `allocate` rounds).
+    #[inline]
+    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.core.deallocate(&self.order, addr, bytes, stream)
+    }
+
+    /// Moves every stream's free blocks into `into`'s list, after making `into` wait on each
+    /// stream's event. There they coalesce: once everything is freed, this leaves exactly one free
+    /// block per upstream chunk.
+    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+        self.core.merge_free_lists(&self.order, into)
+    }
+
+    /// Returns to the upstream, on `stream`, every chunk that is entirely free in `stream`'s list
+    /// (after [`merge_free_lists`](Self::merge_free_lists) into `stream`, that is every chunk with
+    /// no live allocation). Returns the bytes released.
+    pub fn trim(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        self.core
+            .release_whole_chunks(&self.upstream, &self.order, stream)
+    }
+
+    /// Synchronizes every stream the pool has seen, then returns every chunk to the upstream,
+    /// including those holding live allocations (their addresses become invalid), as RMM does when
+    /// a pool is destroyed. On a synchronize error nothing is released.
+    pub fn release(&mut self) -> Result<(), Error> {
+        self.core.release(&self.upstream, &self.order)
+    }
+
+    /// Bytes reserved, used and free, and block counts.
+    pub fn stats(&self) -> EngineStats {
+        self.core.stats()
+    }
+
+    /// Every free block with the stream whose list holds it.
+    pub fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
+        self.core.free_blocks()
+    }
+
+    /// The upstream chunks the pool holds, as `(address, size)` in address order.
+    pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.core.chunks()
+    }
+
+    /// The configuration, with sizes rounded as the pool uses them.
+    pub fn config(&self) -> PoolConfig {
+        self.core.config()
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The stream order.
+    pub fn stream_order(&self) -> &O {
+        &self.order
+    }
+
+    /// Checks every invariant written next to the pool's fields, in O(n log n): free lists intact,
+    /// no two blocks (free or live) overlap, every block aligned and inside its upstream chunk,
+    /// free + used = reserved, reserved within the maximum.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.core.check_invariants()
+    }
+}
+
+impl<U, O> Drop for PoolEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    /// Releases everything as [`release`](Self::release) does; on a synchronize error the chunks
+    /// are leaked rather than returned while the GPU may still use them.
+    fn drop(&mut self) {
+        let _ = self.core.release(&self.upstream, &self.order);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suballoc::testing::{self, ops, world};
+    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use proptest::prelude::*;
+
+    const A: SimStream = SimStream::new(0);
+    const B: SimStream = SimStream::new(1);
+    const C: SimStream = SimStream::new(2);
+    const KIB: u64 = 1024;
+
+    fn pool(config: PoolConfig) -> (PoolEngine<SimUpstream, SimStreams>, SimUpstream, SimStreams) {
+        let up = SimUpstream::new();
+        let sim = SimStreams::new();
+        let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
+        (p, up, sim)
+    }
+
+    fn with_initial(initial_size: u64) -> PoolConfig {
+        PoolConfig {
+            initial_size,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn zero_bytes_is_null_and_touches_nothing() {
+        let (mut p, up, sim) = pool(with_initial(4 * KIB));
+        assert_eq!(p.allocate(0, A).unwrap(), 0);
+        p.deallocate(0, 0, A).unwrap();
+        let a = p.allocate(100, A).unwrap();
+        let st = p.stats();
+        let counts = sim.counts();
+        assert_eq!(p.allocate(0, B).unwrap(), 0);
+        // Freeing 0 bytes is a no-op whatever the address.
+        p.deallocate(a, 0, B).unwrap();
+        assert_eq!(p.stats(), st);
+        assert_eq!(sim.counts(), counts);
+        assert_eq!(up.stats().allocations, 1);
+    }
+
+    #[test]
+    fn rounds_aligns_and_grows_by_doubling() {
+        let (mut p, up, _) = pool(with_initial(4 * KIB));
+        let a = p.allocate(1, A).unwrap();
+        assert_eq!(a % ALIGNMENT, 0);
+        assert_eq!(p.stats().used_bytes, 256);
+        assert_eq!(p.stats().reserved_bytes, 4 * KIB);
+        // 4 KiB free minus 256: a 4 KiB request needs a new chunk of max(4 KiB, reserved 4 KiB).
+        p.allocate(4 * KIB, A).unwrap();
+        assert_eq!(p.stats().reserved_bytes, 8 * KIB);
+        // A request above the pool's size becomes its own chunk.
+        p.allocate(100 * KIB, A).unwrap();
+        assert_eq!(up.live_chunks().last().unwrap().1, 100 * KIB);
+        assert_eq!(p.stats().upstream_chunks, 3);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn coalescing_restores_whole_chunks_on_one_stream() {
+        let (mut p, _, _) = pool(with_initial(64 * KIB));
+        let sizes = [1000, 3000, 256, 5000, 7, 12_000, 999, 4096];
+        let addrs: Vec<u64> = sizes.iter().map(|&n| p.allocate(n, A).unwrap()).collect();
+        assert_eq!(p.stats().upstream_chunks, 1);
+        // Free in an order that exercises merging with the previous, the next and both.
+        for &k in &[3, 0, 6, 1, 7, 2, 5, 4] {
+            p.deallocate(addrs[k], sizes[k], A).unwrap();
+            p.check_invariants().unwrap();
+        }
+        assert_eq!(p.stats().free_blocks, 1);
+        assert_eq!(
+            p.free_blocks().map(|(_, b)| b.size).collect::<Vec<_>>(),
+            vec![64 * KIB]
+        );
+    }
+
+    #[test]
+    fn never_coalesces_across_upstream_chunks() {
+        let (mut p, up, _) = pool(with_initial(4 * KIB));
+        let a = p.allocate(4 * KIB, A).unwrap();
+        let b = p.allocate(4 * KIB, A).unwrap();
+        // SimUpstream hands out chunks back to back.
+        let chunks = up.live_chunks();
+        assert_eq!(chunks[0].0 + chunks[0].1, chunks[1].0);
+        p.deallocate(a, 4 * KIB, A).unwrap();
+        p.deallocate(b, 4 * KIB, A).unwrap();
+        assert_eq!(p.stats().free_blocks, 2);
+        // 8 KiB is free, but not as one range: the pool must grow.
+        p.allocate(8 * KIB, A).unwrap();
+        assert_eq!(p.stats().upstream_chunks, 3);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn maximum_size_fails_with_the_requested_size() {
+        let config = PoolConfig {
+            initial_size: 4 * KIB,
+            maximum_size: Some(10 * KIB + 5),
+            ..Default::default()
+        };
+        let (mut p, _, _) = pool(config);
+        assert_eq!(p.config().maximum_size, Some(10 * KIB));
+        p.allocate(4 * KIB, A).unwrap();
+        // Growth is capped at what is left (6 KiB) rather than doubling to 4 KiB... then full.
+        p.allocate(5 * KIB, A).unwrap();
+        assert_eq!(p.stats().reserved_bytes, 10 * KIB);
+        let err = p.allocate(1000, A).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfMemory {
+                    requested: 1000,
+                    cause: OutOfMemoryCause::MaximumSize { maximum }
+                } if maximum == 10 * KIB
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("1000 bytes requested"));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn upstream_exhaustion_backs_off_then_fails_with_the_requested_size() {
+        let up = SimUpstream::with_capacity(7 * KIB);
+        let mut p = PoolEngine::new(up.clone(), SimStreams::new(), with_initial(4 * KIB)).unwrap();
+        p.allocate(4 * KIB, A).unwrap();
+        // Wants max(1 KiB, 4 KiB reserved) = 4 KiB; only 3 KiB left: halves to 2 KiB.
+        p.allocate(KIB, A).unwrap();
+        assert_eq!(up.live_chunks()[1].1, 2 * KIB);
+        assert_eq!(up.stats().failed_allocations, 1);
+        let err = p.allocate(2 * KIB, A).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfMemory {
+                    requested: 2048,
+                    cause: OutOfMemoryCause::Upstream
+                }
+            ),
+            "{err:?}"
+        );
+        let err = p.allocate(u64::MAX - 3, A).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::OutOfMemory {
+                requested,
+                cause: OutOfMemoryCause::AddressSpace
+            } if requested == u64::MAX - 3
+        ));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn invalid_configurations_are_rejected() {
+        let bad = [
+            PoolConfig {
+                initial_size: 8 * KIB,
+                maximum_size: Some(4 * KIB),
+                ..Default::default()
+            },
+            PoolConfig {
+                maximum_size: Some(100),
+                ..Default::default()
+            },
+        ];
+        for config in bad {
+            assert!(matches!(
+                PoolEngine::new(SimUpstream::new(), SimStreams::new(), config),
+                Err(Error::InvalidConfig(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn a_block_freed_on_one_stream_reaches_another_only_after_a_wait() {
+        for policy in [EventPolicy::RecordOnFree, EventPolicy::RecordOnDemand] {
+            let (mut p, _, sim) = pool(PoolConfig {
+                initial_size: 64 * KIB,
+                event_policy: policy,
+                ..Default::default()
+            });
+            let x = p.allocate(64 * KIB, A).unwrap();
+            let freed = sim.point(A);
+            p.deallocate(x, 64 * KIB, A).unwrap();
+            let records_after_free = sim.counts().records;
+            match policy {
+                EventPolicy::RecordOnFree => assert_eq!(records_after_free, 1),
+                EventPolicy::RecordOnDemand => assert_eq!(records_after_free, 0),
+            }
+            assert!(!sim.is_ordered_after(B, freed));
+            // Stream A reuses its own block with no event at all.
+            let y = p.allocate(KIB, A).unwrap();
+            p.deallocate(y, KIB, A).unwrap();
+            assert_eq!(sim.counts().waits, 0);
+            // Stream B takes it (no upstream growth) after waiting on A's event.
+            let z = p.allocate(64 * KIB, B).unwrap();
+            assert_eq!(z, x);
+            assert_eq!(p.stats().upstream_chunks, 1);
+            assert_eq!(sim.counts().waits, 1);
+            assert!(sim.is_ordered_after(B, freed), "{policy:?}");
+            p.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn blocks_merged_from_a_third_stream_carry_their_ordering() {
+        for policy in [EventPolicy::RecordOnFree, EventPolicy::RecordOnDemand] {
+            let (mut p, _, sim) = pool(PoolConfig {
+                initial_size: 4 * KIB,
+                event_policy: policy,
+                ..Default::default()
+            });
+            // B frees something first, so its event (under RecordOnFree) predates the merge below.
+            let early = p.allocate(4 * KIB, B).unwrap();
+            p.deallocate(early, 4 * KIB, B).unwrap();
+            let early_chunk = p.allocate(4 * KIB, B).unwrap();
+            assert_eq!(early_chunk, early);
+
+            let x = p.allocate(4 * KIB, A).unwrap();
+            let freed_on_a = sim.point(A);
+            p.deallocate(x, 4 * KIB, A).unwrap();
+            // B needs more than any single free block: it merges A's list into its own (waiting on
+            // A), then grows. A's block now sits in B's list.
+            p.allocate(16 * KIB, B).unwrap();
+            assert!(p.free_blocks().any(|(s, b)| s == B && b.addr == x));
+            // C steals A's block from B's list: it must end up ordered after the free on A, which
+            // only holds if B's event was recorded after B waited on A.
+            let y = p.allocate(4 * KIB, C).unwrap();
+            assert_eq!(y, x);
+            assert!(sim.is_ordered_after(C, freed_on_a), "{policy:?}");
+            p.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_failed_wait_hands_nothing_over() {
+        let (mut p, _, sim) = pool(with_initial(4 * KIB));
+        let x = p.allocate(4 * KIB, A).unwrap();
+        p.deallocate(x, 4 * KIB, A).unwrap();
+        sim.set_fail_waits(true);
+        assert!(matches!(
+            p.allocate(4 * KIB, B),
+            Err(Error::Stream { op: "wait", .. })
+        ));
+        assert_eq!(p.free_blocks().collect::<Vec<_>>().len(), 1);
+        assert_eq!(p.stats().live_allocations, 0);
+        p.check_invariants().unwrap();
+        sim.set_fail_waits(false);
+        assert_eq!(p.allocate(4 * KIB, B).unwrap(), x);
+    }
+
+    #[test]
+    fn unknown_double_and_wrong_size_frees_are_rejected() {
+        let (mut p, _, _) = pool(with_initial(4 * KIB));
+        let x = p.allocate(1000, A).unwrap();
+        let st = p.stats();
+        for (addr, bytes) in [(x + 256, 1000), (x, 2000), (12345, 1), (x, u64::MAX)] {
+            assert!(matches!(
+                p.deallocate(addr, bytes, A),
+                Err(Error::UnknownAllocation { .. })
+            ));
+        }
+        assert_eq!(p.stats(), st);
+        // 1000 and 1024 round alike, so the latter names the same allocation.
+        p.deallocate(x, 1024, A).unwrap();
+        assert!(matches!(
+            p.deallocate(x, 1000, A),
+            Err(Error::UnknownAllocation { addr, bytes: 1000 }) if addr == x
+        ));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn release_trim_and_drop_return_chunks_upstream() {
+        let (mut p, up, sim) = pool(with_initial(4 * KIB));
+        let a = p.allocate(4 * KIB, A).unwrap();
+        let b = p.allocate(4 * KIB, B).unwrap();
+        let _live = p.allocate(4 * KIB, B).unwrap();
+        p.deallocate(a, 4 * KIB, A).unwrap();
+        p.deallocate(b, 4 * KIB, B).unwrap();
+        // A's chunk is free in A's list; B's first chunk is free in B's list.
+        assert_eq!(p.trim(A).unwrap(), 4 * KIB);
+        p.merge_free_lists(C).unwrap();
+        assert_eq!(p.trim(C).unwrap(), 4 * KIB);
+        assert_eq!(up.stats().live_chunks, 1);
+        p.check_invariants().unwrap();
+        p.release().unwrap();
+        assert_eq!(up.stats().live_chunks, 0);
+        assert!(sim.counts().synchronizes >= 2);
+        assert_eq!(p.stats(), EngineStats::default());
+
+        let (mut p, up, _) = pool(with_initial(4 * KIB));
+        p.allocate(100, A).unwrap();
+        drop(p);
+        assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    #[test]
+    fn tens_of_thousands_of_live_blocks() {
+        // Quadratic free-list work would make this test take minutes.
+        let (mut p, _, _) = pool(with_initial(1 << 20));
+        let mut live = Vec::new();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..60_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = 1 + x % 8192;
+            live.push((p.allocate(n, A).unwrap(), n));
+            if x % 4 == 0 {
+                let (a, n) = live.swap_remove((x >> 8) as usize % live.len());
+                p.deallocate(a, n, A).unwrap();
+            }
+        }
+        assert!(p.stats().free_blocks > 1000);
+        p.check_invariants().unwrap();
+        for (a, n) in live {
+            p.deallocate(a, n, A).unwrap();
+        }
+        let st = p.stats();
+        assert_eq!(st.free_blocks, st.upstream_chunks);
+    }
+
+    #[test]
+    fn engine_is_send() {
+        fn send<T: Send>() {}
+        send::<PoolEngine<SimUpstream, SimStreams>>();
+    }
+
+    fn policy() -> impl Strategy<Value = EventPolicy> {
+        prop_oneof![
+            Just(EventPolicy::RecordOnFree),
+            Just(EventPolicy::RecordOnDemand)
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn random_sequences(ops in ops(6000, 3, 150), policy in policy(), initial in 0u64..16_384) {
+            let (up, sim) = world(None);
+            let config = PoolConfig { initial_size: initial, event_policy: policy, ..Default::default() };
+            let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(p, &up, &sim, &ops, false)?;
+        }
+
+        #[test]
+        fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150), policy in policy()) {
+            let (up, sim) = world(None);
+            let config = PoolConfig { initial_size: 4096, maximum_size: Some(40_000), event_policy: policy };
+            let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(p, &up, &sim, &ops, true)?;
+        }
+
+        #[test]
+        fn random_sequences_with_a_small_upstream(ops in ops(6000, 3, 150)) {
+            let (up, sim) = world(Some(48 * 1024));
+            let p = PoolEngine::new(up.clone(), sim.clone(), PoolConfig::default()).unwrap();
+            testing::run(p, &up, &sim, &ops, true)?;
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Per-stream free lists and the events that hand their blocks to other streams.
+//!
+//! This is the part of RMM's `stream_ordered_memory_resource` that every engine shares; the engine
+//! decides what a "list" is (a [`FreeList`] for the pool, a stack of addresses for a fixed-size
+//! engine) and in which order to try its own list, other lists and the upstream.
+
+use std::collections::HashMap;
+
+use super::{Error, EventPolicy, FreeList, StreamOrder};
+
+/// A per-stream container of free blocks.
+pub(crate) trait FreeStore: Default {
+    /// Number of free blocks.
+    fn blocks(&self) -> usize;
+    /// Moves every block of `other` into `self`.
+    fn append_from(&mut self, other: &mut Self);
+}
+
+impl FreeStore for FreeList {
+    fn blocks(&self) -> usize {
+        self.len()
+    }
+    fn append_from(&mut self, other: &mut Self) {
+        self.append(other);
+    }
+}
+
+impl FreeStore for Vec<u64> {
+    fn blocks(&self) -> usize {
+        self.len()
+    }
+    fn append_from(&mut self, other: &mut Self) {
+        self.append(other);
+    }
+}
+
+/// One stream's free list.
+struct StreamEntry<O: StreamOrder, L> {
+    stream: O::Stream,
+    list: L,
+    /// Recorded on `stream` after every block now in `list` entered it, unless `stale`. `None` until
+    /// first needed.
+    event: Option<O::Event>,
+    /// A block entered `list` after `event` was last recorded (or the record failed): before another
+    /// stream may wait on `event`, it must be recorded again.
+    stale: bool,
+}
+
+/// The free lists of every stream an engine has seen, with the rule for moving blocks between them.
+///
+/// The rule: a block in stream `A`'s list may be given to work on `A` at once; to work on `B` only
+/// after [`order_after`](Self::order_after) made `B` wait on `A`'s event. Every way into a list
+/// ([`entered`](Self::entered)) marks the event stale, so the event `B` waits on always postdates
+/// every block in the list, including blocks that reached `A` from a third stream through a merge.
+pub(crate) struct StreamLists<O: StreamOrder, L> {
+    /// Invariant: `index[&entries[i].stream] == i` for every `i`, and streams are distinct.
+    entries: Vec<StreamEntry<O, L>>,
+    index: HashMap<O::Stream, usize>,
+    /// The entry found by the last [`find`](Self::find): most calls come from the same stream.
+    last: usize,
+    policy: EventPolicy,
+}
+
+impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
+    pub(crate) fn new(policy: EventPolicy) -> Self {
+        Self {
+            entries: Vec::new(),
+            index: HashMap::new(),
+            last: 0,
+            policy,
+        }
+    }
+
+    /// The position of `stream`'s list, creating an empty one on first sight.
+    #[inline]
+    pub(crate) fn find(&mut self, stream: O::Stream) -> usize {
+        if let Some(e) = self.entries.get(self.last) {
+            if e.stream == stream {
+                return self.last;
+            }
+        }
+        self.find_slow(stream)
+    }
+
+    #[cold]
+    fn find_slow(&mut self, stream: O::Stream) -> usize {
+        let i = *self.index.entry(stream).or_insert_with(|| {
+            self.entries.push(StreamEntry {
+                stream,
+                list: L::default(),
+                event: None,
+                stale: false,
+            });
+            self.entries.len() - 1
+        });
+        self.last = i;
+        i
+    }
+
+    /// Number of lists (streams seen).
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    #[inline]
+    pub(crate) fn list(&self, i: usize) -> &L {
+        &self.entries[i].list
+    }
+
+    #[inline]
+    pub(crate) fn list_mut(&mut self, i: usize) -> &mut L {
+        &mut self.entries[i].list
+    }
+
+    /// Every stream with its list.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (O::Stream, &L)> + '_ {
+        self.entries.iter().map(|e| (e.stream, &e.list))
+    }
+
+    /// Total free blocks over all lists.
+    pub(crate) fn blocks(&self) -> usize {
+        self.entries.iter().map(|e| e.list.blocks()).sum()
+    }
+
+    /// To be called after blocks entered list `i` (a free, a merge, fresh upstream memory). Under
+    /// [`EventPolicy::RecordOnFree`] re-records the list's event now; a failed record is not an
+    /// error here because the list stays stale and the record is retried (and its error reported) by
+    /// the next [`order_after`](Self::order_after).
+    #[inline]
+    pub(crate) fn entered(&mut self, order: &O, i: usize) {
+        self.entries[i].stale = true;
+        if self.policy == EventPolicy::RecordOnFree {
+            let _ = self.refresh(order, i);
+        }
+    }
+
+    /// Records list `i`'s event on its stream, making it stand for every block now in the list.
+    fn refresh(&mut self, order: &O, i: usize) -> Result<(), Error> {
+        let e = &mut self.entries[i];
+        let event = match &mut e.event {
+            Some(ev) => ev,
+            slot => slot.insert(order.create_event()?),
+        };
+        order.record(event, e.stream)?;
+        e.stale = false;
+        Ok(())
+    }
+
+    /// Makes `waiter` wait for every block in list `i`, so that they may be handed to it.
+    pub(crate) fn order_after(
+        &mut self,
+        order: &O,
+        waiter: O::Stream,
+        i: usize,
+    ) -> Result<(), Error> {
+        if self.entries[i].stale {
+            self.refresh(order, i)?;
+        }
+        match &self.entries[i].event {
+            Some(ev) => order.wait(waiter, ev),
+            // Nothing ever entered the list, so there is nothing to wait for.
+            None => Ok(()),
+        }
+    }
+
+    /// Moves list `src` into list `dst` after ordering `dst`'s stream after it.
+    pub(crate) fn merge_into(&mut self, order: &O, dst: usize, src: usize) -> Result<(), Error> {
+        debug_assert_ne!(dst, src);
+        let waiter = self.entries[dst].stream;
+        self.order_after(order, waiter, src)?;
+        let mut moved = std::mem::take(&mut self.entries[src].list);
+        self.entries[dst].list.append_from(&mut moved);
+        self.entered(order, dst);
+        Ok(())
+    }
+
+    /// Blocks the host until every stream seen has completed its work.
+    pub(crate) fn synchronize_all(&self, order: &O) -> Result<(), Error> {
+        self.entries
+            .iter()
+            .try_for_each(|e| order.synchronize(e.stream))
+    }
+
+    /// Forgets every list and event.
+    pub(crate) fn clear(&mut self) {
+        self.entries.clear();
+        self.index.clear();
+        self.last = 0;
+    }
+}

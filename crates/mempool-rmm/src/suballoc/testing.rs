@@ -1,0 +1,303 @@
+//! Property-test machinery shared by the engines' tests: random operation sequences over simulated
+//! streams and a recording upstream, checked after every step for what a user of the memory would
+//! see (no overlap, alignment, containment, stream ordering) and for the engine's own invariants.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+use super::{
+    ArenaEngine, BinningEngine, EngineStats, Error, FixedSizeEngine, InvariantViolation,
+    PoolEngine, SimStream, SimStreams, SimUpstream, SyncPoint, Upstream, ALIGNMENT,
+};
+
+/// A [`SimUpstream`] that also notes, for every chunk, the point in its stream's order at which it
+/// was allocated, so the checker can tell whether a stream was ordered after it.
+#[derive(Clone)]
+pub(crate) struct RecordingUpstream {
+    pub(crate) inner: SimUpstream,
+    sim: SimStreams,
+    log: Arc<Mutex<Vec<(u64, u64, SyncPoint)>>>,
+}
+
+impl Upstream<SimStream> for RecordingUpstream {
+    fn allocate(&self, bytes: u64, stream: SimStream) -> Result<u64, Error> {
+        let addr = self.inner.allocate(bytes, stream)?;
+        let p = self.sim.point(stream);
+        self.log.lock().unwrap().push((addr, bytes, p));
+        Ok(addr)
+    }
+
+    fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) {
+        self.inner.deallocate(addr, bytes, stream)
+    }
+}
+
+/// A fresh simulated world: streams, and an upstream with an optional capacity.
+pub(crate) fn world(capacity: Option<u64>) -> (RecordingUpstream, SimStreams) {
+    let sim = SimStreams::new();
+    let inner = SimUpstream::new();
+    inner.set_capacity(capacity);
+    let up = RecordingUpstream {
+        inner,
+        sim: sim.clone(),
+        log: Arc::default(),
+    };
+    (up, sim)
+}
+
+/// What the checker needs from an engine.
+pub(crate) trait TestEngine {
+    /// Whether, once everything is freed and the free lists merged, every upstream chunk is one
+    /// free block (true for engines that coalesce).
+    const COALESCES: bool;
+    fn alloc(&mut self, bytes: u64, s: SimStream) -> Result<u64, Error>;
+    fn dealloc(&mut self, addr: u64, bytes: u64, s: SimStream) -> Result<(), Error>;
+    fn check(&self) -> Result<(), InvariantViolation>;
+    fn stats(&self) -> EngineStats;
+    fn merge(&mut self, into: SimStream) -> Result<(), Error>;
+    fn release(&mut self) -> Result<(), Error>;
+}
+
+macro_rules! impl_test_engine {
+    ($ty:ident, $coalesces:expr) => {
+        impl TestEngine for $ty<RecordingUpstream, SimStreams> {
+            const COALESCES: bool = $coalesces;
+            fn alloc(&mut self, bytes: u64, s: SimStream) -> Result<u64, Error> {
+                self.allocate(bytes, s)
+            }
+            fn dealloc(&mut self, addr: u64, bytes: u64, s: SimStream) -> Result<(), Error> {
+                self.deallocate(addr, bytes, s)
+            }
+            fn check(&self) -> Result<(), InvariantViolation> {
+                self.check_invariants()
+            }
+            fn stats(&self) -> EngineStats {
+                $ty::stats(self)
+            }
+            fn merge(&mut self, into: SimStream) -> Result<(), Error> {
+                self.merge_free_lists(into)
+            }
+            fn release(&mut self) -> Result<(), Error> {
+                $ty::release(self)
+            }
+        }
+    };
+}
+
+impl_test_engine!(PoolEngine, true);
+impl_test_engine!(FixedSizeEngine, false);
+impl_test_engine!(BinningEngine, false);
+impl_test_engine!(ArenaEngine, true);
+
+/// One step of a random sequence.
+#[derive(Debug, Clone)]
+pub(crate) enum Op {
+    /// Allocate `size` bytes on stream `stream`.
+    Alloc { size: u64, stream: usize },
+    /// Free the live allocation number `pick % live` on stream `stream`.
+    Free { pick: usize, stream: usize },
+}
+
+/// Sequences of up to `len` operations on `streams` streams, sizes in `[0, max_size]` (biased
+/// towards small sizes and 0, so free lists fill up and split).
+pub(crate) fn ops(max_size: u64, streams: usize, len: usize) -> impl Strategy<Value = Vec<Op>> {
+    let size = prop_oneof![
+        1 => Just(0u64),
+        4 => 1..=ALIGNMENT * 2,
+        5 => 1..=max_size,
+    ];
+    let op = prop_oneof![
+        3 => (size, 0..streams).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        2 => (any::<usize>(), 0..streams).prop_map(|(pick, stream)| Op::Free { pick, stream }),
+    ];
+    prop::collection::vec(op, 1..len)
+}
+
+/// Runs `ops` against `engine`, checking after every step; then frees everything, merges, checks
+/// that coalescing restored whole chunks, releases, and checks the upstream got everything back.
+/// `oom_allowed`: whether allocations may fail with out-of-memory (limited configurations).
+pub(crate) fn run<E: TestEngine>(
+    mut engine: E,
+    up: &RecordingUpstream,
+    sim: &SimStreams,
+    ops: &[Op],
+    oom_allowed: bool,
+) -> Result<(), TestCaseError> {
+    let mut c = Checker {
+        sim: sim.clone(),
+        up: up.clone(),
+        live: BTreeMap::new(),
+        freed: HashMap::new(),
+        chunks: BTreeMap::new(),
+    };
+    for op in ops {
+        match *op {
+            Op::Alloc { size, stream } => {
+                let s = SimStream::new(stream);
+                let before = engine.stats();
+                let result = engine.alloc(size, s);
+                c.drain_upstream_log();
+                match result {
+                    Ok(addr) => c.allocated(&engine, before, addr, size, s)?,
+                    Err(Error::OutOfMemory { requested, .. }) => {
+                        prop_assert!(oom_allowed, "unexpected out-of-memory for {size} bytes");
+                        prop_assert_eq!(requested, size, "OOM must report the size asked for");
+                        let after = engine.stats();
+                        prop_assert_eq!(after.used_bytes, before.used_bytes);
+                        prop_assert_eq!(after.live_allocations, before.live_allocations);
+                    }
+                    Err(e) => prop_assert!(false, "allocate({size}) failed: {e}"),
+                }
+            }
+            Op::Free { pick, stream } => {
+                if c.live.is_empty() {
+                    continue;
+                }
+                let (&addr, &(size, _)) = c.live.iter().nth(pick % c.live.len()).unwrap();
+                c.free(&mut engine, addr, size, SimStream::new(stream))?;
+            }
+        }
+        c.check_step(&engine)?;
+    }
+    // Free what is left, on rotating streams.
+    let left: Vec<(u64, u64)> = c.live.iter().map(|(&a, &(s, _))| (a, s)).collect();
+    for (k, (addr, size)) in left.into_iter().enumerate() {
+        c.free(&mut engine, addr, size, SimStream::new(k % 3))?;
+        c.check_step(&engine)?;
+    }
+    let st = engine.stats();
+    prop_assert_eq!(st.used_bytes, 0);
+    prop_assert_eq!(st.live_allocations, 0);
+    prop_assert_eq!(st.free_bytes, st.reserved_bytes);
+
+    engine.merge(SimStream::new(0)).unwrap();
+    c.check_step(&engine)?;
+    if E::COALESCES {
+        let st = engine.stats();
+        prop_assert_eq!(
+            st.free_blocks,
+            st.upstream_chunks,
+            "after freeing everything and merging, each upstream chunk must be one free block"
+        );
+    }
+    engine.release().unwrap();
+    prop_assert_eq!(engine.stats(), EngineStats::default());
+    prop_assert_eq!(up.inner.stats().live_chunks, 0, "chunks not returned upstream");
+    drop(engine);
+    prop_assert_eq!(up.inner.stats().live_chunks, 0);
+    Ok(())
+}
+
+struct Checker {
+    sim: SimStreams,
+    up: RecordingUpstream,
+    /// The caller's view: live allocations, address -> (bytes asked, stream).
+    live: BTreeMap<u64, (u64, SimStream)>,
+    /// Per 256-byte granule, the point its last user freed it at.
+    freed: HashMap<u64, SyncPoint>,
+    /// Upstream chunks ever allocated: address -> (size, point of allocation). SimUpstream never
+    /// reuses addresses, so entries never go stale.
+    chunks: BTreeMap<u64, (u64, SyncPoint)>,
+}
+
+impl Checker {
+    fn drain_upstream_log(&mut self) {
+        for (a, n, p) in self.up.log.lock().unwrap().drain(..) {
+            self.chunks.insert(a, (n, p));
+        }
+    }
+
+    fn allocated<E: TestEngine>(
+        &mut self,
+        engine: &E,
+        before: EngineStats,
+        addr: u64,
+        size: u64,
+        s: SimStream,
+    ) -> Result<(), TestCaseError> {
+        if size == 0 {
+            prop_assert_eq!(addr, 0, "0 bytes must give the null address");
+            prop_assert_eq!(engine.stats(), before, "0 bytes must not touch any state");
+            return Ok(());
+        }
+        prop_assert!(addr != 0 && addr % ALIGNMENT == 0, "bad address {addr:#x}");
+        let end = addr + size;
+        if let Some((&pa, &(ps, _))) = self.live.range(..addr).next_back() {
+            prop_assert!(
+                pa + ps <= addr,
+                "[{addr:#x}, +{size}) overlaps live [{pa:#x}, +{ps})"
+            );
+        }
+        if let Some((&na, &(ns, _))) = self.live.range(addr..).next() {
+            prop_assert!(
+                end <= na,
+                "[{addr:#x}, +{size}) overlaps live [{na:#x}, +{ns})"
+            );
+        }
+        prop_assert!(
+            self.up.inner.contains(addr, size),
+            "[{addr:#x}, +{size}) is not inside one live upstream chunk"
+        );
+        // Stream ordering: after the chunk's allocation, and after every previous free.
+        let (&ca, &(cn, cp)) = self.chunks.range(..=addr).next_back().unwrap();
+        prop_assert!(addr + size <= ca + cn);
+        prop_assert!(
+            self.sim.is_ordered_after(s, cp),
+            "memory allocated upstream on {:?} handed to {s:?} without ordering",
+            cp.stream
+        );
+        for g in addr / ALIGNMENT..end.div_ceil(ALIGNMENT) {
+            if let Some(p) = self.freed.get(&g) {
+                prop_assert!(
+                    self.sim.is_ordered_after(s, *p),
+                    "block freed on {:?} handed to {s:?} at {addr:#x} without waiting for the free",
+                    p.stream
+                );
+            }
+        }
+        self.live.insert(addr, (size, s));
+        Ok(())
+    }
+
+    fn free<E: TestEngine>(
+        &mut self,
+        engine: &mut E,
+        addr: u64,
+        size: u64,
+        s: SimStream,
+    ) -> Result<(), TestCaseError> {
+        // The caller's last use of the block on `s` comes before the free.
+        let p = self.sim.point(s);
+        if let Err(e) = engine.dealloc(addr, size, s) {
+            return Err(TestCaseError::fail(format!(
+                "deallocate({addr:#x}, {size}) failed: {e}"
+            )));
+        }
+        for g in addr / ALIGNMENT..(addr + size).div_ceil(ALIGNMENT) {
+            self.freed.insert(g, p);
+        }
+        self.live.remove(&addr);
+        Ok(())
+    }
+
+    fn check_step<E: TestEngine>(&self, engine: &E) -> Result<(), TestCaseError> {
+        if let Err(v) = engine.check() {
+            return Err(TestCaseError::fail(v.to_string()));
+        }
+        let st = engine.stats();
+        prop_assert_eq!(st.free_bytes + st.used_bytes, st.reserved_bytes);
+        prop_assert_eq!(
+            st.reserved_bytes,
+            self.up.inner.stats().live_bytes,
+            "reserved bytes disagree with the upstream"
+        );
+        prop_assert_eq!(st.upstream_chunks, self.up.inner.stats().live_chunks);
+        prop_assert_eq!(st.live_allocations, self.live.len());
+        let asked: u64 = self.live.values().map(|&(n, _)| n).sum();
+        prop_assert!(st.used_bytes >= asked);
+        Ok(())
+    }
+}

@@ -1,0 +1,129 @@
+//! [`SimResource`]: a host-only resource over a fake address space, for testing adaptors and
+//! suballocators on machines without a GPU (CI has none). Its addresses are never dereferenced.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use mempool_core::{DevicePtr, StreamRef};
+
+use crate::error::{Error, Result};
+use crate::resource::{align_up, MemoryResource};
+
+#[derive(Debug, Default)]
+struct State {
+    next: u64,
+    // Invariant: live ranges never overlap; the sum of their aligned sizes is `used`.
+    live: BTreeMap<u64, usize>,
+    used: usize,
+    failed: usize,
+    total_allocations: usize,
+}
+
+/// A resource that hands out 256-byte aligned, non-overlapping fake addresses from a large range, with an
+/// optional capacity (out-of-memory past it). It checks every deallocation against what it handed out.
+#[derive(Debug)]
+pub struct SimResource {
+    capacity: usize,
+    state: Mutex<State>,
+}
+
+impl Default for SimResource {
+    fn default() -> Self {
+        SimResource::new()
+    }
+}
+
+impl SimResource {
+    /// The base of the fake address space: far from anything a real process maps.
+    pub const BASE: u64 = 0x7000_0000_0000;
+
+    /// Unlimited capacity.
+    pub fn new() -> Self {
+        SimResource::with_capacity(usize::MAX)
+    }
+
+    /// At most `capacity` bytes (aligned) live at once.
+    pub fn with_capacity(capacity: usize) -> Self {
+        SimResource {
+            capacity,
+            state: Mutex::new(State {
+                next: Self::BASE,
+                ..State::default()
+            }),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Allocations live now.
+    pub fn live_allocations(&self) -> usize {
+        self.state().live.len()
+    }
+
+    /// Bytes live now (aligned).
+    pub fn used(&self) -> usize {
+        self.state().used
+    }
+
+    /// Allocations refused for capacity so far.
+    pub fn failed_allocations(&self) -> usize {
+        self.state().failed
+    }
+
+    /// Successful allocations so far.
+    pub fn total_allocations(&self) -> usize {
+        self.state().total_allocations
+    }
+}
+
+impl MemoryResource for SimResource {
+    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr::NULL);
+        }
+        let size = align_up(bytes);
+        let mut s = self.state();
+        if s.used.saturating_add(size) > self.capacity {
+            s.failed += 1;
+            return Err(Error::OutOfMemory {
+                resource: "SimResource",
+                requested: bytes,
+            });
+        }
+        let addr = s.next;
+        s.next += size as u64;
+        s.live.insert(addr, bytes);
+        s.used += size;
+        s.total_allocations += 1;
+        Ok(DevicePtr(addr))
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let mut s = self.state();
+        match s.live.get(&ptr.0) {
+            Some(&b) if b == bytes => {
+                s.live.remove(&ptr.0);
+                s.used -= align_up(bytes);
+                Ok(())
+            }
+            found => Err(Error::InvalidDeallocation {
+                resource: "SimResource",
+                ptr: ptr.0,
+                bytes,
+                reason: match found {
+                    Some(b) => format!("allocated with {b} bytes"),
+                    None => "not a live allocation".into(),
+                },
+            }),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "SimResource"
+    }
+}
