@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod adaptors;
+pub mod containers;
 mod error;
 pub mod registry;
 mod resource;
