@@ -1,0 +1,292 @@
+//! The conformance suite, run against every resource and adaptor (in the spirit of RMM's own
+//! `mr_ref_tests`). GPU only: `cargo test -p mempool-rmm --features gpu --test conformance`.
+#![cfg(feature = "gpu")]
+
+use std::sync::{mpsc, Arc};
+
+use mempool_core::kernels::{u32s, CheckKernels};
+use mempool_core::{memory, Device, DevicePtr, Event, EventFlags, Stream};
+use mempool_rmm::adaptors::{
+    AlignedAdaptor, FailureCallbackAdaptor, LimitingAdaptor, LoggingAdaptor, PrefetchAdaptor, StatisticsAdaptor,
+    TrackingAdaptor,
+};
+use mempool_rmm::{
+    AsyncOptions, AsyncResource, CudaResource, Error, ManagedResource, MemoryResource, PinnedHostResource,
+    SharedResource, ALIGNMENT,
+};
+
+const MIB: usize = 1 << 20;
+
+fn device() -> Device {
+    Device::get(0).expect("the conformance suite needs a CUDA device")
+}
+
+/// What a resource can be asked to do.
+#[derive(Copy, Clone)]
+struct Caps {
+    /// The largest allocation to try.
+    max_size: usize,
+}
+
+const FULL: Caps = Caps { max_size: 1 << 30 };
+
+/// Writes `base + i` into the first u32s of `ptr` with a kernel and reads them back: the memory is
+/// really accessible from the device.
+fn check_device_access(ptr: DevicePtr, bytes: usize, stream: &Stream, kernels: &CheckKernels, base: u32) {
+    let n = (bytes / 4).min(4096);
+    if n == 0 {
+        return;
+    }
+    // SAFETY: `ptr` holds at least n u32s (n*4 <= bytes), allocated for work on `stream`.
+    unsafe { kernels.iota(ptr, n, base, stream.as_ref()) }.unwrap();
+    let mut host = vec![0u8; n * 4];
+    // SAFETY: as above; the kernel is ordered before the copy on `stream`.
+    unsafe { memory::copy_to_host(stream.context(), &mut host, ptr, stream.as_ref()) }.unwrap();
+    assert!(u32s(&host).iter().enumerate().all(|(i, &v)| v == base + i as u32), "device access at {ptr}");
+}
+
+fn zero_bytes(mr: SharedResource) {
+    let stream = Stream::new(&device().context().unwrap()).unwrap();
+    let p = mr.allocate(0, stream.as_ref()).unwrap();
+    mr.deallocate(p, 0, stream.as_ref()).unwrap();
+    stream.synchronize().unwrap();
+}
+
+fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
+    let ctx = device().context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let mut size = 4;
+    while size <= caps.max_size {
+        let p = mr.allocate(size, stream.as_ref()).unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
+        assert!(!p.is_null());
+        assert_eq!(p.0 % ALIGNMENT as u64, 0, "{}: {size} bytes at {p} not aligned", mr.name());
+        let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
+        assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
+        check_device_access(p, size, &stream, &kernels, size as u32);
+        mr.deallocate(p, size, stream.as_ref()).unwrap();
+        size *= 4;
+    }
+    stream.synchronize().unwrap();
+}
+
+fn impossible_size_is_out_of_memory(mr: SharedResource) {
+    let stream = Stream::new(&device().context().unwrap()).unwrap();
+    let huge = 1usize << 52;
+    let e = mr.allocate(huge, stream.as_ref()).unwrap_err();
+    assert!(
+        e.is_out_of_memory() || matches!(e, Error::LimitExceeded { .. } | Error::Unsupported { .. }),
+        "{}: {e}",
+        mr.name()
+    );
+    if e.is_out_of_memory() {
+        assert!(e.to_string().contains(&huge.to_string()), "the error names the size: {e}");
+    }
+}
+
+/// A small deterministic PRNG (splitmix64).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn random_allocations(mr: SharedResource, caps: Caps) {
+    let stream = Stream::new(&device().context().unwrap()).unwrap();
+    let mut rng = Rng(1);
+    let max = caps.max_size.min(MIB) as u64;
+    let mut live = Vec::new();
+    for _ in 0..1000 {
+        let size = 1 + rng.below(max) as usize;
+        live.push((mr.allocate(size, stream.as_ref()).unwrap(), size));
+    }
+    let mut sorted: Vec<_> = live.iter().map(|&(p, s)| (p.0, s)).collect();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        assert!(w[0].0 + w[0].1 as u64 <= w[1].0, "{}: live allocations overlap", mr.name());
+    }
+    while !live.is_empty() {
+        let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
+        mr.deallocate(p, s, stream.as_ref()).unwrap();
+    }
+    stream.synchronize().unwrap();
+}
+
+fn mixed_allocate_and_free(mr: SharedResource, caps: Caps) {
+    let stream = Stream::new(&device().context().unwrap()).unwrap();
+    let mut rng = Rng(2);
+    let max = caps.max_size.min(MIB) as u64;
+    let mut live = Vec::new();
+    for _ in 0..4000 {
+        if live.is_empty() || rng.below(100) < 60 {
+            let size = 1 + rng.below(max) as usize;
+            live.push((mr.allocate(size, stream.as_ref()).unwrap(), size));
+        } else {
+            let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            mr.deallocate(p, s, stream.as_ref()).unwrap();
+        }
+    }
+    for (p, s) in live {
+        mr.deallocate(p, s, stream.as_ref()).unwrap();
+    }
+    stream.synchronize().unwrap();
+}
+
+fn four_threads(mr: SharedResource, caps: Caps) {
+    let ctx = device().context().unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (mr, ctx) = (mr.clone(), ctx.clone());
+            scope.spawn(move || {
+                let stream = Stream::new(&ctx).unwrap();
+                let kernels = CheckKernels::load(&ctx).unwrap();
+                let mut rng = Rng(10 + t);
+                let max = caps.max_size.min(256 * 1024) as u64;
+                let mut live = Vec::new();
+                for i in 0..500 {
+                    if live.is_empty() || rng.below(100) < 60 {
+                        let size = 4 + rng.below(max - 4) as usize;
+                        let p = mr.allocate(size, stream.as_ref()).unwrap();
+                        if i % 50 == 0 {
+                            check_device_access(p, size, &stream, &kernels, (t as u32) << 20);
+                        }
+                        live.push((p, size));
+                    } else {
+                        let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                        mr.deallocate(p, s, stream.as_ref()).unwrap();
+                    }
+                }
+                for (p, s) in live {
+                    mr.deallocate(p, s, stream.as_ref()).unwrap();
+                }
+                stream.synchronize().unwrap();
+            });
+        }
+    });
+}
+
+fn allocate_and_free_on_different_threads(mr: SharedResource, caps: Caps) {
+    let ctx = device().context().unwrap();
+    let (tx, rx) = mpsc::channel::<(DevicePtr, usize, Event)>();
+    let size = caps.max_size.min(MIB);
+    std::thread::scope(|scope| {
+        let (mr_a, ctx_a) = (mr.clone(), ctx.clone());
+        scope.spawn(move || {
+            let stream = Stream::new(&ctx_a).unwrap();
+            let kernels = CheckKernels::load(&ctx_a).unwrap();
+            for i in 0..50 {
+                let p = mr_a.allocate(size, stream.as_ref()).unwrap();
+                // SAFETY: `p` holds size/4 u32s on `stream`.
+                unsafe { kernels.iota(p, size / 4, i, stream.as_ref()) }.unwrap();
+                let done = Event::new(&ctx_a, EventFlags::DISABLE_TIMING).unwrap();
+                done.record(stream.as_ref()).unwrap();
+                tx.send((p, size, done)).unwrap();
+            }
+            stream.synchronize().unwrap();
+        });
+        let (mr_b, ctx_b) = (mr.clone(), ctx.clone());
+        scope.spawn(move || {
+            let stream = Stream::new(&ctx_b).unwrap();
+            for (p, size, done) in rx {
+                stream.wait(&done).unwrap();
+                mr_b.deallocate(p, size, stream.as_ref()).unwrap();
+            }
+            stream.synchronize().unwrap();
+        });
+    });
+}
+
+fn allocate_and_free_on_different_streams(mr: SharedResource, caps: Caps) {
+    let ctx = device().context().unwrap();
+    let (a, b) = (Stream::new(&ctx).unwrap(), Stream::new(&ctx).unwrap());
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let size = caps.max_size.min(MIB);
+    for i in 0..100 {
+        let p = mr.allocate(size, a.as_ref()).unwrap();
+        // SAFETY: `p` holds size/4 u32s on `a`.
+        unsafe { kernels.iota(p, size / 4, i, a.as_ref()) }.unwrap();
+        let done = Event::new(&ctx, EventFlags::DISABLE_TIMING).unwrap();
+        done.record(a.as_ref()).unwrap();
+        b.wait(&done).unwrap();
+        mr.deallocate(p, size, b.as_ref()).unwrap();
+        // The next allocation on `a` may get memory freed on `b`: the resource must order it.
+        let q = mr.allocate(size, a.as_ref()).unwrap();
+        check_device_access(q, size, &a, &kernels, 1000 + i);
+        mr.deallocate(q, size, a.as_ref()).unwrap();
+    }
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+}
+
+macro_rules! conformance {
+    ($($name:ident => $make:expr, $caps:expr;)*) => {$(
+        mod $name {
+            use super::*;
+            fn mr() -> SharedResource {
+                let dev = device();
+                let _ = &dev;
+                $make(&dev)
+            }
+            #[test] fn zero_bytes() { super::zero_bytes(mr()) }
+            #[test] fn sizes_are_aligned_and_device_accessible() { super::sizes_are_aligned_and_device_accessible(mr(), $caps) }
+            #[test] fn random_allocations() { super::random_allocations(mr(), $caps) }
+            #[test] fn mixed_allocate_and_free() { super::mixed_allocate_and_free(mr(), $caps) }
+            #[test] fn four_threads() { super::four_threads(mr(), $caps) }
+            #[test] fn allocate_and_free_on_different_threads() { super::allocate_and_free_on_different_threads(mr(), $caps) }
+            #[test] fn allocate_and_free_on_different_streams() { super::allocate_and_free_on_different_streams(mr(), $caps) }
+        }
+    )*};
+}
+
+fn async_new(dev: &Device) -> AsyncResource {
+    AsyncResource::new(dev, AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() }).unwrap()
+}
+
+conformance! {
+    async_resource => |d: &Device| Arc::new(async_new(d)) as SharedResource, FULL;
+    async_default_pool => |d: &Device| Arc::new(AsyncResource::default_pool(d).unwrap()) as SharedResource, FULL;
+    async_primed => |d: &Device| Arc::new(AsyncResource::new(d, AsyncOptions { initial_size: Some(64 * MIB), ..Default::default() }).unwrap()) as SharedResource, FULL;
+    cuda_resource => |d: &Device| Arc::new(CudaResource::new(d).unwrap()) as SharedResource, FULL;
+    managed_resource => |d: &Device| Arc::new(ManagedResource::new(d).unwrap()) as SharedResource, FULL;
+    pinned_host_resource => |d: &Device| Arc::new(PinnedHostResource::new(d).unwrap()) as SharedResource, FULL;
+    statistics_adaptor => |d: &Device| Arc::new(StatisticsAdaptor::new(async_new(d))) as SharedResource, FULL;
+    tracking_adaptor => |d: &Device| Arc::new(TrackingAdaptor::new(async_new(d))) as SharedResource, FULL;
+    logging_adaptor => |d: &Device| Arc::new(LoggingAdaptor::new(async_new(d), std::io::sink()).unwrap()) as SharedResource, FULL;
+    limiting_adaptor => |d: &Device| Arc::new(LimitingAdaptor::new(async_new(d), 8 << 30)) as SharedResource, FULL;
+    aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource, FULL;
+    failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource, FULL;
+    prefetch_adaptor => |d: &Device| Arc::new(PrefetchAdaptor::new(ManagedResource::new(d).unwrap(), d).unwrap()) as SharedResource, FULL;
+}
+
+/// The out-of-memory check, for every resource except the managed ones: asking the driver for
+/// petabytes of managed memory is never done on a shared GPU (it can hang the device).
+macro_rules! out_of_memory {
+    ($($name:ident => $make:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let dev = device();
+            impossible_size_is_out_of_memory($make(&dev));
+        }
+    )*};
+}
+
+out_of_memory! {
+    oom_async_resource => |d: &Device| Arc::new(async_new(d)) as SharedResource;
+    oom_async_default_pool => |d: &Device| Arc::new(AsyncResource::default_pool(d).unwrap()) as SharedResource;
+    oom_cuda_resource => |d: &Device| Arc::new(CudaResource::new(d).unwrap()) as SharedResource;
+    oom_pinned_host_resource => |d: &Device| Arc::new(PinnedHostResource::new(d).unwrap()) as SharedResource;
+    oom_statistics_adaptor => |d: &Device| Arc::new(StatisticsAdaptor::new(async_new(d))) as SharedResource;
+    oom_tracking_adaptor => |d: &Device| Arc::new(TrackingAdaptor::new(async_new(d))) as SharedResource;
+    oom_logging_adaptor => |d: &Device| Arc::new(LoggingAdaptor::new(async_new(d), std::io::sink()).unwrap()) as SharedResource;
+    oom_limiting_adaptor => |d: &Device| Arc::new(LimitingAdaptor::new(async_new(d), 8 << 30)) as SharedResource;
+    oom_aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource;
+    oom_failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource;
+}

@@ -1,0 +1,115 @@
+//! GPU tests of mempool-rmm's containers, registry and adaptor behaviour on real memory.
+//! `cargo test -p mempool-rmm --features gpu --test gpu`.
+#![cfg(feature = "gpu")]
+
+use std::sync::Arc;
+
+use mempool_core::kernels::CheckKernels;
+use mempool_core::{Device, Stream};
+use mempool_rmm::adaptors::{FailureCallbackAdaptor, StatisticsAdaptor};
+use mempool_rmm::containers::{DeviceBuffer, DeviceScalar, DeviceVec, StreamPool};
+use mempool_rmm::registry::{current_device_resource, reset_current_device_resource, set_current_device_resource};
+use mempool_rmm::{AsyncOptions, AsyncResource, MemoryResource, SharedResource};
+
+fn device() -> Device {
+    Device::get(0).expect("GPU tests need a CUDA device")
+}
+
+#[test]
+fn buffer_copies_resizes_and_shrinks_in_stream_order() {
+    let dev = device();
+    let stream = Stream::new(&dev.context().unwrap()).unwrap();
+    let stats = Arc::new(StatisticsAdaptor::new(AsyncResource::default_pool(&dev).unwrap()));
+    let mr: SharedResource = stats.clone();
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+    let mut buf = DeviceBuffer::from_host(&data, &stream, mr.clone()).unwrap();
+    assert_eq!(buf.to_host().unwrap(), data);
+    buf.resize(50_000).unwrap();
+    assert_eq!(buf.capacity(), 50_000);
+    assert_eq!(&buf.to_host().unwrap()[..10_000], &data[..], "growth keeps the contents");
+    buf.resize(100).unwrap();
+    assert_eq!(buf.capacity(), 50_000);
+    buf.shrink_to_fit().unwrap();
+    assert_eq!(buf.capacity(), 100);
+    assert_eq!(buf.to_host().unwrap(), data[..100]);
+    assert!(buf.copy_from_host(90, &[0u8; 11]).is_err(), "out-of-range copy refused");
+    assert_eq!(stats.counters().allocations.current, 1, "old allocations were returned");
+    drop(buf);
+    stream.synchronize().unwrap();
+    assert_eq!(stats.counters().bytes.current, 0);
+}
+
+#[test]
+fn vectors_and_scalars_hold_typed_data_kernels_can_write() {
+    let dev = device();
+    let ctx = dev.context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let mr = current_device_resource(&dev).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let v = DeviceVec::<u32>::from_slice(&[5; 1000], &stream, mr.clone()).unwrap();
+    // SAFETY: the vector holds 1000 u32s on `stream`.
+    unsafe { kernels.add(v.ptr(), v.len(), 2, stream.as_ref()) }.unwrap();
+    assert_eq!(v.to_vec().unwrap(), vec![7u32; 1000]);
+    v.set(10, 99).unwrap();
+    assert_eq!(v.get(10).unwrap(), 99);
+    let s = DeviceScalar::new(1.5f64, &stream, mr).unwrap();
+    assert_eq!(s.value().unwrap(), 1.5);
+    s.set_value(-2.0).unwrap();
+    assert_eq!(s.value().unwrap(), -2.0);
+}
+
+#[test]
+fn registry_defaults_to_the_async_pool_and_swaps() {
+    let dev = device();
+    let first = current_device_resource(&dev).unwrap();
+    assert_eq!(first.name(), "AsyncResource");
+    let mine: SharedResource = Arc::new(StatisticsAdaptor::new(AsyncResource::default_pool(&dev).unwrap()));
+    let previous = set_current_device_resource(&dev, mine.clone());
+    assert!(previous.is_some_and(|p| Arc::ptr_eq(&p, &first)));
+    assert!(Arc::ptr_eq(&current_device_resource(&dev).unwrap(), &mine));
+    assert!(reset_current_device_resource(&dev).is_some_and(|p| Arc::ptr_eq(&p, &mine)));
+    assert_eq!(current_device_resource(&dev).unwrap().name(), "AsyncResource");
+}
+
+#[test]
+fn failure_callback_trims_the_pool_and_retries() {
+    let dev = device();
+    let stream = Stream::new(&dev.context().unwrap()).unwrap();
+    // A pool capped at 256 MiB that keeps everything it reserves.
+    let pool = Arc::new(
+        AsyncResource::new(
+            &dev,
+            AsyncOptions { release_threshold: Some(u64::MAX), max_size: Some(256 << 20), ..Default::default() },
+        )
+        .unwrap(),
+    );
+    let trims = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (p2, t2) = (pool.clone(), trims.clone());
+    let mr = FailureCallbackAdaptor::new(pool.clone(), move |_, attempt| {
+        t2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        attempt == 0 && p2.pool().trim_to(0).is_ok()
+    });
+    let a = mr.allocate(200 << 20, stream.as_ref()).unwrap();
+    mr.deallocate(a, 200 << 20, stream.as_ref()).unwrap();
+    stream.synchronize().unwrap();
+    // 200 MiB sit reserved but free in 64 MiB-or-larger chunks; a 250 MiB request does not fit beside
+    // them until the callback trims the pool.
+    let b = mr.allocate(250 << 20, stream.as_ref());
+    match b {
+        Ok(b) => mr.deallocate(b, 250 << 20, stream.as_ref()).unwrap(),
+        Err(e) => panic!("allocation failed even after the callback ran: {e}"),
+    }
+    assert_eq!(trims.load(std::sync::atomic::Ordering::SeqCst), 1, "the callback ran once, and its trim made room");
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn stream_pool_hands_out_streams_round_robin() {
+    let ctx = device().context().unwrap();
+    let pool = StreamPool::new(&ctx, 3).unwrap();
+    let ids: Vec<usize> = (0..6).map(|_| pool.get().as_ref().id()).collect();
+    assert_eq!(ids[0], ids[3]);
+    assert_ne!(ids[0], ids[1]);
+    assert_ne!(ids[1], ids[2]);
+    pool.synchronize().unwrap();
+}
