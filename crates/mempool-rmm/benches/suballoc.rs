@@ -1,1 +1,211 @@
-fn main() {}
+//! The suballocator engines on the standard random workload (DESIGN.md, "Performance"), over
+//! `SimUpstream` and `SimStreams`: what the engines' own bookkeeping costs per operation, with no
+//! GPU and no driver call underneath.
+//!
+//! The workload (RMM's `random_allocations` shape): `n` operations on one stream, each allocating
+//! with probability 0.73 unless live bytes would pass `max_usage` (or nothing is live), otherwise
+//! freeing a uniformly chosen live allocation; sizes uniform in `[1, max_size]`; everything left is
+//! freed at the end. The operation sequence is generated up front from a fixed seed, so every
+//! engine sees the same one and the generator is not timed.
+//!
+//! `SUBALLOC_BENCH_OPS=N` replaces each point's operation count for quick runs.
+//! Throughput is reported per operation (the final frees are timed but not counted, as in RMM).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{
+    criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode,
+    Throughput,
+};
+use criterion::measurement::WallTime;
+use mempool_rmm::suballoc::{
+    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, FixedSizeConfig, FixedSizeEngine,
+    PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream,
+};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const STREAM: SimStream = SimStream::new(0);
+
+/// The standard points: (operations, max_size, max_usage).
+const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];
+
+/// SplitMix64: a tiny, fixed-seed generator, so the workload needs no `rand` dependency and is the
+/// same on every machine.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[0, n)` (the modulo bias is far below what the workload can notice).
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Op {
+    Alloc(u64),
+    /// Free the live allocation at this index of the live list (which then `swap_remove`s it).
+    Free(usize),
+}
+
+fn workload(n: usize, max_size: u64, max_usage: u64, seed: u64) -> Vec<Op> {
+    let mut rng = SplitMix64(seed);
+    let mut ops = Vec::with_capacity(n);
+    let mut live: Vec<u64> = Vec::new();
+    let mut live_bytes = 0u64;
+    for _ in 0..n {
+        let size = 1 + rng.below(max_size);
+        let alloc = live.is_empty() || (rng.next_f64() < 0.73 && live_bytes + size <= max_usage);
+        if alloc {
+            ops.push(Op::Alloc(size));
+            live.push(size);
+            live_bytes += size;
+        } else {
+            let i = rng.below(live.len() as u64) as usize;
+            ops.push(Op::Free(i));
+            live_bytes -= live.swap_remove(i);
+        }
+    }
+    ops
+}
+
+/// What the bench needs from an engine; failures are bugs and abort the bench.
+trait Engine {
+    fn alloc(&mut self, bytes: u64) -> u64;
+    fn free(&mut self, addr: u64, bytes: u64);
+}
+
+macro_rules! impl_engine {
+    ($ty:ident) => {
+        impl Engine for $ty<SimUpstream, SimStreams> {
+            #[inline]
+            fn alloc(&mut self, bytes: u64) -> u64 {
+                match self.allocate(bytes, STREAM) {
+                    Ok(a) => a,
+                    Err(e) => panic!("{} failed to allocate {bytes} bytes: {e}", stringify!($ty)),
+                }
+            }
+            #[inline]
+            fn free(&mut self, addr: u64, bytes: u64) {
+                if let Err(e) = self.deallocate(addr, bytes, STREAM) {
+                    panic!("{} failed to free {addr:#x}: {e}", stringify!($ty));
+                }
+            }
+        }
+    };
+}
+
+impl_engine!(PoolEngine);
+impl_engine!(FixedSizeEngine);
+impl_engine!(BinningEngine);
+impl_engine!(ArenaEngine);
+
+fn run<E: Engine>(engine: &mut E, ops: &[Op]) {
+    let mut live: Vec<(u64, u64)> = Vec::with_capacity(ops.len());
+    for &op in ops {
+        match op {
+            Op::Alloc(n) => live.push((black_box(engine.alloc(n)), n)),
+            Op::Free(i) => {
+                let (a, n) = live.swap_remove(i);
+                engine.free(a, n);
+            }
+        }
+    }
+    for (a, n) in live.drain(..) {
+        engine.free(a, n);
+    }
+}
+
+fn bench_engine<E: Engine>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    ops: &[Op],
+    make: impl Fn() -> E,
+) {
+    group.bench_function(name, |b| {
+        b.iter_batched(
+            &make,
+            |mut engine| {
+                run(&mut engine, ops);
+                // Returned, so that releasing to the upstream happens outside the timing.
+                engine
+            },
+            BatchSize::PerIteration,
+        )
+    });
+}
+
+/// The smallest exponent `e` with `2^e >= n`.
+fn ceil_log2(n: u64) -> u32 {
+    64 - (n - 1).leading_zeros()
+}
+
+fn random_workload(c: &mut Criterion) {
+    let ops_override = std::env::var("SUBALLOC_BENCH_OPS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    for (n, max_size, max_usage) in POINTS {
+        let n = ops_override.unwrap_or(n);
+        let ops = workload(n, max_size, max_usage, 0x5EED_0000 ^ max_size);
+        let name = format!(
+            "random/{n}ops_{}KiB_{}GiB",
+            max_size / KIB,
+            max_usage / GIB
+        );
+        let mut group = c.benchmark_group(name);
+        group
+            .throughput(Throughput::Elements(n as u64))
+            .sampling_mode(SamplingMode::Flat)
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(4));
+
+        bench_engine(&mut group, "pool", &ops, || {
+            PoolEngine::new(SimUpstream::new(), SimStreams::new(), PoolConfig::default())
+                .expect("pool config")
+        });
+        bench_engine(&mut group, "fixed_size", &ops, || {
+            let config = FixedSizeConfig {
+                block_size: max_size,
+                ..Default::default()
+            };
+            FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)
+                .expect("fixed-size config")
+        });
+        bench_engine(&mut group, "binning", &ops, || {
+            let config = BinningConfig {
+                min_size_exponent: 8,
+                max_size_exponent: ceil_log2(max_size),
+                ..Default::default()
+            };
+            BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)
+                .expect("binning config")
+        });
+        bench_engine(&mut group, "arena", &ops, || {
+            ArenaEngine::new(
+                SimUpstream::new(),
+                SimStreams::new(),
+                ArenaConfig::default(),
+            )
+            .expect("arena config")
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, random_workload);
+criterion_main!(benches);

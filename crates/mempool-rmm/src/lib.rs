@@ -30,4 +30,7 @@ pub mod testing;
 
 pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
-pub use resources::{AsyncOptions, AsyncResource, CudaResource, ManagedResource, PinnedHostResource};
+pub use resources::{
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
+    PinnedHostResource, PoolResource,
+};

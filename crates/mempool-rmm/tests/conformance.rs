@@ -10,9 +10,10 @@ use mempool_rmm::adaptors::{
     AlignedAdaptor, FailureCallbackAdaptor, LimitingAdaptor, LoggingAdaptor, PrefetchAdaptor, StatisticsAdaptor,
     TrackingAdaptor,
 };
+use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
 use mempool_rmm::{
-    AsyncOptions, AsyncResource, CudaResource, Error, ManagedResource, MemoryResource, PinnedHostResource,
-    SharedResource, ALIGNMENT,
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
+    ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -29,6 +30,8 @@ struct Caps {
 }
 
 const FULL: Caps = Caps { max_size: 1 << 30 };
+/// A fixed-size resource of 1 MiB blocks serves nothing larger.
+const FIXED: Caps = Caps { max_size: 1 << 20 };
 
 /// Writes `base + i` into the first u32s of `ptr` with a kernel and reads them back: the memory is
 /// really accessible from the device.
@@ -264,6 +267,12 @@ conformance! {
     aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource, FULL;
     failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource, FULL;
     prefetch_adaptor => |d: &Device| Arc::new(PrefetchAdaptor::new(ManagedResource::new(d).unwrap(), d).unwrap()) as SharedResource, FULL;
+    pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource, FULL;
+    pool_resource_over_cuda => |d: &Device| Arc::new(PoolResource::new(CudaResource::new(d).unwrap(), &d.context().unwrap(), PoolConfig { initial_size: 256 * MIB as u64, ..Default::default() }).unwrap()) as SharedResource, FULL;
+    fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource, FIXED;
+    binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
+    arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource, FULL;
+    statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
 }
 
 /// The out-of-memory check, for every resource except the managed ones: asking the driver for
@@ -289,4 +298,8 @@ out_of_memory! {
     oom_limiting_adaptor => |d: &Device| Arc::new(LimitingAdaptor::new(async_new(d), 8 << 30)) as SharedResource;
     oom_aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource;
     oom_failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource;
+    oom_pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource;
+    oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource;
+    oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
+    oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
 }

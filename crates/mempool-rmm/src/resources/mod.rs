@@ -1,8 +1,13 @@
-//! Resources backed directly by the driver: stream-ordered pools, `cuMemAlloc`, managed and pinned host
-//! memory.
+//! Resources backed directly by the driver (stream-ordered pools, `cuMemAlloc`, managed and pinned host
+//! memory) and the suballocating resources that run [`crate::suballoc`]'s engines over any upstream.
 
 mod async_resource;
 mod driver;
+mod suballoc;
 
 pub use async_resource::{AsyncOptions, AsyncResource};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
+pub use suballoc::{
+    take_upstream_errors, ArenaResource, BinningResource, CudaStreams, FixedSizeResource, PoolResource,
+    ResourceUpstream, StreamKey,
+};

@@ -536,3 +536,197 @@ where
         let _ = self.release();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suballoc::testing::{self, ops, world};
+    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use proptest::prelude::*;
+
+    const A: SimStream = SimStream::new(0);
+    const B: SimStream = SimStream::new(1);
+    const KIB: u64 = 1024;
+
+    fn arena(
+        superblock_size: u64,
+        up: SimUpstream,
+        sim: SimStreams,
+    ) -> ArenaEngine<SimUpstream, SimStreams> {
+        let config = ArenaConfig {
+            superblock_size,
+            ..Default::default()
+        };
+        ArenaEngine::new(up, sim, config).unwrap()
+    }
+
+    #[test]
+    fn small_blocks_in_superblocks_large_from_global() {
+        let up = SimUpstream::new();
+        let mut a = arena(8 * KIB, up.clone(), SimStreams::new());
+        let x = a.allocate(1000, A).unwrap();
+        let y = a.allocate(4 * KIB, A).unwrap();
+        assert_eq!(a.superblocks_in_arenas(), 1);
+        let big = a.allocate(4 * KIB + 1, A).unwrap();
+        assert_eq!(a.superblocks_in_arenas(), 1);
+        let st = a.stats();
+        assert_eq!(st.used_bytes, 1024 + 4096 + 4352);
+        assert_eq!(st.live_allocations, 3);
+        a.check_invariants().unwrap();
+        a.deallocate(big, 4 * KIB + 1, A).unwrap();
+        a.deallocate(x, 1000, A).unwrap();
+        a.deallocate(y, 4 * KIB, A).unwrap();
+        // The one empty superblock is kept as the arena's spare.
+        assert_eq!(a.superblocks_in_arenas(), 1);
+        a.check_invariants().unwrap();
+        a.merge_free_lists(A).unwrap();
+        assert_eq!(a.superblocks_in_arenas(), 0);
+        let st = a.stats();
+        assert_eq!(st.free_blocks, st.upstream_chunks);
+        drop(a);
+        assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    #[test]
+    fn empty_superblocks_beyond_the_spare_go_back_to_global() {
+        let mut a = arena(4 * KIB, SimUpstream::new(), SimStreams::new());
+        let blocks: Vec<u64> = (0..6).map(|_| a.allocate(2 * KIB, A).unwrap()).collect();
+        assert_eq!(a.superblocks_in_arenas(), 3);
+        for &b in &blocks {
+            a.deallocate(b, 2 * KIB, A).unwrap();
+            a.check_invariants().unwrap();
+        }
+        assert_eq!(a.superblocks_in_arenas(), 1);
+    }
+
+    #[test]
+    fn superblocks_cross_streams_only_after_a_wait() {
+        let sim = SimStreams::new();
+        let mut a = arena(4 * KIB, SimUpstream::new(), sim.clone());
+        let x = a.allocate(2 * KIB, A).unwrap();
+        let y = a.allocate(2 * KIB, A).unwrap();
+        let z = a.allocate(2 * KIB, A).unwrap();
+        let freed = sim.point(A);
+        for b in [x, y, z] {
+            a.deallocate(b, 2 * KIB, A).unwrap();
+        }
+        // One superblock went back to the global arena on A; B's arena takes it after a wait.
+        assert_eq!(a.superblocks_in_arenas(), 1);
+        let reserved = a.stats().reserved_bytes;
+        let w = a.allocate(256, B).unwrap();
+        assert_eq!(a.stats().reserved_bytes, reserved);
+        assert!(sim.counts().waits >= 1);
+        assert!(sim.is_ordered_after(B, freed), "{w:#x}");
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_cross_stream_free_orders_the_owning_arena() {
+        let sim = SimStreams::new();
+        let mut a = arena(8 * KIB, SimUpstream::new(), sim.clone());
+        let x = a.allocate(KIB, A).unwrap();
+        let used_on_b = sim.point(B);
+        a.deallocate(x, KIB, B).unwrap();
+        // A's arena will reuse the block for work on A: A must be ordered after the free on B.
+        assert!(sim.is_ordered_after(A, used_on_b));
+        assert_eq!(a.allocate(KIB, A).unwrap(), x);
+        sim.set_fail_waits(true);
+        let y = a.allocate(KIB, A).unwrap();
+        assert!(matches!(
+            a.deallocate(y, KIB, B),
+            Err(Error::Stream { op: "wait", .. })
+        ));
+        assert_eq!(a.stats().live_allocations, 2);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_memory_reports_the_requested_size_after_returning_spares() {
+        let config = ArenaConfig {
+            superblock_size: 4 * KIB,
+            initial_size: 8 * KIB,
+            maximum_size: Some(8 * KIB),
+            ..Default::default()
+        };
+        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config).unwrap();
+        let x = a.allocate(2 * KIB, A).unwrap();
+        let y = a.allocate(2 * KIB, B).unwrap();
+        a.deallocate(y, 2 * KIB, B).unwrap();
+        // B keeps its empty superblock as a spare. A fills its first superblock, then needs a
+        // second one: the global arena is at its maximum, so B's spare is reclaimed.
+        a.allocate(2 * KIB, A).unwrap();
+        a.allocate(2 * KIB, A).unwrap();
+        a.allocate(2 * KIB, A).unwrap();
+        assert_eq!(a.superblocks_in_arenas(), 2);
+        for bytes in [100, 5000] {
+            let err = a.allocate(bytes, A).unwrap_err();
+            assert!(
+                matches!(err, Error::OutOfMemory { requested, cause: OutOfMemoryCause::MaximumSize { .. } } if requested == bytes),
+                "{err:?}"
+            );
+        }
+        a.deallocate(x, 2 * KIB, A).unwrap();
+        a.check_invariants().unwrap();
+        assert!(matches!(
+            ArenaEngine::new(
+                SimUpstream::new(),
+                SimStreams::new(),
+                ArenaConfig { superblock_size: 256, ..Default::default() }
+            ),
+            Err(Error::InvalidConfig(_))
+        ));
+    }
+
+    #[test]
+    fn zero_and_unknown() {
+        let mut a = arena(8 * KIB, SimUpstream::new(), SimStreams::new());
+        assert_eq!(a.allocate(0, A).unwrap(), 0);
+        a.deallocate(0, 0, A).unwrap();
+        assert_eq!(a.stats(), EngineStats::default());
+        let x = a.allocate(100, A).unwrap();
+        for (addr, bytes) in [(x, 1000), (x + 256, 100), (x, 5000)] {
+            assert!(matches!(
+                a.deallocate(addr, bytes, A),
+                Err(Error::UnknownAllocation { .. })
+            ));
+        }
+        a.deallocate(x, 100, A).unwrap();
+        assert!(a.deallocate(x, 100, A).is_err());
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn engine_is_send() {
+        fn send<T: Send>() {}
+        send::<ArenaEngine<SimUpstream, SimStreams>>();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn random_sequences(ops in ops(6000, 3, 150), on_demand in any::<bool>()) {
+            let (up, sim) = world(None);
+            let config = ArenaConfig {
+                superblock_size: 8 * 1024,
+                event_policy: if on_demand { EventPolicy::RecordOnDemand } else { EventPolicy::RecordOnFree },
+                ..Default::default()
+            };
+            let a = ArenaEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(a, &up, &sim, &ops, false)?;
+        }
+
+        #[test]
+        fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150)) {
+            let (up, sim) = world(None);
+            let config = ArenaConfig {
+                superblock_size: 4 * 1024,
+                initial_size: 8 * 1024,
+                maximum_size: Some(48 * 1024),
+                ..Default::default()
+            };
+            let a = ArenaEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(a, &up, &sim, &ops, true)?;
+        }
+    }
+}

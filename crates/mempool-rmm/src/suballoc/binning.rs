@@ -310,3 +310,135 @@ where
         let _ = self.release();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suballoc::testing::{self, ops, world};
+    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use proptest::prelude::*;
+
+    const A: SimStream = SimStream::new(0);
+    const B: SimStream = SimStream::new(1);
+
+    fn config(min: u32, max: u32, per_chunk: u64) -> BinningConfig {
+        BinningConfig {
+            min_size_exponent: min,
+            max_size_exponent: max,
+            blocks_per_chunk: per_chunk,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn picks_the_smallest_bin_that_fits() {
+        let b = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config(8, 12, 4)).unwrap();
+        let cases = [
+            (1, Some(256)),
+            (256, Some(256)),
+            (257, Some(512)),
+            (512, Some(512)),
+            (3000, Some(4096)),
+            (4096, Some(4096)),
+            (4097, None),
+            (u64::MAX, None),
+        ];
+        for (bytes, bin) in cases {
+            assert_eq!(b.bin_size(bytes), bin, "{bytes} bytes");
+        }
+    }
+
+    #[test]
+    fn bins_and_large_allocations() {
+        let up = SimUpstream::new();
+        let mut b = BinningEngine::new(up.clone(), SimStreams::new(), config(8, 12, 4)).unwrap();
+        let small = b.allocate(300, A).unwrap();
+        let small2 = b.allocate(400, A).unwrap();
+        assert_eq!(small2, small + 512);
+        let large = b.allocate(10_000, A).unwrap();
+        let st = b.stats();
+        assert_eq!(st.reserved_bytes, 4 * 512 + 10_240);
+        assert_eq!(st.used_bytes, 2 * 512 + 10_240);
+        assert_eq!(st.upstream_chunks, 2);
+        assert_eq!(b.bin_stats().nth(1).unwrap().1.live_allocations, 2);
+        b.check_invariants().unwrap();
+        // A large allocation goes back upstream at once; a wrong size is rejected.
+        assert!(matches!(
+            b.deallocate(large, 20_000, A),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        b.deallocate(large, 10_000, A).unwrap();
+        assert_eq!(up.stats().live_chunks, 1);
+        // Freed with a size of another bin: rejected, nothing changes.
+        assert!(matches!(
+            b.deallocate(small, 1000, A),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        b.deallocate(small, 300, A).unwrap();
+        assert_eq!(b.allocate(0, A).unwrap(), 0);
+        b.deallocate(small2, 0, A).unwrap();
+        assert_eq!(b.stats().live_allocations, 1);
+        b.check_invariants().unwrap();
+        drop(b);
+        assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    #[test]
+    fn out_of_memory_reports_the_requested_size() {
+        let up = SimUpstream::with_capacity(2048);
+        let mut b = BinningEngine::new(up, SimStreams::new(), config(8, 10, 2)).unwrap();
+        b.allocate(1024, A).unwrap();
+        b.allocate(1024, A).unwrap();
+        for bytes in [1000, 5000] {
+            assert!(matches!(
+                b.allocate(bytes, A),
+                Err(Error::OutOfMemory { requested, cause: OutOfMemoryCause::Upstream }) if requested == bytes
+            ));
+        }
+    }
+
+    #[test]
+    fn stream_hand_off_in_a_bin() {
+        let sim = SimStreams::new();
+        let mut b = BinningEngine::new(SimUpstream::new(), sim.clone(), config(8, 10, 1)).unwrap();
+        let x = b.allocate(600, A).unwrap();
+        let freed = sim.point(A);
+        b.deallocate(x, 600, A).unwrap();
+        assert_eq!(b.allocate(1024, B).unwrap(), x);
+        assert!(sim.is_ordered_after(B, freed));
+    }
+
+    #[test]
+    fn invalid_configurations_are_rejected() {
+        for c in [config(7, 10, 4), config(12, 10, 4), config(8, 41, 4), config(8, 10, 0)] {
+            assert!(matches!(
+                BinningEngine::new(SimUpstream::new(), SimStreams::new(), c),
+                Err(Error::InvalidConfig(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn engine_is_send() {
+        fn send<T: Send>() {}
+        send::<BinningEngine<SimUpstream, SimStreams>>();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn random_sequences(ops in ops(4096, 3, 150), per_chunk in 1u64..5) {
+            let (up, sim) = world(None);
+            let b = BinningEngine::new(up.clone(), sim.clone(), config(8, 11, per_chunk)).unwrap();
+            testing::run(b, &up, &sim, &ops, false)?;
+        }
+
+        #[test]
+        fn random_sequences_with_a_small_upstream(ops in ops(4096, 3, 150)) {
+            let (up, sim) = world(Some(32 * 1024));
+            let b = BinningEngine::new(up.clone(), sim.clone(), config(8, 11, 4)).unwrap();
+            testing::run(b, &up, &sim, &ops, true)?;
+        }
+    }
+}

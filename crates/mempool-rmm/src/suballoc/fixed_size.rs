@@ -368,3 +368,155 @@ where
         let _ = self.core.release(&self.upstream, &self.order);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::suballoc::testing::{self, ops, world};
+    use crate::suballoc::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
+    use proptest::prelude::*;
+
+    const A: SimStream = SimStream::new(0);
+    const B: SimStream = SimStream::new(1);
+
+    fn fixed(
+        block_size: u64,
+        blocks_per_chunk: u64,
+        up: SimUpstream,
+    ) -> FixedSizeEngine<SimUpstream, SimStreams> {
+        let config = FixedSizeConfig {
+            block_size,
+            blocks_per_chunk,
+            ..Default::default()
+        };
+        FixedSizeEngine::new(up, SimStreams::new(), config).unwrap()
+    }
+
+    #[test]
+    fn carves_chunks_in_order_and_reuses_lifo() {
+        let up = SimUpstream::new();
+        let mut f = fixed(1000, 4, up.clone());
+        assert_eq!(f.block_size(), 1024);
+        let a: Vec<u64> = (0..5).map(|_| f.allocate(1000, A).unwrap()).collect();
+        assert_eq!(up.stats().allocations, 2);
+        assert_eq!(a[1..4], [a[0] + 1024, a[0] + 2048, a[0] + 3072]);
+        f.deallocate(a[2], 1, A).unwrap();
+        f.deallocate(a[0], 1024, A).unwrap();
+        assert_eq!(f.allocate(5, A).unwrap(), a[0]);
+        assert_eq!(f.allocate(5, A).unwrap(), a[2]);
+        let st = f.stats();
+        assert_eq!(st.reserved_bytes, 8 * 1024);
+        assert_eq!(st.used_bytes, 5 * 1024);
+        assert_eq!(st.free_blocks, 3);
+        f.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn rejects_oversized_zero_and_unknown() {
+        let mut f = fixed(512, 2, SimUpstream::new());
+        assert!(matches!(
+            f.allocate(513, A),
+            Err(Error::TooLarge {
+                requested: 513,
+                limit: 512
+            })
+        ));
+        assert_eq!(f.allocate(0, A).unwrap(), 0);
+        f.deallocate(0, 0, A).unwrap();
+        assert_eq!(f.stats(), EngineStats::default());
+        let a = f.allocate(512, A).unwrap();
+        assert!(matches!(
+            f.deallocate(a + 256, 10, A),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        assert!(matches!(
+            f.deallocate(a, 513, A),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        f.deallocate(a, 512, A).unwrap();
+        assert!(matches!(
+            f.deallocate(a, 512, A),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        f.check_invariants().unwrap();
+        for (block_size, blocks_per_chunk) in [(0, 1), (256, 0), (u64::MAX / 2, 4)] {
+            let config = FixedSizeConfig {
+                block_size,
+                blocks_per_chunk,
+                ..Default::default()
+            };
+            assert!(matches!(
+                FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config),
+                Err(Error::InvalidConfig(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn upstream_exhaustion_reports_the_requested_size() {
+        let mut f = fixed(1024, 4, SimUpstream::with_capacity(4096));
+        for _ in 0..4 {
+            f.allocate(1024, A).unwrap();
+        }
+        assert!(matches!(
+            f.allocate(700, A),
+            Err(Error::OutOfMemory {
+                requested: 700,
+                cause: OutOfMemoryCause::Upstream
+            })
+        ));
+    }
+
+    #[test]
+    fn blocks_cross_streams_only_after_a_wait() {
+        let sim = SimStreams::new();
+        let config = FixedSizeConfig {
+            block_size: 256,
+            blocks_per_chunk: 1,
+            event_policy: EventPolicy::RecordOnDemand,
+        };
+        let mut f = FixedSizeEngine::new(SimUpstream::new(), sim.clone(), config).unwrap();
+        let a = f.allocate(256, A).unwrap();
+        let freed = sim.point(A);
+        f.deallocate(a, 256, A).unwrap();
+        assert_eq!(sim.counts().records, 0);
+        assert_eq!(f.allocate(256, B).unwrap(), a);
+        assert_eq!(sim.counts().waits, 1);
+        assert!(sim.is_ordered_after(B, freed));
+        assert_eq!(f.stats().upstream_chunks, 1);
+    }
+
+    #[test]
+    fn release_and_drop_return_chunks() {
+        let up = SimUpstream::new();
+        let mut f = fixed(256, 3, up.clone());
+        for _ in 0..7 {
+            f.allocate(1, A).unwrap();
+        }
+        f.release().unwrap();
+        assert_eq!(up.stats().live_chunks, 0);
+        f.allocate(1, B).unwrap();
+        drop(f);
+        assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn random_sequences(ops in ops(1024, 3, 150), per_chunk in 1u64..6) {
+            let (up, sim) = world(None);
+            let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: per_chunk, ..Default::default() };
+            let f = FixedSizeEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(f, &up, &sim, &ops, false)?;
+        }
+
+        #[test]
+        fn random_sequences_with_a_small_upstream(ops in ops(1024, 3, 150)) {
+            let (up, sim) = world(Some(24 * 1024));
+            let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: 4, event_policy: EventPolicy::RecordOnDemand };
+            let f = FixedSizeEngine::new(up.clone(), sim.clone(), config).unwrap();
+            testing::run(f, &up, &sim, &ops, true)?;
+        }
+    }
+}

@@ -10,7 +10,7 @@ use proptest::test_runner::TestCaseError;
 
 use super::{
     ArenaEngine, BinningEngine, EngineStats, Error, FixedSizeEngine, InvariantViolation,
-    PoolEngine, SimStream, SimStreams, SimUpstream, SyncPoint, Upstream, ALIGNMENT,
+    PoolEngine, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint, Upstream, ALIGNMENT,
 };
 
 /// A [`SimUpstream`] that also notes, for every chunk, the point in its stream's order at which it
@@ -269,6 +269,14 @@ impl Checker {
         size: u64,
         s: SimStream,
     ) -> Result<(), TestCaseError> {
+        // A well-behaved caller that uses (here: frees) a block on a stream other than the one it
+        // was allocated on first orders that stream after the allocation.
+        let allocated_on = self.live[&addr].1;
+        if allocated_on != s {
+            let mut ev = self.sim.create_event().unwrap();
+            self.sim.record(&mut ev, allocated_on).unwrap();
+            self.sim.wait(s, &ev).unwrap();
+        }
         // The caller's last use of the block on `s` comes before the free.
         let p = self.sim.point(s);
         if let Err(e) = engine.dealloc(addr, size, s) {

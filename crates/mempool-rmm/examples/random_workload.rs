@@ -1,0 +1,202 @@
+//! The standard random workload (RMM's `random_allocations` shape, see DESIGN.md "Performance") over
+//! several resources, with raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` as the baseline measured in
+//! the same run. A benchmark, not a test: it prints nanoseconds per operation.
+//!
+//! `cargo run --release -p mempool-rmm --example random_workload [-- --quick] [-- --only NAME,...]`
+//!
+//! Each run: `n` operations on one stream, each allocating with probability 0.73 (unless live bytes would
+//! pass `max_usage`), otherwise freeing a random live allocation; sizes uniform in `[1, max_size]`;
+//! everything left is freed at the end; one synchronize at the end. Each resource runs each point
+//! `REPEATS` times after one warm-up run; the median is reported.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mempool_core::{Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
+use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
+use mempool_rmm::{
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
+    SharedResource,
+};
+
+const REPEATS: usize = 5;
+
+struct Point {
+    n: usize,
+    max_size: usize,
+    max_usage: usize,
+}
+
+/// splitmix64: the same sequence for every resource.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// The operation sequence, generated once per point so generation is not timed.
+enum Op {
+    Alloc(usize),
+    /// Free the live allocation at this index (swap-remove).
+    Free(usize),
+}
+
+fn generate(p: &Point, seed: u64) -> Vec<Op> {
+    let mut rng = Rng(seed);
+    let mut live: Vec<usize> = Vec::new();
+    let mut live_bytes = 0usize;
+    let mut ops = Vec::with_capacity(p.n);
+    for _ in 0..p.n {
+        let size = 1 + (rng.next() % p.max_size as u64) as usize;
+        let alloc = (rng.next() % 100) < 73;
+        if (alloc && live_bytes + size <= p.max_usage) || live.is_empty() {
+            if live_bytes + size > p.max_usage {
+                continue;
+            }
+            live.push(size);
+            live_bytes += size;
+            ops.push(Op::Alloc(size));
+        } else {
+            let i = (rng.next() % live.len() as u64) as usize;
+            live_bytes -= live.swap_remove(i);
+            ops.push(Op::Free(i));
+        }
+    }
+    ops
+}
+
+/// Runs the sequence with `alloc`/`free`; returns ns per operation (frees at the end included in the time,
+/// not in the count, as RMM's benchmark does) and the peak live allocation count.
+fn run(
+    ops: &[Op],
+    stream: StreamRef<'_>,
+    alloc: &dyn Fn(usize) -> DevicePtr,
+    free: &dyn Fn(DevicePtr, usize),
+) -> (f64, usize) {
+    let mut live: Vec<(DevicePtr, usize)> = Vec::with_capacity(ops.len());
+    let mut peak = 0;
+    let t = Instant::now();
+    for op in ops {
+        match *op {
+            Op::Alloc(size) => {
+                live.push((alloc(size), size));
+                peak = peak.max(live.len());
+            }
+            Op::Free(i) => {
+                let (p, s) = live.swap_remove(i);
+                free(p, s);
+            }
+        }
+    }
+    for (p, s) in live.drain(..) {
+        free(p, s);
+    }
+    stream.synchronize().expect("synchronize");
+    (t.elapsed().as_nanos() as f64 / ops.len() as f64, peak)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only: Option<Vec<String>> = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.split(',').map(str::to_owned).collect());
+    let dev = Device::get(0)?;
+    let ctx = dev.context()?;
+    let stream = Stream::new(&ctx)?;
+    let s = stream.as_ref();
+    println!(
+        "device: {} ({}), driver {}",
+        dev.name()?,
+        dev.uuid()?,
+        mempool_core::driver_version()?
+    );
+    let gib = 1usize << 30;
+    let mut points = vec![
+        Point { n: 200_000, max_size: 64 << 10, max_usage: 4 * gib },
+        Point { n: 100_000, max_size: 1 << 20, max_usage: 16 * gib },
+        Point { n: 20_000, max_size: 64 << 20, max_usage: 16 * gib },
+    ];
+    if quick {
+        for p in &mut points {
+            p.n /= 10;
+        }
+    }
+
+    // Every pool keeps what it reserves (threshold max), as a process owning its GPU would run.
+    let raw_pool = MemPool::new(&dev, &PoolProps::new())?;
+    raw_pool.keep_everything()?;
+    let keep = AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() };
+    let async_mr = Arc::new(AsyncResource::new(&dev, keep)?);
+    let resources: Vec<(&str, SharedResource)> = vec![
+        ("async", async_mr.clone()),
+        ("pool(async)", Arc::new(PoolResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, PoolConfig::default())?)),
+        (
+            "binning(async)",
+            Arc::new(BinningResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, BinningConfig::default())?),
+        ),
+        ("arena(async)", Arc::new(ArenaResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, ArenaConfig::default())?)),
+        ("cuda", Arc::new(CudaResource::new(&dev)?)),
+    ];
+
+    println!(
+        "{:<16} {:>9} {:>9} {:>7} {:>12} {:>10} {:>8}",
+        "resource", "ops", "max_size", "max_GiB", "ns/op", "vs raw", "peak"
+    );
+    for (pi, p) in points.iter().enumerate() {
+        let ops = generate(p, 42 + pi as u64);
+        let raw_alloc = |size: usize| raw_pool.allocate(size, s).expect("raw pool allocate");
+        // SAFETY: each pointer came from `raw_pool.allocate` on this stream and is freed once.
+        #[allow(unsafe_code)]
+        let raw_free = |ptr: DevicePtr, _size: usize| unsafe { raw_pool.free_async(ptr, s) }.expect("free");
+        run(&ops, s, &raw_alloc, &raw_free);
+        let raw = median((0..REPEATS).map(|_| run(&ops, s, &raw_alloc, &raw_free).0).collect());
+        let kib = |b: usize| if b >= 1 << 20 { format!("{}MiB", b >> 20) } else { format!("{}KiB", b >> 10) };
+        println!(
+            "{:<16} {:>9} {:>9} {:>7} {:>12.1} {:>10} {:>8}",
+            "raw pool", ops.len(), kib(p.max_size), p.max_usage >> 30, raw, "1.000", "-"
+        );
+        for (name, mr) in &resources {
+            if only.as_ref().is_some_and(|o| !o.iter().any(|x| x == name)) {
+                continue;
+            }
+            let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let free = |ptr: DevicePtr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            run(&ops, s, &alloc, &free);
+            // cuMemAlloc/cuMemFree synchronize: one timed run keeps the baseline resource's run short.
+            let repeats = if *name == "cuda" { 1 } else { REPEATS };
+            let mut peak = 0;
+            let times: Vec<f64> = (0..repeats)
+                .map(|_| {
+                    let (t, pk) = run(&ops, s, &alloc, &free);
+                    peak = pk;
+                    t
+                })
+                .collect();
+            let t = median(times);
+            println!(
+                "{:<16} {:>9} {:>9} {:>7} {:>12.1} {:>10.3} {:>8}",
+                name,
+                ops.len(),
+                kib(p.max_size),
+                p.max_usage >> 30,
+                t,
+                t / raw,
+                peak
+            );
+        }
+    }
+    Ok(())
+}
