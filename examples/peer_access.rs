@@ -42,7 +42,7 @@ fn run() -> mempool::Result<bool> {
     let ok = u32s(&host).iter().enumerate().all(|(i, &v)| v == 7 + i as u32);
     println!(
         "device 1 read {} MiB of device 0's pool through the mapping: {}",
-        n * 4 >> 20,
+        (n * 4) >> 20,
         if ok { "intact" } else { "CORRUPT" }
     );
 

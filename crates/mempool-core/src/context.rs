@@ -2,14 +2,15 @@
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use crate::device::Device;
 use crate::error::Result;
 use crate::handle::Handle;
 use crate::raw::{self, sys};
 
-/// A device's primary context, retained for as long as this value (and every `Arc` of it) lives.
+/// A device's primary context. mempool retains it once, on first use, for the life of the process (as
+/// the CUDA runtime does); `Context` values are shared `Arc`s of that one retain.
 ///
 /// Every handle in this crate (`Stream`, `Event`, `MemPool`, buffers) holds an `Arc<Context>`, so the
 /// context outlives everything made in it. No call here depends on whichever context the calling
@@ -24,21 +25,25 @@ pub struct Context {
 }
 
 impl Context {
-    /// The primary context of `device`, shared: while any `Arc` from an earlier call lives, the same one
-    /// is returned.
+    /// The primary context of `device`, retained once and shared for the life of the process.
+    ///
+    /// The CUDA runtime keeps primary contexts alive until the process ends, and so do we: releasing
+    /// one whenever the last user drops it makes multi-threaded programs destroy and re-create the
+    /// context (and everything cached in it) over and over, while raw handles of the old one may still
+    /// be in flight on other threads.
     pub(crate) fn primary(device: Device) -> Result<Arc<Context>> {
-        static CACHE: Mutex<Option<HashMap<usize, Weak<Context>>>> = Mutex::new(None);
+        static CACHE: Mutex<Option<HashMap<usize, Arc<Context>>>> = Mutex::new(None);
         let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
-        if let Some(ctx) = map.get(&device.ordinal()).and_then(Weak::upgrade) {
-            return Ok(ctx);
+        if let Some(ctx) = map.get(&device.ordinal()) {
+            return Ok(ctx.clone());
         }
         let raw = raw::context::primary_retain(device.as_raw())?;
         let ctx = Arc::new(Context {
             device,
             raw: Handle::new(raw),
         });
-        map.insert(device.ordinal(), Arc::downgrade(&ctx));
+        map.insert(device.ordinal(), ctx.clone());
         Ok(ctx)
     }
 
@@ -80,16 +85,6 @@ impl Context {
         let _g = self.bind()?;
         let (free, total) = raw::context::mem_info()?;
         Ok(MemoryInfo { free, total })
-    }
-}
-
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: `primary` retained the context exactly once for this value, and every user holds an
-        // `Arc` of it, so nothing uses it after this.
-        if let Err(e) = unsafe { raw::context::primary_release(self.device.as_raw()) } {
-            crate::record_drop_error(e);
-        }
     }
 }
 

@@ -625,6 +625,12 @@ impl Drop for MemPool {
         if self.kind == PoolKind::Borrowed {
             return;
         }
+        // Let queued frees complete first. The driver allows destroying a pool with frees pending, but
+        // on H100/H200 with driver 580 doing so while other threads kept streams busy crashed or hung the
+        // driver (seen through mempool-rmm's conformance suite); a pool's drop is rare enough to wait.
+        if let Err(e) = self.ctx.synchronize() {
+            crate::record_drop_error(e);
+        }
         // SAFETY: owned or imported pools are destroyed exactly once, here. Outstanding allocations are
         // allowed: the driver releases the pool once they are freed.
         #[allow(unsafe_code)]

@@ -65,7 +65,11 @@ fn two_gpu_grant_read_query_revoke() {
     match pool.set_access(&d1, Access::Read) {
         Ok(()) => assert_eq!(pool.access(&d1).unwrap(), Access::Read),
         Err(e) => {
-            assert_eq!(e.driver_error().map(|d| d.name.as_str()), Some("CUDA_ERROR_NOT_SUPPORTED"), "{e}");
+            assert_eq!(
+                e.driver_error().map(|d| d.name.as_str()),
+                Some("CUDA_ERROR_NOT_SUPPORTED"),
+                "{e}"
+            );
             assert_eq!(pool.access(&d1).unwrap(), Access::ReadWrite);
         }
     }

@@ -1,6 +1,10 @@
 //! The suballocator engines on the standard random workload (DESIGN.md, "Performance"), over
-//! `SimUpstream` and `SimStreams`: what the engines' own bookkeeping costs per operation, with no
-//! GPU and no driver call underneath.
+//! `SimUpstream`: what the engines' own bookkeeping costs per operation, with no GPU and no driver
+//! call underneath.
+//!
+//! The workload runs on one stream, so the engines never order one stream after another; the
+//! stream order is `OneStream`, whose operations do nothing, so that the numbers are the engines'
+//! alone. (On a GPU, the default `EventPolicy::RecordOnFree` adds one event record per free.)
 //!
 //! The workload (RMM's `random_allocations` shape): `n` operations on one stream, each allocating
 //! with probability 0.73 unless live bytes would pass `max_usage` (or nothing is live), otherwise
@@ -14,20 +18,37 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{
-    criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode,
-    Throughput,
-};
 use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use mempool_rmm::suballoc::{
-    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, FixedSizeConfig, FixedSizeEngine,
-    PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream,
+    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Error, FixedSizeConfig, FixedSizeEngine, PoolConfig,
+    PoolEngine, SimUpstream, StreamOrder,
 };
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-const STREAM: SimStream = SimStream::new(0);
+
+/// A single stream whose events cost nothing (see the crate-level note above).
+#[derive(Debug, Clone, Copy, Default)]
+struct OneStream;
+
+impl StreamOrder for OneStream {
+    type Stream = ();
+    type Event = ();
+    fn create_event(&self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn record(&self, _event: &mut (), _stream: ()) -> Result<(), Error> {
+        Ok(())
+    }
+    fn wait(&self, _stream: (), _event: &()) -> Result<(), Error> {
+        Ok(())
+    }
+    fn synchronize(&self, _stream: ()) -> Result<(), Error> {
+        Ok(())
+    }
+}
 
 /// The standard points: (operations, max_size, max_usage).
 const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];
@@ -92,17 +113,17 @@ trait Engine {
 
 macro_rules! impl_engine {
     ($ty:ident) => {
-        impl Engine for $ty<SimUpstream, SimStreams> {
+        impl Engine for $ty<SimUpstream, OneStream> {
             #[inline]
             fn alloc(&mut self, bytes: u64) -> u64 {
-                match self.allocate(bytes, STREAM) {
+                match self.allocate(bytes, ()) {
                     Ok(a) => a,
                     Err(e) => panic!("{} failed to allocate {bytes} bytes: {e}", stringify!($ty)),
                 }
             }
             #[inline]
             fn free(&mut self, addr: u64, bytes: u64) {
-                if let Err(e) = self.deallocate(addr, bytes, STREAM) {
+                if let Err(e) = self.deallocate(addr, bytes, ()) {
                     panic!("{} failed to free {addr:#x}: {e}", stringify!($ty));
                 }
             }
@@ -131,12 +152,7 @@ fn run<E: Engine>(engine: &mut E, ops: &[Op]) {
     }
 }
 
-fn bench_engine<E: Engine>(
-    group: &mut BenchmarkGroup<'_, WallTime>,
-    name: &str,
-    ops: &[Op],
-    make: impl Fn() -> E,
-) {
+fn bench_engine<E: Engine>(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, ops: &[Op], make: impl Fn() -> E) {
     group.bench_function(name, |b| {
         b.iter_batched(
             &make,
@@ -162,11 +178,7 @@ fn random_workload(c: &mut Criterion) {
     for (n, max_size, max_usage) in POINTS {
         let n = ops_override.unwrap_or(n);
         let ops = workload(n, max_size, max_usage, 0x5EED_0000 ^ max_size);
-        let name = format!(
-            "random/{n}ops_{}KiB_{}GiB",
-            max_size / KIB,
-            max_usage / GIB
-        );
+        let name = format!("random/{n}ops_{}KiB_{}GiB", max_size / KIB, max_usage / GIB);
         let mut group = c.benchmark_group(name);
         group
             .throughput(Throughput::Elements(n as u64))
@@ -175,16 +187,14 @@ fn random_workload(c: &mut Criterion) {
             .measurement_time(Duration::from_secs(4));
 
         bench_engine(&mut group, "pool", &ops, || {
-            PoolEngine::new(SimUpstream::new(), SimStreams::new(), PoolConfig::default())
-                .expect("pool config")
+            PoolEngine::new(SimUpstream::new(), OneStream, PoolConfig::default()).expect("pool config")
         });
         bench_engine(&mut group, "fixed_size", &ops, || {
             let config = FixedSizeConfig {
                 block_size: max_size,
                 ..Default::default()
             };
-            FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)
-                .expect("fixed-size config")
+            FixedSizeEngine::new(SimUpstream::new(), OneStream, config).expect("fixed-size config")
         });
         bench_engine(&mut group, "binning", &ops, || {
             let config = BinningConfig {
@@ -192,16 +202,10 @@ fn random_workload(c: &mut Criterion) {
                 max_size_exponent: ceil_log2(max_size),
                 ..Default::default()
             };
-            BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)
-                .expect("binning config")
+            BinningEngine::new(SimUpstream::new(), OneStream, config).expect("binning config")
         });
         bench_engine(&mut group, "arena", &ops, || {
-            ArenaEngine::new(
-                SimUpstream::new(),
-                SimStreams::new(),
-                ArenaConfig::default(),
-            )
-            .expect("arena config")
+            ArenaEngine::new(SimUpstream::new(), OneStream, ArenaConfig::default()).expect("arena config")
         });
         group.finish();
     }

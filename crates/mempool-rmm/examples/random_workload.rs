@@ -125,9 +125,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let gib = 1usize << 30;
     let mut points = vec![
-        Point { n: 200_000, max_size: 64 << 10, max_usage: 4 * gib },
-        Point { n: 100_000, max_size: 1 << 20, max_usage: 16 * gib },
-        Point { n: 20_000, max_size: 64 << 20, max_usage: 16 * gib },
+        Point {
+            n: 200_000,
+            max_size: 64 << 10,
+            max_usage: 4 * gib,
+        },
+        Point {
+            n: 100_000,
+            max_size: 1 << 20,
+            max_usage: 16 * gib,
+        },
+        Point {
+            n: 20_000,
+            max_size: 64 << 20,
+            max_usage: 16 * gib,
+        },
     ];
     if quick {
         for p in &mut points {
@@ -138,16 +150,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Every pool keeps what it reserves (threshold max), as a process owning its GPU would run.
     let raw_pool = MemPool::new(&dev, &PoolProps::new())?;
     raw_pool.keep_everything()?;
-    let keep = AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() };
+    let keep = AsyncOptions {
+        release_threshold: Some(u64::MAX),
+        ..Default::default()
+    };
     let async_mr = Arc::new(AsyncResource::new(&dev, keep)?);
     let resources: Vec<(&str, SharedResource)> = vec![
         ("async", async_mr.clone()),
-        ("pool(async)", Arc::new(PoolResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, PoolConfig::default())?)),
+        (
+            "pool(async)",
+            Arc::new(PoolResource::new(
+                Arc::new(AsyncResource::new(&dev, keep)?),
+                &ctx,
+                PoolConfig::default(),
+            )?),
+        ),
         (
             "binning(async)",
-            Arc::new(BinningResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, BinningConfig::default())?),
+            Arc::new(BinningResource::new(
+                Arc::new(AsyncResource::new(&dev, keep)?),
+                &ctx,
+                BinningConfig::default(),
+            )?),
         ),
-        ("arena(async)", Arc::new(ArenaResource::new(Arc::new(AsyncResource::new(&dev, keep)?), &ctx, ArenaConfig::default())?)),
+        (
+            "arena(async)",
+            Arc::new(ArenaResource::new(
+                Arc::new(AsyncResource::new(&dev, keep)?),
+                &ctx,
+                ArenaConfig::default(),
+            )?),
+        ),
         ("cuda", Arc::new(CudaResource::new(&dev)?)),
     ];
 
@@ -163,17 +196,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let raw_free = |ptr: DevicePtr, _size: usize| unsafe { raw_pool.free_async(ptr, s) }.expect("free");
         run(&ops, s, &raw_alloc, &raw_free);
         let raw = median((0..REPEATS).map(|_| run(&ops, s, &raw_alloc, &raw_free).0).collect());
-        let kib = |b: usize| if b >= 1 << 20 { format!("{}MiB", b >> 20) } else { format!("{}KiB", b >> 10) };
+        let kib = |b: usize| {
+            if b >= 1 << 20 {
+                format!("{}MiB", b >> 20)
+            } else {
+                format!("{}KiB", b >> 10)
+            }
+        };
         println!(
             "{:<16} {:>9} {:>9} {:>7} {:>12.1} {:>10} {:>8}",
-            "raw pool", ops.len(), kib(p.max_size), p.max_usage >> 30, raw, "1.000", "-"
+            "raw pool",
+            ops.len(),
+            kib(p.max_size),
+            p.max_usage >> 30,
+            raw,
+            "1.000",
+            "-"
         );
         for (name, mr) in &resources {
             if only.as_ref().is_some_and(|o| !o.iter().any(|x| x == name)) {
                 continue;
             }
             let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let free = |ptr: DevicePtr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let free =
+                |ptr: DevicePtr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
             run(&ops, s, &alloc, &free);
             // cuMemAlloc/cuMemFree synchronize: one timed run keeps the baseline resource's run short.
             let repeats = if *name == "cuda" { 1 } else { REPEATS };

@@ -45,7 +45,10 @@ fn check_device_access(ptr: DevicePtr, bytes: usize, stream: &Stream, kernels: &
     let mut host = vec![0u8; n * 4];
     // SAFETY: as above; the kernel is ordered before the copy on `stream`.
     unsafe { memory::copy_to_host(stream.context(), &mut host, ptr, stream.as_ref()) }.unwrap();
-    assert!(u32s(&host).iter().enumerate().all(|(i, &v)| v == base + i as u32), "device access at {ptr}");
+    assert!(
+        u32s(&host).iter().enumerate().all(|(i, &v)| v == base + i as u32),
+        "device access at {ptr}"
+    );
 }
 
 fn zero_bytes(mr: SharedResource) {
@@ -61,9 +64,16 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
     let kernels = CheckKernels::load(&ctx).unwrap();
     let mut size = 4;
     while size <= caps.max_size {
-        let p = mr.allocate(size, stream.as_ref()).unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
+        let p = mr
+            .allocate(size, stream.as_ref())
+            .unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
         assert!(!p.is_null());
-        assert_eq!(p.0 % ALIGNMENT as u64, 0, "{}: {size} bytes at {p} not aligned", mr.name());
+        assert_eq!(
+            p.0 % ALIGNMENT as u64,
+            0,
+            "{}: {size} bytes at {p} not aligned",
+            mr.name()
+        );
         let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
         assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
         check_device_access(p, size, &stream, &kernels, size as u32);
@@ -83,7 +93,10 @@ fn impossible_size_is_out_of_memory(mr: SharedResource) {
         mr.name()
     );
     if e.is_out_of_memory() {
-        assert!(e.to_string().contains(&huge.to_string()), "the error names the size: {e}");
+        assert!(
+            e.to_string().contains(&huge.to_string()),
+            "the error names the size: {e}"
+        );
     }
 }
 
@@ -114,7 +127,11 @@ fn random_allocations(mr: SharedResource, caps: Caps) {
     let mut sorted: Vec<_> = live.iter().map(|&(p, s)| (p.0, s)).collect();
     sorted.sort();
     for w in sorted.windows(2) {
-        assert!(w[0].0 + w[0].1 as u64 <= w[1].0, "{}: live allocations overlap", mr.name());
+        assert!(
+            w[0].0 + w[0].1 as u64 <= w[1].0,
+            "{}: live allocations overlap",
+            mr.name()
+        );
     }
     while !live.is_empty() {
         let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
@@ -250,7 +267,14 @@ macro_rules! conformance {
 }
 
 fn async_new(dev: &Device) -> AsyncResource {
-    AsyncResource::new(dev, AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() }).unwrap()
+    AsyncResource::new(
+        dev,
+        AsyncOptions {
+            release_threshold: Some(u64::MAX),
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 conformance! {
@@ -275,8 +299,10 @@ conformance! {
     statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
 }
 
-/// The out-of-memory check, for every resource except the managed ones: asking the driver for
-/// petabytes of managed memory is never done on a shared GPU (it can hang the device).
+/// The out-of-memory check, for every resource except the managed and pinned-host ones: asking the
+/// driver for petabytes of managed memory can hang a GPU, and asking it to pin petabytes of host memory
+/// is as hostile to the host (on the GPU machines used here, whose memory grows on demand, a run that
+/// did so went on to hang).
 macro_rules! out_of_memory {
     ($($name:ident => $make:expr;)*) => {$(
         #[test]
@@ -291,7 +317,6 @@ out_of_memory! {
     oom_async_resource => |d: &Device| Arc::new(async_new(d)) as SharedResource;
     oom_async_default_pool => |d: &Device| Arc::new(AsyncResource::default_pool(d).unwrap()) as SharedResource;
     oom_cuda_resource => |d: &Device| Arc::new(CudaResource::new(d).unwrap()) as SharedResource;
-    oom_pinned_host_resource => |d: &Device| Arc::new(PinnedHostResource::new(d).unwrap()) as SharedResource;
     oom_statistics_adaptor => |d: &Device| Arc::new(StatisticsAdaptor::new(async_new(d))) as SharedResource;
     oom_tracking_adaptor => |d: &Device| Arc::new(TrackingAdaptor::new(async_new(d))) as SharedResource;
     oom_logging_adaptor => |d: &Device| Arc::new(LoggingAdaptor::new(async_new(d), std::io::sink()).unwrap()) as SharedResource;

@@ -4,22 +4,13 @@
 use super::{call, sys};
 use crate::error::Result;
 
-/// Retains the device's primary context (creating it if needed). Balance with [`primary_release`].
+/// Retains the device's primary context (creating it if needed). mempool retains it once per process
+/// and never releases it, as the CUDA runtime does.
 pub(crate) fn primary_retain(dev: sys::CUdevice) -> Result<sys::CUcontext> {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: one handle is written; `dev` came from `cuDeviceGet`.
     unsafe { call!(cuDevicePrimaryCtxRetain(&mut ctx, dev)) }?;
     Ok(ctx)
-}
-
-/// Releases one retain of the device's primary context.
-///
-/// # Safety
-/// 1. Each call must balance exactly one successful [`primary_retain`] of the same device.
-/// 2. Nothing may use the context through that retain afterwards.
-pub(crate) unsafe fn primary_release(dev: sys::CUdevice) -> Result<()> {
-    // SAFETY: the caller balances a retain (point 1).
-    unsafe { call!(cuDevicePrimaryCtxRelease_v2(dev)) }
 }
 
 /// The calling thread's current context (null if none).

@@ -51,7 +51,14 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             return self.upstream.allocate(bytes, stream);
         }
         let upstream_bytes = bytes + self.alignment - ALIGNMENT;
-        let raw = self.upstream.allocate(upstream_bytes, stream)?;
+        let raw = self.upstream.allocate(upstream_bytes, stream).map_err(|e| match e {
+            // Report the size the caller asked for, not the padded one.
+            Error::OutOfMemory { resource, .. } => Error::OutOfMemory {
+                resource,
+                requested: bytes,
+            },
+            other => other,
+        })?;
         let aligned = DevicePtr(raw.0.next_multiple_of(self.alignment as u64));
         // Keep the upstream address and size (also when no shift was needed) so deallocate frees exactly
         // what was allocated.
@@ -86,6 +93,19 @@ mod tests {
     use super::*;
     use crate::testing::SimResource;
     const S: StreamRef<'static> = StreamRef::LEGACY;
+
+    #[test]
+    fn out_of_memory_names_the_size_asked_for() {
+        let mr = AlignedAdaptor::new(SimResource::with_capacity(1 << 20), 4096, 1024).unwrap();
+        let e = mr.allocate(2 << 20, S).unwrap_err();
+        assert_eq!(
+            e,
+            Error::OutOfMemory {
+                resource: "SimResource",
+                requested: 2 << 20
+            }
+        );
+    }
 
     #[test]
     fn aligns_large_requests_and_frees_what_it_took() {

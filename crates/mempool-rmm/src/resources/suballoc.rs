@@ -44,7 +44,10 @@ pub struct CudaStreams {
 }
 
 fn stream_err(op: &'static str, e: mempool_core::Error) -> suballoc::Error {
-    suballoc::Error::Stream { op, source: Box::new(e) }
+    suballoc::Error::Stream {
+        op,
+        source: Box::new(e),
+    }
 }
 
 impl StreamOrder for CudaStreams {
@@ -86,10 +89,14 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
         })?;
         match self.upstream.allocate(bytes_usize, stream.stream()) {
             Ok(p) => Ok(p.0),
-            Err(e) if e.is_out_of_memory() => {
-                Err(suballoc::Error::OutOfMemory { requested: bytes, cause: suballoc::OutOfMemoryCause::Upstream })
-            }
-            Err(e) => Err(suballoc::Error::Upstream { op: "allocate", source: Box::new(e) }),
+            Err(e) if e.is_out_of_memory() => Err(suballoc::Error::OutOfMemory {
+                requested: bytes,
+                cause: suballoc::OutOfMemoryCause::Upstream,
+            }),
+            Err(e) => Err(suballoc::Error::Upstream {
+                op: "allocate",
+                source: Box::new(e),
+            }),
         }
     }
 
@@ -97,10 +104,12 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
         let r = if self.releasing.load(Ordering::Acquire) {
             // The context was synchronized before release began, so nothing uses the chunk.
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
-                self.upstream.deallocate(DevicePtr(addr), bytes as usize, StreamRef::LEGACY)
+                self.upstream
+                    .deallocate(DevicePtr(addr), bytes as usize, StreamRef::LEGACY)
             })
         } else {
-            self.upstream.deallocate(DevicePtr(addr), bytes as usize, stream.stream())
+            self.upstream
+                .deallocate(DevicePtr(addr), bytes as usize, stream.stream())
         };
         if let Err(e) = r {
             // The engine's upstream contract has no error path for frees; keep the report.
@@ -119,9 +128,10 @@ pub fn take_upstream_errors() -> Vec<Error> {
 
 fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
     match e {
-        suballoc::Error::OutOfMemory { requested, .. } => {
-            Error::OutOfMemory { resource, requested: requested.try_into().unwrap_or(usize::MAX) }
-        }
+        suballoc::Error::OutOfMemory { requested, .. } => Error::OutOfMemory {
+            resource,
+            requested: requested.try_into().unwrap_or(usize::MAX),
+        },
         suballoc::Error::TooLarge { requested, limit } => Error::Unsupported {
             resource,
             reason: format!("{requested} bytes is more than the largest block it serves ({limit} bytes)"),
@@ -132,13 +142,19 @@ fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
             bytes: bytes as usize,
             reason: "not a live allocation of this resource".into(),
         },
-        suballoc::Error::InvalidConfig(why) => Error::Unsupported { resource, reason: why.into() },
+        suballoc::Error::InvalidConfig(why) => Error::Unsupported {
+            resource,
+            reason: why.into(),
+        },
         suballoc::Error::Stream { source, .. } | suballoc::Error::Upstream { source, .. } => {
             match source.downcast::<Error>() {
                 Ok(e) => *e,
                 Err(source) => match source.downcast::<mempool_core::Error>() {
                     Ok(e) => Error::from(*e),
-                    Err(other) => Error::Unsupported { resource, reason: other.to_string() },
+                    Err(other) => Error::Unsupported {
+                        resource,
+                        reason: other.to_string(),
+                    },
                 },
             }
         }
@@ -202,7 +218,11 @@ macro_rules! suballocating_resource {
                 self.adapter.releasing.store(true, Ordering::Release);
                 let r = engine.release();
                 self.adapter.releasing.store(false, Ordering::Release);
-                r.map_err(|e| map_engine_error(stringify!($name), e))
+                r.map_err(|e| map_engine_error(stringify!($name), e))?;
+                // Let the frees complete before anything (such as dropping an upstream pool) can follow:
+                // on the GPUs used here, destroying a pool while frees on a busy legacy stream were still
+                // pending crashed or hung the driver when other threads were working.
+                Ok(self.ctx.synchronize()?)
             }
         }
 

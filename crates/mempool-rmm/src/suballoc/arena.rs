@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use super::addr_map::AddrMap;
 use super::pool::PoolCore;
 use super::{
-    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
-    OutOfMemoryCause, PoolConfig, StreamOrder, Upstream, ALIGNMENT,
+    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation, OutOfMemoryCause,
+    PoolConfig, StreamOrder, Upstream, ALIGNMENT,
 };
 
 /// The shape of an [`ArenaEngine`].
@@ -54,10 +54,11 @@ struct StreamArena<S> {
     /// coalesce only within one superblock. Invariant: with the live blocks of each superblock,
     /// exactly covers it.
     free: FreeList,
-    /// A superblock with no live block that the arena keeps instead of returning, so that a stream
-    /// hovering around a superblock boundary does not bounce superblocks through the global arena.
-    /// Invariant: if set, its `used` is 0 and its owner is `stream`.
-    spare: Option<u64>,
+    /// The arena's superblocks with no live block. The arena keeps one (so that a stream hovering
+    /// around a superblock boundary does not bounce superblocks through the global arena) and
+    /// returns the others when it next frees on its own stream. Invariant: exactly the superblocks
+    /// owned by `stream` whose `used` is 0.
+    empty: Vec<u64>,
 }
 
 /// Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource`, on
@@ -68,11 +69,11 @@ struct StreamArena<S> {
 /// - Each stream has an arena of superblocks taken from the global arena. Small requests (at most
 ///   half a superblock) are best fits within the stream's arena, coalescing within a superblock;
 ///   no other stream touches them, so no event is needed to reuse them.
-/// - A superblock whose last block is freed goes back to the global arena (one spare per arena is
-///   kept), where the pool's event rule hands it to other streams; large requests go straight to
-///   the global arena under the same rule.
-/// - A block freed on a stream other than its arena's is returned to its arena after making the
-///   arena's stream wait on an event recorded on the freeing stream.
+/// - A superblock whose last block is freed goes back to the global arena (one empty superblock per
+///   arena is kept), where the pool's event rule hands it to other streams; large requests go
+///   straight to the global arena under the same rule.
+/// - A block freed on a stream other than its arena's goes back to its arena after the freeing
+///   stream is synchronized (as RMM does), so the arena's stream needs no event to reuse it.
 ///
 /// Per-thread arenas, RMM's other mode, buy nothing here: an engine is `&mut` behind its
 /// resource's lock, so the lock, not the arena, is what threads contend on.
@@ -115,8 +116,6 @@ where
     /// sizes add up to `small_used`, and per superblock to its `used`.
     live: AddrMap<(u64, u64)>,
     small_used: u64,
-    /// Per freeing stream, the event recorded for frees on a stream other than the block's arena.
-    cross_events: HashMap<O::Stream, O::Event>,
 }
 
 impl<U, O> ArenaEngine<U, O>
@@ -129,13 +128,10 @@ where
     /// aligned blocks) or a global configuration [`PoolEngine::new`](super::PoolEngine::new) would
     /// reject.
     pub fn new(upstream: U, order: O, config: ArenaConfig) -> Result<Self, Error> {
-        let superblock_size = align_up(config.superblock_size).ok_or(Error::InvalidConfig(
-            "superblock_size is not representable",
-        ))?;
+        let superblock_size =
+            align_up(config.superblock_size).ok_or(Error::InvalidConfig("superblock_size is not representable"))?;
         if superblock_size < 2 * ALIGNMENT {
-            return Err(Error::InvalidConfig(
-                "superblock_size must be at least 512 bytes",
-            ));
+            return Err(Error::InvalidConfig("superblock_size must be at least 512 bytes"));
         }
         let global = PoolCore::new(PoolConfig {
             initial_size: config.initial_size,
@@ -154,7 +150,6 @@ where
             superblocks: AddrMap::default(),
             live: AddrMap::default(),
             small_used: 0,
-            cross_events: HashMap::new(),
         })
     }
 
@@ -175,7 +170,7 @@ where
             arenas.push(StreamArena {
                 stream,
                 free: FreeList::new(),
-                spare: None,
+                empty: Vec::new(),
             });
             arenas.len() - 1
         });
@@ -193,25 +188,25 @@ where
         if bytes == 0 {
             return Ok(0);
         }
-        let size = align_up(bytes).ok_or(Error::OutOfMemory {
+        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
             requested: bytes,
             cause: OutOfMemoryCause::AddressSpace,
         })?;
         if size > self.small_max {
-            return self
-                .global
-                .allocate(&self.upstream, &self.order, bytes, stream);
+            return self.global.allocate(&self.upstream, &self.order, bytes, stream);
         }
         let i = self.arena(stream);
         let block = match self.arenas[i].free.take_best_fit(size) {
             Some(b) => b,
             None => self.new_superblock(bytes, size, stream, i)?,
         };
-        let arena = &mut self.arenas[i];
-        if arena.spare == Some(block.chunk) {
-            arena.spare = None;
-        }
         if let Some(sb) = self.superblocks.get_mut(&block.chunk) {
+            if sb.used == 0 {
+                let empty = &mut self.arenas[i].empty;
+                if let Some(k) = empty.iter().position(|&e| e == block.chunk) {
+                    empty.swap_remove(k);
+                }
+            }
             sb.used += size;
         }
         self.live.insert(block.addr, (size, block.chunk));
@@ -220,34 +215,19 @@ where
     }
 
     /// Takes a superblock from the global arena into arena `i` and carves `size` bytes from it.
-    /// When the global arena is full, first returns every arena's spare superblock to it.
+    /// When the global arena is full, first returns every arena's empty superblocks to it.
     #[cold]
-    fn new_superblock(
-        &mut self,
-        bytes: u64,
-        size: u64,
-        stream: O::Stream,
-        i: usize,
-    ) -> Result<Block, Error> {
+    fn new_superblock(&mut self, bytes: u64, size: u64, stream: O::Stream, i: usize) -> Result<Block, Error> {
         let sb_size = self.superblock_size;
-        let addr = match self
-            .global
-            .allocate(&self.upstream, &self.order, sb_size, stream)
-        {
+        let addr = match self.global.allocate(&self.upstream, &self.order, sb_size, stream) {
             Ok(a) => a,
-            Err(Error::OutOfMemory { .. }) if self.return_spares()? > 0 => self
+            Err(Error::OutOfMemory { .. }) if self.return_empty_superblocks(stream)? > 0 => self
                 .global
                 .allocate(&self.upstream, &self.order, sb_size, stream)
                 .map_err(|e| with_requested(e, bytes))?,
             Err(e) => return Err(with_requested(e, bytes)),
         };
-        self.superblocks.insert(
-            addr,
-            Superblock {
-                owner: stream,
-                used: 0,
-            },
-        );
+        self.superblocks.insert(addr, Superblock { owner: stream, used: 0 });
         let free = &mut self.arenas[i].free;
         free.insert(Block {
             addr,
@@ -260,35 +240,40 @@ where
         })
     }
 
-    /// Returns every arena's spare superblock to the global arena; returns how many.
-    fn return_spares(&mut self) -> Result<usize, Error> {
+    /// Returns every arena's empty superblocks to the global arena, into `stream`'s list (the
+    /// stream of the call in progress); returns how many. Another arena's stream is synchronized
+    /// first, since `stream` is not ordered after the frees made on it.
+    fn return_empty_superblocks(&mut self, stream: O::Stream) -> Result<usize, Error> {
         let mut n = 0;
         for i in 0..self.arenas.len() {
-            if let Some(sb) = self.arenas[i].spare.take() {
-                self.return_superblock(i, sb)?;
+            if self.arenas[i].empty.is_empty() {
+                continue;
+            }
+            if self.arenas[i].stream != stream {
+                self.order.synchronize(self.arenas[i].stream)?;
+            }
+            while let Some(sb) = self.arenas[i].empty.pop() {
+                self.return_superblock(i, sb, stream)?;
                 n += 1;
             }
         }
         Ok(n)
     }
 
-    /// Moves the empty superblock `sb` from arena `i` back to the global arena, freed on the
-    /// arena's stream (every block of it was last freed into this arena, so it is ordered before
-    /// that stream's current work).
-    fn return_superblock(&mut self, i: usize, sb: u64) -> Result<(), Error> {
-        let arena = &mut self.arenas[i];
-        arena.free.remove(sb);
+    /// Moves the empty superblock `sb` from arena `i` to the global arena, freed on `stream`, which
+    /// must be ordered after every free into it.
+    fn return_superblock(&mut self, i: usize, sb: u64, stream: O::Stream) -> Result<(), Error> {
+        self.arenas[i].free.remove(sb);
         self.superblocks.remove(&sb);
-        self.global
-            .deallocate(&self.order, sb, self.superblock_size, arena.stream)
+        self.global.deallocate(&self.order, sb, self.superblock_size, stream)
     }
 
     /// Frees an allocation of `bytes` made by [`allocate`](Self::allocate). Freeing 0 bytes does
-    /// nothing. A small block freed on a stream other than its arena's makes the arena's stream
-    /// wait on an event recorded on `stream` first.
+    /// nothing. A small block freed on a stream other than its arena's first synchronizes `stream`
+    /// (as RMM's arena does), so that the arena's stream may reuse it without an event.
     ///
     /// Fails with [`Error::UnknownAllocation`] when `addr` is not a live allocation of that size,
-    /// or with [`Error::Stream`] when the cross-stream event fails; either way changing nothing.
+    /// or with [`Error::Stream`] when that synchronize fails; either way changing nothing.
     #[inline]
     pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
@@ -308,7 +293,7 @@ where
             _ => return Err(Error::UnknownAllocation { addr, bytes }),
         };
         if owner != stream {
-            self.order_owner_after(owner, stream)?;
+            self.order.synchronize(stream)?;
         }
         self.live.remove(&addr);
         self.small_used -= size;
@@ -318,39 +303,28 @@ where
             size,
             chunk: sb_addr,
         });
-        let now_empty = match self.superblocks.get_mut(&sb_addr) {
-            Some(sb) => {
-                sb.used -= size;
-                sb.used == 0
+        if let Some(sb) = self.superblocks.get_mut(&sb_addr) {
+            sb.used -= size;
+            if sb.used == 0 {
+                self.arenas[i].empty.push(sb_addr);
             }
-            None => false,
-        };
-        if now_empty {
-            if self.arenas[i].spare.is_none() {
-                self.arenas[i].spare = Some(sb_addr);
-            } else {
-                self.return_superblock(i, sb_addr)?;
+        }
+        // Only on the arena's own stream: the superblock goes back into that stream's global list.
+        if owner == stream {
+            while self.arenas[i].empty.len() > 1 {
+                let sb = self.arenas[i].empty.swap_remove(0);
+                self.return_superblock(i, sb, stream)?;
             }
         }
         Ok(())
     }
 
-    /// Makes `owner` wait for the work issued on `freeing` so far.
-    #[cold]
-    fn order_owner_after(&mut self, owner: O::Stream, freeing: O::Stream) -> Result<(), Error> {
-        let ev = match self.cross_events.entry(freeing) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.order.create_event()?),
-        };
-        self.order.record(ev, freeing)?;
-        self.order.wait(owner, ev)
-    }
-
-    /// Returns every spare superblock to the global arena, then merges the global arena's free
-    /// lists into `into`'s (after waits), where they coalesce: once everything is freed, this leaves
-    /// one free block per upstream chunk.
+    /// Returns every arena's empty superblocks to the global arena (synchronizing the arenas'
+    /// streams other than `into`), then merges the global arena's free lists into `into`'s (after
+    /// waits), where they coalesce: once everything is freed, this leaves one free block per
+    /// upstream chunk.
     pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
-        self.return_spares()?;
+        self.return_empty_superblocks(into)?;
         self.global.merge_free_lists(&self.order, into)
     }
 
@@ -359,9 +333,6 @@ where
     pub fn release(&mut self) -> Result<(), Error> {
         for a in &self.arenas {
             self.order.synchronize(a.stream)?;
-        }
-        for &s in self.cross_events.keys() {
-            self.order.synchronize(s)?;
         }
         self.global.release(&self.upstream, &self.order)?;
         self.arenas.clear();
@@ -411,8 +382,7 @@ where
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;
-        let global_live: HashMap<u64, u64> =
-            self.global.live().map(|b| (b.addr, b.size)).collect();
+        let global_live: HashMap<u64, u64> = self.global.live().map(|b| (b.addr, b.size)).collect();
         // Per superblock: (free bytes, live bytes).
         let mut per_sb: HashMap<u64, (u64, u64)> = HashMap::new();
         let mut blocks: Vec<Block> = Vec::new();
@@ -428,6 +398,7 @@ where
             );
             per_sb.insert(sb, (0, 0));
         }
+        let mut empty_listed = 0;
         for (i, arena) in self.arenas.iter().enumerate() {
             ensure!(
                 self.arena_index.get(&arena.stream) == Some(&i),
@@ -447,16 +418,30 @@ where
                 }
                 blocks.push(b);
             }
-            if let Some(sb) = arena.spare {
+            for &sb in &arena.empty {
                 ensure!(
                     self.superblocks
                         .get(&sb)
                         .is_some_and(|s| s.used == 0 && s.owner == arena.stream),
-                    "arena: spare superblock {sb:#x} of {:?} is in use or not owned",
+                    "arena: empty superblock {sb:#x} of {:?} is in use or not owned",
                     arena.stream
                 );
             }
+            let mut sorted = arena.empty.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            ensure!(
+                sorted.len() == arena.empty.len(),
+                "arena: {:?} lists an empty superblock twice",
+                arena.stream
+            );
+            empty_listed += arena.empty.len();
         }
+        let empty_total = self.superblocks.values().filter(|s| s.used == 0).count();
+        ensure!(
+            empty_listed == empty_total,
+            "arena: {empty_total} superblocks are empty but the arenas list {empty_listed}"
+        );
         let mut small_used = 0;
         for (&addr, &(size, sb)) in &self.live {
             let Some(e) = per_sb.get_mut(&sb) else {
@@ -466,11 +451,7 @@ where
             };
             e.1 += size;
             small_used += size;
-            blocks.push(Block {
-                addr,
-                size,
-                chunk: sb,
-            });
+            blocks.push(Block { addr, size, chunk: sb });
         }
         ensure!(
             small_used == self.small_used,
@@ -548,11 +529,7 @@ mod tests {
     const B: SimStream = SimStream::new(1);
     const KIB: u64 = 1024;
 
-    fn arena(
-        superblock_size: u64,
-        up: SimUpstream,
-        sim: SimStreams,
-    ) -> ArenaEngine<SimUpstream, SimStreams> {
+    fn arena(superblock_size: u64, up: SimUpstream, sim: SimStreams) -> ArenaEngine<SimUpstream, SimStreams> {
         let config = ArenaConfig {
             superblock_size,
             ..Default::default()
@@ -576,7 +553,7 @@ mod tests {
         a.deallocate(big, 4 * KIB + 1, A).unwrap();
         a.deallocate(x, 1000, A).unwrap();
         a.deallocate(y, 4 * KIB, A).unwrap();
-        // The one empty superblock is kept as the arena's spare.
+        // The one empty superblock stays in the arena.
         assert_eq!(a.superblocks_in_arenas(), 1);
         a.check_invariants().unwrap();
         a.merge_free_lists(A).unwrap();
@@ -588,7 +565,7 @@ mod tests {
     }
 
     #[test]
-    fn empty_superblocks_beyond_the_spare_go_back_to_global() {
+    fn empty_superblocks_beyond_one_go_back_to_global() {
         let mut a = arena(4 * KIB, SimUpstream::new(), SimStreams::new());
         let blocks: Vec<u64> = (0..6).map(|_| a.allocate(2 * KIB, A).unwrap()).collect();
         assert_eq!(a.superblocks_in_arenas(), 3);
@@ -627,21 +604,16 @@ mod tests {
         let x = a.allocate(KIB, A).unwrap();
         let used_on_b = sim.point(B);
         a.deallocate(x, KIB, B).unwrap();
-        // A's arena will reuse the block for work on A: A must be ordered after the free on B.
+        // A's arena will reuse the block for work on A: A must be ordered after the free on B,
+        // here through a synchronize of B (the call's own stream).
+        assert_eq!(sim.counts().synchronizes, 1);
         assert!(sim.is_ordered_after(A, used_on_b));
         assert_eq!(a.allocate(KIB, A).unwrap(), x);
-        sim.set_fail_waits(true);
-        let y = a.allocate(KIB, A).unwrap();
-        assert!(matches!(
-            a.deallocate(y, KIB, B),
-            Err(Error::Stream { op: "wait", .. })
-        ));
-        assert_eq!(a.stats().live_allocations, 2);
         a.check_invariants().unwrap();
     }
 
     #[test]
-    fn out_of_memory_reports_the_requested_size_after_returning_spares() {
+    fn out_of_memory_reports_the_requested_size_after_reclaiming_empty_superblocks() {
         let config = ArenaConfig {
             superblock_size: 4 * KIB,
             initial_size: 8 * KIB,
@@ -652,8 +624,9 @@ mod tests {
         let x = a.allocate(2 * KIB, A).unwrap();
         let y = a.allocate(2 * KIB, B).unwrap();
         a.deallocate(y, 2 * KIB, B).unwrap();
-        // B keeps its empty superblock as a spare. A fills its first superblock, then needs a
-        // second one: the global arena is at its maximum, so B's spare is reclaimed.
+        // B keeps its empty superblock. A fills its first superblock, then needs a second one: the
+        // global arena is at its maximum, so B's empty superblock is reclaimed (after a synchronize
+        // of B).
         a.allocate(2 * KIB, A).unwrap();
         a.allocate(2 * KIB, A).unwrap();
         a.allocate(2 * KIB, A).unwrap();
@@ -671,7 +644,10 @@ mod tests {
             ArenaEngine::new(
                 SimUpstream::new(),
                 SimStreams::new(),
-                ArenaConfig { superblock_size: 256, ..Default::default() }
+                ArenaConfig {
+                    superblock_size: 256,
+                    ..Default::default()
+                }
             ),
             Err(Error::InvalidConfig(_))
         ));
@@ -706,27 +682,24 @@ mod tests {
 
         #[test]
         fn random_sequences(ops in ops(6000, 3, 150), on_demand in any::<bool>()) {
-            let (up, sim) = world(None);
-            let config = ArenaConfig {
-                superblock_size: 8 * 1024,
-                event_policy: if on_demand { EventPolicy::RecordOnDemand } else { EventPolicy::RecordOnFree },
-                ..Default::default()
-            };
-            let a = ArenaEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(a, &up, &sim, &ops, false)?;
+            let policy = if on_demand { EventPolicy::RecordOnDemand } else { EventPolicy::RecordOnFree };
+            let w = world(None, policy);
+            let config = ArenaConfig { superblock_size: 8 * 1024, event_policy: policy, ..Default::default() };
+            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(a, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150)) {
-            let (up, sim) = world(None);
+            let w = world(None, EventPolicy::RecordOnFree);
             let config = ArenaConfig {
                 superblock_size: 4 * 1024,
                 initial_size: 8 * 1024,
                 maximum_size: Some(48 * 1024),
                 ..Default::default()
             };
-            let a = ArenaEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(a, &up, &sim, &ops, true)?;
+            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(a, &w, &ops, true)?;
         }
     }
 }

@@ -3,8 +3,8 @@
 use super::addr_map::AddrMap;
 use super::fixed_size::FixedCore;
 use super::{
-    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause,
-    StreamOrder, Upstream, ALIGNMENT,
+    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder, Upstream,
+    ALIGNMENT,
 };
 
 /// The bins of a [`BinningEngine`].
@@ -109,8 +109,7 @@ where
         let size = bytes.max(1 << self.config.min_size_exponent);
         // ceil(log2(size)), for size >= 2.
         let exp = 64 - (size - 1).leading_zeros();
-        (exp <= self.config.max_size_exponent)
-            .then(|| (exp - self.config.min_size_exponent) as usize)
+        (exp <= self.config.max_size_exponent).then(|| (exp - self.config.min_size_exponent) as usize)
     }
 
     /// The configuration.
@@ -155,10 +154,7 @@ where
             self.upstream.deallocate(addr, size, stream);
             return Err(Error::Upstream {
                 op: "allocate",
-                source: format!(
-                    "returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes"
-                )
-                .into(),
+                source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
             });
         }
         self.large.insert(addr, (size, stream));
@@ -429,16 +425,17 @@ mod tests {
 
         #[test]
         fn random_sequences(ops in ops(4096, 3, 150), per_chunk in 1u64..5) {
-            let (up, sim) = world(None);
-            let b = BinningEngine::new(up.clone(), sim.clone(), config(8, 11, per_chunk)).unwrap();
-            testing::run(b, &up, &sim, &ops, false)?;
+            let w = world(None, EventPolicy::RecordOnFree);
+            let b = BinningEngine::new(w.up.clone(), w.order.clone(), config(8, 11, per_chunk)).unwrap();
+            testing::run(b, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(4096, 3, 150)) {
-            let (up, sim) = world(Some(32 * 1024));
-            let b = BinningEngine::new(up.clone(), sim.clone(), config(8, 11, 4)).unwrap();
-            testing::run(b, &up, &sim, &ops, true)?;
+            let w = world(Some(32 * 1024), EventPolicy::RecordOnDemand);
+            let config = BinningConfig { event_policy: EventPolicy::RecordOnDemand, ..config(8, 11, 4) };
+            let b = BinningEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(b, &w, &ops, true)?;
         }
     }
 }

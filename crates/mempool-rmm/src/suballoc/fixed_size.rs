@@ -4,10 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use super::addr_map::AddrSet;
 use super::stream_lists::StreamLists;
-use super::{
-    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream,
-    ALIGNMENT,
-};
+use super::{align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream, ALIGNMENT};
 
 /// The shape of a [`FixedSizeEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,24 +47,17 @@ pub(crate) struct FixedCore<O: StreamOrder> {
 }
 
 impl<O: StreamOrder> FixedCore<O> {
-    pub(crate) fn new(
-        block_size: u64,
-        blocks_per_chunk: u64,
-        policy: EventPolicy,
-    ) -> Result<Self, Error> {
+    pub(crate) fn new(block_size: u64, blocks_per_chunk: u64, policy: EventPolicy) -> Result<Self, Error> {
         if block_size == 0 {
             return Err(Error::InvalidConfig("block_size is 0"));
         }
         if blocks_per_chunk == 0 {
             return Err(Error::InvalidConfig("blocks_per_chunk is 0"));
         }
-        let block_size =
-            align_up(block_size).ok_or(Error::InvalidConfig("block_size is not representable"))?;
+        let block_size = align_up(block_size).ok_or(Error::InvalidConfig("block_size is not representable"))?;
         let chunk_size = block_size
             .checked_mul(blocks_per_chunk)
-            .ok_or(Error::InvalidConfig(
-                "block_size * blocks_per_chunk overflows",
-            ))?;
+            .ok_or(Error::InvalidConfig("block_size * blocks_per_chunk overflows"))?;
         Ok(Self {
             block_size,
             chunk_size,
@@ -120,19 +110,14 @@ impl<O: StreamOrder> FixedCore<O> {
         }
         let addr = match upstream.allocate(self.chunk_size, stream) {
             Ok(a) => a,
-            Err(Error::OutOfMemory { cause, .. }) => {
-                return Err(Error::OutOfMemory { requested, cause })
-            }
+            Err(Error::OutOfMemory { cause, .. }) => return Err(Error::OutOfMemory { requested, cause }),
             Err(e) => return Err(e),
         };
         if addr == 0 || addr % ALIGNMENT != 0 {
             upstream.deallocate(addr, self.chunk_size, stream);
             return Err(Error::Upstream {
                 op: "allocate",
-                source: format!(
-                    "returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes"
-                )
-                .into(),
+                source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
             });
         }
         self.chunks.insert(addr, stream);
@@ -140,9 +125,7 @@ impl<O: StreamOrder> FixedCore<O> {
         if n > 1 {
             // Pushed high to low, so the chunk is handed out in address order.
             let bs = self.block_size;
-            self.lists
-                .list_mut(i)
-                .extend((1..n).rev().map(|k| addr + k * bs));
+            self.lists.list_mut(i).extend((1..n).rev().map(|k| addr + k * bs));
             self.lists.entered(order, i);
         }
         Ok(addr)
@@ -150,13 +133,7 @@ impl<O: StreamOrder> FixedCore<O> {
 
     /// Frees the block at `addr` into `stream`'s list.
     #[inline]
-    pub(crate) fn deallocate(
-        &mut self,
-        order: &O,
-        addr: u64,
-        bytes: u64,
-        stream: O::Stream,
-    ) -> Result<(), Error> {
+    pub(crate) fn deallocate(&mut self, order: &O, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if !self.live.remove(&addr) {
             return Err(Error::UnknownAllocation { addr, bytes });
         }
@@ -178,11 +155,7 @@ impl<O: StreamOrder> FixedCore<O> {
 
     /// Synchronizes every stream seen, then returns every chunk to the upstream and forgets all
     /// blocks. On a synchronize error, changes nothing.
-    pub(crate) fn release<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        order: &O,
-    ) -> Result<(), Error> {
+    pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
         self.lists.synchronize_all(order)?;
         for (&addr, &stream) in &self.chunks {
             upstream.deallocate(addr, self.chunk_size, stream);
@@ -278,11 +251,7 @@ where
         Ok(Self {
             upstream,
             order,
-            core: FixedCore::new(
-                config.block_size,
-                config.blocks_per_chunk,
-                config.event_policy,
-            )?,
+            core: FixedCore::new(config.block_size, config.blocks_per_chunk, config.event_policy)?,
         })
     }
 
@@ -307,8 +276,7 @@ where
                 limit: self.core.block_size(),
             });
         }
-        self.core
-            .allocate(&self.upstream, &self.order, bytes, stream)
+        self.core.allocate(&self.upstream, &self.order, bytes, stream)
     }
 
     /// Frees a block allocated with `bytes`; reusable at once on `stream`, by other streams after
@@ -379,11 +347,7 @@ mod tests {
     const A: SimStream = SimStream::new(0);
     const B: SimStream = SimStream::new(1);
 
-    fn fixed(
-        block_size: u64,
-        blocks_per_chunk: u64,
-        up: SimUpstream,
-    ) -> FixedSizeEngine<SimUpstream, SimStreams> {
+    fn fixed(block_size: u64, blocks_per_chunk: u64, up: SimUpstream) -> FixedSizeEngine<SimUpstream, SimStreams> {
         let config = FixedSizeConfig {
             block_size,
             blocks_per_chunk,
@@ -429,15 +393,9 @@ mod tests {
             f.deallocate(a + 256, 10, A),
             Err(Error::UnknownAllocation { .. })
         ));
-        assert!(matches!(
-            f.deallocate(a, 513, A),
-            Err(Error::UnknownAllocation { .. })
-        ));
+        assert!(matches!(f.deallocate(a, 513, A), Err(Error::UnknownAllocation { .. })));
         f.deallocate(a, 512, A).unwrap();
-        assert!(matches!(
-            f.deallocate(a, 512, A),
-            Err(Error::UnknownAllocation { .. })
-        ));
+        assert!(matches!(f.deallocate(a, 512, A), Err(Error::UnknownAllocation { .. })));
         f.check_invariants().unwrap();
         for (block_size, blocks_per_chunk) in [(0, 1), (256, 0), (u64::MAX / 2, 4)] {
             let config = FixedSizeConfig {
@@ -505,18 +463,18 @@ mod tests {
 
         #[test]
         fn random_sequences(ops in ops(1024, 3, 150), per_chunk in 1u64..6) {
-            let (up, sim) = world(None);
+            let w = world(None, EventPolicy::RecordOnFree);
             let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: per_chunk, ..Default::default() };
-            let f = FixedSizeEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(f, &up, &sim, &ops, false)?;
+            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(f, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(1024, 3, 150)) {
-            let (up, sim) = world(Some(24 * 1024));
+            let w = world(Some(24 * 1024), EventPolicy::RecordOnDemand);
             let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: 4, event_policy: EventPolicy::RecordOnDemand };
-            let f = FixedSizeEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(f, &up, &sim, &ops, true)?;
+            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(f, &w, &ops, true)?;
         }
     }
 }

@@ -25,14 +25,26 @@
 //! event wait), then merges the other lists into its own (one wait per list; merged blocks coalesce),
 //! and only then grows from the upstream.
 //!
+//! # Which streams an engine touches
+//!
+//! With [`EventPolicy::RecordOnFree`] (the default), an engine passes a stream to
+//! [`StreamOrder::create_event`], [`StreamOrder::record`], [`StreamOrder::wait`],
+//! [`Upstream::allocate`] and [`Upstream::deallocate`] only while serving a call that was given that
+//! stream (`allocate`, `deallocate`, `merge_free_lists`, `trim`). Two exceptions replay streams the
+//! engine stored earlier, which may have been destroyed since: [`StreamOrder::synchronize`] (used to
+//! hand over blocks whose event could not be recorded, and before releasing), and `release` (and
+//! `Drop`), which returns each upstream chunk on the stream it was allocated on, after synchronizing.
+//! An implementation over real streams can therefore treat every stream it is handed as alive,
+//! except in those two calls.
+//!
 //! # Engines
 //!
 //! | engine | RMM counterpart | cost per operation |
 //! | --- | --- | --- |
-//! | [`PoolEngine`] | `pool_memory_resource` | O(log n): coalescing best fit |
+//! | [`PoolEngine`] | `pool_memory_resource` | coalescing best fit: O(1) for free blocks up to 1 MiB, O(log n) above |
 //! | [`FixedSizeEngine`] | `fixed_size_memory_resource` | O(1) |
 //! | [`BinningEngine`] | `binning_memory_resource` | O(1) for binned sizes |
-//! | [`ArenaEngine`] | `arena_memory_resource` | O(log n) within per-stream arenas |
+//! | [`ArenaEngine`] | `arena_memory_resource` | as the pool's, within per-stream arenas |
 //!
 //! Engines take `&mut self`: a resource that is shared between threads wraps its engine in a
 //! `Mutex`. They are `Send` whenever their upstream, stream order and events are.
@@ -75,9 +87,7 @@ pub use binning::{BinningConfig, BinningEngine};
 pub use fixed_size::{FixedSizeConfig, FixedSizeEngine};
 pub use free_list::{Block, FreeList};
 pub use pool::{PoolConfig, PoolEngine};
-pub use stream_order::{
-    SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS,
-};
+pub use stream_order::{SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS};
 pub use upstream::{SimUpstream, SimUpstreamStats, Upstream, SIM_BASE_ADDRESS};
 
 /// Alignment of every address and block size the engines hand out, in bytes.
@@ -227,12 +237,14 @@ pub struct EngineStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum EventPolicy {
     /// Record on the freeing stream right after each block enters a stream's free list (RMM's
-    /// behaviour). Costs one event record per deallocation, but a list stays stealable after its
-    /// stream has been destroyed.
+    /// behaviour). Costs one event record per deallocation, and in exchange the engine only ever
+    /// records or waits on the stream of the call in progress (see "Which streams an engine
+    /// touches" in the [module docs](self)), so streams may be destroyed while their freed blocks
+    /// sit in the engine.
     #[default]
     RecordOnFree,
     /// Record on the owning stream only when another stream is about to take a block from its list.
-    /// Saves the per-deallocation record, but requires every stream with free blocks in the engine
-    /// to stay valid until the engine is released.
+    /// Saves the per-deallocation record, but records on streams the engine stored earlier, so every
+    /// stream with free blocks in the engine must stay valid until the engine is released.
     RecordOnDemand,
 }

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use super::addr_map::AddrMap;
 use super::stream_lists::StreamLists;
 use super::{
-    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
-    OutOfMemoryCause, StreamOrder, Upstream, ALIGNMENT,
+    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation, OutOfMemoryCause,
+    StreamOrder, Upstream, ALIGNMENT,
 };
 
 /// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
@@ -37,8 +37,8 @@ impl Default for PoolConfig {
 impl PoolConfig {
     /// Checks the configuration and rounds its sizes to [`ALIGNMENT`].
     fn normalized(self) -> Result<Self, Error> {
-        let initial_size = align_up(self.initial_size)
-            .ok_or(Error::InvalidConfig("initial_size is not representable"))?;
+        let initial_size =
+            align_up(self.initial_size).ok_or(Error::InvalidConfig("initial_size is not representable"))?;
         let maximum_size = match self.maximum_size {
             Some(max) => {
                 let max = max & !(ALIGNMENT - 1);
@@ -46,9 +46,7 @@ impl PoolConfig {
                     return Err(Error::InvalidConfig("maximum_size is below the alignment"));
                 }
                 if initial_size > max {
-                    return Err(Error::InvalidConfig(
-                        "initial_size is larger than maximum_size",
-                    ));
+                    return Err(Error::InvalidConfig("initial_size is larger than maximum_size"));
                 }
                 Some(max)
             }
@@ -113,7 +111,7 @@ impl<O: StreamOrder> PoolCore<O> {
         bytes: u64,
         stream: O::Stream,
     ) -> Result<u64, Error> {
-        let size = align_up(bytes).ok_or(Error::OutOfMemory {
+        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
             requested: bytes,
             cause: OutOfMemoryCause::AddressSpace,
         })?;
@@ -218,7 +216,8 @@ impl<O: StreamOrder> PoolCore<O> {
                         upstream.deallocate(addr, want, stream);
                         return Err(Error::Upstream {
                             op: "allocate",
-                            source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
+                            source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes")
+                                .into(),
                         });
                     }
                     self.chunks.insert(addr, Chunk { size: want, stream });
@@ -226,11 +225,9 @@ impl<O: StreamOrder> PoolCore<O> {
                     return Ok((addr, want));
                 }
                 Err(Error::OutOfMemory { .. }) if want > size => {
-                    want = (want / 2 & !(ALIGNMENT - 1)).max(size);
+                    want = ((want / 2) & !(ALIGNMENT - 1)).max(size);
                 }
-                Err(Error::OutOfMemory { cause, .. }) => {
-                    return Err(Error::OutOfMemory { requested, cause })
-                }
+                Err(Error::OutOfMemory { cause, .. }) => return Err(Error::OutOfMemory { requested, cause }),
                 Err(e) => return Err(e),
             }
         }
@@ -238,28 +235,20 @@ impl<O: StreamOrder> PoolCore<O> {
 
     /// Frees `bytes > 0` at `addr` into `stream`'s list.
     #[inline]
-    pub(crate) fn deallocate(
-        &mut self,
-        order: &O,
-        addr: u64,
-        bytes: u64,
-        stream: O::Stream,
-    ) -> Result<(), Error> {
-        let unknown = Error::UnknownAllocation { addr, bytes };
-        let size = align_up(bytes).ok_or(Error::UnknownAllocation { addr, bytes })?;
+    pub(crate) fn deallocate(&mut self, order: &O, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        let unknown = || Error::UnknownAllocation { addr, bytes };
+        let size = align_up(bytes).ok_or_else(unknown)?;
         let chunk = match self.live.remove(&addr) {
             Some((s, chunk)) if s == size => chunk,
             Some(v) => {
                 self.live.insert(addr, v);
-                return Err(unknown);
+                return Err(unknown());
             }
-            None => return Err(unknown),
+            None => return Err(unknown()),
         };
         self.used -= size;
         let i = self.lists.find(stream);
-        self.lists
-            .list_mut(i)
-            .insert(Block { addr, size, chunk });
+        self.lists.list_mut(i).insert(Block { addr, size, chunk });
         self.lists.entered(order, i);
         Ok(())
     }
@@ -288,9 +277,7 @@ impl<O: StreamOrder> PoolCore<O> {
             .lists
             .list(i)
             .iter()
-            .filter(|b| {
-                b.addr == b.chunk && self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size)
-            })
+            .filter(|b| b.addr == b.chunk && self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size))
             .collect();
         if whole.is_empty() {
             return Ok(0);
@@ -310,11 +297,7 @@ impl<O: StreamOrder> PoolCore<O> {
 
     /// Returns every chunk to the upstream after synchronizing every stream seen, and forgets all
     /// blocks, live ones included. On a synchronize error, changes nothing.
-    pub(crate) fn release<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        order: &O,
-    ) -> Result<(), Error> {
+    pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
         self.lists.synchronize_all(order)?;
         for (&addr, chunk) in &self.chunks {
             upstream.deallocate(addr, chunk.size, chunk.stream);
@@ -340,9 +323,7 @@ impl<O: StreamOrder> PoolCore<O> {
 
     /// Every free block with the stream whose list holds it.
     pub(crate) fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
-        self.lists
-            .iter()
-            .flat_map(|(s, list)| list.iter().map(move |b| (s, b)))
+        self.lists.iter().flat_map(|(s, list)| list.iter().map(move |b| (s, b)))
     }
 
     /// Upstream chunks as `(address, size)`.
@@ -352,7 +333,9 @@ impl<O: StreamOrder> PoolCore<O> {
 
     /// Live allocations as `(address, size, chunk)`.
     pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.iter().map(|(&addr, &(size, chunk))| Block { addr, size, chunk })
+        self.live
+            .iter()
+            .map(|(&addr, &(size, chunk))| Block { addr, size, chunk })
     }
 
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
@@ -414,10 +397,10 @@ impl<O: StreamOrder> PoolCore<O> {
 ///
 /// - Requests are rounded up to [`ALIGNMENT`]; 0 bytes returns address 0 without touching any
 ///   state, and freeing 0 bytes does nothing.
-/// - Free blocks live in per-stream [`FreeList`]s (best fit and coalescing, O(log n)); a request
-///   its stream's list cannot serve steals from another stream's list, then merges the other lists
-///   into its own, each time after an event wait (see the [module docs](super)), and only then
-///   grows.
+/// - Free blocks live in per-stream [`FreeList`]s (exact best fit and coalescing without search);
+///   a request its stream's list cannot serve steals from another stream's list, then merges the
+///   other lists into its own, each time after an event wait (see the [module docs](super)), and
+///   only then grows.
 /// - Growth takes a new upstream chunk of `max(request, reserved)` bytes, so the pool doubles (the
 ///   first time at least [`PoolConfig::initial_size`]); past [`PoolConfig::maximum_size`] an
 ///   allocation fails with [`Error::OutOfMemory`] naming the size asked for. When the upstream is
@@ -476,8 +459,7 @@ where
         if bytes == 0 {
             return Ok(0);
         }
-        self.core
-            .allocate(&self.upstream, &self.order, bytes, stream)
+        self.core.allocate(&self.upstream, &self.order, bytes, stream)
     }
 
     /// Frees an allocation: `addr` and `bytes` as given to and returned by
@@ -505,8 +487,7 @@ where
     /// (after [`merge_free_lists`](Self::merge_free_lists) into `stream`, that is every chunk with
     /// no live allocation). Returns the bytes released.
     pub fn trim(&mut self, stream: O::Stream) -> Result<u64, Error> {
-        self.core
-            .release_whole_chunks(&self.upstream, stream)
+        self.core.release_whole_chunks(&self.upstream, stream)
     }
 
     /// Synchronizes every stream the pool has seen, then returns every chunk to the upstream,
@@ -637,10 +618,7 @@ mod tests {
             p.check_invariants().unwrap();
         }
         assert_eq!(p.stats().free_blocks, 1);
-        assert_eq!(
-            p.free_blocks().map(|(_, b)| b.size).collect::<Vec<_>>(),
-            vec![64 * KIB]
-        );
+        assert_eq!(p.free_blocks().map(|(_, b)| b.size).collect::<Vec<_>>(), vec![64 * KIB]);
     }
 
     #[test]
@@ -809,10 +787,7 @@ mod tests {
         let x = p.allocate(4 * KIB, A).unwrap();
         p.deallocate(x, 4 * KIB, A).unwrap();
         sim.set_fail_waits(true);
-        assert!(matches!(
-            p.allocate(4 * KIB, B),
-            Err(Error::Stream { op: "wait", .. })
-        ));
+        assert!(matches!(p.allocate(4 * KIB, B), Err(Error::Stream { op: "wait", .. })));
         assert_eq!(p.free_blocks().collect::<Vec<_>>().len(), 1);
         assert_eq!(p.stats().live_allocations, 0);
         p.check_invariants().unwrap();
@@ -899,10 +874,7 @@ mod tests {
     }
 
     fn policy() -> impl Strategy<Value = EventPolicy> {
-        prop_oneof![
-            Just(EventPolicy::RecordOnFree),
-            Just(EventPolicy::RecordOnDemand)
-        ]
+        prop_oneof![Just(EventPolicy::RecordOnFree), Just(EventPolicy::RecordOnDemand)]
     }
 
     proptest! {
@@ -910,25 +882,25 @@ mod tests {
 
         #[test]
         fn random_sequences(ops in ops(6000, 3, 150), policy in policy(), initial in 0u64..16_384) {
-            let (up, sim) = world(None);
+            let w = world(None, policy);
             let config = PoolConfig { initial_size: initial, event_policy: policy, ..Default::default() };
-            let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(p, &up, &sim, &ops, false)?;
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(p, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150), policy in policy()) {
-            let (up, sim) = world(None);
+            let w = world(None, policy);
             let config = PoolConfig { initial_size: 4096, maximum_size: Some(40_000), event_policy: policy };
-            let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
-            testing::run(p, &up, &sim, &ops, true)?;
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            testing::run(p, &w, &ops, true)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(6000, 3, 150)) {
-            let (up, sim) = world(Some(48 * 1024));
-            let p = PoolEngine::new(up.clone(), sim.clone(), PoolConfig::default()).unwrap();
-            testing::run(p, &up, &sim, &ops, true)?;
+            let w = world(Some(48 * 1024), EventPolicy::RecordOnFree);
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), PoolConfig::default()).unwrap();
+            testing::run(p, &w, &ops, true)?;
         }
     }
 }

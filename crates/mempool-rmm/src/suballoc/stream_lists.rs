@@ -34,24 +34,38 @@ impl FreeStore for Vec<u64> {
     }
 }
 
+/// What a stream that takes blocks from a list must wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    /// Nothing: no block ever entered the list, or the host synchronized its stream since.
+    Nothing,
+    /// The list's event, recorded after every block now in the list entered it.
+    Recorded,
+    /// A block entered the list after the event was last recorded (or the record failed).
+    Stale,
+}
+
 /// One stream's free list.
 struct StreamEntry<O: StreamOrder, L> {
     stream: O::Stream,
     list: L,
-    /// Recorded on `stream` after every block now in `list` entered it, unless `stale`. `None` until
-    /// first needed.
+    /// Created on first need and re-recorded after that; meaningful only when `pending` is
+    /// `Recorded`.
     event: Option<O::Event>,
-    /// A block entered `list` after `event` was last recorded (or the record failed): before another
-    /// stream may wait on `event`, it must be recorded again.
-    stale: bool,
+    pending: Pending,
 }
 
 /// The free lists of every stream an engine has seen, with the rule for moving blocks between them.
 ///
 /// The rule: a block in stream `A`'s list may be given to work on `A` at once; to work on `B` only
 /// after [`order_after`](Self::order_after) made `B` wait on `A`'s event. Every way into a list
-/// ([`entered`](Self::entered)) marks the event stale, so the event `B` waits on always postdates
+/// ([`entered`](Self::entered)) invalidates the event, so the event `B` waits on always postdates
 /// every block in the list, including blocks that reached `A` from a third stream through a merge.
+///
+/// Under [`EventPolicy::RecordOnFree`] every record and wait is issued on the stream of the call in
+/// progress (records right after a block enters that stream's list, waits by the stream taking a
+/// block); a list whose record failed is handed over after a host synchronize of its stream
+/// instead. Only [`EventPolicy::RecordOnDemand`] records on a stream the engine stored earlier.
 pub(crate) struct StreamLists<O: StreamOrder, L> {
     /// Invariant: `index[&entries[i].stream] == i` for every `i`, and streams are distinct.
     entries: Vec<StreamEntry<O, L>>,
@@ -89,7 +103,7 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
                 stream,
                 list: L::default(),
                 event: None,
-                stale: false,
+                pending: Pending::Nothing,
             });
             self.entries.len() - 1
         });
@@ -123,43 +137,51 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
         self.entries.iter().map(|e| e.list.blocks()).sum()
     }
 
-    /// To be called after blocks entered list `i` (a free, a merge, fresh upstream memory). Under
-    /// [`EventPolicy::RecordOnFree`] re-records the list's event now; a failed record is not an
-    /// error here because the list stays stale and the record is retried (and its error reported) by
-    /// the next [`order_after`](Self::order_after).
+    /// To be called after blocks entered list `i` (a free, a merge, fresh upstream memory), while
+    /// serving a call on list `i`'s stream. Under [`EventPolicy::RecordOnFree`] re-records the
+    /// list's event now; a failed record is not reported here: the list stays stale and the next
+    /// [`order_after`](Self::order_after) synchronizes its stream instead.
     #[inline]
     pub(crate) fn entered(&mut self, order: &O, i: usize) {
-        self.entries[i].stale = true;
-        if self.policy == EventPolicy::RecordOnFree {
-            let _ = self.refresh(order, i);
+        self.entries[i].pending = Pending::Stale;
+        if self.policy == EventPolicy::RecordOnFree && self.record(order, i).is_ok() {
+            self.entries[i].pending = Pending::Recorded;
         }
     }
 
-    /// Records list `i`'s event on its stream, making it stand for every block now in the list.
-    fn refresh(&mut self, order: &O, i: usize) -> Result<(), Error> {
+    /// Records list `i`'s event on its stream.
+    fn record(&mut self, order: &O, i: usize) -> Result<(), Error> {
         let e = &mut self.entries[i];
-        let event = match &mut e.event {
-            Some(ev) => ev,
-            slot => slot.insert(order.create_event()?),
-        };
-        order.record(event, e.stream)?;
-        e.stale = false;
-        Ok(())
+        if e.event.is_none() {
+            e.event = Some(order.create_event()?);
+        }
+        match &mut e.event {
+            Some(ev) => order.record(ev, e.stream),
+            None => Ok(()),
+        }
     }
 
-    /// Makes `waiter` wait for every block in list `i`, so that they may be handed to it.
-    pub(crate) fn order_after(
-        &mut self,
-        order: &O,
-        waiter: O::Stream,
-        i: usize,
-    ) -> Result<(), Error> {
-        if self.entries[i].stale {
-            self.refresh(order, i)?;
+    /// Makes `waiter` (the stream of the call in progress) wait for every block in list `i`, so
+    /// that they may be handed to it.
+    pub(crate) fn order_after(&mut self, order: &O, waiter: O::Stream, i: usize) -> Result<(), Error> {
+        match self.entries[i].pending {
+            Pending::Nothing => return Ok(()),
+            Pending::Recorded => {}
+            Pending::Stale => match self.policy {
+                EventPolicy::RecordOnDemand => {
+                    self.record(order, i)?;
+                    self.entries[i].pending = Pending::Recorded;
+                }
+                EventPolicy::RecordOnFree => {
+                    // Recording on a stored stream is what this policy promises never to do.
+                    order.synchronize(self.entries[i].stream)?;
+                    self.entries[i].pending = Pending::Nothing;
+                    return Ok(());
+                }
+            },
         }
         match &self.entries[i].event {
             Some(ev) => order.wait(waiter, ev),
-            // Nothing ever entered the list, so there is nothing to wait for.
             None => Ok(()),
         }
     }
@@ -177,9 +199,7 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
 
     /// Blocks the host until every stream seen has completed its work.
     pub(crate) fn synchronize_all(&self, order: &O) -> Result<(), Error> {
-        self.entries
-            .iter()
-            .try_for_each(|e| order.synchronize(e.stream))
+        self.entries.iter().try_for_each(|e| order.synchronize(e.stream))
     }
 
     /// Forgets every list and event.

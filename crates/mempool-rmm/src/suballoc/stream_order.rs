@@ -316,10 +316,7 @@ mod tests {
         let mut ev = sim.create_event().unwrap();
         sim.record(&mut ev, a).unwrap();
         sim.set_fail_waits(true);
-        assert!(matches!(
-            sim.wait(b, &ev),
-            Err(Error::Stream { op: "wait", .. })
-        ));
+        assert!(matches!(sim.wait(b, &ev), Err(Error::Stream { op: "wait", .. })));
         assert!(!sim.is_ordered_after(b, p));
     }
 }

@@ -9,21 +9,37 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 use super::{
-    ArenaEngine, BinningEngine, EngineStats, Error, FixedSizeEngine, InvariantViolation,
-    PoolEngine, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint, Upstream, ALIGNMENT,
+    ArenaEngine, BinningEngine, EngineStats, Error, EventPolicy, FixedSizeEngine, InvariantViolation, PoolEngine,
+    SimEvent, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint, Upstream, ALIGNMENT,
 };
 
+/// The stream of the engine call in progress, shared by the checking wrappers below: `None`
+/// while releasing, or between calls.
+type Current = Arc<Mutex<Option<SimStream>>>;
+
+fn check_current(current: &Current, what: &str, stream: SimStream) {
+    let cur = *current.lock().unwrap();
+    assert!(
+        cur == Some(stream),
+        "{what} on {stream:?} while serving a call on {cur:?}: engines may only touch the \
+         stream of the call in progress"
+    );
+}
+
 /// A [`SimUpstream`] that also notes, for every chunk, the point in its stream's order at which it
-/// was allocated, so the checker can tell whether a stream was ordered after it.
+/// was allocated, so the checker can tell whether a stream was ordered after it; and that checks
+/// the module's contract on which streams an engine touches.
 #[derive(Clone)]
 pub(crate) struct RecordingUpstream {
     pub(crate) inner: SimUpstream,
     sim: SimStreams,
     log: Arc<Mutex<Vec<(u64, u64, SyncPoint)>>>,
+    current: Current,
 }
 
 impl Upstream<SimStream> for RecordingUpstream {
     fn allocate(&self, bytes: u64, stream: SimStream) -> Result<u64, Error> {
+        check_current(&self.current, "upstream allocate", stream);
         let addr = self.inner.allocate(bytes, stream)?;
         let p = self.sim.point(stream);
         self.log.lock().unwrap().push((addr, bytes, p));
@@ -31,21 +47,80 @@ impl Upstream<SimStream> for RecordingUpstream {
     }
 
     fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) {
+        // Releasing returns chunks on the streams they came from, after synchronizing.
+        if self.current.lock().unwrap().is_some() {
+            check_current(&self.current, "upstream deallocate", stream);
+        }
         self.inner.deallocate(addr, bytes, stream)
     }
 }
 
+/// [`SimStreams`] that check the contract on which streams an engine touches: waits always on the
+/// stream of the call in progress, records too under [`EventPolicy::RecordOnFree`];
+/// `synchronize` on any stream.
+#[derive(Clone)]
+pub(crate) struct CheckedStreams {
+    sim: SimStreams,
+    current: Current,
+    strict_records: bool,
+}
+
+impl StreamOrder for CheckedStreams {
+    type Stream = SimStream;
+    type Event = SimEvent;
+    fn create_event(&self) -> Result<SimEvent, Error> {
+        self.sim.create_event()
+    }
+    fn record(&self, event: &mut SimEvent, stream: SimStream) -> Result<(), Error> {
+        if self.strict_records {
+            check_current(&self.current, "record", stream);
+        }
+        self.sim.record(event, stream)
+    }
+    fn wait(&self, stream: SimStream, event: &SimEvent) -> Result<(), Error> {
+        check_current(&self.current, "wait", stream);
+        self.sim.wait(stream, event)
+    }
+    fn synchronize(&self, stream: SimStream) -> Result<(), Error> {
+        self.sim.synchronize(stream)
+    }
+}
+
 /// A fresh simulated world: streams, and an upstream with an optional capacity.
-pub(crate) fn world(capacity: Option<u64>) -> (RecordingUpstream, SimStreams) {
+pub(crate) struct World {
+    pub(crate) up: RecordingUpstream,
+    pub(crate) order: CheckedStreams,
+    pub(crate) sim: SimStreams,
+    current: Current,
+}
+
+/// A fresh [`World`]; `policy` is the engine's, which decides what the contract allows.
+pub(crate) fn world(capacity: Option<u64>, policy: EventPolicy) -> World {
     let sim = SimStreams::new();
     let inner = SimUpstream::new();
     inner.set_capacity(capacity);
-    let up = RecordingUpstream {
-        inner,
-        sim: sim.clone(),
-        log: Arc::default(),
-    };
-    (up, sim)
+    let current = Current::default();
+    World {
+        up: RecordingUpstream {
+            inner,
+            sim: sim.clone(),
+            log: Arc::default(),
+            current: current.clone(),
+        },
+        order: CheckedStreams {
+            sim: sim.clone(),
+            current: current.clone(),
+            strict_records: policy == EventPolicy::RecordOnFree,
+        },
+        sim,
+        current,
+    }
+}
+
+impl World {
+    fn serving(&self, stream: Option<SimStream>) {
+        *self.current.lock().unwrap() = stream;
+    }
 }
 
 /// What the checker needs from an engine.
@@ -63,7 +138,7 @@ pub(crate) trait TestEngine {
 
 macro_rules! impl_test_engine {
     ($ty:ident, $coalesces:expr) => {
-        impl TestEngine for $ty<RecordingUpstream, SimStreams> {
+        impl TestEngine for $ty<RecordingUpstream, CheckedStreams> {
             const COALESCES: bool = $coalesces;
             fn alloc(&mut self, bytes: u64, s: SimStream) -> Result<u64, Error> {
                 self.allocate(bytes, s)
@@ -119,15 +194,10 @@ pub(crate) fn ops(max_size: u64, streams: usize, len: usize) -> impl Strategy<Va
 /// Runs `ops` against `engine`, checking after every step; then frees everything, merges, checks
 /// that coalescing restored whole chunks, releases, and checks the upstream got everything back.
 /// `oom_allowed`: whether allocations may fail with out-of-memory (limited configurations).
-pub(crate) fn run<E: TestEngine>(
-    mut engine: E,
-    up: &RecordingUpstream,
-    sim: &SimStreams,
-    ops: &[Op],
-    oom_allowed: bool,
-) -> Result<(), TestCaseError> {
+pub(crate) fn run<E: TestEngine>(mut engine: E, w: &World, ops: &[Op], oom_allowed: bool) -> Result<(), TestCaseError> {
+    let up = &w.up;
     let mut c = Checker {
-        sim: sim.clone(),
+        sim: w.sim.clone(),
         up: up.clone(),
         live: BTreeMap::new(),
         freed: HashMap::new(),
@@ -138,7 +208,9 @@ pub(crate) fn run<E: TestEngine>(
             Op::Alloc { size, stream } => {
                 let s = SimStream::new(stream);
                 let before = engine.stats();
+                w.serving(Some(s));
                 let result = engine.alloc(size, s);
+                w.serving(None);
                 c.drain_upstream_log();
                 match result {
                     Ok(addr) => c.allocated(&engine, before, addr, size, s)?,
@@ -157,7 +229,7 @@ pub(crate) fn run<E: TestEngine>(
                     continue;
                 }
                 let (&addr, &(size, _)) = c.live.iter().nth(pick % c.live.len()).unwrap();
-                c.free(&mut engine, addr, size, SimStream::new(stream))?;
+                c.free(w, &mut engine, addr, size, SimStream::new(stream))?;
             }
         }
         c.check_step(&engine)?;
@@ -165,7 +237,7 @@ pub(crate) fn run<E: TestEngine>(
     // Free what is left, on rotating streams.
     let left: Vec<(u64, u64)> = c.live.iter().map(|(&a, &(s, _))| (a, s)).collect();
     for (k, (addr, size)) in left.into_iter().enumerate() {
-        c.free(&mut engine, addr, size, SimStream::new(k % 3))?;
+        c.free(w, &mut engine, addr, size, SimStream::new(k % 3))?;
         c.check_step(&engine)?;
     }
     let st = engine.stats();
@@ -173,7 +245,9 @@ pub(crate) fn run<E: TestEngine>(
     prop_assert_eq!(st.live_allocations, 0);
     prop_assert_eq!(st.free_bytes, st.reserved_bytes);
 
+    w.serving(Some(SimStream::new(0)));
     engine.merge(SimStream::new(0)).unwrap();
+    w.serving(None);
     c.check_step(&engine)?;
     if E::COALESCES {
         let st = engine.stats();
@@ -226,16 +300,10 @@ impl Checker {
         prop_assert!(addr != 0 && addr % ALIGNMENT == 0, "bad address {addr:#x}");
         let end = addr + size;
         if let Some((&pa, &(ps, _))) = self.live.range(..addr).next_back() {
-            prop_assert!(
-                pa + ps <= addr,
-                "[{addr:#x}, +{size}) overlaps live [{pa:#x}, +{ps})"
-            );
+            prop_assert!(pa + ps <= addr, "[{addr:#x}, +{size}) overlaps live [{pa:#x}, +{ps})");
         }
         if let Some((&na, &(ns, _))) = self.live.range(addr..).next() {
-            prop_assert!(
-                end <= na,
-                "[{addr:#x}, +{size}) overlaps live [{na:#x}, +{ns})"
-            );
+            prop_assert!(end <= na, "[{addr:#x}, +{size}) overlaps live [{na:#x}, +{ns})");
         }
         prop_assert!(
             self.up.inner.contains(addr, size),
@@ -264,6 +332,7 @@ impl Checker {
 
     fn free<E: TestEngine>(
         &mut self,
+        w: &World,
         engine: &mut E,
         addr: u64,
         size: u64,
@@ -279,7 +348,10 @@ impl Checker {
         }
         // The caller's last use of the block on `s` comes before the free.
         let p = self.sim.point(s);
-        if let Err(e) = engine.dealloc(addr, size, s) {
+        w.serving(Some(s));
+        let result = engine.dealloc(addr, size, s);
+        w.serving(None);
+        if let Err(e) = result {
             return Err(TestCaseError::fail(format!(
                 "deallocate({addr:#x}, {size}) failed: {e}"
             )));

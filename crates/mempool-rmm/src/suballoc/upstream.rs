@@ -149,9 +149,7 @@ impl SimUpstream {
     pub fn contains(&self, addr: u64, bytes: u64) -> bool {
         let st = self.lock();
         match st.live.range(..=addr).next_back() {
-            Some((&start, &size)) => addr
-                .checked_add(bytes)
-                .is_some_and(|end| end <= start + size),
+            Some((&start, &size)) => addr.checked_add(bytes).is_some_and(|end| end <= start + size),
             None => false,
         }
     }
@@ -173,9 +171,7 @@ impl<S> Upstream<S> for SimUpstream {
             return Err(oom(OutOfMemoryCause::Upstream));
         }
         let addr = st.next;
-        st.next = addr
-            .checked_add(size)
-            .ok_or(oom(OutOfMemoryCause::AddressSpace))?;
+        st.next = addr.checked_add(size).ok_or(oom(OutOfMemoryCause::AddressSpace))?;
         debug_assert_eq!(addr % ALIGNMENT, 0);
         st.live.insert(addr, size);
         st.stats.allocations += 1;

@@ -1,0 +1,173 @@
+//! File descriptors over Unix stream sockets (`SCM_RIGHTS`).
+//!
+//! One call sends some bytes and up to [`SCM_MAX_FD`] descriptors in one `sendmsg`; the kernel
+//! attaches the descriptors to the first byte. One call receives with `recvmsg`, with room for
+//! [`SCM_MAX_FD`] descriptors so that it can always count what arrived:
+//!
+//! - received descriptors are close-on-exec from the moment they exist (`MSG_CMSG_CLOEXEC`),
+//!   so a concurrent `fork` + `exec` elsewhere in the process cannot leak them;
+//! - they arrive as [`OwnedFd`]s: whatever the caller does not keep is closed when dropped;
+//! - more descriptors than the caller allows: all of them are closed and the call fails with
+//!   [`Error::DescriptorCount`].
+//!
+//! ```
+//! use std::io::{Read, Seek, Write};
+//! use std::os::fd::AsFd;
+//! use std::os::unix::net::UnixStream;
+//! use mempool_ipc::fdpass;
+//!
+//! let (a, b) = UnixStream::pair()?;
+//! let memfd = rustix::fs::memfd_create("example", rustix::fs::MemfdFlags::CLOEXEC)?;
+//! std::fs::File::from(memfd.try_clone()?).write_all(b"pool")?;
+//!
+//! fdpass::send_with_fds(&a, b"x", &[memfd.as_fd()])?;
+//! let mut byte = [0u8; 1];
+//! let (n, fds) = fdpass::recv_with_fds(&b, &mut byte, 1)?;
+//! assert_eq!((n, fds.len()), (1, 1));
+//!
+//! let mut file = std::fs::File::from(fds.into_iter().next().unwrap());
+//! let mut text = String::new();
+//! file.rewind()?;
+//! file.read_to_string(&mut text)?;
+//! assert_eq!(text, "pool");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::io::Errno;
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::error::{Error, Result};
+
+/// The most descriptors one `sendmsg` can carry on Linux (`SCM_MAX_FD`).
+pub const SCM_MAX_FD: usize = 253;
+
+const CONTROL_SPACE: usize = rustix::cmsg_space!(ScmRights(SCM_MAX_FD));
+
+/// Sends `bytes` with `fds` attached, in one `sendmsg` (`MSG_NOSIGNAL`: a closed peer is
+/// [`Error::Closed`], not `SIGPIPE`). Returns how many bytes went out, which on a stream socket
+/// may be fewer than `bytes.len()`; the descriptors went with the first of them.
+///
+/// The descriptors are borrowed: the peer receives duplicates, the caller keeps its own.
+/// Blocks if the socket is blocking and its buffer is full.
+///
+/// See [sendmsg(2)](https://man7.org/linux/man-pages/man2/sendmsg.2.html) and
+/// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
+pub fn send_with_fds(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<usize> {
+    check_send(bytes, fds)?;
+    retry_intr(|| send_raw(socket.as_fd(), bytes, fds, SendFlags::empty())).map_err(Error::from)
+}
+
+/// Receives up to `buf.len()` bytes and the descriptors that came with them, in one `recvmsg`.
+///
+/// Returns the number of bytes (0: the peer closed the connection) and the descriptors, at
+/// most `max_fds` of them; they are close-on-exec. If more arrived, all are closed and the call
+/// fails with [`Error::DescriptorCount`]. Blocks if the socket is blocking and nothing is there.
+///
+/// See [recvmsg(2)](https://man7.org/linux/man-pages/man2/recvmsg.2.html).
+pub fn recv_with_fds(socket: impl AsFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
+    let received = retry_intr(|| recv_raw(socket.as_fd(), buf, RecvFlags::empty()))?;
+    received.into_checked(max_fds, 0)
+}
+
+pub(crate) fn check_send(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    if fds.len() > SCM_MAX_FD {
+        return Err(Error::DescriptorCount {
+            expected: SCM_MAX_FD,
+            got: fds.len(),
+        });
+    }
+    if bytes.is_empty() && !fds.is_empty() {
+        // A stream socket sends nothing for zero bytes, so the descriptors would not go.
+        return Err(Error::Protocol {
+            reason: "descriptors must travel with at least one byte".into(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn retry_intr<T>(mut f: impl FnMut() -> rustix::io::Result<T>) -> rustix::io::Result<T> {
+    loop {
+        match f() {
+            Err(Errno::INTR) => continue,
+            other => return other,
+        }
+    }
+}
+
+/// One `sendmsg`; `flags` gets `MSG_NOSIGNAL` added. The caller has run [`check_send`].
+pub(crate) fn send_raw(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+    flags: SendFlags,
+) -> rustix::io::Result<usize> {
+    let mut space = [MaybeUninit::<u8>::uninit(); CONTROL_SPACE];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        // `check_send` bounded the count, and the buffer has room for that many.
+        return Err(Errno::NOBUFS);
+    }
+    sendmsg(
+        socket,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        flags | SendFlags::NOSIGNAL,
+    )
+}
+
+/// What one `recvmsg` brought, before any policy on the number of descriptors.
+pub(crate) struct RawReceived {
+    pub(crate) bytes: usize,
+    pub(crate) fds: Vec<OwnedFd>,
+    /// The kernel had to drop control data (it closed the descriptors that did not fit).
+    pub(crate) control_truncated: bool,
+}
+
+impl RawReceived {
+    /// Applies the limit: `already` descriptors were received earlier for the same message,
+    /// at most `max_fds` may arrive in all. On error, every descriptor of this call is closed
+    /// (dropped); the caller drops the earlier ones.
+    pub(crate) fn into_checked(self, max_fds: usize, already: usize) -> Result<(usize, Vec<OwnedFd>)> {
+        let total = already + self.fds.len();
+        if self.control_truncated {
+            return Err(Error::DescriptorCount {
+                expected: max_fds,
+                // The kernel closed the ones that did not fit: more than we could count.
+                got: total.max(max_fds) + 1,
+            });
+        }
+        if total > max_fds {
+            return Err(Error::DescriptorCount {
+                expected: max_fds,
+                got: total,
+            });
+        }
+        Ok((self.bytes, self.fds))
+    }
+}
+
+/// One `recvmsg` with `MSG_CMSG_CLOEXEC` added to `flags`; collects every descriptor.
+pub(crate) fn recv_raw(socket: BorrowedFd<'_>, buf: &mut [u8], flags: RecvFlags) -> rustix::io::Result<RawReceived> {
+    let mut space = [MaybeUninit::<u8>::uninit(); CONTROL_SPACE];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg(socket, &mut iov, &mut control, flags | RecvFlags::CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
+        }
+    }
+    Ok(RawReceived {
+        bytes: msg.bytes,
+        fds,
+        control_truncated: msg.flags.contains(ReturnFlags::CTRUNC),
+    })
+}

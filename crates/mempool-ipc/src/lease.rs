@@ -1,0 +1,402 @@
+//! Who holds which shared buffer: pure bookkeeping, no GPU, no sockets.
+//!
+//! The driver's rule: an importer must free its import of a pointer before the exporter frees
+//! the allocation. So the exporter frees a shared buffer only when its last holder lets go:
+//! the exporter itself ([`LeaseTable::release_owner`]) and every importer it was shared with
+//! ([`LeaseTable::release`] on a `Release` message, [`LeaseTable::disconnect`] when the
+//! importer's connection closes, since a dead importer holds nothing). Whichever call drops
+//! the last hold hands the buffer's handle back, and the exporter frees it.
+//!
+//! The importer's side, [`ImportTable`], imports each block once, maps buffers to blocks, and
+//! hands a block back when its last buffer is released, so that the importer frees its import
+//! before it sends `Release`.
+//!
+//! Both are generic over the handle type, so tests run them against a simulated pool.
+//!
+//! ```
+//! use mempool_ipc::lease::{ImporterId, LeaseTable};
+//! use mempool_ipc::wire::BufferId;
+//!
+//! let mut table = LeaseTable::new();
+//! let (buf, a, b) = (BufferId(1), ImporterId(1), ImporterId(2));
+//! table.insert(buf, "allocation")?;
+//! table.grant(buf, a)?;
+//! table.grant(buf, b)?;
+//! assert_eq!(table.release_owner(buf)?, None); // importers still hold it
+//! assert_eq!(table.release(buf, a)?, None);
+//! assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
+//! # Ok::<(), mempool_ipc::Error>(())
+//! ```
+
+use std::collections::{btree_map, BTreeMap, BTreeSet};
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::wire::{BlockId, BufferDescriptor, BufferId};
+
+/// The exporter's name for one importer connection; unique for the exporter's lifetime (do not
+/// reuse ids: a late message of a closed connection must not count for a new one).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct ImporterId(pub u64);
+
+impl fmt::Display for ImporterId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// One shared buffer's holders.
+#[derive(Debug)]
+struct Entry<B> {
+    handle: B,
+    /// The exporter itself still holds the buffer.
+    owner_holds: bool,
+    holders: BTreeSet<ImporterId>,
+}
+
+/// The exporter's record of shared buffers and their holders. See the
+/// [module documentation](self).
+///
+/// Invariants (checked by the tests after every operation):
+/// - a buffer is present iff its owner or at least one importer holds it;
+/// - importer `i` is among a buffer's holders iff the buffer is among `i`'s leases;
+/// - no importer has an empty lease set recorded.
+#[derive(Debug)]
+pub struct LeaseTable<B> {
+    buffers: BTreeMap<BufferId, Entry<B>>,
+    leases: BTreeMap<ImporterId, BTreeSet<BufferId>>,
+}
+
+impl<B> Default for LeaseTable<B> {
+    fn default() -> Self {
+        LeaseTable {
+            buffers: BTreeMap::new(),
+            leases: BTreeMap::new(),
+        }
+    }
+}
+
+impl<B> LeaseTable<B> {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a buffer the exporter holds. [`Error::DuplicateBuffer`] if the id is taken.
+    pub fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
+        if self.buffers.contains_key(&buffer) {
+            return Err(Error::DuplicateBuffer { buffer });
+        }
+        self.buffers.insert(
+            buffer,
+            Entry {
+                handle,
+                owner_holds: true,
+                holders: BTreeSet::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Records that `importer` now holds `buffer`; call it before sending the `Buffer` message.
+    ///
+    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (the owner already let go, so
+    /// it may not be shared any more), [`Error::AlreadyLeased`].
+    pub fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
+        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        if !entry.owner_holds {
+            return Err(Error::BufferRetired { buffer });
+        }
+        if !entry.holders.insert(importer) {
+            return Err(Error::AlreadyLeased { buffer, importer });
+        }
+        self.leases.entry(importer).or_default().insert(buffer);
+        Ok(())
+    }
+
+    /// Undoes a [`LeaseTable::grant`] whose `Buffer` message could not be sent. The importer
+    /// never saw the buffer; returns the handle if that was the last hold.
+    pub fn revoke(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+        self.release(buffer, importer)
+    }
+
+    /// `importer` released `buffer`. Returns the handle if nobody holds the buffer any more:
+    /// free it now.
+    ///
+    /// [`Error::NotLeased`] if the importer does not hold it (a double release, or an id it
+    /// never received): a protocol violation by the importer.
+    pub fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+        let held = self.leases.get_mut(&importer).is_some_and(|set| set.remove(&buffer));
+        if !held {
+            return Err(Error::NotLeased { buffer, importer });
+        }
+        if self.leases.get(&importer).is_some_and(BTreeSet::is_empty) {
+            self.leases.remove(&importer);
+        }
+        Ok(self.drop_holder(buffer, importer))
+    }
+
+    /// The exporter lets go of `buffer`. Returns the handle if no importer holds it: free it
+    /// now; otherwise the last importer's release returns it.
+    ///
+    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (already let go).
+    pub fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
+        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        if !entry.owner_holds {
+            return Err(Error::BufferRetired { buffer });
+        }
+        entry.owner_holds = false;
+        Ok(self.remove_if_unheld(buffer))
+    }
+
+    /// `importer` is gone (its connection closed, or it said `Goodbye`): every buffer it held
+    /// counts as released. Returns the buffers nobody holds any more, in id order: free them.
+    pub fn disconnect(&mut self, importer: ImporterId) -> Vec<(BufferId, B)> {
+        let Some(held) = self.leases.remove(&importer) else {
+            return Vec::new();
+        };
+        held.into_iter()
+            .filter_map(|buffer| self.drop_holder(buffer, importer).map(|handle| (buffer, handle)))
+            .collect()
+    }
+
+    /// The handle of a registered buffer.
+    pub fn get(&self, buffer: BufferId) -> Option<&B> {
+        self.buffers.get(&buffer).map(|e| &e.handle)
+    }
+
+    /// Whether the exporter itself still holds `buffer`.
+    pub fn owner_holds(&self, buffer: BufferId) -> bool {
+        self.buffers.get(&buffer).is_some_and(|e| e.owner_holds)
+    }
+
+    /// The importers holding `buffer`, in id order.
+    pub fn holders(&self, buffer: BufferId) -> impl Iterator<Item = ImporterId> + '_ {
+        self.buffers
+            .get(&buffer)
+            .into_iter()
+            .flat_map(|e| e.holders.iter().copied())
+    }
+
+    /// The buffers `importer` holds, in id order.
+    pub fn leases_of(&self, importer: ImporterId) -> impl Iterator<Item = BufferId> + '_ {
+        self.leases
+            .get(&importer)
+            .into_iter()
+            .flat_map(|set| set.iter().copied())
+    }
+
+    /// How many buffers are alive (held by anyone).
+    pub fn len(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// Whether no buffer is alive.
+    pub fn is_empty(&self) -> bool {
+        self.buffers.is_empty()
+    }
+
+    fn drop_holder(&mut self, buffer: BufferId, importer: ImporterId) -> Option<B> {
+        let entry = self.buffers.get_mut(&buffer)?;
+        entry.holders.remove(&importer);
+        self.remove_if_unheld(buffer)
+    }
+
+    fn remove_if_unheld(&mut self, buffer: BufferId) -> Option<B> {
+        let entry = self.buffers.get(&buffer)?;
+        if entry.owner_holds || !entry.holders.is_empty() {
+            return None;
+        }
+        self.buffers.remove(&buffer).map(|e| e.handle)
+    }
+
+    /// Checks the invariants listed on the type; panics with a description if one is broken.
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self) {
+        for (buffer, entry) in &self.buffers {
+            assert!(
+                entry.owner_holds || !entry.holders.is_empty(),
+                "{buffer} is recorded but nobody holds it"
+            );
+            for importer in &entry.holders {
+                assert!(
+                    self.leases.get(importer).is_some_and(|set| set.contains(buffer)),
+                    "{buffer} lists holder {importer}, whose leases lack it"
+                );
+            }
+        }
+        for (importer, set) in &self.leases {
+            assert!(!set.is_empty(), "importer {importer} has an empty lease set");
+            for buffer in set {
+                assert!(
+                    self.buffers.get(buffer).is_some_and(|e| e.holders.contains(importer)),
+                    "importer {importer} leases {buffer}, which does not list it"
+                );
+            }
+        }
+    }
+}
+
+/// One imported block on the importer's side.
+#[derive(Debug)]
+struct ImportedBlock<H> {
+    handle: H,
+    size: u64,
+    buffers: BTreeSet<BufferId>,
+}
+
+/// Where a buffer lives, on the importer's side.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct BufferPlace {
+    /// The block it lives in.
+    pub block_id: BlockId,
+    /// Its offset in the block.
+    pub offset: u64,
+    /// Its size.
+    pub size: u64,
+}
+
+/// The importer's record of imported blocks and the buffers in them. See the
+/// [module documentation](self).
+///
+/// Invariants: every buffer's block is present and lists it; every block lists at least one
+/// buffer (a block whose last buffer is released leaves the table and is handed back).
+#[derive(Debug)]
+pub struct ImportTable<H> {
+    blocks: BTreeMap<BlockId, ImportedBlock<H>>,
+    buffers: BTreeMap<BufferId, BufferPlace>,
+}
+
+impl<H> Default for ImportTable<H> {
+    fn default() -> Self {
+        ImportTable {
+            blocks: BTreeMap::new(),
+            buffers: BTreeMap::new(),
+        }
+    }
+}
+
+impl<H> ImportTable<H> {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records a received buffer. If its block is not imported yet, `import` imports it
+    /// (`cuMemPoolImportPointer` on the block's descriptor) and its handle is kept; if
+    /// `import` fails, nothing is recorded. Returns the block's handle; the buffer starts at
+    /// `descriptor.offset` bytes into it.
+    ///
+    /// Errors: [`Error::DuplicateBuffer`]; [`Error::Protocol`] if the exporter names a known
+    /// block with another size.
+    pub fn add(
+        &mut self,
+        descriptor: &BufferDescriptor,
+        import: impl FnOnce(&BufferDescriptor) -> Result<H>,
+    ) -> Result<&H> {
+        let buffer = descriptor.buffer_id;
+        if self.buffers.contains_key(&buffer) {
+            return Err(Error::DuplicateBuffer { buffer });
+        }
+        let block_id = descriptor.block_id;
+        let block = match self.blocks.entry(block_id) {
+            btree_map::Entry::Occupied(entry) => {
+                let block = entry.into_mut();
+                if block.size != descriptor.block_size {
+                    return Err(Error::Protocol {
+                        reason: format!(
+                            "{block_id} was announced with {} bytes, now with {}",
+                            block.size, descriptor.block_size
+                        ),
+                    });
+                }
+                block
+            }
+            btree_map::Entry::Vacant(entry) => entry.insert(ImportedBlock {
+                handle: import(descriptor)?,
+                size: descriptor.block_size,
+                buffers: BTreeSet::new(),
+            }),
+        };
+        block.buffers.insert(buffer);
+        self.buffers.insert(
+            buffer,
+            BufferPlace {
+                block_id,
+                offset: descriptor.offset,
+                size: descriptor.size,
+            },
+        );
+        Ok(&block.handle)
+    }
+
+    /// The block handle and place of a buffer.
+    pub fn get(&self, buffer: BufferId) -> Option<(&H, BufferPlace)> {
+        let place = *self.buffers.get(&buffer)?;
+        let block = self.blocks.get(&place.block_id)?;
+        Some((&block.handle, place))
+    }
+
+    /// Forgets a buffer. Returns its block's handle if it was the block's last buffer: free the
+    /// import (and synchronize) *before* sending `Release` for this buffer.
+    ///
+    /// [`Error::UnknownBuffer`] if the buffer is not recorded (a double release).
+    pub fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
+        let place = self.buffers.remove(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        let Some(block) = self.blocks.get_mut(&place.block_id) else {
+            return Ok(None);
+        };
+        block.buffers.remove(&buffer);
+        if block.buffers.is_empty() {
+            return Ok(self.blocks.remove(&place.block_id).map(|b| b.handle));
+        }
+        Ok(None)
+    }
+
+    /// Forgets everything (shutdown); returns every block handle, to be freed before the
+    /// importer says `Goodbye`.
+    pub fn drain(&mut self) -> Vec<(BlockId, H)> {
+        self.buffers.clear();
+        std::mem::take(&mut self.blocks)
+            .into_iter()
+            .map(|(id, block)| (id, block.handle))
+            .collect()
+    }
+
+    /// How many buffers are recorded.
+    pub fn len(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// Whether no buffer is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.buffers.is_empty()
+    }
+
+    /// How many blocks are imported.
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Checks the invariants listed on the type; panics with a description if one is broken.
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self) {
+        for (buffer, place) in &self.buffers {
+            let block = self
+                .blocks
+                .get(&place.block_id)
+                .unwrap_or_else(|| panic!("{buffer} lives in missing {}", place.block_id));
+            assert!(block.buffers.contains(buffer));
+            assert!(place.offset + place.size <= block.size);
+        }
+        for (id, block) in &self.blocks {
+            assert!(!block.buffers.is_empty(), "{id} has no buffers");
+            for buffer in &block.buffers {
+                assert_eq!(self.buffers.get(buffer).map(|p| p.block_id), Some(*id));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

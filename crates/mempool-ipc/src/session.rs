@@ -1,0 +1,339 @@
+//! The conversation: the handshake, then the messages each side may receive.
+//!
+//! ```text
+//! importer                                   exporter
+//!    |  connect            ----------------->  |  accept, SO_PEERCRED check
+//!    |  SO_PEERCRED check (who answered?)      |
+//!    |  Hello              ----------------->  |
+//!    |                     <-----------------  |  Welcome { GPU UUID, pool id }
+//!    |  find the GPU locally                   |
+//!    |  Ready { GPU UUID } ----------------->  |  same GPU?
+//!    |                     <-----------------  |  PoolDescriptor { pool id } + pool fd
+//!    |                                         |
+//!    |                     <-----------------  |  Buffer { ... }   (any number, any time)
+//!    |  Release { id }     ----------------->  |
+//!    |  Goodbye            ----------------->  |  (or the connection closes)
+//! ```
+//!
+//! The whole handshake must finish within [`ConnectionConfig::handshake_timeout`], so a peer that connects and says nothing costs the exporter that
+//! long at most. Any failure sends the peer an `Error` message (best effort) and closes the
+//! connection; an `Error` message from the peer becomes [`Error::Remote`].
+//!
+//! [`ExporterSession`] and [`ImporterSession`] know nothing of the GPU: the exporter passes the
+//! pool's file descriptor (from `MemPool::export_fd`) and the importer a function that finds
+//! the announced GPU among its own devices. The [`lease`](crate::lease) tables keep count of
+//! the buffers.
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::time::Instant;
+
+use crate::conn::{Connection, ConnectionConfig, Received};
+use crate::cred::{AccessPolicy, PeerCredentials};
+use crate::error::{Error, Result};
+use crate::wire::{BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, Ready, Welcome};
+
+/// What an exporter tells each importer in the handshake.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PoolAnnouncement {
+    /// The GPU the pool lives on (`cuDeviceGetUuid`).
+    pub device_uuid: DeviceUuid,
+    /// The pool's identity.
+    pub pool_id: PoolId,
+}
+
+/// What an exporter's session may receive after the handshake.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ImporterEvent {
+    /// The importer freed its import of this buffer.
+    Release(BufferId),
+    /// The importer is done: it freed every import and closes the connection. Every buffer it
+    /// still held counts as released.
+    Goodbye,
+}
+
+/// What an importer's session may receive after the handshake.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ExporterEvent {
+    /// A shared buffer.
+    Buffer(BufferDescriptor),
+    /// The exporter is shutting down and shares nothing more; release what you hold.
+    Goodbye,
+}
+
+/// The exporter's side of one importer connection.
+#[derive(Debug)]
+pub struct ExporterSession {
+    conn: Connection,
+    announcement: PoolAnnouncement,
+}
+
+impl ExporterSession {
+    /// Runs the exporter's side of the handshake on an accepted (and credential-checked)
+    /// connection: waits for `Hello`, announces the GPU and the pool, checks that the importer
+    /// uses the same GPU, and sends the pool's file descriptor (the caller keeps its own).
+    ///
+    /// Errors: [`Error::Timeout`] after [`ConnectionConfig::handshake_timeout`];
+    /// [`Error::WrongDevice`]; [`Error::UnexpectedMessage`]; [`Error::Remote`]; any error of
+    /// [`Connection`]. The connection is closed on error.
+    pub fn handshake(
+        conn: Connection,
+        announcement: PoolAnnouncement,
+        pool_fd: BorrowedFd<'_>,
+    ) -> Result<ExporterSession> {
+        let deadline = Instant::now() + conn.config().handshake_timeout;
+        let steps = || -> Result<()> {
+            match recv_in_handshake(&conn, deadline)?.message {
+                Message::Hello => {}
+                other => return Err(unexpected("Hello", &other)),
+            }
+            conn.send_until(
+                &Message::Welcome(Welcome {
+                    device_uuid: announcement.device_uuid,
+                    pool_id: announcement.pool_id,
+                }),
+                &[],
+                deadline,
+                "handshake",
+            )?;
+            match recv_in_handshake(&conn, deadline)?.message {
+                Message::Ready(Ready { device_uuid }) if device_uuid == announcement.device_uuid => {}
+                Message::Ready(Ready { device_uuid }) => {
+                    return Err(Error::WrongDevice {
+                        expected_uuid: announcement.device_uuid,
+                        got: device_uuid,
+                    })
+                }
+                other => return Err(unexpected("Ready", &other)),
+            }
+            conn.send_until(
+                &Message::PoolDescriptor(PoolDescriptor {
+                    pool_id: announcement.pool_id,
+                }),
+                &[pool_fd],
+                deadline,
+                "handshake",
+            )
+        };
+        match steps() {
+            Ok(()) => Ok(ExporterSession { conn, announcement }),
+            Err(err) => {
+                conn.close_with_error(&err);
+                Err(err)
+            }
+        }
+    }
+
+    /// The connection, for its credentials, its descriptor (to poll it) or to close it.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// What the handshake announced.
+    pub fn announcement(&self) -> &PoolAnnouncement {
+        &self.announcement
+    }
+
+    /// Shares a buffer with the importer. Record the lease
+    /// ([`LeaseTable::grant`](crate::lease::LeaseTable::grant)) before calling this, and revoke
+    /// it if this fails.
+    pub fn share(&self, buffer: &BufferDescriptor) -> Result<()> {
+        self.conn.send(&Message::Buffer(*buffer), &[])
+    }
+
+    /// Waits for the importer's next message. On [`ImporterEvent::Goodbye`] and on any error
+    /// (including [`Error::Closed`]), the connection is over: count every buffer the importer
+    /// held as released ([`LeaseTable::disconnect`](crate::lease::LeaseTable::disconnect)).
+    pub fn recv(&self) -> Result<ImporterEvent> {
+        let received = self.conn.recv()?;
+        let event = match received.message {
+            Message::Release { buffer_id } => ImporterEvent::Release(buffer_id),
+            Message::Goodbye => {
+                self.conn.shutdown();
+                ImporterEvent::Goodbye
+            }
+            other => return Err(self.reject(unexpected("Release or Goodbye", &other))),
+        };
+        Ok(event)
+    }
+
+    /// Tells the importer the exporter shares nothing more (it should release what it holds)
+    /// and closes the sending direction. Keep calling [`ExporterSession::recv`] for the
+    /// releases, until the importer's `Goodbye` or the end of the connection.
+    pub fn goodbye(&self) -> Result<()> {
+        let result = self.conn.send(&Message::Goodbye, &[]);
+        self.conn.close_write();
+        result
+    }
+
+    /// Tells the importer about `err` (for example a release of a buffer it does not hold) and
+    /// closes the connection; returns `err` for the caller's `?`.
+    pub fn reject(&self, err: Error) -> Error {
+        self.conn.close_with_error(&err);
+        err
+    }
+}
+
+/// What an importer receives from a successful handshake.
+#[derive(Debug)]
+pub struct ImportedPool<D> {
+    /// What the device check returned: the local device that has the exporter's GPU.
+    pub device: D,
+    /// The pool's file descriptor (close-on-exec), for `MemPool::import_fd`.
+    pub pool_fd: OwnedFd,
+}
+
+/// The importer's side of a connection to an exporter.
+#[derive(Debug)]
+pub struct ImporterSession {
+    conn: Connection,
+    welcome: Welcome,
+}
+
+impl ImporterSession {
+    /// Connects to the exporter at `path`, checks that the process that answers runs as a
+    /// user `policy` allows, and runs the handshake (see [`ImporterSession::handshake`]).
+    pub fn connect<D>(
+        path: impl AsRef<Path>,
+        config: ConnectionConfig,
+        policy: &AccessPolicy,
+        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+    ) -> Result<(ImporterSession, ImportedPool<D>)> {
+        let conn = Connection::connect(path, config)?;
+        if let Err(err) = policy.check_socket(&conn) {
+            conn.close_with_error(&err);
+            return Err(err);
+        }
+        ImporterSession::handshake(conn, find_device)
+    }
+
+    /// Runs the importer's side of the handshake: says `Hello`, hears which GPU and pool the
+    /// exporter has, calls `find_device` to find that GPU here (return
+    /// [`Error::DeviceNotVisible`] or [`Error::WrongDevice`] if it is not there: the exporter
+    /// is told), confirms, and receives the pool's file descriptor.
+    ///
+    /// The connection is closed on error.
+    pub fn handshake<D>(
+        conn: Connection,
+        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+    ) -> Result<(ImporterSession, ImportedPool<D>)> {
+        let deadline = Instant::now() + conn.config().handshake_timeout;
+        let steps = || -> Result<(Welcome, ImportedPool<D>)> {
+            conn.send_until(&Message::Hello, &[], deadline, "handshake")?;
+            let welcome = match recv_in_handshake(&conn, deadline)?.message {
+                Message::Welcome(welcome) => welcome,
+                other => return Err(unexpected("Welcome", &other)),
+            };
+            let device = find_device(&welcome.device_uuid)?;
+            conn.send_until(
+                &Message::Ready(Ready {
+                    device_uuid: welcome.device_uuid,
+                }),
+                &[],
+                deadline,
+                "handshake",
+            )?;
+            let Received { message, mut fds } = recv_in_handshake(&conn, deadline)?;
+            match message {
+                Message::PoolDescriptor(PoolDescriptor { pool_id }) if pool_id == welcome.pool_id => {}
+                Message::PoolDescriptor(PoolDescriptor { pool_id }) => {
+                    return Err(Error::Protocol {
+                        reason: format!(
+                            "the pool descriptor names pool {pool_id}, the welcome named {}",
+                            welcome.pool_id
+                        ),
+                    })
+                }
+                other => return Err(unexpected("PoolDescriptor", &other)),
+            }
+            // The connection checked that exactly one descriptor came with the message.
+            let pool_fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
+            Ok((welcome, ImportedPool { device, pool_fd }))
+        };
+        match steps() {
+            Ok((welcome, imported)) => Ok((ImporterSession { conn, welcome }, imported)),
+            Err(err) => {
+                conn.close_with_error(&err);
+                Err(err)
+            }
+        }
+    }
+
+    /// The connection, for its credentials, its descriptor (to poll it) or to close it.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// The exporter's GPU.
+    pub fn device_uuid(&self) -> DeviceUuid {
+        self.welcome.device_uuid
+    }
+
+    /// The exporter's pool.
+    pub fn pool_id(&self) -> PoolId {
+        self.welcome.pool_id
+    }
+
+    /// The exporter's credentials (`SO_PEERCRED`).
+    pub fn exporter_credentials(&self) -> Result<PeerCredentials> {
+        self.conn.peer_credentials()
+    }
+
+    /// Waits for the exporter's next message. On [`ExporterEvent::Goodbye`] the exporter shares
+    /// nothing more, but it still takes releases: release what you hold, then say
+    /// [`ImporterSession::goodbye`].
+    pub fn recv(&self) -> Result<ExporterEvent> {
+        let received = self.conn.recv()?;
+        match received.message {
+            Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
+            Message::Goodbye => Ok(ExporterEvent::Goodbye),
+            other => Err(self.reject(unexpected("Buffer or Goodbye", &other))),
+        }
+    }
+
+    /// Tells the exporter this importer is done with `buffer`. Free the import first (and let
+    /// the work that used it finish): the exporter may free the memory as soon as this arrives.
+    pub fn release(&self, buffer: BufferId) -> Result<()> {
+        self.conn.send(&Message::Release { buffer_id: buffer }, &[])
+    }
+
+    /// Says `Goodbye` (every import is freed) and closes the connection.
+    pub fn goodbye(&self) -> Result<()> {
+        let result = self.conn.send(&Message::Goodbye, &[]);
+        self.conn.shutdown();
+        result
+    }
+
+    /// Tells the exporter about `err` and closes the connection; returns `err`.
+    pub fn reject(&self, err: Error) -> Error {
+        self.conn.close_with_error(&err);
+        err
+    }
+}
+
+fn recv_in_handshake(conn: &Connection, deadline: Instant) -> Result<Received> {
+    let received = conn.recv_until(Some(deadline), "handshake")?;
+    if let Message::Error(e) = received.message {
+        conn.shutdown();
+        return Err(Error::Remote {
+            code: e.code,
+            text: e.text,
+        });
+    }
+    Ok(received)
+}
+
+/// The error for a message that is not allowed here; a peer's `Error` message becomes
+/// [`Error::Remote`] instead.
+fn unexpected(expected: &'static str, got: &Message) -> Error {
+    match got {
+        Message::Error(e) => Error::Remote {
+            code: e.code,
+            text: e.text.clone(),
+        },
+        other => Error::UnexpectedMessage {
+            expected,
+            got: other.message_type(),
+        },
+    }
+}

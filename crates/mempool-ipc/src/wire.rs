@@ -1,0 +1,786 @@
+//! The wire protocol: message types and their exact byte layout.
+//!
+//! Everything here is a pure function over byte slices, so it can be fuzzed without sockets.
+//! `docs/ipc-protocol.md` is the specification; this module is its implementation.
+//!
+//! A frame is a 12-byte [header](Header) followed by a body whose length the header gives:
+//!
+//! ```text
+//! offset  size  field
+//!      0     4  magic        b"MPIP"
+//!      4     2  version      u16 little-endian, PROTOCOL_VERSION
+//!      6     2  type         u16 little-endian, MessageType
+//!      8     4  body length  u32 little-endian, at most MAX_BODY_LEN
+//!     12     n  body
+//! ```
+//!
+//! Decoding checks every field: magic, version, type, the body length against what the type
+//! allows, every reserved field (zero), every flag bit, the ranges of sizes and offsets, the
+//! UTF-8 of error text. A slice that holds more than one frame is an error too.
+//!
+//! ```
+//! use mempool_ipc::wire::{self, Message};
+//!
+//! let frame = wire::encode(&Message::Release { buffer_id: 7.into() })?;
+//! assert_eq!(wire::decode(&frame)?, Message::Release { buffer_id: 7.into() });
+//! # Ok::<(), mempool_ipc::Error>(())
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+
+/// The four bytes every frame starts with.
+pub const MAGIC: [u8; 4] = *b"MPIP";
+
+/// The protocol version this crate speaks; every frame carries it.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// The length of a frame header.
+pub const HEADER_LEN: usize = 12;
+
+/// The longest text an `Error` message may carry, in bytes of UTF-8.
+pub const MAX_ERROR_TEXT_LEN: usize = 1024;
+
+/// The longest body any message may have (an `Error` message with the longest text).
+pub const MAX_BODY_LEN: usize = ERROR_FIXED_LEN + MAX_ERROR_TEXT_LEN;
+
+/// The longest frame, header included.
+pub const MAX_FRAME_LEN: usize = HEADER_LEN + MAX_BODY_LEN;
+
+/// The most file descriptors any message carries.
+pub const MAX_FDS_PER_MESSAGE: usize = 1;
+
+/// The value of the pool descriptor's handle-type field: the pool travels as a POSIX file
+/// descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
+pub const POOL_HANDLE_TYPE_POSIX_FD: u32 = 1;
+
+/// Bit 0 of a buffer message's flags: the event handle is valid and the importer must wait on it.
+pub const BUFFER_FLAG_READY_EVENT: u32 = 1;
+
+const UUID_LEN: usize = 16;
+const WELCOME_LEN: usize = UUID_LEN + UUID_LEN;
+const READY_LEN: usize = UUID_LEN;
+const POOL_DESCRIPTOR_LEN: usize = UUID_LEN + 4 + 4;
+const BUFFER_LEN: usize = 5 * 8 + 4 + 4 + 64 + 64;
+const RELEASE_LEN: usize = 8;
+const ERROR_FIXED_LEN: usize = 4 + 2;
+
+/// The UUID of a GPU (`cuDeviceGetUuid`): the same physical GPU has the same UUID in every
+/// process, whatever its ordinal there.
+///
+/// Displayed the way `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DeviceUuid(pub [u8; 16]);
+
+impl fmt::Display for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("GPU-")?;
+        for (i, byte) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// The identity of an exported pool, chosen by the exporter; never all zeros.
+///
+/// It lets an importer tell pools apart (and tell a restarted exporter from the one it knew).
+/// It is not a secret and grants nothing: the socket is the gate.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PoolId(pub [u8; 16]);
+
+impl PoolId {
+    /// A fresh id, unique on this host with overwhelming likelihood: the process id, the time
+    /// and a per-process counter.
+    pub fn generate() -> PoolId {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let pid = std::process::id() as u64;
+        let hi = pid << 32 | (count & 0xffff_ffff);
+        // The top bit keeps the id away from all zeros even if everything else is zero.
+        let lo = nanos | 1 << 63;
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&hi.to_le_bytes());
+        bytes[8..].copy_from_slice(&lo.to_le_bytes());
+        PoolId(bytes)
+    }
+}
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in &self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PoolId({self})")
+    }
+}
+
+/// The exporter's name for a shared buffer; unique per exporter.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct BufferId(pub u64);
+
+impl fmt::Display for BufferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+impl From<u64> for BufferId {
+    fn from(id: u64) -> Self {
+        BufferId(id)
+    }
+}
+
+/// The exporter's name for an exported block (one allocation from the pool that buffers may
+/// be suballocated from); unique per exporter.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct BlockId(pub u64);
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "block#{}", self.0)
+    }
+}
+
+impl From<u64> for BlockId {
+    fn from(id: u64) -> Self {
+        BlockId(id)
+    }
+}
+
+/// The 64 opaque bytes `cuMemPoolExportPointer` writes for an allocation
+/// (`CUmemPoolPtrExportData`); `cuMemPoolImportPointer` turns them back into a pointer in a
+/// process that imported the pool.
+///
+/// They are not a capability: whoever holds the pool's file descriptor could guess them.
+/// The socket, which hands out the pool, is the gate.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct PointerDescriptor(pub [u8; 64]);
+
+/// An interprocess event handle (`CUipcEventHandle`, from `cuIpcGetEventHandle`): the importer
+/// opens it with `cuIpcOpenEventHandle` and makes its stream wait on it before first use.
+///
+/// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct EventHandle(pub [u8; 64]);
+
+/// The type of a message, as the frame header names it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[repr(u16)]
+pub enum MessageType {
+    /// Importer -> exporter: opens the conversation.
+    Hello = 1,
+    /// Exporter -> importer: the GPU and the pool.
+    Welcome = 2,
+    /// Importer -> exporter: the importer sees the GPU.
+    Ready = 3,
+    /// Exporter -> importer: the pool's file descriptor (one descriptor attached).
+    PoolDescriptor = 4,
+    /// Exporter -> importer: a shared buffer.
+    Buffer = 5,
+    /// Importer -> exporter: the importer is done with a buffer.
+    Release = 6,
+    /// Either way: the sender is done and closes the connection.
+    Goodbye = 7,
+    /// Either way: something went wrong; the sender closes the connection.
+    Error = 8,
+}
+
+impl MessageType {
+    /// Every message type, in wire order.
+    pub const ALL: [MessageType; 8] = [
+        MessageType::Hello,
+        MessageType::Welcome,
+        MessageType::Ready,
+        MessageType::PoolDescriptor,
+        MessageType::Buffer,
+        MessageType::Release,
+        MessageType::Goodbye,
+        MessageType::Error,
+    ];
+
+    /// The type with this wire code, if the protocol defines one.
+    pub fn from_wire(code: u16) -> Option<MessageType> {
+        MessageType::ALL.into_iter().find(|t| t.to_wire() == code)
+    }
+
+    /// This type's wire code.
+    pub fn to_wire(self) -> u16 {
+        self as u16
+    }
+
+    /// The type's name, as the specification spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MessageType::Hello => "Hello",
+            MessageType::Welcome => "Welcome",
+            MessageType::Ready => "Ready",
+            MessageType::PoolDescriptor => "PoolDescriptor",
+            MessageType::Buffer => "Buffer",
+            MessageType::Release => "Release",
+            MessageType::Goodbye => "Goodbye",
+            MessageType::Error => "Error",
+        }
+    }
+
+    /// How many file descriptors travel with a message of this type (exactly that many).
+    pub fn descriptor_count(self) -> usize {
+        match self {
+            MessageType::PoolDescriptor => 1,
+            _ => 0,
+        }
+    }
+
+    /// The smallest and the largest body a message of this type may have.
+    pub fn body_len_bounds(self) -> (usize, usize) {
+        let exact = |n| (n, n);
+        match self {
+            MessageType::Hello | MessageType::Goodbye => exact(0),
+            MessageType::Welcome => exact(WELCOME_LEN),
+            MessageType::Ready => exact(READY_LEN),
+            MessageType::PoolDescriptor => exact(POOL_DESCRIPTOR_LEN),
+            MessageType::Buffer => exact(BUFFER_LEN),
+            MessageType::Release => exact(RELEASE_LEN),
+            MessageType::Error => (ERROR_FIXED_LEN, MAX_BODY_LEN),
+        }
+    }
+}
+
+impl fmt::Display for MessageType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the exporter announces after `Hello`: its GPU and its pool.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Welcome {
+    /// The GPU the pool lives on; the importer must see it too.
+    pub device_uuid: DeviceUuid,
+    /// The pool's identity.
+    pub pool_id: PoolId,
+}
+
+/// The importer's answer to `Welcome`: it found the GPU.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Ready {
+    /// The GPU the importer will import on; must equal the `Welcome`'s.
+    pub device_uuid: DeviceUuid,
+}
+
+/// The pool itself; its file descriptor travels with this message.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PoolDescriptor {
+    /// The pool's identity; must equal the `Welcome`'s.
+    pub pool_id: PoolId,
+}
+
+/// A shared buffer: `size` bytes at `offset` inside an exported block.
+///
+/// A buffer that is a whole allocation is a block of its own at offset 0. Buffers suballocated
+/// from one larger allocation name the same block, whose pointer was exported once; the
+/// importer imports each block once and adds the offset.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct BufferDescriptor {
+    /// The buffer's id; `Release` names it.
+    pub buffer_id: BufferId,
+    /// The block the buffer lives in.
+    pub block_id: BlockId,
+    /// The block's size in bytes; never 0.
+    pub block_size: u64,
+    /// Where the buffer starts in the block.
+    pub offset: u64,
+    /// The buffer's size in bytes; never 0, and `offset + size <= block_size`.
+    pub size: u64,
+    /// The block's exported pointer.
+    pub pointer: PointerDescriptor,
+    /// The event to wait on before first use, recorded after the exporter's allocation and
+    /// work on the buffer. `None`: the exporter synchronized before sending, no wait is needed.
+    pub ready_event: Option<EventHandle>,
+}
+
+/// The code of an `Error` message.
+///
+/// Codes this version does not know decode as [`ErrorCode::Other`], so that a newer peer's
+/// explanation still reaches the user.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum ErrorCode {
+    /// A malformed, unexpected or out-of-order message.
+    Protocol,
+    /// The peer speaks another version.
+    UnsupportedVersion,
+    /// The importer does not see the exporter's GPU.
+    WrongDevice,
+    /// The connecting user is not allowed.
+    PermissionDenied,
+    /// A step of the conversation took too long.
+    Timeout,
+    /// A release named a buffer the exporter does not know.
+    UnknownBuffer,
+    /// A release named a buffer this importer does not hold (a double release).
+    NotLeased,
+    /// The sender failed for a reason of its own.
+    Internal,
+    /// The exporter is shutting down.
+    ShuttingDown,
+    /// A code this version does not define.
+    Other(u32),
+}
+
+impl ErrorCode {
+    /// The code's wire value.
+    pub fn to_wire(self) -> u32 {
+        match self {
+            ErrorCode::Protocol => 1,
+            ErrorCode::UnsupportedVersion => 2,
+            ErrorCode::WrongDevice => 3,
+            ErrorCode::PermissionDenied => 4,
+            ErrorCode::Timeout => 5,
+            ErrorCode::UnknownBuffer => 6,
+            ErrorCode::NotLeased => 7,
+            ErrorCode::Internal => 8,
+            ErrorCode::ShuttingDown => 9,
+            ErrorCode::Other(code) => code,
+        }
+    }
+
+    /// The code with this wire value.
+    pub fn from_wire(code: u32) -> ErrorCode {
+        match code {
+            1 => ErrorCode::Protocol,
+            2 => ErrorCode::UnsupportedVersion,
+            3 => ErrorCode::WrongDevice,
+            4 => ErrorCode::PermissionDenied,
+            5 => ErrorCode::Timeout,
+            6 => ErrorCode::UnknownBuffer,
+            7 => ErrorCode::NotLeased,
+            8 => ErrorCode::Internal,
+            9 => ErrorCode::ShuttingDown,
+            other => ErrorCode::Other(other),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ErrorCode::Other(code) => write!(f, "code {code}"),
+            known => write!(f, "{known:?}"),
+        }
+    }
+}
+
+/// The body of an `Error` message.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ErrorMessage {
+    /// What kind of error.
+    pub code: ErrorCode,
+    /// A human-readable explanation, at most [`MAX_ERROR_TEXT_LEN`] bytes.
+    pub text: String,
+}
+
+impl ErrorMessage {
+    /// An error message; text longer than [`MAX_ERROR_TEXT_LEN`] bytes is cut at a character
+    /// boundary.
+    pub fn new(code: ErrorCode, text: impl Into<String>) -> ErrorMessage {
+        let mut text = text.into();
+        if text.len() > MAX_ERROR_TEXT_LEN {
+            let mut end = MAX_ERROR_TEXT_LEN;
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            text.truncate(end);
+        }
+        ErrorMessage { code, text }
+    }
+}
+
+/// One message of the protocol.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Message {
+    /// Importer -> exporter, first message.
+    Hello,
+    /// Exporter -> importer, answer to `Hello`.
+    Welcome(Welcome),
+    /// Importer -> exporter, answer to `Welcome`.
+    Ready(Ready),
+    /// Exporter -> importer, answer to `Ready`; carries the pool's file descriptor.
+    PoolDescriptor(PoolDescriptor),
+    /// Exporter -> importer: a shared buffer.
+    Buffer(BufferDescriptor),
+    /// Importer -> exporter: the importer has freed its import of this buffer.
+    Release {
+        /// The buffer released.
+        buffer_id: BufferId,
+    },
+    /// Either way: the sender is done; from the importer it also means every buffer it held
+    /// is released.
+    Goodbye,
+    /// Either way: an error; the sender closes the connection.
+    Error(ErrorMessage),
+}
+
+impl Message {
+    /// The message's type.
+    pub fn message_type(&self) -> MessageType {
+        match self {
+            Message::Hello => MessageType::Hello,
+            Message::Welcome(_) => MessageType::Welcome,
+            Message::Ready(_) => MessageType::Ready,
+            Message::PoolDescriptor(_) => MessageType::PoolDescriptor,
+            Message::Buffer(_) => MessageType::Buffer,
+            Message::Release { .. } => MessageType::Release,
+            Message::Goodbye => MessageType::Goodbye,
+            Message::Error(_) => MessageType::Error,
+        }
+    }
+
+    /// Checks every field against the rules of the protocol, the same checks decoding makes.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Message::Hello | Message::Goodbye | Message::Release { .. } => Ok(()),
+            Message::Welcome(w) => {
+                check_uuid(&w.device_uuid)?;
+                check_pool_id(&w.pool_id)
+            }
+            Message::Ready(r) => check_uuid(&r.device_uuid),
+            Message::PoolDescriptor(p) => check_pool_id(&p.pool_id),
+            Message::Buffer(b) => check_buffer(b),
+            Message::Error(e) => {
+                if e.text.len() > MAX_ERROR_TEXT_LEN {
+                    return Err(Error::MessageTooLarge {
+                        len: ERROR_FIXED_LEN + e.text.len(),
+                        max: MAX_BODY_LEN,
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn protocol(reason: impl Into<String>) -> Error {
+    Error::Protocol { reason: reason.into() }
+}
+
+fn check_uuid(uuid: &DeviceUuid) -> Result<()> {
+    if uuid.0 == [0; 16] {
+        return Err(protocol("device UUID is all zeros"));
+    }
+    Ok(())
+}
+
+fn check_pool_id(id: &PoolId) -> Result<()> {
+    if id.0 == [0; 16] {
+        return Err(protocol("pool id is all zeros"));
+    }
+    Ok(())
+}
+
+fn check_buffer(b: &BufferDescriptor) -> Result<()> {
+    if b.block_size == 0 {
+        return Err(protocol(format!("buffer {}: block size is 0", b.buffer_id)));
+    }
+    if b.size == 0 {
+        return Err(protocol(format!("buffer {}: size is 0", b.buffer_id)));
+    }
+    match b.offset.checked_add(b.size) {
+        Some(end) if end <= b.block_size => Ok(()),
+        _ => Err(protocol(format!(
+            "buffer {}: {} bytes at offset {} do not fit in a block of {} bytes",
+            b.buffer_id, b.size, b.offset, b.block_size
+        ))),
+    }
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Header {
+    /// The message type.
+    pub message_type: MessageType,
+    /// The body's length, already checked against what the type allows.
+    pub body_len: usize,
+}
+
+/// Decodes and checks the header at the start of `bytes` (which may go on past it).
+pub fn decode_header(bytes: &[u8]) -> Result<Header> {
+    let Some(header) = bytes.get(..HEADER_LEN) else {
+        return Err(Error::Truncated {
+            needed: HEADER_LEN,
+            got: bytes.len(),
+        });
+    };
+    let mut r = Reader::new(header);
+    let magic: [u8; 4] = r.array()?;
+    if magic != MAGIC {
+        return Err(Error::BadMagic { got: magic });
+    }
+    let version = r.u16()?;
+    if version != PROTOCOL_VERSION {
+        return Err(Error::UnsupportedVersion {
+            got: version,
+            supported: PROTOCOL_VERSION,
+        });
+    }
+    let code = r.u16()?;
+    let message_type = MessageType::from_wire(code).ok_or(Error::UnknownMessageType { got: code })?;
+    let body_len = r.u32()? as usize;
+    if body_len > MAX_BODY_LEN {
+        return Err(Error::MessageTooLarge {
+            len: body_len,
+            max: MAX_BODY_LEN,
+        });
+    }
+    let (min, max) = message_type.body_len_bounds();
+    if body_len < min || body_len > max {
+        return Err(Error::BodyLength {
+            message: message_type,
+            min,
+            max,
+            got: body_len,
+        });
+    }
+    Ok(Header { message_type, body_len })
+}
+
+/// Decodes the body of a message of type `message_type`; `body` must be exactly the body.
+pub fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
+    let (min, max) = message_type.body_len_bounds();
+    if body.len() < min || body.len() > max {
+        return Err(Error::BodyLength {
+            message: message_type,
+            min,
+            max,
+            got: body.len(),
+        });
+    }
+    let mut r = Reader::new(body);
+    let message = match message_type {
+        MessageType::Hello => Message::Hello,
+        MessageType::Goodbye => Message::Goodbye,
+        MessageType::Welcome => Message::Welcome(Welcome {
+            device_uuid: DeviceUuid(r.array()?),
+            pool_id: PoolId(r.array()?),
+        }),
+        MessageType::Ready => Message::Ready(Ready {
+            device_uuid: DeviceUuid(r.array()?),
+        }),
+        MessageType::PoolDescriptor => {
+            let pool_id = PoolId(r.array()?);
+            let handle_type = r.u32()?;
+            if handle_type != POOL_HANDLE_TYPE_POSIX_FD {
+                return Err(protocol(format!(
+                    "pool handle type {handle_type} is not supported (only {POOL_HANDLE_TYPE_POSIX_FD}, a POSIX file descriptor)"
+                )));
+            }
+            check_reserved(r.u32()?, "PoolDescriptor")?;
+            Message::PoolDescriptor(PoolDescriptor { pool_id })
+        }
+        MessageType::Buffer => {
+            let buffer_id = BufferId(r.u64()?);
+            let block_id = BlockId(r.u64()?);
+            let block_size = r.u64()?;
+            let offset = r.u64()?;
+            let size = r.u64()?;
+            let flags = r.u32()?;
+            check_reserved(r.u32()?, "Buffer")?;
+            let pointer = PointerDescriptor(r.array()?);
+            let event = r.array::<64>()?;
+            if flags & !BUFFER_FLAG_READY_EVENT != 0 {
+                return Err(protocol(format!("Buffer: unknown flag bits {flags:#x}")));
+            }
+            let ready_event = if flags & BUFFER_FLAG_READY_EVENT != 0 {
+                Some(EventHandle(event))
+            } else if event != [0; 64] {
+                return Err(protocol("Buffer: event handle bytes without the ready-event flag"));
+            } else {
+                None
+            };
+            Message::Buffer(BufferDescriptor {
+                buffer_id,
+                block_id,
+                block_size,
+                offset,
+                size,
+                pointer,
+                ready_event,
+            })
+        }
+        MessageType::Release => Message::Release {
+            buffer_id: BufferId(r.u64()?),
+        },
+        MessageType::Error => {
+            let code = ErrorCode::from_wire(r.u32()?);
+            let text_len = r.u16()? as usize;
+            if text_len != r.remaining() {
+                return Err(protocol(format!(
+                    "Error: text length field says {text_len} bytes, the body holds {}",
+                    r.remaining()
+                )));
+            }
+            let text = std::str::from_utf8(r.bytes(text_len)?).map_err(|_| protocol("Error: text is not UTF-8"))?;
+            Message::Error(ErrorMessage {
+                code,
+                text: text.to_owned(),
+            })
+        }
+    };
+    if r.remaining() != 0 {
+        return Err(Error::TrailingBytes { len: r.remaining() });
+    }
+    message.validate()?;
+    Ok(message)
+}
+
+fn check_reserved(value: u32, message: &str) -> Result<()> {
+    if value != 0 {
+        return Err(protocol(format!("{message}: reserved field is {value:#x}, must be 0")));
+    }
+    Ok(())
+}
+
+/// Decodes exactly one frame: `frame` must hold a whole frame and nothing after it.
+pub fn decode(frame: &[u8]) -> Result<Message> {
+    let header = decode_header(frame)?;
+    let total = HEADER_LEN + header.body_len;
+    if frame.len() < total {
+        return Err(Error::Truncated {
+            needed: total,
+            got: frame.len(),
+        });
+    }
+    if frame.len() > total {
+        return Err(Error::TrailingBytes {
+            len: frame.len() - total,
+        });
+    }
+    decode_body(header.message_type, &frame[HEADER_LEN..])
+}
+
+/// Encodes `message` as one frame, after checking it with [`Message::validate`].
+pub fn encode(message: &Message) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(HEADER_LEN + 64);
+    encode_into(message, &mut out)?;
+    Ok(out)
+}
+
+/// Appends the frame of `message` to `out`, after checking it with [`Message::validate`];
+/// on error `out` is unchanged.
+pub fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
+    message.validate()?;
+    let start = out.len();
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&message.message_type().to_wire().to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    let body_start = out.len();
+    match message {
+        Message::Hello | Message::Goodbye => {}
+        Message::Welcome(w) => {
+            out.extend_from_slice(&w.device_uuid.0);
+            out.extend_from_slice(&w.pool_id.0);
+        }
+        Message::Ready(r) => out.extend_from_slice(&r.device_uuid.0),
+        Message::PoolDescriptor(p) => {
+            out.extend_from_slice(&p.pool_id.0);
+            out.extend_from_slice(&POOL_HANDLE_TYPE_POSIX_FD.to_le_bytes());
+            out.extend_from_slice(&0u32.to_le_bytes());
+        }
+        Message::Buffer(b) => {
+            for field in [b.buffer_id.0, b.block_id.0, b.block_size, b.offset, b.size] {
+                out.extend_from_slice(&field.to_le_bytes());
+            }
+            let flags = if b.ready_event.is_some() {
+                BUFFER_FLAG_READY_EVENT
+            } else {
+                0
+            };
+            out.extend_from_slice(&flags.to_le_bytes());
+            out.extend_from_slice(&0u32.to_le_bytes());
+            out.extend_from_slice(&b.pointer.0);
+            out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
+        }
+        Message::Release { buffer_id } => out.extend_from_slice(&buffer_id.0.to_le_bytes()),
+        Message::Error(e) => {
+            out.extend_from_slice(&e.code.to_wire().to_le_bytes());
+            // `validate` bounded the text, so the length fits in u16.
+            out.extend_from_slice(&(e.text.len() as u16).to_le_bytes());
+            out.extend_from_slice(e.text.as_bytes());
+        }
+    }
+    let body_len = out.len() - body_start;
+    debug_assert!(body_len <= MAX_BODY_LEN);
+    out[start + 8..start + 12].copy_from_slice(&(body_len as u32).to_le_bytes());
+    Ok(())
+}
+
+/// A cursor over a byte slice whose reads fail (never panic) past the end.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes, pos: 0 }
+    }
+
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len());
+        let Some(end) = end else {
+            return Err(Error::Truncated {
+                needed: self.pos.saturating_add(n),
+                got: self.bytes.len(),
+            });
+        };
+        let out = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.bytes(N)?);
+        Ok(out)
+    }
+
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+}

@@ -1,0 +1,339 @@
+//! Framed connections over real sockets: messages with their descriptors, hostile peers,
+//! timeouts.
+
+mod common;
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{
+    buffer, every_message, expect_error_then_eof, is_cloexec, memfd_with, open_fds_named, read_all, read_frame,
+    short_config, unique_name, POOL,
+};
+use mempool_ipc::fdpass;
+use mempool_ipc::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, HEADER_LEN};
+use mempool_ipc::{Connection, Error};
+
+/// A connection and a raw socket for playing a (possibly hostile) peer.
+fn conn_and_raw() -> (Connection, UnixStream) {
+    let (a, b) = UnixStream::pair().unwrap();
+    (Connection::new(a, short_config()), b)
+}
+
+fn pool_descriptor() -> Message {
+    Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })
+}
+
+#[test]
+fn every_message_travels_with_its_descriptors() {
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    let name = unique_name("conn-pool");
+    let memfd = memfd_with(&name, b"pool contents");
+    for message in every_message() {
+        let fds: Vec<_> = (0..message.message_type().descriptor_count())
+            .map(|_| memfd.as_fd())
+            .collect();
+        a.send(&message, &fds).unwrap();
+        let received = b.recv().unwrap();
+        assert_eq!(received.message, message);
+        assert_eq!(received.fds.len(), fds.len());
+        for fd in received.fds {
+            assert!(is_cloexec(&fd));
+            assert_eq!(read_all(fd), b"pool contents");
+        }
+    }
+    drop(memfd);
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn send_checks_the_descriptor_count_before_sending() {
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    let memfd = memfd_with(&unique_name("count"), b"");
+    let release = Message::Release { buffer_id: BufferId(1) };
+    assert!(matches!(
+        a.send(&release, &[memfd.as_fd()]).unwrap_err(),
+        Error::DescriptorCount { expected: 0, got: 1 }
+    ));
+    assert!(matches!(
+        a.send(&pool_descriptor(), &[]).unwrap_err(),
+        Error::DescriptorCount { expected: 1, got: 0 }
+    ));
+    // Nothing went out, and the connection is still good.
+    assert!(!a.is_failed());
+    a.send(&release, &[]).unwrap();
+    assert_eq!(b.recv().unwrap().message, release);
+}
+
+#[test]
+fn descriptor_on_a_message_that_carries_none_is_closed_and_fails_the_connection() {
+    let (conn, mut raw) = conn_and_raw();
+    let name = unique_name("stray");
+    let memfd = memfd_with(&name, b"x");
+    let frame = wire::encode(&Message::Release { buffer_id: BufferId(3) }).unwrap();
+    fdpass::send_with_fds(&raw, &frame, &[memfd.as_fd()]).unwrap();
+    drop(memfd);
+
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::DescriptorCount { expected: 0, got: 1 }), "{err}");
+    assert_eq!(open_fds_named(&name), 0, "the stray descriptor leaked");
+    assert!(conn.is_failed());
+    assert!(matches!(conn.recv().unwrap_err(), Error::ConnectionFailed));
+    assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::Protocol);
+}
+
+#[test]
+fn pool_descriptor_without_its_descriptor_is_rejected() {
+    let (conn, mut raw) = conn_and_raw();
+    raw.write_all(&wire::encode(&pool_descriptor()).unwrap()).unwrap();
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::DescriptorCount { expected: 1, got: 0 }), "{err}");
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn pool_descriptor_with_two_descriptors_closes_both() {
+    let (conn, mut raw) = conn_and_raw();
+    let name = unique_name("two");
+    let memfd = memfd_with(&name, b"x");
+    let frame = wire::encode(&pool_descriptor()).unwrap();
+    fdpass::send_with_fds(&raw, &frame, &[memfd.as_fd(), memfd.as_fd()]).unwrap();
+    drop(memfd);
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::DescriptorCount { expected: 1, got: 2 }), "{err}");
+    assert_eq!(open_fds_named(&name), 0);
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn descriptors_sent_mid_frame_are_counted_too() {
+    // A hostile peer attaches a descriptor to a later byte of a message that carries none.
+    let (conn, raw) = conn_and_raw();
+    let name = unique_name("midframe");
+    let memfd = memfd_with(&name, b"x");
+    let frame = wire::encode(&Message::Release { buffer_id: BufferId(3) }).unwrap();
+    fdpass::send_with_fds(&raw, &frame[..HEADER_LEN + 2], &[]).unwrap();
+    fdpass::send_with_fds(&raw, &frame[HEADER_LEN + 2..], &[memfd.as_fd()]).unwrap();
+    drop(memfd);
+    assert!(matches!(conn.recv().unwrap_err(), Error::DescriptorCount { .. }));
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn garbage_is_rejected_and_the_peer_told() {
+    let (conn, mut raw) = conn_and_raw();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::BadMagic { got } if &got == b"GET "), "{err}");
+    let told = expect_error_then_eof(&mut raw);
+    assert_eq!(told.code, ErrorCode::Protocol);
+    assert!(told.text.contains("magic"), "{}", told.text);
+}
+
+#[test]
+fn unknown_version_is_rejected_and_the_peer_told_in_our_version() {
+    let (conn, mut raw) = conn_and_raw();
+    let mut frame = wire::encode(&Message::Hello).unwrap();
+    frame[4..6].copy_from_slice(&2u16.to_le_bytes());
+    raw.write_all(&frame).unwrap();
+    let err = conn.recv().unwrap_err();
+    assert!(
+        matches!(err, Error::UnsupportedVersion { got: 2, supported: 1 }),
+        "{err}"
+    );
+    let told = expect_error_then_eof(&mut raw);
+    assert_eq!(told.code, ErrorCode::UnsupportedVersion);
+    assert!(told.text.contains("version 2"), "{}", told.text);
+}
+
+#[test]
+fn unknown_message_type_is_rejected() {
+    let (conn, mut raw) = conn_and_raw();
+    let mut frame = wire::encode(&Message::Goodbye).unwrap();
+    frame[6..8].copy_from_slice(&99u16.to_le_bytes());
+    raw.write_all(&frame).unwrap();
+    assert!(matches!(
+        conn.recv().unwrap_err(),
+        Error::UnknownMessageType { got: 99 }
+    ));
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn oversized_length_is_rejected_without_waiting_for_the_body() {
+    let (conn, mut raw) = conn_and_raw();
+    let mut header = wire::encode(&Message::Goodbye).unwrap();
+    header[6..8].copy_from_slice(&MessageType::Error.to_wire().to_le_bytes());
+    header[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    raw.write_all(&header).unwrap();
+    // The peer keeps the socket open and sends no body: the header alone must be enough.
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::MessageTooLarge { .. }), "{err}");
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn wrong_body_length_for_the_type_is_rejected() {
+    let (conn, mut raw) = conn_and_raw();
+    let mut frame = wire::encode(&Message::Release { buffer_id: BufferId(1) }).unwrap();
+    frame[8..12].copy_from_slice(&4u32.to_le_bytes());
+    frame.truncate(HEADER_LEN + 4);
+    raw.write_all(&frame).unwrap();
+    assert!(matches!(
+        conn.recv().unwrap_err(),
+        Error::BodyLength {
+            message: MessageType::Release,
+            got: 4,
+            ..
+        }
+    ));
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn peer_closing_between_and_within_messages() {
+    let (conn, raw) = conn_and_raw();
+    drop(raw);
+    assert!(matches!(conn.recv().unwrap_err(), Error::Closed));
+
+    let (conn, mut raw) = conn_and_raw();
+    let frame = wire::encode(&Message::Buffer(buffer(1))).unwrap();
+    raw.write_all(&frame[..HEADER_LEN + 10]).unwrap();
+    drop(raw);
+    let err = conn.recv().unwrap_err();
+    assert!(
+        matches!(err, Error::Truncated { needed, got } if needed == frame.len() && got == HEADER_LEN + 10),
+        "{err}"
+    );
+
+    // Closed inside the header.
+    let (conn, mut raw) = conn_and_raw();
+    raw.write_all(&frame[..5]).unwrap();
+    drop(raw);
+    assert!(matches!(
+        conn.recv().unwrap_err(),
+        Error::Truncated {
+            needed: HEADER_LEN,
+            got: 5
+        }
+    ));
+}
+
+#[test]
+fn idle_timeout_leaves_the_connection_usable() {
+    let (conn, mut raw) = conn_and_raw();
+    let err = conn
+        .recv_timeout(Duration::from_millis(20), "waiting in a test")
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Timeout {
+            during: "waiting in a test"
+        }
+    ));
+    assert!(!conn.is_failed());
+    raw.write_all(&wire::encode(&Message::Hello).unwrap()).unwrap();
+    assert_eq!(conn.recv().unwrap().message, Message::Hello);
+}
+
+#[test]
+fn peer_stalling_mid_message_times_out_and_fails_the_connection() {
+    let (conn, mut raw) = conn_and_raw();
+    let frame = wire::encode(&Message::Buffer(buffer(1))).unwrap();
+    raw.write_all(&frame[..HEADER_LEN + 1]).unwrap();
+    // `recv` waits forever for a message to begin, but not for one to end.
+    let start = Instant::now();
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(start.elapsed() >= short_config().io_timeout);
+    assert!(conn.is_failed());
+    let told = expect_error_then_eof(&mut raw);
+    assert_eq!(told.code, ErrorCode::Timeout);
+}
+
+#[test]
+fn peer_that_does_not_read_cannot_block_a_sender() {
+    let (conn, _raw) = conn_and_raw();
+    let message = Message::Buffer(buffer(1));
+    let mut sent = 0;
+    let err = loop {
+        match conn.send(&message, &[]) {
+            Ok(()) => sent += 1,
+            Err(err) => break err,
+        }
+        assert!(sent < 1_000_000, "the socket buffer never filled");
+    };
+    assert!(matches!(err, Error::Timeout { during: "send" }), "{err}");
+    assert!(sent > 0);
+}
+
+#[test]
+fn peer_error_message_is_delivered() {
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    let message = Message::Error(wire::ErrorMessage::new(ErrorCode::ShuttingDown, "bye"));
+    a.send(&message, &[]).unwrap();
+    assert_eq!(b.recv().unwrap().message, message);
+}
+
+#[test]
+fn shutdown_closes_both_ways() {
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    a.shutdown();
+    assert!(matches!(
+        a.send(&Message::Hello, &[]).unwrap_err(),
+        Error::ConnectionFailed
+    ));
+    assert!(matches!(b.recv().unwrap_err(), Error::Closed));
+}
+
+#[test]
+fn send_and_recv_run_concurrently() {
+    const N: u64 = 500;
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let spawn_sender = |conn: Arc<Connection>| {
+        std::thread::spawn(move || {
+            for id in 0..N {
+                conn.send(
+                    &Message::Release {
+                        buffer_id: BufferId(id),
+                    },
+                    &[],
+                )
+                .unwrap();
+            }
+        })
+    };
+    let spawn_receiver = |conn: Arc<Connection>| {
+        std::thread::spawn(move || {
+            for id in 0..N {
+                assert_eq!(
+                    conn.recv().unwrap().message,
+                    Message::Release {
+                        buffer_id: BufferId(id)
+                    }
+                );
+            }
+        })
+    };
+    let threads = [
+        spawn_sender(a.clone()),
+        spawn_sender(b.clone()),
+        spawn_receiver(a),
+        spawn_receiver(b),
+    ];
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn read_frame_helper_sees_what_connection_sends() {
+    // The raw helpers the other tests rely on agree with `Connection`.
+    let (conn, mut raw) = conn_and_raw();
+    conn.send(&Message::Goodbye, &[]).unwrap();
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Goodbye);
+}

@@ -1,0 +1,479 @@
+//! The handshake and the conversation after it, between real sockets, with a memfd for the
+//! pool and a simulated pool for the buffers.
+
+mod common;
+
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Instant;
+
+use common::{
+    buffer, expect_error_then_eof, is_cloexec, memfd_with, open_fds_named, read_all, read_frame, short_config,
+    unique_name, TempDir, GPU, OTHER_GPU, POOL,
+};
+use mempool_ipc::lease::{ImportTable, ImporterId, LeaseTable};
+use mempool_ipc::session::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
+use mempool_ipc::wire::{
+    self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, Ready, Welcome,
+};
+use mempool_ipc::{AccessPolicy, Connection, Error, Listener};
+
+const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
+    device_uuid: GPU,
+    pool_id: POOL,
+};
+
+/// The importer's device lookup on a machine whose only GPU is `GPU`.
+fn find_gpu(uuid: &DeviceUuid) -> mempool_ipc::Result<u32> {
+    if *uuid == GPU {
+        Ok(0)
+    } else {
+        Err(Error::DeviceNotVisible { uuid: *uuid })
+    }
+}
+
+fn send_raw(raw: &mut UnixStream, message: &Message) {
+    raw.write_all(&wire::encode(message).unwrap()).unwrap();
+}
+
+/// Runs a successful handshake over a socket pair; the pool memfd holds `contents`.
+fn handshake_pair(pool: &OwnedFd) -> (ExporterSession, ImporterSession, OwnedFd) {
+    let (e, i) = Connection::pair(short_config()).unwrap();
+    let importer = thread::spawn(move || ImporterSession::handshake(i, find_gpu));
+    let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
+    let (importer, imported) = importer.join().unwrap().unwrap();
+    assert_eq!(imported.device, 0);
+    (exporter, importer, imported.pool_fd)
+}
+
+#[test]
+fn handshake_hands_over_the_pool() {
+    let name = unique_name("session-pool");
+    let pool = memfd_with(&name, b"exported pool");
+    let (exporter, importer, pool_fd) = handshake_pair(&pool);
+    assert!(is_cloexec(&pool_fd));
+    assert_eq!(importer.device_uuid(), GPU);
+    assert_eq!(importer.pool_id(), POOL);
+    assert_eq!(exporter.announcement(), &ANNOUNCEMENT);
+    assert_eq!(importer.exporter_credentials().unwrap().pid, std::process::id() as i32);
+    assert_eq!(read_all(pool_fd), b"exported pool");
+    drop(pool);
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn handshake_over_a_listener() {
+    let dir = TempDir::new("session-listener");
+    let path = dir.join("pool.sock");
+    let listener = Listener::bind(&path).unwrap();
+    let pool = memfd_with(&unique_name("listener-pool"), b"via the listener");
+    let importer =
+        thread::spawn(move || ImporterSession::connect(&path, short_config(), &AccessPolicy::SameUser, find_gpu));
+    let (conn, peer) = listener.accept().unwrap();
+    assert_eq!(peer.pid, std::process::id() as i32);
+    let _exporter = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap();
+    let (_importer, imported) = importer.join().unwrap().unwrap();
+    assert_eq!(read_all(imported.pool_fd), b"via the listener");
+}
+
+#[test]
+fn importer_refuses_an_exporter_outside_its_policy() {
+    let dir = TempDir::new("session-exporter-policy");
+    let path = dir.join("pool.sock");
+    let listener = Listener::bind(&path).unwrap();
+    let other_uid = rustix::process::geteuid().as_raw().wrapping_add(1);
+    let err =
+        ImporterSession::connect(&path, short_config(), &AccessPolicy::allow_uids([other_uid]), find_gpu).unwrap_err();
+    assert!(matches!(err, Error::PeerCredentials { .. }), "{err}");
+    let (conn, _) = listener.accept().unwrap();
+    let pool = memfd_with(&unique_name("unused"), b"");
+    let err = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Remote {
+                code: ErrorCode::PermissionDenied,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn exporter_rejects_an_importer_on_another_gpu() {
+    let name = unique_name("wrong-gpu");
+    let pool = memfd_with(&name, b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    let exporter = thread::spawn(move || {
+        let result = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd());
+        result.map(|_| ())
+    });
+    send_raw(&mut raw, &Message::Hello);
+    assert_eq!(
+        read_frame(&mut raw).unwrap(),
+        Message::Welcome(Welcome {
+            device_uuid: GPU,
+            pool_id: POOL
+        })
+    );
+    send_raw(&mut raw, &Message::Ready(Ready { device_uuid: OTHER_GPU }));
+    let err = exporter.join().unwrap().unwrap_err();
+    assert!(
+        matches!(err, Error::WrongDevice { expected_uuid, got } if expected_uuid == GPU && got == OTHER_GPU),
+        "{err}"
+    );
+    // The importer is told, and never receives the pool.
+    assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::WrongDevice);
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn importer_that_does_not_see_the_gpu_says_so() {
+    let pool = memfd_with(&unique_name("invisible"), b"x");
+    let (e, i) = Connection::pair(short_config()).unwrap();
+    let importer = thread::spawn(move || {
+        ImporterSession::handshake(i, |uuid| Err::<(), _>(Error::DeviceNotVisible { uuid: *uuid })).map(|_| ())
+    });
+    let err = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    match err {
+        Error::Remote { code, text } => {
+            assert_eq!(code, ErrorCode::WrongDevice);
+            assert!(text.contains(&GPU.to_string()), "{text}");
+        }
+        other => panic!("expected the importer's error, got {other}"),
+    }
+    assert!(matches!(
+        importer.join().unwrap().unwrap_err(),
+        Error::DeviceNotVisible { uuid } if uuid == GPU
+    ));
+}
+
+#[test]
+fn silent_importer_times_out_the_handshake() {
+    let pool = memfd_with(&unique_name("silent"), b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    let start = Instant::now();
+    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
+    assert!(start.elapsed() >= short_config().handshake_timeout);
+    assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::Timeout);
+}
+
+#[test]
+fn importer_stalling_after_hello_times_out_the_handshake() {
+    // Hello arrives, then nothing: the deadline covers the whole handshake, not each step.
+    let pool = memfd_with(&unique_name("stall"), b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    send_raw(&mut raw, &Message::Hello);
+    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
+}
+
+#[test]
+fn silent_exporter_times_out_the_importer() {
+    let (i, _raw) = UnixStream::pair().unwrap();
+    let err = ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).unwrap_err();
+    assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
+}
+
+#[test]
+fn out_of_order_message_in_the_handshake() {
+    let pool = memfd_with(&unique_name("order"), b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    send_raw(&mut raw, &Message::Release { buffer_id: BufferId(1) });
+    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                expected: "Hello",
+                got: MessageType::Release
+            }
+        ),
+        "{err}"
+    );
+    let told = expect_error_then_eof(&mut raw);
+    assert_eq!(told.code, ErrorCode::Protocol);
+    assert!(told.text.contains("expected Hello"), "{}", told.text);
+}
+
+#[test]
+fn exporter_skipping_a_step_is_rejected() {
+    let (i, mut raw) = UnixStream::pair().unwrap();
+    let importer =
+        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).map(|_| ()));
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
+    send_raw(&mut raw, &Message::Buffer(buffer(1)));
+    let err = importer.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                expected: "Welcome",
+                got: MessageType::Buffer
+            }
+        ),
+        "{err}"
+    );
+    expect_error_then_eof(&mut raw);
+}
+
+#[test]
+fn pool_descriptor_must_name_the_announced_pool() {
+    let name = unique_name("other-pool");
+    let (i, mut raw) = UnixStream::pair().unwrap();
+    let importer =
+        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).map(|_| ()));
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
+    send_raw(
+        &mut raw,
+        &Message::Welcome(Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+        }),
+    );
+    assert_eq!(
+        read_frame(&mut raw).unwrap(),
+        Message::Ready(Ready { device_uuid: GPU })
+    );
+    let other = wire::encode(&Message::PoolDescriptor(PoolDescriptor {
+        pool_id: PoolId([0x77; 16]),
+    }))
+    .unwrap();
+    let memfd = memfd_with(&name, b"x");
+    mempool_ipc::fdpass::send_with_fds(&raw, &other, &[memfd.as_fd()]).unwrap();
+    drop(memfd);
+    let err = importer.join().unwrap().unwrap_err();
+    assert!(matches!(err, Error::Protocol { .. }), "{err}");
+    assert_eq!(open_fds_named(&name), 0, "the rejected pool descriptor leaked");
+}
+
+#[test]
+fn importer_speaking_another_version_is_told() {
+    let pool = memfd_with(&unique_name("version"), b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    let mut hello = wire::encode(&Message::Hello).unwrap();
+    hello[4..6].copy_from_slice(&7u16.to_le_bytes());
+    raw.write_all(&hello).unwrap();
+    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    assert!(
+        matches!(err, Error::UnsupportedVersion { got: 7, supported: 1 }),
+        "{err}"
+    );
+    assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::UnsupportedVersion);
+}
+
+#[test]
+fn buffers_and_releases_after_the_handshake() {
+    let pool = memfd_with(&unique_name("steady"), b"x");
+    let (exporter, importer, _pool_fd) = handshake_pair(&pool);
+    for id in 0..3 {
+        exporter.share(&buffer(id)).unwrap();
+    }
+    for id in 0..3 {
+        assert_eq!(importer.recv().unwrap(), ExporterEvent::Buffer(buffer(id)));
+    }
+    importer.release(BufferId(1)).unwrap();
+    assert_eq!(exporter.recv().unwrap(), ImporterEvent::Release(BufferId(1)));
+    // The exporter shuts down: it shares nothing more, but still hears the releases.
+    exporter.goodbye().unwrap();
+    assert!(matches!(exporter.share(&buffer(3)).unwrap_err(), Error::WriteClosed));
+    assert_eq!(importer.recv().unwrap(), ExporterEvent::Goodbye);
+    assert!(matches!(importer.recv().unwrap_err(), Error::Closed));
+    for id in [0, 2] {
+        importer.release(BufferId(id)).unwrap();
+        assert_eq!(exporter.recv().unwrap(), ImporterEvent::Release(BufferId(id)));
+    }
+    importer.goodbye().unwrap();
+    assert_eq!(exporter.recv().unwrap(), ImporterEvent::Goodbye);
+    assert!(matches!(exporter.recv().unwrap_err(), Error::ConnectionFailed));
+}
+
+#[test]
+fn importer_sending_exporter_messages_is_cut_off() {
+    let pool = memfd_with(&unique_name("hostile"), b"x");
+    let (exporter, importer, _pool_fd) = handshake_pair(&pool);
+    importer.connection().send(&Message::Buffer(buffer(9)), &[]).unwrap();
+    let err = exporter.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                got: MessageType::Buffer,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(matches!(
+        importer.recv().unwrap_err(),
+        Error::Remote {
+            code: ErrorCode::Protocol,
+            ..
+        }
+    ));
+}
+
+/// A simulated pool: allocations are numbers, frees are recorded.
+#[derive(Default)]
+struct SimPool {
+    freed: Vec<u64>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct SimAlloc(u64);
+
+/// The exporter's loop for one importer, as the GPU exporter will run it: releases and the
+/// end of the connection go through the lease table, and whatever it hands back is freed.
+fn serve_importer(
+    session: ExporterSession,
+    id: ImporterId,
+    leases: Arc<Mutex<LeaseTable<SimAlloc>>>,
+    pool: Arc<Mutex<SimPool>>,
+) -> Error {
+    let free = |allocs: Vec<SimAlloc>| pool.lock().unwrap().freed.extend(allocs.into_iter().map(|a| a.0));
+    loop {
+        match session.recv() {
+            Ok(ImporterEvent::Release(buffer)) => {
+                let released = leases.lock().unwrap().release(buffer, id);
+                match released {
+                    Ok(freed) => free(freed.into_iter().collect()),
+                    Err(err) => {
+                        free(disconnect(&leases, id));
+                        return session.reject(err);
+                    }
+                }
+            }
+            Ok(ImporterEvent::Goodbye) => {
+                free(disconnect(&leases, id));
+                return Error::Closed;
+            }
+            Err(err) => {
+                free(disconnect(&leases, id));
+                return err;
+            }
+        }
+    }
+}
+
+fn disconnect(leases: &Mutex<LeaseTable<SimAlloc>>, id: ImporterId) -> Vec<SimAlloc> {
+    leases
+        .lock()
+        .unwrap()
+        .disconnect(id)
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect()
+}
+
+#[test]
+fn buffers_are_freed_after_the_last_importer_lets_go() {
+    let pool_fd = memfd_with(&unique_name("e2e"), b"x");
+    let leases = Arc::new(Mutex::new(LeaseTable::new()));
+    let pool = Arc::new(Mutex::new(SimPool::default()));
+
+    // Two importers; the exporter allocates four buffers and shares all with both.
+    let (ea, ia, _) = handshake_pair(&pool_fd);
+    let (eb, ib, _) = handshake_pair(&pool_fd);
+    let (a, b) = (ImporterId(1), ImporterId(2));
+    for id in 0..4 {
+        let mut table = leases.lock().unwrap();
+        table.insert(BufferId(id), SimAlloc(id)).unwrap();
+        table.grant(BufferId(id), a).unwrap();
+        table.grant(BufferId(id), b).unwrap();
+        drop(table);
+        ea.share(&buffer(id)).unwrap();
+        eb.share(&buffer(id)).unwrap();
+    }
+    // The exporter is done with all of them itself; nothing may be freed yet.
+    for id in 0..4 {
+        assert_eq!(leases.lock().unwrap().release_owner(BufferId(id)).unwrap(), None);
+    }
+
+    let serve = |session, id| {
+        let (leases, pool) = (leases.clone(), pool.clone());
+        thread::spawn(move || serve_importer(session, id, leases, pool))
+    };
+    let server_a = serve(ea, a);
+    let server_b = serve(eb, b);
+
+    // Importer A: imports blocks once, releases everything the protocol way, says goodbye.
+    let mut imports_a = ImportTable::new();
+    for _ in 0..4 {
+        let ExporterEvent::Buffer(descriptor) = ia.recv().unwrap() else {
+            panic!("expected a buffer")
+        };
+        imports_a
+            .add(&descriptor, |d| Ok(format!("import of {}", d.block_id)))
+            .unwrap();
+    }
+    // buffer(id) puts ids 0..4 in one block: imported once.
+    assert_eq!(imports_a.block_count(), 1);
+    for id in 0..4 {
+        let freed_block = imports_a.release(BufferId(id)).unwrap();
+        // The block import is freed with the last buffer, before its Release goes out.
+        assert_eq!(freed_block.is_some(), id == 3);
+        ia.release(BufferId(id)).unwrap();
+    }
+    ia.goodbye().unwrap();
+    assert!(matches!(server_a.join().unwrap(), Error::Closed));
+    assert!(
+        pool.lock().unwrap().freed.is_empty(),
+        "freed while importer B still holds the buffers"
+    );
+
+    // Importer B releases one buffer, then dies without a word.
+    for _ in 0..4 {
+        ib.recv().unwrap();
+    }
+    ib.release(BufferId(2)).unwrap();
+    drop(ib);
+    let err = server_b.join().unwrap();
+    assert!(matches!(err, Error::Closed), "{err}");
+
+    let mut freed = pool.lock().unwrap().freed.clone();
+    freed.sort_unstable();
+    assert_eq!(freed, vec![0, 1, 2, 3], "every buffer freed exactly once");
+    assert!(leases.lock().unwrap().is_empty());
+}
+
+#[test]
+fn double_release_cuts_the_importer_off() {
+    let pool_fd = memfd_with(&unique_name("double"), b"x");
+    let leases = Arc::new(Mutex::new(LeaseTable::new()));
+    let pool = Arc::new(Mutex::new(SimPool::default()));
+    let (exporter, importer, _) = handshake_pair(&pool_fd);
+    let id = ImporterId(7);
+    {
+        let mut table = leases.lock().unwrap();
+        table.insert(BufferId(1), SimAlloc(1)).unwrap();
+        table.grant(BufferId(1), id).unwrap();
+    }
+    exporter.share(&buffer(1)).unwrap();
+    let server = {
+        let (leases, pool) = (leases.clone(), pool.clone());
+        thread::spawn(move || serve_importer(exporter, id, leases, pool))
+    };
+    importer.recv().unwrap();
+    importer.release(BufferId(1)).unwrap();
+    importer.release(BufferId(1)).unwrap();
+    let err = server.join().unwrap();
+    assert!(matches!(err, Error::NotLeased { .. }), "{err}");
+    assert!(matches!(
+        importer.recv().unwrap_err(),
+        Error::Remote {
+            code: ErrorCode::NotLeased,
+            ..
+        }
+    ));
+    // The exporter still holds the buffer itself: not freed.
+    assert!(pool.lock().unwrap().freed.is_empty());
+    assert_eq!(
+        leases.lock().unwrap().release_owner(BufferId(1)).unwrap(),
+        Some(SimAlloc(1))
+    );
+}
