@@ -44,6 +44,22 @@ bitflags::bitflags! {
     }
 }
 
+/// Each reuse flag with the pool attribute that holds it (an `int`, 0 or 1).
+const REUSE_ATTRIBUTES: [(sys::CUmemPool_attribute, ReusePolicy); 3] = [
+    (
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+        ReusePolicy::FOLLOW_EVENT_DEPENDENCIES,
+    ),
+    (
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+        ReusePolicy::ALLOW_OPPORTUNISTIC,
+    ),
+    (
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+        ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES,
+    ),
+];
+
 /// Where a pool's memory lives.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PoolLocation {
@@ -344,22 +360,8 @@ impl MemPool {
 
     /// The reuse policy.
     pub fn reuse_policy(&self) -> Result<ReusePolicy> {
-        use sys::CUmemPool_attribute::*;
         let mut policy = ReusePolicy::empty();
-        for (attr, flag) in [
-            (
-                CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
-                ReusePolicy::FOLLOW_EVENT_DEPENDENCIES,
-            ),
-            (
-                CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-                ReusePolicy::ALLOW_OPPORTUNISTIC,
-            ),
-            (
-                CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-                ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES,
-            ),
-        ] {
+        for (attr, flag) in REUSE_ATTRIBUTES {
             let mut v: i32 = 0;
             // SAFETY: the pool is live; the reuse attributes are `int`, which `v` is.
             #[allow(unsafe_code)]
@@ -373,21 +375,7 @@ impl MemPool {
 
     /// Sets the reuse policy: each flag on or off.
     pub fn set_reuse_policy(&self, policy: ReusePolicy) -> Result<()> {
-        use sys::CUmemPool_attribute::*;
-        for (attr, flag) in [
-            (
-                CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
-                ReusePolicy::FOLLOW_EVENT_DEPENDENCIES,
-            ),
-            (
-                CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-                ReusePolicy::ALLOW_OPPORTUNISTIC,
-            ),
-            (
-                CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-                ReusePolicy::ALLOW_INTERNAL_DEPENDENCIES,
-            ),
-        ] {
+        for (attr, flag) in REUSE_ATTRIBUTES {
             let mut v: i32 = policy.contains(flag) as i32;
             // SAFETY: as in `reuse_policy`.
             #[allow(unsafe_code)]
