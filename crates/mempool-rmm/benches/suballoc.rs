@@ -24,6 +24,7 @@ use mempool_rmm::suballoc::{
     ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Error, FixedSizeConfig, FixedSizeEngine, PoolConfig,
     PoolEngine, SimUpstream, StreamOrder,
 };
+use mempool_rmm::testing::SplitMix64;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -52,30 +53,6 @@ impl StreamOrder for OneStream {
 
 /// The standard points: (operations, max_size, max_usage).
 const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];
-
-/// SplitMix64: a tiny, fixed-seed generator, so the workload needs no `rand` dependency and is the
-/// same on every machine.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Uniform in `[0, n)` (the modulo bias is far below what the workload can notice).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
 
 #[derive(Clone, Copy)]
 enum Op {

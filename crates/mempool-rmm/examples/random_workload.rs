@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use mempool_core::{Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
+use mempool_rmm::testing::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
     SharedResource,
@@ -27,18 +28,6 @@ struct Point {
     max_usage: usize,
 }
 
-/// splitmix64: the same sequence for every resource.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// The operation sequence, generated once per point so generation is not timed.
 enum Op {
     Alloc(usize),
@@ -47,13 +36,13 @@ enum Op {
 }
 
 fn generate(p: &Point, seed: u64) -> Vec<Op> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed); // the same sequence for every resource
     let mut live: Vec<usize> = Vec::new();
     let mut live_bytes = 0usize;
     let mut ops = Vec::with_capacity(p.n);
     for _ in 0..p.n {
-        let size = 1 + (rng.next() % p.max_size as u64) as usize;
-        let alloc = (rng.next() % 100) < 73;
+        let size = 1 + (rng.next_u64() % p.max_size as u64) as usize;
+        let alloc = (rng.next_u64() % 100) < 73;
         if (alloc && live_bytes + size <= p.max_usage) || live.is_empty() {
             if live_bytes + size > p.max_usage {
                 continue;
@@ -62,7 +51,7 @@ fn generate(p: &Point, seed: u64) -> Vec<Op> {
             live_bytes += size;
             ops.push(Op::Alloc(size));
         } else {
-            let i = (rng.next() % live.len() as u64) as usize;
+            let i = (rng.next_u64() % live.len() as u64) as usize;
             live_bytes -= live.swap_remove(i);
             ops.push(Op::Free(i));
         }

@@ -1,5 +1,6 @@
-//! [`SimResource`]: a host-only resource over a fake address space, for testing adaptors and
-//! suballocators on machines without a GPU (CI has none). Its addresses are never dereferenced.
+//! Test and benchmark helpers: [`SimResource`], a host-only resource over a fake address space for
+//! testing adaptors and suballocators on machines without a GPU (CI has none; its addresses are never
+//! dereferenced), and [`SplitMix64`], the fixed-seed generator the workloads draw from.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -125,5 +126,31 @@ impl MemoryResource for SimResource {
 
     fn name(&self) -> &'static str {
         "SimResource"
+    }
+}
+
+/// SplitMix64: a tiny fixed-seed generator, so workloads need no `rand` dependency and draw the same
+/// sequence on every machine.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[0, n)` (`n > 0`; the modulo bias is far below what a workload can notice).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
     }
 }

@@ -11,6 +11,7 @@ use mempool_rmm::adaptors::{
     TrackingAdaptor,
 };
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
+use mempool_rmm::testing::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
     ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,
@@ -100,24 +101,9 @@ fn impossible_size_is_out_of_memory(mr: SharedResource) {
     }
 }
 
-/// A small deterministic PRNG (splitmix64).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn random_allocations(mr: SharedResource, caps: Caps) {
     let stream = Stream::new(&device().context().unwrap()).unwrap();
-    let mut rng = Rng(1);
+    let mut rng = SplitMix64(1);
     let max = caps.max_size.min(MIB) as u64;
     let mut live = Vec::new();
     for _ in 0..1000 {
@@ -142,7 +128,7 @@ fn random_allocations(mr: SharedResource, caps: Caps) {
 
 fn mixed_allocate_and_free(mr: SharedResource, caps: Caps) {
     let stream = Stream::new(&device().context().unwrap()).unwrap();
-    let mut rng = Rng(2);
+    let mut rng = SplitMix64(2);
     let max = caps.max_size.min(MIB) as u64;
     let mut live = Vec::new();
     for _ in 0..4000 {
@@ -168,7 +154,7 @@ fn four_threads(mr: SharedResource, caps: Caps) {
             scope.spawn(move || {
                 let stream = Stream::new(&ctx).unwrap();
                 let kernels = CheckKernels::load(&ctx).unwrap();
-                let mut rng = Rng(10 + t);
+                let mut rng = SplitMix64(10 + t);
                 let max = caps.max_size.min(256 * 1024) as u64;
                 let mut live = Vec::new();
                 for i in 0..500 {

@@ -7,7 +7,4 @@ mod suballoc;
 
 pub use async_resource::{AsyncOptions, AsyncResource};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
-pub use suballoc::{
-    take_upstream_errors, ArenaResource, BinningResource, CudaStreams, FixedSizeResource, PoolResource,
-    ResourceUpstream, StreamKey,
-};
+pub use suballoc::{take_upstream_errors, ArenaResource, BinningResource, FixedSizeResource, PoolResource};

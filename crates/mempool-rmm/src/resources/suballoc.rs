@@ -15,7 +15,7 @@ use crate::suballoc::{
 
 /// A stream as the engines key it: the raw handle's value.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct StreamKey(usize);
+pub(crate) struct StreamKey(usize);
 
 impl StreamKey {
     fn of(stream: StreamRef<'_>) -> StreamKey {
@@ -39,7 +39,7 @@ impl StreamKey {
 
 /// Real stream ordering for the engines: CUDA events in one context.
 #[derive(Debug, Clone)]
-pub struct CudaStreams {
+pub(crate) struct CudaStreams {
     ctx: Arc<Context>,
 }
 
@@ -73,7 +73,7 @@ impl StreamOrder for CudaStreams {
 
 /// An upstream [`MemoryResource`] as the engines see it.
 #[derive(Debug)]
-pub struct ResourceUpstream<U> {
+pub(crate) struct ResourceUpstream<U> {
     upstream: Arc<U>,
     ctx: Arc<Context>,
     /// Set while the resource is being released, after a context synchronize: upstream frees then go
@@ -218,11 +218,7 @@ macro_rules! suballocating_resource {
                 self.adapter.releasing.store(true, Ordering::Release);
                 let r = engine.release();
                 self.adapter.releasing.store(false, Ordering::Release);
-                r.map_err(|e| map_engine_error(stringify!($name), e))?;
-                // Let the frees complete before anything (such as dropping an upstream pool) can follow:
-                // on the GPUs used here, destroying a pool while frees on a busy legacy stream were still
-                // pending crashed or hung the driver when other threads were working.
-                Ok(self.ctx.synchronize()?)
+                r.map_err(|e| map_engine_error(stringify!($name), e))
             }
         }
 
