@@ -1,0 +1,3 @@
+//! `mempool-bench`: see the crate's library documentation.
+
+fn main() {}
