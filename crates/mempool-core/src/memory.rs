@@ -229,3 +229,31 @@ pub fn pointer_info(ptr: DevicePtr) -> Result<PointerInfo> {
         range_size: size,
     })
 }
+
+/// The allocation that contains `ptr`: its base address and size in bytes (`cuMemGetAddressRange`).
+///
+/// For memory from a stream-ordered pool this is the allocation `cuMemAllocFromPoolAsync` returned, which
+/// is what `cuMemPoolExportPointer` accepts; mempool-ipc uses it to share a buffer suballocated from a
+/// larger pool allocation as that allocation plus an offset. Fails (`CUDA_ERROR_INVALID_VALUE` or
+/// `CUDA_ERROR_NOT_FOUND`) for an address the driver does not know.
+///
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+pub fn address_range(ctx: &Context, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+    let _g = ctx.bind()?;
+    // SAFETY: a context is bound; the driver only looks the address up.
+    #[allow(unsafe_code)]
+    let (base, size) = unsafe { raw::memory::address_range(ptr.0) }?;
+    Ok((DevicePtr(base), size))
+}
+
+/// The stream-ordered pool an address was allocated from (`CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`), as a
+/// raw handle to compare with [`crate::MemPool::as_raw`]; null for memory that no pool allocated.
+pub fn pool_of(ptr: DevicePtr) -> Result<sys::CUmemoryPool> {
+    raw::init()?;
+    // SAFETY: the driver writes the pool handle, a pointer-sized value, which a `usize` holds.
+    #[allow(unsafe_code)]
+    let handle = unsafe {
+        raw::memory::pointer_attribute::<usize>(ptr.0, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)
+    }?;
+    Ok(handle as sys::CUmemoryPool)
+}

@@ -204,6 +204,67 @@ pub enum Error {
         buffer: BufferId,
     },
 
+    /// A CUDA driver call failed (importing or exporting the pool or a pointer, an event, a copy).
+    #[error("CUDA: {0}")]
+    Core(#[from] mempool_core::Error),
+
+    /// The exporter is gone: it said `Goodbye` (it is shutting down), closed the connection, or its
+    /// process died. Nothing more will arrive on this connection; buffers already received stay
+    /// usable until they are dropped (see `docs/ipc.md` for what the driver does when the exporting
+    /// process dies).
+    #[error("the exporter is gone: it {how}; buffers already received stay usable until dropped")]
+    ExporterGone {
+        /// What happened: `"said Goodbye"`, `"closed the connection"`, ...
+        how: &'static str,
+    },
+
+    /// No importer with this id is connected (it never was, or its connection closed).
+    #[error("importer {importer} is not connected")]
+    UnknownImporter {
+        /// The importer.
+        importer: ImporterId,
+    },
+
+    /// Sharing a buffer with one importer failed; the lease was revoked, so the buffer does not
+    /// count as held by it.
+    #[error("sharing buffer {buffer} with importer {importer} failed: {source}")]
+    Share {
+        /// The buffer.
+        buffer: BufferId,
+        /// The importer.
+        importer: ImporterId,
+        /// Why.
+        source: Box<Error>,
+    },
+
+    /// A pointer cannot be shared: it is not inside a live allocation of the exporter's pool, or
+    /// its range does not fit in that allocation.
+    #[error("address {ptr:#x} (+{len} bytes) cannot be shared: {reason}")]
+    NotShareable {
+        /// The address.
+        ptr: u64,
+        /// The length.
+        len: usize,
+        /// Why.
+        reason: String,
+    },
+
+    /// The function that gives a suballocated buffer back to its resource failed.
+    #[error("freeing buffer {buffer} failed: {source}")]
+    Free {
+        /// The buffer.
+        buffer: BufferId,
+        /// The resource's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// A wait for importers or for releases did not finish in time.
+    #[error("timed out waiting for {what}")]
+    WaitTimeout {
+        /// What was awaited.
+        what: String,
+    },
+
     /// An operating-system call failed.
     #[error(transparent)]
     Io(#[from] io::Error),
@@ -237,7 +298,7 @@ impl Error {
             Error::Timeout { .. } => ErrorCode::Timeout,
             Error::UnknownBuffer { .. } => ErrorCode::UnknownBuffer,
             Error::NotLeased { .. } => ErrorCode::NotLeased,
-            Error::Io(_) | Error::SocketPath { .. } => ErrorCode::Internal,
+            Error::Io(_) | Error::SocketPath { .. } | Error::Core(_) | Error::Free { .. } => ErrorCode::Internal,
             _ => ErrorCode::Protocol,
         }
     }

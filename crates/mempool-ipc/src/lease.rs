@@ -165,6 +165,16 @@ impl<B> LeaseTable<B> {
         self.buffers.get(&buffer).map(|e| &e.handle)
     }
 
+    /// The handle of a registered buffer, to update it.
+    pub fn get_mut(&mut self, buffer: BufferId) -> Option<&mut B> {
+        self.buffers.get_mut(&buffer).map(|e| &mut e.handle)
+    }
+
+    /// The importers that hold at least one buffer, in id order.
+    pub fn importers(&self) -> impl Iterator<Item = ImporterId> + '_ {
+        self.leases.keys().copied()
+    }
+
     /// Whether the exporter itself still holds `buffer`.
     pub fn owner_holds(&self, buffer: BufferId) -> bool {
         self.buffers.get(&buffer).is_some_and(|e| e.owner_holds)

@@ -7,7 +7,15 @@
 //! exporter frees a buffer only after every importer has released it (or died).
 //! `docs/ipc-protocol.md` specifies the protocol.
 //!
-//! This crate's host layers need no GPU and are tested without one:
+//! The GPU layer:
+//!
+//! - [`exporter`]: [`Exporter`] serves a pool on a socket path, shares [`ExportedBuffer`]s
+//!   (whole allocations, or buffers suballocated from a larger allocation, sent as block plus
+//!   offset) and frees each one only when every holder has let go, dead importers included;
+//! - [`importer`]: [`Importer`] connects, imports the pool once, and receives [`SharedBuffer`]s
+//!   that wait for their last use, free their import and send the release when dropped.
+//!
+//! `docs/ipc.md` is the guide. The host layers below need no GPU and are tested without one:
 //!
 //! - [`fdpass`]: file descriptors over Unix stream sockets (`SCM_RIGHTS`);
 //! - [`wire`]: the versioned, length-prefixed messages, as pure functions over bytes;
@@ -46,13 +54,37 @@
 pub mod conn;
 pub mod cred;
 mod error;
+pub mod exporter;
 pub mod fdpass;
+pub mod importer;
 pub mod lease;
 pub mod listener;
 pub mod session;
 pub mod wire;
 
+use std::sync::Mutex;
+
 pub use conn::{Connection, ConnectionConfig, Received};
 pub use cred::{AccessPolicy, PeerCredentials};
 pub use error::{Error, Result};
+pub use exporter::{ExportedBuffer, Exporter, ExporterOptions, ExporterStats, ImporterInfo};
+pub use importer::{Importer, ImporterOptions, SharedBuffer};
 pub use listener::{Listener, ListenerOptions};
+
+static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
+const MAX_DROP_ERRORS: usize = 64;
+
+/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread).
+pub(crate) fn record_drop_error(e: Error) {
+    let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+    if errors.len() < MAX_DROP_ERRORS {
+        errors.push(e);
+    }
+}
+
+/// Takes the errors met since the last call where no caller could receive them: buffers freed or
+/// released on drop, the exporter's connection threads (failed handshakes, frees deferred to a
+/// release). At most 64 are kept.
+pub fn take_drop_errors() -> Vec<Error> {
+    std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
+}

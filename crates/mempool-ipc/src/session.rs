@@ -283,7 +283,14 @@ impl ImporterSession {
     /// nothing more, but it still takes releases: release what you hold, then say
     /// [`ImporterSession::goodbye`].
     pub fn recv(&self) -> Result<ExporterEvent> {
-        let received = self.conn.recv()?;
+        self.recv_until(None)
+    }
+
+    /// Like [`ImporterSession::recv`], but fails with [`Error::Timeout`] if no message has
+    /// begun to arrive by `deadline` (`None`: wait as long as it takes). A timeout before the
+    /// first byte leaves the connection usable.
+    pub fn recv_until(&self, deadline: Option<Instant>) -> Result<ExporterEvent> {
+        let received = self.conn.recv_until(deadline, "receive")?;
         match received.message {
             Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
             Message::Goodbye => Ok(ExporterEvent::Goodbye),

@@ -143,3 +143,15 @@ pub(crate) unsafe fn prefetch_async(
     // SAFETY: point 1; flags must be 0.
     unsafe { call!(cuMemPrefetchAsync_v2(ptr, len, location, 0, stream)) }
 }
+
+/// `cuMemGetAddressRange`: the base and size of the allocation that contains `ptr`.
+///
+/// # Safety
+/// 1. A context is current (callers bind one). The driver only looks the address up; nothing is
+///    dereferenced, and an unknown address is an error, not undefined behaviour.
+pub(crate) unsafe fn address_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize)> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: point 1; one base and one size are written.
+    unsafe { call!(cuMemGetAddressRange_v2(&mut base, &mut size, ptr)) }?;
+    Ok((base, size))
+}

@@ -1,0 +1,401 @@
+//! The importing process: connects to an exporter, imports its pool once, and receives buffers
+//! as [`SharedBuffer`]s that release themselves.
+//!
+//! [`Importer::connect`] checks who answers (`SO_PEERCRED`), finds the exporter's GPU among this
+//! process's devices by UUID (ordinals may differ between processes), and imports the pool
+//! (`cuMemPoolImportFromShareableHandle`). [`Importer::recv`] then waits for a buffer, imports
+//! its block (`cuMemPoolImportPointer`, once per block while any buffer of the block is held)
+//! and makes the caller's stream wait on the exporter's event, so work queued on that stream
+//! after `recv` sees the exporter's data.
+//!
+//! Dropping a [`SharedBuffer`] waits for the work queued on its stream, frees the block's import
+//! if it was the block's last buffer here, and only then sends `Release`: the driver's rule that
+//! the importer frees before the exporter does.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), mempool_ipc::Error> {
+//! use mempool_core::Stream;
+//! use mempool_ipc::{Importer, ImporterOptions};
+//!
+//! let importer = Importer::connect("/run/user/1000/pool.sock", ImporterOptions::default())?;
+//! let stream = Stream::new(&importer.device().context()?)?;
+//! let buf = importer.recv(stream.as_ref())?;
+//! // ... queue work that reads or writes `buf.ptr()` on `stream` ...
+//! drop(buf); // waits for that work, frees the import, tells the exporter
+//! # Ok(()) }
+//! ```
+//!
+//! One `Importer` per exporter per process: the driver imports a pool's pointers once per
+//! process, so two importers of the same pool in one process would free each other's imports.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use mempool_core::{Context, Device, DevicePtr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef};
+
+use crate::conn::ConnectionConfig;
+use crate::cred::{AccessPolicy, PeerCredentials};
+use crate::error::{Error, Result};
+use crate::lease::ImportTable;
+use crate::session::{ExporterEvent, ImporterSession};
+use crate::wire::{BlockId, BufferId, DeviceUuid, PoolId};
+
+/// How an [`Importer`] connects.
+#[derive(Clone, Debug, Default)]
+pub struct ImporterOptions {
+    /// The connection's time limits.
+    pub connection: ConnectionConfig,
+    /// Which users the exporter may run as (default: this process's user).
+    pub policy: AccessPolicy,
+}
+
+struct State {
+    table: ImportTable<ImportedPtr>,
+    /// Opened interprocess events by handle. The exporter recycles its events, so the same
+    /// handles come back; each is opened once for the connection's life.
+    events: HashMap<[u8; 64], Event>,
+}
+
+struct Inner {
+    // Field order is drop order: the imports go before the pool they came from.
+    state: Mutex<State>,
+    session: ImporterSession,
+    ctx: Arc<Context>,
+    device: Device,
+    pool: MemPool,
+}
+
+/// A connection to an exporter, with its pool imported. See the [module documentation](self).
+///
+/// Dropping it (once every [`SharedBuffer`] it handed out is dropped too: they keep it alive)
+/// says `Goodbye` and releases the imported pool.
+#[derive(Clone)]
+pub struct Importer {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Importer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Importer")
+            .field("device", &self.inner.device)
+            .field("pool_id", &self.inner.session.pool_id())
+            .field("held", &self.held())
+            .finish()
+    }
+}
+
+impl Importer {
+    /// Connects to the exporter at `path`, checks its credentials against `options.policy`,
+    /// runs the handshake, and imports the pool.
+    ///
+    /// Errors: [`Error::DeviceNotVisible`] if this process does not see the exporter's GPU;
+    /// [`Error::PeerCredentials`]; [`Error::Core`] if the pool cannot be imported; any error of
+    /// the handshake ([`ImporterSession::handshake`]).
+    pub fn connect(path: impl AsRef<Path>, options: ImporterOptions) -> Result<Importer> {
+        let (session, imported) = ImporterSession::connect(path, options.connection, &options.policy, find_device)?;
+        let device = imported.device;
+        let setup = || -> Result<(Arc<Context>, MemPool)> {
+            let ctx = device.context()?;
+            let pool = MemPool::import_fd(&device, std::os::fd::AsFd::as_fd(&imported.pool_fd))?;
+            Ok((ctx, pool))
+        };
+        let (ctx, pool) = match setup() {
+            Ok(parts) => parts,
+            Err(e) => return Err(session.reject(e)),
+        };
+        Ok(Importer {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    table: ImportTable::new(),
+                    events: HashMap::new(),
+                }),
+                session,
+                ctx,
+                device,
+                pool,
+            }),
+        })
+    }
+
+    /// The local device that has the exporter's GPU.
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+
+    /// The exporter's GPU.
+    pub fn device_uuid(&self) -> DeviceUuid {
+        self.inner.session.device_uuid()
+    }
+
+    /// The exporter's pool.
+    pub fn pool_id(&self) -> PoolId {
+        self.inner.session.pool_id()
+    }
+
+    /// The imported pool.
+    pub fn pool(&self) -> &MemPool {
+        &self.inner.pool
+    }
+
+    /// The exporter's credentials.
+    pub fn exporter_credentials(&self) -> Result<PeerCredentials> {
+        self.inner.session.exporter_credentials()
+    }
+
+    /// How many buffers this importer holds.
+    pub fn held(&self) -> usize {
+        self.inner.lock().table.len()
+    }
+
+    /// How many blocks are imported now (buffers suballocated from one block share it).
+    pub fn imported_blocks(&self) -> usize {
+        self.inner.lock().table.block_count()
+    }
+
+    /// Waits for the next buffer. Work queued on `stream` after this returns runs after the
+    /// exporter's work on the buffer; on another stream, order it after `stream` first.
+    ///
+    /// Errors: [`Error::ExporterGone`] once the exporter has said `Goodbye`, closed the
+    /// connection or died (what was received stays usable); [`Error::Core`] if the buffer could
+    /// not be imported (it is released at once).
+    pub fn recv<'s>(&self, stream: StreamRef<'s>) -> Result<SharedBuffer<'s>> {
+        self.recv_until(stream, None)
+    }
+
+    /// Like [`Importer::recv`], but fails with [`Error::Timeout`] if no buffer begins to arrive
+    /// within `timeout` (the connection stays usable).
+    pub fn recv_timeout<'s>(&self, stream: StreamRef<'s>, timeout: Duration) -> Result<SharedBuffer<'s>> {
+        self.recv_until(stream, Some(Instant::now() + timeout))
+    }
+
+    fn recv_until<'s>(&self, stream: StreamRef<'s>, deadline: Option<Instant>) -> Result<SharedBuffer<'s>> {
+        let inner = &self.inner;
+        let descriptor = match inner.session.recv_until(deadline) {
+            Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
+            Ok(ExporterEvent::Goodbye) => return Err(Error::ExporterGone { how: "said Goodbye" }),
+            Err(Error::Closed) => {
+                return Err(Error::ExporterGone {
+                    how: "closed the connection",
+                })
+            }
+            Err(Error::Truncated { .. }) => {
+                return Err(Error::ExporterGone {
+                    how: "closed the connection in the middle of a message",
+                })
+            }
+            Err(Error::ConnectionFailed) => {
+                return Err(Error::ExporterGone {
+                    how: "is no longer connected (an earlier error closed the connection)",
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        let id = descriptor.buffer_id;
+        let received = (|| -> Result<DevicePtr> {
+            let mut state = inner.lock();
+            let base = state
+                .table
+                .add(&descriptor, |d| {
+                    Ok(inner.pool.import_pointer(&PtrExportData(d.pointer.0))?)
+                })?
+                .ptr();
+            let ptr = base.offset(descriptor.offset as usize);
+            if let Some(handle) = descriptor.ready_event {
+                let event = match state.events.entry(handle.0) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
+                    }
+                };
+                if let Err(e) = stream.wait(event) {
+                    drop(state);
+                    let _ = inner.forget(id, stream);
+                    return Err(e.into());
+                }
+            }
+            Ok(ptr)
+        })();
+        match received {
+            Ok(ptr) => Ok(SharedBuffer {
+                inner: self.inner.clone(),
+                id,
+                block: descriptor.block_id,
+                ptr,
+                len: descriptor.size as usize,
+                stream,
+                released: false,
+            }),
+            Err(e) => {
+                // Not held: tell the exporter so it does not wait for this buffer.
+                let _ = inner.session.release(id);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A buffer received from the exporter, ordered on the stream given to [`Importer::recv`].
+///
+/// Dropping it waits for the work queued on that stream, frees the import (if it was its
+/// block's last buffer here) and sends `Release`. After the exporter is gone, dropping it still
+/// frees the import; the release then has nowhere to go and is skipped.
+pub struct SharedBuffer<'s> {
+    inner: Arc<Inner>,
+    id: BufferId,
+    block: BlockId,
+    ptr: DevicePtr,
+    len: usize,
+    stream: StreamRef<'s>,
+    released: bool,
+}
+
+impl fmt::Debug for SharedBuffer<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedBuffer")
+            .field("id", &self.id)
+            .field("block", &self.block)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<'s> SharedBuffer<'s> {
+    /// The exporter's id of the buffer.
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    /// The block the buffer lives in.
+    pub fn block(&self) -> BlockId {
+        self.block
+    }
+
+    /// The device address in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: shared buffers are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The stream the buffer is ordered on.
+    pub fn stream(&self) -> StreamRef<'s> {
+        self.stream
+    }
+
+    /// The context the buffer is imported in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.ctx
+    }
+
+    /// Copies the start of the buffer into `dst`, on the buffer's stream, and waits.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.check_len(dst.len())?;
+        // SAFETY: the buffer is imported and live for `len` bytes (checked), ordered on its stream
+        // after the exporter's event.
+        #[allow(unsafe_code)]
+        unsafe { mempool_core::memory::copy_to_host(&self.inner.ctx, dst, self.ptr, self.stream) }?;
+        Ok(())
+    }
+
+    /// Copies `src` into the start of the buffer, on the buffer's stream, and waits.
+    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
+        self.check_len(src.len())?;
+        // SAFETY: as in `copy_to_host`.
+        #[allow(unsafe_code)]
+        unsafe { mempool_core::memory::copy_to_device(&self.inner.ctx, self.ptr, src, self.stream) }?;
+        Ok(())
+    }
+
+    fn check_len(&self, n: usize) -> Result<()> {
+        if n > self.len {
+            return Err(mempool_core::Error::InvalidArgument(format!(
+                "a copy of {n} bytes does not fit a shared buffer of {} bytes",
+                self.len
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Releases the buffer (what dropping does), reporting errors instead of recording them.
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.inner.release(self.id, self.stream)
+    }
+}
+
+impl Drop for SharedBuffer<'_> {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        if let Err(e) = self.inner.release(self.id, self.stream) {
+            crate::record_drop_error(e);
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets `id` here: waits for the work on `stream`, and frees the block's import if this
+    /// was its last buffer. The lock is held throughout, so a buffer of the same block that
+    /// arrives meanwhile imports the block afresh only after this import is freed.
+    fn forget(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
+        let mut state = self.lock();
+        match state.table.release(id)? {
+            Some(import) => import.free(stream)?,
+            None => stream.synchronize()?,
+        }
+        Ok(())
+    }
+
+    fn release(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
+        self.forget(id, stream)?;
+        match self.session.release(id) {
+            Ok(()) => Ok(()),
+            // The exporter is gone (or said Goodbye and closed): nobody to tell.
+            Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Every SharedBuffer holds an Arc of this, so the table is empty unless a release failed
+        // half-way; free what is left before saying Goodbye.
+        let leftovers = self.lock().table.drain();
+        if !leftovers.is_empty() {
+            if let Err(e) = self.ctx.synchronize() {
+                crate::record_drop_error(e.into());
+            }
+            drop(leftovers);
+        }
+        let _ = self.session.goodbye();
+    }
+}
+
+/// Finds the local device with the exporter's GPU, by UUID.
+fn find_device(uuid: &DeviceUuid) -> Result<Device> {
+    for device in Device::all()? {
+        if device.uuid()?.0 == uuid.0 {
+            return Ok(device);
+        }
+    }
+    Err(Error::DeviceNotVisible { uuid: *uuid })
+}
