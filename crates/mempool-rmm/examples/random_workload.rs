@@ -1,18 +1,21 @@
 //! The standard random workload (RMM's `random_allocations` shape, see DESIGN.md "Performance") over
-//! several resources, with raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` as the baseline measured in
-//! the same run. A benchmark, not a test: it prints nanoseconds per operation.
+//! several resources, with raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` (called directly through
+//! the driver's bindings, no wrapper) as the baseline measured in the same run. A benchmark, not a test: it prints nanoseconds per operation.
 //!
 //! `cargo run --release -p mempool-rmm --example random_workload [-- --quick] [-- --only NAME,...]`
 //!
 //! Each run: `n` operations on one stream, each allocating with probability 0.73 (unless live bytes would
 //! pass `max_usage`), otherwise freeing a random live allocation; sizes uniform in `[1, max_size]`;
 //! everything left is freed at the end; one synchronize at the end. Each resource runs each point
-//! `REPEATS` times after one warm-up run; the median is reported.
+//! `REPEATS` times after one warm-up run, each timed run right after a run of the raw baseline, so
+//! that both see the same machine state; the medians are reported, and the ratio of the medians.
+//! The device's primary context is made current for the whole run, as in an application that uses
+//! the GPU from this thread.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use mempool_core::{Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
+use mempool_core::{sys, Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
 use mempool_rmm::testing::SplitMix64;
 use mempool_rmm::{
@@ -104,6 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|s| s.split(',').map(str::to_owned).collect());
     let dev = Device::get(0)?;
     let ctx = dev.context()?;
+    let _bound = ctx.bind()?;
     let stream = Stream::new(&ctx)?;
     let s = stream.as_ref();
     println!(
@@ -179,12 +183,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     for (pi, p) in points.iter().enumerate() {
         let ops = generate(p, 42 + pi as u64);
-        let raw_alloc = |size: usize| raw_pool.allocate(size, s).expect("raw pool allocate");
-        // SAFETY: each pointer came from `raw_pool.allocate` on this stream and is freed once.
-        #[allow(unsafe_code)]
-        let raw_free = |ptr: DevicePtr, _size: usize| unsafe { raw_pool.free_async(ptr, s) }.expect("free");
+        // The baseline calls the driver directly, with no wrapper in between (the context is current).
+        let (pool_raw, stream_raw) = (raw_pool.as_raw(), s.as_raw());
+        let raw_alloc = |size: usize| {
+            let mut p = 0;
+            // SAFETY: the pool and the stream are live, the pool's context is current on this thread, and
+            // `p` is a valid out-pointer.
+            #[allow(unsafe_code)]
+            let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, pool_raw, stream_raw) };
+            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemAllocFromPoolAsync({size})");
+            DevicePtr(p)
+        };
+        let raw_free = |ptr: DevicePtr, _size: usize| {
+            // SAFETY: `ptr` came from `cuMemAllocFromPoolAsync` above on this stream and is freed once; the
+            // context is current.
+            #[allow(unsafe_code)]
+            let r = unsafe { sys::cuMemFreeAsync(ptr.0, stream_raw) };
+            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemFreeAsync");
+        };
         run(&ops, s, &raw_alloc, &raw_free);
         let raw = median((0..REPEATS).map(|_| run(&ops, s, &raw_alloc, &raw_free).0).collect());
+        // Every resource's ratio is taken against raw runs interleaved with its own.
         let kib = |b: usize| {
             if b >= 1 << 20 {
                 format!("{}MiB", b >> 20)
@@ -213,14 +232,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // cuMemAlloc/cuMemFree synchronize: one timed run keeps the baseline resource's run short.
             let repeats = if *name == "cuda" { 1 } else { REPEATS };
             let mut peak = 0;
+            let mut raw_times = Vec::with_capacity(repeats);
             let times: Vec<f64> = (0..repeats)
                 .map(|_| {
+                    raw_times.push(run(&ops, s, &raw_alloc, &raw_free).0);
                     let (t, pk) = run(&ops, s, &alloc, &free);
                     peak = pk;
                     t
                 })
                 .collect();
             let t = median(times);
+            let raw_here = median(raw_times);
             println!(
                 "{:<16} {:>9} {:>9} {:>7} {:>12.1} {:>10.3} {:>8}",
                 name,
@@ -228,7 +250,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 kib(p.max_size),
                 p.max_usage >> 30,
                 t,
-                t / raw,
+                t / raw_here,
                 peak
             );
         }

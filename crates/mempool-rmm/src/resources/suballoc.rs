@@ -28,8 +28,9 @@ impl StreamKey {
     fn stream(self) -> StreamRef<'static> {
         // SAFETY: the engines hand a key back to `CudaStreams::{record, wait}` and to
         // `ResourceUpstream::{allocate, deallocate}` only for the stream of the allocate/deallocate call
-        // in progress (the suballoc module's contract with `EventPolicy::RecordOnFree`, which these
-        // resources always use), and the caller keeps that stream alive for the call. The two paths that
+        // in progress (the suballoc module's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the
+        // only policies these resources run with: see `safe_policy`), and the caller keeps that stream
+        // alive for the call. The two paths that
         // replay stored keys never reach here: `CudaStreams::synchronize` synchronizes the whole context
         // instead, and release frees upstream on the legacy stream (see `ResourceUpstream`). The
         // `'static` lifetime does not escape: each use is a single driver call.
@@ -124,6 +125,15 @@ static RELEASE_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
 /// to a caller: it happens in `Drop` or inside an engine). Takes them.
 pub fn take_upstream_errors() -> Vec<Error> {
     std::mem::take(&mut *RELEASE_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// The engine policy a resource over real streams runs with: `RecordOnDemand` would record on
+/// streams the engine stored earlier, which may have been destroyed since, so it becomes `Adaptive`.
+fn safe_policy(policy: EventPolicy) -> EventPolicy {
+    match policy {
+        EventPolicy::RecordOnDemand => EventPolicy::Adaptive,
+        other => other,
+    }
 }
 
 fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
@@ -279,7 +289,7 @@ suballocating_resource!(
     PoolResource,
     PoolEngine,
     PoolConfig,
-    |c| PoolConfig { event_policy: EventPolicy::RecordOnFree, ..c }
+    |c| PoolConfig { event_policy: safe_policy(c.event_policy), ..c }
 );
 
 suballocating_resource!(
@@ -288,7 +298,7 @@ suballocating_resource!(
     FixedSizeResource,
     FixedSizeEngine,
     FixedSizeConfig,
-    |c| FixedSizeConfig { event_policy: EventPolicy::RecordOnFree, ..c }
+    |c| FixedSizeConfig { event_policy: safe_policy(c.event_policy), ..c }
 );
 
 suballocating_resource!(
@@ -297,7 +307,7 @@ suballocating_resource!(
     BinningResource,
     BinningEngine,
     BinningConfig,
-    |c| BinningConfig { event_policy: EventPolicy::RecordOnFree, ..c }
+    |c| BinningConfig { event_policy: safe_policy(c.event_policy), ..c }
 );
 
 suballocating_resource!(
@@ -306,5 +316,5 @@ suballocating_resource!(
     ArenaResource,
     ArenaEngine,
     ArenaConfig,
-    |c| ArenaConfig { event_policy: EventPolicy::RecordOnFree, ..c }
+    |c| ArenaConfig { event_policy: safe_policy(c.event_policy), ..c }
 );

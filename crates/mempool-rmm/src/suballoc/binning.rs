@@ -23,13 +23,13 @@ pub struct BinningConfig {
 
 impl Default for BinningConfig {
     /// Bins of 256 B to 1 MiB, 128 blocks per chunk (RMM's fixed-size default),
-    /// [`EventPolicy::RecordOnFree`].
+    /// [`EventPolicy::Adaptive`].
     fn default() -> Self {
         Self {
             min_size_exponent: 8,
             max_size_exponent: 20,
             blocks_per_chunk: 128,
-            event_policy: EventPolicy::RecordOnFree,
+            event_policy: EventPolicy::Adaptive,
         }
     }
 }

@@ -18,12 +18,12 @@ pub struct FixedSizeConfig {
 }
 
 impl Default for FixedSizeConfig {
-    /// RMM's defaults: 1 MiB blocks, 128 per chunk, [`EventPolicy::RecordOnFree`].
+    /// RMM's defaults: 1 MiB blocks, 128 per chunk, [`EventPolicy::Adaptive`].
     fn default() -> Self {
         Self {
             block_size: 1 << 20,
             blocks_per_chunk: 128,
-            event_policy: EventPolicy::RecordOnFree,
+            event_policy: EventPolicy::Adaptive,
         }
     }
 }

@@ -27,12 +27,12 @@
 //!
 //! # Which streams an engine touches
 //!
-//! With [`EventPolicy::RecordOnFree`] (the default), an engine passes a stream to
-//! [`StreamOrder::create_event`], [`StreamOrder::record`], [`StreamOrder::wait`],
+//! With [`EventPolicy::Adaptive`] (the default) or [`EventPolicy::RecordOnFree`], an engine passes a
+//! stream to [`StreamOrder::create_event`], [`StreamOrder::record`], [`StreamOrder::wait`],
 //! [`Upstream::allocate`] and [`Upstream::deallocate`] only while serving a call that was given that
 //! stream (`allocate`, `deallocate`, `merge_free_lists`, `trim`). Two exceptions replay streams the
 //! engine stored earlier, which may have been destroyed since: [`StreamOrder::synchronize`] (used to
-//! hand over blocks whose event could not be recorded, and before releasing), and `release` (and
+//! hand over blocks whose event was not recorded, and before releasing), and `release` (and
 //! `Drop`), which returns each upstream chunk on the stream it was allocated on, after synchronizing.
 //! An implementation over real streams can therefore treat every stream it is handed as alive,
 //! except in those two calls.
@@ -70,6 +70,7 @@
 mod addr_map;
 mod arena;
 mod binning;
+mod block_table;
 mod fixed_size;
 mod free_list;
 mod pool;
@@ -241,8 +242,15 @@ pub enum EventPolicy {
     /// records or waits on the stream of the call in progress (see "Which streams an engine
     /// touches" in the [module docs](self)), so streams may be destroyed while their freed blocks
     /// sit in the engine.
-    #[default]
     RecordOnFree,
+    /// Like [`RecordOnFree`](Self::RecordOnFree), but a stream's list records on free only once
+    /// another stream has needed its blocks. The first hand-off from a list synchronizes (on a GPU:
+    /// the context) instead of waiting on an event; from then on frees into that list record. So a
+    /// stream whose blocks no other stream takes (the common case: one stream per thread or per
+    /// pipeline) pays no event record at all, and the engine still only records or waits on the
+    /// stream of the call in progress.
+    #[default]
+    Adaptive,
     /// Record on the owning stream only when another stream is about to take a block from its list.
     /// Saves the per-deallocation record, but records on streams the engine stored earlier, so every
     /// stream with free blocks in the engine must stay valid until the engine is released.

@@ -2,11 +2,11 @@
 
 use std::collections::BTreeMap;
 
-use super::addr_map::AddrMap;
+use super::block_table::{BlockTable, SizeIndex};
 use super::stream_lists::StreamLists;
 use super::{
-    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation, OutOfMemoryCause,
-    StreamOrder, Upstream, ALIGNMENT,
+    align_up, ensure, Block, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder,
+    Upstream, ALIGNMENT,
 };
 
 /// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
@@ -24,12 +24,12 @@ pub struct PoolConfig {
 }
 
 impl Default for PoolConfig {
-    /// No initial reservation, no maximum, [`EventPolicy::RecordOnFree`].
+    /// No initial reservation, no maximum, [`EventPolicy::Adaptive`].
     fn default() -> Self {
         Self {
             initial_size: 0,
             maximum_size: None,
-            event_policy: EventPolicy::RecordOnFree,
+            event_policy: EventPolicy::Adaptive,
         }
     }
 }
@@ -75,12 +75,13 @@ pub(crate) struct PoolCore<O: StreamOrder> {
     config: PoolConfig,
     /// Upstream chunks by start address. Invariants: disjoint; sizes add up to `reserved`.
     chunks: BTreeMap<u64, Chunk<O::Stream>>,
-    /// Free blocks, one list per stream. Invariant: the blocks of every list and of `live` are
-    /// disjoint, aligned, each inside the chunk it names, and together cover every chunk exactly.
-    lists: StreamLists<O, FreeList>,
-    /// Live allocations: address -> (size rounded to [`ALIGNMENT`], chunk). Invariant: the sizes
-    /// add up to `used`.
-    live: AddrMap<(u64, u64)>,
+    /// Free blocks, one size index per stream, over `blocks`. Invariant: list `i`'s index holds
+    /// exactly the blocks `blocks` marks free in list `i`.
+    lists: StreamLists<O, SizeIndex>,
+    /// Every block, free and live, linked in address order within its chunk. Invariant: the blocks
+    /// are disjoint, aligned, each inside the chunk it names, and together cover every chunk
+    /// exactly; the live ones add up to `used`.
+    blocks: BlockTable,
     reserved: u64,
     used: u64,
 }
@@ -92,7 +93,7 @@ impl<O: StreamOrder> PoolCore<O> {
             config,
             chunks: BTreeMap::new(),
             lists: StreamLists::new(config.event_policy),
-            live: AddrMap::default(),
+            blocks: BlockTable::default(),
             reserved: 0,
             used: 0,
         })
@@ -116,7 +117,6 @@ impl<O: StreamOrder> PoolCore<O> {
             cause: OutOfMemoryCause::AddressSpace,
         })?;
         let block = self.take(upstream, order, size, bytes, stream)?;
-        self.live.insert(block.addr, (block.size, block.chunk));
         self.used += block.size;
         Ok(block.addr)
     }
@@ -132,8 +132,8 @@ impl<O: StreamOrder> PoolCore<O> {
         stream: O::Stream,
     ) -> Result<Block, Error> {
         let i = self.lists.find(stream);
-        if let Some(b) = self.lists.list_mut(i).take_best_fit(size) {
-            return Ok(b);
+        if let Some(slot) = self.lists.list(i).find(size) {
+            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
         }
         self.take_slow(upstream, order, size, requested, stream, i)
     }
@@ -151,38 +151,46 @@ impl<O: StreamOrder> PoolCore<O> {
         // Steal one block. Its remainder stays in the other stream's list: it was never ordered
         // after anything new, so it stays covered by that list's event.
         for j in 0..self.lists.len() {
-            if j != i && self.lists.list(j).best_fit(size).is_some() {
-                self.lists.order_after(order, stream, j)?;
-                if let Some(b) = self.lists.list_mut(j).take_best_fit(size) {
-                    return Ok(b);
+            if j != i {
+                if let Some(slot) = self.lists.list(j).find(size) {
+                    self.lists.order_after(order, stream, j)?;
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size));
                 }
             }
         }
         // Merge the other lists into ours, where blocks freed on different streams can coalesce.
         for j in 0..self.lists.len() {
             if j != i && !self.lists.list(j).is_empty() {
-                self.lists.merge_into(order, i, j)?;
-                if let Some(b) = self.lists.list_mut(i).take_best_fit(size) {
-                    return Ok(b);
+                self.merge_list(order, i, j)?;
+                if let Some(slot) = self.lists.list(i).find(size) {
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
                 }
             }
         }
         let (addr, chunk_size) = self.grow(upstream, size, requested, stream)?;
-        let rest = chunk_size - size;
-        if rest > 0 {
-            self.lists.list_mut(i).insert(Block {
-                addr,
-                size: rest,
-                chunk: addr,
-            });
+        let slot = self
+            .blocks
+            .add_chunk(self.lists.list_mut(i), i as u32, addr, chunk_size);
+        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size);
+        if chunk_size > size {
             // The remainder was allocated on `stream`; others must wait for it like for a free.
             self.lists.entered(order, i);
         }
-        Ok(Block {
-            addr: addr + rest,
-            size,
-            chunk: addr,
-        })
+        Ok(block)
+    }
+
+    /// Moves list `src` into list `dst` (where its blocks coalesce with `dst`'s) after ordering
+    /// `dst`'s stream after it.
+    fn merge_list(&mut self, order: &O, dst: usize, src: usize) -> Result<(), Error> {
+        debug_assert_ne!(dst, src);
+        let waiter = self.lists.stream(dst);
+        self.lists.order_after(order, waiter, src)?;
+        let mut from = std::mem::take(self.lists.list_mut(src));
+        self.blocks.move_all(&mut from, self.lists.list_mut(dst), dst as u32);
+        // Keep the emptied index's allocations for the stream's next frees.
+        *self.lists.list_mut(src) = from;
+        self.lists.entered(order, dst);
+        Ok(())
     }
 
     /// Obtains a new chunk of at least `size` bytes from the upstream: as much as is reserved
@@ -238,17 +246,10 @@ impl<O: StreamOrder> PoolCore<O> {
     pub(crate) fn deallocate(&mut self, order: &O, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         let unknown = || Error::UnknownAllocation { addr, bytes };
         let size = align_up(bytes).ok_or_else(unknown)?;
-        let chunk = match self.live.remove(&addr) {
-            Some((s, chunk)) if s == size => chunk,
-            Some(v) => {
-                self.live.insert(addr, v);
-                return Err(unknown());
-            }
-            None => return Err(unknown()),
-        };
+        let slot = self.blocks.take_live(addr, size).ok_or_else(unknown)?;
         self.used -= size;
         let i = self.lists.find(stream);
-        self.lists.list_mut(i).insert(Block { addr, size, chunk });
+        self.blocks.insert_free(self.lists.list_mut(i), i as u32, slot);
         self.lists.entered(order, i);
         Ok(())
     }
@@ -259,7 +260,7 @@ impl<O: StreamOrder> PoolCore<O> {
         let i = self.lists.find(into);
         for j in 0..self.lists.len() {
             if j != i && !self.lists.list(j).is_empty() {
-                self.lists.merge_into(order, i, j)?;
+                self.merge_list(order, i, j)?;
             }
         }
         Ok(())
@@ -273,20 +274,12 @@ impl<O: StreamOrder> PoolCore<O> {
         stream: O::Stream,
     ) -> Result<u64, Error> {
         let i = self.lists.find(stream);
-        let whole: Vec<Block> = self
-            .lists
-            .list(i)
-            .iter()
-            .filter(|b| b.addr == b.chunk && self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size))
-            .collect();
-        if whole.is_empty() {
-            return Ok(0);
-        }
+        let whole = self.blocks.take_whole_chunks(self.lists.list_mut(i));
         // Every block in `stream`'s list is ordered before `stream`'s current work (freed on it, or
         // moved here after a wait, or grown on it), so the chunk can go back on `stream` itself.
         let mut released = 0;
         for b in whole {
-            self.lists.list_mut(i).remove(b.addr);
+            debug_assert!(self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size));
             self.chunks.remove(&b.chunk);
             self.reserved -= b.size;
             released += b.size;
@@ -304,7 +297,7 @@ impl<O: StreamOrder> PoolCore<O> {
         }
         self.chunks.clear();
         self.lists.clear();
-        self.live.clear();
+        self.blocks.clear();
         self.reserved = 0;
         self.used = 0;
         Ok(())
@@ -316,14 +309,16 @@ impl<O: StreamOrder> PoolCore<O> {
             used_bytes: self.used,
             free_bytes: self.reserved - self.used,
             free_blocks: self.lists.blocks(),
-            live_allocations: self.live.len(),
+            live_allocations: self.blocks.live_len(),
             upstream_chunks: self.chunks.len(),
         }
     }
 
     /// Every free block with the stream whose list holds it.
     pub(crate) fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
-        self.lists.iter().flat_map(|(s, list)| list.iter().map(move |b| (s, b)))
+        self.lists
+            .iter()
+            .flat_map(|(s, list)| self.blocks.free_blocks(list).map(move |b| (s, b)))
     }
 
     /// Upstream chunks as `(address, size)`.
@@ -333,18 +328,19 @@ impl<O: StreamOrder> PoolCore<O> {
 
     /// Live allocations as `(address, size, chunk)`.
     pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live
-            .iter()
-            .map(|(&addr, &(size, chunk))| Block { addr, size, chunk })
+        self.blocks.live_blocks()
     }
 
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        let mut blocks: Vec<(Block, bool)> = Vec::with_capacity(self.live.len());
+        self.blocks.check(
+            self.lists.iter().enumerate().map(|(i, (_, list))| (i as u32, list)),
+            |chunk| self.chunks.get(&chunk).map(|c| c.size),
+        )?;
+        let mut blocks: Vec<(Block, bool)> = Vec::with_capacity(self.blocks.live_len());
         let mut free = 0u64;
         for (_, list) in self.lists.iter() {
-            list.check_invariants()?;
             free += list.total_bytes();
-            blocks.extend(list.iter().map(|b| (b, true)));
+            blocks.extend(self.blocks.free_blocks(list).map(|b| (b, true)));
         }
         blocks.extend(self.live().map(|b| (b, false)));
         let used: u64 = self.live().map(|b| b.size).sum();
@@ -397,7 +393,8 @@ impl<O: StreamOrder> PoolCore<O> {
 ///
 /// - Requests are rounded up to [`ALIGNMENT`]; 0 bytes returns address 0 without touching any
 ///   state, and freeing 0 bytes does nothing.
-/// - Free blocks live in per-stream [`FreeList`]s (exact best fit and coalescing without search);
+/// - Free blocks live in per-stream size indexes over one table of blocks linked in address order (exact
+///   best fit and coalescing without search: one hash lookup per operation, for the live allocation);
 ///   a request its stream's list cannot serve steals from another stream's list, then merges the
 ///   other lists into its own, each time after an event wait (see the [module docs](super)), and
 ///   only then grows.
@@ -417,9 +414,11 @@ impl<O: StreamOrder> PoolCore<O> {
 /// let (a, b) = (SimStream::new(0), SimStream::new(1));
 /// let p = pool.allocate(3000, a)?;
 /// pool.deallocate(p, 3000, a)?;
-/// // Stream `b` gets the same block, but only after waiting on an event recorded on `a`.
+/// // Stream `b` gets the same block, but only once ordered after `a`: this first hand-off from `a`'s
+/// // list synchronizes (the default `EventPolicy::Adaptive`); later ones wait on an event recorded
+/// // on `a` at each free.
 /// assert_eq!(pool.allocate(3000, b)?, p);
-/// assert_eq!(pool.stream_order().counts().waits, 1);
+/// assert_eq!(pool.stream_order().counts().synchronizes, 1);
 /// assert_eq!(pool.stats().reserved_bytes, 1 << 20);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -722,7 +721,11 @@ mod tests {
 
     #[test]
     fn a_block_freed_on_one_stream_reaches_another_only_after_a_wait() {
-        for policy in [EventPolicy::RecordOnFree, EventPolicy::RecordOnDemand] {
+        for policy in [
+            EventPolicy::RecordOnFree,
+            EventPolicy::RecordOnDemand,
+            EventPolicy::Adaptive,
+        ] {
             let (mut p, _, sim) = pool(PoolConfig {
                 initial_size: 64 * KIB,
                 event_policy: policy,
@@ -734,26 +737,71 @@ mod tests {
             let records_after_free = sim.counts().records;
             match policy {
                 EventPolicy::RecordOnFree => assert_eq!(records_after_free, 1),
-                EventPolicy::RecordOnDemand => assert_eq!(records_after_free, 0),
+                EventPolicy::RecordOnDemand | EventPolicy::Adaptive => assert_eq!(records_after_free, 0),
             }
             assert!(!sim.is_ordered_after(B, freed));
             // Stream A reuses its own block with no event at all.
             let y = p.allocate(KIB, A).unwrap();
             p.deallocate(y, KIB, A).unwrap();
             assert_eq!(sim.counts().waits, 0);
-            // Stream B takes it (no upstream growth) after waiting on A's event.
+            // Stream B takes it (no upstream growth) after waiting on A's event; under Adaptive,
+            // whose list has no event yet, after a synchronize.
             let z = p.allocate(64 * KIB, B).unwrap();
             assert_eq!(z, x);
             assert_eq!(p.stats().upstream_chunks, 1);
-            assert_eq!(sim.counts().waits, 1);
+            match policy {
+                EventPolicy::Adaptive => {
+                    assert_eq!(sim.counts().waits, 0);
+                    assert_eq!(sim.counts().synchronizes, 1);
+                }
+                _ => assert_eq!(sim.counts().waits, 1),
+            }
             assert!(sim.is_ordered_after(B, freed), "{policy:?}");
             p.check_invariants().unwrap();
         }
     }
 
     #[test]
+    fn adaptive_records_only_into_lists_other_streams_took_from() {
+        let (mut p, _, sim) = pool(PoolConfig {
+            initial_size: 64 * KIB,
+            ..Default::default()
+        });
+        assert_eq!(p.config().event_policy, EventPolicy::Adaptive);
+        // One stream on its own: no record, no wait, no synchronize, however many frees.
+        for _ in 0..10 {
+            let x = p.allocate(4 * KIB, A).unwrap();
+            p.deallocate(x, 4 * KIB, A).unwrap();
+        }
+        assert_eq!(sim.counts().records + sim.counts().waits + sim.counts().synchronizes, 0);
+        // B needs A's blocks: one synchronize, and A's list is shared from then on.
+        let x = p.allocate(64 * KIB, B).unwrap();
+        assert_eq!(sim.counts().synchronizes, 1);
+        p.deallocate(x, 64 * KIB, B).unwrap();
+        assert_eq!(sim.counts().records, 0, "B's own list was never taken from");
+        let y = p.allocate(64 * KIB, A).unwrap();
+        assert_eq!(sim.counts().synchronizes, 2, "A takes B's block: B's first hand-off");
+        let freed = sim.point(A);
+        p.deallocate(y, 64 * KIB, A).unwrap();
+        assert_eq!(sim.counts().records, 1, "A's list is shared: its frees record");
+        let z = p.allocate(64 * KIB, B).unwrap();
+        assert_eq!(
+            (sim.counts().waits, sim.counts().synchronizes),
+            (1, 2),
+            "an event wait this time"
+        );
+        assert!(sim.is_ordered_after(B, freed));
+        p.deallocate(z, 64 * KIB, B).unwrap();
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
     fn blocks_merged_from_a_third_stream_carry_their_ordering() {
-        for policy in [EventPolicy::RecordOnFree, EventPolicy::RecordOnDemand] {
+        for policy in [
+            EventPolicy::RecordOnFree,
+            EventPolicy::RecordOnDemand,
+            EventPolicy::Adaptive,
+        ] {
             let (mut p, _, sim) = pool(PoolConfig {
                 initial_size: 4 * KIB,
                 event_policy: policy,
@@ -783,7 +831,10 @@ mod tests {
 
     #[test]
     fn a_failed_wait_hands_nothing_over() {
-        let (mut p, _, sim) = pool(with_initial(4 * KIB));
+        let (mut p, _, sim) = pool(PoolConfig {
+            event_policy: EventPolicy::RecordOnFree,
+            ..with_initial(4 * KIB)
+        });
         let x = p.allocate(4 * KIB, A).unwrap();
         p.deallocate(x, 4 * KIB, A).unwrap();
         sim.set_fail_waits(true);
@@ -874,7 +925,11 @@ mod tests {
     }
 
     fn policy() -> impl Strategy<Value = EventPolicy> {
-        prop_oneof![Just(EventPolicy::RecordOnFree), Just(EventPolicy::RecordOnDemand)]
+        prop_oneof![
+            Just(EventPolicy::RecordOnFree),
+            Just(EventPolicy::RecordOnDemand),
+            Just(EventPolicy::Adaptive)
+        ]
     }
 
     proptest! {

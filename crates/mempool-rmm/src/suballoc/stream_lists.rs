@@ -6,12 +6,18 @@
 
 use std::collections::HashMap;
 
+use super::block_table::SizeIndex;
 use super::{Error, EventPolicy, FreeList, StreamOrder};
 
 /// A per-stream container of free blocks.
 pub(crate) trait FreeStore: Default {
     /// Number of free blocks.
     fn blocks(&self) -> usize;
+}
+
+/// A per-stream container that can absorb another on its own (the pool's lists need the engine's
+/// block table to merge, so they are moved by the engine instead).
+pub(crate) trait Append: FreeStore {
     /// Moves every block of `other` into `self`.
     fn append_from(&mut self, other: &mut Self);
 }
@@ -20,6 +26,9 @@ impl FreeStore for FreeList {
     fn blocks(&self) -> usize {
         self.len()
     }
+}
+
+impl Append for FreeList {
     fn append_from(&mut self, other: &mut Self) {
         self.append(other);
     }
@@ -29,8 +38,17 @@ impl FreeStore for Vec<u64> {
     fn blocks(&self) -> usize {
         self.len()
     }
+}
+
+impl Append for Vec<u64> {
     fn append_from(&mut self, other: &mut Self) {
         self.append(other);
+    }
+}
+
+impl FreeStore for SizeIndex {
+    fn blocks(&self) -> usize {
+        self.len()
     }
 }
 
@@ -53,6 +71,9 @@ struct StreamEntry<O: StreamOrder, L> {
     /// `Recorded`.
     event: Option<O::Event>,
     pending: Pending,
+    /// Under [`EventPolicy::Adaptive`]: another stream has needed this list's blocks, so frees into
+    /// it record the event (as under [`EventPolicy::RecordOnFree`]).
+    shared: bool,
 }
 
 /// The free lists of every stream an engine has seen, with the rule for moving blocks between them.
@@ -65,7 +86,9 @@ struct StreamEntry<O: StreamOrder, L> {
 /// Under [`EventPolicy::RecordOnFree`] every record and wait is issued on the stream of the call in
 /// progress (records right after a block enters that stream's list, waits by the stream taking a
 /// block); a list whose record failed is handed over after a host synchronize of its stream
-/// instead. Only [`EventPolicy::RecordOnDemand`] records on a stream the engine stored earlier.
+/// instead. [`EventPolicy::Adaptive`] records only into lists that were handed over before, and
+/// hands over a list without a fresh event after a host synchronize. Only
+/// [`EventPolicy::RecordOnDemand`] records on a stream the engine stored earlier.
 pub(crate) struct StreamLists<O: StreamOrder, L> {
     /// Invariant: `index[&entries[i].stream] == i` for every `i`, and streams are distinct.
     entries: Vec<StreamEntry<O, L>>,
@@ -104,11 +127,18 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
                 list: L::default(),
                 event: None,
                 pending: Pending::Nothing,
+                shared: false,
             });
             self.entries.len() - 1
         });
         self.last = i;
         i
+    }
+
+    /// The stream of list `i`.
+    #[inline]
+    pub(crate) fn stream(&self, i: usize) -> O::Stream {
+        self.entries[i].stream
     }
 
     /// Number of lists (streams seen).
@@ -138,13 +168,20 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
     }
 
     /// To be called after blocks entered list `i` (a free, a merge, fresh upstream memory), while
-    /// serving a call on list `i`'s stream. Under [`EventPolicy::RecordOnFree`] re-records the
-    /// list's event now; a failed record is not reported here: the list stays stale and the next
+    /// serving a call on list `i`'s stream. Under [`EventPolicy::RecordOnFree`] (and
+    /// [`EventPolicy::Adaptive`], once the list was handed over) re-records the list's event now; a
+    /// failed record is not reported here: the list stays stale and the next
     /// [`order_after`](Self::order_after) synchronizes its stream instead.
     #[inline]
     pub(crate) fn entered(&mut self, order: &O, i: usize) {
-        self.entries[i].pending = Pending::Stale;
-        if self.policy == EventPolicy::RecordOnFree && self.record(order, i).is_ok() {
+        let e = &mut self.entries[i];
+        e.pending = Pending::Stale;
+        let record = match self.policy {
+            EventPolicy::RecordOnFree => true,
+            EventPolicy::Adaptive => e.shared,
+            EventPolicy::RecordOnDemand => false,
+        };
+        if record && self.record(order, i).is_ok() {
             self.entries[i].pending = Pending::Recorded;
         }
     }
@@ -172,10 +209,12 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
                     self.record(order, i)?;
                     self.entries[i].pending = Pending::Recorded;
                 }
-                EventPolicy::RecordOnFree => {
-                    // Recording on a stored stream is what this policy promises never to do.
+                EventPolicy::RecordOnFree | EventPolicy::Adaptive => {
+                    // Recording on a stored stream is what these policies promise never to do.
                     order.synchronize(self.entries[i].stream)?;
-                    self.entries[i].pending = Pending::Nothing;
+                    let e = &mut self.entries[i];
+                    e.pending = Pending::Nothing;
+                    e.shared = true;
                     return Ok(());
                 }
             },
@@ -184,17 +223,6 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
             Some(ev) => order.wait(waiter, ev),
             None => Ok(()),
         }
-    }
-
-    /// Moves list `src` into list `dst` after ordering `dst`'s stream after it.
-    pub(crate) fn merge_into(&mut self, order: &O, dst: usize, src: usize) -> Result<(), Error> {
-        debug_assert_ne!(dst, src);
-        let waiter = self.entries[dst].stream;
-        self.order_after(order, waiter, src)?;
-        let mut moved = std::mem::take(&mut self.entries[src].list);
-        self.entries[dst].list.append_from(&mut moved);
-        self.entered(order, dst);
-        Ok(())
     }
 
     /// Blocks the host until every stream seen has completed its work.
@@ -207,5 +235,18 @@ impl<O: StreamOrder, L: FreeStore> StreamLists<O, L> {
         self.entries.clear();
         self.index.clear();
         self.last = 0;
+    }
+}
+
+impl<O: StreamOrder, L: Append> StreamLists<O, L> {
+    /// Moves list `src` into list `dst` after ordering `dst`'s stream after it.
+    pub(crate) fn merge_into(&mut self, order: &O, dst: usize, src: usize) -> Result<(), Error> {
+        debug_assert_ne!(dst, src);
+        let waiter = self.entries[dst].stream;
+        self.order_after(order, waiter, src)?;
+        let mut moved = std::mem::take(&mut self.entries[src].list);
+        self.entries[dst].list.append_from(&mut moved);
+        self.entered(order, dst);
+        Ok(())
     }
 }

@@ -56,7 +56,7 @@ impl Upstream<SimStream> for RecordingUpstream {
 }
 
 /// [`SimStreams`] that check the contract on which streams an engine touches: waits always on the
-/// stream of the call in progress, records too under [`EventPolicy::RecordOnFree`];
+/// stream of the call in progress, records too unless the policy is [`EventPolicy::RecordOnDemand`];
 /// `synchronize` on any stream.
 #[derive(Clone)]
 pub(crate) struct CheckedStreams {
@@ -110,7 +110,7 @@ pub(crate) fn world(capacity: Option<u64>, policy: EventPolicy) -> World {
         order: CheckedStreams {
             sim: sim.clone(),
             current: current.clone(),
-            strict_records: policy == EventPolicy::RecordOnFree,
+            strict_records: policy != EventPolicy::RecordOnDemand,
         },
         sim,
         current,
