@@ -1,0 +1,427 @@
+//! Benchmark: handing a GPU buffer from a producer process to consumer processes and back, with
+//! mempool-ipc (the pool's descriptor once, then 176-byte buffer messages and an IPC event),
+//! against a baseline measured in the same run: copying the same bytes through the host
+//! (device -> pinned host -> Unix socket -> pinned host -> device, acknowledged).
+//!
+//! - Round trip, one consumer: the producer allocates a buffer, shares it, and waits until the
+//!   consumer has imported it (waiting on the producer's event), freed the import and released it.
+//!   Baseline: device-to-host copy, the bytes over the socket, host-to-device copy in the
+//!   consumer, one byte back.
+//! - Sustained, several consumers: one producer thread per consumer keeps 4 buffers in flight,
+//!   each freshly allocated and filled on the GPU (the baseline fills and copies it out); buffers
+//!   per second over all consumers.
+//!
+//! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]`
+//! (default 4). The producer re-executes this program for each consumer.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mempool_core::{memory, Context, Device, DevicePtr, HandleTypes, MemPool, PoolProps, Stream};
+use mempool_ipc::lease::ImporterId;
+use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const WAIT: Duration = Duration::from_secs(60);
+const WINDOW: usize = 4;
+
+/// Control messages from the producer to a consumer: an op byte and a little-endian u64.
+const OP_EXIT: u8 = 0;
+/// Receive and release this many buffers through mempool-ipc, then answer one byte.
+const OP_IPC: u8 = 1;
+/// Receive this many bytes, copy them to the device, answer one byte.
+const OP_COPY: u8 = 2;
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn main() -> AnyResult<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("consumer") {
+        return consumer(Path::new(&args[2]));
+    }
+    let consumers = args.get(1).map_or(4, |a| a.parse().expect("consumer count"));
+    producer(consumers.max(1))
+}
+
+/// Pinned host memory, freed on drop.
+struct Pinned {
+    ctx: Arc<Context>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Pinned {
+    fn new(ctx: &Arc<Context>, len: usize) -> AnyResult<Pinned> {
+        Ok(Pinned {
+            ctx: ctx.clone(),
+            ptr: memory::pinned_host_alloc(ctx, len)?,
+            len,
+        })
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is a live pinned allocation of `len` bytes owned by `self`; the borrow of
+        // `self` keeps it alive and unaliased for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `pinned_host_alloc` and freed once; every copy that used it was
+        // synchronized before the copy functions returned.
+        let _ = unsafe { memory::pinned_host_free(&self.ctx, self.ptr) };
+    }
+}
+
+fn send_op(ctl: &mut UnixStream, op: u8, arg: u64) -> AnyResult<()> {
+    let mut msg = [0u8; 9];
+    msg[0] = op;
+    msg[1..].copy_from_slice(&arg.to_le_bytes());
+    ctl.write_all(&msg)?;
+    Ok(())
+}
+
+fn recv_op(ctl: &mut UnixStream) -> AnyResult<(u8, u64)> {
+    let mut msg = [0u8; 9];
+    ctl.read_exact(&mut msg)?;
+    Ok((msg[0], u64::from_le_bytes(msg[1..].try_into()?)))
+}
+
+fn ack(ctl: &mut UnixStream) -> AnyResult<()> {
+    let mut b = [0u8; 1];
+    ctl.read_exact(&mut b)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- consumer
+
+fn consumer(socket: &Path) -> AnyResult<()> {
+    let importer = Importer::connect(socket, ImporterOptions::default())?;
+    let dev = importer.device();
+    let ctx = dev.context()?;
+    let stream = Stream::new(&ctx)?;
+    let mut ctl = UnixStream::connect(ctl_path(socket))?;
+    let mut pinned: Option<Pinned> = None;
+    let mut device: Option<(DevicePtr, usize)> = None;
+    loop {
+        let (op, arg) = recv_op(&mut ctl)?;
+        match op {
+            OP_IPC => {
+                for _ in 0..arg {
+                    let buf = match importer.recv_timeout(stream.as_ref(), WAIT) {
+                        Ok(buf) => buf,
+                        Err(Error::ExporterGone { .. }) => return Ok(()),
+                        Err(e) => return Err(e.into()),
+                    };
+                    buf.release()?;
+                }
+                ctl.write_all(&[1])?;
+            }
+            OP_COPY => {
+                let len = arg as usize;
+                if pinned.as_ref().map_or(true, |p| p.len < len) {
+                    pinned = Some(Pinned::new(&ctx, len)?);
+                    if let Some((ptr, _)) = device.take() {
+                        // SAFETY: allocated below with `device_alloc`, no work pending (every copy
+                        // synchronized).
+                        unsafe { memory::device_free(&ctx, ptr) }?;
+                    }
+                    device = Some((memory::device_alloc(&ctx, len)?, len));
+                }
+                let host = pinned.as_mut().expect("allocated above");
+                let (dptr, _) = device.expect("allocated above");
+                ctl.read_exact(&mut host.bytes()[..len])?;
+                // SAFETY: `dptr` holds at least `len` bytes of device memory of `ctx`.
+                unsafe { memory::copy_to_device(&ctx, dptr, &host.bytes()[..len], stream.as_ref()) }?;
+                ctl.write_all(&[1])?;
+            }
+            _ => break,
+        }
+    }
+    if let Some((ptr, _)) = device {
+        // SAFETY: as above.
+        unsafe { memory::device_free(&ctx, ptr) }?;
+    }
+    Ok(())
+}
+
+fn ctl_path(socket: &Path) -> PathBuf {
+    socket.with_extension("ctl")
+}
+
+// ---------------------------------------------------------------- producer
+
+struct Consumer {
+    child: Child,
+    ctl: UnixStream,
+    importer: ImporterId,
+}
+
+fn producer(consumers: usize) -> AnyResult<()> {
+    let dev = Device::get(0)?;
+    let ctx = dev.context()?;
+    let pool = MemPool::new(&dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR))?;
+    pool.keep_everything()?;
+    let dir = std::env::var_os("XDG_RUNTIME_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
+    let socket = dir.join(format!("mempool-handoff-{}.sock", std::process::id()));
+    let exporter = Exporter::new(&socket, pool, ExporterOptions::default())?;
+    let _ = std::fs::remove_file(ctl_path(&socket));
+    let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
+
+    let exe = std::env::current_exe()?;
+    let mut all = Vec::new();
+    for _ in 0..consumers {
+        let child = Command::new(&exe).arg("consumer").arg(&socket).spawn()?;
+        let (ctl, _) = ctl_listener.accept()?;
+        let pid = mempool_ipc::cred::peer_credentials(&ctl)?.pid;
+        let importers = exporter.wait_for_importers(all.len() + 1, WAIT)?;
+        let importer = importers
+            .iter()
+            .find(|i| i.credentials.pid == pid)
+            .ok_or("the consumer's importer connection is missing")?
+            .id;
+        all.push(Consumer { child, ctl, importer });
+    }
+    let _ = std::fs::remove_file(ctl_path(&socket));
+
+    println!(
+        "device: {} ({}), driver CUDA {}",
+        dev.name()?,
+        dev.uuid()?,
+        mempool_core::driver_version()?
+    );
+    println!();
+    println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer)");
+    println!("| size | iterations | ipc median | ipc mean | host copy median | host copy mean | copy / ipc (median) |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    let stream = Stream::new(&ctx)?;
+    for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
+        let iters = (512 * MIB / size).clamp(30, 1000);
+        let ipc = round_trip_ipc(&exporter, &mut all[0], &stream, size, iters)?;
+        let copy = round_trip_copy(&exporter, &ctx, &mut all[0], &stream, size, iters)?;
+        println!(
+            "| {} | {iters} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}x |",
+            human(size),
+            median(&ipc),
+            mean(&ipc),
+            median(&copy),
+            mean(&copy),
+            median(&copy) / median(&ipc)
+        );
+    }
+
+    println!();
+    println!("Sustained, {consumers} consumers, {WINDOW} buffers in flight per consumer, fresh buffer filled on the GPU each time");
+    println!("| size | buffers | ipc buffers/s | host copy buffers/s | ipc / copy |");
+    println!("|---:|---:|---:|---:|---:|");
+    for size in [64 * KIB, MIB, 16 * MIB] {
+        let per_consumer = (1024 * MIB / size / consumers).clamp(50, 2000);
+        let ipc = sustained_ipc(&exporter, &mut all, size, per_consumer)?;
+        let copy = sustained_copy(&exporter, &ctx, &mut all, size, per_consumer)?;
+        println!(
+            "| {} | {} | {ipc:.0} | {copy:.0} | {:.1}x |",
+            human(size),
+            per_consumer * consumers,
+            ipc / copy
+        );
+    }
+
+    for c in &mut all {
+        send_op(&mut c.ctl, OP_EXIT, 0)?;
+    }
+    drop(exporter);
+    for mut c in all {
+        let status = c.child.wait()?;
+        if !status.success() {
+            return Err(format!("a consumer failed: {status}").into());
+        }
+    }
+    Ok(())
+}
+
+fn round_trip_ipc(
+    exporter: &Exporter,
+    consumer: &mut Consumer,
+    stream: &Stream,
+    size: usize,
+    iters: usize,
+) -> AnyResult<Vec<f64>> {
+    let warmup = 10;
+    send_op(&mut consumer.ctl, OP_IPC, (iters + warmup) as u64)?;
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + warmup {
+        let t0 = Instant::now();
+        let buf = exporter.alloc(size, stream.as_ref())?;
+        exporter.share(&buf, &[consumer.importer])?;
+        buf.wait_released(WAIT)?;
+        buf.release()?;
+        if i >= warmup {
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    ack(&mut consumer.ctl)?;
+    Ok(times)
+}
+
+fn round_trip_copy(
+    exporter: &Exporter,
+    ctx: &Arc<Context>,
+    consumer: &mut Consumer,
+    stream: &Stream,
+    size: usize,
+    iters: usize,
+) -> AnyResult<Vec<f64>> {
+    let warmup = 3;
+    let mut host = Pinned::new(ctx, size)?;
+    let src = exporter.alloc(size, stream.as_ref())?;
+    src.fill_zero()?;
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + warmup {
+        let t0 = Instant::now();
+        // SAFETY: `src` holds `size` bytes on `stream`.
+        unsafe { memory::copy_to_host(ctx, host.bytes(), src.ptr(), stream.as_ref()) }?;
+        send_op(&mut consumer.ctl, OP_COPY, size as u64)?;
+        consumer.ctl.write_all(host.bytes())?;
+        ack(&mut consumer.ctl)?;
+        if i >= warmup {
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    src.release()?;
+    Ok(times)
+}
+
+/// Buffers per second with one producer thread per consumer.
+fn sustained_ipc(exporter: &Exporter, all: &mut [Consumer], size: usize, per_consumer: usize) -> AnyResult<f64> {
+    for c in all.iter_mut() {
+        send_op(&mut c.ctl, OP_IPC, per_consumer as u64)?;
+    }
+    let ctx = exporter.pool().context().clone();
+    let t0 = Instant::now();
+    std::thread::scope(|scope| -> AnyResult<()> {
+        let workers: Vec<_> = all
+            .iter()
+            .map(|c| {
+                let importer = c.importer;
+                let ctx = ctx.clone();
+                scope.spawn(move || -> AnyResult<()> {
+                    let stream = Stream::new(&ctx)?;
+                    let mut in_flight = VecDeque::new();
+                    for _ in 0..per_consumer {
+                        let buf = exporter.alloc(size, stream.as_ref())?;
+                        buf.fill_zero()?;
+                        exporter.share(&buf, &[importer])?;
+                        in_flight.push_back(buf);
+                        if in_flight.len() >= WINDOW {
+                            let done = in_flight.pop_front().expect("window is full");
+                            done.wait_released(WAIT)?;
+                            done.release()?;
+                        }
+                    }
+                    for done in in_flight {
+                        done.wait_released(WAIT)?;
+                        done.release()?;
+                    }
+                    stream.synchronize()?;
+                    Ok(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().map_err(|_| "a producer thread panicked")??;
+        }
+        Ok(())
+    })?;
+    let elapsed = t0.elapsed().as_secs_f64();
+    for c in all.iter_mut() {
+        ack(&mut c.ctl)?;
+    }
+    Ok((per_consumer * all.len()) as f64 / elapsed)
+}
+
+/// The baseline: each buffer is filled on the GPU, copied to pinned host memory, sent over the
+/// socket, copied to the consumer's device memory and acknowledged; up to WINDOW unacknowledged.
+fn sustained_copy(
+    exporter: &Exporter,
+    ctx: &Arc<Context>,
+    all: &mut [Consumer],
+    size: usize,
+    per_consumer: usize,
+) -> AnyResult<f64> {
+    let t0 = Instant::now();
+    std::thread::scope(|scope| -> AnyResult<()> {
+        let workers: Vec<_> = all
+            .iter_mut()
+            .map(|c| {
+                let ctx = ctx.clone();
+                scope.spawn(move || -> AnyResult<()> {
+                    let stream = Stream::new(&ctx)?;
+                    let mut host = Pinned::new(&ctx, size)?;
+                    let mut unacked = 0;
+                    for _ in 0..per_consumer {
+                        let buf = exporter.alloc(size, stream.as_ref())?;
+                        buf.fill_zero()?;
+                        // SAFETY: `buf` holds `size` bytes on `stream`.
+                        unsafe { memory::copy_to_host(&ctx, host.bytes(), buf.ptr(), stream.as_ref()) }?;
+                        buf.release()?;
+                        send_op(&mut c.ctl, OP_COPY, size as u64)?;
+                        c.ctl.write_all(host.bytes())?;
+                        unacked += 1;
+                        if unacked >= WINDOW {
+                            ack(&mut c.ctl)?;
+                            unacked -= 1;
+                        }
+                    }
+                    for _ in 0..unacked {
+                        ack(&mut c.ctl)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().map_err(|_| "a producer thread panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok((per_consumer * all.len()) as f64 / t0.elapsed().as_secs_f64())
+}
+
+trait FillZero {
+    fn fill_zero(&self) -> AnyResult<()>;
+}
+
+impl FillZero for mempool_ipc::ExportedBuffer<'_> {
+    /// Real GPU work on the buffer before it is handed off: a memset on its stream.
+    fn fill_zero(&self) -> AnyResult<()> {
+        let ctx = Device::get(0)?.context()?;
+        // SAFETY: the buffer holds `len` bytes on its stream.
+        unsafe { memory::fill_async(&ctx, self.ptr(), 0, self.len(), self.stream()) }?;
+        Ok(())
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= MIB {
+        format!("{} MiB", bytes / MIB)
+    } else {
+        format!("{} KiB", bytes / KIB)
+    }
+}
