@@ -1,0 +1,74 @@
+//! The raw baselines every run measures beside the resources under test: `cuMemAlloc` / `cuMemFree`
+//! and `cuMemAllocFromPoolAsync` / `cuMemFreeAsync`, with nothing of mempool-rmm in between.
+
+use std::sync::Arc;
+
+use mempool_core::{memory, Context, Device, DevicePtr, MemPool, PoolProps, StreamRef};
+use mempool_rmm::{MemoryResource, Result};
+
+/// `cuMemAlloc` / `cuMemFree` straight through, as RMM's `cuda_memory_resource` does: the free does not
+/// wait for the stream itself, it relies on `cuMemFree`'s implicit synchronization with the device (which
+/// is what makes it the allocator that serializes streams).
+#[derive(Debug)]
+pub struct RawCudaResource {
+    ctx: Arc<Context>,
+}
+
+impl RawCudaResource {
+    /// In `device`'s primary context.
+    pub fn new(device: &Device) -> Result<RawCudaResource> {
+        Ok(RawCudaResource { ctx: device.context()? })
+    }
+}
+
+impl MemoryResource for RawCudaResource {
+    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
+        Ok(memory::device_alloc(&self.ctx, bytes)?)
+    }
+
+    #[allow(unsafe_code)]
+    fn deallocate(&self, ptr: DevicePtr, _bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: by the trait's contract `ptr` came from `allocate` here (cuMemAlloc in this context) and
+        // is freed once; cuMemFree synchronizes with the device's outstanding work before releasing it.
+        unsafe { memory::device_free(&self.ctx, ptr) }?;
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "cuMemAlloc"
+    }
+}
+
+/// `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a pool of its own whose release threshold keeps
+/// everything (as a process that owns its GPU runs it).
+#[derive(Debug)]
+pub struct RawPoolResource {
+    pool: MemPool,
+}
+
+impl RawPoolResource {
+    /// A new pool on `device`.
+    pub fn new(device: &Device) -> Result<RawPoolResource> {
+        let pool = MemPool::new(device, &PoolProps::new())?;
+        pool.keep_everything()?;
+        Ok(RawPoolResource { pool })
+    }
+}
+
+impl MemoryResource for RawPoolResource {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+        Ok(self.pool.allocate(bytes, stream)?)
+    }
+
+    #[allow(unsafe_code)]
+    fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: by the trait's contract `ptr` came from `allocate` here (this pool), is freed once, and
+        // its uses are ordered before this point of `stream`.
+        unsafe { self.pool.free_async(ptr, stream) }?;
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "cuMemAllocFromPoolAsync"
+    }
+}

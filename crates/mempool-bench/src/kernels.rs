@@ -1,0 +1,235 @@
+//! The harness's device code: CUDA C under `kernels/`, compiled to PTX by `kernels/build-ptx.sh` and
+//! committed; loaded here through the driver (`cuModuleLoadData`), so building needs no nvcc.
+//!
+//! The host twins of the device hash functions ([`mix32`], [`hash2`]) let workloads check kernel
+//! results on the host.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use mempool_core::{Context, DevicePtr, Function, LaunchConfig, Module, StreamRef};
+
+use crate::{Error, Result};
+
+/// `kernels/work.ptx`: the multi-stream and peer workloads' kernels.
+pub const WORK_PTX: &str = include_str!("../kernels/work.ptx");
+/// `kernels/query.ptx`: the query workload's columnar operators.
+pub const QUERY_PTX: &str = include_str!("../kernels/query.ptx");
+
+/// Threads per block of every launch.
+pub const BLOCK: u32 = 256;
+/// Elements per block of the scan and radix-sort kernels (`SCAN_TILE`, `SORT_TILE` in query.cu).
+pub const TILE: usize = 1024;
+/// Digits of a radix-sort pass (`RADIX_DIGITS` in query.cu).
+pub const RADIX_DIGITS: usize = 256;
+/// The empty slot of the device hash tables (`EMPTY_KEY` in query.cu); no key may take it.
+pub const EMPTY_KEY: u32 = u32::MAX;
+
+/// Loads PTX `text` (from `kernels/{file}`) into `ctx`; an empty file (the placeholder committed before
+/// nvcc has run) is a clear error rather than a driver one.
+pub fn load_module(ctx: &Arc<Context>, file: &'static str, text: &str) -> Result<Module> {
+    check_ptx(file, text)?;
+    Ok(Module::from_ptx(ctx, text)?)
+}
+
+/// Whether PTX text is usable: not empty and not only comments.
+pub fn check_ptx(file: &'static str, text: &str) -> Result<()> {
+    let has_code = text
+        .lines()
+        .map(str::trim)
+        .any(|l| !l.is_empty() && !l.starts_with("//"));
+    if has_code {
+        Ok(())
+    } else {
+        Err(Error::EmptyPtx { file })
+    }
+}
+
+/// Chris Wellons' lowbias32, as `mix32` in kernels/common.cuh.
+pub fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+/// The pseudo-random value of row `i` of a column seeded with `seed`, as `hash2` in common.cuh.
+pub fn hash2(seed: u32, i: u64) -> u32 {
+    mix32((i as u32) ^ mix32(seed ^ mix32((i >> 32) as u32)))
+}
+
+/// `bench_work_u32` on one element: `rounds` dependent mixes.
+pub fn work(mut x: u32, rounds: u32) -> u32 {
+    for r in 0..rounds {
+        x = mix32(x.wrapping_add(r));
+    }
+    x
+}
+
+/// A kernel argument, passed by value.
+#[derive(Copy, Clone, Debug)]
+pub enum Arg {
+    /// A 32-bit integer parameter.
+    U32(u32),
+    /// A 64-bit integer or pointer parameter.
+    U64(u64),
+}
+
+impl From<DevicePtr> for Arg {
+    fn from(p: DevicePtr) -> Arg {
+        Arg::U64(p.0)
+    }
+}
+
+/// One element per thread over `n` elements.
+pub fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig::for_elements(n, BLOCK)
+}
+
+/// Grid-stride kernels (reductions, copies): at most 2048 blocks.
+pub fn strided(n: usize) -> LaunchConfig {
+    LaunchConfig::for_elements(n.min(2048 * BLOCK as usize), BLOCK)
+}
+
+/// One block of [`BLOCK`] threads per tile of [`TILE`] elements.
+pub fn tiled(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid: (n.div_ceil(TILE).max(1) as u32, 1, 1),
+        block: (BLOCK, 1, 1),
+        shared_mem: 0,
+    }
+}
+
+/// Launches `f` with `args`.
+///
+/// # Safety
+/// 1. `args` match the kernel's parameters in number, order and width (pointers and 64-bit integers
+///    as [`Arg::U64`], 32-bit integers as [`Arg::U32`]).
+/// 2. Every address the kernel reads or writes for this launch shape is valid device memory for that
+///    use, ordered on `stream`, until the kernel completes.
+/// 3. `stream` belongs to the function's context.
+#[allow(unsafe_code)]
+pub unsafe fn launch(f: &Function<'_>, cfg: LaunchConfig, stream: StreamRef<'_>, args: &[Arg]) -> Result<()> {
+    let mut values: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = values
+        .iter_mut()
+        .map(|a| match a {
+            Arg::U32(v) => v as *mut u32 as *mut c_void,
+            Arg::U64(v) => v as *mut u64 as *mut c_void,
+        })
+        .collect();
+    // SAFETY: points 1 to 3 are the caller's; `params` points into `values`, which outlives the call
+    // (the driver copies parameter values at launch).
+    unsafe { f.launch(cfg, stream, &mut params) }?;
+    Ok(())
+}
+
+/// The kernels of `work.cu`.
+#[derive(Debug)]
+pub struct WorkKernels<'m> {
+    /// `bench_fill_hash_u32(out, n, seed)`.
+    pub fill_hash: Function<'m>,
+    /// `bench_work_u32(buf, n, rounds)`.
+    pub work: Function<'m>,
+    /// `bench_sum_u32(buf, n, out)`.
+    pub sum: Function<'m>,
+    /// `bench_copy_u128(dst, src, n16)`.
+    pub copy: Function<'m>,
+}
+
+impl<'m> WorkKernels<'m> {
+    /// Looks the kernels up in `module` (loaded from [`WORK_PTX`]).
+    pub fn new(module: &'m Module) -> Result<WorkKernels<'m>> {
+        Ok(WorkKernels {
+            fill_hash: module.function("bench_fill_hash_u32")?,
+            work: module.function("bench_work_u32")?,
+            sum: module.function("bench_sum_u32")?,
+            copy: module.function("bench_copy_u128")?,
+        })
+    }
+}
+
+/// The kernels of `query.cu`.
+#[derive(Debug)]
+pub struct QueryKernels<'m> {
+    /// `q_gen_u32(out, n, seed, lo, span)`.
+    pub gen: Function<'m>,
+    /// `q_iota_u32(out, n, base)`.
+    pub iota: Function<'m>,
+    /// `q_flags_range(col, n, lo, hi, flags)`.
+    pub flags_range: Function<'m>,
+    /// `q_flags_and(flags, other, n)`.
+    pub flags_and: Function<'m>,
+    /// `q_flags_head(sorted, n, flags)`.
+    pub flags_head: Function<'m>,
+    /// `q_flags_occupied(table_keys, n, flags)`.
+    pub flags_occupied: Function<'m>,
+    /// `q_mul_u32(a, b, n, out)`.
+    pub mul: Function<'m>,
+    /// `q_combine_u32(a, b, n, mul, out)`.
+    pub combine: Function<'m>,
+    /// `q_scan_block(in, out, n, block_sums)`.
+    pub scan_block: Function<'m>,
+    /// `q_scan_add(data, n, tile_offsets)`.
+    pub scan_add: Function<'m>,
+    /// `q_scan_total(flags, offsets, n, total)`.
+    pub scan_total: Function<'m>,
+    /// `q_compact_u32(in, flags, offsets, n, out)`.
+    pub compact_u32: Function<'m>,
+    /// `q_compact_u64(in, flags, offsets, n, out)`.
+    pub compact_u64: Function<'m>,
+    /// `q_compact_index(flags, offsets, n, out)`.
+    pub compact_index: Function<'m>,
+    /// `q_gather_u32(col, idx, m, out)`.
+    pub gather: Function<'m>,
+    /// `q_hash_build(keys, n, table_keys, table_rows, mask)`.
+    pub hash_build: Function<'m>,
+    /// `q_hash_probe(keys, n, table_keys, table_rows, mask, build_rows, flags)`.
+    pub hash_probe: Function<'m>,
+    /// `q_groupby_sum(keys, vals, n, table_keys, table_sums, table_counts, mask)`.
+    pub groupby_sum: Function<'m>,
+    /// `q_radix_hist(keys, n, shift, hist, nblocks)`.
+    pub radix_hist: Function<'m>,
+    /// `q_radix_scatter(keys, vals, n, shift, offsets, keys_out, vals_out, nblocks)`.
+    pub radix_scatter: Function<'m>,
+    /// `q_sum_u32(vals, n, out)`.
+    pub sum_u32: Function<'m>,
+    /// `q_sum_u64(vals, n, out)`.
+    pub sum_u64: Function<'m>,
+    /// `q_count_unsorted(keys, n, out)`.
+    pub count_unsorted: Function<'m>,
+}
+
+impl<'m> QueryKernels<'m> {
+    /// Looks the kernels up in `module` (loaded from [`QUERY_PTX`]).
+    pub fn new(module: &'m Module) -> Result<QueryKernels<'m>> {
+        let f = |name: &str| module.function(name);
+        Ok(QueryKernels {
+            gen: f("q_gen_u32")?,
+            iota: f("q_iota_u32")?,
+            flags_range: f("q_flags_range")?,
+            flags_and: f("q_flags_and")?,
+            flags_head: f("q_flags_head")?,
+            flags_occupied: f("q_flags_occupied")?,
+            mul: f("q_mul_u32")?,
+            combine: f("q_combine_u32")?,
+            scan_block: f("q_scan_block")?,
+            scan_add: f("q_scan_add")?,
+            scan_total: f("q_scan_total")?,
+            compact_u32: f("q_compact_u32")?,
+            compact_u64: f("q_compact_u64")?,
+            compact_index: f("q_compact_index")?,
+            gather: f("q_gather_u32")?,
+            hash_build: f("q_hash_build")?,
+            hash_probe: f("q_hash_probe")?,
+            groupby_sum: f("q_groupby_sum")?,
+            radix_hist: f("q_radix_hist")?,
+            radix_scatter: f("q_radix_scatter")?,
+            sum_u32: f("q_sum_u32")?,
+            sum_u64: f("q_sum_u64")?,
+            count_unsorted: f("q_count_unsorted")?,
+        })
+    }
+}

@@ -1,0 +1,795 @@
+//! Resource specs: the strings that name what a run compares, e.g. `cuda`, `async(threshold=max)`,
+//! `pool(async,initial=1GiB)`, `binning(pool(async))`, `arena(cuda)`.
+//!
+//! Parsing and checking need no GPU ([`parse`], [`parse_list`]); [`build`] turns a checked spec into a
+//! [`SharedResource`] on a device. A spec composes: a suballocator's first argument is its upstream,
+//! itself a spec. Errors point at the offending character and list everything that is accepted
+//! ([`ACCEPTED`]).
+
+use std::fmt;
+use std::sync::Arc;
+
+use mempool_core::{Context, Device};
+use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
+use mempool_rmm::testing::SimResource;
+use mempool_rmm::{
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
+    PoolResource, SharedResource,
+};
+
+use crate::baseline::{RawCudaResource, RawPoolResource};
+use crate::units::{parse_size, Size};
+
+/// What a spec may say, shown with every spec error and by `mempool-bench resources`.
+pub const ACCEPTED: &str = "\
+accepted resource specs (they compose: an UPSTREAM is itself a spec):
+  cuda                          cuMemAlloc/cuMemFree through mempool's CudaResource (a free waits for its stream)
+  managed                       cuMemAllocManaged (ManagedResource)
+  async[(OPTIONS)]              a new driver pool, cuMemAllocFromPoolAsync (AsyncResource); options:
+                                  threshold=SIZE|max  release threshold (default: the driver's, 0)
+                                  initial=SIZE        reserve this much up front
+                                  max_size=SIZE       the pool's maximum size
+                                  pool=new|default    a new pool (default) or the device's default pool
+  pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
+  binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
+                                two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
+  arena(UPSTREAM[,OPTIONS])     ArenaResource; options: superblock=SIZE (default 1MiB), initial=SIZE, max=SIZE|max
+  fixed(UPSTREAM[,OPTIONS])     FixedSizeResource; options: block=SIZE (default 1MiB), blocks=N (default 128)
+  cuMemAlloc                    baseline: raw cuMemAlloc/cuMemFree, as RMM's cuda_memory_resource (alias raw-cuda)
+  cuMemAllocFromPoolAsync       baseline: raw cuMemAllocFromPoolAsync/cuMemFreeAsync on a pool of its own that
+                                keeps its memory (alias raw-pool)
+  sim                           host simulation without a GPU: fake addresses, never touched (random, replay)
+SIZE: a byte count with an optional unit (B, KiB, MiB, GiB, TiB), e.g. 4096, 64KiB, 1.5GiB; `max` = unlimited.
+Lists separate specs with commas: cuda,async(threshold=max),pool(async,initial=1GiB),binning(pool(async)),arena(cuda)";
+
+/// A spec that does not parse or names something unknown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    /// The whole spec as given.
+    pub spec: String,
+    /// Byte offset of the problem in `spec`.
+    pub pos: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let caret_at = self.spec[..self.pos.min(self.spec.len())].chars().count();
+        writeln!(f, "bad resource spec `{}`: {}", self.spec, self.message)?;
+        writeln!(f, "    {}", self.spec)?;
+        writeln!(f, "    {}^", " ".repeat(caret_at))?;
+        f.write_str(ACCEPTED)
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+/// Options of a driver pool resource (`async`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AsyncSpec {
+    /// Release threshold; `None`: the driver's default.
+    pub threshold: Option<u64>,
+    /// Bytes reserved up front.
+    pub initial: Option<u64>,
+    /// The pool's maximum size.
+    pub max_size: Option<u64>,
+    /// Use the device's default pool instead of a new one.
+    pub default_pool: bool,
+}
+
+/// A checked resource spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResourceSpec {
+    /// `cuda`: [`CudaResource`].
+    Cuda,
+    /// `managed`: [`ManagedResource`].
+    Managed,
+    /// `async(...)`: [`AsyncResource`].
+    Async(AsyncSpec),
+    /// `pool(UPSTREAM, ...)`: [`PoolResource`].
+    Pool {
+        /// The upstream.
+        upstream: Box<ResourceSpec>,
+        /// Initial reservation.
+        initial: u64,
+        /// Maximum size.
+        max: Option<u64>,
+    },
+    /// `binning(UPSTREAM, ...)`: [`BinningResource`].
+    Binning {
+        /// The upstream.
+        upstream: Box<ResourceSpec>,
+        /// Smallest bin, a power of two.
+        min: u64,
+        /// Largest bin, a power of two.
+        max: u64,
+        /// Blocks per upstream chunk.
+        blocks: u64,
+    },
+    /// `arena(UPSTREAM, ...)`: [`ArenaResource`].
+    Arena {
+        /// The upstream.
+        upstream: Box<ResourceSpec>,
+        /// Superblock size.
+        superblock: u64,
+        /// Initial reservation of the global arena.
+        initial: u64,
+        /// Maximum size of the global arena.
+        max: Option<u64>,
+    },
+    /// `fixed(UPSTREAM, ...)`: [`FixedSizeResource`].
+    Fixed {
+        /// The upstream.
+        upstream: Box<ResourceSpec>,
+        /// Block size.
+        block: u64,
+        /// Blocks per upstream chunk.
+        blocks: u64,
+    },
+    /// `cuMemAlloc`: the raw baseline.
+    RawCuda,
+    /// `cuMemAllocFromPoolAsync`: the raw pool baseline.
+    RawPool,
+    /// `sim`: host simulation.
+    Sim,
+}
+
+// The defaults of mempool-rmm's `BinningConfig`, spelled out so specs print them the same way.
+const BIN_MIN: u64 = 256;
+const BIN_MAX: u64 = 1 << 20;
+const BIN_BLOCKS: u64 = 128;
+
+impl ResourceSpec {
+    /// Whether this is one of the raw baselines.
+    pub fn is_baseline(&self) -> bool {
+        matches!(self, ResourceSpec::RawCuda | ResourceSpec::RawPool)
+    }
+
+    /// Whether it can run without a GPU.
+    pub fn is_host_only(&self) -> bool {
+        matches!(self, ResourceSpec::Sim)
+    }
+}
+
+impl fmt::Display for ResourceSpec {
+    /// The canonical spec: parses back to the same value, options left out where they are defaults.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fn args(f: &mut fmt::Formatter<'_>, name: &str, items: Vec<String>) -> fmt::Result {
+            if items.is_empty() {
+                f.write_str(name)
+            } else {
+                write!(f, "{name}({})", items.join(","))
+            }
+        }
+        match self {
+            ResourceSpec::Cuda => f.write_str("cuda"),
+            ResourceSpec::Managed => f.write_str("managed"),
+            ResourceSpec::RawCuda => f.write_str("cuMemAlloc"),
+            ResourceSpec::RawPool => f.write_str("cuMemAllocFromPoolAsync"),
+            ResourceSpec::Sim => f.write_str("sim"),
+            ResourceSpec::Async(a) => {
+                let mut items = Vec::new();
+                if let Some(t) = a.threshold {
+                    items.push(format!("threshold={}", Size(t)));
+                }
+                if let Some(i) = a.initial {
+                    items.push(format!("initial={}", Size(i)));
+                }
+                if let Some(m) = a.max_size {
+                    items.push(format!("max_size={}", Size(m)));
+                }
+                if a.default_pool {
+                    items.push("pool=default".into());
+                }
+                args(f, "async", items)
+            }
+            ResourceSpec::Pool { upstream, initial, max } => {
+                let mut items = vec![upstream.to_string()];
+                if *initial != 0 {
+                    items.push(format!("initial={}", Size(*initial)));
+                }
+                if let Some(m) = max {
+                    items.push(format!("max={}", Size(*m)));
+                }
+                args(f, "pool", items)
+            }
+            ResourceSpec::Binning {
+                upstream,
+                min,
+                max,
+                blocks,
+            } => {
+                let mut items = vec![upstream.to_string()];
+                if *min != BIN_MIN {
+                    items.push(format!("min={}", Size(*min)));
+                }
+                if *max != BIN_MAX {
+                    items.push(format!("max={}", Size(*max)));
+                }
+                if *blocks != BIN_BLOCKS {
+                    items.push(format!("blocks={blocks}"));
+                }
+                args(f, "binning", items)
+            }
+            ResourceSpec::Arena {
+                upstream,
+                superblock,
+                initial,
+                max,
+            } => {
+                let mut items = vec![upstream.to_string()];
+                if *superblock != 1 << 20 {
+                    items.push(format!("superblock={}", Size(*superblock)));
+                }
+                if *initial != 0 {
+                    items.push(format!("initial={}", Size(*initial)));
+                }
+                if let Some(m) = max {
+                    items.push(format!("max={}", Size(*m)));
+                }
+                args(f, "arena", items)
+            }
+            ResourceSpec::Fixed {
+                upstream,
+                block,
+                blocks,
+            } => {
+                let mut items = vec![upstream.to_string()];
+                if *block != 1 << 20 {
+                    items.push(format!("block={}", Size(*block)));
+                }
+                if *blocks != 128 {
+                    items.push(format!("blocks={blocks}"));
+                }
+                args(f, "fixed", items)
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Syntax
+
+#[derive(Debug)]
+struct Node {
+    name: String,
+    pos: usize,
+    items: Vec<Item>,
+    /// Whether the name was followed by parentheses.
+    parens: bool,
+}
+
+#[derive(Debug)]
+enum Item {
+    Resource(Node),
+    Option { key: String, value: String, pos: usize },
+}
+
+struct Parser<'a> {
+    text: &'a str,
+    pos: usize,
+}
+
+impl<'a> Parser<'a> {
+    fn err(&self, pos: usize, message: impl Into<String>) -> SpecError {
+        SpecError {
+            spec: self.text.to_owned(),
+            pos,
+            message: message.into(),
+        }
+    }
+
+    fn peek(&self) -> Option<char> {
+        self.text[self.pos..].chars().next()
+    }
+
+    fn skip_ws(&mut self) {
+        while self.peek().is_some_and(char::is_whitespace) {
+            self.pos += 1;
+        }
+    }
+
+    fn word(&mut self) -> &'a str {
+        let start = self.pos;
+        while self
+            .peek()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        {
+            self.pos += 1;
+        }
+        &self.text[start..self.pos]
+    }
+
+    fn node(&mut self) -> Result<Node, SpecError> {
+        self.skip_ws();
+        let pos = self.pos;
+        let name = self.word();
+        if name.is_empty() {
+            return Err(match self.peek() {
+                None => self.err(pos, "expected a resource name, found the end"),
+                Some(c) => self.err(pos, format!("expected a resource name, found `{c}`")),
+            });
+        }
+        let mut node = Node {
+            name: name.to_owned(),
+            pos,
+            items: Vec::new(),
+            parens: false,
+        };
+        self.skip_ws();
+        if self.peek() == Some('(') {
+            node.parens = true;
+            self.pos += 1;
+            self.skip_ws();
+            if self.peek() == Some(')') {
+                self.pos += 1;
+                return Ok(node);
+            }
+            loop {
+                self.skip_ws();
+                let item_pos = self.pos;
+                let save = self.pos;
+                let word = self.word();
+                self.skip_ws();
+                if !word.is_empty() && self.peek() == Some('=') {
+                    self.pos += 1;
+                    self.skip_ws();
+                    let value_pos = self.pos;
+                    let value = self.word();
+                    if value.is_empty() {
+                        return Err(self.err(value_pos, format!("expected a value for `{word}`")));
+                    }
+                    node.items.push(Item::Option {
+                        key: word.to_owned(),
+                        value: value.to_owned(),
+                        pos: item_pos,
+                    });
+                } else {
+                    self.pos = save;
+                    node.items.push(Item::Resource(self.node()?));
+                }
+                self.skip_ws();
+                match self.peek() {
+                    Some(',') => self.pos += 1,
+                    Some(')') => {
+                        self.pos += 1;
+                        break;
+                    }
+                    None => return Err(self.err(self.pos, "expected `,` or `)`, found the end")),
+                    Some(c) => return Err(self.err(self.pos, format!("expected `,` or `)`, found `{c}`"))),
+                }
+            }
+        }
+        Ok(node)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Meaning
+
+/// An option of a spec: key, value, and the key's position.
+type OptionItem<'n> = (&'n str, &'n str, usize);
+
+struct Checker<'a> {
+    text: &'a str,
+}
+
+impl Checker<'_> {
+    fn err(&self, pos: usize, message: impl Into<String>) -> SpecError {
+        SpecError {
+            spec: self.text.to_owned(),
+            pos,
+            message: message.into(),
+        }
+    }
+
+    fn size(&self, value: &str, pos: usize, key: &str) -> Result<u64, SpecError> {
+        parse_size(value).map_err(|e| self.err(pos, format!("{key}: {e}")))
+    }
+
+    fn limit(&self, value: &str, pos: usize, key: &str) -> Result<Option<u64>, SpecError> {
+        let v = self.size(value, pos, key)?;
+        Ok((v != u64::MAX).then_some(v))
+    }
+
+    fn count(&self, value: &str, pos: usize, key: &str) -> Result<u64, SpecError> {
+        match value.parse::<u64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(self.err(pos, format!("{key}: expected a positive whole number, found `{value}`"))),
+        }
+    }
+
+    fn pow2(&self, value: &str, pos: usize, key: &str) -> Result<u64, SpecError> {
+        let v = self.size(value, pos, key)?;
+        if !v.is_power_of_two() || !(256..=1 << 40).contains(&v) {
+            return Err(self.err(
+                pos,
+                format!("{key}: a bin size must be a power of two from 256B to 1TiB, found `{value}`"),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// Splits a suballocator's items into its upstream and its options.
+    fn upstream_and_options<'n>(
+        &self,
+        node: &'n Node,
+        keys: &[&str],
+    ) -> Result<(ResourceSpec, Vec<OptionItem<'n>>), SpecError> {
+        let mut upstream = None;
+        let mut options = Vec::new();
+        for (i, item) in node.items.iter().enumerate() {
+            match item {
+                Item::Resource(r) if i == 0 => upstream = Some(self.resource(r)?),
+                Item::Resource(r) => {
+                    return Err(self.err(
+                        r.pos,
+                        format!("`{}` takes one upstream resource, as its first argument", node.name),
+                    ))
+                }
+                Item::Option { key, value, pos } => {
+                    if !keys.contains(&key.as_str()) {
+                        return Err(self.err(
+                            *pos,
+                            format!(
+                                "`{}` has no option `{key}` (its options: {})",
+                                node.name,
+                                keys.join(", ")
+                            ),
+                        ));
+                    }
+                    if options.iter().any(|(k, _, _)| k == key) {
+                        return Err(self.err(*pos, format!("option `{key}` given twice")));
+                    }
+                    options.push((key.as_str(), value.as_str(), *pos));
+                }
+            }
+        }
+        let upstream = upstream.ok_or_else(|| {
+            self.err(
+                node.pos,
+                format!(
+                    "`{}` needs an upstream resource as its first argument, e.g. `{}(async)`",
+                    node.name, node.name
+                ),
+            )
+        })?;
+        if upstream.is_host_only() {
+            return Err(self.err(
+                node.pos,
+                "`sim` cannot be an upstream: suballocators need a GPU context",
+            ));
+        }
+        Ok((upstream, options))
+    }
+
+    fn no_args(&self, node: &Node) -> Result<(), SpecError> {
+        if node.parens && !node.items.is_empty() {
+            return Err(self.err(node.pos, format!("`{}` takes no arguments", node.name)));
+        }
+        Ok(())
+    }
+
+    fn resource(&self, node: &Node) -> Result<ResourceSpec, SpecError> {
+        let spec = match node.name.as_str() {
+            "cuda" => {
+                self.no_args(node)?;
+                ResourceSpec::Cuda
+            }
+            "managed" => {
+                self.no_args(node)?;
+                ResourceSpec::Managed
+            }
+            "cuMemAlloc" | "raw-cuda" => {
+                self.no_args(node)?;
+                ResourceSpec::RawCuda
+            }
+            "cuMemAllocFromPoolAsync" | "raw-pool" => {
+                self.no_args(node)?;
+                ResourceSpec::RawPool
+            }
+            "sim" => {
+                self.no_args(node)?;
+                ResourceSpec::Sim
+            }
+            "async" => {
+                let mut a = AsyncSpec::default();
+                let keys = ["threshold", "initial", "max_size", "pool"];
+                let mut seen: Vec<&str> = Vec::new();
+                for item in &node.items {
+                    match item {
+                        Item::Resource(r) => {
+                            return Err(self.err(r.pos, "`async` takes options only, no upstream (it is the driver)"))
+                        }
+                        Item::Option { key, value, pos } => {
+                            if seen.contains(&key.as_str()) {
+                                return Err(self.err(*pos, format!("option `{key}` given twice")));
+                            }
+                            seen.push(key);
+                            match key.as_str() {
+                                "threshold" => a.threshold = Some(self.size(value, *pos, key)?),
+                                "initial" => a.initial = Some(self.size(value, *pos, key)?),
+                                "max_size" => a.max_size = self.limit(value, *pos, key)?,
+                                "pool" => {
+                                    a.default_pool = match value.as_str() {
+                                        "new" => false,
+                                        "default" => true,
+                                        _ => {
+                                            return Err(self.err(
+                                                *pos,
+                                                format!("pool: expected `new` or `default`, found `{value}`"),
+                                            ))
+                                        }
+                                    }
+                                }
+                                _ => {
+                                    return Err(self.err(
+                                        *pos,
+                                        format!("`async` has no option `{key}` (its options: {})", keys.join(", ")),
+                                    ))
+                                }
+                            }
+                        }
+                    }
+                }
+                if a.default_pool && (a.initial.is_some() || a.max_size.is_some()) {
+                    return Err(self.err(
+                        node.pos,
+                        "`async(pool=default)` takes only `threshold`: the default pool exists already",
+                    ));
+                }
+                ResourceSpec::Async(a)
+            }
+            "pool" => {
+                let (upstream, opts) = self.upstream_and_options(node, &["initial", "max"])?;
+                let (mut initial, mut max) = (0, None);
+                for (k, v, pos) in opts {
+                    match k {
+                        "initial" => initial = self.size(v, pos, k)?,
+                        _ => max = self.limit(v, pos, k)?,
+                    }
+                }
+                if max.is_some_and(|m| m < initial) {
+                    return Err(self.err(node.pos, "`pool`: initial is larger than max"));
+                }
+                ResourceSpec::Pool {
+                    upstream: Box::new(upstream),
+                    initial,
+                    max,
+                }
+            }
+            "binning" => {
+                let (upstream, opts) = self.upstream_and_options(node, &["min", "max", "blocks"])?;
+                let (mut min, mut max, mut blocks) = (BIN_MIN, BIN_MAX, BIN_BLOCKS);
+                for (k, v, pos) in opts {
+                    match k {
+                        "min" => min = self.pow2(v, pos, k)?,
+                        "max" => max = self.pow2(v, pos, k)?,
+                        _ => blocks = self.count(v, pos, k)?,
+                    }
+                }
+                if min > max {
+                    return Err(self.err(node.pos, "`binning`: min is larger than max"));
+                }
+                ResourceSpec::Binning {
+                    upstream: Box::new(upstream),
+                    min,
+                    max,
+                    blocks,
+                }
+            }
+            "arena" => {
+                let (upstream, opts) = self.upstream_and_options(node, &["superblock", "initial", "max"])?;
+                let (mut superblock, mut initial, mut max) = (1u64 << 20, 0, None);
+                for (k, v, pos) in opts {
+                    match k {
+                        "superblock" => superblock = self.size(v, pos, k)?.max(1),
+                        "initial" => initial = self.size(v, pos, k)?,
+                        _ => max = self.limit(v, pos, k)?,
+                    }
+                }
+                ResourceSpec::Arena {
+                    upstream: Box::new(upstream),
+                    superblock,
+                    initial,
+                    max,
+                }
+            }
+            "fixed" => {
+                let (upstream, opts) = self.upstream_and_options(node, &["block", "blocks"])?;
+                let (mut block, mut blocks) = (1u64 << 20, 128);
+                for (k, v, pos) in opts {
+                    match k {
+                        "block" => block = self.size(v, pos, k)?.max(1),
+                        _ => blocks = self.count(v, pos, k)?,
+                    }
+                }
+                ResourceSpec::Fixed {
+                    upstream: Box::new(upstream),
+                    block,
+                    blocks,
+                }
+            }
+            other => {
+                return Err(self.err(
+                    node.pos,
+                    format!(
+                        "unknown resource `{other}` (known: cuda, managed, async, pool, binning, arena, fixed, \
+                         cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                    ),
+                ))
+            }
+        };
+        Ok(spec)
+    }
+}
+
+/// Parses and checks one spec.
+///
+/// ```
+/// use mempool_bench::spec::parse;
+/// let s = parse("pool( async , initial=1GiB)").unwrap();
+/// assert_eq!(s.to_string(), "pool(async,initial=1GiB)");
+/// let e = parse("pool(asink)").unwrap_err();
+/// assert!(e.to_string().contains("unknown resource `asink`"));
+/// ```
+pub fn parse(text: &str) -> Result<ResourceSpec, SpecError> {
+    let mut p = Parser { text, pos: 0 };
+    let node = p.node()?;
+    p.skip_ws();
+    if let Some(c) = p.peek() {
+        return Err(p.err(
+            p.pos,
+            format!("unexpected `{c}` after the spec (separate several specs with commas)"),
+        ));
+    }
+    Checker { text }.resource(&node)
+}
+
+/// Splits a comma-separated list of specs at the commas outside parentheses and parses each.
+///
+/// ```
+/// use mempool_bench::spec::parse_list;
+/// let specs = parse_list("cuda, pool(async,initial=1GiB),binning(pool(async))").unwrap();
+/// assert_eq!(specs.len(), 3);
+/// ```
+pub fn parse_list(text: &str) -> Result<Vec<ResourceSpec>, SpecError> {
+    let mut out = Vec::new();
+    let mut depth = 0i32;
+    let mut start = 0;
+    let mut parts = Vec::new();
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push((start, &text[start..i]));
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push((start, &text[start..]));
+    for (offset, part) in parts {
+        if part.trim().is_empty() {
+            return Err(SpecError {
+                spec: text.to_owned(),
+                pos: offset,
+                message: "empty spec in the list".into(),
+            });
+        }
+        out.push(parse(part).map_err(|e| SpecError {
+            spec: text.to_owned(),
+            pos: offset + e.pos,
+            message: e.message,
+        })?);
+    }
+    Ok(out)
+}
+
+/// A spec built into a resource, with the label reports use (the canonical spec).
+#[derive(Clone, Debug)]
+pub struct Built {
+    /// The canonical spec.
+    pub label: String,
+    /// The resource.
+    pub resource: SharedResource,
+}
+
+/// Builds `spec` on `device` (`None`: no GPU, only `sim` can be built).
+pub fn build(spec: &ResourceSpec, device: Option<&Device>) -> crate::Result<Built> {
+    let resource = build_resource(spec, device)?;
+    Ok(Built {
+        label: spec.to_string(),
+        resource,
+    })
+}
+
+fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> crate::Result<SharedResource> {
+    if let ResourceSpec::Sim = spec {
+        return Ok(Arc::new(SimResource::new()));
+    }
+    let dev =
+        device.ok_or_else(|| crate::Error::Usage(format!("`{spec}` needs a GPU; only `sim` runs without one")))?;
+    let ctx: Arc<Context> = dev.context()?;
+    let r: SharedResource = match spec {
+        ResourceSpec::Sim => unreachable!("handled above"),
+        ResourceSpec::Cuda => Arc::new(CudaResource::new(dev)?),
+        ResourceSpec::Managed => Arc::new(ManagedResource::new(dev)?),
+        ResourceSpec::RawCuda => Arc::new(RawCudaResource::new(dev)?),
+        ResourceSpec::RawPool => Arc::new(RawPoolResource::new(dev)?),
+        ResourceSpec::Async(a) => {
+            if a.default_pool {
+                let r = AsyncResource::default_pool(dev)?;
+                if let Some(t) = a.threshold {
+                    r.pool().set_release_threshold(t)?;
+                }
+                Arc::new(r)
+            } else {
+                Arc::new(AsyncResource::new(
+                    dev,
+                    AsyncOptions {
+                        initial_size: a.initial.map(|v| v as usize),
+                        release_threshold: a.threshold,
+                        max_size: a.max_size.map(|v| v as usize),
+                        ..Default::default()
+                    },
+                )?)
+            }
+        }
+        ResourceSpec::Pool { upstream, initial, max } => {
+            let up = build_resource(upstream, device)?;
+            let config = PoolConfig {
+                initial_size: *initial,
+                maximum_size: *max,
+                ..Default::default()
+            };
+            Arc::new(PoolResource::new(up, &ctx, config)?)
+        }
+        ResourceSpec::Binning {
+            upstream,
+            min,
+            max,
+            blocks,
+        } => {
+            let up = build_resource(upstream, device)?;
+            let config = BinningConfig {
+                min_size_exponent: min.trailing_zeros(),
+                max_size_exponent: max.trailing_zeros(),
+                blocks_per_chunk: *blocks,
+                ..Default::default()
+            };
+            Arc::new(BinningResource::new(up, &ctx, config)?)
+        }
+        ResourceSpec::Arena {
+            upstream,
+            superblock,
+            initial,
+            max,
+        } => {
+            let up = build_resource(upstream, device)?;
+            let config = ArenaConfig {
+                superblock_size: *superblock,
+                initial_size: *initial,
+                maximum_size: *max,
+                ..Default::default()
+            };
+            Arc::new(ArenaResource::new(up, &ctx, config)?)
+        }
+        ResourceSpec::Fixed {
+            upstream,
+            block,
+            blocks,
+        } => {
+            let up = build_resource(upstream, device)?;
+            let config = FixedSizeConfig {
+                block_size: *block,
+                blocks_per_chunk: *blocks,
+                ..Default::default()
+            };
+            Arc::new(FixedSizeResource::new(up, &ctx, config)?)
+        }
+    };
+    Ok(r)
+}

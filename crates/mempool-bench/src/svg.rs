@@ -1,0 +1,232 @@
+//! A small SVG writer for the reports' charts: grouped bars or lines, linear or logarithmic y axis,
+//! a legend. Hand-written so the harness needs no plotting or font crates; text is left to the viewer's
+//! fonts.
+
+use std::fmt::Write as _;
+
+use crate::report::{Chart, ChartKind};
+
+const WIDTH: f64 = 960.0;
+const HEIGHT: f64 = 520.0;
+const LEFT: f64 = 90.0;
+const RIGHT: f64 = 250.0;
+const TOP: f64 = 64.0;
+const BOTTOM: f64 = 90.0;
+/// Tableau 10: distinguishable, and readable for most forms of colour blindness.
+const COLORS: [&str; 10] = [
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+];
+
+/// Escapes text for SVG.
+pub fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn nice_step(range: f64) -> f64 {
+    let raw = range / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let norm = raw / mag;
+    let nice = if norm <= 1.0 {
+        1.0
+    } else if norm <= 2.0 {
+        2.0
+    } else if norm <= 5.0 {
+        5.0
+    } else {
+        10.0
+    };
+    nice * mag
+}
+
+fn fmt_tick(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else if v.abs() >= 1e6 || v.abs() < 1e-3 {
+        format!("{v:.0e}")
+    } else if v.fract().abs() < 1e-9 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    }
+}
+
+/// Draws `chart`, with `subtitle` (device, driver, date) under the title.
+pub fn render(chart: &Chart, subtitle: &str) -> String {
+    let plot_w = WIDTH - LEFT - RIGHT;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let values: Vec<f64> = chart
+        .series
+        .iter()
+        .flat_map(|s| s.values.iter().flatten().copied())
+        .filter(|v| v.is_finite() && (!chart.log_y || *v > 0.0))
+        .collect();
+    let max = values.iter().copied().fold(f64::NAN, f64::max);
+    let min = values.iter().copied().fold(f64::NAN, f64::min);
+    // The y scale: value -> pixel, and the ticks.
+    let (lo, hi, ticks): (f64, f64, Vec<f64>) = if values.is_empty() {
+        (0.0, 1.0, vec![0.0, 1.0])
+    } else if chart.log_y {
+        let lo = 10f64.powf(min.log10().floor());
+        let hi = 10f64.powf(max.log10().ceil().max(min.log10().floor() + 1.0));
+        let mut t = Vec::new();
+        let mut v = lo;
+        while v <= hi * 1.0001 {
+            t.push(v);
+            v *= 10.0;
+        }
+        (lo, hi, t)
+    } else {
+        let hi = if max > 0.0 { max * 1.08 } else { 1.0 };
+        let step = nice_step(hi);
+        let hi = (hi / step).ceil() * step;
+        let t = (0..=((hi / step).round() as usize)).map(|i| i as f64 * step).collect();
+        (0.0, hi, t)
+    };
+    let y_of = |v: f64| -> f64 {
+        let f = if chart.log_y {
+            (v.max(lo).log10() - lo.log10()) / (hi.log10() - lo.log10())
+        } else {
+            (v - lo) / (hi - lo)
+        };
+        TOP + plot_h * (1.0 - f.clamp(0.0, 1.0))
+    };
+
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="26" font-size="17" font-weight="bold" text-anchor="middle">{}</text>"#,
+        LEFT + plot_w / 2.0,
+        escape(&chart.title)
+    );
+    let _ = writeln!(
+        s,
+        r##"<text x="{}" y="46" font-size="12" fill="#555" text-anchor="middle">{}</text>"##,
+        LEFT + plot_w / 2.0,
+        escape(subtitle)
+    );
+    // Grid and y ticks.
+    for t in &ticks {
+        let y = y_of(*t);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{LEFT}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" font-size="11" text-anchor="end">{}</text>"##,
+            LEFT + plot_w,
+            LEFT - 6.0,
+            y + 4.0,
+            fmt_tick(*t)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{}" stroke="black"/><line x1="{LEFT}" x2="{}" y1="{}" y2="{}" stroke="black"/>"#,
+        TOP + plot_h,
+        LEFT + plot_w,
+        TOP + plot_h,
+        TOP + plot_h
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(20,{:.1}) rotate(-90)" font-size="13" text-anchor="middle">{}</text>"#,
+        TOP + plot_h / 2.0,
+        escape(&format!(
+            "{}{}",
+            chart.y_label,
+            if chart.log_y { " (log scale)" } else { "" }
+        ))
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{}" font-size="13" text-anchor="middle">{}</text>"#,
+        LEFT + plot_w / 2.0,
+        HEIGHT - 14.0,
+        escape(&chart.x_label)
+    );
+
+    let n_cat = chart.categories.len().max(1);
+    let group_w = plot_w / n_cat as f64;
+    for (i, c) in chart.categories.iter().enumerate() {
+        let x = LEFT + group_w * (i as f64 + 0.5);
+        let _ = writeln!(
+            s,
+            r#"<text x="{x:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"#,
+            TOP + plot_h + 18.0,
+            escape(c)
+        );
+    }
+    let n_series = chart.series.len().max(1);
+    match chart.kind {
+        ChartKind::Bars => {
+            let bar_w = group_w * 0.8 / n_series as f64;
+            for (si, series) in chart.series.iter().enumerate() {
+                let color = COLORS[si % COLORS.len()];
+                for (ci, v) in series.values.iter().enumerate() {
+                    let Some(v) = v.filter(|v| v.is_finite()) else { continue };
+                    let x = LEFT + group_w * ci as f64 + group_w * 0.1 + bar_w * si as f64;
+                    let y = y_of(v);
+                    let base = y_of(if chart.log_y { lo } else { 0.0 });
+                    let _ = writeln!(
+                        s,
+                        r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{color}"><title>{}: {}</title></rect>"#,
+                        (bar_w - 1.0).max(1.0),
+                        (base - y).max(0.0),
+                        escape(&series.name),
+                        fmt_tick(v)
+                    );
+                }
+            }
+        }
+        ChartKind::Lines => {
+            for (si, series) in chart.series.iter().enumerate() {
+                let color = COLORS[si % COLORS.len()];
+                let points: Vec<(f64, f64, f64)> = series
+                    .values
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(ci, v)| {
+                        v.filter(|v| v.is_finite())
+                            .map(|v| (LEFT + group_w * (ci as f64 + 0.5), y_of(v), v))
+                    })
+                    .collect();
+                let path: Vec<String> = points.iter().map(|(x, y, _)| format!("{x:.1},{y:.1}")).collect();
+                let _ = writeln!(
+                    s,
+                    r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+                    path.join(" ")
+                );
+                for (x, y, v) in points {
+                    let _ = writeln!(
+                        s,
+                        r#"<circle cx="{x:.1}" cy="{y:.1}" r="3.5" fill="{color}"><title>{}: {}</title></circle>"#,
+                        escape(&series.name),
+                        fmt_tick(v)
+                    );
+                }
+            }
+        }
+    }
+    // Legend.
+    for (si, series) in chart.series.iter().enumerate() {
+        let y = TOP + 8.0 + 20.0 * si as f64;
+        let x = WIDTH - RIGHT + 16.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{:.1}" width="12" height="12" fill="{}"/><text x="{}" y="{:.1}" font-size="12">{}</text>"#,
+            y - 10.0,
+            COLORS[si % COLORS.len()],
+            x + 18.0,
+            y,
+            escape(&series.name)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}

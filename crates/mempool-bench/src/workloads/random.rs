@@ -1,0 +1,305 @@
+//! `random`: the standard random workload of DESIGN.md (RMM's `random_allocations` shape), the same
+//! logic and seeds as mempool-rmm's `random_workload` example, so the numbers compare.
+//!
+//! Each run: `n` operations on one stream, each allocating with probability 0.73 (unless live bytes
+//! would pass `max_usage`), otherwise freeing a random live allocation; sizes uniform in
+//! `[1, max_size]`; everything left is freed at the end; one synchronize at the end. Reported:
+//! nanoseconds per operation (the final frees are timed but not counted, as RMM's benchmark does),
+//! the median of `repeats` runs after one warm-up run.
+
+use std::time::Instant;
+
+use mempool_core::{DevicePtr, Stream};
+use mempool_rmm::testing::SplitMix64;
+use mempool_rmm::MemoryResource;
+
+use crate::progress::Progress;
+use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::spec::{build, ResourceSpec};
+use crate::units::Size;
+use crate::workloads::Common;
+use crate::{Error, Result};
+
+/// One point of the workload.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Point {
+    /// Operations.
+    pub n: usize,
+    /// Largest allocation, bytes.
+    pub max_size: usize,
+    /// Most bytes live at once.
+    pub max_usage: usize,
+}
+
+impl Point {
+    /// `200k, 64KiB, 4GiB`.
+    pub fn label(&self) -> String {
+        format!(
+            "{}k ops, <= {}, {}",
+            self.n / 1000,
+            Size(self.max_size as u64),
+            Size(self.max_usage as u64)
+        )
+    }
+}
+
+/// The three standard points: (200k ops, 64 KiB, 4 GiB), (100k, 1 MiB, 16 GiB), (20k, 64 MiB, 16 GiB).
+pub const STANDARD_POINTS: [Point; 3] = [
+    Point {
+        n: 200_000,
+        max_size: 64 << 10,
+        max_usage: 4 << 30,
+    },
+    Point {
+        n: 100_000,
+        max_size: 1 << 20,
+        max_usage: 16 << 30,
+    },
+    Point {
+        n: 20_000,
+        max_size: 64 << 20,
+        max_usage: 16 << 30,
+    },
+];
+
+/// One operation of a generated sequence.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Allocate this many bytes.
+    Alloc(usize),
+    /// Free the live allocation at this index (swap-remove).
+    Free(usize),
+}
+
+/// The operation sequence of `p`, from `seed` (the example uses `42 + point index`). Generated before
+/// timing, the same for every resource.
+pub fn generate(p: &Point, seed: u64) -> Vec<Op> {
+    let mut rng = SplitMix64(seed);
+    let mut live: Vec<usize> = Vec::new();
+    let mut live_bytes = 0usize;
+    let mut ops = Vec::with_capacity(p.n);
+    for _ in 0..p.n {
+        let size = 1 + (rng.next_u64() % p.max_size as u64) as usize;
+        let alloc = (rng.next_u64() % 100) < 73;
+        if (alloc && live_bytes + size <= p.max_usage) || live.is_empty() {
+            if live_bytes + size > p.max_usage {
+                continue;
+            }
+            live.push(size);
+            live_bytes += size;
+            ops.push(Op::Alloc(size));
+        } else {
+            let i = (rng.next_u64() % live.len() as u64) as usize;
+            live_bytes -= live.swap_remove(i);
+            ops.push(Op::Free(i));
+        }
+    }
+    ops
+}
+
+/// What one run measured.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct RunStats {
+    /// Nanoseconds per operation.
+    pub ns_per_op: f64,
+    /// The most allocations live at once.
+    pub peak_allocations: usize,
+    /// The most bytes live at once.
+    pub peak_bytes: u64,
+}
+
+/// Runs `ops` on `mr` (on `stream`, or the legacy stream with no synchronize when `None`: the host
+/// simulation).
+pub fn run(ops: &[Op], mr: &dyn MemoryResource, stream: Option<&Stream>) -> Result<RunStats> {
+    let s = stream.map_or(mempool_core::StreamRef::LEGACY, Stream::as_ref);
+    let mut live: Vec<(DevicePtr, usize)> = Vec::with_capacity(ops.len());
+    let (mut peak, mut bytes, mut peak_bytes) = (0usize, 0u64, 0u64);
+    let t = Instant::now();
+    let mut result = Ok(());
+    for op in ops {
+        match *op {
+            Op::Alloc(size) => match mr.allocate(size, s) {
+                Ok(p) => {
+                    live.push((p, size));
+                    peak = peak.max(live.len());
+                    bytes += size as u64;
+                    peak_bytes = peak_bytes.max(bytes);
+                }
+                Err(e) => {
+                    result = Err(Error::from(e));
+                    break;
+                }
+            },
+            Op::Free(i) => {
+                let (p, size) = live.swap_remove(i);
+                bytes -= size as u64;
+                if let Err(e) = mr.deallocate(p, size, s) {
+                    result = Err(Error::from(e));
+                    break;
+                }
+            }
+        }
+    }
+    // Free what is left even after a failure, so the resource is whole for the next run.
+    for (p, size) in live.drain(..) {
+        let r = mr.deallocate(p, size, s);
+        if result.is_ok() {
+            result = r.map_err(Error::from);
+        }
+    }
+    if let Some(stream) = stream {
+        stream.synchronize()?;
+    }
+    let ns = t.elapsed().as_nanos() as f64 / ops.len().max(1) as f64;
+    result.map(|()| RunStats {
+        ns_per_op: ns,
+        peak_allocations: peak,
+        peak_bytes,
+    })
+}
+
+/// [`run`], with every allocation and free logged to `path` in RMM's CSV format.
+pub fn run_logged(
+    ops: &[Op],
+    mr: &dyn MemoryResource,
+    stream: Option<&Stream>,
+    path: &std::path::Path,
+) -> Result<RunStats> {
+    let io = |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = std::fs::File::create(path).map_err(io)?;
+    let logged = mempool_rmm::adaptors::LoggingAdaptor::new(mr, std::io::BufWriter::new(file))?;
+    let stats = run(ops, &logged, stream)?;
+    logged.into_writer()?;
+    Ok(stats)
+}
+
+/// Parameters of the `random` subcommand.
+#[derive(Clone, Debug)]
+pub struct RandomParams {
+    /// The points to run.
+    pub points: Vec<Point>,
+    /// Timed runs per resource and point (after one warm-up); `cuMemAlloc` and `cuda` get one.
+    pub repeats: usize,
+    /// Seed of point `i` is `seed + i`.
+    pub seed: u64,
+    /// Log the first resource's warm-up run of the first point here, through mempool-rmm's
+    /// `LoggingAdaptor` (RMM's CSV format), for `replay`.
+    pub log: Option<std::path::PathBuf>,
+}
+
+/// Runs the workload over every resource of `common` and reports ns/op and the ratio to the raw pool
+/// baseline (to the first resource when the baseline is not in the run).
+pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
+    let env = crate::env::Environment::detect(common.device.as_ref());
+    let mut report = Report::new(
+        "random",
+        "the standard random workload: allocate (p = 0.73) or free a random live allocation, one stream",
+        env,
+    );
+    let points: Vec<String> = params
+        .points
+        .iter()
+        .map(|p| {
+            format!(
+                "(n={}, max_size={}, max_usage={})",
+                p.n,
+                Size(p.max_size as u64),
+                Size(p.max_usage as u64)
+            )
+        })
+        .collect();
+    report.param("points", points.join(" "));
+    report.param("repeats", params.repeats);
+    report.param("seed", params.seed);
+    report.param("p_allocate", 0.73);
+    report.param("streams", 1);
+    report.columns = vec![
+        Column::new("point", 0),
+        Column::new("resource", 0),
+        Column::new("ns/op", 1),
+        Column::new("vs cuMemAllocFromPoolAsync", 3),
+        Column::new("vs cuMemAlloc", 3),
+        Column::new("peak live allocations", 0),
+        Column::new("peak live bytes", 0),
+    ];
+    let stream = match &common.device {
+        Some(d) => Some(Stream::new(&d.context()?)?),
+        None => None,
+    };
+    let total = (params.points.len() * common.specs.len()) as u64;
+    let mut progress = Progress::new(total, common.quiet);
+    let mut results: Vec<Vec<Option<f64>>> = vec![vec![None; params.points.len()]; common.specs.len()];
+    for (pi, p) in params.points.iter().enumerate() {
+        let ops = generate(p, params.seed + pi as u64);
+        let mut rows: Vec<(String, RunStats)> = Vec::new();
+        for (si, spec) in common.specs.iter().enumerate() {
+            progress.set_label(format!("{} on {}", spec, p.label()));
+            let built = build(spec, common.device.as_ref())?;
+            let mr = built.resource.as_ref();
+            match (&params.log, pi, si) {
+                (Some(path), 0, 0) => run_logged(&ops, mr, stream.as_ref(), path)?,
+                _ => run(&ops, mr, stream.as_ref())?,
+            };
+            let repeats = if matches!(spec, ResourceSpec::RawCuda | ResourceSpec::Cuda) {
+                1
+            } else {
+                params.repeats.max(1)
+            };
+            let mut stats = Vec::new();
+            for _ in 0..repeats {
+                stats.push(run(&ops, mr, stream.as_ref())?);
+            }
+            let ns: Vec<f64> = stats.iter().map(|s| s.ns_per_op).collect();
+            let mut st = stats[0];
+            st.ns_per_op = median(&ns).unwrap_or(f64::NAN);
+            results[si][pi] = Some(st.ns_per_op);
+            rows.push((built.label.clone(), st));
+            drop(built);
+            progress.inc();
+        }
+        let base = |spec: ResourceSpec| {
+            rows.iter()
+                .find(|(l, _)| *l == spec.to_string())
+                .map(|(_, s)| s.ns_per_op)
+        };
+        let (raw_pool, raw_cuda) = (base(ResourceSpec::RawPool), base(ResourceSpec::RawCuda));
+        for (label, st) in &rows {
+            report.row(vec![
+                Cell::from(p.label()),
+                Cell::from(label.as_str()),
+                Cell::from(st.ns_per_op),
+                Cell::from(raw_pool.map(|b| st.ns_per_op / b)),
+                Cell::from(raw_cuda.map(|b| st.ns_per_op / b)),
+                Cell::from(st.peak_allocations),
+                Cell::from(st.peak_bytes),
+            ]);
+        }
+    }
+    progress.finish();
+    report.notes.push(
+        "ns/op: wall time of the run (final frees and one synchronize included) over its operation count; \
+         median of the timed runs after a warm-up run (cuMemAlloc and cuda: one timed run)."
+            .into(),
+    );
+    report.chart = Some(Chart {
+        title: "Random workload: nanoseconds per operation (lower is better)".into(),
+        kind: ChartKind::Bars,
+        x_label: "point".into(),
+        y_label: "ns per operation".into(),
+        categories: params.points.iter().map(Point::label).collect(),
+        series: common
+            .specs
+            .iter()
+            .zip(results)
+            .map(|(s, values)| Series {
+                name: s.to_string(),
+                values,
+            })
+            .collect(),
+        log_y: true,
+    });
+    Ok(report)
+}
