@@ -1,0 +1,623 @@
+//! Host tests: everything that needs no GPU (CI has none). Spec parsing, report writing, the replay
+//! parser and the host-simulated workloads, and the binary's behaviour without a driver.
+
+use std::process::Command;
+
+use mempool_bench::env::Environment;
+use mempool_bench::kernels::{check_ptx, hash2, mix32};
+use mempool_bench::report::{geomean, median, Cell, Chart, ChartKind, Column, Report, Series};
+use mempool_bench::spec::{build, parse, parse_list, AsyncSpec, ResourceSpec, ACCEPTED};
+use mempool_bench::workloads::query::{reference, Digest, Query, Scale};
+use mempool_bench::workloads::random::{generate, run, Op, Point, STANDARD_POINTS};
+use mempool_bench::workloads::replay::{self, Step};
+use mempool_bench::Error;
+use mempool_rmm::testing::SimResource;
+
+// ---------------------------------------------------------------------------------------------------
+// Specs
+
+#[test]
+fn specs_parse_to_their_canonical_form() {
+    let cases = [
+        ("cuda", "cuda"),
+        ("async", "async"),
+        ("async()", "async"),
+        ("async(threshold=max)", "async(threshold=max)"),
+        (
+            "async( threshold = 1GiB , initial=256MiB )",
+            "async(threshold=1GiB,initial=256MiB)",
+        ),
+        ("async(pool=default,threshold=0)", "async(threshold=0B,pool=default)"),
+        ("pool(async,initial=1GiB)", "pool(async,initial=1GiB)"),
+        ("pool(async,initial=1GiB,max=max)", "pool(async,initial=1GiB)"),
+        ("pool(cuda,max=8GiB)", "pool(cuda,max=8GiB)"),
+        ("binning(pool(async))", "binning(pool(async))"),
+        (
+            "binning(async,min=512B,max=4MiB,blocks=64)",
+            "binning(async,min=512B,max=4MiB,blocks=64)",
+        ),
+        ("binning(async,min=256,max=1MiB,blocks=128)", "binning(async)"),
+        ("arena(cuda)", "arena(cuda)"),
+        (
+            "arena(async(threshold=max),superblock=4MiB)",
+            "arena(async(threshold=max),superblock=4MiB)",
+        ),
+        ("fixed(async,block=64KiB)", "fixed(async,block=64KiB)"),
+        ("managed", "managed"),
+        ("raw-cuda", "cuMemAlloc"),
+        ("cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync"),
+        ("sim", "sim"),
+    ];
+    for (text, canonical) in cases {
+        let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(spec.to_string(), canonical, "{text}");
+        assert_eq!(parse(canonical).unwrap(), spec, "{canonical} round-trips");
+    }
+    assert_eq!(
+        parse("pool(async(threshold=max),initial=1GiB)").unwrap(),
+        ResourceSpec::Pool {
+            upstream: Box::new(ResourceSpec::Async(AsyncSpec {
+                threshold: Some(u64::MAX),
+                ..Default::default()
+            })),
+            initial: 1 << 30,
+            max: None,
+        }
+    );
+}
+
+#[test]
+fn bad_specs_say_where_and_what_is_accepted() {
+    let cases = [
+        ("", 0, "expected a resource name"),
+        ("asink", 0, "unknown resource `asink`"),
+        ("pool(asink)", 5, "unknown resource `asink`"),
+        ("pool", 0, "needs an upstream"),
+        ("pool()", 0, "needs an upstream"),
+        ("pool(async,initial=lots)", 11, "initial: bad size `lots`"),
+        (
+            "pool(async,intial=1GiB)",
+            11,
+            "no option `intial` (its options: initial, max)",
+        ),
+        ("pool(async,initial=1GiB,initial=2GiB)", 24, "given twice"),
+        ("pool(async,cuda)", 11, "one upstream"),
+        ("pool(async,initial=2GiB,max=1GiB)", 0, "initial is larger than max"),
+        ("pool(async", 10, "expected `,` or `)`, found the end"),
+        ("pool(async))", 11, "unexpected `)`"),
+        ("pool(async initial=1GiB)", 11, "expected `,` or `)`"),
+        ("async(cuda)", 6, "options only"),
+        ("async(threshold=)", 16, "expected a value"),
+        ("async(threshold=1GiB,threshold=1GiB)", 21, "given twice"),
+        ("async(pool=mine)", 6, "expected `new` or `default`"),
+        ("async(pool=default,initial=1GiB)", 0, "takes only `threshold`"),
+        ("async(depth=3)", 6, "no option `depth`"),
+        ("cuda(threshold=max)", 0, "takes no arguments"),
+        ("binning(async,min=300)", 14, "power of two"),
+        ("binning(async,min=1MiB,max=4KiB)", 0, "min is larger than max"),
+        ("binning(async,blocks=0)", 14, "positive whole number"),
+        ("pool(sim)", 0, "cannot be an upstream"),
+        ("pool(async,initial=1.5)", 11, "bad size"),
+    ];
+    for (text, pos, what) in cases {
+        let e = parse(text).unwrap_err();
+        assert_eq!(e.pos, pos, "{text:?}: {e}");
+        assert!(e.message.contains(what), "{text:?}: {}", e.message);
+        let shown = e.to_string();
+        assert!(shown.contains(ACCEPTED), "{text:?}: the error lists what is accepted");
+        // The caret line points under the offending character.
+        let caret = shown.lines().nth(2).unwrap();
+        assert_eq!(
+            caret.find('^'),
+            Some(4 + text[..pos].chars().count()),
+            "{text:?}\n{shown}"
+        );
+    }
+    for name in [
+        "cuda",
+        "managed",
+        "async",
+        "pool",
+        "binning",
+        "arena",
+        "fixed",
+        "cuMemAlloc",
+        "sim",
+    ] {
+        assert!(ACCEPTED.contains(name), "{name} is listed");
+    }
+    for option in [
+        "threshold=",
+        "initial=",
+        "max_size=",
+        "superblock=",
+        "blocks=",
+        "block=",
+    ] {
+        assert!(ACCEPTED.contains(option), "{option} is listed");
+    }
+}
+
+#[test]
+fn spec_lists_split_outside_parentheses() {
+    let specs = parse_list("cuda, pool(async,initial=1GiB),binning(pool(async,max=8GiB)) ,arena(cuda)").unwrap();
+    let names: Vec<String> = specs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        names,
+        [
+            "cuda",
+            "pool(async,initial=1GiB)",
+            "binning(pool(async,max=8GiB))",
+            "arena(cuda)"
+        ]
+    );
+    let e = parse_list("cuda,,async").unwrap_err();
+    assert_eq!((e.pos, e.message.as_str()), (5, "empty spec in the list"));
+    let e = parse_list("cuda,pool(asink)").unwrap_err();
+    assert_eq!(e.pos, 10, "positions count from the start of the list");
+    assert_eq!(e.spec, "cuda,pool(asink)");
+}
+
+#[test]
+fn building_needs_a_gpu_except_for_the_simulation() {
+    let sim = build(&ResourceSpec::Sim, None).unwrap();
+    assert_eq!(sim.label, "sim");
+    assert_eq!(sim.resource.name(), "SimResource");
+    let e = build(&parse("pool(async)").unwrap(), None).unwrap_err();
+    assert!(matches!(e, Error::Usage(ref m) if m.contains("needs a GPU")), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reports
+
+fn sample_report() -> Report {
+    let env = Environment {
+        device: "NVIDIA H100 80GB HBM3".into(),
+        device_uuid: "GPU-1234".into(),
+        compute_capability: "9.0".into(),
+        device_memory: "79.1 GiB".into(),
+        device_count: 1,
+        driver: "13.0".into(),
+        date: "2026-11-22 10:00:00 UTC".into(),
+        command: "mempool-bench query --scale 1".into(),
+        mempool_version: "0.1.0".into(),
+    };
+    let mut r = Report::new("query", "a test report", env);
+    r.param("scale", 1.0);
+    r.param("workers", 4);
+    r.columns = vec![
+        Column::new("resource", 0),
+        Column::new("ms", 2),
+        Column::new("count", 0),
+    ];
+    r.row(vec![
+        Cell::from("pool(async,initial=1GiB)"),
+        Cell::from(1.23456),
+        Cell::from(7usize),
+    ]);
+    r.row(vec![Cell::from("cuda"), Cell::from(123.4), Cell::Empty]);
+    r.row(vec![Cell::from("say \"hi\""), Cell::from(f64::NAN), Cell::Int(-3)]);
+    r.notes.push("target met".into());
+    r.chart = Some(Chart {
+        title: "Speed-up <vs> cuMemAlloc & co".into(),
+        kind: ChartKind::Bars,
+        x_label: "query".into(),
+        y_label: "speed-up".into(),
+        categories: vec!["q1".into(), "q2".into()],
+        series: vec![
+            Series {
+                name: "pool(async)".into(),
+                values: vec![Some(2.5), Some(3.0)],
+            },
+            Series {
+                name: "cuda".into(),
+                values: vec![Some(1.0), None],
+            },
+        ],
+        log_y: false,
+    });
+    r
+}
+
+#[test]
+fn the_table_is_aligned_and_names_device_driver_date_command_parameters() {
+    let r = sample_report();
+    let text = r.render_text();
+    for needle in [
+        "NVIDIA H100 80GB HBM3",
+        "driver 13.0",
+        "2026-11-22 10:00:00 UTC",
+        "command: mempool-bench query --scale 1",
+        "parameters: scale=1, workers=4",
+        "target met",
+    ] {
+        assert!(text.contains(needle), "{needle}\n{text}");
+    }
+    let table = r.table_text();
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 5, "{table}");
+    assert!(lines[1].starts_with("------------------------  "), "{table}");
+    // Numbers right-aligned in their column, with the column's precision; missing values as `-`.
+    let ms_end = lines[0].find("ms").unwrap() + 2;
+    assert_eq!(&lines[2][ms_end - 4..ms_end], "1.23");
+    assert_eq!(&lines[3][ms_end - 6..ms_end], "123.40");
+    assert!(lines[4].contains('-'));
+    assert!(lines[2].starts_with("pool(async,initial=1GiB)"));
+}
+
+#[test]
+fn json_has_the_environment_parameters_and_rows_by_column() {
+    let r = sample_report();
+    let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(v["workload"], "query");
+    assert_eq!(v["environment"]["device"], "NVIDIA H100 80GB HBM3");
+    assert_eq!(v["environment"]["driver"], "13.0");
+    assert_eq!(v["environment"]["date"], "2026-11-22 10:00:00 UTC");
+    assert_eq!(v["environment"]["command"], "mempool-bench query --scale 1");
+    assert_eq!(v["parameters"]["workers"], "4");
+    assert_eq!(v["rows"][0]["resource"], "pool(async,initial=1GiB)");
+    assert_eq!(v["rows"][0]["ms"], 1.23456);
+    assert_eq!(v["rows"][0]["count"], 7);
+    assert!(v["rows"][1]["count"].is_null());
+    assert!(v["rows"][2]["ms"].is_null(), "NaN becomes null");
+    assert_eq!(v["chart"]["series"][1]["values"][1], serde_json::Value::Null);
+}
+
+#[test]
+fn csv_quotes_what_needs_quoting() {
+    let csv = sample_report().to_csv();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines[0], "resource,ms,count");
+    assert_eq!(lines[1], "\"pool(async,initial=1GiB)\",1.23456,7");
+    assert_eq!(lines[2], "cuda,123.4,");
+    assert_eq!(lines[3], "\"say \"\"hi\"\"\",,-3");
+}
+
+#[test]
+fn svg_draws_every_series_with_escaped_text() {
+    let r = sample_report();
+    let svg = r.to_svg().unwrap();
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+    assert!(svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("Speed-up &lt;vs&gt; cuMemAlloc &amp; co"));
+    assert!(svg.contains("NVIDIA H100 80GB HBM3, driver 13.0, 2026-11-22 10:00:00 UTC"));
+    assert_eq!(
+        svg.matches("<rect x=").count(),
+        3 + 2,
+        "three bars (one value missing) and two legend boxes"
+    );
+    for name in ["pool(async)", "cuda", "q1", "q2"] {
+        assert!(svg.contains(&format!(">{name}<")), "{name}");
+    }
+    // Lines and a log axis render too.
+    let mut lines = r.clone();
+    let chart = lines.chart.as_mut().unwrap();
+    chart.kind = ChartKind::Lines;
+    chart.log_y = true;
+    let svg = lines.to_svg().unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 2);
+    assert!(svg.contains("(log scale)"));
+    let mut none = r;
+    none.chart = None;
+    assert!(none.to_svg().is_none());
+}
+
+#[test]
+fn report_files_are_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, csv, svg) = (
+        dir.path().join("r.json"),
+        dir.path().join("r.csv"),
+        dir.path().join("r.svg"),
+    );
+    let r = sample_report();
+    r.write_files(Some(&json), Some(&csv), Some(&svg)).unwrap();
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(j["title"], "a test report");
+    assert_eq!(std::fs::read_to_string(&csv).unwrap(), r.to_csv());
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("</svg>"));
+    let e = r
+        .write_files(Some(&dir.path().join("missing/dir/r.json")), None, None)
+        .unwrap_err();
+    assert!(e.to_string().contains("missing/dir/r.json"), "{e}");
+}
+
+#[test]
+fn medians_and_geometric_means() {
+    assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+    assert_eq!(median(&[]), None);
+    assert!((geomean([2.0, 8.0]).unwrap() - 4.0).abs() < 1e-12);
+    assert_eq!(geomean([f64::NAN, -1.0]), None);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Replay
+
+const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+
+#[test]
+fn replay_reads_rmm_logs() {
+    // As RMM's logging_resource_adaptor writes it: thread ids of pthreads, HH:MM:SS:micros times.
+    let log = format!(
+        "{HEADER}\n\
+         140573312345856,12:34:56:000100,allocate,0x7f8a40000000,1024,0x7f8a38001020\n\
+         140573312345999,12:34:56:000200,allocate,0x7f8a40000400,4096,0x7f8a38001020\n\
+         140573312345856,12:34:56:000300,allocate failure,0x0,1099511627776,0x7f8a38001020\n\
+         \n\
+         140573312345999,12:34:56:000400,deallocate,0x7f8a40000000,1024,0x7f8a38001020\n\
+         140573312345856,12:34:56:000500,allocate,0x7f8a40000000,512,0x0\n"
+    );
+    let plan = replay::parse("rmm.csv", log.as_bytes()).unwrap();
+    assert_eq!(plan.threads, vec![140573312345856, 140573312345999]);
+    assert_eq!(
+        plan.steps,
+        vec![
+            Step::Alloc { slot: 0, size: 1024 },
+            Step::Alloc { slot: 1, size: 4096 },
+            Step::Free { slot: 0, size: 1024 },
+            Step::Alloc { slot: 2, size: 512 },
+        ]
+    );
+    assert_eq!(
+        plan.thread_of,
+        vec![0, 1, 1, 0],
+        "a pointer may be freed by another thread"
+    );
+    assert_eq!(plan.logged_failures, 1);
+    assert_eq!(plan.logged_peak, 5120);
+    assert_eq!(plan.unfreed, vec![(1, 4096, 1), (2, 512, 0)]);
+}
+
+#[test]
+fn malformed_logs_name_the_file_and_line() {
+    let cases = [
+        ("Thread,Time,Action\n".to_owned(), 1, "header"),
+        (format!("{HEADER}\n1,2,allocate,0x10,5\n"), 2, "expected 6 fields"),
+        (
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n\n1,2,free,0x100,5,0x0\n"),
+            5,
+            "bad action `free`",
+        ),
+        (format!("{HEADER}\nx,2,allocate,0x100,5,0x0\n"), 2, "bad thread"),
+        (format!("{HEADER}\n1,2,allocate,256,5,0x0\n"), 2, "bad pointer"),
+        (format!("{HEADER}\n1,2,allocate,0x100,-5,0x0\n"), 2, "bad size"),
+        (format!("{HEADER}\n1,yesterday,allocate,0x100,5,0x0\n"), 2, "bad time"),
+        // Lines that parse but cannot be replayed; blank lines still count.
+        (
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n1,2,deallocate,0x200,5,0x0\n"),
+            4,
+            "no earlier line allocated",
+        ),
+        (
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,deallocate,0x100,5,0x0\n1,2,deallocate,0x100,5,0x0\n"),
+            4,
+            "freed already",
+        ),
+        (
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,deallocate,0x100,6,0x0\n"),
+            3,
+            "allocated with 5",
+        ),
+        (
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n2,2,allocate,0x100,5,0x0\n"),
+            3,
+            "allocated again",
+        ),
+        (format!("{HEADER}\n1,2,allocate,0x0,5,0x0\n"), 2, "null pointer"),
+    ];
+    for (text, line, what) in cases {
+        let e = replay::parse("trace.csv", text.as_bytes()).unwrap_err();
+        match &e {
+            Error::Log { path, line: l, reason } => {
+                assert_eq!(path, "trace.csv");
+                assert_eq!(*l, line, "{text:?}: {e}");
+                assert!(reason.contains(what), "{text:?}: {e}");
+            }
+            other => panic!("{text:?}: {other}"),
+        }
+        assert!(e.to_string().starts_with(&format!("trace.csv:{line}: ")), "{e}");
+    }
+    let e = replay::load(std::path::Path::new("/nonexistent/trace.csv")).unwrap_err();
+    assert!(e.to_string().starts_with("/nonexistent/trace.csv: "), "{e}");
+}
+
+#[test]
+fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
+    // Three threads interleaved, frees crossing threads.
+    let mut log = String::from(HEADER);
+    log.push('\n');
+    let mut live: Vec<(u64, usize)> = Vec::new();
+    let mut rng = mempool_rmm::testing::SplitMix64(7);
+    let mut next = 0x1000u64;
+    for _ in 0..3000 {
+        let thread = 1 + rng.below(3);
+        if live.is_empty() || rng.below(100) < 60 {
+            let size = 1 + rng.below(100_000) as usize;
+            log.push_str(&format!("{thread},0.0,allocate,{next:#x},{size},0x0\n"));
+            live.push((next, size));
+            next += 0x100000;
+        } else {
+            let (p, size) = live.swap_remove(rng.below(live.len() as u64) as usize);
+            log.push_str(&format!("{thread},0.0,deallocate,{p:#x},{size},0x0\n"));
+        }
+    }
+    let plan = replay::parse("generated", log.as_bytes()).unwrap();
+    assert_eq!(plan.threads.len(), 3);
+    let sim = SimResource::new();
+    let stats = replay::run(&plan, &sim, None).unwrap();
+    assert_eq!(stats.failures, 0);
+    assert_eq!(
+        stats.peak_bytes, plan.logged_peak,
+        "the replay reaches the log's peak exactly"
+    );
+    assert_eq!(sim.live_allocations(), 0, "everything is freed at the end");
+    // With a capacity below the peak, allocations fail and are counted; their frees are skipped.
+    let small = SimResource::with_capacity((plan.logged_peak / 2) as usize);
+    let stats = replay::run(&plan, &small, None).unwrap();
+    assert!(stats.failures > 0);
+    assert_eq!(small.live_allocations(), 0);
+}
+
+#[test]
+fn the_shipped_sample_log_replays() {
+    let text = include_str!("../data/sample-random.csv");
+    let plan = replay::parse("sample-random.csv", text.as_bytes()).unwrap();
+    assert!(plan.steps.len() > 1000);
+    let sim = SimResource::new();
+    let stats = replay::run(&plan, &sim, None).unwrap();
+    assert_eq!((stats.failures, stats.peak_bytes), (0, plan.logged_peak));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Workloads on the host
+
+#[test]
+fn the_random_workload_matches_the_standard_shape() {
+    assert_eq!(
+        STANDARD_POINTS.map(|p| (p.n, p.max_size, p.max_usage)),
+        [
+            (200_000, 64 << 10, 4 << 30),
+            (100_000, 1 << 20, 16 << 30),
+            (20_000, 64 << 20, 16 << 30)
+        ]
+    );
+    let p = Point {
+        n: 20_000,
+        max_size: 64 << 10,
+        max_usage: 32 << 20,
+    };
+    let ops = generate(&p, 42);
+    assert_eq!(ops, generate(&p, 42), "deterministic");
+    assert_ne!(ops, generate(&p, 43));
+    let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc(_))).count();
+    assert!(allocs > ops.len() / 2, "{allocs} of {}", ops.len());
+    let sim = SimResource::new();
+    let stats = run(&ops, &sim, None).unwrap();
+    assert!(stats.peak_bytes <= p.max_usage as u64 && stats.peak_bytes > (p.max_usage / 2) as u64);
+    assert!(stats.peak_allocations > 100);
+    assert_eq!(sim.live_allocations(), 0);
+    // An allocation failure is reported, and what was allocated is still freed.
+    let small = SimResource::with_capacity(1 << 20);
+    assert!(run(&ops, &small, None).is_err());
+    assert_eq!(small.live_allocations(), 0);
+}
+
+#[test]
+fn query_references_are_deterministic_and_sized_by_scale() {
+    let s = Scale::new(0.001);
+    assert_eq!((s.fact, s.items, s.customers), (4000, 64, 100));
+    assert_eq!(Scale::new(1.0).fact, 4_000_000);
+    for q in Query::ALL {
+        let d = reference(q, &s);
+        assert_eq!(d, reference(q, &s));
+        assert!(d.rows > 0 && d.total > 0, "{q:?}: {d:?}");
+        assert_eq!(Query::parse(q.name()), Some(q));
+    }
+    assert_eq!(Query::parse("Q9"), None);
+    assert_eq!(Digest::of(&[1, 2], &[3, 4], 5).rows, 2);
+    assert_ne!(
+        Digest::of(&[1, 2], &[3, 4], 5),
+        Digest::of(&[2, 1], &[4, 3], 5),
+        "order matters"
+    );
+}
+
+#[test]
+fn kernels_host_twins_and_empty_ptx() {
+    // lowbias32 (values from an independent Python implementation), and the composition hash2 uses.
+    assert_eq!(mix32(0), 0);
+    assert_eq!(mix32(1), 0x6889_90c0);
+    assert_eq!(mix32(0xdead_beef), 0xe628_c683);
+    assert_eq!(hash2(3, 5), mix32(5 ^ mix32(3 ^ mix32(0))));
+    assert_eq!(hash2(3, (1 << 32) + 5), mix32(5 ^ mix32(3 ^ mix32(1))));
+    let e = check_ptx("query.ptx", "").unwrap_err();
+    assert!(matches!(e, Error::EmptyPtx { file: "query.ptx" }));
+    assert!(e.to_string().contains("run kernels/build-ptx.sh"), "{e}");
+    assert!(check_ptx("x.ptx", "// a comment only\n\n").is_err());
+    assert!(check_ptx("x.ptx", ".version 8.0\n").is_ok());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The binary
+
+fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mempool-bench"))
+}
+
+#[test]
+fn the_binary_lists_specs_and_rejects_bad_ones() {
+    let out = bench().arg("resources").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("binning(UPSTREAM[,OPTIONS])"));
+    let out = bench().args(["random", "-r", "pool(asink)"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown resource `asink`") && err.contains("accepted resource specs"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_binary_runs_the_simulation_and_writes_every_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |f: &str| dir.path().join(f).display().to_string();
+    let out = bench()
+        .args([
+            "random",
+            "-r",
+            "sim",
+            "--n",
+            "2000",
+            "--max-size",
+            "64KiB",
+            "--max-usage",
+            "8MiB",
+        ])
+        .args([
+            "--repeats",
+            "1",
+            "--json",
+            &p("r.json"),
+            "--csv",
+            &p("r.csv"),
+            "--plot",
+            &p("r.svg"),
+        ])
+        .args(["--log", &p("log.csv")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("none (host simulation)") && stdout.contains("2k ops, <= 64KiB, 8MiB"),
+        "{stdout}"
+    );
+    assert!(
+        out.stderr.is_empty() || !String::from_utf8_lossy(&out.stderr).contains('\r'),
+        "no progress bar off a terminal"
+    );
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("r.json")).unwrap()).unwrap();
+    assert_eq!(json["rows"][0]["resource"], "sim");
+    assert!(std::fs::read_to_string(p("r.csv"))
+        .unwrap()
+        .starts_with("point,resource,ns/op"));
+    assert!(std::fs::read_to_string(p("r.svg")).unwrap().contains("</svg>"));
+    // The log replays.
+    let out = bench()
+        .args(["replay", "-r", "sim", "--repeats", "1", &p("log.csv")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("failed allocations"));
+}
+
+#[test]
+fn without_a_driver_gpu_workloads_say_so() {
+    if mempool_core::driver_present() {
+        return; // a machine with a driver: the GPU tests cover it
+    }
+    let out = bench().args(["query", "--scale", "0.01"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no CUDA driver found"));
+}
