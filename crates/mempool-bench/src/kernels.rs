@@ -25,6 +25,30 @@ pub const RADIX_DIGITS: usize = 256;
 /// The empty slot of the device hash tables (`EMPTY_KEY` in query.cu); no key may take it.
 pub const EMPTY_KEY: u32 = u32::MAX;
 
+/// The environment variable naming a directory to load `work.ptx` and `query.ptx` from at run time
+/// instead of the copies built into the binary: for running freshly compiled kernels without a rebuild
+/// (`build-ptx.sh` on the GPU machine, then the packed binary, in one go).
+pub const PTX_DIR_VAR: &str = "MEMPOOL_BENCH_PTX_DIR";
+
+/// Loads `kernels/{file}` (`work.ptx` or `query.ptx`) into `ctx`: the copy built into the binary, or
+/// the file in [`PTX_DIR_VAR`]'s directory when that is set.
+pub fn load(ctx: &Arc<Context>, file: &'static str) -> Result<Module> {
+    if let Some(dir) = std::env::var_os(PTX_DIR_VAR) {
+        let path = std::path::Path::new(&dir).join(file);
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        return load_module(ctx, file, &text);
+    }
+    let text = match file {
+        "work.ptx" => WORK_PTX,
+        "query.ptx" => QUERY_PTX,
+        other => return Err(Error::Usage(format!("no kernel file `{other}` (work.ptx, query.ptx)"))),
+    };
+    load_module(ctx, file, text)
+}
+
 /// Loads PTX `text` (from `kernels/{file}`) into `ctx`; an empty file (the placeholder committed before
 /// nvcc has run) is a clear error rather than a driver one.
 pub fn load_module(ctx: &Arc<Context>, file: &'static str, text: &str) -> Result<Module> {

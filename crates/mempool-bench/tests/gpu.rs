@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use mempool_bench::kernels::{hash2, load_module, QueryKernels, QUERY_PTX};
+use mempool_bench::kernels::{hash2, load, QueryKernels};
 use mempool_bench::spec::{build, parse, parse_list, ResourceSpec};
 use mempool_bench::workloads::columns::Exec;
 use mempool_bench::workloads::query::{self, reference, Query, QueryParams, Scale};
@@ -74,7 +74,7 @@ fn every_spec_builds_and_serves_device_memory() {
 fn columnar_operators_agree_with_the_host() {
     let dev = device();
     let ctx = dev.context().unwrap();
-    let module = load_module(&ctx, "query.ptx", QUERY_PTX).unwrap();
+    let module = load(&ctx, "query.ptx").unwrap();
     let k = QueryKernels::new(&module).unwrap();
     let mr = AsyncResource::new(&dev, AsyncOptions::default()).unwrap();
     let stream = Stream::new(&ctx).unwrap();

@@ -14,7 +14,7 @@ use std::time::Instant;
 use mempool_core::{memory, Device, Stream};
 use mempool_rmm::MemoryResource;
 
-use crate::kernels::{elementwise, hash2, launch, load_module, strided, work, Arg, WorkKernels, WORK_PTX};
+use crate::kernels::{elementwise, hash2, launch, load, strided, work, Arg, WorkKernels};
 use crate::progress::Progress;
 use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
 use crate::spec::{build, ResourceSpec};
@@ -149,7 +149,7 @@ pub fn bench(common: &Common, params: &MultiStreamParams) -> Result<Report> {
         return Err(Error::Usage("`sim` cannot run the multi-stream workload".into()));
     }
     let ctx = device.context()?;
-    let module = load_module(&ctx, "work.ptx", WORK_PTX)?;
+    let module = load(&ctx, "work.ptx")?;
     let kernels = WorkKernels::new(&module)?;
     let sums: Vec<u64> = (0..SEEDS)
         .map(|s| expected_sum(s, params.elements, params.rounds))

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use mempool_core::{memory, sys, Context, Device, DevicePtr, Event, EventFlags, MemPool, PoolProps, Stream};
 
-use crate::kernels::{elementwise, hash2, launch, load_module, strided, Arg, WorkKernels, WORK_PTX};
+use crate::kernels::{elementwise, hash2, launch, load, strided, Arg, WorkKernels};
 use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
 use crate::workloads::Common;
 use crate::{Error, Result};
@@ -142,10 +142,7 @@ pub fn measure(params: &PeerParams) -> Result<Vec<PeerCase>> {
     }
     let (ctx0, ctx1) = (d0.context()?, d1.context()?);
     let (s0, s1) = (Stream::new(&ctx0)?, Stream::new(&ctx1)?);
-    let (m0, m1) = (
-        load_module(&ctx0, "work.ptx", WORK_PTX)?,
-        load_module(&ctx1, "work.ptx", WORK_PTX)?,
-    );
+    let (m0, m1) = (load(&ctx0, "work.ptx")?, load(&ctx1, "work.ptx")?);
     let (k0, k1) = (WorkKernels::new(&m0)?, WorkKernels::new(&m1)?);
     let bytes = params.bytes;
     let n = bytes / 4;

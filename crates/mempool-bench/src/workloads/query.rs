@@ -19,7 +19,7 @@ use std::time::Instant;
 use mempool_core::{Device, Stream};
 use mempool_rmm::MemoryResource;
 
-use crate::kernels::{hash2, load_module, QueryKernels, QUERY_PTX};
+use crate::kernels::{hash2, load, QueryKernels};
 use crate::progress::Progress;
 use crate::report::{geomean, median, Cell, Chart, ChartKind, Column, Report, Series};
 use crate::spec::{build, ResourceSpec};
@@ -493,7 +493,7 @@ pub fn run_suite(
     mut on_round: impl FnMut(),
 ) -> Result<(Vec<Vec<f64>>, Vec<f64>, u64)> {
     let ctx = device.context()?;
-    let module = load_module(&ctx, "query.ptx", QUERY_PTX)?;
+    let module = load(&ctx, "query.ptx")?;
     let kernels = QueryKernels::new(&module)?;
     let scale = Scale::new(params.scale);
     let workers = params.workers.max(1);
