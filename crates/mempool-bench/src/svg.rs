@@ -72,10 +72,17 @@ pub fn render(chart: &Chart, subtitle: &str) -> String {
     } else if chart.log_y {
         let lo = 10f64.powf(min.log10().floor());
         let hi = 10f64.powf(max.log10().ceil().max(min.log10().floor() + 1.0));
+        let decades = (hi / lo).log10().round() as i32;
+        // Few decades: ticks at 1, 2 and 5 of each, so the axis still reads.
+        let steps: &[f64] = if decades <= 2 { &[1.0, 2.0, 5.0] } else { &[1.0] };
         let mut t = Vec::new();
         let mut v = lo;
         while v <= hi * 1.0001 {
-            t.push(v);
+            for m in steps {
+                if v * m <= hi * 1.0001 {
+                    t.push(v * m);
+                }
+            }
             v *= 10.0;
         }
         (lo, hi, t)
