@@ -23,7 +23,7 @@ use mempool_rmm::{
     SharedResource,
 };
 
-const REPEATS: usize = 5;
+const REPEATS: usize = 9;
 
 struct Point {
     n: usize,
@@ -147,34 +147,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         release_threshold: Some(u64::MAX),
         ..Default::default()
     };
-    let async_mr = Arc::new(AsyncResource::new(&dev, keep)?);
-    let resources: Vec<(&str, SharedResource)> = vec![
-        ("async", async_mr.clone()),
+    // Each resource is made fresh for each point and dropped after it, so that only the baseline's
+    // pool and one resource hold memory at a time.
+    type Make<'a> = Box<dyn Fn() -> mempool_rmm::Result<SharedResource> + 'a>;
+    let upstream = || AsyncResource::new(&dev, keep).map(Arc::new);
+    let resources: Vec<(&str, Make<'_>)> = vec![
+        (
+            "async",
+            Box::new(|| Ok(Arc::new(AsyncResource::new(&dev, keep)?) as SharedResource)),
+        ),
         (
             "pool(async)",
-            Arc::new(PoolResource::new(
-                Arc::new(AsyncResource::new(&dev, keep)?),
-                &ctx,
-                PoolConfig::default(),
-            )?),
+            Box::new(|| Ok(Arc::new(PoolResource::new(upstream()?, &ctx, PoolConfig::default())?) as SharedResource)),
         ),
         (
             "binning(async)",
-            Arc::new(BinningResource::new(
-                Arc::new(AsyncResource::new(&dev, keep)?),
-                &ctx,
-                BinningConfig::default(),
-            )?),
+            Box::new(|| {
+                Ok(Arc::new(BinningResource::new(upstream()?, &ctx, BinningConfig::default())?) as SharedResource)
+            }),
         ),
         (
             "arena(async)",
-            Arc::new(ArenaResource::new(
-                Arc::new(AsyncResource::new(&dev, keep)?),
-                &ctx,
-                ArenaConfig::default(),
-            )?),
+            Box::new(|| Ok(Arc::new(ArenaResource::new(upstream()?, &ctx, ArenaConfig::default())?) as SharedResource)),
         ),
-        ("cuda", Arc::new(CudaResource::new(&dev)?)),
+        (
+            "cuda",
+            Box::new(|| Ok(Arc::new(CudaResource::new(&dev)?) as SharedResource)),
+        ),
     ];
 
     println!(
@@ -221,10 +220,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "1.000",
             "-"
         );
-        for (name, mr) in &resources {
+        for (name, make) in &resources {
             if only.as_ref().is_some_and(|o| !o.iter().any(|x| x == name)) {
                 continue;
             }
+            let mr = make()?;
             let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
             let free =
                 |ptr: DevicePtr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -233,10 +233,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let repeats = if *name == "cuda" { 1 } else { REPEATS };
             let mut peak = 0;
             let mut raw_times = Vec::with_capacity(repeats);
+            // Alternate which of the pair runs first, so neither always follows the other.
             let times: Vec<f64> = (0..repeats)
-                .map(|_| {
-                    raw_times.push(run(&ops, s, &raw_alloc, &raw_free).0);
+                .map(|k| {
+                    if k % 2 == 0 {
+                        raw_times.push(run(&ops, s, &raw_alloc, &raw_free).0);
+                    }
                     let (t, pk) = run(&ops, s, &alloc, &free);
+                    if k % 2 == 1 {
+                        raw_times.push(run(&ops, s, &raw_alloc, &raw_free).0);
+                    }
                     peak = pk;
                     t
                 })
@@ -253,6 +259,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 t / raw_here,
                 peak
             );
+            drop(mr);
+            raw_pool.trim_to(0)?;
         }
     }
     Ok(())
