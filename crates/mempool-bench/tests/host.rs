@@ -540,8 +540,19 @@ fn kernels_host_twins_and_empty_ptx() {
 // ---------------------------------------------------------------------------------------------------
 // The binary
 
+/// The binary Cargo built; where the test binaries were packed for a GPU machine (`.gpu/tests/`), the
+/// packed one beside them (`.gpu/bin/`).
 fn bench() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_mempool-bench"))
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_mempool-bench"));
+    if built.exists() {
+        return Command::new(built);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let packed = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("bin/mempool-bench"));
+    Command::new(packed.filter(|p| p.exists()).unwrap_or(built))
 }
 
 #[test]

@@ -567,8 +567,9 @@ impl Exporter {
     pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut state = self.inner.lock();
-        while !state.leases.is_empty() {
-            let live = state.leases.len();
+        // A deferred buffer leaves the lease table before its free is queued: wait for both.
+        while !state.leases.is_empty() || state.deferred > 0 {
+            let live = state.leases.len() + state.deferred;
             state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
                 what: format!("{live} live buffers to be freed"),
             })?;
