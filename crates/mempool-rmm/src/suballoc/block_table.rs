@@ -14,24 +14,15 @@
 use std::collections::BTreeSet;
 
 use super::addr_map::SlotMap;
+use super::free_list::{class_of, first_class_from, SMALL_CLASSES, SMALL_MAX};
 use super::{ensure, Block, InvariantViolation, ALIGNMENT};
 
-/// Blocks up to this size have a size class of their own (one per multiple of [`ALIGNMENT`]).
-const SMALL_MAX: u64 = SMALL_CLASSES as u64 * ALIGNMENT;
-/// 64 x 64: one summary word of 64 bitmap words.
-const SMALL_CLASSES: usize = 4096;
 /// No neighbour (the block starts or ends its chunk).
 const NIL: u32 = u32::MAX;
 /// `Node::owner` of a live block.
 const LIVE: u32 = u32::MAX - 1;
 /// `Node::owner` of a slot that holds no block.
 const VACANT: u32 = u32::MAX;
-
-/// The size class of a small block size, or of the smallest class that fits a request.
-#[inline]
-fn class_of(size: u64) -> usize {
-    (size.div_ceil(ALIGNMENT) - 1) as usize
-}
 
 /// One block of an upstream chunk.
 #[derive(Debug, Clone, Copy)]
@@ -101,20 +92,8 @@ impl SizeIndex {
     /// The slot of the smallest block of at least `size` bytes.
     #[inline]
     pub(crate) fn find(&self, size: u64) -> Option<u32> {
-        if size <= SMALL_MAX && self.summary != 0 {
-            let c = class_of(size);
-            let w = c / 64;
-            let here = self.bits[w] & (!0u64 << (c % 64));
-            let class = if here != 0 {
-                Some(w * 64 + here.trailing_zeros() as usize)
-            } else {
-                let above = self.summary & (!0u64).checked_shl(w as u32 + 1).unwrap_or(0);
-                (above != 0).then(|| {
-                    let w = above.trailing_zeros() as usize;
-                    w * 64 + self.bits[w].trailing_zeros() as usize
-                })
-            };
-            if let Some(c) = class {
+        if size <= SMALL_MAX {
+            if let Some(c) = first_class_from(&self.bits, self.summary, class_of(size)) {
                 return self.classes[c].last().copied();
             }
         }

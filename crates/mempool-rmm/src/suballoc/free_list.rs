@@ -29,9 +29,9 @@ impl Block {
 }
 
 /// Blocks up to this size have a size class of their own (one per multiple of [`ALIGNMENT`]).
-const SMALL_MAX: u64 = SMALL_CLASSES as u64 * ALIGNMENT;
+pub(super) const SMALL_MAX: u64 = SMALL_CLASSES as u64 * ALIGNMENT;
 /// 64 x 64: one summary word of 64 bitmap words.
-const SMALL_CLASSES: usize = 4096;
+pub(super) const SMALL_CLASSES: usize = 4096;
 /// The end of a class list.
 const NIL: u32 = u32::MAX;
 
@@ -48,8 +48,27 @@ struct Node {
 
 /// The size class of a small block size, or of the smallest class that fits a request.
 #[inline]
-fn class_of(size: u64) -> usize {
+pub(super) fn class_of(size: u64) -> usize {
     (size.div_ceil(ALIGNMENT) - 1) as usize
+}
+
+/// The first non-empty size class at or above `c`, from a two-level bitmap: bit `c % 64` of
+/// `bits[c / 64]` marks class `c` non-empty, bit `w` of `summary` marks `bits[w] != 0`. Two bit scans.
+#[inline]
+pub(super) fn first_class_from(bits: &[u64], summary: u64, c: usize) -> Option<usize> {
+    if summary == 0 {
+        return None;
+    }
+    let w = c / 64;
+    let here = bits[w] & (!0u64 << (c % 64));
+    if here != 0 {
+        return Some(w * 64 + here.trailing_zeros() as usize);
+    }
+    let above = summary & (!0u64).checked_shl(w as u32 + 1).unwrap_or(0);
+    (above != 0).then(|| {
+        let w = above.trailing_zeros() as usize;
+        w * 64 + bits[w].trailing_zeros() as usize
+    })
 }
 
 /// Free blocks, indexed by size for best fit and by both ends for coalescing.
@@ -216,20 +235,8 @@ impl FreeList {
     /// The slot of the best fit for `size`.
     #[inline]
     fn find(&self, size: u64) -> Option<u32> {
-        if size <= SMALL_MAX && self.summary != 0 {
-            let c = class_of(size);
-            let w = c / 64;
-            let here = self.bits[w] & (!0u64 << (c % 64));
-            let class = if here != 0 {
-                Some(w * 64 + here.trailing_zeros() as usize)
-            } else {
-                let above = self.summary & (!0u64).checked_shl(w as u32 + 1).unwrap_or(0);
-                (above != 0).then(|| {
-                    let w = above.trailing_zeros() as usize;
-                    w * 64 + self.bits[w].trailing_zeros() as usize
-                })
-            };
-            if let Some(c) = class {
+        if size <= SMALL_MAX {
+            if let Some(c) = first_class_from(&self.bits, self.summary, class_of(size)) {
                 return Some(self.heads[c]);
             }
         }
