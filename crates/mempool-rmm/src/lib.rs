@@ -6,7 +6,7 @@
 //! - [`MemoryResource`]: the stream-ordered, object-safe trait every resource implements; its
 //!   documentation states the stream contract.
 //! - Resources over the driver ([`AsyncResource`], [`CudaResource`], [`ManagedResource`],
-//!   [`PinnedHostResource`]).
+//!   [`PinnedHostResource`], [`HostPoolResource`]).
 //! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
 //!   failure-callback, prefetch.
 //! - [`registry`]: the per-device current resource.
@@ -31,6 +31,6 @@ pub mod testing;
 pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
-    PinnedHostResource, PoolResource,
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, HostPoolOptions,
+    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource,
 };

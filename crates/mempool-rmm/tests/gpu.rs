@@ -134,3 +134,52 @@ fn stream_pool_hands_out_streams_round_robin() {
     assert_ne!(ids[1], ids[2]);
     pool.synchronize().unwrap();
 }
+
+#[test]
+fn a_host_pool_serves_kernels_and_the_host_or_is_refused_clearly() {
+    use mempool_rmm::{Error, HostPoolOptions, HostPoolResource};
+    let dev = device();
+    let ctx = dev.context().unwrap();
+    let mr = match HostPoolResource::new(&dev, HostPoolOptions::default()) {
+        Ok(mr) => mr,
+        Err(e) => {
+            println!("FINDING: host pool refused: {e}");
+            assert!(
+                matches!(&e, Error::Unsupported { resource: "HostPoolResource", reason } if reason.contains("pool")),
+                "{e:?}"
+            );
+            return;
+        }
+    };
+    println!(
+        "FINDING: host pool created; access from device 0: {:?}",
+        mr.pool().access(&dev).unwrap()
+    );
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    const N: usize = 1 << 20;
+    let p = mr.allocate(N * 4, stream.as_ref()).unwrap();
+    assert_eq!(p.0 % 256, 0);
+    let info = mempool_core::memory::pointer_info(p).unwrap();
+    println!("FINDING: host pool pointer attributes: {info:?}");
+    // SAFETY: `p` holds N u32s, ordered on `stream`.
+    unsafe { kernels.iota(p, N, 11, stream.as_ref()) }.unwrap();
+    stream.synchronize().unwrap();
+    // The host reads the same memory through the address itself: it is host RAM.
+    let host: Vec<u32> = (0..N)
+        .step_by(4099)
+        .map(|i| {
+            // SAFETY: host-pool memory is host memory mapped at `p`; the kernel that wrote it is done
+            // (synchronized above) and nothing else writes it; the index is in bounds.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::ptr::read_volatile((p.0 as *const u32).add(i))
+            }
+        })
+        .collect();
+    let expected: Vec<u32> = (0..N).step_by(4099).map(|i| 11 + i as u32).collect();
+    assert_eq!(host, expected);
+    mr.deallocate(p, N * 4, stream.as_ref()).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(mr.pool().usage().unwrap().used_current, 0);
+}

@@ -3,8 +3,10 @@
 
 mod async_resource;
 mod driver;
+mod host_pool;
 mod suballoc;
 
 pub use async_resource::{AsyncOptions, AsyncResource};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
+pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{take_upstream_errors, ArenaResource, BinningResource, FixedSizeResource, PoolResource};
