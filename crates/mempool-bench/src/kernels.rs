@@ -150,110 +150,94 @@ pub unsafe fn launch(f: &Function<'_>, cfg: LaunchConfig, stream: StreamRef<'_>,
     Ok(())
 }
 
-/// The kernels of `work.cu`.
-#[derive(Debug)]
-pub struct WorkKernels<'m> {
-    /// `bench_fill_hash_u32(out, n, seed)`.
-    pub fill_hash: Function<'m>,
-    /// `bench_work_u32(buf, n, rounds)`.
-    pub work: Function<'m>,
-    /// `bench_sum_u32(buf, n, out)`.
-    pub sum: Function<'m>,
-    /// `bench_copy_u128(dst, src, n16)`.
-    pub copy: Function<'m>,
+/// Declares a struct of kernels, one field per kernel with the symbol it is looked up by, and its `new`
+/// (looks every kernel up in a module, in field order).
+macro_rules! kernels {
+    (
+        $(#[$doc:meta])*
+        pub struct $name:ident from $ptx:ident {
+            $($(#[$field_doc:meta])* $field:ident: $symbol:literal,)*
+        }
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name<'m> {
+            $($(#[$field_doc])* pub $field: Function<'m>,)*
+        }
+
+        impl<'m> $name<'m> {
+            #[doc = concat!("Looks the kernels up in `module` (loaded from [`", stringify!($ptx), "`]).")]
+            pub fn new(module: &'m Module) -> Result<$name<'m>> {
+                Ok($name {
+                    $($field: module.function($symbol)?,)*
+                })
+            }
+        }
+    };
 }
 
-impl<'m> WorkKernels<'m> {
-    /// Looks the kernels up in `module` (loaded from [`WORK_PTX`]).
-    pub fn new(module: &'m Module) -> Result<WorkKernels<'m>> {
-        Ok(WorkKernels {
-            fill_hash: module.function("bench_fill_hash_u32")?,
-            work: module.function("bench_work_u32")?,
-            sum: module.function("bench_sum_u32")?,
-            copy: module.function("bench_copy_u128")?,
-        })
+kernels! {
+    /// The kernels of `work.cu`.
+    pub struct WorkKernels from WORK_PTX {
+        /// `bench_fill_hash_u32(out, n, seed)`.
+        fill_hash: "bench_fill_hash_u32",
+        /// `bench_work_u32(buf, n, rounds)`.
+        work: "bench_work_u32",
+        /// `bench_sum_u32(buf, n, out)`.
+        sum: "bench_sum_u32",
+        /// `bench_copy_u128(dst, src, n16)`.
+        copy: "bench_copy_u128",
     }
 }
 
-/// The kernels of `query.cu`.
-#[derive(Debug)]
-pub struct QueryKernels<'m> {
-    /// `q_gen_u32(out, n, seed, lo, span)`.
-    pub gen: Function<'m>,
-    /// `q_iota_u32(out, n, base)`.
-    pub iota: Function<'m>,
-    /// `q_flags_range(col, n, lo, hi, flags)`.
-    pub flags_range: Function<'m>,
-    /// `q_flags_and(flags, other, n)`.
-    pub flags_and: Function<'m>,
-    /// `q_flags_head(sorted, n, flags)`.
-    pub flags_head: Function<'m>,
-    /// `q_flags_occupied(table_keys, n, flags)`.
-    pub flags_occupied: Function<'m>,
-    /// `q_mul_u32(a, b, n, out)`.
-    pub mul: Function<'m>,
-    /// `q_combine_u32(a, b, n, mul, out)`.
-    pub combine: Function<'m>,
-    /// `q_scan_block(in, out, n, block_sums)`.
-    pub scan_block: Function<'m>,
-    /// `q_scan_add(data, n, tile_offsets)`.
-    pub scan_add: Function<'m>,
-    /// `q_scan_total(flags, offsets, n, total)`.
-    pub scan_total: Function<'m>,
-    /// `q_compact_u32(in, flags, offsets, n, out)`.
-    pub compact_u32: Function<'m>,
-    /// `q_compact_u64(in, flags, offsets, n, out)`.
-    pub compact_u64: Function<'m>,
-    /// `q_compact_index(flags, offsets, n, out)`.
-    pub compact_index: Function<'m>,
-    /// `q_gather_u32(col, idx, m, out)`.
-    pub gather: Function<'m>,
-    /// `q_hash_build(keys, n, table_keys, table_rows, mask)`.
-    pub hash_build: Function<'m>,
-    /// `q_hash_probe(keys, n, table_keys, table_rows, mask, build_rows, flags)`.
-    pub hash_probe: Function<'m>,
-    /// `q_groupby_sum(keys, vals, n, table_keys, table_sums, table_counts, mask)`.
-    pub groupby_sum: Function<'m>,
-    /// `q_radix_hist(keys, n, shift, hist, nblocks)`.
-    pub radix_hist: Function<'m>,
-    /// `q_radix_scatter(keys, vals, n, shift, offsets, keys_out, vals_out, nblocks)`.
-    pub radix_scatter: Function<'m>,
-    /// `q_sum_u32(vals, n, out)`.
-    pub sum_u32: Function<'m>,
-    /// `q_sum_u64(vals, n, out)`.
-    pub sum_u64: Function<'m>,
-    /// `q_count_unsorted(keys, n, out)`.
-    pub count_unsorted: Function<'m>,
-}
-
-impl<'m> QueryKernels<'m> {
-    /// Looks the kernels up in `module` (loaded from [`QUERY_PTX`]).
-    pub fn new(module: &'m Module) -> Result<QueryKernels<'m>> {
-        let f = |name: &str| module.function(name);
-        Ok(QueryKernels {
-            gen: f("q_gen_u32")?,
-            iota: f("q_iota_u32")?,
-            flags_range: f("q_flags_range")?,
-            flags_and: f("q_flags_and")?,
-            flags_head: f("q_flags_head")?,
-            flags_occupied: f("q_flags_occupied")?,
-            mul: f("q_mul_u32")?,
-            combine: f("q_combine_u32")?,
-            scan_block: f("q_scan_block")?,
-            scan_add: f("q_scan_add")?,
-            scan_total: f("q_scan_total")?,
-            compact_u32: f("q_compact_u32")?,
-            compact_u64: f("q_compact_u64")?,
-            compact_index: f("q_compact_index")?,
-            gather: f("q_gather_u32")?,
-            hash_build: f("q_hash_build")?,
-            hash_probe: f("q_hash_probe")?,
-            groupby_sum: f("q_groupby_sum")?,
-            radix_hist: f("q_radix_hist")?,
-            radix_scatter: f("q_radix_scatter")?,
-            sum_u32: f("q_sum_u32")?,
-            sum_u64: f("q_sum_u64")?,
-            count_unsorted: f("q_count_unsorted")?,
-        })
+kernels! {
+    /// The kernels of `query.cu`.
+    pub struct QueryKernels from QUERY_PTX {
+        /// `q_gen_u32(out, n, seed, lo, span)`.
+        gen: "q_gen_u32",
+        /// `q_iota_u32(out, n, base)`.
+        iota: "q_iota_u32",
+        /// `q_flags_range(col, n, lo, hi, flags)`.
+        flags_range: "q_flags_range",
+        /// `q_flags_and(flags, other, n)`.
+        flags_and: "q_flags_and",
+        /// `q_flags_head(sorted, n, flags)`.
+        flags_head: "q_flags_head",
+        /// `q_flags_occupied(table_keys, n, flags)`.
+        flags_occupied: "q_flags_occupied",
+        /// `q_mul_u32(a, b, n, out)`.
+        mul: "q_mul_u32",
+        /// `q_combine_u32(a, b, n, mul, out)`.
+        combine: "q_combine_u32",
+        /// `q_scan_block(in, out, n, block_sums)`.
+        scan_block: "q_scan_block",
+        /// `q_scan_add(data, n, tile_offsets)`.
+        scan_add: "q_scan_add",
+        /// `q_scan_total(flags, offsets, n, total)`.
+        scan_total: "q_scan_total",
+        /// `q_compact_u32(in, flags, offsets, n, out)`.
+        compact_u32: "q_compact_u32",
+        /// `q_compact_u64(in, flags, offsets, n, out)`.
+        compact_u64: "q_compact_u64",
+        /// `q_compact_index(flags, offsets, n, out)`.
+        compact_index: "q_compact_index",
+        /// `q_gather_u32(col, idx, m, out)`.
+        gather: "q_gather_u32",
+        /// `q_hash_build(keys, n, table_keys, table_rows, mask)`.
+        hash_build: "q_hash_build",
+        /// `q_hash_probe(keys, n, table_keys, table_rows, mask, build_rows, flags)`.
+        hash_probe: "q_hash_probe",
+        /// `q_groupby_sum(keys, vals, n, table_keys, table_sums, table_counts, mask)`.
+        groupby_sum: "q_groupby_sum",
+        /// `q_radix_hist(keys, n, shift, hist, nblocks)`.
+        radix_hist: "q_radix_hist",
+        /// `q_radix_scatter(keys, vals, n, shift, offsets, keys_out, vals_out, nblocks)`.
+        radix_scatter: "q_radix_scatter",
+        /// `q_sum_u32(vals, n, out)`.
+        sum_u32: "q_sum_u32",
+        /// `q_sum_u64(vals, n, out)`.
+        sum_u64: "q_sum_u64",
+        /// `q_count_unsorted(keys, n, out)`.
+        count_unsorted: "q_count_unsorted",
     }
 }

@@ -155,12 +155,36 @@ impl ResourceSpec {
 impl fmt::Display for ResourceSpec {
     /// The canonical spec: parses back to the same value, options left out where they are defaults.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fn args(f: &mut fmt::Formatter<'_>, name: &str, items: Vec<String>) -> fmt::Result {
+        /// `name`, or `name(upstream,key=value,...)` with the options that are set (`Some`); no
+        /// parentheses when there is nothing to put in them.
+        fn args(
+            f: &mut fmt::Formatter<'_>,
+            name: &str,
+            upstream: Option<&ResourceSpec>,
+            options: &[(&str, Option<String>)],
+        ) -> fmt::Result {
+            let items: Vec<String> = upstream
+                .map(ToString::to_string)
+                .into_iter()
+                .chain(
+                    options
+                        .iter()
+                        .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={v}"))),
+                )
+                .collect();
             if items.is_empty() {
                 f.write_str(name)
             } else {
                 write!(f, "{name}({})", items.join(","))
             }
+        }
+        /// A size option, set unless it is `default`.
+        fn size(value: u64, default: u64) -> Option<String> {
+            (value != default).then(|| Size(value).to_string())
+        }
+        /// An optional size option (`max`), set when given.
+        fn limit(value: Option<u64>) -> Option<String> {
+            value.map(|v| Size(v).to_string())
         }
         match self {
             ResourceSpec::Cuda => f.write_str("cuda"),
@@ -168,82 +192,66 @@ impl fmt::Display for ResourceSpec {
             ResourceSpec::RawCuda => f.write_str("cuMemAlloc"),
             ResourceSpec::RawPool => f.write_str("cuMemAllocFromPoolAsync"),
             ResourceSpec::Sim => f.write_str("sim"),
-            ResourceSpec::Async(a) => {
-                let mut items = Vec::new();
-                if let Some(t) = a.threshold {
-                    items.push(format!("threshold={}", Size(t)));
-                }
-                if let Some(i) = a.initial {
-                    items.push(format!("initial={}", Size(i)));
-                }
-                if let Some(m) = a.max_size {
-                    items.push(format!("max_size={}", Size(m)));
-                }
-                if a.default_pool {
-                    items.push("pool=default".into());
-                }
-                args(f, "async", items)
-            }
-            ResourceSpec::Pool { upstream, initial, max } => {
-                let mut items = vec![upstream.to_string()];
-                if *initial != 0 {
-                    items.push(format!("initial={}", Size(*initial)));
-                }
-                if let Some(m) = max {
-                    items.push(format!("max={}", Size(*m)));
-                }
-                args(f, "pool", items)
-            }
+            ResourceSpec::Async(a) => args(
+                f,
+                "async",
+                None,
+                &[
+                    ("threshold", limit(a.threshold)),
+                    ("initial", limit(a.initial)),
+                    ("max_size", limit(a.max_size)),
+                    ("pool", a.default_pool.then(|| "default".to_owned())),
+                ],
+            ),
+            ResourceSpec::Pool { upstream, initial, max } => args(
+                f,
+                "pool",
+                Some(upstream),
+                &[("initial", size(*initial, 0)), ("max", limit(*max))],
+            ),
             ResourceSpec::Binning {
                 upstream,
                 min,
                 max,
                 blocks,
-            } => {
-                let mut items = vec![upstream.to_string()];
-                if *min != BIN_MIN {
-                    items.push(format!("min={}", Size(*min)));
-                }
-                if *max != BIN_MAX {
-                    items.push(format!("max={}", Size(*max)));
-                }
-                if *blocks != BIN_BLOCKS {
-                    items.push(format!("blocks={blocks}"));
-                }
-                args(f, "binning", items)
-            }
+            } => args(
+                f,
+                "binning",
+                Some(upstream),
+                &[
+                    ("min", size(*min, BIN_MIN)),
+                    ("max", size(*max, BIN_MAX)),
+                    ("blocks", (*blocks != BIN_BLOCKS).then(|| blocks.to_string())),
+                ],
+            ),
             ResourceSpec::Arena {
                 upstream,
                 superblock,
                 initial,
                 max,
-            } => {
-                let mut items = vec![upstream.to_string()];
-                if *superblock != 1 << 20 {
-                    items.push(format!("superblock={}", Size(*superblock)));
-                }
-                if *initial != 0 {
-                    items.push(format!("initial={}", Size(*initial)));
-                }
-                if let Some(m) = max {
-                    items.push(format!("max={}", Size(*m)));
-                }
-                args(f, "arena", items)
-            }
+            } => args(
+                f,
+                "arena",
+                Some(upstream),
+                &[
+                    ("superblock", size(*superblock, 1 << 20)),
+                    ("initial", size(*initial, 0)),
+                    ("max", limit(*max)),
+                ],
+            ),
             ResourceSpec::Fixed {
                 upstream,
                 block,
                 blocks,
-            } => {
-                let mut items = vec![upstream.to_string()];
-                if *block != 1 << 20 {
-                    items.push(format!("block={}", Size(*block)));
-                }
-                if *blocks != 128 {
-                    items.push(format!("blocks={blocks}"));
-                }
-                args(f, "fixed", items)
-            }
+            } => args(
+                f,
+                "fixed",
+                Some(upstream),
+                &[
+                    ("block", size(*block, 1 << 20)),
+                    ("blocks", (*blocks != 128).then(|| blocks.to_string())),
+                ],
+            ),
         }
     }
 }

@@ -178,6 +178,47 @@ impl<'a> Exec<'a> {
         unsafe { launch(f, cfg, self.stream, args) }
     }
 
+    /// A new column of `len` elements written by `f`, launched one thread per element of `n`
+    /// ([`elementwise`]) with `args(out)` (`out`: the new column's argument); no launch when `len` is 0.
+    fn output<T: Element, const N: usize>(
+        &'a self,
+        len: usize,
+        f: &mempool_core::Function<'_>,
+        n: usize,
+        args: impl FnOnce(Arg) -> [Arg; N],
+    ) -> Result<Col<'a, T>> {
+        let out = self.alloc::<T>(len)?;
+        if len > 0 {
+            self.run(f, elementwise(n), &args(out.arg()))?;
+        }
+        Ok(out)
+    }
+
+    /// The rows of `col` that `flags` keeps, by `f` (`q_compact_u32` or `q_compact_u64`).
+    fn compact_with<T: Element>(
+        &'a self,
+        f: &mempool_core::Function<'_>,
+        what: &str,
+        col: &Col<'a, T>,
+        flags: &Col<'a, u32>,
+        sel: &Selection<'a>,
+    ) -> Result<Col<'a, T>> {
+        assert_eq!(col.len, flags.len, "{what}: lengths differ");
+        self.output(sel.count, f, col.len, |out| {
+            [col.arg(), flags.arg(), sel.offsets.arg(), Arg::U64(col.len as u64), out]
+        })
+    }
+
+    /// A grid-stride reduction of `col` by `f` into one u64 (read back), launched only when the column
+    /// has at least `min_len` elements (0 otherwise).
+    fn reduce<T: Element>(&'a self, f: &mempool_core::Function<'_>, col: &Col<'a, T>, min_len: usize) -> Result<u64> {
+        let out = self.scalar_u64()?;
+        if col.len >= min_len {
+            self.run(f, strided(col.len), &[col.arg(), Arg::U64(col.len as u64), out.arg()])?;
+        }
+        Ok(out.download()?[0])
+    }
+
     fn scalar_u64(&'a self) -> Result<Col<'a, u64>> {
         let c = self.alloc::<u64>(1)?;
         // SAFETY: 8 bytes of the column, on its stream.
@@ -187,48 +228,22 @@ impl<'a> Exec<'a> {
 
     /// `lo + hash2(seed, i) % span` for `i < n` (`span` 0: the raw hash).
     pub fn gen(&'a self, n: usize, seed: u32, lo: u32, span: u32) -> Result<Col<'a, u32>> {
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.gen,
-                elementwise(n),
-                &[
-                    out.arg(),
-                    Arg::U64(n as u64),
-                    Arg::U32(seed),
-                    Arg::U32(lo),
-                    Arg::U32(span),
-                ],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.gen, n, |out| {
+            [out, Arg::U64(n as u64), Arg::U32(seed), Arg::U32(lo), Arg::U32(span)]
+        })
     }
 
     /// `base + i` for `i < n`.
     pub fn iota(&'a self, n: usize, base: u32) -> Result<Col<'a, u32>> {
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.iota,
-                elementwise(n),
-                &[out.arg(), Arg::U64(n as u64), Arg::U32(base)],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.iota, n, |out| [out, Arg::U64(n as u64), Arg::U32(base)])
     }
 
     /// Flags `lo <= col[i] < hi`.
     pub fn flags_range(&'a self, col: &Col<'a, u32>, lo: u32, hi: u32) -> Result<Col<'a, u32>> {
         let n = col.len;
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.flags_range,
-                elementwise(n),
-                &[col.arg(), Arg::U64(n as u64), Arg::U32(lo), Arg::U32(hi), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.flags_range, n, |out| {
+            [col.arg(), Arg::U64(n as u64), Arg::U32(lo), Arg::U32(hi), out]
+        })
     }
 
     /// `flags[i] &= other[i]`.
@@ -247,45 +262,23 @@ impl<'a> Exec<'a> {
     /// Flags the first row of each run of equal keys.
     pub fn flags_head(&'a self, sorted: &Col<'a, u32>) -> Result<Col<'a, u32>> {
         let n = sorted.len;
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.flags_head,
-                elementwise(n),
-                &[sorted.arg(), Arg::U64(n as u64), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.flags_head, n, |out| [sorted.arg(), Arg::U64(n as u64), out])
     }
 
     /// `a[i] * b[i]`.
     pub fn mul(&'a self, a: &Col<'a, u32>, b: &Col<'a, u32>) -> Result<Col<'a, u32>> {
         assert_eq!(a.len, b.len, "mul: lengths differ");
         let n = a.len;
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.mul,
-                elementwise(n),
-                &[a.arg(), b.arg(), Arg::U64(n as u64), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.mul, n, |out| [a.arg(), b.arg(), Arg::U64(n as u64), out])
     }
 
     /// `a[i] * mul + b[i]`.
     pub fn combine(&'a self, a: &Col<'a, u32>, b: &Col<'a, u32>, mul: u32) -> Result<Col<'a, u32>> {
         assert_eq!(a.len, b.len, "combine: lengths differ");
         let n = a.len;
-        let out = self.alloc::<u32>(n)?;
-        if n > 0 {
-            self.run(
-                &self.k.combine,
-                elementwise(n),
-                &[a.arg(), b.arg(), Arg::U64(n as u64), Arg::U32(mul), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(n, &self.k.combine, n, |out| {
+            [a.arg(), b.arg(), Arg::U64(n as u64), Arg::U32(mul), out]
+        })
     }
 
     /// The exclusive prefix sum (tile scans, then the tile sums scanned recursively and added back).
@@ -296,20 +289,25 @@ impl<'a> Exec<'a> {
             return Ok(out);
         }
         let tiles = n.div_ceil(TILE);
-        if tiles == 1 {
-            self.run(
-                &self.k.scan_block,
-                tiled(n),
-                &[input.arg(), out.arg(), Arg::U64(n as u64), Arg::U64(0)],
-            )?;
-            return Ok(out);
-        }
-        let sums = self.alloc::<u32>(tiles)?;
+        // One tile: no tile sums (a null pointer) and nothing to add back.
+        let sums = if tiles > 1 {
+            Some(self.alloc::<u32>(tiles)?)
+        } else {
+            None
+        };
         self.run(
             &self.k.scan_block,
             tiled(n),
-            &[input.arg(), out.arg(), Arg::U64(n as u64), sums.arg()],
+            &[
+                input.arg(),
+                out.arg(),
+                Arg::U64(n as u64),
+                sums.as_ref().map_or(Arg::U64(0), Col::arg),
+            ],
         )?;
+        let Some(sums) = sums else {
+            return Ok(out);
+        };
         let offsets = self.scan(&sums)?;
         drop(sums);
         self.run(
@@ -327,34 +325,16 @@ impl<'a> Exec<'a> {
         if n == 0 {
             return Ok(Selection { offsets, count: 0 });
         }
-        let total = self.alloc::<u32>(1)?;
-        self.run(
-            &self.k.scan_total,
-            elementwise(1),
-            &[flags.arg(), offsets.arg(), Arg::U64(n as u64), total.arg()],
-        )?;
+        let total: Col<'_, u32> = self.output(1, &self.k.scan_total, 1, |total| {
+            [flags.arg(), offsets.arg(), Arg::U64(n as u64), total]
+        })?;
         let count = total.download()?[0] as usize;
         Ok(Selection { offsets, count })
     }
 
     /// The rows of `col` that `flags` keeps.
     pub fn compact(&'a self, col: &Col<'a, u32>, flags: &Col<'a, u32>, sel: &Selection<'a>) -> Result<Col<'a, u32>> {
-        assert_eq!(col.len, flags.len, "compact: lengths differ");
-        let out = self.alloc::<u32>(sel.count)?;
-        if sel.count > 0 {
-            self.run(
-                &self.k.compact_u32,
-                elementwise(col.len),
-                &[
-                    col.arg(),
-                    flags.arg(),
-                    sel.offsets.arg(),
-                    Arg::U64(col.len as u64),
-                    out.arg(),
-                ],
-            )?;
-        }
-        Ok(out)
+        self.compact_with(&self.k.compact_u32, "compact", col, flags, sel)
     }
 
     /// The rows of a 64-bit `col` that `flags` keeps.
@@ -364,49 +344,22 @@ impl<'a> Exec<'a> {
         flags: &Col<'a, u32>,
         sel: &Selection<'a>,
     ) -> Result<Col<'a, u64>> {
-        assert_eq!(col.len, flags.len, "compact_u64: lengths differ");
-        let out = self.alloc::<u64>(sel.count)?;
-        if sel.count > 0 {
-            self.run(
-                &self.k.compact_u64,
-                elementwise(col.len),
-                &[
-                    col.arg(),
-                    flags.arg(),
-                    sel.offsets.arg(),
-                    Arg::U64(col.len as u64),
-                    out.arg(),
-                ],
-            )?;
-        }
-        Ok(out)
+        self.compact_with(&self.k.compact_u64, "compact_u64", col, flags, sel)
     }
 
     /// The indices of the rows `flags` keeps.
     pub fn compact_index(&'a self, flags: &Col<'a, u32>, sel: &Selection<'a>) -> Result<Col<'a, u32>> {
-        let out = self.alloc::<u32>(sel.count)?;
-        if sel.count > 0 {
-            self.run(
-                &self.k.compact_index,
-                elementwise(flags.len),
-                &[flags.arg(), sel.offsets.arg(), Arg::U64(flags.len as u64), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(sel.count, &self.k.compact_index, flags.len, |out| {
+            [flags.arg(), sel.offsets.arg(), Arg::U64(flags.len as u64), out]
+        })
     }
 
     /// `col[idx[j]]` for every `j`. Every index must be below `col.len()`.
     pub fn gather(&'a self, col: &Col<'a, u32>, idx: &Col<'a, u32>) -> Result<Col<'a, u32>> {
         let m = idx.len;
-        let out = self.alloc::<u32>(m)?;
-        if m > 0 {
-            self.run(
-                &self.k.gather,
-                elementwise(m),
-                &[col.arg(), idx.arg(), Arg::U64(m as u64), out.arg()],
-            )?;
-        }
-        Ok(out)
+        self.output(m, &self.k.gather, m, |out| {
+            [col.arg(), idx.arg(), Arg::U64(m as u64), out]
+        })
     }
 
     /// A hash table of `keys` (unique, never `u32::MAX`) to their row numbers.
@@ -489,12 +442,10 @@ impl<'a> Exec<'a> {
                 ],
             )?;
         }
-        let occupied = self.alloc::<u32>(cap)?;
-        self.run(
-            &self.k.flags_occupied,
-            elementwise(cap),
-            &[tkeys.arg(), Arg::U64(cap as u64), occupied.arg()],
-        )?;
+        // `cap` is at least 64, so this always launches.
+        let occupied = self.output(cap, &self.k.flags_occupied, cap, |out| {
+            [tkeys.arg(), Arg::U64(cap as u64), out]
+        })?;
         let sel = self.select(&occupied)?;
         Ok(Groups {
             keys: self.compact(&tkeys, &occupied, &sel)?,
@@ -565,40 +516,16 @@ impl<'a> Exec<'a> {
 
     /// The sum of a column (as 64-bit integers).
     pub fn sum_u32(&'a self, col: &Col<'a, u32>) -> Result<u64> {
-        let out = self.scalar_u64()?;
-        if !col.is_empty() {
-            self.run(
-                &self.k.sum_u32,
-                strided(col.len),
-                &[col.arg(), Arg::U64(col.len as u64), out.arg()],
-            )?;
-        }
-        Ok(out.download()?[0])
+        self.reduce(&self.k.sum_u32, col, 1)
     }
 
     /// The sum of a 64-bit column (wrapping).
     pub fn sum_u64(&'a self, col: &Col<'a, u64>) -> Result<u64> {
-        let out = self.scalar_u64()?;
-        if !col.is_empty() {
-            self.run(
-                &self.k.sum_u64,
-                strided(col.len),
-                &[col.arg(), Arg::U64(col.len as u64), out.arg()],
-            )?;
-        }
-        Ok(out.download()?[0])
+        self.reduce(&self.k.sum_u64, col, 1)
     }
 
     /// How many adjacent pairs are out of order (0 for a sorted column).
     pub fn count_unsorted(&'a self, col: &Col<'a, u32>) -> Result<u64> {
-        let out = self.scalar_u64()?;
-        if col.len > 1 {
-            self.run(
-                &self.k.count_unsorted,
-                strided(col.len),
-                &[col.arg(), Arg::U64(col.len as u64), out.arg()],
-            )?;
-        }
-        Ok(out.download()?[0])
+        self.reduce(&self.k.count_unsorted, col, 2)
     }
 }

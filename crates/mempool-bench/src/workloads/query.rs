@@ -24,7 +24,7 @@ use crate::progress::Progress;
 use crate::report::{geomean, median, Cell, Chart, ChartKind, Column, Report, Series};
 use crate::spec::{build, ResourceSpec};
 use crate::track::Tracked;
-use crate::workloads::columns::{Col, Exec};
+use crate::workloads::columns::{Col, Exec, Groups, Selection};
 use crate::workloads::Common;
 use crate::{Error, Result};
 
@@ -241,6 +241,50 @@ fn q5_min_count(s: &Scale) -> u32 {
     (s.fact / s.customers).max(1) as u32
 }
 
+/// The rows `flags` keeps of a generated column of `n` rows (the full column freed at once).
+fn gen_kept<'a>(
+    x: &'a Exec<'a>,
+    n: usize,
+    (seed, lo, span): (u32, u32, u32),
+    flags: &Col<'a, u32>,
+    sel: &Selection<'a>,
+) -> Result<Col<'a, u32>> {
+    let c = x.gen(n, seed, lo, span)?;
+    x.compact(&c, flags, sel)
+}
+
+/// The `f` sales with `date_sk` in `lo..hi`: their column generated as `key_column` and their revenue
+/// (quantity * price).
+fn sales_in_dates<'a>(
+    x: &'a Exec<'a>,
+    f: usize,
+    (lo, hi): (u32, u32),
+    key_column: (u32, u32, u32),
+) -> Result<(Col<'a, u32>, Col<'a, u32>)> {
+    let date = x.gen(f, S_DATE, 0, DAYS)?;
+    let flags = x.flags_range(&date, lo, hi)?;
+    drop(date);
+    let sel = x.select(&flags)?;
+    let key = gen_kept(x, f, key_column, &flags, &sel)?;
+    let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &flags, &sel)?;
+    let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
+    drop((flags, sel));
+    let rev = x.mul(&qty, &price)?;
+    drop((qty, price));
+    Ok((key, rev))
+}
+
+/// HAVING count >= `min_count`: the groups kept.
+fn having<'a>(x: &'a Exec<'a>, g: Groups<'a>, min_count: u32) -> Result<Groups<'a>> {
+    let having = x.flags_range(&g.counts, min_count, u32::MAX)?;
+    let sel = x.select(&having)?;
+    let keys = x.compact(&g.keys, &having, &sel)?;
+    let counts = x.compact(&g.counts, &having, &sel)?;
+    let sums = x.compact_u64(&g.sums, &having, &sel)?;
+    drop((g, having, sel));
+    Ok(Groups { keys, sums, counts })
+}
+
 /// Runs `q` on `exec` and returns its digest (checked by the caller). Buffers come from and go back to
 /// the Exec's resource as the pipeline moves on.
 pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
@@ -258,25 +302,7 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
     };
     let digest = match q {
         Query::Q1 => {
-            let date = x.gen(f, S_DATE, 0, DAYS)?;
-            let flags = x.flags_range(&date, 1000, 1365)?;
-            drop(date);
-            let sel = x.select(&flags)?;
-            let item = {
-                let c = x.gen(f, S_ITEM, 0, n_items)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let qty = {
-                let c = x.gen(f, S_QUANTITY, 1, 100)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let price = {
-                let c = x.gen(f, S_PRICE, 1, 1000)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            drop((flags, sel));
-            let rev = x.mul(&qty, &price)?;
-            drop((qty, price));
+            let (item, rev) = sales_in_dates(x, f, (1000, 1365), (S_ITEM, 0, n_items))?;
             let g = x.groupby(&item, &rev, n_items as usize)?;
             drop((item, rev));
             finish_groups(g.keys, g.counts, g.sums, u64::from(n_items))?
@@ -301,14 +327,8 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
             let sel = x.select(&flags)?;
             let matched = x.compact(&rows, &flags, &sel)?;
             drop(rows);
-            let qty = {
-                let c = x.gen(f, S_QUANTITY, 1, 100)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let price = {
-                let c = x.gen(f, S_PRICE, 1, 1000)?;
-                x.compact(&c, &flags, &sel)?
-            };
+            let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &flags, &sel)?;
+            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
             drop((flags, sel));
             let cat = x.gather(&cats, &matched)?;
             drop((cats, matched));
@@ -325,18 +345,9 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
             let sel = x.select(&flags)?;
             let qty = x.compact(&qty_all, &flags, &sel)?;
             drop(qty_all);
-            let item = {
-                let c = x.gen(f, S_ITEM, 0, n_items)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let cust = {
-                let c = x.gen(f, S_CUSTOMER, 0, n_cust)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let price = {
-                let c = x.gen(f, S_PRICE, 1, 1000)?;
-                x.compact(&c, &flags, &sel)?
-            };
+            let item = gen_kept(x, f, (S_ITEM, 0, n_items), &flags, &sel)?;
+            let cust = gen_kept(x, f, (S_CUSTOMER, 0, n_cust), &flags, &sel)?;
+            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
             drop((flags, sel));
             // Join every item for its brand.
             let brand = {
@@ -359,10 +370,7 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
                     let c = x.iota(n_cust as usize, 0)?;
                     x.compact(&c, &flags, &sel)?
                 };
-                let states = {
-                    let c = x.gen(n_cust as usize, S_STATE, 0, STATES)?;
-                    x.compact(&c, &flags, &sel)?
-                };
+                let states = gen_kept(x, n_cust as usize, (S_STATE, 0, STATES), &flags, &sel)?;
                 (keys, states)
             };
             let table = x.hash_build(&cust_keys)?;
@@ -387,35 +395,11 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
             drop((qty, price));
             let g = x.groupby(&key, &rev, (BRANDS * 64) as usize)?;
             drop((key, rev));
-            // HAVING count >= 2.
-            let having = x.flags_range(&g.counts, 2, u32::MAX)?;
-            let sel = x.select(&having)?;
-            let keys = x.compact(&g.keys, &having, &sel)?;
-            let counts = x.compact(&g.counts, &having, &sel)?;
-            let sums = x.compact_u64(&g.sums, &having, &sel)?;
-            drop((g, having, sel));
-            finish_groups(keys, counts, sums, u64::from(BRANDS * 64))?
+            let g = having(x, g, 2)?;
+            finish_groups(g.keys, g.counts, g.sums, u64::from(BRANDS * 64))?
         }
         Query::Q4 => {
-            let date = x.gen(f, S_DATE, 0, DAYS)?;
-            let flags = x.flags_range(&date, 0, 730)?;
-            drop(date);
-            let sel = x.select(&flags)?;
-            let cust = {
-                let c = x.gen(f, S_CUSTOMER, 0, n_cust)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let qty = {
-                let c = x.gen(f, S_QUANTITY, 1, 100)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            let price = {
-                let c = x.gen(f, S_PRICE, 1, 1000)?;
-                x.compact(&c, &flags, &sel)?
-            };
-            drop((flags, sel));
-            let rev = x.mul(&qty, &price)?;
-            drop((qty, price));
+            let (cust, rev) = sales_in_dates(x, f, (0, 730), (S_CUSTOMER, 0, n_cust))?;
             let (keys, rev) = x.sort_pairs(cust, Some(rev), u64::from(n_cust))?;
             let rev = rev.expect("values were given");
             if x.count_unsorted(&keys)? != 0 {
@@ -438,13 +422,8 @@ pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
             };
             let g = x.groupby(&cust, &rev, n_cust as usize)?;
             drop((cust, rev));
-            let having = x.flags_range(&g.counts, q5_min_count(s), u32::MAX)?;
-            let sel = x.select(&having)?;
-            let keys = x.compact(&g.keys, &having, &sel)?;
-            let counts = x.compact(&g.counts, &having, &sel)?;
-            let sums = x.compact_u64(&g.sums, &having, &sel)?;
-            drop((g, having, sel));
-            finish_groups(keys, counts, sums, u64::from(n_cust))?
+            let g = having(x, g, q5_min_count(s))?;
+            finish_groups(g.keys, g.counts, g.sums, u64::from(n_cust))?
         }
     };
     if let Some(e) = x.take_drop_error() {
