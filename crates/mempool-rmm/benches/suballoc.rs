@@ -24,7 +24,7 @@ use mempool_rmm::suballoc::{
     ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Error, FixedSizeConfig, FixedSizeEngine, PoolConfig,
     PoolEngine, SimUpstream, StreamOrder,
 };
-use mempool_rmm::testing::SplitMix64;
+use mempool_rmm::testing::{self, RandomOp as Op};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -53,34 +53,6 @@ impl StreamOrder for OneStream {
 
 /// The standard points: (operations, max_size, max_usage).
 const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];
-
-#[derive(Clone, Copy)]
-enum Op {
-    Alloc(u64),
-    /// Free the live allocation at this index of the live list (which then `swap_remove`s it).
-    Free(usize),
-}
-
-fn workload(n: usize, max_size: u64, max_usage: u64, seed: u64) -> Vec<Op> {
-    let mut rng = SplitMix64(seed);
-    let mut ops = Vec::with_capacity(n);
-    let mut live: Vec<u64> = Vec::new();
-    let mut live_bytes = 0u64;
-    for _ in 0..n {
-        let size = 1 + rng.below(max_size);
-        let alloc = live.is_empty() || (rng.next_f64() < 0.73 && live_bytes + size <= max_usage);
-        if alloc {
-            ops.push(Op::Alloc(size));
-            live.push(size);
-            live_bytes += size;
-        } else {
-            let i = rng.below(live.len() as u64) as usize;
-            ops.push(Op::Free(i));
-            live_bytes -= live.swap_remove(i);
-        }
-    }
-    ops
-}
 
 /// What the bench needs from an engine; failures are bugs and abort the bench.
 trait Engine {
@@ -117,7 +89,7 @@ fn run<E: Engine>(engine: &mut E, ops: &[Op]) {
     let mut live: Vec<(u64, u64)> = Vec::with_capacity(ops.len());
     for &op in ops {
         match op {
-            Op::Alloc(n) => live.push((black_box(engine.alloc(n)), n)),
+            Op::Alloc(n) => live.push((black_box(engine.alloc(n as u64)), n as u64)),
             Op::Free(i) => {
                 let (a, n) = live.swap_remove(i);
                 engine.free(a, n);
@@ -154,7 +126,7 @@ fn random_workload(c: &mut Criterion) {
         .and_then(|v| v.parse::<usize>().ok());
     for (n, max_size, max_usage) in POINTS {
         let n = ops_override.unwrap_or(n);
-        let ops = workload(n, max_size, max_usage, 0x5EED_0000 ^ max_size);
+        let ops = testing::random_workload(n, max_size as usize, max_usage as usize, 0x5EED_0000 ^ max_size);
         let name = format!("random/{n}ops_{}KiB_{}GiB", max_size / KIB, max_usage / GIB);
         let mut group = c.benchmark_group(name);
         group

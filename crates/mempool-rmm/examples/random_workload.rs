@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use mempool_core::{sys, Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
-use mempool_rmm::testing::SplitMix64;
+use mempool_rmm::testing::{random_workload, RandomOp as Op};
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
     SharedResource,
@@ -29,37 +29,6 @@ struct Point {
     n: usize,
     max_size: usize,
     max_usage: usize,
-}
-
-/// The operation sequence, generated once per point so generation is not timed.
-enum Op {
-    Alloc(usize),
-    /// Free the live allocation at this index (swap-remove).
-    Free(usize),
-}
-
-fn generate(p: &Point, seed: u64) -> Vec<Op> {
-    let mut rng = SplitMix64(seed); // the same sequence for every resource
-    let mut live: Vec<usize> = Vec::new();
-    let mut live_bytes = 0usize;
-    let mut ops = Vec::with_capacity(p.n);
-    for _ in 0..p.n {
-        let size = 1 + (rng.next_u64() % p.max_size as u64) as usize;
-        let alloc = (rng.next_u64() % 100) < 73;
-        if (alloc && live_bytes + size <= p.max_usage) || live.is_empty() {
-            if live_bytes + size > p.max_usage {
-                continue;
-            }
-            live.push(size);
-            live_bytes += size;
-            ops.push(Op::Alloc(size));
-        } else {
-            let i = (rng.next_u64() % live.len() as u64) as usize;
-            live_bytes -= live.swap_remove(i);
-            ops.push(Op::Free(i));
-        }
-    }
-    ops
 }
 
 /// Runs the sequence with `alloc`/`free`; returns ns per operation (frees at the end included in the time,
@@ -181,7 +150,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "resource", "ops", "max_size", "max_GiB", "ns/op", "vs raw", "peak"
     );
     for (pi, p) in points.iter().enumerate() {
-        let ops = generate(p, 42 + pi as u64);
+        // Generated once per point, not timed, the same for every resource.
+        let ops = random_workload(p.n, p.max_size, p.max_usage, 42 + pi as u64);
         // The baseline calls the driver directly, with no wrapper in between (the context is current).
         let (pool_raw, stream_raw) = (raw_pool.as_raw(), s.as_raw());
         let raw_alloc = |size: usize| {

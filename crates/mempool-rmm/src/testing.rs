@@ -154,3 +154,48 @@ impl SplitMix64 {
         self.next_u64() % n
     }
 }
+
+/// One operation of the standard random workload (see [`random_workload`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RandomOp {
+    /// Allocate this many bytes.
+    Alloc(usize),
+    /// Free the live allocation at this index of the live list, which then `swap_remove`s it.
+    Free(usize),
+}
+
+/// The standard random workload (RMM's `random_allocations` shape; `DESIGN.md`, "Performance"): `n`
+/// draws, each an allocation of a size uniform in `[1, max_size]` with probability 0.73 (dropped when it
+/// would take live bytes past `max_usage`), otherwise the free of a uniformly chosen live allocation;
+/// an allocation whenever nothing is live. The same `seed` gives the same sequence everywhere: the
+/// criterion bench, the `random_workload` example and `mempool-bench random` all draw from here.
+///
+/// ```
+/// use mempool_rmm::testing::{random_workload, RandomOp};
+/// let ops = random_workload(1000, 4096, 1 << 20, 42);
+/// assert!(matches!(ops[0], RandomOp::Alloc(n) if (1..=4096).contains(&n)));
+/// assert_eq!(ops, random_workload(1000, 4096, 1 << 20, 42));
+/// ```
+pub fn random_workload(n: usize, max_size: usize, max_usage: usize, seed: u64) -> Vec<RandomOp> {
+    let mut rng = SplitMix64(seed);
+    let mut live: Vec<usize> = Vec::new();
+    let mut live_bytes = 0usize;
+    let mut ops = Vec::with_capacity(n);
+    for _ in 0..n {
+        let size = 1 + rng.below(max_size as u64) as usize;
+        let alloc = rng.below(100) < 73;
+        if (alloc && live_bytes + size <= max_usage) || live.is_empty() {
+            if live_bytes + size > max_usage {
+                continue;
+            }
+            live.push(size);
+            live_bytes += size;
+            ops.push(RandomOp::Alloc(size));
+        } else {
+            let i = rng.below(live.len() as u64) as usize;
+            live_bytes -= live.swap_remove(i);
+            ops.push(RandomOp::Free(i));
+        }
+    }
+    ops
+}

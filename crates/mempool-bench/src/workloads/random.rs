@@ -10,7 +10,6 @@
 use std::time::Instant;
 
 use mempool_core::{DevicePtr, Stream};
-use mempool_rmm::testing::SplitMix64;
 use mempool_rmm::MemoryResource;
 
 use crate::progress::Progress;
@@ -62,39 +61,13 @@ pub const STANDARD_POINTS: [Point; 3] = [
     },
 ];
 
-/// One operation of a generated sequence.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Allocate this many bytes.
-    Alloc(usize),
-    /// Free the live allocation at this index (swap-remove).
-    Free(usize),
-}
+pub use mempool_rmm::testing::RandomOp as Op;
 
-/// The operation sequence of `p`, from `seed` (the example uses `42 + point index`). Generated before
-/// timing, the same for every resource.
+/// The operation sequence of `p`, from `seed` (the example uses `42 + point index`): mempool-rmm's
+/// [`random_workload`](mempool_rmm::testing::random_workload), the same sequence the `random_workload`
+/// example and the criterion bench draw. Generated before timing, the same for every resource.
 pub fn generate(p: &Point, seed: u64) -> Vec<Op> {
-    let mut rng = SplitMix64(seed);
-    let mut live: Vec<usize> = Vec::new();
-    let mut live_bytes = 0usize;
-    let mut ops = Vec::with_capacity(p.n);
-    for _ in 0..p.n {
-        let size = 1 + (rng.next_u64() % p.max_size as u64) as usize;
-        let alloc = (rng.next_u64() % 100) < 73;
-        if (alloc && live_bytes + size <= p.max_usage) || live.is_empty() {
-            if live_bytes + size > p.max_usage {
-                continue;
-            }
-            live.push(size);
-            live_bytes += size;
-            ops.push(Op::Alloc(size));
-        } else {
-            let i = (rng.next_u64() % live.len() as u64) as usize;
-            live_bytes -= live.swap_remove(i);
-            ops.push(Op::Free(i));
-        }
-    }
-    ops
+    mempool_rmm::testing::random_workload(p.n, p.max_size, p.max_usage, seed)
 }
 
 /// What one run measured.
