@@ -74,8 +74,9 @@ pub(super) fn first_class_from(bits: &[u64], summary: u64, c: usize) -> Option<u
 /// Free blocks, indexed by size for best fit and by both ends for coalescing.
 ///
 /// Every operation is O(1) for blocks of up to 1 MiB and O(log n) above, in the number of free
-/// blocks; nothing searches linearly. Pools in the standard random workload hold tens of thousands
-/// of free blocks, where a linearly searched list falls apart.
+/// blocks; nothing searches linearly. The arena engine keeps each stream arena's free blocks in one.
+/// (The pool engine keeps its blocks in a table linked by address instead, where freeing a block finds
+/// its neighbours without a hash lookup.)
 ///
 /// - Best fit by size: blocks up to 1 MiB sit in exact size classes (one per multiple of
 ///   [`ALIGNMENT`]) with a two-level bitmap of the non-empty ones, so the smallest class that fits

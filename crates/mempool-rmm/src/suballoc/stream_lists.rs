@@ -1,13 +1,13 @@
 //! Per-stream free lists and the events that hand their blocks to other streams.
 //!
 //! This is the part of RMM's `stream_ordered_memory_resource` that every engine shares; the engine
-//! decides what a "list" is (a [`FreeList`] for the pool, a stack of addresses for a fixed-size
+//! decides what a "list" is (a size index over the block table for the pool, a stack of addresses for a fixed-size
 //! engine) and in which order to try its own list, other lists and the upstream.
 
 use std::collections::HashMap;
 
 use super::block_table::SizeIndex;
-use super::{Error, EventPolicy, FreeList, StreamOrder};
+use super::{Error, EventPolicy, StreamOrder};
 
 /// A per-stream container of free blocks.
 pub(crate) trait FreeStore: Default {
@@ -20,18 +20,6 @@ pub(crate) trait FreeStore: Default {
 pub(crate) trait Append: FreeStore {
     /// Moves every block of `other` into `self`.
     fn append_from(&mut self, other: &mut Self);
-}
-
-impl FreeStore for FreeList {
-    fn blocks(&self) -> usize {
-        self.len()
-    }
-}
-
-impl Append for FreeList {
-    fn append_from(&mut self, other: &mut Self) {
-        self.append(other);
-    }
 }
 
 impl FreeStore for Vec<u64> {
