@@ -11,6 +11,6 @@
 //! See the README and `docs/` for the guide.
 
 pub use mempool_core as core;
-pub use mempool_core::{Device, DevicePtr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
+pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
 pub use mempool_ipc as ipc;
 pub use mempool_rmm as rmm;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, Device, DevicePtr, MemPool, PoolProps, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, MemPool, PoolProps, StreamRef};
 use mempool_rmm::{MemoryResource, Result};
 
 /// `cuMemAlloc` / `cuMemFree` straight through, as RMM's `cuda_memory_resource` does: the free does not
@@ -22,12 +22,12 @@ impl RawCudaResource {
 }
 
 impl MemoryResource for RawCudaResource {
-    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(memory::device_alloc(&self.ctx, bytes)?)
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DevicePtr, _bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
         // SAFETY: by the trait's contract `ptr` came from `allocate` here (cuMemAlloc in this context) and
         // is freed once; cuMemFree synchronizes with the device's outstanding work before releasing it.
         unsafe { memory::device_free(&self.ctx, ptr) }?;
@@ -56,12 +56,12 @@ impl RawPoolResource {
 }
 
 impl MemoryResource for RawPoolResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(self.pool.allocate(bytes, stream)?)
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         // SAFETY: by the trait's contract `ptr` came from `allocate` here (this pool), is freed once, and
         // its uses are ordered before this point of `stream`.
         unsafe { self.pool.free_async(ptr, stream) }?;

@@ -7,7 +7,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use mempool_core::{Context, DevicePtr, Function, LaunchConfig, Module, StreamRef};
+use mempool_core::{Context, DeviceAddr, Function, LaunchConfig, Module, StreamRef};
 
 use crate::{Error, Result};
 
@@ -101,8 +101,8 @@ pub enum Arg {
     U64(u64),
 }
 
-impl From<DevicePtr> for Arg {
-    fn from(p: DevicePtr) -> Arg {
+impl From<DeviceAddr> for Arg {
+    fn from(p: DeviceAddr) -> Arg {
         Arg::U64(p.0)
     }
 }

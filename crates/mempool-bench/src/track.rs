@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::{MemoryResource, Result};
 
 /// Wraps a resource and counts what passes through.
@@ -66,7 +66,7 @@ impl<R: MemoryResource> Tracked<R> {
 }
 
 impl<R: MemoryResource> MemoryResource for Tracked<R> {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         match self.inner.allocate(bytes, stream) {
             Ok(p) => {
                 let now = self.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
@@ -81,7 +81,7 @@ impl<R: MemoryResource> MemoryResource for Tracked<R> {
         }
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.inner.deallocate(ptr, bytes, stream)?;
         self.live.fetch_sub(bytes as u64, Ordering::Relaxed);
         Ok(())

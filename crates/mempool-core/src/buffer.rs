@@ -10,13 +10,16 @@ use crate::raw;
 use crate::stream::StreamRef;
 
 /// A device address (`CUdeviceptr`). Plain data: holding one grants nothing; the types that own memory
-/// ([`PoolBuffer`], resources in mempool-rmm) decide when it is valid.
+/// ([`PoolBuffer`], resources in mempool-rmm) decide when it is valid, and freeing one is `unsafe`.
+///
+/// Named `DeviceAddr`, not `DevicePtr`, so that it never collides with cudarc's `DevicePtr` trait in code
+/// that uses both crates.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct DevicePtr(pub u64);
+pub struct DeviceAddr(pub u64);
 
-impl DevicePtr {
+impl DeviceAddr {
     /// The null address, returned for 0-byte allocations.
-    pub const NULL: DevicePtr = DevicePtr(0);
+    pub const NULL: DeviceAddr = DeviceAddr(0);
 
     /// Whether this is the null address.
     pub fn is_null(self) -> bool {
@@ -24,8 +27,8 @@ impl DevicePtr {
     }
 
     /// The address `bytes` further on.
-    pub fn offset(self, bytes: usize) -> DevicePtr {
-        DevicePtr(self.0 + bytes as u64)
+    pub fn offset(self, bytes: usize) -> DeviceAddr {
+        DeviceAddr(self.0 + bytes as u64)
     }
 
     /// The raw value.
@@ -34,7 +37,7 @@ impl DevicePtr {
     }
 }
 
-impl fmt::Display for DevicePtr {
+impl fmt::Display for DeviceAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
@@ -44,19 +47,19 @@ impl fmt::Display for DevicePtr {
 /// reused by work ordered after that stream's work. Made by [`crate::MemPool::alloc`].
 #[derive(Debug)]
 pub struct PoolBuffer<'s> {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     stream: StreamRef<'s>,
     ctx: Arc<Context>,
 }
 
 impl<'s> PoolBuffer<'s> {
-    pub(crate) fn from_parts(ptr: DevicePtr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
+    pub(crate) fn from_parts(ptr: DeviceAddr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
         PoolBuffer { ptr, len, stream, ctx }
     }
 
     /// The device address (null for an empty buffer).
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -112,7 +115,7 @@ impl<'s> PoolBuffer<'s> {
     /// Frees the buffer on `other` instead of its own stream, after making `other` wait for the work
     /// queued on the buffer's stream so far. Use it when the last user of the memory is `other`.
     pub fn free_on(mut self, other: StreamRef<'_>) -> Result<()> {
-        let ptr = std::mem::replace(&mut self.ptr, DevicePtr::NULL);
+        let ptr = std::mem::replace(&mut self.ptr, DeviceAddr::NULL);
         if ptr.is_null() {
             return Ok(());
         }
@@ -129,8 +132,8 @@ impl<'s> PoolBuffer<'s> {
     }
 
     /// Gives up ownership: the caller frees the pointer (e.g. with [`crate::MemPool::free_async`]).
-    pub fn into_raw(mut self) -> (DevicePtr, usize) {
-        (std::mem::replace(&mut self.ptr, DevicePtr::NULL), self.len)
+    pub fn into_raw(mut self) -> (DeviceAddr, usize) {
+        (std::mem::replace(&mut self.ptr, DeviceAddr::NULL), self.len)
     }
 
     fn check_len(&self, n: usize) -> Result<()> {

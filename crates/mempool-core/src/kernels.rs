@@ -5,7 +5,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use crate::buffer::DevicePtr;
+use crate::buffer::DeviceAddr;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::module::{LaunchConfig, Module};
@@ -71,7 +71,7 @@ impl CheckKernels {
     /// 1. `dst` is device memory writable by work on `stream`, 4-byte aligned, holding `n` `u32`s, until
     ///    the kernel completes.
     #[allow(unsafe_code)]
-    pub unsafe fn iota(&self, dst: DevicePtr, n: usize, base: u32, stream: StreamRef<'_>) -> Result<()> {
+    pub unsafe fn iota(&self, dst: DeviceAddr, n: usize, base: u32, stream: StreamRef<'_>) -> Result<()> {
         let (mut d, mut b, mut len) = (dst.0, base, n as u64);
         self.launch(
             "mempool_iota_u32",
@@ -92,7 +92,7 @@ impl CheckKernels {
     /// 1. Both ranges hold `n` 4-byte aligned `u32`s that work on `stream` may access (the source readable
     ///    from the stream's device), until the kernel completes.
     #[allow(unsafe_code)]
-    pub unsafe fn copy(&self, dst: DevicePtr, src: DevicePtr, n: usize, stream: StreamRef<'_>) -> Result<()> {
+    pub unsafe fn copy(&self, dst: DeviceAddr, src: DeviceAddr, n: usize, stream: StreamRef<'_>) -> Result<()> {
         let (mut d, mut s, mut len) = (dst.0, src.0, n as u64);
         self.launch(
             "mempool_copy_u32",
@@ -111,7 +111,7 @@ impl CheckKernels {
     /// # Safety
     /// 1. As for [`CheckKernels::iota`].
     #[allow(unsafe_code)]
-    pub unsafe fn add(&self, buf: DevicePtr, n: usize, value: u32, stream: StreamRef<'_>) -> Result<()> {
+    pub unsafe fn add(&self, buf: DeviceAddr, n: usize, value: u32, stream: StreamRef<'_>) -> Result<()> {
         let (mut p, mut v, mut len) = (buf.0, value, n as u64);
         self.launch(
             "mempool_add_u32",

@@ -42,7 +42,7 @@ mod stream;
 
 use std::sync::Mutex;
 
-pub use buffer::{DevicePtr, PoolBuffer};
+pub use buffer::{DeviceAddr, PoolBuffer};
 pub use context::{Context, ContextGuard, MemoryInfo};
 pub use device::{Device, Uuid};
 pub use error::{DriverError, DriverVersion, Error, PeerRefusal, Result};

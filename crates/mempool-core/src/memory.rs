@@ -7,7 +7,7 @@
 
 use std::ffi::c_void;
 
-use crate::buffer::DevicePtr;
+use crate::buffer::DeviceAddr;
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::Result;
@@ -15,12 +15,12 @@ use crate::raw::{self, sys};
 use crate::stream::StreamRef;
 
 /// Device memory from `cuMemAlloc` in `ctx`. 0 bytes returns null without a driver call.
-pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
+pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DeviceAddr> {
     if bytes == 0 {
-        return Ok(DevicePtr::NULL);
+        return Ok(DeviceAddr::NULL);
     }
     let _g = ctx.bind()?;
-    raw::memory::alloc(bytes).map(DevicePtr)
+    raw::memory::alloc(bytes).map(DeviceAddr)
 }
 
 /// Frees memory from [`device_alloc`] or [`managed_alloc`] (`cuMemFree`). Null is a no-op.
@@ -29,7 +29,7 @@ pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
 /// 1. `ptr` came from [`device_alloc`] or [`managed_alloc`] in `ctx` and is freed once.
 /// 2. No queued or running work uses it.
 #[allow(unsafe_code)]
-pub unsafe fn device_free(ctx: &Context, ptr: DevicePtr) -> Result<()> {
+pub unsafe fn device_free(ctx: &Context, ptr: DeviceAddr) -> Result<()> {
     if ptr.is_null() {
         return Ok(());
     }
@@ -39,12 +39,12 @@ pub unsafe fn device_free(ctx: &Context, ptr: DevicePtr) -> Result<()> {
 }
 
 /// Managed (unified) memory from `cuMemAllocManaged`, attached globally. 0 bytes returns null.
-pub fn managed_alloc(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
+pub fn managed_alloc(ctx: &Context, bytes: usize) -> Result<DeviceAddr> {
     if bytes == 0 {
-        return Ok(DevicePtr::NULL);
+        return Ok(DeviceAddr::NULL);
     }
     let _g = ctx.bind()?;
-    raw::memory::alloc_managed(bytes).map(DevicePtr)
+    raw::memory::alloc_managed(bytes).map(DeviceAddr)
 }
 
 /// Page-locked, portable host memory from `cuMemHostAlloc`. 0 bytes returns null.
@@ -75,7 +75,7 @@ pub unsafe fn pinned_host_free(ctx: &Context, ptr: *mut u8) -> Result<()> {
 /// # Safety
 /// 1. `dst..dst+src.len()` is device memory of `ctx` (or accessible from it) that work on `stream` may write.
 #[allow(unsafe_code)]
-pub unsafe fn copy_to_device(ctx: &Context, dst: DevicePtr, src: &[u8], stream: StreamRef<'_>) -> Result<()> {
+pub unsafe fn copy_to_device(ctx: &Context, dst: DeviceAddr, src: &[u8], stream: StreamRef<'_>) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1 for `dst`; `src` is borrowed until the synchronize below.
     unsafe { raw::memory::copy_htod_async(dst.0, src.as_ptr() as *const c_void, src.len(), stream.as_raw()) }?;
@@ -87,7 +87,7 @@ pub unsafe fn copy_to_device(ctx: &Context, dst: DevicePtr, src: &[u8], stream: 
 /// # Safety
 /// 1. `src..src+dst.len()` is device memory that work on `stream` may read.
 #[allow(unsafe_code)]
-pub unsafe fn copy_to_host(ctx: &Context, dst: &mut [u8], src: DevicePtr, stream: StreamRef<'_>) -> Result<()> {
+pub unsafe fn copy_to_host(ctx: &Context, dst: &mut [u8], src: DeviceAddr, stream: StreamRef<'_>) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1 for `src`; `dst` is exclusively borrowed until the synchronize below.
     unsafe { raw::memory::copy_dtoh_async(dst.as_mut_ptr() as *mut c_void, src.0, dst.len(), stream.as_raw()) }?;
@@ -103,8 +103,8 @@ pub unsafe fn copy_to_host(ctx: &Context, dst: &mut [u8], src: DevicePtr, stream
 #[allow(unsafe_code)]
 pub unsafe fn copy_device_async(
     ctx: &Context,
-    dst: DevicePtr,
-    src: DevicePtr,
+    dst: DeviceAddr,
+    src: DeviceAddr,
     len: usize,
     stream: StreamRef<'_>,
 ) -> Result<()> {
@@ -118,7 +118,7 @@ pub unsafe fn copy_device_async(
 /// # Safety
 /// 1. `dst..dst+len` is device memory that work on `stream` may write, until the fill completes.
 #[allow(unsafe_code)]
-pub unsafe fn fill_async(ctx: &Context, dst: DevicePtr, value: u8, len: usize, stream: StreamRef<'_>) -> Result<()> {
+pub unsafe fn fill_async(ctx: &Context, dst: DeviceAddr, value: u8, len: usize, stream: StreamRef<'_>) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1.
     unsafe { raw::memory::memset_d8_async(dst.0, value, len, stream.as_raw()) }
@@ -131,7 +131,7 @@ pub unsafe fn fill_async(ctx: &Context, dst: DevicePtr, value: u8, len: usize, s
 #[allow(unsafe_code)]
 pub unsafe fn fill_u32_async(
     ctx: &Context,
-    dst: DevicePtr,
+    dst: DeviceAddr,
     value: u32,
     count: usize,
     stream: StreamRef<'_>,
@@ -148,7 +148,7 @@ pub unsafe fn fill_u32_async(
 #[allow(unsafe_code)]
 pub unsafe fn prefetch_async(
     ctx: &Context,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     device: Option<Device>,
     stream: StreamRef<'_>,
@@ -192,14 +192,14 @@ pub struct PointerInfo {
     /// Whether the memory is managed.
     pub is_managed: bool,
     /// Start of the allocation that contains the address.
-    pub range_start: DevicePtr,
+    pub range_start: DeviceAddr,
     /// Size of that allocation in bytes.
     pub range_size: usize,
 }
 
 /// Looks an address up. Fails (`CUDA_ERROR_INVALID_VALUE`) for an address the driver does not know,
 /// which is how tests check that memory is really device-accessible.
-pub fn pointer_info(ptr: DevicePtr) -> Result<PointerInfo> {
+pub fn pointer_info(ptr: DeviceAddr) -> Result<PointerInfo> {
     use sys::CUpointer_attribute::*;
     raw::init()?;
     // SAFETY (all four): each attribute is read into the type the driver writes for it (`unsigned int`
@@ -225,7 +225,7 @@ pub fn pointer_info(ptr: DevicePtr) -> Result<PointerInfo> {
         memory_type,
         device_ordinal: ordinal,
         is_managed: managed != 0,
-        range_start: DevicePtr(start),
+        range_start: DeviceAddr(start),
         range_size: size,
     })
 }
@@ -238,17 +238,17 @@ pub fn pointer_info(ptr: DevicePtr) -> Result<PointerInfo> {
 /// `CUDA_ERROR_NOT_FOUND`) for an address the driver does not know.
 ///
 /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
-pub fn address_range(ctx: &Context, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+pub fn address_range(ctx: &Context, ptr: DeviceAddr) -> Result<(DeviceAddr, usize)> {
     let _g = ctx.bind()?;
     // SAFETY: a context is bound; the driver only looks the address up.
     #[allow(unsafe_code)]
     let (base, size) = unsafe { raw::memory::address_range(ptr.0) }?;
-    Ok((DevicePtr(base), size))
+    Ok((DeviceAddr(base), size))
 }
 
 /// The stream-ordered pool an address was allocated from (`CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`), as a
 /// raw handle to compare with [`crate::MemPool::as_raw`]; null for memory that no pool allocated.
-pub fn pool_of(ptr: DevicePtr) -> Result<sys::CUmemoryPool> {
+pub fn pool_of(ptr: DeviceAddr) -> Result<sys::CUmemoryPool> {
     raw::init()?;
     // SAFETY: the driver writes the pool handle, a pointer-sized value, which a `usize` holds.
     #[allow(unsafe_code)]

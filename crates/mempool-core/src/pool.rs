@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::buffer::{DevicePtr, PoolBuffer};
+use crate::buffer::{DeviceAddr, PoolBuffer};
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, PeerRefusal, Result};
@@ -482,15 +482,15 @@ impl MemPool {
     ///
     /// Memory from `allocate(n, A)` may be used on `A` at once, and on another stream only after it is
     /// ordered after `A` (an event).
-    pub fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    pub fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
-            return Ok(DevicePtr::NULL);
+            return Ok(DeviceAddr::NULL);
         }
         self.require_allocating("allocating")?;
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live and not imported (checked); the stream is live for its lifetime.
         #[allow(unsafe_code)]
-        unsafe { raw::pool::alloc_async(self.as_raw(), bytes, stream.as_raw()) }.map(DevicePtr)
+        unsafe { raw::pool::alloc_async(self.as_raw(), bytes, stream.as_raw()) }.map(DeviceAddr)
     }
 
     /// Frees a pointer from [`MemPool::allocate`] (or any stream-ordered allocation) on `stream`
@@ -501,7 +501,7 @@ impl MemPool {
     /// 1. `ptr` came from a stream-ordered allocation of this pool's context and is freed once.
     /// 2. All work that uses `ptr` is ordered before this point of `stream` (same stream, or an event).
     #[allow(unsafe_code)]
-    pub unsafe fn free_async(&self, ptr: DevicePtr, stream: StreamRef<'_>) -> Result<()> {
+    pub unsafe fn free_async(&self, ptr: DeviceAddr, stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }
@@ -568,7 +568,7 @@ impl MemPool {
     /// The 64 bytes through which another process that imported this pool imports `ptr`
     /// (`cuMemPoolExportPointer`). `ptr` must be the start of a live allocation of this pool; the driver
     /// rejects anything else.
-    pub fn export_pointer(&self, ptr: DevicePtr) -> Result<PtrExportData> {
+    pub fn export_pointer(&self, ptr: DeviceAddr) -> Result<PtrExportData> {
         if self.kind != PoolKind::Owned {
             return Err(Error::PoolKind {
                 operation: "exporting a pointer",
@@ -602,7 +602,7 @@ impl MemPool {
         #[allow(unsafe_code)]
         let ptr = unsafe { raw::pool::import_pointer(self.as_raw(), &data.0) }?;
         Ok(ImportedPtr {
-            ptr: DevicePtr(ptr),
+            ptr: DeviceAddr(ptr),
             ctx: self.ctx.clone(),
         })
     }
@@ -653,13 +653,13 @@ impl Drop for CurrentPoolGuard<'_> {
 /// does the same for one stream only.
 #[derive(Debug)]
 pub struct ImportedPtr {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     ctx: Arc<Context>,
 }
 
 impl ImportedPtr {
     /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -667,7 +667,7 @@ impl ImportedPtr {
     /// exporter may free its allocation once this returns. All use of the pointer must be ordered before
     /// this point of `stream`.
     pub fn free(mut self, stream: StreamRef<'_>) -> Result<()> {
-        let ptr = std::mem::replace(&mut self.ptr, DevicePtr::NULL);
+        let ptr = std::mem::replace(&mut self.ptr, DeviceAddr::NULL);
         let _g = self.ctx.bind()?;
         // SAFETY: the pointer was imported and is freed once: `self.ptr` is now null, so drop skips it.
         // The caller orders all uses before this point of `stream`.

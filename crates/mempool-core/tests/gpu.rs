@@ -29,7 +29,7 @@ fn gpu() -> (Device, Arc<Context>) {
     (dev, ctx)
 }
 
-fn read_u32s(ctx: &Context, ptr: mempool_core::DevicePtr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
+fn read_u32s(ctx: &Context, ptr: mempool_core::DeviceAddr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
     let mut host = vec![0u8; n * 4];
     // SAFETY: callers pass live device memory of at least n u32s, ordered on `stream`.
     unsafe { memory::copy_to_host(ctx, &mut host, ptr, stream) }.unwrap();

@@ -13,7 +13,7 @@ fn without_a_driver_every_entry_point_says_so() {
         Device::count().map(|_| ()),
         Device::get(0).map(|_| ()),
         Device::all().map(|_| ()),
-        mempool_core::memory::pointer_info(mempool_core::DevicePtr(0x1000)).map(|_| ()),
+        mempool_core::memory::pointer_info(mempool_core::DeviceAddr(0x1000)).map(|_| ()),
     ];
     for r in results {
         match (present, r) {

@@ -22,7 +22,7 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mempool_core::{memory, Context, Device, DevicePtr, HandleTypes, MemPool, PoolProps, Stream};
+use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream};
 use mempool_ipc::lease::ImporterId;
 use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions};
 
@@ -109,7 +109,7 @@ fn consumer(socket: &Path) -> AnyResult<()> {
     let stream = Stream::new(&ctx)?;
     let mut ctl = UnixStream::connect(ctl_path(socket))?;
     let mut pinned: Option<Pinned> = None;
-    let mut device: Option<(DevicePtr, usize)> = None;
+    let mut device: Option<(DeviceAddr, usize)> = None;
     loop {
         let (op, arg) = recv_op(&mut ctl)?;
         match op {

@@ -46,7 +46,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use mempool_core::{memory, Context, DevicePtr, Event, EventFlags, MemPool, Stream, StreamRef};
+use mempool_core::{memory, Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 use crate::cred::PeerCredentials;
@@ -108,7 +108,7 @@ pub struct ExporterStats {
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
 /// the free on.
-type FreeFn = Box<dyn FnOnce(DevicePtr, usize, StreamRef<'_>) -> Result<()> + Send>;
+type FreeFn = Box<dyn FnOnce(DeviceAddr, usize, StreamRef<'_>) -> Result<()> + Send>;
 
 /// How a buffer is given back once nobody holds it.
 enum Freer {
@@ -158,7 +158,7 @@ struct BlockRecord {
 
 /// One live buffer, as the lease table keeps it.
 struct Shared {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     block_base: u64,
     free: Option<Freer>,
@@ -364,13 +364,13 @@ impl Exporter {
     /// Errors: [`Error::NotShareable`] if the range is not inside an allocation of this pool.
     pub fn adopt<'s, F, E>(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         len: usize,
         stream: StreamRef<'s>,
         free: F,
     ) -> Result<ExportedBuffer<'s>>
     where
-        F: FnOnce(DevicePtr, usize, StreamRef<'_>) -> std::result::Result<(), E> + Send + 'static,
+        F: FnOnce(DeviceAddr, usize, StreamRef<'_>) -> std::result::Result<(), E> + Send + 'static,
         E: std::error::Error + Send + Sync + 'static,
     {
         let not_shareable = |reason: String| Error::NotShareable {
@@ -445,7 +445,7 @@ impl Exporter {
     fn register<'s>(
         &self,
         mut state: MutexGuard<'_, State>,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         len: usize,
         block_base: u64,
         free: Freer,
@@ -636,7 +636,7 @@ impl Drop for Exporter {
 pub struct ExportedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     stream: StreamRef<'s>,
     released: bool,
@@ -659,7 +659,7 @@ impl<'s> ExportedBuffer<'s> {
     }
 
     /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -757,7 +757,7 @@ impl Inner {
         let pointer = match block.pointer {
             Some(pointer) => pointer,
             None => {
-                let data = self.source.pool().export_pointer(DevicePtr(base))?;
+                let data = self.source.pool().export_pointer(DeviceAddr(base))?;
                 let pointer = PointerDescriptor(data.0);
                 block.pointer = Some(pointer);
                 pointer

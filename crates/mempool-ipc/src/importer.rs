@@ -34,7 +34,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use mempool_core::{Context, Device, DevicePtr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef};
+use mempool_core::{
+    Context, Device, DeviceAddr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef,
+};
 
 use crate::conn::ConnectionConfig;
 use crate::cred::{AccessPolicy, PeerCredentials};
@@ -194,7 +196,7 @@ impl Importer {
             Err(e) => return Err(e),
         };
         let id = descriptor.buffer_id;
-        let received = (|| -> Result<DevicePtr> {
+        let received = (|| -> Result<DeviceAddr> {
             let mut state = inner.lock();
             let base = state
                 .table
@@ -246,7 +248,7 @@ pub struct SharedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
     block: BlockId,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     stream: StreamRef<'s>,
     released: bool,
@@ -275,7 +277,7 @@ impl<'s> SharedBuffer<'s> {
     }
 
     /// The device address in this process.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 

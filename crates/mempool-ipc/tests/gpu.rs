@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use mempool_core::kernels::{u32s, CheckKernels};
-use mempool_core::{memory, Context, Device, DevicePtr, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
 use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions, SharedBuffer};
 use mempool_rmm::suballoc::{BinningConfig, PoolConfig};
 use mempool_rmm::{AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource, SharedResource};
@@ -54,7 +54,7 @@ fn child_socket() -> PathBuf {
     PathBuf::from(std::env::var(SOCK).expect("the parent passes the socket path"))
 }
 
-fn read_u32s(ctx: &Context, ptr: DevicePtr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
+fn read_u32s(ctx: &Context, ptr: DeviceAddr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
     let mut host = vec![0u8; n * 4];
     // SAFETY: callers pass live device memory of at least n u32s, ordered on `stream`.
     unsafe { memory::copy_to_host(ctx, &mut host, ptr, stream) }.unwrap();

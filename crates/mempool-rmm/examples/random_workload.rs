@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mempool_core::{sys, Device, DevicePtr, MemPool, PoolProps, Stream, StreamRef};
+use mempool_core::{sys, Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
 use mempool_rmm::testing::{random_workload, RandomOp as Op};
 use mempool_rmm::{
@@ -36,10 +36,10 @@ struct Point {
 fn run(
     ops: &[Op],
     stream: StreamRef<'_>,
-    alloc: &dyn Fn(usize) -> DevicePtr,
-    free: &dyn Fn(DevicePtr, usize),
+    alloc: &dyn Fn(usize) -> DeviceAddr,
+    free: &dyn Fn(DeviceAddr, usize),
 ) -> (f64, usize) {
-    let mut live: Vec<(DevicePtr, usize)> = Vec::with_capacity(ops.len());
+    let mut live: Vec<(DeviceAddr, usize)> = Vec::with_capacity(ops.len());
     let mut peak = 0;
     let t = Instant::now();
     for op in ops {
@@ -161,9 +161,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             #[allow(unsafe_code)]
             let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, pool_raw, stream_raw) };
             assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemAllocFromPoolAsync({size})");
-            DevicePtr(p)
+            DeviceAddr(p)
         };
-        let raw_free = |ptr: DevicePtr, _size: usize| {
+        let raw_free = |ptr: DeviceAddr, _size: usize| {
             // SAFETY: `ptr` came from `cuMemAllocFromPoolAsync` above on this stream and is freed once; the
             // context is current.
             #[allow(unsafe_code)]
@@ -197,7 +197,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mr = make()?;
             let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
             let free =
-                |ptr: DevicePtr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
+                |ptr: DeviceAddr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
             run(&ops, s, &alloc, &free);
             // cuMemAlloc/cuMemFree synchronize: one timed run keeps the baseline resource's run short.
             let repeats = if *name == "cuda" { 1 } else { REPEATS };

@@ -3,7 +3,7 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
 
@@ -43,10 +43,10 @@ pub trait MemoryResource: Send + Sync + Debug {
     /// `#[track_caller]`: implementations see the user's call site through any stack of adaptors (the
     /// [`crate::adaptors::TrackingAdaptor`] records it).
     #[track_caller]
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr>;
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr>;
 
     /// Returns `ptr` (from `allocate(bytes, _)` of an equal resource), ordered on `stream`.
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()>;
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()>;
 
     /// Whether memory allocated by `self` may be deallocated by `other` and vice versa. The default is
     /// identity of the two objects.
@@ -63,10 +63,10 @@ pub type SharedResource = Arc<dyn MemoryResource>;
 
 impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     #[track_caller]
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         (**self).deallocate(ptr, bytes, stream)
     }
     fn is_equal(&self, other: &dyn MemoryResource) -> bool {
@@ -79,10 +79,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
 
 impl<R: MemoryResource + ?Sized> MemoryResource for &R {
     #[track_caller]
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         (**self).deallocate(ptr, bytes, stream)
     }
     fn is_equal(&self, other: &dyn MemoryResource) -> bool {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::{align_up, MemoryResource};
@@ -80,9 +80,9 @@ impl SimResource {
 }
 
 impl MemoryResource for SimResource {
-    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
-            return Ok(DevicePtr::NULL);
+            return Ok(DeviceAddr::NULL);
         }
         let size = align_up(bytes);
         let mut s = self.state();
@@ -98,10 +98,10 @@ impl MemoryResource for SimResource {
         s.live.insert(addr, bytes);
         s.used += size;
         s.total_allocations += 1;
-        Ok(DevicePtr(addr))
+        Ok(DeviceAddr(addr))
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }

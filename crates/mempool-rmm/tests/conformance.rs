@@ -5,7 +5,7 @@
 use std::sync::{mpsc, Arc};
 
 use mempool_core::kernels::{u32s, CheckKernels};
-use mempool_core::{memory, Device, DevicePtr, Event, EventFlags, Stream};
+use mempool_core::{memory, Device, DeviceAddr, Event, EventFlags, Stream};
 use mempool_rmm::adaptors::{
     AlignedAdaptor, FailureCallbackAdaptor, LimitingAdaptor, LoggingAdaptor, PrefetchAdaptor, StatisticsAdaptor,
     TrackingAdaptor,
@@ -36,7 +36,7 @@ const FIXED: Caps = Caps { max_size: 1 << 20 };
 
 /// Writes `base + i` into the first u32s of `ptr` with a kernel and reads them back: the memory is
 /// really accessible from the device.
-fn check_device_access(ptr: DevicePtr, bytes: usize, stream: &Stream, kernels: &CheckKernels, base: u32) {
+fn check_device_access(ptr: DeviceAddr, bytes: usize, stream: &Stream, kernels: &CheckKernels, base: u32) {
     let n = (bytes / 4).min(4096);
     if n == 0 {
         return;
@@ -181,7 +181,7 @@ fn four_threads(mr: SharedResource, caps: Caps) {
 
 fn allocate_and_free_on_different_threads(mr: SharedResource, caps: Caps) {
     let ctx = device().context().unwrap();
-    let (tx, rx) = mpsc::channel::<(DevicePtr, usize, Event)>();
+    let (tx, rx) = mpsc::channel::<(DeviceAddr, usize, Event)>();
     let size = caps.max_size.min(MIB);
     std::thread::scope(|scope| {
         let (mr_a, ctx_a) = (mr.clone(), ctx.clone());

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, DevicePtr, StreamRef};
+use mempool_core::{memory, Context, DeviceAddr, StreamRef};
 use mempool_rmm::MemoryResource;
 
 use crate::kernels::{elementwise, launch, strided, tiled, Arg, QueryKernels, EMPTY_KEY, RADIX_DIGITS, TILE};
@@ -58,7 +58,7 @@ pub struct Exec<'a> {
 /// usable by work on `exec.stream`.
 pub struct Col<'e, T: Element> {
     exec: &'e Exec<'e>,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     _t: PhantomData<T>,
 }
@@ -75,7 +75,7 @@ impl<T: Element> Col<'_, T> {
     }
 
     /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, sys, Context, Device, DevicePtr, Event, EventFlags, MemPool, PoolProps, Stream};
+use mempool_core::{memory, sys, Context, Device, DeviceAddr, Event, EventFlags, MemPool, PoolProps, Stream};
 
 use crate::kernels::{elementwise, hash2, launch, load, strided, Arg, WorkKernels};
 use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
@@ -52,8 +52,8 @@ struct Reader<'a> {
     ctx1: &'a Arc<Context>,
     s1: &'a Stream,
     k1: &'a WorkKernels<'a>,
-    dst: DevicePtr,
-    acc: DevicePtr,
+    dst: DeviceAddr,
+    acc: DeviceAddr,
     bytes: usize,
     repeats: usize,
     expected: u64,
@@ -61,7 +61,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     /// Times `repeats` reads of `src` into `dst` on device 1; checks the last one.
-    fn measure(&self, src: DevicePtr, by_kernel: bool) -> Result<f64> {
+    fn measure(&self, src: DeviceAddr, by_kernel: bool) -> Result<f64> {
         let s = self.s1.as_ref();
         let n16 = self.bytes / 16;
         let read = || -> Result<()> {
@@ -147,7 +147,7 @@ pub fn measure(params: &PeerParams) -> Result<Vec<PeerCase>> {
     let bytes = params.bytes;
     let n = bytes / 4;
     let expected: u64 = (0..n as u64).map(|i| u64::from(hash2(7, i))).sum();
-    let fill = |ctx: &Arc<Context>, k: &WorkKernels<'_>, s: &Stream, p: DevicePtr| -> Result<()> {
+    let fill = |ctx: &Arc<Context>, k: &WorkKernels<'_>, s: &Stream, p: DeviceAddr| -> Result<()> {
         let _ = ctx;
         // SAFETY: `p` holds `bytes` = 4n bytes on the stream's device.
         unsafe {

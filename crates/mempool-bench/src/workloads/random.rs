@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use mempool_core::{DevicePtr, Stream};
+use mempool_core::{DeviceAddr, Stream};
 use mempool_rmm::MemoryResource;
 
 use crate::progress::Progress;
@@ -85,7 +85,7 @@ pub struct RunStats {
 /// simulation).
 pub fn run(ops: &[Op], mr: &dyn MemoryResource, stream: Option<&Stream>) -> Result<RunStats> {
     let s = stream.map_or(mempool_core::StreamRef::LEGACY, Stream::as_ref);
-    let mut live: Vec<(DevicePtr, usize)> = Vec::with_capacity(ops.len());
+    let mut live: Vec<(DeviceAddr, usize)> = Vec::with_capacity(ops.len());
     let (mut peak, mut bytes, mut peak_bytes) = (0usize, 0u64, 0u64);
     let t = Instant::now();
     let mut result = Ok(());

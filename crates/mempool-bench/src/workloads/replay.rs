@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use mempool_core::{DevicePtr, Stream, StreamRef};
+use mempool_core::{DeviceAddr, Stream, StreamRef};
 use mempool_rmm::adaptors::{parse_log, Action, LogEvent};
 use mempool_rmm::MemoryResource;
 
@@ -249,7 +249,7 @@ pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Res
                             if p == 0 && size > 0 {
                                 Ok(()) // its allocation failed
                             } else {
-                                tracked.deallocate(DevicePtr(p), size, s)
+                                tracked.deallocate(DeviceAddr(p), size, s)
                             }
                         }
                     };
@@ -264,7 +264,7 @@ pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Res
     for &(slot, size, _) in &plan.unfreed {
         let p = ptrs[slot].swap(0, Ordering::Relaxed);
         if p != 0 {
-            tracked.deallocate(DevicePtr(p), size, s)?;
+            tracked.deallocate(DeviceAddr(p), size, s)?;
         }
     }
     if let Some(stream) = stream {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::{MemoryResource, ALIGNMENT};
@@ -17,7 +17,7 @@ pub struct AlignedAdaptor<U> {
     alignment: usize,
     threshold: usize,
     // aligned address -> (upstream address, upstream size) for over-allocated blocks.
-    shifted: Mutex<HashMap<u64, (DevicePtr, usize)>>,
+    shifted: Mutex<HashMap<u64, (DeviceAddr, usize)>>,
 }
 
 impl<U: MemoryResource> AlignedAdaptor<U> {
@@ -46,7 +46,7 @@ impl<U: MemoryResource> AlignedAdaptor<U> {
 }
 
 impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if !self.applies(bytes) {
             return self.upstream.allocate(bytes, stream);
         }
@@ -59,7 +59,7 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             },
             other => other,
         })?;
-        let aligned = DevicePtr(raw.0.next_multiple_of(self.alignment as u64));
+        let aligned = DeviceAddr(raw.0.next_multiple_of(self.alignment as u64));
         // Keep the upstream address and size (also when no shift was needed) so deallocate frees exactly
         // what was allocated.
         self.shifted
@@ -69,7 +69,7 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
         Ok(aligned)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         if !self.applies(bytes) {
             return self.upstream.deallocate(ptr, bytes, stream);
         }

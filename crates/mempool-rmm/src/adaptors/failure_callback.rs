@@ -1,6 +1,6 @@
 //! [`FailureCallbackAdaptor`]: a chance to free memory and retry when an allocation runs out.
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
@@ -59,7 +59,7 @@ where
     U: MemoryResource,
     F: Fn(usize, u32) -> bool + Send + Sync,
 {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let mut attempt = 0;
         loop {
             match self.upstream.allocate(bytes, stream) {
@@ -69,7 +69,7 @@ where
         }
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)
     }
 

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::{align_up, MemoryResource};
@@ -41,7 +41,7 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
 }
 
 impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let need = align_up(bytes);
         // Reserve first so concurrent callers cannot overshoot together.
         let prev = self.used.fetch_add(need, Ordering::AcqRel);
@@ -58,7 +58,7 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         })
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)?;
         self.used.fetch_sub(align_up(bytes), Ordering::AcqRel);
         Ok(())

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -212,7 +212,7 @@ impl<U: MemoryResource, W: Write + Send> LoggingAdaptor<U, W> {
         Ok(w)
     }
 
-    fn log(&self, action: Action, ptr: DevicePtr, size: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn log(&self, action: Action, ptr: DeviceAddr, size: usize, stream: StreamRef<'_>) -> Result<()> {
         let thread = THREAD_ID.with(|t| *t);
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
@@ -231,7 +231,7 @@ impl<U: MemoryResource, W: Write + Send> LoggingAdaptor<U, W> {
 }
 
 impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W> {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         match self.upstream.allocate(bytes, stream) {
             Ok(p) => {
                 if let Err(e) = self.log(Action::Allocate, p, bytes, stream) {
@@ -242,13 +242,13 @@ impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W>
                 Ok(p)
             }
             Err(e) => {
-                let _ = self.log(Action::AllocateFailure, DevicePtr::NULL, bytes, stream);
+                let _ = self.log(Action::AllocateFailure, DeviceAddr::NULL, bytes, stream);
                 Err(e)
             }
         }
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)?;
         self.log(Action::Deallocate, ptr, bytes, stream)
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, Device, DevicePtr, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
@@ -35,7 +35,7 @@ impl<U: MemoryResource> PrefetchAdaptor<U> {
 
 impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
     #[allow(unsafe_code)]
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let p = self.upstream.allocate(bytes, stream)?;
         if p.is_null() {
             return Ok(p);
@@ -50,7 +50,7 @@ impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
         Ok(p)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)
     }
 

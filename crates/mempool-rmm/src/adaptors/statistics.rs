@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
@@ -114,7 +114,7 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
 }
 
 impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let p = self.upstream.allocate(bytes, stream)?;
         let mut s = self.stack();
         let top = s.last_mut().expect("never empty");
@@ -123,7 +123,7 @@ impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
         Ok(p)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)?;
         let mut s = self.stack();
         let top = s.last_mut().expect("never empty");

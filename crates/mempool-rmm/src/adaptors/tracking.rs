@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::panic::Location;
 use std::sync::Mutex;
 
-use mempool_core::{DevicePtr, StreamRef};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -14,7 +14,7 @@ use crate::resource::MemoryResource;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AllocationRecord {
     /// The address.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// The bytes asked for.
     pub bytes: usize,
     /// The stream it was allocated on (its handle value).
@@ -88,7 +88,7 @@ impl<U: MemoryResource> TrackingAdaptor<U> {
 
 impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     #[track_caller]
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let location = Location::caller();
         let ptr = self.upstream.allocate(bytes, stream)?;
         if !ptr.is_null() {
@@ -107,7 +107,7 @@ impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
         Ok(ptr)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }

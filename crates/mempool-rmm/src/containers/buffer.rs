@@ -1,6 +1,6 @@
 //! [`DeviceBuffer`]: untyped, uninitialised device memory from a resource.
 
-use mempool_core::{memory, DevicePtr, Stream};
+use mempool_core::{memory, DeviceAddr, Stream};
 
 use crate::error::{Error, Result};
 use crate::resource::SharedResource;
@@ -24,7 +24,7 @@ use crate::resource::SharedResource;
 pub struct DeviceBuffer<'s> {
     // Invariants: `ptr` is null iff `capacity == 0`; `size <= capacity`; `ptr` came from
     // `mr.allocate(capacity, stream)` and is returned with exactly that size.
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     size: usize,
     capacity: usize,
     stream: &'s Stream,
@@ -52,7 +52,7 @@ impl<'s> DeviceBuffer<'s> {
     }
 
     /// The device address (null when the capacity is 0).
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
     /// The size in bytes.

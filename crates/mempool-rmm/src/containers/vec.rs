@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
-use mempool_core::{DevicePtr, Stream};
+use mempool_core::{DeviceAddr, Stream};
 
 use super::DeviceBuffer;
 use crate::error::{Error, Result};
@@ -43,7 +43,7 @@ impl<'s, T: Pod> DeviceVec<'s, T> {
         self.len() == 0
     }
     /// The device address of element 0.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.buf.ptr()
     }
     /// The untyped buffer underneath.
@@ -113,7 +113,7 @@ impl<'s, T: Pod> DeviceScalar<'s, T> {
         self.vec.set(0, value)
     }
     /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.vec.ptr()
     }
 }

@@ -1,6 +1,6 @@
 //! [`AsyncResource`]: allocation from a driver pool with `cuMemAllocFromPoolAsync`.
 
-use mempool_core::{Device, DevicePtr, HandleTypes, MemPool, PoolProps, StreamRef};
+use mempool_core::{Device, DeviceAddr, HandleTypes, MemPool, PoolProps, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -87,12 +87,12 @@ impl AsyncResource {
 }
 
 impl MemoryResource for AsyncResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(self.pool.allocate(bytes, stream)?)
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         let _ = bytes;
         // SAFETY: by the trait's contract `ptr` came from `allocate` on this resource (hence from a
         // stream-ordered allocation in the pool's context), is returned once, and all its uses are ordered

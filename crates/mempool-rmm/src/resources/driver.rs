@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, Device, DevicePtr, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
@@ -30,13 +30,13 @@ macro_rules! plain_resource {
         }
 
         impl MemoryResource for $name {
-            fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DevicePtr> {
-                let alloc: fn(&Context, usize) -> mempool_core::Result<DevicePtr> = $alloc;
+            fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
+                let alloc: fn(&Context, usize) -> mempool_core::Result<DeviceAddr> = $alloc;
                 Ok(alloc(&self.ctx, bytes)?)
             }
 
             #[allow(unsafe_code)]
-            fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+            fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
                 if ptr.is_null() {
                     return Ok(());
                 }
@@ -71,12 +71,12 @@ plain_resource!(
     memory::device_free
 );
 
-fn pinned_alloc(ctx: &Context, bytes: usize) -> mempool_core::Result<DevicePtr> {
-    memory::pinned_host_alloc(ctx, bytes).map(|p| DevicePtr(p as u64))
+fn pinned_alloc(ctx: &Context, bytes: usize) -> mempool_core::Result<DeviceAddr> {
+    memory::pinned_host_alloc(ctx, bytes).map(|p| DeviceAddr(p as u64))
 }
 
 #[allow(unsafe_code)]
-unsafe fn pinned_free(ctx: &Context, ptr: DevicePtr) -> mempool_core::Result<()> {
+unsafe fn pinned_free(ctx: &Context, ptr: DeviceAddr) -> mempool_core::Result<()> {
     // SAFETY: the caller's contract: `ptr` came from `pinned_alloc` and is freed once.
     unsafe { memory::pinned_host_free(ctx, ptr.0 as *mut u8) }
 }

@@ -1,6 +1,6 @@
 //! [`HostPoolResource`]: a stream-ordered pool whose memory lives in host RAM.
 
-use mempool_core::{Device, DevicePtr, MemPool, PoolLocation, PoolProps, StreamRef};
+use mempool_core::{Device, DeviceAddr, MemPool, PoolLocation, PoolProps, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -95,11 +95,11 @@ impl HostPoolResource {
 }
 
 impl MemoryResource for HostPoolResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         self.inner.allocate(bytes, stream)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         self.inner.deallocate(ptr, bytes, stream)
     }
 

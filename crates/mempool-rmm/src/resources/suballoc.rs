@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use mempool_core::{Context, DevicePtr, Event, EventFlags, StreamRef};
+use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -106,11 +106,11 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
             // The context was synchronized before release began, so nothing uses the chunk.
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
                 self.upstream
-                    .deallocate(DevicePtr(addr), bytes as usize, StreamRef::LEGACY)
+                    .deallocate(DeviceAddr(addr), bytes as usize, StreamRef::LEGACY)
             })
         } else {
             self.upstream
-                .deallocate(DevicePtr(addr), bytes as usize, stream.stream())
+                .deallocate(DeviceAddr(addr), bytes as usize, stream.stream())
         };
         if let Err(e) = r {
             // The engine's upstream contract has no error path for frees; keep the report.
@@ -233,17 +233,17 @@ macro_rules! suballocating_resource {
         }
 
         impl<U: MemoryResource> MemoryResource for $name<U> {
-            fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DevicePtr> {
+            fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
                 if bytes == 0 {
-                    return Ok(DevicePtr::NULL);
+                    return Ok(DeviceAddr::NULL);
                 }
                 self.engine()
                     .allocate(bytes as u64, StreamKey::of(stream))
-                    .map(DevicePtr)
+                    .map(DeviceAddr)
                     .map_err(|e| map_engine_error(stringify!($name), e))
             }
 
-            fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+            fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
                 if ptr.is_null() {
                     return Ok(());
                 }
