@@ -27,8 +27,8 @@ impl MemoryResource for RawCudaResource {
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
-        // SAFETY: by the trait's contract `ptr` came from `allocate` here (cuMemAlloc in this context) and
+    unsafe fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: by the caller's obligations 1-3 `ptr` came from `allocate` here (cuMemAlloc in this context) and
         // is freed once; cuMemFree synchronizes with the device's outstanding work before releasing it.
         unsafe { memory::device_free(&self.ctx, ptr) }?;
         Ok(())
@@ -61,8 +61,8 @@ impl MemoryResource for RawPoolResource {
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        // SAFETY: by the trait's contract `ptr` came from `allocate` here (this pool), is freed once, and
+    unsafe fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: by the caller's obligations 1-3 `ptr` came from `allocate` here (this pool), is freed once, and
         // its uses are ordered before this point of `stream`.
         unsafe { self.pool.free_async(ptr, stream) }?;
         Ok(())

@@ -81,8 +81,11 @@ impl<R: MemoryResource> MemoryResource for Tracked<R> {
         }
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.inner.deallocate(ptr, bytes, stream)?;
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this wrapper hands out the inner resource's allocations unchanged, so the caller's
+        // obligations 1-3 for it are the same obligations for the inner resource.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }?;
         self.live.fetch_sub(bytes as u64, Ordering::Relaxed);
         Ok(())
     }

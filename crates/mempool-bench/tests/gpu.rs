@@ -65,7 +65,9 @@ fn every_spec_builds_and_serves_device_memory() {
             u32s(&host).iter().enumerate().all(|(i, &v)| v == 11 + i as u32),
             "{text}"
         );
-        mr.deallocate(p, n * 4, stream.as_ref()).unwrap();
+        // SAFETY: `p` came from `mr.allocate(n * 4, stream)` and is freed once; the kernel and the copy that
+        // used it were queued on `stream` and the copy has completed.
+        unsafe { mr.deallocate(p, n * 4, stream.as_ref()) }.unwrap();
         stream.synchronize().unwrap();
     }
 }

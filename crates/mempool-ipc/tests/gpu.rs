@@ -317,7 +317,11 @@ fn suballocated_parent(test: &str, make: impl FnOnce(Arc<AsyncResource>, &Arc<Co
         let ptr = sub.allocate(SUB_LEN, stream.as_ref()).unwrap();
         let mr = sub.clone();
         let buf = exporter
-            .adopt(ptr, SUB_LEN, stream.as_ref(), move |p, len, s| mr.deallocate(p, len, s))
+            .adopt(ptr, SUB_LEN, stream.as_ref(), move |p, len, s| {
+                // SAFETY: the exporter calls this once, after the last holder released the buffer, with the
+                // address and size adopted here (an allocation of `sub` on `stream`).
+                unsafe { mr.deallocate(p, len, s) }
+            })
             .unwrap();
         // SAFETY: the buffer holds n u32s on `stream`.
         unsafe { kernels.iota(buf.ptr(), n, (k * 100_000) as u32, stream.as_ref()) }.unwrap();

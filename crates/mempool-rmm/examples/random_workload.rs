@@ -196,8 +196,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let mr = make()?;
             let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let free =
-                |ptr: DeviceAddr, size: usize| mr.deallocate(ptr, size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            // SAFETY (of the closure's use): `run` frees each allocation it got from `alloc` exactly once, with
+            // its size, on `s`, and never touches the memory.
+            let free = |ptr: DeviceAddr, size: usize| {
+                unsafe { mr.deallocate(ptr, size, s) }.unwrap_or_else(|e| panic!("{name}: {e}"))
+            };
             run(&ops, s, &alloc, &free);
             // cuMemAlloc/cuMemFree synchronize: one timed run keeps the baseline resource's run short.
             let repeats = if *name == "cuda" { 1 } else { REPEATS };

@@ -24,10 +24,12 @@ pub fn align_up(bytes: usize) -> usize {
 ///   synchronize).
 /// - `deallocate(p, n, S)` means: `p` may be reused by work ordered after the work queued on `S` so far.
 ///   All work that uses `p` must already be ordered before that point of `S`.
-/// - `deallocate` takes the pointer and the size `allocate` was called with (`bytes`, not the rounded
-///   size), and must be called on a resource equal to the one that allocated ([`is_equal`]).
-///   Mismatches are logic errors: resources detect what they can and return
-///   [`crate::Error::InvalidDeallocation`]; none touches the memory itself.
+/// - `deallocate` is `unsafe`: it takes a raw address, and freeing memory the caller does not own, or
+///   freeing it twice, hands memory that is still in use to someone else (the driver's answer to a double
+///   free is undefined behaviour). Its `# Safety` list is the whole contract; the RAII containers
+///   ([`crate::containers::DeviceBuffer`], [`crate::containers::DeviceVec`], ...) are the safe way in and
+///   out. Resources still detect the mismatches they can see and return
+///   [`crate::Error::InvalidDeallocation`] rather than touch the memory.
 ///
 /// # Other guarantees
 /// - Allocations are aligned to [`ALIGNMENT`] bytes.
@@ -45,8 +47,18 @@ pub trait MemoryResource: Send + Sync + Debug {
     #[track_caller]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr>;
 
-    /// Returns `ptr` (from `allocate(bytes, _)` of an equal resource), ordered on `stream`.
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()>;
+    /// Returns `ptr` to the resource, ordered on `stream`: the memory may be reused by work ordered after
+    /// the work queued on `stream` so far. A null `ptr` is a no-op.
+    ///
+    /// # Safety
+    /// 1. `ptr` is null, or was returned by `allocate(bytes, _)` of this resource or of one
+    ///    [`is_equal`](MemoryResource::is_equal) to it, with this same `bytes`.
+    /// 2. `ptr` has not been deallocated since it was allocated.
+    /// 3. No use of the memory is ordered after this point of `stream`: every kernel, copy or other
+    ///    access that touches it is queued on `stream` before this call or ordered before it (through an
+    ///    event or a synchronize), and the caller does not touch the memory afterwards.
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()>;
 
     /// Whether memory allocated by `self` may be deallocated by `other` and vice versa. The default is
     /// identity of the two objects.
@@ -66,8 +78,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        (**self).deallocate(ptr, bytes, stream)
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: forwarded with the caller's contract unchanged; `self` and `**self` are the same resource.
+        unsafe { (**self).deallocate(ptr, bytes, stream) }
     }
     fn is_equal(&self, other: &dyn MemoryResource) -> bool {
         (**self).is_equal(other)
@@ -82,8 +96,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for &R {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        (**self).deallocate(ptr, bytes, stream)
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: forwarded with the caller's contract unchanged; `self` and `**self` are the same resource.
+        unsafe { (**self).deallocate(ptr, bytes, stream) }
     }
     fn is_equal(&self, other: &dyn MemoryResource) -> bool {
         (**self).is_equal(other)

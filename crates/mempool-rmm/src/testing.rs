@@ -101,7 +101,8 @@ impl MemoryResource for SimResource {
         Ok(DeviceAddr(addr))
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, _stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }

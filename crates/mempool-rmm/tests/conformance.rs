@@ -55,7 +55,8 @@ fn check_device_access(ptr: DeviceAddr, bytes: usize, stream: &Stream, kernels: 
 fn zero_bytes(mr: SharedResource) {
     let stream = Stream::new(&device().context().unwrap()).unwrap();
     let p = mr.allocate(0, stream.as_ref()).unwrap();
-    mr.deallocate(p, 0, stream.as_ref()).unwrap();
+    // SAFETY: `p` came from `mr.allocate(0, stream)` just above and is freed once; nothing used it.
+    unsafe { mr.deallocate(p, 0, stream.as_ref()) }.unwrap();
     stream.synchronize().unwrap();
 }
 
@@ -78,7 +79,9 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
         let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
         assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
         check_device_access(p, size, &stream, &kernels, size as u32);
-        mr.deallocate(p, size, stream.as_ref()).unwrap();
+        // SAFETY: `p` came from `mr.allocate(size, stream)` above and is freed once; the check kernel and copy that
+        // used it were queued on `stream`.
+        unsafe { mr.deallocate(p, size, stream.as_ref()) }.unwrap();
         size *= 4;
     }
     stream.synchronize().unwrap();
@@ -121,7 +124,9 @@ fn random_allocations(mr: SharedResource, caps: Caps) {
     }
     while !live.is_empty() {
         let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
-        mr.deallocate(p, s, stream.as_ref()).unwrap();
+        // SAFETY: `p` came from `mr.allocate(s, _)` with this size and just left `live`, so it is freed once; its
+        // uses (kernels) were queued on this stream.
+        unsafe { mr.deallocate(p, s, stream.as_ref()) }.unwrap();
     }
     stream.synchronize().unwrap();
 }
@@ -137,11 +142,14 @@ fn mixed_allocate_and_free(mr: SharedResource, caps: Caps) {
             live.push((mr.allocate(size, stream.as_ref()).unwrap(), size));
         } else {
             let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
-            mr.deallocate(p, s, stream.as_ref()).unwrap();
+            // SAFETY: `p` came from `mr.allocate(s, _)` with this size and just left `live`, so it is freed once; its
+            // uses (kernels) were queued on this stream.
+            unsafe { mr.deallocate(p, s, stream.as_ref()) }.unwrap();
         }
     }
     for (p, s) in live {
-        mr.deallocate(p, s, stream.as_ref()).unwrap();
+        // SAFETY: each `(p, s)` left in `live` is an allocation of `mr` on `stream`, freed once here.
+        unsafe { mr.deallocate(p, s, stream.as_ref()) }.unwrap();
     }
     stream.synchronize().unwrap();
 }
@@ -167,11 +175,15 @@ fn four_threads(mr: SharedResource, caps: Caps) {
                         live.push((p, size));
                     } else {
                         let (p, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
-                        mr.deallocate(p, s, stream.as_ref()).unwrap();
+                        // SAFETY: `p` came from `mr.allocate(s, _)` with this size and just left `live`, so it is freed once; its
+                        // uses (kernels) were queued on this stream.
+                        unsafe { mr.deallocate(p, s, stream.as_ref()) }.unwrap();
                     }
                 }
                 for (p, s) in live {
-                    mr.deallocate(p, s, stream.as_ref()).unwrap();
+                    // SAFETY: each `(p, s)` left in `live` is an allocation of `mr` on this thread's stream, freed once here;
+                    // its uses were queued on that stream.
+                    unsafe { mr.deallocate(p, s, stream.as_ref()) }.unwrap();
                 }
                 stream.synchronize().unwrap();
             });
@@ -203,7 +215,9 @@ fn allocate_and_free_on_different_threads(mr: SharedResource, caps: Caps) {
             let stream = Stream::new(&ctx_b).unwrap();
             for (p, size, done) in rx {
                 stream.wait(&done).unwrap();
-                mr_b.deallocate(p, size, stream.as_ref()).unwrap();
+                // SAFETY: `p` was allocated by the other thread from an equal resource (a clone of the same `Arc`) with
+                // `size` and sent here once; `stream` waits on the event recorded after its last use.
+                unsafe { mr_b.deallocate(p, size, stream.as_ref()) }.unwrap();
             }
             stream.synchronize().unwrap();
         });
@@ -222,11 +236,15 @@ fn allocate_and_free_on_different_streams(mr: SharedResource, caps: Caps) {
         let done = Event::new(&ctx, EventFlags::DISABLE_TIMING).unwrap();
         done.record(a.as_ref()).unwrap();
         b.wait(&done).unwrap();
-        mr.deallocate(p, size, b.as_ref()).unwrap();
+        // SAFETY: `p` came from `mr.allocate(size, a)` and is freed once; `b` waits on the event recorded on `a`
+        // after the kernel that used it, so every use is ordered before this free on `b`.
+        unsafe { mr.deallocate(p, size, b.as_ref()) }.unwrap();
         // The next allocation on `a` may get memory freed on `b`: the resource must order it.
         let q = mr.allocate(size, a.as_ref()).unwrap();
         check_device_access(q, size, &a, &kernels, 1000 + i);
-        mr.deallocate(q, size, a.as_ref()).unwrap();
+        // SAFETY: `q` came from `mr.allocate(size, a)` just above and is freed once; the check kernel that used it
+        // was queued on `a`.
+        unsafe { mr.deallocate(q, size, a.as_ref()) }.unwrap();
     }
     a.synchronize().unwrap();
     b.synchronize().unwrap();

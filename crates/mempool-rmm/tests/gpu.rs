@@ -105,7 +105,9 @@ fn failure_callback_frees_memory_and_retries() {
             #[allow(unsafe_code)]
             Some(p) if attempt == 0 => {
                 let s = unsafe { mempool_core::StreamRef::from_raw(s2 as mempool_core::sys::CUstream) };
-                p2.deallocate(p, 200 << 20, s).unwrap();
+                // SAFETY (deallocate): `p` is the test's 200 MiB allocation from this resource, taken out of
+                // `held` (freed once); nothing used it.
+                unsafe { p2.deallocate(p, 200 << 20, s) }.unwrap();
                 true
             }
             _ => false,
@@ -119,7 +121,9 @@ fn failure_callback_frees_memory_and_retries() {
         1,
         "the first attempt ran out and called back once"
     );
-    mr.deallocate(b, 100 << 20, stream.as_ref()).unwrap();
+    // SAFETY: `b` came from `mr.allocate(100 << 20, stream)` above and is freed once; nothing used it.
+    #[allow(unsafe_code)]
+    unsafe { mr.deallocate(b, 100 << 20, stream.as_ref()) }.unwrap();
     stream.synchronize().unwrap();
     assert!(held.lock().unwrap().is_none());
 }
@@ -179,7 +183,10 @@ fn a_host_pool_serves_kernels_and_the_host_or_is_refused_clearly() {
         .collect();
     let expected: Vec<u32> = (0..N).step_by(4099).map(|i| 11 + i as u32).collect();
     assert_eq!(host, expected);
-    mr.deallocate(p, N * 4, stream.as_ref()).unwrap();
+    // SAFETY: `p` came from `mr.allocate(N * 4, stream)` and is freed once; the kernel that wrote it ran on
+    // `stream` and the host reads above finished before this call.
+    #[allow(unsafe_code)]
+    unsafe { mr.deallocate(p, N * 4, stream.as_ref()) }.unwrap();
     stream.synchronize().unwrap();
     assert_eq!(mr.pool().usage().unwrap().used_current, 0);
 }

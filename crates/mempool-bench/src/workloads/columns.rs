@@ -96,7 +96,11 @@ impl<T: Element> Col<'_, T> {
 
 impl<T: Element> Drop for Col<'_, T> {
     fn drop(&mut self) {
-        if let Err(e) = self.exec.mr.deallocate(self.ptr, self.len * T::SIZE, self.exec.stream) {
+        // SAFETY: the column owns `ptr`, a live allocation of `exec.mr` of `len * T::SIZE` bytes (the struct
+        // invariant), freed once here; every kernel and copy that used it was queued on `exec.stream`.
+        #[allow(unsafe_code)]
+        let r = unsafe { self.exec.mr.deallocate(self.ptr, self.len * T::SIZE, self.exec.stream) };
+        if let Err(e) = r {
             self.exec.drop_error.borrow_mut().get_or_insert(e.into());
         }
     }

@@ -100,7 +100,9 @@ pub fn run(
                                 &[Arg::from(buf), Arg::U64(n as u64), Arg::from(acc)],
                             )?;
                         }
-                        mr.deallocate(buf, bytes, s)?;
+                        // SAFETY: `buf` came from `mr.allocate(bytes, s)` in this iteration and is freed once;
+                        // the kernels that used it were launched on `s`, before this free.
+                        unsafe { mr.deallocate(buf, bytes, s) }?;
                     }
                     s.synchronize()?;
                     spans
@@ -110,7 +112,9 @@ pub fn run(
                     let mut host = [0u8; 8];
                     // SAFETY: `acc` holds 8 bytes, complete after the synchronize.
                     unsafe { memory::copy_to_host(ctx, &mut host, acc, s) }?;
-                    mr.deallocate(acc, 8, s)?;
+                    // SAFETY: `acc` came from `mr.allocate(8, s)` above and is freed once; its last use, the
+                    // copy, completed before this call.
+                    unsafe { mr.deallocate(acc, 8, s) }?;
                     Ok(u64::from_ne_bytes(host))
                 };
                 let r = body().and_then(|got| {

@@ -210,6 +210,7 @@ pub struct ReplayStats {
 
 /// Replays `plan` on `mr`, one thread per logged thread, in the logged order, on `stream` (the legacy
 /// stream and no synchronize when `None`: the host simulation).
+#[allow(unsafe_code)] // frees the allocations it made, each once (see the SAFETY lines)
 pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Result<ReplayStats> {
     let tracked = Tracked::new(mr);
     let s = stream.map_or(StreamRef::LEGACY, Stream::as_ref);
@@ -249,7 +250,11 @@ pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Res
                             if p == 0 && size > 0 {
                                 Ok(()) // its allocation failed
                             } else {
-                                tracked.deallocate(DeviceAddr(p), size, s)
+                                // SAFETY: `p` is the allocation this slot got from `tracked.allocate(size, _)`;
+                                // the swap to 0 takes it out of the slot, so it is freed once. The plan frees
+                                // a slot only after its allocation (the `next` counter orders the steps) on
+                                // the stream of the log's free, and nothing uses replayed memory.
+                                unsafe { tracked.deallocate(DeviceAddr(p), size, s) }
                             }
                         }
                     };
@@ -264,7 +269,9 @@ pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Res
     for &(slot, size, _) in &plan.unfreed {
         let p = ptrs[slot].swap(0, Ordering::Relaxed);
         if p != 0 {
-            tracked.deallocate(DeviceAddr(p), size, s)?;
+            // SAFETY: the slot's allocation from `tracked`, taken out of the slot by the swap (freed once);
+            // every worker has finished, and nothing uses replayed memory.
+            unsafe { tracked.deallocate(DeviceAddr(p), size, s) }?;
         }
     }
     if let Some(stream) = stream {

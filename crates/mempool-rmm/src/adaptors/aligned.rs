@@ -69,9 +69,12 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
         Ok(aligned)
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         if !self.applies(bytes) {
-            return self.upstream.deallocate(ptr, bytes, stream);
+            // SAFETY: allocations this size are the upstream's, unchanged (see `allocate`), so the caller's
+            // obligations 1-3 carry over to the upstream.
+            return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         }
         let entry = self.shifted.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr.0);
         let (raw, upstream_bytes) = entry.ok_or_else(|| Error::InvalidDeallocation {
@@ -80,7 +83,10 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             bytes,
             reason: "not an aligned allocation of this adaptor".into(),
         })?;
-        self.upstream.deallocate(raw, upstream_bytes, stream)
+        // SAFETY: `raw`/`upstream_bytes` is the upstream allocation `allocate` made for `ptr`, taken out of
+        // the table above so it is returned once; the caller's obligation 3 covers the whole upstream range
+        // because the aligned range lies inside it and nothing else of it was handed out.
+        unsafe { self.upstream.deallocate(raw, upstream_bytes, stream) }
     }
 
     fn name(&self) -> &'static str {
@@ -89,6 +95,7 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -118,9 +125,13 @@ mod tests {
             big.push(p);
         }
         for p in big {
-            mr.deallocate(p, 5000, S).unwrap();
+            // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+            // dereferenced.
+            unsafe { mr.deallocate(p, 5000, S) }.unwrap();
         }
-        mr.deallocate(small, 100, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(small, 100, S) }.unwrap();
         assert_eq!(mr.upstream().live_allocations(), 0);
         assert!(AlignedAdaptor::new(SimResource::new(), 3000, 0).is_err());
     }

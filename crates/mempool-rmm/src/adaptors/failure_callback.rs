@@ -69,8 +69,11 @@ where
         }
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.upstream.deallocate(ptr, bytes, stream)
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
+        // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }
     }
 
     fn name(&self) -> &'static str {
@@ -79,6 +82,7 @@ where
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -96,7 +100,9 @@ mod tests {
             assert_eq!(bytes, 512);
             c2.fetch_add(1, Ordering::SeqCst);
             if attempt == 0 {
-                s2.deallocate(hog, 1024, S).unwrap(); // free something, then retry
+                // SAFETY: `hog` is the test's allocation from the upstream (1024 bytes), freed once here; SimResource
+                // addresses are never dereferenced.
+                unsafe { s2.deallocate(hog, 1024, S) }.unwrap(); // free something, then retry
                 true
             } else {
                 false
@@ -104,7 +110,9 @@ mod tests {
         });
         let p = mr.allocate(512, S).unwrap();
         assert_eq!(calls.load(Ordering::SeqCst), 1);
-        mr.deallocate(p, 512, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(p, 512, S) }.unwrap();
     }
 
     #[test]

@@ -58,8 +58,11 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         })
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.upstream.deallocate(ptr, bytes, stream)?;
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
+        // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         self.used.fetch_sub(align_up(bytes), Ordering::AcqRel);
         Ok(())
     }
@@ -70,6 +73,7 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -91,10 +95,16 @@ mod tests {
             }
         );
         assert!(e.to_string().contains("limit of 1024 bytes"));
-        mr.deallocate(a, 500, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 500, S) }.unwrap();
         let c = mr.allocate(256, S).unwrap();
-        mr.deallocate(b, 512, S).unwrap();
-        mr.deallocate(c, 256, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(b, 512, S) }.unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(c, 256, S) }.unwrap();
         assert_eq!(mr.used(), 0);
     }
 

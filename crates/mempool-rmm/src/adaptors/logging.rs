@@ -155,7 +155,8 @@ thread_local! {
 /// use mempool_rmm::{testing::SimResource, MemoryResource};
 /// let mr = LoggingAdaptor::new(SimResource::new(), Vec::<u8>::new()).unwrap();
 /// let p = mr.allocate(512, StreamRef::LEGACY).unwrap();
-/// mr.deallocate(p, 512, StreamRef::LEGACY).unwrap();
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 512, StreamRef::LEGACY) }.unwrap();
 /// let log = mr.into_writer().unwrap();
 /// assert_eq!(parse_log(&log[..]).unwrap().len(), 2);
 /// ```
@@ -231,12 +232,15 @@ impl<U: MemoryResource, W: Write + Send> LoggingAdaptor<U, W> {
 }
 
 impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W> {
+    #[allow(unsafe_code)]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         match self.upstream.allocate(bytes, stream) {
             Ok(p) => {
                 if let Err(e) = self.log(Action::Allocate, p, bytes, stream) {
                     // The caller gets the error; the memory must not leak because of a log failure.
-                    let _ = self.upstream.deallocate(p, bytes, stream);
+                    // SAFETY: `p` was just allocated by the upstream with `bytes`, is freed once here and was
+                    // never handed to the caller, so nothing uses it.
+                    let _ = unsafe { self.upstream.deallocate(p, bytes, stream) };
                     return Err(e);
                 }
                 Ok(p)
@@ -248,8 +252,11 @@ impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W>
         }
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.upstream.deallocate(ptr, bytes, stream)?;
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
+        // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         self.log(Action::Deallocate, ptr, bytes, stream)
     }
 
@@ -259,6 +266,7 @@ impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W>
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -269,7 +277,9 @@ mod tests {
         let mr = LoggingAdaptor::new(SimResource::with_capacity(4096), Vec::new()).unwrap();
         let a = mr.allocate(1000, S).unwrap();
         assert!(mr.allocate(1 << 20, S).is_err());
-        mr.deallocate(a, 1000, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 1000, S) }.unwrap();
         let log = String::from_utf8(mr.into_writer().unwrap()).unwrap();
         let lines: Vec<&str> = log.lines().collect();
         assert_eq!(lines[0], LOG_HEADER);

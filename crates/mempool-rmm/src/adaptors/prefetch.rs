@@ -44,14 +44,19 @@ impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
         // the stream contract orders after this prefetch.
         let r = unsafe { memory::prefetch_async(&self.ctx, p, bytes, Some(self.device), stream) };
         if let Err(e) = r {
-            let _ = self.upstream.deallocate(p, bytes, stream);
+            // SAFETY: `p` was just allocated by the upstream with `bytes` and never handed to the caller;
+            // the only work that names it, the prefetch, was queued on `stream`, before this free.
+            let _ = unsafe { self.upstream.deallocate(p, bytes, stream) };
             return Err(e.into());
         }
         Ok(p)
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.upstream.deallocate(ptr, bytes, stream)
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
+        // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }
     }
 
     fn name(&self) -> &'static str {

@@ -50,7 +50,8 @@ pub struct Counters {
 /// let mr = StatisticsAdaptor::new(SimResource::new());
 /// let p = mr.allocate(1000, StreamRef::LEGACY).unwrap();
 /// assert_eq!(mr.counters().bytes.current, 1000);
-/// mr.deallocate(p, 1000, StreamRef::LEGACY).unwrap();
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 1000, StreamRef::LEGACY) }.unwrap();
 /// assert_eq!(mr.counters().bytes.peak, 1000);
 /// ```
 #[derive(Debug)]
@@ -123,8 +124,11 @@ impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
         Ok(p)
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.upstream.deallocate(ptr, bytes, stream)?;
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
+        // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         let mut s = self.stack();
         let top = s.last_mut().expect("never empty");
         top.bytes.sub(bytes as i64);
@@ -138,6 +142,7 @@ impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -148,7 +153,9 @@ mod tests {
         let mr = StatisticsAdaptor::new(SimResource::new());
         let a = mr.allocate(100, S).unwrap();
         let b = mr.allocate(200, S).unwrap();
-        mr.deallocate(a, 100, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 100, S) }.unwrap();
         let c = mr.counters();
         assert_eq!(
             c.bytes,
@@ -166,7 +173,9 @@ mod tests {
                 total: 2
             }
         );
-        mr.deallocate(b, 200, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(b, 200, S) }.unwrap();
         assert_eq!(mr.counters().bytes.current, 0);
     }
 
@@ -184,7 +193,9 @@ mod tests {
         mr.push_counters();
         let b = mr.allocate(10, S).unwrap();
         let c = mr.allocate(20, S).unwrap();
-        mr.deallocate(c, 20, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(c, 20, S) }.unwrap();
         let inner = mr.pop_counters().unwrap();
         assert_eq!(
             inner.bytes,
@@ -204,7 +215,11 @@ mod tests {
             }
         );
         assert_eq!(mr.pop_counters(), None);
-        mr.deallocate(b, 10, S).unwrap();
-        mr.deallocate(a, 1000, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(b, 10, S) }.unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 1000, S) }.unwrap();
     }
 }

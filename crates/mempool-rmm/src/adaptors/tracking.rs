@@ -107,7 +107,8 @@ impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
         Ok(ptr)
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }
@@ -135,7 +136,10 @@ impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
                 }
             }
         }
-        self.upstream.deallocate(ptr, bytes, stream)
+        // SAFETY: this adaptor hands out the upstream's allocations unchanged; the entry just removed from
+        // the live table shows `ptr` was allocated here with `bytes` and not freed since (obligations 1-2
+        // are also checked, not only assumed), and the caller's obligation 3 carries over.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }
     }
 
     fn name(&self) -> &'static str {
@@ -144,6 +148,7 @@ impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the tests free what they allocate: `deallocate` is unsafe
 mod tests {
     use super::*;
     use crate::testing::SimResource;
@@ -155,7 +160,9 @@ mod tests {
         let a = mr.allocate(100, S).unwrap();
         let line_b = line!() + 1;
         let b = mr.allocate(200, S).unwrap();
-        mr.deallocate(a, 100, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 100, S) }.unwrap();
         let out = mr.outstanding();
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].ptr, b);
@@ -164,7 +171,9 @@ mod tests {
         let report = mr.leak_report();
         assert!(report.starts_with("1 outstanding allocation(s), 200 bytes"), "{report}");
         assert!(report.contains(&format!("tracking.rs:{line_b}")), "{report}");
-        mr.deallocate(b, 200, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(b, 200, S) }.unwrap();
         assert_eq!(mr.outstanding_bytes(), 0);
     }
 
@@ -175,7 +184,9 @@ mod tests {
         let line = line!() + 1;
         let p = dynamic.allocate(64, S).unwrap();
         assert_eq!(mr.upstream().outstanding()[0].location.line(), line);
-        dynamic.deallocate(p, 64, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { dynamic.deallocate(p, 64, S) }.unwrap();
     }
 
     #[test]
@@ -183,14 +194,19 @@ mod tests {
         let mr = TrackingAdaptor::new(SimResource::new());
         let a = mr.allocate(100, S).unwrap();
         assert!(matches!(
-            mr.deallocate(a, 99, S),
+            // SAFETY: breaks obligation 1 on purpose (wrong size): the adaptor checks its live table before
+            // forwarding and refuses, and SimResource never dereferences addresses.
+            unsafe { mr.deallocate(a, 99, S) },
             Err(Error::InvalidDeallocation { .. })
         ));
         assert!(matches!(
-            mr.deallocate(a.offset(256), 100, S),
+            // SAFETY: breaks obligation 1 on purpose (not an allocation): refused by the adaptor's check, as above.
+            unsafe { mr.deallocate(a.offset(256), 100, S) },
             Err(Error::InvalidDeallocation { .. })
         ));
-        mr.deallocate(a, 100, S).unwrap();
+        // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
+        // dereferenced.
+        unsafe { mr.deallocate(a, 100, S) }.unwrap();
         assert_eq!(mr.upstream().live_allocations(), 0);
     }
 }

@@ -168,14 +168,23 @@ impl<'s> DeviceBuffer<'s> {
             let r =
                 unsafe { memory::copy_device_async(self.stream.context(), new, self.ptr, keep, self.stream.as_ref()) };
             if let Err(e) = r {
-                let _ = self.mr.deallocate(new, capacity, self.stream.as_ref());
+                // SAFETY: `new` came from `self.mr.allocate(capacity, stream)` just above, is freed once
+                // here, and the only work naming it (the failed copy) was queued on `stream`.
+                #[allow(unsafe_code)]
+                let _ = unsafe { self.mr.deallocate(new, capacity, self.stream.as_ref()) };
                 return Err(e.into());
             }
         }
         let old = std::mem::replace(&mut self.ptr, new);
         let old_capacity = std::mem::replace(&mut self.capacity, capacity);
         self.size = keep;
-        self.mr.deallocate(old, old_capacity, self.stream.as_ref())
+        // SAFETY: `old`/`old_capacity` were this buffer's allocation from `self.mr` on `self.stream` (the
+        // struct invariant) and the buffer no longer holds them, so they are freed once; the copy out of
+        // it and every use made through the buffer were queued on `self.stream`, before this free.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.mr.deallocate(old, old_capacity, self.stream.as_ref())
+        }
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {
@@ -195,6 +204,10 @@ impl<'s> DeviceBuffer<'s> {
 impl Drop for DeviceBuffer<'_> {
     fn drop(&mut self) {
         // Errors cannot leave a destructor; the resource has reported what it can.
-        let _ = self.mr.deallocate(self.ptr, self.capacity, self.stream.as_ref());
+        // SAFETY: the buffer owns `ptr` (from `self.mr.allocate(capacity, stream)`, the struct invariant)
+        // and frees it exactly once, here; every use made through the buffer was queued on `self.stream`,
+        // and the borrow of `self` has ended, so nothing uses it after this point of the stream.
+        #[allow(unsafe_code)]
+        let _ = unsafe { self.mr.deallocate(self.ptr, self.capacity, self.stream.as_ref()) };
     }
 }

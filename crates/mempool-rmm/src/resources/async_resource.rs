@@ -32,7 +32,8 @@ pub struct AsyncOptions {
 /// let mr = AsyncResource::new(&dev, AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() })?;
 /// let stream = Stream::new(&dev.context()?)?;
 /// let p = mr.allocate(1 << 20, stream.as_ref())?;
-/// mr.deallocate(p, 1 << 20, stream.as_ref())?;
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 1 << 20, stream.as_ref()) }?;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -92,11 +93,11 @@ impl MemoryResource for AsyncResource {
     }
 
     #[allow(unsafe_code)]
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         let _ = bytes;
-        // SAFETY: by the trait's contract `ptr` came from `allocate` on this resource (hence from a
-        // stream-ordered allocation in the pool's context), is returned once, and all its uses are ordered
-        // before this point of `stream`.
+        // SAFETY: by the caller's obligations 1-3, `ptr` came from `allocate` on this resource (hence from a
+        // stream-ordered allocation of the pool, in its context), is returned once, and all its uses are
+        // ordered before this point of `stream`: `free_async`'s contract.
         unsafe { self.pool.free_async(ptr, stream) }?;
         Ok(())
     }

@@ -36,7 +36,7 @@ macro_rules! plain_resource {
             }
 
             #[allow(unsafe_code)]
-            fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+            unsafe fn deallocate(&self, ptr: DeviceAddr, _bytes: usize, stream: StreamRef<'_>) -> Result<()> {
                 if ptr.is_null() {
                     return Ok(());
                 }

@@ -36,7 +36,8 @@ pub struct HostPoolOptions {
 /// let mr = HostPoolResource::new(&dev, HostPoolOptions::default())?;
 /// let stream = Stream::new(&dev.context()?)?;
 /// let p = mr.allocate(1 << 20, stream.as_ref())?;
-/// mr.deallocate(p, 1 << 20, stream.as_ref())?;
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 1 << 20, stream.as_ref()) }?;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -99,8 +100,11 @@ impl MemoryResource for HostPoolResource {
         self.inner.allocate(bytes, stream)
     }
 
-    fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.inner.deallocate(ptr, bytes, stream)
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // SAFETY: a `HostPoolResource` is its inner `AsyncResource` (its `allocate` forwards unchanged), so the
+        // caller's obligations 1-3 for it are the same obligations for the inner resource.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
     }
 
     fn name(&self) -> &'static str {

@@ -105,12 +105,24 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
         let r = if self.releasing.load(Ordering::Acquire) {
             // The context was synchronized before release began, so nothing uses the chunk.
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
-                self.upstream
-                    .deallocate(DeviceAddr(addr), bytes as usize, StreamRef::LEGACY)
+                // SAFETY: the engine returns each chunk it got from `allocate` once, with its size; the
+                // context was synchronized before release began, so no work uses the chunk, and the engine
+                // hands out nothing of it afterwards.
+                #[allow(unsafe_code)]
+                unsafe {
+                    self.upstream
+                        .deallocate(DeviceAddr(addr), bytes as usize, StreamRef::LEGACY)
+                }
             })
         } else {
-            self.upstream
-                .deallocate(DeviceAddr(addr), bytes as usize, stream.stream())
+            // SAFETY: the engine returns each chunk it got from `allocate` once, with its size, only when no
+            // block of it is live, after every block freed into it was freed on a stream the engine ordered
+            // `stream` after (the engines' stream contract), and never hands it out again.
+            #[allow(unsafe_code)]
+            unsafe {
+                self.upstream
+                    .deallocate(DeviceAddr(addr), bytes as usize, stream.stream())
+            }
         };
         if let Err(e) = r {
             // The engine's upstream contract has no error path for frees; keep the report.
@@ -243,7 +255,8 @@ macro_rules! suballocating_resource {
                     .map_err(|e| map_engine_error(stringify!($name), e))
             }
 
-            fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+            #[allow(unsafe_code)]
+            unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
                 if ptr.is_null() {
                     return Ok(());
                 }
@@ -283,7 +296,8 @@ suballocating_resource!(
     /// let mr = PoolResource::new(AsyncResource::default_pool(&dev)?, &ctx, config)?;
     /// let stream = Stream::new(&ctx)?;
     /// let p = mr.allocate(4096, stream.as_ref())?;
-    /// mr.deallocate(p, 4096, stream.as_ref())?;
+    /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+    /// unsafe { mr.deallocate(p, 4096, stream.as_ref()) }?;
     /// # Ok(()) }
     /// ```
     PoolResource,
