@@ -1,6 +1,5 @@
-//! Device addresses and the owning pool buffer.
+//! The owning pool buffer.
 
-use std::fmt;
 use std::sync::Arc;
 
 use crate::context::Context;
@@ -8,40 +7,7 @@ use crate::error::{Error, Result};
 use crate::event::{Event, EventFlags};
 use crate::raw;
 use crate::stream::StreamRef;
-
-/// A device address (`CUdeviceptr`). Plain data: holding one grants nothing; the types that own memory
-/// ([`PoolBuffer`], resources in mempool-rmm) decide when it is valid, and freeing one is `unsafe`.
-///
-/// Named `DeviceAddr`, not `DevicePtr`, so that it never collides with cudarc's `DevicePtr` trait in code
-/// that uses both crates.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct DeviceAddr(pub u64);
-
-impl DeviceAddr {
-    /// The null address, returned for 0-byte allocations.
-    pub const NULL: DeviceAddr = DeviceAddr(0);
-
-    /// Whether this is the null address.
-    pub fn is_null(self) -> bool {
-        self.0 == 0
-    }
-
-    /// The address `bytes` further on.
-    pub fn offset(self, bytes: usize) -> DeviceAddr {
-        DeviceAddr(self.0 + bytes as u64)
-    }
-
-    /// The raw value.
-    pub fn as_raw(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for DeviceAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
+use crate::types::DeviceAddr;
 
 /// Device memory from a pool, freed on its stream (`cuMemFreeAsync`) when dropped, so the memory can be
 /// reused by work ordered after that stream's work. Made by [`crate::MemPool::alloc`].
@@ -85,7 +51,9 @@ impl<'s> PoolBuffer<'s> {
         // SAFETY: the buffer holds at least `src.len()` bytes (checked) and is live; `src` stays borrowed
         // until the stream synchronize below returns, so the copy never reads freed host memory.
         #[allow(unsafe_code)]
-        unsafe { raw::memory::copy_htod_async(self.ptr.0, src.as_ptr().cast(), src.len(), self.stream.as_raw()) }?;
+        let r =
+            unsafe { raw::memory::copy_htod_async(self.ptr.0, src.as_ptr().cast(), src.len(), self.stream.as_raw()) };
+        r?;
         self.stream.synchronize()
     }
 
@@ -95,7 +63,10 @@ impl<'s> PoolBuffer<'s> {
         let _g = self.ctx.bind()?;
         // SAFETY: as in `copy_from_host`; `dst` is exclusively borrowed until the copy has completed.
         #[allow(unsafe_code)]
-        unsafe { raw::memory::copy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr.0, dst.len(), self.stream.as_raw()) }?;
+        let r = unsafe {
+            raw::memory::copy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr.0, dst.len(), self.stream.as_raw())
+        };
+        r?;
         self.stream.synchronize()
     }
 
@@ -107,9 +78,8 @@ impl<'s> PoolBuffer<'s> {
         let _g = self.ctx.bind()?;
         // SAFETY: the buffer is live and `len` bytes long.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::memory::memset_d8_async(self.ptr.0, value, self.len, self.stream.as_raw())
-        }
+        let r = unsafe { raw::memory::memset_d8_async(self.ptr.0, value, self.len, self.stream.as_raw()) };
+        Ok(r?)
     }
 
     /// Frees the buffer on `other` instead of its own stream, after making `other` wait for the work
@@ -126,9 +96,8 @@ impl<'s> PoolBuffer<'s> {
         // SAFETY: owned pool memory, freed once (`self.ptr` is now null so drop skips it); `other` waits
         // for the buffer's stream, and the caller's later uses on `other` come after the free by order.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::free_async(ptr.0, other.as_raw())
-        }
+        let r = unsafe { raw::pool::free_async(ptr.0, other.as_raw()) };
+        Ok(r?)
     }
 
     /// Gives up ownership: the caller frees the pointer (e.g. with [`crate::MemPool::free_async`]).
@@ -156,12 +125,11 @@ impl Drop for PoolBuffer<'_> {
             // SAFETY: the buffer owns a live stream-ordered allocation, freed once here; work that used it
             // through the buffer was queued on its stream (or ordered before it by the caller).
             #[allow(unsafe_code)]
-            unsafe {
-                raw::pool::free_async(self.ptr.0, self.stream.as_raw())
-            }
+            let r = unsafe { raw::pool::free_async(self.ptr.0, self.stream.as_raw()) };
+            Ok(r?)
         });
         if let Err(e) = r {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e);
         }
     }
 }

@@ -5,11 +5,11 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use crate::buffer::DeviceAddr;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::module::{LaunchConfig, Module};
 use crate::stream::StreamRef;
+use crate::types::DeviceAddr;
 
 /// The PTX source of the kernels.
 pub const PTX: &str = include_str!("kernels.ptx");
