@@ -111,8 +111,8 @@ impl Drop for ContextGuard<'_> {
 #[cfg(test)]
 impl Context {
     /// A context value that was never retained, for host tests of code that only stores or compares
-    /// contexts (a `StreamRef` attached to one). Its handle is null, so no test may queue work in it:
-    /// without a driver, binding it fails with `DriverNotFound`.
+    /// contexts (a `StreamRef` attached to one, a `BufferView`'s range checks). Its handle is null, so no
+    /// test may queue work in it: without a driver, binding it fails with `DriverNotFound`.
     pub(crate) fn unretained_for_tests(ordinal: usize) -> Arc<Context> {
         Arc::new(Context {
             device: Device::from_parts(ordinal, ordinal as sys::CUdevice),

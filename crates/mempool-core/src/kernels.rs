@@ -30,7 +30,7 @@ const BLOCK: u32 = 256;
 /// // SAFETY: `buf` holds 1024 u32s and lives until the stream is synchronized.
 /// unsafe { kernels.iota(buf.ptr(), 1024, 7, stream.as_ref())? };
 /// let mut host = vec![0u8; 4096];
-/// buf.copy_to_host(&mut host)?;
+/// buf.copy_to_host(0, &mut host)?;
 /// assert_eq!(u32::from_ne_bytes(host[4..8].try_into().unwrap()), 8);
 /// # Ok(()) }
 /// ```

@@ -15,7 +15,7 @@
 //! let pool = MemPool::new(&dev, &PoolProps::new())?;
 //! let stream = Stream::new(&dev.context()?)?;
 //! let buf = pool.alloc(4096, stream.as_ref())?;
-//! buf.copy_from_host(&[7u8; 4096])?;
+//! buf.copy_from_host(0, &[7u8; 4096])?;
 //! # Ok(()) }
 //! ```
 //!
@@ -51,6 +51,7 @@ mod pool;
 mod raw;
 mod stream;
 mod types;
+mod view;
 
 pub use buffer::PoolBuffer;
 pub use context::{Context, ContextGuard};
@@ -64,6 +65,7 @@ pub use types::{
     Access, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal, PoolKind,
     PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
 };
+pub use view::BufferView;
 
 /// The raw driver types (`CUstream`, `CUdeviceptr`, ...), for interop through `into_raw` / `from_raw`.
 pub use cudarc::driver::sys;

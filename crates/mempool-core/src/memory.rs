@@ -1,5 +1,6 @@
 //! Plain (non-pool) memory and raw copies: the building blocks of mempool-rmm's `CudaResource`,
-//! `ManagedResource` and `PinnedHostResource`, and of tests that move bytes.
+//! `ManagedResource` and `PinnedHostResource`, of [`crate::BufferView`]'s checked copies and fills, and of
+//! tests that move bytes.
 //!
 //! Every function binds the given context for its duration. Functions that take raw addresses are
 //! `unsafe`: the caller vouches for what the addresses point to.

@@ -396,7 +396,12 @@ impl MemPool {
     /// Allocates an owning buffer ordered on `stream`; it is freed on `stream` when dropped.
     pub fn alloc<'s>(&self, bytes: usize, stream: StreamRef<'s>) -> Result<PoolBuffer<'s>> {
         let ptr = self.allocate(bytes, stream)?;
-        Ok(PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()))
+        // SAFETY: `ptr` is a fresh allocation of `bytes` bytes from this pool in `self.ctx` (null for 0
+        // bytes), made on `stream` (a stream of the pool's context or a special handle, as `allocate`
+        // requires of its caller), and nothing else frees it: the buffer owns it.
+        #[allow(unsafe_code)]
+        let buf = unsafe { PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()) };
+        Ok(buf)
     }
 
     /// Makes this pool the device's current pool (what `cudaMallocAsync` and `cuMemAllocAsync` use) until

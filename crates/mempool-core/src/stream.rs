@@ -191,7 +191,8 @@ impl<'a> StreamRef<'a> {
 
     /// The same stream, known to belong to `ctx` (for instance `StreamRef::LEGACY.in_context(&ctx)`: the
     /// legacy stream of `ctx`). Replaces any context the view knew. Nothing checks that the stream
-    /// belongs to `ctx`; APIs that rely on the pairing say so in their contract.
+    /// belongs to `ctx`; APIs that rely on the pairing say so in their contract (e.g.
+    /// [`crate::BufferView::new`]).
     pub fn in_context<'b>(self, ctx: &'b Arc<Context>) -> StreamRef<'b>
     where
         'a: 'b,
