@@ -11,7 +11,7 @@
 //! - `customer` (fact / 40 rows): `customer_sk` = row, `birth_year` in 1930..2000, `state` < 50.
 //!
 //! Every query ends with a small sorted result read back to the host and checked against the same
-//! query computed on the host ([`reference`]).
+//! query computed on the host ([`reference()`]).
 
 use std::sync::{Barrier, Mutex};
 use std::time::Instant;
