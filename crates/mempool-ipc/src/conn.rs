@@ -46,7 +46,7 @@ use rustix::net::{RecvFlags, SendFlags, Shutdown};
 use crate::cred::{self, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::fdpass;
-use crate::wire::{self, ErrorMessage, Message, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+use crate::wire::{self, ErrorMessage, Message, ProtocolError, HEADER_LEN, MAX_FDS_PER_MESSAGE};
 
 /// Time limits of a [`Connection`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -204,7 +204,7 @@ impl Connection {
     /// it must be complete within [`ConnectionConfig::io_timeout`].
     ///
     /// [`Error::Closed`] if the peer closed the connection between messages,
-    /// [`Error::Truncated`] if it closed in the middle of one. A peer's `Error` message is
+    /// [`ProtocolError::Truncated`] if it closed in the middle of one. A peer's `Error` message is
     /// returned as a message; the session layer turns it into [`Error::Remote`].
     pub fn recv(&self) -> Result<Received> {
         self.recv_until(None, "receive")
@@ -346,10 +346,11 @@ impl FrameReader<'_> {
             self.fds.extend(fds);
             if n == 0 {
                 return Err(if self.started {
-                    Error::Truncated {
+                    ProtocolError::Truncated {
                         needed: frame_len,
                         got: done_before + filled,
                     }
+                    .into()
                 } else {
                     Error::Closed
                 });

@@ -49,9 +49,10 @@ use std::time::{Duration, Instant};
 use mempool_core::{memory, Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
+use crate::conn::Connection;
 use crate::cred::PeerCredentials;
-use crate::error::{Error, Result};
-use crate::lease::{ImporterId, LeaseTable};
+use crate::error::{record_drop_error, take_drop_errors, Error, Result};
+use crate::lease::{ImporterId, LeaseError, LeaseTable};
 use crate::listener::{Listener, ListenerOptions};
 use crate::session::{ExporterSession, ImporterEvent, PoolAnnouncement};
 use crate::wire::{BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, PointerDescriptor, PoolId};
@@ -479,7 +480,7 @@ impl Exporter {
     /// that fills the buffer first), records the leases, and sends the buffer. A buffer can be
     /// shared again later with other importers (not with one that holds it already).
     ///
-    /// Errors: [`Error::UnknownImporter`] (nothing is sent to anyone); [`Error::AlreadyLeased`];
+    /// Errors: [`Error::UnknownImporter`] (nothing is sent to anyone); [`LeaseError::AlreadyLeased`];
     /// [`Error::Share`] if sending to one importer failed (its lease is revoked; the others
     /// received the buffer).
     pub fn share(&self, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
@@ -506,7 +507,7 @@ impl Exporter {
                     let _ = state.leases.revoke(buffer.id, *granted);
                 }
                 state.idle_events.push(event);
-                return Err(e);
+                return Err(e.into());
             }
         }
         let descriptor = match self.inner.describe(&mut state, buffer, handle) {
@@ -579,10 +580,10 @@ impl Exporter {
 
     /// Shuts down now (what dropping does), so that errors are not silent: returns the errors
     /// met while freeing buffers and serving connections since the last
-    /// [`take_drop_errors`](crate::take_drop_errors).
+    /// [`take_drop_errors`].
     pub fn shutdown(mut self) -> Vec<Error> {
         self.shutdown_inner();
-        crate::take_drop_errors()
+        take_drop_errors()
     }
 
     fn shutdown_inner(&mut self) {
@@ -711,7 +712,7 @@ impl Drop for ExportedBuffer<'_> {
             return;
         }
         if let Err(e) = self.inner.release_owner(self.id, self.stream) {
-            crate::record_drop_error(e);
+            record_drop_error(e);
         }
     }
 }
@@ -749,11 +750,11 @@ impl Inner {
             .leases
             .get(buffer.id)
             .map(|s| s.block_base)
-            .ok_or(Error::UnknownBuffer { buffer: buffer.id })?;
+            .ok_or(LeaseError::UnknownBuffer { buffer: buffer.id })?;
         let block = state
             .blocks
             .get_mut(&base)
-            .ok_or(Error::UnknownBuffer { buffer: buffer.id })?;
+            .ok_or(LeaseError::UnknownBuffer { buffer: buffer.id })?;
         let pointer = match block.pointer {
             Some(pointer) => pointer,
             None => {
@@ -846,7 +847,7 @@ impl Inner {
     fn finish_deferred(&self, freed: Vec<(BufferId, Shared)>) {
         for (id, shared) in freed {
             if let Err(e) = self.finish(id, shared, self.free_stream.as_ref(), true) {
-                crate::record_drop_error(e);
+                record_drop_error(e);
             }
         }
     }
@@ -879,7 +880,7 @@ fn accept_loop(inner: Arc<Inner>, listener: Listener) {
             Ok(accepted) => accepted,
             Err(Error::Timeout { .. }) | Err(Error::PeerCredentials { .. }) => continue,
             Err(e) => {
-                crate::record_drop_error(e);
+                record_drop_error(e);
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
@@ -906,27 +907,21 @@ fn accept_loop(inner: Arc<Inner>, listener: Listener) {
             }
             Err(e) => {
                 inner.lock().serving -= 1;
-                crate::record_drop_error(e.into());
+                record_drop_error(e.into());
             }
         }
     }
 }
 
 /// Serves one importer: the handshake, then its releases until it leaves.
-fn serve(
-    inner: Arc<Inner>,
-    id: ImporterId,
-    conn: crate::Connection,
-    credentials: PeerCredentials,
-    pidfd: Option<OwnedFd>,
-) {
+fn serve(inner: Arc<Inner>, id: ImporterId, conn: Connection, credentials: PeerCredentials, pidfd: Option<OwnedFd>) {
     let session = match ExporterSession::handshake(conn, inner.announcement, inner.pool_fd.as_fd()) {
         Ok(session) => Arc::new(session),
         Err(e) => {
             inner.lock().serving -= 1;
             inner.changed.notify_all();
             if !matches!(e, Error::Closed) {
-                crate::record_drop_error(e);
+                record_drop_error(e);
             }
             return;
         }
@@ -958,7 +953,7 @@ fn serve(
                     Err(e) => {
                         // A release of something it does not hold: the importer is broken.
                         // Treat it as gone, but it may still use what it holds: wait for it.
-                        crate::record_drop_error(session.reject(e));
+                        record_drop_error(session.reject(e.into()));
                         break false;
                     }
                 }

@@ -44,6 +44,7 @@ use rustix::net::{
 };
 
 use crate::error::{Error, Result};
+use crate::wire::ProtocolError;
 
 /// The most descriptors one `sendmsg` can carry on Linux (`SCM_MAX_FD`).
 pub const SCM_MAX_FD: usize = 253;
@@ -85,9 +86,10 @@ pub(crate) fn check_send(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     }
     if bytes.is_empty() && !fds.is_empty() {
         // A stream socket sends nothing for zero bytes, so the descriptors would not go.
-        return Err(Error::Protocol {
+        return Err(ProtocolError::Violation {
             reason: "descriptors must travel with at least one byte".into(),
-        });
+        }
+        .into());
     }
     Ok(())
 }

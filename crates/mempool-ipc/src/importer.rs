@@ -40,10 +40,10 @@ use mempool_core::{
 
 use crate::conn::ConnectionConfig;
 use crate::cred::{AccessPolicy, PeerCredentials};
-use crate::error::{Error, Result};
+use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
-use crate::wire::{BlockId, BufferId, DeviceUuid, PoolId};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, DeviceUuid, PoolId, ProtocolError};
 
 /// How an [`Importer`] connects.
 #[derive(Clone, Debug, Default)]
@@ -183,7 +183,7 @@ impl Importer {
                     how: "closed the connection",
                 })
             }
-            Err(Error::Truncated { .. }) => {
+            Err(Error::Protocol(ProtocolError::Truncated { .. })) => {
                 return Err(Error::ExporterGone {
                     how: "closed the connection in the middle of a message",
                 })
@@ -200,7 +200,7 @@ impl Importer {
             let mut state = inner.lock();
             let base = state
                 .table
-                .add(&descriptor, |d| {
+                .add(&descriptor, |d: &BufferDescriptor| -> Result<ImportedPtr> {
                     Ok(inner.pool.import_pointer(&PtrExportData(d.pointer.0))?)
                 })?
                 .ptr();
@@ -344,7 +344,7 @@ impl Drop for SharedBuffer<'_> {
             return;
         }
         if let Err(e) = self.inner.release(self.id, self.stream) {
-            crate::record_drop_error(e);
+            record_drop_error(e);
         }
     }
 }
@@ -384,7 +384,7 @@ impl Drop for Inner {
         let leftovers = self.lock().table.drain();
         if !leftovers.is_empty() {
             if let Err(e) = self.ctx.synchronize() {
-                crate::record_drop_error(e.into());
+                record_drop_error(e.into());
             }
             drop(leftovers);
         }

@@ -31,8 +31,69 @@
 use std::collections::{btree_map, BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::error::{Error, Result};
 use crate::wire::{BlockId, BufferDescriptor, BufferId};
+
+/// What the tables of this module return: a [`LeaseError`] names the rule an operation broke.
+type Result<T, E = LeaseError> = std::result::Result<T, E>;
+
+/// An operation the lease bookkeeping refuses: the buffer or the lease is not in the state the
+/// operation needs.
+///
+/// The crate's [`Error`](crate::Error) wraps it as `Error::Lease`, with the same message.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// A buffer id was registered twice.
+    #[error("buffer {buffer} is already registered")]
+    DuplicateBuffer {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// A buffer id that is not registered (never was, or was already freed).
+    #[error("unknown buffer {buffer}")]
+    UnknownBuffer {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// The buffer was already shared with this importer.
+    #[error("buffer {buffer} is already leased to importer {importer}")]
+    AlreadyLeased {
+        /// The buffer.
+        buffer: BufferId,
+        /// The importer.
+        importer: ImporterId,
+    },
+
+    /// Release of a buffer the importer does not hold (for example a double release).
+    #[error("importer {importer} does not hold buffer {buffer}")]
+    NotLeased {
+        /// The buffer.
+        buffer: BufferId,
+        /// The importer.
+        importer: ImporterId,
+    },
+
+    /// The exporter already gave the buffer up: it may not be shared or given up again.
+    #[error("buffer {buffer} was already released by its owner")]
+    BufferRetired {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// The exporter announced a block the importer already knows with another size: a protocol
+    /// violation by the exporter.
+    #[error("protocol violation: {block} was announced with {was} bytes, now with {now}")]
+    BlockSizeChanged {
+        /// The block.
+        block: BlockId,
+        /// The size it was announced with first.
+        was: u64,
+        /// The size announced now.
+        now: u64,
+    },
+}
 
 /// The exporter's name for one importer connection; unique for the exporter's lifetime (do not
 /// reuse ids: a late message of a closed connection must not count for a new one).
@@ -82,10 +143,10 @@ impl<B> LeaseTable<B> {
         Self::default()
     }
 
-    /// Registers a buffer the exporter holds. [`Error::DuplicateBuffer`] if the id is taken.
+    /// Registers a buffer the exporter holds. [`LeaseError::DuplicateBuffer`] if the id is taken.
     pub fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
         if self.buffers.contains_key(&buffer) {
-            return Err(Error::DuplicateBuffer { buffer });
+            return Err(LeaseError::DuplicateBuffer { buffer });
         }
         self.buffers.insert(
             buffer,
@@ -100,15 +161,18 @@ impl<B> LeaseTable<B> {
 
     /// Records that `importer` now holds `buffer`; call it before sending the `Buffer` message.
     ///
-    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (the owner already let go, so
-    /// it may not be shared any more), [`Error::AlreadyLeased`].
+    /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (the owner already let go, so
+    /// it may not be shared any more), [`LeaseError::AlreadyLeased`].
     pub fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
-        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        let entry = self
+            .buffers
+            .get_mut(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         if !entry.owner_holds {
-            return Err(Error::BufferRetired { buffer });
+            return Err(LeaseError::BufferRetired { buffer });
         }
         if !entry.holders.insert(importer) {
-            return Err(Error::AlreadyLeased { buffer, importer });
+            return Err(LeaseError::AlreadyLeased { buffer, importer });
         }
         self.leases.entry(importer).or_default().insert(buffer);
         Ok(())
@@ -123,12 +187,12 @@ impl<B> LeaseTable<B> {
     /// `importer` released `buffer`. Returns the handle if nobody holds the buffer any more:
     /// free it now.
     ///
-    /// [`Error::NotLeased`] if the importer does not hold it (a double release, or an id it
+    /// [`LeaseError::NotLeased`] if the importer does not hold it (a double release, or an id it
     /// never received): a protocol violation by the importer.
     pub fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
         let held = self.leases.get_mut(&importer).is_some_and(|set| set.remove(&buffer));
         if !held {
-            return Err(Error::NotLeased { buffer, importer });
+            return Err(LeaseError::NotLeased { buffer, importer });
         }
         if self.leases.get(&importer).is_some_and(BTreeSet::is_empty) {
             self.leases.remove(&importer);
@@ -139,11 +203,14 @@ impl<B> LeaseTable<B> {
     /// The exporter lets go of `buffer`. Returns the handle if no importer holds it: free it
     /// now; otherwise the last importer's release returns it.
     ///
-    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (already let go).
+    /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (already let go).
     pub fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
-        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        let entry = self
+            .buffers
+            .get_mut(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         if !entry.owner_holds {
-            return Err(Error::BufferRetired { buffer });
+            return Err(LeaseError::BufferRetired { buffer });
         }
         entry.owner_holds = false;
         Ok(self.remove_if_unheld(buffer))
@@ -297,28 +364,28 @@ impl<H> ImportTable<H> {
     /// `import` fails, nothing is recorded. Returns the block's handle; the buffer starts at
     /// `descriptor.offset` bytes into it.
     ///
-    /// Errors: [`Error::DuplicateBuffer`]; [`Error::Protocol`] if the exporter names a known
-    /// block with another size.
-    pub fn add(
+    /// Errors: [`LeaseError::DuplicateBuffer`]; [`LeaseError::BlockSizeChanged`] if the
+    /// exporter names a known block with another size; whatever `import` returns.
+    pub fn add<E: From<LeaseError>>(
         &mut self,
         descriptor: &BufferDescriptor,
-        import: impl FnOnce(&BufferDescriptor) -> Result<H>,
-    ) -> Result<&H> {
+        import: impl FnOnce(&BufferDescriptor) -> Result<H, E>,
+    ) -> Result<&H, E> {
         let buffer = descriptor.buffer_id;
         if self.buffers.contains_key(&buffer) {
-            return Err(Error::DuplicateBuffer { buffer });
+            return Err(LeaseError::DuplicateBuffer { buffer }.into());
         }
         let block_id = descriptor.block_id;
         let block = match self.blocks.entry(block_id) {
             btree_map::Entry::Occupied(entry) => {
                 let block = entry.into_mut();
                 if block.size != descriptor.block_size {
-                    return Err(Error::Protocol {
-                        reason: format!(
-                            "{block_id} was announced with {} bytes, now with {}",
-                            block.size, descriptor.block_size
-                        ),
-                    });
+                    return Err(LeaseError::BlockSizeChanged {
+                        block: block_id,
+                        was: block.size,
+                        now: descriptor.block_size,
+                    }
+                    .into());
                 }
                 block
             }
@@ -350,9 +417,12 @@ impl<H> ImportTable<H> {
     /// Forgets a buffer. Returns its block's handle if it was the block's last buffer: free the
     /// import (and synchronize) *before* sending `Release` for this buffer.
     ///
-    /// [`Error::UnknownBuffer`] if the buffer is not recorded (a double release).
+    /// [`LeaseError::UnknownBuffer`] if the buffer is not recorded (a double release).
     pub fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
-        let place = self.buffers.remove(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+        let place = self
+            .buffers
+            .remove(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         let Some(block) = self.blocks.get_mut(&place.block_id) else {
             return Ok(None);
         };

@@ -62,29 +62,11 @@ pub mod listener;
 pub mod session;
 pub mod wire;
 
-use std::sync::Mutex;
-
 pub use conn::{Connection, ConnectionConfig, Received};
 pub use cred::{AccessPolicy, PeerCredentials};
-pub use error::{Error, Result};
+pub use error::{take_drop_errors, Error, Result};
 pub use exporter::{ExportedBuffer, Exporter, ExporterOptions, ExporterStats, ImporterInfo};
 pub use importer::{Importer, ImporterOptions, SharedBuffer};
+pub use lease::LeaseError;
 pub use listener::{Listener, ListenerOptions};
-
-static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
-const MAX_DROP_ERRORS: usize = 64;
-
-/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread).
-pub(crate) fn record_drop_error(e: Error) {
-    let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
-    if errors.len() < MAX_DROP_ERRORS {
-        errors.push(e);
-    }
-}
-
-/// Takes the errors met since the last call where no caller could receive them: buffers freed or
-/// released on drop, the exporter's connection threads (failed handshakes, frees deferred to a
-/// release). At most 64 are kept.
-pub fn take_drop_errors() -> Vec<Error> {
-    std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
-}
+pub use wire::ProtocolError;

@@ -31,7 +31,9 @@ use std::time::Instant;
 use crate::conn::{Connection, ConnectionConfig, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
-use crate::wire::{BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, Ready, Welcome};
+use crate::wire::{
+    BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
+};
 
 /// What an exporter tells each importer in the handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -237,12 +239,13 @@ impl ImporterSession {
             match message {
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) if pool_id == welcome.pool_id => {}
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) => {
-                    return Err(Error::Protocol {
+                    return Err(ProtocolError::Violation {
                         reason: format!(
                             "the pool descriptor names pool {pool_id}, the welcome named {}",
                             welcome.pool_id
                         ),
-                    })
+                    }
+                    .into())
                 }
                 other => return Err(unexpected("PoolDescriptor", &other)),
             }

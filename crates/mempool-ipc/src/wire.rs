@@ -30,7 +30,93 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::error::{Error, Result};
+/// What the functions of this module return: a [`ProtocolError`] names what broke the rules.
+type Result<T, E = ProtocolError> = std::result::Result<T, E>;
+
+/// A frame or message that breaks the rules of the protocol: what decoding reports (and the
+/// checks made before encoding, and a connection whose peer stopped inside a frame).
+///
+/// The crate's [`Error`](crate::Error) wraps it as `Error::Protocol`, with the same message.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A field breaks its rule (reserved bits, flags, sizes, offsets, UTF-8, all-zero ids), or
+    /// the peer broke a rule that no more specific variant describes.
+    #[error("protocol violation: {reason}")]
+    Violation {
+        /// What the peer did wrong.
+        reason: String,
+    },
+
+    /// A frame did not start with the protocol's magic bytes: the peer does not speak this protocol.
+    #[error("bad magic {got:02x?}: the peer does not speak the mempool IPC protocol")]
+    BadMagic {
+        /// The four bytes found where the magic should be.
+        got: [u8; 4],
+    },
+
+    /// The peer speaks another version of the protocol.
+    #[error("unsupported protocol version {got} (this side speaks version {supported})")]
+    UnsupportedVersion {
+        /// The version in the peer's frame.
+        got: u16,
+        /// The version this side speaks.
+        supported: u16,
+    },
+
+    /// A frame carried a message type this version does not define.
+    #[error("unknown message type {got}")]
+    UnknownMessageType {
+        /// The type code found in the frame header.
+        got: u16,
+    },
+
+    /// A frame announced a body larger than any message may be.
+    #[error("message of {len} bytes exceeds the limit of {max} bytes")]
+    MessageTooLarge {
+        /// The announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+
+    /// Input ended before the message did (in a byte slice, or the peer closed mid-message).
+    #[error("truncated message: needed {needed} bytes, got {got}")]
+    Truncated {
+        /// How many bytes the message needs (as far as known when it ended).
+        needed: usize,
+        /// How many bytes there were.
+        got: usize,
+    },
+
+    /// A frame's body length does not fit its message type.
+    #[error("{message} message with a body of {got} bytes (allowed: {})", allowed_len(*.min, *.max))]
+    BodyLength {
+        /// The message type.
+        message: MessageType,
+        /// The smallest body the type allows.
+        min: usize,
+        /// The largest body the type allows.
+        max: usize,
+        /// The body length found.
+        got: usize,
+    },
+
+    /// Bytes followed the end of a complete frame in a slice that should hold exactly one.
+    #[error("{len} trailing bytes after a complete message")]
+    TrailingBytes {
+        /// How many bytes were left over.
+        len: usize,
+    },
+}
+
+fn allowed_len(min: usize, max: usize) -> String {
+    if min == max {
+        format!("exactly {min}")
+    } else {
+        format!("{min} to {max}")
+    }
+}
 
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"MPIP";
@@ -472,7 +558,7 @@ impl Message {
             Message::Buffer(b) => check_buffer(b),
             Message::Error(e) => {
                 if e.text.len() > MAX_ERROR_TEXT_LEN {
-                    return Err(Error::MessageTooLarge {
+                    return Err(ProtocolError::MessageTooLarge {
                         len: ERROR_FIXED_LEN + e.text.len(),
                         max: MAX_BODY_LEN,
                     });
@@ -483,8 +569,8 @@ impl Message {
     }
 }
 
-fn protocol(reason: impl Into<String>) -> Error {
-    Error::Protocol { reason: reason.into() }
+fn protocol(reason: impl Into<String>) -> ProtocolError {
+    ProtocolError::Violation { reason: reason.into() }
 }
 
 fn check_uuid(uuid: &DeviceUuid) -> Result<()> {
@@ -529,7 +615,7 @@ pub struct Header {
 /// Decodes and checks the header at the start of `bytes` (which may go on past it).
 pub fn decode_header(bytes: &[u8]) -> Result<Header> {
     let Some(header) = bytes.get(..HEADER_LEN) else {
-        return Err(Error::Truncated {
+        return Err(ProtocolError::Truncated {
             needed: HEADER_LEN,
             got: bytes.len(),
         });
@@ -537,27 +623,27 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header> {
     let mut r = Reader::new(header);
     let magic: [u8; 4] = r.array()?;
     if magic != MAGIC {
-        return Err(Error::BadMagic { got: magic });
+        return Err(ProtocolError::BadMagic { got: magic });
     }
     let version = r.u16()?;
     if version != PROTOCOL_VERSION {
-        return Err(Error::UnsupportedVersion {
+        return Err(ProtocolError::UnsupportedVersion {
             got: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let code = r.u16()?;
-    let message_type = MessageType::from_wire(code).ok_or(Error::UnknownMessageType { got: code })?;
+    let message_type = MessageType::from_wire(code).ok_or(ProtocolError::UnknownMessageType { got: code })?;
     let body_len = r.u32()? as usize;
     if body_len > MAX_BODY_LEN {
-        return Err(Error::MessageTooLarge {
+        return Err(ProtocolError::MessageTooLarge {
             len: body_len,
             max: MAX_BODY_LEN,
         });
     }
     let (min, max) = message_type.body_len_bounds();
     if body_len < min || body_len > max {
-        return Err(Error::BodyLength {
+        return Err(ProtocolError::BodyLength {
             message: message_type,
             min,
             max,
@@ -571,7 +657,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header> {
 pub fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
     let (min, max) = message_type.body_len_bounds();
     if body.len() < min || body.len() > max {
-        return Err(Error::BodyLength {
+        return Err(ProtocolError::BodyLength {
             message: message_type,
             min,
             max,
@@ -650,7 +736,7 @@ pub fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
         }
     };
     if r.remaining() != 0 {
-        return Err(Error::TrailingBytes { len: r.remaining() });
+        return Err(ProtocolError::TrailingBytes { len: r.remaining() });
     }
     message.validate()?;
     Ok(message)
@@ -668,13 +754,13 @@ pub fn decode(frame: &[u8]) -> Result<Message> {
     let header = decode_header(frame)?;
     let total = HEADER_LEN + header.body_len;
     if frame.len() < total {
-        return Err(Error::Truncated {
+        return Err(ProtocolError::Truncated {
             needed: total,
             got: frame.len(),
         });
     }
     if frame.len() > total {
-        return Err(Error::TrailingBytes {
+        return Err(ProtocolError::TrailingBytes {
             len: frame.len() - total,
         });
     }
@@ -756,7 +842,7 @@ impl<'a> Reader<'a> {
     fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len());
         let Some(end) = end else {
-            return Err(Error::Truncated {
+            return Err(ProtocolError::Truncated {
                 needed: self.pos.saturating_add(n),
                 got: self.bytes.len(),
             });

@@ -15,7 +15,7 @@ use common::{
 };
 use mempool_ipc::fdpass;
 use mempool_ipc::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, HEADER_LEN};
-use mempool_ipc::{Connection, Error};
+use mempool_ipc::{Connection, Error, ProtocolError};
 
 /// A connection and a raw socket for playing a (possibly hostile) peer.
 fn conn_and_raw() -> (Connection, UnixStream) {
@@ -127,7 +127,10 @@ fn garbage_is_rejected_and_the_peer_told() {
     let (conn, mut raw) = conn_and_raw();
     raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     let err = conn.recv().unwrap_err();
-    assert!(matches!(err, Error::BadMagic { got } if &got == b"GET "), "{err}");
+    assert!(
+        matches!(err, Error::Protocol(ProtocolError::BadMagic { got }) if &got == b"GET "),
+        "{err}"
+    );
     let told = expect_error_then_eof(&mut raw);
     assert_eq!(told.code, ErrorCode::Protocol);
     assert!(told.text.contains("magic"), "{}", told.text);
@@ -141,7 +144,10 @@ fn unknown_version_is_rejected_and_the_peer_told_in_our_version() {
     raw.write_all(&frame).unwrap();
     let err = conn.recv().unwrap_err();
     assert!(
-        matches!(err, Error::UnsupportedVersion { got: 2, supported: 1 }),
+        matches!(
+            err,
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 2, supported: 1 })
+        ),
         "{err}"
     );
     let told = expect_error_then_eof(&mut raw);
@@ -157,7 +163,7 @@ fn unknown_message_type_is_rejected() {
     raw.write_all(&frame).unwrap();
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::UnknownMessageType { got: 99 }
+        Error::Protocol(ProtocolError::UnknownMessageType { got: 99 })
     ));
     expect_error_then_eof(&mut raw);
 }
@@ -171,7 +177,10 @@ fn oversized_length_is_rejected_without_waiting_for_the_body() {
     raw.write_all(&header).unwrap();
     // The peer keeps the socket open and sends no body: the header alone must be enough.
     let err = conn.recv().unwrap_err();
-    assert!(matches!(err, Error::MessageTooLarge { .. }), "{err}");
+    assert!(
+        matches!(err, Error::Protocol(ProtocolError::MessageTooLarge { .. })),
+        "{err}"
+    );
     expect_error_then_eof(&mut raw);
 }
 
@@ -184,11 +193,11 @@ fn wrong_body_length_for_the_type_is_rejected() {
     raw.write_all(&frame).unwrap();
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::BodyLength {
+        Error::Protocol(ProtocolError::BodyLength {
             message: MessageType::Release,
             got: 4,
             ..
-        }
+        })
     ));
     expect_error_then_eof(&mut raw);
 }
@@ -205,7 +214,7 @@ fn peer_closing_between_and_within_messages() {
     drop(raw);
     let err = conn.recv().unwrap_err();
     assert!(
-        matches!(err, Error::Truncated { needed, got } if needed == frame.len() && got == HEADER_LEN + 10),
+        matches!(err, Error::Protocol(ProtocolError::Truncated { needed, got }) if needed == frame.len() && got == HEADER_LEN + 10),
         "{err}"
     );
 
@@ -215,10 +224,10 @@ fn peer_closing_between_and_within_messages() {
     drop(raw);
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::Truncated {
+        Error::Protocol(ProtocolError::Truncated {
             needed: HEADER_LEN,
             got: 5
-        }
+        })
     ));
 }
 

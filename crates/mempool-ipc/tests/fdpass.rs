@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 
 use common::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
 use mempool_ipc::fdpass::{self, SCM_MAX_FD};
-use mempool_ipc::Error;
+use mempool_ipc::{Error, ProtocolError};
 
 #[test]
 fn memfd_arrives_intact_and_close_on_exec() {
@@ -113,7 +113,7 @@ fn send_limits() {
     // Descriptors need a byte to ride on.
     assert!(matches!(
         fdpass::send_with_fds(&a, b"", &[memfd.as_fd()]).unwrap_err(),
-        Error::Protocol { .. }
+        Error::Protocol(ProtocolError::Violation { .. })
     ));
 }
 

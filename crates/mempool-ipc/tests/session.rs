@@ -19,7 +19,7 @@ use mempool_ipc::session::{ExporterEvent, ExporterSession, ImporterEvent, Import
 use mempool_ipc::wire::{
     self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, Ready, Welcome,
 };
-use mempool_ipc::{AccessPolicy, Connection, Error, Listener};
+use mempool_ipc::{AccessPolicy, Connection, Error, LeaseError, Listener, ProtocolError};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -248,7 +248,7 @@ fn pool_descriptor_must_name_the_announced_pool() {
     mempool_ipc::fdpass::send_with_fds(&raw, &other, &[memfd.as_fd()]).unwrap();
     drop(memfd);
     let err = importer.join().unwrap().unwrap_err();
-    assert!(matches!(err, Error::Protocol { .. }), "{err}");
+    assert!(matches!(err, Error::Protocol(ProtocolError::Violation { .. })), "{err}");
     assert_eq!(open_fds_named(&name), 0, "the rejected pool descriptor leaked");
 }
 
@@ -261,7 +261,10 @@ fn importer_speaking_another_version_is_told() {
     raw.write_all(&hello).unwrap();
     let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(
-        matches!(err, Error::UnsupportedVersion { got: 7, supported: 1 }),
+        matches!(
+            err,
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 7, supported: 1 })
+        ),
         "{err}"
     );
     assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::UnsupportedVersion);
@@ -344,7 +347,7 @@ fn serve_importer(
                     Ok(freed) => free(freed.into_iter().collect()),
                     Err(err) => {
                         free(disconnect(&leases, id));
-                        return session.reject(err);
+                        return session.reject(err.into());
                     }
                 }
             }
@@ -408,7 +411,7 @@ fn buffers_are_freed_after_the_last_importer_lets_go() {
             panic!("expected a buffer")
         };
         imports_a
-            .add(&descriptor, |d| Ok(format!("import of {}", d.block_id)))
+            .add(&descriptor, |d| Ok::<_, Error>(format!("import of {}", d.block_id)))
             .unwrap();
     }
     // buffer(id) puts ids 0..4 in one block: imported once.
@@ -462,7 +465,7 @@ fn double_release_cuts_the_importer_off() {
     importer.release(BufferId(1)).unwrap();
     importer.release(BufferId(1)).unwrap();
     let err = server.join().unwrap();
-    assert!(matches!(err, Error::NotLeased { .. }), "{err}");
+    assert!(matches!(err, Error::Lease(LeaseError::NotLeased { .. })), "{err}");
     assert!(matches!(
         importer.recv().unwrap_err(),
         Error::Remote {

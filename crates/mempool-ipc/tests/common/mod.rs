@@ -140,7 +140,7 @@ pub fn read_frame(stream: &mut UnixStream) -> mempool_ipc::Result<Message> {
     let head = wire::decode_header(&header)?;
     let mut body = vec![0u8; head.body_len];
     stream.read_exact(&mut body)?;
-    wire::decode_body(head.message_type, &body)
+    Ok(wire::decode_body(head.message_type, &body)?)
 }
 
 /// Reads an `Error` frame and then the end of the stream: what a peer sees when this side
