@@ -16,9 +16,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong while sharing pools and buffers between processes.
 ///
-/// Every variant names its cause. After any error that [`Connection`](crate::Connection) reports
-/// while a message was half read or half written, or that reports a malformed or unexpected
-/// message, the connection is closed: later calls on it return [`Error::ConnectionFailed`].
+/// Every variant names its cause. After any error that a connection reports while a message
+/// was half read or half written, or that reports a malformed or unexpected message, the
+/// connection is closed: later calls on it return [`Error::ConnectionFailed`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

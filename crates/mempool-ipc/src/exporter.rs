@@ -1,41 +1,11 @@
 //! The exporting process: serves a pool on a socket, shares buffers with importers, and frees
 //! each buffer only when every holder has let go.
 //!
-//! An [`Exporter`] owns (or shares) a [`MemPool`] created with
-//! [`HandleTypes::POSIX_FILE_DESCRIPTOR`](mempool_core::HandleTypes), listens on a Unix socket
-//! path, and runs one thread that accepts importers and one thread per importer that runs the
-//! handshake and then takes its `Release` messages. Buffers are [`ExportedBuffer`]s:
-//!
-//! - [`Exporter::alloc`] allocates a whole buffer from the pool (a block of its own);
-//! - [`Exporter::adopt`] takes over a buffer suballocated from a larger pool allocation (by a
-//!   `PoolResource` or `BinningResource` of mempool-rmm over the exporter's pool), with the
-//!   function that gives it back: the allocation that contains it is exported once and the
-//!   buffer travels as that block plus an offset.
-//!
-//! [`Exporter::share`] records an interprocess event on the buffer's stream (so importers use
-//! the memory only after the work queued so far) and sends the buffer to the importers named.
-//! Dropping the [`ExportedBuffer`] is the exporter's own release; the memory is freed when the
-//! last holder lets go: the exporter, or the last importer to release it, say `Goodbye`, or die
-//! (the exporter then waits for the importer's process to be gone before it frees, so that no
-//! GPU work of the dead process can still touch the memory).
-//!
-//! ```no_run
-//! # fn main() -> Result<(), mempool_ipc::Error> {
-//! use std::time::Duration;
-//! use mempool_core::{Device, HandleTypes, MemPool, PoolProps, Stream};
-//! use mempool_ipc::{Exporter, ExporterOptions};
-//!
-//! let dev = Device::get(0)?;
-//! let pool = MemPool::new(&dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR))?;
-//! let exporter = Exporter::new("/run/user/1000/pool.sock", pool, ExporterOptions::default())?;
-//! let importers = exporter.wait_for_importers(1, Duration::from_secs(30))?;
-//! let stream = Stream::new(&dev.context()?)?;
-//! let buf = exporter.alloc(1 << 20, stream.as_ref())?;
-//! // ... queue work that fills `buf` on `stream` ...
-//! exporter.share(&buf, &[importers[0].id])?;
-//! drop(buf); // freed once the importer has released it too
-//! # Ok(()) }
-//! ```
+//! [`Exporter`] (with [`ExporterOptions`], [`ImporterInfo`], [`ExporterStats`]) and
+//! [`ExportedBuffer`] are public; their documentation is the guide. Inside, one thread accepts
+//! importers (`accept_loop`) and one thread per importer runs the handshake and then takes its
+//! `Release` messages (`serve`); the [`LeaseTable`] decides when a buffer is freed, and
+//! [`Inner::finish`] frees it.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -211,7 +181,42 @@ struct Inner {
 }
 
 /// Serves an exportable pool on a Unix socket and shares its buffers with importer processes.
-/// See the [module documentation](self).
+///
+/// An `Exporter` owns (or shares) a [`MemPool`] created with
+/// [`HandleTypes::POSIX_FILE_DESCRIPTOR`](mempool_core::HandleTypes), listens on a Unix socket
+/// path, and runs one thread that accepts importers and one thread per importer that runs the
+/// handshake and then takes its `Release` messages. Buffers are [`ExportedBuffer`]s:
+///
+/// - [`Exporter::alloc`] allocates a whole buffer from the pool (a block of its own);
+/// - [`Exporter::adopt`] takes over a buffer suballocated from a larger pool allocation (by a
+///   `PoolResource` or `BinningResource` of mempool-rmm over the exporter's pool), with the
+///   function that gives it back: the allocation that contains it is exported once and the
+///   buffer travels as that block plus an offset.
+///
+/// [`Exporter::share`] records an interprocess event on the buffer's stream (so importers use
+/// the memory only after the work queued so far) and sends the buffer to the importers named.
+/// Dropping the [`ExportedBuffer`] is the exporter's own release; the memory is freed when the
+/// last holder lets go: the exporter, or the last importer to release it, say `Goodbye`, or die
+/// (the exporter then waits for the importer's process to be gone before it frees, so that no
+/// GPU work of the dead process can still touch the memory).
+///
+/// ```no_run
+/// # fn main() -> Result<(), mempool_ipc::Error> {
+/// use std::time::Duration;
+/// use mempool_core::{Device, HandleTypes, MemPool, PoolProps, Stream};
+/// use mempool_ipc::{Exporter, ExporterOptions};
+///
+/// let dev = Device::get(0)?;
+/// let pool = MemPool::new(&dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR))?;
+/// let exporter = Exporter::new("/run/user/1000/pool.sock", pool, ExporterOptions::default())?;
+/// let importers = exporter.wait_for_importers(1, Duration::from_secs(30))?;
+/// let stream = Stream::new(&dev.context()?)?;
+/// let buf = exporter.alloc(1 << 20, stream.as_ref())?;
+/// // ... queue work that fills `buf` on `stream` ...
+/// exporter.share(&buf, &[importers[0].id])?;
+/// drop(buf); // freed once the importer has released it too
+/// # Ok(()) }
+/// ```
 ///
 /// Dropping it shuts down: no new connections, `Goodbye` to every importer, a wait (at most
 /// [`ExporterOptions::shutdown_timeout`]) for importers to release what they hold, then the
@@ -236,7 +241,7 @@ impl Exporter {
     ///
     /// Errors: [`Error::Core`] if the pool cannot be exported (created without the handle type,
     /// imported or default pool); [`Error::SocketPath`] or [`Error::Io`] if the socket cannot be
-    /// bound (see [`Listener::bind_with`]).
+    /// bound (see [`ListenerOptions`]).
     pub fn new(path: impl AsRef<Path>, pool: MemPool, options: ExporterOptions) -> Result<Exporter> {
         Exporter::start(path.as_ref(), Box::new(pool), options)
     }

@@ -11,22 +11,9 @@
 //! hands a block back when its last buffer is released, so that the importer frees its import
 //! before it sends `Release`.
 //!
-//! Both are generic over the handle type, so tests run them against a simulated pool.
-//!
-//! ```
-//! use mempool_ipc::lease::{ImporterId, LeaseTable};
-//! use mempool_ipc::wire::BufferId;
-//!
-//! let mut table = LeaseTable::new();
-//! let (buf, a, b) = (BufferId(1), ImporterId(1), ImporterId(2));
-//! table.insert(buf, "allocation")?;
-//! table.grant(buf, a)?;
-//! table.grant(buf, b)?;
-//! assert_eq!(table.release_owner(buf)?, None); // importers still hold it
-//! assert_eq!(table.release(buf, a)?, None);
-//! assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! Both are generic over the handle type, so tests run them against a simulated pool
+//! (`lease/tests.rs`, with a model-based property test of the lease table). Their refusals are
+//! [`LeaseError`]s; [`ImporterId`] and [`LeaseError`] are re-exported at the crate root.
 
 use std::collections::{btree_map, BTreeMap, BTreeSet};
 use std::fmt;
@@ -123,7 +110,7 @@ struct Entry<B> {
 /// - importer `i` is among a buffer's holders iff the buffer is among `i`'s leases;
 /// - no importer has an empty lease set recorded.
 #[derive(Debug)]
-pub struct LeaseTable<B> {
+pub(crate) struct LeaseTable<B> {
     buffers: BTreeMap<BufferId, Entry<B>>,
     leases: BTreeMap<ImporterId, BTreeSet<BufferId>>,
 }
@@ -139,12 +126,13 @@ impl<B> Default for LeaseTable<B> {
 
 impl<B> LeaseTable<B> {
     /// An empty table.
-    pub fn new() -> Self {
+    #[cfg(test)]
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Registers a buffer the exporter holds. [`LeaseError::DuplicateBuffer`] if the id is taken.
-    pub fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
+    pub(crate) fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
         if self.buffers.contains_key(&buffer) {
             return Err(LeaseError::DuplicateBuffer { buffer });
         }
@@ -163,7 +151,7 @@ impl<B> LeaseTable<B> {
     ///
     /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (the owner already let go, so
     /// it may not be shared any more), [`LeaseError::AlreadyLeased`].
-    pub fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
+    pub(crate) fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
         let entry = self
             .buffers
             .get_mut(&buffer)
@@ -180,7 +168,7 @@ impl<B> LeaseTable<B> {
 
     /// Undoes a [`LeaseTable::grant`] whose `Buffer` message could not be sent. The importer
     /// never saw the buffer; returns the handle if that was the last hold.
-    pub fn revoke(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+    pub(crate) fn revoke(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
         self.release(buffer, importer)
     }
 
@@ -189,7 +177,7 @@ impl<B> LeaseTable<B> {
     ///
     /// [`LeaseError::NotLeased`] if the importer does not hold it (a double release, or an id it
     /// never received): a protocol violation by the importer.
-    pub fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+    pub(crate) fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
         let held = self.leases.get_mut(&importer).is_some_and(|set| set.remove(&buffer));
         if !held {
             return Err(LeaseError::NotLeased { buffer, importer });
@@ -204,7 +192,7 @@ impl<B> LeaseTable<B> {
     /// now; otherwise the last importer's release returns it.
     ///
     /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (already let go).
-    pub fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
+    pub(crate) fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
         let entry = self
             .buffers
             .get_mut(&buffer)
@@ -218,7 +206,7 @@ impl<B> LeaseTable<B> {
 
     /// `importer` is gone (its connection closed, or it said `Goodbye`): every buffer it held
     /// counts as released. Returns the buffers nobody holds any more, in id order: free them.
-    pub fn disconnect(&mut self, importer: ImporterId) -> Vec<(BufferId, B)> {
+    pub(crate) fn disconnect(&mut self, importer: ImporterId) -> Vec<(BufferId, B)> {
         let Some(held) = self.leases.remove(&importer) else {
             return Vec::new();
         };
@@ -228,27 +216,28 @@ impl<B> LeaseTable<B> {
     }
 
     /// The handle of a registered buffer.
-    pub fn get(&self, buffer: BufferId) -> Option<&B> {
+    pub(crate) fn get(&self, buffer: BufferId) -> Option<&B> {
         self.buffers.get(&buffer).map(|e| &e.handle)
     }
 
     /// The handle of a registered buffer, to update it.
-    pub fn get_mut(&mut self, buffer: BufferId) -> Option<&mut B> {
+    pub(crate) fn get_mut(&mut self, buffer: BufferId) -> Option<&mut B> {
         self.buffers.get_mut(&buffer).map(|e| &mut e.handle)
     }
 
     /// The importers that hold at least one buffer, in id order.
-    pub fn importers(&self) -> impl Iterator<Item = ImporterId> + '_ {
+    pub(crate) fn importers(&self) -> impl Iterator<Item = ImporterId> + '_ {
         self.leases.keys().copied()
     }
 
     /// Whether the exporter itself still holds `buffer`.
-    pub fn owner_holds(&self, buffer: BufferId) -> bool {
+    #[cfg(test)]
+    pub(crate) fn owner_holds(&self, buffer: BufferId) -> bool {
         self.buffers.get(&buffer).is_some_and(|e| e.owner_holds)
     }
 
     /// The importers holding `buffer`, in id order.
-    pub fn holders(&self, buffer: BufferId) -> impl Iterator<Item = ImporterId> + '_ {
+    pub(crate) fn holders(&self, buffer: BufferId) -> impl Iterator<Item = ImporterId> + '_ {
         self.buffers
             .get(&buffer)
             .into_iter()
@@ -256,7 +245,7 @@ impl<B> LeaseTable<B> {
     }
 
     /// The buffers `importer` holds, in id order.
-    pub fn leases_of(&self, importer: ImporterId) -> impl Iterator<Item = BufferId> + '_ {
+    pub(crate) fn leases_of(&self, importer: ImporterId) -> impl Iterator<Item = BufferId> + '_ {
         self.leases
             .get(&importer)
             .into_iter()
@@ -264,12 +253,12 @@ impl<B> LeaseTable<B> {
     }
 
     /// How many buffers are alive (held by anyone).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.buffers.len()
     }
 
     /// Whether no buffer is alive.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
 
@@ -324,13 +313,13 @@ struct ImportedBlock<H> {
 
 /// Where a buffer lives, on the importer's side.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct BufferPlace {
+pub(crate) struct BufferPlace {
     /// The block it lives in.
-    pub block_id: BlockId,
+    pub(crate) block_id: BlockId,
     /// Its offset in the block.
-    pub offset: u64,
+    pub(crate) offset: u64,
     /// Its size.
-    pub size: u64,
+    pub(crate) size: u64,
 }
 
 /// The importer's record of imported blocks and the buffers in them. See the
@@ -339,7 +328,7 @@ pub struct BufferPlace {
 /// Invariants: every buffer's block is present and lists it; every block lists at least one
 /// buffer (a block whose last buffer is released leaves the table and is handed back).
 #[derive(Debug)]
-pub struct ImportTable<H> {
+pub(crate) struct ImportTable<H> {
     blocks: BTreeMap<BlockId, ImportedBlock<H>>,
     buffers: BTreeMap<BufferId, BufferPlace>,
 }
@@ -355,7 +344,7 @@ impl<H> Default for ImportTable<H> {
 
 impl<H> ImportTable<H> {
     /// An empty table.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -366,7 +355,7 @@ impl<H> ImportTable<H> {
     ///
     /// Errors: [`LeaseError::DuplicateBuffer`]; [`LeaseError::BlockSizeChanged`] if the
     /// exporter names a known block with another size; whatever `import` returns.
-    pub fn add<E: From<LeaseError>>(
+    pub(crate) fn add<E: From<LeaseError>>(
         &mut self,
         descriptor: &BufferDescriptor,
         import: impl FnOnce(&BufferDescriptor) -> Result<H, E>,
@@ -408,7 +397,8 @@ impl<H> ImportTable<H> {
     }
 
     /// The block handle and place of a buffer.
-    pub fn get(&self, buffer: BufferId) -> Option<(&H, BufferPlace)> {
+    #[cfg(test)]
+    pub(crate) fn get(&self, buffer: BufferId) -> Option<(&H, BufferPlace)> {
         let place = *self.buffers.get(&buffer)?;
         let block = self.blocks.get(&place.block_id)?;
         Some((&block.handle, place))
@@ -418,7 +408,7 @@ impl<H> ImportTable<H> {
     /// import (and synchronize) *before* sending `Release` for this buffer.
     ///
     /// [`LeaseError::UnknownBuffer`] if the buffer is not recorded (a double release).
-    pub fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
+    pub(crate) fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
         let place = self
             .buffers
             .remove(&buffer)
@@ -435,7 +425,7 @@ impl<H> ImportTable<H> {
 
     /// Forgets everything (shutdown); returns every block handle, to be freed before the
     /// importer says `Goodbye`.
-    pub fn drain(&mut self) -> Vec<(BlockId, H)> {
+    pub(crate) fn drain(&mut self) -> Vec<(BlockId, H)> {
         self.buffers.clear();
         std::mem::take(&mut self.blocks)
             .into_iter()
@@ -444,17 +434,18 @@ impl<H> ImportTable<H> {
     }
 
     /// How many buffers are recorded.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.buffers.len()
     }
 
     /// Whether no buffer is recorded.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
 
     /// How many blocks are imported.
-    pub fn block_count(&self) -> usize {
+    pub(crate) fn block_count(&self) -> usize {
         self.blocks.len()
     }
 

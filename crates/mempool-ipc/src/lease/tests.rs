@@ -363,3 +363,17 @@ fn import_table_errors_leave_it_unchanged() {
     ));
     t.check_invariants();
 }
+
+/// The module's example: two importers and the owner; the last holder to let go frees.
+#[test]
+fn last_holder_frees() -> Result<()> {
+    let mut table = LeaseTable::new();
+    let (buf, a, b) = (BufferId(1), ImporterId(1), ImporterId(2));
+    table.insert(buf, "allocation")?;
+    table.grant(buf, a)?;
+    table.grant(buf, b)?;
+    assert_eq!(table.release_owner(buf)?, None); // importers still hold it
+    assert_eq!(table.release(buf, a)?, None);
+    assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
+    Ok(())
+}

@@ -1,21 +1,18 @@
 //! Framed connections over real sockets: messages with their descriptors, hostile peers,
 //! timeouts.
 
-mod common;
-
 use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{
-    buffer, every_message, expect_error_then_eof, is_cloexec, memfd_with, open_fds_named, read_all, read_frame,
-    short_config, unique_name, POOL,
-};
-use mempool_ipc::fdpass;
-use mempool_ipc::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, HEADER_LEN};
-use mempool_ipc::{Connection, Error, ProtocolError};
+use super::{short_config, Connection, ConnectionConfig};
+use crate::error::{Error, Result};
+use crate::fdpass;
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
+use crate::wire::testing::{buffer, every_message, expect_error_then_eof, read_frame, POOL};
+use crate::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, HEADER_LEN};
 
 /// A connection and a raw socket for playing a (possibly hostile) peer.
 fn conn_and_raw() -> (Connection, UnixStream) {
@@ -345,4 +342,13 @@ fn read_frame_helper_sees_what_connection_sends() {
     let (conn, mut raw) = conn_and_raw();
     conn.send(&Message::Goodbye, &[]).unwrap();
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Goodbye);
+}
+
+/// The module's example: a message over a pair of connections.
+#[test]
+fn hello_over_a_pair() -> Result<()> {
+    let (a, b) = Connection::pair(ConnectionConfig::default())?;
+    a.send(&Message::Hello, &[])?;
+    assert_eq!(b.recv()?.message, Message::Hello);
+    Ok(())
 }
