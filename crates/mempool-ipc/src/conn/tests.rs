@@ -344,7 +344,8 @@ fn read_frame_helper_sees_what_connection_sends() {
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Goodbye);
 }
 
-/// The module's example: a message over a pair of connections.
+/// The module documentation's example (a doctest until the module became private): a message over a
+/// pair of connections.
 #[test]
 fn hello_over_a_pair() -> Result<()> {
     let (a, b) = Connection::pair(ConnectionConfig::default())?;

@@ -133,7 +133,8 @@ fn closed_peer() {
     assert!(b.as_raw_fd() >= 0);
 }
 
-/// The module's example: a memfd's contents read back through the received descriptor.
+/// The module documentation's example (a doctest until the module became private): a memfd's
+/// contents read back through the received descriptor.
 #[test]
 fn memfd_travels_with_a_byte() -> Result<(), Box<dyn std::error::Error>> {
     let (a, b) = UnixStream::pair()?;

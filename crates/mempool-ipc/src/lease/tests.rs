@@ -364,7 +364,8 @@ fn import_table_errors_leave_it_unchanged() {
     t.check_invariants();
 }
 
-/// The module's example: two importers and the owner; the last holder to let go frees.
+/// The module documentation's example (a doctest until the module became private): two importers
+/// and the owner; the last holder to let go frees.
 #[test]
 fn last_holder_frees() -> Result<()> {
     let mut table = LeaseTable::new();

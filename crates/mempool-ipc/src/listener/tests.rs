@@ -183,7 +183,8 @@ fn missing_directory_is_an_error() {
     assert!(matches!(err, Error::Io(_)), "{err}");
 }
 
-/// The module's example: the socket file is 0600 while bound and gone after the drop.
+/// The module documentation's example (a doctest until the module became private): the socket file
+/// is 0600 while bound and gone after the drop.
 #[test]
 fn bind_then_drop() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("mempool-ipc-doc-{}", std::process::id()));

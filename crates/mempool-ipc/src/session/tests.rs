@@ -481,8 +481,8 @@ fn double_release_cuts_the_importer_off() {
     );
 }
 
-/// The example the crate documentation used to show: a handshake over a pair of connections,
-/// with a memfd for the pool's file descriptor (`MemPool::export_fd`).
+/// The crate documentation's example (a doctest until the modules became private): a handshake over
+/// a pair of connections, with a memfd for the pool's file descriptor (`MemPool::export_fd`).
 #[test]
 fn handshake_over_a_connection_pair() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let pool_fd = rustix::fs::memfd_create("pool", rustix::fs::MemfdFlags::CLOEXEC)?;

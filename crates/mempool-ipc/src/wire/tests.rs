@@ -459,7 +459,8 @@ proptest! {
     }
 }
 
-/// What the module documentation once showed: a message encodes to one frame and decodes back.
+/// The module documentation's example (a doctest until the module became private): a message
+/// encodes to one frame and decodes back.
 #[test]
 fn encode_then_decode() -> Result<(), ProtocolError> {
     let frame = wire::encode(&Message::Release { buffer_id: 7.into() })?;
