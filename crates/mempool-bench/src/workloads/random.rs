@@ -12,12 +12,13 @@ use std::time::Instant;
 use mempool_core::{DeviceAddr, Stream};
 use mempool_rmm::MemoryResource;
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::progress::Progress;
-use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{median, Cell, Column, Report};
 use crate::spec::{build, ResourceSpec};
 use crate::units::Size;
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 /// One point of the workload.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -32,7 +33,7 @@ pub struct Point {
 
 impl Point {
     /// `200k, 64KiB, 4GiB`.
-    pub fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         format!(
             "{}k ops, <= {}, {}",
             self.n / 1000,
@@ -74,7 +75,7 @@ pub fn generate(p: &Point, seed: u64) -> Vec<Op> {
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct RunStats {
     /// Nanoseconds per operation.
-    pub ns_per_op: f64,
+    pub(crate) ns_per_op: f64,
     /// The most allocations live at once.
     pub peak_allocations: usize,
     /// The most bytes live at once.
