@@ -1,5 +1,6 @@
-//! `random`: the standard random workload of DESIGN.md (RMM's `random_allocations` shape), the same
-//! logic and seeds as mempool-rmm's `random_workload` example, so the numbers compare.
+//! `random`: the standard random workload (docs/architecture.md, "Performance"; RMM's
+//! `random_allocations` shape), the same logic and seeds as mempool-rmm's `random_workload` example, so
+//! the numbers compare.
 //!
 //! Each run: `n` operations on one stream, each allocating with probability 0.73 (unless live bytes
 //! would pass `max_usage`), otherwise freeing a random live allocation; sizes uniform in
