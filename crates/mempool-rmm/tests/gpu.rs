@@ -41,6 +41,17 @@ fn buffer_copies_resizes_and_shrinks_in_stream_order() {
     drop(buf);
     stream.synchronize().unwrap();
     assert_eq!(stats.counters().bytes.current, 0);
+
+    // One stream type: a special stream without a known context is refused with the reason, and works once
+    // its context is attached.
+    let e = DeviceBuffer::new(64, mempool_core::StreamRef::LEGACY, mr.clone()).unwrap_err();
+    assert!(e.to_string().contains("context is unknown"), "{e}");
+    let ctx = dev.context().unwrap();
+    let legacy = DeviceBuffer::from_host(&data[..64], mempool_core::StreamRef::LEGACY.in_context(&ctx), mr).unwrap();
+    assert_eq!(legacy.to_host().unwrap(), data[..64]);
+    drop(legacy);
+    ctx.synchronize().unwrap();
+    assert_eq!(stats.counters().bytes.current, 0);
 }
 
 #[test]

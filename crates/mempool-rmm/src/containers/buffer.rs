@@ -1,6 +1,6 @@
 //! [`DeviceBuffer`]: untyped, uninitialised device memory from a resource.
 
-use mempool_core::{memory, DeviceAddr, Stream};
+use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::SharedResource;
@@ -22,30 +22,42 @@ use crate::resource::SharedResource;
 /// ```
 #[derive(Debug)]
 pub struct DeviceBuffer<'s> {
-    // Invariants: `ptr` is null iff `capacity == 0`; `size <= capacity`; `ptr` came from
-    // `mr.allocate(capacity, stream)` and is returned with exactly that size.
-    ptr: DeviceAddr,
-    size: usize,
+    // Invariants: `view.addr()` is null iff `capacity == 0`; `view.len() <= capacity`; the address came
+    // from `mr.allocate(capacity, view.stream())` and is returned with exactly that size, once.
+    view: BufferView<'s>,
     capacity: usize,
-    stream: &'s Stream,
     mr: SharedResource,
 }
 
 impl<'s> DeviceBuffer<'s> {
-    /// `size` uninitialised bytes from `mr`, ordered on `stream`.
-    pub fn new(size: usize, stream: &'s Stream, mr: SharedResource) -> Result<Self> {
-        let ptr = mr.allocate(size, stream.as_ref())?;
+    /// `size` uninitialised bytes from `mr`, ordered on `stream` (a `&Stream`, or a [`StreamRef`] whose
+    /// context is known: see [`StreamRef::in_context`]).
+    ///
+    /// Errors: [`Error::Unsupported`] for a stream whose context is unknown (a special or raw handle
+    /// without [`StreamRef::in_context`]); the resource's errors.
+    pub fn new(size: usize, stream: impl Into<StreamRef<'s>>, mr: SharedResource) -> Result<Self> {
+        let stream = stream.into();
+        let ctx = stream.context().cloned().ok_or_else(|| Error::Unsupported {
+            resource: "DeviceBuffer",
+            reason: "the stream's context is unknown (a special or raw stream handle): attach it with \
+                     StreamRef::in_context"
+                .into(),
+        })?;
+        let ptr = mr.allocate(size, stream)?;
+        // SAFETY: `ptr` is a fresh allocation of `size` bytes from `mr` on `stream` (null only for 0 bytes),
+        // memory of `ctx` (the stream's context, in which the resource allocates for it); the buffer owns it
+        // until it frees it through `mr` (Drop or `reallocate`), so it outlives the view.
+        #[allow(unsafe_code)]
+        let view = unsafe { BufferView::new(ptr, size, stream, ctx) };
         Ok(DeviceBuffer {
-            ptr,
-            size,
+            view,
             capacity: size,
-            stream,
             mr,
         })
     }
 
     /// A buffer holding a copy of `data`.
-    pub fn from_host(data: &[u8], stream: &'s Stream, mr: SharedResource) -> Result<Self> {
+    pub fn from_host(data: &[u8], stream: impl Into<StreamRef<'s>>, mr: SharedResource) -> Result<Self> {
         let buf = DeviceBuffer::new(data.len(), stream, mr)?;
         buf.copy_from_host(0, data)?;
         Ok(buf)
@@ -53,84 +65,15 @@ impl<'s> DeviceBuffer<'s> {
 
     /// The device address (null when the capacity is 0).
     pub fn ptr(&self) -> DeviceAddr {
-        self.ptr
-    }
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.size
-    }
-    /// Whether the size is 0.
-    pub fn is_empty(&self) -> bool {
-        self.size == 0
+        self.view.addr()
     }
     /// The allocated bytes.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
-    /// The stream the buffer is ordered on.
-    pub fn stream(&self) -> &'s Stream {
-        self.stream
-    }
     /// The resource it allocates from.
     pub fn resource(&self) -> &SharedResource {
         &self.mr
-    }
-
-    /// Copies `src` to `offset..offset+src.len()` and waits for the copy.
-    pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check_range(offset, src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: the range lies inside this live allocation (checked); the copy is ordered on the
-        // buffer's stream, which allocated it.
-        #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_device(
-                self.stream.context(),
-                self.ptr.offset(offset),
-                src,
-                self.stream.as_ref(),
-            )
-        }?;
-        Ok(())
-    }
-
-    /// Copies `offset..offset+dst.len()` into `dst` and waits for the copy.
-    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check_range(offset, dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: as in `copy_from_host`.
-        #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_host(
-                self.stream.context(),
-                dst,
-                self.ptr.offset(offset),
-                self.stream.as_ref(),
-            )
-        }?;
-        Ok(())
-    }
-
-    /// The whole buffer, copied to the host.
-    pub fn to_host(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; self.size];
-        self.copy_to_host(0, &mut v)?;
-        Ok(v)
-    }
-
-    /// Fills the buffer with `value`, ordered on its stream (does not wait).
-    pub fn fill(&self, value: u8) -> Result<()> {
-        if self.size == 0 {
-            return Ok(());
-        }
-        // SAFETY: the whole size lies in this live allocation, written in the buffer's stream order.
-        #[allow(unsafe_code)]
-        unsafe { memory::fill_async(self.stream.context(), self.ptr, value, self.size, self.stream.as_ref()) }?;
-        Ok(())
     }
 
     /// Makes the capacity at least `capacity`, keeping the contents (a new allocation and a copy, in
@@ -146,68 +89,80 @@ impl<'s> DeviceBuffer<'s> {
     /// uninitialised). Shrinking keeps the capacity: see [`DeviceBuffer::shrink_to_fit`].
     pub fn resize(&mut self, size: usize) -> Result<()> {
         self.reserve(size)?;
-        self.size = size;
+        // SAFETY: `size <= capacity` after `reserve`, so the range lies inside the allocation the buffer
+        // holds; a null address only comes with capacity 0, hence size 0.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.view.set_len(size)
+        };
         Ok(())
     }
 
     /// Makes the capacity equal to the size.
     pub fn shrink_to_fit(&mut self) -> Result<()> {
-        if self.capacity != self.size {
-            self.reallocate(self.size)?;
+        if self.capacity != self.view.len() {
+            self.reallocate(self.view.len())?;
         }
         Ok(())
     }
 
     fn reallocate(&mut self, capacity: usize) -> Result<()> {
-        let new = self.mr.allocate(capacity, self.stream.as_ref())?;
-        let keep = self.size.min(capacity);
+        let stream = self.view.stream();
+        let ctx = self.view.context().clone();
+        let new = self.mr.allocate(capacity, stream)?;
+        let keep = self.view.len().min(capacity);
         if keep > 0 {
             // SAFETY: both allocations are live and at least `keep` bytes; the copy is ordered on the
             // stream both were allocated on, before the old one's free below.
             #[allow(unsafe_code)]
-            let r =
-                unsafe { memory::copy_device_async(self.stream.context(), new, self.ptr, keep, self.stream.as_ref()) };
+            let r = unsafe { memory::copy_device_async(&ctx, new, self.view.addr(), keep, stream) };
             if let Err(e) = r {
                 // SAFETY: `new` came from `self.mr.allocate(capacity, stream)` just above, is freed once
                 // here, and the only work naming it (the failed copy) was queued on `stream`.
                 #[allow(unsafe_code)]
-                let _ = unsafe { self.mr.deallocate(new, capacity, self.stream.as_ref()) };
+                let _ = unsafe { self.mr.deallocate(new, capacity, stream) };
                 return Err(e.into());
             }
         }
-        let old = std::mem::replace(&mut self.ptr, new);
-        let old_capacity = std::mem::replace(&mut self.capacity, capacity);
-        self.size = keep;
-        // SAFETY: `old`/`old_capacity` were this buffer's allocation from `self.mr` on `self.stream` (the
-        // struct invariant) and the buffer no longer holds them, so they are freed once; the copy out of
-        // it and every use made through the buffer were queued on `self.stream`, before this free.
+        // SAFETY: `new` is a fresh allocation of `capacity >= keep` bytes of `mr` on `stream`, in `ctx`; the
+        // buffer owns it from here on (the old view is released just below).
         #[allow(unsafe_code)]
-        unsafe {
-            self.mr.deallocate(old, old_capacity, self.stream.as_ref())
-        }
+        let mut old = std::mem::replace(&mut self.view, unsafe { BufferView::new(new, keep, stream, ctx) });
+        let old_capacity = std::mem::replace(&mut self.capacity, capacity);
+        let mr = &self.mr;
+        old.release_with(|addr, _, stream| {
+            // SAFETY: `addr`/`old_capacity` were this buffer's allocation from `mr` on `stream` (the struct
+            // invariant), handed out once by `release_with`; the copy out of it and every use made through
+            // the buffer were queued on `stream`, before this free.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(addr, old_capacity, stream)
+            }
+        })
     }
+}
 
-    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size => Ok(()),
-            _ => Err(Error::Unsupported {
-                resource: "DeviceBuffer",
-                reason: format!(
-                    "range {offset}..{offset}+{len} is outside a buffer of {} bytes",
-                    self.size
-                ),
-            }),
-        }
+impl<'s> std::ops::Deref for DeviceBuffer<'s> {
+    type Target = BufferView<'s>;
+
+    /// The bytes `0..len()`: address, size, stream, context, host copies and fills.
+    fn deref(&self) -> &BufferView<'s> {
+        &self.view
     }
 }
 
 impl Drop for DeviceBuffer<'_> {
     fn drop(&mut self) {
+        let (mr, capacity) = (&self.mr, self.capacity);
         // Errors cannot leave a destructor; the resource has reported what it can.
-        // SAFETY: the buffer owns `ptr` (from `self.mr.allocate(capacity, stream)`, the struct invariant)
-        // and frees it exactly once, here; every use made through the buffer was queued on `self.stream`,
-        // and the borrow of `self` has ended, so nothing uses it after this point of the stream.
-        #[allow(unsafe_code)]
-        let _ = unsafe { self.mr.deallocate(self.ptr, self.capacity, self.stream.as_ref()) };
+        let _ = self.view.release_with(|addr, _, stream| {
+            // SAFETY: the buffer owns `addr` (from `mr.allocate(capacity, stream)`, the struct invariant),
+            // handed out once by `release_with`; every use made through the buffer was queued on `stream`,
+            // and the borrow of `self` has ended, so nothing uses it after this point of the stream.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(addr, capacity, stream)
+            }
+        });
     }
 }

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
-use mempool_core::{DeviceAddr, Stream};
+use mempool_core::{DeviceAddr, StreamRef};
 
 use super::DeviceBuffer;
 use crate::error::{Error, Result};
@@ -20,7 +20,7 @@ pub struct DeviceVec<'s, T: Pod> {
 impl<'s, T: Pod> DeviceVec<'s, T> {
     /// `len` uninitialised elements (initialise them before reading; reading gives unspecified, valid
     /// values).
-    pub fn new(len: usize, stream: &'s Stream, mr: SharedResource) -> Result<Self> {
+    pub fn new(len: usize, stream: impl Into<StreamRef<'s>>, mr: SharedResource) -> Result<Self> {
         let bytes = len.checked_mul(size_of::<T>()).ok_or_else(|| too_large::<T>(len))?;
         Ok(DeviceVec {
             buf: DeviceBuffer::new(bytes, stream, mr)?,
@@ -29,7 +29,7 @@ impl<'s, T: Pod> DeviceVec<'s, T> {
     }
 
     /// A copy of `data`.
-    pub fn from_slice(data: &[T], stream: &'s Stream, mr: SharedResource) -> Result<Self> {
+    pub fn from_slice(data: &[T], stream: impl Into<StreamRef<'s>>, mr: SharedResource) -> Result<Self> {
         let buf = DeviceBuffer::from_host(bytemuck::cast_slice(data), stream, mr)?;
         Ok(DeviceVec { buf, _t: PhantomData })
     }
@@ -61,7 +61,7 @@ impl<'s, T: Pod> DeviceVec<'s, T> {
     /// Copies `data` to elements `start..start+data.len()` (waits).
     pub fn copy_from_slice(&self, start: usize, data: &[T]) -> Result<()> {
         let offset = start.checked_mul(size_of::<T>()).ok_or_else(|| too_large::<T>(start))?;
-        self.buf.copy_from_host(offset, bytemuck::cast_slice(data))
+        Ok(self.buf.copy_from_host(offset, bytemuck::cast_slice(data))?)
     }
 
     /// Element `i` (waits).
@@ -99,7 +99,7 @@ pub struct DeviceScalar<'s, T: Pod> {
 
 impl<'s, T: Pod> DeviceScalar<'s, T> {
     /// A scalar holding `value`.
-    pub fn new(value: T, stream: &'s Stream, mr: SharedResource) -> Result<Self> {
+    pub fn new(value: T, stream: impl Into<StreamRef<'s>>, mr: SharedResource) -> Result<Self> {
         Ok(DeviceScalar {
             vec: DeviceVec::from_slice(&[value], stream, mr)?,
         })
