@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use mempool_core::{
-    Context, Device, DeviceAddr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef,
+    BufferView, Context, Device, DeviceAddr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef,
 };
 
 use crate::conn::ConnectionConfig;
@@ -225,15 +225,20 @@ impl Importer {
             Ok(ptr)
         })();
         match received {
-            Ok(ptr) => Ok(SharedBuffer {
-                inner: self.inner.clone(),
-                id,
-                block: descriptor.block_id,
-                ptr,
-                len: descriptor.size as usize,
-                stream,
-                released: false,
-            }),
+            Ok(ptr) => {
+                // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
+                // `offset + size <= block_size`), which the import table keeps imported until this buffer is
+                // released; `stream` waits on the exporter's ready event (or the exporter synchronized), so
+                // work on it is ordered on `stream` from here on.
+                #[allow(unsafe_code)]
+                let view = unsafe { BufferView::new(ptr, descriptor.size as usize, stream, inner.ctx.clone()) };
+                Ok(SharedBuffer {
+                    inner: self.inner.clone(),
+                    id,
+                    block: descriptor.block_id,
+                    view,
+                })
+            }
             Err(e) => {
                 // Not held: tell the exporter so it does not wait for this buffer.
                 let _ = inner.session.release(id);
@@ -252,10 +257,8 @@ pub struct SharedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
     block: BlockId,
-    ptr: DeviceAddr,
-    len: usize,
-    stream: StreamRef<'s>,
-    released: bool,
+    /// The range in this process; empty once released (by `release` or drop).
+    view: BufferView<'s>,
 }
 
 impl fmt::Debug for SharedBuffer<'_> {
@@ -263,9 +266,17 @@ impl fmt::Debug for SharedBuffer<'_> {
         f.debug_struct("SharedBuffer")
             .field("id", &self.id)
             .field("block", &self.block)
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
+            .field("view", &self.view)
             .finish()
+    }
+}
+
+impl<'s> std::ops::Deref for SharedBuffer<'s> {
+    type Target = BufferView<'s>;
+
+    /// The buffer's range in this process: address, size, stream, context, host copies and fills.
+    fn deref(&self) -> &BufferView<'s> {
+        &self.view
     }
 }
 
@@ -280,74 +291,26 @@ impl<'s> SharedBuffer<'s> {
         self.block
     }
 
-    /// The device address in this process.
+    /// The device address in this process (the same as [`BufferView::addr`]).
     pub fn ptr(&self) -> DeviceAddr {
-        self.ptr
-    }
-
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always `false`: shared buffers are never empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The stream the buffer is ordered on.
-    pub fn stream(&self) -> StreamRef<'s> {
-        self.stream
-    }
-
-    /// The context the buffer is imported in.
-    pub fn context(&self) -> &Arc<Context> {
-        &self.inner.ctx
-    }
-
-    /// Copies the start of the buffer into `dst`, on the buffer's stream, and waits.
-    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        self.check_len(dst.len())?;
-        // SAFETY: the buffer is imported and live for `len` bytes (checked), ordered on its stream
-        // after the exporter's event.
-        #[allow(unsafe_code)]
-        unsafe { mempool_core::memory::copy_to_host(&self.inner.ctx, dst, self.ptr, self.stream) }?;
-        Ok(())
-    }
-
-    /// Copies `src` into the start of the buffer, on the buffer's stream, and waits.
-    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
-        self.check_len(src.len())?;
-        // SAFETY: as in `copy_to_host`.
-        #[allow(unsafe_code)]
-        unsafe { mempool_core::memory::copy_to_device(&self.inner.ctx, self.ptr, src, self.stream) }?;
-        Ok(())
-    }
-
-    fn check_len(&self, n: usize) -> Result<()> {
-        if n > self.len {
-            return Err(mempool_core::Error::InvalidArgument(format!(
-                "a copy of {n} bytes does not fit a shared buffer of {} bytes",
-                self.len
-            ))
-            .into());
-        }
-        Ok(())
+        self.view.addr()
     }
 
     /// Releases the buffer (what dropping does), reporting errors instead of recording them.
     pub fn release(mut self) -> Result<()> {
-        self.released = true;
-        self.inner.release(self.id, self.stream)
+        self.release_once()
+    }
+
+    /// Releases once: the view is empty afterwards, so a later drop has nothing to release.
+    fn release_once(&mut self) -> Result<()> {
+        let (inner, id) = (&self.inner, self.id);
+        self.view.release_with(|_, _, stream| inner.release(id, stream))
     }
 }
 
 impl Drop for SharedBuffer<'_> {
     fn drop(&mut self) {
-        if self.released {
-            return;
-        }
-        if let Err(e) = self.inner.release(self.id, self.stream) {
+        if let Err(e) = self.release_once() {
             record_drop_error(e);
         }
     }

@@ -63,7 +63,7 @@ fn read_u32s(ctx: &Context, ptr: DeviceAddr, n: usize, stream: StreamRef<'_>) ->
 
 fn shared_u32s(buf: &SharedBuffer<'_>) -> Vec<u32> {
     let mut host = vec![0u8; buf.len()];
-    buf.copy_to_host(&mut host).unwrap();
+    buf.copy_to_host(0, &mut host).unwrap();
     u32s(&host)
 }
 
@@ -316,13 +316,14 @@ fn suballocated_parent(test: &str, make: impl FnOnce(Arc<AsyncResource>, &Arc<Co
     for k in 0..SUB_COUNT {
         let ptr = sub.allocate(SUB_LEN, stream.as_ref()).unwrap();
         let mr = sub.clone();
-        let buf = exporter
-            .adopt(ptr, SUB_LEN, stream.as_ref(), move |p, len, s| {
-                // SAFETY: the exporter calls this once, after the last holder released the buffer, with the
-                // address and size adopted here (an allocation of `sub` on `stream`).
-                unsafe { mr.deallocate(p, len, s) }
-            })
-            .unwrap();
+        let free = move |p: DeviceAddr, len: usize, s: StreamRef<'_>| {
+            // SAFETY: the exporter calls this once, after the last holder released the buffer, with the
+            // address and size adopted below (an allocation of `sub` on `stream`).
+            unsafe { mr.deallocate(p, len, s) }
+        };
+        // SAFETY: `ptr` is this test's fresh SUB_LEN allocation of `sub` on `stream`, handed over here and
+        // used only through the returned buffer; `free` gives exactly it back to `sub`.
+        let buf = unsafe { exporter.adopt(ptr, SUB_LEN, stream.as_ref(), free) }.unwrap();
         // SAFETY: the buffer holds n u32s on `stream`.
         unsafe { kernels.iota(buf.ptr(), n, (k * 100_000) as u32, stream.as_ref()) }.unwrap();
         bufs.push(buf);

@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use mempool_core::{memory, DeviceAddr, StreamRef};
+use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 
 use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
 use crate::error::{record_drop_error, Error, Result};
@@ -23,19 +23,25 @@ use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, PointerDescr
 pub struct ExportedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
-    ptr: DeviceAddr,
-    len: usize,
-    stream: StreamRef<'s>,
-    released: bool,
+    /// The range; empty once the owner's release was handed to the exporter (by `release` or drop).
+    view: BufferView<'s>,
 }
 
 impl fmt::Debug for ExportedBuffer<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ExportedBuffer")
             .field("id", &self.id)
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
+            .field("view", &self.view)
             .finish()
+    }
+}
+
+impl<'s> std::ops::Deref for ExportedBuffer<'s> {
+    type Target = BufferView<'s>;
+
+    /// The buffer's range: address, size, stream, context, host copies and fills.
+    fn deref(&self) -> &BufferView<'s> {
+        &self.view
     }
 }
 
@@ -45,24 +51,9 @@ impl<'s> ExportedBuffer<'s> {
         self.id
     }
 
-    /// The device address.
+    /// The device address (the same as [`BufferView::addr`]).
     pub fn ptr(&self) -> DeviceAddr {
-        self.ptr
-    }
-
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always `false`: shared buffers are never empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The stream the buffer is ordered on.
-    pub fn stream(&self) -> StreamRef<'s> {
-        self.stream
+        self.view.addr()
     }
 
     /// The importers holding the buffer now, in id order.
@@ -87,17 +78,20 @@ impl<'s> ExportedBuffer<'s> {
 
     /// Lets go of the buffer (what dropping does) and reports errors instead of recording them.
     pub fn release(mut self) -> Result<()> {
-        self.released = true;
-        self.inner.release_owner(self.id, self.stream)
+        self.release_once()
+    }
+
+    /// Hands the owner's release to the exporter once (the view is empty afterwards); the exporter frees
+    /// the memory when the last holder lets go.
+    fn release_once(&mut self) -> Result<()> {
+        let (inner, id) = (&self.inner, self.id);
+        self.view.release_with(|_, _, stream| inner.release_owner(id, stream))
     }
 }
 
 impl Drop for ExportedBuffer<'_> {
     fn drop(&mut self) {
-        if self.released {
-            return;
-        }
-        if let Err(e) = self.inner.release_owner(self.id, self.stream) {
+        if let Err(e) = self.release_once() {
             record_drop_error(e);
         }
     }
@@ -229,13 +223,17 @@ fn register<'s>(
             last_use: None,
         },
     )?;
+    // SAFETY: `ptr..ptr+len` is live memory of the exporter's pool, in `inner.ctx` (allocated by `alloc`, or
+    // checked to lie in a live allocation of the pool by `adopt`, whose caller handed it over); the lease
+    // table now holds it, and the exporter frees it only after this buffer's release (`release_once`) and
+    // the last importer's, so it stays allocated while the view can reach it; work on it is ordered on
+    // `stream`, the stream it was allocated or adopted on.
+    #[allow(unsafe_code)]
+    let view = unsafe { BufferView::new(ptr, len, stream, inner.ctx.clone()) };
     Ok(ExportedBuffer {
         inner: inner.clone(),
         id,
-        ptr,
-        len,
-        stream,
-        released: false,
+        view,
     })
 }
 
@@ -245,7 +243,7 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
         return Ok(());
     }
     let event = inner.take_event()?;
-    event.event.record(buffer.stream)?;
+    event.event.record(buffer.view.stream())?;
     let handle = event.handle;
     let mut state = inner.lock();
     let mut sessions = Vec::with_capacity(to.len());
@@ -328,8 +326,8 @@ fn describe(
         buffer_id: buffer.id,
         block_id: block.id,
         block_size: block.size,
-        offset: buffer.ptr.as_raw() - base,
-        size: buffer.len as u64,
+        offset: buffer.view.addr().as_raw() - base,
+        size: buffer.view.len() as u64,
         pointer,
         ready_event: Some(event),
     })

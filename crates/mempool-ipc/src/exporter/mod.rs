@@ -254,12 +254,22 @@ impl Exporter {
     /// their own.
     ///
     /// `free` gives the buffer back to whatever allocated it (for a mempool-rmm resource `mr`:
-    /// `move |p, n, s| mr.deallocate(p, n, s)`); the exporter calls it once, when the last
-    /// holder lets go, with the stream to order the free on. Until then the buffer (and so its
-    /// block) stays allocated.
+    /// `move |p, n, s| unsafe { mr.deallocate(p, n, s) }`); the exporter calls it once, when the
+    /// last holder lets go, with the stream to order the free on. Until then the buffer (and so
+    /// its block) stays allocated.
     ///
     /// Errors: [`Error::NotShareable`] if the range is not inside an allocation of this pool.
-    pub fn adopt<'s, F, E>(
+    ///
+    /// # Safety
+    /// The exporter checks that the range lies in a live allocation of its pool, but not who owns
+    /// it, and the returned buffer reads and writes it from safe code (here and in importers):
+    /// 1. `ptr..ptr+len` is memory the caller owns (for example a suballocation from a resource
+    ///    over this exporter's pool) and hands over: from now on the caller neither uses nor frees
+    ///    it except through the returned buffer and through `free`.
+    /// 2. Work on it is ordered on `stream` (work queued there before this call may still use it).
+    /// 3. `free(ptr, len, s)`, called once, returns exactly this memory to its owner, ordered on `s`.
+    #[allow(unsafe_code)]
+    pub unsafe fn adopt<'s, F, E>(
         &self,
         ptr: DeviceAddr,
         len: usize,
