@@ -26,8 +26,10 @@ mod error;
 pub mod registry;
 mod resource;
 pub mod resources;
-pub mod suballoc;
 pub mod testing;
+
+/// The suballocator engines: the `mempool-suballoc` crate.
+pub use mempool_suballoc as suballoc;
 
 pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};

@@ -180,6 +180,12 @@ fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
                 },
             }
         }
+        // The engines' error is non-exhaustive; a kind added later reads as its message until it is
+        // mapped here.
+        other => Error::Unsupported {
+            resource,
+            reason: other.to_string(),
+        },
     }
 }
 

@@ -218,7 +218,7 @@ impl<O: StreamOrder> FixedCore<O> {
 /// [`Error::TooLarge`]; 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = FixedSizeConfig { block_size: 4096, blocks_per_chunk: 16, ..Default::default() };
 /// let mut fixed = FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -340,8 +340,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

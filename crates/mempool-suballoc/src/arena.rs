@@ -79,7 +79,7 @@ struct StreamArena<S> {
 /// resource's lock, so the lock, not the arena, is what threads contend on.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{ArenaConfig, ArenaEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{ArenaConfig, ArenaEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = ArenaConfig { superblock_size: 1 << 16, ..Default::default() };
 /// let mut arena = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -521,8 +521,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -90,7 +90,7 @@ pub(super) fn first_class_from(bits: &[u64], summary: u64, c: usize) -> Option<u
 /// Sizes and addresses must be multiples of [`ALIGNMENT`] (as every engine's are).
 ///
 /// ```
-/// use mempool_rmm::suballoc::{Block, FreeList};
+/// use mempool_suballoc::{Block, FreeList};
 ///
 /// let mut free = FreeList::new();
 /// free.insert(Block { addr: 0x1000, size: 0x400, chunk: 0x1000 });

@@ -99,7 +99,7 @@ impl Default for SimUpstreamState {
 /// exists to catch engines that get this wrong.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{SimUpstream, Upstream, Error};
+/// use mempool_suballoc::{SimUpstream, Upstream, Error};
 ///
 /// let up = SimUpstream::with_capacity(4096);
 /// let a = Upstream::<()>::allocate(&up, 4096, ())?;

@@ -42,7 +42,7 @@ impl Default for BinningConfig {
 /// the [module docs](super). 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{BinningConfig, BinningEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{BinningConfig, BinningEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = BinningConfig { min_size_exponent: 8, max_size_exponent: 12, ..Default::default() };
 /// let mut bins = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -310,8 +310,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

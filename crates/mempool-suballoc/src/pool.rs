@@ -407,7 +407,7 @@ impl<O: StreamOrder> PoolCore<O> {
 /// - [`release`](Self::release), and dropping the engine, return every chunk to the upstream.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = PoolConfig { initial_size: 1 << 20, maximum_size: Some(1 << 22), ..Default::default() };
 /// let mut pool = PoolEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -549,8 +549,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

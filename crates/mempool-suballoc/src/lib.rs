@@ -50,7 +50,7 @@
 //! `Mutex`. They are `Send` whenever their upstream, stream order and events are.
 //!
 //! ```
-//! use mempool_rmm::suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+//! use mempool_suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
 //!
 //! let upstream = SimUpstream::new();
 //! let mut pool = PoolEngine::new(upstream.clone(), SimStreams::new(), PoolConfig::default())?;
@@ -100,7 +100,7 @@ pub const ALIGNMENT: u64 = 256;
 /// Rounds `bytes` up to a multiple of [`ALIGNMENT`], or `None` when that overflows `u64`.
 ///
 /// ```
-/// use mempool_rmm::suballoc::align_up;
+/// use mempool_suballoc::align_up;
 /// assert_eq!(align_up(1), Some(256));
 /// assert_eq!(align_up(512), Some(512));
 /// assert_eq!(align_up(u64::MAX), None);
@@ -205,7 +205,7 @@ pub struct InvariantViolation(pub String);
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {
         if !$cond {
-            return Err($crate::suballoc::InvariantViolation(format!($($fmt)+)));
+            return Err($crate::InvariantViolation(format!($($fmt)+)));
         }
     };
 }
