@@ -21,8 +21,8 @@ use std::time::Duration;
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use mempool_rmm::suballoc::{
-    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Error, FixedSizeConfig, FixedSizeEngine, PoolConfig,
-    PoolEngine, SimUpstream, StreamOrder,
+    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Engine as _, Error, FixedSizeConfig, FixedSizeEngine,
+    PoolConfig, PoolEngine, SimUpstream, StreamOrder,
 };
 use mempool_rmm::testing::{self, RandomOp as Op};
 

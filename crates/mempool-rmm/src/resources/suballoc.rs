@@ -9,7 +9,7 @@ use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use crate::suballoc::{
-    self, ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, EngineStats, EventPolicy, FixedSizeConfig,
+    self, ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Engine, EngineStats, EventPolicy, FixedSizeConfig,
     FixedSizeEngine, PoolConfig, PoolEngine, StreamOrder, Upstream,
 };
 

@@ -1,0 +1,145 @@
+//! The interface every engine implements, so that one resource type, one test driver and one
+//! conformance suite serve all four.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+
+use super::{EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream};
+
+/// A suballocator engine: hands out aligned address ranges carved from an [`Upstream`]'s chunks,
+/// and orders streams through a [`StreamOrder`] before a range moves from one stream to another
+/// (the [crate docs](crate) state the rule and which streams an engine may touch).
+///
+/// Implemented by [`PoolEngine`](crate::PoolEngine), [`FixedSizeEngine`](crate::FixedSizeEngine),
+/// [`BinningEngine`](crate::BinningEngine) and [`ArenaEngine`](crate::ArenaEngine). What is common
+/// to all of them:
+///
+/// - `allocate(0, _)` returns address 0 and `deallocate(_, 0, _)` does nothing, neither touching any
+///   state; every other address is non-zero and aligned to [`ALIGNMENT`](crate::ALIGNMENT).
+/// - Out of memory is [`Error::OutOfMemory`] with `requested` the size the caller asked for.
+/// - A `deallocate` that names no live allocation (double free, foreign address, wrong size) is
+///   [`Error::UnknownAllocation`] and changes nothing.
+/// - Dropping an engine does what [`release`](Self::release) does, ignoring its errors.
+///
+/// ```
+/// use mempool_suballoc::{Engine, EngineConfig, PoolConfig, SimStream, SimStreams, SimUpstream};
+///
+/// /// Allocates and frees one block with any engine.
+/// fn round_trip<C: EngineConfig>(config: C) -> Result<(), mempool_suballoc::Error> {
+///     let upstream = SimUpstream::new();
+///     let mut engine: C::Engine<SimUpstream, SimStreams> = Engine::new(upstream.clone(), SimStreams::new(), config)?;
+///     let s = SimStream::new(0);
+///     let a = engine.allocate(1000, s)?;
+///     engine.deallocate(a, 1000, s)?;
+///     let reserved = engine.stats().reserved_bytes;
+///     assert_eq!(engine.release_unused(s)?, reserved);
+///     assert_eq!(upstream.stats().live_chunks, 0);
+///     Ok(())
+/// }
+/// round_trip(PoolConfig::default())?;
+/// # Ok::<(), mempool_suballoc::Error>(())
+/// ```
+pub trait Engine {
+    /// The engine's configuration.
+    type Config: EngineConfig;
+    /// A stream's identity, as the stream order names it; free lists are kept per stream.
+    type Stream: Copy + Eq + Hash + Debug;
+    /// Where the engine's chunks come from.
+    type Upstream: Upstream<Self::Stream>;
+    /// How the engine orders one stream after another.
+    type Order: StreamOrder<Stream = Self::Stream>;
+
+    /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
+    /// with [`Error::InvalidConfig`] for a configuration that cannot work.
+    fn new(upstream: Self::Upstream, order: Self::Order, config: Self::Config) -> Result<Self, Error>
+    where
+        Self: Sized;
+
+    /// The configuration, with sizes rounded as the engine uses them.
+    fn config(&self) -> Self::Config;
+
+    /// Allocates `bytes` for use on `stream`: an address aligned to
+    /// [`ALIGNMENT`](crate::ALIGNMENT), or 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when neither the free lists nor
+    /// the upstream can serve it, [`Error::TooLarge`] above what the engine serves at all, or
+    /// [`Error::Stream`] when an event wait needed to take another stream's memory fails (the memory
+    /// then stays where it was).
+    fn allocate(&mut self, bytes: u64, stream: Self::Stream) -> Result<u64, Error>;
+
+    /// Frees an allocation: `addr` as returned by [`allocate`](Self::allocate) for `bytes`. The
+    /// memory may be reused at once by work on `stream`, and by other streams once ordered after it.
+    /// Freeing 0 bytes does nothing.
+    ///
+    /// Fails with [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live
+    /// allocation of `bytes`; with another error when a stream operation or, for memory that goes
+    /// straight back to the upstream, the upstream fails.
+    fn deallocate(&mut self, addr: u64, bytes: u64, stream: Self::Stream) -> Result<(), Error>;
+
+    /// Moves every stream's free memory into `into`'s free list, after ordering `into` after each
+    /// stream (an event wait, or a synchronize), where it coalesces if the engine coalesces.
+    fn merge_free_lists(&mut self, into: Self::Stream) -> Result<(), Error>;
+
+    /// Returns to the upstream, on `stream`, every chunk that holds no live allocation, after
+    /// merging every stream's free memory into `stream`'s list (as
+    /// [`merge_free_lists`](Self::merge_free_lists)). Live allocations stay valid. Returns the bytes
+    /// released.
+    ///
+    /// A chunk whose return the upstream refuses is forgotten all the same (the engine never hands
+    /// out its memory again); the first such error is returned after every other chunk was
+    /// returned.
+    fn release_unused(&mut self, stream: Self::Stream) -> Result<u64, Error>;
+
+    /// Synchronizes every stream the engine has seen, then returns every chunk to the upstream on
+    /// the stream it was allocated on, live allocations included (their addresses become invalid),
+    /// as RMM does when a resource is destroyed, and forgets everything. On a synchronize error
+    /// nothing is released. A chunk whose return the upstream refuses is forgotten all the same;
+    /// the first such error is returned after every other chunk was returned.
+    fn release(&mut self) -> Result<(), Error>;
+
+    /// Bytes reserved, used and free, and block counts.
+    fn stats(&self) -> EngineStats;
+
+    /// Checks the engine's bookkeeping: every invariant written next to its fields, and
+    /// `free_bytes + used_bytes == reserved_bytes`.
+    fn check_invariants(&self) -> Result<(), InvariantViolation>;
+
+    /// The upstream.
+    fn upstream(&self) -> &Self::Upstream;
+
+    /// The stream order.
+    fn stream_order(&self) -> &Self::Order;
+}
+
+/// The configuration of one kind of engine, which names the engine over any upstream and stream
+/// order: what lets one generic type (a memory resource, a test) build any engine from its
+/// configuration alone.
+///
+/// The engine it names is `Send`, for the upstreams, stream orders and events that are: a resource
+/// shared between threads keeps its engine behind a lock.
+///
+/// ```
+/// use mempool_suballoc::{EngineConfig, EventPolicy, FixedSizeConfig, FixedSizeEngine, SimStreams, SimUpstream};
+///
+/// let mut config = FixedSizeConfig::default();
+/// config.set_event_policy(EventPolicy::RecordOnFree);
+/// let engine: <FixedSizeConfig as EngineConfig>::Engine<SimUpstream, SimStreams> =
+///     mempool_suballoc::Engine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let _: &FixedSizeEngine<SimUpstream, SimStreams> = &engine;
+/// # Ok::<(), mempool_suballoc::Error>(())
+/// ```
+pub trait EngineConfig: Clone + Debug {
+    /// The engine this configures, over upstream `U` and stream order `O`.
+    type Engine<U, O>: Engine<Config = Self, Stream = O::Stream, Upstream = U, Order = O> + Send
+    where
+        O: StreamOrder + Send,
+        O::Stream: Send,
+        O::Event: Send,
+        U: Upstream<O::Stream> + Send;
+
+    /// When the engine records the events that hand free memory to other streams.
+    fn event_policy(&self) -> EventPolicy;
+
+    /// Sets [`event_policy`](Self::event_policy).
+    fn set_event_policy(&mut self, policy: EventPolicy);
+}
