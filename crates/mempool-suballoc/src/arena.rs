@@ -362,19 +362,20 @@ where
     }
 
     /// Synchronizes every stream seen, then returns every upstream chunk, live allocations
-    /// included, to the upstream. On a synchronize error nothing is released.
+    /// included, to the upstream. On a synchronize error nothing is released; an upstream error is
+    /// returned after everything was returned and forgotten.
     fn release(&mut self) -> Result<(), Error> {
         for a in &self.arenas {
             self.global.stream_order().synchronize(a.stream)?;
         }
-        self.global.release()?;
+        self.global.synchronize()?;
         self.arenas.clear();
         self.arena_index.clear();
         self.last = 0;
         self.superblocks.clear();
         self.live.clear();
         self.small_used = 0;
-        Ok(())
+        self.global.release_synchronized()
     }
 
     /// Bytes reserved, used (by live allocations, small and large) and free (in arenas and in the
@@ -524,7 +525,12 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    /// Releases everything as [`release`](Engine::release) does (the global arena's own drop then
+    /// finds nothing left, or retries after a synchronize error). Its error cannot be returned from
+    /// `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned
+    /// while the GPU may still use them; a chunk the upstream fails to take back is forgotten. A
+    /// caller that needs to see those errors calls `release` (or, once nothing is live,
+    /// `release_unused`) before dropping the engine, which then has nothing left to return.
     fn drop(&mut self) {
         let _ = self.release();
     }

@@ -102,10 +102,7 @@ where
     #[cold]
     fn deallocate_large(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         match self.large.get(addr) {
-            Some(c) if Some(c.size) == align_up(bytes) => {
-                self.large.release(&self.upstream, addr, stream);
-                Ok(())
-            }
+            Some(c) if Some(c.size) == align_up(bytes) => self.large.release(&self.upstream, addr, stream).map(drop),
             _ => Err(Error::UnknownAllocation { addr, bytes }),
         }
     }
@@ -177,7 +174,8 @@ where
     /// reused at once on `stream` and by other streams after an event wait; a large one goes back to
     /// the upstream on `stream`. Freeing 0 bytes does nothing. Fails with
     /// [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live allocation of that
-    /// size.
+    /// size, and with the upstream's error when it fails to take a large allocation back (which is
+    /// forgotten all the same).
     #[inline]
     fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
@@ -209,17 +207,18 @@ where
 
     /// Synchronizes every stream seen (by any bin, and by large allocations), then returns every
     /// chunk of every bin, and every large allocation, to the upstream; live blocks become invalid.
-    /// On a synchronize error nothing is released.
+    /// On a synchronize error nothing is released; an upstream error is returned after everything
+    /// was returned and forgotten.
     fn release(&mut self) -> Result<(), Error> {
         self.large.synchronize(&self.order)?;
         for bin in &self.bins {
             bin.synchronize(&self.order)?;
         }
+        let mut result = Ok(());
         for bin in &mut self.bins {
-            bin.release_synchronized(&self.upstream);
+            result = result.and(bin.release_synchronized(&self.upstream));
         }
-        self.large.release_all(&self.upstream);
-        Ok(())
+        result.and(self.large.release_all(&self.upstream))
     }
 
     /// Bytes reserved, used and free, and block counts, over all bins and large allocations.
@@ -288,7 +287,11 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error everything is leaked instead.
+    /// Releases everything as [`release`](Engine::release) does. Its error cannot be returned from
+    /// `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned
+    /// while the GPU may still use them; a chunk the upstream fails to take back is forgotten. A
+    /// caller that needs to see those errors calls `release` (or, once nothing is live,
+    /// `release_unused`) before dropping the engine, which then has nothing left to return.
     fn drop(&mut self) {
         let _ = self.release();
     }

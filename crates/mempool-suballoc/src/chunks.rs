@@ -43,7 +43,9 @@ impl<S: Copy + Debug> Chunks<S> {
     pub(crate) fn allocate<U: Upstream<S>>(&mut self, upstream: &U, size: u64, stream: S) -> Result<u64, Error> {
         let addr = upstream.allocate(size, stream)?;
         if addr == 0 || addr % ALIGNMENT != 0 {
-            upstream.deallocate(addr, size, stream);
+            // The broken contract is the error to report; whether the upstream takes the bad range
+            // back changes nothing for the engine, which never uses it.
+            let _ = upstream.deallocate(addr, size, stream);
             return Err(Error::Upstream {
                 op: "allocate",
                 source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
@@ -54,13 +56,17 @@ impl<S: Copy + Debug> Chunks<S> {
         Ok(addr)
     }
 
-    /// Returns the chunk at `addr` to the upstream on `stream` (which the caller has ordered after
-    /// every use of it) and forgets it. Returns its size, or `None` when there is no such chunk.
-    pub(crate) fn release<U: Upstream<S>>(&mut self, upstream: &U, addr: u64, stream: S) -> Option<u64> {
-        let chunk = self.map.remove(&addr)?;
+    /// Returns the chunk at `addr` (which the caller knows is one) to the upstream on `stream`
+    /// (which the caller has ordered after every use of it) and forgets it, whether the upstream
+    /// takes it back or fails. Returns its size.
+    pub(crate) fn release<U: Upstream<S>>(&mut self, upstream: &U, addr: u64, stream: S) -> Result<u64, Error> {
+        let Some(chunk) = self.map.remove(&addr) else {
+            debug_assert!(false, "releasing {addr:#x}, which is not a chunk");
+            return Ok(0);
+        };
         self.reserved -= chunk.size;
-        upstream.deallocate(addr, chunk.size, stream);
-        Some(chunk.size)
+        upstream.deallocate(addr, chunk.size, stream)?;
+        Ok(chunk.size)
     }
 
     /// Blocks the host until the streams the chunks were allocated on have completed their work.
@@ -68,13 +74,16 @@ impl<S: Copy + Debug> Chunks<S> {
         self.map.values().try_for_each(|c| order.synchronize(c.stream))
     }
 
-    /// Returns every chunk to the upstream on the stream it was allocated on, and forgets them. The
-    /// caller has synchronized those streams.
-    pub(crate) fn release_all<U: Upstream<S>>(&mut self, upstream: &U) {
+    /// Returns every chunk to the upstream on the stream it was allocated on, and forgets them all,
+    /// including those the upstream fails to take back; returns the first such error. The caller
+    /// has synchronized those streams.
+    pub(crate) fn release_all<U: Upstream<S>>(&mut self, upstream: &U) -> Result<(), Error> {
+        let mut result = Ok(());
         for (addr, chunk) in std::mem::take(&mut self.map) {
-            upstream.deallocate(addr, chunk.size, chunk.stream);
+            result = result.and(upstream.deallocate(addr, chunk.size, chunk.stream));
         }
         self.reserved = 0;
+        result
     }
 
     /// The chunk that starts at `addr`.

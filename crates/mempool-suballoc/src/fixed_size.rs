@@ -175,10 +175,14 @@ impl<O: StreamOrder> FixedCore<O> {
         list.retain(|&a| !unused.contains(&chunk_of(a)));
         *self.lists.list_mut(i) = list;
         let mut released = 0;
+        let mut result = Ok(());
         for c in unused {
-            released += self.chunks.release(upstream, c, stream).unwrap_or(0);
+            match self.chunks.release(upstream, c, stream) {
+                Ok(n) => released += n,
+                Err(e) => result = result.and(Err(e)),
+            }
         }
-        Ok(released)
+        result.map(|()| released)
     }
 
     /// Blocks the host until every stream seen has completed its work.
@@ -187,19 +191,19 @@ impl<O: StreamOrder> FixedCore<O> {
     }
 
     /// Returns every chunk to the upstream and forgets all blocks, once the caller has
-    /// [synchronized](Self::synchronize).
-    pub(crate) fn release_synchronized<U: Upstream<O::Stream>>(&mut self, upstream: &U) {
-        self.chunks.release_all(upstream);
+    /// [synchronized](Self::synchronize); returns the first error of the upstream.
+    pub(crate) fn release_synchronized<U: Upstream<O::Stream>>(&mut self, upstream: &U) -> Result<(), Error> {
         self.lists.clear();
         self.live.clear();
+        self.chunks.release_all(upstream)
     }
 
     /// Synchronizes every stream seen, then returns every chunk to the upstream and forgets all
-    /// blocks. On a synchronize error, changes nothing.
+    /// blocks. On a synchronize error, changes nothing; an upstream error is returned after
+    /// everything was returned and forgotten.
     pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
         self.synchronize(order)?;
-        self.release_synchronized(upstream);
-        Ok(())
+        self.release_synchronized(upstream)
     }
 
     pub(crate) fn stats(&self) -> EngineStats {
@@ -411,7 +415,11 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    /// Releases everything as [`release`](Engine::release) does. Its error cannot be returned from
+    /// `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned
+    /// while the GPU may still use them; a chunk the upstream fails to take back is forgotten. A
+    /// caller that needs to see those errors calls `release` (or, once nothing is live,
+    /// `release_unused`) before dropping the engine, which then has nothing left to return.
     fn drop(&mut self) {
         let _ = self.core.release(&self.upstream, &self.order);
     }

@@ -215,11 +215,29 @@ where
         // Every block in `stream`'s list is ordered before `stream`'s current work (freed on it, or
         // moved here after a wait, or grown on it), so the chunk can go back on `stream` itself.
         let mut released = 0;
+        let mut result = Ok(());
         for b in whole {
             debug_assert!(self.chunks.get(b.chunk).is_some_and(|c| c.size == b.size));
-            released += self.chunks.release(&self.upstream, b.chunk, stream).unwrap_or(0);
+            match self.chunks.release(&self.upstream, b.chunk, stream) {
+                Ok(n) => released += n,
+                Err(e) => result = result.and(Err(e)),
+            }
         }
-        Ok(released)
+        result.map(|()| released)
+    }
+
+    /// Blocks the host until every stream seen has completed its work.
+    pub(crate) fn synchronize(&self) -> Result<(), Error> {
+        self.lists.synchronize_all(&self.order)
+    }
+
+    /// Returns every chunk to the upstream and forgets all blocks, once the caller has
+    /// [synchronized](Self::synchronize); returns the first error of the upstream.
+    pub(crate) fn release_synchronized(&mut self) -> Result<(), Error> {
+        self.lists.clear();
+        self.blocks.clear();
+        self.used = 0;
+        self.chunks.release_all(&self.upstream)
     }
 
     /// Returns to the upstream, on `stream`, every chunk that is entirely free in `stream`'s list
@@ -331,14 +349,11 @@ where
     }
 
     /// Returns every chunk to the upstream after synchronizing every stream seen, and forgets all
-    /// blocks, live ones included. On a synchronize error, changes nothing.
+    /// blocks, live ones included. On a synchronize error, changes nothing; an upstream error is
+    /// returned after everything was returned and forgotten.
     fn release(&mut self) -> Result<(), Error> {
-        self.lists.synchronize_all(&self.order)?;
-        self.chunks.release_all(&self.upstream);
-        self.lists.clear();
-        self.blocks.clear();
-        self.used = 0;
-        Ok(())
+        self.synchronize()?;
+        self.release_synchronized()
     }
 
     fn stats(&self) -> EngineStats {
@@ -421,8 +436,11 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything as [`release`](Engine::release) does; on a synchronize error the chunks
-    /// are leaked rather than returned while the GPU may still use them.
+    /// Releases everything as [`release`](Engine::release) does. Its error cannot be returned from
+    /// `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned
+    /// while the GPU may still use them; a chunk the upstream fails to take back is forgotten. A
+    /// caller that needs to see those errors calls `release` (or, once nothing is live,
+    /// `release_unused`) before dropping the engine, which then has nothing left to return.
     fn drop(&mut self) {
         let _ = self.release();
     }

@@ -46,7 +46,7 @@ impl Upstream<SimStream> for RecordingUpstream {
         Ok(addr)
     }
 
-    fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) -> Result<(), Error> {
         // Releasing returns chunks on the streams they came from, after synchronizing.
         if self.current.lock().unwrap().is_some() {
             check_current(&self.current, "upstream deallocate", stream);

@@ -101,7 +101,7 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
         }
     }
 
-    fn deallocate(&self, addr: u64, bytes: u64, stream: StreamKey) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: StreamKey) -> Result<(), suballoc::Error> {
         let r = if self.releasing.load(Ordering::Acquire) {
             // The context was synchronized before release began, so nothing uses the chunk.
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
@@ -124,19 +124,13 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
                     .deallocate(DeviceAddr(addr), bytes as usize, stream.stream())
             }
         };
-        if let Err(e) = r {
-            // The engine's upstream contract has no error path for frees; keep the report.
-            RELEASE_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).push(e);
-        }
+        // The engine forgets the chunk and reports the error to its caller (`release_unused`, or a
+        // deallocation that returns memory straight to the upstream); `map_engine_error` unwraps it.
+        r.map_err(|e| suballoc::Error::Upstream {
+            op: "deallocate",
+            source: Box::new(e),
+        })
     }
-}
-
-static RELEASE_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
-
-/// Errors the suballocating resources met returning memory to their upstreams (which cannot report them
-/// to a caller: it happens in `Drop` or inside an engine). Takes them.
-pub fn take_upstream_errors() -> Vec<Error> {
-    std::mem::take(&mut *RELEASE_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// The engine policy a resource over real streams runs with: `RecordOnDemand` would record on
