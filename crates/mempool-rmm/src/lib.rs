@@ -35,5 +35,5 @@ pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, HostPoolOptions,
-    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource,
+    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, SuballocConfig, SuballocatingResource,
 };
