@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{align_up, MemoryResource};
+use crate::resource::{align_up_usize, MemoryResource};
 
 #[derive(Debug, Default)]
 struct State {
@@ -84,17 +84,22 @@ impl MemoryResource for SimResource {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
         }
-        let size = align_up(bytes);
         let mut s = self.state();
-        if s.used.saturating_add(size) > self.capacity {
+        // A size that does not fit once rounded, or past the capacity or the address space, is out of
+        // memory.
+        let fits = align_up_usize(bytes).and_then(|size| {
+            let next = s.next.checked_add(size as u64)?;
+            (s.used.saturating_add(size) <= self.capacity).then_some((size, next))
+        });
+        let Some((size, next)) = fits else {
             s.failed += 1;
             return Err(Error::OutOfMemory {
                 resource: "SimResource",
                 requested: bytes,
             });
-        }
+        };
         let addr = s.next;
-        s.next += size as u64;
+        s.next = next;
         s.live.insert(addr, bytes);
         s.used += size;
         s.total_allocations += 1;
@@ -110,7 +115,8 @@ impl MemoryResource for SimResource {
         match s.live.get(&ptr.0) {
             Some(&b) if b == bytes => {
                 s.live.remove(&ptr.0);
-                s.used -= align_up(bytes);
+                // A live allocation's size rounded when it was allocated.
+                s.used -= align_up_usize(bytes).unwrap_or(0);
                 Ok(())
             }
             found => Err(Error::InvalidDeallocation {

@@ -70,12 +70,7 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
             .allocate(size, stream.as_ref())
             .unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
         assert!(!p.is_null());
-        assert_eq!(
-            p.0 % ALIGNMENT as u64,
-            0,
-            "{}: {size} bytes at {p} not aligned",
-            mr.name()
-        );
+        assert_eq!(p.0 % ALIGNMENT, 0, "{}: {size} bytes at {p} not aligned", mr.name());
         let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
         assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
         check_device_access(p, size, &stream, &kernels, size as u32);

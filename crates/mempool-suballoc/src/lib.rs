@@ -99,7 +99,9 @@ pub use pool::{PoolConfig, PoolEngine};
 pub use stream_order::{SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS};
 pub use upstream::{SimUpstream, SimUpstreamStats, Upstream, SIM_BASE_ADDRESS};
 
-/// Alignment of every address and block size the engines hand out, in bytes.
+/// Alignment of every address and block size the engines hand out, in bytes, and of every
+/// allocation a `mempool-rmm` resource returns (it re-exports this constant as
+/// `mempool_rmm::ALIGNMENT`, and [`align_up`] with it: the workspace's one alignment).
 ///
 /// 256 bytes is what `cudaMalloc` guarantees and what RMM's `CUDA_ALLOCATION_ALIGNMENT` promises;
 /// callers may rely on it for vectorized loads.
