@@ -11,7 +11,7 @@ use mempool_rmm::adaptors::{
     TrackingAdaptor,
 };
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
-use mempool_rmm::testing::SplitMix64;
+use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
     ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,

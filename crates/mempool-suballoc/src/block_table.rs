@@ -9,7 +9,7 @@
 //!
 //! This replaced a design with per-list hash maps from block start and end (some eight hash lookups
 //! per operation, almost all of them cache misses with ~100k blocks); see
-//! `crates/mempool-rmm/benches/RESULTS-host.md`.
+//! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
 use std::collections::BTreeSet;
 

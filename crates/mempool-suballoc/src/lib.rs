@@ -84,6 +84,7 @@ mod pool;
 mod stream_lists;
 mod stream_order;
 mod upstream;
+pub mod workload;
 
 #[cfg(test)]
 mod testing;
