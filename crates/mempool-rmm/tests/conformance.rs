@@ -1,5 +1,7 @@
 //! The conformance suite, run against every resource and adaptor (in the spirit of RMM's own
-//! `mr_ref_tests`). GPU only: `cargo test -p mempool-rmm --features gpu --test conformance`.
+//! `mr_ref_tests`). GPU only: `cargo test -p mempool-rmm --features gpu --test conformance`. The
+//! checks that need no GPU also run on the host, against every suballocator engine over a simulated
+//! upstream and simulated streams: `crates/mempool-suballoc/tests/conformance.rs`.
 #![cfg(feature = "gpu")]
 
 use std::sync::{mpsc, Arc};
