@@ -19,7 +19,8 @@ use super::{EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Up
 /// - Out of memory is [`Error::OutOfMemory`] with `requested` the size the caller asked for.
 /// - A `deallocate` that names no live allocation (double free, foreign address, wrong size) is
 ///   [`Error::UnknownAllocation`] and changes nothing.
-/// - Dropping an engine does what [`release`](Self::release) does, ignoring its errors.
+/// - Dropping an engine does what [`release`](Self::release) does, ignoring its errors (see
+///   below).
 ///
 /// ```
 /// use mempool_suballoc::{Engine, EngineConfig, PoolConfig, SimStream, SimStreams, SimUpstream};
@@ -39,6 +40,13 @@ use super::{EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Up
 /// round_trip(PoolConfig::default())?;
 /// # Ok::<(), mempool_suballoc::Error>(())
 /// ```
+///
+/// # Dropping
+///
+/// `drop` cannot return `release`'s error, so it ignores it: after a synchronize error the chunks
+/// are leaked rather than returned while the GPU may still use them; a chunk the upstream fails to
+/// take back is forgotten. A caller that needs to see those errors calls `release` (or, once nothing
+/// is live, `release_unused`) before dropping the engine, which then has nothing left to return.
 pub trait Engine {
     /// The engine's configuration.
     type Config: EngineConfig;

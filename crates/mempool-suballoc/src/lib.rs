@@ -54,6 +54,13 @@
 //! Engines take `&mut self`: a resource that is shared between threads wraps its engine in a
 //! `Mutex`. They are `Send` whenever their upstream, stream order and events are.
 //!
+//! An upstream that fails to take a chunk back ([`Upstream::deallocate`] returns an error) does not
+//! stop an engine: it forgets the chunk and reports the first such error from the call that returned
+//! it ([`Engine::release_unused`], [`Engine::release`], or a deallocation that goes straight to the
+//! upstream). `Drop` cannot report it and ignores it.
+//!
+//! [`workload`] holds the standard random workload the benchmarks draw from.
+//!
 //! ```
 //! use mempool_suballoc::{Engine, PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
 //!

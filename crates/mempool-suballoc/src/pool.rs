@@ -436,11 +436,8 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything as [`release`](Engine::release) does. Its error cannot be returned from
-    /// `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned
-    /// while the GPU may still use them; a chunk the upstream fails to take back is forgotten. A
-    /// caller that needs to see those errors calls `release` (or, once nothing is live,
-    /// `release_unused`) before dropping the engine, which then has nothing left to return.
+    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
+    /// [`Engine`], "Dropping").
     fn drop(&mut self) {
         let _ = self.release();
     }
