@@ -38,7 +38,7 @@ fn run() -> mempool::Result<bool> {
     // SAFETY: both hold n u32s; `src` is complete and mapped for device 1.
     unsafe { k1.copy(dst.ptr(), src.ptr(), n, s1.as_ref())? };
     let mut host = vec![0u8; n * 4];
-    dst.copy_to_host(&mut host)?;
+    dst.copy_to_host(0, &mut host)?;
     let ok = u32s(&host).iter().enumerate().all(|(i, &v)| v == 7 + i as u32);
     println!(
         "device 1 read {} MiB of device 0's pool through the mapping: {}",

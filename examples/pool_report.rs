@@ -47,7 +47,7 @@ fn report(dev: Device) -> mempool::Result<()> {
         unsafe { kernels.iota(b.ptr(), n, i as u32 * 1000, stream.as_ref())? };
     }
     let mut host = vec![0u8; 4 * MIB];
-    bufs[3].copy_to_host(&mut host)?;
+    bufs[3].copy_to_host(0, &mut host)?;
     let ok = u32s(&host).iter().enumerate().all(|(i, &v)| v == 3000 + i as u32);
     let live = pool.usage()?;
     drop(bufs);

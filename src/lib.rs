@@ -14,3 +14,34 @@ pub use mempool_core as core;
 pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
 pub use mempool_ipc as ipc;
 pub use mempool_rmm as rmm;
+
+// The guide's snippets, compiled (and, unless marked `no_run`, run) as doctests of this crate by
+// `cargo test`: one module per document. Every ```rust block of README.md and docs/*.md is a doctest;
+// other blocks must name their language (an unlabeled ``` block is Rust to rustdoc).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/benchmarks.md")]
+mod docs_benchmarks {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/core.md")]
+mod docs_core {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/ipc.md")]
+mod docs_ipc {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/ipc-protocol.md")]
+mod docs_ipc_protocol {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/resources.md")]
+mod docs_resources {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/testing.md")]
+mod docs_testing {}

@@ -10,13 +10,13 @@ use mempool_rmm::{MemoryResource, Result};
 /// wait for the stream itself, it relies on `cuMemFree`'s implicit synchronization with the device (which
 /// is what makes it the allocator that serializes streams).
 #[derive(Debug)]
-pub struct RawCudaResource {
+pub(crate) struct RawCudaResource {
     ctx: Arc<Context>,
 }
 
 impl RawCudaResource {
     /// In `device`'s primary context.
-    pub fn new(device: &Device) -> Result<RawCudaResource> {
+    pub(crate) fn new(device: &Device) -> Result<RawCudaResource> {
         Ok(RawCudaResource { ctx: device.context()? })
     }
 }
@@ -42,13 +42,13 @@ impl MemoryResource for RawCudaResource {
 /// `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a pool of its own whose release threshold keeps
 /// everything (as a process that owns its GPU runs it).
 #[derive(Debug)]
-pub struct RawPoolResource {
+pub(crate) struct RawPoolResource {
     pool: MemPool,
 }
 
 impl RawPoolResource {
     /// A new pool on `device`.
-    pub fn new(device: &Device) -> Result<RawPoolResource> {
+    pub(crate) fn new(device: &Device) -> Result<RawPoolResource> {
         let pool = MemPool::new(device, &PoolProps::new())?;
         pool.keep_everything()?;
         Ok(RawPoolResource { pool })

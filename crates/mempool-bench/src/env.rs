@@ -32,7 +32,7 @@ pub struct Environment {
 
 impl Environment {
     /// Describes `device` (or no device), now, for the current command line.
-    pub fn detect(device: Option<&Device>) -> Environment {
+    pub(crate) fn detect(device: Option<&Device>) -> Environment {
         let command = shell_join(std::env::args());
         let mut env = Environment {
             device: "none (host simulation)".into(),
@@ -65,7 +65,7 @@ impl Environment {
     }
 
     /// One line: `device: NAME (UUID), compute X.Y, N GiB; driver V; DATE`.
-    pub fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         format!(
             "device: {} ({}), compute {}, {}; driver {}; {}",
             self.device, self.device_uuid, self.compute_capability, self.device_memory, self.driver, self.date
@@ -74,7 +74,7 @@ impl Environment {
 }
 
 /// Now, as `YYYY-MM-DD HH:MM:SS UTC`.
-pub fn utc_now() -> String {
+pub(crate) fn utc_now() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -83,7 +83,7 @@ pub fn utc_now() -> String {
 }
 
 /// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian calendar).
-pub fn format_utc(secs: u64) -> String {
+pub(crate) fn format_utc(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Howard Hinnant's days-to-civil.
@@ -105,7 +105,7 @@ pub fn format_utc(secs: u64) -> String {
 }
 
 /// Joins arguments into a command a POSIX shell reads back the same (single quotes where needed).
-pub fn shell_join(args: impl IntoIterator<Item = String>) -> String {
+pub(crate) fn shell_join(args: impl IntoIterator<Item = String>) -> String {
     args.into_iter()
         .enumerate()
         .map(|(i, a)| {

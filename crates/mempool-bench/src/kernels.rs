@@ -9,29 +9,29 @@ use std::sync::Arc;
 
 use mempool_core::{Context, DeviceAddr, Function, LaunchConfig, Module, StreamRef};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// `kernels/work.ptx`: the multi-stream and peer workloads' kernels.
-pub const WORK_PTX: &str = include_str!("../kernels/work.ptx");
+pub(crate) const WORK_PTX: &str = include_str!("../kernels/work.ptx");
 /// `kernels/query.ptx`: the query workload's columnar operators.
-pub const QUERY_PTX: &str = include_str!("../kernels/query.ptx");
+pub(crate) const QUERY_PTX: &str = include_str!("../kernels/query.ptx");
 
 /// Threads per block of every launch.
-pub const BLOCK: u32 = 256;
+pub(crate) const BLOCK: u32 = 256;
 /// Elements per block of the scan and radix-sort kernels (`SCAN_TILE`, `SORT_TILE` in query.cu).
-pub const TILE: usize = 1024;
+pub(crate) const TILE: usize = 1024;
 /// Digits of a radix-sort pass (`RADIX_DIGITS` in query.cu).
-pub const RADIX_DIGITS: usize = 256;
+pub(crate) const RADIX_DIGITS: usize = 256;
 /// The empty slot of the device hash tables (`EMPTY_KEY` in query.cu); no key may take it.
-pub const EMPTY_KEY: u32 = u32::MAX;
+pub(crate) const EMPTY_KEY: u32 = u32::MAX;
 
 /// The environment variable naming a directory to load `work.ptx` and `query.ptx` from at run time
 /// instead of the copies built into the binary: for running freshly compiled kernels without a rebuild
 /// (`build-ptx.sh` on the GPU machine, then the packed binary, in one go).
-pub const PTX_DIR_VAR: &str = "MEMPOOL_BENCH_PTX_DIR";
+pub(crate) const PTX_DIR_VAR: &str = "MEMPOOL_BENCH_PTX_DIR";
 
 /// Loads `kernels/{file}` (`work.ptx` or `query.ptx`) into `ctx`: the copy built into the binary, or
-/// the file in [`PTX_DIR_VAR`]'s directory when that is set.
+/// the file in the directory that `MEMPOOL_BENCH_PTX_DIR` names when that is set.
 pub fn load(ctx: &Arc<Context>, file: &'static str) -> Result<Module> {
     if let Some(dir) = std::env::var_os(PTX_DIR_VAR) {
         let path = std::path::Path::new(&dir).join(file);
@@ -51,7 +51,7 @@ pub fn load(ctx: &Arc<Context>, file: &'static str) -> Result<Module> {
 
 /// Loads PTX `text` (from `kernels/{file}`) into `ctx`; an empty file (the placeholder committed before
 /// nvcc has run) is a clear error rather than a driver one.
-pub fn load_module(ctx: &Arc<Context>, file: &'static str, text: &str) -> Result<Module> {
+pub(crate) fn load_module(ctx: &Arc<Context>, file: &'static str, text: &str) -> Result<Module> {
     check_ptx(file, text)?;
     Ok(Module::from_ptx(ctx, text)?)
 }
@@ -85,7 +85,7 @@ pub fn hash2(seed: u32, i: u64) -> u32 {
 }
 
 /// `bench_work_u32` on one element: `rounds` dependent mixes.
-pub fn work(mut x: u32, rounds: u32) -> u32 {
+pub(crate) fn work(mut x: u32, rounds: u32) -> u32 {
     for r in 0..rounds {
         x = mix32(x.wrapping_add(r));
     }
@@ -94,7 +94,7 @@ pub fn work(mut x: u32, rounds: u32) -> u32 {
 
 /// A kernel argument, passed by value.
 #[derive(Copy, Clone, Debug)]
-pub enum Arg {
+pub(crate) enum Arg {
     /// A 32-bit integer parameter.
     U32(u32),
     /// A 64-bit integer or pointer parameter.
@@ -108,17 +108,17 @@ impl From<DeviceAddr> for Arg {
 }
 
 /// One element per thread over `n` elements.
-pub fn elementwise(n: usize) -> LaunchConfig {
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig::for_elements(n, BLOCK)
 }
 
 /// Grid-stride kernels (reductions, copies): at most 2048 blocks.
-pub fn strided(n: usize) -> LaunchConfig {
+pub(crate) fn strided(n: usize) -> LaunchConfig {
     LaunchConfig::for_elements(n.min(2048 * BLOCK as usize), BLOCK)
 }
 
 /// One block of [`BLOCK`] threads per tile of [`TILE`] elements.
-pub fn tiled(n: usize) -> LaunchConfig {
+pub(crate) fn tiled(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid: (n.div_ceil(TILE).max(1) as u32, 1, 1),
         block: (BLOCK, 1, 1),
@@ -135,7 +135,7 @@ pub fn tiled(n: usize) -> LaunchConfig {
 ///    use, ordered on `stream`, until the kernel completes.
 /// 3. `stream` belongs to the function's context.
 #[allow(unsafe_code)]
-pub unsafe fn launch(f: &Function<'_>, cfg: LaunchConfig, stream: StreamRef<'_>, args: &[Arg]) -> Result<()> {
+pub(crate) unsafe fn launch(f: &Function<'_>, cfg: LaunchConfig, stream: StreamRef<'_>, args: &[Arg]) -> Result<()> {
     let mut values: Vec<Arg> = args.to_vec();
     let mut params: Vec<*mut c_void> = values
         .iter_mut()
@@ -155,19 +155,19 @@ pub unsafe fn launch(f: &Function<'_>, cfg: LaunchConfig, stream: StreamRef<'_>,
 macro_rules! kernels {
     (
         $(#[$doc:meta])*
-        pub struct $name:ident from $ptx:ident {
+        $vis:vis struct $name:ident from $ptx:ident {
             $($(#[$field_doc:meta])* $field:ident: $symbol:literal,)*
         }
     ) => {
         $(#[$doc])*
         #[derive(Debug)]
-        pub struct $name<'m> {
-            $($(#[$field_doc])* pub $field: Function<'m>,)*
+        $vis struct $name<'m> {
+            $($(#[$field_doc])* pub(crate) $field: Function<'m>,)*
         }
 
         impl<'m> $name<'m> {
-            #[doc = concat!("Looks the kernels up in `module` (loaded from [`", stringify!($ptx), "`]).")]
-            pub fn new(module: &'m Module) -> Result<$name<'m>> {
+            #[doc = concat!("Looks the kernels up in `module` (loaded from `", stringify!($ptx), "`, see [`load`]).")]
+            $vis fn new(module: &'m Module) -> Result<$name<'m>> {
                 Ok($name {
                     $($field: module.function($symbol)?,)*
                 })
@@ -178,7 +178,7 @@ macro_rules! kernels {
 
 kernels! {
     /// The kernels of `work.cu`.
-    pub struct WorkKernels from WORK_PTX {
+    pub(crate) struct WorkKernels from WORK_PTX {
         /// `bench_fill_hash_u32(out, n, seed)`.
         fill_hash: "bench_fill_hash_u32",
         /// `bench_work_u32(buf, n, rounds)`.

@@ -17,60 +17,17 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod baseline;
+pub(crate) mod baseline;
+pub(crate) mod chart;
 pub mod env;
+pub(crate) mod error;
 pub mod kernels;
-pub mod progress;
+pub(crate) mod progress;
 pub mod report;
 pub mod spec;
-pub mod svg;
-pub mod track;
+pub(crate) mod svg;
+pub(crate) mod track;
 pub mod units;
 pub mod workloads;
 
-/// Everything the harness can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// A resource spec that does not parse or names something unknown.
-    #[error(transparent)]
-    Spec(#[from] spec::SpecError),
-    /// A driver-level failure.
-    #[error(transparent)]
-    Core(#[from] mempool_core::Error),
-    /// A resource failure.
-    #[error(transparent)]
-    Rmm(#[from] mempool_rmm::Error),
-    /// A file that cannot be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A log that cannot be replayed, with the file and line.
-    #[error("{path}:{line}: {reason}")]
-    Log {
-        /// The file.
-        path: String,
-        /// The 1-based line (the header is line 1).
-        line: usize,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A committed PTX file that is still the empty placeholder.
-    #[error("kernels/{file} is empty: run kernels/build-ptx.sh on a machine with nvcc (then rebuild)")]
-    EmptyPtx {
-        /// The file under `kernels/`.
-        file: &'static str,
-    },
-    /// A kernel's result that differs from what the host computed.
-    #[error("wrong result: {0}")]
-    Check(String),
-    /// A request that cannot be served as asked.
-    #[error("{0}")]
-    Usage(String),
-}
-
-/// The harness's result type.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+pub use error::{Error, Result};

@@ -53,7 +53,8 @@ struct CommonArgs {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// The standard random workload (DESIGN.md): ns per allocate/free on one stream.
+    /// The standard random workload (docs/architecture.md, "Performance"): ns per allocate/free on one
+    /// stream.
     Random {
         #[command(flatten)]
         common: CommonArgs,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 /// Counts steps of a run and redraws one line on stderr at most ten times a second.
 #[derive(Debug)]
-pub struct Progress {
+pub(crate) struct Progress {
     total: u64,
     done: u64,
     label: String,
@@ -17,7 +17,7 @@ pub struct Progress {
 
 impl Progress {
     /// A bar of `total` steps; drawn only when `quiet` is false and stderr is a terminal.
-    pub fn new(total: u64, quiet: bool) -> Progress {
+    pub(crate) fn new(total: u64, quiet: bool) -> Progress {
         Progress {
             total: total.max(1),
             done: 0,
@@ -28,25 +28,20 @@ impl Progress {
         }
     }
 
-    /// Whether it draws.
-    pub fn enabled(&self) -> bool {
-        self.enabled
-    }
-
     /// What is running now.
-    pub fn set_label(&mut self, label: impl Into<String>) {
+    pub(crate) fn set_label(&mut self, label: impl Into<String>) {
         self.label = label.into();
         self.draw(true);
     }
 
     /// One step done.
-    pub fn inc(&mut self) {
+    pub(crate) fn inc(&mut self) {
         self.done = (self.done + 1).min(self.total);
         self.draw(false);
     }
 
     /// The bar as it would be drawn (without the terminal control characters).
-    pub fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         const WIDTH: u64 = 30;
         let filled = (self.done * WIDTH / self.total) as usize;
         format!(
@@ -75,7 +70,7 @@ impl Progress {
     }
 
     /// Clears the line.
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         if self.enabled {
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[2K");

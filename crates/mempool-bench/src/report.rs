@@ -6,7 +6,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
+pub use crate::chart::{Chart, ChartKind, Series};
 use crate::env::Environment;
+use crate::error::{Error, Result};
 
 /// One value of a table.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -61,9 +63,9 @@ impl<T: Into<Cell>> From<Option<T>> for Cell {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Column {
     /// The header.
-    pub name: String,
+    pub(crate) name: String,
     /// Digits after the point for floats in the terminal table (JSON and CSV keep full precision).
-    pub precision: usize,
+    pub(crate) precision: usize,
 }
 
 impl Column {
@@ -76,54 +78,17 @@ impl Column {
     }
 }
 
-/// How a chart draws its series.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
-pub enum ChartKind {
-    /// Grouped bars: one group per category, one bar per series.
-    Bars,
-    /// One line per series over the categories (evenly spaced).
-    Lines,
-}
-
-/// A series of a chart: one value per category (`None`: missing).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Series {
-    /// The legend entry.
-    pub name: String,
-    /// The values.
-    pub values: Vec<Option<f64>>,
-}
-
-/// A chart of a report.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Chart {
-    /// The title (the subtitle names the device and date).
-    pub title: String,
-    /// Bars or lines.
-    pub kind: ChartKind,
-    /// The x axis' label.
-    pub x_label: String,
-    /// The y axis' label.
-    pub y_label: String,
-    /// The x positions' labels.
-    pub categories: Vec<String>,
-    /// The series.
-    pub series: Vec<Series>,
-    /// A logarithmic y axis.
-    pub log_y: bool,
-}
-
 /// A measured run: what was run, where, with which parameters, and the results.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
     /// The workload (`random`, `query`, ...).
-    pub workload: String,
+    pub(crate) workload: String,
     /// A one-line title.
-    pub title: String,
+    pub(crate) title: String,
     /// Device, driver, date, command.
-    pub environment: Environment,
+    pub(crate) environment: Environment,
     /// The workload's exact parameters, in order.
-    pub parameters: Vec<(String, String)>,
+    pub(crate) parameters: Vec<(String, String)>,
     /// The table's columns.
     pub columns: Vec<Column>,
     /// The table's rows.
@@ -312,9 +277,9 @@ impl Report {
     }
 
     /// Writes the files asked for: JSON, CSV, SVG (an error if an SVG is asked for and there is no chart).
-    pub fn write_files(&self, json: Option<&Path>, csv: Option<&Path>, svg: Option<&Path>) -> crate::Result<()> {
+    pub fn write_files(&self, json: Option<&Path>, csv: Option<&Path>, svg: Option<&Path>) -> Result<()> {
         let write = |path: &Path, text: String| {
-            std::fs::write(path, text).map_err(|source| crate::Error::Io {
+            std::fs::write(path, text).map_err(|source| Error::Io {
                 path: path.display().to_string(),
                 source,
             })
@@ -328,7 +293,7 @@ impl Report {
         if let Some(p) = svg {
             let text = self
                 .to_svg()
-                .ok_or_else(|| crate::Error::Usage(format!("the {} report has no chart to plot", self.workload)))?;
+                .ok_or_else(|| Error::Usage(format!("the {} report has no chart to plot", self.workload)))?;
             write(p, text)?;
         }
         Ok(())

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use crate::report::{Chart, ChartKind};
+use crate::chart::{Chart, ChartKind};
 
 const WIDTH: f64 = 960.0;
 const HEIGHT: f64 = 520.0;
@@ -18,7 +18,7 @@ const COLORS: [&str; 10] = [
 ];
 
 /// Escapes text for SVG.
-pub fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -55,7 +55,7 @@ fn fmt_tick(v: f64) -> String {
 }
 
 /// Draws `chart`, with `subtitle` (device, driver, date) under the title.
-pub fn render(chart: &Chart, subtitle: &str) -> String {
+pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
     let plot_w = WIDTH - LEFT - RIGHT;
     let plot_h = HEIGHT - TOP - BOTTOM;
     let values: Vec<f64> = chart

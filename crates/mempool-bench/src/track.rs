@@ -9,7 +9,7 @@ use mempool_rmm::{MemoryResource, Result};
 
 /// Wraps a resource and counts what passes through.
 #[derive(Debug)]
-pub struct Tracked<R> {
+pub(crate) struct Tracked<R> {
     inner: R,
     live: AtomicU64,
     peak: AtomicU64,
@@ -19,20 +19,20 @@ pub struct Tracked<R> {
 
 /// What [`Tracked`] counted.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct TrackedStats {
+pub(crate) struct TrackedStats {
     /// Bytes live now (as requested).
-    pub live: u64,
+    pub(crate) live: u64,
     /// The most bytes live at once.
-    pub peak: u64,
+    pub(crate) peak: u64,
     /// Successful allocations.
-    pub allocations: u64,
+    pub(crate) allocations: u64,
     /// Failed allocations.
-    pub failures: u64,
+    pub(crate) failures: u64,
 }
 
 impl<R: MemoryResource> Tracked<R> {
     /// Wraps `inner`.
-    pub fn new(inner: R) -> Self {
+    pub(crate) fn new(inner: R) -> Self {
         Tracked {
             inner,
             live: AtomicU64::new(0),
@@ -43,7 +43,7 @@ impl<R: MemoryResource> Tracked<R> {
     }
 
     /// The counters.
-    pub fn stats(&self) -> TrackedStats {
+    pub(crate) fn stats(&self) -> TrackedStats {
         TrackedStats {
             live: self.live.load(Ordering::Relaxed),
             peak: self.peak.load(Ordering::Relaxed),
@@ -53,15 +53,10 @@ impl<R: MemoryResource> Tracked<R> {
     }
 
     /// Restarts the peak at the live bytes, and zeroes the counts.
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         self.peak.store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
         self.allocations.store(0, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
-    }
-
-    /// The wrapped resource.
-    pub fn inner(&self) -> &R {
-        &self.inner
     }
 }
 

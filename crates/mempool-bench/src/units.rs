@@ -7,7 +7,7 @@ use std::fmt;
 #[error("bad size `{text}`: expected a byte count with an optional unit (B, KiB, MiB, GiB, TiB; KB, MB, GB, TB are read as the binary units too), e.g. 4096, 64KiB, 1.5GiB, or `max`")]
 pub struct SizeError {
     /// The text as given.
-    pub text: String,
+    pub(crate) text: String,
 }
 
 /// Parses a byte count: a number (decimal fractions allowed) with an optional binary unit, or `max`
@@ -56,7 +56,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
 /// Displays a byte count with the largest binary unit that divides it exactly (`64KiB`, `1GiB`,
 /// `1000B`), or `max` for `u64::MAX`; round-trips through [`parse_size`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Size(pub u64);
+pub(crate) struct Size(pub u64);
 
 impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -74,7 +74,7 @@ impl fmt::Display for Size {
 }
 
 /// A byte count for people: three significant digits and a binary unit (`1.50 GiB`, `812 KiB`).
-pub fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;

@@ -1,6 +1,6 @@
-//! Device addresses and the owning pool buffer.
+//! The owning pool buffer.
 
-use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 
 use crate::context::Context;
@@ -8,160 +8,86 @@ use crate::error::{Error, Result};
 use crate::event::{Event, EventFlags};
 use crate::raw;
 use crate::stream::StreamRef;
-
-/// A device address (`CUdeviceptr`). Plain data: holding one grants nothing; the types that own memory
-/// ([`PoolBuffer`], resources in mempool-rmm) decide when it is valid, and freeing one is `unsafe`.
-///
-/// Named `DeviceAddr`, not `DevicePtr`, so that it never collides with cudarc's `DevicePtr` trait in code
-/// that uses both crates.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct DeviceAddr(pub u64);
-
-impl DeviceAddr {
-    /// The null address, returned for 0-byte allocations.
-    pub const NULL: DeviceAddr = DeviceAddr(0);
-
-    /// Whether this is the null address.
-    pub fn is_null(self) -> bool {
-        self.0 == 0
-    }
-
-    /// The address `bytes` further on.
-    pub fn offset(self, bytes: usize) -> DeviceAddr {
-        DeviceAddr(self.0 + bytes as u64)
-    }
-
-    /// The raw value.
-    pub fn as_raw(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for DeviceAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
+use crate::types::DeviceAddr;
+use crate::view::BufferView;
 
 /// Device memory from a pool, freed on its stream (`cuMemFreeAsync`) when dropped, so the memory can be
 /// reused by work ordered after that stream's work. Made by [`crate::MemPool::alloc`].
+///
+/// It dereferences to its [`BufferView`], which gives the address ([`BufferView::addr`], also
+/// [`PoolBuffer::ptr`]), length, stream, context, host copies (`copy_from_host(offset, src)`,
+/// `copy_to_host(offset, dst)`, `to_host()`), `fill` and range checks.
 #[derive(Debug)]
 pub struct PoolBuffer<'s> {
-    ptr: DeviceAddr,
-    len: usize,
-    stream: StreamRef<'s>,
-    ctx: Arc<Context>,
+    view: BufferView<'s>,
 }
 
 impl<'s> PoolBuffer<'s> {
-    pub(crate) fn from_parts(ptr: DeviceAddr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
-        PoolBuffer { ptr, len, stream, ctx }
+    /// Takes ownership of a pool allocation.
+    ///
+    /// # Safety
+    /// 1. `ptr..ptr+len` is a live stream-ordered allocation (`cuMemAllocFromPoolAsync`) of `ctx`, which
+    ///    nothing else frees: the buffer frees it once, on drop or in [`PoolBuffer::free_on`].
+    /// 2. It was allocated on `stream`, a stream of `ctx` (or a special handle) live for `'s`.
+    /// 3. A null `ptr` comes with `len == 0` (a 0-byte allocation, never freed).
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn from_parts(ptr: DeviceAddr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
+        PoolBuffer {
+            // SAFETY: point 1 gives `new`'s point 1 (live memory of `ctx`, freed only by its owner); point 2
+            // gives its points 2 and 3 (allocated on `stream`, so work on it is ordered there; `stream`
+            // belongs to `ctx`); point 3 is its point 4.
+            view: unsafe { BufferView::new(ptr, len, stream, ctx) },
+        }
     }
 
-    /// The device address (null for an empty buffer).
+    /// The device address (null for an empty buffer): the same as [`BufferView::addr`].
     pub fn ptr(&self) -> DeviceAddr {
-        self.ptr
-    }
-
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the buffer holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The stream the buffer is ordered on.
-    pub fn stream(&self) -> StreamRef<'s> {
-        self.stream
-    }
-
-    /// Copies `src` into the start of the buffer, on the buffer's stream, and waits for the copy.
-    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
-        self.check_len(src.len())?;
-        let _g = self.ctx.bind()?;
-        // SAFETY: the buffer holds at least `src.len()` bytes (checked) and is live; `src` stays borrowed
-        // until the stream synchronize below returns, so the copy never reads freed host memory.
-        #[allow(unsafe_code)]
-        unsafe { raw::memory::copy_htod_async(self.ptr.0, src.as_ptr().cast(), src.len(), self.stream.as_raw()) }?;
-        self.stream.synchronize()
-    }
-
-    /// Copies the start of the buffer into `dst`, on the buffer's stream, and waits for the copy.
-    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        self.check_len(dst.len())?;
-        let _g = self.ctx.bind()?;
-        // SAFETY: as in `copy_from_host`; `dst` is exclusively borrowed until the copy has completed.
-        #[allow(unsafe_code)]
-        unsafe { raw::memory::copy_dtoh_async(dst.as_mut_ptr().cast(), self.ptr.0, dst.len(), self.stream.as_raw()) }?;
-        self.stream.synchronize()
-    }
-
-    /// Fills the buffer with `value`, ordered on its stream (does not wait).
-    pub fn fill(&self, value: u8) -> Result<()> {
-        if self.len == 0 {
-            return Ok(());
-        }
-        let _g = self.ctx.bind()?;
-        // SAFETY: the buffer is live and `len` bytes long.
-        #[allow(unsafe_code)]
-        unsafe {
-            raw::memory::memset_d8_async(self.ptr.0, value, self.len, self.stream.as_raw())
-        }
+        self.view.addr()
     }
 
     /// Frees the buffer on `other` instead of its own stream, after making `other` wait for the work
     /// queued on the buffer's stream so far. Use it when the last user of the memory is `other`.
     pub fn free_on(mut self, other: StreamRef<'_>) -> Result<()> {
-        let ptr = std::mem::replace(&mut self.ptr, DeviceAddr::NULL);
-        if ptr.is_null() {
-            return Ok(());
-        }
-        let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
-        event.record(self.stream)?;
-        other.wait(&event)?;
-        let _g = self.ctx.bind()?;
-        // SAFETY: owned pool memory, freed once (`self.ptr` is now null so drop skips it); `other` waits
-        // for the buffer's stream, and the caller's later uses on `other` come after the free by order.
-        #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::free_async(ptr.0, other.as_raw())
-        }
+        let ctx = self.view.context().clone();
+        self.view.release_with(|ptr, _len, stream| {
+            let event = Event::new(&ctx, EventFlags::DISABLE_TIMING)?;
+            event.record(stream)?;
+            other.wait(&event)?;
+            // SAFETY: owned pool memory, handed out once by `release_with` (the view is empty now, so drop
+            // frees nothing); `other` waits for the buffer's stream, and the caller's later uses on `other`
+            // come after the free by order.
+            #[allow(unsafe_code)]
+            let r = unsafe { raw::pool::free_async(ptr.0, other.as_raw()) };
+            Ok::<_, Error>(r?)
+        })
     }
 
     /// Gives up ownership: the caller frees the pointer (e.g. with [`crate::MemPool::free_async`]).
     pub fn into_raw(mut self) -> (DeviceAddr, usize) {
-        (std::mem::replace(&mut self.ptr, DeviceAddr::NULL), self.len)
+        self.view.take()
     }
+}
 
-    fn check_len(&self, n: usize) -> Result<()> {
-        if n > self.len {
-            return Err(Error::InvalidArgument(format!(
-                "a copy of {n} bytes does not fit a buffer of {} bytes",
-                self.len
-            )));
-        }
-        Ok(())
+impl<'s> Deref for PoolBuffer<'s> {
+    type Target = BufferView<'s>;
+
+    fn deref(&self) -> &BufferView<'s> {
+        &self.view
     }
 }
 
 impl Drop for PoolBuffer<'_> {
     fn drop(&mut self) {
-        if self.ptr.is_null() {
-            return;
-        }
-        let r = self.ctx.bind().and_then(|_g| {
-            // SAFETY: the buffer owns a live stream-ordered allocation, freed once here; work that used it
-            // through the buffer was queued on its stream (or ordered before it by the caller).
+        let r = self.view.release_with(|ptr, _len, stream| {
+            // SAFETY: the buffer owns a live stream-ordered allocation, handed out once by `release_with`;
+            // work that used it through the buffer was queued on its stream (or ordered before it by the
+            // caller).
             #[allow(unsafe_code)]
-            unsafe {
-                raw::pool::free_async(self.ptr.0, self.stream.as_raw())
-            }
+            let r = unsafe { raw::pool::free_async(ptr.0, stream.as_raw()) };
+            Ok::<_, Error>(r?)
         });
         if let Err(e) = r {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e);
         }
     }
 }

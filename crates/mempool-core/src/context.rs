@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use crate::device::Device;
 use crate::error::Result;
 use crate::handle::Handle;
 use crate::raw::{self, sys};
+use crate::types::{Device, MemoryInfo};
 
 /// A device's primary context. mempool retains it once, on first use, for the life of the process (as
 /// the CUDA runtime does); `Context` values are shared `Arc`s of that one retain.
@@ -65,7 +65,9 @@ impl Context {
         } else {
             // SAFETY: `self` holds a retain of the context for at least the guard's lifetime, which
             // borrows `self`; the guard pops exactly once.
-            unsafe { raw::context::push(self.as_raw()) }?;
+            #[allow(unsafe_code)]
+            let r = unsafe { raw::context::push(self.as_raw()) };
+            r?;
             true
         };
         Ok(ContextGuard {
@@ -77,7 +79,7 @@ impl Context {
     /// Blocks until all work in this context is done (`cuCtxSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
         let _g = self.bind()?;
-        raw::context::synchronize()
+        Ok(raw::context::synchronize()?)
     }
 
     /// Free and total device memory as the driver reports them (`cuMemGetInfo`).
@@ -86,15 +88,6 @@ impl Context {
         let (free, total) = raw::context::mem_info()?;
         Ok(MemoryInfo { free, total })
     }
-}
-
-/// Free and total memory of a device, in bytes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct MemoryInfo {
-    /// Bytes free.
-    pub free: usize,
-    /// Bytes in total.
-    pub total: usize,
 }
 
 /// Keeps a context current on this thread; restores the previous one on drop. Not `Send`: the binding
@@ -109,8 +102,21 @@ impl Drop for ContextGuard<'_> {
     fn drop(&mut self) {
         if self.pushed {
             if let Err(e) = raw::context::pop() {
-                crate::record_drop_error(e);
+                crate::drop_errors::record(e.into());
             }
         }
+    }
+}
+
+#[cfg(test)]
+impl Context {
+    /// A context value that was never retained, for host tests of code that only stores or compares
+    /// contexts (a `StreamRef` attached to one, a `BufferView`'s range checks). Its handle is null, so no
+    /// test may queue work in it: without a driver, binding it fails with `DriverNotFound`.
+    pub(crate) fn unretained_for_tests(ordinal: usize) -> Arc<Context> {
+        Arc::new(Context {
+            device: Device::from_parts(ordinal, ordinal as sys::CUdevice),
+            raw: Handle::new(std::ptr::null_mut()),
+        })
     }
 }

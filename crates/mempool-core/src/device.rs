@@ -1,49 +1,14 @@
-//! Devices: enumeration, properties, pool support and peer capability.
+//! Devices: enumeration, properties, pool support and peer capability. The [`Device`] value itself is
+//! plain data (in `types`); its pool accessors (`default_pool`, `current_pool`) are implemented next to
+//! `MemPool`, in `pool`.
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html>
 
-use std::fmt;
 use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::pool::{HandleTypes, MemPool};
 use crate::raw::{self, sys};
-
-/// A CUDA device, by ordinal. Cheap to copy; it holds no driver resources.
-///
-/// ```no_run
-/// # fn main() -> mempool_core::Result<()> {
-/// use mempool_core::Device;
-/// for dev in Device::all()? {
-///     println!("{}: {} ({} MiB), pools: {}", dev.ordinal(), dev.name()?,
-///              dev.total_memory()? >> 20, dev.supports_memory_pools()?);
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Device {
-    ordinal: usize,
-    raw: sys::CUdevice,
-}
-
-/// A device's 16-byte UUID, as `cuDeviceGetUuid` reports it. Displays as `nvidia-smi -L` does
-/// (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Uuid(pub [u8; 16]);
-
-impl fmt::Display for Uuid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = &self.0;
-        write!(f, "GPU-")?;
-        for (i, byte) in b.iter().enumerate() {
-            if matches!(i, 4 | 6 | 8 | 10) {
-                write!(f, "-")?;
-            }
-            write!(f, "{byte:02x}")?;
-        }
-        Ok(())
-    }
-}
+use crate::types::{Device, HandleTypes, Uuid};
 
 impl Device {
     /// Initialises the driver (once) and returns the number of visible devices.
@@ -51,7 +16,7 @@ impl Device {
     /// Errors: [`Error::DriverNotFound`] without a driver; [`Error::NoDevice`] when the driver sees none.
     pub fn count() -> Result<usize> {
         raw::init()?;
-        raw::device::count()
+        Ok(raw::device::count()?)
     }
 
     /// The device with this ordinal. See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html>.
@@ -60,10 +25,7 @@ impl Device {
         if ordinal >= count {
             return Err(Error::NoSuchDevice { ordinal, count });
         }
-        Ok(Device {
-            ordinal,
-            raw: raw::device::get(ordinal)?,
-        })
+        Ok(Device::from_parts(ordinal, raw::device::get(ordinal)?))
     }
 
     /// Every visible device, in ordinal order.
@@ -71,29 +33,19 @@ impl Device {
         (0..Device::count()?).map(Device::get).collect()
     }
 
-    /// The ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// The raw `CUdevice`.
-    pub fn as_raw(&self) -> sys::CUdevice {
-        self.raw
-    }
-
     /// The device's name, e.g. `NVIDIA H100 80GB HBM3`.
     pub fn name(&self) -> Result<String> {
-        raw::device::name(self.raw)
+        Ok(raw::device::name(self.as_raw())?)
     }
 
     /// The device's UUID: the identity two processes compare to know they share a GPU.
     pub fn uuid(&self) -> Result<Uuid> {
-        raw::device::uuid(self.raw).map(Uuid)
+        Ok(Uuid(raw::device::uuid(self.as_raw())?))
     }
 
     /// Total device memory in bytes.
     pub fn total_memory(&self) -> Result<usize> {
-        raw::device::total_memory(self.raw)
+        Ok(raw::device::total_memory(self.as_raw())?)
     }
 
     /// Compute capability as (major, minor), e.g. (9, 0) for Hopper.
@@ -121,7 +73,7 @@ impl Device {
         if owner == *self {
             return Ok(true);
         }
-        raw::device::can_access_peer(self.raw, owner.raw)
+        Ok(raw::device::can_access_peer(self.as_raw(), owner.as_raw())?)
     }
 
     /// The device's primary context, retained while the `Arc` (or anything made in it) lives.
@@ -129,46 +81,15 @@ impl Device {
         Context::primary(*self)
     }
 
-    /// The device's default pool (what `cuMemAllocAsync` uses unless the current pool was changed).
-    /// It cannot be exported; dropping the returned value does not destroy it.
-    pub fn default_pool(&self) -> Result<MemPool> {
-        self.require_pools()?;
-        MemPool::default_of(self.context()?)
-    }
-
-    /// The device's current pool (`cuDeviceGetMemPool`), a process-wide setting. Dropping the returned
-    /// value does not destroy it. To change it, use [`MemPool::make_current`], which restores it.
-    pub fn current_pool(&self) -> Result<MemPool> {
-        self.require_pools()?;
-        MemPool::current_of(self.context()?)
-    }
-
     pub(crate) fn require_pools(&self) -> Result<()> {
         if self.supports_memory_pools()? {
             Ok(())
         } else {
-            Err(Error::PoolsNotSupported { device: self.ordinal })
+            Err(Error::PoolsNotSupported { device: self.ordinal() })
         }
     }
 
     fn attribute(&self, attr: sys::CUdevice_attribute) -> Result<i32> {
-        raw::device::attribute(self.raw, attr)
-    }
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "device {}", self.ordinal)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn uuid_displays_like_nvidia_smi() {
-        let u = Uuid([0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 1, 2, 3, 4, 5, 6, 7, 8]);
-        assert_eq!(u.to_string(), "GPU-12345678-9abc-def0-0102-030405060708");
+        Ok(raw::device::attribute(self.as_raw(), attr)?)
     }
 }

@@ -3,63 +3,15 @@
 //! Every failure a user can hit names its cause: a missing driver, a driver too old for a call, a device
 //! without pool or IPC support, out of memory (with the size asked for), a peer that cannot access, or a
 //! driver call that failed (with the call, the `CUresult` name and the driver's message).
+//!
+//! The raw layer reports its own `DriverFailure`; [`Error`] converts it with `From`, so `?` on a raw call
+//! gives the variant below that names the cause.
 
-use std::fmt;
-
-use crate::pool::HandleTypes;
+use crate::raw::{DriverFailure, FailureKind};
+use crate::types::{DriverError, DriverVersion, HandleTypes, PeerRefusal};
 
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// A CUDA driver version as `cuDriverGetVersion` reports it: `1000 * major + 10 * minor`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DriverVersion(pub i32);
-
-impl DriverVersion {
-    /// The major version (13 for CUDA 13.0).
-    pub fn major(self) -> i32 {
-        self.0 / 1000
-    }
-    /// The minor version (0 for CUDA 13.0).
-    pub fn minor(self) -> i32 {
-        (self.0 % 1000) / 10
-    }
-}
-
-impl fmt::Display for DriverVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.major(), self.minor())
-    }
-}
-
-/// A `CUresult` other than `CUDA_SUCCESS`, with its name and the driver's description.
-///
-/// A newtype rather than the raw enum so that the name and message travel with the error even after the
-/// driver is gone, and so that equality and display do not need the driver.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct DriverError {
-    /// The raw `CUresult` value.
-    pub code: u32,
-    /// The enumerator's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
-    pub name: String,
-    /// The driver's description (`cuGetErrorString`), or a short fallback where the driver gave none.
-    pub message: String,
-}
-
-impl fmt::Display for DriverError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.name, self.message)
-    }
-}
-
-/// Why a peer-access request was refused before reaching the driver.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum PeerRefusal {
-    /// The device owns the pool: the driver does not let its access be changed.
-    OwningDevice,
-    /// `cuDeviceCanAccessPeer` says the peer cannot map the owner's memory.
-    NoPeerCapability,
-}
 
 /// Everything that can go wrong in mempool-core.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -182,5 +134,129 @@ impl Error {
             Error::Driver { error, .. } => Some(error),
             _ => None,
         }
+    }
+}
+
+impl From<DriverFailure> for Error {
+    /// The public form of a failed driver call: a missing library is [`Error::DriverNotFound`], a missing
+    /// entry point [`Error::DriverTooOld`], `cuInit`'s `CUDA_ERROR_NO_DEVICE` [`Error::NoDevice`], an
+    /// allocation out of memory [`Error::OutOfMemory`], and any other `CUresult` [`Error::Driver`].
+    fn from(failure: DriverFailure) -> Error {
+        let DriverFailure { call, kind } = failure;
+        match kind {
+            FailureKind::LibraryMissing => Error::DriverNotFound,
+            FailureKind::SymbolMissing { driver, required } => Error::DriverTooOld { call, driver, required },
+            FailureKind::NoDevice => Error::NoDevice,
+            FailureKind::OutOfMemory { requested } => Error::OutOfMemory { call, requested },
+            FailureKind::Driver(error) => Error::Driver { call, error },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raw::{check, check_alloc, first_driver_with, sys};
+
+    fn failure(call: &'static str, kind: FailureKind) -> Error {
+        Error::from(DriverFailure { call, kind })
+    }
+
+    #[test]
+    fn a_missing_library_is_driver_not_found() {
+        let e = failure("cuInit", FailureKind::LibraryMissing);
+        assert_eq!(e, Error::DriverNotFound);
+        assert_eq!(
+            e.to_string(),
+            "no CUDA driver found: libcuda.so could not be loaded (is the NVIDIA driver installed and on the \
+             library path?)"
+        );
+    }
+
+    #[test]
+    fn a_missing_symbol_is_driver_too_old() {
+        let e = failure(
+            "cuMemGetDefaultMemPool",
+            FailureKind::SymbolMissing {
+                driver: DriverVersion(12080),
+                required: first_driver_with("cuMemGetDefaultMemPool"),
+            },
+        );
+        assert_eq!(
+            e,
+            Error::DriverTooOld {
+                call: "cuMemGetDefaultMemPool",
+                driver: DriverVersion(12080),
+                required: Some(DriverVersion(13000)),
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "the installed CUDA driver (12.8) does not provide `cuMemGetDefaultMemPool`; it needs a driver \
+             for CUDA 13.0 or newer"
+        );
+        let e = failure(
+            "cuSomethingNew",
+            FailureKind::SymbolMissing {
+                driver: DriverVersion(12080),
+                required: None,
+            },
+        );
+        assert_eq!(
+            e.to_string(),
+            "the installed CUDA driver (12.8) does not provide `cuSomethingNew`"
+        );
+    }
+
+    #[test]
+    fn no_device_keeps_its_message() {
+        let e = failure("cuInit", FailureKind::NoDevice);
+        assert_eq!(e, Error::NoDevice);
+        assert_eq!(
+            e.to_string(),
+            "the CUDA driver found no device (CUDA_ERROR_NO_DEVICE): is a GPU visible to this process?"
+        );
+    }
+
+    #[test]
+    fn out_of_memory_keeps_the_call_and_size() {
+        let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        let err = Error::from(check_alloc("cuMemAllocFromPoolAsync", r, 1 << 40).unwrap_err());
+        assert_eq!(
+            err,
+            Error::OutOfMemory {
+                call: "cuMemAllocFromPoolAsync",
+                requested: 1 << 40
+            }
+        );
+        assert!(err.is_out_of_memory());
+        assert_eq!(
+            err.to_string(),
+            "out of memory: cuMemAllocFromPoolAsync could not allocate 1099511627776 bytes"
+        );
+    }
+
+    #[test]
+    fn driver_failures_name_the_call_and_result() {
+        let err = Error::from(check("cuMemPoolCreate", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err());
+        let text = err.to_string();
+        assert!(
+            text.starts_with("cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE ("),
+            "{text}"
+        );
+        assert_eq!(err.driver_error().map(|e| e.code), Some(1));
+        assert!(!err.is_out_of_memory());
+        let err = failure(
+            "cuStreamQuery",
+            FailureKind::Driver(DriverError {
+                code: 700,
+                name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+                message: "an illegal memory access was encountered".into(),
+            }),
+        );
+        assert_eq!(
+            err.to_string(),
+            "cuStreamQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)"
+        );
     }
 }

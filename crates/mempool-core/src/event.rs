@@ -1,4 +1,5 @@
-//! Events, including interprocess events for ordering work across processes.
+//! Events, including interprocess events for ordering work across processes, and the stream side of an
+//! event (`Stream::wait`, `StreamRef::wait`), which lives here so that `stream` need not know events.
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html>
 
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::raw::{self, sys};
-use crate::stream::StreamRef;
+use crate::stream::{Stream, StreamRef};
 
 bitflags::bitflags! {
     /// Flags for [`Event::new`] (`CUevent_flags`).
@@ -80,27 +81,24 @@ impl Event {
         let _g = self.ctx.bind()?;
         // SAFETY: the event is owned by `self`; a `StreamRef` is live for its lifetime.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::event::record(self.raw.get(), stream.as_raw())
-        }
+        let r = unsafe { raw::event::record(self.raw.get(), stream.as_raw()) };
+        Ok(r?)
     }
 
     /// Blocks until the captured work is done.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::event::synchronize(self.raw.get())
-        }
+        let r = unsafe { raw::event::synchronize(self.raw.get()) };
+        Ok(r?)
     }
 
     /// Whether the captured work is done.
     pub fn is_complete(&self) -> Result<bool> {
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::event::query(self.raw.get())
-        }
+        let r = unsafe { raw::event::query(self.raw.get()) };
+        Ok(r?)
     }
 
     /// Milliseconds from `self` to `end`, both recorded and complete, neither with `DISABLE_TIMING`.
@@ -112,9 +110,8 @@ impl Event {
         }
         // SAFETY: both events are owned by live values and were created with timing.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::event::elapsed_ms(self.raw.get(), end.raw.get())
-        }
+        let r = unsafe { raw::event::elapsed_ms(self.raw.get(), end.raw.get()) };
+        Ok(r?)
     }
 
     /// The handle another process opens with [`Event::open_ipc`]. Needs `INTERPROCESS`.
@@ -128,7 +125,8 @@ impl Event {
         let _g = self.ctx.bind()?;
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]
-        unsafe { raw::event::ipc_handle(self.raw.get()) }.map(IpcEventHandle)
+        let r = unsafe { raw::event::ipc_handle(self.raw.get()) };
+        Ok(IpcEventHandle(r?))
     }
 
     /// The flags the event was created with.
@@ -153,7 +151,25 @@ impl Drop for Event {
         // recorded work still pending.
         #[allow(unsafe_code)]
         if let Err(e) = unsafe { raw::event::destroy(self.raw.get()) } {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e.into());
         }
+    }
+}
+
+impl Stream {
+    /// Makes later work on this stream wait for what `event` captured (`cuStreamWaitEvent`).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        self.as_ref().wait(event)
+    }
+}
+
+impl StreamRef<'_> {
+    /// Makes later work on this stream wait for what `event` captured (`cuStreamWaitEvent`).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        // SAFETY: a `StreamRef` is a live stream or a special handle for its lifetime (its constructors'
+        // contracts), and `event` is borrowed, hence live.
+        #[allow(unsafe_code)]
+        let r = unsafe { raw::stream::wait_event(self.as_raw(), event.as_raw()) };
+        Ok(r?)
     }
 }

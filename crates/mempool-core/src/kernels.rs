@@ -5,11 +5,11 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use crate::buffer::DeviceAddr;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::module::{LaunchConfig, Module};
 use crate::stream::StreamRef;
+use crate::types::DeviceAddr;
 
 /// The PTX source of the kernels.
 pub const PTX: &str = include_str!("kernels.ptx");
@@ -30,7 +30,7 @@ const BLOCK: u32 = 256;
 /// // SAFETY: `buf` holds 1024 u32s and lives until the stream is synchronized.
 /// unsafe { kernels.iota(buf.ptr(), 1024, 7, stream.as_ref())? };
 /// let mut host = vec![0u8; 4096];
-/// buf.copy_to_host(&mut host)?;
+/// buf.copy_to_host(0, &mut host)?;
 /// assert_eq!(u32::from_ne_bytes(host[4..8].try_into().unwrap()), 8);
 /// # Ok(()) }
 /// ```

@@ -15,21 +15,32 @@
 //! let pool = MemPool::new(&dev, &PoolProps::new())?;
 //! let stream = Stream::new(&dev.context()?)?;
 //! let buf = pool.alloc(4096, stream.as_ref())?;
-//! buf.copy_from_host(&[7u8; 4096])?;
+//! buf.copy_from_host(0, &[7u8; 4096])?;
 //! # Ok(()) }
 //! ```
 //!
 //! Handles are RAII and keep their context alive. `Drop` cannot return errors; a failure there is kept
 //! for [`take_drop_errors`] rather than lost or panicked on.
 //!
-//! Unsafe code lives in the `raw` module (one file per CUDA area, each function with a `# Safety` list)
-//! and in the few `unsafe` blocks of the RAII types that call it, each with a `SAFETY:` line.
+//! Unsafe code is denied crate-wide (`#![deny(unsafe_code)]`). The `raw` module opts in as a whole (one
+//! file per CUDA area, each `unsafe fn` with a `# Safety` list); elsewhere each `unsafe` block or
+//! function opts in on its own (`#[allow(unsafe_code)]`), every block with a `SAFETY:` line and every
+//! `unsafe fn` with a numbered `# Safety` list, which clippy enforces (`undocumented_unsafe_blocks`,
+//! `missing_safety_doc`).
+//!
+//! The modules build on each other without cycles: plain value types (`types`) at the bottom, then the
+//! raw driver calls (`raw`, which report their own failure type), the public [`Error`] (which converts
+//! it), and the safe RAII types on top.
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+#![warn(clippy::missing_safety_doc)]
 
 mod buffer;
 mod context;
 mod device;
+mod drop_errors;
 mod error;
 mod event;
 mod handle;
@@ -39,20 +50,22 @@ mod module;
 mod pool;
 mod raw;
 mod stream;
+mod types;
+mod view;
 
-use std::sync::Mutex;
-
-pub use buffer::{DeviceAddr, PoolBuffer};
-pub use context::{Context, ContextGuard, MemoryInfo};
-pub use device::{Device, Uuid};
-pub use error::{DriverError, DriverVersion, Error, PeerRefusal, Result};
+pub use buffer::PoolBuffer;
+pub use context::{Context, ContextGuard};
+pub use drop_errors::take_drop_errors;
+pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
 pub use module::{Function, LaunchConfig, Module};
-pub use pool::{
-    Access, CurrentPoolGuard, HandleTypes, ImportedPtr, MemPool, PoolKind, PoolLocation, PoolProps, PoolUsage,
-    PtrExportData, ReusePolicy,
-};
+pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
 pub use stream::{Stream, StreamFlags, StreamRef};
+pub use types::{
+    Access, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal, PoolKind,
+    PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
+};
+pub use view::BufferView;
 
 /// The raw driver types (`CUstream`, `CUdeviceptr`, ...), for interop through `into_raw` / `from_raw`.
 pub use cudarc::driver::sys;
@@ -62,26 +75,10 @@ pub use cudarc::driver::sys;
 /// Errors: [`Error::DriverNotFound`] when `libcuda.so` cannot be loaded, [`Error::NoDevice`] when the
 /// driver sees no GPU.
 pub fn driver_version() -> Result<DriverVersion> {
-    raw::init()
+    Ok(raw::init()?)
 }
 
 /// Whether the CUDA driver library can be loaded on this machine, without initialising it.
 pub fn driver_present() -> bool {
     raw::library_present()
-}
-
-static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
-const MAX_DROP_ERRORS: usize = 64;
-
-pub(crate) fn record_drop_error(e: Error) {
-    let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
-    if errors.len() < MAX_DROP_ERRORS {
-        errors.push(e);
-    }
-}
-
-/// Takes the errors that `Drop` implementations met since the last call (at most 64 are kept).
-/// Destructors cannot return errors; this is where they go instead of a panic.
-pub fn take_drop_errors() -> Vec<Error> {
-    std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
 }

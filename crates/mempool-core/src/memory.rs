@@ -1,5 +1,6 @@
 //! Plain (non-pool) memory and raw copies: the building blocks of mempool-rmm's `CudaResource`,
-//! `ManagedResource` and `PinnedHostResource`, and of tests that move bytes.
+//! `ManagedResource` and `PinnedHostResource`, of [`crate::BufferView`]'s checked copies and fills, and of
+//! tests that move bytes.
 //!
 //! Every function binds the given context for its duration. Functions that take raw addresses are
 //! `unsafe`: the caller vouches for what the addresses point to.
@@ -7,12 +8,11 @@
 
 use std::ffi::c_void;
 
-use crate::buffer::DeviceAddr;
 use crate::context::Context;
-use crate::device::Device;
 use crate::error::Result;
 use crate::raw::{self, sys};
 use crate::stream::StreamRef;
+use crate::types::{Device, DeviceAddr};
 
 /// Device memory from `cuMemAlloc` in `ctx`. 0 bytes returns null without a driver call.
 pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DeviceAddr> {
@@ -20,7 +20,7 @@ pub fn device_alloc(ctx: &Context, bytes: usize) -> Result<DeviceAddr> {
         return Ok(DeviceAddr::NULL);
     }
     let _g = ctx.bind()?;
-    raw::memory::alloc(bytes).map(DeviceAddr)
+    Ok(DeviceAddr(raw::memory::alloc(bytes)?))
 }
 
 /// Frees memory from [`device_alloc`] or [`managed_alloc`] (`cuMemFree`). Null is a no-op.
@@ -35,7 +35,7 @@ pub unsafe fn device_free(ctx: &Context, ptr: DeviceAddr) -> Result<()> {
     }
     let _g = ctx.bind()?;
     // SAFETY: points 1 and 2.
-    unsafe { raw::memory::free(ptr.0) }
+    Ok(unsafe { raw::memory::free(ptr.0) }?)
 }
 
 /// Managed (unified) memory from `cuMemAllocManaged`, attached globally. 0 bytes returns null.
@@ -44,7 +44,7 @@ pub fn managed_alloc(ctx: &Context, bytes: usize) -> Result<DeviceAddr> {
         return Ok(DeviceAddr::NULL);
     }
     let _g = ctx.bind()?;
-    raw::memory::alloc_managed(bytes).map(DeviceAddr)
+    Ok(DeviceAddr(raw::memory::alloc_managed(bytes)?))
 }
 
 /// Page-locked, portable host memory from `cuMemHostAlloc`. 0 bytes returns null.
@@ -53,7 +53,7 @@ pub fn pinned_host_alloc(ctx: &Context, bytes: usize) -> Result<*mut u8> {
         return Ok(std::ptr::null_mut());
     }
     let _g = ctx.bind()?;
-    raw::memory::alloc_host(bytes).map(|p| p.cast())
+    Ok(raw::memory::alloc_host(bytes)?.cast())
 }
 
 /// Frees memory from [`pinned_host_alloc`] (`cuMemFreeHost`). Null is a no-op.
@@ -67,7 +67,7 @@ pub unsafe fn pinned_host_free(ctx: &Context, ptr: *mut u8) -> Result<()> {
     }
     let _g = ctx.bind()?;
     // SAFETY: point 1.
-    unsafe { raw::memory::free_host(ptr.cast()) }
+    Ok(unsafe { raw::memory::free_host(ptr.cast()) }?)
 }
 
 /// Copies host bytes to device memory, ordered on `stream`, and waits for the copy.
@@ -110,7 +110,7 @@ pub unsafe fn copy_device_async(
 ) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1.
-    unsafe { raw::memory::copy_async(dst.0, src.0, len, stream.as_raw()) }
+    Ok(unsafe { raw::memory::copy_async(dst.0, src.0, len, stream.as_raw()) }?)
 }
 
 /// Fills `len` bytes with `value`, ordered on `stream`; does not wait.
@@ -121,7 +121,7 @@ pub unsafe fn copy_device_async(
 pub unsafe fn fill_async(ctx: &Context, dst: DeviceAddr, value: u8, len: usize, stream: StreamRef<'_>) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1.
-    unsafe { raw::memory::memset_d8_async(dst.0, value, len, stream.as_raw()) }
+    Ok(unsafe { raw::memory::memset_d8_async(dst.0, value, len, stream.as_raw()) }?)
 }
 
 /// Fills `count` 32-bit words with `value`, ordered on `stream`; does not wait.
@@ -138,7 +138,7 @@ pub unsafe fn fill_u32_async(
 ) -> Result<()> {
     let _g = ctx.bind()?;
     // SAFETY: point 1.
-    unsafe { raw::memory::memset_d32_async(dst.0, value, count, stream.as_raw()) }
+    Ok(unsafe { raw::memory::memset_d32_async(dst.0, value, count, stream.as_raw()) }?)
 }
 
 /// Prefetches managed memory to `device` (or to the host with `None`), ordered on `stream`.
@@ -166,7 +166,7 @@ pub unsafe fn prefetch_async(
     };
     let _g = ctx.bind()?;
     // SAFETY: point 1.
-    unsafe { raw::memory::prefetch_async(ptr.0, len, location, stream.as_raw()) }
+    Ok(unsafe { raw::memory::prefetch_async(ptr.0, len, location, stream.as_raw()) }?)
 }
 
 /// What kind of memory an address is.
@@ -202,7 +202,7 @@ pub struct PointerInfo {
 pub fn pointer_info(ptr: DeviceAddr) -> Result<PointerInfo> {
     use sys::CUpointer_attribute::*;
     raw::init()?;
-    // SAFETY (all four): each attribute is read into the type the driver writes for it (`unsigned int`
+    // SAFETY: each of the five attributes is read into the type the driver writes for it (`unsigned int`
     // for the memory type, `int` for the ordinal, `unsigned int` (a bool) for IS_MANAGED, `CUdeviceptr`
     // for the range start, `size_t` for the range size).
     #[allow(unsafe_code)]

@@ -87,12 +87,11 @@ impl Drop for Module {
             // SAFETY: owned by `self`, unloaded once; no function handle outlives `self` (they borrow it),
             // and queued work finished above.
             #[allow(unsafe_code)]
-            unsafe {
-                raw::module::unload(self.raw.get())
-            }
+            let r = unsafe { raw::module::unload(self.raw.get()) };
+            Ok(r?)
         });
         if let Err(e) = r {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e);
         }
     }
 }
@@ -109,7 +108,7 @@ impl Function<'_> {
     pub unsafe fn launch(&self, cfg: LaunchConfig, stream: StreamRef<'_>, params: &mut [*mut c_void]) -> Result<()> {
         let _g = self.module.ctx.bind()?;
         // SAFETY: points 1 to 3 are the caller's; the function belongs to a live module.
-        unsafe {
+        let r = unsafe {
             raw::module::launch(
                 self.raw.get(),
                 cfg.grid,
@@ -118,6 +117,7 @@ impl Function<'_> {
                 stream.as_raw(),
                 params,
             )
-        }
+        };
+        Ok(r?)
     }
 }

@@ -1,5 +1,7 @@
 //! Stream-ordered memory pools (`cuMemPool*`): creation, attributes, trimming, peer access, the device's
-//! current pool, allocation, and the raw IPC primitives (pool and pointer export and import).
+//! current pool (and `Device::default_pool` / `Device::current_pool`), allocation, and the raw IPC
+//! primitives (pool and pointer export and import). The plain pool settings (`PoolProps`, `HandleTypes`,
+//! `ReusePolicy`, `Access`, ...) are in `types`; their conversions to the driver's enums are here.
 //!
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>
 
@@ -7,42 +9,16 @@ use std::ffi::c_void;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::buffer::{DeviceAddr, PoolBuffer};
+use crate::buffer::PoolBuffer;
 use crate::context::Context;
-use crate::device::Device;
-use crate::error::{Error, PeerRefusal, Result};
+use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::raw::{self, sys};
 use crate::stream::StreamRef;
-
-bitflags::bitflags! {
-    /// The handle types a pool can be exported as (`CUmemAllocationHandleType`).
-    #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
-    pub struct HandleTypes: u32 {
-        /// A POSIX file descriptor, passed to another process over a Unix socket.
-        const POSIX_FILE_DESCRIPTOR = 0x1;
-        /// A Win32 NT handle.
-        const WIN32 = 0x2;
-        /// A Win32 KMT handle.
-        const WIN32_KMT = 0x4;
-        /// A fabric handle (multi-node NVLink).
-        const FABRIC = 0x8;
-    }
-}
-
-bitflags::bitflags! {
-    /// When the pool may reuse memory freed on one stream for an allocation on another
-    /// (`CU_MEMPOOL_ATTR_REUSE_*`). All three are on by default.
-    #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
-    pub struct ReusePolicy: u32 {
-        /// Reuse when the allocating stream already waits (through events) on the free.
-        const FOLLOW_EVENT_DEPENDENCIES = 0x1;
-        /// Reuse memory whose free has completed, without a dependency.
-        const ALLOW_OPPORTUNISTIC = 0x2;
-        /// Reuse by inserting dependencies the driver chooses.
-        const ALLOW_INTERNAL_DEPENDENCIES = 0x4;
-    }
-}
+use crate::types::{
+    Access, Device, DeviceAddr, HandleTypes, PeerRefusal, PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData,
+    ReusePolicy,
+};
 
 /// Each reuse flag with the pool attribute that holds it (an `int`, 0 or 1).
 const REUSE_ATTRIBUTES: [(sys::CUmemPool_attribute, ReusePolicy); 3] = [
@@ -60,128 +36,35 @@ const REUSE_ATTRIBUTES: [(sys::CUmemPool_attribute, ReusePolicy); 3] = [
     ),
 ];
 
-/// Where a pool's memory lives.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum PoolLocation {
-    /// Memory of this device.
-    Device(Device),
-    /// Host memory (`CU_MEM_LOCATION_TYPE_HOST`; needs a driver for CUDA 13.0 or newer, and a device
-    /// that supports host pools).
-    Host,
-    /// Host memory of one NUMA node (`CU_MEM_LOCATION_TYPE_HOST_NUMA`, CUDA 12.6 and newer).
-    HostNuma(i32),
+/// The driver's form of a location.
+fn location_to_raw(location: PoolLocation) -> sys::CUmemLocation {
+    use sys::CUmemLocationType::*;
+    let (type_, id) = match location {
+        PoolLocation::Device(d) => (CU_MEM_LOCATION_TYPE_DEVICE, d.as_raw()),
+        PoolLocation::Host => (CU_MEM_LOCATION_TYPE_HOST, 0),
+        PoolLocation::HostNuma(node) => (CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
+    };
+    sys::CUmemLocation { type_, id }
 }
 
-impl PoolLocation {
-    fn to_raw(self) -> sys::CUmemLocation {
-        use sys::CUmemLocationType::*;
-        let (type_, id) = match self {
-            PoolLocation::Device(d) => (CU_MEM_LOCATION_TYPE_DEVICE, d.as_raw()),
-            PoolLocation::Host => (CU_MEM_LOCATION_TYPE_HOST, 0),
-            PoolLocation::HostNuma(node) => (CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
-        };
-        sys::CUmemLocation { type_, id }
+/// The driver's form of an access.
+fn access_to_raw(access: Access) -> sys::CUmemAccess_flags {
+    use sys::CUmemAccess_flags::*;
+    match access {
+        Access::None => CU_MEM_ACCESS_FLAGS_PROT_NONE,
+        Access::Read => CU_MEM_ACCESS_FLAGS_PROT_READ,
+        Access::ReadWrite => CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }
 
-/// Properties of a new pool (`CUmemPoolProps`).
-///
-/// ```
-/// use mempool_core::{HandleTypes, PoolProps};
-/// let props = PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).max_size(1 << 30);
-/// assert_eq!(props.max_size, Some(1 << 30));
-/// ```
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct PoolProps {
-    /// Where the memory lives; `None` means the device the pool is created for.
-    pub location: Option<PoolLocation>,
-    /// How the pool may be exported; empty means not at all. Only a pool created with
-    /// `POSIX_FILE_DESCRIPTOR` can be shared with another process.
-    pub handle_types: HandleTypes,
-    /// The most the pool may reserve, in bytes (rounded up by the driver); `None` means no limit.
-    pub max_size: Option<usize>,
-}
-
-impl PoolProps {
-    /// Default properties: device memory, not exportable, no size limit.
-    pub fn new() -> PoolProps {
-        PoolProps::default()
+/// An access from the driver's flags (anything unknown reads as no access).
+fn access_from_raw(flags: sys::CUmemAccess_flags) -> Access {
+    use sys::CUmemAccess_flags::*;
+    match flags {
+        CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
+        CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
+        _ => Access::None,
     }
-    /// Sets the export handle types.
-    pub fn handle_types(mut self, handle_types: HandleTypes) -> PoolProps {
-        self.handle_types = handle_types;
-        self
-    }
-    /// Sets the maximum size in bytes.
-    pub fn max_size(mut self, bytes: usize) -> PoolProps {
-        self.max_size = Some(bytes);
-        self
-    }
-    /// Sets the location.
-    pub fn location(mut self, location: PoolLocation) -> PoolProps {
-        self.location = Some(location);
-        self
-    }
-}
-
-/// A pool's memory counters, in bytes (`CU_MEMPOOL_ATTR_{RESERVED,USED}_MEM_{CURRENT,HIGH}`).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct PoolUsage {
-    /// Memory the pool holds from the system now.
-    pub reserved_current: u64,
-    /// The most it has held since creation or the last [`MemPool::reset_peaks`].
-    pub reserved_high: u64,
-    /// Memory handed out to allocations now.
-    pub used_current: u64,
-    /// The most handed out since creation or the last reset.
-    pub used_high: u64,
-}
-
-/// A device's access to a pool's memory (`CUmemAccess_flags`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Access {
-    /// No access: touching the memory faults.
-    None,
-    /// Read only.
-    Read,
-    /// Read and write.
-    ReadWrite,
-}
-
-impl Access {
-    fn to_raw(self) -> sys::CUmemAccess_flags {
-        use sys::CUmemAccess_flags::*;
-        match self {
-            Access::None => CU_MEM_ACCESS_FLAGS_PROT_NONE,
-            Access::Read => CU_MEM_ACCESS_FLAGS_PROT_READ,
-            Access::ReadWrite => CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        }
-    }
-    fn from_raw(flags: sys::CUmemAccess_flags) -> Access {
-        use sys::CUmemAccess_flags::*;
-        match flags {
-            CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
-            CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
-            _ => Access::None,
-        }
-    }
-}
-
-/// The 64 opaque bytes through which another process imports one allocation of an exported pool
-/// (`CUmemPoolPtrExportData`). Not a capability: the socket that carries it is the gate.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct PtrExportData(pub [u8; 64]);
-
-/// What a [`MemPool`] value stands for, which decides what it may do and whether drop destroys it.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum PoolKind {
-    /// Created by [`MemPool::new`]; destroyed on drop.
-    Owned,
-    /// A pool this value does not own: the device's default pool, or its current pool. Never destroyed.
-    Borrowed,
-    /// Imported from another process ([`MemPool::import_fd`]): it cannot allocate or become current, only
-    /// import pointers. Destroyed (released) on drop.
-    Imported,
 }
 
 /// A stream-ordered memory pool on one device.
@@ -237,7 +120,7 @@ impl MemPool {
         let mut raw_props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         raw_props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         raw_props.handleTypes = sys::CUmemAllocationHandleType(props.handle_types.bits());
-        raw_props.location = location.to_raw();
+        raw_props.location = location_to_raw(location);
         raw_props.maxSize = props.max_size.unwrap_or(0);
         let _g = ctx.bind()?;
         let raw = raw::pool::create(&raw_props)?;
@@ -251,13 +134,13 @@ impl MemPool {
         })
     }
 
-    pub(crate) fn default_of(ctx: Arc<Context>) -> Result<MemPool> {
+    fn default_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let raw = raw::pool::device_default(device.as_raw())?;
         Ok(MemPool::borrowed(ctx, raw))
     }
 
-    pub(crate) fn current_of(ctx: Arc<Context>) -> Result<MemPool> {
+    fn current_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let raw = raw::pool::device_current(device.as_raw())?;
         Ok(MemPool::borrowed(ctx, raw))
@@ -336,9 +219,8 @@ impl MemPool {
     fn set_u64(&self, attr: sys::CUmemPool_attribute, mut v: u64) -> Result<()> {
         // SAFETY: as in `get_u64`.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::set_attribute(self.as_raw(), attr, &mut v as *mut u64 as *mut c_void)
-        }
+        let r = unsafe { raw::pool::set_attribute(self.as_raw(), attr, &mut v as *mut u64 as *mut c_void) };
+        Ok(r?)
     }
 
     /// Bytes the pool keeps reserved across synchronizations; memory above it goes back to the system at
@@ -408,17 +290,17 @@ impl MemPool {
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::trim_to(self.as_raw(), keep)
-        }
+        let r = unsafe { raw::pool::trim_to(self.as_raw(), keep) };
+        Ok(r?)
     }
 
     /// `device`'s access to this pool's memory (`cuMemPoolGetAccess`).
     pub fn access(&self, device: &Device) -> Result<Access> {
-        let loc = PoolLocation::Device(*device).to_raw();
+        let loc = location_to_raw(PoolLocation::Device(*device));
         // SAFETY: the pool is live.
         #[allow(unsafe_code)]
-        unsafe { raw::pool::get_access(self.as_raw(), &loc) }.map(Access::from_raw)
+        let flags = unsafe { raw::pool::get_access(self.as_raw(), &loc) }?;
+        Ok(access_from_raw(flags))
     }
 
     /// Sets a peer device's access to the whole pool (`cuMemPoolSetAccess`). Pool memory ignores
@@ -444,15 +326,14 @@ impl MemPool {
             }
         }
         let desc = sys::CUmemAccessDesc {
-            location: PoolLocation::Device(*peer).to_raw(),
-            flags: access.to_raw(),
+            location: location_to_raw(PoolLocation::Device(*peer)),
+            flags: access_to_raw(access),
         };
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live; one initialised descriptor.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::set_access(self.as_raw(), &[desc])
-        }
+        let r = unsafe { raw::pool::set_access(self.as_raw(), &[desc]) };
+        Ok(r?)
     }
 
     /// Grants `peer` read-write access to the pool.
@@ -490,7 +371,8 @@ impl MemPool {
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live and not imported (checked); the stream is live for its lifetime.
         #[allow(unsafe_code)]
-        unsafe { raw::pool::alloc_async(self.as_raw(), bytes, stream.as_raw()) }.map(DeviceAddr)
+        let ptr = unsafe { raw::pool::alloc_async(self.as_raw(), bytes, stream.as_raw()) }?;
+        Ok(DeviceAddr(ptr))
     }
 
     /// Frees a pointer from [`MemPool::allocate`] (or any stream-ordered allocation) on `stream`
@@ -507,13 +389,19 @@ impl MemPool {
         }
         let _g = self.ctx.bind()?;
         // SAFETY: points 1 and 2 are the caller's.
-        unsafe { raw::pool::free_async(ptr.0, stream.as_raw()) }
+        let r = unsafe { raw::pool::free_async(ptr.0, stream.as_raw()) };
+        Ok(r?)
     }
 
     /// Allocates an owning buffer ordered on `stream`; it is freed on `stream` when dropped.
     pub fn alloc<'s>(&self, bytes: usize, stream: StreamRef<'s>) -> Result<PoolBuffer<'s>> {
         let ptr = self.allocate(bytes, stream)?;
-        Ok(PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()))
+        // SAFETY: `ptr` is a fresh allocation of `bytes` bytes from this pool in `self.ctx` (null for 0
+        // bytes), made on `stream` (a stream of the pool's context or a special handle, as `allocate`
+        // requires of its caller), and nothing else frees it: the buffer owns it.
+        #[allow(unsafe_code)]
+        let buf = unsafe { PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()) };
+        Ok(buf)
     }
 
     /// Makes this pool the device's current pool (what `cudaMallocAsync` and `cuMemAllocAsync` use) until
@@ -560,9 +448,8 @@ impl MemPool {
         let _g = self.ctx.bind()?;
         // SAFETY: the pool is live.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::pool::export_fd(self.as_raw())
-        }
+        let fd = unsafe { raw::pool::export_fd(self.as_raw()) }?;
+        Ok(fd)
     }
 
     /// The 64 bytes through which another process that imported this pool imports `ptr`
@@ -580,7 +467,8 @@ impl MemPool {
         // SAFETY: the driver looks the address up and fails for one that is not a live allocation of an
         // exportable pool; nothing is dereferenced.
         #[allow(unsafe_code)]
-        unsafe { raw::pool::export_pointer(ptr.0) }.map(PtrExportData)
+        let data = unsafe { raw::pool::export_pointer(ptr.0) }?;
+        Ok(PtrExportData(data))
     }
 
     /// Imports a pointer exported by the process this pool was imported from
@@ -617,14 +505,30 @@ impl Drop for MemPool {
         // on H100/H200 with driver 580 doing so while other threads kept streams busy crashed or hung the
         // driver (seen through mempool-rmm's conformance suite); a pool's drop is rare enough to wait.
         if let Err(e) = self.ctx.synchronize() {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e);
         }
         // SAFETY: owned or imported pools are destroyed exactly once, here. Outstanding allocations are
         // allowed: the driver releases the pool once they are freed.
         #[allow(unsafe_code)]
         if let Err(e) = unsafe { raw::pool::destroy(self.as_raw()) } {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e.into());
         }
+    }
+}
+
+impl Device {
+    /// The device's default pool (what `cuMemAllocAsync` uses unless the current pool was changed).
+    /// It cannot be exported; dropping the returned value does not destroy it.
+    pub fn default_pool(&self) -> Result<MemPool> {
+        self.require_pools()?;
+        MemPool::default_of(self.context()?)
+    }
+
+    /// The device's current pool (`cuDeviceGetMemPool`), a process-wide setting. Dropping the returned
+    /// value does not destroy it. To change it, use [`MemPool::make_current`], which restores it.
+    pub fn current_pool(&self) -> Result<MemPool> {
+        self.require_pools()?;
+        MemPool::current_of(self.context()?)
     }
 }
 
@@ -643,7 +547,7 @@ impl Drop for CurrentPoolGuard<'_> {
         // default pool always is); restoring it undoes our change.
         #[allow(unsafe_code)]
         if let Err(e) = unsafe { raw::pool::set_device_current(self.device.as_raw(), self.previous.get()) } {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e.into());
         }
     }
 }
@@ -686,12 +590,11 @@ impl Drop for ImportedPtr {
             raw::context::synchronize()?;
             // SAFETY: all work in the context is complete, so nothing uses the pointer; freed once.
             #[allow(unsafe_code)]
-            unsafe {
-                raw::memory::free(self.ptr.0)
-            }
+            let r = unsafe { raw::memory::free(self.ptr.0) };
+            Ok(r?)
         });
         if let Err(e) = r {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e);
         }
     }
 }
@@ -715,21 +618,21 @@ mod tests {
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT.0
         );
         for a in [Access::None, Access::Read, Access::ReadWrite] {
-            assert_eq!(Access::from_raw(a.to_raw()), a);
+            assert_eq!(access_from_raw(access_to_raw(a)), a);
         }
     }
 
     #[test]
-    fn props_builder() {
-        let p = PoolProps::new()
-            .handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)
-            .max_size(4096);
-        assert_eq!(p.handle_types, HandleTypes::POSIX_FILE_DESCRIPTOR);
-        assert_eq!(p.max_size, Some(4096));
-        assert_eq!(p.location, None);
+    fn locations_convert_to_the_driver_form() {
         assert_eq!(
-            PoolLocation::Host.to_raw().type_,
+            location_to_raw(PoolLocation::Host).type_,
             sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
         );
+        let numa = location_to_raw(PoolLocation::HostNuma(3));
+        assert_eq!(numa.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA);
+        assert_eq!(numa.id, 3);
+        let dev = location_to_raw(PoolLocation::Device(Device::from_parts(1, 1)));
+        assert_eq!(dev.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(dev.id, 1);
     }
 }

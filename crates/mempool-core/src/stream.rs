@@ -1,12 +1,13 @@
-//! Streams: owned ([`Stream`]) and borrowed ([`StreamRef`]).
+//! Streams: owned ([`Stream`]) and borrowed ([`StreamRef`]), the one type APIs take to name a stream.
+//! (`wait` on an event is implemented in `event`, which builds on this module.)
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>
 
-use std::marker::PhantomData;
+use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::Result;
-use crate::event::Event;
 use crate::handle::Handle;
 use crate::raw::{self, sys};
 
@@ -51,11 +52,12 @@ impl Stream {
         })
     }
 
-    /// A borrowed view of this stream, valid while `self` lives.
+    /// A borrowed view of this stream, valid while `self` lives, that knows the stream's context
+    /// ([`StreamRef::context`] is `Some`). The same as `StreamRef::from(&stream)`.
     pub fn as_ref(&self) -> StreamRef<'_> {
         StreamRef {
             raw: self.raw.get() as usize,
-            _life: PhantomData,
+            ctx: Some(&self.ctx),
         }
     }
 
@@ -72,11 +74,6 @@ impl Stream {
     /// Blocks until all work queued on the stream is done.
     pub fn synchronize(&self) -> Result<()> {
         self.as_ref().synchronize()
-    }
-
-    /// Makes later work on this stream wait for what `event` captured.
-    pub fn wait(&self, event: &Event) -> Result<()> {
-        self.as_ref().wait(event)
     }
 
     /// Gives up ownership: the caller must destroy the returned handle (e.g. through [`Stream::from_raw`]).
@@ -108,37 +105,72 @@ impl Drop for Stream {
         // is owned only by `self`, and no borrowed `StreamRef` outlives `self`.
         #[allow(unsafe_code)]
         if let Err(e) = unsafe { raw::stream::destroy(self.raw.get()) } {
-            crate::record_drop_error(e);
+            crate::drop_errors::record(e.into());
         }
     }
 }
 
-/// A borrowed stream: an owned [`Stream`]'s view, a special stream, or a raw handle from another
-/// library (cudarc, PyTorch, C). `Copy`, like RMM's `cuda_stream_view`; the lifetime ties it to the
-/// stream's owner where Rust can see one.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+impl<'a> From<&'a Stream> for StreamRef<'a> {
+    /// The same as [`Stream::as_ref`].
+    fn from(stream: &'a Stream) -> StreamRef<'a> {
+        stream.as_ref()
+    }
+}
+
+/// A borrowed stream, the one type this crate's APIs take to name a stream: an owned [`Stream`]'s view,
+/// a special stream, or a raw handle from another library (cudarc, PyTorch, C). `Copy`, like RMM's
+/// `cuda_stream_view`; the lifetime ties it to the stream's owner where Rust can see one.
+///
+/// A view made from a [`Stream`] (`stream.as_ref()` or `StreamRef::from(&stream)`) also carries the
+/// stream's context ([`StreamRef::context`]), so code handed only a `StreamRef` can bind the right
+/// context; the special streams and [`StreamRef::from_raw`] carry none until one is attached with
+/// [`StreamRef::in_context`]. Equality and hashing look at the raw handle only: two views of one stream
+/// are equal whether or not they know its context.
+///
+/// ```
+/// use mempool_core::StreamRef;
+/// assert_ne!(StreamRef::LEGACY, StreamRef::PER_THREAD);
+/// assert!(StreamRef::LEGACY.context().is_none());
+/// ```
+#[derive(Copy, Clone)]
 pub struct StreamRef<'a> {
     // Stored as an integer: the value is an opaque driver handle, used as a key and passed to the driver.
     raw: usize,
-    _life: PhantomData<&'a ()>,
+    ctx: Option<&'a Arc<Context>>,
+}
+
+impl PartialEq for StreamRef<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw == other.raw
+    }
+}
+
+impl Eq for StreamRef<'_> {}
+
+impl Hash for StreamRef<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.raw.hash(state);
+    }
+}
+
+impl fmt::Debug for StreamRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamRef").field("raw", &self.raw).finish()
+    }
 }
 
 impl StreamRef<'static> {
     /// The legacy default stream (`0`): synchronises with all blocking streams of its context, and uses
-    /// whichever context is current on the thread that queues work.
-    pub const LEGACY: StreamRef<'static> = StreamRef {
-        raw: 0x0,
-        _life: PhantomData,
-    };
-    /// The per-thread default stream (`CU_STREAM_PER_THREAD`).
-    pub const PER_THREAD: StreamRef<'static> = StreamRef {
-        raw: 0x2,
-        _life: PhantomData,
-    };
+    /// whichever context is current on the thread that queues work. Knows no context; attach one with
+    /// [`StreamRef::in_context`].
+    pub const LEGACY: StreamRef<'static> = StreamRef { raw: 0x0, ctx: None };
+    /// The per-thread default stream (`CU_STREAM_PER_THREAD`). Knows no context.
+    pub const PER_THREAD: StreamRef<'static> = StreamRef { raw: 0x2, ctx: None };
 }
 
 impl<'a> StreamRef<'a> {
-    /// Borrows a raw stream handle owned elsewhere.
+    /// Borrows a raw stream handle owned elsewhere. The view knows no context; attach one with
+    /// [`StreamRef::in_context`].
     ///
     /// # Safety
     /// 1. `raw` is a live stream (or a special handle) for all of `'a`.
@@ -146,7 +178,28 @@ impl<'a> StreamRef<'a> {
     pub unsafe fn from_raw(raw: sys::CUstream) -> StreamRef<'a> {
         StreamRef {
             raw: raw as usize,
-            _life: PhantomData,
+            ctx: None,
+        }
+    }
+
+    /// The context the stream belongs to, where the view knows it: `Some` for a view of a [`Stream`] or
+    /// one given a context with [`StreamRef::in_context`]; `None` for [`StreamRef::LEGACY`],
+    /// [`StreamRef::PER_THREAD`] and [`StreamRef::from_raw`].
+    pub fn context(&self) -> Option<&'a Arc<Context>> {
+        self.ctx
+    }
+
+    /// The same stream, known to belong to `ctx` (for instance `StreamRef::LEGACY.in_context(&ctx)`: the
+    /// legacy stream of `ctx`). Replaces any context the view knew. Nothing checks that the stream
+    /// belongs to `ctx`; APIs that rely on the pairing say so in their contract (e.g.
+    /// [`crate::BufferView::new`]).
+    pub fn in_context<'b>(self, ctx: &'b Arc<Context>) -> StreamRef<'b>
+    where
+        'a: 'b,
+    {
+        StreamRef {
+            raw: self.raw,
+            ctx: Some(ctx),
         }
     }
 
@@ -165,26 +218,55 @@ impl<'a> StreamRef<'a> {
         // SAFETY: a `StreamRef` is a live stream or a special handle for its lifetime (its constructors'
         // contracts).
         #[allow(unsafe_code)]
-        unsafe {
-            raw::stream::synchronize(self.as_raw())
-        }
+        let r = unsafe { raw::stream::synchronize(self.as_raw()) };
+        Ok(r?)
     }
 
     /// Whether all work queued on the stream has completed.
     pub fn is_idle(&self) -> Result<bool> {
         // SAFETY: as in `synchronize`.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::stream::query(self.as_raw())
-        }
+        let r = unsafe { raw::stream::query(self.as_raw()) };
+        Ok(r?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn views_compare_and_hash_by_handle_only() {
+        let ctx = Context::unretained_for_tests(0);
+        let other = Context::unretained_for_tests(1);
+        let plain = StreamRef::LEGACY;
+        let attached = StreamRef::LEGACY.in_context(&ctx);
+        assert_eq!(plain, attached);
+        assert_eq!(attached, StreamRef::LEGACY.in_context(&other));
+        assert_ne!(attached, StreamRef::PER_THREAD.in_context(&ctx));
+        let set: HashSet<StreamRef<'_>> = [plain, attached, StreamRef::LEGACY.in_context(&other)].into();
+        assert_eq!(set.len(), 1);
+        assert_eq!(format!("{attached:?}"), "StreamRef { raw: 0 }");
     }
 
-    /// Makes later work on this stream wait for what `event` captured (`cuStreamWaitEvent`).
-    pub fn wait(&self, event: &Event) -> Result<()> {
-        // SAFETY: the stream is live (as in `synchronize`) and `event` is borrowed, hence live.
+    #[test]
+    fn in_context_attaches_and_replaces_the_context() {
+        let ctx = Context::unretained_for_tests(0);
+        let other = Context::unretained_for_tests(1);
+        assert!(StreamRef::LEGACY.context().is_none());
+        assert!(StreamRef::PER_THREAD.context().is_none());
+        let s = StreamRef::PER_THREAD.in_context(&ctx);
+        assert!(Arc::ptr_eq(s.context().unwrap(), &ctx));
+        assert_eq!(s.id(), StreamRef::PER_THREAD.id());
+        let t = s.in_context(&other);
+        assert!(Arc::ptr_eq(t.context().unwrap(), &other));
+        // SAFETY: the view is never used to reach the driver.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::stream::wait_event(self.as_raw(), event.as_raw())
-        }
+        let raw = unsafe { StreamRef::from_raw(0x1234 as sys::CUstream) };
+        assert!(raw.context().is_none());
+        assert_eq!(raw.id(), 0x1234);
+        assert_eq!(raw.as_raw() as usize, 0x1234);
     }
 }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{
-    memory, Access, Context, Device, Error, Event, EventFlags, HandleTypes, IpcEventHandle, MemPool, PeerRefusal,
-    PoolKind, PoolProps, PtrExportData, ReusePolicy, Stream, StreamRef,
+    memory, Access, BufferView, Context, Device, DeviceAddr, Error, Event, EventFlags, HandleTypes, IpcEventHandle,
+    MemPool, PeerRefusal, PoolKind, PoolProps, PtrExportData, ReusePolicy, Stream, StreamRef,
 };
 
 const MIB: usize = 1 << 20;
@@ -338,11 +338,11 @@ fn buffers_round_trip_through_kernels_and_pointer_attributes() {
     let n = 1000;
     let buf = pool.alloc(n * 4, stream.as_ref()).unwrap();
     let input: Vec<u8> = (0..n as u32).flat_map(|v| (v * 3).to_ne_bytes()).collect();
-    buf.copy_from_host(&input).unwrap();
+    buf.copy_from_host(0, &input).unwrap();
     // SAFETY: `buf` holds n u32s on `stream`.
     unsafe { kernels.add(buf.ptr(), n, 11, stream.as_ref()) }.unwrap();
     let mut out = vec![0u8; n * 4];
-    buf.copy_to_host(&mut out).unwrap();
+    buf.copy_to_host(0, &mut out).unwrap();
     assert!(u32s(&out).iter().enumerate().all(|(i, &v)| v == 3 * i as u32 + 11));
 
     let info = memory::pointer_info(buf.ptr()).unwrap();
@@ -352,9 +352,78 @@ fn buffers_round_trip_through_kernels_and_pointer_attributes() {
     assert!(info.range_start <= buf.ptr() && info.range_size >= n * 4);
 
     let too_long = vec![0u8; n * 4 + 1];
-    assert!(matches!(buf.copy_from_host(&too_long), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        buf.copy_from_host(0, &too_long),
+        Err(Error::InvalidArgument(_))
+    ));
     drop(buf);
     stream.synchronize().unwrap();
+    assert!(mempool_core::take_drop_errors().is_empty());
+}
+
+#[test]
+fn buffer_views_copy_fill_and_release_once() {
+    let (dev, ctx) = gpu();
+    let stream = Stream::new(&ctx).unwrap();
+    let pool = MemPool::new(&dev, &PoolProps::new()).unwrap();
+
+    // A PoolBuffer is its view: address, length, stream (with its context) and context.
+    let buf = pool.alloc(4096, (&stream).into()).unwrap();
+    assert_eq!(buf.addr(), buf.ptr());
+    assert_eq!((buf.len(), buf.is_empty()), (4096, false));
+    assert_eq!(buf.stream(), stream.as_ref());
+    assert!(Arc::ptr_eq(buf.stream().context().unwrap(), &ctx));
+    assert!(Arc::ptr_eq(buf.context(), &ctx));
+
+    // Fill (ordered on the stream), then copies at offsets, which wait.
+    buf.fill(0xab).unwrap();
+    buf.copy_from_host(100, &[1, 2, 3, 4]).unwrap();
+    let all = buf.to_host().unwrap();
+    assert_eq!(all.len(), 4096);
+    assert_eq!(
+        all[96..108],
+        [0xab, 0xab, 0xab, 0xab, 1, 2, 3, 4, 0xab, 0xab, 0xab, 0xab]
+    );
+    let mut tail = [0u8; 6];
+    buf.copy_to_host(98, &mut tail).unwrap();
+    assert_eq!(tail, [0xab, 0xab, 1, 2, 3, 4]);
+    assert!(matches!(
+        buf.copy_to_host(4095, &mut tail),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(buf.check_range(4096, 1), Err(Error::InvalidArgument(_))));
+    assert_eq!(buf.check_range(4090, 6), Ok(()));
+    drop(buf);
+
+    // A view over memory owned by hand, on the legacy stream given the context: the release helper
+    // hands the address out once, and a second call frees nothing.
+    let legacy = StreamRef::LEGACY.in_context(&ctx);
+    let addr = pool.allocate(1024, legacy).unwrap();
+    // SAFETY: `addr` is a fresh 1024-byte allocation of the pool, in `ctx`, made on the legacy stream of
+    // `ctx`; only the view's release below frees it.
+    let mut view = unsafe { BufferView::new(addr, 1024, legacy, ctx.clone()) };
+    view.fill(7).unwrap();
+    assert!(view.to_host().unwrap().iter().all(|&b| b == 7));
+    let mut freed = Vec::new();
+    let mut free = |p: DeviceAddr, n: usize, s: StreamRef<'_>| -> mempool_core::Result<()> {
+        freed.push((p, n));
+        // SAFETY: handed out once by `release_with`; all work on it was queued on `s`, the view's stream.
+        unsafe { pool.free_async(p, s) }
+    };
+    view.release_with(&mut free).unwrap();
+    view.release_with(&mut free).unwrap();
+    assert_eq!(freed, [(addr, 1024)]);
+    assert!(view.addr().is_null() && view.is_empty());
+
+    // `into_raw` takes the address out of the view; the buffer's drop then frees nothing.
+    let buf = pool.alloc(512, stream.as_ref()).unwrap();
+    let (p, n) = buf.into_raw();
+    assert_eq!(n, 512);
+    // SAFETY: `p` came from the pool on `stream` and is freed once, here.
+    unsafe { pool.free_async(p, stream.as_ref()) }.unwrap();
+    stream.synchronize().unwrap();
+    ctx.synchronize().unwrap();
+    assert_eq!(pool.usage().unwrap().used_current, 0);
     assert!(mempool_core::take_drop_errors().is_empty());
 }
 

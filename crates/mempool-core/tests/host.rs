@@ -1,7 +1,9 @@
 //! Host tests: what mempool-core does on a machine without a GPU (CI has none).
 #![cfg(not(feature = "gpu"))]
 
-use mempool_core::{Device, Error, HandleTypes};
+use std::collections::HashSet;
+
+use mempool_core::{sys, Device, Error, HandleTypes, StreamRef};
 
 /// Without a driver, every entry point returns `DriverNotFound` (never a panic). On a machine that does
 /// have a driver the same calls must still not panic, and their errors must not claim a missing driver.
@@ -56,4 +58,30 @@ fn errors_name_their_cause() {
         e.to_string().contains("device 1 cannot access memory of device 0"),
         "{e}"
     );
+}
+
+/// Stream views compare and hash by their raw handle; only views of owned streams (or ones given a
+/// context) know a context, which needs a GPU to make, so here every view knows none.
+#[test]
+fn stream_refs_compare_by_handle() {
+    // SAFETY: the made-up handles are never passed to the driver.
+    let (a, b) = unsafe {
+        (
+            StreamRef::from_raw(0x10 as sys::CUstream),
+            StreamRef::from_raw(0x10 as sys::CUstream),
+        )
+    };
+    // SAFETY: as above.
+    let c = unsafe { StreamRef::from_raw(0x20 as sys::CUstream) };
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_eq!((a.id(), c.id()), (0x10, 0x20));
+    let set: HashSet<StreamRef<'_>> = [a, b, c, StreamRef::LEGACY, StreamRef::PER_THREAD].into();
+    assert_eq!(set.len(), 4);
+    for s in [a, c, StreamRef::LEGACY, StreamRef::PER_THREAD] {
+        assert!(s.context().is_none());
+    }
+    // SAFETY: 0 is the legacy default stream's handle.
+    assert_eq!(unsafe { StreamRef::from_raw(std::ptr::null_mut()) }, StreamRef::LEGACY);
+    assert_eq!(format!("{a:?}"), "StreamRef { raw: 16 }");
 }

@@ -45,7 +45,7 @@ fn two_gpu_grant_read_query_revoke() {
     // SAFETY: both ranges hold n u32s; `src` is complete (s0 synchronized) and mapped for device 1.
     unsafe { k1.copy(dst.ptr(), src.ptr(), n, s1.as_ref()) }.unwrap();
     let mut host = vec![0u8; n * 4];
-    dst.copy_to_host(&mut host).unwrap();
+    dst.copy_to_host(0, &mut host).unwrap();
     assert!(
         u32s(&host).iter().enumerate().all(|(i, &v)| v == 42 + i as u32),
         "device 1 read device 0's data"

@@ -23,8 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream};
-use mempool_ipc::lease::ImporterId;
-use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions};
+use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterId, ImporterOptions};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -180,7 +179,7 @@ fn producer(consumers: usize) -> AnyResult<()> {
     for _ in 0..consumers {
         let child = Command::new(&exe).arg("consumer").arg(&socket).spawn()?;
         let (ctl, _) = ctl_listener.accept()?;
-        let pid = mempool_ipc::cred::peer_credentials(&ctl)?.pid;
+        let pid = mempool_ipc::peer_credentials(&ctl)?.pid;
         let importers = exporter.wait_for_importers(all.len() + 1, WAIT)?;
         let importer = importers
             .iter()

@@ -22,15 +22,9 @@
 //! direction has its own lock), so a reader thread can wait for releases while another thread
 //! shares buffers.
 //!
-//! ```
-//! use mempool_ipc::wire::Message;
-//! use mempool_ipc::{Connection, ConnectionConfig};
-//!
-//! let (a, b) = Connection::pair(ConnectionConfig::default())?;
-//! a.send(&Message::Hello, &[])?;
-//! assert_eq!(b.recv()?.message, Message::Hello);
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! Only [`ConnectionConfig`] is public (re-exported at the crate root): the exporter's
+//! [`ListenerOptions`](crate::ListenerOptions) and the [`ImporterOptions`](crate::ImporterOptions)
+//! take it. The tests (`conn/tests.rs`) play hostile peers over real sockets.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -46,9 +40,13 @@ use rustix::net::{RecvFlags, SendFlags, Shutdown};
 use crate::cred::{self, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::fdpass;
-use crate::wire::{self, ErrorMessage, Message, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+use crate::wire::{self, ErrorMessage, Message, ProtocolError, HEADER_LEN, MAX_FDS_PER_MESSAGE};
 
-/// Time limits of a [`Connection`].
+/// The time limits of a connection between an exporter and an importer.
+///
+/// A peer that connects and says nothing costs the other side one `handshake_timeout`; one that
+/// starts a frame and stalls, or stops reading, costs one `io_timeout`. Waiting for the next
+/// message after the handshake has no limit (an idle importer is legitimate).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct ConnectionConfig {
     /// How long a frame may take to arrive once its first byte has, and how long a send may
@@ -71,16 +69,16 @@ impl Default for ConnectionConfig {
 /// A message and the file descriptors that came with it (exactly
 /// `message.message_type().descriptor_count()` of them, close-on-exec).
 #[derive(Debug)]
-pub struct Received {
+pub(crate) struct Received {
     /// The message.
-    pub message: Message,
+    pub(crate) message: Message,
     /// Its descriptors, owned: those not kept are closed when dropped.
-    pub fds: Vec<OwnedFd>,
+    pub(crate) fds: Vec<OwnedFd>,
 }
 
 /// Whole protocol messages over a Unix stream socket. See the [module documentation](self).
 #[derive(Debug)]
-pub struct Connection {
+pub(crate) struct Connection {
     stream: UnixStream,
     config: ConnectionConfig,
     send_lock: Mutex<()>,
@@ -92,7 +90,7 @@ pub struct Connection {
 impl Connection {
     /// Wraps a connected stream. The stream's blocking mode does not matter: every call waits
     /// with `poll` and its own deadline.
-    pub fn new(stream: UnixStream, config: ConnectionConfig) -> Connection {
+    pub(crate) fn new(stream: UnixStream, config: ConnectionConfig) -> Connection {
         Connection {
             stream,
             config,
@@ -105,28 +103,29 @@ impl Connection {
 
     /// Connects to a listening socket at `path`. Check who answered with
     /// [`Connection::peer_credentials`] (the importer's session does).
-    pub fn connect(path: impl AsRef<Path>, config: ConnectionConfig) -> Result<Connection> {
+    pub(crate) fn connect(path: impl AsRef<Path>, config: ConnectionConfig) -> Result<Connection> {
         Ok(Connection::new(UnixStream::connect(path)?, config))
     }
 
     /// Two connected ends, for tests and for threads of one process.
-    pub fn pair(config: ConnectionConfig) -> Result<(Connection, Connection)> {
+    #[cfg(test)]
+    pub(crate) fn pair(config: ConnectionConfig) -> Result<(Connection, Connection)> {
         let (a, b) = UnixStream::pair()?;
         Ok((Connection::new(a, config), Connection::new(b, config)))
     }
 
     /// The time limits.
-    pub fn config(&self) -> &ConnectionConfig {
+    pub(crate) fn config(&self) -> &ConnectionConfig {
         &self.config
     }
 
     /// The credentials of the process at the other end (`SO_PEERCRED`).
-    pub fn peer_credentials(&self) -> Result<PeerCredentials> {
+    pub(crate) fn peer_credentials(&self) -> Result<PeerCredentials> {
         cred::peer_credentials(&self.stream)
     }
 
     /// Whether the connection failed (or was shut down) and accepts no more calls.
-    pub fn is_failed(&self) -> bool {
+    pub(crate) fn is_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
 
@@ -136,13 +135,13 @@ impl Connection {
     ///
     /// Fails with [`Error::Timeout`] if the peer does not make room within
     /// [`ConnectionConfig::io_timeout`]; if part of the frame had gone out, the connection fails.
-    pub fn send(&self, message: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
+    pub(crate) fn send(&self, message: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.send_inner(message, fds, None, "send")
     }
 
     /// Like [`Connection::send`], but also fails with [`Error::Timeout`] naming `during` if the
     /// send has not finished by `deadline`.
-    pub fn send_until(
+    pub(crate) fn send_until(
         &self,
         message: &Message,
         fds: &[BorrowedFd<'_>],
@@ -204,21 +203,22 @@ impl Connection {
     /// it must be complete within [`ConnectionConfig::io_timeout`].
     ///
     /// [`Error::Closed`] if the peer closed the connection between messages,
-    /// [`Error::Truncated`] if it closed in the middle of one. A peer's `Error` message is
+    /// [`ProtocolError::Truncated`] if it closed in the middle of one. A peer's `Error` message is
     /// returned as a message; the session layer turns it into [`Error::Remote`].
-    pub fn recv(&self) -> Result<Received> {
+    pub(crate) fn recv(&self) -> Result<Received> {
         self.recv_until(None, "receive")
     }
 
     /// Like [`Connection::recv`], but fails with [`Error::Timeout`] naming `during` if the
     /// message is not complete within `timeout`. A timeout before the first byte leaves the
     /// connection usable; one in the middle of a message fails it.
-    pub fn recv_timeout(&self, timeout: Duration, during: &'static str) -> Result<Received> {
+    #[cfg(test)]
+    pub(crate) fn recv_timeout(&self, timeout: Duration, during: &'static str) -> Result<Received> {
         self.recv_until(Some(Instant::now() + timeout), during)
     }
 
     /// Like [`Connection::recv_timeout`], with an absolute deadline (`None`: no deadline).
-    pub fn recv_until(&self, deadline: Option<Instant>, during: &'static str) -> Result<Received> {
+    pub(crate) fn recv_until(&self, deadline: Option<Instant>, during: &'static str) -> Result<Received> {
         let _guard = lock(&self.recv_lock);
         self.check_usable()?;
         let mut reader = FrameReader {
@@ -242,14 +242,14 @@ impl Connection {
 
     /// Tells the peer about `err` with a best-effort `Error` message (if it is the kind the
     /// peer should hear about), then shuts the connection down.
-    pub fn close_with_error(&self, err: &Error) {
+    pub(crate) fn close_with_error(&self, err: &Error) {
         self.fail(Some(err));
     }
 
     /// Closes this side's sending direction (after a `Goodbye`): the peer reads the end of the
     /// stream after the last message, this side can still receive, and later sends fail with
     /// [`Error::WriteClosed`].
-    pub fn close_write(&self) {
+    pub(crate) fn close_write(&self) {
         let _guard = lock(&self.send_lock);
         if !self.write_closed.swap(true, Ordering::AcqRel) {
             let _ = rustix::net::shutdown(&self.stream, Shutdown::Write);
@@ -258,7 +258,7 @@ impl Connection {
 
     /// Shuts the connection down: the peer sees it closed, and later calls on this side fail
     /// with [`Error::ConnectionFailed`].
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.fail(None);
     }
 
@@ -346,10 +346,11 @@ impl FrameReader<'_> {
             self.fds.extend(fds);
             if n == 0 {
                 return Err(if self.started {
-                    Error::Truncated {
+                    ProtocolError::Truncated {
                         needed: frame_len,
                         got: done_before + filled,
                     }
+                    .into()
                 } else {
                     Error::Closed
                 });
@@ -409,3 +410,15 @@ fn wait(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>, during
         }
     }
 }
+
+/// Short limits for the tests: a stalled peer costs a test 200 ms.
+#[cfg(test)]
+pub(crate) fn short_config() -> ConnectionConfig {
+    ConnectionConfig {
+        io_timeout: Duration::from_millis(200),
+        handshake_timeout: Duration::from_millis(200),
+    }
+}
+
+#[cfg(test)]
+mod tests;

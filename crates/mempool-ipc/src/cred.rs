@@ -3,19 +3,8 @@
 //! The kernel records the peer's credentials when the connection is made; the peer cannot
 //! forge them. By default only the same user may connect ([`AccessPolicy::SameUser`]); an
 //! explicit allow-list of uids replaces that ([`AccessPolicy::AllowUids`]). The socket file's
-//! permissions (0600 by default, see [`Listener`](crate::Listener)) are the first gate; this is
-//! the second, and it also lets an importer check the exporter.
-//!
-//! ```
-//! use std::os::unix::net::UnixStream;
-//! use mempool_ipc::cred::{peer_credentials, AccessPolicy};
-//!
-//! let (a, _b) = UnixStream::pair()?;
-//! let creds = peer_credentials(&a)?;
-//! AccessPolicy::SameUser.check(&creds)?;
-//! assert!(AccessPolicy::allow_uids([creds.uid + 1]).check(&creds).is_err());
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! permissions (0600 by default, see `listener`) are the first gate; this is the second, and it
+//! also lets an importer check the exporter. Everything here is re-exported at the crate root.
 
 use std::os::fd::AsFd;
 
@@ -41,6 +30,17 @@ pub struct PeerCredentials {
 /// call moves to a raw `getsockopt`.
 ///
 /// See [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
+///
+/// ```
+/// use std::os::unix::net::UnixStream;
+/// use mempool_ipc::{peer_credentials, AccessPolicy};
+///
+/// let (a, _b) = UnixStream::pair()?;
+/// let creds = peer_credentials(&a)?;
+/// AccessPolicy::SameUser.check(&creds)?;
+/// assert!(AccessPolicy::allow_uids([creds.uid + 1]).check(&creds).is_err());
+/// # Ok::<(), mempool_ipc::Error>(())
+/// ```
 pub fn peer_credentials(socket: impl AsFd) -> Result<PeerCredentials> {
     let ucred = rustix::net::sockopt::socket_peercred(socket)?;
     Ok(PeerCredentials {
@@ -59,7 +59,7 @@ pub enum AccessPolicy {
     /// Exactly these uids, and no other; this process's own uid only if listed.
     ///
     /// The socket file's mode must let those users in, too (see
-    /// [`ListenerOptions::mode`](crate::listener::ListenerOptions::mode)).
+    /// [`ListenerOptions::mode`](crate::ListenerOptions::mode)).
     AllowUids(Vec<u32>),
 }
 
@@ -94,5 +94,42 @@ impl AccessPolicy {
         let peer = peer_credentials(socket)?;
         self.check(&peer)?;
         Ok(peer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    fn own_uid() -> u32 {
+        rustix::process::geteuid().as_raw()
+    }
+
+    #[test]
+    fn credentials_of_a_socket_pair_are_our_own() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let creds = peer_credentials(&a).unwrap();
+        assert_eq!(creds.uid, own_uid());
+        assert_eq!(creds.gid, rustix::process::getegid().as_raw());
+        assert_eq!(creds.pid, std::process::id() as i32);
+    }
+
+    #[test]
+    fn policy_accepts_own_uid_and_rejects_outside_the_allow_list() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert_eq!(AccessPolicy::SameUser.check_socket(&a).unwrap().uid, own_uid());
+        assert!(AccessPolicy::allow_uids([own_uid(), 12345]).check_socket(&a).is_ok());
+        let err = AccessPolicy::allow_uids([own_uid().wrapping_add(1)])
+            .check_socket(&a)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::PeerCredentials { uid, pid } if uid == own_uid() && pid == std::process::id() as i32),
+            "{err}"
+        );
+        // An empty allow-list allows nobody, not even this user.
+        assert!(!AccessPolicy::allow_uids([]).allows(own_uid()));
+        assert!(!AccessPolicy::SameUser.allows(own_uid().wrapping_add(1)));
     }
 }

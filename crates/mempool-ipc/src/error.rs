@@ -1,51 +1,32 @@
-//! The crate's one error type.
+//! The crate's error type, and where errors go that nobody can be told about.
+//!
+//! [`Error`] wraps the errors of the two layers below it, [`ProtocolError`] (the wire format)
+//! and [`LeaseError`] (the lease bookkeeping), which know nothing of it.
 
 use std::io;
 use std::path::PathBuf;
 
-use crate::lease::ImporterId;
-use crate::wire::{BufferId, DeviceUuid, ErrorCode, MessageType};
+use std::sync::Mutex;
+
+use crate::lease::{ImporterId, LeaseError};
+use crate::wire::{BufferId, DeviceUuid, ErrorCode, MessageType, ProtocolError};
 
 /// A specialized [`Result`](std::result::Result) for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong while sharing pools and buffers between processes.
 ///
-/// Every variant names its cause. After any error that [`Connection`](crate::Connection) reports
-/// while a message was half read or half written, or that reports a malformed or unexpected
-/// message, the connection is closed: later calls on it return [`Error::ConnectionFailed`].
+/// Every variant names its cause. After any error that a connection reports while a message
+/// was half read or half written, or that reports a malformed or unexpected message, the
+/// connection is closed: later calls on it return [`Error::ConnectionFailed`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The peer broke a rule of the protocol that no more specific variant describes.
-    #[error("protocol violation: {reason}")]
-    Protocol {
-        /// What the peer did wrong.
-        reason: String,
-    },
-
-    /// A frame did not start with the protocol's magic bytes: the peer does not speak this protocol.
-    #[error("bad magic {got:02x?}: the peer does not speak the mempool IPC protocol")]
-    BadMagic {
-        /// The four bytes found where the magic should be.
-        got: [u8; 4],
-    },
-
-    /// The peer speaks another version of the protocol.
-    #[error("unsupported protocol version {got} (this side speaks version {supported})")]
-    UnsupportedVersion {
-        /// The version in the peer's frame.
-        got: u16,
-        /// The version this side speaks.
-        supported: u16,
-    },
-
-    /// A frame carried a message type this version does not define.
-    #[error("unknown message type {got}")]
-    UnknownMessageType {
-        /// The type code found in the frame header.
-        got: u16,
-    },
+    /// A frame or message broke the rules of the wire format (a malformed or oversized frame,
+    /// another protocol version, a field out of range, a frame cut short). The message is the
+    /// [`ProtocolError`]'s.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
 
     /// The exporter's pool lives on another GPU than the importer uses.
     #[error("wrong device: expected GPU {expected_uuid}, the peer uses GPU {got}")]
@@ -61,44 +42,6 @@ pub enum Error {
     DeviceNotVisible {
         /// The UUID the exporter announced.
         uuid: DeviceUuid,
-    },
-
-    /// A frame announced a body larger than any message may be.
-    #[error("message of {len} bytes exceeds the limit of {max} bytes")]
-    MessageTooLarge {
-        /// The announced length.
-        len: usize,
-        /// The limit.
-        max: usize,
-    },
-
-    /// Input ended before the message did (in a byte slice, or the peer closed mid-message).
-    #[error("truncated message: needed {needed} bytes, got {got}")]
-    Truncated {
-        /// How many bytes the message needs (as far as known when it ended).
-        needed: usize,
-        /// How many bytes there were.
-        got: usize,
-    },
-
-    /// A frame's body length does not fit its message type.
-    #[error("{message} message with a body of {got} bytes (allowed: {})", allowed_len(*.min, *.max))]
-    BodyLength {
-        /// The message type.
-        message: MessageType,
-        /// The smallest body the type allows.
-        min: usize,
-        /// The largest body the type allows.
-        max: usize,
-        /// The body length found.
-        got: usize,
-    },
-
-    /// Bytes followed the end of a complete frame in a slice that should hold exactly one.
-    #[error("{len} trailing bytes after a complete message")]
-    TrailingBytes {
-        /// How many bytes were left over.
-        len: usize,
     },
 
     /// A valid message arrived at a point of the conversation where it is not allowed.
@@ -165,44 +108,11 @@ pub enum Error {
         reason: &'static str,
     },
 
-    /// A buffer id was registered twice.
-    #[error("buffer {buffer} is already registered")]
-    DuplicateBuffer {
-        /// The buffer.
-        buffer: BufferId,
-    },
-
-    /// A buffer id that is not registered (never was, or was already freed).
-    #[error("unknown buffer {buffer}")]
-    UnknownBuffer {
-        /// The buffer.
-        buffer: BufferId,
-    },
-
-    /// The buffer was already shared with this importer.
-    #[error("buffer {buffer} is already leased to importer {importer}")]
-    AlreadyLeased {
-        /// The buffer.
-        buffer: BufferId,
-        /// The importer.
-        importer: ImporterId,
-    },
-
-    /// Release of a buffer the importer does not hold (for example a double release).
-    #[error("importer {importer} does not hold buffer {buffer}")]
-    NotLeased {
-        /// The buffer.
-        buffer: BufferId,
-        /// The importer.
-        importer: ImporterId,
-    },
-
-    /// The exporter already gave the buffer up: it may not be shared or given up again.
-    #[error("buffer {buffer} was already released by its owner")]
-    BufferRetired {
-        /// The buffer.
-        buffer: BufferId,
-    },
+    /// The lease bookkeeping refused an operation (a buffer registered twice, unknown or
+    /// already given up; a lease granted twice; a release of a buffer not held; a block
+    /// announced again with another size). The message is the [`LeaseError`]'s.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
 
     /// A CUDA driver call failed (importing or exporting the pool or a pointer, an event, a copy).
     #[error("CUDA: {0}")]
@@ -270,14 +180,6 @@ pub enum Error {
     Io(#[from] io::Error),
 }
 
-fn allowed_len(min: usize, max: usize) -> String {
-    if min == max {
-        format!("exactly {min}")
-    } else {
-        format!("{min} to {max}")
-    }
-}
-
 impl From<rustix::io::Errno> for Error {
     fn from(errno: rustix::io::Errno) -> Self {
         use rustix::io::Errno;
@@ -292,12 +194,12 @@ impl Error {
     /// The code that tells a peer about this error in an `Error` message.
     pub fn wire_code(&self) -> ErrorCode {
         match self {
-            Error::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
+            Error::Protocol(ProtocolError::UnsupportedVersion { .. }) => ErrorCode::UnsupportedVersion,
             Error::WrongDevice { .. } | Error::DeviceNotVisible { .. } => ErrorCode::WrongDevice,
             Error::PeerCredentials { .. } => ErrorCode::PermissionDenied,
             Error::Timeout { .. } => ErrorCode::Timeout,
-            Error::UnknownBuffer { .. } => ErrorCode::UnknownBuffer,
-            Error::NotLeased { .. } => ErrorCode::NotLeased,
+            Error::Lease(LeaseError::UnknownBuffer { .. }) => ErrorCode::UnknownBuffer,
+            Error::Lease(LeaseError::NotLeased { .. }) => ErrorCode::NotLeased,
             Error::Io(_) | Error::SocketPath { .. } | Error::Core(_) | Error::Free { .. } => ErrorCode::Internal,
             _ => ErrorCode::Protocol,
         }
@@ -312,4 +214,30 @@ impl Error {
             Error::Remote { .. } | Error::Closed | Error::ConnectionFailed | Error::WriteClosed | Error::Io(_)
         )
     }
+}
+
+static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
+const MAX_DROP_ERRORS: usize = 64;
+
+/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread), for
+/// [`take_drop_errors`].
+pub(crate) fn record_drop_error(e: Error) {
+    let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+    if errors.len() < MAX_DROP_ERRORS {
+        errors.push(e);
+    }
+}
+
+/// Takes the errors met since the last call where no caller could receive them. At most 64 are
+/// kept (later ones are dropped until this is called); the list is process-wide.
+///
+/// They come from:
+/// - `Drop` of an [`ExportedBuffer`](crate::ExportedBuffer) or a
+///   [`SharedBuffer`](crate::SharedBuffer) (their `release` methods return the error instead),
+///   and of an [`Importer`](crate::Importer) whose buffers could not all be released;
+/// - the [`Exporter`](crate::Exporter)'s threads: accepting connections, failed handshakes,
+///   importers cut off for breaking the protocol, frees deferred to an importer's release
+///   ([`Exporter::shutdown`](crate::Exporter::shutdown) returns these along with the rest).
+pub fn take_drop_errors() -> Vec<Error> {
+    std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
 }

@@ -10,32 +10,15 @@
 //! - more descriptors than the caller allows: all of them are closed and the call fails with
 //!   [`Error::DescriptorCount`].
 //!
-//! ```
-//! use std::io::{Read, Seek, Write};
-//! use std::os::fd::AsFd;
-//! use std::os::unix::net::UnixStream;
-//! use mempool_ipc::fdpass;
-//!
-//! let (a, b) = UnixStream::pair()?;
-//! let memfd = rustix::fs::memfd_create("example", rustix::fs::MemfdFlags::CLOEXEC)?;
-//! std::fs::File::from(memfd.try_clone()?).write_all(b"pool")?;
-//!
-//! fdpass::send_with_fds(&a, b"x", &[memfd.as_fd()])?;
-//! let mut byte = [0u8; 1];
-//! let (n, fds) = fdpass::recv_with_fds(&b, &mut byte, 1)?;
-//! assert_eq!((n, fds.len()), (1, 1));
-//!
-//! let mut file = std::fs::File::from(fds.into_iter().next().unwrap());
-//! let mut text = String::new();
-//! file.rewind()?;
-//! file.read_to_string(&mut text)?;
-//! assert_eq!(text, "pool");
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! The connection (`conn`) uses the raw calls [`send_raw`] and [`recv_raw`] with its own
+//! policy; [`send_with_fds`] and [`recv_with_fds`] apply the one above, for the tests
+//! (`fdpass/tests.rs`).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+#[cfg(test)]
+use std::os::fd::AsFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 use rustix::io::Errno;
 use rustix::net::{
@@ -44,9 +27,11 @@ use rustix::net::{
 };
 
 use crate::error::{Error, Result};
+#[cfg(test)]
+use crate::wire::ProtocolError;
 
 /// The most descriptors one `sendmsg` can carry on Linux (`SCM_MAX_FD`).
-pub const SCM_MAX_FD: usize = 253;
+pub(crate) const SCM_MAX_FD: usize = 253;
 
 const CONTROL_SPACE: usize = rustix::cmsg_space!(ScmRights(SCM_MAX_FD));
 
@@ -59,7 +44,8 @@ const CONTROL_SPACE: usize = rustix::cmsg_space!(ScmRights(SCM_MAX_FD));
 ///
 /// See [sendmsg(2)](https://man7.org/linux/man-pages/man2/sendmsg.2.html) and
 /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
-pub fn send_with_fds(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<usize> {
+#[cfg(test)]
+pub(crate) fn send_with_fds(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<usize> {
     check_send(bytes, fds)?;
     retry_intr(|| send_raw(socket.as_fd(), bytes, fds, SendFlags::empty())).map_err(Error::from)
 }
@@ -71,11 +57,13 @@ pub fn send_with_fds(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) ->
 /// fails with [`Error::DescriptorCount`]. Blocks if the socket is blocking and nothing is there.
 ///
 /// See [recvmsg(2)](https://man7.org/linux/man-pages/man2/recvmsg.2.html).
-pub fn recv_with_fds(socket: impl AsFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
+#[cfg(test)]
+pub(crate) fn recv_with_fds(socket: impl AsFd, buf: &mut [u8], max_fds: usize) -> Result<(usize, Vec<OwnedFd>)> {
     let received = retry_intr(|| recv_raw(socket.as_fd(), buf, RecvFlags::empty()))?;
     received.into_checked(max_fds, 0)
 }
 
+#[cfg(test)]
 pub(crate) fn check_send(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     if fds.len() > SCM_MAX_FD {
         return Err(Error::DescriptorCount {
@@ -85,9 +73,10 @@ pub(crate) fn check_send(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     }
     if bytes.is_empty() && !fds.is_empty() {
         // A stream socket sends nothing for zero bytes, so the descriptors would not go.
-        return Err(Error::Protocol {
+        return Err(ProtocolError::Violation {
             reason: "descriptors must travel with at least one byte".into(),
-        });
+        }
+        .into());
     }
     Ok(())
 }
@@ -101,7 +90,9 @@ pub(crate) fn retry_intr<T>(mut f: impl FnMut() -> rustix::io::Result<T>) -> rus
     }
 }
 
-/// One `sendmsg`; `flags` gets `MSG_NOSIGNAL` added. The caller has run [`check_send`].
+/// One `sendmsg`; `flags` gets `MSG_NOSIGNAL` added. At most [`SCM_MAX_FD`] descriptors, and
+/// some bytes for them to ride on (the connection sends whole frames; the tests' callers run
+/// `check_send`).
 pub(crate) fn send_raw(
     socket: BorrowedFd<'_>,
     bytes: &[u8],
@@ -171,3 +162,6 @@ pub(crate) fn recv_raw(socket: BorrowedFd<'_>, buf: &mut [u8], flags: RecvFlags)
         control_truncated: msg.flags.contains(ReturnFlags::CTRUNC),
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,32 +1,9 @@
 //! The importing process: connects to an exporter, imports its pool once, and receives buffers
 //! as [`SharedBuffer`]s that release themselves.
 //!
-//! [`Importer::connect`] checks who answers (`SO_PEERCRED`), finds the exporter's GPU among this
-//! process's devices by UUID (ordinals may differ between processes), and imports the pool
-//! (`cuMemPoolImportFromShareableHandle`). [`Importer::recv`] then waits for a buffer, imports
-//! its block (`cuMemPoolImportPointer`, once per block while any buffer of the block is held)
-//! and makes the caller's stream wait on the exporter's event, so work queued on that stream
-//! after `recv` sees the exporter's data.
-//!
-//! Dropping a [`SharedBuffer`] waits for the work queued on its stream, frees the block's import
-//! if it was the block's last buffer here, and only then sends `Release`: the driver's rule that
-//! the importer frees before the exporter does.
-//!
-//! ```no_run
-//! # fn main() -> Result<(), mempool_ipc::Error> {
-//! use mempool_core::Stream;
-//! use mempool_ipc::{Importer, ImporterOptions};
-//!
-//! let importer = Importer::connect("/run/user/1000/pool.sock", ImporterOptions::default())?;
-//! let stream = Stream::new(&importer.device().context()?)?;
-//! let buf = importer.recv(stream.as_ref())?;
-//! // ... queue work that reads or writes `buf.ptr()` on `stream` ...
-//! drop(buf); // waits for that work, frees the import, tells the exporter
-//! # Ok(()) }
-//! ```
-//!
-//! One `Importer` per exporter per process: the driver imports a pool's pointers once per
-//! process, so two importers of the same pool in one process would free each other's imports.
+//! [`Importer`] (with [`ImporterOptions`]) and [`SharedBuffer`] are public; their documentation
+//! is the guide. Inside, the [`ImportTable`] imports each block once and says when its import
+//! may be freed; the tests (`importer/tests.rs`) cover what can be checked without a GPU.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,10 +17,10 @@ use mempool_core::{
 
 use crate::conn::ConnectionConfig;
 use crate::cred::{AccessPolicy, PeerCredentials};
-use crate::error::{Error, Result};
+use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
-use crate::wire::{BlockId, BufferId, DeviceUuid, PoolId};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, DeviceUuid, PoolId, ProtocolError};
 
 /// How an [`Importer`] connects.
 #[derive(Clone, Debug, Default)]
@@ -70,7 +47,34 @@ struct Inner {
     pool: MemPool,
 }
 
-/// A connection to an exporter, with its pool imported. See the [module documentation](self).
+/// A connection to an exporter, with its pool imported.
+///
+/// [`Importer::connect`] checks who answers (`SO_PEERCRED`), finds the exporter's GPU among this
+/// process's devices by UUID (ordinals may differ between processes), and imports the pool
+/// (`cuMemPoolImportFromShareableHandle`). [`Importer::recv`] then waits for a buffer, imports
+/// its block (`cuMemPoolImportPointer`, once per block while any buffer of the block is held)
+/// and makes the caller's stream wait on the exporter's event, so work queued on that stream
+/// after `recv` sees the exporter's data.
+///
+/// Dropping a [`SharedBuffer`] waits for the work queued on its stream, frees the block's import
+/// if it was the block's last buffer here, and only then sends `Release`: the driver's rule that
+/// the importer frees before the exporter does.
+///
+/// ```no_run
+/// # fn main() -> Result<(), mempool_ipc::Error> {
+/// use mempool_core::Stream;
+/// use mempool_ipc::{Importer, ImporterOptions};
+///
+/// let importer = Importer::connect("/run/user/1000/pool.sock", ImporterOptions::default())?;
+/// let stream = Stream::new(&importer.device().context()?)?;
+/// let buf = importer.recv(stream.as_ref())?;
+/// // ... queue work that reads or writes `buf.ptr()` on `stream` ...
+/// drop(buf); // waits for that work, frees the import, tells the exporter
+/// # Ok(()) }
+/// ```
+///
+/// One `Importer` per exporter per process: the driver imports a pool's pointers once per
+/// process, so two importers of the same pool in one process would free each other's imports.
 ///
 /// Dropping it (once every [`SharedBuffer`] it handed out is dropped too: they keep it alive)
 /// says `Goodbye` and releases the imported pool.
@@ -95,7 +99,7 @@ impl Importer {
     ///
     /// Errors: [`Error::DeviceNotVisible`] if this process does not see the exporter's GPU;
     /// [`Error::PeerCredentials`]; [`Error::Core`] if the pool cannot be imported; any error of
-    /// the handshake ([`ImporterSession::handshake`]).
+    /// the handshake: [`Error::Timeout`], [`Error::UnexpectedMessage`], [`Error::Remote`], ...
     pub fn connect(path: impl AsRef<Path>, options: ImporterOptions) -> Result<Importer> {
         let (session, imported) = ImporterSession::connect(path, options.connection, &options.policy, find_device)?;
         let device = imported.device;
@@ -183,7 +187,7 @@ impl Importer {
                     how: "closed the connection",
                 })
             }
-            Err(Error::Truncated { .. }) => {
+            Err(Error::Protocol(ProtocolError::Truncated { .. })) => {
                 return Err(Error::ExporterGone {
                     how: "closed the connection in the middle of a message",
                 })
@@ -200,7 +204,7 @@ impl Importer {
             let mut state = inner.lock();
             let base = state
                 .table
-                .add(&descriptor, |d| {
+                .add(&descriptor, |d: &BufferDescriptor| -> Result<ImportedPtr> {
                     Ok(inner.pool.import_pointer(&PtrExportData(d.pointer.0))?)
                 })?
                 .ptr();
@@ -344,7 +348,7 @@ impl Drop for SharedBuffer<'_> {
             return;
         }
         if let Err(e) = self.inner.release(self.id, self.stream) {
-            crate::record_drop_error(e);
+            record_drop_error(e);
         }
     }
 }
@@ -384,7 +388,7 @@ impl Drop for Inner {
         let leftovers = self.lock().table.drain();
         if !leftovers.is_empty() {
             if let Err(e) = self.ctx.synchronize() {
-                crate::record_drop_error(e.into());
+                record_drop_error(e.into());
             }
             drop(leftovers);
         }
@@ -401,3 +405,6 @@ fn find_device(uuid: &DeviceUuid) -> Result<Device> {
     }
     Err(Error::DeviceNotVisible { uuid: *uuid })
 }
+
+#[cfg(test)]
+mod tests;

@@ -11,28 +11,76 @@
 //! hands a block back when its last buffer is released, so that the importer frees its import
 //! before it sends `Release`.
 //!
-//! Both are generic over the handle type, so tests run them against a simulated pool.
-//!
-//! ```
-//! use mempool_ipc::lease::{ImporterId, LeaseTable};
-//! use mempool_ipc::wire::BufferId;
-//!
-//! let mut table = LeaseTable::new();
-//! let (buf, a, b) = (BufferId(1), ImporterId(1), ImporterId(2));
-//! table.insert(buf, "allocation")?;
-//! table.grant(buf, a)?;
-//! table.grant(buf, b)?;
-//! assert_eq!(table.release_owner(buf)?, None); // importers still hold it
-//! assert_eq!(table.release(buf, a)?, None);
-//! assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! Both are generic over the handle type, so tests run them against a simulated pool
+//! (`lease/tests.rs`, with a model-based property test of the lease table). Their refusals are
+//! [`LeaseError`]s; [`ImporterId`] and [`LeaseError`] are re-exported at the crate root.
 
 use std::collections::{btree_map, BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::error::{Error, Result};
 use crate::wire::{BlockId, BufferDescriptor, BufferId};
+
+/// What the tables of this module return: a [`LeaseError`] names the rule an operation broke.
+type Result<T, E = LeaseError> = std::result::Result<T, E>;
+
+/// An operation the lease bookkeeping refuses: the buffer or the lease is not in the state the
+/// operation needs.
+///
+/// The crate's [`Error`](crate::Error) wraps it as `Error::Lease`, with the same message.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// A buffer id was registered twice.
+    #[error("buffer {buffer} is already registered")]
+    DuplicateBuffer {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// A buffer id that is not registered (never was, or was already freed).
+    #[error("unknown buffer {buffer}")]
+    UnknownBuffer {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// The buffer was already shared with this importer.
+    #[error("buffer {buffer} is already leased to importer {importer}")]
+    AlreadyLeased {
+        /// The buffer.
+        buffer: BufferId,
+        /// The importer.
+        importer: ImporterId,
+    },
+
+    /// Release of a buffer the importer does not hold (for example a double release).
+    #[error("importer {importer} does not hold buffer {buffer}")]
+    NotLeased {
+        /// The buffer.
+        buffer: BufferId,
+        /// The importer.
+        importer: ImporterId,
+    },
+
+    /// The exporter already gave the buffer up: it may not be shared or given up again.
+    #[error("buffer {buffer} was already released by its owner")]
+    BufferRetired {
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// The exporter announced a block the importer already knows with another size: a protocol
+    /// violation by the exporter.
+    #[error("protocol violation: {block} was announced with {was} bytes, now with {now}")]
+    BlockSizeChanged {
+        /// The block.
+        block: BlockId,
+        /// The size it was announced with first.
+        was: u64,
+        /// The size announced now.
+        now: u64,
+    },
+}
 
 /// The exporter's name for one importer connection; unique for the exporter's lifetime (do not
 /// reuse ids: a late message of a closed connection must not count for a new one).
@@ -62,7 +110,7 @@ struct Entry<B> {
 /// - importer `i` is among a buffer's holders iff the buffer is among `i`'s leases;
 /// - no importer has an empty lease set recorded.
 #[derive(Debug)]
-pub struct LeaseTable<B> {
+pub(crate) struct LeaseTable<B> {
     buffers: BTreeMap<BufferId, Entry<B>>,
     leases: BTreeMap<ImporterId, BTreeSet<BufferId>>,
 }
@@ -78,14 +126,15 @@ impl<B> Default for LeaseTable<B> {
 
 impl<B> LeaseTable<B> {
     /// An empty table.
-    pub fn new() -> Self {
+    #[cfg(test)]
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
-    /// Registers a buffer the exporter holds. [`Error::DuplicateBuffer`] if the id is taken.
-    pub fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
+    /// Registers a buffer the exporter holds. [`LeaseError::DuplicateBuffer`] if the id is taken.
+    pub(crate) fn insert(&mut self, buffer: BufferId, handle: B) -> Result<()> {
         if self.buffers.contains_key(&buffer) {
-            return Err(Error::DuplicateBuffer { buffer });
+            return Err(LeaseError::DuplicateBuffer { buffer });
         }
         self.buffers.insert(
             buffer,
@@ -100,15 +149,18 @@ impl<B> LeaseTable<B> {
 
     /// Records that `importer` now holds `buffer`; call it before sending the `Buffer` message.
     ///
-    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (the owner already let go, so
-    /// it may not be shared any more), [`Error::AlreadyLeased`].
-    pub fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
-        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+    /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (the owner already let go, so
+    /// it may not be shared any more), [`LeaseError::AlreadyLeased`].
+    pub(crate) fn grant(&mut self, buffer: BufferId, importer: ImporterId) -> Result<()> {
+        let entry = self
+            .buffers
+            .get_mut(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         if !entry.owner_holds {
-            return Err(Error::BufferRetired { buffer });
+            return Err(LeaseError::BufferRetired { buffer });
         }
         if !entry.holders.insert(importer) {
-            return Err(Error::AlreadyLeased { buffer, importer });
+            return Err(LeaseError::AlreadyLeased { buffer, importer });
         }
         self.leases.entry(importer).or_default().insert(buffer);
         Ok(())
@@ -116,19 +168,19 @@ impl<B> LeaseTable<B> {
 
     /// Undoes a [`LeaseTable::grant`] whose `Buffer` message could not be sent. The importer
     /// never saw the buffer; returns the handle if that was the last hold.
-    pub fn revoke(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+    pub(crate) fn revoke(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
         self.release(buffer, importer)
     }
 
     /// `importer` released `buffer`. Returns the handle if nobody holds the buffer any more:
     /// free it now.
     ///
-    /// [`Error::NotLeased`] if the importer does not hold it (a double release, or an id it
+    /// [`LeaseError::NotLeased`] if the importer does not hold it (a double release, or an id it
     /// never received): a protocol violation by the importer.
-    pub fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
+    pub(crate) fn release(&mut self, buffer: BufferId, importer: ImporterId) -> Result<Option<B>> {
         let held = self.leases.get_mut(&importer).is_some_and(|set| set.remove(&buffer));
         if !held {
-            return Err(Error::NotLeased { buffer, importer });
+            return Err(LeaseError::NotLeased { buffer, importer });
         }
         if self.leases.get(&importer).is_some_and(BTreeSet::is_empty) {
             self.leases.remove(&importer);
@@ -139,11 +191,14 @@ impl<B> LeaseTable<B> {
     /// The exporter lets go of `buffer`. Returns the handle if no importer holds it: free it
     /// now; otherwise the last importer's release returns it.
     ///
-    /// Errors: [`Error::UnknownBuffer`], [`Error::BufferRetired`] (already let go).
-    pub fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
-        let entry = self.buffers.get_mut(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+    /// Errors: [`LeaseError::UnknownBuffer`], [`LeaseError::BufferRetired`] (already let go).
+    pub(crate) fn release_owner(&mut self, buffer: BufferId) -> Result<Option<B>> {
+        let entry = self
+            .buffers
+            .get_mut(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         if !entry.owner_holds {
-            return Err(Error::BufferRetired { buffer });
+            return Err(LeaseError::BufferRetired { buffer });
         }
         entry.owner_holds = false;
         Ok(self.remove_if_unheld(buffer))
@@ -151,7 +206,7 @@ impl<B> LeaseTable<B> {
 
     /// `importer` is gone (its connection closed, or it said `Goodbye`): every buffer it held
     /// counts as released. Returns the buffers nobody holds any more, in id order: free them.
-    pub fn disconnect(&mut self, importer: ImporterId) -> Vec<(BufferId, B)> {
+    pub(crate) fn disconnect(&mut self, importer: ImporterId) -> Vec<(BufferId, B)> {
         let Some(held) = self.leases.remove(&importer) else {
             return Vec::new();
         };
@@ -161,27 +216,28 @@ impl<B> LeaseTable<B> {
     }
 
     /// The handle of a registered buffer.
-    pub fn get(&self, buffer: BufferId) -> Option<&B> {
+    pub(crate) fn get(&self, buffer: BufferId) -> Option<&B> {
         self.buffers.get(&buffer).map(|e| &e.handle)
     }
 
     /// The handle of a registered buffer, to update it.
-    pub fn get_mut(&mut self, buffer: BufferId) -> Option<&mut B> {
+    pub(crate) fn get_mut(&mut self, buffer: BufferId) -> Option<&mut B> {
         self.buffers.get_mut(&buffer).map(|e| &mut e.handle)
     }
 
     /// The importers that hold at least one buffer, in id order.
-    pub fn importers(&self) -> impl Iterator<Item = ImporterId> + '_ {
+    pub(crate) fn importers(&self) -> impl Iterator<Item = ImporterId> + '_ {
         self.leases.keys().copied()
     }
 
     /// Whether the exporter itself still holds `buffer`.
-    pub fn owner_holds(&self, buffer: BufferId) -> bool {
+    #[cfg(test)]
+    pub(crate) fn owner_holds(&self, buffer: BufferId) -> bool {
         self.buffers.get(&buffer).is_some_and(|e| e.owner_holds)
     }
 
     /// The importers holding `buffer`, in id order.
-    pub fn holders(&self, buffer: BufferId) -> impl Iterator<Item = ImporterId> + '_ {
+    pub(crate) fn holders(&self, buffer: BufferId) -> impl Iterator<Item = ImporterId> + '_ {
         self.buffers
             .get(&buffer)
             .into_iter()
@@ -189,7 +245,7 @@ impl<B> LeaseTable<B> {
     }
 
     /// The buffers `importer` holds, in id order.
-    pub fn leases_of(&self, importer: ImporterId) -> impl Iterator<Item = BufferId> + '_ {
+    pub(crate) fn leases_of(&self, importer: ImporterId) -> impl Iterator<Item = BufferId> + '_ {
         self.leases
             .get(&importer)
             .into_iter()
@@ -197,12 +253,12 @@ impl<B> LeaseTable<B> {
     }
 
     /// How many buffers are alive (held by anyone).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.buffers.len()
     }
 
     /// Whether no buffer is alive.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
 
@@ -257,13 +313,13 @@ struct ImportedBlock<H> {
 
 /// Where a buffer lives, on the importer's side.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct BufferPlace {
+pub(crate) struct BufferPlace {
     /// The block it lives in.
-    pub block_id: BlockId,
+    pub(crate) block_id: BlockId,
     /// Its offset in the block.
-    pub offset: u64,
+    pub(crate) offset: u64,
     /// Its size.
-    pub size: u64,
+    pub(crate) size: u64,
 }
 
 /// The importer's record of imported blocks and the buffers in them. See the
@@ -272,7 +328,7 @@ pub struct BufferPlace {
 /// Invariants: every buffer's block is present and lists it; every block lists at least one
 /// buffer (a block whose last buffer is released leaves the table and is handed back).
 #[derive(Debug)]
-pub struct ImportTable<H> {
+pub(crate) struct ImportTable<H> {
     blocks: BTreeMap<BlockId, ImportedBlock<H>>,
     buffers: BTreeMap<BufferId, BufferPlace>,
 }
@@ -288,7 +344,7 @@ impl<H> Default for ImportTable<H> {
 
 impl<H> ImportTable<H> {
     /// An empty table.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -297,28 +353,28 @@ impl<H> ImportTable<H> {
     /// `import` fails, nothing is recorded. Returns the block's handle; the buffer starts at
     /// `descriptor.offset` bytes into it.
     ///
-    /// Errors: [`Error::DuplicateBuffer`]; [`Error::Protocol`] if the exporter names a known
-    /// block with another size.
-    pub fn add(
+    /// Errors: [`LeaseError::DuplicateBuffer`]; [`LeaseError::BlockSizeChanged`] if the
+    /// exporter names a known block with another size; whatever `import` returns.
+    pub(crate) fn add<E: From<LeaseError>>(
         &mut self,
         descriptor: &BufferDescriptor,
-        import: impl FnOnce(&BufferDescriptor) -> Result<H>,
-    ) -> Result<&H> {
+        import: impl FnOnce(&BufferDescriptor) -> Result<H, E>,
+    ) -> Result<&H, E> {
         let buffer = descriptor.buffer_id;
         if self.buffers.contains_key(&buffer) {
-            return Err(Error::DuplicateBuffer { buffer });
+            return Err(LeaseError::DuplicateBuffer { buffer }.into());
         }
         let block_id = descriptor.block_id;
         let block = match self.blocks.entry(block_id) {
             btree_map::Entry::Occupied(entry) => {
                 let block = entry.into_mut();
                 if block.size != descriptor.block_size {
-                    return Err(Error::Protocol {
-                        reason: format!(
-                            "{block_id} was announced with {} bytes, now with {}",
-                            block.size, descriptor.block_size
-                        ),
-                    });
+                    return Err(LeaseError::BlockSizeChanged {
+                        block: block_id,
+                        was: block.size,
+                        now: descriptor.block_size,
+                    }
+                    .into());
                 }
                 block
             }
@@ -341,7 +397,8 @@ impl<H> ImportTable<H> {
     }
 
     /// The block handle and place of a buffer.
-    pub fn get(&self, buffer: BufferId) -> Option<(&H, BufferPlace)> {
+    #[cfg(test)]
+    pub(crate) fn get(&self, buffer: BufferId) -> Option<(&H, BufferPlace)> {
         let place = *self.buffers.get(&buffer)?;
         let block = self.blocks.get(&place.block_id)?;
         Some((&block.handle, place))
@@ -350,9 +407,12 @@ impl<H> ImportTable<H> {
     /// Forgets a buffer. Returns its block's handle if it was the block's last buffer: free the
     /// import (and synchronize) *before* sending `Release` for this buffer.
     ///
-    /// [`Error::UnknownBuffer`] if the buffer is not recorded (a double release).
-    pub fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
-        let place = self.buffers.remove(&buffer).ok_or(Error::UnknownBuffer { buffer })?;
+    /// [`LeaseError::UnknownBuffer`] if the buffer is not recorded (a double release).
+    pub(crate) fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
+        let place = self
+            .buffers
+            .remove(&buffer)
+            .ok_or(LeaseError::UnknownBuffer { buffer })?;
         let Some(block) = self.blocks.get_mut(&place.block_id) else {
             return Ok(None);
         };
@@ -365,7 +425,7 @@ impl<H> ImportTable<H> {
 
     /// Forgets everything (shutdown); returns every block handle, to be freed before the
     /// importer says `Goodbye`.
-    pub fn drain(&mut self) -> Vec<(BlockId, H)> {
+    pub(crate) fn drain(&mut self) -> Vec<(BlockId, H)> {
         self.buffers.clear();
         std::mem::take(&mut self.blocks)
             .into_iter()
@@ -374,17 +434,18 @@ impl<H> ImportTable<H> {
     }
 
     /// How many buffers are recorded.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.buffers.len()
     }
 
     /// Whether no buffer is recorded.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
 
     /// How many blocks are imported.
-    pub fn block_count(&self) -> usize {
+    pub(crate) fn block_count(&self) -> usize {
         self.blocks.len()
     }
 

@@ -5,86 +5,60 @@
 //! receive buffers as 64-byte pointer descriptors, each with an IPC event handle that orders
 //! their first use after the exporter's work. Importers release buffers when done; the
 //! exporter frees a buffer only after every importer has released it (or died).
-//! `docs/ipc-protocol.md` specifies the protocol.
+//! `docs/ipc.md` is the guide; `docs/ipc-protocol.md` specifies the protocol.
 //!
-//! The GPU layer:
+//! - [`Exporter`] serves a pool on a socket path ([`ExporterOptions`], with the socket's
+//!   [`ListenerOptions`], who may connect ([`AccessPolicy`]) and the [`ConnectionConfig`] time
+//!   limits), lists the connected importers ([`ImporterInfo`]: an [`ImporterId`] and the
+//!   process's [`PeerCredentials`]), shares [`ExportedBuffer`]s (whole allocations, or buffers
+//!   suballocated from a larger allocation, sent as block plus offset) and frees each one only
+//!   when every holder has let go, dead importers included ([`ExporterStats`] counts them).
+//! - [`Importer`] connects ([`ImporterOptions`]), imports the pool once, and receives
+//!   [`SharedBuffer`]s that wait for their last use, free their import and send the release
+//!   when dropped.
+//! - [`Error`] says what went wrong; it wraps a [`ProtocolError`] for frames that break the
+//!   wire format and a [`LeaseError`] for what the lease bookkeeping refuses. Errors met where
+//!   nobody can be told (in a `Drop`, on the exporter's threads) are kept for
+//!   [`take_drop_errors`].
 //!
-//! - [`exporter`]: [`Exporter`] serves a pool on a socket path, shares [`ExportedBuffer`]s
-//!   (whole allocations, or buffers suballocated from a larger allocation, sent as block plus
-//!   offset) and frees each one only when every holder has let go, dead importers included;
-//! - [`importer`]: [`Importer`] connects, imports the pool once, and receives [`SharedBuffer`]s
-//!   that wait for their last use, free their import and send the release when dropped.
+//! Below the exporter and the importer, host layers that need no GPU and are tested without
+//! one (private modules; `src/` holds them):
 //!
-//! `docs/ipc.md` is the guide. The host layers below need no GPU and are tested without one:
+//! - `fdpass`: file descriptors over Unix stream sockets (`SCM_RIGHTS`);
+//! - `wire`: the versioned, length-prefixed messages, as pure functions over bytes;
+//! - `conn`: whole messages with their descriptors over a socket, under timeouts;
+//! - `cred`: who is at the other end (`SO_PEERCRED`) and whether they may be;
+//! - `listener`: the exporter's socket file, created 0600 without a race;
+//! - `session`: the handshake and what each side may receive after it;
+//! - `lease`: which importer holds which buffer, and when a buffer may be freed;
+//! - `error`: the error types above, and the sink of [`take_drop_errors`].
 //!
-//! - [`fdpass`]: file descriptors over Unix stream sockets (`SCM_RIGHTS`);
-//! - [`wire`]: the versioned, length-prefixed messages, as pure functions over bytes;
-//! - [`conn`]: whole messages with their descriptors over a socket, under timeouts;
-//! - [`cred`]: who is at the other end (`SO_PEERCRED`) and whether they may be;
-//! - [`listener`]: the exporter's socket file, created 0600 without a race;
-//! - [`session`]: the handshake and what each side may receive after it;
-//! - [`lease`]: which importer holds which buffer, and when a buffer may be freed.
+//! Each module imports only modules below it: `wire` imports none, `lease` imports `wire`,
+//! `error` imports both, and nothing imports the crate root.
 //!
 //! Linux only (`SCM_RIGHTS` with `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`), like CUDA's pool IPC.
-//!
-//! ```
-//! use std::os::fd::AsFd;
-//! use mempool_ipc::session::{ExporterSession, ImporterSession, PoolAnnouncement};
-//! use mempool_ipc::wire::{DeviceUuid, PoolId};
-//! use mempool_ipc::{Connection, ConnectionConfig};
-//!
-//! // A memfd stands in for the pool's file descriptor (`MemPool::export_fd`).
-//! let pool_fd = rustix::fs::memfd_create("pool", rustix::fs::MemfdFlags::CLOEXEC)?;
-//! let gpu = DeviceUuid([7; 16]);
-//! let (exporter_end, importer_end) = Connection::pair(ConnectionConfig::default())?;
-//!
-//! let importer = std::thread::spawn(move || {
-//!     ImporterSession::handshake(importer_end, |uuid| Ok(*uuid))
-//! });
-//! let announcement = PoolAnnouncement { device_uuid: gpu, pool_id: PoolId::generate() };
-//! let _exporter = ExporterSession::handshake(exporter_end, announcement, pool_fd.as_fd())?;
-//! let (_importer, imported) = importer.join().unwrap()?;
-//! assert_eq!(imported.device, gpu);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
 
 #![deny(unsafe_code)]
-#![warn(missing_docs)]
+#![warn(missing_docs, unreachable_pub)]
 
-pub mod conn;
-pub mod cred;
+mod conn;
+mod cred;
 mod error;
-pub mod exporter;
-pub mod fdpass;
-pub mod importer;
-pub mod lease;
-pub mod listener;
-pub mod session;
-pub mod wire;
+mod exporter;
+mod fdpass;
+mod importer;
+mod lease;
+mod listener;
+mod session;
+#[cfg(test)]
+mod test_util;
+mod wire;
 
-use std::sync::Mutex;
-
-pub use conn::{Connection, ConnectionConfig, Received};
-pub use cred::{AccessPolicy, PeerCredentials};
-pub use error::{Error, Result};
+pub use conn::ConnectionConfig;
+pub use cred::{peer_credentials, AccessPolicy, PeerCredentials};
+pub use error::{take_drop_errors, Error, Result};
 pub use exporter::{ExportedBuffer, Exporter, ExporterOptions, ExporterStats, ImporterInfo};
 pub use importer::{Importer, ImporterOptions, SharedBuffer};
-pub use listener::{Listener, ListenerOptions};
-
-static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
-const MAX_DROP_ERRORS: usize = 64;
-
-/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread).
-pub(crate) fn record_drop_error(e: Error) {
-    let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
-    if errors.len() < MAX_DROP_ERRORS {
-        errors.push(e);
-    }
-}
-
-/// Takes the errors met since the last call where no caller could receive them: buffers freed or
-/// released on drop, the exporter's connection threads (failed handshakes, frees deferred to a
-/// release). At most 64 are kept.
-pub fn take_drop_errors() -> Vec<Error> {
-    std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
-}
+pub use lease::{ImporterId, LeaseError};
+pub use listener::ListenerOptions;
+pub use wire::{BlockId, BufferId, DeviceUuid, ErrorCode, MessageType, PoolId, ProtocolError};

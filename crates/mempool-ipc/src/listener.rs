@@ -18,20 +18,9 @@
 //! is an error. When the [`Listener`] is dropped it removes its socket file, if the path still
 //! names that file.
 //!
-//! ```
-//! use std::os::unix::fs::PermissionsExt;
-//! use mempool_ipc::Listener;
-//!
-//! let dir = std::env::temp_dir().join(format!("mempool-ipc-doc-{}", std::process::id()));
-//! std::fs::create_dir_all(&dir)?;
-//! let path = dir.join("pool.sock");
-//! let listener = Listener::bind(&path)?;
-//! assert_eq!(std::fs::metadata(&path)?.permissions().mode() & 0o777, 0o600);
-//! drop(listener);
-//! assert!(!path.exists());
-//! std::fs::remove_dir(&dir)?;
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! [`ListenerOptions`] (the mode, who may connect, whether a stale socket is replaced) is
+//! public, as a field of [`ExporterOptions`](crate::ExporterOptions); the tests
+//! (`listener/tests.rs`) check every case above on real files.
 
 use std::fs;
 use std::io::ErrorKind;
@@ -50,7 +39,14 @@ use crate::conn::{Connection, ConnectionConfig};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 
-/// How to bind a [`Listener`].
+/// How the exporter's listening socket is made and who may connect to it.
+///
+/// The socket file never exists with wider permissions than `mode`: it is bound in a private
+/// directory (0700) next to the path, given its mode there and moved into place without
+/// replacing anything. A file already at the path is removed only if it is a socket that
+/// nobody answers on (a crashed exporter's), and only with `replace_stale`; a live socket or
+/// any other file is an error. Every accepted connection is checked against `policy`
+/// (`SO_PEERCRED`) before a byte is read from it.
 #[derive(Clone, Debug)]
 pub struct ListenerOptions {
     /// The socket file's permission bits; only `0o777` bits are allowed. Default `0o600`:
@@ -79,7 +75,7 @@ impl Default for ListenerOptions {
 
 /// A listening Unix socket that checks its peers. See the [module documentation](self).
 #[derive(Debug)]
-pub struct Listener {
+pub(crate) struct Listener {
     listener: UnixListener,
     path: PathBuf,
     /// Device and inode of the socket file we created, so that drop removes only our file.
@@ -90,12 +86,13 @@ pub struct Listener {
 
 impl Listener {
     /// Binds at `path` with the default options: mode 0600, same user only.
-    pub fn bind(path: impl AsRef<Path>) -> Result<Listener> {
+    #[cfg(test)]
+    pub(crate) fn bind(path: impl AsRef<Path>) -> Result<Listener> {
         Listener::bind_with(path, ListenerOptions::default())
     }
 
     /// Binds at `path` with `options`.
-    pub fn bind_with(path: impl AsRef<Path>, options: ListenerOptions) -> Result<Listener> {
+    pub(crate) fn bind_with(path: impl AsRef<Path>, options: ListenerOptions) -> Result<Listener> {
         let path = path.as_ref();
         let path_error = |reason| Error::SocketPath {
             path: path.to_owned(),
@@ -142,27 +139,23 @@ impl Listener {
     }
 
     /// The socket file's path.
-    pub fn path(&self) -> &Path {
+    #[cfg(test)]
+    pub(crate) fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// Who may connect.
-    pub fn policy(&self) -> &AccessPolicy {
-        &self.policy
     }
 
     /// Waits for a connection and checks the peer against the access policy.
     ///
     /// A peer the policy rejects gets an `Error` message (`PermissionDenied`) and a closed
     /// connection, and this returns [`Error::PeerCredentials`]; keep accepting after it.
-    pub fn accept(&self) -> Result<(Connection, PeerCredentials)> {
+    pub(crate) fn accept(&self) -> Result<(Connection, PeerCredentials)> {
         let (stream, _addr) = self.listener.accept()?;
         self.admit(stream)
     }
 
     /// Like [`Listener::accept`], but fails with [`Error::Timeout`] if nobody connects within
     /// `timeout`. (If several threads accept on one listener, one of them may still block.)
-    pub fn accept_timeout(&self, timeout: Duration) -> Result<(Connection, PeerCredentials)> {
+    pub(crate) fn accept_timeout(&self, timeout: Duration) -> Result<(Connection, PeerCredentials)> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -256,3 +249,6 @@ fn move_no_replace(from: &Path, to: &Path) -> Result<()> {
         Err(errno) => Err(errno.into()),
     }
 }
+
+#[cfg(test)]
+mod tests;

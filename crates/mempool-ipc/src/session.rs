@@ -15,14 +15,16 @@
 //!    |  Goodbye            ----------------->  |  (or the connection closes)
 //! ```
 //!
-//! The whole handshake must finish within [`ConnectionConfig::handshake_timeout`], so a peer that connects and says nothing costs the exporter that
-//! long at most. Any failure sends the peer an `Error` message (best effort) and closes the
-//! connection; an `Error` message from the peer becomes [`Error::Remote`].
+//! The whole handshake must finish within [`ConnectionConfig::handshake_timeout`], so a peer
+//! that connects and says nothing costs the exporter that long at most. Any failure sends the
+//! peer an `Error` message (best effort) and closes the connection; an `Error` message from the
+//! peer becomes [`Error::Remote`].
 //!
 //! [`ExporterSession`] and [`ImporterSession`] know nothing of the GPU: the exporter passes the
 //! pool's file descriptor (from `MemPool::export_fd`) and the importer a function that finds
 //! the announced GPU among its own devices. The [`lease`](crate::lease) tables keep count of
-//! the buffers.
+//! the buffers. The tests (`session/tests.rs`) run both sides over real sockets, with a memfd
+//! for the pool and a simulated pool behind the lease tables.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
@@ -31,20 +33,22 @@ use std::time::Instant;
 use crate::conn::{Connection, ConnectionConfig, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
-use crate::wire::{BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, Ready, Welcome};
+use crate::wire::{
+    BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
+};
 
 /// What an exporter tells each importer in the handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct PoolAnnouncement {
+pub(crate) struct PoolAnnouncement {
     /// The GPU the pool lives on (`cuDeviceGetUuid`).
-    pub device_uuid: DeviceUuid,
+    pub(crate) device_uuid: DeviceUuid,
     /// The pool's identity.
-    pub pool_id: PoolId,
+    pub(crate) pool_id: PoolId,
 }
 
 /// What an exporter's session may receive after the handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ImporterEvent {
+pub(crate) enum ImporterEvent {
     /// The importer freed its import of this buffer.
     Release(BufferId),
     /// The importer is done: it freed every import and closes the connection. Every buffer it
@@ -54,7 +58,7 @@ pub enum ImporterEvent {
 
 /// What an importer's session may receive after the handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ExporterEvent {
+pub(crate) enum ExporterEvent {
     /// A shared buffer.
     Buffer(BufferDescriptor),
     /// The exporter is shutting down and shares nothing more; release what you hold.
@@ -63,8 +67,10 @@ pub enum ExporterEvent {
 
 /// The exporter's side of one importer connection.
 #[derive(Debug)]
-pub struct ExporterSession {
+pub(crate) struct ExporterSession {
     conn: Connection,
+    /// What the handshake announced (the tests check it).
+    #[cfg(test)]
     announcement: PoolAnnouncement,
 }
 
@@ -76,7 +82,7 @@ impl ExporterSession {
     /// Errors: [`Error::Timeout`] after [`ConnectionConfig::handshake_timeout`];
     /// [`Error::WrongDevice`]; [`Error::UnexpectedMessage`]; [`Error::Remote`]; any error of
     /// [`Connection`]. The connection is closed on error.
-    pub fn handshake(
+    pub(crate) fn handshake(
         conn: Connection,
         announcement: PoolAnnouncement,
         pool_fd: BorrowedFd<'_>,
@@ -116,7 +122,11 @@ impl ExporterSession {
             )
         };
         match steps() {
-            Ok(()) => Ok(ExporterSession { conn, announcement }),
+            Ok(()) => Ok(ExporterSession {
+                conn,
+                #[cfg(test)]
+                announcement,
+            }),
             Err(err) => {
                 conn.close_with_error(&err);
                 Err(err)
@@ -125,26 +135,27 @@ impl ExporterSession {
     }
 
     /// The connection, for its credentials, its descriptor (to poll it) or to close it.
-    pub fn connection(&self) -> &Connection {
+    pub(crate) fn connection(&self) -> &Connection {
         &self.conn
     }
 
     /// What the handshake announced.
-    pub fn announcement(&self) -> &PoolAnnouncement {
+    #[cfg(test)]
+    pub(crate) fn announcement(&self) -> &PoolAnnouncement {
         &self.announcement
     }
 
     /// Shares a buffer with the importer. Record the lease
     /// ([`LeaseTable::grant`](crate::lease::LeaseTable::grant)) before calling this, and revoke
     /// it if this fails.
-    pub fn share(&self, buffer: &BufferDescriptor) -> Result<()> {
+    pub(crate) fn share(&self, buffer: &BufferDescriptor) -> Result<()> {
         self.conn.send(&Message::Buffer(*buffer), &[])
     }
 
     /// Waits for the importer's next message. On [`ImporterEvent::Goodbye`] and on any error
     /// (including [`Error::Closed`]), the connection is over: count every buffer the importer
     /// held as released ([`LeaseTable::disconnect`](crate::lease::LeaseTable::disconnect)).
-    pub fn recv(&self) -> Result<ImporterEvent> {
+    pub(crate) fn recv(&self) -> Result<ImporterEvent> {
         let received = self.conn.recv()?;
         let event = match received.message {
             Message::Release { buffer_id } => ImporterEvent::Release(buffer_id),
@@ -160,7 +171,7 @@ impl ExporterSession {
     /// Tells the importer the exporter shares nothing more (it should release what it holds)
     /// and closes the sending direction. Keep calling [`ExporterSession::recv`] for the
     /// releases, until the importer's `Goodbye` or the end of the connection.
-    pub fn goodbye(&self) -> Result<()> {
+    pub(crate) fn goodbye(&self) -> Result<()> {
         let result = self.conn.send(&Message::Goodbye, &[]);
         self.conn.close_write();
         result
@@ -168,7 +179,7 @@ impl ExporterSession {
 
     /// Tells the importer about `err` (for example a release of a buffer it does not hold) and
     /// closes the connection; returns `err` for the caller's `?`.
-    pub fn reject(&self, err: Error) -> Error {
+    pub(crate) fn reject(&self, err: Error) -> Error {
         self.conn.close_with_error(&err);
         err
     }
@@ -176,16 +187,16 @@ impl ExporterSession {
 
 /// What an importer receives from a successful handshake.
 #[derive(Debug)]
-pub struct ImportedPool<D> {
+pub(crate) struct ImportedPool<D> {
     /// What the device check returned: the local device that has the exporter's GPU.
-    pub device: D,
+    pub(crate) device: D,
     /// The pool's file descriptor (close-on-exec), for `MemPool::import_fd`.
-    pub pool_fd: OwnedFd,
+    pub(crate) pool_fd: OwnedFd,
 }
 
 /// The importer's side of a connection to an exporter.
 #[derive(Debug)]
-pub struct ImporterSession {
+pub(crate) struct ImporterSession {
     conn: Connection,
     welcome: Welcome,
 }
@@ -193,7 +204,7 @@ pub struct ImporterSession {
 impl ImporterSession {
     /// Connects to the exporter at `path`, checks that the process that answers runs as a
     /// user `policy` allows, and runs the handshake (see [`ImporterSession::handshake`]).
-    pub fn connect<D>(
+    pub(crate) fn connect<D>(
         path: impl AsRef<Path>,
         config: ConnectionConfig,
         policy: &AccessPolicy,
@@ -213,7 +224,7 @@ impl ImporterSession {
     /// is told), confirms, and receives the pool's file descriptor.
     ///
     /// The connection is closed on error.
-    pub fn handshake<D>(
+    pub(crate) fn handshake<D>(
         conn: Connection,
         find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
@@ -237,12 +248,13 @@ impl ImporterSession {
             match message {
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) if pool_id == welcome.pool_id => {}
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) => {
-                    return Err(Error::Protocol {
+                    return Err(ProtocolError::Violation {
                         reason: format!(
                             "the pool descriptor names pool {pool_id}, the welcome named {}",
                             welcome.pool_id
                         ),
-                    })
+                    }
+                    .into())
                 }
                 other => return Err(unexpected("PoolDescriptor", &other)),
             }
@@ -260,36 +272,38 @@ impl ImporterSession {
     }
 
     /// The connection, for its credentials, its descriptor (to poll it) or to close it.
-    pub fn connection(&self) -> &Connection {
+    #[cfg(test)]
+    pub(crate) fn connection(&self) -> &Connection {
         &self.conn
     }
 
     /// The exporter's GPU.
-    pub fn device_uuid(&self) -> DeviceUuid {
+    pub(crate) fn device_uuid(&self) -> DeviceUuid {
         self.welcome.device_uuid
     }
 
     /// The exporter's pool.
-    pub fn pool_id(&self) -> PoolId {
+    pub(crate) fn pool_id(&self) -> PoolId {
         self.welcome.pool_id
     }
 
     /// The exporter's credentials (`SO_PEERCRED`).
-    pub fn exporter_credentials(&self) -> Result<PeerCredentials> {
+    pub(crate) fn exporter_credentials(&self) -> Result<PeerCredentials> {
         self.conn.peer_credentials()
     }
 
     /// Waits for the exporter's next message. On [`ExporterEvent::Goodbye`] the exporter shares
     /// nothing more, but it still takes releases: release what you hold, then say
     /// [`ImporterSession::goodbye`].
-    pub fn recv(&self) -> Result<ExporterEvent> {
+    #[cfg(test)]
+    pub(crate) fn recv(&self) -> Result<ExporterEvent> {
         self.recv_until(None)
     }
 
     /// Like [`ImporterSession::recv`], but fails with [`Error::Timeout`] if no message has
     /// begun to arrive by `deadline` (`None`: wait as long as it takes). A timeout before the
     /// first byte leaves the connection usable.
-    pub fn recv_until(&self, deadline: Option<Instant>) -> Result<ExporterEvent> {
+    pub(crate) fn recv_until(&self, deadline: Option<Instant>) -> Result<ExporterEvent> {
         let received = self.conn.recv_until(deadline, "receive")?;
         match received.message {
             Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
@@ -300,19 +314,19 @@ impl ImporterSession {
 
     /// Tells the exporter this importer is done with `buffer`. Free the import first (and let
     /// the work that used it finish): the exporter may free the memory as soon as this arrives.
-    pub fn release(&self, buffer: BufferId) -> Result<()> {
+    pub(crate) fn release(&self, buffer: BufferId) -> Result<()> {
         self.conn.send(&Message::Release { buffer_id: buffer }, &[])
     }
 
     /// Says `Goodbye` (every import is freed) and closes the connection.
-    pub fn goodbye(&self) -> Result<()> {
+    pub(crate) fn goodbye(&self) -> Result<()> {
         let result = self.conn.send(&Message::Goodbye, &[]);
         self.conn.shutdown();
         result
     }
 
     /// Tells the exporter about `err` and closes the connection; returns `err`.
-    pub fn reject(&self, err: Error) -> Error {
+    pub(crate) fn reject(&self, err: Error) -> Error {
         self.conn.close_with_error(&err);
         err
     }
@@ -344,3 +358,6 @@ fn unexpected(expected: &'static str, got: &Message) -> Error {
         },
     }
 }
+
+#[cfg(test)]
+mod tests;

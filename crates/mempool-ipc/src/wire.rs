@@ -16,49 +16,135 @@
 //!
 //! Decoding checks every field: magic, version, type, the body length against what the type
 //! allows, every reserved field (zero), every flag bit, the ranges of sizes and offsets, the
-//! UTF-8 of error text. A slice that holds more than one frame is an error too.
+//! UTF-8 of error text. A slice that holds more than one frame is an error too. Every failure
+//! is a [`ProtocolError`].
 //!
-//! ```
-//! use mempool_ipc::wire::{self, Message};
-//!
-//! let frame = wire::encode(&Message::Release { buffer_id: 7.into() })?;
-//! assert_eq!(wire::decode(&frame)?, Message::Release { buffer_id: 7.into() });
-//! # Ok::<(), mempool_ipc::Error>(())
-//! ```
+//! The crate root re-exports the types a user meets in errors and in the exporter's and
+//! importer's API ([`DeviceUuid`], [`PoolId`], [`BufferId`], [`BlockId`], [`MessageType`],
+//! [`ErrorCode`], [`ProtocolError`]); the rest is the crate's own. The tests (`wire/tests.rs`)
+//! round-trip every message, try every malformed input and fuzz the decoder; `wire/testing.rs`
+//! holds the fixtures the other modules' tests share.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::error::{Error, Result};
+/// What the functions of this module return: a [`ProtocolError`] names what broke the rules.
+type Result<T, E = ProtocolError> = std::result::Result<T, E>;
+
+/// A frame or message that breaks the rules of the protocol: what decoding reports (and the
+/// checks made before encoding, and a connection whose peer stopped inside a frame).
+///
+/// The crate's [`Error`](crate::Error) wraps it as `Error::Protocol`, with the same message.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A field breaks its rule (reserved bits, flags, sizes, offsets, UTF-8, all-zero ids), or
+    /// the peer broke a rule that no more specific variant describes.
+    #[error("protocol violation: {reason}")]
+    Violation {
+        /// What the peer did wrong.
+        reason: String,
+    },
+
+    /// A frame did not start with the protocol's magic bytes: the peer does not speak this protocol.
+    #[error("bad magic {got:02x?}: the peer does not speak the mempool IPC protocol")]
+    BadMagic {
+        /// The four bytes found where the magic should be.
+        got: [u8; 4],
+    },
+
+    /// The peer speaks another version of the protocol.
+    #[error("unsupported protocol version {got} (this side speaks version {supported})")]
+    UnsupportedVersion {
+        /// The version in the peer's frame.
+        got: u16,
+        /// The version this side speaks.
+        supported: u16,
+    },
+
+    /// A frame carried a message type this version does not define.
+    #[error("unknown message type {got}")]
+    UnknownMessageType {
+        /// The type code found in the frame header.
+        got: u16,
+    },
+
+    /// A frame announced a body larger than any message may be.
+    #[error("message of {len} bytes exceeds the limit of {max} bytes")]
+    MessageTooLarge {
+        /// The announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+
+    /// Input ended before the message did (in a byte slice, or the peer closed mid-message).
+    #[error("truncated message: needed {needed} bytes, got {got}")]
+    Truncated {
+        /// How many bytes the message needs (as far as known when it ended).
+        needed: usize,
+        /// How many bytes there were.
+        got: usize,
+    },
+
+    /// A frame's body length does not fit its message type.
+    #[error("{message} message with a body of {got} bytes (allowed: {})", allowed_len(*.min, *.max))]
+    BodyLength {
+        /// The message type.
+        message: MessageType,
+        /// The smallest body the type allows.
+        min: usize,
+        /// The largest body the type allows.
+        max: usize,
+        /// The body length found.
+        got: usize,
+    },
+
+    /// Bytes followed the end of a complete frame in a slice that should hold exactly one.
+    #[error("{len} trailing bytes after a complete message")]
+    TrailingBytes {
+        /// How many bytes were left over.
+        len: usize,
+    },
+}
+
+fn allowed_len(min: usize, max: usize) -> String {
+    if min == max {
+        format!("exactly {min}")
+    } else {
+        format!("{min} to {max}")
+    }
+}
 
 /// The four bytes every frame starts with.
-pub const MAGIC: [u8; 4] = *b"MPIP";
+pub(crate) const MAGIC: [u8; 4] = *b"MPIP";
 
 /// The protocol version this crate speaks; every frame carries it.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub(crate) const PROTOCOL_VERSION: u16 = 1;
 
 /// The length of a frame header.
-pub const HEADER_LEN: usize = 12;
+pub(crate) const HEADER_LEN: usize = 12;
 
 /// The longest text an `Error` message may carry, in bytes of UTF-8.
-pub const MAX_ERROR_TEXT_LEN: usize = 1024;
+pub(crate) const MAX_ERROR_TEXT_LEN: usize = 1024;
 
 /// The longest body any message may have (an `Error` message with the longest text).
-pub const MAX_BODY_LEN: usize = ERROR_FIXED_LEN + MAX_ERROR_TEXT_LEN;
+pub(crate) const MAX_BODY_LEN: usize = ERROR_FIXED_LEN + MAX_ERROR_TEXT_LEN;
 
 /// The longest frame, header included.
-pub const MAX_FRAME_LEN: usize = HEADER_LEN + MAX_BODY_LEN;
+#[cfg(test)]
+pub(crate) const MAX_FRAME_LEN: usize = HEADER_LEN + MAX_BODY_LEN;
 
 /// The most file descriptors any message carries.
-pub const MAX_FDS_PER_MESSAGE: usize = 1;
+pub(crate) const MAX_FDS_PER_MESSAGE: usize = 1;
 
 /// The value of the pool descriptor's handle-type field: the pool travels as a POSIX file
 /// descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
-pub const POOL_HANDLE_TYPE_POSIX_FD: u32 = 1;
+pub(crate) const POOL_HANDLE_TYPE_POSIX_FD: u32 = 1;
 
 /// Bit 0 of a buffer message's flags: the event handle is valid and the importer must wait on it.
-pub const BUFFER_FLAG_READY_EVENT: u32 = 1;
+pub(crate) const BUFFER_FLAG_READY_EVENT: u32 = 1;
 
 const UUID_LEN: usize = 16;
 const WELCOME_LEN: usize = UUID_LEN + UUID_LEN;
@@ -179,14 +265,14 @@ impl From<u64> for BlockId {
 ///
 /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct PointerDescriptor(pub [u8; 64]);
+pub(crate) struct PointerDescriptor(pub(crate) [u8; 64]);
 
 /// An interprocess event handle (`CUipcEventHandle`, from `cuIpcGetEventHandle`): the importer
 /// opens it with `cuIpcOpenEventHandle` and makes its stream wait on it before first use.
 ///
 /// See <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct EventHandle(pub [u8; 64]);
+pub(crate) struct EventHandle(pub(crate) [u8; 64]);
 
 /// The type of a message, as the frame header names it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -212,7 +298,7 @@ pub enum MessageType {
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub const ALL: [MessageType; 8] = [
+    pub(crate) const ALL: [MessageType; 8] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -248,7 +334,7 @@ impl MessageType {
     }
 
     /// How many file descriptors travel with a message of this type (exactly that many).
-    pub fn descriptor_count(self) -> usize {
+    pub(crate) fn descriptor_count(self) -> usize {
         match self {
             MessageType::PoolDescriptor => 1,
             _ => 0,
@@ -256,7 +342,7 @@ impl MessageType {
     }
 
     /// The smallest and the largest body a message of this type may have.
-    pub fn body_len_bounds(self) -> (usize, usize) {
+    pub(crate) fn body_len_bounds(self) -> (usize, usize) {
         let exact = |n| (n, n);
         match self {
             MessageType::Hello | MessageType::Goodbye => exact(0),
@@ -278,25 +364,25 @@ impl fmt::Display for MessageType {
 
 /// What the exporter announces after `Hello`: its GPU and its pool.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct Welcome {
+pub(crate) struct Welcome {
     /// The GPU the pool lives on; the importer must see it too.
-    pub device_uuid: DeviceUuid,
+    pub(crate) device_uuid: DeviceUuid,
     /// The pool's identity.
-    pub pool_id: PoolId,
+    pub(crate) pool_id: PoolId,
 }
 
 /// The importer's answer to `Welcome`: it found the GPU.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct Ready {
+pub(crate) struct Ready {
     /// The GPU the importer will import on; must equal the `Welcome`'s.
-    pub device_uuid: DeviceUuid,
+    pub(crate) device_uuid: DeviceUuid,
 }
 
 /// The pool itself; its file descriptor travels with this message.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct PoolDescriptor {
+pub(crate) struct PoolDescriptor {
     /// The pool's identity; must equal the `Welcome`'s.
-    pub pool_id: PoolId,
+    pub(crate) pool_id: PoolId,
 }
 
 /// A shared buffer: `size` bytes at `offset` inside an exported block.
@@ -305,22 +391,22 @@ pub struct PoolDescriptor {
 /// from one larger allocation name the same block, whose pointer was exported once; the
 /// importer imports each block once and adds the offset.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct BufferDescriptor {
+pub(crate) struct BufferDescriptor {
     /// The buffer's id; `Release` names it.
-    pub buffer_id: BufferId,
+    pub(crate) buffer_id: BufferId,
     /// The block the buffer lives in.
-    pub block_id: BlockId,
+    pub(crate) block_id: BlockId,
     /// The block's size in bytes; never 0.
-    pub block_size: u64,
+    pub(crate) block_size: u64,
     /// Where the buffer starts in the block.
-    pub offset: u64,
+    pub(crate) offset: u64,
     /// The buffer's size in bytes; never 0, and `offset + size <= block_size`.
-    pub size: u64,
+    pub(crate) size: u64,
     /// The block's exported pointer.
-    pub pointer: PointerDescriptor,
+    pub(crate) pointer: PointerDescriptor,
     /// The event to wait on before first use, recorded after the exporter's allocation and
     /// work on the buffer. `None`: the exporter synchronized before sending, no wait is needed.
-    pub ready_event: Option<EventHandle>,
+    pub(crate) ready_event: Option<EventHandle>,
 }
 
 /// The code of an `Error` message.
@@ -396,17 +482,17 @@ impl fmt::Display for ErrorCode {
 
 /// The body of an `Error` message.
 #[derive(Clone, PartialEq, Eq, Debug)]
-pub struct ErrorMessage {
+pub(crate) struct ErrorMessage {
     /// What kind of error.
-    pub code: ErrorCode,
+    pub(crate) code: ErrorCode,
     /// A human-readable explanation, at most [`MAX_ERROR_TEXT_LEN`] bytes.
-    pub text: String,
+    pub(crate) text: String,
 }
 
 impl ErrorMessage {
     /// An error message; text longer than [`MAX_ERROR_TEXT_LEN`] bytes is cut at a character
     /// boundary.
-    pub fn new(code: ErrorCode, text: impl Into<String>) -> ErrorMessage {
+    pub(crate) fn new(code: ErrorCode, text: impl Into<String>) -> ErrorMessage {
         let mut text = text.into();
         if text.len() > MAX_ERROR_TEXT_LEN {
             let mut end = MAX_ERROR_TEXT_LEN;
@@ -421,7 +507,7 @@ impl ErrorMessage {
 
 /// One message of the protocol.
 #[derive(Clone, PartialEq, Eq, Debug)]
-pub enum Message {
+pub(crate) enum Message {
     /// Importer -> exporter, first message.
     Hello,
     /// Exporter -> importer, answer to `Hello`.
@@ -446,7 +532,7 @@ pub enum Message {
 
 impl Message {
     /// The message's type.
-    pub fn message_type(&self) -> MessageType {
+    pub(crate) fn message_type(&self) -> MessageType {
         match self {
             Message::Hello => MessageType::Hello,
             Message::Welcome(_) => MessageType::Welcome,
@@ -460,7 +546,7 @@ impl Message {
     }
 
     /// Checks every field against the rules of the protocol, the same checks decoding makes.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         match self {
             Message::Hello | Message::Goodbye | Message::Release { .. } => Ok(()),
             Message::Welcome(w) => {
@@ -472,7 +558,7 @@ impl Message {
             Message::Buffer(b) => check_buffer(b),
             Message::Error(e) => {
                 if e.text.len() > MAX_ERROR_TEXT_LEN {
-                    return Err(Error::MessageTooLarge {
+                    return Err(ProtocolError::MessageTooLarge {
                         len: ERROR_FIXED_LEN + e.text.len(),
                         max: MAX_BODY_LEN,
                     });
@@ -483,8 +569,8 @@ impl Message {
     }
 }
 
-fn protocol(reason: impl Into<String>) -> Error {
-    Error::Protocol { reason: reason.into() }
+fn protocol(reason: impl Into<String>) -> ProtocolError {
+    ProtocolError::Violation { reason: reason.into() }
 }
 
 fn check_uuid(uuid: &DeviceUuid) -> Result<()> {
@@ -519,17 +605,17 @@ fn check_buffer(b: &BufferDescriptor) -> Result<()> {
 
 /// A decoded frame header.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct Header {
+pub(crate) struct Header {
     /// The message type.
-    pub message_type: MessageType,
+    pub(crate) message_type: MessageType,
     /// The body's length, already checked against what the type allows.
-    pub body_len: usize,
+    pub(crate) body_len: usize,
 }
 
 /// Decodes and checks the header at the start of `bytes` (which may go on past it).
-pub fn decode_header(bytes: &[u8]) -> Result<Header> {
+pub(crate) fn decode_header(bytes: &[u8]) -> Result<Header> {
     let Some(header) = bytes.get(..HEADER_LEN) else {
-        return Err(Error::Truncated {
+        return Err(ProtocolError::Truncated {
             needed: HEADER_LEN,
             got: bytes.len(),
         });
@@ -537,27 +623,27 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header> {
     let mut r = Reader::new(header);
     let magic: [u8; 4] = r.array()?;
     if magic != MAGIC {
-        return Err(Error::BadMagic { got: magic });
+        return Err(ProtocolError::BadMagic { got: magic });
     }
     let version = r.u16()?;
     if version != PROTOCOL_VERSION {
-        return Err(Error::UnsupportedVersion {
+        return Err(ProtocolError::UnsupportedVersion {
             got: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let code = r.u16()?;
-    let message_type = MessageType::from_wire(code).ok_or(Error::UnknownMessageType { got: code })?;
+    let message_type = MessageType::from_wire(code).ok_or(ProtocolError::UnknownMessageType { got: code })?;
     let body_len = r.u32()? as usize;
     if body_len > MAX_BODY_LEN {
-        return Err(Error::MessageTooLarge {
+        return Err(ProtocolError::MessageTooLarge {
             len: body_len,
             max: MAX_BODY_LEN,
         });
     }
     let (min, max) = message_type.body_len_bounds();
     if body_len < min || body_len > max {
-        return Err(Error::BodyLength {
+        return Err(ProtocolError::BodyLength {
             message: message_type,
             min,
             max,
@@ -568,10 +654,10 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header> {
 }
 
 /// Decodes the body of a message of type `message_type`; `body` must be exactly the body.
-pub fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
+pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
     let (min, max) = message_type.body_len_bounds();
     if body.len() < min || body.len() > max {
-        return Err(Error::BodyLength {
+        return Err(ProtocolError::BodyLength {
             message: message_type,
             min,
             max,
@@ -650,7 +736,7 @@ pub fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Message> {
         }
     };
     if r.remaining() != 0 {
-        return Err(Error::TrailingBytes { len: r.remaining() });
+        return Err(ProtocolError::TrailingBytes { len: r.remaining() });
     }
     message.validate()?;
     Ok(message)
@@ -664,17 +750,18 @@ fn check_reserved(value: u32, message: &str) -> Result<()> {
 }
 
 /// Decodes exactly one frame: `frame` must hold a whole frame and nothing after it.
-pub fn decode(frame: &[u8]) -> Result<Message> {
+#[cfg(test)]
+pub(crate) fn decode(frame: &[u8]) -> Result<Message> {
     let header = decode_header(frame)?;
     let total = HEADER_LEN + header.body_len;
     if frame.len() < total {
-        return Err(Error::Truncated {
+        return Err(ProtocolError::Truncated {
             needed: total,
             got: frame.len(),
         });
     }
     if frame.len() > total {
-        return Err(Error::TrailingBytes {
+        return Err(ProtocolError::TrailingBytes {
             len: frame.len() - total,
         });
     }
@@ -682,7 +769,7 @@ pub fn decode(frame: &[u8]) -> Result<Message> {
 }
 
 /// Encodes `message` as one frame, after checking it with [`Message::validate`].
-pub fn encode(message: &Message) -> Result<Vec<u8>> {
+pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
     let mut out = Vec::with_capacity(HEADER_LEN + 64);
     encode_into(message, &mut out)?;
     Ok(out)
@@ -690,7 +777,7 @@ pub fn encode(message: &Message) -> Result<Vec<u8>> {
 
 /// Appends the frame of `message` to `out`, after checking it with [`Message::validate`];
 /// on error `out` is unchanged.
-pub fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
+pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
     message.validate()?;
     let start = out.len();
     out.extend_from_slice(&MAGIC);
@@ -756,7 +843,7 @@ impl<'a> Reader<'a> {
     fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&end| end <= self.bytes.len());
         let Some(end) = end else {
-            return Err(Error::Truncated {
+            return Err(ProtocolError::Truncated {
                 needed: self.pos.saturating_add(n),
                 got: self.bytes.len(),
             });
@@ -784,3 +871,9 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 }
+
+#[cfg(test)]
+pub(crate) mod testing;
+
+#[cfg(test)]
+mod tests;

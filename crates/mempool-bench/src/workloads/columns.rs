@@ -11,8 +11,8 @@ use std::sync::Arc;
 use mempool_core::{memory, Context, DeviceAddr, StreamRef};
 use mempool_rmm::MemoryResource;
 
+use crate::error::{Error, Result};
 use crate::kernels::{elementwise, launch, strided, tiled, Arg, QueryKernels, EMPTY_KEY, RADIX_DIGITS, TILE};
-use crate::{Error, Result};
 
 /// Element types of columns.
 pub trait Element: Copy + Default + 'static {
@@ -39,13 +39,13 @@ impl Element for u64 {
 /// Where the operators run: a resource, a stream, the loaded kernels.
 pub struct Exec<'a> {
     /// The resource every buffer comes from.
-    pub mr: &'a dyn MemoryResource,
+    pub(crate) mr: &'a dyn MemoryResource,
     /// The stream all work and all frees are ordered on.
-    pub stream: StreamRef<'a>,
+    pub(crate) stream: StreamRef<'a>,
     /// The context of the stream and kernels.
-    pub ctx: &'a Arc<Context>,
+    pub(crate) ctx: &'a Arc<Context>,
     /// The kernels.
-    pub k: &'a QueryKernels<'a>,
+    pub(crate) k: &'a QueryKernels<'a>,
     /// The first error a column's drop met (drops cannot return one).
     drop_error: RefCell<Option<Error>>,
     /// Buffers allocated so far.
@@ -109,7 +109,7 @@ impl<T: Element> Drop for Col<'_, T> {
 /// The rows a filter keeps: the exclusive scan of its flags and their count.
 pub struct Selection<'e> {
     /// `offsets[i]`: where row `i` goes if kept.
-    pub offsets: Col<'e, u32>,
+    pub(crate) offsets: Col<'e, u32>,
     /// Rows kept.
     pub count: usize,
 }
@@ -154,7 +154,7 @@ impl<'a> Exec<'a> {
     }
 
     /// Buffers allocated so far.
-    pub fn allocations(&self) -> u64 {
+    pub(crate) fn allocations(&self) -> u64 {
         self.allocations.get()
     }
 
@@ -164,7 +164,7 @@ impl<'a> Exec<'a> {
     }
 
     /// An uninitialized column of `len` elements.
-    pub fn alloc<T: Element>(&'a self, len: usize) -> Result<Col<'a, T>> {
+    pub(crate) fn alloc<T: Element>(&'a self, len: usize) -> Result<Col<'a, T>> {
         let ptr = self.mr.allocate(len * T::SIZE, self.stream)?;
         self.allocations.set(self.allocations.get() + 1);
         Ok(Col {
@@ -264,7 +264,7 @@ impl<'a> Exec<'a> {
     }
 
     /// Flags the first row of each run of equal keys.
-    pub fn flags_head(&'a self, sorted: &Col<'a, u32>) -> Result<Col<'a, u32>> {
+    pub(crate) fn flags_head(&'a self, sorted: &Col<'a, u32>) -> Result<Col<'a, u32>> {
         let n = sorted.len;
         self.output(n, &self.k.flags_head, n, |out| [sorted.arg(), Arg::U64(n as u64), out])
     }
@@ -277,7 +277,7 @@ impl<'a> Exec<'a> {
     }
 
     /// `a[i] * mul + b[i]`.
-    pub fn combine(&'a self, a: &Col<'a, u32>, b: &Col<'a, u32>, mul: u32) -> Result<Col<'a, u32>> {
+    pub(crate) fn combine(&'a self, a: &Col<'a, u32>, b: &Col<'a, u32>, mul: u32) -> Result<Col<'a, u32>> {
         assert_eq!(a.len, b.len, "combine: lengths differ");
         let n = a.len;
         self.output(n, &self.k.combine, n, |out| {
@@ -342,7 +342,7 @@ impl<'a> Exec<'a> {
     }
 
     /// The rows of a 64-bit `col` that `flags` keeps.
-    pub fn compact_u64(
+    pub(crate) fn compact_u64(
         &'a self,
         col: &Col<'a, u64>,
         flags: &Col<'a, u32>,
@@ -359,7 +359,7 @@ impl<'a> Exec<'a> {
     }
 
     /// `col[idx[j]]` for every `j`. Every index must be below `col.len()`.
-    pub fn gather(&'a self, col: &Col<'a, u32>, idx: &Col<'a, u32>) -> Result<Col<'a, u32>> {
+    pub(crate) fn gather(&'a self, col: &Col<'a, u32>, idx: &Col<'a, u32>) -> Result<Col<'a, u32>> {
         let m = idx.len;
         self.output(m, &self.k.gather, m, |out| {
             [col.arg(), idx.arg(), Arg::U64(m as u64), out]
@@ -519,7 +519,7 @@ impl<'a> Exec<'a> {
     }
 
     /// The sum of a column (as 64-bit integers).
-    pub fn sum_u32(&'a self, col: &Col<'a, u32>) -> Result<u64> {
+    pub(crate) fn sum_u32(&'a self, col: &Col<'a, u32>) -> Result<u64> {
         self.reduce(&self.k.sum_u32, col, 1)
     }
 
@@ -529,7 +529,7 @@ impl<'a> Exec<'a> {
     }
 
     /// How many adjacent pairs are out of order (0 for a sorted column).
-    pub fn count_unsorted(&'a self, col: &Col<'a, u32>) -> Result<u64> {
+    pub(crate) fn count_unsorted(&'a self, col: &Col<'a, u32>) -> Result<u64> {
         self.reduce(&self.k.count_unsorted, col, 2)
     }
 }

@@ -14,13 +14,14 @@ use std::time::Instant;
 use mempool_core::{memory, Device, Stream};
 use mempool_rmm::MemoryResource;
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::kernels::{elementwise, hash2, launch, load, strided, work, Arg, WorkKernels};
 use crate::progress::Progress;
-use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{median, Cell, Column, Report};
 use crate::spec::{build, ResourceSpec};
 use crate::track::Tracked;
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 /// Seeds cycle through this many values, so the host computes few expected sums.
 const SEEDS: u32 = 4;
@@ -41,7 +42,7 @@ pub struct MultiStreamParams {
 }
 
 /// The sum `bench_sum_u32` computes over a buffer filled with `seed` and worked `rounds` times.
-pub fn expected_sum(seed: u32, elements: usize, rounds: u32) -> u64 {
+pub(crate) fn expected_sum(seed: u32, elements: usize, rounds: u32) -> u64 {
     (0..elements as u64)
         .map(|i| u64::from(work(hash2(seed, i), rounds)))
         .sum()
@@ -49,7 +50,7 @@ pub fn expected_sum(seed: u32, elements: usize, rounds: u32) -> u64 {
 
 /// Runs `iterations` per stream on `streams` streams; returns the wall time (seconds). Checks every
 /// stream's sum against `sums` (the expected sum per seed).
-pub fn run(
+pub(crate) fn run(
     device: &Device,
     kernels: &WorkKernels<'_>,
     mr: &dyn MemoryResource,

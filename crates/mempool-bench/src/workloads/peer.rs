@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use mempool_core::{memory, sys, Context, Device, DeviceAddr, Event, EventFlags, MemPool, PoolProps, Stream};
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::kernels::{elementwise, hash2, launch, load, strided, Arg, WorkKernels};
-use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{median, Cell, Column, Report};
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 /// Parameters of the `peer` subcommand.
 #[derive(Clone, Debug)]
@@ -41,9 +42,9 @@ fn enable_peer_access(ctx: &Arc<Context>, peer: &Arc<Context>) -> Result<()> {
 #[derive(Clone, Debug)]
 pub struct PeerCase {
     /// Where the source lives.
-    pub memory: &'static str,
+    pub(crate) memory: &'static str,
     /// Kernel or copy.
-    pub method: &'static str,
+    pub(crate) method: &'static str,
     /// GB/s (1e9 bytes per second).
     pub gbps: f64,
 }

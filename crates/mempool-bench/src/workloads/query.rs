@@ -11,7 +11,7 @@
 //! - `customer` (fact / 40 rows): `customer_sk` = row, `birth_year` in 1930..2000, `state` < 50.
 //!
 //! Every query ends with a small sorted result read back to the host and checked against the same
-//! query computed on the host ([`reference`]).
+//! query computed on the host ([`reference()`]).
 
 use std::sync::{Barrier, Mutex};
 use std::time::Instant;
@@ -19,14 +19,15 @@ use std::time::Instant;
 use mempool_core::{Device, Stream};
 use mempool_rmm::MemoryResource;
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::kernels::{hash2, load, QueryKernels};
 use crate::progress::Progress;
-use crate::report::{geomean, median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{geomean, median, Cell, Column, Report};
 use crate::spec::{build, ResourceSpec};
 use crate::track::Tracked;
 use crate::workloads::columns::{Col, Exec, Groups, Selection};
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 const S_ITEM: u32 = 1;
 const S_CUSTOMER: u32 = 2;
@@ -120,7 +121,7 @@ pub struct Digest {
     /// Result rows.
     pub rows: u64,
     /// FNV-1a over the rows in order.
-    pub hash: u64,
+    pub(crate) hash: u64,
     /// The query's total (revenue).
     pub total: u64,
 }
@@ -287,7 +288,7 @@ fn having<'a>(x: &'a Exec<'a>, g: Groups<'a>, min_count: u32) -> Result<Groups<'
 
 /// Runs `q` on `exec` and returns its digest (checked by the caller). Buffers come from and go back to
 /// the Exec's resource as the pipeline moves on.
-pub fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
+pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
     let (f, n_items, n_cust) = (s.fact, s.items as u32, s.customers as u32);
     // Sorted (key, count) rows and the total of the sums: the end of every group-by query.
     let finish_groups = |keys: Col<'a, u32>, counts: Col<'a, u32>, sums: Col<'a, u64>, bound: u64| -> Result<Digest> {
@@ -447,19 +448,19 @@ pub struct QueryParams {
 
 /// What one resource measured.
 #[derive(Clone, Debug)]
-pub struct ResourceRun {
+pub(crate) struct ResourceRun {
     /// The resource's label.
-    pub label: String,
+    pub(crate) label: String,
     /// Per query: the times (seconds) of every run.
-    pub times: Vec<Vec<f64>>,
+    pub(crate) times: Vec<Vec<f64>>,
     /// Wall time of each timed round, seconds.
-    pub rounds: Vec<f64>,
+    pub(crate) rounds: Vec<f64>,
     /// The most bytes live at once.
-    pub peak_bytes: u64,
+    pub(crate) peak_bytes: u64,
     /// Device memory in use after the last round minus before the resource existed (what it holds).
-    pub held_bytes: i64,
+    pub(crate) held_bytes: i64,
     /// Buffers allocated per round (all workers).
-    pub allocations_per_round: u64,
+    pub(crate) allocations_per_round: u64,
 }
 
 /// Runs `rounds` rounds (plus one warm-up) of the suite on `mr` with `workers` workers; checks every

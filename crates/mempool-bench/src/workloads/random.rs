@@ -1,5 +1,6 @@
-//! `random`: the standard random workload of DESIGN.md (RMM's `random_allocations` shape), the same
-//! logic and seeds as mempool-rmm's `random_workload` example, so the numbers compare.
+//! `random`: the standard random workload (docs/architecture.md, "Performance"; RMM's
+//! `random_allocations` shape), the same logic and seeds as mempool-rmm's `random_workload` example, so
+//! the numbers compare.
 //!
 //! Each run: `n` operations on one stream, each allocating with probability 0.73 (unless live bytes
 //! would pass `max_usage`), otherwise freeing a random live allocation; sizes uniform in
@@ -12,12 +13,13 @@ use std::time::Instant;
 use mempool_core::{DeviceAddr, Stream};
 use mempool_rmm::MemoryResource;
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::progress::Progress;
-use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{median, Cell, Column, Report};
 use crate::spec::{build, ResourceSpec};
 use crate::units::Size;
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 /// One point of the workload.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -32,7 +34,7 @@ pub struct Point {
 
 impl Point {
     /// `200k, 64KiB, 4GiB`.
-    pub fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         format!(
             "{}k ops, <= {}, {}",
             self.n / 1000,
@@ -74,7 +76,7 @@ pub fn generate(p: &Point, seed: u64) -> Vec<Op> {
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct RunStats {
     /// Nanoseconds per operation.
-    pub ns_per_op: f64,
+    pub(crate) ns_per_op: f64,
     /// The most allocations live at once.
     pub peak_allocations: usize,
     /// The most bytes live at once.

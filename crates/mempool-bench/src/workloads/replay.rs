@@ -17,12 +17,13 @@ use mempool_core::{DeviceAddr, Stream, StreamRef};
 use mempool_rmm::adaptors::{parse_log, Action, LogEvent};
 use mempool_rmm::MemoryResource;
 
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
 use crate::progress::Progress;
-use crate::report::{median, Cell, Chart, ChartKind, Column, Report, Series};
+use crate::report::{median, Cell, Column, Report};
 use crate::spec::build;
 use crate::track::Tracked;
 use crate::workloads::Common;
-use crate::{Error, Result};
 
 /// One replayable step.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -53,7 +54,7 @@ pub struct Plan {
     /// The logged thread ids, in order of first appearance.
     pub threads: Vec<u64>,
     /// Allocation slots (one per logged allocation).
-    pub slots: usize,
+    pub(crate) slots: usize,
     /// Logged `allocate failure` lines (not replayed).
     pub logged_failures: usize,
     /// Allocations the log never frees (freed at the end of a run, by the thread that made them).
@@ -201,7 +202,7 @@ fn plan(name: &str, events: &[LogEvent], lines: &[usize]) -> Result<Plan> {
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct ReplayStats {
     /// Wall time, seconds.
-    pub seconds: f64,
+    pub(crate) seconds: f64,
     /// Allocations that failed.
     pub failures: u64,
     /// The most bytes live at once.

@@ -1,8 +1,7 @@
 //! Primary contexts and the calling thread's context stack.
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html>
 
-use super::{call, sys};
-use crate::error::Result;
+use super::{call, sys, Result};
 
 /// Retains the device's primary context (creating it if needed). mempool retains it once per process
 /// and never releases it, as the CUDA runtime does.

@@ -3,8 +3,7 @@
 
 use std::ffi::CStr;
 
-use super::{call, sys};
-use crate::error::Result;
+use super::{call, sys, Result};
 
 /// The number of visible devices. The driver must be initialised ([`super::init`]).
 pub(crate) fn count() -> Result<usize> {

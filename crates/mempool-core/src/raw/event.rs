@@ -1,8 +1,7 @@
 //! Events, including interprocess events.
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html>
 
-use super::{call, sys};
-use crate::error::{Error, Result};
+use super::{call, sys, Result};
 
 /// Creates an event in the current context. `flags` is a `CUevent_flags` value.
 pub(crate) fn create(flags: u32) -> Result<sys::CUevent> {
@@ -39,7 +38,7 @@ pub(crate) unsafe fn query(e: sys::CUevent) -> Result<bool> {
     // SAFETY: point 1.
     match unsafe { call!(cuEventQuery(e)) } {
         Ok(()) => Ok(true),
-        Err(Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 => Ok(false),
+        Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_NOT_READY as u32) => Ok(false),
         Err(e) => Err(e),
     }
 }

@@ -3,8 +3,7 @@
 
 use std::ffi::c_void;
 
-use super::{call, check_alloc, sys};
-use crate::error::Result;
+use super::{call, check_alloc, sys, Result};
 
 /// `cuMemAlloc`: device memory in the current context.
 pub(crate) fn alloc(bytes: usize) -> Result<sys::CUdeviceptr> {

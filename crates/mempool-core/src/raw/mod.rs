@@ -2,12 +2,15 @@
 //!
 //! cudarc's `sys` bindings (dynamic loading) resolve each entry point the first time it is called and
 //! *panic* if the installed driver lacks it. We never let that happen: [`call!`] first asks the loaded
-//! library whether the symbol exists (cached per call site) and turns a missing one into
-//! [`Error::DriverTooOld`]; and nothing reaches the library before [`init`] has checked that it loads at
-//! all ([`Error::DriverNotFound`]).
+//! library whether the symbol exists (cached per call site) and turns a missing one into a
+//! [`DriverFailure`] of kind [`FailureKind::SymbolMissing`]; and nothing reaches the library before
+//! [`init`] has checked that it loads at all ([`FailureKind::LibraryMissing`]).
 //!
-//! Functions here are thin: they translate arguments, check the `CUresult`, and return Rust values. The
-//! safe types elsewhere in the crate hold the invariants (RAII, context binding) that make them sound.
+//! Functions here are thin: they translate arguments, check the `CUresult`, and return Rust values or a
+//! [`DriverFailure`] naming the call. This layer knows nothing of the crate's public `Error` (which
+//! converts a `DriverFailure` with `From`, so `?` works in the safe modules); it builds only on the plain
+//! types of `crate::types`. The safe types elsewhere in the crate hold the invariants (RAII, context
+//! binding) that make these calls sound.
 
 #![allow(unsafe_code)]
 
@@ -24,10 +27,56 @@ use std::sync::OnceLock;
 
 pub(crate) use cudarc::driver::sys;
 
-use crate::error::{DriverError, DriverVersion, Error, Result};
+use crate::types::{DriverError, DriverVersion};
+
+/// What the raw layer's calls return: a value, or the failure of the driver call that was to make it.
+pub(crate) type Result<T> = std::result::Result<T, DriverFailure>;
+
+/// A failed driver call: which entry point, and how it failed. The public `Error` converts it (`From`),
+/// keeping the call's name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DriverFailure {
+    /// The driver entry point (for an allocation, the name the error reports, e.g. `cuMemAlloc`).
+    pub(crate) call: &'static str,
+    /// How it failed.
+    pub(crate) kind: FailureKind,
+}
+
+/// How a driver call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum FailureKind {
+    /// `libcuda.so` could not be loaded, so the call was never made.
+    LibraryMissing,
+    /// The loaded driver does not export the call: it is older than the CUDA release that added it.
+    SymbolMissing {
+        /// The installed driver's version (0 if it could not be read).
+        driver: DriverVersion,
+        /// The first CUDA version whose driver has the call, where known.
+        required: Option<DriverVersion>,
+    },
+    /// `cuInit` reported `CUDA_ERROR_NO_DEVICE`: the driver sees no GPU.
+    NoDevice,
+    /// An allocating call ran out of memory (`CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory {
+        /// The number of bytes asked for.
+        requested: usize,
+    },
+    /// The call returned a `CUresult` other than `CUDA_SUCCESS`.
+    Driver(DriverError),
+}
+
+impl DriverFailure {
+    /// The `CUresult` value, for a failure the driver returned.
+    pub(crate) fn code(&self) -> Option<u32> {
+        match &self.kind {
+            FailureKind::Driver(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
 
 /// Calls a driver entry point through cudarc's `sys` bindings after checking that the installed driver
-/// has it, and converts the `CUresult` into a [`Result`] naming the call.
+/// has it, and converts the `CUresult` into a [`Result`] whose failure names the call.
 ///
 /// The expansion calls an `unsafe fn`, so every use sits in an `unsafe` block with its own `SAFETY:` line.
 /// [`init`] must have succeeded first (all safe entry points reach here through a `Device`, which only
@@ -53,11 +102,17 @@ pub(crate) fn library_present() -> bool {
 
 /// Loads and initialises the driver once (`cuInit(0)`), returning its version. Every safe entry point
 /// that does not already hold a [`crate::Device`] calls this first.
+///
+/// Fails with [`FailureKind::LibraryMissing`] when `libcuda.so` cannot be loaded and with
+/// [`FailureKind::NoDevice`] when the driver sees no GPU.
 pub(crate) fn init() -> Result<DriverVersion> {
     static INIT: OnceLock<Result<DriverVersion>> = OnceLock::new();
     INIT.get_or_init(|| {
         if !library_present() {
-            return Err(Error::DriverNotFound);
+            return Err(DriverFailure {
+                call: "cuInit",
+                kind: FailureKind::LibraryMissing,
+            });
         }
         let mut version = 0;
         // SAFETY: the library loads (checked above); `cuDriverGetVersion` writes one int and is legal
@@ -67,9 +122,10 @@ pub(crate) fn init() -> Result<DriverVersion> {
         // SAFETY: the library loads; `cuInit` takes flags that must be 0.
         match unsafe { call!(cuInit(0)) } {
             Ok(()) => Ok(DriverVersion(version)),
-            Err(Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_NO_DEVICE as u32 => {
-                Err(Error::NoDevice)
-            }
+            Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_NO_DEVICE as u32) => Err(DriverFailure {
+                call: e.call,
+                kind: FailureKind::NoDevice,
+            }),
             Err(e) => Err(e),
         }
     })
@@ -96,12 +152,17 @@ pub(crate) fn ensure(name: &'static str, present: &OnceLock<bool>) -> Result<()>
     if ok {
         Ok(())
     } else if !library_present() {
-        Err(Error::DriverNotFound)
-    } else {
-        Err(Error::DriverTooOld {
+        Err(DriverFailure {
             call: name,
-            driver: driver_version().unwrap_or(DriverVersion(0)),
-            required: first_driver_with(name),
+            kind: FailureKind::LibraryMissing,
+        })
+    } else {
+        Err(DriverFailure {
+            call: name,
+            kind: FailureKind::SymbolMissing {
+                driver: driver_version().unwrap_or(DriverVersion(0)),
+                required: first_driver_with(name),
+            },
         })
     }
 }
@@ -132,19 +193,21 @@ pub(crate) fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
     if result == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Driver {
+        Err(DriverFailure {
             call,
-            error: driver_error(result),
+            kind: FailureKind::Driver(driver_error(result)),
         })
     }
 }
 
-/// Like [`check`], but an out-of-memory result becomes [`Error::OutOfMemory`] with the size asked for.
+/// Like [`check`], but an out-of-memory result becomes [`FailureKind::OutOfMemory`] with the size asked
+/// for, reported under `call` (the allocation's name without the `_v2` suffix, e.g. `cuMemAlloc`).
 pub(crate) fn check_alloc(call: &'static str, result: Result<()>, requested: usize) -> Result<()> {
     match result {
-        Err(Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32 => {
-            Err(Error::OutOfMemory { call, requested })
-        }
+        Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32) => Err(DriverFailure {
+            call,
+            kind: FailureKind::OutOfMemory { requested },
+        }),
         other => other,
     }
 }
@@ -183,41 +246,35 @@ mod tests {
         let e = driver_error(sys::CUresult::CUDA_ERROR_INVALID_VALUE);
         assert_eq!(e.name, "CUDA_ERROR_INVALID_VALUE");
         assert_eq!(e.code, 1);
-        let err = check("cuMemPoolCreate", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
-        let text = err.to_string();
-        assert!(
-            text.starts_with("cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE"),
-            "{text}"
-        );
+        let failure = check("cuMemPoolCreate", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
+        assert_eq!(failure.call, "cuMemPoolCreate");
+        assert_eq!(failure.code(), Some(1));
+        assert!(matches!(&failure.kind, FailureKind::Driver(e) if e.name == "CUDA_ERROR_INVALID_VALUE"));
     }
 
     #[test]
     fn out_of_memory_keeps_the_size() {
         let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-        let err = check_alloc("cuMemAllocFromPoolAsync", r, 1 << 40).unwrap_err();
+        let failure = check_alloc("cuMemAllocFromPoolAsync", r, 1 << 40).unwrap_err();
         assert_eq!(
-            err,
-            Error::OutOfMemory {
+            failure,
+            DriverFailure {
                 call: "cuMemAllocFromPoolAsync",
-                requested: 1 << 40
+                kind: FailureKind::OutOfMemory { requested: 1 << 40 }
             }
         );
-        assert!(err.is_out_of_memory());
-        assert!(err.to_string().contains("1099511627776 bytes"), "{err}");
-        // Other failures pass through unchanged.
+        assert_eq!(failure.code(), None);
+        // Other failures pass through unchanged, under the name of the call that failed.
         let r = check("cuMemAllocFromPoolAsync", sys::CUresult::CUDA_ERROR_INVALID_VALUE);
-        assert!(matches!(
-            check_alloc("x", r, 1),
-            Err(Error::Driver {
-                call: "cuMemAllocFromPoolAsync",
-                ..
-            })
-        ));
+        let failure = check_alloc("x", r, 1).unwrap_err();
+        assert_eq!(failure.call, "cuMemAllocFromPoolAsync");
+        assert!(matches!(failure.kind, FailureKind::Driver(_)));
     }
 
     #[test]
     fn success_is_ok() {
         assert_eq!(check("cuInit", sys::CUresult::CUDA_SUCCESS), Ok(()));
+        assert_eq!(check_alloc("cuMemAlloc", Ok(()), 1), Ok(()));
     }
 
     #[test]
@@ -225,15 +282,17 @@ mod tests {
         assert_eq!(first_driver_with("cuMemPoolCreate"), Some(DriverVersion(11020)));
         assert_eq!(first_driver_with("cuMemGetDefaultMemPool"), Some(DriverVersion(13000)));
         assert_eq!(first_driver_with("cuInit"), None);
-        let e = Error::DriverTooOld {
-            call: "cuMemGetDefaultMemPool",
-            driver: DriverVersion(12080),
-            required: first_driver_with("cuMemGetDefaultMemPool"),
-        };
-        assert_eq!(
-            e.to_string(),
-            "the installed CUDA driver (12.8) does not provide `cuMemGetDefaultMemPool`; it needs a driver \
-             for CUDA 13.0 or newer"
-        );
+    }
+
+    #[test]
+    fn without_a_library_calls_fail_as_missing() {
+        if library_present() {
+            return; // the case is only reachable on a machine without the driver
+        }
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        let failure = ensure("cuMemPoolCreate", &PRESENT).unwrap_err();
+        assert_eq!(failure.call, "cuMemPoolCreate");
+        assert_eq!(failure.kind, FailureKind::LibraryMissing);
+        assert_eq!(init().unwrap_err().kind, FailureKind::LibraryMissing);
     }
 }

@@ -3,8 +3,7 @@
 
 use std::ffi::{c_void, CStr};
 
-use super::{call, sys};
-use crate::error::Result;
+use super::{call, sys, Result};
 
 /// Loads a module from NUL-terminated PTX (or cubin) in the current context.
 pub(crate) fn load_data(image: &CStr) -> Result<sys::CUmodule> {

@@ -4,8 +4,7 @@
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-use super::{call, check_alloc, sys};
-use crate::error::Result;
+use super::{call, check_alloc, sys, Result};
 
 /// Creates a pool from properties.
 pub(crate) fn create(props: &sys::CUmemPoolProps) -> Result<sys::CUmemoryPool> {

@@ -1,7 +1,6 @@
 //! Streams. <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>
 
-use super::{call, sys};
-use crate::error::Result;
+use super::{call, sys, Result};
 
 /// Creates a stream in the current context. `flags` is a `CUstream_flags` value.
 pub(crate) fn create(flags: u32) -> Result<sys::CUstream> {
@@ -38,9 +37,7 @@ pub(crate) unsafe fn query(s: sys::CUstream) -> Result<bool> {
     // SAFETY: point 1.
     match unsafe { call!(cuStreamQuery(s)) } {
         Ok(()) => Ok(true),
-        Err(crate::Error::Driver { error, .. }) if error.code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 => {
-            Ok(false)
-        }
+        Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_NOT_READY as u32) => Ok(false),
         Err(e) => Err(e),
     }
 }

@@ -82,13 +82,16 @@ fn double_release_is_an_error() {
     assert_eq!(t.release(buf, A).unwrap(), None);
     let err = t.release(buf, A).unwrap_err();
     assert!(
-        matches!(err, Error::NotLeased { buffer, importer } if buffer == buf && importer == A),
+        matches!(err, LeaseError::NotLeased { buffer, importer } if buffer == buf && importer == A),
         "{err}"
     );
     // Also after the buffer is gone entirely.
     assert_eq!(t.release_owner(buf).unwrap(), Some(SimAlloc(5)));
-    assert!(matches!(t.release(buf, A).unwrap_err(), Error::NotLeased { .. }));
-    assert!(matches!(t.release_owner(buf).unwrap_err(), Error::UnknownBuffer { .. }));
+    assert!(matches!(t.release(buf, A).unwrap_err(), LeaseError::NotLeased { .. }));
+    assert!(matches!(
+        t.release_owner(buf).unwrap_err(),
+        LeaseError::UnknownBuffer { .. }
+    ));
     t.check_invariants();
 }
 
@@ -99,7 +102,7 @@ fn release_by_an_importer_that_never_held_it_is_an_error() {
     t.grant(BufferId(1), A).unwrap();
     assert!(matches!(
         t.release(BufferId(1), B).unwrap_err(),
-        Error::NotLeased { .. }
+        LeaseError::NotLeased { .. }
     ));
     assert_eq!(t.holders(BufferId(1)).collect::<Vec<_>>(), vec![A]);
     t.check_invariants();
@@ -110,26 +113,26 @@ fn grant_errors() {
     let mut t = LeaseTable::new();
     assert!(matches!(
         t.grant(BufferId(1), A).unwrap_err(),
-        Error::UnknownBuffer { .. }
+        LeaseError::UnknownBuffer { .. }
     ));
     t.insert(BufferId(1), SimAlloc(1)).unwrap();
     assert!(matches!(
         t.insert(BufferId(1), SimAlloc(1)).unwrap_err(),
-        Error::DuplicateBuffer { .. }
+        LeaseError::DuplicateBuffer { .. }
     ));
     t.grant(BufferId(1), A).unwrap();
     assert!(matches!(
         t.grant(BufferId(1), A).unwrap_err(),
-        Error::AlreadyLeased { .. }
+        LeaseError::AlreadyLeased { .. }
     ));
     assert_eq!(t.release_owner(BufferId(1)).unwrap(), None);
     assert!(matches!(
         t.grant(BufferId(1), B).unwrap_err(),
-        Error::BufferRetired { .. }
+        LeaseError::BufferRetired { .. }
     ));
     assert!(matches!(
         t.release_owner(BufferId(1)).unwrap_err(),
-        Error::BufferRetired { .. }
+        LeaseError::BufferRetired { .. }
     ));
     t.check_invariants();
 }
@@ -194,7 +197,7 @@ proptest! {
                         prop_assert!(r.is_ok());
                         m.live.insert(b, (true, BTreeSet::new()));
                     } else {
-                        prop_assert!(matches!(r, Err(Error::DuplicateBuffer { .. })), "{:?}", r);
+                        prop_assert!(matches!(r, Err(LeaseError::DuplicateBuffer { .. })), "{:?}", r);
                     }
                 }
                 Op::Grant(b, i) => {
@@ -218,7 +221,7 @@ proptest! {
                         prop_assert_eq!(got.is_some(), last);
                         freed.extend(got.map(|a| a.0));
                     } else {
-                        prop_assert!(matches!(r, Err(Error::NotLeased { .. })), "{:?}", r);
+                        prop_assert!(matches!(r, Err(LeaseError::NotLeased { .. })), "{:?}", r);
                     }
                 }
                 Op::ReleaseOwner(b) => {
@@ -291,7 +294,7 @@ fn import_table_imports_each_block_once() {
     let imports = std::cell::Cell::new(0);
     let import = |d: &BufferDescriptor| {
         imports.set(imports.get() + 1);
-        Ok(format!("import of {}", d.block_id))
+        Ok::<_, LeaseError>(format!("import of {}", d.block_id))
     };
     assert_eq!(t.add(&descriptor(1, 7, 0, 256), import).unwrap(), "import of block#7");
     t.add(&descriptor(2, 7, 256, 256), import).unwrap();
@@ -318,31 +321,60 @@ fn import_table_imports_each_block_once() {
     assert!(t.is_empty());
 }
 
+/// What an import can fail with in the tests: the table's own errors, or the import's.
+#[derive(Debug)]
+enum ImportError {
+    Lease,
+    Closed,
+}
+
+impl From<LeaseError> for ImportError {
+    fn from(_: LeaseError) -> Self {
+        ImportError::Lease
+    }
+}
+
 #[test]
 fn import_table_errors_leave_it_unchanged() {
     let mut t: ImportTable<u32> = ImportTable::new();
-    t.add(&descriptor(1, 7, 0, 256), |_| Ok(1)).unwrap();
+    t.add(&descriptor(1, 7, 0, 256), |_| Ok::<_, LeaseError>(1)).unwrap();
     assert!(matches!(
-        t.add(&descriptor(1, 7, 0, 256), |_| Ok(2)).unwrap_err(),
-        Error::DuplicateBuffer { .. }
+        t.add(&descriptor(1, 7, 0, 256), |_| Ok::<_, LeaseError>(2))
+            .unwrap_err(),
+        LeaseError::DuplicateBuffer { .. }
     ));
     let mut other_size = descriptor(2, 7, 0, 256);
     other_size.block_size = 4096;
     assert!(matches!(
-        t.add(&other_size, |_| Ok(2)).unwrap_err(),
-        Error::Protocol { .. }
+        t.add(&other_size, |_| Ok::<_, LeaseError>(2)).unwrap_err(),
+        LeaseError::BlockSizeChanged { .. }
     ));
-    let failed = t.add(&descriptor(3, 9, 0, 1), |_| Err(Error::Closed));
-    assert!(matches!(failed.unwrap_err(), Error::Closed));
+    let failed = t.add(&descriptor(3, 9, 0, 1), |_| Err(ImportError::Closed));
+    assert!(matches!(failed.unwrap_err(), ImportError::Closed));
     assert_eq!((t.len(), t.block_count()), (1, 1));
     assert!(matches!(
         t.release(BufferId(3)).unwrap_err(),
-        Error::UnknownBuffer { .. }
+        LeaseError::UnknownBuffer { .. }
     ));
     assert_eq!(t.release(BufferId(1)).unwrap(), Some(1));
     assert!(matches!(
         t.release(BufferId(1)).unwrap_err(),
-        Error::UnknownBuffer { .. }
+        LeaseError::UnknownBuffer { .. }
     ));
     t.check_invariants();
+}
+
+/// The module documentation's example (a doctest until the module became private): two importers
+/// and the owner; the last holder to let go frees.
+#[test]
+fn last_holder_frees() -> Result<()> {
+    let mut table = LeaseTable::new();
+    let (buf, a, b) = (BufferId(1), ImporterId(1), ImporterId(2));
+    table.insert(buf, "allocation")?;
+    table.grant(buf, a)?;
+    table.grant(buf, b)?;
+    assert_eq!(table.release_owner(buf)?, None); // importers still hold it
+    assert_eq!(table.release(buf, a)?, None);
+    assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
+    Ok(())
 }

@@ -1,23 +1,8 @@
-//! Resource specs: the strings that name what a run compares, e.g. `cuda`, `async(threshold=max)`,
-//! `pool(async,initial=1GiB)`, `binning(pool(async))`, `arena(cuda)`.
-//!
-//! Parsing and checking need no GPU ([`parse`], [`parse_list`]); [`build`] turns a checked spec into a
-//! [`SharedResource`] on a device. A spec composes: a suballocator's first argument is its upstream,
-//! itself a spec. Errors point at the offending character and list everything that is accepted
-//! ([`ACCEPTED`]).
+//! The spec language: what a spec may say ([`ACCEPTED`]), the checked [`ResourceSpec`] and its canonical
+//! printing, and the parser and checker ([`parse`], [`parse_list`]) with their [`SpecError`]s.
 
 use std::fmt;
-use std::sync::Arc;
 
-use mempool_core::{Context, Device};
-use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
-use mempool_rmm::testing::SimResource;
-use mempool_rmm::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
-    PoolResource, SharedResource,
-};
-
-use crate::baseline::{RawCudaResource, RawPoolResource};
 use crate::units::{parse_size, Size};
 
 /// What a spec may say, shown with every spec error and by `mempool-bench resources`.
@@ -81,13 +66,13 @@ pub struct AsyncSpec {
 /// A checked resource spec.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ResourceSpec {
-    /// `cuda`: [`CudaResource`].
+    /// `cuda`: [`CudaResource`](mempool_rmm::CudaResource).
     Cuda,
-    /// `managed`: [`ManagedResource`].
+    /// `managed`: [`ManagedResource`](mempool_rmm::ManagedResource).
     Managed,
-    /// `async(...)`: [`AsyncResource`].
+    /// `async(...)`: [`AsyncResource`](mempool_rmm::AsyncResource).
     Async(AsyncSpec),
-    /// `pool(UPSTREAM, ...)`: [`PoolResource`].
+    /// `pool(UPSTREAM, ...)`: [`PoolResource`](mempool_rmm::PoolResource).
     Pool {
         /// The upstream.
         upstream: Box<ResourceSpec>,
@@ -96,7 +81,7 @@ pub enum ResourceSpec {
         /// Maximum size.
         max: Option<u64>,
     },
-    /// `binning(UPSTREAM, ...)`: [`BinningResource`].
+    /// `binning(UPSTREAM, ...)`: [`BinningResource`](mempool_rmm::BinningResource).
     Binning {
         /// The upstream.
         upstream: Box<ResourceSpec>,
@@ -107,7 +92,7 @@ pub enum ResourceSpec {
         /// Blocks per upstream chunk.
         blocks: u64,
     },
-    /// `arena(UPSTREAM, ...)`: [`ArenaResource`].
+    /// `arena(UPSTREAM, ...)`: [`ArenaResource`](mempool_rmm::ArenaResource).
     Arena {
         /// The upstream.
         upstream: Box<ResourceSpec>,
@@ -118,7 +103,7 @@ pub enum ResourceSpec {
         /// Maximum size of the global arena.
         max: Option<u64>,
     },
-    /// `fixed(UPSTREAM, ...)`: [`FixedSizeResource`].
+    /// `fixed(UPSTREAM, ...)`: [`FixedSizeResource`](mempool_rmm::FixedSizeResource).
     Fixed {
         /// The upstream.
         upstream: Box<ResourceSpec>,
@@ -694,110 +679,4 @@ pub fn parse_list(text: &str) -> Result<Vec<ResourceSpec>, SpecError> {
         })?);
     }
     Ok(out)
-}
-
-/// A spec built into a resource, with the label reports use (the canonical spec).
-#[derive(Clone, Debug)]
-pub struct Built {
-    /// The canonical spec.
-    pub label: String,
-    /// The resource.
-    pub resource: SharedResource,
-}
-
-/// Builds `spec` on `device` (`None`: no GPU, only `sim` can be built).
-pub fn build(spec: &ResourceSpec, device: Option<&Device>) -> crate::Result<Built> {
-    let resource = build_resource(spec, device)?;
-    Ok(Built {
-        label: spec.to_string(),
-        resource,
-    })
-}
-
-fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> crate::Result<SharedResource> {
-    if let ResourceSpec::Sim = spec {
-        return Ok(Arc::new(SimResource::new()));
-    }
-    let dev =
-        device.ok_or_else(|| crate::Error::Usage(format!("`{spec}` needs a GPU; only `sim` runs without one")))?;
-    let ctx: Arc<Context> = dev.context()?;
-    let r: SharedResource = match spec {
-        ResourceSpec::Sim => unreachable!("handled above"),
-        ResourceSpec::Cuda => Arc::new(CudaResource::new(dev)?),
-        ResourceSpec::Managed => Arc::new(ManagedResource::new(dev)?),
-        ResourceSpec::RawCuda => Arc::new(RawCudaResource::new(dev)?),
-        ResourceSpec::RawPool => Arc::new(RawPoolResource::new(dev)?),
-        ResourceSpec::Async(a) => {
-            if a.default_pool {
-                let r = AsyncResource::default_pool(dev)?;
-                if let Some(t) = a.threshold {
-                    r.pool().set_release_threshold(t)?;
-                }
-                Arc::new(r)
-            } else {
-                Arc::new(AsyncResource::new(
-                    dev,
-                    AsyncOptions {
-                        initial_size: a.initial.map(|v| v as usize),
-                        release_threshold: a.threshold,
-                        max_size: a.max_size.map(|v| v as usize),
-                        ..Default::default()
-                    },
-                )?)
-            }
-        }
-        ResourceSpec::Pool { upstream, initial, max } => {
-            let up = build_resource(upstream, device)?;
-            let config = PoolConfig {
-                initial_size: *initial,
-                maximum_size: *max,
-                ..Default::default()
-            };
-            Arc::new(PoolResource::new(up, &ctx, config)?)
-        }
-        ResourceSpec::Binning {
-            upstream,
-            min,
-            max,
-            blocks,
-        } => {
-            let up = build_resource(upstream, device)?;
-            let config = BinningConfig {
-                min_size_exponent: min.trailing_zeros(),
-                max_size_exponent: max.trailing_zeros(),
-                blocks_per_chunk: *blocks,
-                ..Default::default()
-            };
-            Arc::new(BinningResource::new(up, &ctx, config)?)
-        }
-        ResourceSpec::Arena {
-            upstream,
-            superblock,
-            initial,
-            max,
-        } => {
-            let up = build_resource(upstream, device)?;
-            let config = ArenaConfig {
-                superblock_size: *superblock,
-                initial_size: *initial,
-                maximum_size: *max,
-                ..Default::default()
-            };
-            Arc::new(ArenaResource::new(up, &ctx, config)?)
-        }
-        ResourceSpec::Fixed {
-            upstream,
-            block,
-            blocks,
-        } => {
-            let up = build_resource(upstream, device)?;
-            let config = FixedSizeConfig {
-                block_size: *block,
-                blocks_per_chunk: *blocks,
-                ..Default::default()
-            };
-            Arc::new(FixedSizeResource::new(up, &ctx, config)?)
-        }
-    };
-    Ok(r)
 }

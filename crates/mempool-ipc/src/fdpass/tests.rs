@@ -1,13 +1,14 @@
 //! Descriptor passing over real Unix sockets, with memfds standing in for pool descriptors.
 
-mod common;
-
+use std::io::{Read, Seek, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 
-use common::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
-use mempool_ipc::fdpass::{self, SCM_MAX_FD};
-use mempool_ipc::Error;
+use super::SCM_MAX_FD;
+use crate::error::Error;
+use crate::fdpass;
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
+use crate::wire::ProtocolError;
 
 #[test]
 fn memfd_arrives_intact_and_close_on_exec() {
@@ -113,7 +114,7 @@ fn send_limits() {
     // Descriptors need a byte to ride on.
     assert!(matches!(
         fdpass::send_with_fds(&a, b"", &[memfd.as_fd()]).unwrap_err(),
-        Error::Protocol { .. }
+        Error::Protocol(ProtocolError::Violation { .. })
     ));
 }
 
@@ -130,4 +131,25 @@ fn closed_peer() {
     let (n, fds) = fdpass::recv_with_fds(&b, &mut buf, 1).unwrap();
     assert_eq!((n, fds.len()), (0, 0));
     assert!(b.as_raw_fd() >= 0);
+}
+
+/// The module documentation's example (a doctest until the module became private): a memfd's
+/// contents read back through the received descriptor.
+#[test]
+fn memfd_travels_with_a_byte() -> Result<(), Box<dyn std::error::Error>> {
+    let (a, b) = UnixStream::pair()?;
+    let memfd = rustix::fs::memfd_create("example", rustix::fs::MemfdFlags::CLOEXEC)?;
+    std::fs::File::from(memfd.try_clone()?).write_all(b"pool")?;
+
+    fdpass::send_with_fds(&a, b"x", &[memfd.as_fd()])?;
+    let mut byte = [0u8; 1];
+    let (n, fds) = fdpass::recv_with_fds(&b, &mut byte, 1)?;
+    assert_eq!((n, fds.len()), (1, 1));
+
+    let mut file = std::fs::File::from(fds.into_iter().next().unwrap());
+    let mut text = String::new();
+    file.rewind()?;
+    file.read_to_string(&mut text)?;
+    assert_eq!(text, "pool");
+    Ok(())
 }

@@ -1,15 +1,10 @@
 //! The wire format: round trips, every malformed input, and fuzzing of the decoder.
 
-mod common;
-
-use common::{buffer, every_message, GPU, POOL};
-use mempool_ipc::wire::{
-    self, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle, Message, MessageType,
-    PointerDescriptor, PoolDescriptor, PoolId, Ready, Welcome, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_ERROR_TEXT_LEN,
-    PROTOCOL_VERSION,
-};
-use mempool_ipc::Error;
 use proptest::prelude::*;
+
+use super::testing::{buffer, every_message, GPU, POOL};
+use super::*;
+use crate::wire;
 
 fn frame(message: &Message) -> Vec<u8> {
     wire::encode(message).unwrap()
@@ -25,9 +20,9 @@ fn raw_frame(message_type: u16, body: &[u8]) -> Vec<u8> {
     out
 }
 
-fn protocol_reason(err: Error) -> String {
+fn protocol_reason(err: ProtocolError) -> String {
     match err {
-        Error::Protocol { reason } => reason,
+        ProtocolError::Violation { reason } => reason,
         other => panic!("expected a protocol error, got {other:?}"),
     }
 }
@@ -91,7 +86,7 @@ fn truncated_at_every_byte_offset() {
         let bytes = frame(&message);
         for len in 0..bytes.len() {
             match wire::decode(&bytes[..len]) {
-                Err(Error::Truncated { needed, got }) => {
+                Err(ProtocolError::Truncated { needed, got }) => {
                     assert_eq!(got, len);
                     assert!(needed > len);
                 }
@@ -107,7 +102,7 @@ fn trailing_garbage_is_rejected() {
         let mut bytes = frame(&message);
         bytes.push(0);
         assert!(
-            matches!(wire::decode(&bytes), Err(Error::TrailingBytes { len: 1 })),
+            matches!(wire::decode(&bytes), Err(ProtocolError::TrailingBytes { len: 1 })),
             "{message:?}"
         );
         // A second frame after the first is also garbage to `decode`.
@@ -115,7 +110,7 @@ fn trailing_garbage_is_rejected() {
         two.extend_from_slice(&frame(&Message::Hello));
         assert!(matches!(
             wire::decode(&two),
-            Err(Error::TrailingBytes { len }) if len == HEADER_LEN
+            Err(ProtocolError::TrailingBytes { len }) if len == HEADER_LEN
         ));
     }
 }
@@ -126,7 +121,7 @@ fn bad_magic_is_rejected() {
     bytes[..4].copy_from_slice(b"HTTP");
     assert!(matches!(
         wire::decode(&bytes),
-        Err(Error::BadMagic { got }) if &got == b"HTTP"
+        Err(ProtocolError::BadMagic { got }) if &got == b"HTTP"
     ));
 }
 
@@ -137,7 +132,7 @@ fn unknown_version_is_rejected() {
         bytes[4..6].copy_from_slice(&version.to_le_bytes());
         let err = wire::decode(&bytes).unwrap_err();
         assert!(
-            matches!(err, Error::UnsupportedVersion { got, supported: 1 } if got == version),
+            matches!(err, ProtocolError::UnsupportedVersion { got, supported: 1 } if got == version),
             "{err}"
         );
     }
@@ -147,7 +142,10 @@ fn unknown_version_is_rejected() {
 fn unknown_message_type_is_rejected() {
     for code in [0u16, 9, 0x100, 0xffff] {
         let err = wire::decode(&raw_frame(code, &[])).unwrap_err();
-        assert!(matches!(err, Error::UnknownMessageType { got } if got == code), "{err}");
+        assert!(
+            matches!(err, ProtocolError::UnknownMessageType { got } if got == code),
+            "{err}"
+        );
     }
 }
 
@@ -159,7 +157,7 @@ fn oversized_length_is_rejected_from_the_header_alone() {
         // Only the header: the receiver must refuse before reading (or allocating) the body.
         let err = wire::decode_header(&header[..HEADER_LEN]).unwrap_err();
         assert!(
-            matches!(err, Error::MessageTooLarge { len: l, max } if l == len as usize && max == MAX_BODY_LEN),
+            matches!(err, ProtocolError::MessageTooLarge { len: l, max } if l == len as usize && max == MAX_BODY_LEN),
             "{err}"
         );
     }
@@ -181,7 +179,7 @@ fn body_length_must_fit_the_type() {
             }
             let err = wire::decode(&raw_frame(t.to_wire(), candidate)).unwrap_err();
             assert!(
-                matches!(err, Error::BodyLength { message, got, .. } if message == t && got == candidate.len()),
+                matches!(err, ProtocolError::BodyLength { message, got, .. } if message == t && got == candidate.len()),
                 "{t} with {} bytes: {err}",
                 candidate.len()
             );
@@ -223,7 +221,7 @@ fn error_text_is_bounded() {
     };
     assert!(matches!(
         wire::encode(&Message::Error(too_long)),
-        Err(Error::MessageTooLarge { .. })
+        Err(ProtocolError::MessageTooLarge { .. })
     ));
 }
 
@@ -459,4 +457,13 @@ proptest! {
             prop_assert_eq!(wire::encode(&decoded).unwrap(), bytes);
         }
     }
+}
+
+/// The module documentation's example (a doctest until the module became private): a message
+/// encodes to one frame and decodes back.
+#[test]
+fn encode_then_decode() -> Result<(), ProtocolError> {
+    let frame = wire::encode(&Message::Release { buffer_id: 7.into() })?;
+    assert_eq!(wire::decode(&frame)?, Message::Release { buffer_id: 7.into() });
+    Ok(())
 }

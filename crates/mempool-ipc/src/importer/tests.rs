@@ -2,14 +2,14 @@
 //! (no driver here, or no GPU with that UUID) gets a clear error on both sides, and no descriptor
 //! leaks.
 
-mod common;
-
 use std::os::fd::AsFd;
 
-use common::{memfd_with, open_fds_named, unique_name};
-use mempool_ipc::session::{ExporterSession, PoolAnnouncement};
-use mempool_ipc::wire::{DeviceUuid, ErrorCode, PoolId};
-use mempool_ipc::{Error, Importer, ImporterOptions, Listener};
+use super::{Importer, ImporterOptions};
+use crate::error::Error;
+use crate::listener::Listener;
+use crate::session::{ExporterSession, PoolAnnouncement};
+use crate::test_util::{memfd_with, open_fds_named, unique_name};
+use crate::wire::{DeviceUuid, ErrorCode, PoolId};
 
 #[test]
 fn an_importer_that_cannot_use_the_exporters_gpu_fails_clearly_on_both_sides() {

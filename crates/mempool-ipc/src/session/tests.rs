@@ -1,8 +1,6 @@
 //! The handshake and the conversation after it, between real sockets, with a memfd for the
 //! pool and a simulated pool for the buffers.
 
-mod common;
-
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -10,16 +8,18 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Instant;
 
-use common::{
-    buffer, expect_error_then_eof, is_cloexec, memfd_with, open_fds_named, read_all, read_frame, short_config,
-    unique_name, TempDir, GPU, OTHER_GPU, POOL,
+use super::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
+use crate::conn::{short_config, Connection, ConnectionConfig};
+use crate::cred::AccessPolicy;
+use crate::error::{Error, Result};
+use crate::fdpass;
+use crate::lease::{ImportTable, ImporterId, LeaseError, LeaseTable};
+use crate::listener::Listener;
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
+use crate::wire::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
+use crate::wire::{
+    self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
 };
-use mempool_ipc::lease::{ImportTable, ImporterId, LeaseTable};
-use mempool_ipc::session::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
-use mempool_ipc::wire::{
-    self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, Ready, Welcome,
-};
-use mempool_ipc::{AccessPolicy, Connection, Error, Listener};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -27,7 +27,7 @@ const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
 };
 
 /// The importer's device lookup on a machine whose only GPU is `GPU`.
-fn find_gpu(uuid: &DeviceUuid) -> mempool_ipc::Result<u32> {
+fn find_gpu(uuid: &DeviceUuid) -> Result<u32> {
     if *uuid == GPU {
         Ok(0)
     } else {
@@ -245,10 +245,10 @@ fn pool_descriptor_must_name_the_announced_pool() {
     }))
     .unwrap();
     let memfd = memfd_with(&name, b"x");
-    mempool_ipc::fdpass::send_with_fds(&raw, &other, &[memfd.as_fd()]).unwrap();
+    fdpass::send_with_fds(&raw, &other, &[memfd.as_fd()]).unwrap();
     drop(memfd);
     let err = importer.join().unwrap().unwrap_err();
-    assert!(matches!(err, Error::Protocol { .. }), "{err}");
+    assert!(matches!(err, Error::Protocol(ProtocolError::Violation { .. })), "{err}");
     assert_eq!(open_fds_named(&name), 0, "the rejected pool descriptor leaked");
 }
 
@@ -261,7 +261,10 @@ fn importer_speaking_another_version_is_told() {
     raw.write_all(&hello).unwrap();
     let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(
-        matches!(err, Error::UnsupportedVersion { got: 7, supported: 1 }),
+        matches!(
+            err,
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 7, supported: 1 })
+        ),
         "{err}"
     );
     assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::UnsupportedVersion);
@@ -344,7 +347,7 @@ fn serve_importer(
                     Ok(freed) => free(freed.into_iter().collect()),
                     Err(err) => {
                         free(disconnect(&leases, id));
-                        return session.reject(err);
+                        return session.reject(err.into());
                     }
                 }
             }
@@ -408,7 +411,7 @@ fn buffers_are_freed_after_the_last_importer_lets_go() {
             panic!("expected a buffer")
         };
         imports_a
-            .add(&descriptor, |d| Ok(format!("import of {}", d.block_id)))
+            .add(&descriptor, |d| Ok::<_, Error>(format!("import of {}", d.block_id)))
             .unwrap();
     }
     // buffer(id) puts ids 0..4 in one block: imported once.
@@ -462,7 +465,7 @@ fn double_release_cuts_the_importer_off() {
     importer.release(BufferId(1)).unwrap();
     importer.release(BufferId(1)).unwrap();
     let err = server.join().unwrap();
-    assert!(matches!(err, Error::NotLeased { .. }), "{err}");
+    assert!(matches!(err, Error::Lease(LeaseError::NotLeased { .. })), "{err}");
     assert!(matches!(
         importer.recv().unwrap_err(),
         Error::Remote {
@@ -476,4 +479,23 @@ fn double_release_cuts_the_importer_off() {
         leases.lock().unwrap().release_owner(BufferId(1)).unwrap(),
         Some(SimAlloc(1))
     );
+}
+
+/// The crate documentation's example (a doctest until the modules became private): a handshake over
+/// a pair of connections, with a memfd for the pool's file descriptor (`MemPool::export_fd`).
+#[test]
+fn handshake_over_a_connection_pair() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let pool_fd = rustix::fs::memfd_create("pool", rustix::fs::MemfdFlags::CLOEXEC)?;
+    let gpu = DeviceUuid([7; 16]);
+    let (exporter_end, importer_end) = Connection::pair(ConnectionConfig::default())?;
+
+    let importer = std::thread::spawn(move || ImporterSession::handshake(importer_end, |uuid| Ok(*uuid)));
+    let announcement = PoolAnnouncement {
+        device_uuid: gpu,
+        pool_id: PoolId::generate(),
+    };
+    let _exporter = ExporterSession::handshake(exporter_end, announcement, pool_fd.as_fd())?;
+    let (_importer, imported) = importer.join().unwrap()?;
+    assert_eq!(imported.device, gpu);
+    Ok(())
 }

@@ -1,21 +1,18 @@
 //! Framed connections over real sockets: messages with their descriptors, hostile peers,
 //! timeouts.
 
-mod common;
-
 use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{
-    buffer, every_message, expect_error_then_eof, is_cloexec, memfd_with, open_fds_named, read_all, read_frame,
-    short_config, unique_name, POOL,
-};
-use mempool_ipc::fdpass;
-use mempool_ipc::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, HEADER_LEN};
-use mempool_ipc::{Connection, Error};
+use super::{short_config, Connection, ConnectionConfig};
+use crate::error::{Error, Result};
+use crate::fdpass;
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
+use crate::wire::testing::{buffer, every_message, expect_error_then_eof, read_frame, POOL};
+use crate::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, HEADER_LEN};
 
 /// A connection and a raw socket for playing a (possibly hostile) peer.
 fn conn_and_raw() -> (Connection, UnixStream) {
@@ -127,7 +124,10 @@ fn garbage_is_rejected_and_the_peer_told() {
     let (conn, mut raw) = conn_and_raw();
     raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     let err = conn.recv().unwrap_err();
-    assert!(matches!(err, Error::BadMagic { got } if &got == b"GET "), "{err}");
+    assert!(
+        matches!(err, Error::Protocol(ProtocolError::BadMagic { got }) if &got == b"GET "),
+        "{err}"
+    );
     let told = expect_error_then_eof(&mut raw);
     assert_eq!(told.code, ErrorCode::Protocol);
     assert!(told.text.contains("magic"), "{}", told.text);
@@ -141,7 +141,10 @@ fn unknown_version_is_rejected_and_the_peer_told_in_our_version() {
     raw.write_all(&frame).unwrap();
     let err = conn.recv().unwrap_err();
     assert!(
-        matches!(err, Error::UnsupportedVersion { got: 2, supported: 1 }),
+        matches!(
+            err,
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 2, supported: 1 })
+        ),
         "{err}"
     );
     let told = expect_error_then_eof(&mut raw);
@@ -157,7 +160,7 @@ fn unknown_message_type_is_rejected() {
     raw.write_all(&frame).unwrap();
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::UnknownMessageType { got: 99 }
+        Error::Protocol(ProtocolError::UnknownMessageType { got: 99 })
     ));
     expect_error_then_eof(&mut raw);
 }
@@ -171,7 +174,10 @@ fn oversized_length_is_rejected_without_waiting_for_the_body() {
     raw.write_all(&header).unwrap();
     // The peer keeps the socket open and sends no body: the header alone must be enough.
     let err = conn.recv().unwrap_err();
-    assert!(matches!(err, Error::MessageTooLarge { .. }), "{err}");
+    assert!(
+        matches!(err, Error::Protocol(ProtocolError::MessageTooLarge { .. })),
+        "{err}"
+    );
     expect_error_then_eof(&mut raw);
 }
 
@@ -184,11 +190,11 @@ fn wrong_body_length_for_the_type_is_rejected() {
     raw.write_all(&frame).unwrap();
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::BodyLength {
+        Error::Protocol(ProtocolError::BodyLength {
             message: MessageType::Release,
             got: 4,
             ..
-        }
+        })
     ));
     expect_error_then_eof(&mut raw);
 }
@@ -205,7 +211,7 @@ fn peer_closing_between_and_within_messages() {
     drop(raw);
     let err = conn.recv().unwrap_err();
     assert!(
-        matches!(err, Error::Truncated { needed, got } if needed == frame.len() && got == HEADER_LEN + 10),
+        matches!(err, Error::Protocol(ProtocolError::Truncated { needed, got }) if needed == frame.len() && got == HEADER_LEN + 10),
         "{err}"
     );
 
@@ -215,10 +221,10 @@ fn peer_closing_between_and_within_messages() {
     drop(raw);
     assert!(matches!(
         conn.recv().unwrap_err(),
-        Error::Truncated {
+        Error::Protocol(ProtocolError::Truncated {
             needed: HEADER_LEN,
             got: 5
-        }
+        })
     ));
 }
 
@@ -336,4 +342,14 @@ fn read_frame_helper_sees_what_connection_sends() {
     let (conn, mut raw) = conn_and_raw();
     conn.send(&Message::Goodbye, &[]).unwrap();
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Goodbye);
+}
+
+/// The module documentation's example (a doctest until the module became private): a message over a
+/// pair of connections.
+#[test]
+fn hello_over_a_pair() -> Result<()> {
+    let (a, b) = Connection::pair(ConnectionConfig::default())?;
+    a.send(&Message::Hello, &[])?;
+    assert_eq!(b.recv()?.message, Message::Hello);
+    Ok(())
 }

@@ -1,0 +1,342 @@
+//! Shared buffers on the exporter's side: [`ExportedBuffer`], and how buffers are made
+//! ([`alloc`], [`adopt`]) and sent to importers ([`share`]). The public methods of
+//! [`Exporter`](crate::Exporter) call these.
+
+use std::fmt;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use mempool_core::{memory, DeviceAddr, StreamRef};
+
+use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
+use crate::error::{record_drop_error, Error, Result};
+use crate::lease::{ImporterId, LeaseError};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, PointerDescriptor};
+
+/// A buffer the exporter can share, ordered on a stream like a
+/// [`PoolBuffer`](mempool_core::PoolBuffer). Made by [`Exporter::alloc`](crate::Exporter::alloc)
+/// and [`Exporter::adopt`](crate::Exporter::adopt).
+///
+/// Dropping it is the exporter's own release: the memory is freed on its stream at once if no
+/// importer holds it, otherwise after the last importer releases it (on the exporter's internal
+/// stream, ordered after the work queued on this buffer's stream before the drop).
+pub struct ExportedBuffer<'s> {
+    inner: Arc<Inner>,
+    id: BufferId,
+    ptr: DeviceAddr,
+    len: usize,
+    stream: StreamRef<'s>,
+    released: bool,
+}
+
+impl fmt::Debug for ExportedBuffer<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExportedBuffer")
+            .field("id", &self.id)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<'s> ExportedBuffer<'s> {
+    /// The buffer's id (what importers release).
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> DeviceAddr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: shared buffers are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The stream the buffer is ordered on.
+    pub fn stream(&self) -> StreamRef<'s> {
+        self.stream
+    }
+
+    /// The importers holding the buffer now, in id order.
+    pub fn holders(&self) -> Vec<ImporterId> {
+        self.inner.lock().leases.holders(self.id).collect()
+    }
+
+    /// Waits until no importer holds the buffer (each released it, said `Goodbye` or died).
+    /// Their work on it is complete then: importers synchronize before they release, and a dead
+    /// importer's process is gone. [`Error::WaitTimeout`] after `timeout`.
+    pub fn wait_released(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.inner.lock();
+        while state.leases.holders(self.id).next().is_some() {
+            let id = self.id;
+            state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
+                what: format!("importers to release buffer {id}"),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Lets go of the buffer (what dropping does) and reports errors instead of recording them.
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.inner.release_owner(self.id, self.stream)
+    }
+}
+
+impl Drop for ExportedBuffer<'_> {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        if let Err(e) = self.inner.release_owner(self.id, self.stream) {
+            record_drop_error(e);
+        }
+    }
+}
+
+/// [`Exporter::alloc`](crate::Exporter::alloc).
+pub(super) fn alloc<'s>(inner: &Arc<Inner>, bytes: usize, stream: StreamRef<'s>) -> Result<ExportedBuffer<'s>> {
+    if bytes == 0 {
+        return Err(mempool_core::Error::InvalidArgument("a shared buffer cannot be empty".into()).into());
+    }
+    let ptr = inner.source.pool().allocate(bytes, stream)?;
+    let mut state = inner.lock();
+    let block_base = ptr.as_raw();
+    let id = BlockId(state.next_block);
+    state.next_block += 1;
+    state.blocks.insert(
+        block_base,
+        BlockRecord {
+            id,
+            size: bytes as u64,
+            pointer: None,
+            live: 1,
+        },
+    );
+    register(inner, state, ptr, bytes, block_base, Freer::Pool, stream)
+}
+
+/// [`Exporter::adopt`](crate::Exporter::adopt).
+pub(super) fn adopt<'s, F, E>(
+    inner: &Arc<Inner>,
+    ptr: DeviceAddr,
+    len: usize,
+    stream: StreamRef<'s>,
+    free: F,
+) -> Result<ExportedBuffer<'s>>
+where
+    F: FnOnce(DeviceAddr, usize, StreamRef<'_>) -> std::result::Result<(), E> + Send + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let not_shareable = |reason: String| Error::NotShareable {
+        ptr: ptr.as_raw(),
+        len,
+        reason,
+    };
+    if ptr.is_null() || len == 0 {
+        return Err(not_shareable(
+            "a shared buffer needs an address and at least one byte".into(),
+        ));
+    }
+    let end = ptr
+        .as_raw()
+        .checked_add(len as u64)
+        .ok_or_else(|| not_shareable("the range overflows".into()))?;
+    let known = {
+        let state = inner.lock();
+        find_block(&state, ptr.as_raw(), end)
+    };
+    let (base, size) = match known {
+        Some(block) => block,
+        None => {
+            let (base, size) = memory::address_range(&inner.ctx, ptr)
+                .map_err(|e| not_shareable(format!("the driver does not know the address: {e}")))?;
+            let owner = memory::pool_of(base)?;
+            if owner != inner.source.pool().as_raw() {
+                return Err(not_shareable(
+                    "the allocation that contains it does not come from the exporter's pool".into(),
+                ));
+            }
+            if end > base.as_raw() + size as u64 {
+                return Err(not_shareable(format!(
+                    "it runs past the end of its allocation ({base} + {size} bytes)"
+                )));
+            }
+            (base.as_raw(), size as u64)
+        }
+    };
+    let free: FreeFn = Box::new(move |ptr, len, stream| {
+        free(ptr, len, stream).map_err(|e| Error::Free {
+            buffer: BufferId(0),
+            source: Box::new(e),
+        })
+    });
+    let mut state = inner.lock();
+    // Another thread may have registered (or retired) the block meanwhile.
+    match state.blocks.get_mut(&base) {
+        Some(block) if block.size == size => block.live += 1,
+        Some(_) => {
+            return Err(not_shareable(
+                "its allocation changed while it was being looked up; retry".into(),
+            ))
+        }
+        None => {
+            let id = BlockId(state.next_block);
+            state.next_block += 1;
+            state.blocks.insert(
+                base,
+                BlockRecord {
+                    id,
+                    size,
+                    pointer: None,
+                    live: 1,
+                },
+            );
+        }
+    }
+    register(inner, state, ptr, len, base, Freer::Custom(free), stream)
+}
+
+/// Records a buffer in a block already recorded, for [`alloc`] and [`adopt`].
+fn register<'s>(
+    inner: &Arc<Inner>,
+    mut state: MutexGuard<'_, State>,
+    ptr: DeviceAddr,
+    len: usize,
+    block_base: u64,
+    free: Freer,
+    stream: StreamRef<'s>,
+) -> Result<ExportedBuffer<'s>> {
+    let id = BufferId(state.next_buffer);
+    state.next_buffer += 1;
+    state.leases.insert(
+        id,
+        Shared {
+            ptr,
+            len,
+            block_base,
+            free: Some(free),
+            events: Vec::new(),
+            last_use: None,
+        },
+    )?;
+    Ok(ExportedBuffer {
+        inner: inner.clone(),
+        id,
+        ptr,
+        len,
+        stream,
+        released: false,
+    })
+}
+
+/// [`Exporter::share`](crate::Exporter::share).
+pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
+    if to.is_empty() {
+        return Ok(());
+    }
+    let event = inner.take_event()?;
+    event.event.record(buffer.stream)?;
+    let handle = event.handle;
+    let mut state = inner.lock();
+    let mut sessions = Vec::with_capacity(to.len());
+    for importer in to {
+        match state.importers.get(importer) {
+            Some(peer) => sessions.push((*importer, peer.session.clone())),
+            None => {
+                state.idle_events.push(event);
+                return Err(Error::UnknownImporter { importer: *importer });
+            }
+        }
+    }
+    for (i, importer) in to.iter().enumerate() {
+        if let Err(e) = state.leases.grant(buffer.id, *importer) {
+            for granted in &to[..i] {
+                let _ = state.leases.revoke(buffer.id, *granted);
+            }
+            state.idle_events.push(event);
+            return Err(e.into());
+        }
+    }
+    let descriptor = match describe(inner, &mut state, buffer, handle) {
+        Ok(descriptor) => descriptor,
+        Err(e) => {
+            for importer in to {
+                let _ = state.leases.revoke(buffer.id, *importer);
+            }
+            state.idle_events.push(event);
+            return Err(e);
+        }
+    };
+    if let Some(shared) = state.leases.get_mut(buffer.id) {
+        shared.events.push(event);
+    }
+    drop(state);
+
+    let mut first_error = None;
+    for (importer, session) in sessions {
+        if let Err(e) = session.share(&descriptor) {
+            // The owner still holds the buffer, so revoking frees nothing. The connection's
+            // thread may have counted the importer out already (NotLeased): nothing to undo.
+            let _ = inner.lock().leases.revoke(buffer.id, importer);
+            first_error.get_or_insert(Error::Share {
+                buffer: buffer.id,
+                importer,
+                source: Box::new(e),
+            });
+        }
+    }
+    inner.changed.notify_all();
+    first_error.map_or(Ok(()), Err)
+}
+
+/// The `Buffer` message for `buffer`, exporting its block's pointer on first use.
+fn describe(
+    inner: &Inner,
+    state: &mut State,
+    buffer: &ExportedBuffer<'_>,
+    event: EventHandle,
+) -> Result<BufferDescriptor> {
+    let base = state
+        .leases
+        .get(buffer.id)
+        .map(|s| s.block_base)
+        .ok_or(LeaseError::UnknownBuffer { buffer: buffer.id })?;
+    let block = state
+        .blocks
+        .get_mut(&base)
+        .ok_or(LeaseError::UnknownBuffer { buffer: buffer.id })?;
+    let pointer = match block.pointer {
+        Some(pointer) => pointer,
+        None => {
+            let data = inner.source.pool().export_pointer(DeviceAddr(base))?;
+            let pointer = PointerDescriptor(data.0);
+            block.pointer = Some(pointer);
+            pointer
+        }
+    };
+    Ok(BufferDescriptor {
+        buffer_id: buffer.id,
+        block_id: block.id,
+        block_size: block.size,
+        offset: buffer.ptr.as_raw() - base,
+        size: buffer.len as u64,
+        pointer,
+        ready_event: Some(event),
+    })
+}
+
+/// The known block that contains `start..end`, as (base, size).
+fn find_block(state: &State, start: u64, end: u64) -> Option<(u64, u64)> {
+    let (&base, block) = state.blocks.range(..=start).next_back()?;
+    (end <= base + block.size).then_some((base, block.size))
+}

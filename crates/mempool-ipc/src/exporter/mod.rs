@@ -1,0 +1,356 @@
+//! The exporting process: serves a pool on a socket, shares buffers with importers, and frees
+//! each buffer only when every holder has let go.
+//!
+//! [`Exporter`] (with [`ExporterOptions`], [`ImporterInfo`], [`ExporterStats`]) and
+//! [`ExportedBuffer`] are public; their documentation is the guide. Inside, by concern:
+//!
+//! - `state`: what the exporter, its buffers and its threads share ([`Inner`](state::Inner));
+//! - `buffers`: [`ExportedBuffer`], and making (`alloc`, `adopt`) and sharing (`share`) buffers;
+//! - `serve`: the thread that accepts importers, the thread per importer that runs the handshake
+//!   and takes its `Release` messages, and the shutdown;
+//! - `reclaim`: freeing, at once, deferred to the last release, or reclaimed from an importer
+//!   that is gone (the lease table decides when).
+//!
+//! This file holds the public types and calls into those. `buffers`, `serve` and `reclaim`
+//! import only `state` (`reclaim` adds the freeing methods to `Inner` that the other two call),
+//! and none of them imports this module.
+
+mod buffers;
+mod reclaim;
+mod serve;
+mod state;
+
+use std::fmt;
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mempool_core::{DeviceAddr, MemPool, Stream, StreamRef};
+
+pub use self::buffers::ExportedBuffer;
+use self::state::{Inner, PoolSource, Projected, State};
+use crate::cred::PeerCredentials;
+use crate::error::{take_drop_errors, Error, Result};
+use crate::lease::ImporterId;
+use crate::listener::{Listener, ListenerOptions};
+use crate::session::PoolAnnouncement;
+use crate::wire::{DeviceUuid, PoolId};
+
+/// How an [`Exporter`] listens and shuts down.
+#[derive(Clone, Debug)]
+pub struct ExporterOptions {
+    /// The socket file's mode, who may connect, and the connections' time limits.
+    pub listener: ListenerOptions,
+    /// How long shutting down (dropping the [`Exporter`]) waits for importers to release what
+    /// they hold after the exporter said `Goodbye`. Buffers still held after it are not freed
+    /// (an importer may still use them); the driver reclaims them when the pool is destroyed
+    /// and the processes exit. Default: 10 s.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ExporterOptions {
+    fn default() -> Self {
+        ExporterOptions {
+            listener: ListenerOptions::default(),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A connected importer, as [`Exporter::importers`] lists it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct ImporterInfo {
+    /// The exporter's name for the connection; pass it to [`Exporter::share`].
+    pub id: ImporterId,
+    /// The importer process's credentials (`SO_PEERCRED`).
+    pub credentials: PeerCredentials,
+}
+
+/// A snapshot of an exporter's bookkeeping, for tests and monitoring.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct ExporterStats {
+    /// Connected importers (handshake done, connection open).
+    pub importers: usize,
+    /// Buffers not freed yet (held by the exporter or by an importer).
+    pub live_buffers: usize,
+    /// Buffers the exporter let go of that importers still hold (their free is deferred).
+    pub deferred_buffers: usize,
+    /// Exported blocks with at least one live buffer.
+    pub blocks: usize,
+    /// Buffers freed so far.
+    pub freed_buffers: u64,
+    /// Buffers freed because their last holder's connection ended without a release (an
+    /// importer that died or broke the protocol).
+    pub reclaimed_buffers: u64,
+    /// Buffers left unfreed at shutdown because an importer still held them.
+    pub abandoned_buffers: u64,
+}
+
+/// Serves an exportable pool on a Unix socket and shares its buffers with importer processes.
+///
+/// An `Exporter` owns (or shares) a [`MemPool`] created with
+/// [`HandleTypes::POSIX_FILE_DESCRIPTOR`](mempool_core::HandleTypes), listens on a Unix socket
+/// path, and runs one thread that accepts importers and one thread per importer that runs the
+/// handshake and then takes its `Release` messages. Buffers are [`ExportedBuffer`]s:
+///
+/// - [`Exporter::alloc`] allocates a whole buffer from the pool (a block of its own);
+/// - [`Exporter::adopt`] takes over a buffer suballocated from a larger pool allocation (by a
+///   `PoolResource` or `BinningResource` of mempool-rmm over the exporter's pool), with the
+///   function that gives it back: the allocation that contains it is exported once and the
+///   buffer travels as that block plus an offset.
+///
+/// [`Exporter::share`] records an interprocess event on the buffer's stream (so importers use
+/// the memory only after the work queued so far) and sends the buffer to the importers named.
+/// Dropping the [`ExportedBuffer`] is the exporter's own release; the memory is freed when the
+/// last holder lets go: the exporter, or the last importer to release it, say `Goodbye`, or die
+/// (the exporter then waits for the importer's process to be gone before it frees, so that no
+/// GPU work of the dead process can still touch the memory).
+///
+/// ```no_run
+/// # fn main() -> Result<(), mempool_ipc::Error> {
+/// use std::time::Duration;
+/// use mempool_core::{Device, HandleTypes, MemPool, PoolProps, Stream};
+/// use mempool_ipc::{Exporter, ExporterOptions};
+///
+/// let dev = Device::get(0)?;
+/// let pool = MemPool::new(&dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR))?;
+/// let exporter = Exporter::new("/run/user/1000/pool.sock", pool, ExporterOptions::default())?;
+/// let importers = exporter.wait_for_importers(1, Duration::from_secs(30))?;
+/// let stream = Stream::new(&dev.context()?)?;
+/// let buf = exporter.alloc(1 << 20, stream.as_ref())?;
+/// // ... queue work that fills `buf` on `stream` ...
+/// exporter.share(&buf, &[importers[0].id])?;
+/// drop(buf); // freed once the importer has released it too
+/// # Ok(()) }
+/// ```
+///
+/// Dropping it shuts down: no new connections, `Goodbye` to every importer, a wait (at most
+/// [`ExporterOptions::shutdown_timeout`]) for importers to release what they hold, then the
+/// connections close. [`ExportedBuffer`]s keep working after that (they free on drop).
+pub struct Exporter {
+    inner: Arc<Inner>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Exporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exporter")
+            .field("path", &self.inner.path)
+            .field("pool_id", &self.inner.announcement.pool_id)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Exporter {
+    /// Serves `pool` (created with `HandleTypes::POSIX_FILE_DESCRIPTOR`) at `path`.
+    ///
+    /// Errors: [`Error::Core`] if the pool cannot be exported (created without the handle type,
+    /// imported or default pool); [`Error::SocketPath`] or [`Error::Io`] if the socket cannot be
+    /// bound (see [`ListenerOptions`]).
+    pub fn new(path: impl AsRef<Path>, pool: MemPool, options: ExporterOptions) -> Result<Exporter> {
+        Exporter::start(path.as_ref(), Box::new(pool), options)
+    }
+
+    /// Like [`Exporter::new`], for a pool that other code also uses through an `Arc`.
+    pub fn with_shared_pool(path: impl AsRef<Path>, pool: Arc<MemPool>, options: ExporterOptions) -> Result<Exporter> {
+        Exporter::with_pool_in(path, pool, |p| p, options)
+    }
+
+    /// Like [`Exporter::new`], for a pool that lives inside another object, such as a
+    /// `mempool_rmm::AsyncResource` that a `PoolResource` suballocates from:
+    /// `Exporter::with_pool_in(path, async_resource.clone(), AsyncResource::pool, options)`.
+    pub fn with_pool_in<T: Send + Sync + 'static>(
+        path: impl AsRef<Path>,
+        owner: Arc<T>,
+        project: fn(&T) -> &MemPool,
+        options: ExporterOptions,
+    ) -> Result<Exporter> {
+        Exporter::start(path.as_ref(), Box::new(Projected { owner, project }), options)
+    }
+
+    fn start(path: &Path, source: Box<dyn PoolSource>, options: ExporterOptions) -> Result<Exporter> {
+        let pool = source.pool();
+        let pool_fd = pool.export_fd()?;
+        let ctx = pool.context().clone();
+        let uuid = pool.device().uuid()?;
+        let announcement = PoolAnnouncement {
+            device_uuid: DeviceUuid(uuid.0),
+            pool_id: PoolId::generate(),
+        };
+        let free_stream = Stream::new(&ctx)?;
+        let listener = Listener::bind_with(path, options.listener)?;
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            free_stream,
+            threads: Mutex::new(Vec::new()),
+            shutting_down: AtomicBool::new(false),
+            shutdown_deadline: Mutex::new(None),
+            shutdown_timeout: options.shutdown_timeout,
+            announcement,
+            path: path.to_owned(),
+            ctx,
+            pool_fd,
+            source,
+        });
+        let accept_inner = inner.clone();
+        let accept = std::thread::Builder::new()
+            .name("mempool-ipc-accept".into())
+            .spawn(move || serve::accept_loop(accept_inner, listener))?;
+        Ok(Exporter {
+            inner,
+            accept: Some(accept),
+        })
+    }
+
+    /// The pool being served.
+    pub fn pool(&self) -> &MemPool {
+        self.inner.source.pool()
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The pool's identity, as importers see it.
+    pub fn pool_id(&self) -> PoolId {
+        self.inner.announcement.pool_id
+    }
+
+    /// The importers connected now (handshake done), in id order.
+    pub fn importers(&self) -> Vec<ImporterInfo> {
+        let state = self.inner.lock();
+        importer_infos(&state)
+    }
+
+    /// Waits until at least `count` importers are connected; returns them all.
+    /// [`Error::WaitTimeout`] if they are not there within `timeout`.
+    pub fn wait_for_importers(&self, count: usize, timeout: Duration) -> Result<Vec<ImporterInfo>> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.inner.lock();
+        while state.importers.len() < count {
+            state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
+                what: format!("{count} importers to connect"),
+            })?;
+        }
+        Ok(importer_infos(&state))
+    }
+
+    /// Allocates `bytes` from the pool, ordered on `stream`, as a buffer that can be shared.
+    /// The buffer is a block of its own; it is freed on `stream` when dropped, or later on the
+    /// exporter's internal stream if importers still hold it.
+    pub fn alloc<'s>(&self, bytes: usize, stream: StreamRef<'s>) -> Result<ExportedBuffer<'s>> {
+        buffers::alloc(&self.inner, bytes, stream)
+    }
+
+    /// Takes over a buffer suballocated from a larger allocation of the pool, for sharing:
+    /// `ptr..ptr+len` must lie inside one live allocation of this exporter's pool (the driver
+    /// finds it, `cuMemGetAddressRange`). That allocation is exported once, and the buffer
+    /// travels as the allocation plus an offset, so small buffers need no driver allocation of
+    /// their own.
+    ///
+    /// `free` gives the buffer back to whatever allocated it (for a mempool-rmm resource `mr`:
+    /// `move |p, n, s| mr.deallocate(p, n, s)`); the exporter calls it once, when the last
+    /// holder lets go, with the stream to order the free on. Until then the buffer (and so its
+    /// block) stays allocated.
+    ///
+    /// Errors: [`Error::NotShareable`] if the range is not inside an allocation of this pool.
+    pub fn adopt<'s, F, E>(
+        &self,
+        ptr: DeviceAddr,
+        len: usize,
+        stream: StreamRef<'s>,
+        free: F,
+    ) -> Result<ExportedBuffer<'s>>
+    where
+        F: FnOnce(DeviceAddr, usize, StreamRef<'_>) -> std::result::Result<(), E> + Send + 'static,
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        buffers::adopt(&self.inner, ptr, len, stream, free)
+    }
+
+    /// Shares `buffer` with each importer in `to`: records an interprocess event on the
+    /// buffer's stream (importers wait on it before they touch the memory, so queue the work
+    /// that fills the buffer first), records the leases, and sends the buffer. A buffer can be
+    /// shared again later with other importers (not with one that holds it already).
+    ///
+    /// Errors: [`Error::UnknownImporter`] (nothing is sent to anyone);
+    /// [`LeaseError::AlreadyLeased`](crate::LeaseError::AlreadyLeased) (inside [`Error::Lease`]);
+    /// [`Error::Share`] if sending to one importer failed (its lease is revoked; the others
+    /// received the buffer).
+    pub fn share(&self, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
+        buffers::share(&self.inner, buffer, to)
+    }
+
+    /// Shares `buffer` with every importer connected now; returns who got it.
+    pub fn share_with_all(&self, buffer: &ExportedBuffer<'_>) -> Result<Vec<ImporterId>> {
+        let to: Vec<ImporterId> = self.importers().iter().map(|i| i.id).collect();
+        self.share(buffer, &to)?;
+        Ok(to)
+    }
+
+    /// A snapshot of the bookkeeping.
+    pub fn stats(&self) -> ExporterStats {
+        let state = self.inner.lock();
+        ExporterStats {
+            importers: state.importers.len(),
+            live_buffers: state.leases.len(),
+            deferred_buffers: state.deferred,
+            blocks: state.blocks.len(),
+            freed_buffers: state.freed,
+            reclaimed_buffers: state.reclaimed,
+            abandoned_buffers: state.abandoned,
+        }
+    }
+
+    /// Waits until no buffer is live any more (every buffer freed), for tests and orderly
+    /// shutdowns. [`Error::WaitTimeout`] after `timeout`.
+    pub fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.inner.lock();
+        // A deferred buffer leaves the lease table before its free is queued: wait for both.
+        while !state.leases.is_empty() || state.deferred > 0 {
+            let live = state.leases.len() + state.deferred;
+            state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
+                what: format!("{live} live buffers to be freed"),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Shuts down now (what dropping does), so that errors are not silent: returns the errors
+    /// met while freeing buffers and serving connections since the last
+    /// [`take_drop_errors`].
+    pub fn shutdown(mut self) -> Vec<Error> {
+        self.shutdown_inner();
+        take_drop_errors()
+    }
+
+    fn shutdown_inner(&mut self) {
+        if let Some(accept) = self.accept.take() {
+            serve::shut_down(&self.inner, accept);
+        }
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        self.shutdown_inner();
+    }
+}
+
+/// The connected importers, in id order.
+fn importer_infos(state: &State) -> Vec<ImporterInfo> {
+    state
+        .importers
+        .iter()
+        .map(|(id, peer)| ImporterInfo {
+            id: *id,
+            credentials: peer.credentials,
+        })
+        .collect()
+}

@@ -1,0 +1,162 @@
+//! The exporter's shared state: the records of blocks, buffers and importers that the
+//! [`Exporter`](crate::Exporter), its [`ExportedBuffer`](crate::ExportedBuffer)s and its
+//! connection threads share through [`Inner`], and how the pool is reached.
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
+
+use crate::cred::PeerCredentials;
+use crate::error::Result;
+use crate::lease::{ImporterId, LeaseTable};
+use crate::session::{ExporterSession, PoolAnnouncement};
+use crate::wire::{BlockId, EventHandle, PointerDescriptor};
+
+/// Gives a buffer back: called once, with the buffer's address and length and the stream to order
+/// the free on.
+pub(super) type FreeFn = Box<dyn FnOnce(DeviceAddr, usize, StreamRef<'_>) -> Result<()> + Send>;
+
+/// How a buffer is given back once nobody holds it.
+pub(super) enum Freer {
+    /// `cuMemFreeAsync` into the exporter's pool ([`Exporter::alloc`](crate::Exporter::alloc)).
+    Pool,
+    /// The function [`Exporter::adopt`](crate::Exporter::adopt) was given.
+    Custom(FreeFn),
+}
+
+/// Where the exporter's pool lives: owned, shared, or inside another object (a memory resource).
+pub(super) trait PoolSource: Send + Sync {
+    fn pool(&self) -> &MemPool;
+}
+
+impl PoolSource for MemPool {
+    fn pool(&self) -> &MemPool {
+        self
+    }
+}
+
+/// A pool inside another object: `project` finds it in `owner`.
+pub(super) struct Projected<T> {
+    pub(super) owner: Arc<T>,
+    pub(super) project: fn(&T) -> &MemPool,
+}
+
+impl<T: Send + Sync> PoolSource for Projected<T> {
+    fn pool(&self) -> &MemPool {
+        (self.project)(&self.owner)
+    }
+}
+
+/// An interprocess event and its handle, recycled once the buffer it ordered is freed.
+pub(super) struct IpcEvent {
+    pub(super) event: Event,
+    pub(super) handle: EventHandle,
+}
+
+/// One exported block: a pool allocation that whole or suballocated buffers live in.
+pub(super) struct BlockRecord {
+    pub(super) id: BlockId,
+    pub(super) size: u64,
+    /// `cuMemPoolExportPointer` data, made on the first share.
+    pub(super) pointer: Option<PointerDescriptor>,
+    /// Live buffers in the block; the record goes when it reaches 0.
+    pub(super) live: usize,
+}
+
+/// One live buffer, as the lease table keeps it.
+pub(super) struct Shared {
+    pub(super) ptr: DeviceAddr,
+    pub(super) len: usize,
+    pub(super) block_base: u64,
+    pub(super) free: Option<Freer>,
+    /// The interprocess events recorded for its shares; they must outlive every importer's wait.
+    pub(super) events: Vec<IpcEvent>,
+    /// Recorded on the owner's stream when the owner let go while importers still held it.
+    pub(super) last_use: Option<Event>,
+}
+
+/// A connected importer (handshake done).
+pub(super) struct Peer {
+    pub(super) session: Arc<ExporterSession>,
+    pub(super) credentials: PeerCredentials,
+}
+
+/// Everything the exporter's threads share, under [`Inner::state`].
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) leases: LeaseTable<Shared>,
+    pub(super) importers: BTreeMap<ImporterId, Peer>,
+    /// Exported blocks by base address.
+    pub(super) blocks: BTreeMap<u64, BlockRecord>,
+    pub(super) idle_events: Vec<IpcEvent>,
+    /// Connection threads that have not finished (they may still free buffers).
+    pub(super) serving: usize,
+    pub(super) next_buffer: u64,
+    pub(super) next_block: u64,
+    pub(super) next_importer: u64,
+    pub(super) deferred: usize,
+    pub(super) freed: u64,
+    pub(super) reclaimed: u64,
+    pub(super) abandoned: u64,
+    /// Buffers that could not be freed safely at shutdown; kept so their events stay alive.
+    pub(super) leaked: Vec<Shared>,
+}
+
+/// The exporter's shared core: the [`Exporter`](crate::Exporter), every
+/// [`ExportedBuffer`](crate::ExportedBuffer) and every connection thread hold it.
+pub(super) struct Inner {
+    // Field order is drop order: everything that frees into the pool or waits on it goes first.
+    pub(super) state: Mutex<State>,
+    pub(super) changed: Condvar,
+    pub(super) free_stream: Stream,
+    pub(super) threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(super) shutting_down: AtomicBool,
+    pub(super) shutdown_deadline: Mutex<Option<Instant>>,
+    pub(super) shutdown_timeout: Duration,
+    pub(super) announcement: PoolAnnouncement,
+    pub(super) path: PathBuf,
+    pub(super) ctx: Arc<Context>,
+    pub(super) pool_fd: OwnedFd,
+    pub(super) source: Box<dyn PoolSource>,
+}
+
+impl Inner {
+    /// Locks the state.
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        lock_plain(&self.state)
+    }
+
+    /// Waits for a change of the state until `deadline`; `None` once it has passed.
+    pub(super) fn wait<'a>(&self, state: MutexGuard<'a, State>, deadline: Instant) -> Option<MutexGuard<'a, State>> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let (state, _) = self
+            .changed
+            .wait_timeout(state, left)
+            .unwrap_or_else(|p| p.into_inner());
+        Some(state)
+    }
+
+    /// An interprocess event to order a share: a recycled one, or a new one.
+    pub(super) fn take_event(&self) -> Result<IpcEvent> {
+        if let Some(event) = self.lock().idle_events.pop() {
+            return Ok(event);
+        }
+        let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+        let handle = EventHandle(event.ipc_handle()?.0);
+        Ok(IpcEvent { event, handle })
+    }
+}
+
+/// Locks `mutex`, whether or not a thread panicked while holding it.
+pub(super) fn lock_plain<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,77 @@
+//! Fixtures of the unit tests: identities, buffer descriptors, one message of every type, and a
+//! raw reader of frames for tests that play a (possibly hostile) peer on a plain socket.
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use super::{
+    decode_body, decode_header, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle,
+    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, Welcome, HEADER_LEN,
+};
+
+pub(crate) const GPU: DeviceUuid = DeviceUuid([
+    0x5a, 0x1f, 0x32, 0x9e, 0x04, 0x71, 0x4c, 0x2b, 0x9d, 0x10, 0xee, 0x42, 0x07, 0x88, 0x3c, 0x61,
+]);
+pub(crate) const OTHER_GPU: DeviceUuid = DeviceUuid([0x11; 16]);
+pub(crate) const POOL: PoolId = PoolId([0xab; 16]);
+
+pub(crate) fn buffer(id: u64) -> BufferDescriptor {
+    BufferDescriptor {
+        buffer_id: BufferId(id),
+        block_id: BlockId(id / 4),
+        block_size: 1 << 21,
+        offset: (id % 4) << 12,
+        size: 4096,
+        pointer: PointerDescriptor([id as u8; 64]),
+        ready_event: Some(EventHandle([0xe0 | (id as u8 & 0xf); 64])),
+    }
+}
+
+/// One message of every type.
+pub(crate) fn every_message() -> Vec<Message> {
+    vec![
+        Message::Hello,
+        Message::Welcome(Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+        }),
+        Message::Ready(Ready { device_uuid: GPU }),
+        Message::PoolDescriptor(PoolDescriptor { pool_id: POOL }),
+        Message::Buffer(buffer(5)),
+        Message::Buffer(BufferDescriptor {
+            ready_event: None,
+            ..buffer(6)
+        }),
+        Message::Release {
+            buffer_id: BufferId(u64::MAX),
+        },
+        Message::Goodbye,
+        Message::Error(ErrorMessage::new(ErrorCode::NotLeased, "no such lease: ü")),
+        Message::Error(ErrorMessage::new(ErrorCode::Other(77), "")),
+    ]
+}
+
+/// Reads one whole frame from a raw stream (blocking, with a read timeout) and decodes it.
+pub(crate) fn read_frame(stream: &mut UnixStream) -> Result<Message, Box<dyn std::error::Error>> {
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut header = [0u8; HEADER_LEN];
+    stream.read_exact(&mut header)?;
+    let head = decode_header(&header)?;
+    let mut body = vec![0u8; head.body_len];
+    stream.read_exact(&mut body)?;
+    Ok(decode_body(head.message_type, &body)?)
+}
+
+/// Reads an `Error` frame and then the end of the stream: what a peer sees when this side
+/// rejects it.
+pub(crate) fn expect_error_then_eof(stream: &mut UnixStream) -> ErrorMessage {
+    let message = read_frame(stream).expect("an Error message before the close");
+    let Message::Error(e) = message else {
+        panic!("expected an Error message, got {message:?}");
+    };
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "bytes after the Error message: {rest:?}");
+    e
+}
