@@ -427,7 +427,7 @@ fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
     let mut log = String::from(HEADER);
     log.push('\n');
     let mut live: Vec<(u64, usize)> = Vec::new();
-    let mut rng = mempool_rmm::testing::SplitMix64(7);
+    let mut rng = mempool_rmm::workload::SplitMix64(7);
     let mut next = 0x1000u64;
     for _ in 0..3000 {
         let thread = 1 + rng.below(3);

@@ -17,7 +17,7 @@ use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
 use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions, SharedBuffer};
 use mempool_rmm::suballoc::{BinningConfig, PoolConfig};
-use mempool_rmm::{AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource, SharedResource};
+use mempool_rmm::{AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource};
 
 const ROLE: &str = "MEMPOOL_IPC_TEST_ROLE";
 const SOCK: &str = "MEMPOOL_IPC_TEST_SOCK";
@@ -288,7 +288,13 @@ fn suballocated_child() {
     no_drop_errors("importer");
 }
 
-fn suballocated_parent(test: &str, make: impl FnOnce(Arc<AsyncResource>, &Arc<Context>) -> SharedResource) {
+/// `make` builds the suballocating resource over the exporter's pool; `release` returns its unused
+/// chunks to that pool, reporting any error, before the resource is dropped.
+fn suballocated_parent<R: MemoryResource + 'static>(
+    test: &str,
+    make: impl FnOnce(Arc<AsyncResource>, &Arc<Context>) -> R,
+    release: impl FnOnce(&R) -> mempool_rmm::Result<()>,
+) {
     let _serial = serial();
     let (dev, ctx) = gpu();
     let upstream = Arc::new(
@@ -302,7 +308,7 @@ fn suballocated_parent(test: &str, make: impl FnOnce(Arc<AsyncResource>, &Arc<Co
         )
         .unwrap(),
     );
-    let sub = make(upstream.clone(), &ctx);
+    let sub = Arc::new(make(upstream.clone(), &ctx));
     let sock = socket_path(test);
     let exporter =
         Exporter::with_pool_in(&sock, upstream.clone(), AsyncResource::pool, ExporterOptions::default()).unwrap();
@@ -347,8 +353,8 @@ fn suballocated_parent(test: &str, make: impl FnOnce(Arc<AsyncResource>, &Arc<Co
     assert_eq!((stats.freed_buffers, stats.blocks), (SUB_COUNT as u64, 0), "{stats:?}");
     assert!(exporter.shutdown().is_empty());
     stream.synchronize().unwrap();
+    release(&sub).expect("every chunk goes back to the pool without error");
     drop(sub);
-    assert!(mempool_rmm::resources::take_upstream_errors().is_empty());
     wait_used(upstream.pool(), &ctx, 0);
     no_drop_errors("exporter");
 }
@@ -365,8 +371,9 @@ fn suballocated_buffers_from_a_pool_resource_share_one_block() {
                 initial_size: 8 * MIB as u64,
                 ..PoolConfig::default()
             };
-            Arc::new(PoolResource::new(upstream, ctx, config).unwrap())
+            PoolResource::new(upstream, ctx, config).unwrap()
         },
+        PoolResource::release_unused,
     );
 }
 
@@ -377,7 +384,8 @@ fn suballocated_buffers_from_a_binning_resource_share_one_block() {
     }
     suballocated_parent(
         "suballocated_buffers_from_a_binning_resource_share_one_block",
-        |upstream, ctx| Arc::new(BinningResource::new(upstream, ctx, BinningConfig::default()).unwrap()),
+        |upstream, ctx| BinningResource::new(upstream, ctx, BinningConfig::default()).unwrap(),
+        BinningResource::release_unused,
     );
 }
 

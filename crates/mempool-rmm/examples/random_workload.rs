@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use mempool_core::{sys, Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
-use mempool_rmm::testing::{random_workload, RandomOp as Op};
+use mempool_rmm::workload::{random_workload, RandomOp as Op};
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
     SharedResource,

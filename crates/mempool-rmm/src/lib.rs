@@ -10,9 +10,13 @@
 //! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
 //!   failure-callback, prefetch.
 //! - [`registry`]: the per-device current resource.
-//! - [`suballoc`]: the suballocator engines (pool, fixed-size, binning, arena), host-testable over a
-//!   simulated upstream.
-//! - [`testing`]: a host-only resource for tests without a GPU.
+//! - The suballocating resources ([`PoolResource`], [`FixedSizeResource`], [`BinningResource`],
+//!   [`ArenaResource`]: one generic [`SuballocatingResource`]), which run the engines of
+//!   [`suballoc`] (the `mempool-suballoc` crate: pool, fixed-size, binning, arena, host-testable over
+//!   a simulated upstream) over any upstream resource.
+//! - [`workload`]: the standard random workload the benchmarks draw from.
+//! - `testing` (cargo feature `testing`, off by default): `SimResource`, a host-only resource for
+//!   tests without a GPU.
 //!
 //! See `docs/resources.md` for which resource suits which workload.
 
@@ -26,12 +30,17 @@ mod error;
 pub mod registry;
 mod resource;
 pub mod resources;
-pub mod suballoc;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
+
+/// The suballocator engines: the `mempool-suballoc` crate.
+pub use mempool_suballoc as suballoc;
+/// The standard random workload and its generator (`mempool_suballoc::workload`).
+pub use mempool_suballoc::workload;
 
 pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, HostPoolOptions,
-    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource,
+    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, SuballocConfig, SuballocatingResource,
 };

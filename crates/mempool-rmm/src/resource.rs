@@ -7,13 +7,16 @@ use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
 
-/// Alignment of every allocation a resource in this crate returns, in bytes (as RMM's
-/// `CUDA_ALLOCATION_ALIGNMENT`).
-pub const ALIGNMENT: usize = 256;
+/// The one alignment of the workspace, defined by the suballocator engines: every allocation a
+/// resource in this crate returns is aligned to it (as RMM's `CUDA_ALLOCATION_ALIGNMENT`).
+pub use crate::suballoc::{align_up, ALIGNMENT};
 
-/// Rounds `bytes` up to a multiple of [`ALIGNMENT`].
-pub fn align_up(bytes: usize) -> usize {
-    bytes.div_ceil(ALIGNMENT) * ALIGNMENT
+/// [`ALIGNMENT`] as a `usize`, for the resources' `usize` sizes.
+pub(crate) const ALIGNMENT_USIZE: usize = ALIGNMENT as usize;
+
+/// [`align_up`] for the resources' `usize` sizes: `None` when the rounded size does not fit.
+pub(crate) fn align_up_usize(bytes: usize) -> Option<usize> {
+    align_up(bytes as u64).and_then(|n| usize::try_from(n).ok())
 }
 
 /// A stream-ordered memory resource.
@@ -114,10 +117,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn alignment_rounds_up() {
-        assert_eq!(align_up(0), 0);
-        assert_eq!(align_up(1), 256);
-        assert_eq!(align_up(256), 256);
-        assert_eq!(align_up(257), 512);
+    fn usize_sizes_round_as_the_engines_round() {
+        assert_eq!(align_up_usize(0), Some(0));
+        assert_eq!(align_up_usize(1), Some(256));
+        assert_eq!(align_up_usize(256), Some(256));
+        assert_eq!(align_up_usize(257), Some(512));
+        assert_eq!(align_up_usize(usize::MAX), None);
+        assert_eq!(ALIGNMENT_USIZE as u64, ALIGNMENT);
     }
 }

@@ -1,5 +1,7 @@
 //! The conformance suite, run against every resource and adaptor (in the spirit of RMM's own
-//! `mr_ref_tests`). GPU only: `cargo test -p mempool-rmm --features gpu --test conformance`.
+//! `mr_ref_tests`). GPU only: `cargo test -p mempool-rmm --features gpu --test conformance`. The
+//! checks that need no GPU also run on the host, against every suballocator engine over a simulated
+//! upstream and simulated streams: `crates/mempool-suballoc/tests/conformance.rs`.
 #![cfg(feature = "gpu")]
 
 use std::sync::{mpsc, Arc};
@@ -11,7 +13,7 @@ use mempool_rmm::adaptors::{
     TrackingAdaptor,
 };
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
-use mempool_rmm::testing::SplitMix64;
+use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
     ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,
@@ -70,12 +72,7 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
             .allocate(size, stream.as_ref())
             .unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
         assert!(!p.is_null());
-        assert_eq!(
-            p.0 % ALIGNMENT as u64,
-            0,
-            "{}: {size} bytes at {p} not aligned",
-            mr.name()
-        );
+        assert_eq!(p.0 % ALIGNMENT, 0, "{}: {size} bytes at {p} not aligned", mr.name());
         let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
         assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
         check_device_access(p, size, &stream, &kernels, size as u32);

@@ -63,13 +63,13 @@ pub const STANDARD_POINTS: [Point; 3] = [
     },
 ];
 
-pub use mempool_rmm::testing::RandomOp as Op;
+pub use mempool_rmm::workload::RandomOp as Op;
 
 /// The operation sequence of `p`, from `seed` (the example uses `42 + point index`): mempool-rmm's
-/// [`random_workload`](mempool_rmm::testing::random_workload), the same sequence the `random_workload`
+/// [`random_workload`](mempool_rmm::workload::random_workload), the same sequence the `random_workload`
 /// example and the criterion bench draw. Generated before timing, the same for every resource.
 pub fn generate(p: &Point, seed: u64) -> Vec<Op> {
-    mempool_rmm::testing::random_workload(p.n, p.max_size, p.max_usage, seed)
+    mempool_rmm::workload::random_workload(p.n, p.max_size, p.max_usage, seed)
 }
 
 /// What one run measured.

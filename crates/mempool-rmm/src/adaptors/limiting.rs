@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{align_up, MemoryResource};
+use crate::resource::{align_up_usize, MemoryResource};
 
 /// Refuses allocations that would take the bytes allocated through it past a limit, RMM's
 /// `limiting_resource_adaptor`. Sizes count as rounded up to [`crate::ALIGNMENT`], as they occupy.
@@ -42,7 +42,13 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
 
 impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        let need = align_up(bytes);
+        let Some(need) = align_up_usize(bytes) else {
+            return Err(Error::LimitExceeded {
+                requested: bytes,
+                used: self.used(),
+                limit: self.limit,
+            });
+        };
         // Reserve first so concurrent callers cannot overshoot together.
         let prev = self.used.fetch_add(need, Ordering::AcqRel);
         if prev.saturating_add(need) > self.limit {
@@ -63,7 +69,9 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         // SAFETY: this adaptor hands out the upstream's allocations unchanged (same address, same size), so
         // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
         unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
-        self.used.fetch_sub(align_up(bytes), Ordering::AcqRel);
+        // `bytes` is the size of a live allocation made through this adaptor, so it rounded then.
+        self.used
+            .fetch_sub(align_up_usize(bytes).unwrap_or(0), Ordering::AcqRel);
         Ok(())
     }
 

@@ -9,4 +9,6 @@ mod suballoc;
 pub use async_resource::{AsyncOptions, AsyncResource};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
-pub use suballoc::{take_upstream_errors, ArenaResource, BinningResource, FixedSizeResource, PoolResource};
+pub use suballoc::{
+    ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,
+};

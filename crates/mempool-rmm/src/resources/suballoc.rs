@@ -1,16 +1,18 @@
-//! The suballocating resources: the engines of [`crate::suballoc`] run against real streams and an
-//! upstream [`MemoryResource`].
+//! The suballocating resources: one generic [`SuballocatingResource`] that runs any engine of
+//! [`crate::suballoc`] (named by its configuration) against real streams and an upstream
+//! [`MemoryResource`], and the four aliases [`PoolResource`], [`FixedSizeResource`],
+//! [`BinningResource`] and [`ArenaResource`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use crate::suballoc::{
-    self, ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, EngineStats, EventPolicy, FixedSizeConfig,
-    FixedSizeEngine, PoolConfig, PoolEngine, StreamOrder, Upstream,
+    self, ArenaConfig, BinningConfig, Engine, EngineConfig, EngineStats, EventPolicy, FixedSizeConfig, PoolConfig,
+    StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
@@ -22,18 +24,18 @@ impl StreamKey {
         StreamKey(stream.id())
     }
 
-    /// The stream behind the key, for a driver call made during the `allocate` or `deallocate` call that
-    /// passed it in.
+    /// The stream behind the key, for a driver call made during the engine call that passed it in.
     #[allow(unsafe_code)]
     fn stream(self) -> StreamRef<'static> {
         // SAFETY: the engines hand a key back to `CudaStreams::{record, wait}` and to
-        // `ResourceUpstream::{allocate, deallocate}` only for the stream of the allocate/deallocate call
-        // in progress (the suballoc module's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the
-        // only policies these resources run with: see `safe_policy`), and the caller keeps that stream
-        // alive for the call. The two paths that
-        // replay stored keys never reach here: `CudaStreams::synchronize` synchronizes the whole context
-        // instead, and release frees upstream on the legacy stream (see `ResourceUpstream`). The
-        // `'static` lifetime does not escape: each use is a single driver call.
+        // `ResourceUpstream::{allocate, deallocate}` only for the stream of the engine call in progress
+        // (the suballoc crate's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the only
+        // policies these resources run with: see `safe_policy`): the stream of an `allocate` or
+        // `deallocate`, which the caller keeps alive for the call, or the legacy default stream, which
+        // `release_unused` passes and which is always valid. The two paths that replay stored keys never
+        // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
+        // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
+        // does not escape: each use is a single driver call.
         unsafe { StreamRef::from_raw(self.0 as mempool_core::sys::CUstream) }
     }
 }
@@ -77,8 +79,9 @@ impl StreamOrder for CudaStreams {
 pub(crate) struct ResourceUpstream<U> {
     upstream: Arc<U>,
     ctx: Arc<Context>,
-    /// Set while the resource is being released, after a context synchronize: upstream frees then go
-    /// on the legacy stream, since the streams the engine stored with its chunks may be gone.
+    /// Set when the resource is dropped: upstream frees then go on the legacy stream, after the
+    /// engine's release synchronized the context, since the streams the engine stored with its
+    /// chunks may be gone.
     releasing: AtomicBool,
 }
 
@@ -101,13 +104,13 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
         }
     }
 
-    fn deallocate(&self, addr: u64, bytes: u64, stream: StreamKey) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: StreamKey) -> Result<(), suballoc::Error> {
         let r = if self.releasing.load(Ordering::Acquire) {
-            // The context was synchronized before release began, so nothing uses the chunk.
+            // The engine synchronized the context before it began returning chunks, so nothing uses them.
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
-                // SAFETY: the engine returns each chunk it got from `allocate` once, with its size; the
-                // context was synchronized before release began, so no work uses the chunk, and the engine
-                // hands out nothing of it afterwards.
+                // SAFETY: the engine returns each chunk it got from `allocate` once, with its size; it
+                // synchronized the context before it began returning chunks, so no work uses the chunk,
+                // and it hands out nothing of it afterwards.
                 #[allow(unsafe_code)]
                 unsafe {
                     self.upstream
@@ -124,19 +127,14 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
                     .deallocate(DeviceAddr(addr), bytes as usize, stream.stream())
             }
         };
-        if let Err(e) = r {
-            // The engine's upstream contract has no error path for frees; keep the report.
-            RELEASE_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).push(e);
-        }
+        // The engine forgets the chunk and reports the error to its caller (`release_unused`, or a
+        // deallocation that returns memory straight to the upstream, or the release in `Drop`, which
+        // ignores it); `map_engine_error` unwraps it.
+        r.map_err(|e| suballoc::Error::Upstream {
+            op: "deallocate",
+            source: Box::new(e),
+        })
     }
-}
-
-static RELEASE_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
-
-/// Errors the suballocating resources met returning memory to their upstreams (which cannot report them
-/// to a caller: it happens in `Drop` or inside an engine). Takes them.
-pub fn take_upstream_errors() -> Vec<Error> {
-    std::mem::take(&mut *RELEASE_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// The engine policy a resource over real streams runs with: `RecordOnDemand` would record on
@@ -180,155 +178,227 @@ fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
                 },
             }
         }
+        // The engines' error is non-exhaustive; a kind added later reads as its message until it is
+        // mapped here.
+        other => Error::Unsupported {
+            resource,
+            reason: other.to_string(),
+        },
     }
 }
 
-macro_rules! suballocating_resource {
-    ($(#[$doc:meta])* $name:ident, $engine:ident, $config:ident, $fix_policy:expr) => {
-        $(#[$doc])*
-        pub struct $name<U: MemoryResource> {
-            upstream: Arc<U>,
-            ctx: Arc<Context>,
-            engine: Mutex<$engine<Arc<ResourceUpstream<U>>, CudaStreams>>,
-            adapter: Arc<ResourceUpstream<U>>,
-        }
-
-        impl<U: MemoryResource> std::fmt::Debug for $name<U> {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.debug_struct(stringify!($name))
-                    .field("upstream", &self.upstream)
-                    .field("stats", &self.stats())
-                    .finish()
-            }
-        }
-
-        impl<U: MemoryResource> $name<U> {
-            /// Suballocates from `upstream`, whose memory lives in `ctx` (the context whose streams are
-            /// used with it).
-            pub fn new(upstream: U, ctx: &Arc<Context>, config: $config) -> Result<Self> {
-                let fix: fn($config) -> $config = $fix_policy;
-                let upstream = Arc::new(upstream);
-                let adapter = Arc::new(ResourceUpstream {
-                    upstream: upstream.clone(),
-                    ctx: ctx.clone(),
-                    releasing: AtomicBool::new(false),
-                });
-                let engine = $engine::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, fix(config))
-                    .map_err(|e| map_engine_error(stringify!($name), e))?;
-                Ok($name { upstream, ctx: ctx.clone(), engine: Mutex::new(engine), adapter })
-            }
-
-            /// The upstream resource.
-            pub fn upstream(&self) -> &U {
-                &self.upstream
-            }
-
-            fn engine(&self) -> MutexGuard<'_, $engine<Arc<ResourceUpstream<U>>, CudaStreams>> {
-                self.engine.lock().unwrap_or_else(|p| p.into_inner())
-            }
-
-            /// The engine's bookkeeping: reserved, used and free bytes, blocks, upstream chunks.
-            pub fn stats(&self) -> EngineStats {
-                self.engine().stats()
-            }
-
-            /// Returns every upstream chunk that holds no live allocation, after waiting for all work in
-            /// the context.
-            pub fn release_unused(&self) -> Result<()> {
-                self.ctx.synchronize()?;
-                let mut engine = self.engine();
-                self.adapter.releasing.store(true, Ordering::Release);
-                let r = engine.release();
-                self.adapter.releasing.store(false, Ordering::Release);
-                r.map_err(|e| map_engine_error(stringify!($name), e))
-            }
-        }
-
-        impl<U: MemoryResource> MemoryResource for $name<U> {
-            fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-                if bytes == 0 {
-                    return Ok(DeviceAddr::NULL);
-                }
-                self.engine()
-                    .allocate(bytes as u64, StreamKey::of(stream))
-                    .map(DeviceAddr)
-                    .map_err(|e| map_engine_error(stringify!($name), e))
-            }
-
-            #[allow(unsafe_code)]
-            unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-                if ptr.is_null() {
-                    return Ok(());
-                }
-                self.engine()
-                    .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
-                    .map_err(|e| map_engine_error(stringify!($name), e))
-            }
-
-            fn name(&self) -> &'static str {
-                stringify!($name)
-            }
-        }
-
-        impl<U: MemoryResource> Drop for $name<U> {
-            fn drop(&mut self) {
-                // Wait for the context, then return everything upstream on the legacy stream; the engine's
-                // own drop then finds nothing left.
-                let _ = self.release_unused();
-            }
-        }
-    };
+/// An engine configuration that a [`SuballocatingResource`] runs: the configuration names the
+/// engine (through [`EngineConfig`]) and the resource's name.
+///
+/// Implemented by [`PoolConfig`], [`FixedSizeConfig`], [`BinningConfig`] and [`ArenaConfig`].
+pub trait SuballocConfig: EngineConfig {
+    /// The resource's name, as [`MemoryResource::name`] reports it and its errors name it
+    /// (`PoolResource`, ...).
+    const RESOURCE_NAME: &'static str;
 }
 
-suballocating_resource!(
-    /// A coalescing best-fit suballocator over any upstream, RMM's `pool_memory_resource`: it grows
-    /// from the upstream (up to an optional maximum), keeps per-stream free lists, and hands blocks
-    /// between streams through events. Free blocks are indexed by size and by address: operations stay
-    /// logarithmic with tens of thousands of live allocations.
+impl SuballocConfig for PoolConfig {
+    const RESOURCE_NAME: &'static str = "PoolResource";
+}
+
+impl SuballocConfig for FixedSizeConfig {
+    const RESOURCE_NAME: &'static str = "FixedSizeResource";
+}
+
+impl SuballocConfig for BinningConfig {
+    const RESOURCE_NAME: &'static str = "BinningResource";
+}
+
+impl SuballocConfig for ArenaConfig {
+    const RESOURCE_NAME: &'static str = "ArenaResource";
+}
+
+/// The engine a resource runs: the one `C` names, over the upstream resource and CUDA events.
+type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>, CudaStreams>;
+
+/// A suballocator over any upstream [`MemoryResource`]: the engine that the configuration `C` names
+/// (see [`SuballocConfig`]), run against real streams, behind a lock.
+///
+/// - `allocate` and `deallocate` go to the engine, keyed by the stream's handle; a stream reuses its
+///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
+///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
+///   address.
+/// - The engine runs with [`EventPolicy::Adaptive`] when the configuration asks for
+///   [`EventPolicy::RecordOnDemand`], which would record on streams that may have been destroyed
+///   since.
+/// - Engine errors map to [`Error`]: out of memory to [`Error::OutOfMemory`] (naming the size asked
+///   for), a request above what the engine serves to [`Error::Unsupported`], an unknown
+///   deallocation to [`Error::InvalidDeallocation`], the upstream's and the driver's errors to
+///   themselves.
+///
+/// Use it through its aliases: [`PoolResource`], [`FixedSizeResource`], [`BinningResource`],
+/// [`ArenaResource`].
+///
+/// ```no_run
+/// # fn main() -> mempool_rmm::Result<()> {
+/// use mempool_core::{Device, Stream};
+/// use mempool_rmm::suballoc::ArenaConfig;
+/// use mempool_rmm::{AsyncResource, MemoryResource, SuballocatingResource};
+/// let dev = Device::get(0)?;
+/// let ctx = dev.context()?;
+/// let mr: SuballocatingResource<ArenaConfig, _> =
+///     SuballocatingResource::new(AsyncResource::default_pool(&dev)?, &ctx, ArenaConfig::default())?;
+/// assert_eq!(mr.name(), "ArenaResource");
+/// let stream = Stream::new(&ctx)?;
+/// let p = mr.allocate(4096, stream.as_ref())?;
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 4096, stream.as_ref()) }?;
+/// mr.release_unused()?; // every chunk goes back to the driver pool
+/// # Ok(()) }
+/// ```
+pub struct SuballocatingResource<C: SuballocConfig, U: MemoryResource> {
+    upstream: Arc<U>,
+    engine: Mutex<ResourceEngine<C, U>>,
+    adapter: Arc<ResourceUpstream<U>>,
+}
+
+impl<C: SuballocConfig, U: MemoryResource> std::fmt::Debug for SuballocatingResource<C, U> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(C::RESOURCE_NAME)
+            .field("upstream", &self.upstream)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
+    /// Suballocates from `upstream`, whose memory lives in `ctx` (the context whose streams are used
+    /// with it). Reserves nothing yet. Fails with [`Error::Unsupported`] for a configuration the
+    /// engine rejects.
+    pub fn new(upstream: U, ctx: &Arc<Context>, config: C) -> Result<Self> {
+        let mut config = config;
+        config.set_event_policy(safe_policy(config.event_policy()));
+        let upstream = Arc::new(upstream);
+        let adapter = Arc::new(ResourceUpstream {
+            upstream: upstream.clone(),
+            ctx: ctx.clone(),
+            releasing: AtomicBool::new(false),
+        });
+        let engine = ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config)
+            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
+        Ok(SuballocatingResource {
+            upstream,
+            engine: Mutex::new(engine),
+            adapter,
+        })
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    fn engine(&self) -> MutexGuard<'_, ResourceEngine<C, U>> {
+        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The engine's configuration, with sizes rounded as it uses them and the event policy it runs
+    /// with.
+    pub fn config(&self) -> C {
+        self.engine().config()
+    }
+
+    /// The engine's bookkeeping: reserved, used and free bytes, blocks, upstream chunks.
+    pub fn stats(&self) -> EngineStats {
+        self.engine().stats()
+    }
+
+    /// Returns to the upstream every chunk that holds no live allocation; live allocations stay
+    /// valid. The chunks are freed on the context's legacy default stream, which the engine first
+    /// orders after every free into them (an event wait, or a context synchronize).
     ///
-    /// ```no_run
-    /// # fn main() -> mempool_rmm::Result<()> {
-    /// use mempool_core::{Device, Stream};
-    /// use mempool_rmm::{suballoc::PoolConfig, AsyncResource, MemoryResource, PoolResource};
-    /// let dev = Device::get(0)?;
-    /// let ctx = dev.context()?;
-    /// let config = PoolConfig { initial_size: 1 << 30, ..Default::default() };
-    /// let mr = PoolResource::new(AsyncResource::default_pool(&dev)?, &ctx, config)?;
-    /// let stream = Stream::new(&ctx)?;
-    /// let p = mr.allocate(4096, stream.as_ref())?;
-    /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
-    /// unsafe { mr.deallocate(p, 4096, stream.as_ref()) }?;
-    /// # Ok(()) }
-    /// ```
-    PoolResource,
-    PoolEngine,
-    PoolConfig,
-    |c| PoolConfig { event_policy: safe_policy(c.event_policy), ..c }
-);
+    /// Reports the upstream's error when it fails to take a chunk back (the chunk is forgotten all
+    /// the same). Once nothing is live this returns every chunk, so calling it before dropping the
+    /// resource is how to see errors that `Drop` cannot report.
+    pub fn release_unused(&self) -> Result<()> {
+        let _bound = self.adapter.ctx.bind()?;
+        self.engine()
+            .release_unused(StreamKey::of(StreamRef::LEGACY))
+            .map(drop)
+            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
+    }
+}
 
-suballocating_resource!(
-    /// Fixed-size blocks carved from upstream chunks, O(1) per operation, RMM's
-    /// `fixed_size_memory_resource`. Larger requests are refused with [`Error::Unsupported`].
-    FixedSizeResource,
-    FixedSizeEngine,
-    FixedSizeConfig,
-    |c| FixedSizeConfig { event_policy: safe_policy(c.event_policy), ..c }
-);
+impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
+        if bytes == 0 {
+            return Ok(DeviceAddr::NULL);
+        }
+        self.engine()
+            .allocate(bytes as u64, StreamKey::of(stream))
+            .map(DeviceAddr)
+            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
+    }
 
-suballocating_resource!(
-    /// Power-of-two bins of fixed-size blocks, larger requests straight to the upstream, RMM's
-    /// `binning_memory_resource`: the fastest choice for many small allocations.
-    BinningResource,
-    BinningEngine,
-    BinningConfig,
-    |c| BinningConfig { event_policy: safe_policy(c.event_policy), ..c }
-);
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
+        // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
+        self.engine()
+            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
+            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
+    }
 
-suballocating_resource!(
-    /// Per-stream arenas of superblocks over a global arena, RMM's `arena_memory_resource`: little
-    /// contention between streams, large allocations straight from the global arena.
-    ArenaResource,
-    ArenaEngine,
-    ArenaConfig,
-    |c| ArenaConfig { event_policy: safe_policy(c.event_policy), ..c }
-);
+    fn name(&self) -> &'static str {
+        C::RESOURCE_NAME
+    }
+}
+
+impl<C: SuballocConfig, U: MemoryResource> Drop for SuballocatingResource<C, U> {
+    /// Returns every chunk to the upstream, live allocations included, as RMM's resources do when
+    /// destroyed: the engine synchronizes the context, then frees each chunk on the legacy default
+    /// stream (the streams it stored may be gone). The error cannot be returned from `drop` and is
+    /// ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
+    /// still use them, and a chunk the upstream refuses is forgotten. Call
+    /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
+    fn drop(&mut self) {
+        self.adapter.releasing.store(true, Ordering::Release);
+        let engine = self.engine.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let _ = engine.release();
+        // The engine's own drop then finds nothing left (or retries, still on the legacy stream).
+    }
+}
+
+/// A coalescing best-fit suballocator over any upstream, RMM's `pool_memory_resource`: it grows
+/// from the upstream (up to an optional maximum), keeps per-stream free lists, and hands blocks
+/// between streams through events. Free blocks are indexed by size and by address: operations stay
+/// logarithmic with tens of thousands of live allocations. See [`SuballocatingResource`].
+///
+/// ```no_run
+/// # fn main() -> mempool_rmm::Result<()> {
+/// use mempool_core::{Device, Stream};
+/// use mempool_rmm::{suballoc::PoolConfig, AsyncResource, MemoryResource, PoolResource};
+/// let dev = Device::get(0)?;
+/// let ctx = dev.context()?;
+/// let config = PoolConfig { initial_size: 1 << 30, ..Default::default() };
+/// let mr = PoolResource::new(AsyncResource::default_pool(&dev)?, &ctx, config)?;
+/// let stream = Stream::new(&ctx)?;
+/// let p = mr.allocate(4096, stream.as_ref())?;
+/// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { mr.deallocate(p, 4096, stream.as_ref()) }?;
+/// # Ok(()) }
+/// ```
+pub type PoolResource<U> = SuballocatingResource<PoolConfig, U>;
+
+/// Fixed-size blocks carved from upstream chunks, O(1) per operation, RMM's
+/// `fixed_size_memory_resource`. Larger requests are refused with [`Error::Unsupported`]. See
+/// [`SuballocatingResource`].
+pub type FixedSizeResource<U> = SuballocatingResource<FixedSizeConfig, U>;
+
+/// Power-of-two bins of fixed-size blocks, larger requests straight to the upstream, RMM's
+/// `binning_memory_resource`: the fastest choice for many small allocations. See
+/// [`SuballocatingResource`].
+pub type BinningResource<U> = SuballocatingResource<BinningConfig, U>;
+
+/// Per-stream arenas of superblocks over a global arena, RMM's `arena_memory_resource`: little
+/// contention between streams, large allocations straight from the global arena. See
+/// [`SuballocatingResource`].
+pub type ArenaResource<U> = SuballocatingResource<ArenaConfig, U>;

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 use super::{
-    ArenaEngine, BinningEngine, EngineStats, Error, EventPolicy, FixedSizeEngine, InvariantViolation, PoolEngine,
-    SimEvent, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint, Upstream, ALIGNMENT,
+    Engine, EngineStats, Error, EventPolicy, SimEvent, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint,
+    Upstream, ALIGNMENT,
 };
 
 /// The stream of the engine call in progress, shared by the checking wrappers below: `None`
@@ -46,7 +46,7 @@ impl Upstream<SimStream> for RecordingUpstream {
         Ok(addr)
     }
 
-    fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: SimStream) -> Result<(), Error> {
         // Releasing returns chunks on the streams they came from, after synchronizing.
         if self.current.lock().unwrap().is_some() {
             check_current(&self.current, "upstream deallocate", stream);
@@ -123,50 +123,6 @@ impl World {
     }
 }
 
-/// What the checker needs from an engine.
-pub(crate) trait TestEngine {
-    /// Whether, once everything is freed and the free lists merged, every upstream chunk is one
-    /// free block (true for engines that coalesce).
-    const COALESCES: bool;
-    fn alloc(&mut self, bytes: u64, s: SimStream) -> Result<u64, Error>;
-    fn dealloc(&mut self, addr: u64, bytes: u64, s: SimStream) -> Result<(), Error>;
-    fn check(&self) -> Result<(), InvariantViolation>;
-    fn stats(&self) -> EngineStats;
-    fn merge(&mut self, into: SimStream) -> Result<(), Error>;
-    fn release(&mut self) -> Result<(), Error>;
-}
-
-macro_rules! impl_test_engine {
-    ($ty:ident, $coalesces:expr) => {
-        impl TestEngine for $ty<RecordingUpstream, CheckedStreams> {
-            const COALESCES: bool = $coalesces;
-            fn alloc(&mut self, bytes: u64, s: SimStream) -> Result<u64, Error> {
-                self.allocate(bytes, s)
-            }
-            fn dealloc(&mut self, addr: u64, bytes: u64, s: SimStream) -> Result<(), Error> {
-                self.deallocate(addr, bytes, s)
-            }
-            fn check(&self) -> Result<(), InvariantViolation> {
-                self.check_invariants()
-            }
-            fn stats(&self) -> EngineStats {
-                $ty::stats(self)
-            }
-            fn merge(&mut self, into: SimStream) -> Result<(), Error> {
-                self.merge_free_lists(into)
-            }
-            fn release(&mut self) -> Result<(), Error> {
-                $ty::release(self)
-            }
-        }
-    };
-}
-
-impl_test_engine!(PoolEngine, true);
-impl_test_engine!(FixedSizeEngine, false);
-impl_test_engine!(BinningEngine, false);
-impl_test_engine!(ArenaEngine, true);
-
 /// One step of a random sequence.
 #[derive(Debug, Clone)]
 pub(crate) enum Op {
@@ -174,6 +130,8 @@ pub(crate) enum Op {
     Alloc { size: u64, stream: usize },
     /// Free the live allocation number `pick % live` on stream `stream`.
     Free { pick: usize, stream: usize },
+    /// Return the chunks with no live allocation to the upstream, on stream `stream`.
+    ReleaseUnused { stream: usize },
 }
 
 /// Sequences of up to `len` operations on `streams` streams, sizes in `[0, max_size]` (biased
@@ -185,16 +143,23 @@ pub(crate) fn ops(max_size: u64, streams: usize, len: usize) -> impl Strategy<Va
         5 => 1..=max_size,
     ];
     let op = prop_oneof![
-        3 => (size, 0..streams).prop_map(|(size, stream)| Op::Alloc { size, stream }),
-        2 => (any::<usize>(), 0..streams).prop_map(|(pick, stream)| Op::Free { pick, stream }),
+        30 => (size, 0..streams).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        20 => (any::<usize>(), 0..streams).prop_map(|(pick, stream)| Op::Free { pick, stream }),
+        1 => (0..streams).prop_map(|stream| Op::ReleaseUnused { stream }),
     ];
     prop::collection::vec(op, 1..len)
 }
 
 /// Runs `ops` against `engine`, checking after every step; then frees everything, merges, checks
-/// that coalescing restored whole chunks, releases, and checks the upstream got everything back.
-/// `oom_allowed`: whether allocations may fail with out-of-memory (limited configurations).
-pub(crate) fn run<E: TestEngine>(mut engine: E, w: &World, ops: &[Op], oom_allowed: bool) -> Result<(), TestCaseError> {
+/// that releasing the unused chunks returns every chunk (so coalescing engines restored whole
+/// chunks), releases, and checks the upstream got everything back. `oom_allowed`: whether
+/// allocations may fail with out-of-memory (limited configurations).
+pub(crate) fn run<E: Engine<Stream = SimStream>>(
+    mut engine: E,
+    w: &World,
+    ops: &[Op],
+    oom_allowed: bool,
+) -> Result<(), TestCaseError> {
     let up = &w.up;
     let mut c = Checker {
         sim: w.sim.clone(),
@@ -209,7 +174,7 @@ pub(crate) fn run<E: TestEngine>(mut engine: E, w: &World, ops: &[Op], oom_allow
                 let s = SimStream::new(stream);
                 let before = engine.stats();
                 w.serving(Some(s));
-                let result = engine.alloc(size, s);
+                let result = engine.allocate(size, s);
                 w.serving(None);
                 c.drain_upstream_log();
                 match result {
@@ -231,6 +196,16 @@ pub(crate) fn run<E: TestEngine>(mut engine: E, w: &World, ops: &[Op], oom_allow
                 let (&addr, &(size, _)) = c.live.iter().nth(pick % c.live.len()).unwrap();
                 c.free(w, &mut engine, addr, size, SimStream::new(stream))?;
             }
+            Op::ReleaseUnused { stream } => {
+                let before = engine.stats();
+                w.serving(Some(SimStream::new(stream)));
+                let released = engine.release_unused(SimStream::new(stream));
+                w.serving(None);
+                let released = released.map_err(|e| TestCaseError::fail(format!("release_unused failed: {e}")))?;
+                let after = engine.stats();
+                prop_assert_eq!(released, before.reserved_bytes - after.reserved_bytes);
+                prop_assert_eq!(after.used_bytes, before.used_bytes);
+            }
         }
         c.check_step(&engine)?;
     }
@@ -246,17 +221,20 @@ pub(crate) fn run<E: TestEngine>(mut engine: E, w: &World, ops: &[Op], oom_allow
     prop_assert_eq!(st.free_bytes, st.reserved_bytes);
 
     w.serving(Some(SimStream::new(0)));
-    engine.merge(SimStream::new(0)).unwrap();
+    engine.merge_free_lists(SimStream::new(0)).unwrap();
     w.serving(None);
     c.check_step(&engine)?;
-    if E::COALESCES {
-        let st = engine.stats();
-        prop_assert_eq!(
-            st.free_blocks,
-            st.upstream_chunks,
-            "after freeing everything and merging, each upstream chunk must be one free block"
-        );
-    }
+    let reserved = engine.stats().reserved_bytes;
+    w.serving(Some(SimStream::new(1)));
+    let released = engine.release_unused(SimStream::new(1));
+    w.serving(None);
+    prop_assert_eq!(
+        released.unwrap(),
+        reserved,
+        "with nothing live, releasing the unused chunks returns every chunk (coalesced whole)"
+    );
+    prop_assert_eq!(up.inner.stats().live_chunks, 0, "chunks not returned upstream");
+    c.check_step(&engine)?;
     engine.release().unwrap();
     prop_assert_eq!(engine.stats(), EngineStats::default());
     prop_assert_eq!(up.inner.stats().live_chunks, 0, "chunks not returned upstream");
@@ -284,7 +262,7 @@ impl Checker {
         }
     }
 
-    fn allocated<E: TestEngine>(
+    fn allocated<E: Engine>(
         &mut self,
         engine: &E,
         before: EngineStats,
@@ -330,7 +308,7 @@ impl Checker {
         Ok(())
     }
 
-    fn free<E: TestEngine>(
+    fn free<E: Engine<Stream = SimStream>>(
         &mut self,
         w: &World,
         engine: &mut E,
@@ -349,7 +327,7 @@ impl Checker {
         // The caller's last use of the block on `s` comes before the free.
         let p = self.sim.point(s);
         w.serving(Some(s));
-        let result = engine.dealloc(addr, size, s);
+        let result = engine.deallocate(addr, size, s);
         w.serving(None);
         if let Err(e) = result {
             return Err(TestCaseError::fail(format!(
@@ -363,8 +341,8 @@ impl Checker {
         Ok(())
     }
 
-    fn check_step<E: TestEngine>(&self, engine: &E) -> Result<(), TestCaseError> {
-        if let Err(v) = engine.check() {
+    fn check_step<E: Engine>(&self, engine: &E) -> Result<(), TestCaseError> {
+        if let Err(v) = engine.check_invariants() {
             return Err(TestCaseError::fail(v.to_string()));
         }
         let st = engine.stats();
@@ -378,6 +356,12 @@ impl Checker {
         prop_assert_eq!(st.live_allocations, self.live.len());
         let asked: u64 = self.live.values().map(|&(n, _)| n).sum();
         prop_assert!(st.used_bytes >= asked);
+        for (&addr, &(size, _)) in &self.live {
+            prop_assert!(
+                self.up.inner.contains(addr, size),
+                "live [{addr:#x}, +{size}) is no longer inside a live upstream chunk"
+            );
+        }
         Ok(())
     }
 }

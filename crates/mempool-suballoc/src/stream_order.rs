@@ -171,7 +171,7 @@ impl SimState {
 /// the other.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{SimStream, SimStreams, StreamOrder};
+/// use mempool_suballoc::{SimStream, SimStreams, StreamOrder};
 ///
 /// let sim = SimStreams::new();
 /// let (a, b) = (SimStream::new(0), SimStream::new(1));
@@ -181,7 +181,7 @@ impl SimState {
 /// sim.record(&mut ev, a)?;
 /// sim.wait(b, &ev)?;
 /// assert!(sim.is_ordered_after(b, freed));
-/// # Ok::<(), mempool_rmm::suballoc::Error>(())
+/// # Ok::<(), mempool_suballoc::Error>(())
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct SimStreams {

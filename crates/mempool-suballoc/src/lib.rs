@@ -1,9 +1,13 @@
 //! Host-only suballocator engines: the address arithmetic of RMM's pool, fixed-size, binning and
-//! arena resources, with no GPU and no `mempool-core` underneath.
+//! arena resources, with no GPU underneath. This crate depends on neither `mempool-core` nor
+//! `cudarc`, so the engines cannot reach the driver; `mempool-rmm` runs them over real streams and
+//! re-exports this crate as `mempool_rmm::suballoc`.
 //!
 //! The engines here decide *which* addresses to hand out and *which streams must wait for which*
-//! before an address may be reused; they never touch the memory behind an address. Two small traits
-//! connect them to the world:
+//! before an address may be reused; they never touch the memory behind an address. All four
+//! implement one trait, [`Engine`], and each configuration type names its engine through
+//! [`EngineConfig`], so that generic code (a memory resource, a test) builds and drives any of them.
+//! Two small traits connect them to the world:
 //!
 //! - [`Upstream`]: where big chunks of address space come from (on a GPU, a driver pool or another
 //!   memory resource; on the host, [`SimUpstream`]).
@@ -12,8 +16,8 @@
 //!   so tests can check that every hand-off between streams was ordered).
 //!
 //! Because both are traits, the same engine code runs against real streams in the resource layer
-//! and against the simulations in CI, which has no GPU; that is what lets the property tests in this
-//! module exercise the real code paths.
+//! and against the simulations in CI, which has no GPU; that is what lets the property tests and the
+//! host conformance suite (`tests/conformance.rs`) of this crate exercise the real code paths.
 //!
 //! # The stream contract
 //!
@@ -30,10 +34,11 @@
 //! With [`EventPolicy::Adaptive`] (the default) or [`EventPolicy::RecordOnFree`], an engine passes a
 //! stream to [`StreamOrder::create_event`], [`StreamOrder::record`], [`StreamOrder::wait`],
 //! [`Upstream::allocate`] and [`Upstream::deallocate`] only while serving a call that was given that
-//! stream (`allocate`, `deallocate`, `merge_free_lists`, `trim`). Two exceptions replay streams the
-//! engine stored earlier, which may have been destroyed since: [`StreamOrder::synchronize`] (used to
-//! hand over blocks whose event was not recorded, and before releasing), and `release` (and
-//! `Drop`), which returns each upstream chunk on the stream it was allocated on, after synchronizing.
+//! stream (`allocate`, `deallocate`, `merge_free_lists`, `release_unused`, the pool's `trim`). Two
+//! exceptions replay streams the engine stored earlier, which may have been destroyed since:
+//! [`StreamOrder::synchronize`] (used to hand over blocks whose event was not recorded, and before
+//! releasing), and [`Engine::release`] (and `Drop`), which returns each upstream chunk on the stream it
+//! was allocated on, after synchronizing.
 //! An implementation over real streams can therefore treat every stream it is handed as alive,
 //! except in those two calls.
 //!
@@ -49,8 +54,15 @@
 //! Engines take `&mut self`: a resource that is shared between threads wraps its engine in a
 //! `Mutex`. They are `Send` whenever their upstream, stream order and events are.
 //!
+//! An upstream that fails to take a chunk back ([`Upstream::deallocate`] returns an error) does not
+//! stop an engine: it forgets the chunk and reports the first such error from the call that returned
+//! it ([`Engine::release_unused`], [`Engine::release`], or a deallocation that goes straight to the
+//! upstream). `Drop` cannot report it and ignores it.
+//!
+//! [`workload`] holds the standard random workload the benchmarks draw from.
+//!
 //! ```
-//! use mempool_rmm::suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+//! use mempool_suballoc::{Engine, PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
 //!
 //! let upstream = SimUpstream::new();
 //! let mut pool = PoolEngine::new(upstream.clone(), SimStreams::new(), PoolConfig::default())?;
@@ -71,12 +83,15 @@ mod addr_map;
 mod arena;
 mod binning;
 mod block_table;
+mod chunks;
+mod engine;
 mod fixed_size;
 mod free_list;
 mod pool;
 mod stream_lists;
 mod stream_order;
 mod upstream;
+pub mod workload;
 
 #[cfg(test)]
 mod testing;
@@ -85,13 +100,16 @@ use std::fmt;
 
 pub use arena::{ArenaConfig, ArenaEngine};
 pub use binning::{BinningConfig, BinningEngine};
+pub use engine::{Engine, EngineConfig};
 pub use fixed_size::{FixedSizeConfig, FixedSizeEngine};
 pub use free_list::{Block, FreeList};
 pub use pool::{PoolConfig, PoolEngine};
 pub use stream_order::{SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS};
 pub use upstream::{SimUpstream, SimUpstreamStats, Upstream, SIM_BASE_ADDRESS};
 
-/// Alignment of every address and block size the engines hand out, in bytes.
+/// Alignment of every address and block size the engines hand out, in bytes, and of every
+/// allocation a `mempool-rmm` resource returns (it re-exports this constant as
+/// `mempool_rmm::ALIGNMENT`, and [`align_up`] with it: the workspace's one alignment).
 ///
 /// 256 bytes is what `cudaMalloc` guarantees and what RMM's `CUDA_ALLOCATION_ALIGNMENT` promises;
 /// callers may rely on it for vectorized loads.
@@ -100,7 +118,7 @@ pub const ALIGNMENT: u64 = 256;
 /// Rounds `bytes` up to a multiple of [`ALIGNMENT`], or `None` when that overflows `u64`.
 ///
 /// ```
-/// use mempool_rmm::suballoc::align_up;
+/// use mempool_suballoc::align_up;
 /// assert_eq!(align_up(1), Some(256));
 /// assert_eq!(align_up(512), Some(512));
 /// assert_eq!(align_up(u64::MAX), None);
@@ -170,6 +188,17 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// Names `requested` in an out-of-memory error (the caller's request, where the engine asked
+    /// its upstream or global arena for a chunk or superblock); other errors pass unchanged.
+    pub(crate) fn with_requested(self, requested: u64) -> Self {
+        match self {
+            Self::OutOfMemory { cause, .. } => Self::OutOfMemory { requested, cause },
+            e => e,
+        }
+    }
+}
+
 /// Which limit an [`Error::OutOfMemory`] hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -205,7 +234,7 @@ pub struct InvariantViolation(pub String);
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {
         if !$cond {
-            return Err($crate::suballoc::InvariantViolation(format!($($fmt)+)));
+            return Err($crate::InvariantViolation(format!($($fmt)+)));
         }
     };
 }

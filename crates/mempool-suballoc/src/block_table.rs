@@ -9,12 +9,12 @@
 //!
 //! This replaced a design with per-list hash maps from block start and end (some eight hash lookups
 //! per operation, almost all of them cache misses with ~100k blocks); see
-//! `crates/mempool-rmm/benches/RESULTS-host.md`.
+//! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
 use std::collections::BTreeSet;
 
 use super::addr_map::SlotMap;
-use super::free_list::{class_of, first_class_from, SMALL_CLASSES, SMALL_MAX};
+use super::free_list::{class_of, first_class_from, new_slot, SMALL_CLASSES, SMALL_MAX};
 use super::{ensure, Block, InvariantViolation, ALIGNMENT};
 
 /// No neighbour (the block starts or ends its chunk).
@@ -244,17 +244,7 @@ pub(crate) struct BlockTable {
 
 impl BlockTable {
     fn new_slot(&mut self, node: Node) -> u32 {
-        match self.vacant.pop() {
-            Some(s) => {
-                self.nodes[s as usize] = node;
-                s
-            }
-            None => {
-                // A u32 slot covers 4 billion blocks, some 160 GB of nodes: more than any pool holds.
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        }
+        new_slot(&mut self.nodes, &mut self.vacant, node)
     }
 
     #[inline]

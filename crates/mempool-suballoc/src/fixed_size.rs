@@ -1,10 +1,14 @@
 //! Blocks of one size in O(1): RMM's `fixed_size_memory_resource` on addresses.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
-use super::addr_map::AddrSet;
+use super::addr_map::{AddrMap, AddrSet};
+use super::chunks::{check_balance, Chunks};
 use super::stream_lists::StreamLists;
-use super::{align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream, ALIGNMENT};
+use super::{
+    align_up, ensure, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream,
+    ALIGNMENT,
+};
 
 /// The shape of a [`FixedSizeEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,9 +39,8 @@ pub(crate) struct FixedCore<O: StreamOrder> {
     block_size: u64,
     /// `block_size * blocks_per_chunk`, which does not overflow.
     chunk_size: u64,
-    /// Upstream chunks by start address, with the stream each was allocated on. Each is
-    /// `chunk_size` bytes; together they are the reserved bytes.
-    chunks: BTreeMap<u64, O::Stream>,
+    /// Upstream chunks, each `chunk_size` bytes.
+    chunks: Chunks<O::Stream>,
     /// Free blocks per stream, as stacks of addresses (LIFO: the most recently freed block is the
     /// one most likely still in cache or not yet reused by the GPU's other work). Invariant: with
     /// `live`, exactly the blocks of all chunks, each once.
@@ -61,7 +64,7 @@ impl<O: StreamOrder> FixedCore<O> {
         Ok(Self {
             block_size,
             chunk_size,
-            chunks: BTreeMap::new(),
+            chunks: Chunks::default(),
             lists: StreamLists::new(policy),
             live: AddrSet::default(),
         })
@@ -108,19 +111,10 @@ impl<O: StreamOrder> FixedCore<O> {
                 }
             }
         }
-        let addr = match upstream.allocate(self.chunk_size, stream) {
-            Ok(a) => a,
-            Err(Error::OutOfMemory { cause, .. }) => return Err(Error::OutOfMemory { requested, cause }),
-            Err(e) => return Err(e),
-        };
-        if addr == 0 || addr % ALIGNMENT != 0 {
-            upstream.deallocate(addr, self.chunk_size, stream);
-            return Err(Error::Upstream {
-                op: "allocate",
-                source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
-            });
-        }
-        self.chunks.insert(addr, stream);
+        let addr = self
+            .chunks
+            .allocate(upstream, self.chunk_size, stream)
+            .map_err(|e| e.with_requested(requested))?;
         let n = self.chunk_size / self.block_size;
         if n > 1 {
             // Pushed high to low, so the chunk is handed out in address order.
@@ -153,21 +147,67 @@ impl<O: StreamOrder> FixedCore<O> {
         Ok(())
     }
 
-    /// Synchronizes every stream seen, then returns every chunk to the upstream and forgets all
-    /// blocks. On a synchronize error, changes nothing.
-    pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
-        self.lists.synchronize_all(order)?;
-        for (&addr, &stream) in &self.chunks {
-            upstream.deallocate(addr, self.chunk_size, stream);
+    /// Merges every stream's free blocks into `stream`'s list, then returns to the upstream, on
+    /// `stream`, every chunk all of whose blocks are there (that is, with no live block).
+    pub(crate) fn release_unused<U: Upstream<O::Stream>>(
+        &mut self,
+        upstream: &U,
+        order: &O,
+        stream: O::Stream,
+    ) -> Result<u64, Error> {
+        self.merge_free_lists(order, stream)?;
+        let i = self.lists.find(stream);
+        let per_chunk = self.chunk_size / self.block_size;
+        let chunk_of = |a: u64| self.chunks.containing(a).map_or(0, |(c, _)| c);
+        let mut free_in: AddrMap<u64> = AddrMap::default();
+        for &a in self.lists.list(i) {
+            *free_in.entry(chunk_of(a)).or_default() += 1;
         }
-        self.chunks.clear();
+        let unused: AddrSet = free_in
+            .into_iter()
+            .filter(|&(_, n)| n == per_chunk)
+            .map(|(c, _)| c)
+            .collect();
+        if unused.is_empty() {
+            return Ok(0);
+        }
+        let mut list = std::mem::take(self.lists.list_mut(i));
+        list.retain(|&a| !unused.contains(&chunk_of(a)));
+        *self.lists.list_mut(i) = list;
+        let mut released = 0;
+        let mut result = Ok(());
+        for c in unused {
+            match self.chunks.release(upstream, c, stream) {
+                Ok(n) => released += n,
+                Err(e) => result = result.and(Err(e)),
+            }
+        }
+        result.map(|()| released)
+    }
+
+    /// Blocks the host until every stream seen has completed its work.
+    pub(crate) fn synchronize(&self, order: &O) -> Result<(), Error> {
+        self.lists.synchronize_all(order)
+    }
+
+    /// Returns every chunk to the upstream and forgets all blocks, once the caller has
+    /// [synchronized](Self::synchronize); returns the first error of the upstream.
+    pub(crate) fn release_synchronized<U: Upstream<O::Stream>>(&mut self, upstream: &U) -> Result<(), Error> {
         self.lists.clear();
         self.live.clear();
-        Ok(())
+        self.chunks.release_all(upstream)
+    }
+
+    /// Synchronizes every stream seen, then returns every chunk to the upstream and forgets all
+    /// blocks. On a synchronize error, changes nothing; an upstream error is returned after
+    /// everything was returned and forgotten.
+    pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
+        self.synchronize(order)?;
+        self.release_synchronized(upstream)
     }
 
     pub(crate) fn stats(&self) -> EngineStats {
-        let reserved = self.chunks.len() as u64 * self.chunk_size;
+        let reserved = self.chunks.reserved();
         let used = self.live.len() as u64 * self.block_size;
         EngineStats {
             reserved_bytes: reserved,
@@ -180,6 +220,12 @@ impl<O: StreamOrder> FixedCore<O> {
     }
 
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.chunks.check("fixed-size")?;
+        ensure!(
+            self.chunks.iter().all(|(_, c)| c.size == self.chunk_size),
+            "fixed-size: a chunk is not {} bytes",
+            self.chunk_size
+        );
         let bs = self.block_size;
         let mut seen = HashSet::with_capacity(self.live.len() + self.lists.blocks());
         let free = self.lists.iter().flat_map(|(_, l)| l.iter().map(|&a| (a, true)));
@@ -190,7 +236,7 @@ impl<O: StreamOrder> FixedCore<O> {
                 seen.insert(a),
                 "fixed-size: block {a:#x} ({bs} bytes) is listed twice (free or live)"
             );
-            let chunk = self.chunks.range(..=a).next_back().map(|(&c, _)| c);
+            let chunk = self.chunks.containing(a).map(|(c, _)| c);
             ensure!(
                 chunk.is_some_and(|c| a + bs <= c + self.chunk_size && (a - c) % bs == 0),
                 "fixed-size: {what} block {a:#x} is not a block of an upstream chunk"
@@ -205,7 +251,7 @@ impl<O: StreamOrder> FixedCore<O> {
             st.live_allocations,
             st.reserved_bytes
         );
-        Ok(())
+        check_balance("fixed-size", &st)
     }
 }
 
@@ -218,7 +264,7 @@ impl<O: StreamOrder> FixedCore<O> {
 /// [`Error::TooLarge`]; 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = FixedSizeConfig { block_size: 4096, blocks_per_chunk: 16, ..Default::default() };
 /// let mut fixed = FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -237,6 +283,8 @@ where
 {
     upstream: U,
     order: O,
+    /// Normalized: `block_size` rounded up to [`ALIGNMENT`].
+    config: FixedSizeConfig,
     core: FixedCore<O>,
 }
 
@@ -245,19 +293,39 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
-    /// with [`Error::InvalidConfig`] for a zero block size or count, or a chunk size that overflows.
-    pub fn new(upstream: U, order: O, config: FixedSizeConfig) -> Result<Self, Error> {
-        Ok(Self {
-            upstream,
-            order,
-            core: FixedCore::new(config.block_size, config.blocks_per_chunk, config.event_policy)?,
-        })
-    }
-
     /// The block size (rounded up to [`ALIGNMENT`]).
     pub fn block_size(&self) -> u64 {
         self.core.block_size()
+    }
+}
+
+impl<U, O> Engine for FixedSizeEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    type Config = FixedSizeConfig;
+    type Stream = O::Stream;
+    type Upstream = U;
+    type Order = O;
+
+    /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
+    /// with [`Error::InvalidConfig`] for a zero block size or count, or a chunk size that overflows.
+    fn new(upstream: U, order: O, config: FixedSizeConfig) -> Result<Self, Error> {
+        let core = FixedCore::new(config.block_size, config.blocks_per_chunk, config.event_policy)?;
+        Ok(Self {
+            upstream,
+            order,
+            config: FixedSizeConfig {
+                block_size: core.block_size(),
+                ..config
+            },
+            core,
+        })
+    }
+
+    fn config(&self) -> FixedSizeConfig {
+        self.config
     }
 
     /// Allocates one block for `bytes <= block_size` on `stream`; 0 for 0 bytes.
@@ -266,7 +334,7 @@ where
     /// `requested == bytes`) when the upstream is full, [`Error::Stream`] when the event wait to
     /// take another stream's block fails.
     #[inline]
-    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+    fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
         if bytes == 0 {
             return Ok(0);
         }
@@ -283,7 +351,7 @@ where
     /// an event wait. Freeing 0 bytes does nothing. Fails with [`Error::UnknownAllocation`]
     /// (changing nothing) when `addr` is not a live block or `bytes` exceeds the block size.
     #[inline]
-    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+    fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
             return Ok(());
         }
@@ -293,36 +361,52 @@ where
         self.core.deallocate(&self.order, addr, bytes, stream)
     }
 
-    /// Moves every stream's free blocks into `into`'s list after making `into` wait on each.
-    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+    fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
         self.core.merge_free_lists(&self.order, into)
     }
 
-    /// Synchronizes every stream seen, then returns every chunk to the upstream, live blocks
-    /// included. On a synchronize error nothing is released.
-    pub fn release(&mut self) -> Result<(), Error> {
+    fn release_unused(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        self.core.release_unused(&self.upstream, &self.order, stream)
+    }
+
+    fn release(&mut self) -> Result<(), Error> {
         self.core.release(&self.upstream, &self.order)
     }
 
-    /// Bytes reserved, used and free, and block counts.
-    pub fn stats(&self) -> EngineStats {
+    fn stats(&self) -> EngineStats {
         self.core.stats()
-    }
-
-    /// The upstream.
-    pub fn upstream(&self) -> &U {
-        &self.upstream
-    }
-
-    /// The stream order.
-    pub fn stream_order(&self) -> &O {
-        &self.order
     }
 
     /// Checks that every block, free or live, appears once, is a block of an upstream chunk and is
     /// aligned, and that free + used = reserved.
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.core.check_invariants()
+    }
+
+    fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    fn stream_order(&self) -> &O {
+        &self.order
+    }
+}
+
+impl EngineConfig for FixedSizeConfig {
+    type Engine<U, O>
+        = FixedSizeEngine<U, O>
+    where
+        O: StreamOrder + Send,
+        O::Stream: Send,
+        O::Event: Send,
+        U: Upstream<O::Stream> + Send;
+
+    fn event_policy(&self) -> EventPolicy {
+        self.event_policy
+    }
+
+    fn set_event_policy(&mut self, policy: EventPolicy) {
+        self.event_policy = policy;
     }
 }
 
@@ -331,7 +415,8 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
+    /// [`Engine`], "Dropping").
     fn drop(&mut self) {
         let _ = self.core.release(&self.upstream, &self.order);
     }
@@ -340,12 +425,13 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);
     const B: SimStream = SimStream::new(1);
+    const C: SimStream = SimStream::new(2);
 
     fn fixed(block_size: u64, blocks_per_chunk: u64, up: SimUpstream) -> FixedSizeEngine<SimUpstream, SimStreams> {
         let config = FixedSizeConfig {
@@ -442,6 +528,26 @@ mod tests {
         assert_eq!(sim.counts().waits, 1);
         assert!(sim.is_ordered_after(B, freed));
         assert_eq!(f.stats().upstream_chunks, 1);
+    }
+
+    #[test]
+    fn release_unused_returns_only_chunks_without_live_blocks() {
+        let up = SimUpstream::new();
+        let mut f = fixed(256, 2, up.clone());
+        let a: Vec<u64> = (0..4).map(|_| f.allocate(256, A).unwrap()).collect();
+        assert_eq!(up.stats().live_chunks, 2);
+        // The first chunk's blocks are free in two streams' lists; the second chunk has a live block.
+        f.deallocate(a[0], 256, A).unwrap();
+        f.deallocate(a[1], 256, B).unwrap();
+        f.deallocate(a[2], 256, A).unwrap();
+        assert_eq!(f.release_unused(C).unwrap(), 512);
+        assert_eq!(up.stats().live_chunks, 1);
+        assert!(up.contains(a[3], 256));
+        f.check_invariants().unwrap();
+        f.deallocate(a[3], 256, A).unwrap();
+        assert_eq!(f.release_unused(A).unwrap(), 512);
+        assert_eq!(f.stats(), EngineStats::default());
+        assert_eq!(up.stats().live_chunks, 0);
     }
 
     #[test]

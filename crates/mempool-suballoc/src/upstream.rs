@@ -18,16 +18,17 @@ pub trait Upstream<S> {
     /// [`ALIGNMENT`]. Fails with [`Error::OutOfMemory`] when full (the engine may retry smaller),
     /// with any other [`Error`] otherwise.
     fn allocate(&self, bytes: u64, stream: S) -> Result<u64, Error>;
-    /// Returns a range obtained from [`allocate`](Self::allocate) with the same `bytes`. Cannot fail:
-    /// an implementation records or logs its errors.
-    fn deallocate(&self, addr: u64, bytes: u64, stream: S);
+    /// Returns a range obtained from [`allocate`](Self::allocate) with the same `bytes`. Fails with
+    /// an [`Error`] (usually [`Error::Upstream`]) when the upstream cannot take it back; the engine
+    /// then forgets the range all the same and reports the error to its caller.
+    fn deallocate(&self, addr: u64, bytes: u64, stream: S) -> Result<(), Error>;
 }
 
 impl<S, T: Upstream<S> + ?Sized> Upstream<S> for &T {
     fn allocate(&self, bytes: u64, stream: S) -> Result<u64, Error> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, addr: u64, bytes: u64, stream: S) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: S) -> Result<(), Error> {
         (**self).deallocate(addr, bytes, stream)
     }
 }
@@ -36,7 +37,7 @@ impl<S, T: Upstream<S> + ?Sized> Upstream<S> for Arc<T> {
     fn allocate(&self, bytes: u64, stream: S) -> Result<u64, Error> {
         (**self).allocate(bytes, stream)
     }
-    fn deallocate(&self, addr: u64, bytes: u64, stream: S) {
+    fn deallocate(&self, addr: u64, bytes: u64, stream: S) -> Result<(), Error> {
         (**self).deallocate(addr, bytes, stream)
     }
 }
@@ -50,7 +51,7 @@ pub const SIM_BASE_ADDRESS: u64 = 1 << 40;
 pub struct SimUpstreamStats {
     /// Successful `allocate` calls.
     pub allocations: u64,
-    /// `deallocate` calls.
+    /// Successful `deallocate` calls.
     pub deallocations: u64,
     /// `allocate` calls refused for lack of capacity.
     pub failed_allocations: u64,
@@ -70,6 +71,8 @@ struct SimUpstreamState {
     next: u64,
     /// `None`: unlimited.
     capacity: Option<u64>,
+    /// Whether `deallocate` refuses (see [`SimUpstream::set_fail_deallocations`]).
+    fail_deallocations: bool,
     /// Live chunks: start address -> size. Invariant: disjoint, sizes sum to `stats.live_bytes`.
     live: BTreeMap<u64, u64>,
     stats: SimUpstreamStats,
@@ -80,6 +83,7 @@ impl Default for SimUpstreamState {
         Self {
             next: SIM_BASE_ADDRESS,
             capacity: None,
+            fail_deallocations: false,
             live: BTreeMap::new(),
             stats: SimUpstreamStats::default(),
         }
@@ -99,12 +103,12 @@ impl Default for SimUpstreamState {
 /// exists to catch engines that get this wrong.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{SimUpstream, Upstream, Error};
+/// use mempool_suballoc::{SimUpstream, Upstream, Error};
 ///
 /// let up = SimUpstream::with_capacity(4096);
 /// let a = Upstream::<()>::allocate(&up, 4096, ())?;
 /// assert!(matches!(Upstream::<()>::allocate(&up, 256, ()), Err(Error::OutOfMemory { requested: 256, .. })));
-/// Upstream::<()>::deallocate(&up, a, 4096, ());
+/// Upstream::<()>::deallocate(&up, a, 4096, ())?;
 /// assert_eq!(up.stats().live_chunks, 0);
 /// # Ok::<(), Error>(())
 /// ```
@@ -133,6 +137,12 @@ impl SimUpstream {
     /// Changes the capacity (`None`: unlimited). Live chunks above it stay live.
     pub fn set_capacity(&self, capacity: Option<u64>) {
         self.lock().capacity = capacity;
+    }
+
+    /// Makes every later `deallocate` fail with [`Error::Upstream`], leaving the chunk live (or
+    /// succeed again), to test error paths.
+    pub fn set_fail_deallocations(&self, fail: bool) {
+        self.lock().fail_deallocations = fail;
     }
 
     /// The counters so far.
@@ -181,8 +191,14 @@ impl<S> Upstream<S> for SimUpstream {
         Ok(addr)
     }
 
-    fn deallocate(&self, addr: u64, bytes: u64, _stream: S) {
+    fn deallocate(&self, addr: u64, bytes: u64, _stream: S) -> Result<(), Error> {
         let mut st = self.lock();
+        if st.fail_deallocations {
+            return Err(Error::Upstream {
+                op: "deallocate",
+                source: "SimUpstream: deallocations were set to fail".into(),
+            });
+        }
         let size = st.live.remove(&addr);
         let expected = align_up(bytes.max(1));
         assert!(
@@ -193,5 +209,6 @@ impl<S> Upstream<S> for SimUpstream {
         st.stats.deallocations += 1;
         st.stats.live_chunks -= 1;
         st.stats.live_bytes -= size;
+        Ok(())
     }
 }

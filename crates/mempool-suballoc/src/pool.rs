@@ -1,12 +1,11 @@
 //! The coalescing best-fit pool: RMM's `pool_memory_resource` on addresses.
 
-use std::collections::BTreeMap;
-
 use super::block_table::{BlockTable, SizeIndex};
+use super::chunks::{check_disjoint, Chunks};
 use super::stream_lists::StreamLists;
 use super::{
-    align_up, ensure, Block, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder,
-    Upstream, ALIGNMENT,
+    align_up, ensure, Block, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation,
+    OutOfMemoryCause, StreamOrder, Upstream, ALIGNMENT,
 };
 
 /// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
@@ -60,335 +59,6 @@ impl PoolConfig {
     }
 }
 
-/// An upstream chunk.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Chunk<S> {
-    pub(crate) size: u64,
-    /// The stream it was allocated on, and is returned on.
-    pub(crate) stream: S,
-}
-
-/// The pool's bookkeeping, without its upstream and stream order, so that the arena engine can run
-/// one as its global arena next to its own per-stream arenas.
-pub(crate) struct PoolCore<O: StreamOrder> {
-    /// Normalized (aligned) configuration. Invariant: `reserved <= maximum_size`.
-    config: PoolConfig,
-    /// Upstream chunks by start address. Invariants: disjoint; sizes add up to `reserved`.
-    chunks: BTreeMap<u64, Chunk<O::Stream>>,
-    /// Free blocks, one size index per stream, over `blocks`. Invariant: list `i`'s index holds
-    /// exactly the blocks `blocks` marks free in list `i`.
-    lists: StreamLists<O, SizeIndex>,
-    /// Every block, free and live, linked in address order within its chunk. Invariant: the blocks
-    /// are disjoint, aligned, each inside the chunk it names, and together cover every chunk
-    /// exactly; the live ones add up to `used`.
-    blocks: BlockTable,
-    reserved: u64,
-    used: u64,
-}
-
-impl<O: StreamOrder> PoolCore<O> {
-    pub(crate) fn new(config: PoolConfig) -> Result<Self, Error> {
-        let config = config.normalized()?;
-        Ok(Self {
-            config,
-            chunks: BTreeMap::new(),
-            lists: StreamLists::new(config.event_policy),
-            blocks: BlockTable::default(),
-            reserved: 0,
-            used: 0,
-        })
-    }
-
-    pub(crate) fn config(&self) -> PoolConfig {
-        self.config
-    }
-
-    /// Allocates `bytes > 0` for `stream`.
-    #[inline]
-    pub(crate) fn allocate<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        order: &O,
-        bytes: u64,
-        stream: O::Stream,
-    ) -> Result<u64, Error> {
-        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
-            requested: bytes,
-            cause: OutOfMemoryCause::AddressSpace,
-        })?;
-        let block = self.take(upstream, order, size, bytes, stream)?;
-        self.used += block.size;
-        Ok(block.addr)
-    }
-
-    /// Finds `size` bytes for `stream`: its own list, then another stream's list (one event wait),
-    /// then the other lists merged into its own (one wait each), then the upstream.
-    fn take<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        order: &O,
-        size: u64,
-        requested: u64,
-        stream: O::Stream,
-    ) -> Result<Block, Error> {
-        let i = self.lists.find(stream);
-        if let Some(slot) = self.lists.list(i).find(size) {
-            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
-        }
-        self.take_slow(upstream, order, size, requested, stream, i)
-    }
-
-    #[cold]
-    fn take_slow<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        order: &O,
-        size: u64,
-        requested: u64,
-        stream: O::Stream,
-        i: usize,
-    ) -> Result<Block, Error> {
-        // Steal one block. Its remainder stays in the other stream's list: it was never ordered
-        // after anything new, so it stays covered by that list's event.
-        for j in 0..self.lists.len() {
-            if j != i {
-                if let Some(slot) = self.lists.list(j).find(size) {
-                    self.lists.order_after(order, stream, j)?;
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size));
-                }
-            }
-        }
-        // Merge the other lists into ours, where blocks freed on different streams can coalesce.
-        for j in 0..self.lists.len() {
-            if j != i && !self.lists.list(j).is_empty() {
-                self.merge_list(order, i, j)?;
-                if let Some(slot) = self.lists.list(i).find(size) {
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
-                }
-            }
-        }
-        let (addr, chunk_size) = self.grow(upstream, size, requested, stream)?;
-        let slot = self
-            .blocks
-            .add_chunk(self.lists.list_mut(i), i as u32, addr, chunk_size);
-        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size);
-        if chunk_size > size {
-            // The remainder was allocated on `stream`; others must wait for it like for a free.
-            self.lists.entered(order, i);
-        }
-        Ok(block)
-    }
-
-    /// Moves list `src` into list `dst` (where its blocks coalesce with `dst`'s) after ordering
-    /// `dst`'s stream after it.
-    fn merge_list(&mut self, order: &O, dst: usize, src: usize) -> Result<(), Error> {
-        debug_assert_ne!(dst, src);
-        let waiter = self.lists.stream(dst);
-        self.lists.order_after(order, waiter, src)?;
-        let mut from = std::mem::take(self.lists.list_mut(src));
-        self.blocks.move_all(&mut from, self.lists.list_mut(dst), dst as u32);
-        // Keep the emptied index's allocations for the stream's next frees.
-        *self.lists.list_mut(src) = from;
-        self.lists.entered(order, dst);
-        Ok(())
-    }
-
-    /// Obtains a new chunk of at least `size` bytes from the upstream: as much as is reserved
-    /// already (so the pool doubles), at least `initial_size` the first time, capped by the maximum;
-    /// when the upstream is full, halves the attempt down to `size`. Returns `(address, size)`.
-    fn grow<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        size: u64,
-        requested: u64,
-        stream: O::Stream,
-    ) -> Result<(u64, u64), Error> {
-        let mut want = size.max(self.reserved);
-        if self.reserved == 0 {
-            want = want.max(self.config.initial_size);
-        }
-        if let Some(maximum) = self.config.maximum_size {
-            let remaining = maximum - self.reserved;
-            if size > remaining {
-                return Err(Error::OutOfMemory {
-                    requested,
-                    cause: OutOfMemoryCause::MaximumSize { maximum },
-                });
-            }
-            want = want.min(remaining);
-        }
-        loop {
-            match upstream.allocate(want, stream) {
-                Ok(addr) => {
-                    if addr == 0 || addr % ALIGNMENT != 0 {
-                        upstream.deallocate(addr, want, stream);
-                        return Err(Error::Upstream {
-                            op: "allocate",
-                            source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes")
-                                .into(),
-                        });
-                    }
-                    self.chunks.insert(addr, Chunk { size: want, stream });
-                    self.reserved += want;
-                    return Ok((addr, want));
-                }
-                Err(Error::OutOfMemory { .. }) if want > size => {
-                    want = ((want / 2) & !(ALIGNMENT - 1)).max(size);
-                }
-                Err(Error::OutOfMemory { cause, .. }) => return Err(Error::OutOfMemory { requested, cause }),
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Frees `bytes > 0` at `addr` into `stream`'s list.
-    #[inline]
-    pub(crate) fn deallocate(&mut self, order: &O, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
-        let unknown = || Error::UnknownAllocation { addr, bytes };
-        let size = align_up(bytes).ok_or_else(unknown)?;
-        let slot = self.blocks.take_live(addr, size).ok_or_else(unknown)?;
-        self.used -= size;
-        let i = self.lists.find(stream);
-        self.blocks.insert_free(self.lists.list_mut(i), i as u32, slot);
-        self.lists.entered(order, i);
-        Ok(())
-    }
-
-    /// Moves every stream's free blocks into `into`'s list (ordering `into` after each), where they
-    /// coalesce.
-    pub(crate) fn merge_free_lists(&mut self, order: &O, into: O::Stream) -> Result<(), Error> {
-        let i = self.lists.find(into);
-        for j in 0..self.lists.len() {
-            if j != i && !self.lists.list(j).is_empty() {
-                self.merge_list(order, i, j)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The free blocks of `stream`'s list that span a whole chunk, removed from the list and
-    /// returned to the upstream.
-    pub(crate) fn release_whole_chunks<U: Upstream<O::Stream>>(
-        &mut self,
-        upstream: &U,
-        stream: O::Stream,
-    ) -> Result<u64, Error> {
-        let i = self.lists.find(stream);
-        let whole = self.blocks.take_whole_chunks(self.lists.list_mut(i));
-        // Every block in `stream`'s list is ordered before `stream`'s current work (freed on it, or
-        // moved here after a wait, or grown on it), so the chunk can go back on `stream` itself.
-        let mut released = 0;
-        for b in whole {
-            debug_assert!(self.chunks.get(&b.chunk).is_some_and(|c| c.size == b.size));
-            self.chunks.remove(&b.chunk);
-            self.reserved -= b.size;
-            released += b.size;
-            upstream.deallocate(b.addr, b.size, stream);
-        }
-        Ok(released)
-    }
-
-    /// Returns every chunk to the upstream after synchronizing every stream seen, and forgets all
-    /// blocks, live ones included. On a synchronize error, changes nothing.
-    pub(crate) fn release<U: Upstream<O::Stream>>(&mut self, upstream: &U, order: &O) -> Result<(), Error> {
-        self.lists.synchronize_all(order)?;
-        for (&addr, chunk) in &self.chunks {
-            upstream.deallocate(addr, chunk.size, chunk.stream);
-        }
-        self.chunks.clear();
-        self.lists.clear();
-        self.blocks.clear();
-        self.reserved = 0;
-        self.used = 0;
-        Ok(())
-    }
-
-    pub(crate) fn stats(&self) -> EngineStats {
-        EngineStats {
-            reserved_bytes: self.reserved,
-            used_bytes: self.used,
-            free_bytes: self.reserved - self.used,
-            free_blocks: self.lists.blocks(),
-            live_allocations: self.blocks.live_len(),
-            upstream_chunks: self.chunks.len(),
-        }
-    }
-
-    /// Every free block with the stream whose list holds it.
-    pub(crate) fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
-        self.lists
-            .iter()
-            .flat_map(|(s, list)| self.blocks.free_blocks(list).map(move |b| (s, b)))
-    }
-
-    /// Upstream chunks as `(address, size)`.
-    pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.chunks.iter().map(|(&a, c)| (a, c.size))
-    }
-
-    /// Live allocations as `(address, size, chunk)`.
-    pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
-        self.blocks.live_blocks()
-    }
-
-    pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.blocks.check(
-            self.lists.iter().enumerate().map(|(i, (_, list))| (i as u32, list)),
-            |chunk| self.chunks.get(&chunk).map(|c| c.size),
-        )?;
-        let mut blocks: Vec<(Block, bool)> = Vec::with_capacity(self.blocks.live_len());
-        let mut free = 0u64;
-        for (_, list) in self.lists.iter() {
-            free += list.total_bytes();
-            blocks.extend(self.blocks.free_blocks(list).map(|b| (b, true)));
-        }
-        blocks.extend(self.live().map(|b| (b, false)));
-        let used: u64 = self.live().map(|b| b.size).sum();
-        ensure!(
-            used == self.used,
-            "pool: live allocations add up to {used} bytes, `used` says {}",
-            self.used
-        );
-        let chunk_bytes: u64 = self.chunks.values().map(|c| c.size).sum();
-        ensure!(
-            chunk_bytes == self.reserved,
-            "pool: chunks add up to {chunk_bytes} bytes, `reserved` says {}",
-            self.reserved
-        );
-        ensure!(
-            free + used == self.reserved,
-            "pool: free {free} + used {used} != reserved {}",
-            self.reserved
-        );
-        if let Some(max) = self.config.maximum_size {
-            ensure!(
-                self.reserved <= max,
-                "pool: reserved {} exceeds the maximum {max}",
-                self.reserved
-            );
-        }
-        blocks.sort_unstable_by_key(|(b, _)| b.addr);
-        let mut prev: Option<Block> = None;
-        for &(b, is_free) in &blocks {
-            let what = if is_free { "free" } else { "live" };
-            ensure!(
-                b.size > 0 && b.addr % ALIGNMENT == 0 && b.size % ALIGNMENT == 0,
-                "pool: {what} block {b:?} is empty or not aligned to {ALIGNMENT}"
-            );
-            let chunk = self.chunks.get(&b.chunk);
-            ensure!(
-                chunk.is_some_and(|c| b.chunk <= b.addr && b.end() <= b.chunk + c.size),
-                "pool: {what} block {b:?} is not inside its upstream chunk"
-            );
-            if let Some(p) = prev {
-                ensure!(p.end() <= b.addr, "pool: blocks {p:?} and {b:?} overlap");
-            }
-            prev = Some(b);
-        }
-        Ok(())
-    }
-}
-
 /// A coalescing best-fit suballocator over an upstream: RMM's `pool_memory_resource`, on addresses.
 ///
 /// - Requests are rounded up to [`ALIGNMENT`]; 0 bytes returns address 0 without touching any
@@ -404,10 +74,12 @@ impl<O: StreamOrder> PoolCore<O> {
 ///   full, the attempt is halved down to the request. A request larger than the pool becomes its
 ///   own chunk.
 /// - Blocks never coalesce across chunks, so every chunk can go back to the upstream whole.
-/// - [`release`](Self::release), and dropping the engine, return every chunk to the upstream.
+/// - [`release`](Engine::release), and dropping the engine, return every chunk to the upstream;
+///   [`release_unused`](Engine::release_unused) and [`trim`](Self::trim) the chunks with no live
+///   allocation.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = PoolConfig { initial_size: 1 << 20, maximum_size: Some(1 << 22), ..Default::default() };
 /// let mut pool = PoolEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -429,7 +101,18 @@ where
 {
     upstream: U,
     order: O,
-    core: PoolCore<O>,
+    /// Normalized (aligned) configuration. Invariant: `chunks.reserved() <= maximum_size`.
+    config: PoolConfig,
+    /// Upstream chunks.
+    chunks: Chunks<O::Stream>,
+    /// Free blocks, one size index per stream, over `blocks`. Invariant: list `i`'s index holds
+    /// exactly the blocks `blocks` marks free in list `i`.
+    lists: StreamLists<O, SizeIndex>,
+    /// Every block, free and live, linked in address order within its chunk. Invariant: the blocks
+    /// are disjoint, aligned, each inside the chunk it names, and together cover every chunk
+    /// exactly; the live ones add up to `used`.
+    blocks: BlockTable,
+    used: u64,
 }
 
 impl<U, O> PoolEngine<U, O>
@@ -437,100 +120,314 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
+    /// Finds `size` bytes for `stream`: its own list, then another stream's list (one event wait),
+    /// then the other lists merged into its own (one wait each), then the upstream.
+    fn take(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<Block, Error> {
+        let i = self.lists.find(stream);
+        if let Some(slot) = self.lists.list(i).find(size) {
+            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
+        }
+        self.take_slow(size, requested, stream, i)
+    }
+
+    #[cold]
+    fn take_slow(&mut self, size: u64, requested: u64, stream: O::Stream, i: usize) -> Result<Block, Error> {
+        // Steal one block. Its remainder stays in the other stream's list: it was never ordered
+        // after anything new, so it stays covered by that list's event.
+        for j in 0..self.lists.len() {
+            if j != i {
+                if let Some(slot) = self.lists.list(j).find(size) {
+                    self.lists.order_after(&self.order, stream, j)?;
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size));
+                }
+            }
+        }
+        // Merge the other lists into ours, where blocks freed on different streams can coalesce.
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.merge_list(i, j)?;
+                if let Some(slot) = self.lists.list(i).find(size) {
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
+                }
+            }
+        }
+        let (addr, chunk_size) = self.grow(size, requested, stream)?;
+        let slot = self
+            .blocks
+            .add_chunk(self.lists.list_mut(i), i as u32, addr, chunk_size);
+        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size);
+        if chunk_size > size {
+            // The remainder was allocated on `stream`; others must wait for it like for a free.
+            self.lists.entered(&self.order, i);
+        }
+        Ok(block)
+    }
+
+    /// Moves list `src` into list `dst` (where its blocks coalesce with `dst`'s) after ordering
+    /// `dst`'s stream after it.
+    fn merge_list(&mut self, dst: usize, src: usize) -> Result<(), Error> {
+        debug_assert_ne!(dst, src);
+        let waiter = self.lists.stream(dst);
+        self.lists.order_after(&self.order, waiter, src)?;
+        let mut from = std::mem::take(self.lists.list_mut(src));
+        self.blocks.move_all(&mut from, self.lists.list_mut(dst), dst as u32);
+        // Keep the emptied index's allocations for the stream's next frees.
+        *self.lists.list_mut(src) = from;
+        self.lists.entered(&self.order, dst);
+        Ok(())
+    }
+
+    /// Obtains a new chunk of at least `size` bytes from the upstream: as much as is reserved
+    /// already (so the pool doubles), at least `initial_size` the first time, capped by the maximum;
+    /// when the upstream is full, halves the attempt down to `size`. Returns `(address, size)`.
+    fn grow(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<(u64, u64), Error> {
+        let reserved = self.chunks.reserved();
+        let mut want = size.max(reserved);
+        if reserved == 0 {
+            want = want.max(self.config.initial_size);
+        }
+        if let Some(maximum) = self.config.maximum_size {
+            let remaining = maximum - reserved;
+            if size > remaining {
+                return Err(Error::OutOfMemory {
+                    requested,
+                    cause: OutOfMemoryCause::MaximumSize { maximum },
+                });
+            }
+            want = want.min(remaining);
+        }
+        loop {
+            match self.chunks.allocate(&self.upstream, want, stream) {
+                Ok(addr) => return Ok((addr, want)),
+                Err(Error::OutOfMemory { .. }) if want > size => {
+                    want = ((want / 2) & !(ALIGNMENT - 1)).max(size);
+                }
+                Err(e) => return Err(e.with_requested(requested)),
+            }
+        }
+    }
+
+    /// The free blocks of `stream`'s list that span a whole chunk, removed from the list and
+    /// returned to the upstream.
+    fn release_whole_chunks(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        let i = self.lists.find(stream);
+        let whole = self.blocks.take_whole_chunks(self.lists.list_mut(i));
+        // Every block in `stream`'s list is ordered before `stream`'s current work (freed on it, or
+        // moved here after a wait, or grown on it), so the chunk can go back on `stream` itself.
+        let mut released = 0;
+        let mut result = Ok(());
+        for b in whole {
+            debug_assert!(self.chunks.get(b.chunk).is_some_and(|c| c.size == b.size));
+            match self.chunks.release(&self.upstream, b.chunk, stream) {
+                Ok(n) => released += n,
+                Err(e) => result = result.and(Err(e)),
+            }
+        }
+        result.map(|()| released)
+    }
+
+    /// Blocks the host until every stream seen has completed its work.
+    pub(crate) fn synchronize(&self) -> Result<(), Error> {
+        self.lists.synchronize_all(&self.order)
+    }
+
+    /// Returns every chunk to the upstream and forgets all blocks, once the caller has
+    /// [synchronized](Self::synchronize); returns the first error of the upstream.
+    pub(crate) fn release_synchronized(&mut self) -> Result<(), Error> {
+        self.lists.clear();
+        self.blocks.clear();
+        self.used = 0;
+        self.chunks.release_all(&self.upstream)
+    }
+
+    /// Returns to the upstream, on `stream`, every chunk that is entirely free in `stream`'s list
+    /// (after [`merge_free_lists`](Engine::merge_free_lists) into `stream`, that is every chunk with
+    /// no live allocation: what [`release_unused`](Engine::release_unused) does in one call).
+    /// Returns the bytes released.
+    pub fn trim(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        self.release_whole_chunks(stream)
+    }
+
+    /// Every free block with the stream whose list holds it.
+    pub fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
+        self.lists
+            .iter()
+            .flat_map(|(s, list)| self.blocks.free_blocks(list).map(move |b| (s, b)))
+    }
+
+    /// The upstream chunks the pool holds, as `(address, size)` in address order.
+    pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks.iter().map(|(a, c)| (a, c.size))
+    }
+
+    /// Live allocations as `(address, size, chunk)`.
+    pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
+        self.blocks.live_blocks()
+    }
+}
+
+impl<U, O> Engine for PoolEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    type Config = PoolConfig;
+    type Stream = O::Stream;
+    type Upstream = U;
+    type Order = O;
+
     /// A pool over `upstream` that orders streams through `order`. Reserves nothing yet (see
     /// [`PoolConfig::initial_size`]). Fails with [`Error::InvalidConfig`] when the initial size
     /// exceeds the maximum or the maximum is below [`ALIGNMENT`].
-    pub fn new(upstream: U, order: O, config: PoolConfig) -> Result<Self, Error> {
+    fn new(upstream: U, order: O, config: PoolConfig) -> Result<Self, Error> {
+        let config = config.normalized()?;
         Ok(Self {
             upstream,
             order,
-            core: PoolCore::new(config)?,
+            config,
+            chunks: Chunks::default(),
+            lists: StreamLists::new(config.event_policy),
+            blocks: BlockTable::default(),
+            used: 0,
         })
     }
 
-    /// Allocates `bytes` for use on `stream`: an address aligned to [`ALIGNMENT`], or 0 for 0 bytes.
-    ///
-    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when neither the free lists nor
-    /// growth can serve it, or with [`Error::Stream`] when the event wait needed to take another
-    /// stream's block fails (the block then stays where it was).
+    fn config(&self) -> PoolConfig {
+        self.config
+    }
+
     #[inline]
-    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+    fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
         if bytes == 0 {
             return Ok(0);
         }
-        self.core.allocate(&self.upstream, &self.order, bytes, stream)
+        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
+            requested: bytes,
+            cause: OutOfMemoryCause::AddressSpace,
+        })?;
+        let block = self.take(size, bytes, stream)?;
+        self.used += block.size;
+        Ok(block.addr)
     }
 
-    /// Frees an allocation: `addr` and `bytes` as given to and returned by
-    /// [`allocate`](Self::allocate). The block may be reused at once by work on `stream`, and by
-    /// other streams after they wait for `stream`. Freeing 0 bytes does nothing.
-    ///
-    /// Fails with [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live
-    /// allocation of `bytes` (rounded up as `allocate` rounds).
+    /// Frees an allocation into `stream`'s list, where it coalesces with its free neighbours.
+    /// `bytes` is rounded up as `allocate` rounds, so any size that rounds alike names the same
+    /// allocation.
     #[inline]
-    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+    fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
             return Ok(());
         }
-        self.core.deallocate(&self.order, addr, bytes, stream)
+        let unknown = || Error::UnknownAllocation { addr, bytes };
+        let size = align_up(bytes).ok_or_else(unknown)?;
+        let slot = self.blocks.take_live(addr, size).ok_or_else(unknown)?;
+        self.used -= size;
+        let i = self.lists.find(stream);
+        self.blocks.insert_free(self.lists.list_mut(i), i as u32, slot);
+        self.lists.entered(&self.order, i);
+        Ok(())
     }
 
     /// Moves every stream's free blocks into `into`'s list, after making `into` wait on each
     /// stream's event. There they coalesce: once everything is freed, this leaves exactly one free
     /// block per upstream chunk.
-    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
-        self.core.merge_free_lists(&self.order, into)
+    fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+        let i = self.lists.find(into);
+        for j in 0..self.lists.len() {
+            if j != i && !self.lists.list(j).is_empty() {
+                self.merge_list(i, j)?;
+            }
+        }
+        Ok(())
     }
 
-    /// Returns to the upstream, on `stream`, every chunk that is entirely free in `stream`'s list
-    /// (after [`merge_free_lists`](Self::merge_free_lists) into `stream`, that is every chunk with
-    /// no live allocation). Returns the bytes released.
-    pub fn trim(&mut self, stream: O::Stream) -> Result<u64, Error> {
-        self.core.release_whole_chunks(&self.upstream, stream)
+    /// Merges every stream's free blocks into `stream`'s list, then returns the chunks that are
+    /// entirely free there: every chunk with no live block.
+    fn release_unused(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        self.merge_free_lists(stream)?;
+        self.release_whole_chunks(stream)
     }
 
-    /// Synchronizes every stream the pool has seen, then returns every chunk to the upstream,
-    /// including those holding live allocations (their addresses become invalid), as RMM does when
-    /// a pool is destroyed. On a synchronize error nothing is released.
-    pub fn release(&mut self) -> Result<(), Error> {
-        self.core.release(&self.upstream, &self.order)
+    /// Returns every chunk to the upstream after synchronizing every stream seen, and forgets all
+    /// blocks, live ones included. On a synchronize error, changes nothing; an upstream error is
+    /// returned after everything was returned and forgotten.
+    fn release(&mut self) -> Result<(), Error> {
+        self.synchronize()?;
+        self.release_synchronized()
     }
 
-    /// Bytes reserved, used and free, and block counts.
-    pub fn stats(&self) -> EngineStats {
-        self.core.stats()
-    }
-
-    /// Every free block with the stream whose list holds it.
-    pub fn free_blocks(&self) -> impl Iterator<Item = (O::Stream, Block)> + '_ {
-        self.core.free_blocks()
-    }
-
-    /// The upstream chunks the pool holds, as `(address, size)` in address order.
-    pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.core.chunks()
-    }
-
-    /// The configuration, with sizes rounded as the pool uses them.
-    pub fn config(&self) -> PoolConfig {
-        self.core.config()
-    }
-
-    /// The upstream.
-    pub fn upstream(&self) -> &U {
-        &self.upstream
-    }
-
-    /// The stream order.
-    pub fn stream_order(&self) -> &O {
-        &self.order
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            reserved_bytes: self.chunks.reserved(),
+            used_bytes: self.used,
+            free_bytes: self.chunks.reserved() - self.used,
+            free_blocks: self.lists.blocks(),
+            live_allocations: self.blocks.live_len(),
+            upstream_chunks: self.chunks.len(),
+        }
     }
 
     /// Checks every invariant written next to the pool's fields, in O(n log n): free lists intact,
     /// no two blocks (free or live) overlap, every block aligned and inside its upstream chunk,
     /// free + used = reserved, reserved within the maximum.
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.core.check_invariants()
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.chunks.check("pool")?;
+        self.blocks.check(
+            self.lists.iter().enumerate().map(|(i, (_, list))| (i as u32, list)),
+            |chunk| self.chunks.get(chunk).map(|c| c.size),
+        )?;
+        let mut blocks: Vec<(Block, &str)> = Vec::with_capacity(self.blocks.live_len());
+        let mut free = 0u64;
+        for (_, list) in self.lists.iter() {
+            free += list.total_bytes();
+            blocks.extend(self.blocks.free_blocks(list).map(|b| (b, "free")));
+        }
+        blocks.extend(self.live().map(|b| (b, "live")));
+        let used: u64 = self.live().map(|b| b.size).sum();
+        ensure!(
+            used == self.used,
+            "pool: live allocations add up to {used} bytes, `used` says {}",
+            self.used
+        );
+        let reserved = self.chunks.reserved();
+        ensure!(
+            free + used == reserved,
+            "pool: free {free} + used {used} != reserved {reserved}"
+        );
+        if let Some(max) = self.config.maximum_size {
+            ensure!(reserved <= max, "pool: reserved {reserved} exceeds the maximum {max}");
+        }
+        check_disjoint("pool", &mut blocks, |b| {
+            self.chunks
+                .get(b.chunk)
+                .is_some_and(|c| b.chunk <= b.addr && b.end() <= b.chunk + c.size)
+        })
+    }
+
+    fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    fn stream_order(&self) -> &O {
+        &self.order
+    }
+}
+
+impl EngineConfig for PoolConfig {
+    type Engine<U, O>
+        = PoolEngine<U, O>
+    where
+        O: StreamOrder + Send,
+        O::Stream: Send,
+        O::Event: Send,
+        U: Upstream<O::Stream> + Send;
+
+    fn event_policy(&self) -> EventPolicy {
+        self.event_policy
+    }
+
+    fn set_event_policy(&mut self, policy: EventPolicy) {
+        self.event_policy = policy;
     }
 }
 
@@ -539,18 +436,18 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything as [`release`](Self::release) does; on a synchronize error the chunks
-    /// are leaked rather than returned while the GPU may still use them.
+    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
+    /// [`Engine`], "Dropping").
     fn drop(&mut self) {
-        let _ = self.core.release(&self.upstream, &self.order);
+        let _ = self.release();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);
@@ -890,6 +787,25 @@ mod tests {
         p.allocate(100, A).unwrap();
         drop(p);
         assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    #[test]
+    fn release_unused_merges_then_returns_the_chunks_without_live_blocks() {
+        let (mut p, up, _) = pool(with_initial(4 * KIB));
+        let a = p.allocate(2 * KIB, A).unwrap();
+        let b = p.allocate(2 * KIB, A).unwrap();
+        let live = p.allocate(4 * KIB, A).unwrap();
+        // The first chunk's halves are free in two streams' lists: only merged do they make it whole.
+        p.deallocate(a, 2 * KIB, A).unwrap();
+        p.deallocate(b, 2 * KIB, B).unwrap();
+        assert_eq!(p.trim(C).unwrap(), 0);
+        assert_eq!(p.release_unused(C).unwrap(), 4 * KIB);
+        assert_eq!(up.stats().live_chunks, 1);
+        assert!(up.contains(live, 4 * KIB));
+        p.check_invariants().unwrap();
+        p.deallocate(live, 4 * KIB, B).unwrap();
+        assert_eq!(p.release_unused(A).unwrap(), 4 * KIB);
+        assert_eq!(p.stats(), EngineStats::default());
     }
 
     #[test]

@@ -4,10 +4,10 @@
 use std::collections::HashMap;
 
 use super::addr_map::AddrMap;
-use super::pool::PoolCore;
+use super::chunks::{check_balance, check_disjoint};
 use super::{
-    align_up, ensure, Block, EngineStats, Error, EventPolicy, FreeList, InvariantViolation, OutOfMemoryCause,
-    PoolConfig, StreamOrder, Upstream, ALIGNMENT,
+    align_up, ensure, Block, Engine, EngineConfig, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
+    OutOfMemoryCause, PoolConfig, PoolEngine, StreamOrder, Upstream, ALIGNMENT,
 };
 
 /// The shape of an [`ArenaEngine`].
@@ -64,8 +64,8 @@ struct StreamArena<S> {
 /// Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource`, on
 /// addresses.
 ///
-/// - The global arena is a coalescing best-fit pool (the [`PoolEngine`](super::PoolEngine)'s
-///   bookkeeping) over the upstream; its allocations are superblocks and large blocks.
+/// - The global arena is a [`PoolEngine`] (coalescing best fit) over the upstream; its
+///   allocations are superblocks and large blocks.
 /// - Each stream has an arena of superblocks taken from the global arena. Small requests (at most
 ///   half a superblock) are best fits within the stream's arena, coalescing within a superblock;
 ///   no other stream touches them, so no event is needed to reuse them.
@@ -79,7 +79,7 @@ struct StreamArena<S> {
 /// resource's lock, so the lock, not the arena, is what threads contend on.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{ArenaConfig, ArenaEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{ArenaConfig, ArenaEngine, Engine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = ArenaConfig { superblock_size: 1 << 16, ..Default::default() };
 /// let mut arena = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -96,15 +96,16 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    upstream: U,
-    order: O,
-    /// Aligned to [`ALIGNMENT`].
+    /// Normalized: `superblock_size` rounded up to [`ALIGNMENT`], the global arena's sizes as its
+    /// [`PoolConfig`] normalizes them.
+    config: ArenaConfig,
+    /// `config.superblock_size`.
     superblock_size: u64,
     /// Largest request served by a per-stream arena: `superblock_size / 2`, aligned.
     small_max: u64,
-    /// The global arena. Its live allocations are the keys of `superblocks` plus the large
-    /// allocations.
-    global: PoolCore<O>,
+    /// The global arena, which owns the upstream and the stream order. Its live allocations are the
+    /// keys of `superblocks` plus the large allocations.
+    global: PoolEngine<U, O>,
     /// Per-stream arenas. Invariant: `arena_index[&arenas[i].stream] == i`.
     arenas: Vec<StreamArena<O::Stream>>,
     arena_index: HashMap<O::Stream, usize>,
@@ -123,36 +124,6 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// An arena engine over `upstream` that orders streams through `order`. Reserves nothing yet.
-    /// Fails with [`Error::InvalidConfig`] for a superblock below 512 bytes (it must hold two
-    /// aligned blocks) or a global configuration [`PoolEngine::new`](super::PoolEngine::new) would
-    /// reject.
-    pub fn new(upstream: U, order: O, config: ArenaConfig) -> Result<Self, Error> {
-        let superblock_size =
-            align_up(config.superblock_size).ok_or(Error::InvalidConfig("superblock_size is not representable"))?;
-        if superblock_size < 2 * ALIGNMENT {
-            return Err(Error::InvalidConfig("superblock_size must be at least 512 bytes"));
-        }
-        let global = PoolCore::new(PoolConfig {
-            initial_size: config.initial_size,
-            maximum_size: config.maximum_size,
-            event_policy: config.event_policy,
-        })?;
-        Ok(Self {
-            upstream,
-            order,
-            superblock_size,
-            small_max: (superblock_size / 2) & !(ALIGNMENT - 1),
-            global,
-            arenas: Vec::new(),
-            arena_index: HashMap::new(),
-            last: 0,
-            superblocks: AddrMap::default(),
-            live: AddrMap::default(),
-            small_used: 0,
-        })
-    }
-
     /// The superblock size (rounded up to [`ALIGNMENT`]).
     pub fn superblock_size(&self) -> u64 {
         self.superblock_size
@@ -178,54 +149,18 @@ where
         i
     }
 
-    /// Allocates `bytes` for use on `stream`: from the stream's arena up to half a superblock,
-    /// from the global arena above; 0 for 0 bytes.
-    ///
-    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when the global arena cannot
-    /// grow, [`Error::Stream`] when an event wait needed to take another stream's memory fails.
-    #[inline]
-    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
-        if bytes == 0 {
-            return Ok(0);
-        }
-        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
-            requested: bytes,
-            cause: OutOfMemoryCause::AddressSpace,
-        })?;
-        if size > self.small_max {
-            return self.global.allocate(&self.upstream, &self.order, bytes, stream);
-        }
-        let i = self.arena(stream);
-        let block = match self.arenas[i].free.take_best_fit(size) {
-            Some(b) => b,
-            None => self.new_superblock(bytes, size, stream, i)?,
-        };
-        if let Some(sb) = self.superblocks.get_mut(&block.chunk) {
-            if sb.used == 0 {
-                let empty = &mut self.arenas[i].empty;
-                if let Some(k) = empty.iter().position(|&e| e == block.chunk) {
-                    empty.swap_remove(k);
-                }
-            }
-            sb.used += size;
-        }
-        self.live.insert(block.addr, (size, block.chunk));
-        self.small_used += size;
-        Ok(block.addr)
-    }
-
     /// Takes a superblock from the global arena into arena `i` and carves `size` bytes from it.
     /// When the global arena is full, first returns every arena's empty superblocks to it.
     #[cold]
     fn new_superblock(&mut self, bytes: u64, size: u64, stream: O::Stream, i: usize) -> Result<Block, Error> {
         let sb_size = self.superblock_size;
-        let addr = match self.global.allocate(&self.upstream, &self.order, sb_size, stream) {
+        let addr = match self.global.allocate(sb_size, stream) {
             Ok(a) => a,
             Err(Error::OutOfMemory { .. }) if self.return_empty_superblocks(stream)? > 0 => self
                 .global
-                .allocate(&self.upstream, &self.order, sb_size, stream)
-                .map_err(|e| with_requested(e, bytes))?,
-            Err(e) => return Err(with_requested(e, bytes)),
+                .allocate(sb_size, stream)
+                .map_err(|e| e.with_requested(bytes))?,
+            Err(e) => return Err(e.with_requested(bytes)),
         };
         self.superblocks.insert(addr, Superblock { owner: stream, used: 0 });
         let free = &mut self.arenas[i].free;
@@ -250,7 +185,7 @@ where
                 continue;
             }
             if self.arenas[i].stream != stream {
-                self.order.synchronize(self.arenas[i].stream)?;
+                self.global.stream_order().synchronize(self.arenas[i].stream)?;
             }
             while let Some(sb) = self.arenas[i].empty.pop() {
                 self.return_superblock(i, sb, stream)?;
@@ -265,17 +200,108 @@ where
     fn return_superblock(&mut self, i: usize, sb: u64, stream: O::Stream) -> Result<(), Error> {
         self.arenas[i].free.remove(sb);
         self.superblocks.remove(&sb);
-        self.global.deallocate(&self.order, sb, self.superblock_size, stream)
+        self.global.deallocate(sb, self.superblock_size, stream)
     }
 
-    /// Frees an allocation of `bytes` made by [`allocate`](Self::allocate). Freeing 0 bytes does
+    /// Superblocks currently held by per-stream arenas.
+    pub fn superblocks_in_arenas(&self) -> usize {
+        self.superblocks.len()
+    }
+}
+
+impl<U, O> Engine for ArenaEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    type Config = ArenaConfig;
+    type Stream = O::Stream;
+    type Upstream = U;
+    type Order = O;
+
+    /// An arena engine over `upstream` that orders streams through `order`. Reserves nothing yet.
+    /// Fails with [`Error::InvalidConfig`] for a superblock below 512 bytes (it must hold two
+    /// aligned blocks) or a global configuration [`PoolEngine`]'s `new` would reject.
+    fn new(upstream: U, order: O, config: ArenaConfig) -> Result<Self, Error> {
+        let superblock_size =
+            align_up(config.superblock_size).ok_or(Error::InvalidConfig("superblock_size is not representable"))?;
+        if superblock_size < 2 * ALIGNMENT {
+            return Err(Error::InvalidConfig("superblock_size must be at least 512 bytes"));
+        }
+        let global_config = PoolConfig {
+            initial_size: config.initial_size,
+            maximum_size: config.maximum_size,
+            event_policy: config.event_policy,
+        };
+        let global = PoolEngine::new(upstream, order, global_config)?;
+        let global_config = global.config();
+        Ok(Self {
+            config: ArenaConfig {
+                superblock_size,
+                initial_size: global_config.initial_size,
+                maximum_size: global_config.maximum_size,
+                event_policy: config.event_policy,
+            },
+            superblock_size,
+            small_max: (superblock_size / 2) & !(ALIGNMENT - 1),
+            global,
+            arenas: Vec::new(),
+            arena_index: HashMap::new(),
+            last: 0,
+            superblocks: AddrMap::default(),
+            live: AddrMap::default(),
+            small_used: 0,
+        })
+    }
+
+    fn config(&self) -> ArenaConfig {
+        self.config
+    }
+
+    /// Allocates `bytes` for use on `stream`: from the stream's arena up to half a superblock,
+    /// from the global arena above; 0 for 0 bytes.
+    ///
+    /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when the global arena cannot
+    /// grow, [`Error::Stream`] when an event wait needed to take another stream's memory fails.
+    #[inline]
+    fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
+            requested: bytes,
+            cause: OutOfMemoryCause::AddressSpace,
+        })?;
+        if size > self.small_max {
+            return self.global.allocate(bytes, stream);
+        }
+        let i = self.arena(stream);
+        let block = match self.arenas[i].free.take_best_fit(size) {
+            Some(b) => b,
+            None => self.new_superblock(bytes, size, stream, i)?,
+        };
+        if let Some(sb) = self.superblocks.get_mut(&block.chunk) {
+            if sb.used == 0 {
+                let empty = &mut self.arenas[i].empty;
+                if let Some(k) = empty.iter().position(|&e| e == block.chunk) {
+                    empty.swap_remove(k);
+                }
+            }
+            sb.used += size;
+        }
+        self.live.insert(block.addr, (size, block.chunk));
+        self.small_used += size;
+        Ok(block.addr)
+    }
+
+    /// Frees an allocation of `bytes` made by [`allocate`](Engine::allocate). Freeing 0 bytes does
     /// nothing. A small block freed on a stream other than its arena's first synchronizes `stream`
     /// (as RMM's arena does), so that the arena's stream may reuse it without an event.
     ///
     /// Fails with [`Error::UnknownAllocation`] when `addr` is not a live allocation of that size,
     /// or with [`Error::Stream`] when that synchronize fails; either way changing nothing.
     #[inline]
-    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+    fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
             return Ok(());
         }
@@ -283,7 +309,7 @@ where
             return Err(Error::UnknownAllocation { addr, bytes });
         };
         if size > self.small_max {
-            return self.global.deallocate(&self.order, addr, bytes, stream);
+            return self.global.deallocate(addr, bytes, stream);
         }
         let (sb_addr, owner) = match self.live.get(&addr) {
             Some(&(s, sb)) if s == size => match self.superblocks.get(&sb) {
@@ -293,7 +319,7 @@ where
             _ => return Err(Error::UnknownAllocation { addr, bytes }),
         };
         if owner != stream {
-            self.order.synchronize(stream)?;
+            self.global.stream_order().synchronize(stream)?;
         }
         self.live.remove(&addr);
         self.small_used -= size;
@@ -323,30 +349,38 @@ where
     /// streams other than `into`), then merges the global arena's free lists into `into`'s (after
     /// waits), where they coalesce: once everything is freed, this leaves one free block per
     /// upstream chunk.
-    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+    fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
         self.return_empty_superblocks(into)?;
-        self.global.merge_free_lists(&self.order, into)
+        self.global.merge_free_lists(into)
+    }
+
+    /// Returns every arena's empty superblocks to the global arena, merges the global arena's free
+    /// lists into `stream`'s, and returns the global arena's chunks that are then entirely free.
+    fn release_unused(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        self.return_empty_superblocks(stream)?;
+        self.global.release_unused(stream)
     }
 
     /// Synchronizes every stream seen, then returns every upstream chunk, live allocations
-    /// included, to the upstream. On a synchronize error nothing is released.
-    pub fn release(&mut self) -> Result<(), Error> {
+    /// included, to the upstream. On a synchronize error nothing is released; an upstream error is
+    /// returned after everything was returned and forgotten.
+    fn release(&mut self) -> Result<(), Error> {
         for a in &self.arenas {
-            self.order.synchronize(a.stream)?;
+            self.global.stream_order().synchronize(a.stream)?;
         }
-        self.global.release(&self.upstream, &self.order)?;
+        self.global.synchronize()?;
         self.arenas.clear();
         self.arena_index.clear();
         self.last = 0;
         self.superblocks.clear();
         self.live.clear();
         self.small_used = 0;
-        Ok(())
+        self.global.release_synchronized()
     }
 
     /// Bytes reserved, used (by live allocations, small and large) and free (in arenas and in the
     /// global arena), and block counts.
-    pub fn stats(&self) -> EngineStats {
+    fn stats(&self) -> EngineStats {
         let g = self.global.stats();
         let sb_bytes = self.superblocks.len() as u64 * self.superblock_size;
         let large_used = g.used_bytes - sb_bytes;
@@ -361,31 +395,16 @@ where
         }
     }
 
-    /// Superblocks currently held by per-stream arenas.
-    pub fn superblocks_in_arenas(&self) -> usize {
-        self.superblocks.len()
-    }
-
-    /// The upstream.
-    pub fn upstream(&self) -> &U {
-        &self.upstream
-    }
-
-    /// The stream order.
-    pub fn stream_order(&self) -> &O {
-        &self.order
-    }
-
     /// Checks the global arena's invariants (as a pool's), that every superblock is a live global
     /// allocation owned by the arena that lists its free blocks, that within each superblock free
     /// and live blocks are aligned, disjoint and add up to it, and that free + used = reserved.
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;
         let global_live: HashMap<u64, u64> = self.global.live().map(|b| (b.addr, b.size)).collect();
         // Per superblock: (free bytes, live bytes).
         let mut per_sb: HashMap<u64, (u64, u64)> = HashMap::new();
-        let mut blocks: Vec<Block> = Vec::new();
+        let mut blocks: Vec<(Block, &str)> = Vec::new();
         for (&sb, info) in &self.superblocks {
             ensure!(
                 global_live.get(&sb) == Some(&sb_size),
@@ -416,7 +435,7 @@ where
                 if let Some(e) = per_sb.get_mut(&b.chunk) {
                     e.0 += b.size;
                 }
-                blocks.push(b);
+                blocks.push((b, "free"));
             }
             for &sb in &arena.empty {
                 ensure!(
@@ -451,7 +470,7 @@ where
             };
             e.1 += size;
             small_used += size;
-            blocks.push(Block { addr, size, chunk: sb });
+            blocks.push((Block { addr, size, chunk: sb }, "live"));
         }
         ensure!(
             small_used == self.small_used,
@@ -468,42 +487,36 @@ where
                 "arena: superblock {sb:#x} counts the wrong number of used bytes"
             );
         }
-        blocks.sort_unstable_by_key(|b| b.addr);
-        for b in &blocks {
-            ensure!(
-                b.addr % ALIGNMENT == 0
-                    && b.size % ALIGNMENT == 0
-                    && b.size > 0
-                    && b.chunk <= b.addr
-                    && b.end() <= b.chunk + sb_size,
-                "arena: block {b:?} is misaligned or outside its superblock"
-            );
-        }
-        for w in blocks.windows(2) {
-            ensure!(
-                w[0].end() <= w[1].addr,
-                "arena: blocks {:?} and {:?} overlap",
-                w[0],
-                w[1]
-            );
-        }
-        let st = self.stats();
-        ensure!(
-            st.free_bytes + st.used_bytes == st.reserved_bytes,
-            "arena: free {} + used {} != reserved {}",
-            st.free_bytes,
-            st.used_bytes,
-            st.reserved_bytes
-        );
-        Ok(())
+        check_disjoint("arena", &mut blocks, |b| {
+            b.chunk <= b.addr && b.end() <= b.chunk + sb_size
+        })?;
+        check_balance("arena", &self.stats())
+    }
+
+    fn upstream(&self) -> &U {
+        self.global.upstream()
+    }
+
+    fn stream_order(&self) -> &O {
+        self.global.stream_order()
     }
 }
 
-/// Rewrites an out-of-memory error to name the caller's request rather than the superblock.
-fn with_requested(e: Error, requested: u64) -> Error {
-    match e {
-        Error::OutOfMemory { cause, .. } => Error::OutOfMemory { requested, cause },
-        e => e,
+impl EngineConfig for ArenaConfig {
+    type Engine<U, O>
+        = ArenaEngine<U, O>
+    where
+        O: StreamOrder + Send,
+        O::Stream: Send,
+        O::Event: Send,
+        U: Upstream<O::Stream> + Send;
+
+    fn event_policy(&self) -> EventPolicy {
+        self.event_policy
+    }
+
+    fn set_event_policy(&mut self, policy: EventPolicy) {
+        self.event_policy = policy;
     }
 }
 
@@ -512,7 +525,9 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error the chunks are leaked instead.
+    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
+    /// [`Engine`], "Dropping"); the global arena's own drop then finds nothing left, or retries
+    /// after a synchronize error.
     fn drop(&mut self) {
         let _ = self.release();
     }
@@ -521,8 +536,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -1,10 +1,10 @@
 //! Power-of-two bins of fixed-size blocks: RMM's `binning_memory_resource` on addresses.
 
-use super::addr_map::AddrMap;
+use super::chunks::{check_balance, Chunks};
 use super::fixed_size::FixedCore;
 use super::{
-    align_up, ensure, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder, Upstream,
-    ALIGNMENT,
+    align_up, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder,
+    Upstream, ALIGNMENT,
 };
 
 /// The bins of a [`BinningEngine`].
@@ -42,7 +42,7 @@ impl Default for BinningConfig {
 /// the [module docs](super). 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_rmm::suballoc::{BinningConfig, BinningEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{BinningConfig, BinningEngine, Engine, SimStream, SimStreams, SimUpstream};
 ///
 /// let config = BinningConfig { min_size_exponent: 8, max_size_exponent: 12, ..Default::default() };
 /// let mut bins = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
@@ -64,10 +64,9 @@ where
     config: BinningConfig,
     /// `bins[k]` serves sizes in `(2^(min+k-1), 2^(min+k)]` (the first bin everything up to its size).
     bins: Vec<FixedCore<O>>,
-    /// Allocations above the largest bin: address -> (size rounded to [`ALIGNMENT`], stream).
-    /// Each is its own upstream allocation. Invariant: sizes add up to `large_bytes`.
-    large: AddrMap<(u64, O::Stream)>,
-    large_bytes: u64,
+    /// Allocations above the largest bin (rounded to [`ALIGNMENT`]), each its own upstream
+    /// allocation.
+    large: Chunks<O::Stream>,
 }
 
 impl<U, O> BinningEngine<U, O>
@@ -75,10 +74,59 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
+    /// The bin serving `bytes > 0`, or `None` above the largest bin.
+    #[inline]
+    fn bin(&self, bytes: u64) -> Option<usize> {
+        let size = bytes.max(1 << self.config.min_size_exponent);
+        // ceil(log2(size)), for size >= 2.
+        let exp = 64 - (size - 1).leading_zeros();
+        (exp <= self.config.max_size_exponent).then(|| (exp - self.config.min_size_exponent) as usize)
+    }
+
+    /// The block size that serves a request of `bytes`, or `None` when it goes to the upstream.
+    pub fn bin_size(&self, bytes: u64) -> Option<u64> {
+        self.bin(bytes.max(1)).map(|k| self.bins[k].block_size())
+    }
+
+    #[cold]
+    fn allocate_large(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        let size = align_up(bytes).ok_or(Error::OutOfMemory {
+            requested: bytes,
+            cause: OutOfMemoryCause::AddressSpace,
+        })?;
+        self.large
+            .allocate(&self.upstream, size, stream)
+            .map_err(|e| e.with_requested(bytes))
+    }
+
+    #[cold]
+    fn deallocate_large(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        match self.large.get(addr) {
+            Some(c) if Some(c.size) == align_up(bytes) => self.large.release(&self.upstream, addr, stream).map(drop),
+            _ => Err(Error::UnknownAllocation { addr, bytes }),
+        }
+    }
+
+    /// Per bin, `(block size, stats)`.
+    pub fn bin_stats(&self) -> impl Iterator<Item = (u64, EngineStats)> + '_ {
+        self.bins.iter().map(|b| (b.block_size(), b.stats()))
+    }
+}
+
+impl<U, O> Engine for BinningEngine<U, O>
+where
+    U: Upstream<O::Stream>,
+    O: StreamOrder,
+{
+    type Config = BinningConfig;
+    type Stream = O::Stream;
+    type Upstream = U;
+    type Order = O;
+
     /// An engine with one bin per power of two from `2^min_size_exponent` to
     /// `2^max_size_exponent`. Reserves nothing yet. Fails with [`Error::InvalidConfig`] when the
     /// exponents are out of range or out of order, or `blocks_per_chunk` is 0 or too large.
-    pub fn new(upstream: U, order: O, config: BinningConfig) -> Result<Self, Error> {
+    fn new(upstream: U, order: O, config: BinningConfig) -> Result<Self, Error> {
         let (min, max) = (config.min_size_exponent, config.max_size_exponent);
         if min < ALIGNMENT.trailing_zeros() {
             return Err(Error::InvalidConfig(
@@ -98,28 +146,12 @@ where
             order,
             config,
             bins,
-            large: AddrMap::default(),
-            large_bytes: 0,
+            large: Chunks::default(),
         })
     }
 
-    /// The bin serving `bytes > 0`, or `None` above the largest bin.
-    #[inline]
-    fn bin(&self, bytes: u64) -> Option<usize> {
-        let size = bytes.max(1 << self.config.min_size_exponent);
-        // ceil(log2(size)), for size >= 2.
-        let exp = 64 - (size - 1).leading_zeros();
-        (exp <= self.config.max_size_exponent).then(|| (exp - self.config.min_size_exponent) as usize)
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> BinningConfig {
+    fn config(&self) -> BinningConfig {
         self.config
-    }
-
-    /// The block size that serves a request of `bytes`, or `None` when it goes to the upstream.
-    pub fn bin_size(&self, bytes: u64) -> Option<u64> {
-        self.bin(bytes.max(1)).map(|k| self.bins[k].block_size())
     }
 
     /// Allocates `bytes` for use on `stream`: from its bin, or from the upstream above the largest
@@ -128,7 +160,7 @@ where
     /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when the upstream is full,
     /// [`Error::Stream`] when the event wait to take another stream's block fails.
     #[inline]
-    pub fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+    fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
         if bytes == 0 {
             return Ok(0);
         }
@@ -138,37 +170,14 @@ where
         }
     }
 
-    #[cold]
-    fn allocate_large(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
-        let oom = |cause| Error::OutOfMemory {
-            requested: bytes,
-            cause,
-        };
-        let size = align_up(bytes).ok_or(oom(OutOfMemoryCause::AddressSpace))?;
-        let addr = match self.upstream.allocate(size, stream) {
-            Ok(a) => a,
-            Err(Error::OutOfMemory { cause, .. }) => return Err(oom(cause)),
-            Err(e) => return Err(e),
-        };
-        if addr == 0 || addr % ALIGNMENT != 0 {
-            self.upstream.deallocate(addr, size, stream);
-            return Err(Error::Upstream {
-                op: "allocate",
-                source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
-            });
-        }
-        self.large.insert(addr, (size, stream));
-        self.large_bytes += size;
-        Ok(addr)
-    }
-
-    /// Frees an allocation of `bytes` made by [`allocate`](Self::allocate). A binned block may be
+    /// Frees an allocation of `bytes` made by [`allocate`](Engine::allocate). A binned block may be
     /// reused at once on `stream` and by other streams after an event wait; a large one goes back to
     /// the upstream on `stream`. Freeing 0 bytes does nothing. Fails with
     /// [`Error::UnknownAllocation`] (changing nothing) when `addr` is not a live allocation of that
-    /// size.
+    /// size, and with the upstream's error when it fails to take a large allocation back (which is
+    /// forgotten all the same).
     #[inline]
-    pub fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+    fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
         if bytes == 0 {
             return Ok(());
         }
@@ -178,51 +187,46 @@ where
         }
     }
 
-    #[cold]
-    fn deallocate_large(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
-        let size = align_up(bytes);
-        match self.large.get(&addr) {
-            Some(&(s, _)) if Some(s) == size => {
-                self.large.remove(&addr);
-                self.large_bytes -= s;
-                self.upstream.deallocate(addr, s, stream);
-                Ok(())
-            }
-            _ => Err(Error::UnknownAllocation { addr, bytes }),
-        }
-    }
-
     /// In every bin, moves every stream's free blocks into `into`'s list after making `into` wait
     /// on each.
-    pub fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
+    fn merge_free_lists(&mut self, into: O::Stream) -> Result<(), Error> {
         self.bins
             .iter_mut()
             .try_for_each(|b| b.merge_free_lists(&self.order, into))
     }
 
-    /// Synchronizes every stream seen, then returns every chunk of every bin, and every large
-    /// allocation, to the upstream; live blocks become invalid. On a synchronize error, stops
-    /// there (bins already released stay released).
-    pub fn release(&mut self) -> Result<(), Error> {
-        for (_, &(_, stream)) in self.large.iter() {
-            self.order.synchronize(stream)?;
-        }
+    /// In every bin, as [`FixedSizeEngine`](crate::FixedSizeEngine)'s. Large allocations are
+    /// returned when freed, so none is unused.
+    fn release_unused(&mut self, stream: O::Stream) -> Result<u64, Error> {
+        let mut released = 0;
         for bin in &mut self.bins {
-            bin.release(&self.upstream, &self.order)?;
+            released += bin.release_unused(&self.upstream, &self.order, stream)?;
         }
-        for (&addr, &(size, stream)) in self.large.iter() {
-            self.upstream.deallocate(addr, size, stream);
+        Ok(released)
+    }
+
+    /// Synchronizes every stream seen (by any bin, and by large allocations), then returns every
+    /// chunk of every bin, and every large allocation, to the upstream; live blocks become invalid.
+    /// On a synchronize error nothing is released; an upstream error is returned after everything
+    /// was returned and forgotten.
+    fn release(&mut self) -> Result<(), Error> {
+        self.large.synchronize(&self.order)?;
+        for bin in &self.bins {
+            bin.synchronize(&self.order)?;
         }
-        self.large.clear();
-        self.large_bytes = 0;
-        Ok(())
+        let mut result = Ok(());
+        for bin in &mut self.bins {
+            result = result.and(bin.release_synchronized(&self.upstream));
+        }
+        result.and(self.large.release_all(&self.upstream))
     }
 
     /// Bytes reserved, used and free, and block counts, over all bins and large allocations.
-    pub fn stats(&self) -> EngineStats {
+    fn stats(&self) -> EngineStats {
+        let large_bytes = self.large.reserved();
         let mut st = EngineStats {
-            reserved_bytes: self.large_bytes,
-            used_bytes: self.large_bytes,
+            reserved_bytes: large_bytes,
+            used_bytes: large_bytes,
             free_bytes: 0,
             free_blocks: 0,
             live_allocations: self.large.len(),
@@ -240,59 +244,41 @@ where
         st
     }
 
-    /// Per bin, `(block size, stats)`.
-    pub fn bin_stats(&self) -> impl Iterator<Item = (u64, EngineStats)> + '_ {
-        self.bins.iter().map(|b| (b.block_size(), b.stats()))
-    }
-
-    /// The upstream.
-    pub fn upstream(&self) -> &U {
-        &self.upstream
-    }
-
-    /// The stream order.
-    pub fn stream_order(&self) -> &O {
-        &self.order
-    }
-
     /// Checks every bin's invariants, that large allocations are aligned and disjoint from each
     /// other, and that free + used = reserved overall. (Bins and large allocations cannot overlap:
     /// each is a distinct upstream allocation.)
-    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
         for bin in &self.bins {
             bin.check_invariants()?;
         }
-        let mut large: Vec<(u64, u64)> = self.large.iter().map(|(&a, &(s, _))| (a, s)).collect();
-        large.sort_unstable();
-        for w in large.windows(2) {
-            ensure!(
-                w[0].0 + w[0].1 <= w[1].0,
-                "binning: large allocations {:?} and {:?} overlap",
-                w[0],
-                w[1]
-            );
-        }
-        let total: u64 = large.iter().map(|&(_, s)| s).sum();
-        ensure!(
-            total == self.large_bytes,
-            "binning: large allocations add up to {total}, `large_bytes` says {}",
-            self.large_bytes
-        );
-        for &(a, s) in &large {
-            ensure!(
-                a % ALIGNMENT == 0 && s % ALIGNMENT == 0 && s > 0,
-                "binning: large allocation {a:#x} ({s} bytes) is not aligned"
-            );
-        }
-        let st = self.stats();
-        ensure!(
-            st.free_bytes + st.used_bytes == st.reserved_bytes,
-            "binning: free {} + used {} != reserved {}",
-            st.free_bytes,
-            st.used_bytes,
-            st.reserved_bytes
-        );
-        Ok(())
+        self.large.check("binning (large allocations)")?;
+        check_balance("binning", &self.stats())
+    }
+
+    fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    fn stream_order(&self) -> &O {
+        &self.order
+    }
+}
+
+impl EngineConfig for BinningConfig {
+    type Engine<U, O>
+        = BinningEngine<U, O>
+    where
+        O: StreamOrder + Send,
+        O::Stream: Send,
+        O::Event: Send,
+        U: Upstream<O::Stream> + Send;
+
+    fn event_policy(&self) -> EventPolicy {
+        self.event_policy
+    }
+
+    fn set_event_policy(&mut self, policy: EventPolicy) {
+        self.event_policy = policy;
     }
 }
 
@@ -301,7 +287,8 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    /// Releases everything; on a synchronize error what is not yet released is leaked instead.
+    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
+    /// [`Engine`], "Dropping").
     fn drop(&mut self) {
         let _ = self.release();
     }
@@ -310,8 +297,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::suballoc::testing::{self, ops, world};
-    use crate::suballoc::{SimStream, SimStreams, SimUpstream};
+    use crate::testing::{self, ops, world};
+    use crate::{SimStream, SimStreams, SimUpstream};
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -71,6 +71,23 @@ pub(super) fn first_class_from(bits: &[u64], summary: u64, c: usize) -> Option<u
     })
 }
 
+/// Stores `node` in a vacant slot of `nodes` (listed in `vacant`), or a new one; returns the slot.
+/// (The slabs of [`FreeList`] and of the pool's block table.)
+#[inline]
+pub(super) fn new_slot<T>(nodes: &mut Vec<T>, vacant: &mut Vec<u32>, node: T) -> u32 {
+    match vacant.pop() {
+        Some(s) => {
+            nodes[s as usize] = node;
+            s
+        }
+        None => {
+            // A u32 slot covers 4 billion blocks, some 160 GB of nodes: more than any slab holds.
+            nodes.push(node);
+            (nodes.len() - 1) as u32
+        }
+    }
+}
+
 /// Free blocks, indexed by size for best fit and by both ends for coalescing.
 ///
 /// Every operation is O(1) for blocks of up to 1 MiB and O(log n) above, in the number of free
@@ -90,7 +107,7 @@ pub(super) fn first_class_from(bits: &[u64], summary: u64, c: usize) -> Option<u
 /// Sizes and addresses must be multiples of [`ALIGNMENT`] (as every engine's are).
 ///
 /// ```
-/// use mempool_rmm::suballoc::{Block, FreeList};
+/// use mempool_suballoc::{Block, FreeList};
 ///
 /// let mut free = FreeList::new();
 /// free.insert(Block { addr: 0x1000, size: 0x400, chunk: 0x1000 });
@@ -167,18 +184,7 @@ impl FreeList {
             prev: NIL,
             next: NIL,
         };
-        match self.vacant.pop() {
-            Some(s) => {
-                self.nodes[s as usize] = node;
-                s
-            }
-            None => {
-                self.nodes.push(node);
-                // A u32 slot covers 4 billion free blocks, some 160 GB of nodes: more than any
-                // list can hold.
-                (self.nodes.len() - 1) as u32
-            }
-        }
+        new_slot(&mut self.nodes, &mut self.vacant, node)
     }
 
     /// Adds `slot` to the size index.

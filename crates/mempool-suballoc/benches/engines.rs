@@ -1,10 +1,12 @@
 //! The suballocator engines on the standard random workload (DESIGN.md, "Performance"), over
 //! `SimUpstream`: what the engines' own bookkeeping costs per operation, with no GPU and no driver
-//! call underneath.
+//! call underneath. `cargo bench -p mempool-suballoc --bench engines -- --noplot`; results in
+//! `RESULTS-host.md` next to this file.
 //!
 //! The workload runs on one stream, so the engines never order one stream after another; the
 //! stream order is `OneStream`, whose operations do nothing, so that the numbers are the engines'
-//! alone. (On a GPU, the default `EventPolicy::RecordOnFree` adds one event record per free.)
+//! alone. (On a GPU, one stream's frees under the default `EventPolicy::Adaptive` record no event
+//! either; `EventPolicy::RecordOnFree` would add one event record per free.)
 //!
 //! The workload (RMM's `random_allocations` shape): `n` operations on one stream, each allocating
 //! with probability 0.73 unless live bytes would pass `max_usage` (or nothing is live), otherwise
@@ -20,11 +22,10 @@ use std::time::Duration;
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput};
-use mempool_rmm::suballoc::{
-    ArenaConfig, ArenaEngine, BinningConfig, BinningEngine, Error, FixedSizeConfig, FixedSizeEngine, PoolConfig,
-    PoolEngine, SimUpstream, StreamOrder,
+use mempool_suballoc::workload::{self, RandomOp as Op};
+use mempool_suballoc::{
+    ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, SimUpstream, StreamOrder,
 };
-use mempool_rmm::testing::{self, RandomOp as Op};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -54,57 +55,40 @@ impl StreamOrder for OneStream {
 /// The standard points: (operations, max_size, max_usage).
 const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];
 
-/// What the bench needs from an engine; failures are bugs and abort the bench.
-trait Engine {
-    fn alloc(&mut self, bytes: u64) -> u64;
-    fn free(&mut self, addr: u64, bytes: u64);
-}
-
-macro_rules! impl_engine {
-    ($ty:ident) => {
-        impl Engine for $ty<SimUpstream, OneStream> {
-            #[inline]
-            fn alloc(&mut self, bytes: u64) -> u64 {
-                match self.allocate(bytes, ()) {
-                    Ok(a) => a,
-                    Err(e) => panic!("{} failed to allocate {bytes} bytes: {e}", stringify!($ty)),
-                }
-            }
-            #[inline]
-            fn free(&mut self, addr: u64, bytes: u64) {
-                if let Err(e) = self.deallocate(addr, bytes, ()) {
-                    panic!("{} failed to free {addr:#x}: {e}", stringify!($ty));
-                }
-            }
+/// Runs `ops` on one stream, then frees what is left; failures are bugs and abort the bench.
+fn run<E: Engine<Stream = ()>>(engine: &mut E, ops: &[Op]) {
+    fn free<E: Engine<Stream = ()>>(engine: &mut E, addr: u64, bytes: u64) {
+        if let Err(e) = engine.deallocate(addr, bytes, ()) {
+            panic!("failed to free {addr:#x}: {e}");
         }
-    };
-}
-
-impl_engine!(PoolEngine);
-impl_engine!(FixedSizeEngine);
-impl_engine!(BinningEngine);
-impl_engine!(ArenaEngine);
-
-fn run<E: Engine>(engine: &mut E, ops: &[Op]) {
+    }
     let mut live: Vec<(u64, u64)> = Vec::with_capacity(ops.len());
     for &op in ops {
         match op {
-            Op::Alloc(n) => live.push((black_box(engine.alloc(n as u64)), n as u64)),
+            Op::Alloc(n) => match engine.allocate(n as u64, ()) {
+                Ok(a) => live.push((black_box(a), n as u64)),
+                Err(e) => panic!("failed to allocate {n} bytes: {e}"),
+            },
             Op::Free(i) => {
                 let (a, n) = live.swap_remove(i);
-                engine.free(a, n);
+                free(engine, a, n);
             }
         }
     }
     for (a, n) in live.drain(..) {
-        engine.free(a, n);
+        free(engine, a, n);
     }
 }
 
-fn bench_engine<E: Engine>(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, ops: &[Op], make: impl Fn() -> E) {
+/// Benchmarks the engine `config` names, a fresh one per iteration.
+fn bench_engine<C: EngineConfig>(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, ops: &[Op], config: C) {
     group.bench_function(name, |b| {
         b.iter_batched(
-            &make,
+            || {
+                let engine: C::Engine<SimUpstream, OneStream> =
+                    Engine::new(SimUpstream::new(), OneStream, config.clone()).expect("engine config");
+                engine
+            },
             |mut engine| {
                 run(&mut engine, ops);
                 // Returned, so that releasing to the upstream happens outside the timing.
@@ -126,7 +110,7 @@ fn random_workload(c: &mut Criterion) {
         .and_then(|v| v.parse::<usize>().ok());
     for (n, max_size, max_usage) in POINTS {
         let n = ops_override.unwrap_or(n);
-        let ops = testing::random_workload(n, max_size as usize, max_usage as usize, 0x5EED_0000 ^ max_size);
+        let ops = workload::random_workload(n, max_size as usize, max_usage as usize, 0x5EED_0000 ^ max_size);
         let name = format!("random/{n}ops_{}KiB_{}GiB", max_size / KIB, max_usage / GIB);
         let mut group = c.benchmark_group(name);
         group
@@ -135,27 +119,19 @@ fn random_workload(c: &mut Criterion) {
             .sample_size(10)
             .measurement_time(Duration::from_secs(4));
 
-        bench_engine(&mut group, "pool", &ops, || {
-            PoolEngine::new(SimUpstream::new(), OneStream, PoolConfig::default()).expect("pool config")
-        });
-        bench_engine(&mut group, "fixed_size", &ops, || {
-            let config = FixedSizeConfig {
-                block_size: max_size,
-                ..Default::default()
-            };
-            FixedSizeEngine::new(SimUpstream::new(), OneStream, config).expect("fixed-size config")
-        });
-        bench_engine(&mut group, "binning", &ops, || {
-            let config = BinningConfig {
-                min_size_exponent: 8,
-                max_size_exponent: ceil_log2(max_size),
-                ..Default::default()
-            };
-            BinningEngine::new(SimUpstream::new(), OneStream, config).expect("binning config")
-        });
-        bench_engine(&mut group, "arena", &ops, || {
-            ArenaEngine::new(SimUpstream::new(), OneStream, ArenaConfig::default()).expect("arena config")
-        });
+        bench_engine(&mut group, "pool", &ops, PoolConfig::default());
+        let fixed_size = FixedSizeConfig {
+            block_size: max_size,
+            ..Default::default()
+        };
+        bench_engine(&mut group, "fixed_size", &ops, fixed_size);
+        let binning = BinningConfig {
+            min_size_exponent: 8,
+            max_size_exponent: ceil_log2(max_size),
+            ..Default::default()
+        };
+        bench_engine(&mut group, "binning", &ops, binning);
+        bench_engine(&mut group, "arena", &ops, ArenaConfig::default());
         group.finish();
     }
 }
