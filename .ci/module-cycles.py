@@ -11,7 +11,7 @@ edge to that child; a path to an item of the root (a re-export or a function of 
 to the root. Declaring a module (`mod foo;`) is not an edge. A second pass adds the edges no path shows:
 calls of inherent methods that another module's `impl Type` block defines (see `method_edges`).
 Prints the graphs and every cycle (strongly connected component); exits 1 if there is one.
-Not wired into .ci/run: run it by hand after moving code between modules.
+`.ci/run` runs it on every crate's src/ (and the facade's).
 """
 
 import os

@@ -9,7 +9,7 @@ use crate::error::Result;
 
 /// The one alignment of the workspace, defined by the suballocator engines: every allocation a
 /// resource in this crate returns is aligned to it (as RMM's `CUDA_ALLOCATION_ALIGNMENT`).
-pub use crate::suballoc::{align_up, ALIGNMENT};
+pub use mempool_suballoc::{align_up, ALIGNMENT};
 
 /// [`ALIGNMENT`] as a `usize`, for the resources' `usize` sizes.
 pub(crate) const ALIGNMENT_USIZE: usize = ALIGNMENT as usize;

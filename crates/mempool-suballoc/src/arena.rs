@@ -5,10 +5,13 @@ use std::collections::HashMap;
 
 use super::addr_map::AddrMap;
 use super::chunks::{check_balance, check_disjoint};
-use super::{
-    align_up, ensure, Block, Engine, EngineConfig, EngineStats, Error, EventPolicy, FreeList, InvariantViolation,
-    OutOfMemoryCause, PoolConfig, PoolEngine, StreamOrder, Upstream, ALIGNMENT,
-};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
+use crate::free_list::{Block, FreeList};
+use crate::pool::{PoolConfig, PoolEngine};
+use crate::stream_order::StreamOrder;
+use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
+use crate::upstream::Upstream;
 
 /// The shape of an [`ArenaEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -536,8 +539,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::{SimStream, SimStreams, SimUpstream};
+    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

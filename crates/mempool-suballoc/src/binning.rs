@@ -2,10 +2,11 @@
 
 use super::chunks::{check_balance, Chunks};
 use super::fixed_size::FixedCore;
-use super::{
-    align_up, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation, OutOfMemoryCause, StreamOrder,
-    Upstream, ALIGNMENT,
-};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{Error, InvariantViolation, OutOfMemoryCause};
+use crate::stream_order::StreamOrder;
+use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
+use crate::upstream::Upstream;
 
 /// The bins of a [`BinningEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,7 +196,7 @@ where
             .try_for_each(|b| b.merge_free_lists(&self.order, into))
     }
 
-    /// In every bin, as [`FixedSizeEngine`](crate::FixedSizeEngine)'s. Large allocations are
+    /// In every bin, as [`FixedSizeEngine`](crate::fixed_size::FixedSizeEngine)'s. Large allocations are
     /// returned when freed, so none is unused.
     fn release_unused(&mut self, stream: O::Stream) -> Result<u64, Error> {
         let mut released = 0;
@@ -297,8 +298,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::{SimStream, SimStreams, SimUpstream};
+    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -15,7 +15,9 @@ use std::collections::BTreeSet;
 
 use super::addr_map::SlotMap;
 use super::free_list::{class_of, first_class_from, new_slot, SMALL_CLASSES, SMALL_MAX};
-use super::{ensure, Block, InvariantViolation, ALIGNMENT};
+use crate::error::{ensure, InvariantViolation};
+use crate::free_list::Block;
+use crate::types::ALIGNMENT;
 
 /// No neighbour (the block starts or ends its chunk).
 const NIL: u32 = u32::MAX;

@@ -8,7 +8,15 @@
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 
-use super::{ensure, Block, EngineStats, Error, InvariantViolation, StreamOrder, Upstream, ALIGNMENT};
+use crate::error::{ensure, Error, InvariantViolation};
+
+use crate::free_list::Block;
+
+use crate::stream_order::StreamOrder;
+
+use crate::types::{EngineStats, ALIGNMENT};
+
+use crate::upstream::Upstream;
 
 /// An upstream allocation held by an engine.
 #[derive(Debug, Clone, Copy)]

@@ -4,18 +4,24 @@
 use std::fmt::Debug;
 use std::hash::Hash;
 
-use super::{EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream};
+use crate::error::{Error, InvariantViolation};
+
+use crate::stream_order::StreamOrder;
+
+use crate::types::{EngineStats, EventPolicy};
+
+use crate::upstream::Upstream;
 
 /// A suballocator engine: hands out aligned address ranges carved from an [`Upstream`]'s chunks,
 /// and orders streams through a [`StreamOrder`] before a range moves from one stream to another
 /// (the [crate docs](crate) state the rule and which streams an engine may touch).
 ///
-/// Implemented by [`PoolEngine`](crate::PoolEngine), [`FixedSizeEngine`](crate::FixedSizeEngine),
-/// [`BinningEngine`](crate::BinningEngine) and [`ArenaEngine`](crate::ArenaEngine). What is common
+/// Implemented by [`PoolEngine`](crate::pool::PoolEngine), [`FixedSizeEngine`](crate::fixed_size::FixedSizeEngine),
+/// [`BinningEngine`](crate::binning::BinningEngine) and [`ArenaEngine`](crate::arena::ArenaEngine). What is common
 /// to all of them:
 ///
 /// - `allocate(0, _)` returns address 0 and `deallocate(_, 0, _)` does nothing, neither touching any
-///   state; every other address is non-zero and aligned to [`ALIGNMENT`](crate::ALIGNMENT).
+///   state; every other address is non-zero and aligned to [`ALIGNMENT`](crate::types::ALIGNMENT).
 /// - Out of memory is [`Error::OutOfMemory`] with `requested` the size the caller asked for.
 /// - A `deallocate` that names no live allocation (double free, foreign address, wrong size) is
 ///   [`Error::UnknownAllocation`] and changes nothing.
@@ -67,7 +73,7 @@ pub trait Engine {
     fn config(&self) -> Self::Config;
 
     /// Allocates `bytes` for use on `stream`: an address aligned to
-    /// [`ALIGNMENT`](crate::ALIGNMENT), or 0 for 0 bytes.
+    /// [`ALIGNMENT`](crate::types::ALIGNMENT), or 0 for 0 bytes.
     ///
     /// Fails with [`Error::OutOfMemory`] (with `requested == bytes`) when neither the free lists nor
     /// the upstream can serve it, [`Error::TooLarge`] above what the engine serves at all, or
@@ -150,74 +156,4 @@ pub trait EngineConfig: Clone + Debug {
 
     /// Sets [`event_policy`](Self::event_policy).
     fn set_event_policy(&mut self, policy: EventPolicy);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig, SimStream, SimStreams, SimUpstream};
-
-    const A: SimStream = SimStream::new(0);
-
-    /// An upstream that refuses to take chunks back: `release_unused`, `release` and `drop` forget
-    /// them all the same (the engine stays consistent) and the first two report the error.
-    fn upstream_errors_are_reported_and_leave_the_engine_consistent<C: EngineConfig>(config: C) {
-        let up = SimUpstream::new();
-        let mut e: C::Engine<SimUpstream, SimStreams> = Engine::new(up.clone(), SimStreams::new(), config).unwrap();
-        let x = e.allocate(1000, A).unwrap();
-        e.deallocate(x, 1000, A).unwrap();
-        up.set_fail_deallocations(true);
-        let err = e.release_unused(A).unwrap_err();
-        assert!(matches!(err, Error::Upstream { op: "deallocate", .. }), "{err:?}");
-        assert_eq!(e.stats().reserved_bytes, 0, "the refused chunks are forgotten");
-        e.check_invariants().unwrap();
-        assert!(up.stats().live_chunks > 0, "and leaked upstream");
-
-        up.set_fail_deallocations(false);
-        e.allocate(1000, A).unwrap();
-        up.set_fail_deallocations(true);
-        let err = e.release().unwrap_err();
-        assert!(matches!(err, Error::Upstream { op: "deallocate", .. }), "{err:?}");
-        assert_eq!(e.stats(), EngineStats::default());
-        e.check_invariants().unwrap();
-
-        e.allocate(1000, A).unwrap();
-        drop(e);
-        up.set_fail_deallocations(false);
-    }
-
-    #[test]
-    fn upstream_errors_are_reported_by_every_engine() {
-        upstream_errors_are_reported_and_leave_the_engine_consistent(PoolConfig::default());
-        upstream_errors_are_reported_and_leave_the_engine_consistent(FixedSizeConfig {
-            block_size: 1024,
-            blocks_per_chunk: 4,
-            ..Default::default()
-        });
-        upstream_errors_are_reported_and_leave_the_engine_consistent(BinningConfig::default());
-        upstream_errors_are_reported_and_leave_the_engine_consistent(ArenaConfig::default());
-    }
-
-    #[test]
-    fn a_large_binning_allocation_the_upstream_refuses_is_forgotten() {
-        let up = SimUpstream::new();
-        let config = BinningConfig {
-            max_size_exponent: 12,
-            ..Default::default()
-        };
-        let mut e: crate::BinningEngine<_, _> = Engine::new(up.clone(), SimStreams::new(), config).unwrap();
-        let x = e.allocate(10_000, A).unwrap();
-        up.set_fail_deallocations(true);
-        assert!(matches!(
-            e.deallocate(x, 10_000, A),
-            Err(Error::Upstream { op: "deallocate", .. })
-        ));
-        assert!(matches!(
-            e.deallocate(x, 10_000, A),
-            Err(Error::UnknownAllocation { .. })
-        ));
-        assert_eq!(e.stats(), EngineStats::default());
-        e.check_invariants().unwrap();
-        up.set_fail_deallocations(false);
-    }
 }

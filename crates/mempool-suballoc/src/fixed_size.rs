@@ -5,10 +5,11 @@ use std::collections::HashSet;
 use super::addr_map::{AddrMap, AddrSet};
 use super::chunks::{check_balance, Chunks};
 use super::stream_lists::StreamLists;
-use super::{
-    align_up, ensure, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation, StreamOrder, Upstream,
-    ALIGNMENT,
-};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{ensure, Error, InvariantViolation};
+use crate::stream_order::StreamOrder;
+use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
+use crate::upstream::Upstream;
 
 /// The shape of a [`FixedSizeEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -425,8 +426,10 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::OutOfMemoryCause;
+    use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::{OutOfMemoryCause, SimStream, SimStreams, SimUpstream};
+    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

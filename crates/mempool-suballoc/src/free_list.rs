@@ -3,7 +3,8 @@
 use std::collections::BTreeSet;
 
 use super::addr_map::AddrMap;
-use super::{ensure, InvariantViolation, ALIGNMENT};
+use crate::error::{ensure, InvariantViolation};
+use crate::types::ALIGNMENT;
 
 /// A range of addresses `[addr, addr + size)` carved from the upstream chunk that starts at `chunk`.
 ///

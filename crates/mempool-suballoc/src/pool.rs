@@ -3,10 +3,12 @@
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::{check_disjoint, Chunks};
 use super::stream_lists::StreamLists;
-use super::{
-    align_up, ensure, Block, Engine, EngineConfig, EngineStats, Error, EventPolicy, InvariantViolation,
-    OutOfMemoryCause, StreamOrder, Upstream, ALIGNMENT,
-};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
+use crate::free_list::Block;
+use crate::stream_order::StreamOrder;
+use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
+use crate::upstream::Upstream;
 
 /// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -446,8 +448,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::{SimStream, SimStreams, SimUpstream};
+    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -7,7 +7,9 @@
 use std::collections::HashMap;
 
 use super::block_table::SizeIndex;
-use super::{Error, EventPolicy, StreamOrder};
+use crate::error::Error;
+use crate::stream_order::StreamOrder;
+use crate::types::EventPolicy;
 
 /// A per-stream container of free blocks.
 pub(crate) trait FreeStore: Default {

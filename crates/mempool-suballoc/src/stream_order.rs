@@ -4,7 +4,7 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::Error;
+use crate::error::Error;
 
 /// The stream operations an engine needs to hand free blocks from one stream to another.
 ///

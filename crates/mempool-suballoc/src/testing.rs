@@ -8,10 +8,15 @@ use std::sync::{Arc, Mutex};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
-use super::{
-    Engine, EngineStats, Error, EventPolicy, SimEvent, SimStream, SimStreams, SimUpstream, StreamOrder, SyncPoint,
-    Upstream, ALIGNMENT,
-};
+use crate::engine::Engine;
+
+use crate::error::Error;
+
+use crate::stream_order::{SimEvent, SimStream, SimStreams, StreamOrder, SyncPoint};
+
+use crate::types::{EngineStats, EventPolicy, ALIGNMENT};
+
+use crate::upstream::{SimUpstream, Upstream};
 
 /// The stream of the engine call in progress, shared by the checking wrappers below: `None`
 /// while releasing, or between calls.

@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::{align_up, Error, OutOfMemoryCause, ALIGNMENT};
+use crate::error::{Error, OutOfMemoryCause};
+
+use crate::types::{align_up, ALIGNMENT};
 
 /// A source of large, stream-ordered allocations that an engine carves up.
 ///

@@ -179,7 +179,7 @@ mod tests {
 
     #[test]
     fn call_site_survives_type_erasure_and_outer_adaptors() {
-        let mr = crate::adaptors::StatisticsAdaptor::new(TrackingAdaptor::new(SimResource::new()));
+        let mr = crate::adaptors::statistics::StatisticsAdaptor::new(TrackingAdaptor::new(SimResource::new()));
         let dynamic: &dyn MemoryResource = &mr;
         let line = line!() + 1;
         let p = dynamic.allocate(64, S).unwrap();

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 use mempool_core::{DeviceAddr, StreamRef};
 
-use super::DeviceBuffer;
+use super::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::resource::SharedResource;
 

@@ -4,7 +4,7 @@ use mempool_core::{Device, DeviceAddr, MemPool, PoolLocation, PoolProps, StreamR
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
-use crate::resources::AsyncResource;
+use crate::resources::async_resource::AsyncResource;
 
 /// Options for [`HostPoolResource::new`].
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

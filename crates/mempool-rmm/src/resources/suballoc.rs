@@ -10,9 +10,9 @@ use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
-use crate::suballoc::{
-    self, ArenaConfig, BinningConfig, Engine, EngineConfig, EngineStats, EventPolicy, FixedSizeConfig, PoolConfig,
-    StreamOrder, Upstream,
+use mempool_suballoc::{
+    self as suballoc, ArenaConfig, BinningConfig, Engine, EngineConfig, EngineStats, EventPolicy, FixedSizeConfig,
+    PoolConfig, StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
