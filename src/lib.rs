@@ -4,11 +4,12 @@
 //! This facade re-exports the workspace's crates:
 //!
 //! - [`core`] (`mempool-core`): devices, streams, events and [`core::MemPool`].
-//! - [`rmm`] (`mempool-rmm`): RMM-style memory resources, adaptors, containers, the per-device registry.
-//! - [`ipc`] (`mempool-ipc`): descriptor passing, the wire protocol, sessions and leases for sharing pools
-//!   between processes.
+//! - [`rmm`] (`mempool-rmm`): RMM-style memory resources, adaptors, containers, the per-device registry;
+//!   [`rmm::suballoc`] is `mempool-suballoc`, the suballocator engines (no CUDA dependency).
+//! - [`ipc`] (`mempool-ipc`): sharing pools and buffers between processes ([`ipc::Exporter`],
+//!   [`ipc::Importer`]) over Unix sockets.
 //!
-//! See the README and `docs/` for the guide.
+//! See the README and `docs/` for the guide, and `docs/architecture.md` for the map of the code.
 
 pub use mempool_core as core;
 pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
@@ -21,6 +22,10 @@ pub use mempool_rmm as rmm;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 mod readme {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/architecture.md")]
+mod docs_architecture {}
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/benchmarks.md")]

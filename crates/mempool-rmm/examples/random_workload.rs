@@ -1,4 +1,4 @@
-//! The standard random workload (RMM's `random_allocations` shape, see DESIGN.md "Performance") over
+//! The standard random workload (RMM's `random_allocations` shape, see docs/architecture.md, "Performance") over
 //! several resources, with raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` (called directly through
 //! the driver's bindings, no wrapper) as the baseline measured in the same run. A benchmark, not a test: it prints nanoseconds per operation.
 //!

@@ -1,4 +1,4 @@
-//! The suballocator engines on the standard random workload (DESIGN.md, "Performance"), over
+//! The suballocator engines on the standard random workload (docs/architecture.md, "Performance"), over
 //! `SimUpstream`: what the engines' own bookkeeping costs per operation, with no GPU and no driver
 //! call underneath. `cargo bench -p mempool-suballoc --bench engines -- --noplot`; results in
 //! `RESULTS-host.md` next to this file.

@@ -39,7 +39,7 @@ pub enum RandomOp {
     Free(usize),
 }
 
-/// The standard random workload (RMM's `random_allocations` shape; `DESIGN.md`, "Performance"): `n`
+/// The standard random workload (RMM's `random_allocations` shape; `docs/architecture.md`, "Performance"): `n`
 /// draws, each an allocation of a size uniform in `[1, max_size]` with probability 0.73 (dropped when it
 /// would take live bytes past `max_usage`), otherwise the free of a uniformly chosen live allocation;
 /// an allocation whenever nothing is live. The same `seed` gives the same sequence everywhere: the
