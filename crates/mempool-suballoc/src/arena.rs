@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::addr_map::AddrMap;
 use super::chunks::{check_balance, check_disjoint};
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
 use crate::free_list::{Block, FreeList};
 use crate::pool::{PoolConfig, PoolEngine};
@@ -505,36 +505,7 @@ where
     }
 }
 
-impl EngineConfig for ArenaConfig {
-    type Engine<U, O>
-        = ArenaEngine<U, O>
-    where
-        O: StreamOrder + Send,
-        O::Stream: Send,
-        O::Event: Send,
-        U: Upstream<O::Stream> + Send;
-
-    fn event_policy(&self) -> EventPolicy {
-        self.event_policy
-    }
-
-    fn set_event_policy(&mut self, policy: EventPolicy) {
-        self.event_policy = policy;
-    }
-}
-
-impl<U, O> Drop for ArenaEngine<U, O>
-where
-    U: Upstream<O::Stream>,
-    O: StreamOrder,
-{
-    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
-    /// [`Engine`], "Dropping"); the global arena's own drop then finds nothing left, or retries
-    /// after a synchronize error.
-    fn drop(&mut self) {
-        let _ = self.release();
-    }
-}
+crate::engine::engine_common!(ArenaConfig => ArenaEngine);
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 
 use super::chunks::{check_balance, Chunks};
 use super::fixed_size::FixedCore;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::error::{Error, InvariantViolation, OutOfMemoryCause};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
@@ -265,35 +265,7 @@ where
     }
 }
 
-impl EngineConfig for BinningConfig {
-    type Engine<U, O>
-        = BinningEngine<U, O>
-    where
-        O: StreamOrder + Send,
-        O::Stream: Send,
-        O::Event: Send,
-        U: Upstream<O::Stream> + Send;
-
-    fn event_policy(&self) -> EventPolicy {
-        self.event_policy
-    }
-
-    fn set_event_policy(&mut self, policy: EventPolicy) {
-        self.event_policy = policy;
-    }
-}
-
-impl<U, O> Drop for BinningEngine<U, O>
-where
-    U: Upstream<O::Stream>,
-    O: StreamOrder,
-{
-    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
-    /// [`Engine`], "Dropping").
-    fn drop(&mut self) {
-        let _ = self.release();
-    }
-}
+crate::engine::engine_common!(BinningConfig => BinningEngine);
 
 #[cfg(test)]
 mod tests {

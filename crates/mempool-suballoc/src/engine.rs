@@ -157,3 +157,39 @@ pub trait EngineConfig: Clone + Debug {
     /// Sets [`event_policy`](Self::event_policy).
     fn set_event_policy(&mut self, policy: EventPolicy);
 }
+
+/// The parts of an engine that are the same for every engine: its configuration names it
+/// ([`EngineConfig`]), and dropping it releases everything as [`Engine::release`] does, ignoring the
+/// error (see [`Engine`], "Dropping").
+macro_rules! engine_common {
+    ($config:ident => $engine:ident) => {
+        impl $crate::engine::EngineConfig for $config {
+            type Engine<U, O>
+                = $engine<U, O>
+            where
+                O: $crate::stream_order::StreamOrder + Send,
+                O::Stream: Send,
+                O::Event: Send,
+                U: $crate::upstream::Upstream<O::Stream> + Send;
+
+            fn event_policy(&self) -> $crate::types::EventPolicy {
+                self.event_policy
+            }
+
+            fn set_event_policy(&mut self, policy: $crate::types::EventPolicy) {
+                self.event_policy = policy;
+            }
+        }
+
+        impl<U, O> Drop for $engine<U, O>
+        where
+            U: $crate::upstream::Upstream<O::Stream>,
+            O: $crate::stream_order::StreamOrder,
+        {
+            fn drop(&mut self) {
+                let _ = $crate::engine::Engine::release(self);
+            }
+        }
+    };
+}
+pub(crate) use engine_common;

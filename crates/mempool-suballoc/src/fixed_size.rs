@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use super::addr_map::{AddrMap, AddrSet};
 use super::chunks::{check_balance, Chunks};
 use super::stream_lists::StreamLists;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
@@ -393,35 +393,7 @@ where
     }
 }
 
-impl EngineConfig for FixedSizeConfig {
-    type Engine<U, O>
-        = FixedSizeEngine<U, O>
-    where
-        O: StreamOrder + Send,
-        O::Stream: Send,
-        O::Event: Send,
-        U: Upstream<O::Stream> + Send;
-
-    fn event_policy(&self) -> EventPolicy {
-        self.event_policy
-    }
-
-    fn set_event_policy(&mut self, policy: EventPolicy) {
-        self.event_policy = policy;
-    }
-}
-
-impl<U, O> Drop for FixedSizeEngine<U, O>
-where
-    U: Upstream<O::Stream>,
-    O: StreamOrder,
-{
-    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
-    /// [`Engine`], "Dropping").
-    fn drop(&mut self) {
-        let _ = self.core.release(&self.upstream, &self.order);
-    }
-}
+crate::engine::engine_common!(FixedSizeConfig => FixedSizeEngine);
 
 #[cfg(test)]
 mod tests {

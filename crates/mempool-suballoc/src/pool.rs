@@ -3,7 +3,7 @@
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::{check_disjoint, Chunks};
 use super::stream_lists::StreamLists;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
 use crate::free_list::Block;
 use crate::stream_order::StreamOrder;
@@ -415,35 +415,7 @@ where
     }
 }
 
-impl EngineConfig for PoolConfig {
-    type Engine<U, O>
-        = PoolEngine<U, O>
-    where
-        O: StreamOrder + Send,
-        O::Stream: Send,
-        O::Event: Send,
-        U: Upstream<O::Stream> + Send;
-
-    fn event_policy(&self) -> EventPolicy {
-        self.event_policy
-    }
-
-    fn set_event_policy(&mut self, policy: EventPolicy) {
-        self.event_policy = policy;
-    }
-}
-
-impl<U, O> Drop for PoolEngine<U, O>
-where
-    U: Upstream<O::Stream>,
-    O: StreamOrder,
-{
-    /// Releases everything as [`release`](Engine::release) does, ignoring its error (see
-    /// [`Engine`], "Dropping").
-    fn drop(&mut self) {
-        let _ = self.release();
-    }
-}
+crate::engine::engine_common!(PoolConfig => PoolEngine);
 
 #[cfg(test)]
 mod tests {
