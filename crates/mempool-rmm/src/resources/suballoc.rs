@@ -118,9 +118,11 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
                 }
             })
         } else {
-            // SAFETY: the engine returns each chunk it got from `allocate` once, with its size, only when no
-            // block of it is live, after every block freed into it was freed on a stream the engine ordered
-            // `stream` after (the engines' stream contract), and never hands it out again.
+            // SAFETY: the engine returns each chunk it got from `allocate` once, with its size, and never hands
+            // it out again: either a chunk with no live block, after ordering `stream` after every free into
+            // it (the engines' stream contract), or an allocation it passed straight through (binning's sizes
+            // above its bins), from the caller's own `deallocate` on `stream`, whose obligations 1-3 then
+            // hold for the chunk.
             #[allow(unsafe_code)]
             unsafe {
                 self.upstream
