@@ -13,7 +13,7 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use mempool::core::kernels::{u32s, CheckKernels};
-use mempool::core::{memory, Context, Device, HandleTypes, MemPool, PoolProps, Stream};
+use mempool::core::{Device, HandleTypes, MemPool, PoolProps, Stream};
 use mempool::ipc::{Error, ExportedBuffer, Exporter, ExporterOptions, Importer, ImporterOptions};
 
 const MIB: usize = 1 << 20;
@@ -72,8 +72,7 @@ fn produce(consumers: usize, buffers: usize, bytes: usize) -> AnyResult<()> {
     let mut in_flight = VecDeque::new();
     let window = 4 * consumers;
     let started = Instant::now();
-    let mut check =
-        |(buf, base, k): (ExportedBuffer<'_>, u32, usize)| check_returned(&buf, base, k, &ctx, &stream, &mut host);
+    let mut check = |(buf, base, k): (ExportedBuffer<'_>, u32, usize)| check_returned(&buf, base, k, &mut host);
     for seq in 0..buffers {
         let k = seq % consumers;
         let base = (seq as u32).wrapping_mul(7919);
@@ -114,18 +113,10 @@ fn produce(consumers: usize, buffers: usize, bytes: usize) -> AnyResult<()> {
 }
 
 /// Waits until the consumer released `buf`, then checks its writes: `base + i + k + 1`.
-fn check_returned(
-    buf: &ExportedBuffer<'_>,
-    base: u32,
-    k: usize,
-    ctx: &Context,
-    stream: &Stream,
-    host: &mut [u8],
-) -> AnyResult<()> {
+fn check_returned(buf: &ExportedBuffer<'_>, base: u32, k: usize, host: &mut [u8]) -> AnyResult<()> {
     buf.wait_released(WAIT)?;
-    // SAFETY: the buffer holds host.len() bytes on `stream`; the consumer's work on it is complete
-    // (consumers synchronize before they release).
-    unsafe { memory::copy_to_host(ctx, host, buf.ptr(), stream.as_ref()) }?;
+    // The consumers' work on it is complete (they synchronize before they release).
+    buf.copy_to_host(0, host)?;
     let add = k as u32 + 1;
     if let Some((i, v)) = u32s(host)
         .into_iter()
@@ -164,8 +155,7 @@ fn consume(socket: PathBuf, k: usize) -> AnyResult<()> {
         let mut sample = [0u8; 4];
         let mut base = 0;
         for i in [0, n / 2, n - 1] {
-            // SAFETY: element i of the private copy, ordered on `stream`.
-            unsafe { memory::copy_to_host(&ctx, &mut sample, copy.ptr().offset(4 * i), stream.as_ref()) }?;
+            copy.copy_to_host(4 * i, &mut sample)?;
             let v = u32::from_ne_bytes(sample);
             if i == 0 {
                 base = v; // the producer filled the buffer with base + i

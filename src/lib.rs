@@ -11,6 +11,8 @@
 //!
 //! See the README and `docs/` for the guide, and `docs/architecture.md` for the map of the code.
 
+#![deny(unsafe_code)]
+
 pub use mempool_core as core;
 pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
 pub use mempool_ipc as ipc;

@@ -1,6 +1,8 @@
 //! `mempool-bench`: swaps memory resources under real GPU work and reports what each costs. See
 //! `mempool-bench --help`, the crate documentation and docs/benchmarks.md.
 
+#![deny(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

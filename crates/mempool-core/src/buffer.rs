@@ -14,8 +14,8 @@ use crate::view::BufferView;
 /// Device memory from a pool, freed on its stream (`cuMemFreeAsync`) when dropped, so the memory can be
 /// reused by work ordered after that stream's work. Made by [`crate::MemPool::alloc`].
 ///
-/// It dereferences to its [`BufferView`], which gives the address ([`BufferView::addr`], also
-/// [`PoolBuffer::ptr`]), length, stream, context, host copies (`copy_from_host(offset, src)`,
+/// It dereferences to its [`BufferView`], which gives the address ([`BufferView::ptr`]), length, stream,
+/// context, host copies (`copy_from_host(offset, src)`,
 /// `copy_to_host(offset, dst)`, `to_host()`), `fill` and range checks.
 #[derive(Debug)]
 pub struct PoolBuffer<'s> {
@@ -40,16 +40,12 @@ impl<'s> PoolBuffer<'s> {
         }
     }
 
-    /// The device address (null for an empty buffer): the same as [`BufferView::addr`].
-    pub fn ptr(&self) -> DeviceAddr {
-        self.view.addr()
-    }
-
     /// Frees the buffer on `other` instead of its own stream, after making `other` wait for the work
     /// queued on the buffer's stream so far. Use it when the last user of the memory is `other`.
     pub fn free_on(mut self, other: StreamRef<'_>) -> Result<()> {
         let ctx = self.view.context().clone();
         self.view.release_with(|ptr, _len, stream| {
+            let _g = ctx.bind()?;
             let event = Event::new(&ctx, EventFlags::DISABLE_TIMING)?;
             event.record(stream)?;
             other.wait(&event)?;
@@ -78,7 +74,9 @@ impl<'s> Deref for PoolBuffer<'s> {
 
 impl Drop for PoolBuffer<'_> {
     fn drop(&mut self) {
+        let ctx = self.view.context().clone();
         let r = self.view.release_with(|ptr, _len, stream| {
+            let _g = ctx.bind()?;
             // SAFETY: the buffer owns a live stream-ordered allocation, handed out once by `release_with`;
             // work that used it through the buffer was queued on its stream (or ordered before it by the
             // caller).

@@ -396,9 +396,10 @@ impl MemPool {
     /// Allocates an owning buffer ordered on `stream`; it is freed on `stream` when dropped.
     pub fn alloc<'s>(&self, bytes: usize, stream: StreamRef<'s>) -> Result<PoolBuffer<'s>> {
         let ptr = self.allocate(bytes, stream)?;
-        // SAFETY: `ptr` is a fresh allocation of `bytes` bytes from this pool in `self.ctx` (null for 0
-        // bytes), made on `stream` (a stream of the pool's context or a special handle, as `allocate`
-        // requires of its caller), and nothing else frees it: the buffer owns it.
+        // SAFETY: `ptr` is a fresh allocation of `bytes` bytes from this pool (device memory, reached by
+        // unified addressing; null for 0 bytes), made on `stream`, and nothing else frees it: the buffer owns
+        // it. A `stream` that carries no context is a stream of the pool's context or a special handle, by
+        // `StreamRef::from_raw`'s contract (`allocate` itself binds the pool's context for it).
         #[allow(unsafe_code)]
         let buf = unsafe { PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()) };
         Ok(buf)

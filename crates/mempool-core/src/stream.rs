@@ -174,6 +174,9 @@ impl<'a> StreamRef<'a> {
     ///
     /// # Safety
     /// 1. `raw` is a live stream (or a special handle) for all of `'a`.
+    /// 2. Until a context is attached ([`StreamRef::in_context`]), it is used where mempool binds the
+    ///    context of the object it is given to (a pool's, a resource's, a buffer's): it is a stream of
+    ///    that context, or a special handle.
     #[allow(unsafe_code)]
     pub unsafe fn from_raw(raw: sys::CUstream) -> StreamRef<'a> {
         StreamRef {

@@ -33,9 +33,9 @@ use crate::types::DeviceAddr;
 /// ```
 #[derive(Debug)]
 pub struct BufferView<'s> {
-    // Invariants (`new`'s contract): `addr..addr+len` is live memory of `ctx` until the owner releases it
-    // through `release_with` (which empties the view), work on it is ordered on `stream`, and a null
-    // `addr` has `len == 0`.
+    // Invariants (`new`'s contract): `addr..addr+len` is live memory, reachable from `ctx` by unified
+    // addressing, until the owner releases it through `release_with` (which empties the view); work on it
+    // is ordered on `stream`, a stream of `ctx` (or a special handle); a null `addr` has `len == 0`.
     addr: DeviceAddr,
     len: usize,
     stream: StreamRef<'s>,
@@ -43,26 +43,28 @@ pub struct BufferView<'s> {
 }
 
 impl<'s> BufferView<'s> {
-    /// A view of `len` bytes at `addr`, ordered on `stream`, in `ctx`.
+    /// A view of `len` bytes at `addr`, ordered on `stream`. The view's context, bound for its copies
+    /// and fills, is the stream's when the stream knows it ([`StreamRef::context`]), else `ctx`.
     ///
     /// # Safety
-    /// 1. `addr..addr+len` is device memory of `ctx` (or memory `ctx` can access, such as an imported or
-    ///    peer allocation) that stays allocated while the view, or the owner that embeds it, can reach
-    ///    it: nothing frees it except the owner, through [`BufferView::release_with`] (or after
-    ///    [`BufferView::take`]).
+    /// 1. `addr..addr+len` is memory the driver reaches by unified addressing (device memory of any
+    ///    device of this process, an imported or peer allocation, pinned or managed host memory) that
+    ///    stays allocated while the view, or the owner that embeds it, can reach it: nothing frees it
+    ///    except the owner, through [`BufferView::release_with`] (or after [`BufferView::take`]).
     /// 2. Work on the range is ordered on `stream`: work queued on `stream` from now on may use it (it
     ///    was allocated on `stream`, or the caller ordered its allocation and all other work on it
     ///    before this point of `stream`).
-    /// 3. `stream` is a stream of `ctx` or a special handle ([`StreamRef::LEGACY`],
-    ///    [`StreamRef::PER_THREAD`]), live for `'s` (as every `StreamRef` is).
+    /// 3. A `stream` that carries no context is a stream of `ctx` or a special handle
+    ///    ([`StreamRef::LEGACY`], [`StreamRef::PER_THREAD`]); every `StreamRef` is live for `'s`.
     /// 4. A null `addr` comes with `len == 0` (the empty view, which has nothing to free).
     #[allow(unsafe_code)]
     pub unsafe fn new(addr: DeviceAddr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
+        let ctx = stream.context().cloned().unwrap_or(ctx);
         BufferView { addr, len, stream, ctx }
     }
 
     /// The device address (null for an empty view, and once released).
-    pub fn addr(&self) -> DeviceAddr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.addr
     }
 
@@ -160,26 +162,22 @@ impl<'s> BufferView<'s> {
     }
 
     /// The one way an owner frees the view's memory: hands the address, length and stream to `free`
-    /// exactly once, with the view's context bound for the duration of `free`, and leaves the view empty
+    /// exactly once and leaves the view empty
     /// (null, 0 bytes), so that a second call, or the owner's `Drop` calling it again, finds nothing to
     /// free and returns `Ok(())` without calling `free`. An empty view (null address) never calls
     /// `free`.
     ///
-    /// The view is empty afterwards whatever the outcome: if binding the context fails (the error is
-    /// returned and `free` is not called) or `free` fails, the memory is leaked rather than risking a
-    /// second free.
+    /// No context is bound for `free`: an owner whose free is a driver call binds [`context`](Self::context)
+    /// itself (resources bind their own). The view is empty afterwards whatever the outcome: if `free`
+    /// fails, the memory is leaked rather than risking a second free.
     pub fn release_with<E>(
         &mut self,
         free: impl FnOnce(DeviceAddr, usize, StreamRef<'s>) -> Result<(), E>,
-    ) -> Result<(), E>
-    where
-        E: From<Error>,
-    {
+    ) -> Result<(), E> {
         let (addr, len) = self.take();
         if addr.is_null() {
             return Ok(());
         }
-        let _g = self.ctx.bind()?;
         free(addr, len, self.stream)
     }
 }
@@ -244,7 +242,7 @@ mod tests {
     #[test]
     fn accessors_and_refused_copies() {
         let view = fake_view(64);
-        assert_eq!(view.addr(), DeviceAddr(0x7000_0000));
+        assert_eq!(view.ptr(), DeviceAddr(0x7000_0000));
         assert_eq!((view.len(), view.is_empty()), (64, false));
         assert_eq!(view.stream(), StreamRef::LEGACY);
         assert_eq!(view.context().device().ordinal(), 0);
@@ -273,7 +271,7 @@ mod tests {
         // Binding the unretained context fails without a driver (`free` is not called then) and succeeds
         // where none is current; either way the view is empty afterwards and `free` ran at most once.
         let first = view.release_with(free);
-        assert!(view.addr().is_null() && view.is_empty());
+        assert!(view.ptr().is_null() && view.is_empty());
         assert_eq!(calls.get(), if first.is_ok() { 1 } else { 0 });
         assert_eq!(view.release_with(free), Ok(()));
         assert!(calls.get() <= 1);

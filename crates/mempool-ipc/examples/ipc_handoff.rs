@@ -280,12 +280,11 @@ fn round_trip_copy(
     let warmup = 3;
     let mut host = Pinned::new(ctx, size)?;
     let src = exporter.alloc(size, stream.as_ref())?;
-    src.fill_zero()?;
+    src.fill(0)?; // real GPU work on the buffer before the hand-off
     let mut times = Vec::with_capacity(iters);
     for i in 0..iters + warmup {
         let t0 = Instant::now();
-        // SAFETY: `src` holds `size` bytes on `stream`.
-        unsafe { memory::copy_to_host(ctx, host.bytes(), src.ptr(), stream.as_ref()) }?;
+        src.copy_to_host(0, host.bytes())?;
         send_op(&mut consumer.ctl, OP_COPY, size as u64)?;
         consumer.ctl.write_all(host.bytes())?;
         ack(&mut consumer.ctl)?;
@@ -315,7 +314,7 @@ fn sustained_ipc(exporter: &Exporter, all: &mut [Consumer], size: usize, per_con
                     let mut in_flight = VecDeque::new();
                     for _ in 0..per_consumer {
                         let buf = exporter.alloc(size, stream.as_ref())?;
-                        buf.fill_zero()?;
+                        buf.fill(0)?; // real GPU work on the buffer before the hand-off
                         exporter.share(&buf, &[importer])?;
                         in_flight.push_back(buf);
                         if in_flight.len() >= WINDOW {
@@ -366,9 +365,8 @@ fn sustained_copy(
                     let mut unacked = 0;
                     for _ in 0..per_consumer {
                         let buf = exporter.alloc(size, stream.as_ref())?;
-                        buf.fill_zero()?;
-                        // SAFETY: `buf` holds `size` bytes on `stream`.
-                        unsafe { memory::copy_to_host(&ctx, host.bytes(), buf.ptr(), stream.as_ref()) }?;
+                        buf.fill(0)?; // real GPU work on the buffer before the hand-off
+                        buf.copy_to_host(0, host.bytes())?;
                         buf.release()?;
                         send_op(&mut c.ctl, OP_COPY, size as u64)?;
                         c.ctl.write_all(host.bytes())?;
@@ -391,20 +389,6 @@ fn sustained_copy(
         Ok(())
     })?;
     Ok((per_consumer * all.len()) as f64 / t0.elapsed().as_secs_f64())
-}
-
-trait FillZero {
-    fn fill_zero(&self) -> AnyResult<()>;
-}
-
-impl FillZero for mempool_ipc::ExportedBuffer<'_> {
-    /// Real GPU work on the buffer before it is handed off: a memset on its stream.
-    fn fill_zero(&self) -> AnyResult<()> {
-        let ctx = Device::get(0)?.context()?;
-        // SAFETY: the buffer holds `len` bytes on its stream.
-        unsafe { memory::fill_async(&ctx, self.ptr(), 0, self.len(), self.stream()) }?;
-        Ok(())
-    }
 }
 
 fn median(v: &[f64]) -> f64 {

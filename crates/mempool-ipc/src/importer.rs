@@ -228,8 +228,9 @@ impl Importer {
             Ok(ptr) => {
                 // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
                 // `offset + size <= block_size`), which the import table keeps imported until this buffer is
-                // released; `stream` waits on the exporter's ready event (or the exporter synchronized), so
-                // work on it is ordered on `stream` from here on.
+                // released, and reached by unified addressing; `stream` waits on the exporter's ready event (or
+                // the exporter synchronized), so work on it is ordered on `stream` from here on; a stream that
+                // carries no context is one of the importer's context by `StreamRef::from_raw`'s contract.
                 #[allow(unsafe_code)]
                 let view = unsafe { BufferView::new(ptr, descriptor.size as usize, stream, inner.ctx.clone()) };
                 Ok(SharedBuffer {
@@ -289,11 +290,6 @@ impl<'s> SharedBuffer<'s> {
     /// The block the buffer lives in.
     pub fn block(&self) -> BlockId {
         self.block
-    }
-
-    /// The device address in this process (the same as [`BufferView::addr`]).
-    pub fn ptr(&self) -> DeviceAddr {
-        self.view.addr()
     }
 
     /// Releases the buffer (what dropping does), reporting errors instead of recording them.

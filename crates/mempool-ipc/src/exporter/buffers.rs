@@ -51,11 +51,6 @@ impl<'s> ExportedBuffer<'s> {
         self.id
     }
 
-    /// The device address (the same as [`BufferView::addr`]).
-    pub fn ptr(&self) -> DeviceAddr {
-        self.view.addr()
-    }
-
     /// The importers holding the buffer now, in id order.
     pub fn holders(&self) -> Vec<ImporterId> {
         self.inner.lock().leases.holders(self.id).collect()
@@ -227,7 +222,8 @@ fn register<'s>(
     // checked to lie in a live allocation of the pool by `adopt`, whose caller handed it over); the lease
     // table now holds it, and the exporter frees it only after this buffer's release (`release_once`) and
     // the last importer's, so it stays allocated while the view can reach it; work on it is ordered on
-    // `stream`, the stream it was allocated or adopted on.
+    // `stream`, the stream it was allocated or adopted on (a stream that carries no context is one of the
+    // exporter's context, by `StreamRef::from_raw`'s contract).
     #[allow(unsafe_code)]
     let view = unsafe { BufferView::new(ptr, len, stream, inner.ctx.clone()) };
     Ok(ExportedBuffer {
@@ -326,7 +322,7 @@ fn describe(
         buffer_id: buffer.id,
         block_id: block.id,
         block_size: block.size,
-        offset: buffer.view.addr().as_raw() - base,
+        offset: buffer.view.ptr().as_raw() - base,
         size: buffer.view.len() as u64,
         pointer,
         ready_event: Some(event),

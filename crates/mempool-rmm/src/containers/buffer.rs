@@ -1,6 +1,6 @@
 //! [`DeviceBuffer`]: untyped, uninitialised device memory from a resource.
 
-use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
+use mempool_core::{memory, BufferView, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::SharedResource;
@@ -22,7 +22,7 @@ use crate::resource::SharedResource;
 /// ```
 #[derive(Debug)]
 pub struct DeviceBuffer<'s> {
-    // Invariants: `view.addr()` is null iff `capacity == 0`; `view.len() <= capacity`; the address came
+    // Invariants: `view.ptr()` is null iff `capacity == 0`; `view.len() <= capacity`; the address came
     // from `mr.allocate(capacity, view.stream())` and is returned with exactly that size, once.
     view: BufferView<'s>,
     capacity: usize,
@@ -44,9 +44,11 @@ impl<'s> DeviceBuffer<'s> {
                 .into(),
         })?;
         let ptr = mr.allocate(size, stream)?;
-        // SAFETY: `ptr` is a fresh allocation of `size` bytes from `mr` on `stream` (null only for 0 bytes),
-        // memory of `ctx` (the stream's context, in which the resource allocates for it); the buffer owns it
-        // until it frees it through `mr` (Drop or `reallocate`), so it outlives the view.
+        // SAFETY: `ptr` is a fresh allocation of `size` bytes from `mr` on `stream` (null only for 0 bytes):
+        // device, pinned or managed memory of this process, which the driver reaches by unified addressing
+        // from any context (point 1); the buffer owns it until it frees it through `mr` (Drop or
+        // `reallocate`), so it outlives the view; it was allocated on `stream` (point 2), whose context is
+        // known and is the one the view binds (point 3); a null `ptr` only for 0 bytes (point 4).
         #[allow(unsafe_code)]
         let view = unsafe { BufferView::new(ptr, size, stream, ctx) };
         Ok(DeviceBuffer {
@@ -63,10 +65,6 @@ impl<'s> DeviceBuffer<'s> {
         Ok(buf)
     }
 
-    /// The device address (null when the capacity is 0).
-    pub fn ptr(&self) -> DeviceAddr {
-        self.view.addr()
-    }
     /// The allocated bytes.
     pub fn capacity(&self) -> usize {
         self.capacity
@@ -115,7 +113,7 @@ impl<'s> DeviceBuffer<'s> {
             // SAFETY: both allocations are live and at least `keep` bytes; the copy is ordered on the
             // stream both were allocated on, before the old one's free below.
             #[allow(unsafe_code)]
-            let r = unsafe { memory::copy_device_async(&ctx, new, self.view.addr(), keep, stream) };
+            let r = unsafe { memory::copy_device_async(&ctx, new, self.view.ptr(), keep, stream) };
             if let Err(e) = r {
                 // SAFETY: `new` came from `self.mr.allocate(capacity, stream)` just above, is freed once
                 // here, and the only work naming it (the failed copy) was queued on `stream`.

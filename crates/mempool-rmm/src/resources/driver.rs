@@ -75,6 +75,12 @@ fn pinned_alloc(ctx: &Context, bytes: usize) -> mempool_core::Result<DeviceAddr>
     memory::pinned_host_alloc(ctx, bytes).map(|p| DeviceAddr(p as u64))
 }
 
+/// Frees pinned host memory from [`pinned_alloc`].
+///
+/// # Safety
+/// 1. `ptr` came from `pinned_alloc(ctx, _)` and has not been freed since.
+/// 2. No work uses the memory any more (the caller synchronized the stream that used it), and nothing
+///    touches it afterwards.
 #[allow(unsafe_code)]
 unsafe fn pinned_free(ctx: &Context, ptr: DeviceAddr) -> mempool_core::Result<()> {
     // SAFETY: the caller's contract: `ptr` came from `pinned_alloc` and is freed once.

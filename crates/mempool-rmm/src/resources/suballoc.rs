@@ -77,7 +77,7 @@ impl StreamOrder for CudaStreams {
 /// An upstream [`MemoryResource`] as the engines see it.
 #[derive(Debug)]
 pub(crate) struct ResourceUpstream<U> {
-    upstream: Arc<U>,
+    upstream: U,
     ctx: Arc<Context>,
     /// Set when the resource is dropped: upstream frees then go on the legacy stream, after the
     /// engine's release synchronized the context, since the streams the engine stored with its
@@ -254,7 +254,6 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 /// # Ok(()) }
 /// ```
 pub struct SuballocatingResource<C: SuballocConfig, U: MemoryResource> {
-    upstream: Arc<U>,
     engine: Mutex<ResourceEngine<C, U>>,
     adapter: Arc<ResourceUpstream<U>>,
 }
@@ -262,7 +261,7 @@ pub struct SuballocatingResource<C: SuballocConfig, U: MemoryResource> {
 impl<C: SuballocConfig, U: MemoryResource> std::fmt::Debug for SuballocatingResource<C, U> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct(C::RESOURCE_NAME)
-            .field("upstream", &self.upstream)
+            .field("upstream", &self.adapter.upstream)
             .field("stats", &self.stats())
             .finish()
     }
@@ -275,16 +274,14 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
     pub fn new(upstream: U, ctx: &Arc<Context>, config: C) -> Result<Self> {
         let mut config = config;
         config.set_event_policy(safe_policy(config.event_policy()));
-        let upstream = Arc::new(upstream);
         let adapter = Arc::new(ResourceUpstream {
-            upstream: upstream.clone(),
+            upstream,
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
         });
         let engine = ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
         Ok(SuballocatingResource {
-            upstream,
             engine: Mutex::new(engine),
             adapter,
         })
@@ -292,7 +289,7 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
 
     /// The upstream resource.
     pub fn upstream(&self) -> &U {
-        &self.upstream
+        &self.adapter.upstream
     }
 
     fn engine(&self) -> MutexGuard<'_, ResourceEngine<C, U>> {
