@@ -23,6 +23,8 @@ fn specs_parse_to_their_canonical_form() {
         ("async", "async"),
         ("async()", "async"),
         ("async(threshold=max)", "async(threshold=max)"),
+        // The driver's default threshold, now that `async` keeps everything as RMM's resource does.
+        ("async(threshold=0)", "async(threshold=0B)"),
         (
             "async( threshold = 1GiB , initial=256MiB )",
             "async(threshold=1GiB,initial=256MiB)",

@@ -42,5 +42,6 @@ pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, HostPoolOptions,
-    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, SuballocConfig, SuballocatingResource,
+    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, ReleaseThreshold, SuballocConfig,
+    SuballocatingResource,
 };

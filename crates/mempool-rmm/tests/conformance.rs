@@ -16,7 +16,7 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolCon
 use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
-    ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,
+    ManagedResource, MemoryResource, PinnedHostResource, PoolResource, ReleaseThreshold, SharedResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -271,7 +271,7 @@ fn async_new(dev: &Device) -> AsyncResource {
     AsyncResource::new(
         dev,
         AsyncOptions {
-            release_threshold: Some(u64::MAX),
+            release_threshold: ReleaseThreshold::KeepAll,
             ..Default::default()
         },
     )
@@ -281,6 +281,7 @@ fn async_new(dev: &Device) -> AsyncResource {
 conformance! {
     async_resource => |d: &Device| Arc::new(async_new(d)) as SharedResource, FULL;
     async_default_pool => |d: &Device| Arc::new(AsyncResource::default_pool(d).unwrap()) as SharedResource, FULL;
+    async_driver_threshold => |d: &Device| Arc::new(AsyncResource::new(d, AsyncOptions { release_threshold: ReleaseThreshold::DriverDefault, ..Default::default() }).unwrap()) as SharedResource, FULL;
     async_primed => |d: &Device| Arc::new(AsyncResource::new(d, AsyncOptions { initial_size: Some(64 * MIB), ..Default::default() }).unwrap()) as SharedResource, FULL;
     cuda_resource => |d: &Device| Arc::new(CudaResource::new(d).unwrap()) as SharedResource, FULL;
     managed_resource => |d: &Device| Arc::new(ManagedResource::new(d).unwrap()) as SharedResource, FULL;

@@ -201,3 +201,42 @@ fn a_host_pool_serves_kernels_and_the_host_or_is_refused_clearly() {
     stream.synchronize().unwrap();
     assert_eq!(mr.pool().usage().unwrap().used_current, 0);
 }
+
+#[test]
+fn new_pools_keep_everything_unless_told_and_views_change_nothing() {
+    use mempool_rmm::ReleaseThreshold;
+    let dev = device();
+    let threshold = |t: ReleaseThreshold| {
+        let mr = AsyncResource::new(
+            &dev,
+            AsyncOptions {
+                release_threshold: t,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        mr.pool().release_threshold().unwrap()
+    };
+    // RMM's default: a new pool keeps everything.
+    assert_eq!(
+        AsyncResource::new(&dev, AsyncOptions::default())
+            .unwrap()
+            .pool()
+            .release_threshold()
+            .unwrap(),
+        u64::MAX
+    );
+    assert_eq!(threshold(ReleaseThreshold::KeepAll), u64::MAX);
+    assert_eq!(threshold(ReleaseThreshold::Bytes(64 << 20)), 64 << 20);
+    assert_eq!(
+        threshold(ReleaseThreshold::DriverDefault),
+        0,
+        "the driver's default on a new pool"
+    );
+    // A view of the device's default pool (process-wide) leaves its threshold as it was.
+    let before = dev.default_pool().unwrap().release_threshold().unwrap();
+    let view = AsyncResource::default_pool(&dev).unwrap();
+    assert_eq!(view.pool().release_threshold().unwrap(), before);
+    drop(view);
+    assert_eq!(dev.default_pool().unwrap().release_threshold().unwrap(), before);
+}

@@ -11,10 +11,13 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
   cuda                          cuMemAlloc/cuMemFree through mempool's CudaResource (a free waits for its stream)
   managed                       cuMemAllocManaged (ManagedResource)
   async[(OPTIONS)]              a new driver pool, cuMemAllocFromPoolAsync (AsyncResource); options:
-                                  threshold=SIZE|max  release threshold (default: the driver's, 0)
+                                  threshold=SIZE|max  release threshold (default max: keep everything, as
+                                                      RMM; 0 is the driver's: give unused memory back at
+                                                      each synchronize)
                                   initial=SIZE        reserve this much up front
                                   max_size=SIZE       the pool's maximum size
                                   pool=new|default    a new pool (default) or the device's default pool
+                                                      (left as it is unless threshold is given)
   pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
   binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
@@ -25,7 +28,7 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 keeps its memory (alias raw-pool)
   sim                           host simulation without a GPU: fake addresses, never touched (random, replay)
 SIZE: a byte count with an optional unit (B, KiB, MiB, GiB, TiB), e.g. 4096, 64KiB, 1.5GiB; `max` = unlimited.
-Lists separate specs with commas: cuda,async(threshold=max),pool(async,initial=1GiB),binning(pool(async)),arena(cuda)";
+Lists separate specs with commas: cuda,async(threshold=0),pool(async,initial=1GiB),binning(pool(async)),arena(cuda)";
 
 /// A spec that does not parse or names something unknown.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +56,9 @@ impl std::error::Error for SpecError {}
 /// Options of a driver pool resource (`async`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AsyncSpec {
-    /// Release threshold; `None`: the driver's default.
+    /// Release threshold as given (`u64::MAX` for `max`). `None`: not given, so a new pool keeps
+    /// everything (RMM's default, [`ReleaseThreshold::KeepAll`](mempool_rmm::ReleaseThreshold)) and the
+    /// default pool keeps whatever it has. `Some(0)` is the driver's own default on a new pool.
     pub threshold: Option<u64>,
     /// Bytes reserved up front.
     pub initial: Option<u64>,

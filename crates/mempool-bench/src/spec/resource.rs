@@ -7,7 +7,7 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolCon
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
-    PoolResource, SharedResource,
+    PoolResource, ReleaseThreshold, SharedResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -56,7 +56,10 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
                     dev,
                     AsyncOptions {
                         initial_size: a.initial.map(|v| v as usize),
-                        release_threshold: a.threshold,
+                        release_threshold: match a.threshold {
+                            None | Some(u64::MAX) => ReleaseThreshold::KeepAll,
+                            Some(n) => ReleaseThreshold::Bytes(n),
+                        },
                         max_size: a.max_size.map(|v| v as usize),
                         ..Default::default()
                     },

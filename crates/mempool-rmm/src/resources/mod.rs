@@ -6,7 +6,7 @@ mod driver;
 mod host_pool;
 mod suballoc;
 
-pub use async_resource::{AsyncOptions, AsyncResource};
+pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{
