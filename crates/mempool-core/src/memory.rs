@@ -181,7 +181,9 @@ pub enum PreferredLocation {
 ///
 /// # Safety
 /// 1. `ptr..ptr+len` is managed memory, or system-allocated memory on a device that reports pageable
-///    memory access, that the caller owns (the advice applies to every page the range touches).
+///    memory access, that the caller owns and that stays allocated during the call. The advice moves no
+///    data: it applies to every page the range touches (a page shared with neighbouring memory
+///    included) and changes only where those pages migrate to.
 #[allow(unsafe_code)]
 pub unsafe fn advise_preferred_location(
     ctx: &Context,
