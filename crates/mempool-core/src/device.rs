@@ -86,7 +86,11 @@ impl Device {
     /// concurrent managed access ([`Device::concurrent_managed_access`]), RMM's test for
     /// `cuda_async_managed_memory_resource`.
     pub fn supports_managed_pools(&self) -> Result<bool> {
-        Ok(self.require_managed_pools().is_ok())
+        match self.require_managed_pools() {
+            Ok(()) => Ok(true),
+            Err(Error::CapabilityMissing { .. } | Error::PoolsNotSupported { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether this device can map memory that lives on `owner` (`cuDeviceCanAccessPeer`). A device can

@@ -57,14 +57,17 @@ pub struct AsyncManagedResource {
     inner: AsyncResource,
 }
 
-/// The resource's form of a capability the core layer found missing: [`Error::Unsupported`] with the
-/// core's sentence (which names the device attribute or the driver version).
+/// The resource's form of a capability the core layer found missing (managed pools, or pools at all):
+/// [`Error::Unsupported`] with the core's sentence, which names the device attribute or the driver
+/// version.
 fn unsupported(e: mempool_core::Error) -> Error {
     match e {
-        e @ mempool_core::Error::CapabilityMissing { .. } => Error::Unsupported {
-            resource: NAME,
-            reason: e.to_string(),
-        },
+        e @ (mempool_core::Error::CapabilityMissing { .. } | mempool_core::Error::PoolsNotSupported { .. }) => {
+            Error::Unsupported {
+                resource: NAME,
+                reason: e.to_string(),
+            }
+        }
         other => other.into(),
     }
 }
