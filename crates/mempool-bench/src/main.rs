@@ -145,7 +145,9 @@ fn size_arg(s: &str) -> std::result::Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-const DEFAULT_RESOURCES: &str = "async,async(threshold=max),pool(async),binning(async),arena(async)";
+// `async` keeps what it reserves (RMM's default); `async(threshold=0)` is the driver's default, which gives
+// unused memory back at every synchronize.
+const DEFAULT_RESOURCES: &str = "async,async(threshold=0),pool(async),binning(async),arena(async)";
 
 fn specs(args: &CommonArgs, default: &str) -> Result<Vec<ResourceSpec>> {
     let mut out = Vec::new();

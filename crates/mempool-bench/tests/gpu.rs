@@ -39,6 +39,7 @@ fn every_spec_builds_and_serves_device_memory() {
         "cuMemAlloc",
         "cuMemAllocFromPoolAsync",
         "async",
+        "async(threshold=0)",
         "async(threshold=max,initial=64MiB)",
         "async(pool=default)",
         "async(max_size=1GiB)",
@@ -67,6 +68,59 @@ fn every_spec_builds_and_serves_device_memory() {
         );
         // SAFETY: `p` came from `mr.allocate(n * 4, stream)` and is freed once; the kernel and the copy that
         // used it were queued on `stream` and the copy has completed.
+        unsafe { mr.deallocate(p, n * 4, stream.as_ref()) }.unwrap();
+        stream.synchronize().unwrap();
+    }
+}
+
+/// The specs of resources that need a capability: built and used where the device has it (managed pools:
+/// a CUDA 13.0 driver and concurrent managed access; system memory: pageable memory access), refused with
+/// `Unsupported` where it does not. Their memory is host-accessible, so the host reads the kernel's
+/// writes through the address.
+#[test]
+fn capability_specs_build_where_capable_and_are_refused_elsewhere() {
+    let dev = device();
+    let ctx = dev.context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let k = CheckKernels::load(&ctx).unwrap();
+    let managed = dev.supports_managed_pools().unwrap();
+    let pageable = dev.pageable_memory_access().unwrap();
+    println!("FINDING: managed pools {managed}, pageable memory access {pageable}");
+    for (text, capable) in [
+        ("async_managed", managed),
+        ("async_managed(threshold=0,initial=64MiB)", managed),
+        ("async_managed(pool=default)", managed),
+        ("system", pageable),
+        ("sam_headroom(headroom=1GiB)", pageable),
+        ("binning(system)", pageable),
+    ] {
+        let built = match build(&parse(text).unwrap(), Some(&dev)) {
+            Ok(built) => {
+                assert!(capable, "{text} built without the capability");
+                built
+            }
+            Err(e) => {
+                assert!(!capable, "{text}: {e}");
+                assert!(
+                    matches!(e, mempool_bench::Error::Rmm(mempool_rmm::Error::Unsupported { .. })),
+                    "{text}: {e:?}"
+                );
+                continue;
+            }
+        };
+        let mr = built.resource.as_ref();
+        let n = 1 << 18;
+        let p = mr
+            .allocate(n * 4, stream.as_ref())
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+        // SAFETY: `p` holds n u32s on `stream` until the deallocate below.
+        unsafe { k.iota(p, n, 11, stream.as_ref()) }.unwrap();
+        stream.synchronize().unwrap();
+        // SAFETY: managed and system memory are host-accessible at `p`; the kernel completed and nothing else
+        // writes the memory.
+        let host = unsafe { std::slice::from_raw_parts(p.0 as *const u32, n) };
+        assert!(host.iter().enumerate().all(|(i, &v)| v == 11 + i as u32), "{text}");
+        // SAFETY: `p` came from `mr.allocate(n * 4, stream)` and is freed once; the kernel completed.
         unsafe { mr.deallocate(p, n * 4, stream.as_ref()) }.unwrap();
         stream.synchronize().unwrap();
     }

@@ -23,6 +23,19 @@ fn specs_parse_to_their_canonical_form() {
         ("async", "async"),
         ("async()", "async"),
         ("async(threshold=max)", "async(threshold=max)"),
+        // The driver's default threshold, now that `async` keeps everything as RMM's resource does.
+        ("async(threshold=0)", "async(threshold=0B)"),
+        ("async_managed", "async_managed"),
+        (
+            "async_managed(pool=default, threshold=0)",
+            "async_managed(threshold=0B,pool=default)",
+        ),
+        ("async_managed(initial=1GiB)", "async_managed(initial=1GiB)"),
+        ("system", "system"),
+        ("sam_headroom(headroom=1GiB)", "sam_headroom(headroom=1GiB)"),
+        ("sam_headroom( headroom = 0 )", "sam_headroom(headroom=0B)"),
+        ("binning(async,max=4MiB)", "binning(async,max=4MiB)"),
+        ("pool(system)", "pool(system)"),
         (
             "async( threshold = 1GiB , initial=256MiB )",
             "async(threshold=1GiB,initial=256MiB)",
@@ -98,6 +111,15 @@ fn bad_specs_say_where_and_what_is_accepted() {
         ("binning(async,blocks=0)", 14, "positive whole number"),
         ("pool(sim)", 0, "cannot be an upstream"),
         ("pool(async,initial=1.5)", 11, "bad size"),
+        ("async_managed(max_size=1GiB)", 14, "no option `max_size`"),
+        ("async_managed(cuda)", 14, "options only"),
+        ("async_managed(pool=default,initial=1GiB)", 0, "takes only `threshold`"),
+        ("system(headroom=1GiB)", 0, "takes no arguments"),
+        ("sam_headroom", 0, "needs `headroom=SIZE`"),
+        ("sam_headroom(headroom=lots)", 13, "headroom: bad size"),
+        ("sam_headroom(margin=1GiB)", 13, "no option `margin`"),
+        ("sam_headroom(async)", 13, "options only"),
+        ("sam_headroom(headroom=1GiB,headroom=2GiB)", 27, "given twice"),
     ];
     for (text, pos, what) in cases {
         let e = parse(text).unwrap_err();
@@ -117,6 +139,9 @@ fn bad_specs_say_where_and_what_is_accepted() {
         "cuda",
         "managed",
         "async",
+        "async_managed",
+        "system",
+        "sam_headroom",
         "pool",
         "binning",
         "arena",
@@ -130,6 +155,7 @@ fn bad_specs_say_where_and_what_is_accepted() {
         "threshold=",
         "initial=",
         "max_size=",
+        "headroom=",
         "superblock=",
         "blocks=",
         "block=",

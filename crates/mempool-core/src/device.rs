@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::raw::{self, sys};
-use crate::types::{Device, HandleTypes, Uuid};
+use crate::types::{Device, DriverVersion, HandleTypes, Uuid};
 
 impl Device {
     /// Initialises the driver (once) and returns the number of visible devices.
@@ -67,6 +67,32 @@ impl Device {
         Ok(HandleTypes::from_bits_truncate(bits as u32))
     }
 
+    /// Whether the device can access managed memory concurrently with the host
+    /// (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`): what pools of managed memory need, and what
+    /// prefetching managed memory needs to have an effect.
+    pub fn concurrent_managed_access(&self) -> Result<bool> {
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)? != 0)
+    }
+
+    /// Whether the device can access pageable host memory, memory from plain `malloc` or `mmap`, without
+    /// registering it (`CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`): heterogeneous memory management (HMM,
+    /// the open kernel module on a recent Linux kernel) or address translation services (ATS, as on Grace
+    /// Hopper).
+    pub fn pageable_memory_access(&self) -> Result<bool> {
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS)? != 0)
+    }
+
+    /// Whether the device can allocate from pools of managed memory: a driver for CUDA 13.0 or newer and
+    /// concurrent managed access ([`Device::concurrent_managed_access`]), RMM's test for
+    /// `cuda_async_managed_memory_resource`.
+    pub fn supports_managed_pools(&self) -> Result<bool> {
+        match self.require_managed_pools() {
+            Ok(()) => Ok(true),
+            Err(Error::CapabilityMissing { .. } | Error::PoolsNotSupported { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether this device can map memory that lives on `owner` (`cuDeviceCanAccessPeer`). A device can
     /// always access its own memory.
     pub fn can_access_peer(&self, owner: Device) -> Result<bool> {
@@ -87,6 +113,34 @@ impl Device {
         } else {
             Err(Error::PoolsNotSupported { device: self.ordinal() })
         }
+    }
+
+    /// Refuses, with the capability that is missing, on a device or driver that cannot allocate from pools
+    /// of managed memory (see [`Device::supports_managed_pools`]).
+    pub(crate) fn require_managed_pools(&self) -> Result<()> {
+        const OPERATION: &str = "allocate from a pool of managed memory";
+        self.require_pools()?;
+        let driver = raw::init()?;
+        if driver < DriverVersion(13000) {
+            return Err(Error::CapabilityMissing {
+                device: self.ordinal(),
+                operation: OPERATION,
+                missing: format!(
+                    "pools of managed memory (CU_MEM_ALLOCATION_TYPE_MANAGED) need a driver for CUDA 13.0 or \
+                     newer; this one is for CUDA {driver}"
+                ),
+            });
+        }
+        if !self.concurrent_managed_access()? {
+            return Err(Error::CapabilityMissing {
+                device: self.ordinal(),
+                operation: OPERATION,
+                missing: "CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0: the device cannot access managed \
+                          memory concurrently with the host"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     fn attribute(&self, attr: sys::CUdevice_attribute) -> Result<i32> {

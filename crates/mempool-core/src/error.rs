@@ -58,6 +58,18 @@ pub enum Error {
         device: usize,
     },
 
+    /// The device or the driver lacks a capability the operation needs. Checked up front, from device
+    /// attributes and the driver's version, before the driver is asked.
+    #[error("device {device} cannot {operation}: {missing}")]
+    CapabilityMissing {
+        /// The device ordinal.
+        device: usize,
+        /// What was attempted, e.g. `create a pool of managed memory`.
+        operation: &'static str,
+        /// The capability that is missing, naming the device attribute or driver version that says so.
+        missing: String,
+    },
+
     /// The device cannot create pools exportable with the requested handle types.
     #[error(
         "device {device} cannot create pools exportable as {requested:?}: it supports {supported:?} \
@@ -205,6 +217,19 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "the installed CUDA driver (12.8) does not provide `cuSomethingNew`"
+        );
+    }
+
+    #[test]
+    fn a_missing_capability_names_the_attribute() {
+        let e = Error::CapabilityMissing {
+            device: 1,
+            operation: "create a pool of managed memory",
+            missing: "CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "device 1 cannot create a pool of managed memory: CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0"
         );
     }
 

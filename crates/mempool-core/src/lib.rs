@@ -62,8 +62,8 @@ pub use module::{Function, LaunchConfig, Module};
 pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
 pub use stream::{Stream, StreamFlags, StreamRef};
 pub use types::{
-    Access, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal, PoolKind,
-    PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
+    Access, AllocationType, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal,
+    PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
 };
 pub use view::BufferView;
 

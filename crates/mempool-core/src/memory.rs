@@ -153,8 +153,77 @@ pub unsafe fn prefetch_async(
     device: Option<Device>,
     stream: StreamRef<'_>,
 ) -> Result<()> {
+    let location = location_of(device);
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    Ok(unsafe { raw::memory::prefetch_async(ptr.0, len, location, stream.as_raw()) }?)
+}
+
+/// Where the driver prefers a range of managed or system-allocated memory to live
+/// (`CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE` and `_ID`): the advice of
+/// [`advise_preferred_location`] as the driver reports it back.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum PreferredLocation {
+    /// No preferred location was set (or the range's pages disagree).
+    Unset,
+    /// The device with this ordinal.
+    Device(i32),
+    /// Host memory.
+    Host,
+    /// Host memory of this NUMA node.
+    HostNuma(i32),
+}
+
+/// Sets the preferred location of a range of managed memory, or of system-allocated memory on a device
+/// with pageable memory access (`cuMemAdvise` with `CU_MEM_ADVISE_SET_PREFERRED_LOCATION`): `Some(device)`
+/// for the device's memory, `None` for the host's. The driver rounds the range out to whole pages; the
+/// advice steers where pages migrate to and stay, it moves nothing by itself.
+///
+/// # Safety
+/// 1. `ptr..ptr+len` is managed memory, or system-allocated memory on a device that reports pageable
+///    memory access, that the caller owns and that stays allocated during the call. The advice moves no
+///    data: it applies to every page the range touches (a page shared with neighbouring memory
+///    included) and changes only where those pages migrate to.
+#[allow(unsafe_code)]
+pub unsafe fn advise_preferred_location(
+    ctx: &Context,
+    ptr: DeviceAddr,
+    len: usize,
+    device: Option<Device>,
+) -> Result<()> {
+    let location = location_of(device);
+    let _g = ctx.bind()?;
+    // SAFETY: point 1.
+    Ok(unsafe {
+        raw::memory::advise(
+            ptr.0,
+            len,
+            sys::CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+            location,
+        )
+    }?)
+}
+
+/// The preferred location of a range of managed or system-allocated memory (`cuMemRangeGetAttribute`);
+/// [`PreferredLocation::Unset`] where none was set. Fails for an address the driver does not know.
+pub fn preferred_location(ctx: &Context, ptr: DeviceAddr, len: usize) -> Result<PreferredLocation> {
+    use sys::CUmem_range_attribute::*;
+    let _g = ctx.bind()?;
+    // SAFETY: both attributes are answered with one 32-bit integer; the range is only looked up.
+    #[allow(unsafe_code)]
+    let (kind, id) = unsafe {
+        (
+            raw::memory::range_attribute_i32(ptr.0, len, CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE)?,
+            raw::memory::range_attribute_i32(ptr.0, len, CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_ID)?,
+        )
+    };
+    Ok(preferred_location_from_raw(kind, id))
+}
+
+/// The driver's form of a location for advice and prefetches: a device, or the host.
+fn location_of(device: Option<Device>) -> sys::CUmemLocation {
     use sys::CUmemLocationType::*;
-    let location = match device {
+    match device {
         Some(d) => sys::CUmemLocation {
             type_: CU_MEM_LOCATION_TYPE_DEVICE,
             id: d.as_raw(),
@@ -163,10 +232,18 @@ pub unsafe fn prefetch_async(
             type_: CU_MEM_LOCATION_TYPE_HOST,
             id: 0,
         },
-    };
-    let _g = ctx.bind()?;
-    // SAFETY: point 1.
-    Ok(unsafe { raw::memory::prefetch_async(ptr.0, len, location, stream.as_raw()) }?)
+    }
+}
+
+/// A preferred location from the driver's `CUmemLocationType` value and id.
+fn preferred_location_from_raw(kind: i32, id: i32) -> PreferredLocation {
+    use sys::CUmemLocationType::*;
+    match kind {
+        k if k == CU_MEM_LOCATION_TYPE_DEVICE as i32 => PreferredLocation::Device(id),
+        k if k == CU_MEM_LOCATION_TYPE_HOST as i32 => PreferredLocation::Host,
+        k if k == CU_MEM_LOCATION_TYPE_HOST_NUMA as i32 => PreferredLocation::HostNuma(id),
+        _ => PreferredLocation::Unset,
+    }
 }
 
 /// What kind of memory an address is.
@@ -256,4 +333,28 @@ pub fn pool_of(ptr: DeviceAddr) -> Result<sys::CUmemoryPool> {
         raw::memory::pointer_attribute::<usize>(ptr.0, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)
     }?;
     Ok(handle as sys::CUmemoryPool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preferred_locations_read_from_the_driver_form() {
+        use sys::CUmemLocationType::*;
+        assert_eq!(
+            preferred_location_from_raw(CU_MEM_LOCATION_TYPE_DEVICE as i32, 1),
+            PreferredLocation::Device(1)
+        );
+        assert_eq!(
+            preferred_location_from_raw(CU_MEM_LOCATION_TYPE_HOST as i32, 0),
+            PreferredLocation::Host
+        );
+        assert_eq!(
+            preferred_location_from_raw(CU_MEM_LOCATION_TYPE_HOST_NUMA as i32, 2),
+            PreferredLocation::HostNuma(2)
+        );
+        assert_eq!(preferred_location_from_raw(0, -2), PreferredLocation::Unset);
+        assert_eq!(location_of(None).type_, CU_MEM_LOCATION_TYPE_HOST);
+    }
 }

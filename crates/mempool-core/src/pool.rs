@@ -16,8 +16,8 @@ use crate::handle::Handle;
 use crate::raw::{self, sys};
 use crate::stream::StreamRef;
 use crate::types::{
-    Access, Device, DeviceAddr, HandleTypes, PeerRefusal, PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData,
-    ReusePolicy,
+    Access, AllocationType, Device, DeviceAddr, HandleTypes, PeerRefusal, PoolKind, PoolLocation, PoolProps, PoolUsage,
+    PtrExportData, ReusePolicy,
 };
 
 /// Each reuse flag with the pool attribute that holds it (an `int`, 0 or 1).
@@ -45,6 +45,15 @@ fn location_to_raw(location: PoolLocation) -> sys::CUmemLocation {
         PoolLocation::HostNuma(node) => (CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
     };
     sys::CUmemLocation { type_, id }
+}
+
+/// The driver's form of an allocation type.
+fn allocation_type_to_raw(allocation_type: AllocationType) -> sys::CUmemAllocationType {
+    use sys::CUmemAllocationType::*;
+    match allocation_type {
+        AllocationType::Pinned => CU_MEM_ALLOCATION_TYPE_PINNED,
+        AllocationType::Managed => CU_MEM_ALLOCATION_TYPE_MANAGED,
+    }
 }
 
 /// The driver's form of an access.
@@ -93,15 +102,33 @@ pub struct MemPool {
     device: Device,
     location: PoolLocation,
     handle_types: HandleTypes,
+    allocation_type: AllocationType,
 }
 
 impl MemPool {
     /// Creates a pool for `device` with `props` (`cuMemPoolCreate`).
     ///
     /// Errors: [`Error::PoolsNotSupported`] on a device without pools; [`Error::HandleTypeNotSupported`]
-    /// when the device cannot export pools as asked.
+    /// when the device cannot export pools as asked. A pool of managed memory
+    /// ([`AllocationType::Managed`]) is checked up front: [`Error::CapabilityMissing`] without a driver for
+    /// CUDA 13.0 or without `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`, [`Error::InvalidArgument`]
+    /// with handle types or a maximum size (managed pools cannot be exported and take no maximum).
     pub fn new(device: &Device, props: &PoolProps) -> Result<MemPool> {
         device.require_pools()?;
+        if props.allocation_type == AllocationType::Managed {
+            device.require_managed_pools()?;
+            if !props.handle_types.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "a pool of managed memory cannot be exported: handle types {:?} were asked for",
+                    props.handle_types
+                )));
+            }
+            if props.max_size.is_some() {
+                return Err(Error::InvalidArgument(
+                    "a pool of managed memory takes no maximum size (CUmemPoolProps.maxSize must be 0)".into(),
+                ));
+            }
+        }
         if !props.handle_types.is_empty() {
             let supported = device.supported_pool_handle_types()?;
             if !supported.contains(props.handle_types) {
@@ -118,7 +145,7 @@ impl MemPool {
         // enumerator, a null pointer, reserved bytes that must be zero).
         #[allow(unsafe_code)]
         let mut raw_props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        raw_props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        raw_props.allocType = allocation_type_to_raw(props.allocation_type);
         raw_props.handleTypes = sys::CUmemAllocationHandleType(props.handle_types.bits());
         raw_props.location = location_to_raw(location);
         raw_props.maxSize = props.max_size.unwrap_or(0);
@@ -131,22 +158,30 @@ impl MemPool {
             device: *device,
             location,
             handle_types: props.handle_types,
+            allocation_type: props.allocation_type,
         })
     }
 
     fn default_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let raw = raw::pool::device_default(device.as_raw())?;
-        Ok(MemPool::borrowed(ctx, raw))
+        Ok(MemPool::borrowed(ctx, raw, AllocationType::Pinned))
+    }
+
+    fn default_managed_of(ctx: Arc<Context>) -> Result<MemPool> {
+        let device = ctx.device();
+        let location = location_to_raw(PoolLocation::Device(device));
+        let raw = raw::pool::location_default(location, allocation_type_to_raw(AllocationType::Managed))?;
+        Ok(MemPool::borrowed(ctx, raw, AllocationType::Managed))
     }
 
     fn current_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let raw = raw::pool::device_current(device.as_raw())?;
-        Ok(MemPool::borrowed(ctx, raw))
+        Ok(MemPool::borrowed(ctx, raw, AllocationType::Pinned))
     }
 
-    fn borrowed(ctx: Arc<Context>, raw: sys::CUmemoryPool) -> MemPool {
+    fn borrowed(ctx: Arc<Context>, raw: sys::CUmemoryPool, allocation_type: AllocationType) -> MemPool {
         let device = ctx.device();
         MemPool {
             ctx,
@@ -155,6 +190,7 @@ impl MemPool {
             device,
             location: PoolLocation::Device(device),
             handle_types: HandleTypes::empty(),
+            allocation_type,
         }
     }
 
@@ -174,6 +210,7 @@ impl MemPool {
             device: *device,
             location: PoolLocation::Device(*device),
             handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR,
+            allocation_type: AllocationType::Pinned,
         })
     }
 
@@ -190,6 +227,11 @@ impl MemPool {
     /// Where the pool's memory lives.
     pub fn location(&self) -> PoolLocation {
         self.location
+    }
+
+    /// The kind of memory the pool hands out.
+    pub fn allocation_type(&self) -> AllocationType {
+        self.allocation_type
     }
 
     /// The handle types the pool was created with (empty for borrowed pools: unknown to this value).
@@ -410,6 +452,14 @@ impl MemPool {
     /// explicit, scoped way to change it.
     pub fn make_current(&self) -> Result<CurrentPoolGuard<'_>> {
         self.require_allocating("making current")?;
+        if self.allocation_type == AllocationType::Managed {
+            return Err(Error::PoolKind {
+                operation: "making current",
+                kind: "a pool of managed memory",
+                why: "cuDeviceSetMemPool sets the device's pool of pinned device memory; allocate from a managed \
+                      pool by name (MemPool::allocate)",
+            });
+        }
         let PoolLocation::Device(device) = self.location else {
             return Err(Error::PoolKind {
                 operation: "making current",
@@ -525,6 +575,18 @@ impl Device {
         MemPool::default_of(self.context()?)
     }
 
+    /// The device's default pool of managed memory (`cuMemGetDefaultMemPool` with a device location and
+    /// `CU_MEM_ALLOCATION_TYPE_MANAGED`, CUDA 13.0): managed memory whose preferred location is this
+    /// device, allocated in stream order. Process-wide, like the default pool: dropping the returned value
+    /// does not destroy it, and nothing here changes its attributes.
+    ///
+    /// Errors: [`Error::CapabilityMissing`] without a driver for CUDA 13.0 or without concurrent managed
+    /// access, checked before the driver is asked.
+    pub fn default_managed_pool(&self) -> Result<MemPool> {
+        self.require_managed_pools()?;
+        MemPool::default_managed_of(self.context()?)
+    }
+
     /// The device's current pool (`cuDeviceGetMemPool`), a process-wide setting. Dropping the returned
     /// value does not destroy it. To change it, use [`MemPool::make_current`], which restores it.
     pub fn current_pool(&self) -> Result<MemPool> {
@@ -621,6 +683,19 @@ mod tests {
         for a in [Access::None, Access::Read, Access::ReadWrite] {
             assert_eq!(access_from_raw(access_to_raw(a)), a);
         }
+    }
+
+    #[test]
+    fn allocation_types_convert_to_the_driver_form() {
+        assert_eq!(
+            allocation_type_to_raw(AllocationType::Pinned),
+            sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED
+        );
+        assert_eq!(
+            allocation_type_to_raw(AllocationType::Managed),
+            sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED
+        );
+        assert_eq!(allocation_type_to_raw(AllocationType::Managed) as u32, 2);
     }
 
     #[test]

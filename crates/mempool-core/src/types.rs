@@ -203,6 +203,21 @@ pub enum PoolLocation {
     HostNuma(i32),
 }
 
+/// What kind of memory a pool hands out (`CUmemAllocationType`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AllocationType {
+    /// Page-locked memory at the pool's location (`CU_MEM_ALLOCATION_TYPE_PINNED`): device memory for a
+    /// device pool, pinned host memory for a host pool. What every pool held before CUDA 13.0.
+    #[default]
+    Pinned,
+    /// Managed (unified) memory, migrated between host and devices on demand
+    /// (`CU_MEM_ALLOCATION_TYPE_MANAGED`); the pool's location is the memory's preferred location. Needs a
+    /// driver for CUDA 13.0 or newer and a device with concurrent managed access
+    /// (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`); such a pool cannot be exported and takes no
+    /// maximum size.
+    Managed,
+}
+
 /// Properties of a new pool (`CUmemPoolProps`).
 ///
 /// ```
@@ -219,6 +234,8 @@ pub struct PoolProps {
     pub handle_types: HandleTypes,
     /// The most the pool may reserve, in bytes (rounded up by the driver); `None` means no limit.
     pub max_size: Option<usize>,
+    /// The kind of memory: pinned (the default) or managed.
+    pub allocation_type: AllocationType,
 }
 
 impl PoolProps {
@@ -239,6 +256,11 @@ impl PoolProps {
     /// Sets the location.
     pub fn location(mut self, location: PoolLocation) -> PoolProps {
         self.location = Some(location);
+        self
+    }
+    /// Sets the kind of memory.
+    pub fn allocation_type(mut self, allocation_type: AllocationType) -> PoolProps {
+        self.allocation_type = allocation_type;
         self
     }
 }
@@ -302,6 +324,13 @@ mod tests {
         assert_eq!(p.handle_types, HandleTypes::POSIX_FILE_DESCRIPTOR);
         assert_eq!(p.max_size, Some(4096));
         assert_eq!(p.location, None);
+        assert_eq!(p.allocation_type, AllocationType::Pinned, "pinned unless asked");
+        assert_eq!(
+            PoolProps::new()
+                .allocation_type(AllocationType::Managed)
+                .allocation_type,
+            AllocationType::Managed
+        );
     }
 
     #[test]

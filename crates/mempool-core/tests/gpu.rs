@@ -106,6 +106,82 @@ fn a_host_pool_is_created_or_refused_clearly() {
     }
 }
 
+/// Pools of managed memory (CUDA 13.0): created and allocated from where the driver and the device allow
+/// it, refused up front with the missing capability named where they do not. Either way the test asserts
+/// something: it never skips.
+#[test]
+fn managed_pools_serve_kernels_and_the_host_or_are_refused_by_capability() {
+    use mempool_core::AllocationType;
+    let (dev, ctx) = gpu();
+    let props = PoolProps::new().allocation_type(AllocationType::Managed);
+    let driver = mempool_core::driver_version().unwrap();
+    let concurrent = dev.concurrent_managed_access().unwrap();
+    println!("FINDING: driver {driver}, concurrent managed access {concurrent}");
+    if driver.major() < 13 || !concurrent {
+        assert!(!dev.supports_managed_pools().unwrap());
+        for e in [
+            MemPool::new(&dev, &props).unwrap_err(),
+            dev.default_managed_pool().unwrap_err(),
+        ] {
+            let Error::CapabilityMissing { device: 0, missing, .. } = &e else {
+                panic!("expected CapabilityMissing, got {e:?}")
+            };
+            assert!(
+                missing.contains(if driver.major() < 13 {
+                    "CUDA 13.0"
+                } else {
+                    "CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS"
+                }),
+                "{e}"
+            );
+        }
+        return;
+    }
+    assert!(dev.supports_managed_pools().unwrap());
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let owned = MemPool::new(&dev, &props).unwrap();
+    assert_eq!(owned.allocation_type(), AllocationType::Managed);
+    let default = dev.default_managed_pool().unwrap();
+    assert_eq!(default.kind(), PoolKind::Borrowed);
+    assert_eq!(default.allocation_type(), AllocationType::Managed);
+    assert_ne!(
+        default.as_raw(),
+        dev.default_pool().unwrap().as_raw(),
+        "a pool of its own"
+    );
+    for pool in [&owned, &default] {
+        const N: usize = 1 << 20;
+        let p = pool.allocate(N * 4, stream.as_ref()).unwrap();
+        assert_eq!(memory::pool_of(p).unwrap(), pool.as_raw());
+        let info = memory::pointer_info(p).unwrap();
+        println!("FINDING: managed pool pointer attributes: {info:?}");
+        assert!(info.is_managed, "{info:?}");
+        // SAFETY: `p` holds N u32s, allocated on `stream`.
+        unsafe { kernels.iota(p, N, 5, stream.as_ref()) }.unwrap();
+        assert_eq!(read_u32s(&ctx, p, 8, stream.as_ref()), (5..13).collect::<Vec<u32>>());
+        stream.synchronize().unwrap();
+        // Managed memory: the host reads the same address once the kernel is done.
+        // SAFETY: `p` is managed memory of N u32s; the kernel that wrote it completed (synchronized) and
+        // nothing else writes it; the index is in bounds.
+        let last = unsafe { std::ptr::read_volatile((p.0 as *const u32).add(N - 1)) };
+        assert_eq!(last, 5 + (N - 1) as u32);
+        // SAFETY: `p` came from `pool.allocate` on this context and is freed once; its uses are done.
+        unsafe { pool.free_async(p, stream.as_ref()) }.unwrap();
+    }
+    stream.synchronize().unwrap();
+    // What a managed pool cannot do is refused before the driver sees it.
+    assert!(matches!(owned.make_current(), Err(Error::PoolKind { .. })));
+    assert!(matches!(
+        MemPool::new(&dev, &props.handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        MemPool::new(&dev, &props.max_size(256 * MIB)),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
 #[test]
 fn release_threshold_is_honoured_at_synchronize() {
     let _reserves = reserves();

@@ -17,7 +17,7 @@ use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
 use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions, SharedBuffer};
 use mempool_rmm::suballoc::{BinningConfig, PoolConfig};
-use mempool_rmm::{AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource};
+use mempool_rmm::{AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource, ReleaseThreshold};
 
 const ROLE: &str = "MEMPOOL_IPC_TEST_ROLE";
 const SOCK: &str = "MEMPOOL_IPC_TEST_SOCK";
@@ -302,7 +302,7 @@ fn suballocated_parent<R: MemoryResource + 'static>(
             &dev,
             AsyncOptions {
                 handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR,
-                release_threshold: Some(u64::MAX),
+                release_threshold: ReleaseThreshold::KeepAll,
                 ..AsyncOptions::default()
             },
         )

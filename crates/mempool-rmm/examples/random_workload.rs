@@ -20,7 +20,7 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
 use mempool_rmm::workload::{random_workload, RandomOp as Op};
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
-    SharedResource,
+    ReleaseThreshold, SharedResource,
 };
 
 const REPEATS: usize = 9;
@@ -113,7 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let raw_pool = MemPool::new(&dev, &PoolProps::new())?;
     raw_pool.keep_everything()?;
     let keep = AsyncOptions {
-        release_threshold: Some(u64::MAX),
+        release_threshold: ReleaseThreshold::KeepAll,
         ..Default::default()
     };
     // Each resource is made fresh for each point and dropped after it, so that only the baseline's

@@ -5,8 +5,10 @@
 //!
 //! - [`MemoryResource`]: the stream-ordered, object-safe trait every resource implements; its
 //!   documentation states the stream contract.
-//! - Resources over the driver ([`AsyncResource`], [`CudaResource`], [`ManagedResource`],
-//!   [`PinnedHostResource`], [`HostPoolResource`]).
+//! - Resources over the driver ([`AsyncResource`], [`AsyncManagedResource`], [`CudaResource`],
+//!   [`ManagedResource`], [`PinnedHostResource`], [`HostPoolResource`]), over system memory the GPU
+//!   reaches through pageable memory access ([`SystemResource`], [`SamHeadroomResource`]), and over
+//!   closures ([`CallbackResource`]).
 //! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
 //!   failure-callback, prefetch.
 //! - [`registry`]: the per-device current resource.
@@ -41,6 +43,8 @@ pub use mempool_suballoc::workload;
 pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, HostPoolOptions,
-    HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, SuballocConfig, SuballocatingResource,
+    ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
+    CallbackResource, CudaResource, FixedSizeResource, HostPoolOptions, HostPoolResource, ManagedResource,
+    PinnedHostResource, PoolResource, ReleaseThreshold, SamHeadroomResource, SuballocConfig, SuballocatingResource,
+    SystemResource,
 };

@@ -12,11 +12,13 @@ use mempool_rmm::adaptors::{
     AlignedAdaptor, FailureCallbackAdaptor, LimitingAdaptor, LoggingAdaptor, PrefetchAdaptor, StatisticsAdaptor,
     TrackingAdaptor,
 };
+use mempool_rmm::resources::Returned;
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
 use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, Error, FixedSizeResource,
-    ManagedResource, MemoryResource, PinnedHostResource, PoolResource, SharedResource, ALIGNMENT,
+    ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
+    CallbackResource, CudaResource, Error, FixedSizeResource, ManagedResource, MemoryResource, PinnedHostResource,
+    PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -30,26 +32,52 @@ fn device() -> Device {
 struct Caps {
     /// The largest allocation to try.
     max_size: usize,
+    /// The memory is system memory (malloc) that the device reaches through pageable memory access: the
+    /// driver does not track it (no pointer attributes), and the host reads it through the address.
+    system_memory: bool,
 }
 
-const FULL: Caps = Caps { max_size: 1 << 30 };
+const FULL: Caps = Caps {
+    max_size: 1 << 30,
+    system_memory: false,
+};
 /// A fixed-size resource of 1 MiB blocks serves nothing larger.
-const FIXED: Caps = Caps { max_size: 1 << 20 };
+const FIXED: Caps = Caps {
+    max_size: 1 << 20,
+    system_memory: false,
+};
+/// System-allocated memory, any size.
+const SYSTEM: Caps = Caps {
+    max_size: 1 << 30,
+    system_memory: true,
+};
 
 /// Writes `base + i` into the first u32s of `ptr` with a kernel and reads them back: the memory is
-/// really accessible from the device.
-fn check_device_access(ptr: DeviceAddr, bytes: usize, stream: &Stream, kernels: &CheckKernels, base: u32) {
+/// really accessible from the device. System memory is read back by the host through the address, after
+/// the kernel is done; the rest by a copy on the stream.
+fn check_device_access(ptr: DeviceAddr, bytes: usize, stream: &Stream, kernels: &CheckKernels, base: u32, caps: Caps) {
     let n = (bytes / 4).min(4096);
     if n == 0 {
         return;
     }
     // SAFETY: `ptr` holds at least n u32s (n*4 <= bytes), allocated for work on `stream`.
     unsafe { kernels.iota(ptr, n, base, stream.as_ref()) }.unwrap();
-    let mut host = vec![0u8; n * 4];
-    // SAFETY: as above; the kernel is ordered before the copy on `stream`.
-    unsafe { memory::copy_to_host(stream.context(), &mut host, ptr, stream.as_ref()) }.unwrap();
+    let values: Vec<u32> = if caps.system_memory {
+        stream.synchronize().unwrap();
+        (0..n)
+            // SAFETY: system memory is host memory at `ptr`, at least n u32s long (4-byte aligned: resources
+            // align to 256); the kernel that wrote it completed (synchronized above) and nothing else
+            // writes it.
+            .map(|i| unsafe { std::ptr::read_volatile((ptr.0 as *const u32).add(i)) })
+            .collect()
+    } else {
+        let mut host = vec![0u8; n * 4];
+        // SAFETY: as above; the kernel is ordered before the copy on `stream`.
+        unsafe { memory::copy_to_host(stream.context(), &mut host, ptr, stream.as_ref()) }.unwrap();
+        u32s(&host)
+    };
     assert!(
-        u32s(&host).iter().enumerate().all(|(i, &v)| v == base + i as u32),
+        values.iter().enumerate().all(|(i, &v)| v == base + i as u32),
         "device access at {ptr}"
     );
 }
@@ -73,9 +101,12 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
             .unwrap_or_else(|e| panic!("{}: {size} bytes: {e}", mr.name()));
         assert!(!p.is_null());
         assert_eq!(p.0 % ALIGNMENT, 0, "{}: {size} bytes at {p} not aligned", mr.name());
-        let info = memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
-        assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
-        check_device_access(p, size, &stream, &kernels, size as u32);
+        if !caps.system_memory {
+            let info =
+                memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
+            assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
+        }
+        check_device_access(p, size, &stream, &kernels, size as u32, caps);
         // SAFETY: `p` came from `mr.allocate(size, stream)` above and is freed once; the check kernel and copy that
         // used it were queued on `stream`.
         unsafe { mr.deallocate(p, size, stream.as_ref()) }.unwrap();
@@ -167,7 +198,7 @@ fn four_threads(mr: SharedResource, caps: Caps) {
                         let size = 4 + rng.below(max - 4) as usize;
                         let p = mr.allocate(size, stream.as_ref()).unwrap();
                         if i % 50 == 0 {
-                            check_device_access(p, size, &stream, &kernels, (t as u32) << 20);
+                            check_device_access(p, size, &stream, &kernels, (t as u32) << 20, caps);
                         }
                         live.push((p, size));
                     } else {
@@ -238,7 +269,7 @@ fn allocate_and_free_on_different_streams(mr: SharedResource, caps: Caps) {
         unsafe { mr.deallocate(p, size, b.as_ref()) }.unwrap();
         // The next allocation on `a` may get memory freed on `b`: the resource must order it.
         let q = mr.allocate(size, a.as_ref()).unwrap();
-        check_device_access(q, size, &a, &kernels, 1000 + i);
+        check_device_access(q, size, &a, &kernels, 1000 + i, caps);
         // SAFETY: `q` came from `mr.allocate(size, a)` just above and is freed once; the check kernel that used it
         // was queued on `a`.
         unsafe { mr.deallocate(q, size, a.as_ref()) }.unwrap();
@@ -247,22 +278,42 @@ fn allocate_and_free_on_different_streams(mr: SharedResource, caps: Caps) {
     b.synchronize().unwrap();
 }
 
+/// One module of the suite's tests per resource: `name => constructor, caps;`. The constructor returns the
+/// resource; under `conformance_where_capable!` it returns `Option<SharedResource>`, `None` once it has
+/// asserted that a device lacking the capability refuses the resource as it should (the test then passes
+/// on that assertion: nothing is skipped).
 macro_rules! conformance {
     ($($name:ident => $make:expr, $caps:expr;)*) => {$(
         mod $name {
             use super::*;
-            fn mr() -> SharedResource {
+            fn mr() -> Option<SharedResource> {
                 let dev = device();
                 let _ = &dev;
+                Some($make(&dev))
+            }
+            conformance!(@tests $caps);
+        }
+    )*};
+    (@tests $caps:expr) => {
+        #[test] fn zero_bytes() { if let Some(mr) = mr() { super::zero_bytes(mr) } }
+        #[test] fn sizes_are_aligned_and_device_accessible() { if let Some(mr) = mr() { super::sizes_are_aligned_and_device_accessible(mr, $caps) } }
+        #[test] fn random_allocations() { if let Some(mr) = mr() { super::random_allocations(mr, $caps) } }
+        #[test] fn mixed_allocate_and_free() { if let Some(mr) = mr() { super::mixed_allocate_and_free(mr, $caps) } }
+        #[test] fn four_threads() { if let Some(mr) = mr() { super::four_threads(mr, $caps) } }
+        #[test] fn allocate_and_free_on_different_threads() { if let Some(mr) = mr() { super::allocate_and_free_on_different_threads(mr, $caps) } }
+        #[test] fn allocate_and_free_on_different_streams() { if let Some(mr) = mr() { super::allocate_and_free_on_different_streams(mr, $caps) } }
+    };
+}
+
+macro_rules! conformance_where_capable {
+    ($($name:ident => $make:expr, $caps:expr;)*) => {$(
+        mod $name {
+            use super::*;
+            fn mr() -> Option<SharedResource> {
+                let dev = device();
                 $make(&dev)
             }
-            #[test] fn zero_bytes() { super::zero_bytes(mr()) }
-            #[test] fn sizes_are_aligned_and_device_accessible() { super::sizes_are_aligned_and_device_accessible(mr(), $caps) }
-            #[test] fn random_allocations() { super::random_allocations(mr(), $caps) }
-            #[test] fn mixed_allocate_and_free() { super::mixed_allocate_and_free(mr(), $caps) }
-            #[test] fn four_threads() { super::four_threads(mr(), $caps) }
-            #[test] fn allocate_and_free_on_different_threads() { super::allocate_and_free_on_different_threads(mr(), $caps) }
-            #[test] fn allocate_and_free_on_different_streams() { super::allocate_and_free_on_different_streams(mr(), $caps) }
+            conformance!(@tests $caps);
         }
     )*};
 }
@@ -271,16 +322,113 @@ fn async_new(dev: &Device) -> AsyncResource {
     AsyncResource::new(
         dev,
         AsyncOptions {
-            release_threshold: Some(u64::MAX),
+            release_threshold: ReleaseThreshold::KeepAll,
             ..Default::default()
         },
     )
     .unwrap()
 }
 
+/// A callback resource whose callbacks allocate from and free to `upstream`.
+fn callback_over<U: MemoryResource + 'static>(upstream: U) -> impl MemoryResource {
+    let upstream = Arc::new(upstream);
+    let (a, f) = (upstream.clone(), upstream);
+    CallbackResource::new(
+        move |bytes, stream| a.allocate(bytes, stream),
+        // SAFETY: a `Returned` carries deallocate's contract: the address came from this resource's allocate
+        // callback, hence from `upstream.allocate(bytes, _)`, is returned once, and every use is ordered
+        // before this point of its stream; the callback lives in this one resource.
+        move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) },
+    )
+}
+
+/// `made` where the device can allocate from pools of managed memory (a driver for CUDA 13.0 and
+/// concurrent managed access); elsewhere asserts that it was refused up front with
+/// `Error::Unsupported` naming what is missing, and returns `None`.
+fn where_managed_pools<R: MemoryResource + 'static>(
+    dev: &Device,
+    made: mempool_rmm::Result<R>,
+) -> Option<SharedResource> {
+    let capable = dev.supports_managed_pools().unwrap();
+    match made {
+        Ok(mr) => {
+            assert!(
+                capable,
+                "{} was built on a device that cannot allocate from managed pools",
+                mr.name()
+            );
+            Some(Arc::new(mr))
+        }
+        Err(e) => {
+            println!("FINDING: managed pools refused: {e}");
+            assert!(!capable, "refused on a device that supports managed pools: {e}");
+            let Error::Unsupported {
+                resource: "AsyncManagedResource",
+                reason,
+            } = &e
+            else {
+                panic!("expected Error::Unsupported from AsyncManagedResource, got {e:?}")
+            };
+            let prefix = format!(
+                "device {} cannot allocate from a pool of managed memory: ",
+                dev.ordinal()
+            );
+            assert!(reason.starts_with(&prefix), "{reason}");
+            let driver = mempool_core::driver_version().unwrap();
+            let missing = if driver.major() < 13 {
+                "need a driver for CUDA 13.0 or newer"
+            } else {
+                "CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0"
+            };
+            assert!(reason.contains(missing), "{reason}");
+            None
+        }
+    }
+}
+
+/// `made` where the device reports pageable memory access; elsewhere asserts the exact refusal, naming
+/// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`, and returns `None`.
+fn where_pageable<R: MemoryResource + 'static>(
+    dev: &Device,
+    resource: &'static str,
+    made: mempool_rmm::Result<R>,
+) -> Option<SharedResource> {
+    let capable = dev.pageable_memory_access().unwrap();
+    match made {
+        Ok(mr) => {
+            assert!(
+                capable,
+                "{resource} was built on a device without pageable memory access"
+            );
+            Some(Arc::new(mr))
+        }
+        Err(e) => {
+            println!("FINDING: {resource} refused: {e}");
+            assert!(
+                !capable,
+                "{resource} refused on a device with pageable memory access: {e}"
+            );
+            assert_eq!(
+                e,
+                Error::Unsupported {
+                    resource,
+                    reason: format!(
+                        "device {} reports CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS = 0: it cannot access pageable \
+                         host memory (malloc); that takes HMM (NVIDIA's open kernel modules on a Linux kernel with \
+                         HMM) or ATS (Grace Hopper)",
+                        dev.ordinal()
+                    )
+                }
+            );
+            None
+        }
+    }
+}
+
 conformance! {
     async_resource => |d: &Device| Arc::new(async_new(d)) as SharedResource, FULL;
     async_default_pool => |d: &Device| Arc::new(AsyncResource::default_pool(d).unwrap()) as SharedResource, FULL;
+    async_driver_threshold => |d: &Device| Arc::new(AsyncResource::new(d, AsyncOptions { release_threshold: ReleaseThreshold::DriverDefault, ..Default::default() }).unwrap()) as SharedResource, FULL;
     async_primed => |d: &Device| Arc::new(AsyncResource::new(d, AsyncOptions { initial_size: Some(64 * MIB), ..Default::default() }).unwrap()) as SharedResource, FULL;
     cuda_resource => |d: &Device| Arc::new(CudaResource::new(d).unwrap()) as SharedResource, FULL;
     managed_resource => |d: &Device| Arc::new(ManagedResource::new(d).unwrap()) as SharedResource, FULL;
@@ -298,12 +446,27 @@ conformance! {
     binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
     arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource, FULL;
     statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
+    callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource, FULL;
+    binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
 }
 
-/// The out-of-memory check, for every resource except the managed and pinned-host ones: asking the
-/// driver for petabytes of managed memory can hang a GPU, and asking it to pin petabytes of host memory
-/// is as hostile to the host (on the GPU machines used here, whose memory grows on demand, a run that
-/// did so went on to hang).
+// The resources that need a capability of the driver or device: where it is there they run the suite,
+// where it is not every test asserts the refusal (the `FINDING:` line says which happened).
+conformance_where_capable! {
+    async_managed_resource => |d: &Device| where_managed_pools(d, AsyncManagedResource::new(d, AsyncManagedOptions::default())), FULL;
+    async_managed_default_pool => |d: &Device| where_managed_pools(d, AsyncManagedResource::default_pool(d)), FULL;
+    system_resource => |d: &Device| where_pageable(d, "SystemResource", SystemResource::new(d)), SYSTEM;
+    // 1 GiB kept free: on an 80 GiB device with the suite's small live set, placed on the GPU.
+    sam_headroom_resource => |d: &Device| where_pageable(d, "SamHeadroomResource", SamHeadroomResource::new(d, 1 << 30)), SYSTEM;
+    // Everything kept free: every allocation is advised to the host.
+    sam_headroom_all_on_host => |d: &Device| where_pageable(d, "SamHeadroomResource", SamHeadroomResource::new(d, usize::MAX)), SYSTEM;
+}
+
+/// The out-of-memory check, for every resource except the managed, pinned-host and system-memory ones:
+/// asking the driver for petabytes of managed memory can hang a GPU (the managed pools are left out for
+/// the same reason), and asking it to pin petabytes of host memory is as hostile to the host (on the GPU
+/// machines used here, whose memory grows on demand, a run that did so went on to hang). The system
+/// resources' out-of-memory path is the global allocator's null, tested on the host.
 macro_rules! out_of_memory {
     ($($name:ident => $make:expr;)*) => {$(
         #[test]
@@ -328,4 +491,5 @@ out_of_memory! {
     oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource;
     oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
     oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
+    oom_callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource;
 }

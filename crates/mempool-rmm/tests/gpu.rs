@@ -201,3 +201,169 @@ fn a_host_pool_serves_kernels_and_the_host_or_is_refused_clearly() {
     stream.synchronize().unwrap();
     assert_eq!(mr.pool().usage().unwrap().used_current, 0);
 }
+
+#[test]
+fn new_pools_keep_everything_unless_told_and_views_change_nothing() {
+    use mempool_rmm::ReleaseThreshold;
+    let dev = device();
+    let threshold = |t: ReleaseThreshold| {
+        let mr = AsyncResource::new(
+            &dev,
+            AsyncOptions {
+                release_threshold: t,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        mr.pool().release_threshold().unwrap()
+    };
+    // RMM's default: a new pool keeps everything.
+    assert_eq!(
+        AsyncResource::new(&dev, AsyncOptions::default())
+            .unwrap()
+            .pool()
+            .release_threshold()
+            .unwrap(),
+        u64::MAX
+    );
+    assert_eq!(threshold(ReleaseThreshold::KeepAll), u64::MAX);
+    assert_eq!(threshold(ReleaseThreshold::Bytes(64 << 20)), 64 << 20);
+    assert_eq!(
+        threshold(ReleaseThreshold::DriverDefault),
+        0,
+        "the driver's default on a new pool"
+    );
+    // A view of the device's default pool (process-wide) leaves its threshold as it was.
+    let before = dev.default_pool().unwrap().release_threshold().unwrap();
+    let view = AsyncResource::default_pool(&dev).unwrap();
+    assert_eq!(view.pool().release_threshold().unwrap(), before);
+    drop(view);
+    assert_eq!(dev.default_pool().unwrap().release_threshold().unwrap(), before);
+}
+
+#[test]
+fn managed_pool_resources_keep_everything_or_are_refused_by_capability() {
+    use mempool_core::AllocationType;
+    use mempool_rmm::{AsyncManagedOptions, AsyncManagedResource, Error};
+    let dev = device();
+    let made = AsyncManagedResource::new(&dev, AsyncManagedOptions::default());
+    if !dev.supports_managed_pools().unwrap() {
+        let e = made.unwrap_err();
+        println!("FINDING: managed pools refused: {e}");
+        assert!(
+            matches!(&e, Error::Unsupported { resource: "AsyncManagedResource", reason }
+                if reason.contains("CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS") || reason.contains("CUDA 13.0")),
+            "{e:?}"
+        );
+        assert!(matches!(
+            AsyncManagedResource::default_pool(&dev),
+            Err(Error::Unsupported { .. })
+        ));
+        return;
+    }
+    let owned = made.unwrap();
+    assert_eq!(owned.name(), "AsyncManagedResource");
+    assert_eq!(owned.pool().allocation_type(), AllocationType::Managed);
+    assert_eq!(
+        owned.pool().release_threshold().unwrap(),
+        u64::MAX,
+        "a new pool keeps everything"
+    );
+    let default = AsyncManagedResource::default_pool(&dev).unwrap();
+    assert_eq!(default.pool().kind(), mempool_core::PoolKind::Borrowed);
+    let before = dev.default_managed_pool().unwrap().release_threshold().unwrap();
+    drop(default);
+    assert_eq!(
+        dev.default_managed_pool().unwrap().release_threshold().unwrap(),
+        before,
+        "RMM's resource leaves the default managed pool's attributes alone"
+    );
+    // Managed memory: kernels write it on the stream, the host reads it through the address afterwards.
+    let ctx = dev.context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    const N: usize = 1 << 16;
+    let p = owned.allocate(N * 4, stream.as_ref()).unwrap();
+    // SAFETY: `p` holds N u32s, allocated on `stream`.
+    unsafe { kernels.iota(p, N, 3, stream.as_ref()) }.unwrap();
+    stream.synchronize().unwrap();
+    // SAFETY: managed memory of N u32s at `p`; the kernel that wrote it completed and nothing else writes it.
+    #[allow(unsafe_code)]
+    let last = unsafe { std::ptr::read_volatile((p.0 as *const u32).add(N - 1)) };
+    assert_eq!(last, 3 + (N - 1) as u32);
+    // SAFETY: `p` came from `owned.allocate(N * 4, stream)` and is freed once; its uses are done.
+    #[allow(unsafe_code)]
+    unsafe { owned.deallocate(p, N * 4, stream.as_ref()) }.unwrap();
+    stream.synchronize().unwrap();
+}
+
+/// System memory (malloc) used by a kernel where the device reports pageable memory access, and the
+/// exact refusal naming `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` where it does not: never skipped.
+/// The headroom resource's advice is read back from the driver.
+#[test]
+fn system_memory_serves_kernels_and_the_host_or_is_refused_by_attribute() {
+    use mempool_core::memory::{self, PreferredLocation};
+    use mempool_rmm::{Error, SamHeadroomResource, SystemResource};
+    let dev = device();
+    let capable = dev.pageable_memory_access().unwrap();
+    println!(
+        "FINDING: CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS = {}",
+        capable as i32
+    );
+    let refusal = |resource: &'static str| Error::Unsupported {
+        resource,
+        reason: format!(
+            "device {} reports CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS = 0: it cannot access pageable host \
+             memory (malloc); that takes HMM (NVIDIA's open kernel modules on a Linux kernel with HMM) or ATS \
+             (Grace Hopper)",
+            dev.ordinal()
+        ),
+    };
+    if !capable {
+        assert_eq!(SystemResource::new(&dev).unwrap_err(), refusal("SystemResource"));
+        assert_eq!(
+            SamHeadroomResource::new(&dev, 1 << 30).unwrap_err(),
+            refusal("SamHeadroomResource")
+        );
+        return;
+    }
+    let ctx = dev.context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    const N: usize = 16 << 20; // 64 MiB of u32s
+    let system = SystemResource::new(&dev).unwrap();
+    let on_gpu = SamHeadroomResource::new(&dev, 0).unwrap();
+    let on_host = SamHeadroomResource::new(&dev, usize::MAX).unwrap();
+    let resources: [(&dyn MemoryResource, Option<PreferredLocation>); 3] = [
+        (&system, None),
+        (&on_gpu, Some(PreferredLocation::Device(dev.ordinal() as i32))),
+        (&on_host, Some(PreferredLocation::Host)),
+    ];
+    for (mr, advised) in resources {
+        let p = mr.allocate(N * 4, stream.as_ref()).unwrap();
+        assert_eq!(p.0 % 256, 0);
+        if let Some(advised) = advised {
+            let found = memory::preferred_location(&ctx, p, N * 4).unwrap();
+            println!("FINDING: {} advised {found:?}", mr.name());
+            assert_eq!(found, advised, "{}", mr.name());
+        }
+        // The host writes, a kernel adds, the host reads back through the same address.
+        // SAFETY: `p` is N u32s of fresh host memory from the global allocator; no device work uses it yet.
+        #[allow(unsafe_code)]
+        unsafe { std::slice::from_raw_parts_mut(p.0 as *mut u32, N) }.fill(7);
+        // SAFETY: `p` holds N u32s, reachable by the device through pageable memory access.
+        unsafe { kernels.add(p, N, 5, stream.as_ref()) }.unwrap();
+        stream.synchronize().unwrap();
+        // SAFETY: as above; the kernel completed (synchronized) and nothing else writes the memory.
+        #[allow(unsafe_code)]
+        let host = unsafe { std::slice::from_raw_parts(p.0 as *const u32, N) };
+        assert!(
+            host.iter().all(|&v| v == 12),
+            "{}: the kernel's writes are seen by the host",
+            mr.name()
+        );
+        // SAFETY: `p` came from `mr.allocate(N * 4, stream)` and is freed once; its uses are done.
+        #[allow(unsafe_code)]
+        unsafe { mr.deallocate(p, N * 4, stream.as_ref()) }.unwrap();
+    }
+}

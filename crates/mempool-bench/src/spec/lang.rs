@@ -11,10 +11,20 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
   cuda                          cuMemAlloc/cuMemFree through mempool's CudaResource (a free waits for its stream)
   managed                       cuMemAllocManaged (ManagedResource)
   async[(OPTIONS)]              a new driver pool, cuMemAllocFromPoolAsync (AsyncResource); options:
-                                  threshold=SIZE|max  release threshold (default: the driver's, 0)
+                                  threshold=SIZE|max  release threshold (default max: keep everything, as
+                                                      RMM; 0 is the driver's: give unused memory back at
+                                                      each synchronize)
                                   initial=SIZE        reserve this much up front
                                   max_size=SIZE       the pool's maximum size
                                   pool=new|default    a new pool (default) or the device's default pool
+                                                      (left as it is unless threshold is given)
+  async_managed[(OPTIONS)]      managed memory from a stream-ordered pool (AsyncManagedResource, CUDA 13.0
+                                and concurrent managed access); options threshold=, initial= and pool= as
+                                for async; pool=default is RMM's cuda_async_managed_memory_resource
+  system                        malloc'd host memory the GPU reaches by pageable memory access (HMM or ATS;
+                                SystemResource)
+  sam_headroom(headroom=SIZE)   system memory advised to the GPU while SIZE of its memory stays free, to
+                                the host beyond (SamHeadroomResource)
   pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
   binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
@@ -25,7 +35,7 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 keeps its memory (alias raw-pool)
   sim                           host simulation without a GPU: fake addresses, never touched (random, replay)
 SIZE: a byte count with an optional unit (B, KiB, MiB, GiB, TiB), e.g. 4096, 64KiB, 1.5GiB; `max` = unlimited.
-Lists separate specs with commas: cuda,async(threshold=max),pool(async,initial=1GiB),binning(pool(async)),arena(cuda)";
+Lists separate specs with commas: cuda,async(threshold=0),pool(async,initial=1GiB),binning(pool(async)),arena(cuda)";
 
 /// A spec that does not parse or names something unknown.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +63,9 @@ impl std::error::Error for SpecError {}
 /// Options of a driver pool resource (`async`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AsyncSpec {
-    /// Release threshold; `None`: the driver's default.
+    /// Release threshold as given (`u64::MAX` for `max`). `None`: not given, so a new pool keeps
+    /// everything (RMM's default, [`ReleaseThreshold::KeepAll`](mempool_rmm::ReleaseThreshold)) and the
+    /// default pool keeps whatever it has. `Some(0)` is the driver's own default on a new pool.
     pub threshold: Option<u64>,
     /// Bytes reserved up front.
     pub initial: Option<u64>,
@@ -72,6 +84,16 @@ pub enum ResourceSpec {
     Managed,
     /// `async(...)`: [`AsyncResource`](mempool_rmm::AsyncResource).
     Async(AsyncSpec),
+    /// `async_managed(...)`: [`AsyncManagedResource`](mempool_rmm::AsyncManagedResource); `max_size` is
+    /// never set (managed pools take none).
+    AsyncManaged(AsyncSpec),
+    /// `system`: [`SystemResource`](mempool_rmm::SystemResource).
+    System,
+    /// `sam_headroom(headroom=SIZE)`: [`SamHeadroomResource`](mempool_rmm::SamHeadroomResource).
+    SamHeadroom {
+        /// Bytes of GPU memory kept free.
+        headroom: u64,
+    },
     /// `pool(UPSTREAM, ...)`: [`PoolResource`](mempool_rmm::PoolResource).
     Pool {
         /// The upstream.
@@ -177,9 +199,13 @@ impl fmt::Display for ResourceSpec {
             ResourceSpec::RawCuda => f.write_str("cuMemAlloc"),
             ResourceSpec::RawPool => f.write_str("cuMemAllocFromPoolAsync"),
             ResourceSpec::Sim => f.write_str("sim"),
-            ResourceSpec::Async(a) => args(
+            ResourceSpec::Async(a) | ResourceSpec::AsyncManaged(a) => args(
                 f,
-                "async",
+                if matches!(self, ResourceSpec::Async(_)) {
+                    "async"
+                } else {
+                    "async_managed"
+                },
                 None,
                 &[
                     ("threshold", limit(a.threshold)),
@@ -187,6 +213,13 @@ impl fmt::Display for ResourceSpec {
                     ("max_size", limit(a.max_size)),
                     ("pool", a.default_pool.then(|| "default".to_owned())),
                 ],
+            ),
+            ResourceSpec::System => f.write_str("system"),
+            ResourceSpec::SamHeadroom { headroom } => args(
+                f,
+                "sam_headroom",
+                None,
+                &[("headroom", Some(Size(*headroom).to_string()))],
             ),
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,
@@ -457,6 +490,59 @@ impl Checker<'_> {
         Ok((upstream, options))
     }
 
+    /// The options of a driver pool resource (`async`, `async_managed`), of which `keys` are allowed.
+    fn pool_options(&self, node: &Node, keys: &[&str]) -> Result<AsyncSpec, SpecError> {
+        let name = node.name.as_str();
+        let mut a = AsyncSpec::default();
+        let mut seen: Vec<&str> = Vec::new();
+        for item in &node.items {
+            match item {
+                Item::Resource(r) => {
+                    return Err(self.err(
+                        r.pos,
+                        format!("`{name}` takes options only, no upstream (it is the driver)"),
+                    ))
+                }
+                Item::Option { key, value, pos } => {
+                    if seen.contains(&key.as_str()) {
+                        return Err(self.err(*pos, format!("option `{key}` given twice")));
+                    }
+                    seen.push(key);
+                    if !keys.contains(&key.as_str()) {
+                        return Err(self.err(
+                            *pos,
+                            format!("`{name}` has no option `{key}` (its options: {})", keys.join(", ")),
+                        ));
+                    }
+                    match key.as_str() {
+                        "threshold" => a.threshold = Some(self.size(value, *pos, key)?),
+                        "initial" => a.initial = Some(self.size(value, *pos, key)?),
+                        "max_size" => a.max_size = self.limit(value, *pos, key)?,
+                        "pool" => {
+                            a.default_pool = match value.as_str() {
+                                "new" => false,
+                                "default" => true,
+                                _ => {
+                                    return Err(
+                                        self.err(*pos, format!("pool: expected `new` or `default`, found `{value}`"))
+                                    )
+                                }
+                            }
+                        }
+                        _ => unreachable!("checked against `keys` above"),
+                    }
+                }
+            }
+        }
+        if a.default_pool && (a.initial.is_some() || a.max_size.is_some()) {
+            return Err(self.err(
+                node.pos,
+                format!("`{name}(pool=default)` takes only `threshold`: the default pool exists already"),
+            ));
+        }
+        Ok(a)
+    }
+
     fn no_args(&self, node: &Node) -> Result<(), SpecError> {
         if node.parens && !node.items.is_empty() {
             return Err(self.err(node.pos, format!("`{}` takes no arguments", node.name)));
@@ -486,53 +572,43 @@ impl Checker<'_> {
                 self.no_args(node)?;
                 ResourceSpec::Sim
             }
-            "async" => {
-                let mut a = AsyncSpec::default();
-                let keys = ["threshold", "initial", "max_size", "pool"];
-                let mut seen: Vec<&str> = Vec::new();
+            "async" => ResourceSpec::Async(self.pool_options(node, &["threshold", "initial", "max_size", "pool"])?),
+            "async_managed" => ResourceSpec::AsyncManaged(self.pool_options(node, &["threshold", "initial", "pool"])?),
+            "system" => {
+                self.no_args(node)?;
+                ResourceSpec::System
+            }
+            "sam_headroom" => {
+                let mut headroom = None;
                 for item in &node.items {
                     match item {
-                        Item::Resource(r) => {
-                            return Err(self.err(r.pos, "`async` takes options only, no upstream (it is the driver)"))
+                        Item::Option { key, value, pos } if key == "headroom" => {
+                            if headroom.is_some() {
+                                return Err(self.err(*pos, "option `headroom` given twice"));
+                            }
+                            headroom = Some(self.size(value, *pos, key)?);
                         }
-                        Item::Option { key, value, pos } => {
-                            if seen.contains(&key.as_str()) {
-                                return Err(self.err(*pos, format!("option `{key}` given twice")));
-                            }
-                            seen.push(key);
-                            match key.as_str() {
-                                "threshold" => a.threshold = Some(self.size(value, *pos, key)?),
-                                "initial" => a.initial = Some(self.size(value, *pos, key)?),
-                                "max_size" => a.max_size = self.limit(value, *pos, key)?,
-                                "pool" => {
-                                    a.default_pool = match value.as_str() {
-                                        "new" => false,
-                                        "default" => true,
-                                        _ => {
-                                            return Err(self.err(
-                                                *pos,
-                                                format!("pool: expected `new` or `default`, found `{value}`"),
-                                            ))
-                                        }
-                                    }
-                                }
-                                _ => {
-                                    return Err(self.err(
-                                        *pos,
-                                        format!("`async` has no option `{key}` (its options: {})", keys.join(", ")),
-                                    ))
-                                }
-                            }
+                        Item::Option { key, pos, .. } => {
+                            return Err(self.err(
+                                *pos,
+                                format!("`sam_headroom` has no option `{key}` (its option: headroom)"),
+                            ))
+                        }
+                        Item::Resource(r) => {
+                            return Err(self.err(
+                                r.pos,
+                                "`sam_headroom` takes options only, no upstream (it is system memory)",
+                            ))
                         }
                     }
                 }
-                if a.default_pool && (a.initial.is_some() || a.max_size.is_some()) {
-                    return Err(self.err(
+                let headroom = headroom.ok_or_else(|| {
+                    self.err(
                         node.pos,
-                        "`async(pool=default)` takes only `threshold`: the default pool exists already",
-                    ));
-                }
-                ResourceSpec::Async(a)
+                        "`sam_headroom` needs `headroom=SIZE`: the GPU memory to keep free",
+                    )
+                })?;
+                ResourceSpec::SamHeadroom { headroom }
             }
             "pool" => {
                 let (upstream, opts) = self.upstream_and_options(node, &["initial", "max"])?;
@@ -608,8 +684,8 @@ impl Checker<'_> {
                 return Err(self.err(
                     node.pos,
                     format!(
-                        "unknown resource `{other}` (known: cuda, managed, async, pool, binning, arena, fixed, \
-                         cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                        "unknown resource `{other}` (known: cuda, managed, async, async_managed, system, \
+                         sam_headroom, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
                     ),
                 ))
             }

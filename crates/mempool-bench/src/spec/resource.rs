@@ -6,8 +6,9 @@ use mempool_core::{Context, Device};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, FixedSizeResource, ManagedResource,
-    PoolResource, SharedResource,
+    ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
+    CudaResource, FixedSizeResource, ManagedResource, PoolResource, ReleaseThreshold, SamHeadroomResource,
+    SharedResource, SystemResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -56,13 +57,35 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
                     dev,
                     AsyncOptions {
                         initial_size: a.initial.map(|v| v as usize),
-                        release_threshold: a.threshold,
+                        release_threshold: threshold(a.threshold),
                         max_size: a.max_size.map(|v| v as usize),
                         ..Default::default()
                     },
                 )?)
             }
         }
+        ResourceSpec::AsyncManaged(a) => {
+            if a.default_pool {
+                let r = AsyncManagedResource::default_pool(dev)?;
+                if let Some(t) = a.threshold {
+                    r.pool().set_release_threshold(t)?;
+                }
+                Arc::new(r)
+            } else {
+                Arc::new(AsyncManagedResource::new(
+                    dev,
+                    AsyncManagedOptions {
+                        initial_size: a.initial.map(|v| v as usize),
+                        release_threshold: threshold(a.threshold),
+                    },
+                )?)
+            }
+        }
+        ResourceSpec::System => Arc::new(SystemResource::new(dev)?),
+        ResourceSpec::SamHeadroom { headroom } => Arc::new(SamHeadroomResource::new(
+            dev,
+            usize::try_from(*headroom).unwrap_or(usize::MAX),
+        )?),
         ResourceSpec::Pool { upstream, initial, max } => {
             let up = build_resource(upstream, device)?;
             let config = PoolConfig {
@@ -117,4 +140,13 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         }
     };
     Ok(r)
+}
+
+/// A new pool's release threshold from a spec's `threshold`: not given (or `max`) keeps everything, as
+/// RMM's resources do; a size keeps that much (`0`: the driver's default).
+fn threshold(given: Option<u64>) -> ReleaseThreshold {
+    match given {
+        None | Some(u64::MAX) => ReleaseThreshold::KeepAll,
+        Some(n) => ReleaseThreshold::Bytes(n),
+    }
 }

@@ -143,6 +143,47 @@ pub(crate) unsafe fn prefetch_async(
     unsafe { call!(cuMemPrefetchAsync_v2(ptr, len, location, 0, stream)) }
 }
 
+/// Gives the driver advice about a range of managed or system-allocated memory (`cuMemAdvise`), such as
+/// its preferred location.
+///
+/// # Safety
+/// 1. `ptr..ptr+len` is managed memory, or system-allocated memory on a device with pageable memory
+///    access, that the caller owns: the advice changes where its pages live and who maps them.
+pub(crate) unsafe fn advise(
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    advice: sys::CUmem_advise,
+    location: sys::CUmemLocation,
+) -> Result<()> {
+    // SAFETY: point 1; the driver rounds the range out to whole pages and reads nothing through it.
+    unsafe { call!(cuMemAdvise_v2(ptr, len, advice, location)) }
+}
+
+/// Reads a 4-byte attribute of a range of managed or system-allocated memory (`cuMemRangeGetAttribute`).
+///
+/// # Safety
+/// 1. `attr` is an attribute the driver answers with one 32-bit integer (`PREFERRED_LOCATION_TYPE`,
+///    `PREFERRED_LOCATION_ID`, `READ_MOSTLY`, ...). The range is only looked up: an address the driver
+///    does not know is an error, not undefined behaviour.
+pub(crate) unsafe fn range_attribute_i32(
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    attr: sys::CUmem_range_attribute,
+) -> Result<i32> {
+    let mut v: i32 = 0;
+    // SAFETY: point 1: four writable bytes, and their size passed along.
+    unsafe {
+        call!(cuMemRangeGetAttribute(
+            &mut v as *mut i32 as *mut c_void,
+            std::mem::size_of::<i32>(),
+            attr,
+            ptr,
+            len
+        ))
+    }?;
+    Ok(v)
+}
+
 /// `cuMemGetAddressRange`: the base and size of the allocation that contains `ptr`.
 ///
 /// # Safety

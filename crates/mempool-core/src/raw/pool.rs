@@ -113,6 +113,21 @@ pub(crate) fn device_default(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
     Ok(pool)
 }
 
+/// The default pool of a location for an allocation type (`cuMemGetDefaultMemPool`, CUDA 13.0): for
+/// managed memory, the pool `cudaMallocManaged`-style stream-ordered allocations of that preferred
+/// location come from.
+pub(crate) fn location_default(
+    location: sys::CUmemLocation,
+    allocation_type: sys::CUmemAllocationType,
+) -> Result<sys::CUmemoryPool> {
+    let mut pool = std::ptr::null_mut();
+    let mut location = location;
+    // SAFETY: one handle is written; the location is read (the driver takes a mutable pointer but does not
+    // write through it) and is a local copy either way.
+    unsafe { call!(cuMemGetDefaultMemPool(&mut pool, &mut location, allocation_type)) }?;
+    Ok(pool)
+}
+
 /// The current pool of `dev` (what `cudaMallocAsync` uses).
 pub(crate) fn device_current(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
     let mut pool = std::ptr::null_mut();

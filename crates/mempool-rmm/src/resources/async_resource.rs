@@ -5,15 +5,55 @@ use mempool_core::{Device, DeviceAddr, HandleTypes, MemPool, PoolProps, StreamRe
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 
+/// What a pool's release threshold (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`) is set to when a resource creates
+/// the pool: how much unused memory the pool keeps reserved across synchronizations.
+///
+/// The default is [`ReleaseThreshold::KeepAll`], RMM's: `cuda_async_memory_resource` sets the threshold to
+/// `UINT64_MAX` unless its `release_threshold` argument says otherwise. The driver's own default, 0, gives
+/// every unused byte back at each synchronize and maps it again at the next allocation; it is
+/// [`ReleaseThreshold::DriverDefault`] (or `Bytes(0)`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReleaseThreshold {
+    /// Keep everything the pool reserves (`u64::MAX`): the advice for a process that owns its GPU, and
+    /// RMM's default.
+    #[default]
+    KeepAll,
+    /// Keep up to this many unused bytes; give the rest back at the next synchronize.
+    Bytes(u64),
+    /// Leave the attribute as the driver set it: 0 on a new pool, so every synchronize gives all unused
+    /// memory back.
+    DriverDefault,
+}
+
+impl ReleaseThreshold {
+    /// The attribute's value this setting writes, or `None` for [`ReleaseThreshold::DriverDefault`],
+    /// which writes nothing.
+    pub fn bytes(self) -> Option<u64> {
+        match self {
+            ReleaseThreshold::KeepAll => Some(u64::MAX),
+            ReleaseThreshold::Bytes(n) => Some(n),
+            ReleaseThreshold::DriverDefault => None,
+        }
+    }
+
+    /// Applies the setting to a pool the resource just created.
+    pub(crate) fn apply(self, pool: &MemPool) -> Result<()> {
+        if let Some(t) = self.bytes() {
+            pool.set_release_threshold(t)?;
+        }
+        Ok(())
+    }
+}
+
 /// Options for a pool that [`AsyncResource::new`] creates.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct AsyncOptions {
     /// Bytes to reserve up front (allocated and freed once, with the release threshold raised to keep
-    /// them), so the first allocations do not pay for growth. `None`: no priming.
+    /// them if it is lower), so the first allocations do not pay for growth. `None`: no priming.
     pub initial_size: Option<usize>,
-    /// The pool's release threshold; `None` leaves the driver's default (0: give everything back at each
-    /// synchronize). `Some(u64::MAX)` keeps everything, the advice for a process that owns its GPU.
-    pub release_threshold: Option<u64>,
+    /// The pool's release threshold; by default [`ReleaseThreshold::KeepAll`], as RMM's
+    /// `cuda_async_memory_resource`. [`ReleaseThreshold::DriverDefault`] keeps the driver's 0.
+    pub release_threshold: ReleaseThreshold,
     /// Export handle types; `POSIX_FILE_DESCRIPTOR` makes the pool shareable with other processes.
     pub handle_types: HandleTypes,
     /// The pool's maximum size in bytes, if any.
@@ -24,12 +64,18 @@ pub struct AsyncOptions {
 /// `cuda_async_memory_resource`. It either owns a pool it created or views an existing one (the
 /// device's default pool, or a pool the application made).
 ///
+/// A pool it creates keeps what it reserves ([`ReleaseThreshold::KeepAll`]) unless
+/// [`AsyncOptions::release_threshold`] says otherwise, as RMM's resource does. A pool it only views keeps
+/// its attributes: [`AsyncResource::default_pool`] and [`AsyncResource::from_pool`] change nothing, as
+/// RMM's `cuda_async_view_memory_resource` changes nothing (the device's default pool is process-wide,
+/// and its threshold is the driver's 0 unless the application set it).
+///
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
 /// use mempool_core::{Device, Stream};
 /// use mempool_rmm::{AsyncOptions, AsyncResource, MemoryResource};
 /// let dev = Device::get(0)?;
-/// let mr = AsyncResource::new(&dev, AsyncOptions { release_threshold: Some(u64::MAX), ..Default::default() })?;
+/// let mr = AsyncResource::new(&dev, AsyncOptions::default())?; // keeps what it reserves, as RMM's
 /// let stream = Stream::new(&dev.context()?)?;
 /// let p = mr.allocate(1 << 20, stream.as_ref())?;
 /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
@@ -47,20 +93,7 @@ impl AsyncResource {
         let mut props = PoolProps::new().handle_types(options.handle_types);
         props.max_size = options.max_size;
         let pool = MemPool::new(device, &props)?;
-        if let Some(t) = options.release_threshold {
-            pool.set_release_threshold(t)?;
-        }
-        if let Some(initial) = options.initial_size.filter(|&n| n > 0) {
-            // Priming: the threshold must keep the primed bytes, or the next synchronize returns them.
-            let threshold = pool.release_threshold()?;
-            if threshold < initial as u64 {
-                pool.set_release_threshold(initial as u64)?;
-            }
-            let stream = mempool_core::Stream::new(&device.context()?)?;
-            let buf = pool.alloc(initial, stream.as_ref())?;
-            drop(buf);
-            stream.synchronize()?;
-        }
+        prepare_new_pool(device, &pool, options.release_threshold, options.initial_size)?;
         Ok(AsyncResource { pool })
     }
 
@@ -76,7 +109,9 @@ impl AsyncResource {
         Ok(AsyncResource { pool })
     }
 
-    /// Allocates from `device`'s default pool.
+    /// Allocates from `device`'s default pool, leaving its attributes (the release threshold among them)
+    /// as they are: the default pool is process-wide, and RMM's view resource does not change it either.
+    /// Call [`MemPool::keep_everything`] on [`AsyncResource::pool`] to keep its memory.
     pub fn default_pool(device: &Device) -> Result<AsyncResource> {
         AsyncResource::from_pool(device.default_pool()?)
     }
@@ -85,6 +120,29 @@ impl AsyncResource {
     pub fn pool(&self) -> &MemPool {
         &self.pool
     }
+}
+
+/// Sets up a pool a resource just created: its release threshold, then the priming allocation of
+/// `initial` bytes (allocated and freed on a stream of its own, synchronized), with the threshold raised
+/// to keep them if it is lower.
+pub(crate) fn prepare_new_pool(
+    device: &Device,
+    pool: &MemPool,
+    threshold: ReleaseThreshold,
+    initial: Option<usize>,
+) -> Result<()> {
+    threshold.apply(pool)?;
+    if let Some(initial) = initial.filter(|&n| n > 0) {
+        // Priming: the threshold must keep the primed bytes, or the next synchronize returns them.
+        if pool.release_threshold()? < initial as u64 {
+            pool.set_release_threshold(initial as u64)?;
+        }
+        let stream = mempool_core::Stream::new(&device.context()?)?;
+        let buf = pool.alloc(initial, stream.as_ref())?;
+        drop(buf);
+        stream.synchronize()?;
+    }
+    Ok(())
 }
 
 impl MemoryResource for AsyncResource {
@@ -104,5 +162,23 @@ impl MemoryResource for AsyncResource {
 
     fn name(&self) -> &'static str {
         "AsyncResource"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_pools_keep_everything_by_default_as_rmm_does() {
+        assert_eq!(AsyncOptions::default().release_threshold, ReleaseThreshold::KeepAll);
+        assert_eq!(ReleaseThreshold::default().bytes(), Some(u64::MAX));
+        assert_eq!(ReleaseThreshold::Bytes(0).bytes(), Some(0));
+        assert_eq!(ReleaseThreshold::Bytes(1 << 30).bytes(), Some(1 << 30));
+        assert_eq!(
+            ReleaseThreshold::DriverDefault.bytes(),
+            None,
+            "the driver's value is left alone"
+        );
     }
 }

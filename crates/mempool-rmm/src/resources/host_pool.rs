@@ -4,7 +4,7 @@ use mempool_core::{Device, DeviceAddr, MemPool, PoolLocation, PoolProps, StreamR
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
-use crate::resources::async_resource::AsyncResource;
+use crate::resources::async_resource::{AsyncResource, ReleaseThreshold};
 
 /// Options for [`HostPoolResource::new`].
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -12,8 +12,10 @@ pub struct HostPoolOptions {
     /// Take the memory from this host NUMA node (`CU_MEM_LOCATION_TYPE_HOST_NUMA`, CUDA 12.6 and newer)
     /// rather than from anywhere in host RAM (`CU_MEM_LOCATION_TYPE_HOST`, CUDA 13.0 and newer).
     pub numa_node: Option<i32>,
-    /// The pool's release threshold; `None` leaves the driver's default (0).
-    pub release_threshold: Option<u64>,
+    /// The pool's release threshold; by default [`ReleaseThreshold::KeepAll`], as for
+    /// [`AsyncOptions`](crate::AsyncOptions) (and CCCL's `pinned_memory_pool`, whose default threshold is
+    /// the maximum too). [`ReleaseThreshold::DriverDefault`] keeps the driver's 0.
+    pub release_threshold: ReleaseThreshold,
     /// The pool's maximum size in bytes, if any.
     pub max_size: Option<usize>,
 }
@@ -81,9 +83,7 @@ impl HostPoolResource {
             Err(e) => return Err(e.into()),
         };
         pool.grant_access(device)?;
-        if let Some(t) = options.release_threshold {
-            pool.set_release_threshold(t)?;
-        }
+        options.release_threshold.apply(&pool)?;
         Ok(HostPoolResource {
             inner: AsyncResource::from_pool(pool)?,
         })

@@ -1,14 +1,22 @@
-//! Resources backed directly by the driver (stream-ordered pools, `cuMemAlloc`, managed and pinned host
-//! memory) and the suballocating resources that run [`crate::suballoc`]'s engines over any upstream.
+//! Resources backed directly by the driver (stream-ordered pools of device and of managed memory,
+//! `cuMemAlloc`, managed and pinned host memory), over system memory the GPU reaches through pageable
+//! memory access, over callbacks, and the suballocating resources that run [`crate::suballoc`]'s engines
+//! over any upstream.
 
+mod async_managed;
 mod async_resource;
+mod callback;
 mod driver;
 mod host_pool;
 mod suballoc;
+mod system;
 
-pub use async_resource::{AsyncOptions, AsyncResource};
+pub use async_managed::{AsyncManagedOptions, AsyncManagedResource};
+pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
+pub use callback::{CallbackResource, Returned};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{
     ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,
 };
+pub use system::{SamHeadroomResource, SystemResource};
