@@ -18,10 +18,13 @@ pub struct Environment {
     pub compute_capability: String,
     /// Total device memory.
     pub device_memory: String,
-    /// Devices the driver sees.
+    /// Devices the driver sees (0: a host simulation, no GPU used).
     pub device_count: usize,
     /// The driver's CUDA version (`cuDriverGetVersion`).
     pub driver: String,
+    /// The host CPU (its model name, and the CPUs this process may use): what a host simulation
+    /// measures, and what the suballocators' cost depends on over a GPU.
+    pub host_cpu: String,
     /// UTC, `YYYY-MM-DD HH:MM:SS UTC`.
     pub date: String,
     /// The command line, shell-quoted.
@@ -41,6 +44,7 @@ impl Environment {
             device_memory: "-".into(),
             device_count: 0,
             driver: "-".into(),
+            host_cpu: host_cpu(),
             date: utc_now(),
             command,
             mempool_version: env!("CARGO_PKG_VERSION").into(),
@@ -56,7 +60,7 @@ impl Environment {
                 .total_memory()
                 .map(|b| human_bytes(b as u64))
                 .unwrap_or_else(|_| "?".into());
-            env.device_count = Device::count().unwrap_or(0);
+            env.device_count = Device::count().unwrap_or(1); // at least the one in hand
             env.driver = mempool_core::driver_version()
                 .map(|v| v.to_string())
                 .unwrap_or_else(|e| format!("? ({e})"));
@@ -64,12 +68,55 @@ impl Environment {
         env
     }
 
-    /// One line: `device: NAME (UUID), compute X.Y, N GiB; driver V; DATE`.
+    /// Whether a GPU was used (not a host simulation).
+    fn has_device(&self) -> bool {
+        self.device_count > 0
+    }
+
+    /// One line: `device: NAME (UUID), compute X.Y, N GiB; driver V; host CPU; DATE`, or for a host
+    /// simulation `device: none (host simulation); host CPU; DATE`.
     pub(crate) fn summary(&self) -> String {
-        format!(
-            "device: {} ({}), compute {}, {}; driver {}; {}",
-            self.device, self.device_uuid, self.compute_capability, self.device_memory, self.driver, self.date
-        )
+        if self.has_device() {
+            format!(
+                "device: {} ({}), compute {}, {}; driver {}; host {}; {}",
+                self.device,
+                self.device_uuid,
+                self.compute_capability,
+                self.device_memory,
+                self.driver,
+                self.host_cpu,
+                self.date
+            )
+        } else {
+            format!("device: none (host simulation); host {}; {}", self.host_cpu, self.date)
+        }
+    }
+
+    /// The chart's subtitle: `NAME, driver V, DATE`, or `host simulation on CPU, DATE`.
+    pub(crate) fn subtitle(&self) -> String {
+        if self.has_device() {
+            format!("{}, driver {}, {}", self.device, self.driver, self.date)
+        } else {
+            format!("host simulation on {}, {}", self.host_cpu, self.date)
+        }
+    }
+}
+
+/// The host CPU: `/proc/cpuinfo`'s model name (the architecture where there is none) and how many CPUs
+/// this process may use.
+fn host_cpu() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
+    match std::thread::available_parallelism() {
+        Ok(n) => format!("{model}, {n} CPUs"),
+        Err(_) => model,
     }
 }
 

@@ -56,7 +56,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
 /// Displays a byte count with the largest binary unit that divides it exactly (`64KiB`, `1GiB`,
 /// `1000B`), or `max` for `u64::MAX`; round-trips through [`parse_size`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Size(pub u64);
+pub struct Size(pub u64);
 
 impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
