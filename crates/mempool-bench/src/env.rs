@@ -1,7 +1,5 @@
 //! What every report names: the device, the driver, the date, the command line.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use mempool_core::Device;
 use serde::Serialize;
 
@@ -122,33 +120,12 @@ fn host_cpu() -> String {
 
 /// Now, as `YYYY-MM-DD HH:MM:SS UTC`.
 pub(crate) fn utc_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format_utc(secs)
+    format_utc(jiff::Timestamp::now())
 }
 
-/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian calendar).
-pub(crate) fn format_utc(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Howard Hinnant's days-to-civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+/// A moment as `YYYY-MM-DD HH:MM:SS UTC`.
+pub(crate) fn format_utc(t: jiff::Timestamp) -> String {
+    t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
 /// Joins arguments into a command a POSIX shell reads back the same (single quotes where needed).
@@ -182,9 +159,11 @@ mod tests {
 
     #[test]
     fn dates_and_commands() {
-        assert_eq!(format_utc(0), "1970-01-01 00:00:00 UTC");
-        assert_eq!(format_utc(951_782_400 + 3661), "2000-02-29 01:01:01 UTC");
-        assert_eq!(format_utc(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        let at = |secs| format_utc(jiff::Timestamp::from_second(secs).unwrap());
+        assert_eq!(at(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(at(951_782_400 + 3661), "2000-02-29 01:01:01 UTC");
+        assert_eq!(at(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        assert!(utc_now().ends_with(" UTC") && utc_now().len() == "2026-11-23 06:29:25 UTC".len());
         let cmd =
             shell_join(["/x/y/mempool-bench", "query", "-r", "pool(async,initial=1GiB)", "it's"].map(String::from));
         assert_eq!(cmd, r"mempool-bench query -r 'pool(async,initial=1GiB)' 'it'\''s'");
