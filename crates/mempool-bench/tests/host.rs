@@ -289,6 +289,34 @@ fn svg_draws_every_series_with_escaped_text() {
     for name in ["pool(async)", "cuda", "q1", "q2"] {
         assert!(svg.contains(&format!(">{name}<")), "{name}");
     }
+    // Every bar carries its value.
+    for value in ["2.50", "3.00", "1.00"] {
+        assert!(svg.contains(&format!(">{value}</text>")), "{value}\n{svg}");
+    }
+    // Bars stay on a linear axis (their lengths compare) even when a log axis is asked for.
+    let mut log_bars = r.clone();
+    log_bars.chart.as_mut().unwrap().log_y = true;
+    let svg_log = log_bars.to_svg().unwrap();
+    assert!(!svg_log.contains("(log scale)"));
+    assert_eq!(svg_log, svg);
+    // A bar's length is its value: the 3.0 bar is 1.2 times the 2.5 bar, the 1.0 bar 0.4 times.
+    let heights: Vec<f64> = svg
+        .lines()
+        .filter(|l| l.starts_with("<rect x=") && l.contains("<title>"))
+        .map(|l| {
+            l.split("height=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(heights.len(), 3);
+    assert!((heights[1] / heights[0] - 1.2).abs() < 0.01, "{heights:?}");
+    assert!((heights[2] / heights[0] - 0.4).abs() < 0.01, "{heights:?}");
     // Lines and a log axis render too.
     let mut lines = r.clone();
     let chart = lines.chart.as_mut().unwrap();

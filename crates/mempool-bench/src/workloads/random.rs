@@ -304,7 +304,7 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
                 values,
             })
             .collect(),
-        log_y: true,
+        log_y: false,
     });
     Ok(report)
 }
