@@ -431,7 +431,7 @@ fn run(cli: Cli) -> Result<()> {
                     return Err(Error::Usage(format!("{flag} does not apply to peer: {why}")));
                 }
             }
-            if bytes % 16 != 0 {
+            if !bytes.is_multiple_of(16) {
                 return Err(Error::Usage(format!(
                     "--bytes ({bytes}) must be a multiple of 16 (the kernel reads 16 bytes at a time)"
                 )));

@@ -65,7 +65,7 @@ impl fmt::Display for Size {
             return f.write_str("max");
         }
         for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-            if b != 0 && b % (1u64 << shift) == 0 {
+            if b != 0 && b.is_multiple_of(1u64 << shift) {
                 return write!(f, "{}{unit}", b >> shift);
             }
         }

@@ -137,7 +137,7 @@ fn consumer(socket: &Path) -> AnyResult<()> {
             }
             OP_COPY => {
                 let len = arg as usize;
-                if pinned.as_ref().map_or(true, |p| p.len < len) {
+                if pinned.as_ref().is_none_or(|p| p.len < len) {
                     pinned = Some(Pinned::new(&ctx, len)?);
                     if let Some((ptr, _)) = device.take() {
                         // SAFETY: allocated below with `device_alloc`, no work pending (every copy

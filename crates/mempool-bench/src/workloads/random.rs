@@ -35,7 +35,7 @@ pub struct Point {
 impl Point {
     /// `200k ops, <= 64KiB, 4GiB`; counts that are not whole thousands in full (`500 ops`, `2500 ops`).
     pub fn label(&self) -> String {
-        let ops = if self.n >= 1000 && self.n % 1000 == 0 {
+        let ops = if self.n >= 1000 && self.n.is_multiple_of(1000) {
             format!("{}k", self.n / 1000)
         } else {
             self.n.to_string()
