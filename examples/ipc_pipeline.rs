@@ -5,7 +5,8 @@
 //!
 //! Run: `cargo run --release --example ipc_pipeline -- [consumers] [buffers] [MiB per buffer]`
 //! (defaults: 3 consumers, 240 buffers, 4 MiB). The producer re-executes this program for each
-//! consumer (`ipc_pipeline consume SOCKET INDEX`); CUDA does not survive `fork`.
+//! consumer (`ipc_pipeline consume SOCKET INDEX`); CUDA does not survive `fork`. Without a GPU it says
+//! why and exits with status 2.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -22,6 +23,9 @@ const WAIT: Duration = Duration::from_secs(60);
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() -> ExitCode {
+    if let Err(missing) = mempool::core::require_gpus(1) {
+        return missing.exit("ipc_pipeline");
+    }
     let args: Vec<String> = std::env::args().collect();
     let result = if args.get(1).map(String::as_str) == Some("consume") {
         consume(PathBuf::from(&args[2]), args[3].parse().expect("consumer index"))

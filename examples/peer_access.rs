@@ -1,24 +1,15 @@
 //! Multi-GPU: a pool on device 0 is granted to device 1; a buffer written on device 0 is read on
 //! device 1 by a kernel through the pool's mapping (no host copy), then access is revoked.
 //!
-//! Needs two peer-capable GPUs. Run: `cargo run --release --example peer_access`
+//! Needs two peer-capable GPUs; with fewer it says why and exits with status 2.
+//! Run: `cargo run --release --example peer_access`
 
 use std::process::ExitCode;
 
 use mempool::core::kernels::{u32s, CheckKernels};
-use mempool::core::{Access, Device, MemPool, PoolProps, Stream};
+use mempool::core::{Access, Device, MemPool, MissingGpus, PoolProps, Stream};
 
-fn run() -> mempool::Result<bool> {
-    let count = Device::count()?;
-    if count < 2 {
-        eprintln!("peer_access: needs two GPUs, this machine has {count}");
-        return Ok(false);
-    }
-    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
-    if !d1.can_access_peer(d0)? {
-        eprintln!("peer_access: device 1 cannot access device 0's memory (no peer capability)");
-        return Ok(false);
-    }
+fn run(d0: Device, d1: Device) -> mempool::Result<bool> {
     let (ctx0, ctx1) = (d0.context()?, d1.context()?);
     let (s0, s1) = (Stream::new(&ctx0)?, Stream::new(&ctx1)?);
     let (k0, k1) = (CheckKernels::load(&ctx0)?, CheckKernels::load(&ctx1)?);
@@ -57,9 +48,27 @@ fn run() -> mempool::Result<bool> {
 }
 
 fn main() -> ExitCode {
-    match run() {
+    let (d0, d1) = match mempool::core::require_gpus(2) {
+        Ok(devices) => (devices[0], devices[1]),
+        Err(missing) => return missing.exit("peer_access"),
+    };
+    match d1.can_access_peer(d0) {
+        Ok(true) => {}
+        Ok(false) => {
+            return MissingGpus::new(2, "device 1 cannot access device 0's memory (no peer capability)")
+                .exit("peer_access")
+        }
+        Err(e) => {
+            eprintln!("peer_access: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    match run(d0, d1) {
         Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(2),
+        Ok(false) => {
+            eprintln!("peer_access: device 1 read corrupt data");
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("peer_access: {e}");
             ExitCode::FAILURE

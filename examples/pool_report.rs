@@ -81,15 +81,18 @@ fn report(dev: Device) -> mempool::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let devices = match mempool::core::driver_version().and_then(|v| Ok((v, Device::all()?))) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("pool_report: no GPU to report on: {e}");
-            return ExitCode::from(2);
-        }
+    let devices = match mempool::core::require_gpus(1) {
+        Ok(devices) => devices,
+        Err(missing) => return missing.exit("pool_report"),
     };
-    println!("CUDA driver {}; {} device(s)", devices.0, devices.1.len());
-    for dev in devices.1 {
+    match mempool::core::driver_version() {
+        Ok(v) => println!("CUDA driver {v}; {} device(s)", devices.len()),
+        Err(e) => {
+            eprintln!("pool_report: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    for dev in devices {
         if let Err(e) = report(dev) {
             eprintln!("pool_report: {dev}: {e}");
             return ExitCode::FAILURE;

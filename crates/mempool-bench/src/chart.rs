@@ -5,7 +5,8 @@ use serde::Serialize;
 /// How a chart draws its series.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum ChartKind {
-    /// Grouped bars: one group per category, one bar per series.
+    /// Grouped bars: one group per category, one bar per series, on a linear axis, each value printed
+    /// on its bar.
     Bars,
     /// One line per series over the categories (evenly spaced).
     Lines,
@@ -35,6 +36,7 @@ pub struct Chart {
     pub categories: Vec<String>,
     /// The series.
     pub series: Vec<Series>,
-    /// A logarithmic y axis.
+    /// A logarithmic y axis, for lines only: bars are always drawn on a linear axis (a bar's length is
+    /// its value), with each value printed on its bar.
     pub log_y: bool,
 }

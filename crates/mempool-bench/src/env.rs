@@ -1,7 +1,5 @@
 //! What every report names: the device, the driver, the date, the command line.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use mempool_core::Device;
 use serde::Serialize;
 
@@ -18,10 +16,13 @@ pub struct Environment {
     pub compute_capability: String,
     /// Total device memory.
     pub device_memory: String,
-    /// Devices the driver sees.
+    /// Devices the driver sees (0: a host simulation, no GPU used).
     pub device_count: usize,
     /// The driver's CUDA version (`cuDriverGetVersion`).
     pub driver: String,
+    /// The host CPU (its model name, and the CPUs this process may use): what a host simulation
+    /// measures, and what the suballocators' cost depends on over a GPU.
+    pub host_cpu: String,
     /// UTC, `YYYY-MM-DD HH:MM:SS UTC`.
     pub date: String,
     /// The command line, shell-quoted.
@@ -41,6 +42,7 @@ impl Environment {
             device_memory: "-".into(),
             device_count: 0,
             driver: "-".into(),
+            host_cpu: host_cpu(),
             date: utc_now(),
             command,
             mempool_version: env!("CARGO_PKG_VERSION").into(),
@@ -56,7 +58,7 @@ impl Environment {
                 .total_memory()
                 .map(|b| human_bytes(b as u64))
                 .unwrap_or_else(|_| "?".into());
-            env.device_count = Device::count().unwrap_or(0);
+            env.device_count = Device::count().unwrap_or(1); // at least the one in hand
             env.driver = mempool_core::driver_version()
                 .map(|v| v.to_string())
                 .unwrap_or_else(|e| format!("? ({e})"));
@@ -64,44 +66,66 @@ impl Environment {
         env
     }
 
-    /// One line: `device: NAME (UUID), compute X.Y, N GiB; driver V; DATE`.
+    /// Whether a GPU was used (not a host simulation).
+    fn has_device(&self) -> bool {
+        self.device_count > 0
+    }
+
+    /// One line: `device: NAME (UUID), compute X.Y, N GiB; driver V; host CPU; DATE`, or for a host
+    /// simulation `device: none (host simulation); host CPU; DATE`.
     pub(crate) fn summary(&self) -> String {
-        format!(
-            "device: {} ({}), compute {}, {}; driver {}; {}",
-            self.device, self.device_uuid, self.compute_capability, self.device_memory, self.driver, self.date
-        )
+        if self.has_device() {
+            format!(
+                "device: {} ({}), compute {}, {}; driver {}; host {}; {}",
+                self.device,
+                self.device_uuid,
+                self.compute_capability,
+                self.device_memory,
+                self.driver,
+                self.host_cpu,
+                self.date
+            )
+        } else {
+            format!("device: none (host simulation); host {}; {}", self.host_cpu, self.date)
+        }
+    }
+
+    /// The chart's subtitle: `NAME, driver V, DATE`, or `host simulation on CPU, DATE`.
+    pub(crate) fn subtitle(&self) -> String {
+        if self.has_device() {
+            format!("{}, driver {}, {}", self.device, self.driver, self.date)
+        } else {
+            format!("host simulation on {}, {}", self.host_cpu, self.date)
+        }
+    }
+}
+
+/// The host CPU: `/proc/cpuinfo`'s model name (the architecture where there is none) and how many CPUs
+/// this process may use.
+fn host_cpu() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
+    match std::thread::available_parallelism() {
+        Ok(n) => format!("{model}, {n} CPUs"),
+        Err(_) => model,
     }
 }
 
 /// Now, as `YYYY-MM-DD HH:MM:SS UTC`.
 pub(crate) fn utc_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format_utc(secs)
+    format_utc(jiff::Timestamp::now())
 }
 
-/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian calendar).
-pub(crate) fn format_utc(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Howard Hinnant's days-to-civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+/// A moment as `YYYY-MM-DD HH:MM:SS UTC`.
+pub(crate) fn format_utc(t: jiff::Timestamp) -> String {
+    t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
 /// Joins arguments into a command a POSIX shell reads back the same (single quotes where needed).
@@ -135,9 +159,11 @@ mod tests {
 
     #[test]
     fn dates_and_commands() {
-        assert_eq!(format_utc(0), "1970-01-01 00:00:00 UTC");
-        assert_eq!(format_utc(951_782_400 + 3661), "2000-02-29 01:01:01 UTC");
-        assert_eq!(format_utc(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        let at = |secs| format_utc(jiff::Timestamp::from_second(secs).unwrap());
+        assert_eq!(at(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(at(951_782_400 + 3661), "2000-02-29 01:01:01 UTC");
+        assert_eq!(at(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        assert!(utc_now().ends_with(" UTC") && utc_now().len() == "2026-11-23 06:29:25 UTC".len());
         let cmd =
             shell_join(["/x/y/mempool-bench", "query", "-r", "pool(async,initial=1GiB)", "it's"].map(String::from));
         assert_eq!(cmd, r"mempool-bench query -r 'pool(async,initial=1GiB)' 'it'\''s'");

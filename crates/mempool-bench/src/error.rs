@@ -44,6 +44,17 @@ pub enum Error {
     /// A request that cannot be served as asked.
     #[error("{0}")]
     Usage(String),
+    /// The workload needs GPUs this machine does not have; shown as `WORKLOAD: needs a GPU: WHY`, then
+    /// what runs without one, if anything.
+    #[error("{workload}: {missing}{}", hint.as_ref().map(|h| format!("\n{h}")).unwrap_or_default())]
+    NoGpu {
+        /// The subcommand.
+        workload: &'static str,
+        /// How many GPUs it needs and why this machine cannot provide them.
+        missing: mempool_core::MissingGpus,
+        /// What the user can run instead (`-r sim`), or why nothing can.
+        hint: Option<String>,
+    },
 }
 
 /// The harness's result type.

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use mempool_bench::report::Report;
 use mempool_bench::spec::{self, ResourceSpec};
-use mempool_bench::units::parse_size;
+use mempool_bench::units::{parse_size, Size};
 use mempool_bench::workloads::{self, multi_stream, peer, query, random, replay, Common};
 use mempool_bench::{Error, Result};
 use mempool_core::Device;
@@ -20,6 +20,7 @@ use mempool_core::Device;
     version,
     about = "Compare memory resources side by side under real GPU work (a gpu-bdb-style harness)",
     after_help = "Start with:  mempool-bench query --scale 0.25\n\
+                  Without a GPU (host simulation):  mempool-bench random -r sim\n\
                   Resource specs: mempool-bench resources"
 )]
 struct Cli {
@@ -37,8 +38,15 @@ struct CommonArgs {
     #[arg(long)]
     no_baselines: bool,
     /// The GPU to run on.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = ordinal_arg)]
     device: usize,
+    #[command(flatten)]
+    output: OutputArgs,
+}
+
+/// What every subcommand writes, `peer` included.
+#[derive(Args, Debug, Clone)]
+struct OutputArgs {
     /// Also write the report as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -61,19 +69,19 @@ enum Command {
         #[command(flatten)]
         common: CommonArgs,
         /// Operations (with --max-size and --max-usage: one custom point instead of the three standard ones).
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count_arg)]
         n: Option<usize>,
         /// Largest allocation, e.g. 64KiB.
-        #[arg(long, value_parser = size_arg)]
+        #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
         max_size: Option<u64>,
-        /// Most bytes live at once, e.g. 4GiB.
-        #[arg(long, value_parser = size_arg)]
+        /// Most bytes live at once, e.g. 4GiB (at least --max-size).
+        #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
         max_usage: Option<u64>,
         /// Timed runs per resource and point (median), after one warm-up run.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
         /// Seed of the first point (point i uses seed + i).
-        #[arg(long, default_value_t = 42)]
+        #[arg(long, default_value_t = 42, allow_hyphen_values = true, value_parser = seed_arg)]
         seed: u64,
         /// Log the first resource's warm-up run of the first point to FILE (RMM's CSV format, for `replay`).
         #[arg(long, value_name = "FILE")]
@@ -84,19 +92,19 @@ enum Command {
         #[command(flatten)]
         common: CommonArgs,
         /// Stream counts to sweep.
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16", allow_hyphen_values = true, value_parser = count_arg)]
         streams: Vec<usize>,
         /// Iterations per stream.
-        #[arg(long, default_value_t = 2000)]
+        #[arg(long, default_value_t = 2000, allow_hyphen_values = true, value_parser = count_arg)]
         iterations: usize,
         /// 32-bit elements per buffer.
-        #[arg(long, default_value_t = 16384)]
+        #[arg(long, default_value_t = 16384, allow_hyphen_values = true, value_parser = count_arg)]
         elements: usize,
-        /// Dependent hash mixes per element per iteration (the work).
-        #[arg(long, default_value_t = 64)]
+        /// Dependent hash mixes per element per iteration (the work; 0: allocation and launch only).
+        #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = work_rounds_arg)]
         rounds: u32,
         /// Timed runs per point (median), after one warm-up run.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
     },
     /// Replay an allocation log in RMM's CSV format, one thread per logged thread, in the logged order.
@@ -106,7 +114,7 @@ enum Command {
         /// The log (Thread,Time,Action,Pointer,Size,Stream).
         file: PathBuf,
         /// Timed replays per resource (median), after one warm-up replay.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
     },
     /// gpu-bdb-style queries (filter, join, group-by, sort) on several workers; speed-up over cuMemAlloc.
@@ -114,13 +122,13 @@ enum Command {
         #[command(flatten)]
         common: CommonArgs,
         /// Scale factor: 1 is 4M sales rows.
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = scale_arg)]
         scale: f64,
         /// Workers (a thread and a stream each) running queries at once.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = count_arg)]
         workers: usize,
         /// Timed rounds (every worker runs every query once per round), after one warm-up round.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
         rounds: usize,
         /// Queries to run.
         #[arg(long, value_delimiter = ',', default_value = "q1,q2,q3,q4,q5")]
@@ -129,26 +137,82 @@ enum Command {
     /// Two GPUs: device 1 reading device 0's pool memory (access granted) vs cuMemAlloc memory (peer access).
     Peer {
         #[command(flatten)]
-        common: CommonArgs,
-        /// Bytes per transfer.
-        #[arg(long, default_value = "256MiB", value_parser = size_arg)]
+        output: OutputArgs,
+        /// Bytes per transfer (a multiple of 16).
+        #[arg(long, default_value = "256MiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
         bytes: u64,
         /// Timed transfers per case (median), after one warm-up.
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, default_value_t = 10, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
+        // The other subcommands' flags, accepted here only to be refused with the reason.
+        #[arg(short, long = "resources", hide = true)]
+        resources: Vec<String>,
+        #[arg(long, hide = true)]
+        no_baselines: bool,
+        #[arg(long, hide = true)]
+        device: Option<String>,
     },
     /// List the resource specs that -r accepts.
     Resources,
 }
 
-fn size_arg(s: &str) -> std::result::Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
+/// A count: a whole number of at least 1.
+fn count_arg(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("must be a positive whole number (1, 2, ...)".into()),
+    }
+}
+
+/// Work rounds of the multi-stream kernel: 0 or more.
+fn work_rounds_arg(s: &str) -> std::result::Result<u32, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| "must be a whole number of rounds (0 or more)".into())
+}
+
+/// A seed: any u64.
+fn seed_arg(s: &str) -> std::result::Result<u64, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("must be a whole number from 0 to {}", u64::MAX))
+}
+
+/// A device ordinal: 0 or more.
+fn ordinal_arg(s: &str) -> std::result::Result<usize, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| "must be a device ordinal (0, 1, ...)".into())
+}
+
+/// A positive byte count (`64KiB`, `1.5GiB`).
+fn positive_size_arg(s: &str) -> std::result::Result<u64, String> {
+    const WHAT: &str = "must be a positive size: a byte count with an optional unit, e.g. 4096, 64KiB, 1.5GiB";
+    if s.trim().starts_with('-') {
+        return Err(WHAT.into());
+    }
+    match parse_size(s) {
+        Ok(0) => Err(WHAT.into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A positive, finite scale factor.
+fn scale_arg(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err("must be a positive number, e.g. 0.25 or 1".into()),
+    }
 }
 
 // `async` keeps what it reserves (RMM's default); `async(threshold=0)` is the driver's default, which gives
 // unused memory back at every synchronize.
 const DEFAULT_RESOURCES: &str = "async,async(threshold=0),pool(async),binning(async),arena(async)";
+const HOST_RESOURCES: &str = "async,pool(async),binning(async),arena(async)";
 
+/// The specs to compare (`-r`, or `default`), with the baselines unless left out or the run is
+/// host-only. Parsing needs no driver.
 fn specs(args: &CommonArgs, default: &str) -> Result<Vec<ResourceSpec>> {
     let mut out = Vec::new();
     if args.resources.is_empty() {
@@ -161,22 +225,58 @@ fn specs(args: &CommonArgs, default: &str) -> Result<Vec<ResourceSpec>> {
     Ok(workloads::with_baselines(out, !args.no_baselines && !host_only))
 }
 
-fn common(args: &CommonArgs, default: &str, needs_gpu: bool) -> Result<Common> {
-    let specs = specs(args, default)?;
-    let host_only = specs.iter().all(ResourceSpec::is_host_only);
-    let device = if host_only && !needs_gpu {
-        None
-    } else {
-        Some(Device::get(args.device)?)
-    };
-    Ok(Common {
-        specs,
-        device,
-        quiet: args.quiet,
+/// Refuses `sim` for a workload that has no host simulation, before the driver is loaded.
+fn no_sim(workload: &str, specs: &[ResourceSpec]) -> Result<()> {
+    if specs.iter().any(ResourceSpec::is_host_only) {
+        return Err(Error::Usage(format!(
+            "`sim` cannot run the {workload} workload: its kernels need GPU memory (`sim` runs `random` and `replay`)"
+        )));
+    }
+    Ok(())
+}
+
+/// The first `needed` GPUs, or why this machine has too few, with what runs instead (`hint`). This is
+/// where the driver is first loaded: every argument is checked before it.
+fn gpus(workload: &'static str, needed: usize, hint: Option<&str>) -> Result<Vec<Device>> {
+    mempool_core::require_gpus(needed).map_err(|missing| Error::NoGpu {
+        workload,
+        missing,
+        hint: hint.map(str::to_owned),
     })
 }
 
-fn finish(report: Report, args: &CommonArgs) -> Result<()> {
+/// The device of `--device`, unless every spec runs on the host (`sim`).
+fn device(workload: &'static str, args: &CommonArgs, specs: &[ResourceSpec]) -> Result<Option<Device>> {
+    if specs.iter().all(ResourceSpec::is_host_only) {
+        return Ok(None);
+    }
+    let hint = match workload {
+        "random" | "replay" => format!(
+            "Without a GPU, `-r sim` runs the {workload} workload on a host simulation: mempool-bench {workload} -r sim{}",
+            if workload == "replay" { " FILE" } else { "" }
+        ),
+        _ => format!("The {workload} workload runs kernels on the GPU; there is no host simulation of it."),
+    };
+    let devices = gpus(workload, 1, Some(&hint))?;
+    match devices.get(args.device) {
+        Some(d) => Ok(Some(*d)),
+        None => Err(Error::Usage(format!(
+            "--device {}: there is no such GPU ({} visible, numbered from 0)",
+            args.device,
+            devices.len()
+        ))),
+    }
+}
+
+fn common(specs: Vec<ResourceSpec>, device: Option<Device>, args: &CommonArgs) -> Common {
+    Common {
+        specs,
+        device,
+        quiet: args.output.quiet,
+    }
+}
+
+fn finish(report: Report, args: &OutputArgs) -> Result<()> {
     print!("{}", report.render_text());
     report.write_files(args.json.as_deref(), args.csv.as_deref(), args.plot.as_deref())?;
     for (what, path) in [("json", &args.json), ("csv", &args.csv), ("plot", &args.plot)] {
@@ -202,30 +302,33 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             log,
         } => {
-            let c = common(&args, "async,pool(async),binning(async),arena(async)", false)?;
+            let specs = specs(&args, HOST_RESOURCES)?;
             let points = if n.is_none() && max_size.is_none() && max_usage.is_none() {
                 random::STANDARD_POINTS.to_vec()
             } else {
                 let d = random::STANDARD_POINTS[0];
-                vec![random::Point {
+                let p = random::Point {
                     n: n.unwrap_or(d.n),
                     max_size: max_size.map_or(d.max_size, |v| v as usize),
                     max_usage: max_usage.map_or(d.max_usage, |v| v as usize),
-                }]
+                };
+                if p.max_usage < p.max_size {
+                    return Err(Error::Usage(format!(
+                        "--max-usage ({}) is smaller than --max-size ({}): allocations above it could never be made",
+                        Size(p.max_usage as u64),
+                        Size(p.max_size as u64)
+                    )));
+                }
+                vec![p]
             };
-            if points.iter().any(|p| p.max_size == 0) {
-                return Err(Error::Usage("--max-size must be at least 1 byte".into()));
-            }
-            let report = random::bench(
-                &c,
-                &random::RandomParams {
-                    points,
-                    repeats,
-                    seed,
-                    log,
-                },
-            )?;
-            finish(report, &args)
+            let device = device("random", &args, &specs)?;
+            let params = random::RandomParams {
+                points,
+                repeats,
+                seed,
+                log,
+            };
+            finish(random::bench(&common(specs, device, &args), &params)?, &args.output)
         }
         Command::MultiStream {
             common: args,
@@ -235,10 +338,9 @@ fn run(cli: Cli) -> Result<()> {
             rounds,
             repeats,
         } => {
-            let c = common(&args, DEFAULT_RESOURCES, true)?;
-            if streams.contains(&0) || elements == 0 {
-                return Err(Error::Usage("--streams and --elements must be positive".into()));
-            }
+            let specs = specs(&args, DEFAULT_RESOURCES)?;
+            no_sim("multi-stream", &specs)?;
+            let device = device("multi-stream", &args, &specs)?;
             let params = multi_stream::MultiStreamParams {
                 streams,
                 iterations,
@@ -246,15 +348,34 @@ fn run(cli: Cli) -> Result<()> {
                 rounds,
                 repeats,
             };
-            finish(multi_stream::bench(&c, &params)?, &args)
+            finish(
+                multi_stream::bench(&common(specs, device, &args), &params)?,
+                &args.output,
+            )
         }
         Command::Replay {
             common: args,
             file,
             repeats,
         } => {
-            let c = common(&args, "async,pool(async),binning(async),arena(async)", false)?;
-            finish(replay::bench(&c, &file, repeats)?, &args)
+            let specs = specs(&args, HOST_RESOURCES)?;
+            // The file is an argument: it is read (and refused) before the driver is loaded.
+            let plan = replay::load(&file).map_err(|e| Error::Usage(e.to_string()))?;
+            if plan.steps.is_empty() {
+                return Err(Error::Usage(format!(
+                    "{}: no allocation to replay: {}",
+                    file.display(),
+                    match plan.logged_failures {
+                        0 => "the log has no event after its header".to_owned(),
+                        n => format!("its {n} event(s) are all failed allocations, which are not replayed"),
+                    }
+                )));
+            }
+            let device = device("replay", &args, &specs)?;
+            finish(
+                replay::bench(&common(specs, device, &args), &file, &plan, repeats)?,
+                &args.output,
+            )
         }
         Command::Query {
             common: args,
@@ -263,7 +384,8 @@ fn run(cli: Cli) -> Result<()> {
             rounds,
             queries,
         } => {
-            let c = common(&args, DEFAULT_RESOURCES, true)?;
+            let specs = specs(&args, DEFAULT_RESOURCES)?;
+            no_sim("query", &specs)?;
             let queries = queries
                 .iter()
                 .map(|q| {
@@ -271,32 +393,62 @@ fn run(cli: Cli) -> Result<()> {
                         .ok_or_else(|| Error::Usage(format!("unknown query `{q}`: the suite has q1, q2, q3, q4, q5")))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            if !(scale > 0.0 && scale.is_finite()) || workers == 0 || queries.is_empty() {
-                return Err(Error::Usage("--scale, --workers and --queries must be positive".into()));
-            }
+            let device = device("query", &args, &specs)?;
             let params = query::QueryParams {
                 scale,
                 workers,
                 rounds,
                 queries,
             };
-            finish(query::bench(&c, &params)?, &args)
+            finish(query::bench(&common(specs, device, &args), &params)?, &args.output)
         }
         Command::Peer {
-            common: args,
+            output,
             bytes,
             repeats,
+            resources,
+            no_baselines,
+            device,
         } => {
+            let kinds = "peer compares two kinds of memory (a device-0 pool with access granted, cuMemAlloc \
+                         memory with peer access)";
+            for (given, flag, why) in [
+                (
+                    !resources.is_empty(),
+                    "-r/--resources",
+                    format!("{kinds}, not resources"),
+                ),
+                (
+                    no_baselines,
+                    "--no-baselines",
+                    format!("{kinds}; there is no baseline to leave out"),
+                ),
+                (
+                    device.is_some(),
+                    "--device",
+                    "peer always reads device 0's memory from device 1".to_owned(),
+                ),
+            ] {
+                if given {
+                    return Err(Error::Usage(format!("{flag} does not apply to peer: {why}")));
+                }
+            }
+            if !bytes.is_multiple_of(16) {
+                return Err(Error::Usage(format!(
+                    "--bytes ({bytes}) must be a multiple of 16 (the kernel reads 16 bytes at a time)"
+                )));
+            }
+            let devices = gpus("peer", 2, None)?;
             let c = Common {
                 specs: Vec::new(),
-                device: Some(Device::get(args.device)?),
-                quiet: args.quiet,
+                device: Some(devices[0]),
+                quiet: output.quiet,
             };
             let params = peer::PeerParams {
                 bytes: bytes as usize,
                 repeats,
             };
-            finish(peer::bench(&c, &params)?, &args)
+            finish(peer::bench(&c, &params)?, &output)
         }
     }
 }
@@ -306,10 +458,16 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("mempool-bench: {e}");
+            match e {
+                // `mempool-bench random: needs a GPU: ...`, as every program of the workspace says it.
+                Error::NoGpu { .. } => eprintln!("mempool-bench {e}"),
+                _ => eprintln!("mempool-bench: {e}"),
+            }
             match e {
                 Error::Spec(_) | Error::Usage(_) => ExitCode::from(2),
-                Error::Core(mempool_core::Error::DriverNotFound) => ExitCode::from(2),
+                Error::NoGpu { .. } | Error::Core(mempool_core::Error::DriverNotFound) => {
+                    ExitCode::from(mempool_core::NO_GPU_EXIT_STATUS)
+                }
                 _ => ExitCode::FAILURE,
             }
         }

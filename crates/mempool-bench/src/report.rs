@@ -267,13 +267,7 @@ impl Report {
     /// The chart as an SVG document, or `None` when the report has no chart.
     pub fn to_svg(&self) -> Option<String> {
         let chart = self.chart.as_ref()?;
-        Some(crate::svg::render(
-            chart,
-            &format!(
-                "{}, driver {}, {}",
-                self.environment.device, self.environment.driver, self.environment.date
-            ),
-        ))
+        Some(crate::svg::render(chart, &self.environment.subtitle()))
     }
 
     /// Writes the files asked for: JSON, CSV, SVG (an error if an SVG is asked for and there is no chart).

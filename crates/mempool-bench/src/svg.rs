@@ -1,6 +1,6 @@
-//! A small SVG writer for the reports' charts: grouped bars or lines, linear or logarithmic y axis,
-//! a legend. Hand-written so the harness needs no plotting or font crates; text is left to the viewer's
-//! fonts.
+//! A small SVG writer for the reports' charts: grouped bars on a linear y axis with each value printed on
+//! its bar, or lines on a linear or logarithmic y axis; a legend. Hand-written so the harness needs no
+//! plotting or font crates; text is left to the viewer's fonts.
 
 use std::fmt::Write as _;
 
@@ -13,6 +13,8 @@ const RIGHT: f64 = 250.0;
 const TOP: f64 = 64.0;
 const BOTTOM: f64 = 90.0;
 /// Tableau 10: distinguishable, and readable for most forms of colour blindness.
+/// The font size of the values printed on bars.
+const VALUE_FONT: f64 = 10.0;
 const COLORS: [&str; 10] = [
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
 ];
@@ -54,22 +56,54 @@ fn fmt_tick(v: f64) -> String {
     }
 }
 
-/// Draws `chart`, with `subtitle` (device, driver, date) under the title.
+/// A value printed on its bar: three or four significant digits, no exponent (`68118`, `162.8`, `2.50`).
+fn fmt_value(v: f64) -> String {
+    if v.abs() >= 1000.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Width of `text` at `size` px in a sans-serif font, roughly (for layout only).
+fn text_width(text: &str, size: f64) -> f64 {
+    text.chars().count() as f64 * size * 0.6
+}
+
+/// Draws `chart`, with `subtitle` (device, driver, date) under the title. Bars are always drawn on a
+/// linear axis, so that their lengths compare; `log_y` applies to lines.
 pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
     let plot_w = WIDTH - LEFT - RIGHT;
     let plot_h = HEIGHT - TOP - BOTTOM;
+    let log_y = chart.log_y && chart.kind == ChartKind::Lines;
     let values: Vec<f64> = chart
         .series
         .iter()
         .flat_map(|s| s.values.iter().flatten().copied())
-        .filter(|v| v.is_finite() && (!chart.log_y || *v > 0.0))
+        .filter(|v| v.is_finite() && (!log_y || *v > 0.0))
         .collect();
+    let n_cat = chart.categories.len().max(1);
+    let group_w = plot_w / n_cat as f64;
+    let n_series = chart.series.len().max(1);
+    let bar_w = group_w * 0.8 / n_series as f64;
+    // Bars carry their values above them, turned upright when wider than the bar: leave room for them.
+    let label_room = if chart.kind == ChartKind::Bars {
+        let widest = values
+            .iter()
+            .map(|v| text_width(&fmt_value(*v), VALUE_FONT))
+            .fold(0.0, f64::max);
+        6.0 + if widest > bar_w { widest } else { VALUE_FONT }
+    } else {
+        0.0
+    };
     let max = values.iter().copied().fold(f64::NAN, f64::max);
     let min = values.iter().copied().fold(f64::NAN, f64::min);
     // The y scale: value -> pixel, and the ticks.
     let (lo, hi, ticks): (f64, f64, Vec<f64>) = if values.is_empty() {
         (0.0, 1.0, vec![0.0, 1.0])
-    } else if chart.log_y {
+    } else if log_y {
         let lo = 10f64.powf(min.log10().floor());
         let hi = 10f64.powf(max.log10().ceil().max(min.log10().floor() + 1.0));
         let decades = (hi / lo).log10().round() as i32;
@@ -87,14 +121,19 @@ pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
         }
         (lo, hi, t)
     } else {
-        let hi = if max > 0.0 { max * 1.08 } else { 1.0 };
+        // The tallest bar leaves `label_room` pixels free above it.
+        let hi = if max > 0.0 {
+            max * (1.08f64).max(plot_h / (plot_h - label_room).max(plot_h / 2.0))
+        } else {
+            1.0
+        };
         let step = nice_step(hi);
         let hi = (hi / step).ceil() * step;
         let t = (0..=((hi / step).round() as usize)).map(|i| i as f64 * step).collect();
         (0.0, hi, t)
     };
     let y_of = |v: f64| -> f64 {
-        let f = if chart.log_y {
+        let f = if log_y {
             (v.max(lo).log10() - lo.log10()) / (hi.log10() - lo.log10())
         } else {
             (v - lo) / (hi - lo)
@@ -144,11 +183,7 @@ pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
         s,
         r#"<text transform="translate(20,{:.1}) rotate(-90)" font-size="13" text-anchor="middle">{}</text>"#,
         TOP + plot_h / 2.0,
-        escape(&format!(
-            "{}{}",
-            chart.y_label,
-            if chart.log_y { " (log scale)" } else { "" }
-        ))
+        escape(&format!("{}{}", chart.y_label, if log_y { " (log scale)" } else { "" }))
     );
     let _ = writeln!(
         s,
@@ -158,8 +193,6 @@ pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
         escape(&chart.x_label)
     );
 
-    let n_cat = chart.categories.len().max(1);
-    let group_w = plot_w / n_cat as f64;
     for (i, c) in chart.categories.iter().enumerate() {
         let x = LEFT + group_w * (i as f64 + 0.5);
         let _ = writeln!(
@@ -169,25 +202,39 @@ pub(crate) fn render(chart: &Chart, subtitle: &str) -> String {
             escape(c)
         );
     }
-    let n_series = chart.series.len().max(1);
     match chart.kind {
         ChartKind::Bars => {
-            let bar_w = group_w * 0.8 / n_series as f64;
+            let base = y_of(0.0);
             for (si, series) in chart.series.iter().enumerate() {
                 let color = COLORS[si % COLORS.len()];
                 for (ci, v) in series.values.iter().enumerate() {
                     let Some(v) = v.filter(|v| v.is_finite()) else { continue };
                     let x = LEFT + group_w * ci as f64 + group_w * 0.1 + bar_w * si as f64;
                     let y = y_of(v);
-                    let base = y_of(if chart.log_y { lo } else { 0.0 });
+                    let label = fmt_value(v);
                     let _ = writeln!(
                         s,
-                        r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{color}"><title>{}: {}</title></rect>"#,
+                        r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{color}"><title>{}: {label}</title></rect>"#,
                         (bar_w - 1.0).max(1.0),
                         (base - y).max(0.0),
                         escape(&series.name),
-                        fmt_tick(v)
                     );
+                    // The value above its bar; upright when it is wider than the bar.
+                    let cx = x + bar_w / 2.0;
+                    if text_width(&label, VALUE_FONT) <= bar_w {
+                        let _ = writeln!(
+                            s,
+                            r#"<text x="{cx:.1}" y="{:.1}" font-size="{VALUE_FONT}" text-anchor="middle">{label}</text>"#,
+                            y - 4.0
+                        );
+                    } else {
+                        let _ = writeln!(
+                            s,
+                            r#"<text transform="translate({:.1},{:.1}) rotate(-90)" font-size="{VALUE_FONT}">{label}</text>"#,
+                            cx + VALUE_FONT / 3.0,
+                            y - 4.0
+                        );
+                    }
                 }
             }
         }

@@ -56,7 +56,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
 /// Displays a byte count with the largest binary unit that divides it exactly (`64KiB`, `1GiB`,
 /// `1000B`), or `max` for `u64::MAX`; round-trips through [`parse_size`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Size(pub u64);
+pub struct Size(pub u64);
 
 impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -65,7 +65,7 @@ impl fmt::Display for Size {
             return f.write_str("max");
         }
         for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-            if b != 0 && b % (1u64 << shift) == 0 {
+            if b != 0 && b.is_multiple_of(1u64 << shift) {
                 return write!(f, "{}{unit}", b >> shift);
             }
         }

@@ -204,6 +204,7 @@ fn sample_report() -> Report {
         device_memory: "79.1 GiB".into(),
         device_count: 1,
         driver: "13.0".into(),
+        host_cpu: "Intel(R) Xeon(R) Processor, 16 CPUs".into(),
         date: "2026-11-22 10:00:00 UTC".into(),
         command: "mempool-bench query --scale 1".into(),
         mempool_version: "0.1.0".into(),
@@ -250,9 +251,8 @@ fn the_table_is_aligned_and_names_device_driver_date_command_parameters() {
     let r = sample_report();
     let text = r.render_text();
     for needle in [
-        "NVIDIA H100 80GB HBM3",
-        "driver 13.0",
-        "2026-11-22 10:00:00 UTC",
+        "device: NVIDIA H100 80GB HBM3 (GPU-1234), compute 9.0, 79.1 GiB; driver 13.0; host Intel(R) Xeon(R) \
+         Processor, 16 CPUs; 2026-11-22 10:00:00 UTC",
         "command: mempool-bench query --scale 1",
         "parameters: scale=1, workers=4",
         "target met",
@@ -315,6 +315,34 @@ fn svg_draws_every_series_with_escaped_text() {
     for name in ["pool(async)", "cuda", "q1", "q2"] {
         assert!(svg.contains(&format!(">{name}<")), "{name}");
     }
+    // Every bar carries its value.
+    for value in ["2.50", "3.00", "1.00"] {
+        assert!(svg.contains(&format!(">{value}</text>")), "{value}\n{svg}");
+    }
+    // Bars stay on a linear axis (their lengths compare) even when a log axis is asked for.
+    let mut log_bars = r.clone();
+    log_bars.chart.as_mut().unwrap().log_y = true;
+    let svg_log = log_bars.to_svg().unwrap();
+    assert!(!svg_log.contains("(log scale)"));
+    assert_eq!(svg_log, svg);
+    // A bar's length is its value: the 3.0 bar is 1.2 times the 2.5 bar, the 1.0 bar 0.4 times.
+    let heights: Vec<f64> = svg
+        .lines()
+        .filter(|l| l.starts_with("<rect x=") && l.contains("<title>"))
+        .map(|l| {
+            l.split("height=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(heights.len(), 3);
+    assert!((heights[1] / heights[0] - 1.2).abs() < 0.01, "{heights:?}");
+    assert!((heights[2] / heights[0] - 0.4).abs() < 0.01, "{heights:?}");
     // Lines and a log axis render too.
     let mut lines = r.clone();
     let chart = lines.chart.as_mut().unwrap();
@@ -517,6 +545,10 @@ fn the_random_workload_matches_the_standard_shape() {
     assert_ne!(ops, generate(&p, 43));
     let allocs = ops.iter().filter(|o| matches!(o, Op::Alloc(_))).count();
     assert!(allocs > ops.len() / 2, "{allocs} of {}", ops.len());
+    assert_eq!(p.label(), "20k ops, <= 64KiB, 32MiB");
+    for (n, ops) in [(500, "500 ops"), (2500, "2500 ops"), (2000, "2k ops"), (1, "1 ops")] {
+        assert_eq!(Point { n, ..p }.label(), format!("{ops}, <= 64KiB, 32MiB"));
+    }
     let sim = SimResource::new();
     let stats = run(&ops, &sim, None).unwrap();
     assert!(stats.peak_bytes <= p.max_usage as u64 && stats.peak_bytes > (p.max_usage / 2) as u64);
@@ -626,8 +658,19 @@ fn the_binary_runs_the_simulation_and_writes_every_file() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("2k ops, <= 64KiB, 8MiB"), "{stdout}");
+    // The header names no device, driver or baseline it did not use.
+    let device_line = stdout.lines().nth(1).unwrap();
     assert!(
-        stdout.contains("none (host simulation)") && stdout.contains("2k ops, <= 64KiB, 8MiB"),
+        device_line.starts_with("device: none (host simulation); host "),
+        "{stdout}"
+    );
+    assert!(
+        !device_line.contains("driver") && !device_line.contains(" -"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("vs cuMemAlloc") && !stdout.contains("synchronize"),
         "{stdout}"
     );
     assert!(
@@ -649,12 +692,140 @@ fn the_binary_runs_the_simulation_and_writes_every_file() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("failed allocations"));
 }
 
+/// Runs the binary with `args`; returns its exit status and stderr.
+fn refused(args: &[&str]) -> (Option<i32>, String) {
+    let out = bench().args(args).output().unwrap();
+    assert!(
+        out.stdout.is_empty(),
+        "{args:?} ran: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn values_that_make_no_sense_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.csv");
+    std::fs::write(&empty, format!("{HEADER}\n")).unwrap();
+    let failed_only = dir.path().join("failed.csv");
+    std::fs::write(&failed_only, format!("{HEADER}\n1,0,allocate failure,0x0,5,0x0\n")).unwrap();
+    let (empty, failed_only) = (empty.display().to_string(), failed_only.display().to_string());
+    let positive = "must be a positive whole number";
+    let size = "must be a positive size";
+    // Checked before the driver is loaded: the same answer with or without a GPU.
+    let cases: &[(&[&str], &str)] = &[
+        (&["random", "-r", "sim", "--n", "0"], positive),
+        (&["random", "-r", "sim", "--n", "-1"], positive),
+        (&["random", "-r", "sim", "--repeats", "0"], positive),
+        (&["random", "-r", "sim", "--max-size", "0"], size),
+        (&["random", "-r", "sim", "--max-size", "-5"], size),
+        (&["random", "-r", "sim", "--max-size", "-5KiB"], size),
+        (&["random", "-r", "sim", "--max-usage", "0"], size),
+        (
+            &["random", "-r", "sim", "--max-size", "12 parsecs"],
+            "bad size `12 parsecs`",
+        ),
+        (
+            &["random", "-r", "sim", "--max-size", "64KiB", "--max-usage", "1KiB"],
+            "--max-usage (1KiB) is smaller than --max-size (64KiB)",
+        ),
+        (
+            &["random", "-r", "sim", "--seed", "-1"],
+            "must be a whole number from 0",
+        ),
+        (&["random", "--device", "-1"], "must be a device ordinal"),
+        (&["replay", "-r", "sim", "--repeats", "0", "x.csv"], positive),
+        (&["replay", "/nonexistent/trace.csv"], "/nonexistent/trace.csv: "),
+        (
+            &["replay", &empty],
+            "no allocation to replay: the log has no event after its header",
+        ),
+        (
+            &["replay", "-r", "sim", &failed_only],
+            "its 1 event(s) are all failed allocations",
+        ),
+        (&["multi-stream", "--streams", "1,0"], positive),
+        (&["multi-stream", "--streams", "-2"], positive),
+        (&["multi-stream", "--iterations", "0"], positive),
+        (&["multi-stream", "--elements", "0"], positive),
+        (&["multi-stream", "--repeats", "0"], positive),
+        (&["multi-stream", "--rounds", "-1"], "must be a whole number of rounds"),
+        (
+            &["multi-stream", "-r", "sim"],
+            "`sim` cannot run the multi-stream workload",
+        ),
+        (&["query", "--scale", "0"], "must be a positive number"),
+        (&["query", "--scale", "-1"], "must be a positive number"),
+        (&["query", "--workers", "0"], positive),
+        (&["query", "--rounds", "0"], positive),
+        (&["query", "--queries", "q1,q9"], "unknown query `q9`"),
+        (&["query", "-r", "sim"], "`sim` cannot run the query workload"),
+        (&["peer", "--bytes", "0"], size),
+        (&["peer", "--bytes", "-1"], size),
+        (&["peer", "--bytes", "17"], "--bytes (17) must be a multiple of 16"),
+        (&["peer", "--repeats", "0"], positive),
+        (&["peer", "-r", "async"], "-r/--resources does not apply to peer"),
+        (&["peer", "--no-baselines"], "--no-baselines does not apply to peer"),
+        (
+            &["peer", "--device", "1"],
+            "--device does not apply to peer: peer always reads device 0's memory",
+        ),
+    ];
+    for (args, what) in cases {
+        let (status, err) = refused(args);
+        assert_eq!(status, Some(2), "{args:?}: {err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+        assert!(
+            !err.contains("CUDA driver") && !err.contains("unexpected argument"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn without_a_driver_gpu_workloads_say_so() {
     if mempool_core::driver_present() {
         return; // a machine with a driver: the GPU tests cover it
     }
-    let out = bench().args(["query", "--scale", "0.01"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no CUDA driver found"));
+    let no_driver = "needs a GPU: no CUDA driver found";
+    // A readable log: the file is checked before the driver, so a missing one would be refused first.
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample-random.csv");
+    for (args, first, hint) in [
+        (
+            &["random"][..],
+            "random",
+            "`-r sim` runs the random workload on a host simulation",
+        ),
+        (
+            &["random", "-r", "sim,pool(async)"],
+            "random",
+            "mempool-bench random -r sim",
+        ),
+        (&["replay", sample], "replay", "mempool-bench replay -r sim FILE"),
+        (
+            &["query", "--scale", "0.01"],
+            "query",
+            "runs kernels on the GPU; there is no host simulation",
+        ),
+        (
+            &["multi-stream"],
+            "multi-stream",
+            "runs kernels on the GPU; there is no host simulation",
+        ),
+    ] {
+        let (status, err) = refused(args);
+        assert_eq!(status, Some(2), "{args:?}: {err}");
+        assert!(
+            err.starts_with(&format!("mempool-bench {first}: {no_driver}")),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains(hint), "{args:?}: {err}");
+    }
+    let (status, err) = refused(&["peer"]);
+    assert_eq!(status, Some(2), "{err}");
+    assert!(
+        err.starts_with("mempool-bench peer: needs 2 GPUs: no CUDA driver found"),
+        "{err}"
+    );
 }

@@ -22,6 +22,9 @@
 //! Handles are RAII and keep their context alive. `Drop` cannot return errors; a failure there is kept
 //! for [`take_drop_errors`] rather than lost or panicked on.
 //!
+//! A program that needs GPUs checks for them with [`require_gpus`]: on a machine with too few it says
+//! why ([`MissingGpus`]) and exits with [`NO_GPU_EXIT_STATUS`], as every example of the workspace does.
+//!
 //! Unsafe code is denied crate-wide (`#![deny(unsafe_code)]`). The `raw` module opts in as a whole (one
 //! file per CUDA area, each `unsafe fn` with a `# Safety` list); elsewhere each `unsafe` block or
 //! function opts in on its own (`#[allow(unsafe_code)]`), every block with a `SAFETY:` line and every
@@ -49,6 +52,7 @@ pub mod memory;
 mod module;
 mod pool;
 mod raw;
+mod require;
 mod stream;
 mod types;
 mod view;
@@ -60,6 +64,7 @@ pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
 pub use module::{Function, LaunchConfig, Module};
 pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
+pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
 pub use stream::{Stream, StreamFlags, StreamRef};
 pub use types::{
     Access, AllocationType, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal,

@@ -12,13 +12,14 @@
 //!   per second over all consumers.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]`
-//! (default 4). The producer re-executes this program for each consumer.
+//! (default 4). The producer re-executes this program for each consumer. Without a GPU it says why and
+//! exits with status 2.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::{Child, Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,13 +40,24 @@ const OP_COPY: u8 = 2;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-fn main() -> AnyResult<()> {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("consumer") {
-        return consumer(Path::new(&args[2]));
+fn main() -> ExitCode {
+    if let Err(missing) = mempool_core::require_gpus(1) {
+        return missing.exit("ipc_handoff");
     }
-    let consumers = args.get(1).map_or(4, |a| a.parse().expect("consumer count"));
-    producer(consumers.max(1))
+    let args: Vec<String> = std::env::args().collect();
+    let result = if args.get(1).map(String::as_str) == Some("consumer") {
+        consumer(Path::new(&args[2]))
+    } else {
+        let consumers = args.get(1).map_or(4, |a| a.parse().expect("consumer count"));
+        producer(consumers.max(1))
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ipc_handoff: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Pinned host memory, freed on drop.
@@ -125,7 +137,7 @@ fn consumer(socket: &Path) -> AnyResult<()> {
             }
             OP_COPY => {
                 let len = arg as usize;
-                if pinned.as_ref().map_or(true, |p| p.len < len) {
+                if pinned.as_ref().is_none_or(|p| p.len < len) {
                     pinned = Some(Pinned::new(&ctx, len)?);
                     if let Some((ptr, _)) = device.take() {
                         // SAFETY: allocated below with `device_alloc`, no work pending (every copy

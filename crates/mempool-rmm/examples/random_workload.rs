@@ -10,8 +10,9 @@
 //! `REPEATS` times after one warm-up run, each timed run right after a run of the raw baseline, so
 //! that both see the same machine state; the medians are reported, and the ratio of the medians.
 //! The device's primary context is made current for the whole run, as in an application that uses
-//! the GPU from this thread.
+//! the GPU from this thread. Without a GPU it says why and exits with status 2.
 
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,7 +67,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> ExitCode {
+    let dev = match mempool_core::require_gpus(1) {
+        Ok(devices) => devices[0],
+        Err(missing) => return missing.exit("random_workload"),
+    };
+    match run_all(dev) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("random_workload: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_all(dev: Device) -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let only: Option<Vec<String>> = args
@@ -74,7 +89,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1))
         .map(|s| s.split(',').map(str::to_owned).collect());
-    let dev = Device::get(0)?;
     let ctx = dev.context()?;
     let _bound = ctx.bind()?;
     let stream = Stream::new(&ctx)?;

@@ -260,7 +260,7 @@ impl FreeList {
     pub fn insert(&mut self, block: Block) -> Block {
         debug_assert!(block.size > 0, "inserting an empty block");
         debug_assert!(
-            block.addr % ALIGNMENT == 0 && block.size % ALIGNMENT == 0,
+            block.addr.is_multiple_of(ALIGNMENT) && block.size.is_multiple_of(ALIGNMENT),
             "inserting unaligned {block:?}"
         );
         debug_assert!(
@@ -444,7 +444,7 @@ impl FreeList {
                 "free list: block {b:?} missing from the end index"
             );
             ensure!(
-                b.size > 0 && b.size % ALIGNMENT == 0 && b.addr % ALIGNMENT == 0,
+                b.size > 0 && b.size.is_multiple_of(ALIGNMENT) && b.addr.is_multiple_of(ALIGNMENT),
                 "free list: block {b:?} is empty or unaligned"
             );
             blocks.push(b);

@@ -795,7 +795,7 @@ mod tests {
             x ^= x << 17;
             let n = 1 + x % 8192;
             live.push((p.allocate(n, A).unwrap(), n));
-            if x % 4 == 0 {
+            if x.is_multiple_of(4) {
                 let (a, n) = live.swap_remove((x >> 8) as usize % live.len());
                 p.deallocate(a, n, A).unwrap();
             }

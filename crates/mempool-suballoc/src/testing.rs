@@ -280,7 +280,7 @@ impl Checker {
             prop_assert_eq!(engine.stats(), before, "0 bytes must not touch any state");
             return Ok(());
         }
-        prop_assert!(addr != 0 && addr % ALIGNMENT == 0, "bad address {addr:#x}");
+        prop_assert!(addr != 0 && addr.is_multiple_of(ALIGNMENT), "bad address {addr:#x}");
         let end = addr + size;
         if let Some((&pa, &(ps, _))) = self.live.range(..addr).next_back() {
             prop_assert!(pa + ps <= addr, "[{addr:#x}, +{size}) overlaps live [{pa:#x}, +{ps})");

@@ -132,7 +132,7 @@ pub fn measure(params: &PeerParams) -> Result<Vec<PeerCase>> {
             "the peer workload needs two GPUs; this machine has {count}"
         )));
     }
-    if params.bytes % 16 != 0 || params.bytes == 0 {
+    if !params.bytes.is_multiple_of(16) || params.bytes == 0 {
         return Err(Error::Usage("--bytes must be a positive multiple of 16".into()));
     }
     let (d0, d1) = (Device::get(0)?, Device::get(1)?);

@@ -33,11 +33,15 @@ pub struct Point {
 }
 
 impl Point {
-    /// `200k, 64KiB, 4GiB`.
-    pub(crate) fn label(&self) -> String {
+    /// `200k ops, <= 64KiB, 4GiB`; counts that are not whole thousands in full (`500 ops`, `2500 ops`).
+    pub fn label(&self) -> String {
+        let ops = if self.n >= 1000 && self.n.is_multiple_of(1000) {
+            format!("{}k", self.n / 1000)
+        } else {
+            self.n.to_string()
+        };
         format!(
-            "{}k ops, <= {}, {}",
-            self.n / 1000,
+            "{ops} ops, <= {}, {}",
             Size(self.max_size as u64),
             Size(self.max_usage as u64)
         )
@@ -195,15 +199,23 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
     report.param("seed", params.seed);
     report.param("p_allocate", 0.73);
     report.param("streams", 1);
-    report.columns = vec![
+    // A ratio column for each baseline in the run (none in a host simulation).
+    let baselines: Vec<ResourceSpec> = [ResourceSpec::RawPool, ResourceSpec::RawCuda]
+        .into_iter()
+        .filter(|b| common.specs.contains(b))
+        .collect();
+    report.columns = [
         Column::new("point", 0),
         Column::new("resource", 0),
         Column::new("ns/op", 1),
-        Column::new("vs cuMemAllocFromPoolAsync", 3),
-        Column::new("vs cuMemAlloc", 3),
+    ]
+    .into_iter()
+    .chain(baselines.iter().map(|b| Column::new(&format!("vs {b}"), 3)))
+    .chain([
         Column::new("peak live allocations", 0),
         Column::new("peak live bytes", 0),
-    ];
+    ])
+    .collect();
     let stream = match &common.device {
         Some(d) => Some(Stream::new(&d.context()?)?),
         None => None,
@@ -239,30 +251,44 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
             drop(built);
             progress.inc();
         }
-        let base = |spec: ResourceSpec| {
+        let base = |spec: &ResourceSpec| {
             rows.iter()
                 .find(|(l, _)| *l == spec.to_string())
                 .map(|(_, s)| s.ns_per_op)
         };
-        let (raw_pool, raw_cuda) = (base(ResourceSpec::RawPool), base(ResourceSpec::RawCuda));
+        let bases: Vec<Option<f64>> = baselines.iter().map(base).collect();
         for (label, st) in &rows {
-            report.row(vec![
+            let mut cells = vec![
                 Cell::from(p.label()),
                 Cell::from(label.as_str()),
                 Cell::from(st.ns_per_op),
-                Cell::from(raw_pool.map(|b| st.ns_per_op / b)),
-                Cell::from(raw_cuda.map(|b| st.ns_per_op / b)),
-                Cell::from(st.peak_allocations),
-                Cell::from(st.peak_bytes),
-            ]);
+            ];
+            cells.extend(bases.iter().map(|b| Cell::from(b.map(|b| st.ns_per_op / b))));
+            cells.extend([Cell::from(st.peak_allocations), Cell::from(st.peak_bytes)]);
+            report.row(cells);
         }
     }
     progress.finish();
-    report.notes.push(
-        "ns/op: wall time of the run (final frees and one synchronize included) over its operation count; \
-         median of the timed runs after a warm-up run (cuMemAlloc and cuda: one timed run)."
-            .into(),
-    );
+    let single: Vec<String> = common
+        .specs
+        .iter()
+        .filter(|s| matches!(s, ResourceSpec::RawCuda | ResourceSpec::Cuda))
+        .map(ToString::to_string)
+        .collect();
+    report.notes.push(format!(
+        "ns/op: wall time of the run ({}) over its operation count; median of the timed runs after a warm-up \
+         run{}.",
+        if common.device.is_some() {
+            "final frees and one synchronize included"
+        } else {
+            "final frees included; host simulation, no GPU"
+        },
+        if single.is_empty() {
+            String::new()
+        } else {
+            format!(" ({}: one timed run)", single.join(" and "))
+        }
+    ));
     report.chart = Some(Chart {
         title: "Random workload: nanoseconds per operation (lower is better)".into(),
         kind: ChartKind::Bars,
@@ -278,7 +304,7 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
                 values,
             })
             .collect(),
-        log_y: true,
+        log_y: false,
     });
     Ok(report)
 }

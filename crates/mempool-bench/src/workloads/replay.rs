@@ -290,10 +290,9 @@ pub fn run(plan: &Plan, mr: &dyn MemoryResource, stream: Option<&Stream>) -> Res
     })
 }
 
-/// Replays the log at `path` over every resource of `common`, `repeats` timed runs each after one
-/// warm-up; reports the median.
-pub fn bench(common: &Common, path: &Path, repeats: usize) -> Result<Report> {
-    let plan = load(path)?;
+/// Replays `plan`, loaded from the log at `path` ([`load`]), over every resource of `common`, `repeats`
+/// timed runs each after one warm-up; reports the median.
+pub fn bench(common: &Common, path: &Path, plan: &Plan, repeats: usize) -> Result<Report> {
     let env = crate::env::Environment::detect(common.device.as_ref());
     let mut report = Report::new(
         "replay",
@@ -323,10 +322,10 @@ pub fn bench(common: &Common, path: &Path, repeats: usize) -> Result<Report> {
     for spec in &common.specs {
         progress.set_label(spec.to_string());
         let built = build(spec, common.device.as_ref())?;
-        run(&plan, built.resource.as_ref(), stream.as_ref())?;
+        run(plan, built.resource.as_ref(), stream.as_ref())?;
         let mut runs = Vec::new();
         for _ in 0..repeats.max(1) {
-            runs.push(run(&plan, built.resource.as_ref(), stream.as_ref())?);
+            runs.push(run(plan, built.resource.as_ref(), stream.as_ref())?);
         }
         let secs: Vec<f64> = runs.iter().map(|r| r.seconds).collect();
         let mut st = runs[0];
