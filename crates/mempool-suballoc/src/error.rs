@@ -6,7 +6,8 @@ use std::fmt;
 /// A boxed error from an upstream or a stream implementation, kept as the `source` of [`Error`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Everything an engine, an [`Upstream`] or a [`StreamOrder`] can fail with.
+/// Everything an engine, an [`Upstream`](crate::Upstream) or a [`StreamOrder`](crate::StreamOrder) can fail
+/// with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -82,7 +83,8 @@ pub enum OutOfMemoryCause {
     },
     /// The upstream refused to allocate (it is full).
     Upstream,
-    /// The size cannot be represented once rounded up to [`ALIGNMENT`], or the address space ran out.
+    /// The size cannot be represented once rounded up to [`ALIGNMENT`](crate::ALIGNMENT), or the address space
+    /// ran out.
     AddressSpace,
 }
 

@@ -54,7 +54,7 @@ pub enum EventPolicy {
     /// Record on the freeing stream right after each block enters a stream's free list (RMM's
     /// behaviour). Costs one event record per deallocation, and in exchange the engine only ever
     /// records or waits on the stream of the call in progress (see "Which streams an engine
-    /// touches" in the [module docs](self)), so streams may be destroyed while their freed blocks
+    /// touches" in the [crate docs](crate)), so streams may be destroyed while their freed blocks
     /// sit in the engine.
     RecordOnFree,
     /// Like [`RecordOnFree`](Self::RecordOnFree), but a stream's list records on free only once
