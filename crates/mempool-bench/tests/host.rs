@@ -391,18 +391,19 @@ const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
 #[test]
 fn replay_reads_rmm_logs() {
-    // As RMM's logging_resource_adaptor writes it: thread ids of pthreads, HH:MM:SS:micros times.
+    // As RMM 26.10's logging_resource_adaptor writes it: OS thread ids, HH:MM:SS.ffffff, `(nil)` for the
+    // failed allocation's pointer, `free`, `0` for the null stream (a blank line is skipped).
     let log = format!(
         "{HEADER}\n\
-         140573312345856,12:34:56:000100,allocate,0x7f8a40000000,1024,0x7f8a38001020\n\
-         140573312345999,12:34:56:000200,allocate,0x7f8a40000400,4096,0x7f8a38001020\n\
-         140573312345856,12:34:56:000300,allocate failure,0x0,1099511627776,0x7f8a38001020\n\
+         48213,12:34:56.000100,allocate,0x7f8a40000000,1024,0x55d0c8a3f2b0\n\
+         48214,12:34:56.000200,allocate,0x7f8a40000400,4096,0x55d0c8a3f2b0\n\
+         48213,12:34:56.000300,allocate failure,(nil),1099511627776,0x55d0c8a3f2b0\n\
          \n\
-         140573312345999,12:34:56:000400,deallocate,0x7f8a40000000,1024,0x7f8a38001020\n\
-         140573312345856,12:34:56:000500,allocate,0x7f8a40000000,512,0x0\n"
+         48214,12:34:56.000400,free,0x7f8a40000000,1024,0x55d0c8a3f2b0\n\
+         48213,12:34:56.000500,allocate,0x7f8a40000000,512,0\n"
     );
     let plan = replay::parse("rmm.csv", log.as_bytes()).unwrap();
-    assert_eq!(plan.threads, vec![140573312345856, 140573312345999]);
+    assert_eq!(plan.threads, vec![48213, 48214]);
     assert_eq!(
         plan.steps,
         vec![
@@ -428,9 +429,9 @@ fn malformed_logs_name_the_file_and_line() {
         ("Thread,Time,Action\n".to_owned(), 1, "header"),
         (format!("{HEADER}\n1,2,allocate,0x10,5\n"), 2, "expected 6 fields"),
         (
-            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n\n1,2,free,0x100,5,0x0\n"),
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n\n1,2,release,0x100,5,0x0\n"),
             5,
-            "bad action `free`",
+            "bad action `release`",
         ),
         (format!("{HEADER}\nx,2,allocate,0x100,5,0x0\n"), 2, "bad thread"),
         (format!("{HEADER}\n1,2,allocate,256,5,0x0\n"), 2, "bad pointer"),
@@ -438,17 +439,17 @@ fn malformed_logs_name_the_file_and_line() {
         (format!("{HEADER}\n1,yesterday,allocate,0x100,5,0x0\n"), 2, "bad time"),
         // Lines that parse but cannot be replayed; blank lines still count.
         (
-            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n1,2,deallocate,0x200,5,0x0\n"),
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n\n1,2,free,0x200,5,0x0\n"),
             4,
             "no earlier line allocated",
         ),
         (
-            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,deallocate,0x100,5,0x0\n1,2,deallocate,0x100,5,0x0\n"),
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,free,0x100,5,0x0\n1,2,free,0x100,5,0x0\n"),
             4,
             "freed already",
         ),
         (
-            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,deallocate,0x100,6,0x0\n"),
+            format!("{HEADER}\n1,2,allocate,0x100,5,0x0\n1,2,free,0x100,6,0x0\n"),
             3,
             "allocated with 5",
         ),
@@ -487,12 +488,12 @@ fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
         let thread = 1 + rng.below(3);
         if live.is_empty() || rng.below(100) < 60 {
             let size = 1 + rng.below(100_000) as usize;
-            log.push_str(&format!("{thread},0.0,allocate,{next:#x},{size},0x0\n"));
+            log.push_str(&format!("{thread},00:00:00.000000,allocate,{next:#x},{size},0\n"));
             live.push((next, size));
             next += 0x100000;
         } else {
             let (p, size) = live.swap_remove(rng.below(live.len() as u64) as usize);
-            log.push_str(&format!("{thread},0.0,deallocate,{p:#x},{size},0x0\n"));
+            log.push_str(&format!("{thread},00:00:00.000000,free,{p:#x},{size},0\n"));
         }
     }
     let plan = replay::parse("generated", log.as_bytes()).unwrap();
@@ -513,13 +514,25 @@ fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
 }
 
 #[test]
-fn the_shipped_sample_log_replays() {
+fn the_shipped_sample_log_replays_in_both_formats() {
+    // The sample in RMM 26.10's format, and the same run as mempool-rmm logged it before it matched RMM
+    // (seconds since the epoch, `deallocate`, `0x0` streams): both read, to the same plan.
     let text = include_str!("../data/sample-random.csv");
+    let old = include_str!("../data/sample-random-old-format.csv");
+    assert!(
+        text.lines().nth(1).unwrap().contains(":"),
+        "the sample is in RMM's time-of-day format"
+    );
+    assert!(old.contains(",deallocate,") && !text.contains(",deallocate,"));
     let plan = replay::parse("sample-random.csv", text.as_bytes()).unwrap();
+    let old_plan = replay::parse("sample-random-old-format.csv", old.as_bytes()).unwrap();
     assert!(plan.steps.len() > 1000);
-    let sim = SimResource::new();
-    let stats = replay::run(&plan, &sim, None).unwrap();
-    assert_eq!((stats.failures, stats.peak_bytes), (0, plan.logged_peak));
+    assert_eq!((&plan.steps, plan.logged_peak), (&old_plan.steps, old_plan.logged_peak));
+    for plan in [plan, old_plan] {
+        let sim = SimResource::new();
+        let stats = replay::run(&plan, &sim, None).unwrap();
+        assert_eq!((stats.failures, stats.peak_bytes), (0, plan.logged_peak));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-//! `replay FILE`: replays a log in RMM's CSV format (`Thread,Time,Action,Pointer,Size,Stream`, as
-//! mempool-rmm's `LoggingAdaptor` and RMM's `logging_resource_adaptor` write it) against each resource:
-//! one thread per logged thread, every event in the logged order (a thread waits for the events before
-//! its next one), all on one stream. Reported: time, nanoseconds per event, peak live bytes, and the
+//! `replay FILE`: replays a log in RMM's CSV format (`Thread,Time,Action,Pointer,Size,Stream`, as RMM
+//! 26.10's `logging_resource_adaptor` and mempool-rmm's `LoggingAdaptor` write it, or in an older form
+//! RMM or mempool-rmm wrote: `mempool_rmm::adaptors::parse_log` lists them) against each resource: one
+//! thread per logged thread, every event in the logged order (a thread waits for the events before its
+//! next one), all on one stream. Reported: time, nanoseconds per event, peak live bytes, and the
 //! allocations that failed.
 //!
 //! Logged `allocate failure` lines are not replayed (they name no pointer a later line frees); they are
@@ -164,7 +165,7 @@ fn plan(name: &str, events: &[LogEvent], lines: &[usize]) -> Result<Plan> {
                         name,
                         line,
                         format!(
-                            "deallocate of {:#x}, which no earlier line allocated (or it was freed already)",
+                            "free of {:#x}, which no earlier line allocated (or it was freed already)",
                             e.ptr
                         ),
                     ));
@@ -174,7 +175,7 @@ fn plan(name: &str, events: &[LogEvent], lines: &[usize]) -> Result<Plan> {
                         name,
                         line,
                         format!(
-                            "deallocate of {:#x} with {} bytes; it was allocated with {size}",
+                            "free of {:#x} with {} bytes; it was allocated with {size}",
                             e.ptr, e.size
                         ),
                     ));
