@@ -333,13 +333,11 @@ fn async_new(dev: &Device) -> AsyncResource {
 fn callback_over<U: MemoryResource + 'static>(upstream: U) -> impl MemoryResource {
     let upstream = Arc::new(upstream);
     let (a, f) = (upstream.clone(), upstream);
-    CallbackResource::new(
-        move |bytes, stream| a.allocate(bytes, stream),
-        // SAFETY: a `Returned` carries deallocate's contract: the address came from this resource's allocate
-        // callback, hence from `upstream.allocate(bytes, _)`, is returned once, and every use is ordered
-        // before this point of its stream; the callback lives in this one resource.
-        move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) },
-    )
+    // SAFETY: a `Returned` names an address this resource's allocate callback returned, hence one of
+    // `upstream.allocate(bytes, _)`, handed back once, every use ordered before this point of its stream.
+    let free = move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) };
+    // SAFETY: `free` gives back to `upstream` exactly what the allocate callback took from it, with its size.
+    unsafe { CallbackResource::new(move |bytes, stream| a.allocate(bytes, stream), free) }
 }
 
 /// `made` where the device can allocate from pools of managed memory (a driver for CUDA 13.0 and

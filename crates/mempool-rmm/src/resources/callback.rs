@@ -12,16 +12,16 @@ const NAME: &str = "CallbackResource";
 /// Memory handed back to a [`CallbackResource`]'s free callback: the address, the size it was allocated
 /// with, and the stream the free is ordered on.
 ///
-/// Only [`CallbackResource::deallocate`] makes one (there is no public constructor, and it is neither
-/// `Clone` nor `Copy`), after its caller's contract, [`MemoryResource::deallocate`]'s `# Safety` 1-3:
+/// Only the resource makes one (there is no public constructor, and it is neither `Clone` nor `Copy`):
+/// [`CallbackResource::deallocate`], after its caller's contract ([`MemoryResource::deallocate`]'s
+/// `# Safety` 1-3), and `allocate`, to hand back at once an address its allocate callback returned
+/// misaligned. Either way:
 /// 1. [`ptr`](Returned::ptr) was returned by the allocate callback of the resource that calls you, for
 ///    [`bytes`](Returned::bytes) bytes (the resource keeps zero-byte requests to itself);
 /// 2. it has not been returned since;
 /// 3. every use of it is ordered before this point of [`stream`](Returned::stream).
 ///
-/// So the free callback may rely on these to free the memory, e.g. in an `unsafe` block that hands it to
-/// the resource the allocate callback took it from, as long as the callback is installed in one resource
-/// only and does not pass its `Returned` on to another resource's callback.
+/// That the free callback may then free it is what [`CallbackResource::new`]'s caller promises.
 #[derive(Debug)]
 pub struct Returned<'s> {
     ptr: DeviceAddr,
@@ -55,10 +55,11 @@ impl<'s> Returned<'s> {
 /// handed straight back to the free callback and refused with [`Error::Unsupported`]; a null address for
 /// a non-zero size is [`Error::OutOfMemory`]. Errors of the callbacks are returned as they are.
 ///
-/// The constructor is safe: the allocate callback is what a safe [`MemoryResource::allocate`] would be,
-/// and the free callback receives only a [`Returned`], which carries `deallocate`'s contract. Its
-/// `unsafe` code (freeing a raw address is unsafe) rests on that, as an `unsafe fn deallocate` rests on its
-/// caller's contract.
+/// The constructor is `unsafe`, as [`mempool_ipc`'s `Exporter::adopt`] is: the resource cannot tell whether
+/// the free callback really owns what the allocate callback returns (a safe closure could be paired with a
+/// free callback of another resource), so its caller promises that pairing.
+///
+/// [`mempool_ipc`'s `Exporter::adopt`]: https://docs.rs/mempool-ipc
 ///
 /// ```
 /// use std::sync::Arc;
@@ -69,13 +70,14 @@ impl<'s> Returned<'s> {
 ///
 /// let upstream = Arc::new(SimResource::new());
 /// let (a, f) = (upstream.clone(), upstream.clone());
-/// let mr = CallbackResource::new(
-///     move |bytes, stream| a.allocate(bytes, stream),
-///     // SAFETY: a `Returned` carries deallocate's contract: the address came from this resource's allocate
-///     // callback, hence from `upstream.allocate(bytes)`, is returned once, its uses ordered before the
-///     // stream's point; the callback lives in this one resource.
-///     move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) },
-/// );
+/// let free = move |r: Returned<'_>| {
+///     // SAFETY: a `Returned` names an address this resource's allocate callback returned, hence one of
+///     // `upstream.allocate(bytes)`, returned once, its uses ordered before the stream's point.
+///     unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) }
+/// };
+/// // SAFETY: `free` gives back to `upstream` exactly what the allocate callback took from it, with its size,
+/// // once per `Returned`.
+/// let mr = unsafe { CallbackResource::new(move |bytes, stream| a.allocate(bytes, stream), free) };
 /// let p = mr.allocate(1000, StreamRef::LEGACY).unwrap();
 /// assert_eq!(upstream.live_allocations(), 1);
 /// // SAFETY: `p` came from `mr.allocate(1000, _)` and is freed once; the simulation's memory is never used.
@@ -93,7 +95,15 @@ where
     F: for<'s> Fn(Returned<'s>) -> Result<()> + Send + Sync,
 {
     /// A resource that allocates with `allocate` and frees with `free`.
-    pub fn new(allocate: A, free: F) -> CallbackResource<A, F> {
+    ///
+    /// # Safety
+    /// 1. `free`, given a [`Returned`] (an address `allocate` returned for `bytes`, handed back once, its
+    ///    uses ordered before the stream's point), returns exactly that memory to whoever `allocate` took it
+    ///    from, and touches nothing else.
+    /// 2. `allocate` returns memory that stays allocated, and is used by nothing else, until `free` is
+    ///    called with it.
+    #[allow(unsafe_code)]
+    pub unsafe fn new(allocate: A, free: F) -> CallbackResource<A, F> {
         CallbackResource { allocate, free }
     }
 }
@@ -167,16 +177,15 @@ mod tests {
     /// A callback resource over a simulated upstream, counting the callbacks' calls.
     fn over_sim(upstream: Arc<SimResource>, calls: Arc<AtomicUsize>) -> impl MemoryResource {
         let (a, f, c) = (upstream.clone(), upstream, calls);
-        CallbackResource::new(
-            move |bytes, stream| {
-                c.fetch_add(1, Ordering::SeqCst);
-                a.allocate(bytes, stream)
-            },
-            // SAFETY: a `Returned` carries deallocate's contract: its address came from this resource's
-            // allocate callback, hence from `upstream.allocate(bytes)`, and is returned once; this callback
-            // lives in this one resource.
-            move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) },
-        )
+        let alloc = move |bytes: usize, stream: StreamRef<'_>| {
+            c.fetch_add(1, Ordering::SeqCst);
+            a.allocate(bytes, stream)
+        };
+        // SAFETY: a `Returned` names an address this resource's allocate callback returned, hence one of
+        // `upstream.allocate(bytes)`, handed back once.
+        let free = move |r: Returned<'_>| unsafe { f.deallocate(r.ptr(), r.bytes(), r.stream()) };
+        // SAFETY: `free` gives back to `upstream` exactly what `alloc` took from it, with its size.
+        unsafe { CallbackResource::new(alloc, free) }
     }
 
     #[test]
@@ -229,19 +238,22 @@ mod tests {
     fn misaligned_and_null_results_are_refused_and_returned() {
         let returned = Arc::new(Mutex::new(Vec::new()));
         let r2 = returned.clone();
-        let mr = CallbackResource::new(
-            |bytes, _| {
-                Ok(if bytes == 100 {
-                    DeviceAddr(0x1010)
-                } else {
-                    DeviceAddr::NULL
-                })
-            },
-            move |r: Returned<'_>| {
-                r2.lock().unwrap().push((r.ptr(), r.bytes()));
-                Ok(())
-            },
-        );
+        // SAFETY: the addresses are made up and never touched; `free` only records what it is handed.
+        let mr = unsafe {
+            CallbackResource::new(
+                |bytes, _| {
+                    Ok(if bytes == 100 {
+                        DeviceAddr(0x1010)
+                    } else {
+                        DeviceAddr::NULL
+                    })
+                },
+                move |r: Returned<'_>| {
+                    r2.lock().unwrap().push((r.ptr(), r.bytes()));
+                    Ok(())
+                },
+            )
+        };
         let e = mr.allocate(100, S).unwrap_err();
         assert!(
             matches!(&e, Error::Unsupported { resource: "CallbackResource", reason } if reason.contains("0x1010")),
