@@ -28,6 +28,11 @@ usage() {
 
 pack() {
   local dir=${1:-.gpu}
+  # Only ever replace a bundle this script made: never delete a directory of anything else.
+  if [ -e "$dir" ] && [ ! -f "$dir/BUILD-INFO" ]; then
+    echo "gpu-tests.sh: $dir exists and is not a bundle of this script (no BUILD-INFO); refusing to replace it" >&2
+    exit 2
+  fi
   rm -rf "$dir"
   mkdir -p "$dir/tests" "$dir/bin"
   local list

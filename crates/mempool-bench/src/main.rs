@@ -193,6 +193,7 @@ fn positive_size_arg(s: &str) -> std::result::Result<u64, String> {
     }
     match parse_size(s) {
         Ok(0) => Err(WHAT.into()),
+        Ok(u64::MAX) => Err(format!("{WHAT} (`max`, unlimited, is not a size here)")),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }

@@ -736,6 +736,10 @@ fn values_that_make_no_sense_are_refused_with_the_reason() {
         (&["random", "-r", "sim", "--max-size", "-5KiB"], size),
         (&["random", "-r", "sim", "--max-usage", "0"], size),
         (
+            &["random", "-r", "sim", "--max-size", "max"],
+            "`max`, unlimited, is not a size here",
+        ),
+        (
             &["random", "-r", "sim", "--max-size", "12 parsecs"],
             "bad size `12 parsecs`",
         ),

@@ -17,7 +17,7 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                   initial=SIZE        reserve this much up front
                                   max_size=SIZE       the pool's maximum size
                                   pool=new|default    a new pool (default) or the device's default pool
-                                                      (left as it is unless threshold is given)
+                                                      (a threshold given is put back on drop)
   async_managed[(OPTIONS)]      managed memory from a stream-ordered pool (AsyncManagedResource, CUDA 13.0
                                 and concurrent managed access); options threshold=, initial= and pool= as
                                 for async; pool=default is RMM's cuda_async_managed_memory_resource

@@ -2,13 +2,13 @@
 
 use std::sync::Arc;
 
-use mempool_core::{Context, Device};
+use mempool_core::{Context, Device, DeviceAddr, MemPool, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
-    CudaResource, FixedSizeResource, ManagedResource, PoolResource, ReleaseThreshold, SamHeadroomResource,
-    SharedResource, SystemResource,
+    CudaResource, FixedSizeResource, ManagedResource, MemoryResource, PoolResource, ReleaseThreshold,
+    SamHeadroomResource, SharedResource, SystemResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -48,10 +48,10 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         ResourceSpec::Async(a) => {
             if a.default_pool {
                 let r = AsyncResource::default_pool(dev)?;
-                if let Some(t) = a.threshold {
-                    r.pool().set_release_threshold(t)?;
+                match a.threshold {
+                    Some(t) => Arc::new(ThresholdRestored::set(r, AsyncResource::pool, t)?),
+                    None => Arc::new(r),
                 }
-                Arc::new(r)
             } else {
                 Arc::new(AsyncResource::new(
                     dev,
@@ -67,10 +67,10 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         ResourceSpec::AsyncManaged(a) => {
             if a.default_pool {
                 let r = AsyncManagedResource::default_pool(dev)?;
-                if let Some(t) = a.threshold {
-                    r.pool().set_release_threshold(t)?;
+                match a.threshold {
+                    Some(t) => Arc::new(ThresholdRestored::set(r, AsyncManagedResource::pool, t)?),
+                    None => Arc::new(r),
                 }
-                Arc::new(r)
             } else {
                 Arc::new(AsyncManagedResource::new(
                     dev,
@@ -148,5 +148,55 @@ fn threshold(given: Option<u64>) -> ReleaseThreshold {
     match given {
         None | Some(u64::MAX) => ReleaseThreshold::KeepAll,
         Some(n) => ReleaseThreshold::Bytes(n),
+    }
+}
+
+/// A view of a device's default pool (process-wide) whose release threshold a spec set: the threshold it had
+/// is put back when the resource is dropped, so the next spec, and the rest of the process, find the pool as
+/// it was.
+struct ThresholdRestored<R> {
+    inner: R,
+    pool: fn(&R) -> &MemPool,
+    old: u64,
+}
+
+impl<R> ThresholdRestored<R> {
+    fn set(inner: R, pool: fn(&R) -> &MemPool, threshold: u64) -> Result<Self> {
+        let old = pool(&inner).release_threshold()?;
+        pool(&inner).set_release_threshold(threshold)?;
+        Ok(ThresholdRestored { inner, pool, old })
+    }
+}
+
+impl<R> Drop for ThresholdRestored<R> {
+    fn drop(&mut self) {
+        // Nothing to report to from a destructor; the pool keeps the spec's threshold if this fails.
+        let _ = (self.pool)(&self.inner).set_release_threshold(self.old);
+    }
+}
+
+impl<R: std::fmt::Debug> std::fmt::Debug for ThresholdRestored<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThresholdRestored")
+            .field("inner", &self.inner)
+            .field("old", &self.old)
+            .finish()
+    }
+}
+
+impl<R: MemoryResource> MemoryResource for ThresholdRestored<R> {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<()> {
+        // SAFETY: this wrapper hands out the inner resource's allocations unchanged, so the caller's
+        // obligations 1-3 for it are the same obligations for the inner resource.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
     }
 }

@@ -128,6 +128,7 @@ fn parse_stream(field: &str) -> Option<u64> {
 pub fn parse_log(reader: impl BufRead) -> std::result::Result<Vec<LogEvent>, LogParseError> {
     let mut events = Vec::new();
     let mut with_thread = true;
+    let mut header_seen = false;
     for (i, line) in reader.lines().enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| LogParseError {
@@ -136,7 +137,9 @@ pub fn parse_log(reader: impl BufRead) -> std::result::Result<Vec<LogEvent>, Log
         })?;
         let line = line.trim_end_matches('\r');
         if n == 1 {
-            match line.trim() {
+            header_seen = true;
+            // A byte-order mark before the header is skipped, as RMM's CSV reader does.
+            match line.trim_start_matches('\u{feff}').trim() {
                 LOG_HEADER => with_thread = true,
                 LOG_HEADER_WITHOUT_THREAD => with_thread = false,
                 _ => {
@@ -188,6 +191,12 @@ pub fn parse_log(reader: impl BufRead) -> std::result::Result<Vec<LogEvent>, Log
             ptr,
             size,
             stream,
+        });
+    }
+    if !header_seen {
+        return Err(LogParseError {
+            line: 1,
+            reason: format!("the log is empty: expected the header `{LOG_HEADER}`"),
         });
     }
     Ok(events)
@@ -589,6 +598,16 @@ mod tests {
         let e = parse_log(old.as_bytes()).unwrap();
         assert!((e[0].time - 1795318196.826729).abs() < 1e-5);
         assert_eq!(e[1].action, Action::Deallocate);
+    }
+
+    #[test]
+    fn an_empty_log_is_refused_and_a_byte_order_mark_is_skipped() {
+        let e = parse_log(&b""[..]).unwrap_err();
+        assert_eq!(e.line, 1);
+        assert!(e.reason.contains("the log is empty"), "{e}");
+        let with_bom = format!("\u{feff}{LOG_HEADER}\n7,12:00:00.000001,allocate,0x7000,256,0\n");
+        let events = parse_log(with_bom.as_bytes()).unwrap();
+        assert_eq!(events.len(), 1);
     }
 
     #[test]
