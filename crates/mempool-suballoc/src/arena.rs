@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::addr_map::AddrMap;
 use super::chunks::{check_balance, check_disjoint};
 use crate::engine::Engine;
-use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
+use crate::error::{ensure, Error, InvariantViolation};
 use crate::free_list::{Block, FreeList};
 use crate::pool::{PoolConfig, PoolEngine};
 use crate::stream_order::StreamOrder;
@@ -271,10 +271,7 @@ where
         if bytes == 0 {
             return Ok(0);
         }
-        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
-            requested: bytes,
-            cause: OutOfMemoryCause::AddressSpace,
-        })?;
+        let size = crate::engine::request_size(bytes)?;
         if size > self.small_max {
             return self.global.allocate(bytes, stream);
         }
@@ -510,6 +507,7 @@ crate::engine::engine_common!(ArenaConfig => ArenaEngine);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::OutOfMemoryCause;
     use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
     use crate::upstream::SimUpstream;

@@ -3,7 +3,7 @@
 use super::chunks::{check_balance, Chunks};
 use super::fixed_size::FixedCore;
 use crate::engine::Engine;
-use crate::error::{Error, InvariantViolation, OutOfMemoryCause};
+use crate::error::{Error, InvariantViolation};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -91,10 +91,7 @@ where
 
     #[cold]
     fn allocate_large(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
-        let size = align_up(bytes).ok_or(Error::OutOfMemory {
-            requested: bytes,
-            cause: OutOfMemoryCause::AddressSpace,
-        })?;
+        let size = crate::engine::request_size(bytes)?;
         self.large
             .allocate(&self.upstream, size, stream)
             .map_err(|e| e.with_requested(bytes))
@@ -270,6 +267,7 @@ crate::engine::engine_common!(BinningConfig => BinningEngine);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::OutOfMemoryCause;
     use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
     use crate::upstream::SimUpstream;

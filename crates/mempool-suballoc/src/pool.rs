@@ -303,10 +303,7 @@ where
         if bytes == 0 {
             return Ok(0);
         }
-        let size = align_up(bytes).ok_or_else(|| Error::OutOfMemory {
-            requested: bytes,
-            cause: OutOfMemoryCause::AddressSpace,
-        })?;
+        let size = crate::engine::request_size(bytes)?;
         let block = self.take(size, bytes, stream)?;
         self.used += block.size;
         Ok(block.addr)
