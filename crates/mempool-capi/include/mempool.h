@@ -1,0 +1,92 @@
+/* mempool's C ABI: stream-ordered memory resources for C and C++ programs.
+ *
+ * Link with -lmempool_capi (crates/mempool-capi, built by cargo as libmempool_capi.so). The Python
+ * extension module of the `mempool` package exports the same symbols, so C code loaded into a Python
+ * process that uses mempool shares its per-device current resource.
+ *
+ * Every function that can fail returns a mempool_status_t and leaves a message naming the cause in
+ * mempool_last_error() (per thread). No function lets an exception or panic escape, with one
+ * documented exception: mempool_torch_alloc, which PyTorch calls, throws a C++ std::runtime_error on
+ * failure because PyTorch ignores a NULL return.
+ *
+ * Streams are CUstream / cudaStream_t values passed as void*; NULL is the legacy default stream.
+ * mempool never creates or destroys a stream it is given: the caller keeps it alive until the work
+ * and frees ordered on it are queued.
+ */
+#ifndef MEMPOOL_H
+#define MEMPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum mempool_status {
+  MEMPOOL_SUCCESS = 0,
+  MEMPOOL_ERROR_INVALID_ARGUMENT = 1,     /* a NULL or out-of-range argument */
+  MEMPOOL_ERROR_DRIVER_NOT_FOUND = 2,     /* no libcuda.so could be loaded */
+  MEMPOOL_ERROR_DRIVER_TOO_OLD = 3,
+  MEMPOOL_ERROR_NO_DEVICE = 4,            /* no device, or no device with that ordinal */
+  MEMPOOL_ERROR_OUT_OF_MEMORY = 5,        /* the message names the size asked for */
+  MEMPOOL_ERROR_UNSUPPORTED = 6,          /* a missing capability, a size the resource cannot serve */
+  MEMPOOL_ERROR_INVALID_DEALLOCATION = 7, /* a free that matched no live allocation */
+  MEMPOOL_ERROR_DRIVER = 8,               /* another driver call failed; the message names it */
+  MEMPOOL_ERROR_PANIC = 9,                /* a bug in mempool, caught at the boundary */
+  MEMPOOL_ERROR_OTHER = 10
+} mempool_status_t;
+
+/* A counted reference to a resource. Every handle a *_create or mempool_get_* call returns is released
+ * with mempool_resource_destroy; the resource lives while any handle, adaptor over it, registry entry
+ * or allocation of it does. */
+typedef struct mempool_resource mempool_resource_t;
+
+typedef struct mempool_statistics {
+  int64_t current_bytes, peak_bytes, total_bytes;
+  int64_t current_count, peak_count, total_count;
+} mempool_statistics_t;
+
+/* The calling thread's last error message ("" after a success); valid until its next mempool call. */
+const char* mempool_last_error(void);
+/* "MEMPOOL_ERROR_OUT_OF_MEMORY", ...; "MEMPOOL_UNKNOWN_STATUS" for other values. */
+const char* mempool_status_name(int status);
+int mempool_device_count(int* out);
+
+/* Resources (RMM's names in brackets). */
+int mempool_cuda_resource_create(int device, mempool_resource_t** out);    /* cuda_memory_resource */
+int mempool_managed_resource_create(int device, mempool_resource_t** out); /* managed_memory_resource */
+/* cuda_async_memory_resource: a new driver pool that keeps what it reserves; initial_pool_size 0 = none */
+int mempool_async_resource_create(int device, size_t initial_pool_size, mempool_resource_t** out);
+/* pool_memory_resource over upstream; maximum_pool_size 0 = no maximum */
+int mempool_pool_resource_create(const mempool_resource_t* upstream, int device, size_t initial_pool_size,
+                                 size_t maximum_pool_size, mempool_resource_t** out);
+int mempool_statistics_adaptor_create(const mempool_resource_t* upstream, mempool_resource_t** out);
+int mempool_limiting_adaptor_create(const mempool_resource_t* upstream, size_t limit, mempool_resource_t** out);
+/* MEMPOOL_ERROR_INVALID_ARGUMENT unless resource is a statistics adaptor */
+int mempool_statistics_get(const mempool_resource_t* resource, mempool_statistics_t* out);
+void mempool_resource_destroy(mempool_resource_t* resource); /* NULL is a no-op */
+
+/* Allocation, ordered on stream. 0 bytes gives NULL. deallocate's ptr must come from allocate of the same
+ * resource with the same size, once, with no use ordered after the free on stream. */
+int mempool_allocate(const mempool_resource_t* resource, size_t bytes, void* stream, void** out);
+int mempool_deallocate(const mempool_resource_t* resource, void* ptr, size_t bytes, void* stream);
+
+/* The per-device current resource (RMM's set/get_current_device_resource). set keeps its own reference;
+ * get returns a new handle to destroy. The default, made on first use, is over the device's default pool. */
+int mempool_set_current_device_resource(int device, const mempool_resource_t* resource);
+int mempool_get_current_device_resource(int device, mempool_resource_t** out);
+
+/* PyTorch's pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator): allocate from the device's
+ * current resource; free returns the memory to the resource that allocated it (an unknown pointer or a
+ * wrong size is refused, not freed). mempool_torch_alloc throws std::runtime_error on failure (message
+ * naming the size); mempool_torch_alloc_nullable returns NULL instead (for torch.cuda.MemPool). */
+void* mempool_torch_alloc(size_t size, int device, void* stream);
+void* mempool_torch_alloc_nullable(size_t size, int device, void* stream);
+void mempool_torch_free(void* ptr, size_t size, int device, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MEMPOOL_H */

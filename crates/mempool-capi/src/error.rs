@@ -1,0 +1,169 @@
+//! The C ABI's status codes, the error they classify, and the thread's last error message.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+
+/// What a C entry point can fail with: a resource's error, or an argument the C caller got wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// A resource, adaptor or driver call failed.
+    Rmm(mempool_rmm::Error),
+    /// An argument was null, out of range or otherwise unusable; the text says which and why.
+    InvalidArgument(String),
+    /// Rust code panicked inside an entry point; the panic was caught at the boundary.
+    Panic(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Rmm(e) => write!(f, "{e}"),
+            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::Panic(why) => write!(f, "internal error (a panic was caught at the C boundary): {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<mempool_rmm::Error> for Error {
+    fn from(e: mempool_rmm::Error) -> Self {
+        Error::Rmm(e)
+    }
+}
+
+impl From<mempool_core::Error> for Error {
+    fn from(e: mempool_core::Error) -> Self {
+        Error::Rmm(e.into())
+    }
+}
+
+/// A `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The status codes of `include/mempool.h` (`MEMPOOL_SUCCESS`, `MEMPOOL_ERROR_*`). Every entry point
+/// that can fail returns one and leaves the message in [`last_error`].
+#[repr(i32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The call succeeded.
+    Success = 0,
+    /// A null or out-of-range argument.
+    InvalidArgument = 1,
+    /// No CUDA driver (`libcuda.so`) could be loaded.
+    DriverNotFound = 2,
+    /// The driver is older than a call needs.
+    DriverTooOld = 3,
+    /// No device, or no device with that ordinal.
+    NoDevice = 4,
+    /// Out of memory, or over a limiting adaptor's limit; the message names the size asked for.
+    OutOfMemory = 5,
+    /// The device or resource cannot serve the request (a missing capability, a size a fixed-size
+    /// resource does not serve, ...).
+    Unsupported = 6,
+    /// A deallocation that matched no live allocation.
+    InvalidDeallocation = 7,
+    /// Another driver call failed; the message names the call and the CUDA error.
+    Driver = 8,
+    /// A panic was caught at the boundary (a bug in mempool).
+    Panic = 9,
+    /// Anything else (log I/O, ...).
+    Other = 10,
+}
+
+impl Status {
+    /// The status that classifies `e`.
+    pub fn of(e: &Error) -> Status {
+        use mempool_core::Error as C;
+        use mempool_rmm::Error as R;
+        match e {
+            Error::InvalidArgument(_) => Status::InvalidArgument,
+            Error::Panic(_) => Status::Panic,
+            Error::Rmm(R::OutOfMemory { .. } | R::LimitExceeded { .. }) => Status::OutOfMemory,
+            Error::Rmm(R::Unsupported { .. }) => Status::Unsupported,
+            Error::Rmm(R::InvalidDeallocation { .. }) => Status::InvalidDeallocation,
+            Error::Rmm(R::Core(c)) => match c {
+                C::DriverNotFound => Status::DriverNotFound,
+                C::DriverTooOld { .. } => Status::DriverTooOld,
+                C::NoDevice | C::NoSuchDevice { .. } => Status::NoDevice,
+                C::OutOfMemory { .. } => Status::OutOfMemory,
+                C::PoolsNotSupported { .. } | C::CapabilityMissing { .. } | C::HandleTypeNotSupported { .. } => {
+                    Status::Unsupported
+                }
+                C::InvalidArgument(_) => Status::InvalidArgument,
+                _ => Status::Driver,
+            },
+            Error::Rmm(_) => Status::Other,
+        }
+    }
+
+    /// The C name of the status, e.g. `MEMPOOL_ERROR_OUT_OF_MEMORY`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Success => "MEMPOOL_SUCCESS",
+            Status::InvalidArgument => "MEMPOOL_ERROR_INVALID_ARGUMENT",
+            Status::DriverNotFound => "MEMPOOL_ERROR_DRIVER_NOT_FOUND",
+            Status::DriverTooOld => "MEMPOOL_ERROR_DRIVER_TOO_OLD",
+            Status::NoDevice => "MEMPOOL_ERROR_NO_DEVICE",
+            Status::OutOfMemory => "MEMPOOL_ERROR_OUT_OF_MEMORY",
+            Status::Unsupported => "MEMPOOL_ERROR_UNSUPPORTED",
+            Status::InvalidDeallocation => "MEMPOOL_ERROR_INVALID_DEALLOCATION",
+            Status::Driver => "MEMPOOL_ERROR_DRIVER",
+            Status::Panic => "MEMPOOL_ERROR_PANIC",
+            Status::Other => "MEMPOOL_ERROR_OTHER",
+        }
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Records `e` as this thread's last error and returns its status.
+pub fn record(e: &Error) -> Status {
+    let text = e.to_string().replace('\0', " ");
+    let c = CString::new(text).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    Status::of(e)
+}
+
+/// Records `e` as this thread's last error, its message led by `prefix` (`"{prefix}: {e}"`), and returns
+/// its status.
+pub fn record_with_prefix(e: &Error, prefix: &str) -> Status {
+    let text = format!("{prefix}: {e}").replace('\0', " ");
+    let c = CString::new(text).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    Status::of(e)
+}
+
+/// Clears this thread's last error (a successful call).
+pub fn clear() {
+    LAST_ERROR.with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.as_bytes().is_empty() {
+            *l = CString::default();
+        }
+    });
+}
+
+/// This thread's last error message, empty after a success. The pointer stays valid until the thread's
+/// next call into mempool.
+pub fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+/// This thread's last error message, as Rust text.
+pub fn last_error() -> String {
+    LAST_ERROR.with(|l| l.borrow().to_string_lossy().into_owned())
+}
+
+/// The message of a caught panic's payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}

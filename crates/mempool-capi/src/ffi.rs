@@ -1,0 +1,388 @@
+//! The C entry points of `include/mempool.h`. Each returns a status (`MEMPOOL_SUCCESS` or a
+//! `MEMPOOL_ERROR_*` code), leaves the message in `mempool_last_error()`, and never unwinds: a panic is
+//! caught at the boundary and becomes `MEMPOOL_ERROR_PANIC`.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use mempool_core::{DeviceAddr, StreamRef};
+use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
+use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, SharedResource};
+
+use crate::device;
+use crate::error::{self, Error, Result, Status};
+use crate::registry;
+
+/// `mempool_resource_t`: a counted reference to a resource, with its statistics when it is a statistics
+/// adaptor. Every handle a create or get call returns is released by `mempool_resource_destroy`; the
+/// resource lives while any handle, adaptor over it, registry entry or allocation of it does.
+pub struct ResourceHandle {
+    shared: SharedResource,
+    stats: Option<Arc<StatisticsAdaptor<SharedResource>>>,
+}
+
+/// `mempool_statistics_t`: current, peak and total bytes and allocation counts.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Statistics {
+    /// Bytes allocated now (as requested).
+    pub current_bytes: i64,
+    /// The most bytes allocated at once.
+    pub peak_bytes: i64,
+    /// Bytes allocated in all.
+    pub total_bytes: i64,
+    /// Allocations live now.
+    pub current_count: i64,
+    /// The most allocations live at once.
+    pub peak_count: i64,
+    /// Allocations made in all.
+    pub total_count: i64,
+}
+
+fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
+    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(Error::Panic(error::panic_message(&*p))));
+    match r {
+        Ok(()) => {
+            error::clear();
+            Status::Success as c_int
+        }
+        Err(e) => error::record(&e) as c_int,
+    }
+}
+
+fn ordinal(device: c_int) -> Result<usize> {
+    usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is negative")))
+}
+
+/// # Safety
+/// `out` is null or valid for a write.
+#[allow(unsafe_code)]
+unsafe fn put_handle(out: *mut *mut ResourceHandle, h: ResourceHandle) -> Result<()> {
+    // SAFETY: the caller's contract (checked for null here).
+    let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+    *out = Box::into_raw(Box::new(h));
+    Ok(())
+}
+
+/// # Safety
+/// `h` is null or a live handle from this library.
+#[allow(unsafe_code)]
+unsafe fn handle<'a>(h: *const ResourceHandle, what: &str) -> Result<&'a ResourceHandle> {
+    // SAFETY: the caller's contract (checked for null here).
+    unsafe { h.as_ref() }.ok_or_else(|| Error::InvalidArgument(format!("{what} is null")))
+}
+
+fn plain(shared: SharedResource) -> ResourceHandle {
+    ResourceHandle { shared, stats: None }
+}
+
+/// This thread's last error message (empty after a success); valid until the thread's next call.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub extern "C" fn mempool_last_error() -> *const c_char {
+    catch_unwind(error::last_error_ptr).unwrap_or(c"a panic was caught reading the last error".as_ptr())
+}
+
+/// The C name of a status code (`"MEMPOOL_ERROR_OUT_OF_MEMORY"`, ...), or `"MEMPOOL_UNKNOWN_STATUS"`.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub extern "C" fn mempool_status_name(status: c_int) -> *const c_char {
+    let all = [
+        (Status::Success, c"MEMPOOL_SUCCESS"),
+        (Status::InvalidArgument, c"MEMPOOL_ERROR_INVALID_ARGUMENT"),
+        (Status::DriverNotFound, c"MEMPOOL_ERROR_DRIVER_NOT_FOUND"),
+        (Status::DriverTooOld, c"MEMPOOL_ERROR_DRIVER_TOO_OLD"),
+        (Status::NoDevice, c"MEMPOOL_ERROR_NO_DEVICE"),
+        (Status::OutOfMemory, c"MEMPOOL_ERROR_OUT_OF_MEMORY"),
+        (Status::Unsupported, c"MEMPOOL_ERROR_UNSUPPORTED"),
+        (Status::InvalidDeallocation, c"MEMPOOL_ERROR_INVALID_DEALLOCATION"),
+        (Status::Driver, c"MEMPOOL_ERROR_DRIVER"),
+        (Status::Panic, c"MEMPOOL_ERROR_PANIC"),
+        (Status::Other, c"MEMPOOL_ERROR_OTHER"),
+    ];
+    all.iter()
+        .find(|(s, _)| *s as c_int == status)
+        .map_or(c"MEMPOOL_UNKNOWN_STATUS".as_ptr(), |(_, n)| n.as_ptr())
+}
+
+/// Writes the number of visible devices to `*out`.
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_device_count(out: *mut c_int) -> c_int {
+    guard(|| {
+        let n = device::count()?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        *out = c_int::try_from(n).unwrap_or(c_int::MAX);
+        Ok(())
+    })
+}
+
+/// `cuMemAlloc` on `device` (RMM's `cuda_memory_resource`).
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_cuda_resource_create(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
+    guard(|| {
+        let mr: SharedResource = Arc::new(CudaResource::new(&device::device(ordinal(device)?)?)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}
+
+/// `cuMemAllocManaged` on `device` (RMM's `managed_memory_resource`).
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_managed_resource_create(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
+    guard(|| {
+        let mr: SharedResource = Arc::new(ManagedResource::new(&device::device(ordinal(device)?)?)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}
+
+/// A new stream-ordered pool on `device` that keeps what it reserves, primed with `initial_pool_size`
+/// bytes (0: none) (RMM's `cuda_async_memory_resource`).
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_async_resource_create(
+    device: c_int,
+    initial_pool_size: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        let options = AsyncOptions {
+            initial_size: (initial_pool_size > 0).then_some(initial_pool_size),
+            ..AsyncOptions::default()
+        };
+        let mr: SharedResource = Arc::new(AsyncResource::new(&device::device(ordinal(device)?)?, options)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}
+
+/// A pool suballocator over `upstream` on `device` (RMM's `pool_memory_resource`): reserves
+/// `initial_pool_size` bytes at its first allocation and never more than `maximum_pool_size` (0: no
+/// maximum).
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_pool_resource_create(
+    upstream: *const ResourceHandle,
+    device: c_int,
+    initial_pool_size: usize,
+    maximum_pool_size: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
+        let ctx = device::context(ordinal(device)?)?;
+        let config = PoolConfig {
+            initial_size: initial_pool_size as u64,
+            maximum_size: (maximum_pool_size > 0).then_some(maximum_pool_size as u64),
+            ..PoolConfig::default()
+        };
+        let mr: SharedResource = Arc::new(PoolResource::new(up, &ctx, config)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}
+
+/// Counts what passes through to `upstream` (RMM's `statistics_resource_adaptor`); read it with
+/// `mempool_statistics_get`.
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_statistics_adaptor_create(
+    upstream: *const ResourceHandle,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
+        let stats = Arc::new(StatisticsAdaptor::new(up));
+        let shared: SharedResource = stats.clone();
+        // SAFETY: point 1.
+        unsafe {
+            put_handle(
+                out,
+                ResourceHandle {
+                    shared,
+                    stats: Some(stats),
+                },
+            )
+        }
+    })
+}
+
+/// Refuses allocations that would take more than `limit` bytes through it (RMM's
+/// `limiting_resource_adaptor`; a refusal is `MEMPOOL_ERROR_OUT_OF_MEMORY`).
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_limiting_adaptor_create(
+    upstream: *const ResourceHandle,
+    limit: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
+        let mr: SharedResource = Arc::new(LimitingAdaptor::new(up, limit));
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}
+
+/// Reads a statistics adaptor's counters (`MEMPOOL_ERROR_INVALID_ARGUMENT` for another resource).
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_statistics_get(resource: *const ResourceHandle, out: *mut Statistics) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let h = unsafe { handle(resource, "resource") }?;
+        let stats = h.stats.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "resource is a {}, not a statistics adaptor (make one with mempool_statistics_adaptor_create)",
+                h.shared.name()
+            ))
+        })?;
+        let c = stats.counters();
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        *out = Statistics {
+            current_bytes: c.bytes.current,
+            peak_bytes: c.bytes.peak,
+            total_bytes: c.bytes.total,
+            current_count: c.allocations.current,
+            peak_count: c.allocations.peak,
+            total_count: c.allocations.total,
+        };
+        Ok(())
+    })
+}
+
+/// Releases a handle (null is a no-op). The resource itself lives on while adaptors over it, the registry
+/// or its allocations hold it.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle from this library, released once.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle) {
+    if resource.is_null() {
+        return;
+    }
+    // SAFETY: point 1: it came from `Box::into_raw` in `put_handle` and is released once. Dropping runs
+    // no user code that could panic (resources' drops record their errors).
+    let r = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(resource) })));
+    if let Err(p) = r {
+        error::record(&Error::Panic(error::panic_message(&*p)));
+    }
+}
+
+/// Allocates `bytes` from `resource`, ordered on `stream` (a `CUstream`/`cudaStream_t`; NULL is the legacy
+/// default stream), and writes the address to `*out` (NULL for 0 bytes).
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+/// 2. `stream` is a live stream of the resource's device, or a special handle.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_allocate(
+    resource: *const ResourceHandle,
+    bytes: usize,
+    stream: *mut c_void,
+    out: *mut *mut c_void,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let h = unsafe { handle(resource, "resource") }?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // SAFETY: point 2.
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+        *out = h.shared.allocate(bytes, s)?.as_raw() as *mut c_void;
+        Ok(())
+    })
+}
+
+/// Returns `ptr` (of `bytes`) to `resource`, ordered on `stream`. NULL is a no-op.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle.
+/// 2. `ptr` is null or was returned by `mempool_allocate` of this resource (or an equal one) with this
+///    `bytes`, and has not been freed since.
+/// 3. No work uses the memory after this point of `stream`, a live stream of the resource's device.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_deallocate(
+    resource: *const ResourceHandle,
+    ptr: *mut c_void,
+    bytes: usize,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let h = unsafe { handle(resource, "resource") }?;
+        // SAFETY: point 3.
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+        // SAFETY: points 2 and 3 are the resource's `deallocate` contract.
+        unsafe { h.shared.deallocate(DeviceAddr(ptr as u64), bytes, s) }?;
+        Ok(())
+    })
+}
+
+/// Makes `resource` the current resource of `device` (the registry keeps its own reference: the handle
+/// may be destroyed afterwards). Allocations made from the previous resource keep it alive.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_set_current_device_resource(device: c_int, resource: *const ResourceHandle) -> c_int {
+    guard(|| {
+        // SAFETY: point 1.
+        let h = unsafe { handle(resource, "resource") }?;
+        registry::set(ordinal(device)?, h.shared.clone())?;
+        Ok(())
+    })
+}
+
+/// Writes a new handle to the current resource of `device` (made on first use: a resource over the
+/// device's default pool) to `*out`; release it with `mempool_resource_destroy`.
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_get_current_device_resource(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
+    guard(|| {
+        let mr = registry::current(ordinal(device)?)?;
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr)) }
+    })
+}

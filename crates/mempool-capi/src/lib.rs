@@ -1,0 +1,27 @@
+//! # mempool-capi
+//!
+//! The C ABI of mempool (`include/mempool.h`): resources (create, compose, destroy), allocation and
+//! deallocation on a stream, the per-device current resource, statistics, the calling thread's last
+//! error, and the two entry points PyTorch's pluggable allocator calls. Built as `libmempool_capi.so` for
+//! C and C++ programs, and linked into the Python extension (crates/mempool-py), which exports the same
+//! symbols, so that PyTorch, C code and Python in one process share one registry.
+//!
+//! No entry point lets a Rust panic unwind into its caller: each catches it and returns
+//! `MEMPOOL_ERROR_PANIC`. The one exception to "returns a status" is `mempool_torch_alloc`, which reports
+//! a failure to PyTorch as a C++ exception, because PyTorch ignores a null return (see [`torch`]).
+//!
+//! The Rust side of the Python package uses [`device`], [`registry`], [`owned::Allocation`] and
+//! [`error`] directly.
+
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod device;
+pub mod error;
+pub mod ffi;
+pub mod owned;
+pub mod registry;
+pub mod torch;
+
+pub use error::{Error, Result, Status};
