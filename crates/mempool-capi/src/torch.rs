@@ -20,7 +20,9 @@
 //! the allocating thread.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void};
+#[cfg(mempool_cxx_shim)]
+use std::ffi::c_char;
+use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -30,6 +32,10 @@ use mempool_rmm::SharedResource;
 
 use crate::error::{self, Error, Result};
 use crate::registry;
+
+/// Whether [`mempool_torch_alloc`] reports a failure as a C++ exception (the C++ shim was compiled in);
+/// without it, it returns null.
+pub const RAISES: bool = cfg!(mempool_cxx_shim);
 
 const SHARDS: usize = 16;
 

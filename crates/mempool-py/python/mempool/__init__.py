@@ -1,0 +1,40 @@
+"""mempool: CUDA stream-ordered memory pools and RMM-style memory resources, with RMM's Python API.
+
+- ``mempool.DeviceBuffer``: untyped device memory, with ``__cuda_array_interface__`` and DLPack.
+- ``mempool.mr``: memory resources and adaptors under RMM's names, and the per-device current resource.
+- ``mempool.allocators``: hooks that route CuPy, Numba and PyTorch allocations through mempool.
+- ``mempool.reinitialize``: set up every device's resource in one call.
+
+The package imports without a GPU or a driver; the first call that needs the driver raises a
+``mempool.MempoolError`` subclass naming the cause. (Sharing buffers between processes, ``mempool.ipc``, is
+a module of its own over mempool-ipc.)
+"""
+
+from . import mr
+from ._errors import (
+    DriverError,
+    DriverNotFoundError,
+    DriverTooOldError,
+    InvalidDeallocationError,
+    MempoolError,
+    NoDeviceError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
+from ._lib import DeviceBuffer
+from .mr import is_initialized, reinitialize
+
+__all__ = [
+    "DeviceBuffer",
+    "DriverError",
+    "DriverNotFoundError",
+    "DriverTooOldError",
+    "InvalidDeallocationError",
+    "MempoolError",
+    "NoDeviceError",
+    "OutOfMemoryError",
+    "UnsupportedError",
+    "is_initialized",
+    "mr",
+    "reinitialize",
+]

@@ -1,0 +1,120 @@
+"""Memory resources under RMM's Python names, over mempool-rmm (see ``help(mempool.mr.PoolMemoryResource)``
+and friends), and the per-device current resource.
+
+Every resource allocates on one device: the current device when it is made (``device=`` picks another for
+resources that allocate from the driver; adaptors and suballocators use their upstream's). Adaptors keep
+their upstream alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ._lib import (
+    ArenaMemoryResource,
+    BinningMemoryResource,
+    CudaAsyncMemoryResource,
+    CudaMemoryResource,
+    DeviceMemoryResource,
+    FailureCallbackResourceAdaptor,
+    FixedSizeMemoryResource,
+    LimitingResourceAdaptor,
+    LoggingResourceAdaptor,
+    ManagedMemoryResource,
+    PoolMemoryResource,
+    Statistics,
+    StatisticsResourceAdaptor,
+    TrackingResourceAdaptor,
+    device_count,
+    get_current_device,
+    get_per_device_resource,
+    set_per_device_resource,
+)
+
+__all__ = [
+    "ArenaMemoryResource",
+    "BinningMemoryResource",
+    "CudaAsyncMemoryResource",
+    "CudaMemoryResource",
+    "DeviceMemoryResource",
+    "FailureCallbackResourceAdaptor",
+    "FixedSizeMemoryResource",
+    "LimitingResourceAdaptor",
+    "LoggingResourceAdaptor",
+    "ManagedMemoryResource",
+    "PoolMemoryResource",
+    "Statistics",
+    "StatisticsResourceAdaptor",
+    "TrackingResourceAdaptor",
+    "device_count",
+    "get_current_device",
+    "get_current_device_resource",
+    "get_per_device_resource",
+    "is_initialized",
+    "reinitialize",
+    "set_current_device_resource",
+    "set_per_device_resource",
+]
+
+_initialized = False
+
+
+def set_current_device_resource(mr: DeviceMemoryResource) -> None:
+    """Makes ``mr`` the current device's resource (refused for a resource of another device).
+
+    Set it before allocating on the device: memory allocated from the previous resource stays valid (each
+    allocation keeps its resource alive) and is freed through that resource.
+    """
+    set_per_device_resource(get_current_device(), mr)
+
+
+def get_current_device_resource() -> DeviceMemoryResource:
+    """The current device's resource: the one set, or the default (a ``CudaAsyncMemoryResource`` over the
+    device's default pool)."""
+    return get_per_device_resource(get_current_device())
+
+
+def is_initialized() -> bool:
+    """Whether ``reinitialize`` has run in this process."""
+    return _initialized
+
+
+def reinitialize(
+    pool_allocator: bool = False,
+    managed_memory: bool = False,
+    initial_pool_size: int | None = None,
+    maximum_pool_size: int | None = None,
+    devices: int | Iterable[int] = 0,
+    logging: bool = False,
+    log_file_name: str | None = None,
+) -> None:
+    """Sets each of ``devices`` (an ordinal or several) to a new resource, as RMM's ``reinitialize``:
+
+    - ``CudaMemoryResource``, or ``ManagedMemoryResource`` with ``managed_memory``;
+    - under a ``PoolMemoryResource(initial_pool_size, maximum_pool_size)`` with ``pool_allocator``;
+    - under a ``LoggingResourceAdaptor`` with ``logging``, writing to ``log_file_name`` with ``.dev<N>``
+      inserted before its extension (one log per device), as RMM names them.
+
+    Memory allocated before keeps the resource it came from alive until it is freed.
+    """
+    global _initialized
+    if isinstance(devices, int):
+        devices = [devices]
+    devices = list(devices)
+    if logging and not log_file_name:
+        raise ValueError("reinitialize(logging=True) needs log_file_name")
+    for dev in devices:
+        if not isinstance(dev, int) or dev < 0:
+            raise ValueError(f"devices must be non-negative ordinals, got {dev!r}")
+    for dev in devices:
+        base = ManagedMemoryResource(device=dev) if managed_memory else CudaMemoryResource(device=dev)
+        mr: DeviceMemoryResource = base
+        if pool_allocator:
+            mr = PoolMemoryResource(mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
+        if logging:
+            assert log_file_name is not None
+            stem, dot, ext = log_file_name.rpartition(".")
+            name = f"{stem}.dev{dev}.{ext}" if dot else f"{log_file_name}.dev{dev}"
+            mr = LoggingResourceAdaptor(mr, log_file_name=name)
+        set_per_device_resource(dev, mr)
+    _initialized = True

@@ -1,0 +1,481 @@
+//! `mempool.DeviceBuffer`: untyped device memory from a resource, owned, freed on its stream when the last
+//! reference (the object, or a view made through `__cuda_array_interface__` or DLPack) goes away.
+
+use std::ffi::{c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
+
+use mempool_capi::owned::Allocation;
+use mempool_core::{DeviceAddr, Event, EventFlags, StreamRef};
+
+use crate::errors::IntoPy;
+use crate::mr::PyResource;
+use crate::stream::{self, StreamArg};
+
+/// Device memory of `size` bytes (uninitialised), from `mr` or the current device's resource, ordered on
+/// `stream`.
+#[pyclass(module = "mempool", name = "DeviceBuffer", frozen, weakref)]
+pub struct DeviceBuffer {
+    alloc: Allocation,
+    device: usize,
+    // Keeps a CuPy/Numba/PyTorch stream object alive while the memory may be freed on it.
+    _stream_owner: Option<Py<PyAny>>,
+}
+
+impl DeviceBuffer {
+    fn allocate(size: usize, s: StreamArg, mr: Option<&Bound<'_, PyResource>>) -> PyResult<DeviceBuffer> {
+        let (shared, device) = match mr {
+            Some(mr) => {
+                let r = mr.get();
+                (r.inner.clone(), r.device)
+            }
+            None => {
+                let device = mempool_capi::device::current().py()?;
+                (mempool_capi::registry::current(device).py()?, device)
+            }
+        };
+        // SAFETY: the stream is `s.owner`'s, which this buffer keeps alive until the allocation is freed on
+        // it; a raw integer (or None, the legacy stream) is the caller's documented promise that it outlives
+        // the buffer.
+        #[allow(unsafe_code)]
+        let alloc = unsafe { Allocation::new(shared, size, s.handle) }.py()?;
+        Ok(DeviceBuffer {
+            alloc,
+            device,
+            _stream_owner: s.owner,
+        })
+    }
+
+    /// `DeviceBuffer(size=, stream=, mr=)` for Rust callers (`DeviceMemoryResource.allocate`).
+    pub(crate) fn py_new(
+        size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<&Bound<'_, PyResource>>,
+    ) -> PyResult<DeviceBuffer> {
+        DeviceBuffer::allocate(size, stream::extract(stream)?, mr)
+    }
+
+    fn stream_ref(&self) -> StreamRef<'static> {
+        // SAFETY: the allocation's stream is live while the buffer is (see `allocate`).
+        #[allow(unsafe_code)]
+        unsafe {
+            StreamRef::from_raw(self.alloc.stream() as mempool_core::sys::CUstream)
+        }
+    }
+
+    fn copy_out(&self, py: Python<'_>, dst: &mut [u8]) -> PyResult<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let ctx = mempool_capi::device::context(self.device).py()?;
+        let (addr, s) = (DeviceAddr(self.alloc.addr()), self.stream_ref());
+        py.detach(|| {
+            // SAFETY: `addr..addr+len` is this buffer's memory (dst.len() <= size, checked by the callers),
+            // readable by work on its stream; the copy waits for the stream.
+            #[allow(unsafe_code)]
+            unsafe {
+                mempool_core::memory::copy_to_host(&ctx, dst, addr, s)
+            }
+        })
+        .py()
+    }
+
+    /// Makes `consumer` (a raw handle) wait for the work queued on the buffer's stream so far.
+    fn order_before(&self, consumer: usize) -> PyResult<()> {
+        let ours = self.alloc.stream();
+        let legacy = |h: usize| h == 0 || h == 1;
+        if ours == consumer || (legacy(ours) && legacy(consumer)) {
+            return Ok(());
+        }
+        let ctx = mempool_capi::device::context(self.device).py()?;
+        let _bound = ctx.bind().py()?;
+        let event = Event::new(&ctx, EventFlags::DISABLE_TIMING).py()?;
+        event.record(self.stream_ref().in_context(&ctx)).py()?;
+        // SAFETY: the consumer passed its own stream for this call (the DLPack protocol), live during it.
+        #[allow(unsafe_code)]
+        let c = unsafe { StreamRef::from_raw(consumer as mempool_core::sys::CUstream) };
+        c.wait(&event).py()
+    }
+}
+
+#[pymethods]
+impl DeviceBuffer {
+    #[new]
+    #[pyo3(signature = (*, size = 0, stream = None, mr = None))]
+    fn new(size: usize, stream: Option<&Bound<'_, PyAny>>, mr: Option<&Bound<'_, PyResource>>) -> PyResult<Self> {
+        DeviceBuffer::py_new(size, stream, mr)
+    }
+
+    /// A new buffer holding a copy of `host` (bytes, or any object exporting a buffer: its bytes in C order).
+    #[staticmethod]
+    #[pyo3(signature = (host, stream = None, mr = None))]
+    fn to_device(
+        py: Python<'_>,
+        host: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<&Bound<'_, PyResource>>,
+    ) -> PyResult<DeviceBuffer> {
+        let bytes: Bound<'_, PyBytes> = match host.cast::<PyBytes>() {
+            Ok(b) => b.clone(),
+            Err(_) => {
+                let view = py.import("builtins")?.getattr("memoryview")?.call1((host,))?;
+                view.call_method0("tobytes")?.cast_into::<PyBytes>()?
+            }
+        };
+        let src = bytes.as_bytes();
+        let buf = DeviceBuffer::allocate(src.len(), stream::extract(stream)?, mr)?;
+        if !src.is_empty() {
+            let ctx = mempool_capi::device::context(buf.device).py()?;
+            let (addr, s) = (DeviceAddr(buf.alloc.addr()), buf.stream_ref());
+            py.detach(|| {
+                // SAFETY: `addr` is the new buffer's memory of `src.len()` bytes, writable on its stream; the
+                // copy waits for the stream, and `bytes` (immutable) lives across it.
+                #[allow(unsafe_code)]
+                unsafe {
+                    mempool_core::memory::copy_to_device(&ctx, addr, src, s)
+                }
+            })
+            .py()?;
+        }
+        Ok(buf)
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.alloc.size()
+    }
+
+    /// The size in bytes (RMM's `nbytes`).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.alloc.size()
+    }
+
+    /// The device address (0 for 0 bytes).
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.alloc.addr()
+    }
+
+    /// The ordinal of the device the memory is on.
+    #[getter]
+    fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The raw handle of the stream the memory was allocated on and will be freed on (0: legacy default).
+    #[getter]
+    fn stream(&self) -> usize {
+        self.alloc.stream()
+    }
+
+    /// The contents as `bytes`.
+    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut result = Ok(());
+        let b = PyBytes::new_with(py, self.alloc.size(), |dst| {
+            result = self.copy_out(py, dst);
+            Ok(())
+        })?;
+        result.map(|()| b)
+    }
+
+    /// Copies the contents to host memory: into `ary` (a writable buffer of at least `size` bytes, returned)
+    /// or, without it, into a new `bytearray`.
+    #[pyo3(signature = (ary = None))]
+    fn copy_to_host<'py>(&self, py: Python<'py>, ary: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let size = self.alloc.size();
+        let out = PyByteArray::new_with(py, size, |dst| self.copy_out(py, dst))?;
+        let Some(ary) = ary else {
+            return Ok(out.into_any());
+        };
+        let view = py.import("builtins")?.getattr("memoryview")?.call1((&ary,))?.call_method1("cast", ("B",))?;
+        let n: usize = view.len()?;
+        if n < size {
+            return Err(PyValueError::new_err(format!(
+                "copy_to_host: the destination holds {n} bytes, the buffer {size}"
+            )));
+        }
+        let slice = py.import("builtins")?.getattr("slice")?.call1((0, size))?;
+        view.set_item(slice, out)?;
+        Ok(ary)
+    }
+
+    fn __len__(&self) -> usize {
+        self.alloc.size()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<mempool.DeviceBuffer size={} ptr={:#x} device={} resource={}>",
+            self.alloc.size(),
+            self.alloc.addr(),
+            self.device,
+            self.alloc.resource().name()
+        )
+    }
+
+    /// Version 3 of CUDA's array interface: a 1-D `uint8` array over the memory, with the buffer's stream
+    /// (consumers order their work after it).
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("shape", (self.alloc.size(),))?;
+        d.set_item("strides", py.None())?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.alloc.addr(), false))?;
+        d.set_item("version", 3)?;
+        // CAI v3: 1 is the legacy default stream (0 is not allowed).
+        let s = self.alloc.stream();
+        d.set_item("stream", if s == 0 { 1 } else { s })?;
+        Ok(d)
+    }
+
+    /// DLPack's device: `(kDLCUDA, device)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (KDL_CUDA, self.device as i32)
+    }
+
+    /// A DLPack capsule viewing the memory as a 1-D `uint8` tensor, without a copy; the capsule (and the
+    /// tensor a consumer builds from it) keeps the buffer alive. `stream` is the consumer's stream: the
+    /// buffer's stream's work so far is ordered before it (an event), unless it is -1 (no ordering).
+    /// `max_version` >= (1, 0) gets a versioned capsule (`dltensor_versioned`), else `dltensor`.
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__(
+        slf: &Bound<'_, Self>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let this = slf.get();
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "mempool.DeviceBuffer exports its memory without a copy; copy=True is not supported",
+            ));
+        }
+        if let Some(d) = dl_device {
+            if d != (KDL_CUDA, this.device as i32) {
+                return Err(PyBufferError::new_err(format!(
+                    "the buffer is on (kDLCUDA, {}); it cannot be exported to device {d:?} without a copy",
+                    this.device
+                )));
+            }
+        }
+        match stream {
+            Some(-1) => {}
+            Some(0) => {
+                return Err(PyValueError::new_err(
+                    "__dlpack__: stream 0 is ambiguous for CUDA (use 1 for the legacy default stream)",
+                ))
+            }
+            Some(s) if s < -1 => return Err(PyValueError::new_err(format!("__dlpack__: invalid stream {s}"))),
+            Some(s) => this.order_before(s as usize)?,
+            None => this.order_before(1)?,
+        }
+        let owner = slf.clone().into_any().unbind();
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        export(slf.py(), this, owner, versioned)
+    }
+}
+
+const KDL_CUDA: i32 = 2;
+
+#[repr(C)]
+#[derive(Copy, Clone)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Copy, Clone)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// One allocation holds the managed tensor (first, so a pointer to it is a pointer to the whole), its
+/// shape and strides, and the reference that keeps the buffer alive.
+#[repr(C)]
+struct Export<T> {
+    managed: T,
+    shape: [i64; 1],
+    strides: [i64; 1],
+    owner: Option<Py<PyAny>>,
+}
+
+const LEGACY_NAME: &CStr = c"dltensor";
+const VERSIONED_NAME: &CStr = c"dltensor_versioned";
+
+fn tensor(buf: &DeviceBuffer) -> DLTensor {
+    DLTensor {
+        data: buf.alloc.addr() as *mut c_void,
+        device: DLDevice {
+            device_type: KDL_CUDA,
+            device_id: buf.device as i32,
+        },
+        ndim: 1,
+        dtype: DLDataType { code: 1, bits: 8, lanes: 1 }, // kDLUInt, 8 bits
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// Frees an [`Export`]: drops its reference to the buffer (taking the GIL, since a consumer may call the
+/// deleter from any thread). Never unwinds.
+///
+/// # Safety
+/// 1. `p` came from `Box::into_raw` of an `Export<T>` in [`export`] and is freed once.
+#[allow(unsafe_code)]
+unsafe fn free_export<T>(p: *mut Export<T>) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: point 1.
+        let b = unsafe { Box::from_raw(p) };
+        Python::attach(move |_py| drop(b));
+    }));
+}
+
+#[allow(unsafe_code)]
+unsafe extern "C" fn delete_legacy(p: *mut DLManagedTensor) {
+    if !p.is_null() {
+        // SAFETY: the deleter is only set on the `managed` field (at offset 0, repr(C)) of an `Export` made
+        // by `export`; DLPack calls it once.
+        unsafe { free_export(p as *mut Export<DLManagedTensor>) }
+    }
+}
+
+#[allow(unsafe_code)]
+unsafe extern "C" fn delete_versioned(p: *mut DLManagedTensorVersioned) {
+    if !p.is_null() {
+        // SAFETY: as in `delete_legacy`.
+        unsafe { free_export(p as *mut Export<DLManagedTensorVersioned>) }
+    }
+}
+
+/// The capsule's destructor: a capsule still named `dltensor[_versioned]` was never consumed, so it still
+/// owns its tensor and calls the tensor's deleter (the DLPack specification's rule); a consumed capsule
+/// (renamed `used_dltensor[_versioned]`) owns nothing.
+#[allow(unsafe_code)]
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with the GIL held, on a live capsule.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, LEGACY_NAME.as_ptr()) == 1 {
+            let p = pyo3::ffi::PyCapsule_GetPointer(capsule, LEGACY_NAME.as_ptr()) as *mut DLManagedTensor;
+            if let Some(d) = p.as_ref().and_then(|m| m.deleter) {
+                d(p);
+            }
+        } else if pyo3::ffi::PyCapsule_IsValid(capsule, VERSIONED_NAME.as_ptr()) == 1 {
+            let p = pyo3::ffi::PyCapsule_GetPointer(capsule, VERSIONED_NAME.as_ptr()) as *mut DLManagedTensorVersioned;
+            if let Some(d) = p.as_ref().and_then(|m| m.deleter) {
+                d(p);
+            }
+        }
+    }
+}
+
+fn export(py: Python<'_>, buf: &DeviceBuffer, owner: Py<PyAny>, versioned: bool) -> PyResult<Py<PyAny>> {
+    let size = buf.alloc.size() as i64;
+    let (ptr, name): (*mut c_void, &CStr) = if versioned {
+        let b = Box::new(Export {
+            managed: DLManagedTensorVersioned {
+                version: DLPackVersion { major: 1, minor: 0 },
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_versioned),
+                flags: 0,
+                dl_tensor: tensor(buf),
+            },
+            shape: [size],
+            strides: [1],
+            owner: Some(owner),
+        });
+        let p = Box::into_raw(b);
+        // SAFETY: `p` is the live allocation just made; the shape and strides it points into live in it.
+        #[allow(unsafe_code)]
+        unsafe {
+            (*p).managed.manager_ctx = p as *mut c_void;
+            (*p).managed.dl_tensor.shape = (*p).shape.as_mut_ptr();
+            (*p).managed.dl_tensor.strides = (*p).strides.as_mut_ptr();
+        }
+        (p as *mut c_void, VERSIONED_NAME)
+    } else {
+        let b = Box::new(Export {
+            managed: DLManagedTensor {
+                dl_tensor: tensor(buf),
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_legacy),
+            },
+            shape: [size],
+            strides: [1],
+            owner: Some(owner),
+        });
+        let p = Box::into_raw(b);
+        // SAFETY: as above.
+        #[allow(unsafe_code)]
+        unsafe {
+            (*p).managed.manager_ctx = p as *mut c_void;
+            (*p).managed.dl_tensor.shape = (*p).shape.as_mut_ptr();
+            (*p).managed.dl_tensor.strides = (*p).strides.as_mut_ptr();
+        }
+        (p as *mut c_void, LEGACY_NAME)
+    };
+    // SAFETY: `ptr` is a live managed tensor whose ownership passes to the capsule (freed by
+    // `capsule_destructor` unless a consumer takes it); `name` is a static C string; the GIL is held.
+    #[allow(unsafe_code)]
+    let capsule = unsafe { pyo3::ffi::PyCapsule_New(ptr, name.as_ptr(), Some(capsule_destructor)) };
+    if capsule.is_null() {
+        // The capsule was not made: the tensor is still ours to free.
+        // SAFETY: `ptr` came from `Box::into_raw` above and nothing else holds it.
+        #[allow(unsafe_code)]
+        unsafe {
+            if versioned {
+                free_export(ptr as *mut Export<DLManagedTensorVersioned>)
+            } else {
+                free_export(ptr as *mut Export<DLManagedTensor>)
+            }
+        }
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `capsule` is a new, owned reference.
+    #[allow(unsafe_code)]
+    Ok(unsafe { Bound::from_owned_ptr(py, capsule) }.unbind())
+}
+

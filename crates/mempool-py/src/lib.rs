@@ -1,0 +1,87 @@
+//! The extension module `mempool._lib` of the `mempool` Python package (the package's Python half is
+//! `python/mempool/`). It imports without a GPU or driver: the first call that needs the driver raises a
+//! `mempool.MempoolError` subclass naming the cause.
+//!
+//! The module's shared object also exports mempool-capi's C entry points (`include/mempool.h`), which is
+//! how PyTorch's pluggable allocator (`mempool.allocators.torch`) finds `mempool_torch_alloc` and
+//! `mempool_torch_free`: they share this module's per-device registry.
+
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod buffer;
+mod errors;
+mod mr;
+mod stream;
+
+use pyo3::prelude::*;
+
+use crate::errors::IntoPy;
+
+// The C ABI is linked in for its exported symbols; naming the crate keeps the linker from dropping it.
+use mempool_capi as _;
+
+/// The ordinal of the calling thread's current device (its current CUDA context's, else 0).
+#[pyfunction]
+fn get_current_device() -> PyResult<usize> {
+    mempool_capi::device::current().py()
+}
+
+/// The number of visible devices.
+#[pyfunction]
+fn device_count() -> PyResult<usize> {
+    mempool_capi::device::count().py()
+}
+
+/// The path of this extension module's shared object (PyTorch's allocator loads its entry points from it).
+#[pyfunction]
+fn _shared_object_path(py: Python<'_>) -> PyResult<String> {
+    py.import("mempool._lib")?.getattr("__file__")?.extract()
+}
+
+/// Whether `mempool_torch_alloc` reports a failure as a C++ exception (the C++ shim was compiled in).
+#[pyfunction]
+fn _torch_alloc_raises() -> bool {
+    mempool_capi::torch::RAISES
+}
+
+/// `(live allocations, refused or failed frees)` of PyTorch's allocator entry points in this process.
+#[pyfunction]
+fn _torch_allocator_state() -> (usize, u64) {
+    (mempool_capi::torch::live_allocations(), mempool_capi::torch::free_failures())
+}
+
+/// The calling thread's last error of the C entry points ("" when the last call succeeded).
+#[pyfunction]
+fn _last_error() -> String {
+    mempool_capi::error::last_error()
+}
+
+#[pymodule]
+#[pyo3(name = "_lib")]
+fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<buffer::DeviceBuffer>()?;
+    m.add_class::<mr::PyResource>()?;
+    m.add_class::<mr::CudaMemoryResource>()?;
+    m.add_class::<mr::ManagedMemoryResource>()?;
+    m.add_class::<mr::CudaAsyncMemoryResource>()?;
+    m.add_class::<mr::PoolMemoryResource>()?;
+    m.add_class::<mr::FixedSizeMemoryResource>()?;
+    m.add_class::<mr::BinningMemoryResource>()?;
+    m.add_class::<mr::ArenaMemoryResource>()?;
+    m.add_class::<mr::Statistics>()?;
+    m.add_class::<mr::StatisticsResourceAdaptor>()?;
+    m.add_class::<mr::TrackingResourceAdaptor>()?;
+    m.add_class::<mr::LoggingResourceAdaptor>()?;
+    m.add_class::<mr::LimitingResourceAdaptor>()?;
+    m.add_class::<mr::FailureCallbackResourceAdaptor>()?;
+    m.add_function(wrap_pyfunction!(mr::set_per_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(mr::get_per_device_resource, m)?)?;
+    m.add_function(wrap_pyfunction!(get_current_device, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_shared_object_path, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_alloc_raises, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_allocator_state, m)?)?;
+    m.add_function(wrap_pyfunction!(_last_error, m)?)?;
+    Ok(())
+}

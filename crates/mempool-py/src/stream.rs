@@ -1,0 +1,86 @@
+//! Streams from Python: `None` (the legacy default stream), a raw integer handle, an object with the
+//! `__cuda_stream__` protocol (returns `(version, handle)`), a PyTorch stream (`.cuda_stream`), a CuPy
+//! stream (`.ptr`) or a Numba stream (`.handle`).
+//!
+//! mempool borrows the stream and never destroys it. A buffer keeps the Python object it was given alive
+//! (CuPy and Numba destroy a stream when its object is collected); a raw integer is the caller's promise
+//! that the stream outlives the buffer.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyTuple};
+
+/// A stream handle, with the Python object that owns it (kept alive while the handle is used).
+pub struct StreamArg {
+    /// The raw `CUstream` value; 0 is the legacy default stream.
+    pub handle: usize,
+    /// The object the handle came from, when it was not `None` or a plain integer.
+    pub owner: Option<Py<PyAny>>,
+}
+
+fn int_handle(v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if v.is_none() {
+        return Ok(0);
+    }
+    // ctypes.c_void_p (Numba's handle without the NVIDIA binding): its value, None for NULL.
+    if let Ok(value) = v.getattr("value") {
+        if !v.is_instance_of::<PyInt>() {
+            return int_handle(&value, what);
+        }
+    }
+    let i: i128 = match v.extract() {
+        Ok(i) => i,
+        Err(_) => v
+            .call_method0("__int__")
+            .and_then(|i| i.extract())
+            .map_err(|_| PyTypeError::new_err(format!("{what} is not an integer handle")))?,
+    };
+    usize::try_from(i).map_err(|_| PyValueError::new_err(format!("{what} {i} is not a valid stream handle")))
+}
+
+/// Reads a stream argument (see the module documentation).
+pub fn extract(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StreamArg> {
+    let Some(obj) = obj else {
+        return Ok(StreamArg { handle: 0, owner: None });
+    };
+    if obj.is_none() {
+        return Ok(StreamArg { handle: 0, owner: None });
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(StreamArg {
+            handle: int_handle(obj, "stream")?,
+            owner: None,
+        });
+    }
+    let owner = Some(obj.clone().unbind());
+    if obj.hasattr("__cuda_stream__")? {
+        let t = obj.call_method0("__cuda_stream__")?;
+        let t = t
+            .cast::<PyTuple>()
+            .map_err(|_| PyTypeError::new_err("__cuda_stream__ must return a (version, handle) tuple"))?;
+        if t.len() != 2 {
+            return Err(PyTypeError::new_err("__cuda_stream__ must return a (version, handle) tuple"));
+        }
+        return Ok(StreamArg {
+            handle: int_handle(&t.get_item(1)?, "__cuda_stream__ handle")?,
+            owner,
+        });
+    }
+    for (attr, what) in [
+        ("cuda_stream", "torch stream's cuda_stream"),
+        ("ptr", "CuPy stream's ptr"),
+        ("handle", "Numba stream's handle"),
+    ] {
+        if let Ok(v) = obj.getattr(attr) {
+            return Ok(StreamArg {
+                handle: int_handle(&v, what)?,
+                owner,
+            });
+        }
+    }
+    Err(PyTypeError::new_err(format!(
+        "stream must be None, an integer handle, an object with __cuda_stream__, or a PyTorch, CuPy or Numba \
+         stream; got {}",
+        obj.get_type().name()?
+    )))
+}

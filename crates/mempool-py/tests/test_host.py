@@ -1,0 +1,186 @@
+"""Host tests: no GPU needed. Import, the exceptions that name the cause without a driver, argument
+validation, the API against the type stubs, the C entry points of the extension module."""
+
+import ast
+import ctypes
+import importlib
+import inspect
+import pathlib
+
+import pytest
+
+import mempool
+import mempool._lib as lib
+from mempool import mr
+
+
+def test_imports_without_a_gpu():
+    assert mempool.DeviceBuffer is lib.DeviceBuffer
+    assert mr.PoolMemoryResource is lib.PoolMemoryResource
+    assert callable(mempool.reinitialize)
+    assert not mempool.is_initialized()
+
+
+def test_exception_hierarchy():
+    assert issubclass(mempool.OutOfMemoryError, MemoryError)
+    assert issubclass(mempool.OutOfMemoryError, mempool.MempoolError)
+    for e in (mempool.DriverNotFoundError, mempool.NoDeviceError, mempool.UnsupportedError, mempool.DriverError):
+        assert issubclass(e, mempool.MempoolError) and issubclass(e, RuntimeError)
+
+
+def test_first_driver_call_names_the_missing_driver(no_driver):
+    if not no_driver:
+        return
+    for call in (
+        lambda: mempool.DeviceBuffer(size=100),
+        lambda: mempool.DeviceBuffer.to_device(b"abc"),
+        lambda: mr.CudaMemoryResource(),
+        lambda: mr.CudaAsyncMemoryResource(),
+        lambda: mr.ManagedMemoryResource(device=0),
+        lambda: mr.get_current_device_resource(),
+        lambda: mr.device_count(),
+        lambda: mempool.reinitialize(pool_allocator=True, initial_pool_size=2**20),
+    ):
+        with pytest.raises(mempool.DriverNotFoundError) as e:
+            call()
+        assert "driver" in str(e.value).lower(), str(e.value)
+
+
+def test_argument_validation_before_the_driver():
+    with pytest.raises(OverflowError):
+        mempool.DeviceBuffer(size=-1)
+    with pytest.raises(TypeError):
+        mempool.DeviceBuffer(size="100")
+    with pytest.raises(TypeError):
+        mempool.DeviceBuffer(100)  # size is keyword-only, as RMM's
+    with pytest.raises(TypeError, match="stream must be"):
+        mempool.DeviceBuffer(size=1, stream=object())
+    with pytest.raises(ValueError, match="not a valid stream handle"):
+        mempool.DeviceBuffer(size=1, stream=-5)
+
+    class BadProtocol:
+        def __cuda_stream__(self):
+            return 7
+
+    with pytest.raises(TypeError, match="__cuda_stream__"):
+        mempool.DeviceBuffer(size=1, stream=BadProtocol())
+    with pytest.raises(TypeError):
+        mr.PoolMemoryResource(None)
+    with pytest.raises(TypeError):
+        mr.StatisticsResourceAdaptor(object())
+    with pytest.raises(TypeError):
+        mr.set_current_device_resource("not a resource")
+    with pytest.raises(ValueError, match="log_file_name"):
+        mempool.reinitialize(logging=True)
+    with pytest.raises(ValueError, match="ordinals"):
+        mempool.reinitialize(devices=[-1])
+
+
+def test_stream_protocols_are_read_before_the_driver(no_driver):
+    """Every accepted stream form gets past argument parsing (it then fails on the missing driver)."""
+    if not no_driver:
+        return
+
+    class Protocol:
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    class TorchLike:
+        cuda_stream = 0
+
+    class CupyLike:
+        ptr = 0
+
+    class NumbaLike:
+        handle = ctypes.c_void_p(None)
+
+    for s in (None, 0, 1, 2, Protocol(), TorchLike(), CupyLike(), NumbaLike()):
+        with pytest.raises(mempool.DriverNotFoundError):
+            mempool.DeviceBuffer(size=8, stream=s)
+
+
+def _stub_tree():
+    text = pathlib.Path(lib.__file__).with_name("_lib.pyi").read_text()
+    return ast.parse(text)
+
+
+def test_api_matches_the_stubs():
+    tree = _stub_tree()
+    stub_names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            stub_names.add(node.name)
+            cls = getattr(lib, node.name)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name != "__init__":
+                    assert hasattr(cls, item.name), f"{node.name}.{item.name} is in the stubs, not in the module"
+            for name, value in vars(cls).items():
+                if not name.startswith("_") and (callable(value) or inspect.isdatadescriptor(value)):
+                    stubbed = {i.name for i in node.body if isinstance(i, ast.FunctionDef)}
+                    inherited = any(name in vars(b) for b in cls.__mro__[1:])
+                    assert name in stubbed or inherited, f"{node.name}.{name} is missing from the stubs"
+        elif isinstance(node, ast.FunctionDef):
+            stub_names.add(node.name)
+            assert callable(getattr(lib, node.name)), node.name
+    public = {n for n in dir(lib) if not n.startswith("__")}
+    assert public - {"Stream"} <= stub_names | {"Stream"}, public - stub_names
+    # The package's own modules are typed inline; py.typed marks the package as typed.
+    assert pathlib.Path(mempool.__file__).with_name("py.typed").exists()
+
+
+def test_rmm_names_are_there():
+    for name in (
+        "CudaMemoryResource CudaAsyncMemoryResource ManagedMemoryResource PoolMemoryResource "
+        "FixedSizeMemoryResource BinningMemoryResource ArenaMemoryResource StatisticsResourceAdaptor "
+        "TrackingResourceAdaptor LoggingResourceAdaptor LimitingResourceAdaptor FailureCallbackResourceAdaptor "
+        "set_current_device_resource get_current_device_resource set_per_device_resource "
+        "get_per_device_resource"
+    ).split():
+        assert hasattr(mr, name), name
+    assert issubclass(mr.PoolMemoryResource, mr.DeviceMemoryResource)
+    params = inspect.signature(mempool.reinitialize).parameters
+    assert list(params) == [
+        "pool_allocator",
+        "managed_memory",
+        "initial_pool_size",
+        "maximum_pool_size",
+        "devices",
+        "logging",
+        "log_file_name",
+    ]
+
+
+@pytest.mark.parametrize(
+    "module, framework",
+    [("mempool.allocators.cupy", "CuPy"), ("mempool.allocators.numba", "Numba"), ("mempool.allocators.torch", "PyTorch")],
+)
+def test_missing_framework_is_named(module, framework):
+    top = {"CuPy": "cupy", "Numba": "numba", "PyTorch": "torch"}[framework]
+    try:
+        importlib.import_module(top)
+        return  # installed here: nothing to check
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match=framework):
+        importlib.import_module(module)
+
+
+def test_extension_exports_the_c_abi(no_driver):
+    so = ctypes.CDLL(lib._shared_object_path())
+    for sym in ("mempool_torch_alloc", "mempool_torch_alloc_nullable", "mempool_torch_free", "mempool_allocate",
+                "mempool_last_error", "mempool_set_current_device_resource"):
+        assert hasattr(so, sym), sym
+    assert lib._torch_alloc_raises(), "built without the C++ shim: PyTorch out-of-memory could not raise"
+    so.mempool_last_error.restype = ctypes.c_char_p
+    so.mempool_status_name.restype = ctypes.c_char_p
+    assert so.mempool_status_name(5) == b"MEMPOOL_ERROR_OUT_OF_MEMORY"
+    n = ctypes.c_int(-1)
+    rc = so.mempool_device_count(ctypes.byref(n))
+    if no_driver:
+        assert rc == 2 and b"driver" in so.mempool_last_error().lower()
+    # PyTorch's free of a pointer mempool never handed out is refused, not freed, and counted.
+    so.mempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    before = lib._torch_allocator_state()[1]
+    so.mempool_torch_free(0x100000, 256, 0, None)
+    assert lib._torch_allocator_state()[1] == before + 1
+    assert b"did not hand out" in so.mempool_last_error()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds the `mempool` wheel (crates/mempool-py) and runs its host pytest suite (`-m "not gpu"`).
+# Makes a virtual environment under target/python-venv, installs maturin and pytest from PyPI into it,
+# builds the wheel with maturin (debug profile: quicker to build; the tests time nothing) into target/wheels, installs it, and runs pytest from outside the source
+# tree, so the installed wheel is what gets imported. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venv=target/python-venv
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9.4,<2" pytest
+rm -rf target/wheels
+(cd crates/mempool-py && "$root/$venv/bin/maturin" build --quiet -o "$root/target/wheels")
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/mempool-*.whl
+cd /tmp
+"$root/$venv/bin/python" -m pytest -p no:cacheprovider --import-mode=importlib --rootdir "$root/crates/mempool-py" \
+  "$root/crates/mempool-py/tests" -m "not gpu" "$@"

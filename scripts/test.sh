@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: the workspace's host tests, then the Python package's wheel build and host
+# pytest suite (scripts/python-tests.sh). Needs a Rust toolchain and python3 with pip (and venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo test --workspace
+scripts/python-tests.sh
