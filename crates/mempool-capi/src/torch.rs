@@ -41,13 +41,16 @@ const SHARDS: usize = 16;
 
 /// Every live allocation PyTorch holds: address -> (size, resource). Sharded by address so that threads
 /// allocating at once rarely meet on one lock.
-static LIVE: [Mutex<Option<HashMap<u64, (usize, SharedResource)>>>; SHARDS] = [const { Mutex::new(None) }; SHARDS];
+/// One shard of the live allocations: address -> (size, resource).
+type Shard = Mutex<Option<HashMap<u64, (usize, SharedResource)>>>;
+
+static LIVE: [Shard; SHARDS] = [const { Mutex::new(None) }; SHARDS];
 
 /// Frees that failed (an unknown pointer, a size that does not match, a driver error); see
 /// [`free_failures`].
 static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
 
-fn shard(addr: u64) -> &'static Mutex<Option<HashMap<u64, (usize, SharedResource)>>> {
+fn shard(addr: u64) -> &'static Shard {
     // Allocations are 256-byte aligned: the bits above the alignment spread them.
     &LIVE[((addr >> 8) as usize) % SHARDS]
 }

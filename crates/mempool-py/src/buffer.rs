@@ -49,15 +49,6 @@ impl DeviceBuffer {
         })
     }
 
-    /// `DeviceBuffer(size=, stream=, mr=)` for Rust callers (`DeviceMemoryResource.allocate`).
-    pub(crate) fn py_new(
-        size: usize,
-        stream: Option<&Bound<'_, PyAny>>,
-        mr: Option<&Bound<'_, PyResource>>,
-    ) -> PyResult<DeviceBuffer> {
-        DeviceBuffer::allocate(size, stream::extract(stream)?, mr)
-    }
-
     fn stream_ref(&self) -> StreamRef<'static> {
         // SAFETY: the allocation's stream is live while the buffer is (see `allocate`).
         #[allow(unsafe_code)]
@@ -106,7 +97,7 @@ impl DeviceBuffer {
     #[new]
     #[pyo3(signature = (*, size = 0, stream = None, mr = None))]
     fn new(size: usize, stream: Option<&Bound<'_, PyAny>>, mr: Option<&Bound<'_, PyResource>>) -> PyResult<Self> {
-        DeviceBuffer::py_new(size, stream, mr)
+        DeviceBuffer::allocate(size, stream::extract(stream)?, mr)
     }
 
     /// A new buffer holding a copy of `host` (bytes, or any object exporting a buffer: its bytes in C order).
@@ -192,7 +183,11 @@ impl DeviceBuffer {
         let Some(ary) = ary else {
             return Ok(out.into_any());
         };
-        let view = py.import("builtins")?.getattr("memoryview")?.call1((&ary,))?.call_method1("cast", ("B",))?;
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((&ary,))?
+            .call_method1("cast", ("B",))?;
         let n: usize = view.len()?;
         if n < size {
             return Err(PyValueError::new_err(format!(
@@ -353,7 +348,11 @@ fn tensor(buf: &DeviceBuffer) -> DLTensor {
             device_id: buf.device as i32,
         },
         ndim: 1,
-        dtype: DLDataType { code: 1, bits: 8, lanes: 1 }, // kDLUInt, 8 bits
+        dtype: DLDataType {
+            code: 1,
+            bits: 8,
+            lanes: 1,
+        }, // kDLUInt, 8 bits
         shape: std::ptr::null_mut(),
         strides: std::ptr::null_mut(),
         byte_offset: 0,
@@ -478,4 +477,3 @@ fn export(py: Python<'_>, buf: &DeviceBuffer, owner: Py<PyAny>, versioned: bool)
     #[allow(unsafe_code)]
     Ok(unsafe { Bound::from_owned_ptr(py, capsule) }.unbind())
 }
-

@@ -48,7 +48,10 @@ fn _torch_alloc_raises() -> bool {
 /// `(live allocations, refused or failed frees)` of PyTorch's allocator entry points in this process.
 #[pyfunction]
 fn _torch_allocator_state() -> (usize, u64) {
-    (mempool_capi::torch::live_allocations(), mempool_capi::torch::free_failures())
+    (
+        mempool_capi::torch::live_allocations(),
+        mempool_capi::torch::free_failures(),
+    )
 }
 
 /// The calling thread's last error of the C entry points ("" when the last call succeeded).

@@ -23,7 +23,8 @@ use mempool_rmm::{
 
 use crate::errors::IntoPy;
 
-/// The base of every resource (RMM's `DeviceMemoryResource`): the Rust resource, the device it allocates
+/// The base of every resource (RMM's `DeviceMemoryResource`; allocate from one with
+/// `mempool.DeviceBuffer(size=, mr=)`): the Rust resource, the device it allocates
 /// on, and the Python upstream it keeps alive.
 #[pyclass(module = "mempool.mr", name = "DeviceMemoryResource", subclass, frozen, weakref)]
 pub struct PyResource {
@@ -69,16 +70,6 @@ impl PyResource {
     #[getter]
     fn name(&self) -> &'static str {
         self.inner.name()
-    }
-    /// Allocates `nbytes` on `stream` and returns them as an owning `mempool.DeviceBuffer` (RMM returns a raw
-    /// pointer that the caller must free through the same resource; mempool hands out an owner instead).
-    #[pyo3(signature = (nbytes, stream = None))]
-    fn allocate(
-        slf: &Bound<'_, Self>,
-        nbytes: usize,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<crate::buffer::DeviceBuffer> {
-        crate::buffer::DeviceBuffer::py_new(nbytes, stream, Some(slf))
     }
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         Ok(format!(
@@ -251,7 +242,9 @@ fn fixed_size(upstream: &Bound<'_, PyResource>, block_size: usize, blocks: usize
         blocks_per_chunk: blocks as u64,
         ..FixedSizeConfig::default()
     };
-    Ok(Arc::new(FixedSizeResource::new(upstream.get().inner.clone(), &ctx, config).py()?))
+    Ok(Arc::new(
+        FixedSizeResource::new(upstream.get().inner.clone(), &ctx, config).py()?,
+    ))
 }
 
 #[pymethods]
@@ -340,10 +333,12 @@ impl BinningMemoryResource {
             used: AtomicBool::new(false),
         });
         let shared: SharedResource = router.clone();
-        Ok(PyResource::over(shared, upstream_mr).add_subclass(BinningMemoryResource {
-            router,
-            bin_objects: Mutex::new(Vec::new()),
-        }))
+        Ok(
+            PyResource::over(shared, upstream_mr).add_subclass(BinningMemoryResource {
+                router,
+                bin_objects: Mutex::new(Vec::new()),
+            }),
+        )
     }
 
     /// Adds a bin serving requests up to `allocation_size`: `bin_resource`, or a new
@@ -374,11 +369,18 @@ impl BinningMemoryResource {
                         base.get().device
                     )));
                 }
-                this.bin_objects.lock().unwrap_or_else(|p| p.into_inner()).push(r.clone().into_any().unbind());
+                this.bin_objects
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(r.clone().into_any().unbind());
                 r.get().inner.clone()
             }
             None => {
-                let up = base.get().upstream.as_ref().expect("a binning resource has an upstream");
+                let up = base
+                    .get()
+                    .upstream
+                    .as_ref()
+                    .expect("a binning resource has an upstream");
                 let up = up.bind(slf.py()).cast::<PyResource>()?;
                 fixed_size(up, allocation_size, 128)?
             }
@@ -393,7 +395,13 @@ impl BinningMemoryResource {
     /// The sizes of the bins, ascending.
     #[getter]
     fn bin_sizes(&self) -> Vec<usize> {
-        self.router.bins.read().unwrap_or_else(|p| p.into_inner()).iter().map(|(s, _)| *s).collect()
+        self.router
+            .bins
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(s, _)| *s)
+            .collect()
     }
 }
 
@@ -458,7 +466,12 @@ impl Statistics {
         format!(
             "Statistics(current_bytes={}, current_count={}, peak_bytes={}, peak_count={}, total_bytes={}, \
              total_count={})",
-            self.current_bytes, self.current_count, self.peak_bytes, self.peak_count, self.total_bytes, self.total_count
+            self.current_bytes,
+            self.current_count,
+            self.peak_bytes,
+            self.peak_count,
+            self.total_bytes,
+            self.total_count
         )
     }
 }
@@ -602,7 +615,9 @@ impl FailureCallbackResourceAdaptor {
     #[new]
     fn new(upstream_mr: &Bound<'_, PyResource>, callback: Bound<'_, PyAny>) -> PyResult<PyClassInitializer<Self>> {
         if !callback.is_callable() {
-            return Err(pyo3::exceptions::PyTypeError::new_err("callback must be callable: callback(nbytes) -> bool"));
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "callback must be callable: callback(nbytes) -> bool",
+            ));
         }
         let cb = callback.clone().unbind();
         // `Py<PyAny>` is Send + Sync; the closure takes the GIL to call it (re-entrantly when the allocating
@@ -617,9 +632,11 @@ impl FailureCallbackResourceAdaptor {
             })
         };
         let mr: SharedResource = Arc::new(FailureCallbackAdaptor::new(upstream_mr.get().inner.clone(), f));
-        Ok(PyResource::over(mr, upstream_mr).add_subclass(FailureCallbackResourceAdaptor {
-            callback: callback.unbind(),
-        }))
+        Ok(
+            PyResource::over(mr, upstream_mr).add_subclass(FailureCallbackResourceAdaptor {
+                callback: callback.unbind(),
+            }),
+        )
     }
     /// The callback.
     #[getter]
@@ -670,7 +687,9 @@ pub fn get_per_device_resource(py: Python<'_>, device: usize) -> PyResult<Py<PyA
         }
     }
     let obj = if shared.name() == "AsyncResource" {
-        Bound::new(py, CudaAsyncMemoryResource::wrap(shared, device))?.into_any().unbind()
+        Bound::new(py, CudaAsyncMemoryResource::wrap(shared, device))?
+            .into_any()
+            .unbind()
     } else {
         Bound::new(py, PyResource::leaf(shared, device))?.into_any().unbind()
     };

@@ -59,7 +59,9 @@ pub fn extract(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StreamArg> {
             .cast::<PyTuple>()
             .map_err(|_| PyTypeError::new_err("__cuda_stream__ must return a (version, handle) tuple"))?;
         if t.len() != 2 {
-            return Err(PyTypeError::new_err("__cuda_stream__ must return a (version, handle) tuple"));
+            return Err(PyTypeError::new_err(
+                "__cuda_stream__ must return a (version, handle) tuple",
+            ));
         }
         return Ok(StreamArg {
             handle: int_handle(&t.get_item(1)?, "__cuda_stream__ handle")?,

@@ -65,6 +65,8 @@ def set_current_device_resource(mr: DeviceMemoryResource) -> None:
     Set it before allocating on the device: memory allocated from the previous resource stays valid (each
     allocation keeps its resource alive) and is freed through that resource.
     """
+    if not isinstance(mr, DeviceMemoryResource):
+        raise TypeError(f"set_current_device_resource needs a mempool.mr resource, got {type(mr).__name__}")
     set_per_device_resource(get_current_device(), mr)
 
 

@@ -1,0 +1,331 @@
+"""GPU tests (marked gpu; they fail, never skip, without a GPU). Frameworks that must not initialise CUDA
+first (PyTorch's change_current_allocator) run in subprocesses; each prints what it saw on failure."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mempool
+from mempool import mr
+
+pytestmark = pytest.mark.gpu
+
+
+def run_py(code: str, env=None, timeout=300) -> str:
+    """Runs `code` in a fresh interpreter; fails the test with its output unless it exits 0."""
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p.stdout
+
+
+def test_device_buffer_round_trip():
+    buf = mempool.DeviceBuffer(size=100)
+    assert buf.size == 100 and buf.ptr != 0 and buf.ptr % 256 == 0
+    data = bytes(range(256)) * 40
+    d = mempool.DeviceBuffer.to_device(data)
+    assert d.size == len(data)
+    assert d.tobytes() == data
+    assert bytes(d.copy_to_host()) == data
+    out = bytearray(len(data))
+    assert d.copy_to_host(out) is out and bytes(out) == data
+    assert mempool.DeviceBuffer(size=0).ptr == 0
+
+
+def test_user_guide_numpy_snippet():
+    import numpy as np
+    a = np.array([1, 2, 3], dtype="float64")
+    buf = mempool.DeviceBuffer.to_device(a.view("int8"))
+    assert buf.size == 24
+    assert np.frombuffer(buf.tobytes()).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_cuda_array_interface_v3():
+    buf = mempool.DeviceBuffer(size=64)
+    cai = buf.__cuda_array_interface__
+    assert cai["version"] == 3 and cai["shape"] == (64,) and cai["typestr"] == "|u1"
+    assert cai["data"] == (buf.ptr, False) and cai["stream"] == 1
+
+
+def test_every_resource_allocates():
+    dev = mr.get_current_device()
+    cuda = mr.CudaMemoryResource()
+    resources = {
+        "cuda": cuda,
+        "async": mr.CudaAsyncMemoryResource(),
+        "managed": mr.ManagedMemoryResource(),
+        "pool": mr.PoolMemoryResource(cuda, initial_pool_size=2**24, maximum_pool_size=2**26),
+        "fixed": mr.FixedSizeMemoryResource(cuda, block_size=2**16, blocks_to_preallocate=4),
+        "binning": mr.BinningMemoryResource(cuda, 10, 16),
+        "arena": mr.ArenaMemoryResource(cuda, arena_size=2**24),
+        "stats": mr.StatisticsResourceAdaptor(cuda),
+        "tracking": mr.TrackingResourceAdaptor(cuda),
+        "limiting": mr.LimitingResourceAdaptor(cuda, 2**20),
+        "failure": mr.FailureCallbackResourceAdaptor(cuda, lambda n: False),
+    }
+    for name, r in resources.items():
+        assert r.device == dev
+        b = mempool.DeviceBuffer(size=1000, mr=r)
+        assert b.ptr % 256 == 0, name
+        b2 = mempool.DeviceBuffer.to_device(b"x" * 1000, mr=r)
+        assert b2.tobytes() == b"x" * 1000, name
+        del b, b2
+
+
+def test_composition_and_current_resource():
+    old = mr.get_current_device_resource()
+    pool = mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=2**24, maximum_pool_size=2**25)
+    stats = mr.StatisticsResourceAdaptor(pool)
+    lim = mr.LimitingResourceAdaptor(stats, 2**22)
+    assert lim.upstream_mr is stats and stats.get_upstream() is pool
+    mr.set_current_device_resource(lim)
+    try:
+        assert mr.get_current_device_resource() is lim
+        b = mempool.DeviceBuffer(size=1234)
+        assert stats.allocation_counts.current_bytes == 1234 and lim.get_allocated_bytes() == 1234
+        assert pool.pool_size() >= 2**24
+        with pytest.raises(mempool.OutOfMemoryError) as e:
+            mempool.DeviceBuffer(size=2**23)
+        assert str(2**23) in str(e.value), str(e.value)
+        del b
+        assert stats.allocation_counts.current_bytes == 0 and stats.allocation_counts.peak_bytes == 1234
+    finally:
+        mr.set_current_device_resource(old)
+
+
+def test_pool_out_of_memory_names_the_size():
+    pool = mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=2**20, maximum_pool_size=2**21)
+    with pytest.raises(MemoryError) as e:
+        mempool.DeviceBuffer(size=2**22, mr=pool)
+    assert isinstance(e.value, mempool.OutOfMemoryError) and str(2**22) in str(e.value), str(e.value)
+
+
+def test_binning_add_bin_and_failure_callback():
+    cuda = mr.CudaMemoryResource()
+    b = mr.BinningMemoryResource(cuda)
+    b.add_bin(4096)
+    b.add_bin(2**20, mr.FixedSizeMemoryResource(cuda, block_size=2**20))
+    assert b.bin_sizes == [4096, 2**20]
+    x = mempool.DeviceBuffer(size=100, mr=b)
+    with pytest.raises(ValueError, match="add_bin after"):
+        b.add_bin(8192)
+    del x
+    calls = []
+    limited = mr.LimitingResourceAdaptor(cuda, 1000)
+    fc = mr.FailureCallbackResourceAdaptor(limited, lambda n: calls.append(n) is None and len(calls) < 3)
+    with pytest.raises(mempool.OutOfMemoryError):
+        mempool.DeviceBuffer(size=5000, mr=fc)
+    assert calls == [5000, 5000, 5000]
+
+
+def test_reinitialize_pool_and_logging(tmp_path):
+    old = mr.get_current_device_resource()
+    log = tmp_path / "log.csv"
+    try:
+        mempool.reinitialize(pool_allocator=True, initial_pool_size=2**24, maximum_pool_size=2**26, logging=True,
+                             log_file_name=str(log))
+        cur = mr.get_current_device_resource()
+        assert isinstance(cur, mr.LoggingResourceAdaptor) and isinstance(cur.upstream_mr, mr.PoolMemoryResource)
+        b = mempool.DeviceBuffer(size=4096)
+        del b
+        cur.flush()
+        text = (tmp_path / f"log.dev{mr.get_current_device()}.csv").read_text()
+        assert "allocate" in text and "4096" in text, text
+        mempool.reinitialize(managed_memory=True)
+        assert isinstance(mr.get_current_device_resource(), mr.ManagedMemoryResource)
+        assert mempool.is_initialized()
+    finally:
+        mr.set_current_device_resource(old)
+
+
+def test_dlpack_torch_cupy_numba_zero_copy_and_keep_alive():
+    import cupy
+    import torch
+    from numba import cuda
+
+    buf = mempool.DeviceBuffer.to_device(bytes(range(200)))
+    ptr = buf.ptr
+    t = torch.from_dlpack(buf)
+    c = cupy.from_dlpack(buf)
+    n = cuda.as_cuda_array(buf)
+    ca = cupy.asarray(buf)  # through __cuda_array_interface__
+    assert t.data_ptr() == ptr and c.data.ptr == ptr and n.__cuda_array_interface__["data"][0] == ptr
+    assert ca.data.ptr == ptr
+    del buf
+    gc.collect()
+    # The views keep the memory alive: its contents are intact after the buffer object is gone.
+    assert t.cpu().tolist() == list(range(200))
+    assert c.get().tolist() == list(range(200))
+    assert n.copy_to_host().tolist() == list(range(200))
+    # Legacy (unversioned) capsule too.
+    b2 = mempool.DeviceBuffer.to_device(b"\x05" * 8)
+    cap = b2.__dlpack__(stream=-1)
+    t2 = torch.utils.dlpack.from_dlpack(cap)
+    assert t2.data_ptr() == b2.ptr and t2.cpu().tolist() == [5] * 8
+    # A capsule never consumed frees its reference: the buffer can be collected.
+    import weakref
+
+    b3 = mempool.DeviceBuffer(size=16)
+    w = weakref.ref(b3)
+    b3.__dlpack__(stream=-1)
+    del b3
+    gc.collect()
+    assert w() is None
+
+
+def test_dlpack_orders_a_consumer_stream_after_the_buffer_stream():
+    import torch
+
+    s = torch.cuda.Stream()
+    buf = mempool.DeviceBuffer.to_device(b"\x07" * 1024, stream=s)
+    assert buf.stream == s.cuda_stream
+    t = torch.from_dlpack(buf)  # torch passes its current stream; mempool makes it wait on `s`
+    assert int(t.sum().item()) == 7 * 1024
+
+
+def test_cupy_allocates_through_mempool():
+    import cupy
+
+    from mempool.allocators.cupy import mempool_cupy_allocator
+
+    old = mr.get_current_device_resource()
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    mr.set_current_device_resource(stats)
+    cupy.cuda.set_allocator(mempool_cupy_allocator)
+    try:
+        a = cupy.arange(1000, dtype=cupy.float32)
+        assert stats.allocation_counts.current_bytes >= 4000, stats.allocation_counts
+        assert float((a * 2).sum()) == 999000.0
+        del a
+    finally:
+        cupy.cuda.set_allocator(None)
+        mr.set_current_device_resource(old)
+
+
+def test_numba_allocates_through_mempool_by_environment():
+    out = run_py(
+        """
+        from numba import cuda
+        import numpy as np
+        import mempool
+        from mempool import mr
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        mr.set_current_device_resource(stats)
+        a = cuda.to_device(np.arange(1000, dtype=np.float64))
+        print("bytes", stats.allocation_counts.current_bytes)
+        assert stats.allocation_counts.current_bytes == 8000, stats.allocation_counts
+        assert a.copy_to_host().sum() == 499500
+        """,
+        env={"NUMBA_CUDA_MEMORY_MANAGER": "mempool.allocators.numba"},
+    )
+    assert "bytes 8000" in out
+
+
+def test_numba_set_memory_manager():
+    run_py(
+        """
+        from numba import cuda
+        import numpy as np
+        from mempool import mr
+        from mempool.allocators.numba import MempoolNumbaManager
+        cuda.set_memory_manager(MempoolNumbaManager)
+        stats = mr.StatisticsResourceAdaptor(mr.CudaMemoryResource())
+        mr.set_current_device_resource(stats)
+        a = cuda.device_array(512, dtype=np.float32)
+        assert stats.allocation_counts.current_bytes == 2048, stats.allocation_counts
+        """
+    )
+
+
+TORCH_MODEL = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+x = torch.randn(32, 64, device="cuda")
+loss = model(x).square().mean()
+loss.backward()
+grads = [p.grad.double().sum().item() for p in model.parameters()]
+print("RESULT", repr((loss.item(), grads)))
+"""
+
+
+def test_torch_change_current_allocator_matches_native():
+    native = run_py(TORCH_MODEL)
+    routed = run_py(
+        """
+        import torch
+        from mempool import mr
+        from mempool.allocators.torch import mempool_torch_allocator, allocator_state
+        stats = mr.StatisticsResourceAdaptor(mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=2**26))
+        mr.set_current_device_resource(stats)
+        torch.cuda.memory.change_current_allocator(mempool_torch_allocator)
+        """
+        + TORCH_MODEL
+        + """
+print("STATS", stats.allocation_counts.total_count, stats.allocation_counts.peak_bytes, allocator_state())
+assert stats.allocation_counts.total_count > 0
+"""
+    )
+    result = lambda out: [l for l in out.splitlines() if l.startswith("RESULT")][0]
+    assert result(native) == result(routed), f"native: {native}\nmempool: {routed}"
+
+
+def test_torch_out_of_memory_is_a_python_exception_naming_the_size():
+    out = run_py(
+        """
+        import torch
+        from mempool import mr
+        from mempool.allocators.torch import mempool_torch_allocator
+        mr.set_current_device_resource(mr.LimitingResourceAdaptor(mr.CudaMemoryResource(), 2**20))
+        torch.cuda.memory.change_current_allocator(mempool_torch_allocator)
+        ok = torch.ones(1000, device="cuda")
+        try:
+            torch.empty(2**22, dtype=torch.uint8, device="cuda")
+        except RuntimeError as e:
+            print("RAISED", e)
+        else:
+            raise SystemExit("no exception")
+        print("AFTER", ok.sum().item())
+        """
+    )
+    assert f"RAISED" in out and str(2**22) in out and "AFTER 1000.0" in out, out
+
+
+def test_torch_mempool_region():
+    out = run_py(
+        """
+        import torch
+        from mempool import mr
+        from mempool.allocators.torch import mempool_torch_pool_allocator, allocator_state
+        stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+        mr.set_current_device_resource(stats)
+        pool = torch.cuda.MemPool(mempool_torch_pool_allocator.allocator())
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.ones(1 << 20, device="cuda")
+        b = torch.ones(1 << 20, device="cuda")  # outside the region: PyTorch's own allocator
+        print("STATS", stats.allocation_counts.current_bytes, allocator_state())
+        assert stats.allocation_counts.current_bytes >= 4 << 20, stats.allocation_counts
+        assert a.sum().item() == b.sum().item() == float(1 << 20)
+        # Out of memory inside the region: PyTorch's OutOfMemoryError.
+        lim = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), 64 << 20)
+        mr.set_current_device_resource(lim)
+        pool2 = torch.cuda.MemPool(mempool_torch_pool_allocator.allocator())
+        try:
+            with torch.cuda.use_mem_pool(pool2):
+                torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            print("OOM", e)
+        else:
+            raise SystemExit("no OutOfMemoryError")
+        """
+    )
+    assert "OOM" in out, out
