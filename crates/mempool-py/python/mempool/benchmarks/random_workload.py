@@ -389,10 +389,22 @@ def run(ops, sync, clock):
                 pop()
             else:
                 live[i] = pop()
+    live.reverse()  # list.clear drops from the end: reversed first, it frees in list order, as Rust drains
     live.clear()
     sync()
     return clock() - t0
 """
+
+
+def make_runner(alloc: str, namespace: dict):
+    """The timed loop with the allocation expression ``alloc`` (the size in ``n``) compiled in, its names
+    looked up in ``namespace``: ``run(ops, sync, clock)`` performs every operation of ``ops`` (an
+    allocation appends the new object to the live list; a free drops the list's reference to the object
+    at its index, swap-remove, so nothing else keeps it alive), drops every object left in list order,
+    calls ``sync()``, and returns the elapsed ``clock()`` units."""
+    namespace = dict(namespace)
+    exec(compile(_LOOP.format(alloc=alloc), f"<random workload: {alloc}>", "exec"), namespace)
+    return namespace["run"]
 
 
 class _Driver:
@@ -455,8 +467,7 @@ def _child(config: Config, point: Point, repeats: int, seed: int) -> dict:
         out.update(status="skipped", reason=str(e))
         return out
     out.update(versions=versions, note=note)
-    exec(compile(_LOOP.format(alloc=alloc), f"<random workload: {config.name}>", "exec"), namespace)
-    run = namespace["run"]
+    run = make_runner(alloc, namespace)
     if "(CudaMemoryResource)" in note:
         repeats = 1  # cuMemAlloc per operation: one timed run, as mempool-bench does for `cuda`
     clock = time.perf_counter_ns
