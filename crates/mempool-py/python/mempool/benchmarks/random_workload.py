@@ -225,7 +225,7 @@ def _setup_python_floor():
         def __init__(self, size):
             self.size = size
 
-    return "Block(n)", {"Block": Block}, {}, "no memory: the harness's own cost per operation"
+    return "Block(n)", {"Block": Block}, {}, "the harness's own cost per operation"
 
 
 def _setup_torch(kind: str):
@@ -320,6 +320,19 @@ def _setup_buffer(kind: str):
     return setup
 
 
+def _setup_torch_rmm():
+    rmm = _need("rmm")
+    rmm_torch = _need("rmm.allocators.torch")
+    torch = _need("torch")
+    rmm.mr.set_current_device_resource(rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource()))
+    torch.cuda.memory.change_current_allocator(rmm_torch.rmm_torch_allocator)
+    dev = torch.device("cuda", 0)
+    torch.empty(1, dtype=torch.uint8, device=dev)
+    return ("torch.empty(n, dtype=u8, device=dev)", {"torch": torch, "u8": torch.uint8, "dev": dev},
+            {"torch": _version(torch), "rmm": _version(rmm)},
+            "rmm_torch_allocator over rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource())")
+
+
 def _setup_rmm():
     rmm = _need("rmm")
     rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
@@ -349,6 +362,8 @@ CONFIGS = (
            ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("pool")),
     Config("torch-mempool-binning", "`torch.empty` through mempool's BinningMemoryResource",
            ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("binning")),
+    Config("torch-rmm-pool", "`torch.empty` through RMM's PoolMemoryResource (baseline)",
+           ("torch", "rmm", "rmm.allocators.torch"), _setup_torch_rmm),
     Config("cupy-pool", "`cupy.cuda.alloc`, CuPy's MemoryPool", ("cupy",), _setup_cupy("pool")),
     Config("cupy-async", "`cupy.cuda.alloc`, CuPy's MemoryAsyncPool", ("cupy",), _setup_cupy("async")),
     Config("cupy-mempool-pool", "`cupy.cuda.alloc` through mempool's PoolMemoryResource",
