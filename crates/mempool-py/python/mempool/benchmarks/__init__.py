@@ -1,0 +1,8 @@
+"""Benchmarks shipped with mempool.
+
+``python -m mempool.benchmarks.random_workload`` drives the project's standard random workload
+(the sequence ``mempool-bench random`` and the Rust crates draw, bit for bit) from Python through
+PyTorch, CuPy, RMM and mempool, one process per configuration and point, and prints a Markdown table
+(``--help`` lists the options). Importing this package imports no framework and not mempool's
+compiled extension.
+"""
