@@ -102,7 +102,9 @@ pub enum Error {
 
     /// A size, offset or alignment of a virtual memory call that is not a multiple of the allocation
     /// granularity (`cuMemGetAllocationGranularity`), or is zero where the driver needs bytes.
-    #[error("{what} is {value} bytes: it must be a non-zero multiple of the allocation granularity, {granularity} bytes")]
+    #[error(
+        "{what} is {value} bytes: it must be a non-zero multiple of the allocation granularity, {granularity} bytes"
+    )]
     NotGranular {
         /// What the value is, e.g. `the physical allocation's size`.
         what: &'static str,
@@ -280,8 +282,14 @@ mod tests {
             supported: HandleTypes::POSIX_FILE_DESCRIPTOR,
         };
         let text = e.to_string();
-        assert!(text.starts_with("device 0 cannot create physical allocations exportable as"), "{text}");
-        assert!(text.contains("FABRIC") && text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"), "{text}");
+        assert!(
+            text.starts_with("device 0 cannot create physical allocations exportable as"),
+            "{text}"
+        );
+        assert!(
+            text.contains("FABRIC") && text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
+            "{text}"
+        );
         let e = Error::NotGranular {
             what: "the physical allocation's size",
             value: 4096,
@@ -297,7 +305,10 @@ mod tests {
             offset: 4,
             capacity: 8,
         };
-        assert_eq!(e.to_string(), "the reservation of 8 bytes cannot hold 8 bytes at offset 4");
+        assert_eq!(
+            e.to_string(),
+            "the reservation of 8 bytes cannot hold 8 bytes at offset 4"
+        );
     }
 
     #[test]

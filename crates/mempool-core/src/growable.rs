@@ -287,7 +287,11 @@ mod tests {
             len *= 2;
         }
         assert_eq!(mapped, (16 << 30) / chunk);
-        assert_eq!(new_per_step.iter().sum::<usize>(), mapped, "every chunk is mapped exactly once");
+        assert_eq!(
+            new_per_step.iter().sum::<usize>(),
+            mapped,
+            "every chunk is mapped exactly once"
+        );
         assert_eq!(&new_per_step[..3], &[1, 0, 1]);
     }
 

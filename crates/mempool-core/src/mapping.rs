@@ -47,7 +47,9 @@ struct MapState {
 
 /// Whether `offset..offset+len` is covered by the mapped ranges, back to back.
 fn fully_mapped(mapped: &BTreeMap<usize, usize>, offset: usize, len: usize) -> bool {
-    let Some(end) = offset.checked_add(len) else { return false };
+    let Some(end) = offset.checked_add(len) else {
+        return false;
+    };
     let mut at = offset;
     // The mapping that contains `offset` starts at or before it.
     let first = mapped.range(..=offset).next_back().map(|(o, _)| *o).unwrap_or(offset);
@@ -194,9 +196,7 @@ impl Reservation {
         // SAFETY: the range is fully mapped by mappings into this reservation (checked under the lock,
         // which keeps them from being unmapped meanwhile); any revocation waited for the accessors' work.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::vmm::set_access(self.base.0 + offset as u64, len, &descs)
-        }?;
+        unsafe { raw::vmm::set_access(self.base.0 + offset as u64, len, &descs) }?;
         for (d, a) in access {
             if *a != Access::None && !st.accessors.contains(d) {
                 st.accessors.push(*d);
@@ -308,9 +308,7 @@ impl Mapping {
         // under the lock, which is held until the range is recorded); `physical` is live, held by the
         // `Mapping` built below, and `size` is its size.
         #[allow(unsafe_code)]
-        unsafe {
-            raw::vmm::map(reservation.base.0 + offset as u64, size, physical.as_raw())
-        }?;
+        unsafe { raw::vmm::map(reservation.base.0 + offset as u64, size, physical.as_raw()) }?;
         st.mapped.insert(offset, size);
         drop(st);
         Ok(Mapping {

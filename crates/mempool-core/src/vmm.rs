@@ -175,9 +175,15 @@ impl Device {
     /// (`cuMemGetAllocationGranularity`). Refuses, naming the cause, properties the device cannot
     /// allocate (see [`PhysicalAllocation::new`]).
     pub fn vmm_granularity(&self, props: &AllocationProps, which: Granularity) -> Result<usize> {
-        let props = AllocationProps { device: *self, ..*props };
+        let props = AllocationProps {
+            device: *self,
+            ..*props
+        };
         self.vmm_support()?.check(self.ordinal(), &props)?;
-        Ok(raw::vmm::granularity(&props.to_raw(), which == Granularity::Recommended)?)
+        Ok(raw::vmm::granularity(
+            &props.to_raw(),
+            which == Granularity::Recommended,
+        )?)
     }
 }
 
@@ -387,7 +393,10 @@ mod tests {
                 granularity: 2 << 20
             })
         );
-        assert!(check_granular("x", 0, 2 << 20).is_err(), "zero bytes is not an allocation");
+        assert!(
+            check_granular("x", 0, 2 << 20).is_err(),
+            "zero bytes is not an allocation"
+        );
         assert!(check_granular("x", 1, 0).is_err(), "a zero granularity never divides");
         assert_eq!(round_up(1, 4096), Some(4096));
         assert_eq!(round_up(4096, 4096), Some(4096));
@@ -400,7 +409,10 @@ mod tests {
     fn support_refuses_what_the_device_lacks() {
         let none = VmmSupport::default();
         let e = none.check(3, &props(HandleTypes::empty())).unwrap_err();
-        assert!(e.to_string().contains("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0"), "{e}");
+        assert!(
+            e.to_string().contains("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0"),
+            "{e}"
+        );
         let fd_only = VmmSupport {
             vmm: true,
             posix_fd: true,
@@ -420,8 +432,13 @@ mod tests {
             fd_only.check(0, &props(HandleTypes::WIN32)).is_err(),
             "Win32 handles are not offered on this platform"
         );
-        let e = fd_only.check(0, &props(HandleTypes::empty()).gpu_direct_rdma(true)).unwrap_err();
-        assert!(e.to_string().contains("GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 0"), "{e}");
+        let e = fd_only
+            .check(0, &props(HandleTypes::empty()).gpu_direct_rdma(true))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 0"),
+            "{e}"
+        );
         let all = VmmSupport {
             vmm: true,
             posix_fd: true,
@@ -429,7 +446,10 @@ mod tests {
             gpu_direct_rdma: true,
         };
         assert!(all
-            .check(0, &props(HandleTypes::FABRIC | HandleTypes::POSIX_FILE_DESCRIPTOR).gpu_direct_rdma(true))
+            .check(
+                0,
+                &props(HandleTypes::FABRIC | HandleTypes::POSIX_FILE_DESCRIPTOR).gpu_direct_rdma(true)
+            )
             .is_ok());
     }
 

@@ -147,7 +147,14 @@ pub(crate) fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Result<i32
     let mut fd: i32 = -1;
     let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     // SAFETY: for this handle type the driver writes one `int`; flags must be 0.
-    unsafe { call!(cuMemExportToShareableHandle(&mut fd as *mut i32 as *mut c_void, handle, kind, 0)) }?;
+    unsafe {
+        call!(cuMemExportToShareableHandle(
+            &mut fd as *mut i32 as *mut c_void,
+            handle,
+            kind,
+            0
+        ))
+    }?;
     Ok(fd)
 }
 
@@ -175,7 +182,13 @@ pub(crate) fn import_fd(fd: i32) -> Result<sys::CUmemGenericAllocationHandle> {
     // SAFETY: for a POSIX descriptor the driver takes the descriptor's value in the pointer argument
     // (as the memMapIPCDrv sample passes `(void *)(uintptr_t)fd`) and reads nothing through it; a
     // descriptor that is not an exported allocation is an error code.
-    unsafe { call!(cuMemImportFromShareableHandle(&mut handle, fd as isize as *mut c_void, kind)) }?;
+    unsafe {
+        call!(cuMemImportFromShareableHandle(
+            &mut handle,
+            fd as isize as *mut c_void,
+            kind
+        ))
+    }?;
     Ok(handle)
 }
 
