@@ -17,8 +17,9 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolCon
 use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
-    CallbackResource, CudaResource, Error, FixedSizeResource, ManagedResource, MemoryResource, PinnedHostResource,
-    PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource, ALIGNMENT,
+    CallbackResource, CudaResource, Error, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource,
+    MemoryResource, PinnedHostResource, PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource,
+    SystemResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -445,6 +446,9 @@ conformance! {
     arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource, FULL;
     statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
     callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource, FULL;
+    expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource, FULL;
+    // Small chunks: every allocation maps and spans chunk boundaries.
+    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30) }).unwrap()) as SharedResource, FULL;
     binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
 }
 
@@ -489,5 +493,6 @@ out_of_memory! {
     oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource;
     oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
     oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
+    oom_expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource;
     oom_callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource;
 }
