@@ -50,6 +50,8 @@ fn every_spec_builds_and_serves_device_memory() {
         "arena(cuda)",
         "arena(async,superblock=4MiB)",
         "fixed(async,block=1MiB)",
+        "expandable",
+        "expandable(chunk=2MiB,reserve=4GiB)",
     ] {
         let built = build(&parse(text).unwrap(), Some(&dev)).unwrap_or_else(|e| panic!("{text}: {e}"));
         let mr = built.resource.as_ref();
