@@ -45,6 +45,6 @@ pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CallbackResource, CudaResource, ExpandableOptions, ExpandableResource, ExpandableStats, FixedSizeResource,
-    HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, ReleaseThreshold,
+    HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold,
     SamHeadroomResource, SuballocConfig, SuballocatingResource, SystemResource,
 };

@@ -18,7 +18,7 @@ use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CallbackResource, CudaResource, Error, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource,
-    MemoryResource, PinnedHostResource, PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource,
+    MemoryResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource,
     SystemResource, ALIGNMENT,
 };
 
@@ -448,7 +448,8 @@ conformance! {
     callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource, FULL;
     expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource, FULL;
     // Small chunks: every allocation maps and spans chunk boundaries.
-    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30) }).unwrap()) as SharedResource, FULL;
+    expandable_reclaim_before_growth => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { reclaim: Reclaim::BeforeGrowth, ..Default::default() }).unwrap()) as SharedResource, FULL;
+    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30), ..Default::default() }).unwrap()) as SharedResource, FULL;
     binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
 }
 

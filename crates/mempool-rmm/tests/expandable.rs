@@ -4,7 +4,7 @@
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, take_drop_errors, Device, DeviceAddr, Stream};
-use mempool_rmm::{ExpandableOptions, ExpandableResource, MemoryResource};
+use mempool_rmm::{ExpandableOptions, ExpandableResource, MemoryResource, Reclaim};
 
 const MIB: usize = 1 << 20;
 
@@ -40,6 +40,7 @@ fn expandable_one_segment_coalesces_maps_on_demand_and_trims() {
         ExpandableOptions {
             reservation: Some(1 << 30),
             chunk_size: Some(2 * MIB),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -115,7 +116,7 @@ fn expandable_refuses_bad_chunks_and_oversized_requests_by_name() {
         dev,
         ExpandableOptions {
             chunk_size: Some(MIB + 1),
-            reservation: None,
+            ..Default::default()
         },
     )
     .unwrap_err();
@@ -124,7 +125,7 @@ fn expandable_refuses_bad_chunks_and_oversized_requests_by_name() {
         dev,
         ExpandableOptions {
             reservation: Some(64 * MIB),
-            chunk_size: None,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -132,4 +133,42 @@ fn expandable_refuses_bad_chunks_and_oversized_requests_by_name() {
     let e = mr.allocate(128 * MIB, stream.as_ref()).unwrap_err();
     assert!(e.is_out_of_memory(), "{e}");
     assert!(e.to_string().contains(&(128 * MIB).to_string()), "{e}");
+}
+
+#[test]
+fn expandable_reclaim_before_growth_unmaps_idle_chunks_first() {
+    let dev = device();
+    let stream = Stream::new(&dev.context().unwrap()).unwrap();
+    let s = stream.as_ref();
+    let make = |reclaim| {
+        ExpandableResource::with_options(
+            dev,
+            ExpandableOptions {
+                reservation: Some(1 << 30),
+                chunk_size: Some(2 * MIB),
+                reclaim,
+            },
+        )
+        .unwrap()
+    };
+    for (reclaim, peak) in [(Reclaim::OnOutOfMemory, 32 * MIB), (Reclaim::BeforeGrowth, 24 * MIB)] {
+        let mr = make(reclaim);
+        let a = mr.allocate(8 * MIB, s).unwrap();
+        let b = mr.allocate(8 * MIB, s).unwrap();
+        // SAFETY: `a` came from `mr` with this size and is freed once; nothing used it.
+        unsafe { mr.deallocate(a, 8 * MIB, s) }.unwrap();
+        // 16 MiB does not fit in a's 8 MiB hole: the range grows at its end.
+        let c = mr.allocate(16 * MIB, s).unwrap();
+        check_kernel_round_trip(dev, c, 16 * MIB, 2);
+        check_kernel_round_trip(dev, b, 8 * MIB, 4);
+        let stats = mr.stats();
+        assert_eq!(stats.peak_mapped_bytes, peak as u64, "{reclaim:?}: {stats:?}");
+        // SAFETY: b and c came from `mr` with these sizes; freed once; their kernels finished.
+        unsafe {
+            mr.deallocate(b, 8 * MIB, s).unwrap();
+            mr.deallocate(c, 16 * MIB, s).unwrap();
+        }
+    }
+    let errors = take_drop_errors();
+    assert!(errors.is_empty(), "destructors met errors: {errors:?}");
 }

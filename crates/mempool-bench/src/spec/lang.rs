@@ -27,7 +27,9 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 the host beyond (SamHeadroomResource)
   expandable[(OPTIONS)]         ExpandableResource: one reserved range, chunks mapped on demand (VMM),
                                 suballocated as one segment; options: chunk=SIZE (default: recommended
-                                granularity, at least 2MiB), reserve=SIZE (default: twice device memory)
+                                granularity, at least 2MiB), reserve=SIZE (default: twice device memory),
+                                reclaim=oom|growth (unmap idle chunks only when out of memory, the
+                                default, or before every growth)
   pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
   binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
@@ -103,6 +105,9 @@ pub enum ResourceSpec {
         chunk: Option<u64>,
         /// Reserved address range; `None`: the resource's default.
         reserve: Option<u64>,
+        /// `reclaim=growth`: unmap idle chunks before every growth ([`mempool_rmm::Reclaim::BeforeGrowth`]);
+        /// `false` (`reclaim=oom`, the default): only when out of memory.
+        reclaim_before_growth: bool,
     },
     /// `pool(UPSTREAM, ...)`: [`PoolResource`](mempool_rmm::PoolResource).
     Pool {
@@ -231,11 +236,19 @@ impl fmt::Display for ResourceSpec {
                 None,
                 &[("headroom", Some(Size(*headroom).to_string()))],
             ),
-            ResourceSpec::Expandable { chunk, reserve } => args(
+            ResourceSpec::Expandable {
+                chunk,
+                reserve,
+                reclaim_before_growth,
+            } => args(
                 f,
                 "expandable",
                 None,
-                &[("chunk", limit(*chunk)), ("reserve", limit(*reserve))],
+                &[
+                    ("chunk", limit(*chunk)),
+                    ("reserve", limit(*reserve)),
+                    ("reclaim", reclaim_before_growth.then(|| "growth".to_owned())),
+                ],
             ),
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,
@@ -627,9 +640,24 @@ impl Checker<'_> {
                 ResourceSpec::SamHeadroom { headroom }
             }
             "expandable" => {
-                let (mut chunk, mut reserve) = (None, None);
+                let (mut chunk, mut reserve, mut reclaim) = (None, None, None);
                 for item in &node.items {
                     match item {
+                        Item::Option { key, value, pos } if key == "reclaim" => {
+                            if reclaim.is_some() {
+                                return Err(self.err(*pos, "option `reclaim` given twice"));
+                            }
+                            reclaim = Some(match value.as_str() {
+                                "oom" => false,
+                                "growth" => true,
+                                _ => {
+                                    return Err(self.err(
+                                        *pos,
+                                        format!("reclaim: expected `oom` or `growth`, found `{value}`"),
+                                    ))
+                                }
+                            });
+                        }
                         Item::Option { key, value, pos } if key == "chunk" || key == "reserve" => {
                             let slot = if key == "chunk" { &mut chunk } else { &mut reserve };
                             if slot.is_some() {
@@ -644,7 +672,7 @@ impl Checker<'_> {
                         Item::Option { key, pos, .. } => {
                             return Err(self.err(
                                 *pos,
-                                format!("`expandable` has no option `{key}` (its options: chunk, reserve)"),
+                                format!("`expandable` has no option `{key}` (its options: chunk, reserve, reclaim)"),
                             ))
                         }
                         Item::Resource(r) => {
@@ -655,7 +683,11 @@ impl Checker<'_> {
                         }
                     }
                 }
-                ResourceSpec::Expandable { chunk, reserve }
+                ResourceSpec::Expandable {
+                    chunk,
+                    reserve,
+                    reclaim_before_growth: reclaim.unwrap_or(false),
+                }
             }
             "pool" => {
                 let (upstream, opts) = self.upstream_and_options(node, &["initial", "max"])?;

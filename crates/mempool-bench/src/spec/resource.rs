@@ -8,7 +8,7 @@ use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CudaResource, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource, MemoryResource,
-    PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
+    PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -82,11 +82,20 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             }
         }
         ResourceSpec::System => Arc::new(SystemResource::new(dev)?),
-        ResourceSpec::Expandable { chunk, reserve } => Arc::new(ExpandableResource::with_options(
+        ResourceSpec::Expandable {
+            chunk,
+            reserve,
+            reclaim_before_growth,
+        } => Arc::new(ExpandableResource::with_options(
             *dev,
             ExpandableOptions {
                 chunk_size: chunk.map(|c| c as usize),
                 reservation: reserve.map(|r| r as usize),
+                reclaim: if *reclaim_before_growth {
+                    Reclaim::BeforeGrowth
+                } else {
+                    Reclaim::OnOutOfMemory
+                },
             },
         )?),
         ResourceSpec::SamHeadroom { headroom } => Arc::new(SamHeadroomResource::new(

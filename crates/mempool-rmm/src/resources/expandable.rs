@@ -26,6 +26,23 @@ pub struct ExpandableOptions {
     /// Bytes per physical chunk, a multiple of the minimum granularity. `None`: the recommended
     /// granularity, at least 2 MiB (PyTorch's small segment size).
     pub chunk_size: Option<usize>,
+    /// When idle chunks (mapped, touched by no live allocation) are unmapped besides
+    /// [`ExpandableResource::trim`].
+    pub reclaim: Reclaim,
+}
+
+/// When an [`ExpandableResource`] unmaps idle chunks (mapped chunks no live allocation touches) on its
+/// own, besides [`ExpandableResource::trim`]. Either way it first waits for the device.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reclaim {
+    /// Only when creating a chunk runs out of memory, then once more (PyTorch's behaviour): idle chunks
+    /// stay mapped for reuse, so allocations that land on them map nothing.
+    #[default]
+    OnOutOfMemory,
+    /// Also before mapping any new chunk: memory held never exceeds what live allocations touch plus the
+    /// new chunks, at the price of a device synchronize and unmaps whenever the resource grows while it
+    /// holds idle chunks.
+    BeforeGrowth,
 }
 
 /// What an [`ExpandableResource`] holds.
@@ -167,7 +184,9 @@ struct State {
 ///   allocation touches: whole free chunks at the end of what is in use, and whole free chunks in holes.
 ///   The addresses stay reserved; an allocation that lands there maps a chunk again.
 /// - When a chunk cannot be created for lack of memory, the resource trims and tries once more before
-///   reporting out-of-memory (as PyTorch frees cached blocks and retries).
+///   reporting out-of-memory (as PyTorch frees cached blocks and retries). With
+///   [`Reclaim::BeforeGrowth`] it also trims before every growth, so that it never holds idle chunks
+///   while it maps new ones.
 ///
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
@@ -191,6 +210,7 @@ pub struct ExpandableResource {
     reservation: Arc<Reservation>,
     props: AllocationProps,
     chunk: usize,
+    reclaim: Reclaim,
     ctx: Arc<Context>,
 }
 
@@ -264,6 +284,7 @@ impl ExpandableResource {
             reservation,
             props,
             chunk,
+            reclaim: options.reclaim,
             ctx,
         })
     }
@@ -345,6 +366,14 @@ impl MemoryResource for ExpandableResource {
             .map_err(|e| map_engine_error(NAME, e))?;
         let span = st.table.span(addr, rounded);
         st.table.acquire(span.clone());
+        if self.reclaim == Reclaim::BeforeGrowth && !st.table.unmapped(span.clone()).is_empty() {
+            // The span's chunks are acquired, so they are not idle: only others are unmapped.
+            if let Err(e) = self.trim_locked(&mut st) {
+                st.table.release(span);
+                let _ = st.engine.deallocate(addr, bytes as u64, StreamKey::of(stream));
+                return Err(e);
+            }
+        }
         let mut result = self.map_span(&mut st, span.clone());
         if matches!(&result, Err(e) if e.is_out_of_memory()) {
             // Give back what no live allocation touches, then try once more.

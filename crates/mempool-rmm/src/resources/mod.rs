@@ -16,7 +16,7 @@ pub use async_managed::{AsyncManagedOptions, AsyncManagedResource};
 pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
 pub use callback::{CallbackResource, Returned};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
-pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats};
+pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats, Reclaim};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{
     ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,
