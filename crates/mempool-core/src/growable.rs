@@ -206,11 +206,20 @@ impl GrowableBuffer {
                 WhenFull::Remap => self.remap(bytes)?,
             }
         }
-        while self.chunks.len() < n {
-            let offset = self.chunks.len() * self.chunk;
+        // Map the new chunks, then grant access to all of them in one call. On an error the new mappings
+        // drop (unmapped) and the buffer stays as it was.
+        let first = self.chunks.len();
+        let mut fresh = Vec::with_capacity(n - first);
+        for i in first..n {
             let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
-            self.chunks.push(Mapping::new(&self.reservation, offset, phys)?);
+            fresh.push(Mapping::without_access(&self.reservation, i * self.chunk, phys)?);
         }
+        self.reservation.set_access(
+            first * self.chunk,
+            (n - first) * self.chunk,
+            &[(self.props.device, crate::types::Access::ReadWrite)],
+        )?;
+        self.chunks.extend(fresh);
         Ok(())
     }
 
