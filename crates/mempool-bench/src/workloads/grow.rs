@@ -231,7 +231,11 @@ mod tests {
             chunk: None,
         })
         .unwrap();
-        assert_eq!(s, vec![1000, 1536, 2304, 3456, 5000]);
+        assert_eq!(
+            s,
+            vec![1000, 1536, 2304, 3584, 5000],
+            "each step rounded up to 256 bytes"
+        );
         assert!(steps(&GrowParams {
             factor: 1.0,
             ..GrowParams::default()
