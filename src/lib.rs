@@ -52,3 +52,7 @@ mod docs_resources {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/testing.md")]
 mod docs_testing {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/vmm.md")]
+mod docs_vmm {}

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use mempool_bench::report::Report;
 use mempool_bench::spec::{self, ResourceSpec};
 use mempool_bench::units::{parse_size, Size};
-use mempool_bench::workloads::{self, multi_stream, peer, query, random, replay, Common};
+use mempool_bench::workloads::{self, fragmentation, grow, multi_stream, peer, query, random, replay, Common};
 use mempool_bench::{Error, Result};
 use mempool_core::Device;
 
@@ -152,6 +152,48 @@ enum Command {
         #[arg(long, hide = true)]
         device: Option<String>,
     },
+    /// Many small and a few large blocks, the small ones freed, then one block larger than any free segment:
+    /// peak device memory held over peak bytes live, per resource.
+    Fragmentation {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Size of each small block.
+        #[arg(long, default_value = "1MiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
+        small: u64,
+        /// Number of small blocks.
+        #[arg(long, default_value_t = 1024, allow_hyphen_values = true, value_parser = count_arg)]
+        smalls: usize,
+        /// Size of each large block.
+        #[arg(long, default_value = "64MiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
+        large: u64,
+        /// Number of large blocks, one after every smalls/larges small blocks.
+        #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = count_arg)]
+        larges: usize,
+        /// The request after the frees (default: four runs of small blocks).
+        #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
+        request: Option<u64>,
+    },
+    /// A buffer grown from --start to --end by --factor per step: GrowableBuffer (VMM, no copy) against
+    /// allocate-copy-free through each resource.
+    Grow {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// The first size.
+        #[arg(long, default_value = "1MiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
+        start: u64,
+        /// The last size.
+        #[arg(long, default_value = "16GiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
+        end: u64,
+        /// Growth factor per step (> 1).
+        #[arg(long, default_value_t = 2.0, allow_hyphen_values = true, value_parser = scale_arg)]
+        factor: f64,
+        /// The GrowableBuffer's chunk size (a multiple of the granularity; default: the recommended one).
+        #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
+        chunk: Option<u64>,
+        /// Timed runs per method (median), after one warm-up run.
+        #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
+        repeats: usize,
+    },
     /// List the resource specs that -r accepts.
     Resources,
 }
@@ -210,6 +252,8 @@ fn scale_arg(s: &str) -> std::result::Result<f64, String> {
 // `async` keeps what it reserves (RMM's default); `async(threshold=0)` is the driver's default, which gives
 // unused memory back at every synchronize.
 const DEFAULT_RESOURCES: &str = "async,async(threshold=0),pool(async),binning(async),arena(async)";
+const FRAGMENTATION_RESOURCES: &str = "expandable,expandable(reclaim=growth),async,pool(async)";
+const GROW_RESOURCES: &str = "cuda,async";
 const HOST_RESOURCES: &str = "async,pool(async),binning(async),arena(async)";
 
 /// The specs to compare (`-r`, or `default`), with the baselines unless left out or the run is
@@ -402,6 +446,51 @@ fn run(cli: Cli) -> Result<()> {
                 queries,
             };
             finish(query::bench(&common(specs, device, &args), &params)?, &args.output)
+        }
+        Command::Fragmentation {
+            common: args,
+            small,
+            smalls,
+            large,
+            larges,
+            request,
+        } => {
+            let specs = specs(&args, FRAGMENTATION_RESOURCES)?;
+            no_sim("fragmentation", &specs)?;
+            let params = fragmentation::FragmentationParams {
+                small: small as usize,
+                smalls,
+                large: large as usize,
+                larges,
+                request: request.map(|r| r as usize),
+            };
+            params.check()?;
+            let device = device("fragmentation", &args, &specs)?;
+            finish(
+                fragmentation::bench(&common(specs, device, &args), &params)?,
+                &args.output,
+            )
+        }
+        Command::Grow {
+            common: args,
+            start,
+            end,
+            factor,
+            chunk,
+            repeats,
+        } => {
+            let specs = specs(&args, GROW_RESOURCES)?;
+            no_sim("grow", &specs)?;
+            let params = grow::GrowParams {
+                start: start as usize,
+                end: end as usize,
+                factor,
+                repeats,
+                chunk: chunk.map(|c| c as usize),
+            };
+            grow::steps(&params)?;
+            let device = device("grow", &args, &specs)?;
+            finish(grow::bench(&common(specs, device, &args), &params)?, &args.output)
         }
         Command::Peer {
             output,

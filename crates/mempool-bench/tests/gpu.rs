@@ -10,7 +10,7 @@ use mempool_bench::kernels::{hash2, load, QueryKernels};
 use mempool_bench::spec::{build, parse, parse_list, ResourceSpec};
 use mempool_bench::workloads::columns::Exec;
 use mempool_bench::workloads::query::{self, reference, Query, QueryParams, Scale};
-use mempool_bench::workloads::{multi_stream, peer, random, replay, with_baselines, Common};
+use mempool_bench::workloads::{fragmentation, grow, multi_stream, peer, random, replay, with_baselines, Common};
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{Device, Stream};
 use mempool_rmm::{AsyncOptions, AsyncResource};
@@ -50,6 +50,8 @@ fn every_spec_builds_and_serves_device_memory() {
         "arena(cuda)",
         "arena(async,superblock=4MiB)",
         "fixed(async,block=1MiB)",
+        "expandable",
+        "expandable(chunk=2MiB,reserve=4GiB)",
     ] {
         let built = build(&parse(text).unwrap(), Some(&dev)).unwrap_or_else(|e| panic!("{text}: {e}"));
         let mr = built.resource.as_ref();
@@ -300,6 +302,30 @@ fn the_random_workload_runs_on_every_resource() {
     };
     let report = random::bench(&common("cuda,async,pool(async),binning(async),arena(async)"), &params).unwrap();
     assert_eq!(report.rows.len(), 7);
+}
+
+#[test]
+fn the_fragmentation_and_grow_workloads_run_on_vmm_and_pools() {
+    let p = fragmentation::FragmentationParams {
+        small: 2 << 20,
+        smalls: 64,
+        large: 16 << 20,
+        larges: 4,
+        request: None,
+    };
+    let report = fragmentation::bench(&common("expandable,expandable(reclaim=growth),pool(async)"), &p).unwrap();
+    println!("{}", report.render_text());
+    assert_eq!(report.rows.len(), 5, "three resources and the two baselines");
+    let g = grow::GrowParams {
+        start: 1 << 20,
+        end: 64 << 20,
+        factor: 2.0,
+        repeats: 1,
+        chunk: None,
+    };
+    let report = grow::bench(&common("async"), &g).unwrap();
+    println!("{}", report.render_text());
+    assert_eq!(report.rows.len(), 4, "the growable buffer, async and the two baselines");
 }
 
 #[test]

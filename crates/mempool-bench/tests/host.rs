@@ -60,6 +60,14 @@ fn specs_parse_to_their_canonical_form() {
         ("raw-cuda", "cuMemAlloc"),
         ("cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync"),
         ("sim", "sim"),
+        ("expandable", "expandable"),
+        ("expandable()", "expandable"),
+        (
+            "expandable(reserve=64GiB, chunk=2MiB)",
+            "expandable(chunk=2MiB,reserve=64GiB)",
+        ),
+        ("expandable(reclaim=oom)", "expandable"),
+        ("expandable(reclaim=growth)", "expandable(reclaim=growth)"),
     ];
     for (text, canonical) in cases {
         let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
@@ -120,6 +128,15 @@ fn bad_specs_say_where_and_what_is_accepted() {
         ("sam_headroom(margin=1GiB)", 13, "no option `margin`"),
         ("sam_headroom(async)", 13, "options only"),
         ("sam_headroom(headroom=1GiB,headroom=2GiB)", 27, "given twice"),
+        ("expandable(async)", 11, "options only"),
+        (
+            "expandable(size=1GiB)",
+            11,
+            "no option `size` (its options: chunk, reserve, reclaim)",
+        ),
+        ("expandable(reclaim=never)", 11, "expected `oom` or `growth`"),
+        ("expandable(chunk=0)", 11, "chunk must not be 0"),
+        ("expandable(chunk=2MiB,chunk=4MiB)", 22, "given twice"),
     ];
     for (text, pos, what) in cases {
         let e = parse(text).unwrap_err();

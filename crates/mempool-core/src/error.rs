@@ -84,6 +84,47 @@ pub enum Error {
         supported: HandleTypes,
     },
 
+    /// The device cannot make physical allocations (`cuMemCreate`) exportable as the requested handle
+    /// types. Fabric handles in particular exist only on devices of a multi-node NVLink system.
+    #[error(
+        "device {device} cannot create physical allocations exportable as {requested:?}: it supports \
+         {supported:?} (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, \
+         CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)"
+    )]
+    VmmHandleTypeNotSupported {
+        /// The device ordinal.
+        device: usize,
+        /// What was asked for.
+        requested: HandleTypes,
+        /// What the device supports for `cuMemCreate` allocations.
+        supported: HandleTypes,
+    },
+
+    /// A size, offset or alignment of a virtual memory call that is not a multiple of the allocation
+    /// granularity (`cuMemGetAllocationGranularity`), or is zero where the driver needs bytes.
+    #[error(
+        "{what} is {value} bytes: it must be a non-zero multiple of the allocation granularity, {granularity} bytes"
+    )]
+    NotGranular {
+        /// What the value is, e.g. `the physical allocation's size`.
+        what: &'static str,
+        /// The value given.
+        value: usize,
+        /// The granularity it must be a multiple of.
+        granularity: usize,
+    },
+
+    /// A virtual address reservation has no room for what was asked.
+    #[error("the reservation of {capacity} bytes cannot hold {requested} bytes{}", if *offset > 0 { format!(" at offset {offset}") } else { String::new() })]
+    ReservationFull {
+        /// Bytes asked for.
+        requested: usize,
+        /// Where in the reservation they would start.
+        offset: usize,
+        /// The reservation's size.
+        capacity: usize,
+    },
+
     /// A peer-access change was refused because the driver would refuse it.
     #[error("{}", match reason {
         PeerRefusal::OwningDevice => format!(
@@ -230,6 +271,43 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "device 1 cannot create a pool of managed memory: CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0"
+        );
+    }
+
+    #[test]
+    fn vmm_errors_name_their_cause() {
+        let e = Error::VmmHandleTypeNotSupported {
+            device: 0,
+            requested: HandleTypes::FABRIC,
+            supported: HandleTypes::POSIX_FILE_DESCRIPTOR,
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("device 0 cannot create physical allocations exportable as"),
+            "{text}"
+        );
+        assert!(
+            text.contains("FABRIC") && text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
+            "{text}"
+        );
+        let e = Error::NotGranular {
+            what: "the physical allocation's size",
+            value: 4096,
+            granularity: 2 << 20,
+        };
+        assert_eq!(
+            e.to_string(),
+            "the physical allocation's size is 4096 bytes: it must be a non-zero multiple of the allocation \
+             granularity, 2097152 bytes"
+        );
+        let e = Error::ReservationFull {
+            requested: 8,
+            offset: 4,
+            capacity: 8,
+        };
+        assert_eq!(
+            e.to_string(),
+            "the reservation of 8 bytes cannot hold 8 bytes at offset 4"
         );
     }
 

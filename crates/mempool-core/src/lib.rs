@@ -19,6 +19,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Virtual memory management (`cuMemCreate`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`, shareable
+//! handles) is here too, as RAII types: [`PhysicalAllocation`], [`Reservation`], [`Mapping`], and the
+//! [`GrowableBuffer`] built on them (docs/vmm.md).
+//!
 //! Handles are RAII and keep their context alive. `Drop` cannot return errors; a failure there is kept
 //! for [`take_drop_errors`] rather than lost or panicked on.
 //!
@@ -46,8 +50,10 @@ mod device;
 mod drop_errors;
 mod error;
 mod event;
+mod growable;
 mod handle;
 pub mod kernels;
+mod mapping;
 pub mod memory;
 mod module;
 mod pool;
@@ -56,12 +62,15 @@ mod require;
 mod stream;
 mod types;
 mod view;
+mod vmm;
 
 pub use buffer::PoolBuffer;
 pub use context::{Context, ContextGuard};
 pub use drop_errors::take_drop_errors;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
+pub use growable::{GrowableBuffer, WhenFull};
+pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
 pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
 pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
@@ -71,6 +80,7 @@ pub use types::{
     PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
 };
 pub use view::BufferView;
+pub use vmm::{round_up, AllocationProps, FabricHandle, Granularity, PhysicalAllocation, VmmSupport};
 
 /// The raw driver types (`CUstream`, `CUdeviceptr`, ...), for interop through `into_raw` / `from_raw`.
 pub use cudarc::driver::sys;

@@ -44,7 +44,7 @@ pub use error::{Error, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
-    CallbackResource, CudaResource, FixedSizeResource, HostPoolOptions, HostPoolResource, ManagedResource,
-    PinnedHostResource, PoolResource, ReleaseThreshold, SamHeadroomResource, SuballocConfig, SuballocatingResource,
-    SystemResource,
+    CallbackResource, CudaResource, ExpandableOptions, ExpandableResource, ExpandableStats, FixedSizeResource,
+    HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold,
+    SamHeadroomResource, SuballocConfig, SuballocatingResource, SystemResource,
 };

@@ -17,8 +17,9 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolCon
 use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
-    CallbackResource, CudaResource, Error, FixedSizeResource, ManagedResource, MemoryResource, PinnedHostResource,
-    PoolResource, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource, ALIGNMENT,
+    CallbackResource, CudaResource, Error, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource,
+    MemoryResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource,
+    SystemResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -35,21 +36,32 @@ struct Caps {
     /// The memory is system memory (malloc) that the device reaches through pageable memory access: the
     /// driver does not track it (no pointer attributes), and the host reads it through the address.
     system_memory: bool,
+    /// One allocation may span several driver allocations mapped back to back (VMM chunks): the pointer
+    /// attributes' range is then the chunk's, so both ends are looked up instead of one range.
+    spans_mappings: bool,
 }
 
 const FULL: Caps = Caps {
     max_size: 1 << 30,
     system_memory: false,
+    spans_mappings: false,
+};
+/// Memory mapped in chunks (the expandable resource): any size, allocations across chunks.
+const CHUNKED: Caps = Caps {
+    spans_mappings: true,
+    ..FULL
 };
 /// A fixed-size resource of 1 MiB blocks serves nothing larger.
 const FIXED: Caps = Caps {
     max_size: 1 << 20,
     system_memory: false,
+    spans_mappings: false,
 };
 /// System-allocated memory, any size.
 const SYSTEM: Caps = Caps {
     max_size: 1 << 30,
     system_memory: true,
+    spans_mappings: false,
 };
 
 /// Writes `base + i` into the first u32s of `ptr` with a kernel and reads them back: the memory is
@@ -104,7 +116,15 @@ fn sizes_are_aligned_and_device_accessible(mr: SharedResource, caps: Caps) {
         if !caps.system_memory {
             let info =
                 memory::pointer_info(p).unwrap_or_else(|e| panic!("{}: {p} unknown to the driver: {e}", mr.name()));
-            assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
+            if caps.spans_mappings {
+                let last = DeviceAddr(p.0 + size as u64 - 1);
+                let end = memory::pointer_info(last)
+                    .unwrap_or_else(|e| panic!("{}: {last}, the last byte, unknown to the driver: {e}", mr.name()));
+                assert!(info.range_start <= p && end.range_start.0 + end.range_size as u64 > last.0);
+                assert_eq!(end.device_ordinal, info.device_ordinal);
+            } else {
+                assert!(info.range_start <= p && p.0 + size as u64 <= info.range_start.0 + info.range_size as u64);
+            }
         }
         check_device_access(p, size, &stream, &kernels, size as u32, caps);
         // SAFETY: `p` came from `mr.allocate(size, stream)` above and is freed once; the check kernel and copy that
@@ -445,6 +465,10 @@ conformance! {
     arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource, FULL;
     statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
     callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource, FULL;
+    expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource, CHUNKED;
+    // Small chunks: every allocation maps and spans chunk boundaries.
+    expandable_reclaim_before_growth => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { reclaim: Reclaim::BeforeGrowth, ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
+    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30), ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
     binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
 }
 
@@ -489,5 +513,6 @@ out_of_memory! {
     oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource;
     oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
     oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
+    oom_expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource;
     oom_callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource;
 }

@@ -25,6 +25,11 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 SystemResource)
   sam_headroom(headroom=SIZE)   system memory advised to the GPU while SIZE of its memory stays free, to
                                 the host beyond (SamHeadroomResource)
+  expandable[(OPTIONS)]         ExpandableResource: one reserved range, chunks mapped on demand (VMM),
+                                suballocated as one segment; options: chunk=SIZE (default: recommended
+                                granularity, at least 2MiB), reserve=SIZE (default: twice device memory),
+                                reclaim=oom|growth (unmap idle chunks only when out of memory, the
+                                default, or before every growth)
   pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
   binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
@@ -93,6 +98,16 @@ pub enum ResourceSpec {
     SamHeadroom {
         /// Bytes of GPU memory kept free.
         headroom: u64,
+    },
+    /// `expandable(...)`: [`ExpandableResource`](mempool_rmm::ExpandableResource).
+    Expandable {
+        /// Chunk size; `None`: the resource's default.
+        chunk: Option<u64>,
+        /// Reserved address range; `None`: the resource's default.
+        reserve: Option<u64>,
+        /// `reclaim=growth`: unmap idle chunks before every growth ([`mempool_rmm::Reclaim::BeforeGrowth`]);
+        /// `false` (`reclaim=oom`, the default): only when out of memory.
+        reclaim_before_growth: bool,
     },
     /// `pool(UPSTREAM, ...)`: [`PoolResource`](mempool_rmm::PoolResource).
     Pool {
@@ -220,6 +235,20 @@ impl fmt::Display for ResourceSpec {
                 "sam_headroom",
                 None,
                 &[("headroom", Some(Size(*headroom).to_string()))],
+            ),
+            ResourceSpec::Expandable {
+                chunk,
+                reserve,
+                reclaim_before_growth,
+            } => args(
+                f,
+                "expandable",
+                None,
+                &[
+                    ("chunk", limit(*chunk)),
+                    ("reserve", limit(*reserve)),
+                    ("reclaim", reclaim_before_growth.then(|| "growth".to_owned())),
+                ],
             ),
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,
@@ -610,6 +639,56 @@ impl Checker<'_> {
                 })?;
                 ResourceSpec::SamHeadroom { headroom }
             }
+            "expandable" => {
+                let (mut chunk, mut reserve, mut reclaim) = (None, None, None);
+                for item in &node.items {
+                    match item {
+                        Item::Option { key, value, pos } if key == "reclaim" => {
+                            if reclaim.is_some() {
+                                return Err(self.err(*pos, "option `reclaim` given twice"));
+                            }
+                            reclaim = Some(match value.as_str() {
+                                "oom" => false,
+                                "growth" => true,
+                                _ => {
+                                    return Err(self.err(
+                                        *pos,
+                                        format!("reclaim: expected `oom` or `growth`, found `{value}`"),
+                                    ))
+                                }
+                            });
+                        }
+                        Item::Option { key, value, pos } if key == "chunk" || key == "reserve" => {
+                            let slot = if key == "chunk" { &mut chunk } else { &mut reserve };
+                            if slot.is_some() {
+                                return Err(self.err(*pos, format!("option `{key}` given twice")));
+                            }
+                            let v = self.size(value, *pos, key)?;
+                            if v == 0 {
+                                return Err(self.err(*pos, format!("`expandable`: {key} must not be 0")));
+                            }
+                            *slot = Some(v);
+                        }
+                        Item::Option { key, pos, .. } => {
+                            return Err(self.err(
+                                *pos,
+                                format!("`expandable` has no option `{key}` (its options: chunk, reserve, reclaim)"),
+                            ))
+                        }
+                        Item::Resource(r) => {
+                            return Err(self.err(
+                                r.pos,
+                                "`expandable` takes options only, no upstream (it maps physical memory itself)",
+                            ))
+                        }
+                    }
+                }
+                ResourceSpec::Expandable {
+                    chunk,
+                    reserve,
+                    reclaim_before_growth: reclaim.unwrap_or(false),
+                }
+            }
             "pool" => {
                 let (upstream, opts) = self.upstream_and_options(node, &["initial", "max"])?;
                 let (mut initial, mut max) = (0, None);
@@ -685,7 +764,7 @@ impl Checker<'_> {
                     node.pos,
                     format!(
                         "unknown resource `{other}` (known: cuda, managed, async, async_managed, system, \
-                         sam_headroom, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                         sam_headroom, expandable, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
                     ),
                 ))
             }

@@ -7,8 +7,8 @@ use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolCon
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
-    CudaResource, FixedSizeResource, ManagedResource, MemoryResource, PoolResource, ReleaseThreshold,
-    SamHeadroomResource, SharedResource, SystemResource,
+    CudaResource, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource, MemoryResource,
+    PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -82,6 +82,22 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             }
         }
         ResourceSpec::System => Arc::new(SystemResource::new(dev)?),
+        ResourceSpec::Expandable {
+            chunk,
+            reserve,
+            reclaim_before_growth,
+        } => Arc::new(ExpandableResource::with_options(
+            *dev,
+            ExpandableOptions {
+                chunk_size: chunk.map(|c| c as usize),
+                reservation: reserve.map(|r| r as usize),
+                reclaim: if *reclaim_before_growth {
+                    Reclaim::BeforeGrowth
+                } else {
+                    Reclaim::OnOutOfMemory
+                },
+            },
+        )?),
         ResourceSpec::SamHeadroom { headroom } => Arc::new(SamHeadroomResource::new(
             dev,
             usize::try_from(*headroom).unwrap_or(usize::MAX),

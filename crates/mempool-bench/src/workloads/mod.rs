@@ -2,6 +2,8 @@
 //! same work, and returns a [`crate::report::Report`].
 
 pub mod columns;
+pub mod fragmentation;
+pub mod grow;
 pub mod multi_stream;
 pub mod peer;
 pub mod query;

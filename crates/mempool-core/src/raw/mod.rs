@@ -21,6 +21,7 @@ pub(crate) mod memory;
 pub(crate) mod module;
 pub(crate) mod pool;
 pub(crate) mod stream;
+pub(crate) mod vmm;
 
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -174,6 +175,19 @@ pub(crate) fn first_driver_with(name: &str) -> Option<DriverVersion> {
         "cuMemGetDefaultMemPool" | "cuMemGetMemPool" | "cuMemSetMemPool" | "cuEventElapsedTime_v2" => 13000,
         "cuMemPrefetchAsync_v2" | "cuMemAdvise_v2" => 12020,
         "cuDeviceGetUuid_v2" => 11040,
+        "cuMemCreate"
+        | "cuMemRelease"
+        | "cuMemAddressReserve"
+        | "cuMemAddressFree"
+        | "cuMemMap"
+        | "cuMemUnmap"
+        | "cuMemSetAccess"
+        | "cuMemGetAccess"
+        | "cuMemGetAllocationGranularity"
+        | "cuMemGetAllocationPropertiesFromHandle"
+        | "cuMemRetainAllocationHandle"
+        | "cuMemExportToShareableHandle"
+        | "cuMemImportFromShareableHandle" => 10020,
         n if n.starts_with("cuMemPool")
             || n == "cuMemAllocFromPoolAsync"
             || n == "cuMemFreeAsync"
@@ -282,6 +296,7 @@ mod tests {
         assert_eq!(first_driver_with("cuMemPoolCreate"), Some(DriverVersion(11020)));
         assert_eq!(first_driver_with("cuMemGetDefaultMemPool"), Some(DriverVersion(13000)));
         assert_eq!(first_driver_with("cuInit"), None);
+        assert_eq!(first_driver_with("cuMemCreate"), Some(DriverVersion(10020)));
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod async_managed;
 mod async_resource;
 mod callback;
 mod driver;
+mod expandable;
 mod host_pool;
 mod suballoc;
 mod system;
@@ -15,6 +16,7 @@ pub use async_managed::{AsyncManagedOptions, AsyncManagedResource};
 pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
 pub use callback::{CallbackResource, Returned};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
+pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats, Reclaim};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{
     ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,

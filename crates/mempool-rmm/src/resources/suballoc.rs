@@ -20,7 +20,7 @@ use mempool_suballoc::{
 pub(crate) struct StreamKey(usize);
 
 impl StreamKey {
-    fn of(stream: StreamRef<'_>) -> StreamKey {
+    pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
         StreamKey(stream.id())
     }
 
@@ -50,6 +50,13 @@ fn stream_err(op: &'static str, e: mempool_core::Error) -> suballoc::Error {
     suballoc::Error::Stream {
         op,
         source: Box::new(e),
+    }
+}
+
+impl CudaStreams {
+    /// Stream ordering by events in `ctx`.
+    pub(crate) fn new(ctx: &Arc<Context>) -> CudaStreams {
+        CudaStreams { ctx: ctx.clone() }
     }
 }
 
@@ -148,7 +155,7 @@ fn safe_policy(policy: EventPolicy) -> EventPolicy {
     }
 }
 
-fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
+pub(crate) fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Error {
     match e {
         suballoc::Error::OutOfMemory { requested, .. } => Error::OutOfMemory {
             resource,

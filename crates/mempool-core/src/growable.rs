@@ -1,0 +1,323 @@
+//! [`GrowableBuffer`]: the resizing vector of NVIDIA's virtual memory management post. It reserves a
+//! large virtual range once and maps physical chunks at its end as it grows, so growing never copies
+//! and the address never changes; [`GrowableBuffer::shrink_to_fit`] unmaps and releases the chunks past
+//! the length.
+
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::mapping::{Mapping, Reservation};
+use crate::stream::StreamRef;
+use crate::types::{Device, DeviceAddr};
+use crate::view::BufferView;
+use crate::vmm::{round_up, AllocationProps, Granularity, PhysicalAllocation};
+
+/// What a [`GrowableBuffer`] does when its reservation is full.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WhenFull {
+    /// Fail with [`Error::ReservationFull`] (the default): the address never changes.
+    #[default]
+    Fail,
+    /// Reserve a larger range (at least twice as large) and map the same physical chunks into it: a
+    /// remap, never a copy. The buffer's address changes, as a `Vec`'s does when it reallocates.
+    Remap,
+}
+
+/// How many chunks of `chunk` bytes hold `len` bytes, and their bytes; `None` on overflow.
+pub(crate) fn chunks_for(len: usize, chunk: usize) -> Option<(usize, usize)> {
+    let bytes = round_up(len, chunk)?;
+    Some((bytes / chunk, bytes))
+}
+
+/// The alignment to reserve with: the chunk when it is a power of two (so that large pages can back
+/// it), else the driver's default.
+fn alignment_for(chunk: usize) -> usize {
+    if chunk.is_power_of_two() {
+        chunk
+    } else {
+        0
+    }
+}
+
+/// The size of the reservation to remap into when `needed` bytes do not fit in `current`: at least
+/// twice `current`, at least `needed`, a multiple of `chunk`. `None` on overflow.
+pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<usize> {
+    round_up(current.checked_mul(2)?.max(needed), chunk)
+}
+
+/// A device buffer that grows without copying: one reservation of virtual address space, physical
+/// chunks mapped at its end as the length grows (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`).
+///
+/// - [`resize`](Self::resize) to a larger length maps the chunks it needs; the bytes already there stay
+///   where they are, at the same address. The new bytes are uninitialised (whatever the new physical
+///   memory holds).
+/// - [`shrink_to_fit`](Self::shrink_to_fit) unmaps and releases the chunks past the length (after waiting
+///   for the device's work).
+/// - When the reservation is full, [`WhenFull`] decides: fail with [`Error::ReservationFull`], or
+///   reserve a larger range and remap the chunks into it.
+///
+/// ```no_run
+/// # fn main() -> mempool_core::Result<()> {
+/// use mempool_core::{Device, GrowableBuffer, Stream};
+/// let dev = Device::get(0)?;
+/// let stream = Stream::new(&dev.context()?)?;
+/// let mut buf = GrowableBuffer::new(dev, 1 << 30)?; // reserves 1 GiB of addresses, maps nothing
+/// buf.resize(4096)?;
+/// buf.view(stream.as_ref())?.copy_from_host(0, &[1, 2, 3, 4])?;
+/// let addr = buf.ptr();
+/// buf.resize(64 << 20)?; // maps more chunks; nothing is copied
+/// assert_eq!(buf.ptr(), addr);
+/// assert_eq!(buf.view(stream.as_ref())?.to_host()?[..4], [1, 2, 3, 4]);
+/// buf.resize(4096)?;
+/// buf.shrink_to_fit()?; // unmaps every chunk but the first
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct GrowableBuffer {
+    // Invariants: `chunks[i]` maps `chunk` bytes at offset `i * chunk` of `reservation`; `len <=
+    // chunks.len() * chunk`. Fields drop in order: the mappings (unmapped, which waits for the device)
+    // before the reservation.
+    chunks: Vec<Mapping>,
+    reservation: Arc<Reservation>,
+    props: AllocationProps,
+    chunk: usize,
+    len: usize,
+    when_full: WhenFull,
+    ctx: Arc<Context>,
+}
+
+impl GrowableBuffer {
+    /// A buffer of `device`'s memory that may grow to `max_capacity` bytes (rounded up to the chunk
+    /// size, the device's recommended granularity) without moving; it fails past that.
+    pub fn new(device: Device, max_capacity: usize) -> Result<GrowableBuffer> {
+        GrowableBuffer::with_options(AllocationProps::new(device), max_capacity, None, WhenFull::Fail)
+    }
+
+    /// A buffer of physical chunks made with `props`, of `chunk` bytes each (`None`: the recommended
+    /// granularity; otherwise a multiple of the minimum one), in a reservation of `max_capacity` bytes
+    /// rounded up to the chunk, doing `when_full` when that is not enough.
+    pub fn with_options(
+        props: AllocationProps,
+        max_capacity: usize,
+        chunk: Option<usize>,
+        when_full: WhenFull,
+    ) -> Result<GrowableBuffer> {
+        let device = props.device;
+        let min = device.vmm_granularity(&props, Granularity::Minimum)?;
+        let chunk = match chunk {
+            Some(c) => {
+                crate::vmm::check_granular("the chunk size", c, min)?;
+                c
+            }
+            None => device.vmm_granularity(&props, Granularity::Recommended)?,
+        };
+        let size = round_up(max_capacity.max(1), chunk).ok_or(Error::ReservationFull {
+            requested: max_capacity,
+            offset: 0,
+            capacity: usize::MAX,
+        })?;
+        let reservation = Reservation::new(device, size, alignment_for(chunk), None)?;
+        Ok(GrowableBuffer {
+            chunks: Vec::new(),
+            reservation,
+            props,
+            chunk,
+            len: 0,
+            when_full,
+            ctx: device.context()?,
+        })
+    }
+
+    /// The first address; it stays the same as the buffer grows, unless [`WhenFull::Remap`] remapped it.
+    pub fn ptr(&self) -> DeviceAddr {
+        self.reservation.base()
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the length is 0.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Mapped bytes: the length rounded up to whole chunks, or more before a shrink.
+    pub fn capacity(&self) -> usize {
+        self.chunks.len() * self.chunk
+    }
+
+    /// The reserved address range's size: how far it grows without a remap.
+    pub fn max_capacity(&self) -> usize {
+        self.reservation.size()
+    }
+
+    /// The size of each physical chunk.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk
+    }
+
+    /// The mapped chunks, in address order.
+    pub fn chunks(&self) -> &[Mapping] {
+        &self.chunks
+    }
+
+    /// Sets the length, mapping chunks as needed (the bytes already there keep their values and
+    /// address; new bytes are uninitialised). Shrinking only changes the length: see
+    /// [`shrink_to_fit`](Self::shrink_to_fit). A length past the reservation fails with
+    /// [`Error::ReservationFull`] or remaps, as the buffer's [`WhenFull`] says; out of memory leaves the
+    /// buffer as it was, minus nothing.
+    pub fn resize(&mut self, len: usize) -> Result<()> {
+        self.reserve_total(len)?;
+        self.len = len;
+        Ok(())
+    }
+
+    /// Maps chunks so that `len() + additional` bytes fit, without changing the length.
+    pub fn reserve(&mut self, additional: usize) -> Result<()> {
+        let total = self.len.checked_add(additional).ok_or(Error::ReservationFull {
+            requested: usize::MAX,
+            offset: 0,
+            capacity: self.reservation.size(),
+        })?;
+        self.reserve_total(total)
+    }
+
+    fn reserve_total(&mut self, total: usize) -> Result<()> {
+        let (n, bytes) = chunks_for(total, self.chunk).ok_or(Error::ReservationFull {
+            requested: total,
+            offset: 0,
+            capacity: self.reservation.size(),
+        })?;
+        if n <= self.chunks.len() {
+            return Ok(());
+        }
+        if bytes > self.reservation.size() {
+            match self.when_full {
+                WhenFull::Fail => {
+                    return Err(Error::ReservationFull {
+                        requested: total,
+                        offset: 0,
+                        capacity: self.reservation.size(),
+                    })
+                }
+                WhenFull::Remap => self.remap(bytes)?,
+            }
+        }
+        // Map the new chunks, then grant access to all of them in one call. On an error the new mappings
+        // drop (unmapped) and the buffer stays as it was.
+        let first = self.chunks.len();
+        let mut fresh = Vec::with_capacity(n - first);
+        for i in first..n {
+            let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
+            fresh.push(Mapping::without_access(&self.reservation, i * self.chunk, phys)?);
+        }
+        self.reservation.set_access(
+            first * self.chunk,
+            (n - first) * self.chunk,
+            &[(self.props.device, crate::types::Access::ReadWrite)],
+        )?;
+        self.chunks.extend(fresh);
+        Ok(())
+    }
+
+    /// Moves the chunks into a new reservation of at least `needed` bytes, by mapping the same physical
+    /// memory there, then unmapping the old range (after the device's work).
+    fn remap(&mut self, needed: usize) -> Result<()> {
+        let size = remap_size(self.reservation.size(), needed, self.chunk).ok_or(Error::ReservationFull {
+            requested: needed,
+            offset: 0,
+            capacity: self.reservation.size(),
+        })?;
+        let fresh = Reservation::new(self.props.device, size, alignment_for(self.chunk), None)?;
+        let mut moved = Vec::with_capacity(self.chunks.len());
+        for (i, m) in self.chunks.iter().enumerate() {
+            moved.push(Mapping::new(&fresh, i * self.chunk, m.physical().clone())?);
+        }
+        // The old mappings drop here: each waits for the device's work, then unmaps; the memory stays,
+        // mapped in `fresh`.
+        self.chunks = moved;
+        self.reservation = fresh;
+        Ok(())
+    }
+
+    /// Unmaps and releases the chunks past the length (waiting for the device's work first). The
+    /// address does not change.
+    pub fn shrink_to_fit(&mut self) -> Result<()> {
+        let (n, _) = chunks_for(self.len, self.chunk).unwrap_or((self.chunks.len(), 0));
+        if n < self.chunks.len() {
+            self.ctx.synchronize()?;
+            self.chunks.truncate(n);
+        }
+        Ok(())
+    }
+
+    /// A view of the first `len()` bytes for host copies and fills ordered on `stream` (a stream of the
+    /// buffer's device). Borrows the buffer, so nothing is unmapped while it lives.
+    pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
+        let addr = if self.len == 0 { DeviceAddr::NULL } else { self.ptr() };
+        // SAFETY: 1. `addr..addr+len` is mapped (the invariant: `len` fits in the mapped chunks, mapped
+        // back to back from the base) and stays mapped while the borrow of `self` lives; the view frees
+        // nothing. 2. mappings carry no stream order: map and access are synchronous. 3. the stream is
+        // one of the device's context, or taken as such. 4. a null address comes with length 0.
+        #[allow(unsafe_code)]
+        Ok(unsafe { BufferView::new(addr, self.len, stream, self.ctx.clone()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn chunk_arithmetic() {
+        assert_eq!(chunks_for(0, 2 * MIB), Some((0, 0)));
+        assert_eq!(chunks_for(1, 2 * MIB), Some((1, 2 * MIB)));
+        assert_eq!(chunks_for(2 * MIB, 2 * MIB), Some((1, 2 * MIB)));
+        assert_eq!(chunks_for(2 * MIB + 1, 2 * MIB), Some((2, 4 * MIB)));
+        assert_eq!(chunks_for(usize::MAX, 2 * MIB), None);
+    }
+
+    #[test]
+    fn growth_by_steps_maps_only_new_chunks() {
+        // The chunks a 1 MiB -> 16 GiB doubling sequence maps at each step, as `reserve_total` computes.
+        let chunk = 2 * MIB;
+        let mut mapped = 0;
+        let mut new_per_step = Vec::new();
+        let mut len = MIB;
+        while len <= 16 << 30 {
+            let (n, _) = chunks_for(len, chunk).unwrap();
+            new_per_step.push(n.saturating_sub(mapped));
+            mapped = mapped.max(n);
+            len *= 2;
+        }
+        assert_eq!(mapped, (16 << 30) / chunk);
+        assert_eq!(
+            new_per_step.iter().sum::<usize>(),
+            mapped,
+            "every chunk is mapped exactly once"
+        );
+        assert_eq!(&new_per_step[..3], &[1, 0, 1]);
+    }
+
+    #[test]
+    fn remap_sizes_double_or_fit() {
+        assert_eq!(remap_size(8 * MIB, 10 * MIB, 2 * MIB), Some(16 * MIB));
+        assert_eq!(remap_size(8 * MIB, 40 * MIB, 2 * MIB), Some(40 * MIB));
+        assert_eq!(remap_size(8 * MIB, 41 * MIB, 2 * MIB), Some(42 * MIB));
+        assert_eq!(remap_size(usize::MAX / 2 + 1, 1, 2 * MIB), None);
+    }
+
+    #[test]
+    fn without_a_driver_nothing_is_reserved() {
+        if crate::raw::library_present() {
+            return;
+        }
+        let e = GrowableBuffer::new(Device::from_parts(0, 0), 1 << 30).unwrap_err();
+        assert_eq!(e, Error::DriverNotFound);
+    }
+}
