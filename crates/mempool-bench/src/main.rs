@@ -169,7 +169,7 @@ enum Command {
         /// Number of large blocks, one after every smalls/larges small blocks.
         #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = count_arg)]
         larges: usize,
-        /// The request after the frees (default: four runs of small blocks).
+        /// The request after the frees (default: half the runs of small blocks, at least two).
         #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
         request: Option<u64>,
     },

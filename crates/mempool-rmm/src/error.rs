@@ -56,9 +56,12 @@ pub enum Error {
 }
 
 impl Error {
-    /// True for [`Error::OutOfMemory`], whichever layer ran out.
+    /// True for [`Error::OutOfMemory`], whichever layer ran out, and for [`Error::LimitExceeded`]: as in
+    /// RMM, whose limiting adaptor throws `rmm::out_of_memory`, a limit is memory running out, so a
+    /// [`crate::adaptors::FailureCallbackAdaptor`] above a [`crate::adaptors::LimitingAdaptor`] gets its
+    /// callback and an engine over one reports out-of-memory.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        matches!(self, Error::OutOfMemory { .. } | Error::LimitExceeded { .. })
     }
 }
 

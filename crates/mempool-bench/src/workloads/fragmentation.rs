@@ -29,8 +29,9 @@ pub struct FragmentationParams {
     pub large: usize,
     /// Number of large blocks (at least 1, at most `smalls`).
     pub larges: usize,
-    /// The request made after the small blocks are freed; `None`: four runs of small blocks (larger
-    /// than any free segment when runs stay where they were put, smaller than the total free).
+    /// The request made after the small blocks are freed; `None`: half the runs of small blocks, at
+    /// least two (larger than any free segment when runs stay where they were put, smaller than the
+    /// total free whenever there are at least three runs).
     pub request: Option<usize>,
 }
 
@@ -55,7 +56,8 @@ impl FragmentationParams {
 
     /// The request after the frees.
     pub fn request(&self) -> usize {
-        self.request.unwrap_or(4 * self.run_length() * self.small)
+        self.request
+            .unwrap_or((self.larges / 2).max(2) * self.run_length() * self.small)
     }
 
     /// Refuses parameters that do not make the pattern: no large block, more large blocks than small
