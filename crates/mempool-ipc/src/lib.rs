@@ -49,6 +49,7 @@ mod fdpass;
 mod importer;
 mod lease;
 mod listener;
+mod server;
 mod session;
 #[cfg(test)]
 mod test_util;
