@@ -192,7 +192,9 @@ impl Connection {
         })();
         if let Err(err) = &result {
             // A frame cut short leaves the peer's reader out of step: nothing can follow it.
-            if sent > 0 || !matches!(err, Error::Timeout { .. }) {
+            // Nothing sent (a timeout, or a peer that closed its side) leaves the stream in step:
+            // what the peer said before it closed can still be read.
+            if sent > 0 || !matches!(err, Error::Timeout { .. } | Error::Closed) {
                 self.fail_locked_send(None);
             }
         }

@@ -279,7 +279,8 @@ impl ImporterSession {
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let deadline = Instant::now() + conn.config().handshake_timeout;
         let steps = || -> Result<(Welcome, ImportedPool<D>)> {
-            conn.send_until(&Message::Hello, &[], deadline, "handshake")?;
+            conn.send_until(&Message::Hello, &[], deadline, "handshake")
+                .map_err(|e| why_closed(&conn, e, deadline))?;
             let welcome = match recv_in_handshake(&conn, deadline)?.message {
                 Message::Welcome(welcome) => welcome,
                 other => return Err(unexpected("Welcome", &other)),
@@ -292,7 +293,8 @@ impl ImporterSession {
                 &[],
                 deadline,
                 "handshake",
-            )?;
+            )
+            .map_err(|e| why_closed(&conn, e, deadline))?;
             let Received { message, mut fds } = recv_in_handshake(&conn, deadline)?;
             match message {
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) if pool_id == welcome.pool_id => {}
@@ -379,6 +381,17 @@ impl ImporterSession {
         self.conn.close_with_error(&err);
         err
     }
+}
+
+/// A send failed because the peer closed its side (an exporter that turned this importer away
+/// does that right after its `Error` message): what it said before is the better error.
+fn why_closed(conn: &Connection, err: Error, deadline: Instant) -> Error {
+    if matches!(err, Error::Closed) {
+        if let Err(remote @ Error::Remote { .. }) = recv_in_handshake(conn, deadline) {
+            return remote;
+        }
+    }
+    err
 }
 
 fn recv_in_handshake(conn: &Connection, deadline: Instant) -> Result<Received> {
