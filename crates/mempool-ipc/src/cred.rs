@@ -171,6 +171,13 @@ mod tests {
         let err = credentials_from(0, 1000, 1000).unwrap_err();
         assert!(matches!(err, Error::ForeignPidNamespace { uid: 1000 }), "{err}");
         assert!(err.to_string().contains("another pid namespace"), "{err}");
-        assert_eq!(credentials_from(42, 1, 2).unwrap(), PeerCredentials { pid: 42, uid: 1, gid: 2 });
+        assert_eq!(
+            credentials_from(42, 1, 2).unwrap(),
+            PeerCredentials {
+                pid: 42,
+                uid: 1,
+                gid: 2
+            }
+        );
     }
 }

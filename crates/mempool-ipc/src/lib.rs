@@ -30,6 +30,9 @@
 //! - `cred`: who is at the other end (`SO_PEERCRED`) and whether they may be;
 //! - `listener`: the exporter's socket file, created 0600 without a race;
 //! - `session`: the handshake and what each side may receive after it;
+//! - `server`: the exporter's connections without the GPU: admission within its limits, one
+//!   bounded send queue per importer, the wait for a dead importer's process, all served by one
+//!   `epoll` thread;
 //! - `lease`: which importer holds which buffer, and when a buffer may be freed;
 //! - `error`: the error types above, and the sink of [`take_drop_errors`].
 //!

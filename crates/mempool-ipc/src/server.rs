@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub(crate) use self::admission::Limits;
-pub(crate) use self::event_loop::{Handler, ServerStats};
 use self::event_loop::{lock, Setup, Shared};
+pub(crate) use self::event_loop::{Handler, ServerStats};
 use self::outbox::{Outgoing, PushError};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;

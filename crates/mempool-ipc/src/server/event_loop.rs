@@ -165,8 +165,18 @@ impl Loop {
         let init = || -> Result<OwnedFd> {
             setup.listener.set_nonblocking()?;
             let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-            epoll::add(&ep, &setup.listener, epoll::EventData::new_u64(LISTENER), epoll::EventFlags::IN)?;
-            epoll::add(&ep, &setup.shared.wake, epoll::EventData::new_u64(WAKE), epoll::EventFlags::IN)?;
+            epoll::add(
+                &ep,
+                &setup.listener,
+                epoll::EventData::new_u64(LISTENER),
+                epoll::EventFlags::IN,
+            )?;
+            epoll::add(
+                &ep,
+                &setup.shared.wake,
+                epoll::EventData::new_u64(WAKE),
+                epoll::EventFlags::IN,
+            )?;
             Ok(ep)
         };
         match init() {
@@ -313,7 +323,10 @@ impl Loop {
             }
             Admission::Refuse => {
                 self.stats.refused += 1;
-                let e = refused(&format!("it serves its limit of {} importers", self.limits.max_importers));
+                let e = refused(&format!(
+                    "it serves its limit of {} importers",
+                    self.limits.max_importers
+                ));
                 return tell_and_close(&stream, &e, None);
             }
         }
@@ -326,7 +339,12 @@ impl Loop {
             Ok(peer) => peer,
             Err(e) => return record_drop_error(e.into()),
         };
-        if let Err(e) = epoll::add(&self.epoll, &peer.stream, epoll::EventData::new_u64(token), epoll::EventFlags::IN) {
+        if let Err(e) = epoll::add(
+            &self.epoll,
+            &peer.stream,
+            epoll::EventData::new_u64(token),
+            epoll::EventFlags::IN,
+        ) {
             return record_drop_error(e.into());
         }
         self.peers.insert(token, peer);
@@ -429,7 +447,10 @@ impl Loop {
             let e = if self.closing {
                 refused("it is shutting down")
             } else {
-                refused(&format!("it serves its limit of {} importers", self.limits.max_importers))
+                refused(&format!(
+                    "it serves its limit of {} importers",
+                    self.limits.max_importers
+                ))
             };
             self.stats.refused += 1;
             return self.end_handshake(token, Some(e));
@@ -482,7 +503,9 @@ impl Loop {
         if peer.handshake.is_some() {
             return self.end_handshake(token, err);
         }
-        let Some(mut peer) = self.peers.remove(&token) else { return };
+        let Some(mut peer) = self.peers.remove(&token) else {
+            return;
+        };
         let _ = epoll::delete(&self.epoll, &peer.stream);
         peer.close_with(err.as_ref(), None);
         if let Some(e) = err.filter(|e| !matches!(e, Error::Closed)) {
@@ -506,7 +529,12 @@ impl Loop {
             Some(Watch::Pidfd(fd)) => {
                 let token = self.next_token;
                 self.next_token += 1;
-                match epoll::add(&self.epoll, &fd, epoll::EventData::new_u64(token), epoll::EventFlags::IN) {
+                match epoll::add(
+                    &self.epoll,
+                    &fd,
+                    epoll::EventData::new_u64(token),
+                    epoll::EventFlags::IN,
+                ) {
                     Ok(()) => {
                         self.exits.insert(token, (id, fd));
                     }
@@ -636,7 +664,14 @@ impl Loop {
         }
         if self.backoff.resume(now) {
             if let Some(listener) = &self.listener {
-                if epoll::add(&self.epoll, listener, epoll::EventData::new_u64(LISTENER), epoll::EventFlags::IN).is_ok() {
+                if epoll::add(
+                    &self.epoll,
+                    listener,
+                    epoll::EventData::new_u64(LISTENER),
+                    epoll::EventFlags::IN,
+                )
+                .is_ok()
+                {
                     self.listening = true;
                 }
             }

@@ -163,13 +163,12 @@ impl Peer {
                 ),
             };
             if !buf.is_empty() {
-                let received = match fdpass::retry_intr(|| {
-                    fdpass::recv_raw(self.stream.as_fd(), buf, RecvFlags::DONTWAIT)
-                }) {
-                    Ok(received) => received,
-                    Err(Errno::AGAIN) => return Ok(None),
-                    Err(errno) => return Err(errno.into()),
-                };
+                let received =
+                    match fdpass::retry_intr(|| fdpass::recv_raw(self.stream.as_fd(), buf, RecvFlags::DONTWAIT)) {
+                        Ok(received) => received,
+                        Err(Errno::AGAIN) => return Ok(None),
+                        Err(errno) => return Err(errno.into()),
+                    };
                 let n = received.bytes;
                 r.fds.add(received.fds, received.control_truncated, limit);
                 if let Some(head) = r.head {
@@ -241,7 +240,11 @@ impl Peer {
             let Some(w) = self.writing.as_mut() else {
                 continue;
             };
-            let fds: &[BorrowedFd<'_>] = if w.sent == 0 && w.item.with_pool_fd { &[pool_fd] } else { &[] };
+            let fds: &[BorrowedFd<'_>] = if w.sent == 0 && w.item.with_pool_fd {
+                &[pool_fd]
+            } else {
+                &[]
+            };
             match fdpass::retry_intr(|| {
                 fdpass::send_raw(self.stream.as_fd(), &w.item.frame[w.sent..], fds, SendFlags::DONTWAIT)
             }) {

@@ -260,11 +260,10 @@ fn client_config() -> ConnectionConfig {
 
 /// An importer without a GPU: the whole handshake, and the pool's descriptor checked.
 fn importer(path: &Path) -> Result<ImporterSession> {
-    let (session, imported) =
-        ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, |uuid| {
-            assert_eq!(*uuid, GPU);
-            Ok(())
-        })?;
+    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, |uuid| {
+        assert_eq!(*uuid, GPU);
+        Ok(())
+    })?;
     assert_eq!(read_all(imported.pool_fd), b"the pool");
     Ok(session)
 }
@@ -273,7 +272,8 @@ fn importer(path: &Path) -> Result<ImporterSession> {
 fn connected_importer(f: &Fixture) -> (ImporterSession, ImporterId) {
     let before = f.handler.connected().len();
     let session = importer(&f.path).unwrap();
-    f.handler.wait_for("the importer to be reported", |r| r.connected.len() > before);
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
     (session, f.handler.connected()[before])
 }
 
@@ -306,7 +306,9 @@ fn a_flood_of_silent_connections_does_not_keep_a_real_importer_out() {
     // during the test (30 s).
     let silent: Vec<UnixStream> = (0..80).map(|_| UnixStream::connect(&f.path).unwrap()).collect();
     let (session, id) = connected_importer(&f);
-    wait_stats(&f, "the flood evicted", |s| s.evicted >= 80 - 8 && s.handshakes <= 8 && s.importers == 1);
+    wait_stats(&f, "the flood evicted", |s| {
+        s.evicted >= 80 - 8 && s.handshakes <= 8 && s.importers == 1
+    });
     // The evicted ones were told why, then closed.
     let mut told = 0;
     for mut s in silent {
@@ -367,14 +369,17 @@ fn an_importer_that_stops_reading_holds_up_nobody_and_is_cut_off_when_its_queue_
         matches!(&err, Error::Stalled { importer, reason } if *importer == a && reason.contains("queue of 16")),
         "{err}"
     );
-    f.handler.wait_for("A to be cut off", |r| r.ended.iter().any(|e| e.0 == a));
+    f.handler
+        .wait_for("A to be cut off", |r| r.ended.iter().any(|e| e.0 == a));
     let (clean, undelivered) = f.handler.ended(a).unwrap();
     assert!(!clean);
     // What was still queued (16), and the frame taken for the socket if none of it went out,
     // never reached A: the exporter revokes those leases at once.
     assert!((16..=17).contains(&undelivered.len()), "{undelivered:?}");
     assert_eq!(undelivered.last(), Some(&BufferId(at - 1)));
-    wait_stats(&f, "A awaited", |s| s.stalled == 1 && s.importers == 1 && s.awaiting_exit == 1);
+    wait_stats(&f, "A awaited", |s| {
+        s.stalled == 1 && s.importers == 1 && s.awaiting_exit == 1
+    });
     // A holds buffers and its process (this one) lives on: it is awaited until the end.
     drop(stalled);
     drop(f.server);
@@ -394,7 +399,8 @@ fn an_importer_whose_socket_makes_no_progress_for_the_io_timeout_is_cut_off() {
             break;
         }
     }
-    f.handler.wait_for("A to be cut off", |r| r.ended.iter().any(|e| e.0 == a));
+    f.handler
+        .wait_for("A to be cut off", |r| r.ended.iter().any(|e| e.0 == a));
     wait_stats(&f, "A counted as stalled", |s| s.stalled == 1 && s.importers == 0);
 }
 
@@ -423,8 +429,16 @@ fn shutdown_says_goodbye_to_readers_at_once_though_one_importer_does_not_read() 
     // Releases are still taken after Goodbye, then the importer's own Goodbye ends it cleanly.
     reader.release(BufferId(7)).unwrap();
     reader.goodbye().unwrap();
-    f.handler.wait_for("B's clean end", |r| r.ended.iter().any(|e| e.0 != a && e.1));
-    assert!(f.handler.record.lock().unwrap().released.iter().any(|r| r.1 == BufferId(7)));
+    f.handler
+        .wait_for("B's clean end", |r| r.ended.iter().any(|e| e.0 != a && e.1));
+    assert!(f
+        .handler
+        .record
+        .lock()
+        .unwrap()
+        .released
+        .iter()
+        .any(|r| r.1 == BufferId(7)));
     f.server.finish();
     let (clean, _) = f.handler.ended(a).unwrap();
     assert!(!clean);
@@ -442,7 +456,13 @@ fn a_bad_release_cuts_the_importer_off_and_frees_its_socket_at_once() {
     // wait for its process (this one, which lives on).
     let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
     assert!(
-        matches!(&err, Error::Remote { code: ErrorCode::NotLeased, .. }),
+        matches!(
+            &err,
+            Error::Remote {
+                code: ErrorCode::NotLeased,
+                ..
+            }
+        ),
         "{err}"
     );
     wait_stats(&f, "the importer awaited", |s| s.importers == 0 && s.awaiting_exit == 1);
@@ -474,7 +494,10 @@ fn an_idle_importer_is_cut_off_after_the_idle_timeout_when_one_is_set() {
     f.handler.wait_for("the end", |r| !r.ended.is_empty());
     assert_eq!(f.handler.ended(id), Some((false, vec![])));
     let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
-    assert!(matches!(&err, Error::Remote { code: ErrorCode::Timeout, text } if text.contains("idle")), "{err}");
+    assert!(
+        matches!(&err, Error::Remote { code: ErrorCode::Timeout, text } if text.contains("idle")),
+        "{err}"
+    );
 }
 
 #[test]
@@ -491,7 +514,11 @@ fn the_server_closes_every_descriptor_it_opened() {
     assert_eq!(open_fds_named(&f.pool_name), 0);
     // Other tests run in parallel threads, so only a bound: nothing of this server's 10
     // connections, its epoll, its eventfd and its listener is left.
-    assert!(count_fds() <= before + 2, "{} descriptors, {before} before", count_fds());
+    assert!(
+        count_fds() <= before + 2,
+        "{} descriptors, {before} before",
+        count_fds()
+    );
 }
 
 /// Waits until the server's published counters satisfy `done` (they are published after each
@@ -553,7 +580,11 @@ fn child_importer_exits_without_goodbye() {
 fn an_importer_that_held_buffers_is_reported_gone_once_its_process_exits() {
     let f = serve(limits_for_sockets());
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "server::tests::child_importer_exits_without_goodbye", "--nocapture"])
+        .args([
+            "--exact",
+            "server::tests::child_importer_exits_without_goodbye",
+            "--nocapture",
+        ])
         .env(CHILD_SOCKET, &f.path)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
@@ -565,7 +596,8 @@ fn an_importer_that_held_buffers_is_reported_gone_once_its_process_exits() {
     drop(child.stdin.take());
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
-    f.handler.wait_for("the child's process to be reported gone", |r| r.exited.contains(&id));
+    f.handler
+        .wait_for("the child's process to be reported gone", |r| r.exited.contains(&id));
     assert_eq!(f.handler.ended(id), Some((false, vec![])));
     wait_stats(&f, "no process awaited", |s| s.awaiting_exit == 0);
 }
