@@ -859,6 +859,7 @@ fn flood_of_silent_connections_and_idle_importers_leaves_the_handshake_under_a_s
     let errors = exporter.shutdown();
     assert!(errors.is_empty(), "{errors:?}");
     assert!(!sock.exists(), "the socket file stays after the shutdown");
+    drop((kernels, stream));
     assert_back_to_baseline("exporter", baseline, &pool, &ctx, used);
     no_drop_errors("exporter");
 }
@@ -1055,7 +1056,7 @@ fn stalled_importer_does_not_delay_shares_to_another_by_more_than_10ms() {
         "{errors:?}"
     );
     reader.join().unwrap();
-    drop(rx);
+    drop((rx, stream));
     assert_back_to_baseline("exporter", baseline, &pool, &ctx, used);
     no_drop_errors("exporter");
 }
