@@ -65,9 +65,10 @@ impl Server {
             limits,
             handler,
         };
+        let ready = event_loop::Ready::new(setup)?;
         let thread = std::thread::Builder::new()
             .name("mempool-ipc-serve".into())
-            .spawn(move || event_loop::run(setup))?;
+            .spawn(move || ready.run())?;
         Ok(Server {
             shared,
             thread: Mutex::new(Some(thread)),

@@ -105,6 +105,12 @@ impl Backoff {
         self.next = None;
     }
 
+    /// Whether accepting failed for lack of descriptors since its last success (a streak: only
+    /// its first failure is worth reporting).
+    pub(crate) fn in_streak(&self) -> bool {
+        self.next.is_some()
+    }
+
     /// Until when accepting pauses, if it does.
     pub(crate) fn paused_until(&self) -> Option<Instant> {
         self.until

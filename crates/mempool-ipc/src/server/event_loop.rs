@@ -110,6 +110,8 @@ const LISTENER: u64 = 0;
 const WAKE: u64 = 1;
 /// How often an importer's process is looked for when no pidfd tells.
 const POLL_EXIT: Duration = Duration::from_millis(100);
+/// How long a connection must have said nothing before it is shed for lack of descriptors.
+const SHED_AFTER: Duration = Duration::from_millis(100);
 /// Connections accepted per round at most, so a flood cannot keep the loop from the others.
 const ACCEPTS_PER_ROUND: usize = 256;
 
@@ -144,66 +146,61 @@ struct Loop {
     stats: ServerStats,
 }
 
-/// Runs the loop until [`Control::finish`]; then every connection is closed, the importers
-/// still there and the processes still awaited are reported [`Handler::abandoned`], and every
-/// descriptor of the loop is closed.
-pub(crate) fn run(setup: Setup) {
-    let mut l = match Loop::new(setup) {
-        Ok(l) => l,
-        Err((e, handler)) => {
-            record_drop_error(e);
-            drop(handler);
-            return;
-        }
-    };
-    l.serve();
-    l.finish();
+/// The loop, set up (the epoll set made, the listener and the wake-up registered) in the
+/// caller's thread, so that a failure there is the caller's error; [`Loop::run`] then serves on
+/// the thread it is moved to.
+pub(crate) struct Ready(Loop);
+
+impl Ready {
+    /// Sets the loop up.
+    pub(crate) fn new(setup: Setup) -> Result<Ready> {
+        setup.listener.set_nonblocking()?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &ep,
+            &setup.listener,
+            epoll::EventData::new_u64(LISTENER),
+            epoll::EventFlags::IN,
+        )?;
+        epoll::add(
+            &ep,
+            &setup.shared.wake,
+            epoll::EventData::new_u64(WAKE),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(Ready(Loop {
+            shared: setup.shared,
+            handler: setup.handler,
+            limits: setup.limits,
+            announcement: setup.announcement,
+            pool_fd: setup.pool_fd,
+            epoll: ep,
+            listener: Some(setup.listener),
+            listening: true,
+            backoff: Backoff::default(),
+            peers: HashMap::new(),
+            tokens: HashMap::new(),
+            exits: HashMap::new(),
+            polled: Vec::new(),
+            next_poll: None,
+            next_token: 2,
+            next_id: 0,
+            closing: false,
+            stats: ServerStats::default(),
+        }))
+    }
+
+    /// Runs the loop until [`Control::finish`]; then every connection is closed, the importers
+    /// still there and the processes still awaited are reported [`Handler::abandoned`], and every
+    /// descriptor of the loop is closed.
+    pub(crate) fn run(self) {
+        let mut l = self.0;
+        l.serve();
+        l.finish();
+    }
 }
 
 impl Loop {
-    fn new(setup: Setup) -> std::result::Result<Loop, (Error, Arc<dyn Handler>)> {
-        let init = || -> Result<OwnedFd> {
-            setup.listener.set_nonblocking()?;
-            let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-            epoll::add(
-                &ep,
-                &setup.listener,
-                epoll::EventData::new_u64(LISTENER),
-                epoll::EventFlags::IN,
-            )?;
-            epoll::add(
-                &ep,
-                &setup.shared.wake,
-                epoll::EventData::new_u64(WAKE),
-                epoll::EventFlags::IN,
-            )?;
-            Ok(ep)
-        };
-        match init() {
-            Ok(epoll) => Ok(Loop {
-                shared: setup.shared,
-                handler: setup.handler,
-                limits: setup.limits,
-                announcement: setup.announcement,
-                pool_fd: setup.pool_fd,
-                epoll,
-                listener: Some(setup.listener),
-                listening: true,
-                backoff: Backoff::default(),
-                peers: HashMap::new(),
-                tokens: HashMap::new(),
-                exits: HashMap::new(),
-                polled: Vec::new(),
-                next_poll: None,
-                next_token: 2,
-                next_id: 0,
-                closing: false,
-                stats: ServerStats::default(),
-            }),
-            Err(e) => Err((e, setup.handler)),
-        }
-    }
-
     fn serve(&mut self) {
         let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
         loop {
@@ -266,15 +263,15 @@ impl Loop {
                     Some(Errno::AGAIN) => return,
                     Some(Errno::INTR) | Some(Errno::CONNABORTED) => continue,
                     Some(Errno::MFILE) | Some(Errno::NFILE) | Some(Errno::NOBUFS) | Some(Errno::NOMEM) => {
-                        // Out of descriptors: first shed the handshake that made the least
-                        // progress (its descriptor goes back); with none to shed, stop watching the
-                        // listener for a while instead of spinning on it.
-                        if let Some(token) = self.least_progressed() {
+                        // Out of descriptors: first shed a handshake that has said nothing (its
+                        // descriptor goes back); with none to shed, stop watching the listener for
+                        // a while instead of spinning on it.
+                        if let Some(token) = self.silent_to_shed(now) {
                             self.end_handshake(token, Some(refused("it ran out of file descriptors")));
                             self.stats.evicted += 1;
                             continue;
                         }
-                        let first = self.backoff.paused_until().is_none();
+                        let first = !self.backoff.in_streak();
                         self.backoff.exhausted(now);
                         self.stats.accept_pauses += 1;
                         self.unlisten();
@@ -350,22 +347,31 @@ impl Loop {
         self.peers.insert(token, peer);
     }
 
-    fn pending(&self) -> Vec<Pending<u64>> {
+    fn pending(&mut self) -> Vec<Pending<u64>> {
         self.peers
-            .iter()
+            .iter_mut()
             .filter_map(|(token, p)| {
-                p.handshake.as_ref().map(|h| Pending {
+                let step = p.handshake.as_ref()?.step();
+                Some(Pending {
                     key: *token,
-                    step: h.step(),
-                    heard: p.heard,
+                    step,
+                    heard: p.spoke(),
                     accepted: p.accepted,
                 })
             })
             .collect()
     }
 
-    fn least_progressed(&self) -> Option<u64> {
-        super::admission::least_progressed(&self.pending())
+    /// The handshake to shed when descriptors run out: one that has said nothing for
+    /// [`SHED_AFTER`] (the oldest). A connection that spoke, or that is too fresh to have had the
+    /// time, is not shed for a newcomer nobody knows: accepting pauses instead.
+    fn silent_to_shed(&mut self, now: Instant) -> Option<u64> {
+        let silent: Vec<_> = self
+            .pending()
+            .into_iter()
+            .filter(|p| !p.heard && now.saturating_duration_since(p.accepted) >= SHED_AFTER)
+            .collect();
+        super::admission::least_progressed(&silent)
     }
 
     fn unlisten(&mut self) {

@@ -118,6 +118,18 @@ impl Peer {
         })
     }
 
+    /// Whether the peer has sent anything: read already, or waiting in the socket (looked at
+    /// without reading it, and remembered). A real importer speaks as soon as it connects, so a
+    /// connection accepted in the same round as a flood is told from the silent ones by this.
+    pub(crate) fn spoke(&mut self) -> bool {
+        if !self.heard {
+            let mut byte = [0u8; 1];
+            let peeked = rustix::net::recv(&self.stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT);
+            self.heard = matches!(peeked, Ok((n, _)) if n > 0);
+        }
+        self.heard
+    }
+
     /// When the frame being read began, if one is.
     pub(crate) fn frame_started(&self) -> Option<Instant> {
         self.reader.started

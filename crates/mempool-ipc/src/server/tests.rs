@@ -601,3 +601,108 @@ fn an_importer_that_held_buffers_is_reported_gone_once_its_process_exits() {
     assert_eq!(f.handler.ended(id), Some((false, vec![])));
     wait_stats(&f, "no process awaited", |s| s.awaiting_exit == 0);
 }
+
+const CHILD_DIR: &str = "MEMPOOL_IPC_SERVER_TEST_DIR";
+
+/// The server process of the next test: serves in `CHILD_DIR` with two descriptors to spare,
+/// says `ready`, and on a line from its parent prints its counters and stops.
+#[test]
+fn child_server_runs_out_of_descriptors() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    use std::io::BufRead;
+    let Ok(dir) = std::env::var(CHILD_DIR) else { return };
+    let path = Path::new(&dir).join("pool.sock");
+    let listener = Listener::bind_with(&path, ListenerOptions::default()).unwrap();
+    let handler: Arc<dyn Handler> = Arc::new(Recorder::default());
+    let server = Server::start(
+        listener,
+        ANNOUNCEMENT,
+        memfd_with("pool", b"the pool"),
+        limits_for_sockets(),
+        handler,
+    )
+    .unwrap();
+    let saved = getrlimit(Resource::Nofile);
+    let mut low = saved.clone();
+    low.current = Some(256);
+    setrlimit(Resource::Nofile, low).unwrap();
+    // Take every descriptor left, then give two back: room for two connections, then EMFILE.
+    let mut filler = Vec::new();
+    while let Ok(fd) = rustix::io::dup(std::io::stdout()) {
+        filler.push(fd);
+    }
+    filler.truncate(filler.len().saturating_sub(2));
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    let s = server.stats();
+    let errors = crate::error::take_drop_errors();
+    drop(filler);
+    println!(
+        "stats {} {} {} {}",
+        s.importers,
+        s.accept_pauses,
+        s.evicted,
+        errors.len()
+    );
+    setrlimit(Resource::Nofile, saved).unwrap();
+}
+
+#[test]
+fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
+    use std::io::BufRead;
+    let dir = TempDir::new("emfile");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "server::tests::child_server_runs_out_of_descriptors",
+            "--nocapture",
+        ])
+        .env(CHILD_DIR, &dir.0)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.trim_end().ends_with("ready") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child server exited early");
+    }
+    // Six importers; the server has descriptors for two. The others wait in the backlog until
+    // their handshake times out.
+    let path = dir.join("pool.sock");
+    let tries: Vec<_> = (0..6)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let config = ConnectionConfig {
+                    io_timeout: Duration::from_secs(1),
+                    handshake_timeout: Duration::from_secs(1),
+                };
+                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, |_| Ok(())).map(|(s, _)| s)
+            })
+        })
+        .collect();
+    let results: Vec<_> = tries.into_iter().map(|t| t.join().unwrap()).collect();
+    let served = results.iter().filter(|r| r.is_ok()).count();
+    writeln!(child.stdin.as_mut().unwrap()).unwrap();
+    let mut stats = String::new();
+    while !stats.contains("stats ") {
+        stats.clear();
+        assert!(out.read_line(&mut stats).unwrap() > 0, "the child server exited early");
+    }
+    let n: Vec<u64> = stats[stats.find("stats ").unwrap() + 6..]
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let (importers, pauses, evicted, reported) = (n[0], n[1], n[2], n[3]);
+    assert!(child.wait().unwrap().success());
+    assert_eq!((served, importers), (2, 2), "{stats} {results:?}");
+    // Those two spoke: nobody was shed for the newcomers. Accepting paused, at 10 ms doubling to
+    // 1 s, for the second or so the others waited: a handful of pauses where a spinning loop
+    // would have retried without end, and one error reported for the streak.
+    assert_eq!(evicted, 0, "{stats}");
+    assert!((1..=30).contains(&pauses), "{pauses} pauses");
+    assert_eq!(reported, 1, "{stats}");
+}
