@@ -623,7 +623,7 @@ fn child_server_runs_out_of_descriptors() {
     )
     .unwrap();
     let saved = getrlimit(Resource::Nofile);
-    let mut low = saved.clone();
+    let mut low = saved;
     low.current = Some(256);
     setrlimit(Resource::Nofile, low).unwrap();
     // Take every descriptor left, then give two back: room for two connections, then EMFILE.
