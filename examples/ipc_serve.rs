@@ -172,8 +172,14 @@ fn serve(args: &[String]) -> AnyResult<()> {
         unsafe { kernels.iota(buf.ptr(), bytes / 4, base, stream.as_ref()) }?;
         match exporter.share(&buf, &importers) {
             Ok(()) => {}
-            // One importer left or does not read: the others got it; say so and go on.
-            Err(e @ (Error::Share { .. } | Error::UnknownImporter { .. })) => println!("ipc_serve: {e}"),
+            // One importer does not read (it is cut off): the others got it; say so and go on.
+            Err(e @ Error::Share { .. }) => println!("ipc_serve: {e}"),
+            // One left since the list was taken: nothing was sent; share with those there now.
+            Err(Error::UnknownImporter { .. }) => {
+                if let Err(e) = exporter.share_with_all(&buf) {
+                    println!("ipc_serve: {e}");
+                }
+            }
             Err(e) => return Err(e.into()),
         }
         shared += 1;
