@@ -262,15 +262,20 @@ impl Loop {
                 Err(e) => match Errno::from_io_error(&e) {
                     Some(Errno::AGAIN) => return,
                     Some(Errno::INTR) | Some(Errno::CONNABORTED) => continue,
-                    Some(Errno::MFILE) | Some(Errno::NFILE) | Some(Errno::NOBUFS) | Some(Errno::NOMEM) => {
+                    errno => {
                         // Out of descriptors: first shed a handshake that has said nothing (its
-                        // descriptor goes back); with none to shed, stop watching the listener for
-                        // a while instead of spinning on it.
-                        if let Some(token) = self.silent_to_shed(now) {
-                            self.end_handshake(token, Some(refused("it ran out of file descriptors")));
-                            self.stats.evicted += 1;
-                            continue;
+                        // descriptor goes back).
+                        let exhausted =
+                            matches!(errno, Some(Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM));
+                        if exhausted {
+                            if let Some(token) = self.silent_to_shed(now) {
+                                self.end_handshake(token, Some(refused("it ran out of file descriptors")));
+                                self.stats.evicted += 1;
+                                continue;
+                            }
                         }
+                        // Then, or for any other failure, stop watching the listener for a while
+                        // instead of spinning on it (it stays readable while connections wait).
                         let first = !self.backoff.in_streak();
                         self.backoff.exhausted(now);
                         self.stats.accept_pauses += 1;
@@ -278,10 +283,6 @@ impl Loop {
                         if first {
                             record_drop_error(Error::Io(e));
                         }
-                        return;
-                    }
-                    _ => {
-                        record_drop_error(Error::Io(e));
                         return;
                     }
                 },
