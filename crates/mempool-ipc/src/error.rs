@@ -253,7 +253,7 @@ impl Error {
 static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
 const MAX_DROP_ERRORS: usize = 64;
 
-/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread), for
+/// Keeps an error met where nobody can be told (a `Drop`, the exporter's serving thread), for
 /// [`take_drop_errors`].
 pub(crate) fn record_drop_error(e: Error) {
     let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
@@ -269,8 +269,10 @@ pub(crate) fn record_drop_error(e: Error) {
 /// - `Drop` of an [`ExportedBuffer`](crate::ExportedBuffer) or a
 ///   [`SharedBuffer`](crate::SharedBuffer) (their `release` methods return the error instead),
 ///   and of an [`Importer`](crate::Importer) whose buffers could not all be released;
-/// - the [`Exporter`](crate::Exporter)'s threads: accepting connections, failed handshakes,
-///   importers cut off for breaking the protocol, frees deferred to an importer's release
+/// - the [`Exporter`](crate::Exporter)'s serving thread: accepting connections (the first
+///   failure of a streak), handshakes that broke the protocol (those that timed out or were
+///   turned away are only counted, in [`ExporterStats`](crate::ExporterStats)), importers cut off
+///   for breaking the protocol, not reading or timing out, frees deferred to an importer's release
 ///   ([`Exporter::shutdown`](crate::Exporter::shutdown) returns these along with the rest).
 pub fn take_drop_errors() -> Vec<Error> {
     std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))

@@ -18,7 +18,7 @@
 //!   when dropped.
 //! - [`Error`] says what went wrong; it wraps a [`ProtocolError`] for frames that break the
 //!   wire format and a [`LeaseError`] for what the lease bookkeeping refuses. Errors met where
-//!   nobody can be told (in a `Drop`, on the exporter's threads) are kept for
+//!   nobody can be told (in a `Drop`, on the exporter's serving thread) are kept for
 //!   [`take_drop_errors`].
 //!
 //! Below the exporter and the importer, host layers that need no GPU and are tested without

@@ -1,6 +1,6 @@
 //! The exporter's shared state: the records of blocks, buffers and importers that the
 //! [`Exporter`](crate::Exporter), its [`ExportedBuffer`](crate::ExportedBuffer)s and its
-//! connection threads share through [`Inner`], and how the pool is reached.
+//! serving thread share through [`Inner`], and how the pool is reached.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

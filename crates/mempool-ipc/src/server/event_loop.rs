@@ -572,6 +572,10 @@ impl Loop {
         };
         let mut peer = peer;
         peer.close_with(err.as_ref(), code);
+        // Time limits and refusals are counted; a handshake that broke the protocol is reported.
+        if let Some(e) = err.filter(|e| !matches!(e, Error::Refused { .. } | Error::Timeout { .. } | Error::Closed)) {
+            record_drop_error(e);
+        }
     }
 
     // ---- the queues, the shutdown, the clocks ----
