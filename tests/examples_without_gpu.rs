@@ -27,6 +27,7 @@ fn examples_say_they_need_a_gpu_and_exit_with_status_2() {
         ("pool_report", "a GPU"),
         ("peer_access", "2 GPUs"),
         ("ipc_pipeline", "a GPU"),
+        ("ipc_serve", "a GPU"),
     ] {
         let out = Command::new(example(name))
             .output()

@@ -192,7 +192,9 @@ impl Connection {
         })();
         if let Err(err) = &result {
             // A frame cut short leaves the peer's reader out of step: nothing can follow it.
-            if sent > 0 || !matches!(err, Error::Timeout { .. }) {
+            // Nothing sent (a timeout, or a peer that closed its side) leaves the stream in step:
+            // what the peer said before it closed can still be read.
+            if sent > 0 || !matches!(err, Error::Timeout { .. } | Error::Closed) {
                 self.fail_locked_send(None);
             }
         }
@@ -205,6 +207,7 @@ impl Connection {
     /// [`Error::Closed`] if the peer closed the connection between messages,
     /// [`ProtocolError::Truncated`] if it closed in the middle of one. A peer's `Error` message is
     /// returned as a message; the session layer turns it into [`Error::Remote`].
+    #[cfg(test)]
     pub(crate) fn recv(&self) -> Result<Received> {
         self.recv_until(None, "receive")
     }
@@ -223,7 +226,8 @@ impl Connection {
         self.check_usable()?;
         let mut reader = FrameReader {
             conn: self,
-            fds: Vec::new(),
+            fds: fdpass::FdTally::default(),
+            expected: None,
             deadline,
             started: false,
             during,
@@ -249,6 +253,7 @@ impl Connection {
     /// Closes this side's sending direction (after a `Goodbye`): the peer reads the end of the
     /// stream after the last message, this side can still receive, and later sends fail with
     /// [`Error::WriteClosed`].
+    #[cfg(test)]
     pub(crate) fn close_write(&self) {
         let _guard = lock(&self.send_lock);
         if !self.write_closed.swap(true, Ordering::AcqRel) {
@@ -300,7 +305,9 @@ impl Connection {
 struct FrameReader<'a> {
     conn: &'a Connection,
     /// Every descriptor that arrived while this frame was read; dropped (closed) on error.
-    fds: Vec<OwnedFd>,
+    fds: fdpass::FdTally,
+    /// How many descriptors the frame's type carries, once its header is in.
+    expected: Option<usize>,
     /// The caller's deadline, tightened to `io_timeout` after the frame's first byte.
     deadline: Option<Instant>,
     /// Whether the frame's first byte has arrived.
@@ -313,19 +320,16 @@ impl FrameReader<'_> {
         let mut header = [0u8; HEADER_LEN];
         self.read_exact(&mut header, 0, HEADER_LEN)?;
         let head = wire::decode_header(&header)?;
+        let expected = head.message_type.descriptor_count();
+        self.expected = Some(expected);
+        self.fds.check(expected, false)?;
         let mut body = vec![0u8; head.body_len];
         self.read_exact(&mut body, HEADER_LEN, HEADER_LEN + head.body_len)?;
-        let expected = head.message_type.descriptor_count();
-        if self.fds.len() != expected {
-            return Err(Error::DescriptorCount {
-                expected,
-                got: self.fds.len(),
-            });
-        }
+        self.fds.check(expected, true)?;
         let message = wire::decode_body(head.message_type, &body)?;
         Ok(Received {
             message,
-            fds: std::mem::take(&mut self.fds),
+            fds: self.fds.take(),
         })
     }
 
@@ -342,8 +346,12 @@ impl FrameReader<'_> {
                     Err(Errno::AGAIN) => continue,
                     Err(errno) => return Err(errno.into()),
                 };
-            let (n, fds) = received.into_checked(MAX_FDS_PER_MESSAGE, self.fds.len())?;
-            self.fds.extend(fds);
+            let n = received.bytes;
+            let limit = self.expected.unwrap_or(MAX_FDS_PER_MESSAGE);
+            self.fds.add(received.fds, received.control_truncated, limit);
+            if let Some(expected) = self.expected {
+                self.fds.check(expected, false)?;
+            }
             if n == 0 {
                 return Err(if self.started {
                     ProtocolError::Truncated {

@@ -24,10 +24,10 @@ pub struct PeerCredentials {
 
 /// Reads the peer's credentials with `SO_PEERCRED`.
 ///
-/// Known limit: for a peer in another pid namespace the kernel reports pid 0, which rustix
-/// 1.1's `UCred` (a non-zero `Pid`) cannot represent; such peers (containers that share the
-/// socket but not the pid namespace) are not supported until that is fixed upstream or this
-/// call moves to a raw `getsockopt`.
+/// A peer in another pid namespace (a container that shares the socket but not the pid
+/// namespace) is reported by the kernel with pid 0: its process cannot be named here, so the
+/// exporter could not wait for it to exit before freeing what it held. This returns
+/// [`Error::ForeignPidNamespace`] for it, a clean refusal.
 ///
 /// See [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
 ///
@@ -42,12 +42,44 @@ pub struct PeerCredentials {
 /// # Ok::<(), mempool_ipc::Error>(())
 /// ```
 pub fn peer_credentials(socket: impl AsFd) -> Result<PeerCredentials> {
-    let ucred = rustix::net::sockopt::socket_peercred(socket)?;
-    Ok(PeerCredentials {
-        pid: ucred.pid.as_raw_nonzero().get(),
-        uid: ucred.uid.as_raw(),
-        gid: ucred.gid.as_raw(),
-    })
+    let raw = raw_peercred(socket.as_fd())?;
+    credentials_from(raw.pid, raw.uid, raw.gid)
+}
+
+/// The credentials `SO_PEERCRED` reported, or the refusal of a pid it could not name (0).
+fn credentials_from(pid: i32, uid: u32, gid: u32) -> Result<PeerCredentials> {
+    if pid <= 0 {
+        return Err(Error::ForeignPidNamespace { uid });
+    }
+    Ok(PeerCredentials { pid, uid, gid })
+}
+
+/// `getsockopt(SO_PEERCRED)` into a plain `struct ucred` (rustix's `UCred` holds a non-zero pid
+/// type, which a pid of 0 cannot be written into).
+#[allow(unsafe_code)]
+fn raw_peercred(socket: std::os::fd::BorrowedFd<'_>) -> Result<libc::ucred> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `socket` is an open descriptor (borrowed for the call); `cred` is a writable
+    // `struct ucred` of `len` bytes, which is what `SO_PEERCRED` writes (every bit pattern of its
+    // three integers is valid), and `len` is a writable `socklen_t`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(std::io::Error::other(format!("SO_PEERCRED returned {len} bytes, expected a struct ucred")).into());
+    }
+    Ok(cred)
 }
 
 /// Which peers may connect.
@@ -131,5 +163,21 @@ mod tests {
         // An empty allow-list allows nobody, not even this user.
         assert!(!AccessPolicy::allow_uids([]).allows(own_uid()));
         assert!(!AccessPolicy::SameUser.allows(own_uid().wrapping_add(1)));
+    }
+
+    #[test]
+    fn a_peer_in_another_pid_namespace_is_refused_by_name() {
+        // What SO_PEERCRED reports for such a peer: pid 0.
+        let err = credentials_from(0, 1000, 1000).unwrap_err();
+        assert!(matches!(err, Error::ForeignPidNamespace { uid: 1000 }), "{err}");
+        assert!(err.to_string().contains("another pid namespace"), "{err}");
+        assert_eq!(
+            credentials_from(42, 1, 2).unwrap(),
+            PeerCredentials {
+                pid: 42,
+                uid: 1,
+                gid: 2
+            }
+        );
     }
 }

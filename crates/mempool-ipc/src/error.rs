@@ -71,6 +71,39 @@ pub enum Error {
         pid: i32,
     },
 
+    /// The peer runs in another pid namespace (`SO_PEERCRED` reports pid 0): the exporter could
+    /// not tell when its process is gone, so it refuses such peers.
+    #[error(
+        "peer process of uid {uid} runs in another pid namespace (SO_PEERCRED reports pid 0); share the pid \
+         namespace with the exporter"
+    )]
+    ForeignPidNamespace {
+        /// The peer's effective user id.
+        uid: u32,
+    },
+
+    /// The exporter turned the connection away: it serves as many importers as
+    /// [`ExporterOptions::max_importers`](crate::ExporterOptions::max_importers) allows, or it
+    /// closed a handshake to make room for newer ones
+    /// ([`ExporterOptions::max_handshakes`](crate::ExporterOptions::max_handshakes)), or it is
+    /// shutting down.
+    #[error("the exporter turned the connection away: {reason}")]
+    Refused {
+        /// Why.
+        reason: String,
+    },
+
+    /// An importer did not drain what the exporter sent it: its send queue was full, or nothing
+    /// of it went out for the I/O timeout. The exporter disconnects it and reclaims its leases as
+    /// for an importer that died.
+    #[error("importer {importer} does not read what it is sent: {reason}")]
+    Stalled {
+        /// The importer.
+        importer: ImporterId,
+        /// What happened (queue full, no progress within the timeout).
+        reason: String,
+    },
+
     /// The peer did not complete a step in time.
     #[error("timed out during {during}")]
     Timeout {
@@ -196,7 +229,8 @@ impl Error {
         match self {
             Error::Protocol(ProtocolError::UnsupportedVersion { .. }) => ErrorCode::UnsupportedVersion,
             Error::WrongDevice { .. } | Error::DeviceNotVisible { .. } => ErrorCode::WrongDevice,
-            Error::PeerCredentials { .. } => ErrorCode::PermissionDenied,
+            Error::PeerCredentials { .. } | Error::ForeignPidNamespace { .. } => ErrorCode::PermissionDenied,
+            Error::Refused { .. } | Error::Stalled { .. } => ErrorCode::Internal,
             Error::Timeout { .. } => ErrorCode::Timeout,
             Error::Lease(LeaseError::UnknownBuffer { .. }) => ErrorCode::UnknownBuffer,
             Error::Lease(LeaseError::NotLeased { .. }) => ErrorCode::NotLeased,
@@ -219,7 +253,7 @@ impl Error {
 static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
 const MAX_DROP_ERRORS: usize = 64;
 
-/// Keeps an error met where nobody can be told (a `Drop`, a connection's thread), for
+/// Keeps an error met where nobody can be told (a `Drop`, the exporter's serving thread), for
 /// [`take_drop_errors`].
 pub(crate) fn record_drop_error(e: Error) {
     let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
@@ -235,8 +269,10 @@ pub(crate) fn record_drop_error(e: Error) {
 /// - `Drop` of an [`ExportedBuffer`](crate::ExportedBuffer) or a
 ///   [`SharedBuffer`](crate::SharedBuffer) (their `release` methods return the error instead),
 ///   and of an [`Importer`](crate::Importer) whose buffers could not all be released;
-/// - the [`Exporter`](crate::Exporter)'s threads: accepting connections, failed handshakes,
-///   importers cut off for breaking the protocol, frees deferred to an importer's release
+/// - the [`Exporter`](crate::Exporter)'s serving thread: accepting connections (the first
+///   failure of a streak), handshakes that broke the protocol (those that timed out or were
+///   turned away are only counted, in [`ExporterStats`](crate::ExporterStats)), importers cut off
+///   for breaking the protocol, not reading or timing out, frees deferred to an importer's release
 ///   ([`Exporter::shutdown`](crate::Exporter::shutdown) returns these along with the rest).
 pub fn take_drop_errors() -> Vec<Error> {
     std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))

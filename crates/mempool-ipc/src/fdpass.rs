@@ -125,6 +125,7 @@ impl RawReceived {
     /// Applies the limit: `already` descriptors were received earlier for the same message,
     /// at most `max_fds` may arrive in all. On error, every descriptor of this call is closed
     /// (dropped); the caller drops the earlier ones.
+    #[cfg(test)]
     pub(crate) fn into_checked(self, max_fds: usize, already: usize) -> Result<(usize, Vec<OwnedFd>)> {
         let total = already + self.fds.len();
         if self.control_truncated {
@@ -141,6 +142,59 @@ impl RawReceived {
             });
         }
         Ok((self.bytes, self.fds))
+    }
+}
+
+/// The descriptors that arrived while one frame was read, counted exactly against what the
+/// frame's type carries.
+///
+/// The type is known only once the frame's header is in, but descriptors ride on its first byte:
+/// until then at most `MAX_FDS_PER_MESSAGE` are kept and any more are closed at once (still
+/// counted), so a hostile peer cannot make the reader hold more than that; the error then names
+/// the number the message type carries ("expected 0" for a message that carries none).
+#[derive(Debug, Default)]
+pub(crate) struct FdTally {
+    kept: Vec<OwnedFd>,
+    count: usize,
+    /// The kernel dropped control data: more arrived than could be counted.
+    truncated: bool,
+}
+
+impl FdTally {
+    /// Adds what one `recvmsg` brought; keeps at most `limit` in all, closes the rest.
+    pub(crate) fn add(&mut self, received: Vec<OwnedFd>, control_truncated: bool, limit: usize) {
+        self.count += received.len();
+        self.truncated |= control_truncated;
+        for fd in received {
+            if self.kept.len() < limit {
+                self.kept.push(fd);
+            }
+        }
+    }
+
+    /// How many arrived so far.
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Checks the count against `expected`, the number the message type carries: more is an
+    /// error at any time, fewer once the frame is `complete`.
+    pub(crate) fn check(&self, expected: usize, complete: bool) -> Result<()> {
+        let got = if self.truncated {
+            self.count.max(SCM_MAX_FD) + 1
+        } else {
+            self.count
+        };
+        if got > expected || (complete && got != expected) {
+            return Err(Error::DescriptorCount { expected, got });
+        }
+        Ok(())
+    }
+
+    /// The descriptors, once [`FdTally::check`] passed on the complete frame.
+    pub(crate) fn take(&mut self) -> Vec<OwnedFd> {
+        self.count = 0;
+        std::mem::take(&mut self.kept)
     }
 }
 

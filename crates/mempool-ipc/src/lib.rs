@@ -18,7 +18,7 @@
 //!   when dropped.
 //! - [`Error`] says what went wrong; it wraps a [`ProtocolError`] for frames that break the
 //!   wire format and a [`LeaseError`] for what the lease bookkeeping refuses. Errors met where
-//!   nobody can be told (in a `Drop`, on the exporter's threads) are kept for
+//!   nobody can be told (in a `Drop`, on the exporter's serving thread) are kept for
 //!   [`take_drop_errors`].
 //!
 //! Below the exporter and the importer, host layers that need no GPU and are tested without
@@ -30,6 +30,9 @@
 //! - `cred`: who is at the other end (`SO_PEERCRED`) and whether they may be;
 //! - `listener`: the exporter's socket file, created 0600 without a race;
 //! - `session`: the handshake and what each side may receive after it;
+//! - `server`: the exporter's connections without the GPU: admission within its limits, one
+//!   bounded send queue per importer, the wait for a dead importer's process, all served by one
+//!   `epoll` thread;
 //! - `lease`: which importer holds which buffer, and when a buffer may be freed;
 //! - `error`: the error types above, and the sink of [`take_drop_errors`].
 //!
@@ -49,6 +52,7 @@ mod fdpass;
 mod importer;
 mod lease;
 mod listener;
+mod server;
 mod session;
 #[cfg(test)]
 mod test_util;

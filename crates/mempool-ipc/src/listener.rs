@@ -29,14 +29,20 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt}
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(test)]
 use std::time::{Duration, Instant};
 
+#[cfg(test)]
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::fs::{RenameFlags, CWD};
 use rustix::io::Errno;
 
-use crate::conn::{Connection, ConnectionConfig};
-use crate::cred::{AccessPolicy, PeerCredentials};
+#[cfg(test)]
+use crate::conn::Connection;
+use crate::conn::ConnectionConfig;
+use crate::cred::AccessPolicy;
+#[cfg(test)]
+use crate::cred::PeerCredentials;
 use crate::error::{Error, Result};
 
 /// How the exporter's listening socket is made and who may connect to it.
@@ -148,6 +154,7 @@ impl Listener {
     ///
     /// A peer the policy rejects gets an `Error` message (`PermissionDenied`) and a closed
     /// connection, and this returns [`Error::PeerCredentials`]; keep accepting after it.
+    #[cfg(test)]
     pub(crate) fn accept(&self) -> Result<(Connection, PeerCredentials)> {
         let (stream, _addr) = self.listener.accept()?;
         self.admit(stream)
@@ -155,6 +162,7 @@ impl Listener {
 
     /// Like [`Listener::accept`], but fails with [`Error::Timeout`] if nobody connects within
     /// `timeout`. (If several threads accept on one listener, one of them may still block.)
+    #[cfg(test)]
     pub(crate) fn accept_timeout(&self, timeout: Duration) -> Result<(Connection, PeerCredentials)> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -172,6 +180,28 @@ impl Listener {
         }
     }
 
+    /// Accepts one waiting connection without checking it (the exporter's event loop checks
+    /// it, [`Listener::policy`]); `WouldBlock` once none waits, after [`Listener::set_nonblocking`].
+    pub(crate) fn accept_stream(&self) -> std::io::Result<UnixStream> {
+        self.listener.accept().map(|(stream, _)| stream)
+    }
+
+    /// Makes [`Listener::accept_stream`] return at once when no connection waits.
+    pub(crate) fn set_nonblocking(&self) -> Result<()> {
+        Ok(self.listener.set_nonblocking(true)?)
+    }
+
+    /// Who may connect.
+    pub(crate) fn policy(&self) -> &AccessPolicy {
+        &self.policy
+    }
+
+    /// The time limits of accepted connections.
+    pub(crate) fn connection_config(&self) -> ConnectionConfig {
+        self.connection
+    }
+
+    #[cfg(test)]
     fn admit(&self, stream: UnixStream) -> Result<(Connection, PeerCredentials)> {
         let conn = Connection::new(stream, self.connection);
         let peer = conn.peer_credentials()?;

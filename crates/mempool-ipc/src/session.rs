@@ -26,7 +26,9 @@
 //! the buffers. The tests (`session/tests.rs`) run both sides over real sockets, with a memfd
 //! for the pool and a simulated pool behind the lease tables.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+#[cfg(test)]
+use std::os::fd::BorrowedFd;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::Instant;
 
@@ -65,15 +67,98 @@ pub(crate) enum ExporterEvent {
     Goodbye,
 }
 
-/// The exporter's side of one importer connection.
+/// Where the exporter's side of a handshake stands.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub(crate) enum HandshakeStep {
+    /// Nothing received yet: waiting for `Hello`.
+    AwaitHello,
+    /// `Welcome` sent: waiting for `Ready`.
+    AwaitReady,
+    /// `PoolDescriptor` answered: the handshake is complete.
+    Done,
+}
+
+/// The exporter's side of the handshake as a state machine over messages, with no I/O: the
+/// exporter's event loop feeds it each message that arrives and sends what it answers (with the
+/// pool's descriptor where the answer's type carries one). The tests drive it through
+/// [`ExporterSession`], over real sockets.
+#[derive(Debug)]
+pub(crate) struct ExporterHandshake {
+    announcement: PoolAnnouncement,
+    step: HandshakeStep,
+}
+
+impl ExporterHandshake {
+    /// A handshake that waits for `Hello`.
+    pub(crate) fn new(announcement: PoolAnnouncement) -> ExporterHandshake {
+        ExporterHandshake {
+            announcement,
+            step: HandshakeStep::AwaitHello,
+        }
+    }
+
+    /// Where it stands.
+    pub(crate) fn step(&self) -> HandshakeStep {
+        self.step
+    }
+
+    /// Takes the importer's next message and returns the answer: `Welcome` to `Hello`,
+    /// `PoolDescriptor` (send the pool's descriptor with it) to a `Ready` that names the
+    /// announced GPU, after which the handshake is [`HandshakeStep::Done`].
+    ///
+    /// Errors (the connection ends; tell the peer): [`Error::WrongDevice`];
+    /// [`Error::UnexpectedMessage`]; [`Error::Remote`] for the peer's `Error` message.
+    pub(crate) fn on_message(&mut self, message: Message) -> Result<Message> {
+        let a = self.announcement;
+        match (self.step, message) {
+            (HandshakeStep::AwaitHello, Message::Hello) => {
+                self.step = HandshakeStep::AwaitReady;
+                Ok(Message::Welcome(Welcome {
+                    device_uuid: a.device_uuid,
+                    pool_id: a.pool_id,
+                }))
+            }
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) if device_uuid == a.device_uuid => {
+                self.step = HandshakeStep::Done;
+                Ok(Message::PoolDescriptor(PoolDescriptor { pool_id: a.pool_id }))
+            }
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) => Err(Error::WrongDevice {
+                expected_uuid: a.device_uuid,
+                got: device_uuid,
+            }),
+            (HandshakeStep::AwaitHello, other) => Err(unexpected("Hello", &other)),
+            (HandshakeStep::AwaitReady, other) => Err(unexpected("Ready", &other)),
+            (HandshakeStep::Done, _) => Err(ProtocolError::Violation {
+                reason: "the handshake is over".into(),
+            }
+            .into()),
+        }
+    }
+}
+
+/// What a message from an importer means after the handshake: `Release`, `Goodbye`, or an
+/// error that ends the connection ([`Error::UnexpectedMessage`]; [`Error::Remote`] for the
+/// peer's `Error` message).
+pub(crate) fn importer_event(message: Message) -> Result<ImporterEvent> {
+    match message {
+        Message::Release { buffer_id } => Ok(ImporterEvent::Release(buffer_id)),
+        Message::Goodbye => Ok(ImporterEvent::Goodbye),
+        other => Err(unexpected("Release or Goodbye", &other)),
+    }
+}
+
+/// The exporter's side of one importer connection, over a blocking [`Connection`]: the peer the
+/// tests run the importer's side against. The exporter itself serves its importers from an event
+/// loop (`server`) over the same [`ExporterHandshake`] and [`importer_event`].
+#[cfg(test)]
 #[derive(Debug)]
 pub(crate) struct ExporterSession {
     conn: Connection,
     /// What the handshake announced (the tests check it).
-    #[cfg(test)]
     announcement: PoolAnnouncement,
 }
 
+#[cfg(test)]
 impl ExporterSession {
     /// Runs the exporter's side of the handshake on an accepted (and credential-checked)
     /// connection: waits for `Hello`, announces the GPU and the pool, checks that the importer
@@ -88,45 +173,22 @@ impl ExporterSession {
         pool_fd: BorrowedFd<'_>,
     ) -> Result<ExporterSession> {
         let deadline = Instant::now() + conn.config().handshake_timeout;
-        let steps = || -> Result<()> {
-            match recv_in_handshake(&conn, deadline)?.message {
-                Message::Hello => {}
-                other => return Err(unexpected("Hello", &other)),
+        let mut machine = ExporterHandshake::new(announcement);
+        let mut steps = || -> Result<()> {
+            while machine.step() != HandshakeStep::Done {
+                let received = recv_in_handshake(&conn, deadline)?;
+                let answer = machine.on_message(received.message)?;
+                let fds: &[BorrowedFd<'_>] = if answer.message_type().descriptor_count() == 1 {
+                    &[pool_fd]
+                } else {
+                    &[]
+                };
+                conn.send_until(&answer, fds, deadline, "handshake")?;
             }
-            conn.send_until(
-                &Message::Welcome(Welcome {
-                    device_uuid: announcement.device_uuid,
-                    pool_id: announcement.pool_id,
-                }),
-                &[],
-                deadline,
-                "handshake",
-            )?;
-            match recv_in_handshake(&conn, deadline)?.message {
-                Message::Ready(Ready { device_uuid }) if device_uuid == announcement.device_uuid => {}
-                Message::Ready(Ready { device_uuid }) => {
-                    return Err(Error::WrongDevice {
-                        expected_uuid: announcement.device_uuid,
-                        got: device_uuid,
-                    })
-                }
-                other => return Err(unexpected("Ready", &other)),
-            }
-            conn.send_until(
-                &Message::PoolDescriptor(PoolDescriptor {
-                    pool_id: announcement.pool_id,
-                }),
-                &[pool_fd],
-                deadline,
-                "handshake",
-            )
+            Ok(())
         };
         match steps() {
-            Ok(()) => Ok(ExporterSession {
-                conn,
-                #[cfg(test)]
-                announcement,
-            }),
+            Ok(()) => Ok(ExporterSession { conn, announcement }),
             Err(err) => {
                 conn.close_with_error(&err);
                 Err(err)
@@ -134,51 +196,38 @@ impl ExporterSession {
         }
     }
 
-    /// The connection, for its credentials, its descriptor (to poll it) or to close it.
-    pub(crate) fn connection(&self) -> &Connection {
-        &self.conn
-    }
-
     /// What the handshake announced.
-    #[cfg(test)]
     pub(crate) fn announcement(&self) -> &PoolAnnouncement {
         &self.announcement
     }
 
-    /// Shares a buffer with the importer. Record the lease
-    /// ([`LeaseTable::grant`](crate::lease::LeaseTable::grant)) before calling this, and revoke
-    /// it if this fails.
+    /// Shares a buffer with the importer.
     pub(crate) fn share(&self, buffer: &BufferDescriptor) -> Result<()> {
         self.conn.send(&Message::Buffer(*buffer), &[])
     }
 
     /// Waits for the importer's next message. On [`ImporterEvent::Goodbye`] and on any error
-    /// (including [`Error::Closed`]), the connection is over: count every buffer the importer
-    /// held as released ([`LeaseTable::disconnect`](crate::lease::LeaseTable::disconnect)).
+    /// (including [`Error::Closed`]), the connection is over.
     pub(crate) fn recv(&self) -> Result<ImporterEvent> {
         let received = self.conn.recv()?;
-        let event = match received.message {
-            Message::Release { buffer_id } => ImporterEvent::Release(buffer_id),
-            Message::Goodbye => {
+        match importer_event(received.message) {
+            Ok(ImporterEvent::Goodbye) => {
                 self.conn.shutdown();
-                ImporterEvent::Goodbye
+                Ok(ImporterEvent::Goodbye)
             }
-            other => return Err(self.reject(unexpected("Release or Goodbye", &other))),
-        };
-        Ok(event)
+            Ok(event) => Ok(event),
+            Err(e) => Err(self.reject(e)),
+        }
     }
 
-    /// Tells the importer the exporter shares nothing more (it should release what it holds)
-    /// and closes the sending direction. Keep calling [`ExporterSession::recv`] for the
-    /// releases, until the importer's `Goodbye` or the end of the connection.
+    /// Tells the importer the exporter shares nothing more and closes the sending direction.
     pub(crate) fn goodbye(&self) -> Result<()> {
         let result = self.conn.send(&Message::Goodbye, &[]);
         self.conn.close_write();
         result
     }
 
-    /// Tells the importer about `err` (for example a release of a buffer it does not hold) and
-    /// closes the connection; returns `err` for the caller's `?`.
+    /// Tells the importer about `err` and closes the connection; returns `err`.
     pub(crate) fn reject(&self, err: Error) -> Error {
         self.conn.close_with_error(&err);
         err
@@ -230,7 +279,8 @@ impl ImporterSession {
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let deadline = Instant::now() + conn.config().handshake_timeout;
         let steps = || -> Result<(Welcome, ImportedPool<D>)> {
-            conn.send_until(&Message::Hello, &[], deadline, "handshake")?;
+            conn.send_until(&Message::Hello, &[], deadline, "handshake")
+                .map_err(|e| why_closed(&conn, e, deadline))?;
             let welcome = match recv_in_handshake(&conn, deadline)?.message {
                 Message::Welcome(welcome) => welcome,
                 other => return Err(unexpected("Welcome", &other)),
@@ -243,7 +293,8 @@ impl ImporterSession {
                 &[],
                 deadline,
                 "handshake",
-            )?;
+            )
+            .map_err(|e| why_closed(&conn, e, deadline))?;
             let Received { message, mut fds } = recv_in_handshake(&conn, deadline)?;
             match message {
                 Message::PoolDescriptor(PoolDescriptor { pool_id }) if pool_id == welcome.pool_id => {}
@@ -330,6 +381,17 @@ impl ImporterSession {
         self.conn.close_with_error(&err);
         err
     }
+}
+
+/// A send failed because the peer closed its side (an exporter that turned this importer away
+/// does that right after its `Error` message): what it said before is the better error.
+fn why_closed(conn: &Connection, err: Error, deadline: Instant) -> Error {
+    if matches!(err, Error::Closed) {
+        if let Err(remote @ Error::Remote { .. }) = recv_in_handshake(conn, deadline) {
+            return remote;
+        }
+    }
+    err
 }
 
 fn recv_in_handshake(conn: &Connection, deadline: Instant) -> Result<Received> {

@@ -115,7 +115,24 @@ fn descriptors_sent_mid_frame_are_counted_too() {
     fdpass::send_with_fds(&raw, &frame[..HEADER_LEN + 2], &[]).unwrap();
     fdpass::send_with_fds(&raw, &frame[HEADER_LEN + 2..], &[memfd.as_fd()]).unwrap();
     drop(memfd);
-    assert!(matches!(conn.recv().unwrap_err(), Error::DescriptorCount { .. }));
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::DescriptorCount { expected: 0, got: 1 }), "{err}");
+    assert!(err.to_string().contains("expected 0, got 1"), "{err}");
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn many_descriptors_on_a_message_that_carries_none_name_the_exact_count() {
+    // Three ride on the header's first byte, before the reader knows the type: it keeps at most
+    // one, closes the rest, and names the type's count (0), not the most any message carries.
+    let (conn, raw) = conn_and_raw();
+    let name = unique_name("three");
+    let memfd = memfd_with(&name, b"x");
+    let frame = wire::encode(&Message::Hello).unwrap();
+    fdpass::send_with_fds(&raw, &frame, &[memfd.as_fd(), memfd.as_fd(), memfd.as_fd()]).unwrap();
+    drop(memfd);
+    let err = conn.recv().unwrap_err();
+    assert!(matches!(err, Error::DescriptorCount { expected: 0, got: 3 }), "{err}");
     assert_eq!(open_fds_named(&name), 0);
 }
 

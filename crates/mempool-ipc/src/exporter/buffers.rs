@@ -11,7 +11,7 @@ use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::{ImporterId, LeaseError};
-use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, PointerDescriptor};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor};
 
 /// A buffer the exporter can share, ordered on a stream like a
 /// [`PoolBuffer`](mempool_core::PoolBuffer). Made by [`Exporter::alloc`](crate::Exporter::alloc)
@@ -238,19 +238,14 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
     if to.is_empty() {
         return Ok(());
     }
+    let server = inner.server()?;
     let event = inner.take_event()?;
     event.event.record(buffer.view.stream())?;
     let handle = event.handle;
     let mut state = inner.lock();
-    let mut sessions = Vec::with_capacity(to.len());
-    for importer in to {
-        match state.importers.get(importer) {
-            Some(peer) => sessions.push((*importer, peer.session.clone())),
-            None => {
-                state.idle_events.push(event);
-                return Err(Error::UnknownImporter { importer: *importer });
-            }
-        }
+    if let Some(importer) = to.iter().find(|i| !state.importers.contains_key(i)) {
+        state.idle_events.push(event);
+        return Err(Error::UnknownImporter { importer: *importer });
     }
     for (i, importer) in to.iter().enumerate() {
         if let Err(e) = state.leases.grant(buffer.id, *importer) {
@@ -276,15 +271,18 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
     }
     drop(state);
 
+    // Queued, not sent: the serving thread sends each importer's frames as its socket takes
+    // them, so an importer that does not read delays nobody else.
+    let message = Message::Buffer(descriptor);
     let mut first_error = None;
-    for (importer, session) in sessions {
-        if let Err(e) = session.share(&descriptor) {
-            // The owner still holds the buffer, so revoking frees nothing. The connection's
-            // thread may have counted the importer out already (NotLeased): nothing to undo.
-            let _ = inner.lock().leases.revoke(buffer.id, importer);
+    for importer in to {
+        if let Err(e) = server.send(*importer, &message, Some(buffer.id)) {
+            // The owner still holds the buffer, so revoking frees nothing. The serving thread
+            // may have counted the importer out already (NotLeased): nothing to undo.
+            let _ = inner.lock().leases.revoke(buffer.id, *importer);
             first_error.get_or_insert(Error::Share {
                 buffer: buffer.id,
-                importer,
+                importer: *importer,
                 source: Box::new(e),
             });
         }

@@ -6,8 +6,8 @@
 //!
 //! - `state`: what the exporter, its buffers and its threads share ([`Inner`](state::Inner));
 //! - `buffers`: [`ExportedBuffer`], and making (`alloc`, `adopt`) and sharing (`share`) buffers;
-//! - `serve`: the thread that accepts importers, the thread per importer that runs the handshake
-//!   and takes its `Release` messages, and the shutdown;
+//! - `serve`: what the serving thread (the crate's `server`, one event loop for every
+//!   connection) reports to the exporter, and the shutdown;
 //! - `reclaim`: freeing, at once, deferred to the last release, or reclaimed from an importer
 //!   that is gone (the lease table decides when).
 //!
@@ -23,8 +23,7 @@ mod state;
 use std::fmt;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use mempool_core::{DeviceAddr, MemPool, Stream, StreamRef};
@@ -35,10 +34,15 @@ use crate::cred::PeerCredentials;
 use crate::error::{take_drop_errors, Error, Result};
 use crate::lease::ImporterId;
 use crate::listener::{Listener, ListenerOptions};
+use crate::server::{Handler, Limits, Server};
 use crate::session::PoolAnnouncement;
 use crate::wire::{DeviceUuid, PoolId};
 
-/// How an [`Exporter`] listens and shuts down.
+/// How an [`Exporter`] listens, how many connections it serves, and how it shuts down.
+///
+/// One thread serves every connection (an `epoll` loop), so idle importers cost a socket each
+/// and no thread. The limits bound what careless or hostile peers can take; `docs/ipc.md`
+/// (*Limits and floods*) says what each one does under a flood.
 #[derive(Clone, Debug)]
 pub struct ExporterOptions {
     /// The socket file's mode, who may connect, and the connections' time limits.
@@ -48,6 +52,24 @@ pub struct ExporterOptions {
     /// (an importer may still use them); the driver reclaims them when the pool is destroyed
     /// and the processes exit. Default: 10 s.
     pub shutdown_timeout: Duration,
+    /// Connected importers at most. A connection beyond it is turned away with an `Error`
+    /// message ([`Error::Refused`] at the importer). Default: 256, which with
+    /// [`max_handshakes`](Self::max_handshakes) stays well inside the usual limit of 1,024 open
+    /// descriptors (each connection costs the exporter one).
+    pub max_importers: usize,
+    /// Handshakes in flight at most. When all are taken, a new connection takes the place of
+    /// the one that made the least progress (one that said nothing, the oldest first), which is
+    /// closed: connections that never speak cannot keep a real importer out. Default: 64.
+    pub max_handshakes: usize,
+    /// Messages queued for one importer at most (beyond what its socket holds). An importer
+    /// whose queue is full, or whose queue makes no progress for
+    /// [`ConnectionConfig::io_timeout`](crate::ConnectionConfig::io_timeout), does not read: it
+    /// is disconnected and its leases reclaimed as for one that died. Default: 1,024.
+    pub send_queue_len: usize,
+    /// Disconnects an importer when no message went either way for this long (its leases are
+    /// then reclaimed as for one that died). Default: `None`, no limit (an importer may hold
+    /// buffers for as long as it likes).
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for ExporterOptions {
@@ -55,6 +77,10 @@ impl Default for ExporterOptions {
         ExporterOptions {
             listener: ListenerOptions::default(),
             shutdown_timeout: Duration::from_secs(10),
+            max_importers: 256,
+            max_handshakes: 64,
+            send_queue_len: 1024,
+            idle_timeout: None,
         }
     }
 }
@@ -86,14 +112,34 @@ pub struct ExporterStats {
     pub reclaimed_buffers: u64,
     /// Buffers left unfreed at shutdown because an importer still held them.
     pub abandoned_buffers: u64,
+    /// Connections whose handshake is in flight.
+    pub handshakes: usize,
+    /// Importers whose connection ended uncleanly while they held buffers, whose processes the
+    /// exporter waits to be gone before it frees those.
+    pub awaiting_exit: usize,
+    /// Messages queued for importers and not yet taken by their sockets.
+    pub queued_messages: usize,
+    /// Connections turned away: access policy, another pid namespace, at
+    /// [`ExporterOptions::max_importers`], or shutting down.
+    pub refused_connections: u64,
+    /// Handshakes closed to make room for newer connections
+    /// ([`ExporterOptions::max_handshakes`]) or for lack of descriptors.
+    pub evicted_handshakes: u64,
+    /// Importers disconnected because they did not read what they were sent.
+    pub stalled_importers: u64,
+    /// Connections closed for a time limit (handshake, a frame begun, idle).
+    pub timed_out_connections: u64,
+    /// Times accepting paused because the process ran out of descriptors.
+    pub accept_pauses: u64,
 }
 
 /// Serves an exportable pool on a Unix socket and shares its buffers with importer processes.
 ///
 /// An `Exporter` owns (or shares) a [`MemPool`] created with
 /// [`HandleTypes::POSIX_FILE_DESCRIPTOR`](mempool_core::HandleTypes), listens on a Unix socket
-/// path, and runs one thread that accepts importers and one thread per importer that runs the
-/// handshake and then takes its `Release` messages. Buffers are [`ExportedBuffer`]s:
+/// path, and runs one thread that serves every connection: it accepts importers (within the
+/// limits of [`ExporterOptions`]), runs their handshakes, sends what is queued for each as its
+/// socket takes it, and takes their `Release` messages. Buffers are [`ExportedBuffer`]s:
 ///
 /// - [`Exporter::alloc`] allocates a whole buffer from the pool (a block of its own);
 /// - [`Exporter::adopt`] takes over a buffer suballocated from a larger pool allocation (by a
@@ -126,12 +172,13 @@ pub struct ExporterStats {
 /// # Ok(()) }
 /// ```
 ///
-/// Dropping it shuts down: no new connections, `Goodbye` to every importer, a wait (at most
-/// [`ExporterOptions::shutdown_timeout`]) for importers to release what they hold, then the
-/// connections close. [`ExportedBuffer`]s keep working after that (they free on drop).
+/// Dropping it shuts down: no new connections (the socket file is removed), `Goodbye` to every
+/// importer, a wait (at most [`ExporterOptions::shutdown_timeout`]) for importers to release what
+/// they hold, then the connections close and the serving thread ends. [`ExportedBuffer`]s keep
+/// working after that (they free on drop).
 pub struct Exporter {
     inner: Arc<Inner>,
-    accept: Option<JoinHandle<()>>,
+    shut: bool,
 }
 
 impl fmt::Debug for Exporter {
@@ -181,29 +228,33 @@ impl Exporter {
             pool_id: PoolId::generate(),
         };
         let free_stream = Stream::new(&ctx)?;
-        let listener = Listener::bind_with(path, options.listener)?;
+        let listener = Listener::bind_with(path, options.listener.clone())?;
+        let connection = listener.connection_config();
+        let limits = Limits {
+            max_importers: options.max_importers,
+            max_handshakes: options.max_handshakes,
+            send_queue_len: options.send_queue_len,
+            idle_timeout: options.idle_timeout,
+            handshake_timeout: connection.handshake_timeout,
+            io_timeout: connection.io_timeout,
+        };
         let inner = Arc::new(Inner {
+            server: OnceLock::new(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             free_stream,
-            threads: Mutex::new(Vec::new()),
             shutting_down: AtomicBool::new(false),
-            shutdown_deadline: Mutex::new(None),
             shutdown_timeout: options.shutdown_timeout,
             announcement,
             path: path.to_owned(),
             ctx,
-            pool_fd,
             source,
         });
-        let accept_inner = inner.clone();
-        let accept = std::thread::Builder::new()
-            .name("mempool-ipc-accept".into())
-            .spawn(move || serve::accept_loop(accept_inner, listener))?;
-        Ok(Exporter {
-            inner,
-            accept: Some(accept),
-        })
+        let handler: Arc<dyn Handler> = inner.clone();
+        let server = Server::start(listener, announcement, pool_fd, limits, handler)?;
+        // Only this function sets it, once.
+        let _ = inner.server.set(server);
+        Ok(Exporter { inner, shut: false })
     }
 
     /// The pool being served.
@@ -288,10 +339,15 @@ impl Exporter {
     /// that fills the buffer first), records the leases, and sends the buffer. A buffer can be
     /// shared again later with other importers (not with one that holds it already).
     ///
+    /// The buffer is queued for each importer and this returns at once: the serving thread sends
+    /// it as each importer's socket takes it, so an importer that does not read delays nobody.
+    /// If an importer's connection ends before its copy went out, its lease is revoked then.
+    ///
     /// Errors: [`Error::UnknownImporter`] (nothing is sent to anyone);
     /// [`LeaseError::AlreadyLeased`](crate::LeaseError::AlreadyLeased) (inside [`Error::Lease`]);
-    /// [`Error::Share`] if sending to one importer failed (its lease is revoked; the others
-    /// received the buffer).
+    /// [`Error::Share`] if one importer could not take it (its lease is revoked; the others
+    /// got the buffer): its queue was full ([`Error::Stalled`] inside, and it is disconnected),
+    /// or it is being disconnected.
     pub fn share(&self, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
         buffers::share(&self.inner, buffer, to)
     }
@@ -305,8 +361,17 @@ impl Exporter {
 
     /// A snapshot of the bookkeeping.
     pub fn stats(&self) -> ExporterStats {
+        let served = self.inner.server.get().map(Server::stats).unwrap_or_default();
         let state = self.inner.lock();
         ExporterStats {
+            handshakes: served.handshakes,
+            awaiting_exit: served.awaiting_exit,
+            queued_messages: served.queued,
+            refused_connections: served.refused,
+            evicted_handshakes: served.evicted,
+            stalled_importers: served.stalled,
+            timed_out_connections: served.timed_out,
+            accept_pauses: served.accept_pauses,
             importers: state.importers.len(),
             live_buffers: state.leases.len(),
             deferred_buffers: state.deferred,
@@ -341,8 +406,8 @@ impl Exporter {
     }
 
     fn shutdown_inner(&mut self) {
-        if let Some(accept) = self.accept.take() {
-            serve::shut_down(&self.inner, accept);
+        if !std::mem::replace(&mut self.shut, true) {
+            serve::shut_down(&self.inner);
         }
     }
 }

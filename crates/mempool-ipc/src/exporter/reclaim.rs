@@ -3,14 +3,9 @@
 //! importer's connection ends without releasing, once its process is gone; abandoned when the
 //! exporter shuts down while an importer that outlived the timeout still holds it.
 
-use std::os::fd::OwnedFd;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
 use mempool_core::{Event, EventFlags, StreamRef};
-use rustix::event::{PollFd, PollFlags, Timespec};
 
-use super::state::{lock_plain, Freer, Inner, Shared};
+use super::state::{Freer, Inner, Shared};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImporterId;
 use crate::wire::BufferId;
@@ -96,67 +91,53 @@ impl Inner {
     }
 
     /// The connection of importer `id` ended: cleanly (`Goodbye`, every import freed) or not
-    /// (closed, broke the protocol). Every buffer it held counts as released; those nobody
-    /// holds any more are freed, but after an unclean end only once the importer's process is
-    /// gone (it may still run GPU work on them). If the exporter shuts down first and its
-    /// deadline passes, they are abandoned instead. Counts the connection's thread out.
-    pub(super) fn importer_gone(&self, id: ImporterId, clean: bool, pid: i32, pidfd: Option<&OwnedFd>) {
-        let holds = self.lock().leases.leases_of(id).next().is_some();
-        // After `Goodbye` the importer has freed every import. Otherwise its process may still run
-        // GPU work on the memory until it is gone: wait for that before freeing.
-        let safe = clean || !holds || wait_for_exit(self, pid, pidfd);
+    /// (closed, broke the protocol, stalled, timed out). Buffers whose frames never went out
+    /// (`undelivered`) are revoked at once: the importer never saw them. After a clean end, or
+    /// if it holds nothing else, every buffer it held counts as released now. Otherwise its
+    /// process may still run GPU work on them: returns `true`, and the serving thread calls
+    /// [`Inner::reclaim`] once the process is gone (or [`Inner::abandon`] at shutdown).
+    pub(super) fn importer_ended(&self, id: ImporterId, clean: bool, undelivered: Vec<BufferId>) -> bool {
         let mut state = self.lock();
-        if safe {
-            let freed = state.leases.disconnect(id);
-            if !clean {
-                state.reclaimed += freed.len() as u64;
+        state.importers.remove(&id);
+        let mut freed = Vec::new();
+        for buffer in undelivered {
+            if let Ok(Some(shared)) = state.leases.revoke(buffer, id) {
+                freed.push((buffer, shared));
             }
-            drop(state);
-            self.finish_deferred(freed);
-            state = self.lock();
-        } else {
-            // Shutting down and the importer outlived the timeout: its buffers are not freed.
-            let kept = state.leases.disconnect(id);
-            state.abandoned += kept.len() as u64;
-            state.leaked.extend(kept.into_iter().map(|(_, s)| s));
         }
-        state.serving -= 1;
+        let holds = state.leases.leases_of(id).next().is_some();
+        let wait = !clean && holds;
+        if !wait {
+            freed.extend(state.leases.disconnect(id));
+        }
         drop(state);
+        self.finish_deferred(freed);
+        self.changed.notify_all();
+        wait
+    }
+
+    /// The process of importer `id`, whose connection ended uncleanly, is gone: every buffer it
+    /// held counts as released, and those nobody holds any more are freed.
+    pub(super) fn reclaim(&self, id: ImporterId) {
+        let freed = {
+            let mut state = self.lock();
+            let freed = state.leases.disconnect(id);
+            state.reclaimed += freed.len() as u64;
+            freed
+        };
+        self.finish_deferred(freed);
         self.changed.notify_all();
     }
-}
 
-/// Waits until the process `pid` is gone. `false` if the exporter shuts down and its deadline
-/// passes first.
-fn wait_for_exit(inner: &Inner, pid: i32, pidfd: Option<&OwnedFd>) -> bool {
-    let tick = Duration::from_millis(50);
-    loop {
-        let gone = match pidfd {
-            Some(fd) => {
-                let mut fds = [PollFd::new(fd, PollFlags::IN)];
-                let timeout = Timespec::try_from(tick).unwrap_or(Timespec { tv_sec: 0, tv_nsec: 0 });
-                matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(n) if n > 0)
-            }
-            // No pidfd (kernels before 5.3): poll for the pid's existence.
-            None => match rustix::process::Pid::from_raw(pid) {
-                Some(p) => {
-                    let gone = rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH);
-                    if !gone {
-                        std::thread::sleep(tick);
-                    }
-                    gone
-                }
-                None => true,
-            },
-        };
-        if gone {
-            return true;
-        }
-        if inner.shutting_down.load(Ordering::Acquire) {
-            let deadline = *lock_plain(&inner.shutdown_deadline);
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return false;
-            }
-        }
+    /// The exporter shuts down while importer `id` (or its process) is still there: what only
+    /// it holds is not freed (it may still use it) but kept, so its events stay alive, until the
+    /// exporter's last reference goes.
+    pub(super) fn abandon(&self, id: ImporterId) {
+        let mut state = self.lock();
+        let kept = state.leases.disconnect(id);
+        state.abandoned += kept.len() as u64;
+        state.leaked.extend(kept.into_iter().map(|(_, s)| s));
+        drop(state);
+        self.changed.notify_all();
     }
 }

@@ -1,21 +1,20 @@
 //! The exporter's shared state: the records of blocks, buffers and importers that the
 //! [`Exporter`](crate::Exporter), its [`ExportedBuffer`](crate::ExportedBuffer)s and its
-//! connection threads share through [`Inner`], and how the pool is reached.
+//! serving thread share through [`Inner`], and how the pool is reached.
 
 use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 
 use crate::cred::PeerCredentials;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::lease::{ImporterId, LeaseTable};
-use crate::session::{ExporterSession, PoolAnnouncement};
+use crate::server::Server;
+use crate::session::PoolAnnouncement;
 use crate::wire::{BlockId, EventHandle, PointerDescriptor};
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
@@ -83,7 +82,6 @@ pub(super) struct Shared {
 
 /// A connected importer (handshake done).
 pub(super) struct Peer {
-    pub(super) session: Arc<ExporterSession>,
     pub(super) credentials: PeerCredentials,
 }
 
@@ -95,11 +93,8 @@ pub(super) struct State {
     /// Exported blocks by base address.
     pub(super) blocks: BTreeMap<u64, BlockRecord>,
     pub(super) idle_events: Vec<IpcEvent>,
-    /// Connection threads that have not finished (they may still free buffers).
-    pub(super) serving: usize,
     pub(super) next_buffer: u64,
     pub(super) next_block: u64,
-    pub(super) next_importer: u64,
     pub(super) deferred: usize,
     pub(super) freed: u64,
     pub(super) reclaimed: u64,
@@ -109,20 +104,21 @@ pub(super) struct State {
 }
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
-/// [`ExportedBuffer`](crate::ExportedBuffer) and every connection thread hold it.
+/// [`ExportedBuffer`](crate::ExportedBuffer) and the serving thread (through the
+/// [`Handler`](crate::server::Handler) it reports to) hold it.
 pub(super) struct Inner {
     // Field order is drop order: everything that frees into the pool or waits on it goes first.
+    /// The connections; set once the serving thread runs (it holds this `Inner`, so the
+    /// exporter's shutdown stops it, which breaks the cycle).
+    pub(super) server: OnceLock<Server>,
     pub(super) state: Mutex<State>,
     pub(super) changed: Condvar,
     pub(super) free_stream: Stream,
-    pub(super) threads: Mutex<Vec<JoinHandle<()>>>,
     pub(super) shutting_down: AtomicBool,
-    pub(super) shutdown_deadline: Mutex<Option<Instant>>,
     pub(super) shutdown_timeout: Duration,
     pub(super) announcement: PoolAnnouncement,
     pub(super) path: PathBuf,
     pub(super) ctx: Arc<Context>,
-    pub(super) pool_fd: OwnedFd,
     pub(super) source: Box<dyn PoolSource>,
 }
 
@@ -143,6 +139,13 @@ impl Inner {
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
         Some(state)
+    }
+
+    /// The connections.
+    pub(super) fn server(&self) -> Result<&Server> {
+        self.server.get().ok_or(Error::Refused {
+            reason: "the exporter is not serving".into(),
+        })
     }
 
     /// An interprocess event to order a share: a recycled one, or a new one.

@@ -1,0 +1,760 @@
+//! The exporter's one serving thread: an `epoll` loop over the listening socket, every
+//! connection (handshaking or connected), a wake-up `eventfd` that [`Shared::wake`] writes when
+//! frames are queued or the exporter shuts down, and the `pidfd`s of importers whose end the
+//! exporter waits for. Nothing in it blocks: sockets are non-blocking, and every time limit is a
+//! deadline the loop's wait is bounded by.
+//!
+//! What it tells the exporter goes through [`Handler`], called on this thread with none of the
+//! loop's locks held.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::buffer::spare_capacity;
+use rustix::event::{epoll, EventfdFlags, Timespec};
+use rustix::io::Errno;
+use rustix::net::{SendFlags, Shutdown};
+
+use super::admission::{Admission, Backoff, Limits, Pending};
+use super::exits::{Liveness, ProcessRef, Watch};
+use super::outbox::{Outboxes, Outgoing};
+use super::peer::{Flushed, Peer, Read};
+use crate::cred::{self, PeerCredentials};
+use crate::error::{record_drop_error, Error, Result};
+use crate::fdpass;
+use crate::lease::ImporterId;
+use crate::listener::Listener;
+use crate::session::{importer_event, ExporterHandshake, ImporterEvent, PoolAnnouncement};
+use crate::wire::{self, BufferId, ErrorCode, ErrorMessage, Message};
+
+/// What the event loop tells the exporter, on the loop's thread.
+pub(crate) trait Handler: Send + Sync {
+    /// The handshake of `id` completed: it may be sent buffers from now on.
+    fn connected(&self, id: ImporterId, credentials: PeerCredentials);
+
+    /// `id` released `buffer`. An error ends the connection (the importer is told, and the end is
+    /// unclean).
+    fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()>;
+
+    /// The connection of `id` ended: `clean` after its `Goodbye`. `undelivered` lists buffers
+    /// whose frames never went out (the importer never saw them). Returns whether the importer
+    /// may still use buffers it held: then the loop watches its process and calls
+    /// [`Handler::exited`] once it is gone (or [`Handler::abandoned`] at shutdown).
+    fn ended(&self, id: ImporterId, clean: bool, undelivered: Vec<BufferId>) -> bool;
+
+    /// The process of `id`, whose end [`Handler::ended`] asked to wait for, is gone.
+    fn exited(&self, id: ImporterId);
+
+    /// The loop stops while the process of `id` (or its connection) is still there.
+    fn abandoned(&self, id: ImporterId);
+}
+
+/// Counters of the loop, published after each round.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub(crate) struct ServerStats {
+    pub(crate) handshakes: usize,
+    pub(crate) importers: usize,
+    pub(crate) awaiting_exit: usize,
+    pub(crate) queued: usize,
+    pub(crate) refused: u64,
+    pub(crate) evicted: u64,
+    pub(crate) stalled: u64,
+    pub(crate) timed_out: u64,
+    pub(crate) accept_pauses: u64,
+}
+
+/// Where the shutdown stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub(crate) struct Control {
+    /// Stop accepting, say `Goodbye` to everyone, keep taking releases.
+    pub(crate) closing: bool,
+    /// Close everything and stop.
+    pub(crate) finish: bool,
+}
+
+/// What the loop shares with the threads that send through it.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) outboxes: Mutex<Outboxes>,
+    pub(crate) control: Mutex<Control>,
+    pub(crate) stats: Mutex<ServerStats>,
+    wake: OwnedFd,
+}
+
+impl Shared {
+    pub(crate) fn new(send_queue_len: usize) -> Result<Shared> {
+        Ok(Shared {
+            outboxes: Mutex::new(Outboxes::new(send_queue_len)),
+            control: Mutex::new(Control::default()),
+            stats: Mutex::new(ServerStats::default()),
+            wake: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+        })
+    }
+
+    /// Wakes the loop (queued frames, a shutdown step).
+    pub(crate) fn wake(&self) {
+        // A full counter (2^64 - 2 wake-ups unread) is still a pending wake-up.
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// Locks `mutex`, whether or not a thread panicked while holding it.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const LISTENER: u64 = 0;
+const WAKE: u64 = 1;
+/// How often an importer's process is looked for when no pidfd tells.
+const POLL_EXIT: Duration = Duration::from_millis(100);
+/// How long a connection must have said nothing before it is shed for lack of descriptors.
+const SHED_AFTER: Duration = Duration::from_millis(100);
+/// Connections accepted per round at most, so a flood cannot keep the loop from the others.
+const ACCEPTS_PER_ROUND: usize = 256;
+
+/// What the loop needs to start.
+pub(crate) struct Setup {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) listener: Listener,
+    pub(crate) announcement: PoolAnnouncement,
+    pub(crate) pool_fd: OwnedFd,
+    pub(crate) limits: Limits,
+    pub(crate) handler: Arc<dyn Handler>,
+}
+
+struct Loop {
+    shared: Arc<Shared>,
+    handler: Arc<dyn Handler>,
+    limits: Limits,
+    announcement: PoolAnnouncement,
+    pool_fd: OwnedFd,
+    epoll: OwnedFd,
+    listener: Option<Listener>,
+    listening: bool,
+    backoff: Backoff,
+    peers: HashMap<u64, Peer>,
+    tokens: HashMap<ImporterId, u64>,
+    exits: HashMap<u64, (ImporterId, OwnedFd)>,
+    polled: Vec<(ImporterId, ProcessRef)>,
+    next_poll: Option<Instant>,
+    next_token: u64,
+    next_id: u64,
+    closing: bool,
+    stats: ServerStats,
+}
+
+/// The loop, set up (the epoll set made, the listener and the wake-up registered) in the
+/// caller's thread, so that a failure there is the caller's error; [`Loop::run`] then serves on
+/// the thread it is moved to.
+pub(crate) struct Ready(Loop);
+
+impl Ready {
+    /// Sets the loop up.
+    pub(crate) fn new(setup: Setup) -> Result<Ready> {
+        setup.listener.set_nonblocking()?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &ep,
+            &setup.listener,
+            epoll::EventData::new_u64(LISTENER),
+            epoll::EventFlags::IN,
+        )?;
+        epoll::add(
+            &ep,
+            &setup.shared.wake,
+            epoll::EventData::new_u64(WAKE),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(Ready(Loop {
+            shared: setup.shared,
+            handler: setup.handler,
+            limits: setup.limits,
+            announcement: setup.announcement,
+            pool_fd: setup.pool_fd,
+            epoll: ep,
+            listener: Some(setup.listener),
+            listening: true,
+            backoff: Backoff::default(),
+            peers: HashMap::new(),
+            tokens: HashMap::new(),
+            exits: HashMap::new(),
+            polled: Vec::new(),
+            next_poll: None,
+            next_token: 2,
+            next_id: 0,
+            closing: false,
+            stats: ServerStats::default(),
+        }))
+    }
+
+    /// Runs the loop until [`Control::finish`]; then every connection is closed, the importers
+    /// still there and the processes still awaited are reported [`Handler::abandoned`], and every
+    /// descriptor of the loop is closed.
+    pub(crate) fn run(self) {
+        let mut l = self.0;
+        l.serve();
+        l.finish();
+    }
+}
+
+impl Loop {
+    fn serve(&mut self) {
+        let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
+        loop {
+            let now = Instant::now();
+            let timeout = self.next_deadline(now).map(|d| {
+                let left = d.saturating_duration_since(now) + Duration::from_micros(100);
+                Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 })
+            });
+            events.clear();
+            match epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref()) {
+                Ok(_) | Err(Errno::INTR) => {}
+                Err(e) => {
+                    // Nothing sensible is left to do but wait a little and try again.
+                    record_drop_error(e.into());
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            let now = Instant::now();
+            for event in &events {
+                let flags = event.flags;
+                match event.data.u64() {
+                    LISTENER => self.accept_all(now),
+                    WAKE => {
+                        let mut buf = [0u8; 8];
+                        let _ = rustix::io::read(&self.shared.wake, &mut buf);
+                    }
+                    token if self.exits.contains_key(&token) => {
+                        if let Some((id, fd)) = self.exits.remove(&token) {
+                            let _ = epoll::delete(&self.epoll, &fd);
+                            self.handler.exited(id);
+                        }
+                    }
+                    token => self.on_peer(token, flags, now),
+                }
+            }
+            self.mailbox(now);
+            let control = *lock(&self.shared.control);
+            if control.closing && !self.closing {
+                self.start_closing(now);
+            }
+            self.timers(Instant::now());
+            self.publish();
+            if control.finish {
+                return;
+            }
+        }
+    }
+
+    // ---- accepting ----
+
+    fn accept_all(&mut self, now: Instant) {
+        for _ in 0..ACCEPTS_PER_ROUND {
+            let Some(listener) = &self.listener else { return };
+            match listener.accept_stream() {
+                Ok(stream) => {
+                    self.backoff.succeeded();
+                    self.admit(stream, now);
+                }
+                Err(e) => match Errno::from_io_error(&e) {
+                    Some(Errno::AGAIN) => return,
+                    Some(Errno::INTR) | Some(Errno::CONNABORTED) => continue,
+                    errno => {
+                        // Out of descriptors: first shed a handshake that has said nothing (its
+                        // descriptor goes back).
+                        let exhausted =
+                            matches!(errno, Some(Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM));
+                        if exhausted {
+                            if let Some(token) = self.silent_to_shed(now) {
+                                self.end_handshake(token, Some(refused("it ran out of file descriptors")));
+                                self.stats.evicted += 1;
+                                continue;
+                            }
+                        }
+                        // Then, or for any other failure, stop watching the listener for a while
+                        // instead of spinning on it (it stays readable while connections wait).
+                        let first = !self.backoff.in_streak();
+                        self.backoff.exhausted(now);
+                        self.stats.accept_pauses += 1;
+                        self.unlisten();
+                        if first {
+                            record_drop_error(Error::Io(e));
+                        }
+                        return;
+                    }
+                },
+            }
+        }
+    }
+
+    fn admit(&mut self, stream: UnixStream, now: Instant) {
+        let credentials = match cred::peer_credentials(&stream) {
+            Ok(c) => c,
+            Err(e) => {
+                self.stats.refused += 1;
+                return tell_and_close(&stream, &e, None);
+            }
+        };
+        let allowed = self.listener.as_ref().map(|l| l.policy().check(&credentials));
+        match allowed {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                self.stats.refused += 1;
+                return tell_and_close(&stream, &e, None);
+            }
+            None => return,
+        }
+        let pending = self.pending();
+        match self.limits.admit(self.tokens.len(), &pending) {
+            Admission::Admit => {}
+            Admission::Evict(victim) => {
+                self.end_handshake(
+                    victim,
+                    Some(refused(
+                        "too many handshakes were in flight and this one had made the least progress",
+                    )),
+                );
+                self.stats.evicted += 1;
+            }
+            Admission::Refuse => {
+                self.stats.refused += 1;
+                let e = refused(&format!(
+                    "it serves its limit of {} importers",
+                    self.limits.max_importers
+                ));
+                return tell_and_close(&stream, &e, None);
+            }
+        }
+        let id = ImporterId(self.next_id);
+        self.next_id += 1;
+        let token = self.next_token;
+        self.next_token += 1;
+        let handshake = ExporterHandshake::new(self.announcement);
+        let peer = match Peer::new(id, stream, credentials, handshake, now) {
+            Ok(peer) => peer,
+            Err(e) => return record_drop_error(e.into()),
+        };
+        if let Err(e) = epoll::add(
+            &self.epoll,
+            &peer.stream,
+            epoll::EventData::new_u64(token),
+            epoll::EventFlags::IN,
+        ) {
+            return record_drop_error(e.into());
+        }
+        self.peers.insert(token, peer);
+    }
+
+    fn pending(&mut self) -> Vec<Pending<u64>> {
+        self.peers
+            .iter_mut()
+            .filter_map(|(token, p)| {
+                let step = p.handshake.as_ref()?.step();
+                Some(Pending {
+                    key: *token,
+                    step,
+                    heard: p.spoke(),
+                    accepted: p.accepted,
+                })
+            })
+            .collect()
+    }
+
+    /// The handshake to shed when descriptors run out: one that has said nothing for
+    /// [`SHED_AFTER`] (the oldest). A connection that spoke, or that is too fresh to have had the
+    /// time, is not shed for a newcomer nobody knows: accepting pauses instead.
+    fn silent_to_shed(&mut self, now: Instant) -> Option<u64> {
+        let silent: Vec<_> = self
+            .pending()
+            .into_iter()
+            .filter(|p| !p.heard && now.saturating_duration_since(p.accepted) >= SHED_AFTER)
+            .collect();
+        super::admission::least_progressed(&silent)
+    }
+
+    fn unlisten(&mut self) {
+        if let (true, Some(listener)) = (self.listening, &self.listener) {
+            let _ = epoll::delete(&self.epoll, listener);
+            self.listening = false;
+        }
+    }
+
+    // ---- connections ----
+
+    fn on_peer(&mut self, token: u64, flags: epoll::EventFlags, now: Instant) {
+        if !self.peers.contains_key(&token) {
+            return; // ended earlier in this round
+        }
+        if flags.intersects(epoll::EventFlags::IN | epoll::EventFlags::HUP | epoll::EventFlags::ERR) {
+            let read = match self.peers.get_mut(&token) {
+                Some(peer) => peer.read(now),
+                None => return,
+            };
+            let (messages, closed) = match read {
+                Ok(Read::Messages(m)) => (m, false),
+                Ok(Read::Closed(m)) => (m, true),
+                Err(e) => return self.end(token, false, Some(e)),
+            };
+            for message in messages {
+                if !self.peers.contains_key(&token) {
+                    return;
+                }
+                self.on_message(token, message, now);
+            }
+            if closed && self.peers.contains_key(&token) {
+                return self.end(token, false, None);
+            }
+        }
+        if self.peers.contains_key(&token) {
+            self.flush(token, now);
+        }
+    }
+
+    fn on_message(&mut self, token: u64, message: Message, now: Instant) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        if let Some(handshake) = peer.handshake.as_mut() {
+            match handshake.on_message(message) {
+                Ok(answer) => {
+                    let done = handshake.step() == crate::session::HandshakeStep::Done;
+                    match wire::encode(&answer) {
+                        Ok(frame) => peer.local.push_back(Outgoing {
+                            frame,
+                            buffer: None,
+                            with_pool_fd: answer.message_type().descriptor_count() == 1,
+                            fin: false,
+                        }),
+                        Err(e) => return self.end_handshake(token, Some(e.into())),
+                    }
+                    if done {
+                        self.connect(token, now);
+                    }
+                }
+                Err(e) => self.end_handshake(token, Some(e)),
+            }
+            return;
+        }
+        let id = peer.id;
+        match importer_event(message) {
+            Ok(ImporterEvent::Release(buffer)) => {
+                if let Err(e) = self.handler.released(id, buffer) {
+                    self.end(token, false, Some(e));
+                }
+            }
+            Ok(ImporterEvent::Goodbye) => self.end(token, true, None),
+            Err(e) => self.end(token, false, Some(e)),
+        }
+    }
+
+    /// The handshake of `token` completed.
+    fn connect(&mut self, token: u64, _now: Instant) {
+        if self.tokens.len() >= self.limits.max_importers || self.closing {
+            let e = if self.closing {
+                refused("it is shutting down")
+            } else {
+                refused(&format!(
+                    "it serves its limit of {} importers",
+                    self.limits.max_importers
+                ))
+            };
+            self.stats.refused += 1;
+            return self.end_handshake(token, Some(e));
+        }
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        peer.handshake = None;
+        // Remembered now: the peer spoke a moment ago, so the pid names it.
+        peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
+        let (id, credentials) = (peer.id, peer.credentials);
+        self.tokens.insert(id, token);
+        lock(&self.shared.outboxes).open(id);
+        self.handler.connected(id, credentials);
+    }
+
+    /// Writes what waits for `token`, as far as its socket takes it.
+    fn flush(&mut self, token: u64, now: Instant) {
+        let shared = self.shared.clone();
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        let id = peer.id;
+        let connected = peer.handshake.is_none();
+        let result = peer.flush(self.pool_fd.as_fd(), now, || {
+            if connected {
+                lock(&shared.outboxes).pop(id)
+            } else {
+                None
+            }
+        });
+        match result {
+            Ok(flushed) => {
+                let want = flushed == Flushed::Blocked;
+                if want != peer.wants_out {
+                    let mut flags = epoll::EventFlags::IN;
+                    if want {
+                        flags |= epoll::EventFlags::OUT;
+                    }
+                    if epoll::modify(&self.epoll, &peer.stream, epoll::EventData::new_u64(token), flags).is_ok() {
+                        peer.wants_out = want;
+                    }
+                }
+            }
+            Err(e) => self.end(token, false, Some(e)),
+        }
+    }
+
+    /// Ends a connection. For a connected importer: its queue is dropped (those buffers never
+    /// went out), the exporter is told, and if the importer may still use what it holds, its
+    /// process is watched.
+    fn end(&mut self, token: u64, clean: bool, err: Option<Error>) {
+        let Some(peer) = self.peers.get(&token) else { return };
+        if peer.handshake.is_some() {
+            return self.end_handshake(token, err);
+        }
+        let Some(mut peer) = self.peers.remove(&token) else {
+            return;
+        };
+        let _ = epoll::delete(&self.epoll, &peer.stream);
+        peer.close_with(err.as_ref(), None);
+        if let Some(e) = err.filter(|e| !matches!(e, Error::Closed)) {
+            record_drop_error(e);
+        }
+        let mut undelivered = peer.undelivered_local();
+        undelivered.extend(lock(&self.shared.outboxes).close(peer.id));
+        self.tokens.remove(&peer.id);
+        let id = peer.id;
+        let process = peer.process.take();
+        drop(peer); // the socket closes now
+        let holds = self.handler.ended(id, clean, undelivered);
+        if !holds {
+            return;
+        }
+        if self.finishing() {
+            return self.handler.abandoned(id);
+        }
+        match process.map(ProcessRef::watch) {
+            None | Some(Watch::Gone) => self.handler.exited(id),
+            Some(Watch::Pidfd(fd)) => {
+                let token = self.next_token;
+                self.next_token += 1;
+                match epoll::add(
+                    &self.epoll,
+                    &fd,
+                    epoll::EventData::new_u64(token),
+                    epoll::EventFlags::IN,
+                ) {
+                    Ok(()) => {
+                        self.exits.insert(token, (id, fd));
+                    }
+                    Err(e) => {
+                        record_drop_error(e.into());
+                        self.handler.abandoned(id);
+                    }
+                }
+            }
+            Some(Watch::Poll(process)) => {
+                self.polled.push((id, process));
+                self.next_poll.get_or_insert(Instant::now() + POLL_EXIT);
+            }
+        }
+    }
+
+    fn finishing(&self) -> bool {
+        lock(&self.shared.control).finish
+    }
+
+    /// Ends a connection whose handshake did not complete (nothing to tell the exporter).
+    fn end_handshake(&mut self, token: u64, err: Option<Error>) {
+        let Some(peer) = self.peers.remove(&token) else { return };
+        let _ = epoll::delete(&self.epoll, &peer.stream);
+        let code = match &err {
+            Some(Error::Refused { .. }) if self.closing => Some(ErrorCode::ShuttingDown),
+            _ => None,
+        };
+        let mut peer = peer;
+        peer.close_with(err.as_ref(), code);
+        // Time limits and refusals are counted; a handshake that broke the protocol is reported.
+        if let Some(e) = err.filter(|e| !matches!(e, Error::Refused { .. } | Error::Timeout { .. } | Error::Closed)) {
+            record_drop_error(e);
+        }
+    }
+
+    // ---- the queues, the shutdown, the clocks ----
+
+    fn mailbox(&mut self, now: Instant) {
+        let (ready, doomed) = {
+            let mut outboxes = lock(&self.shared.outboxes);
+            (outboxes.take_ready(), outboxes.take_doomed())
+        };
+        for id in doomed {
+            if let Some(&token) = self.tokens.get(&id) {
+                self.stats.stalled += 1;
+                let capacity = self.limits.send_queue_len;
+                self.end(
+                    token,
+                    false,
+                    Some(Error::Stalled {
+                        importer: id,
+                        reason: format!("its send queue of {capacity} messages is full"),
+                    }),
+                );
+            }
+        }
+        for id in ready {
+            if let Some(&token) = self.tokens.get(&id) {
+                self.flush(token, now);
+            }
+        }
+    }
+
+    fn start_closing(&mut self, now: Instant) {
+        self.closing = true;
+        self.unlisten();
+        // Dropping the listener removes the socket file: nobody new can connect.
+        self.listener = None;
+        let handshakes: Vec<u64> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.handshake.is_some())
+            .map(|(t, _)| *t)
+            .collect();
+        for token in handshakes {
+            self.end_handshake(token, Some(refused("it is shutting down")));
+        }
+        let goodbye = wire::encode(&Message::Goodbye).unwrap_or_default();
+        lock(&self.shared.outboxes).push_last_to_all(|| Outgoing {
+            frame: goodbye.clone(),
+            buffer: None,
+            with_pool_fd: false,
+            fin: true,
+        });
+        self.mailbox(now);
+    }
+
+    fn timers(&mut self, now: Instant) {
+        let limits = self.limits;
+        let mut ends: Vec<(u64, Error)> = Vec::new();
+        for (token, peer) in &self.peers {
+            let e = if peer.handshake.is_some() && now >= peer.accepted + limits.handshake_timeout {
+                Some(Error::Timeout { during: "handshake" })
+            } else if peer.frame_started().is_some_and(|t| now >= t + limits.io_timeout) {
+                Some(Error::Timeout { during: "receive" })
+            } else if peer.blocked_since.is_some_and(|t| now >= t + limits.io_timeout) {
+                Some(Error::Stalled {
+                    importer: peer.id,
+                    reason: format!("nothing it was sent went out for {:?}", limits.io_timeout),
+                })
+            } else if peer.handshake.is_none()
+                && !peer.writing()
+                && limits.idle_timeout.is_some_and(|t| now >= peer.last_traffic + t)
+                && lock(&self.shared.outboxes).len(peer.id) == 0
+            {
+                Some(Error::Timeout { during: "idle" })
+            } else {
+                None
+            };
+            if let Some(e) = e {
+                ends.push((*token, e));
+            }
+        }
+        for (token, e) in ends {
+            match e {
+                Error::Stalled { .. } => self.stats.stalled += 1,
+                _ => self.stats.timed_out += 1,
+            }
+            self.end(token, false, Some(e));
+        }
+        if self.next_poll.is_some_and(|t| now >= t) {
+            let polled = std::mem::take(&mut self.polled);
+            for (id, process) in polled {
+                match process.alive() {
+                    Liveness::Gone => self.handler.exited(id),
+                    Liveness::Alive | Liveness::CannotTell => self.polled.push((id, process)),
+                }
+            }
+            self.next_poll = (!self.polled.is_empty()).then(|| now + POLL_EXIT);
+        }
+        if self.backoff.resume(now) {
+            if let Some(listener) = &self.listener {
+                if epoll::add(
+                    &self.epoll,
+                    listener,
+                    epoll::EventData::new_u64(LISTENER),
+                    epoll::EventFlags::IN,
+                )
+                .is_ok()
+                {
+                    self.listening = true;
+                }
+            }
+        }
+    }
+
+    fn next_deadline(&self, _now: Instant) -> Option<Instant> {
+        let limits = self.limits;
+        let mut next: Option<Instant> = None;
+        let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
+        for peer in self.peers.values() {
+            if peer.handshake.is_some() {
+                at(peer.accepted + limits.handshake_timeout);
+            }
+            if let Some(t) = peer.frame_started() {
+                at(t + limits.io_timeout);
+            }
+            if let Some(t) = peer.blocked_since {
+                at(t + limits.io_timeout);
+            }
+            if let (None, Some(idle)) = (&peer.handshake, limits.idle_timeout) {
+                at(peer.last_traffic + idle);
+            }
+        }
+        if let Some(t) = self.next_poll {
+            at(t);
+        }
+        if let Some(t) = self.backoff.paused_until() {
+            at(t);
+        }
+        next
+    }
+
+    fn publish(&mut self) {
+        self.stats.importers = self.tokens.len();
+        self.stats.handshakes = self.peers.len() - self.tokens.len();
+        self.stats.awaiting_exit = self.exits.len() + self.polled.len();
+        self.stats.queued = lock(&self.shared.outboxes).total();
+        *lock(&self.shared.stats) = self.stats;
+    }
+
+    /// Closes everything: handshakes, connections (their importers' ends are unclean; what they
+    /// still hold is abandoned), and the watches of processes that outlived the shutdown.
+    fn finish(&mut self) {
+        let tokens: Vec<u64> = self.peers.keys().copied().collect();
+        for token in tokens {
+            self.end(token, false, None);
+        }
+        for (_, (id, fd)) in std::mem::take(&mut self.exits) {
+            let _ = epoll::delete(&self.epoll, &fd);
+            self.handler.abandoned(id);
+        }
+        for (id, _) in std::mem::take(&mut self.polled) {
+            self.handler.abandoned(id);
+        }
+        self.listener = None;
+        self.publish();
+    }
+}
+
+/// The error that turns a connection away.
+fn refused(reason: &str) -> Error {
+    Error::Refused {
+        reason: reason.to_owned(),
+    }
+}
+
+/// Tells a peer that is not served why (one `Error` frame that never blocks) and closes.
+fn tell_and_close(stream: &UnixStream, err: &Error, code: Option<ErrorCode>) {
+    let code = code.unwrap_or_else(|| err.wire_code());
+    if let Ok(frame) = wire::encode(&Message::Error(ErrorMessage::new(code, err.to_string()))) {
+        let _ = fdpass::send_raw(stream.as_fd(), &frame, &[], SendFlags::DONTWAIT);
+    }
+    let _ = rustix::net::shutdown(stream, Shutdown::Both);
+}

@@ -1,0 +1,154 @@
+//! What waits to be sent to each connected importer: one bounded queue per importer, which
+//! [`Exporter::share`](crate::Exporter::share) fills from any thread and the event loop drains
+//! as the importer's socket takes it. Pure bookkeeping under one mutex (`Shared::outboxes`); the
+//! tests (`server/tests.rs`) drive it directly.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use crate::lease::ImporterId;
+use crate::wire::BufferId;
+
+/// One frame waiting to go out.
+#[derive(Debug)]
+pub(crate) struct Outgoing {
+    /// The encoded frame.
+    pub(crate) frame: Vec<u8>,
+    /// The buffer a `Buffer` frame shares: if the frame never goes out, the importer never saw it.
+    pub(crate) buffer: Option<BufferId>,
+    /// The pool's descriptor rides on the frame's first byte (`PoolDescriptor`).
+    pub(crate) with_pool_fd: bool,
+    /// Close the sending direction once it is out (`Goodbye`).
+    pub(crate) fin: bool,
+}
+
+impl Outgoing {
+    /// A frame with nothing attached.
+    pub(crate) fn plain(frame: Vec<u8>) -> Outgoing {
+        Outgoing {
+            frame,
+            buffer: None,
+            with_pool_fd: false,
+            fin: false,
+        }
+    }
+}
+
+/// Why a frame could not be queued.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum PushError {
+    /// No such importer is connected (it never was, or it is gone).
+    Unknown,
+    /// Its queue holds the most it may: it does not read. It is marked to be disconnected.
+    Full(usize),
+    /// It is being disconnected, or the exporter shuts down and says `Goodbye`.
+    Closing,
+}
+
+#[derive(Debug)]
+struct Queue {
+    items: VecDeque<Outgoing>,
+    closing: bool,
+}
+
+/// Every connected importer's queue.
+#[derive(Debug, Default)]
+pub(crate) struct Outboxes {
+    queues: HashMap<ImporterId, Queue>,
+    capacity: usize,
+    /// Importers with frames the event loop has not looked at yet.
+    ready: BTreeSet<ImporterId>,
+    /// Importers whose queue overflowed: the event loop disconnects them.
+    doomed: BTreeSet<ImporterId>,
+}
+
+impl Outboxes {
+    /// Queues of at most `capacity` frames each.
+    pub(crate) fn new(capacity: usize) -> Outboxes {
+        Outboxes {
+            capacity: capacity.max(1),
+            ..Outboxes::default()
+        }
+    }
+
+    /// Opens the queue of an importer whose handshake completed.
+    pub(crate) fn open(&mut self, id: ImporterId) {
+        self.queues.insert(
+            id,
+            Queue {
+                items: VecDeque::new(),
+                closing: false,
+            },
+        );
+    }
+
+    /// Closes an importer's queue (its connection ended); returns the buffers whose frames never
+    /// went out.
+    pub(crate) fn close(&mut self, id: ImporterId) -> Vec<BufferId> {
+        self.ready.remove(&id);
+        self.doomed.remove(&id);
+        self.queues
+            .remove(&id)
+            .map(|q| q.items.into_iter().filter_map(|o| o.buffer).collect())
+            .unwrap_or_default()
+    }
+
+    /// Queues a frame for `id`. Returns whether the event loop must be woken (nothing else was
+    /// waiting for it to look at; after a [`PushError::Full`], always wake it).
+    ///
+    /// A full queue marks the importer to be disconnected ([`Outboxes::take_doomed`]): an
+    /// importer that does not read must not hold frames for others, nor memory, forever.
+    pub(crate) fn push(&mut self, id: ImporterId, item: Outgoing) -> Result<bool, PushError> {
+        let queue = self.queues.get_mut(&id).ok_or(PushError::Unknown)?;
+        if queue.closing {
+            return Err(PushError::Closing);
+        }
+        if queue.items.len() >= self.capacity {
+            queue.closing = true;
+            self.doomed.insert(id);
+            return Err(PushError::Full(self.capacity));
+        }
+        queue.items.push_back(item);
+        // The loop takes the whole set when woken: one wake per batch is enough.
+        let wake = self.ready.is_empty();
+        self.ready.insert(id);
+        Ok(wake)
+    }
+
+    /// Queues a last frame for every importer past any limit (the exporter's `Goodbye`) and
+    /// refuses further frames; returns whether the event loop must be woken.
+    pub(crate) fn push_last_to_all(&mut self, make: impl Fn() -> Outgoing) -> bool {
+        for (id, queue) in &mut self.queues {
+            if !queue.closing {
+                queue.items.push_back(make());
+                queue.closing = true;
+                self.ready.insert(*id);
+            }
+        }
+        !self.ready.is_empty()
+    }
+
+    /// The next frame for `id`.
+    pub(crate) fn pop(&mut self, id: ImporterId) -> Option<Outgoing> {
+        self.queues.get_mut(&id)?.items.pop_front()
+    }
+
+    /// The importers with frames the event loop has not looked at yet (it looks now).
+    pub(crate) fn take_ready(&mut self) -> Vec<ImporterId> {
+        std::mem::take(&mut self.ready).into_iter().collect()
+    }
+
+    /// The importers whose queue overflowed (the event loop disconnects them now).
+    pub(crate) fn take_doomed(&mut self) -> Vec<ImporterId> {
+        std::mem::take(&mut self.doomed).into_iter().collect()
+    }
+
+    /// How many frames wait for `id`.
+    pub(crate) fn len(&self, id: ImporterId) -> usize {
+        self.queues.get(&id).map_or(0, |q| q.items.len())
+    }
+
+    /// How many frames wait, for everyone.
+    pub(crate) fn total(&self) -> usize {
+        self.queues.values().map(|q| q.items.len()).sum()
+    }
+}
