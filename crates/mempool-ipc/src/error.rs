@@ -211,6 +211,14 @@ pub enum Error {
     /// An operating-system call failed.
     #[error(transparent)]
     Io(#[from] io::Error),
+
+    /// A VMM allocation cannot go to this importer: it did not accept VMM sharing in its
+    /// handshake (`ImporterOptions::accept_vmm` unset, or a build without it). Nothing was sent.
+    #[error("importer {importer} does not accept VMM allocations (it connected without ImporterOptions::accept_vmm)")]
+    VmmNotAccepted {
+        /// The importer.
+        importer: ImporterId,
+    },
 }
 
 impl From<rustix::io::Errno> for Error {

@@ -5,7 +5,7 @@
 //! is the guide. Inside, the [`ImportTable`] imports each block once and says when its import
 //! may be freed; the tests (`importer/tests.rs`) cover what can be checked without a GPU.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,7 +20,11 @@ use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
-use crate::wire::{BlockId, BufferDescriptor, BufferId, DeviceUuid, PoolId, ProtocolError};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, MessageType, PoolId, ProtocolError};
+
+mod vmm;
+
+pub use self::vmm::SharedVmm;
 
 /// How an [`Importer`] connects.
 #[derive(Clone, Debug, Default)]
@@ -29,6 +33,20 @@ pub struct ImporterOptions {
     pub connection: ConnectionConfig,
     /// Which users the exporter may run as (default: this process's user).
     pub policy: AccessPolicy,
+    /// Accept VMM physical allocations ([`SharedVmm`], from
+    /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) as well as pool buffers: announced
+    /// in the handshake, and then receive with [`Importer::recv_any`]. Default: `false` (the
+    /// exporter refuses to share VMM memory with this importer).
+    pub accept_vmm: bool,
+}
+
+/// What [`Importer::recv_any`] received: a pool buffer or a VMM physical allocation.
+#[derive(Debug)]
+pub enum Received<'s> {
+    /// A buffer of the exporter's pool.
+    Buffer(SharedBuffer<'s>),
+    /// A VMM physical allocation, mapped here.
+    Vmm(SharedVmm),
 }
 
 struct State {
@@ -36,6 +54,8 @@ struct State {
     /// Opened interprocess events by handle. The exporter recycles its events, so the same
     /// handles come back; each is opened once for the connection's life.
     events: HashMap<[u8; 64], Event>,
+    /// The VMM buffers held ([`SharedVmm`]).
+    vmm: HashSet<BufferId>,
 }
 
 struct Inner {
@@ -101,7 +121,13 @@ impl Importer {
     /// [`Error::PeerCredentials`]; [`Error::Core`] if the pool cannot be imported; any error of
     /// the handshake: [`Error::Timeout`], [`Error::UnexpectedMessage`], [`Error::Remote`], ...
     pub fn connect(path: impl AsRef<Path>, options: ImporterOptions) -> Result<Importer> {
-        let (session, imported) = ImporterSession::connect(path, options.connection, &options.policy, find_device)?;
+        let wanted = if options.accept_vmm {
+            Capabilities::VMM
+        } else {
+            Capabilities::NONE
+        };
+        let (session, imported) =
+            ImporterSession::connect_with(path, options.connection, &options.policy, wanted, find_device)?;
         let device = imported.device;
         let setup = || -> Result<(Arc<Context>, MemPool)> {
             let ctx = device.context()?;
@@ -117,6 +143,7 @@ impl Importer {
                 state: Mutex::new(State {
                     table: ImportTable::new(),
                     events: HashMap::new(),
+                    vmm: HashSet::new(),
                 }),
                 session,
                 ctx,
@@ -151,9 +178,16 @@ impl Importer {
         self.inner.session.exporter_credentials()
     }
 
-    /// How many buffers this importer holds.
+    /// How many buffers this importer holds (pool buffers and VMM allocations).
     pub fn held(&self) -> usize {
-        self.inner.lock().table.len()
+        let state = self.inner.lock();
+        state.table.len() + state.vmm.len()
+    }
+
+    /// Whether the exporter agreed to send VMM allocations ([`ImporterOptions::accept_vmm`], and
+    /// an exporter that offers them).
+    pub fn accepts_vmm(&self) -> bool {
+        self.inner.session.accepted().contains(Capabilities::VMM)
     }
 
     /// How many blocks are imported now (buffers suballocated from one block share it).
@@ -177,10 +211,40 @@ impl Importer {
         self.recv_until(stream, Some(Instant::now() + timeout))
     }
 
+    /// Waits for the next buffer of either kind: with [`ImporterOptions::accept_vmm`], the
+    /// exporter may send VMM allocations too ([`Received::Vmm`]). Ordering and errors as for
+    /// [`Importer::recv`]; a VMM allocation that cannot be imported or mapped is released at once.
+    pub fn recv_any<'s>(&self, stream: StreamRef<'s>) -> Result<Received<'s>> {
+        self.recv_any_until(stream, None)
+    }
+
+    /// Like [`Importer::recv_any`], but fails with [`Error::Timeout`] if nothing begins to
+    /// arrive within `timeout` (the connection stays usable).
+    pub fn recv_any_timeout<'s>(&self, stream: StreamRef<'s>, timeout: Duration) -> Result<Received<'s>> {
+        self.recv_any_until(stream, Some(Instant::now() + timeout))
+    }
+
     fn recv_until<'s>(&self, stream: StreamRef<'s>, deadline: Option<Instant>) -> Result<SharedBuffer<'s>> {
+        match self.recv_any_until(stream, deadline)? {
+            Received::Buffer(buffer) => Ok(buffer),
+            Received::Vmm(vmm) => {
+                // Released here: `recv` hands out pool buffers only.
+                vmm.release()?;
+                Err(Error::UnexpectedMessage {
+                    expected: "Buffer (a VmmBuffer arrived and was released: receive with Importer::recv_any)",
+                    got: MessageType::VmmBuffer,
+                })
+            }
+        }
+    }
+
+    fn recv_any_until<'s>(&self, stream: StreamRef<'s>, deadline: Option<Instant>) -> Result<Received<'s>> {
         let inner = &self.inner;
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
+            Ok(ExporterEvent::VmmBuffer(descriptor, fd)) => {
+                return vmm::receive(inner, descriptor, fd, stream).map(Received::Vmm)
+            }
             Ok(ExporterEvent::Goodbye) => return Err(Error::ExporterGone { how: "said Goodbye" }),
             Err(Error::Closed) => {
                 return Err(Error::ExporterGone {
@@ -233,12 +297,12 @@ impl Importer {
                 // carries no context is one of the importer's context by `StreamRef::from_raw`'s contract.
                 #[allow(unsafe_code)]
                 let view = unsafe { BufferView::new(ptr, descriptor.size as usize, stream, inner.ctx.clone()) };
-                Ok(SharedBuffer {
+                Ok(Received::Buffer(SharedBuffer {
                     inner: self.inner.clone(),
                     id,
                     block: descriptor.block_id,
                     view,
-                })
+                }))
             }
             Err(e) => {
                 // Not held: tell the exporter so it does not wait for this buffer.

@@ -36,7 +36,7 @@ use crate::error::{Error, Result};
 use crate::lease::ImporterId;
 use crate::listener::Listener;
 use crate::session::PoolAnnouncement;
-use crate::wire::{BufferId, Message};
+use crate::wire::{BufferId, Capabilities, Message};
 
 /// The exporter's connections, served by one thread. See the [module documentation](self).
 #[derive(Debug)]
@@ -84,9 +84,23 @@ impl Server {
     /// [`Error::Stalled`] if its queue is full (it is disconnected: it does not read);
     /// [`Error::Refused`] while it is being disconnected or the exporter shuts down.
     pub(crate) fn send(&self, id: ImporterId, message: &Message, buffer: Option<BufferId>) -> Result<()> {
+        self.send_with_fd(id, message, buffer, None)
+    }
+
+    /// [`Server::send`] with a descriptor of the frame's own (`VmmBuffer`), which the loop
+    /// sends with the frame's first byte and then closes (or closes unsent if the connection
+    /// ends first).
+    pub(crate) fn send_with_fd(
+        &self,
+        id: ImporterId,
+        message: &Message,
+        buffer: Option<BufferId>,
+        fd: Option<OwnedFd>,
+    ) -> Result<()> {
         let frame = crate::wire::encode(message)?;
         let item = Outgoing {
             buffer,
+            fd,
             ..Outgoing::plain(frame)
         };
         let pushed = lock(&self.shared.outboxes).push(id, item);
@@ -109,6 +123,11 @@ impl Server {
                 reason: format!("importer {id} is being disconnected, or the exporter is shutting down"),
             }),
         }
+    }
+
+    /// What importer `id` accepted in its handshake; `None` if it is not connected.
+    pub(crate) fn capabilities(&self, id: ImporterId) -> Option<Capabilities> {
+        lock(&self.shared.capabilities).get(&id).copied()
     }
 
     /// The loop's counters, as of its last round.

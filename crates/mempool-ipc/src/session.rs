@@ -36,7 +36,8 @@ use crate::conn::{Connection, ConnectionConfig, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::wire::{
-    BufferDescriptor, BufferId, DeviceUuid, Message, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
+    BufferDescriptor, BufferId, Capabilities, DeviceUuid, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
+    VmmBufferDescriptor, Welcome,
 };
 
 /// What an exporter tells each importer in the handshake.
@@ -59,10 +60,13 @@ pub(crate) enum ImporterEvent {
 }
 
 /// What an importer's session may receive after the handshake.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Debug)]
 pub(crate) enum ExporterEvent {
     /// A shared buffer.
     Buffer(BufferDescriptor),
+    /// A VMM physical allocation and its file descriptor (close-on-exec); only after the
+    /// importer accepted [`Capabilities::VMM`].
+    VmmBuffer(VmmBufferDescriptor, OwnedFd),
     /// The exporter is shutting down and shares nothing more; release what you hold.
     Goodbye,
 }
@@ -86,6 +90,8 @@ pub(crate) enum HandshakeStep {
 pub(crate) struct ExporterHandshake {
     announcement: PoolAnnouncement,
     step: HandshakeStep,
+    /// What the importer accepted in `Ready`.
+    accepted: Capabilities,
 }
 
 impl ExporterHandshake {
@@ -94,7 +100,14 @@ impl ExporterHandshake {
         ExporterHandshake {
             announcement,
             step: HandshakeStep::AwaitHello,
+            accepted: Capabilities::NONE,
         }
+    }
+
+    /// What the importer accepted of the exporter's offer ([`Capabilities::KNOWN`]): nothing
+    /// before `Ready`.
+    pub(crate) fn accepted(&self) -> Capabilities {
+        self.accepted
     }
 
     /// Where it stands.
@@ -116,13 +129,30 @@ impl ExporterHandshake {
                 Ok(Message::Welcome(Welcome {
                     device_uuid: a.device_uuid,
                     pool_id: a.pool_id,
+                    capabilities: Capabilities::KNOWN,
                 }))
             }
-            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) if device_uuid == a.device_uuid => {
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { capabilities, .. }))
+                if !Capabilities::KNOWN.contains(capabilities) =>
+            {
+                Err(ProtocolError::Violation {
+                    reason: format!(
+                        "Ready accepts capabilities {:#x}, more than the offered {:#x}",
+                        capabilities.0,
+                        Capabilities::KNOWN.0
+                    ),
+                }
+                .into())
+            }
+            (HandshakeStep::AwaitReady, Message::Ready(Ready {
+                device_uuid,
+                capabilities,
+            })) if device_uuid == a.device_uuid => {
                 self.step = HandshakeStep::Done;
+                self.accepted = capabilities;
                 Ok(Message::PoolDescriptor(PoolDescriptor { pool_id: a.pool_id }))
             }
-            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) => Err(Error::WrongDevice {
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid, .. })) => Err(Error::WrongDevice {
                 expected_uuid: a.device_uuid,
                 got: device_uuid,
             }),
@@ -248,15 +278,29 @@ pub(crate) struct ImportedPool<D> {
 pub(crate) struct ImporterSession {
     conn: Connection,
     welcome: Welcome,
+    /// What this side accepted in `Ready` (what it wanted, of what the exporter offered).
+    accepted: Capabilities,
 }
 
 impl ImporterSession {
     /// Connects to the exporter at `path`, checks that the process that answers runs as a
     /// user `policy` allows, and runs the handshake (see [`ImporterSession::handshake`]).
+    #[cfg(test)]
     pub(crate) fn connect<D>(
         path: impl AsRef<Path>,
         config: ConnectionConfig,
         policy: &AccessPolicy,
+        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+    ) -> Result<(ImporterSession, ImportedPool<D>)> {
+        ImporterSession::connect_with(path, config, policy, Capabilities::NONE, find_device)
+    }
+
+    /// [`ImporterSession::connect`], accepting what the exporter offers of `wanted`.
+    pub(crate) fn connect_with<D>(
+        path: impl AsRef<Path>,
+        config: ConnectionConfig,
+        policy: &AccessPolicy,
+        wanted: Capabilities,
         find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let conn = Connection::connect(path, config)?;
@@ -264,7 +308,7 @@ impl ImporterSession {
             conn.close_with_error(&err);
             return Err(err);
         }
-        ImporterSession::handshake(conn, find_device)
+        ImporterSession::handshake_with(conn, wanted, find_device)
     }
 
     /// Runs the importer's side of the handshake: says `Hello`, hears which GPU and pool the
@@ -273,8 +317,18 @@ impl ImporterSession {
     /// is told), confirms, and receives the pool's file descriptor.
     ///
     /// The connection is closed on error.
+    #[cfg(test)]
     pub(crate) fn handshake<D>(
         conn: Connection,
+        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+    ) -> Result<(ImporterSession, ImportedPool<D>)> {
+        ImporterSession::handshake_with(conn, Capabilities::NONE, find_device)
+    }
+
+    /// [`ImporterSession::handshake`], accepting what the exporter offers of `wanted`.
+    pub(crate) fn handshake_with<D>(
+        conn: Connection,
+        wanted: Capabilities,
         find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let deadline = Instant::now() + conn.config().handshake_timeout;
@@ -289,6 +343,7 @@ impl ImporterSession {
             conn.send_until(
                 &Message::Ready(Ready {
                     device_uuid: welcome.device_uuid,
+                    capabilities: welcome.capabilities.intersection(wanted),
                 }),
                 &[],
                 deadline,
@@ -314,7 +369,17 @@ impl ImporterSession {
             Ok((welcome, ImportedPool { device, pool_fd }))
         };
         match steps() {
-            Ok((welcome, imported)) => Ok((ImporterSession { conn, welcome }, imported)),
+            Ok((welcome, imported)) => {
+                let accepted = welcome.capabilities.intersection(wanted);
+                Ok((
+                    ImporterSession {
+                        conn,
+                        welcome,
+                        accepted,
+                    },
+                    imported,
+                ))
+            }
             Err(err) => {
                 conn.close_with_error(&err);
                 Err(err)
@@ -338,6 +403,11 @@ impl ImporterSession {
         self.welcome.pool_id
     }
 
+    /// What this side accepted in the handshake.
+    pub(crate) fn accepted(&self) -> Capabilities {
+        self.accepted
+    }
+
     /// The exporter's credentials (`SO_PEERCRED`).
     pub(crate) fn exporter_credentials(&self) -> Result<PeerCredentials> {
         self.conn.peer_credentials()
@@ -355,10 +425,15 @@ impl ImporterSession {
     /// begun to arrive by `deadline` (`None`: wait as long as it takes). A timeout before the
     /// first byte leaves the connection usable.
     pub(crate) fn recv_until(&self, deadline: Option<Instant>) -> Result<ExporterEvent> {
-        let received = self.conn.recv_until(deadline, "receive")?;
-        match received.message {
+        let Received { message, mut fds } = self.conn.recv_until(deadline, "receive")?;
+        match message {
             Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
             Message::Goodbye => Ok(ExporterEvent::Goodbye),
+            Message::VmmBuffer(buffer) if self.accepted.contains(Capabilities::VMM) => {
+                // The connection checked that exactly one descriptor came with the message.
+                let fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
+                Ok(ExporterEvent::VmmBuffer(buffer, fd))
+            }
             other => Err(self.reject(unexpected("Buffer or Goodbye", &other))),
         }
     }

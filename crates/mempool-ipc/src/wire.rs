@@ -153,6 +153,8 @@ const POOL_DESCRIPTOR_LEN: usize = UUID_LEN + 4 + 4;
 const BUFFER_LEN: usize = 5 * 8 + 4 + 4 + 64 + 64;
 const RELEASE_LEN: usize = 8;
 const ERROR_FIXED_LEN: usize = 4 + 2;
+/// The length of the capabilities field that ends `Welcome` and `Ready` (absent in version-1 frames).
+const CAPABILITIES_LEN: usize = 8;
 
 /// The UUID of a GPU (`cuDeviceGetUuid`): the same physical GPU has the same UUID in every
 /// process, whatever its ordinal there.
@@ -294,11 +296,14 @@ pub enum MessageType {
     Goodbye = 7,
     /// Either way: something went wrong; the sender closes the connection.
     Error = 8,
+    /// Exporter -> importer: a VMM physical allocation (one descriptor attached). Only to an
+    /// importer that accepted the VMM capability. Codes 32 to 47 are kept for VMM messages.
+    VmmBuffer = 32,
 }
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub(crate) const ALL: [MessageType; 8] = [
+    pub(crate) const ALL: [MessageType; 9] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -307,6 +312,7 @@ impl MessageType {
         MessageType::Release,
         MessageType::Goodbye,
         MessageType::Error,
+        MessageType::VmmBuffer,
     ];
 
     /// The type with this wire code, if the protocol defines one.
@@ -330,13 +336,14 @@ impl MessageType {
             MessageType::Release => "Release",
             MessageType::Goodbye => "Goodbye",
             MessageType::Error => "Error",
+            MessageType::VmmBuffer => "VmmBuffer",
         }
     }
 
     /// How many file descriptors travel with a message of this type (exactly that many).
     pub(crate) fn descriptor_count(self) -> usize {
         match self {
-            MessageType::PoolDescriptor => 1,
+            MessageType::PoolDescriptor | MessageType::VmmBuffer => 1,
             _ => 0,
         }
     }
@@ -346,12 +353,13 @@ impl MessageType {
         let exact = |n| (n, n);
         match self {
             MessageType::Hello | MessageType::Goodbye => exact(0),
-            MessageType::Welcome => exact(WELCOME_LEN),
-            MessageType::Ready => exact(READY_LEN),
+            MessageType::Welcome => (WELCOME_LEN, WELCOME_LEN + CAPABILITIES_LEN),
+            MessageType::Ready => (READY_LEN, READY_LEN + CAPABILITIES_LEN),
             MessageType::PoolDescriptor => exact(POOL_DESCRIPTOR_LEN),
             MessageType::Buffer => exact(BUFFER_LEN),
             MessageType::Release => exact(RELEASE_LEN),
             MessageType::Error => (ERROR_FIXED_LEN, MAX_BODY_LEN),
+            MessageType::VmmBuffer => exact(VMM_BUFFER_LEN),
         }
     }
 }
@@ -369,6 +377,8 @@ pub(crate) struct Welcome {
     pub(crate) device_uuid: DeviceUuid,
     /// The pool's identity.
     pub(crate) pool_id: PoolId,
+    /// What the exporter offers beyond version 1 (`wire::vmm`).
+    pub(crate) capabilities: Capabilities,
 }
 
 /// The importer's answer to `Welcome`: it found the GPU.
@@ -376,6 +386,8 @@ pub(crate) struct Welcome {
 pub(crate) struct Ready {
     /// The GPU the importer will import on; must equal the `Welcome`'s.
     pub(crate) device_uuid: DeviceUuid,
+    /// What the importer accepts of the exporter's offer (a subset of it).
+    pub(crate) capabilities: Capabilities,
 }
 
 /// The pool itself; its file descriptor travels with this message.
@@ -528,6 +540,8 @@ pub(crate) enum Message {
     Goodbye,
     /// Either way: an error; the sender closes the connection.
     Error(ErrorMessage),
+    /// Exporter -> importer: a VMM physical allocation; carries its file descriptor.
+    VmmBuffer(VmmBufferDescriptor),
 }
 
 impl Message {
@@ -542,6 +556,7 @@ impl Message {
             Message::Release { .. } => MessageType::Release,
             Message::Goodbye => MessageType::Goodbye,
             Message::Error(_) => MessageType::Error,
+            Message::VmmBuffer(_) => MessageType::VmmBuffer,
         }
     }
 
@@ -556,6 +571,7 @@ impl Message {
             Message::Ready(r) => check_uuid(&r.device_uuid),
             Message::PoolDescriptor(p) => check_pool_id(&p.pool_id),
             Message::Buffer(b) => check_buffer(b),
+            Message::VmmBuffer(b) => check_vmm_buffer(b),
             Message::Error(e) => {
                 if e.text.len() > MAX_ERROR_TEXT_LEN {
                     return Err(ProtocolError::MessageTooLarge {
@@ -671,10 +687,13 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
         MessageType::Welcome => Message::Welcome(Welcome {
             device_uuid: DeviceUuid(r.array()?),
             pool_id: PoolId(r.array()?),
+            capabilities: decode_capabilities(&mut r, "Welcome", WELCOME_LEN, body.len())?,
         }),
         MessageType::Ready => Message::Ready(Ready {
             device_uuid: DeviceUuid(r.array()?),
+            capabilities: decode_capabilities(&mut r, "Ready", READY_LEN, body.len())?,
         }),
+        MessageType::VmmBuffer => Message::VmmBuffer(decode_vmm_buffer(&mut r)?),
         MessageType::PoolDescriptor => {
             let pool_id = PoolId(r.array()?);
             let handle_type = r.u32()?;
@@ -790,8 +809,13 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
         Message::Welcome(w) => {
             out.extend_from_slice(&w.device_uuid.0);
             out.extend_from_slice(&w.pool_id.0);
+            out.extend_from_slice(&w.capabilities.0.to_le_bytes());
         }
-        Message::Ready(r) => out.extend_from_slice(&r.device_uuid.0),
+        Message::Ready(r) => {
+            out.extend_from_slice(&r.device_uuid.0);
+            out.extend_from_slice(&r.capabilities.0.to_le_bytes());
+        }
+        Message::VmmBuffer(b) => encode_vmm_buffer(b, out),
         Message::PoolDescriptor(p) => {
             out.extend_from_slice(&p.pool_id.0);
             out.extend_from_slice(&POOL_HANDLE_TYPE_POSIX_FD.to_le_bytes());
@@ -871,6 +895,11 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 }
+
+pub(crate) mod vmm;
+
+pub(crate) use self::vmm::{Capabilities, VmmBufferDescriptor};
+use self::vmm::{check_vmm_buffer, decode_capabilities, decode_vmm_buffer, encode_vmm_buffer, VMM_BUFFER_LEN};
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -195,8 +195,10 @@ where
     register(inner, state, ptr, len, base, Freer::Custom(free), stream)
 }
 
-/// Records a buffer in a block already recorded, for [`alloc`] and [`adopt`].
-fn register<'s>(
+/// Records a buffer in a block already recorded, for [`alloc`] and [`adopt`]; or, for
+/// `Exporter::alloc_vmm`, a mapped VMM allocation (no block: `block_base` is its address, which no
+/// pool block has).
+pub(super) fn register<'s>(
     inner: &Arc<Inner>,
     mut state: MutexGuard<'_, State>,
     ptr: DeviceAddr,
@@ -219,7 +221,8 @@ fn register<'s>(
         },
     )?;
     // SAFETY: `ptr..ptr+len` is live memory of the exporter's pool, in `inner.ctx` (allocated by `alloc`, or
-    // checked to lie in a live allocation of the pool by `adopt`, whose caller handed it over); the lease
+    // checked to lie in a live allocation of the pool by `adopt`, whose caller handed it over), or a VMM
+    // allocation that `alloc_vmm` mapped with read-write access for the device, whose mapping `free` drops; the lease
     // table now holds it, and the exporter frees it only after this buffer's release (`release_once`) and
     // the last importer's, so it stays allocated while the view can reach it; work on it is ordered on
     // `stream`, the stream it was allocated or adopted on (a stream that carries no context is one of the

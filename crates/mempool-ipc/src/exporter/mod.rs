@@ -9,16 +9,19 @@
 //! - `serve`: what the serving thread (the crate's `server`, one event loop for every
 //!   connection) reports to the exporter, and the shutdown;
 //! - `reclaim`: freeing, at once, deferred to the last release, or reclaimed from an importer
-//!   that is gone (the lease table decides when).
+//!   that is gone (the lease table decides when);
+//! - `vmm`: [`ExportedVmm`], VMM physical allocations (`alloc_vmm`) sent as descriptors
+//!   (`share_vmm`), in the same lease table.
 //!
 //! This file holds the public types and calls into those. `buffers`, `serve` and `reclaim`
 //! import only `state` (`reclaim` adds the freeing methods to `Inner` that the other two call),
-//! and none of them imports this module.
+//! `vmm` imports `state` and `buffers`, and none of them imports this module.
 
 mod buffers;
 mod reclaim;
 mod serve;
 mod state;
+mod vmm;
 
 use std::fmt;
 use std::path::Path;
@@ -29,6 +32,7 @@ use std::time::{Duration, Instant};
 use mempool_core::{DeviceAddr, MemPool, Stream, StreamRef};
 
 pub use self::buffers::ExportedBuffer;
+pub use self::vmm::ExportedVmm;
 use self::state::{Inner, PoolSource, Projected, State};
 use crate::cred::PeerCredentials;
 use crate::error::{take_drop_errors, Error, Result};
@@ -350,6 +354,34 @@ impl Exporter {
     /// or it is being disconnected.
     pub fn share(&self, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
         buffers::share(&self.inner, buffer, to)
+    }
+
+    /// Allocates VMM physical memory for sharing as a file descriptor: `bytes` rounded up to the
+    /// device's minimum granularity, created with `cuMemCreate` and the POSIX file-descriptor
+    /// handle type on the pool's device, and mapped here with read-write access for that device
+    /// (the exporter's own view of it). Work on it is ordered on `stream`, as for
+    /// [`Exporter::alloc`]; it is freed (unmapped and released) when the last holder lets go.
+    ///
+    /// Errors ([`Error::Core`]): the device lacks VMM or POSIX file-descriptor handles
+    /// (`CapabilityMissing`, `VmmHandleTypeNotSupported`), out of memory (with the size), an
+    /// empty size.
+    pub fn alloc_vmm<'s>(&self, bytes: usize, stream: StreamRef<'s>) -> Result<ExportedVmm<'s>> {
+        vmm::alloc_vmm(&self.inner, bytes, stream)
+    }
+
+    /// Shares a VMM allocation with each importer in `to`: records an interprocess event on its
+    /// stream (importers wait on it before they touch the memory), records the leases, and sends
+    /// each importer the allocation's file descriptor with its size and granularity. The importer
+    /// maps it into addresses of its own ([`SharedVmm`](crate::SharedVmm)). Leases, releases,
+    /// dead importers and shutdown work as for [`Exporter::share`].
+    ///
+    /// Errors, before anything is sent: [`Error::UnknownImporter`]; [`Error::VmmNotAccepted`] if
+    /// an importer did not accept VMM sharing ([`ImporterOptions::accept_vmm`](crate::ImporterOptions::accept_vmm));
+    /// [`Error::Core`] if the allocation cannot be exported;
+    /// [`LeaseError::AlreadyLeased`](crate::LeaseError::AlreadyLeased). Then [`Error::Share`] for
+    /// an importer that could not take it, as for [`Exporter::share`].
+    pub fn share_vmm(&self, buffer: &ExportedVmm<'_>, to: &[ImporterId]) -> Result<()> {
+        vmm::share_vmm(&self.inner, buffer, to)
     }
 
     /// Shares `buffer` with every importer connected now; returns who got it.

@@ -28,7 +28,7 @@ use crate::fdpass;
 use crate::lease::ImporterId;
 use crate::listener::Listener;
 use crate::session::{importer_event, ExporterHandshake, ImporterEvent, PoolAnnouncement};
-use crate::wire::{self, BufferId, ErrorCode, ErrorMessage, Message};
+use crate::wire::{self, BufferId, Capabilities, ErrorCode, ErrorMessage, Message};
 
 /// What the event loop tells the exporter, on the loop's thread.
 pub(crate) trait Handler: Send + Sync {
@@ -81,6 +81,8 @@ pub(crate) struct Shared {
     pub(crate) outboxes: Mutex<Outboxes>,
     pub(crate) control: Mutex<Control>,
     pub(crate) stats: Mutex<ServerStats>,
+    /// What each connected importer accepted in its handshake (`wire::vmm`).
+    pub(crate) capabilities: Mutex<HashMap<ImporterId, Capabilities>>,
     wake: OwnedFd,
 }
 
@@ -90,6 +92,7 @@ impl Shared {
             outboxes: Mutex::new(Outboxes::new(send_queue_len)),
             control: Mutex::new(Control::default()),
             stats: Mutex::new(ServerStats::default()),
+            capabilities: Mutex::new(HashMap::new()),
             wake: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
     }
@@ -425,6 +428,7 @@ impl Loop {
                             buffer: None,
                             with_pool_fd: answer.message_type().descriptor_count() == 1,
                             fin: false,
+                            fd: None,
                         }),
                         Err(e) => return self.end_handshake(token, Some(e.into())),
                     }
@@ -463,11 +467,12 @@ impl Loop {
             return self.end_handshake(token, Some(e));
         }
         let Some(peer) = self.peers.get_mut(&token) else { return };
-        peer.handshake = None;
+        let accepted = peer.handshake.take().map(|h| h.accepted()).unwrap_or_default();
         // Remembered now: the peer spoke a moment ago, so the pid names it.
         peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
         let (id, credentials) = (peer.id, peer.credentials);
         self.tokens.insert(id, token);
+        lock(&self.shared.capabilities).insert(id, accepted);
         lock(&self.shared.outboxes).open(id);
         self.handler.connected(id, credentials);
     }
@@ -520,6 +525,7 @@ impl Loop {
         }
         let mut undelivered = peer.undelivered_local();
         undelivered.extend(lock(&self.shared.outboxes).close(peer.id));
+        lock(&self.shared.capabilities).remove(&peer.id);
         self.tokens.remove(&peer.id);
         let id = peer.id;
         let process = peer.process.take();
@@ -626,6 +632,7 @@ impl Loop {
             buffer: None,
             with_pool_fd: false,
             fin: true,
+            fd: None,
         });
         self.mailbox(now);
     }

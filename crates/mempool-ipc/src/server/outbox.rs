@@ -4,6 +4,7 @@
 //! tests (`server/tests.rs`) drive it directly.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::os::fd::OwnedFd;
 
 use crate::lease::ImporterId;
 use crate::wire::BufferId;
@@ -19,6 +20,9 @@ pub(crate) struct Outgoing {
     pub(crate) with_pool_fd: bool,
     /// Close the sending direction once it is out (`Goodbye`).
     pub(crate) fin: bool,
+    /// A descriptor of its own that rides on the frame's first byte (`VmmBuffer`); closed
+    /// here once sent, or with the frame if it never goes out.
+    pub(crate) fd: Option<OwnedFd>,
 }
 
 impl Outgoing {
@@ -29,6 +33,7 @@ impl Outgoing {
             buffer: None,
             with_pool_fd: false,
             fin: false,
+            fd: None,
         }
     }
 }

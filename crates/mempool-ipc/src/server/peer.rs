@@ -252,8 +252,12 @@ impl Peer {
             let Some(w) = self.writing.as_mut() else {
                 continue;
             };
+            let own_fd: [BorrowedFd<'_>; 1];
             let fds: &[BorrowedFd<'_>] = if w.sent == 0 && w.item.with_pool_fd {
                 &[pool_fd]
+            } else if let (0, Some(fd)) = (w.sent, w.item.fd.as_ref()) {
+                own_fd = [fd.as_fd()];
+                &own_fd
             } else {
                 &[]
             };
@@ -267,6 +271,8 @@ impl Peer {
                     if self.blocked_since.is_some() {
                         self.blocked_since = Some(now);
                     }
+                    // The descriptor went with the first byte: close this side's copy.
+                    w.item.fd = None;
                     if w.sent == w.item.frame.len() {
                         let fin = w.item.fin;
                         self.writing = None;

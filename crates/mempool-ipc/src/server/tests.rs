@@ -285,6 +285,7 @@ fn recv_buffer(session: &ImporterSession) -> BufferId {
     match session.recv_until(Some(Instant::now() + SOON)).unwrap() {
         ExporterEvent::Buffer(b) => b.buffer_id,
         ExporterEvent::Goodbye => panic!("Goodbye instead of a buffer"),
+        ExporterEvent::VmmBuffer(b, _) => panic!("a VMM buffer instead of a buffer: {b:?}"),
     }
 }
 

@@ -18,6 +18,7 @@ use crate::listener::Listener;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
 use crate::wire::{
+    Capabilities,
     self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
 };
 
@@ -117,10 +118,14 @@ fn exporter_rejects_an_importer_on_another_gpu() {
         read_frame(&mut raw).unwrap(),
         Message::Welcome(Welcome {
             device_uuid: GPU,
-            pool_id: POOL
+            pool_id: POOL,
+            capabilities: Capabilities::KNOWN,
         })
     );
-    send_raw(&mut raw, &Message::Ready(Ready { device_uuid: OTHER_GPU }));
+    send_raw(&mut raw, &Message::Ready(Ready {
+            device_uuid: OTHER_GPU,
+            capabilities: Capabilities::NONE,
+        }));
     let err = exporter.join().unwrap().unwrap_err();
     assert!(
         matches!(err, Error::WrongDevice { expected_uuid, got } if expected_uuid == GPU && got == OTHER_GPU),
@@ -234,11 +239,15 @@ fn pool_descriptor_must_name_the_announced_pool() {
         &Message::Welcome(Welcome {
             device_uuid: GPU,
             pool_id: POOL,
+            capabilities: Capabilities::KNOWN,
         }),
     );
     assert_eq!(
         read_frame(&mut raw).unwrap(),
-        Message::Ready(Ready { device_uuid: GPU })
+        Message::Ready(Ready {
+            device_uuid: GPU,
+            capabilities: Capabilities::NONE,
+        })
     );
     let other = wire::encode(&Message::PoolDescriptor(PoolDescriptor {
         pool_id: PoolId([0x77; 16]),
@@ -278,14 +287,16 @@ fn buffers_and_releases_after_the_handshake() {
         exporter.share(&buffer(id)).unwrap();
     }
     for id in 0..3 {
-        assert_eq!(importer.recv().unwrap(), ExporterEvent::Buffer(buffer(id)));
+        let got = importer.recv().unwrap();
+        assert!(matches!(got, ExporterEvent::Buffer(b) if b == buffer(id)), "{got:?}");
     }
     importer.release(BufferId(1)).unwrap();
     assert_eq!(exporter.recv().unwrap(), ImporterEvent::Release(BufferId(1)));
     // The exporter shuts down: it shares nothing more, but still hears the releases.
     exporter.goodbye().unwrap();
     assert!(matches!(exporter.share(&buffer(3)).unwrap_err(), Error::WriteClosed));
-    assert_eq!(importer.recv().unwrap(), ExporterEvent::Goodbye);
+    let got = importer.recv().unwrap();
+    assert!(matches!(got, ExporterEvent::Goodbye), "{got:?}");
     assert!(matches!(importer.recv().unwrap_err(), Error::Closed));
     for id in [0, 2] {
         importer.release(BufferId(id)).unwrap();

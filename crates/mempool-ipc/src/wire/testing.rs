@@ -6,8 +6,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use super::{
-    decode_body, decode_header, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle,
-    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, Welcome, HEADER_LEN,
+    decode_body, decode_header, BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, ErrorCode, ErrorMessage,
+    EventHandle, Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, VmmBufferDescriptor, Welcome, HEADER_LEN,
 };
 
 pub(crate) const GPU: DeviceUuid = DeviceUuid([
@@ -28,6 +28,16 @@ pub(crate) fn buffer(id: u64) -> BufferDescriptor {
     }
 }
 
+/// A `VmmBuffer` of two 2 MiB granules.
+pub(crate) fn vmm_buffer(id: u64) -> VmmBufferDescriptor {
+    VmmBufferDescriptor {
+        buffer_id: BufferId(id),
+        size: 4 << 20,
+        granularity: 2 << 20,
+        ready_event: Some(EventHandle([0xd0 | (id as u8 & 0xf); 64])),
+    }
+}
+
 /// One message of every type.
 pub(crate) fn every_message() -> Vec<Message> {
     vec![
@@ -35,8 +45,12 @@ pub(crate) fn every_message() -> Vec<Message> {
         Message::Welcome(Welcome {
             device_uuid: GPU,
             pool_id: POOL,
+            capabilities: Capabilities::VMM,
         }),
-        Message::Ready(Ready { device_uuid: GPU }),
+        Message::Ready(Ready {
+            device_uuid: GPU,
+            capabilities: Capabilities::NONE,
+        }),
         Message::PoolDescriptor(PoolDescriptor { pool_id: POOL }),
         Message::Buffer(buffer(5)),
         Message::Buffer(BufferDescriptor {
@@ -49,6 +63,11 @@ pub(crate) fn every_message() -> Vec<Message> {
         Message::Goodbye,
         Message::Error(ErrorMessage::new(ErrorCode::NotLeased, "no such lease: ü")),
         Message::Error(ErrorMessage::new(ErrorCode::Other(77), "")),
+        Message::VmmBuffer(vmm_buffer(7)),
+        Message::VmmBuffer(VmmBufferDescriptor {
+            ready_event: None,
+            ..vmm_buffer(8)
+        }),
     ]
 }
 

@@ -62,6 +62,7 @@ fn header_layout_is_as_specified() {
     let welcome = frame(&Message::Welcome(Welcome {
         device_uuid: GPU,
         pool_id: POOL,
+        capabilities: Capabilities::VMM,
     }));
     assert_eq!(&welcome[HEADER_LEN..HEADER_LEN + 16], &GPU.0);
     assert_eq!(&welcome[HEADER_LEN + 16..], &POOL.0);
@@ -321,12 +322,14 @@ fn all_zero_identities_are_rejected() {
     let nil_uuid = Message::Welcome(Welcome {
         device_uuid: DeviceUuid([0; 16]),
         pool_id: POOL,
+        capabilities: Capabilities::VMM,
     });
     let nil_pool = Message::PoolDescriptor(PoolDescriptor {
         pool_id: PoolId([0; 16]),
     });
     let nil_ready = Message::Ready(Ready {
         device_uuid: DeviceUuid([0; 16]),
+        capabilities: Capabilities::NONE,
     });
     for message in [nil_uuid, nil_pool, nil_ready] {
         assert!(protocol_reason(wire::encode(&message).unwrap_err()).contains("all zeros"));
@@ -335,11 +338,15 @@ fn all_zero_identities_are_rejected() {
     let welcome = Message::Welcome(Welcome {
         device_uuid: GPU,
         pool_id: POOL,
+        capabilities: Capabilities::VMM,
     });
     let cases = [
         (welcome.clone(), 0..16),
         (welcome, 16..32),
-        (Message::Ready(Ready { device_uuid: GPU }), 0..16),
+        (Message::Ready(Ready {
+            device_uuid: GPU,
+            capabilities: Capabilities::NONE,
+        }), 0..16),
         (Message::PoolDescriptor(PoolDescriptor { pool_id: POOL }), 0..16),
     ];
     for (message, field) in cases {
@@ -391,8 +398,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
         Just(Message::Hello),
         Just(Message::Goodbye),
         (uuid.clone(), pool.clone())
-            .prop_map(|(device_uuid, pool_id)| Message::Welcome(Welcome { device_uuid, pool_id })),
-        uuid.prop_map(|device_uuid| Message::Ready(Ready { device_uuid })),
+            .prop_map(|(device_uuid, pool_id)| Message::Welcome(Welcome { device_uuid, pool_id, capabilities: Capabilities::VMM })),
+        uuid.prop_map(|device_uuid| Message::Ready(Ready { device_uuid, capabilities: Capabilities::NONE })),
         pool.prop_map(|pool_id| Message::PoolDescriptor(PoolDescriptor { pool_id })),
         buffer.prop_map(Message::Buffer),
         any::<u64>().prop_map(|id| Message::Release {

@@ -1,0 +1,174 @@
+//! VMM physical allocations on the importer's side: [`SharedVmm`], and receiving one (the
+//! memMapIPCDrv sample's pattern: import the descriptor, reserve addresses of this process's
+//! own, map the allocation there, grant this device access).
+
+use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use mempool_core::{
+    Access, AllocationProps, BufferView, DeviceAddr, Event, Granularity, HandleTypes, IpcEventHandle, Mapping,
+    PhysicalAllocation, Reservation, StreamRef,
+};
+
+use super::Inner;
+use crate::error::{record_drop_error, Error, Result};
+use crate::wire::{BufferId, ProtocolError, VmmBufferDescriptor};
+
+/// A VMM physical allocation received from the exporter ([`Importer::recv_any`](crate::Importer::recv_any)),
+/// mapped into a reservation of this process with read-write access for the importer's device.
+///
+/// The memory is the exporter's: both processes see the same bytes. Work queued on the stream
+/// given to `recv_any` runs after the exporter's work on it. Dropping it waits for the device
+/// (unmapping is not stream-ordered), unmaps the allocation, releases this process's handle and
+/// the reservation, and only then sends `Release`. After the exporter is gone, dropping it still
+/// unmaps and releases; the release then has nowhere to go and is skipped.
+pub struct SharedVmm {
+    inner: Arc<Inner>,
+    id: BufferId,
+    /// `None` once released.
+    mapping: Option<Mapping>,
+    addr: DeviceAddr,
+    len: usize,
+}
+
+impl fmt::Debug for SharedVmm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedVmm")
+            .field("id", &self.id)
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl SharedVmm {
+    /// The exporter's id of the buffer.
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    /// The first mapped address in this process.
+    pub fn ptr(&self) -> DeviceAddr {
+        self.addr
+    }
+
+    /// The size: the whole physical allocation, a multiple of the granularity.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: a physical allocation has at least one granule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The mapping in this process (its physical allocation, reservation and access).
+    pub fn mapping(&self) -> &Mapping {
+        // Only `release_once` takes it, which consumes or drops `self`.
+        self.mapping.as_ref().expect("a SharedVmm holds its mapping until released")
+    }
+
+    /// A view of the bytes for host copies and fills ordered on `stream` (a stream of the
+    /// importer's device); it borrows `self`, so it cannot outlive the mapping.
+    pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
+        Ok(self.mapping().view(stream)?)
+    }
+
+    /// Releases the buffer (what dropping does), reporting errors instead of recording them.
+    pub fn release(mut self) -> Result<()> {
+        self.release_once()
+    }
+
+    fn release_once(&mut self) -> Result<()> {
+        let Some(mapping) = self.mapping.take() else {
+            return Ok(());
+        };
+        // Unmapping waits for the device too, but reports failures only as drop errors: wait
+        // here first so that `release` returns them.
+        let synced = self.inner.ctx.synchronize();
+        drop(mapping); // unmaps, releases this process's handle and the reservation
+        self.inner.lock().vmm.remove(&self.id);
+        synced?;
+        match self.inner.session.release(self.id) {
+            Ok(()) => Ok(()),
+            // The exporter is gone (or said Goodbye and closed): nobody to tell.
+            Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for SharedVmm {
+    fn drop(&mut self) {
+        if let Err(e) = self.release_once() {
+            record_drop_error(e);
+        }
+    }
+}
+
+/// Imports the allocation `d` names from `fd`, maps it into a reservation of this process,
+/// grants the importer's device read-write access and makes `stream` wait on the exporter's
+/// event. On failure the buffer is not held: `Release` is sent at once (except for a buffer id
+/// already held, which ends the connection instead: releasing it would release the other).
+pub(super) fn receive(
+    inner: &Arc<Inner>,
+    d: VmmBufferDescriptor,
+    fd: OwnedFd,
+    stream: StreamRef<'_>,
+) -> Result<SharedVmm> {
+    let id = d.buffer_id;
+    if !inner.lock().vmm.insert(id) {
+        let err = ProtocolError::Violation {
+            reason: format!("VmmBuffer {id}: this importer already holds a buffer with that id"),
+        };
+        return Err(inner.session.reject(err.into()));
+    }
+    let mapped = (|| -> Result<Mapping> {
+        let device = inner.device;
+        let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+        let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
+        if d.granularity != granularity as u64 {
+            return Err(ProtocolError::Violation {
+                reason: format!(
+                    "VmmBuffer {id}: granularity {} is not the minimum granularity of this GPU, {granularity} bytes",
+                    d.granularity
+                ),
+            }
+            .into());
+        }
+        // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
+        let size = d.size as usize;
+        let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
+        drop(fd); // imported: the handle holds the memory now
+        let reservation = Reservation::new(device, size, 0, None)?;
+        let mapping = Mapping::without_access(&reservation, 0, Arc::new(physical))?;
+        mapping.set_access(&[(device, Access::ReadWrite)])?;
+        if let Some(handle) = d.ready_event {
+            let mut state = inner.lock();
+            let event = match state.events.entry(handle.0) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
+                }
+            };
+            stream.wait(event)?;
+        }
+        Ok(mapping)
+    })();
+    match mapped {
+        Ok(mapping) => Ok(SharedVmm {
+            inner: inner.clone(),
+            id,
+            addr: mapping.addr(),
+            len: mapping.len(),
+            mapping: Some(mapping),
+        }),
+        Err(e) => {
+            inner.lock().vmm.remove(&id);
+            // Not held: tell the exporter so it does not wait for this buffer.
+            let _ = inner.session.release(id);
+            Err(e)
+        }
+    }
+}
