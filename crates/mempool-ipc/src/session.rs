@@ -498,3 +498,5 @@ fn unexpected(expected: &'static str, got: &Message) -> Error {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vmm_tests;

@@ -809,11 +809,11 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
         Message::Welcome(w) => {
             out.extend_from_slice(&w.device_uuid.0);
             out.extend_from_slice(&w.pool_id.0);
-            out.extend_from_slice(&w.capabilities.0.to_le_bytes());
+            encode_capabilities(w.capabilities, out);
         }
         Message::Ready(r) => {
             out.extend_from_slice(&r.device_uuid.0);
-            out.extend_from_slice(&r.capabilities.0.to_le_bytes());
+            encode_capabilities(r.capabilities, out);
         }
         Message::VmmBuffer(b) => encode_vmm_buffer(b, out),
         Message::PoolDescriptor(p) => {
@@ -899,7 +899,9 @@ impl<'a> Reader<'a> {
 pub(crate) mod vmm;
 
 pub(crate) use self::vmm::{Capabilities, VmmBufferDescriptor};
-use self::vmm::{check_vmm_buffer, decode_capabilities, decode_vmm_buffer, encode_vmm_buffer, VMM_BUFFER_LEN};
+use self::vmm::{
+    check_vmm_buffer, decode_capabilities, decode_vmm_buffer, encode_capabilities, encode_vmm_buffer, VMM_BUFFER_LEN,
+};
 
 #[cfg(test)]
 pub(crate) mod testing;

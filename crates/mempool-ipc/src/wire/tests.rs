@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 
-use super::testing::{buffer, every_message, GPU, POOL};
+use super::testing::{buffer, every_message, vmm_buffer, GPU, POOL};
 use super::*;
 use crate::wire;
 
@@ -65,16 +65,31 @@ fn header_layout_is_as_specified() {
         capabilities: Capabilities::VMM,
     }));
     assert_eq!(&welcome[HEADER_LEN..HEADER_LEN + 16], &GPU.0);
-    assert_eq!(&welcome[HEADER_LEN + 16..], &POOL.0);
+    assert_eq!(&welcome[HEADER_LEN + 16..HEADER_LEN + 32], &POOL.0);
+    assert_eq!(&welcome[HEADER_LEN + 32..], &1u64.to_le_bytes(), "capabilities: VMM");
+    // Without capabilities, Welcome and Ready keep their version-1 layout.
+    let plain = frame(&Message::Ready(Ready {
+        device_uuid: GPU,
+        capabilities: Capabilities::NONE,
+    }));
+    assert_eq!(plain.len(), HEADER_LEN + 16);
+    let vmm = frame(&Message::VmmBuffer(vmm_buffer(3)));
+    assert_eq!(vmm.len(), HEADER_LEN + 96);
+    assert_eq!(&vmm[6..8], &32u16.to_le_bytes(), "type VmmBuffer");
+    assert_eq!(&vmm[HEADER_LEN..HEADER_LEN + 8], &3u64.to_le_bytes(), "buffer id");
+    assert_eq!(&vmm[HEADER_LEN + 8..HEADER_LEN + 16], &(4u64 << 20).to_le_bytes(), "size");
+    assert_eq!(&vmm[HEADER_LEN + 16..HEADER_LEN + 24], &(2u64 << 20).to_le_bytes(), "granularity");
+    assert_eq!(&vmm[HEADER_LEN + 24..HEADER_LEN + 32], &[1, 0, 0, 0, 1, 0, 0, 0], "flags, handle type");
+    assert_eq!(&vmm[HEADER_LEN + 32..], &[0xd3; 64], "ready event");
 }
 
 #[test]
 fn message_types_have_stable_codes_and_descriptor_counts() {
     let codes: Vec<u16> = MessageType::ALL.iter().map(|t| t.to_wire()).collect();
-    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 32]);
     for t in MessageType::ALL {
         assert_eq!(MessageType::from_wire(t.to_wire()), Some(t));
-        let fds = if t == MessageType::PoolDescriptor { 1 } else { 0 };
+        let fds = if matches!(t, MessageType::PoolDescriptor | MessageType::VmmBuffer) { 1 } else { 0 };
         assert_eq!(t.descriptor_count(), fds, "{t}");
     }
     assert_eq!(MessageType::from_wire(0), None);

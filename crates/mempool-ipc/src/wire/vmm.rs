@@ -16,7 +16,8 @@
 //! Capabilities are a `u64` of bits at the end of `Welcome` (what the exporter offers) and of
 //! `Ready` (what the importer accepts, a subset of the offer). Unknown bits of an offer are
 //! ignored, not refused: that is what lets features be added one bit at a time. Frames without
-//! the field (the version-1 lengths) offer and accept nothing.
+//! the field (the version-1 lengths) offer and accept nothing; no capabilities are always sent
+//! that way (a field of 0 is refused, so every message has one encoding).
 
 use std::fmt;
 
@@ -149,13 +150,25 @@ pub(super) fn encode_vmm_buffer(b: &VmmBufferDescriptor, out: &mut Vec<u8>) {
     out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
 }
 
+/// Appends the capabilities field: nothing for none, so that such a frame is a version-1 frame.
+pub(super) fn encode_capabilities(c: Capabilities, out: &mut Vec<u8>) {
+    if c != Capabilities::NONE {
+        out.extend_from_slice(&c.0.to_le_bytes());
+    }
+}
+
 /// Reads the capabilities at the end of a `Welcome` or `Ready` body of `len` bytes, whose
 /// version-1 length is `short` (no capabilities) and whose full length is `short + 8`.
 pub(super) fn decode_capabilities(r: &mut Reader<'_>, message: &str, short: usize, len: usize) -> Result<Capabilities> {
     if len == short {
         Ok(Capabilities::NONE)
     } else if len == short + 8 {
-        Ok(Capabilities(r.u64()?))
+        match r.u64()? {
+            0 => Err(ProtocolError::Violation {
+                reason: format!("{message}: a capabilities field of 0 (no capabilities are sent as no field)"),
+            }),
+            bits => Ok(Capabilities(bits)),
+        }
     } else {
         Err(ProtocolError::Violation {
             reason: format!(
@@ -163,5 +176,124 @@ pub(super) fn decode_capabilities(r: &mut Reader<'_>, message: &str, short: usiz
                 short + 8
             ),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{vmm_buffer, GPU, POOL};
+    use super::super::{decode, encode, Message, MessageType, Ready, Welcome, HEADER_LEN};
+    use super::*;
+
+    fn reason(frame: &[u8]) -> String {
+        match decode(frame) {
+            Err(ProtocolError::Violation { reason }) => reason,
+            other => panic!("expected a protocol violation, got {other:?}"),
+        }
+    }
+
+    /// The frame of `vmm_buffer(5)` with `bytes` written at body offset `at`.
+    fn patched(at: usize, bytes: &[u8]) -> Vec<u8> {
+        let mut frame = encode(&Message::VmmBuffer(vmm_buffer(5))).unwrap();
+        frame[HEADER_LEN + at..HEADER_LEN + at + bytes.len()].copy_from_slice(bytes);
+        frame
+    }
+
+    #[test]
+    fn hostile_vmm_buffers_are_refused_with_exact_reasons() {
+        let cases: [(usize, Vec<u8>, &str); 8] = [
+            (8, 0u64.to_le_bytes().to_vec(), "VmmBuffer #5: size is 0"),
+            (
+                8,
+                (5u64 << 20).to_le_bytes().to_vec(),
+                "VmmBuffer #5: size 5242880 is not a multiple of the granularity 2097152",
+            ),
+            (16, 0u64.to_le_bytes().to_vec(), "VmmBuffer #5: granularity 0 is not a power of two"),
+            (
+                16,
+                (3u64 << 20).to_le_bytes().to_vec(),
+                "VmmBuffer #5: granularity 3145728 is not a power of two",
+            ),
+            (24, 3u32.to_le_bytes().to_vec(), "VmmBuffer: unknown flag bits 0x3"),
+            (
+                28,
+                2u32.to_le_bytes().to_vec(),
+                "VmmBuffer: handle type 2 is not supported (only 1, a POSIX file descriptor)",
+            ),
+            (
+                28,
+                0u32.to_le_bytes().to_vec(),
+                "VmmBuffer: handle type 0 is not supported (only 1, a POSIX file descriptor)",
+            ),
+            (24, 0u32.to_le_bytes().to_vec(), "VmmBuffer: event handle bytes without the ready-event flag"),
+        ];
+        for (at, bytes, want) in cases {
+            assert_eq!(reason(&patched(at, &bytes)), want);
+        }
+        // Encoding refuses the same descriptors.
+        let bad = VmmBufferDescriptor {
+            size: 1 << 20,
+            ..vmm_buffer(5)
+        };
+        assert!(matches!(encode(&Message::VmmBuffer(bad)), Err(ProtocolError::Violation { .. })));
+    }
+
+    #[test]
+    fn vmm_buffer_body_length_is_exact() {
+        let frame = encode(&Message::VmmBuffer(vmm_buffer(5))).unwrap();
+        let mut long = frame.clone();
+        long.push(0);
+        long[8..12].copy_from_slice(&97u32.to_le_bytes());
+        assert_eq!(
+            decode(&long),
+            Err(ProtocolError::BodyLength {
+                message: MessageType::VmmBuffer,
+                min: 96,
+                max: 96,
+                got: 97
+            })
+        );
+        let mut short = frame[..frame.len() - 1].to_vec();
+        short[8..12].copy_from_slice(&95u32.to_le_bytes());
+        assert!(matches!(decode(&short), Err(ProtocolError::BodyLength { got: 95, .. })));
+    }
+
+    #[test]
+    fn capabilities_are_optional_and_never_zero_on_the_wire() {
+        // Version-1 frames (no field) decode as no capabilities.
+        let ready = encode(&Message::Ready(Ready {
+            device_uuid: GPU,
+            capabilities: Capabilities::NONE,
+        }))
+        .unwrap();
+        assert_eq!(ready.len(), HEADER_LEN + 16);
+        // A field of 0 is refused: no capabilities are sent as no field.
+        let mut zero = ready.clone();
+        zero.extend_from_slice(&[0; 8]);
+        zero[8..12].copy_from_slice(&24u32.to_le_bytes());
+        assert_eq!(
+            reason(&zero),
+            "Ready: a capabilities field of 0 (no capabilities are sent as no field)"
+        );
+        // A length between the two forms is refused.
+        let mut odd = ready.clone();
+        odd.extend_from_slice(&[1; 4]);
+        odd[8..12].copy_from_slice(&20u32.to_le_bytes());
+        assert_eq!(
+            reason(&odd),
+            "Ready: a body of 20 bytes (allowed: 16, or 24 with capabilities)"
+        );
+        // Bits this build does not know survive decoding (the handshake decides what they mean).
+        let offer = Message::Welcome(Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+            capabilities: Capabilities(1 << 63 | 1),
+        });
+        assert_eq!(decode(&encode(&offer).unwrap()).unwrap(), offer);
+        assert!(Capabilities(1 << 63 | 1).contains(Capabilities::VMM));
+        assert_eq!(
+            Capabilities(1 << 63 | 1).intersection(Capabilities::KNOWN),
+            Capabilities::VMM
+        );
     }
 }

@@ -1,0 +1,189 @@
+//! The VMM additions to the conversation, over real sockets without a GPU: capabilities in the
+//! handshake, `VmmBuffer` with its descriptor (a memfd stands in for the allocation's), and what
+//! a hostile exporter or importer can do with them.
+
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::thread;
+
+use super::{ExporterEvent, ExporterSession, ImporterSession, PoolAnnouncement};
+use crate::conn::{short_config, Connection};
+use crate::error::{Error, Result};
+use crate::fdpass;
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
+use crate::wire::testing::{expect_error_then_eof, read_frame, vmm_buffer, GPU, POOL};
+use crate::wire::{self, Capabilities, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, Ready};
+
+const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
+    device_uuid: GPU,
+    pool_id: POOL,
+};
+
+fn find_gpu(uuid: &wire::DeviceUuid) -> Result<u32> {
+    if *uuid == GPU {
+        Ok(0)
+    } else {
+        Err(Error::DeviceNotVisible { uuid: *uuid })
+    }
+}
+
+fn pair(wanted: Capabilities, pool: &OwnedFd) -> (ExporterSession, ImporterSession) {
+    let (e, i) = Connection::pair(short_config()).unwrap();
+    let importer = thread::spawn(move || ImporterSession::handshake_with(i, wanted, find_gpu));
+    let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
+    let (importer, _) = importer.join().unwrap().unwrap();
+    (exporter, importer)
+}
+
+#[test]
+fn an_importer_that_accepts_vmm_receives_the_allocation_with_its_descriptor() {
+    let pool = memfd_with(&unique_name("vmm-pool"), b"pool");
+    let (exporter, importer) = pair(Capabilities::VMM, &pool);
+    assert_eq!(importer.accepted(), Capabilities::VMM);
+    let name = unique_name("vmm-alloc");
+    let alloc = memfd_with(&name, b"physical allocation");
+    exporter
+        .conn
+        .send(&Message::VmmBuffer(vmm_buffer(4)), &[alloc.as_fd()])
+        .unwrap();
+    drop(alloc);
+    match importer.recv().unwrap() {
+        ExporterEvent::VmmBuffer(d, fd) => {
+            assert_eq!(d, vmm_buffer(4));
+            assert!(is_cloexec(&fd));
+            assert_eq!(read_all(fd), b"physical allocation");
+        }
+        other => panic!("expected a VmmBuffer, got {other:?}"),
+    }
+    assert_eq!(open_fds_named(&name), 0, "the descriptor is closed once read");
+}
+
+#[test]
+fn an_importer_that_did_not_accept_vmm_refuses_a_vmm_buffer_and_closes_its_descriptor() {
+    let pool = memfd_with(&unique_name("novmm-pool"), b"pool");
+    let (exporter, importer) = pair(Capabilities::NONE, &pool);
+    assert_eq!(importer.accepted(), Capabilities::NONE);
+    let name = unique_name("novmm-alloc");
+    let alloc = memfd_with(&name, b"x");
+    exporter
+        .conn
+        .send(&Message::VmmBuffer(vmm_buffer(1)), &[alloc.as_fd()])
+        .unwrap();
+    drop(alloc);
+    let err = importer.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                got: MessageType::VmmBuffer,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(open_fds_named(&name), 0, "the unwanted descriptor is not kept");
+    let err = exporter.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Remote {
+                code: ErrorCode::Protocol,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+/// An importer whose raw exporter peer completes the handshake offering VMM, then sends `frame`
+/// with `fds`; returns what the importer's `recv` says.
+fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEvent> {
+    let (i, mut raw) = UnixStream::pair().unwrap();
+    let importer = thread::spawn(move || {
+        let (session, _) = ImporterSession::handshake_with(Connection::new(i, short_config()), Capabilities::VMM, find_gpu)?;
+        session.recv()
+    });
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
+    let welcome = wire::encode(&Message::Welcome(wire::Welcome {
+        device_uuid: GPU,
+        pool_id: POOL,
+        capabilities: Capabilities::VMM,
+    }))
+    .unwrap();
+    raw.write_all(&welcome).unwrap();
+    assert_eq!(
+        read_frame(&mut raw).unwrap(),
+        Message::Ready(Ready {
+            device_uuid: GPU,
+            capabilities: Capabilities::VMM,
+        })
+    );
+    let pool = memfd_with(&unique_name("raw-pool"), b"pool");
+    let descriptor = wire::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
+    fdpass::send_with_fds(&raw, &descriptor, &[pool.as_fd()]).unwrap();
+    let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+    fdpass::send_with_fds(&raw, frame, &borrowed).unwrap();
+    let got = importer.join().unwrap();
+    drop(raw);
+    got
+}
+
+#[test]
+fn a_vmm_buffer_without_its_descriptor_or_with_two_is_refused() {
+    let frame = wire::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
+    let name = unique_name("vmm-count");
+    let a = memfd_with(&name, b"a");
+    let b = memfd_with(&name, b"b");
+    for (fds, got) in [(vec![], 0), (vec![&a, &b], 2)] {
+        let err = importer_receiving_raw(&frame, &fds).unwrap_err();
+        assert!(
+            matches!(err, Error::DescriptorCount { expected: 1, got: g } if g == got),
+            "{} descriptors: {err}",
+            fds.len()
+        );
+    }
+    drop((a, b));
+    assert_eq!(open_fds_named(&name), 0, "descriptors of refused frames are closed");
+}
+
+#[test]
+fn a_malformed_vmm_buffer_is_refused_with_the_reason_and_its_descriptor_closed() {
+    let name = unique_name("vmm-malformed");
+    let alloc = memfd_with(&name, b"x");
+    let mut frame = wire::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
+    // Size 3 MiB with a granularity of 2 MiB.
+    frame[wire::HEADER_LEN + 8..wire::HEADER_LEN + 16].copy_from_slice(&(3u64 << 20).to_le_bytes());
+    let err = importer_receiving_raw(&frame, &[&alloc]).unwrap_err();
+    match err {
+        Error::Protocol(ProtocolError::Violation { reason }) => assert_eq!(
+            reason,
+            "VmmBuffer #2: size 3145728 is not a multiple of the granularity 2097152"
+        ),
+        other => panic!("{other}"),
+    }
+    drop(alloc);
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn an_importer_accepting_capabilities_it_was_not_offered_is_refused() {
+    let pool = memfd_with(&unique_name("caps"), b"x");
+    let (e, mut raw) = UnixStream::pair().unwrap();
+    raw.write_all(&wire::encode(&Message::Hello).unwrap()).unwrap();
+    let exporter =
+        thread::spawn(move || ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()));
+    match read_frame(&mut raw).unwrap() {
+        Message::Welcome(w) => assert_eq!(w.capabilities, Capabilities::KNOWN),
+        other => panic!("expected Welcome, got {other:?}"),
+    }
+    let ready = Message::Ready(Ready {
+        device_uuid: GPU,
+        capabilities: Capabilities(Capabilities::KNOWN.0 | 1 << 40),
+    });
+    raw.write_all(&wire::encode(&ready).unwrap()).unwrap();
+    let err = exporter.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("more than the offered"), "{err}");
+    let told = expect_error_then_eof(&mut raw);
+    assert_eq!(told.code, ErrorCode::Protocol);
+}
