@@ -20,11 +20,14 @@ use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
-use crate::wire::{BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, MessageType, PoolId, ProtocolError};
+use crate::wire::{
+    BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError,
+};
 
 mod vmm;
 
 pub use self::vmm::SharedVmm;
+use self::vmm::VmmHost;
 
 /// How an [`Importer`] connects.
 #[derive(Clone, Debug, Default)]
@@ -243,7 +246,8 @@ impl Importer {
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
             Ok(ExporterEvent::VmmBuffer(descriptor, fd)) => {
-                return vmm::receive(inner, descriptor, fd, stream).map(Received::Vmm)
+                let host: Arc<dyn VmmHost> = inner.clone();
+                return vmm::receive(host, descriptor, fd, stream).map(Received::Vmm);
             }
             Ok(ExporterEvent::Goodbye) => return Err(Error::ExporterGone { how: "said Goodbye" }),
             Err(Error::Closed) => {
@@ -401,6 +405,43 @@ impl Inner {
             Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+}
+
+impl VmmHost for Inner {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(self.ctx.synchronize()?)
+    }
+
+    fn hold(&self, id: BufferId) -> bool {
+        self.lock().vmm.insert(id)
+    }
+
+    fn forget(&self, id: BufferId) {
+        self.lock().vmm.remove(&id);
+    }
+
+    fn wait_event(&self, handle: &EventHandle, stream: StreamRef<'_>) -> Result<()> {
+        let mut state = self.lock();
+        let event = match state.events.entry(handle.0) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?)
+            }
+        };
+        Ok(stream.wait(event)?)
+    }
+
+    fn send_release(&self, id: BufferId) -> Result<()> {
+        self.session.release(id)
+    }
+
+    fn reject(&self, err: Error) -> Error {
+        self.session.reject(err)
     }
 }
 

@@ -144,10 +144,13 @@ impl ExporterHandshake {
                 }
                 .into())
             }
-            (HandshakeStep::AwaitReady, Message::Ready(Ready {
-                device_uuid,
-                capabilities,
-            })) if device_uuid == a.device_uuid => {
+            (
+                HandshakeStep::AwaitReady,
+                Message::Ready(Ready {
+                    device_uuid,
+                    capabilities,
+                }),
+            ) if device_uuid == a.device_uuid => {
                 self.step = HandshakeStep::Done;
                 self.accepted = capabilities;
                 Ok(Message::PoolDescriptor(PoolDescriptor { pool_id: a.pool_id }))

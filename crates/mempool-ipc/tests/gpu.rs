@@ -28,6 +28,10 @@ const MIB: usize = 1 << 20;
 /// The tests assert on process-wide things (drop errors, the GPU's memory): one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
+// VMM sharing, with the helpers below.
+#[path = "vmm_ipc/mod.rs"]
+mod vmm_ipc;
+
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use mempool_core::{DeviceAddr, MemPool, Stream, StreamRef};
 
 pub use self::buffers::ExportedBuffer;
-pub use self::vmm::ExportedVmm;
 use self::state::{Inner, PoolSource, Projected, State};
+pub use self::vmm::ExportedVmm;
 use crate::cred::PeerCredentials;
 use crate::error::{take_drop_errors, Error, Result};
 use crate::lease::ImporterId;

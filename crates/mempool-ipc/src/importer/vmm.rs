@@ -7,13 +7,31 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use mempool_core::{
-    Access, AllocationProps, BufferView, DeviceAddr, Event, Granularity, HandleTypes, IpcEventHandle, Mapping,
-    PhysicalAllocation, Reservation, StreamRef,
+    Access, AllocationProps, BufferView, Device, DeviceAddr, Granularity, HandleTypes, Mapping, PhysicalAllocation,
+    Reservation, StreamRef,
 };
 
-use super::Inner;
 use crate::error::{record_drop_error, Error, Result};
-use crate::wire::{BufferId, ProtocolError, VmmBufferDescriptor};
+use crate::wire::{BufferId, EventHandle, ProtocolError, VmmBufferDescriptor};
+
+/// What a [`SharedVmm`] needs of the importer that received it (the importer's `Inner`
+/// implements it; this module does not import the importer's).
+pub(super) trait VmmHost: Send + Sync {
+    /// The importer's device.
+    fn device(&self) -> Device;
+    /// Waits for the work of the importer's context.
+    fn synchronize(&self) -> Result<()>;
+    /// Records `id` as held; `false` if it was held already.
+    fn hold(&self, id: BufferId) -> bool;
+    /// Forgets `id`.
+    fn forget(&self, id: BufferId);
+    /// Makes `stream` wait on the exporter's interprocess event `handle`.
+    fn wait_event(&self, handle: &EventHandle, stream: StreamRef<'_>) -> Result<()>;
+    /// Sends `Release` for `id`.
+    fn send_release(&self, id: BufferId) -> Result<()>;
+    /// Tells the exporter about `err`, closes the connection, and returns `err`.
+    fn reject(&self, err: Error) -> Error;
+}
 
 /// A VMM physical allocation received from the exporter ([`Importer::recv_any`](crate::Importer::recv_any)),
 /// mapped into a reservation of this process with read-write access for the importer's device.
@@ -24,7 +42,7 @@ use crate::wire::{BufferId, ProtocolError, VmmBufferDescriptor};
 /// the reservation, and only then sends `Release`. After the exporter is gone, dropping it still
 /// unmaps and releases; the release then has nowhere to go and is skipped.
 pub struct SharedVmm {
-    inner: Arc<Inner>,
+    host: Arc<dyn VmmHost>,
     id: BufferId,
     /// `None` once released.
     mapping: Option<Mapping>,
@@ -66,7 +84,9 @@ impl SharedVmm {
     /// The mapping in this process (its physical allocation, reservation and access).
     pub fn mapping(&self) -> &Mapping {
         // Only `release_once` takes it, which consumes or drops `self`.
-        self.mapping.as_ref().expect("a SharedVmm holds its mapping until released")
+        self.mapping
+            .as_ref()
+            .expect("a SharedVmm holds its mapping until released")
     }
 
     /// A view of the bytes for host copies and fills ordered on `stream` (a stream of the
@@ -86,11 +106,11 @@ impl SharedVmm {
         };
         // Unmapping waits for the device too, but reports failures only as drop errors: wait
         // here first so that `release` returns them.
-        let synced = self.inner.ctx.synchronize();
+        let synced = self.host.synchronize();
         drop(mapping); // unmaps, releases this process's handle and the reservation
-        self.inner.lock().vmm.remove(&self.id);
+        self.host.forget(self.id);
         synced?;
-        match self.inner.session.release(self.id) {
+        match self.host.send_release(self.id) {
             Ok(()) => Ok(()),
             // The exporter is gone (or said Goodbye and closed): nobody to tell.
             Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
@@ -112,20 +132,20 @@ impl Drop for SharedVmm {
 /// event. On failure the buffer is not held: `Release` is sent at once (except for a buffer id
 /// already held, which ends the connection instead: releasing it would release the other).
 pub(super) fn receive(
-    inner: &Arc<Inner>,
+    host: Arc<dyn VmmHost>,
     d: VmmBufferDescriptor,
     fd: OwnedFd,
     stream: StreamRef<'_>,
 ) -> Result<SharedVmm> {
     let id = d.buffer_id;
-    if !inner.lock().vmm.insert(id) {
+    if !host.hold(id) {
         let err = ProtocolError::Violation {
             reason: format!("VmmBuffer {id}: this importer already holds a buffer with that id"),
         };
-        return Err(inner.session.reject(err.into()));
+        return Err(host.reject(err.into()));
     }
     let mapped = (|| -> Result<Mapping> {
-        let device = inner.device;
+        let device = host.device();
         let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
         let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
         if d.granularity != granularity as u64 {
@@ -145,29 +165,22 @@ pub(super) fn receive(
         let mapping = Mapping::without_access(&reservation, 0, Arc::new(physical))?;
         mapping.set_access(&[(device, Access::ReadWrite)])?;
         if let Some(handle) = d.ready_event {
-            let mut state = inner.lock();
-            let event = match state.events.entry(handle.0) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
-                }
-            };
-            stream.wait(event)?;
+            host.wait_event(&handle, stream)?;
         }
         Ok(mapping)
     })();
     match mapped {
         Ok(mapping) => Ok(SharedVmm {
-            inner: inner.clone(),
+            host,
             id,
             addr: mapping.addr(),
             len: mapping.len(),
             mapping: Some(mapping),
         }),
         Err(e) => {
-            inner.lock().vmm.remove(&id);
+            host.forget(id);
             // Not held: tell the exporter so it does not wait for this buffer.
-            let _ = inner.session.release(id);
+            let _ = host.send_release(id);
             Err(e)
         }
     }

@@ -81,7 +81,7 @@ pub(crate) struct Shared {
     pub(crate) outboxes: Mutex<Outboxes>,
     pub(crate) control: Mutex<Control>,
     pub(crate) stats: Mutex<ServerStats>,
-    /// What each connected importer accepted in its handshake (`wire::vmm`).
+    /// What each connected importer accepted in its handshake ([`Capabilities`]).
     pub(crate) capabilities: Mutex<HashMap<ImporterId, Capabilities>>,
     wake: OwnedFd,
 }

@@ -18,8 +18,8 @@ use crate::listener::Listener;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
 use crate::wire::{
-    Capabilities,
-    self, BufferId, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, ProtocolError, Ready, Welcome,
+    self, BufferId, Capabilities, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, ProtocolError,
+    Ready, Welcome,
 };
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
@@ -122,10 +122,13 @@ fn exporter_rejects_an_importer_on_another_gpu() {
             capabilities: Capabilities::KNOWN,
         })
     );
-    send_raw(&mut raw, &Message::Ready(Ready {
+    send_raw(
+        &mut raw,
+        &Message::Ready(Ready {
             device_uuid: OTHER_GPU,
             capabilities: Capabilities::NONE,
-        }));
+        }),
+    );
     let err = exporter.join().unwrap().unwrap_err();
     assert!(
         matches!(err, Error::WrongDevice { expected_uuid, got } if expected_uuid == GPU && got == OTHER_GPU),

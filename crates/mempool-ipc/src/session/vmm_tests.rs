@@ -101,7 +101,8 @@ fn an_importer_that_did_not_accept_vmm_refuses_a_vmm_buffer_and_closes_its_descr
 fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEvent> {
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer = thread::spawn(move || {
-        let (session, _) = ImporterSession::handshake_with(Connection::new(i, short_config()), Capabilities::VMM, find_gpu)?;
+        let (session, _) =
+            ImporterSession::handshake_with(Connection::new(i, short_config()), Capabilities::VMM, find_gpu)?;
         session.recv()
     });
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
@@ -171,8 +172,9 @@ fn an_importer_accepting_capabilities_it_was_not_offered_is_refused() {
     let pool = memfd_with(&unique_name("caps"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
     raw.write_all(&wire::encode(&Message::Hello).unwrap()).unwrap();
-    let exporter =
-        thread::spawn(move || ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()));
+    let exporter = thread::spawn(move || {
+        ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd())
+    });
     match read_frame(&mut raw).unwrap() {
         Message::Welcome(w) => assert_eq!(w.capabilities, Capabilities::KNOWN),
         other => panic!("expected Welcome, got {other:?}"),

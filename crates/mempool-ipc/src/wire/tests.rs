@@ -77,9 +77,21 @@ fn header_layout_is_as_specified() {
     assert_eq!(vmm.len(), HEADER_LEN + 96);
     assert_eq!(&vmm[6..8], &32u16.to_le_bytes(), "type VmmBuffer");
     assert_eq!(&vmm[HEADER_LEN..HEADER_LEN + 8], &3u64.to_le_bytes(), "buffer id");
-    assert_eq!(&vmm[HEADER_LEN + 8..HEADER_LEN + 16], &(4u64 << 20).to_le_bytes(), "size");
-    assert_eq!(&vmm[HEADER_LEN + 16..HEADER_LEN + 24], &(2u64 << 20).to_le_bytes(), "granularity");
-    assert_eq!(&vmm[HEADER_LEN + 24..HEADER_LEN + 32], &[1, 0, 0, 0, 1, 0, 0, 0], "flags, handle type");
+    assert_eq!(
+        &vmm[HEADER_LEN + 8..HEADER_LEN + 16],
+        &(4u64 << 20).to_le_bytes(),
+        "size"
+    );
+    assert_eq!(
+        &vmm[HEADER_LEN + 16..HEADER_LEN + 24],
+        &(2u64 << 20).to_le_bytes(),
+        "granularity"
+    );
+    assert_eq!(
+        &vmm[HEADER_LEN + 24..HEADER_LEN + 32],
+        &[1, 0, 0, 0, 1, 0, 0, 0],
+        "flags, handle type"
+    );
     assert_eq!(&vmm[HEADER_LEN + 32..], &[0xd3; 64], "ready event");
 }
 
@@ -89,7 +101,11 @@ fn message_types_have_stable_codes_and_descriptor_counts() {
     assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 32]);
     for t in MessageType::ALL {
         assert_eq!(MessageType::from_wire(t.to_wire()), Some(t));
-        let fds = if matches!(t, MessageType::PoolDescriptor | MessageType::VmmBuffer) { 1 } else { 0 };
+        let fds = if matches!(t, MessageType::PoolDescriptor | MessageType::VmmBuffer) {
+            1
+        } else {
+            0
+        };
         assert_eq!(t.descriptor_count(), fds, "{t}");
     }
     assert_eq!(MessageType::from_wire(0), None);
@@ -358,10 +374,13 @@ fn all_zero_identities_are_rejected() {
     let cases = [
         (welcome.clone(), 0..16),
         (welcome, 16..32),
-        (Message::Ready(Ready {
-            device_uuid: GPU,
-            capabilities: Capabilities::NONE,
-        }), 0..16),
+        (
+            Message::Ready(Ready {
+                device_uuid: GPU,
+                capabilities: Capabilities::NONE,
+            }),
+            0..16,
+        ),
         (Message::PoolDescriptor(PoolDescriptor { pool_id: POOL }), 0..16),
     ];
     for (message, field) in cases {
@@ -412,9 +431,15 @@ fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         Just(Message::Hello),
         Just(Message::Goodbye),
-        (uuid.clone(), pool.clone())
-            .prop_map(|(device_uuid, pool_id)| Message::Welcome(Welcome { device_uuid, pool_id, capabilities: Capabilities::VMM })),
-        uuid.prop_map(|device_uuid| Message::Ready(Ready { device_uuid, capabilities: Capabilities::NONE })),
+        (uuid.clone(), pool.clone()).prop_map(|(device_uuid, pool_id)| Message::Welcome(Welcome {
+            device_uuid,
+            pool_id,
+            capabilities: Capabilities::VMM
+        })),
+        uuid.prop_map(|device_uuid| Message::Ready(Ready {
+            device_uuid,
+            capabilities: Capabilities::NONE
+        })),
         pool.prop_map(|pool_id| Message::PoolDescriptor(PoolDescriptor { pool_id })),
         buffer.prop_map(Message::Buffer),
         any::<u64>().prop_map(|id| Message::Release {
