@@ -985,7 +985,7 @@ pub(crate) fn check_vmm_buffer(b: &VmmBufferDescriptor) -> Result<()> {
     if b.size == 0 {
         return Err(protocol(format!("VmmBuffer {id}: size is 0")));
     }
-    if b.size % b.granularity != 0 {
+    if !b.size.is_multiple_of(b.granularity) {
         return Err(protocol(format!(
             "VmmBuffer {id}: size {} is not a multiple of the granularity {}",
             b.size, b.granularity
