@@ -926,8 +926,9 @@ pub(crate) struct Capabilities(pub(crate) u64);
 impl Capabilities {
     /// Nothing beyond the version-1 protocol.
     pub(crate) const NONE: Capabilities = Capabilities(0);
-    /// Bit 0: VMM physical allocations travel as `VmmBuffer` messages.
-    pub(crate) const VMM: Capabilities = Capabilities(1);
+    /// Bit 1: VMM physical allocations travel as `VmmBuffer` messages. (Bit 0 is left to the
+    /// fast release path being added beside this.)
+    pub(crate) const VMM: Capabilities = Capabilities(1 << 1);
     /// Every capability this build knows.
     pub(crate) const KNOWN: Capabilities = Capabilities(Capabilities::VMM.0);
 

@@ -66,7 +66,7 @@ fn header_layout_is_as_specified() {
     }));
     assert_eq!(&welcome[HEADER_LEN..HEADER_LEN + 16], &GPU.0);
     assert_eq!(&welcome[HEADER_LEN + 16..HEADER_LEN + 32], &POOL.0);
-    assert_eq!(&welcome[HEADER_LEN + 32..], &1u64.to_le_bytes(), "capabilities: VMM");
+    assert_eq!(&welcome[HEADER_LEN + 32..], &2u64.to_le_bytes(), "capabilities: VMM");
     // Without capabilities, Welcome and Ready keep their version-1 layout.
     let plain = frame(&Message::Ready(Ready {
         device_uuid: GPU,

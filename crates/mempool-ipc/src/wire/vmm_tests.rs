@@ -116,12 +116,12 @@ fn capabilities_are_optional_and_never_zero_on_the_wire() {
     let offer = Message::Welcome(Welcome {
         device_uuid: GPU,
         pool_id: POOL,
-        capabilities: Capabilities(1 << 63 | 1),
+        capabilities: Capabilities(1 << 63 | 1 << 1),
     });
     assert_eq!(decode(&encode(&offer).unwrap()).unwrap(), offer);
-    assert!(Capabilities(1 << 63 | 1).contains(Capabilities::VMM));
+    assert!(Capabilities(1 << 63 | 1 << 1).contains(Capabilities::VMM));
     assert_eq!(
-        Capabilities(1 << 63 | 1).intersection(Capabilities::KNOWN),
+        Capabilities(1 << 63 | 1 << 1).intersection(Capabilities::KNOWN),
         Capabilities::VMM
     );
 }
