@@ -1056,7 +1056,8 @@ fn stalled_importer_does_not_delay_shares_to_another_by_more_than_10ms() {
         "{errors:?}"
     );
     reader.join().unwrap();
-    drop((rx, stream));
+    // The stalled child's stdin and stdout pipes are the test's, not the exporter's: closed before the count.
+    drop((rx, stream, stalled));
     assert_back_to_baseline("exporter", baseline, &pool, &ctx, used);
     no_drop_errors("exporter");
 }
