@@ -339,8 +339,8 @@ impl PyExporter {
 
     /// The socket path importers connect to (what to send to another process).
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> String {
+        self.path.to_string_lossy().into_owned()
     }
 
     /// The ordinal of the device the pool is on.
@@ -685,8 +685,8 @@ impl PyImporter {
 
     /// The socket path connected to.
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> String {
+        self.path.to_string_lossy().into_owned()
     }
 
     /// The ordinal, in this process, of the device with the exporter's GPU.
