@@ -323,7 +323,16 @@ impl DeviceBuffer {
     ) -> PyResult<Py<PyAny>> {
         let view = slf.get().raw_view();
         let owner = slf.clone().into_any().unbind();
-        dlpack(slf.py(), "mempool.DeviceBuffer", view, owner, stream, max_version, dl_device, copy)
+        dlpack(
+            slf.py(),
+            "mempool.DeviceBuffer",
+            view,
+            owner,
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 }
 

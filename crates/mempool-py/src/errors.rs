@@ -73,7 +73,12 @@ fn ipc_class_name(e: &mempool_ipc::Error) -> &'static str {
             "PeerGoneError"
         }
         E::UnknownImporter { .. } => "PeerGoneError",
-        E::Io(io) if matches!(io.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) => {
+        E::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
             "PeerGoneError"
         }
         E::WrongDevice { .. } | E::DeviceNotVisible { .. } => "NoDeviceError",

@@ -434,7 +434,12 @@ impl PyExporter {
     /// Waits until at least `count` importers are connected and returns them all (as `importers()`);
     /// `IpcTimeoutError` after `timeout` seconds.
     #[pyo3(signature = (count = 1, timeout = 30.0))]
-    fn wait_for_importers<'py>(&self, py: Python<'py>, count: usize, timeout: f64) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fn wait_for_importers<'py>(
+        &self,
+        py: Python<'py>,
+        count: usize,
+        timeout: f64,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let timeout = seconds("timeout", timeout, true)?;
         let exporter = self.handle()?;
         let infos = py
@@ -614,7 +619,16 @@ impl PyExportedBuffer {
     ) -> PyResult<Py<PyAny>> {
         let view = slf.get().view;
         let owner = slf.clone().into_any().unbind();
-        dlpack(slf.py(), "mempool.ipc.ExportedBuffer", view, owner, stream, max_version, dl_device, copy)
+        dlpack(
+            slf.py(),
+            "mempool.ipc.ExportedBuffer",
+            view,
+            owner,
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
     fn __reduce__(&self) -> PyResult<()> {
         Err(no_pickle("ExportedBuffer"))
@@ -886,7 +900,16 @@ impl PyImportedBuffer {
     ) -> PyResult<Py<PyAny>> {
         let view = slf.get().view;
         let owner = slf.clone().into_any().unbind();
-        dlpack(slf.py(), "mempool.ipc.ImportedBuffer", view, owner, stream, max_version, dl_device, copy)
+        dlpack(
+            slf.py(),
+            "mempool.ipc.ImportedBuffer",
+            view,
+            owner,
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
     fn __reduce__(&self) -> PyResult<()> {
         Err(no_pickle("ImportedBuffer"))
