@@ -4,6 +4,7 @@ that the spawned child can import the functions by name). Each reports through a
 
 import gc
 import os
+import pickle
 import time
 import traceback
 
@@ -109,7 +110,14 @@ def receive_many(path, count, queue):
 
         importer = ipc.Importer(path, timeout=60)
         bufs = [importer.receive(timeout=120) for _ in range(count)]
+        refused = []
+        for obj in (importer, bufs[0]):
+            try:
+                pickle.dumps(obj)
+                refused.append("pickled")
+            except TypeError as e:
+                refused.append(str(e))
         return {"contents": [b.tobytes() for b in bufs], "blocks": importer.imported_blocks,
-                "held": importer.held}
+                "held": importer.held, "pickle_errors": refused}
 
     _report(queue, run)
