@@ -33,10 +33,12 @@
 //! - `server`: the exporter's connections without the GPU: admission within its limits, one
 //!   bounded send queue per importer, the wait for a dead importer's process, all served by one
 //!   `epoll` thread;
-//! - `lease`: which importer holds which buffer, and when a buffer may be freed;
+//! - `lease`: which importer holds which buffer, and when a buffer may be freed; which blocks
+//!   importers keep imported (protocol version 2);
+//! - `batch`: the importer's releases waiting to go out together (protocol version 2);
 //! - `error`: the error types above, and the sink of [`take_drop_errors`].
 //!
-//! Each module imports only modules below it: `wire` imports none, `lease` imports `wire`,
+//! Each module imports only modules below it: `wire` imports none, `lease` and `batch` import `wire`,
 //! `error` imports both, and nothing imports the crate root.
 //!
 //! Linux only (`SCM_RIGHTS` with `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`), like CUDA's pool IPC.
@@ -44,6 +46,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod batch;
 mod conn;
 mod cred;
 mod error;

@@ -21,7 +21,7 @@ use crate::listener::{Listener, ListenerOptions};
 use crate::session::{ExporterEvent, HandshakeStep, ImporterSession, PoolAnnouncement};
 use crate::test_util::{memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, GPU, POOL};
-use crate::wire::{self, BufferId, ErrorCode, Message};
+use crate::wire::{self, BufferId, ErrorCode, Message, ReleaseBatch};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -195,7 +195,7 @@ impl Recorder {
 }
 
 impl Handler for Recorder {
-    fn connected(&self, id: ImporterId, _credentials: PeerCredentials) {
+    fn connected(&self, id: ImporterId, _credentials: PeerCredentials, _capabilities: u64) {
         self.record.lock().unwrap().connected.push(id);
         self.changed.notify_all();
     }
@@ -206,6 +206,13 @@ impl Handler for Recorder {
         }
         self.record.lock().unwrap().released.push((id, buffer));
         self.changed.notify_all();
+        Ok(())
+    }
+
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
+        for buffer in batch.buffers {
+            self.released(id, buffer)?;
+        }
         Ok(())
     }
 
@@ -260,7 +267,7 @@ fn client_config() -> ConnectionConfig {
 
 /// An importer without a GPU: the whole handshake, and the pool's descriptor checked.
 fn importer(path: &Path) -> Result<ImporterSession> {
-    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, |uuid| {
+    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, 0, |uuid| {
         assert_eq!(*uuid, GPU);
         Ok(())
     })?;
@@ -680,7 +687,7 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
                     io_timeout: Duration::from_secs(1),
                     handshake_timeout: Duration::from_secs(1),
                 };
-                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, |_| Ok(())).map(|(s, _)| s)
+                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, 0, |_| Ok(())).map(|(s, _)| s)
             })
         })
         .collect();
