@@ -273,7 +273,10 @@ impl Importer {
         }
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
-            Ok(ExporterEvent::Goodbye) => return Err(Error::ExporterGone { how: "said Goodbye" }),
+            Ok(ExporterEvent::Goodbye) => {
+                inner.exporter_said_goodbye();
+                return Err(Error::ExporterGone { how: "said Goodbye" });
+            }
             Err(Error::Closed) => {
                 return Err(Error::ExporterGone {
                     how: "closed the connection",
@@ -476,6 +479,32 @@ impl Inner {
         }
         self.forget(id, stream)?;
         ignore_gone(self.session.release(id))
+    }
+
+    /// The exporter said `Goodbye` (it shares nothing more). On the fast release path, an importer
+    /// that holds no buffer frees the imports it kept and says `Goodbye` now, so the exporter's
+    /// shutdown can free those blocks instead of waiting for this importer to be dropped.
+    fn exporter_said_goodbye(&self) {
+        if self.pending.is_none() {
+            return;
+        }
+        if let Err(e) = self.flush_releases() {
+            record_drop_error(e);
+        }
+        let kept = {
+            let mut state = self.lock();
+            if !state.table.is_empty() {
+                return;
+            }
+            state.table.drain()
+        };
+        if let Err(e) = self.ctx.synchronize() {
+            record_drop_error(e.into());
+            return;
+        }
+        drop(kept);
+        let deadline = Instant::now() + self.session.io_timeout();
+        let _ = self.session.goodbye_and_wait(deadline);
     }
 
     /// Sends the pending releases (fast release path), in batches.

@@ -578,7 +578,6 @@ impl<H> ImportTable<H> {
     }
 
     /// Whether no buffer is recorded.
-    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }

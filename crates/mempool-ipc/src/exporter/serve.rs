@@ -132,7 +132,9 @@ pub(super) fn shut_down(inner: &Inner) {
     server.begin_shutdown();
     {
         let mut state = inner.lock();
-        while state.leases.importers().next().is_some() {
+        // Importers that keep blocks imported say Goodbye (freeing those imports) once they hold
+        // nothing: wait for that too, so the blocks can be freed rather than abandoned.
+        while state.leases.importers().next().is_some() || state.pins.len() > 0 {
             match inner.wait(state, deadline) {
                 Some(s) => state = s,
                 None => break,

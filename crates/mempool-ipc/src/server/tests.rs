@@ -713,3 +713,64 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
     assert!((1..=30).contains(&pauses), "{pauses} pauses");
     assert_eq!(reported, 1, "{stats}");
 }
+
+/// An importer asking for the fast release path, connected and reported.
+fn connected_fast_importer(f: &Fixture) -> (ImporterSession, ImporterId) {
+    let before = f.handler.connected().len();
+    let (session, _) = ImporterSession::connect(
+        &f.path,
+        client_config(),
+        &AccessPolicy::SameUser,
+        wire::CAP_FAST_RELEASE,
+        |_| Ok(()),
+    )
+    .unwrap();
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
+    (session, f.handler.connected()[before])
+}
+
+#[test]
+fn a_release_batch_from_a_fast_importer_reaches_the_exporter_in_one_go() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_fast_importer(&f);
+    assert_eq!(session.capabilities(), wire::CAP_FAST_RELEASE);
+    for k in 1..=3 {
+        f.server.send(id, &buffer_message(k), Some(BufferId(k))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(k));
+    }
+    session
+        .release_batch(None, vec![BufferId(3), BufferId(1), BufferId(2)])
+        .unwrap();
+    f.handler.wait_for("three releases", |r| r.released.len() == 3);
+    assert_eq!(
+        f.handler.record.lock().unwrap().released,
+        vec![(id, BufferId(3)), (id, BufferId(1)), (id, BufferId(2))]
+    );
+    // A bad id in a batch cuts the importer off like a bad release.
+    session.release_batch(None, vec![BufferId(666)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+}
+
+#[test]
+fn a_release_batch_from_a_version_1_importer_is_refused() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_importer(&f);
+    assert_eq!(session.capabilities(), 0);
+    session.release_batch(None, vec![BufferId(1)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+    let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::Remote {
+                code: ErrorCode::Protocol,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(f.handler.record.lock().unwrap().released.is_empty());
+}
