@@ -14,8 +14,10 @@
 //!   suballocated from a larger allocation, sent as block plus offset) and frees each one only
 //!   when every holder has let go, dead importers included ([`ExporterStats`] counts them).
 //! - [`Importer`] connects ([`ImporterOptions`]), imports the pool once, and receives
-//!   [`SharedBuffer`]s that wait for their last use, free their import and send the release
-//!   when dropped.
+//!   [`SharedBuffer`]s that release themselves when dropped: on the fast release path (protocol
+//!   version 2, the default) by recording an interprocess event and queueing the release for a
+//!   batch, with the imports of suballocated blocks kept for the connection's life; on the
+//!   version-1 path by waiting for their last use, freeing their import and sending the release.
 //! - [`Error`] says what went wrong; it wraps a [`ProtocolError`] for frames that break the
 //!   wire format and a [`LeaseError`] for what the lease bookkeeping refuses. Errors met where
 //!   nobody can be told (in a `Drop`, on the exporter's serving thread) are kept for
