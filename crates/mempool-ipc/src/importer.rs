@@ -100,9 +100,13 @@ struct Inner {
 /// and makes the caller's stream wait on the exporter's event, so work queued on that stream
 /// after `recv` sees the exporter's data.
 ///
-/// Dropping a [`SharedBuffer`] waits for the work queued on its stream, frees the block's import
-/// if it was the block's last buffer here, and only then sends `Release`: the driver's rule that
-/// the importer frees before the exporter does.
+/// On the version-1 path, dropping a [`SharedBuffer`] waits for the work queued on its stream,
+/// frees the block's import if it was the block's last buffer here, and only then sends
+/// `Release`: the driver's rule that the importer frees before the exporter does. On the fast
+/// release path (protocol version 2, asked for by default: [`ImporterOptions::fast_release`]),
+/// blocks of suballocated buffers stay imported for the connection's life (the exporter keeps
+/// them allocated until this importer is gone), and dropping a buffer records this importer's
+/// interprocess event on its stream and queues the release for a batch: it does not wait.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), mempool_ipc::Error> {
