@@ -368,6 +368,9 @@ fn suballocated_parent<R: MemoryResource + 'static>(
         );
     }
     child.succeeds();
+    // The exporter counts the importer gone (and no longer keeping the block) once it has read its
+    // Goodbye: wait for that, or the last buffer would be parked rather than freed.
+    wait_no_importers(&exporter);
     drop(bufs);
     exporter.wait_idle(WAIT).unwrap();
     let stats = exporter.stats();
@@ -462,6 +465,19 @@ fn suballocating_exporter(tag: &str) -> (Arc<AsyncResource>, Arc<PoolResource<Ar
     (upstream, sub, exporter)
 }
 
+/// Waits (bounded) until the exporter has no importer connected.
+fn wait_no_importers(exporter: &Exporter) {
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().importers > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "an importer stays connected: {:?}",
+            exporter.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Allocates `len` bytes from `sub` on `stream` and hands them to the exporter.
 fn adopt_from<'s>(
     exporter: &Exporter,
@@ -487,21 +503,23 @@ fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_ke
     if role().is_some() {
         let (importer, stream, kernels) = connect();
         assert!(importer.fast_release());
-        let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
-        // Hundreds of kernels still queued when the buffer is released: the release must not wait
-        // for them, and the exporter must not touch the memory before they are done.
-        for _ in 0..ORDER_ADDS {
-            // SAFETY: the buffer holds ORDER_LEN / 4 u32s, ordered on `stream`.
-            unsafe { kernels.add(buf.ptr(), ORDER_LEN / 4, 1, stream.as_ref()) }.unwrap();
+        for round in ["RELEASED", "RELEASED-AGAIN"] {
+            let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+            // Hundreds of kernels still queued when the buffer is released: the release must not
+            // wait for them, and the exporter must not touch the memory before they are done.
+            for _ in 0..ORDER_ADDS {
+                // SAFETY: the buffer holds ORDER_LEN / 4 u32s, ordered on `stream`.
+                unsafe { kernels.add(buf.ptr(), ORDER_LEN / 4, 1, stream.as_ref()) }.unwrap();
+            }
+            let t0 = Instant::now();
+            drop(buf);
+            println!(
+                "FINDING: dropping the buffer with {ORDER_ADDS} kernels queued took {:?}",
+                t0.elapsed()
+            );
+            importer.flush_releases().unwrap();
+            tell_parent(round);
         }
-        let t0 = Instant::now();
-        drop(buf);
-        println!(
-            "FINDING: dropping the buffer with {ORDER_ADDS} kernels queued took {:?}",
-            t0.elapsed()
-        );
-        importer.flush_releases().unwrap();
-        tell_parent("RELEASED");
         hear_parent("DONE");
         drop(importer);
         no_drop_errors("importer");
@@ -529,28 +547,51 @@ fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_ke
         "after wait_released, work on the buffer's stream sees every kernel the importer queued before its release",
     );
 
-    // Reuse: a second round, released while the importer's kernels still run, then freed and the
-    // memory allocated again at once on the exporter's stream and overwritten.
-    let first = buf.ptr();
     drop(buf);
+
+    // Reuse: the exporter lets go at once, the importer releases while its kernels still run, the
+    // exporter frees the buffer (ordered after the importer's event) and the memory is allocated
+    // again on the exporter's stream and overwritten at once. Had the free not waited for the
+    // importer's kernels, they would add to what the exporter writes.
+    let buf = adopt_from(&exporter, &sub, ORDER_LEN, stream.as_ref());
+    // SAFETY: the buffer holds n u32s on `stream`.
+    unsafe { kernels.iota(buf.ptr(), n, 0, stream.as_ref()) }.unwrap();
+    exporter.share(&buf, &[id]).unwrap();
+    let second = buf.ptr();
+    drop(buf);
+    child.expect("RELEASED-AGAIN");
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().freed_buffers < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the second buffer was never freed: {:?}",
+            exporter.stats()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let again = sub.allocate(ORDER_LEN, stream.as_ref()).unwrap();
     println!(
         "FINDING: the freed buffer's memory was handed out again at the same address: {}",
-        again == first
+        again == second
     );
     // SAFETY: `again` is this test's ORDER_LEN allocation of `sub`, on `stream`.
     unsafe { kernels.iota(again, n, 5, stream.as_ref()) }.unwrap();
-    assert_iota(&read_u32s(&ctx, again, n, stream.as_ref()), 5, "reused memory");
+    assert_iota(
+        &read_u32s(&ctx, again, n, stream.as_ref()),
+        5,
+        "memory reused after the importer's release",
+    );
     // SAFETY: allocated above on `stream`, freed once.
     unsafe { sub.deallocate(again, ORDER_LEN, stream.as_ref()) }.unwrap();
     child.say("DONE");
     child.succeeds();
+    wait_no_importers(&exporter);
     drop(anchor);
     exporter.wait_idle(WAIT).unwrap();
     let stats = exporter.stats();
     assert_eq!(
         (stats.kept_blocks, stats.parked_buffers, stats.freed_buffers),
-        (0, 0, 2),
+        (0, 0, 3),
         "{stats:?}"
     );
     assert!(exporter.shutdown().is_empty());
