@@ -120,8 +120,30 @@ fn allowed_len(min: usize, max: usize) -> String {
 /// The four bytes every frame starts with.
 pub(crate) const MAGIC: [u8; 4] = *b"MPIP";
 
-/// The protocol version this crate speaks; every frame carries it.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+/// The newest protocol version this crate speaks. Every frame carries the version that defines
+/// its message type: the messages of version 1 travel in version-1 frames in every version, and
+/// only the messages version 2 added ([`MessageType::Hello2`], [`MessageType::Welcome2`],
+/// [`MessageType::ReleaseBatch`]) in version-2 frames. A version-1 peer therefore refuses a
+/// version-2 `Hello2` with a clear `UnsupportedVersion` error, and a version-2 exporter answers a
+/// version-1 `Hello` the version-1 way.
+pub(crate) const PROTOCOL_VERSION: u16 = 2;
+
+/// The oldest protocol version this crate speaks.
+pub(crate) const MIN_PROTOCOL_VERSION: u16 = 1;
+
+/// Capability bit (in `Hello2` and `Welcome2`): the fast release path. The importer keeps the
+/// imports of blocks the exporter marks [`BUFFER_FLAG_KEEP_IMPORT`] for the connection's life,
+/// and releases buffers in [`MessageType::ReleaseBatch`] messages ordered by an interprocess
+/// event of its own instead of synchronizing; the exporter waits on that event (on the GPU)
+/// before it frees or reuses the memory, and keeps every block such an importer imported
+/// allocated until that importer's connection has ended and its process has freed its imports.
+pub(crate) const CAP_FAST_RELEASE: u64 = 1;
+
+/// Every capability bit this crate knows.
+pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE;
+
+/// The most buffers one `ReleaseBatch` names.
+pub(crate) const MAX_RELEASE_BATCH: usize = 64;
 
 /// The length of a frame header.
 pub(crate) const HEADER_LEN: usize = 12;
@@ -146,12 +168,24 @@ pub(crate) const POOL_HANDLE_TYPE_POSIX_FD: u32 = 1;
 /// Bit 0 of a buffer message's flags: the event handle is valid and the importer must wait on it.
 pub(crate) const BUFFER_FLAG_READY_EVENT: u32 = 1;
 
+/// Bit 1 of a buffer message's flags (only to an importer that negotiated [`CAP_FAST_RELEASE`]):
+/// the importer may keep the block imported after it released the block's last buffer; the
+/// exporter keeps the block allocated until this importer's connection is over.
+pub(crate) const BUFFER_FLAG_KEEP_IMPORT: u32 = 2;
+
+/// Bit 0 of a `ReleaseBatch`'s flags: the event handle is valid; the exporter orders the free or
+/// reuse of every buffer in the batch after it.
+pub(crate) const RELEASE_FLAG_EVENT: u32 = 1;
+
 const UUID_LEN: usize = 16;
 const WELCOME_LEN: usize = UUID_LEN + UUID_LEN;
 const READY_LEN: usize = UUID_LEN;
 const POOL_DESCRIPTOR_LEN: usize = UUID_LEN + 4 + 4;
 const BUFFER_LEN: usize = 5 * 8 + 4 + 4 + 64 + 64;
 const RELEASE_LEN: usize = 8;
+const HELLO2_LEN: usize = 8;
+const WELCOME2_LEN: usize = WELCOME_LEN + 8;
+const RELEASE_BATCH_FIXED_LEN: usize = 4 + 4 + 64;
 const ERROR_FIXED_LEN: usize = 4 + 2;
 
 /// The UUID of a GPU (`cuDeviceGetUuid`): the same physical GPU has the same UUID in every
@@ -294,11 +328,18 @@ pub enum MessageType {
     Goodbye = 7,
     /// Either way: something went wrong; the sender closes the connection.
     Error = 8,
+    /// Importer -> exporter (version 2): opens the conversation with the capabilities it asks for.
+    Hello2 = 9,
+    /// Exporter -> importer (version 2): the GPU, the pool and the capabilities granted.
+    Welcome2 = 10,
+    /// Importer -> exporter (version 2, with the fast release capability): several releases,
+    /// ordered by one interprocess event.
+    ReleaseBatch = 11,
 }
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub(crate) const ALL: [MessageType; 8] = [
+    pub(crate) const ALL: [MessageType; 11] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -307,6 +348,9 @@ impl MessageType {
         MessageType::Release,
         MessageType::Goodbye,
         MessageType::Error,
+        MessageType::Hello2,
+        MessageType::Welcome2,
+        MessageType::ReleaseBatch,
     ];
 
     /// The type with this wire code, if the protocol defines one.
@@ -330,6 +374,18 @@ impl MessageType {
             MessageType::Release => "Release",
             MessageType::Goodbye => "Goodbye",
             MessageType::Error => "Error",
+            MessageType::Hello2 => "Hello2",
+            MessageType::Welcome2 => "Welcome2",
+            MessageType::ReleaseBatch => "ReleaseBatch",
+        }
+    }
+
+    /// The protocol version that defines this type: frames of this type carry it, and a frame
+    /// of this type with another version is refused.
+    pub(crate) fn version(self) -> u16 {
+        match self {
+            MessageType::Hello2 | MessageType::Welcome2 | MessageType::ReleaseBatch => 2,
+            _ => 1,
         }
     }
 
@@ -352,6 +408,12 @@ impl MessageType {
             MessageType::Buffer => exact(BUFFER_LEN),
             MessageType::Release => exact(RELEASE_LEN),
             MessageType::Error => (ERROR_FIXED_LEN, MAX_BODY_LEN),
+            MessageType::Hello2 => exact(HELLO2_LEN),
+            MessageType::Welcome2 => exact(WELCOME2_LEN),
+            MessageType::ReleaseBatch => (
+                RELEASE_BATCH_FIXED_LEN + 8,
+                RELEASE_BATCH_FIXED_LEN + 8 * MAX_RELEASE_BATCH,
+            ),
         }
     }
 }
@@ -407,6 +469,9 @@ pub(crate) struct BufferDescriptor {
     /// The event to wait on before first use, recorded after the exporter's allocation and
     /// work on the buffer. `None`: the exporter synchronized before sending, no wait is needed.
     pub(crate) ready_event: Option<EventHandle>,
+    /// The importer may keep the block imported after its last buffer here is released
+    /// ([`BUFFER_FLAG_KEEP_IMPORT`]; only with [`CAP_FAST_RELEASE`]).
+    pub(crate) keep_import: bool,
 }
 
 /// The code of an `Error` message.
@@ -528,6 +593,31 @@ pub(crate) enum Message {
     Goodbye,
     /// Either way: an error; the sender closes the connection.
     Error(ErrorMessage),
+    /// Importer -> exporter (version 2), first message: `Hello` with the capabilities asked for.
+    Hello2 {
+        /// Capability bits (`CAP_*`); unknown bits are allowed (a newer importer) and not granted.
+        capabilities: u64,
+    },
+    /// Exporter -> importer (version 2), answer to `Hello2`.
+    Welcome2 {
+        /// The GPU and the pool, as in `Welcome`.
+        welcome: Welcome,
+        /// The capabilities granted: a subset of those asked for.
+        capabilities: u64,
+    },
+    /// Importer -> exporter (version 2, [`CAP_FAST_RELEASE`]): the importer is done with these
+    /// buffers; their use on its GPU is ordered before `event` (if any).
+    ReleaseBatch(ReleaseBatch),
+}
+
+/// Several releases in one message: 1 to [`MAX_RELEASE_BATCH`] buffers, and the interprocess
+/// event (of the importer) recorded after every use of them.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub(crate) struct ReleaseBatch {
+    /// The event to order the frees after; `None`: the importer synchronized.
+    pub(crate) event: Option<EventHandle>,
+    /// The buffers released.
+    pub(crate) buffers: Vec<BufferId>,
 }
 
 impl Message {
@@ -542,16 +632,28 @@ impl Message {
             Message::Release { .. } => MessageType::Release,
             Message::Goodbye => MessageType::Goodbye,
             Message::Error(_) => MessageType::Error,
+            Message::Hello2 { .. } => MessageType::Hello2,
+            Message::Welcome2 { .. } => MessageType::Welcome2,
+            Message::ReleaseBatch(_) => MessageType::ReleaseBatch,
         }
     }
 
     /// Checks every field against the rules of the protocol, the same checks decoding makes.
     pub(crate) fn validate(&self) -> Result<()> {
         match self {
-            Message::Hello | Message::Goodbye | Message::Release { .. } => Ok(()),
-            Message::Welcome(w) => {
+            Message::Hello | Message::Goodbye | Message::Release { .. } | Message::Hello2 { .. } => Ok(()),
+            Message::Welcome(w) | Message::Welcome2 { welcome: w, .. } => {
                 check_uuid(&w.device_uuid)?;
                 check_pool_id(&w.pool_id)
+            }
+            Message::ReleaseBatch(b) => {
+                if b.buffers.is_empty() || b.buffers.len() > MAX_RELEASE_BATCH {
+                    return Err(protocol(format!(
+                        "ReleaseBatch: {} buffers (allowed: 1 to {MAX_RELEASE_BATCH})",
+                        b.buffers.len()
+                    )));
+                }
+                Ok(())
             }
             Message::Ready(r) => check_uuid(&r.device_uuid),
             Message::PoolDescriptor(p) => check_pool_id(&p.pool_id),
@@ -606,6 +708,8 @@ fn check_buffer(b: &BufferDescriptor) -> Result<()> {
 /// A decoded frame header.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Header {
+    /// The frame's protocol version (the one its message type is defined in).
+    pub(crate) version: u16,
     /// The message type.
     pub(crate) message_type: MessageType,
     /// The body's length, already checked against what the type allows.
@@ -626,14 +730,17 @@ pub(crate) fn decode_header(bytes: &[u8]) -> Result<Header> {
         return Err(ProtocolError::BadMagic { got: magic });
     }
     let version = r.u16()?;
-    if version != PROTOCOL_VERSION {
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
         return Err(ProtocolError::UnsupportedVersion {
             got: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let code = r.u16()?;
-    let message_type = MessageType::from_wire(code).ok_or(ProtocolError::UnknownMessageType { got: code })?;
+    // A type is known only in the frames of the version that defines it.
+    let message_type = MessageType::from_wire(code)
+        .filter(|t| t.version() == version)
+        .ok_or(ProtocolError::UnknownMessageType { got: code })?;
     let body_len = r.u32()? as usize;
     if body_len > MAX_BODY_LEN {
         return Err(ProtocolError::MessageTooLarge {
@@ -650,7 +757,11 @@ pub(crate) fn decode_header(bytes: &[u8]) -> Result<Header> {
             got: body_len,
         });
     }
-    Ok(Header { message_type, body_len })
+    Ok(Header {
+        version,
+        message_type,
+        body_len,
+    })
 }
 
 /// Decodes the body of a message of type `message_type`; `body` must be exactly the body.
@@ -696,7 +807,7 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
             check_reserved(r.u32()?, "Buffer")?;
             let pointer = PointerDescriptor(r.array()?);
             let event = r.array::<64>()?;
-            if flags & !BUFFER_FLAG_READY_EVENT != 0 {
+            if flags & !(BUFFER_FLAG_READY_EVENT | BUFFER_FLAG_KEEP_IMPORT) != 0 {
                 return Err(protocol(format!("Buffer: unknown flag bits {flags:#x}")));
             }
             let ready_event = if flags & BUFFER_FLAG_READY_EVENT != 0 {
@@ -714,11 +825,46 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
                 size,
                 pointer,
                 ready_event,
+                keep_import: flags & BUFFER_FLAG_KEEP_IMPORT != 0,
             })
         }
         MessageType::Release => Message::Release {
             buffer_id: BufferId(r.u64()?),
         },
+        MessageType::Hello2 => Message::Hello2 { capabilities: r.u64()? },
+        MessageType::Welcome2 => Message::Welcome2 {
+            welcome: Welcome {
+                device_uuid: DeviceUuid(r.array()?),
+                pool_id: PoolId(r.array()?),
+            },
+            capabilities: r.u64()?,
+        },
+        MessageType::ReleaseBatch => {
+            let count = r.u32()? as usize;
+            let flags = r.u32()?;
+            let event = r.array::<64>()?;
+            if flags & !RELEASE_FLAG_EVENT != 0 {
+                return Err(protocol(format!("ReleaseBatch: unknown flag bits {flags:#x}")));
+            }
+            let event = if flags & RELEASE_FLAG_EVENT != 0 {
+                Some(EventHandle(event))
+            } else if event != [0; 64] {
+                return Err(protocol("ReleaseBatch: event handle bytes without the event flag"));
+            } else {
+                None
+            };
+            if count.checked_mul(8) != Some(r.remaining()) {
+                return Err(protocol(format!(
+                    "ReleaseBatch: count field says {count} buffers, the body holds {} bytes of ids",
+                    r.remaining()
+                )));
+            }
+            let mut buffers = Vec::with_capacity(count);
+            for _ in 0..count {
+                buffers.push(BufferId(r.u64()?));
+            }
+            Message::ReleaseBatch(ReleaseBatch { event, buffers })
+        }
         MessageType::Error => {
             let code = ErrorCode::from_wire(r.u32()?);
             let text_len = r.u16()? as usize;
@@ -781,7 +927,7 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
     message.validate()?;
     let start = out.len();
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&message.message_type().version().to_le_bytes());
     out.extend_from_slice(&message.message_type().to_wire().to_le_bytes());
     out.extend_from_slice(&[0; 4]);
     let body_start = out.len();
@@ -801,17 +947,36 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
             for field in [b.buffer_id.0, b.block_id.0, b.block_size, b.offset, b.size] {
                 out.extend_from_slice(&field.to_le_bytes());
             }
-            let flags = if b.ready_event.is_some() {
+            let mut flags = if b.ready_event.is_some() {
                 BUFFER_FLAG_READY_EVENT
             } else {
                 0
             };
+            if b.keep_import {
+                flags |= BUFFER_FLAG_KEEP_IMPORT;
+            }
             out.extend_from_slice(&flags.to_le_bytes());
             out.extend_from_slice(&0u32.to_le_bytes());
             out.extend_from_slice(&b.pointer.0);
             out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
         }
         Message::Release { buffer_id } => out.extend_from_slice(&buffer_id.0.to_le_bytes()),
+        Message::Hello2 { capabilities } => out.extend_from_slice(&capabilities.to_le_bytes()),
+        Message::Welcome2 { welcome, capabilities } => {
+            out.extend_from_slice(&welcome.device_uuid.0);
+            out.extend_from_slice(&welcome.pool_id.0);
+            out.extend_from_slice(&capabilities.to_le_bytes());
+        }
+        Message::ReleaseBatch(b) => {
+            // `validate` bounded the count.
+            out.extend_from_slice(&(b.buffers.len() as u32).to_le_bytes());
+            let flags = if b.event.is_some() { RELEASE_FLAG_EVENT } else { 0 };
+            out.extend_from_slice(&flags.to_le_bytes());
+            out.extend_from_slice(&b.event.map_or([0; 64], |e| e.0));
+            for id in &b.buffers {
+                out.extend_from_slice(&id.0.to_le_bytes());
+            }
+        }
         Message::Error(e) => {
             out.extend_from_slice(&e.code.to_wire().to_le_bytes());
             // `validate` bounded the text, so the length fits in u16.

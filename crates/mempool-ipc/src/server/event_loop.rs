@@ -28,16 +28,21 @@ use crate::fdpass;
 use crate::lease::ImporterId;
 use crate::listener::Listener;
 use crate::session::{importer_event, ExporterHandshake, ImporterEvent, PoolAnnouncement};
-use crate::wire::{self, BufferId, ErrorCode, ErrorMessage, Message};
+use crate::wire::{self, BufferId, ErrorCode, ErrorMessage, Message, ReleaseBatch};
 
 /// What the event loop tells the exporter, on the loop's thread.
 pub(crate) trait Handler: Send + Sync {
-    /// The handshake of `id` completed: it may be sent buffers from now on.
-    fn connected(&self, id: ImporterId, credentials: PeerCredentials);
+    /// The handshake of `id` completed, granting it `capabilities` (`wire::CAP_*`): it may be
+    /// sent buffers from now on.
+    fn connected(&self, id: ImporterId, credentials: PeerCredentials, capabilities: u64);
 
     /// `id` released `buffer`. An error ends the connection (the importer is told, and the end is
     /// unclean).
     fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()>;
+
+    /// `id` released every buffer of `batch`, all at once (an importer granted the fast release
+    /// capability). An error ends the connection as for [`Handler::released`].
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()>;
 
     /// The connection of `id` ended: `clean` after its `Goodbye`. `undelivered` lists buffers
     /// whose frames never went out (the importer never saw them). Returns whether the importer
@@ -419,6 +424,7 @@ impl Loop {
             match handshake.on_message(message) {
                 Ok(answer) => {
                     let done = handshake.step() == crate::session::HandshakeStep::Done;
+                    peer.capabilities = handshake.capabilities();
                     match wire::encode(&answer) {
                         Ok(frame) => peer.local.push_back(Outgoing {
                             frame,
@@ -437,9 +443,14 @@ impl Loop {
             return;
         }
         let id = peer.id;
-        match importer_event(message) {
+        match importer_event(message, peer.capabilities) {
             Ok(ImporterEvent::Release(buffer)) => {
                 if let Err(e) = self.handler.released(id, buffer) {
+                    self.end(token, false, Some(e));
+                }
+            }
+            Ok(ImporterEvent::ReleaseBatch(batch)) => {
+                if let Err(e) = self.handler.released_batch(id, batch) {
                     self.end(token, false, Some(e));
                 }
             }
@@ -466,10 +477,10 @@ impl Loop {
         peer.handshake = None;
         // Remembered now: the peer spoke a moment ago, so the pid names it.
         peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
-        let (id, credentials) = (peer.id, peer.credentials);
+        let (id, credentials, capabilities) = (peer.id, peer.credentials, peer.capabilities);
         self.tokens.insert(id, token);
         lock(&self.shared.outboxes).open(id);
-        self.handler.connected(id, credentials);
+        self.handler.connected(id, credentials, capabilities);
     }
 
     /// Writes what waits for `token`, as far as its socket takes it.

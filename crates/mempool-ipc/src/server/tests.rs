@@ -21,7 +21,7 @@ use crate::listener::{Listener, ListenerOptions};
 use crate::session::{ExporterEvent, HandshakeStep, ImporterSession, PoolAnnouncement};
 use crate::test_util::{memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, GPU, POOL};
-use crate::wire::{self, BufferId, ErrorCode, Message};
+use crate::wire::{self, BufferId, ErrorCode, Message, ReleaseBatch};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -195,7 +195,7 @@ impl Recorder {
 }
 
 impl Handler for Recorder {
-    fn connected(&self, id: ImporterId, _credentials: PeerCredentials) {
+    fn connected(&self, id: ImporterId, _credentials: PeerCredentials, _capabilities: u64) {
         self.record.lock().unwrap().connected.push(id);
         self.changed.notify_all();
     }
@@ -206,6 +206,13 @@ impl Handler for Recorder {
         }
         self.record.lock().unwrap().released.push((id, buffer));
         self.changed.notify_all();
+        Ok(())
+    }
+
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
+        for buffer in batch.buffers {
+            self.released(id, buffer)?;
+        }
         Ok(())
     }
 
@@ -260,7 +267,7 @@ fn client_config() -> ConnectionConfig {
 
 /// An importer without a GPU: the whole handshake, and the pool's descriptor checked.
 fn importer(path: &Path) -> Result<ImporterSession> {
-    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, |uuid| {
+    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, 0, |uuid| {
         assert_eq!(*uuid, GPU);
         Ok(())
     })?;
@@ -680,7 +687,7 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
                     io_timeout: Duration::from_secs(1),
                     handshake_timeout: Duration::from_secs(1),
                 };
-                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, |_| Ok(())).map(|(s, _)| s)
+                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, 0, |_| Ok(())).map(|(s, _)| s)
             })
         })
         .collect();
@@ -705,4 +712,65 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
     assert_eq!(evicted, 0, "{stats}");
     assert!((1..=30).contains(&pauses), "{pauses} pauses");
     assert_eq!(reported, 1, "{stats}");
+}
+
+/// An importer asking for the fast release path, connected and reported.
+fn connected_fast_importer(f: &Fixture) -> (ImporterSession, ImporterId) {
+    let before = f.handler.connected().len();
+    let (session, _) = ImporterSession::connect(
+        &f.path,
+        client_config(),
+        &AccessPolicy::SameUser,
+        wire::CAP_FAST_RELEASE,
+        |_| Ok(()),
+    )
+    .unwrap();
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
+    (session, f.handler.connected()[before])
+}
+
+#[test]
+fn a_release_batch_from_a_fast_importer_reaches_the_exporter_in_one_go() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_fast_importer(&f);
+    assert_eq!(session.capabilities(), wire::CAP_FAST_RELEASE);
+    for k in 1..=3 {
+        f.server.send(id, &buffer_message(k), Some(BufferId(k))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(k));
+    }
+    session
+        .release_batch(None, vec![BufferId(3), BufferId(1), BufferId(2)])
+        .unwrap();
+    f.handler.wait_for("three releases", |r| r.released.len() == 3);
+    assert_eq!(
+        f.handler.record.lock().unwrap().released,
+        vec![(id, BufferId(3)), (id, BufferId(1)), (id, BufferId(2))]
+    );
+    // A bad id in a batch cuts the importer off like a bad release.
+    session.release_batch(None, vec![BufferId(666)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+}
+
+#[test]
+fn a_release_batch_from_a_version_1_importer_is_refused() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_importer(&f);
+    assert_eq!(session.capabilities(), 0);
+    session.release_batch(None, vec![BufferId(1)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+    let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::Remote {
+                code: ErrorCode::Protocol,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(f.handler.record.lock().unwrap().released.is_empty());
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::{
     decode_body, decode_header, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle,
-    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, Welcome, HEADER_LEN,
+    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, ReleaseBatch, Welcome, HEADER_LEN,
 };
 
 pub(crate) const GPU: DeviceUuid = DeviceUuid([
@@ -25,6 +25,7 @@ pub(crate) fn buffer(id: u64) -> BufferDescriptor {
         size: 4096,
         pointer: PointerDescriptor([id as u8; 64]),
         ready_event: Some(EventHandle([0xe0 | (id as u8 & 0xf); 64])),
+        keep_import: false,
     }
 }
 
@@ -49,6 +50,26 @@ pub(crate) fn every_message() -> Vec<Message> {
         Message::Goodbye,
         Message::Error(ErrorMessage::new(ErrorCode::NotLeased, "no such lease: ü")),
         Message::Error(ErrorMessage::new(ErrorCode::Other(77), "")),
+        Message::Buffer(BufferDescriptor {
+            keep_import: true,
+            ..buffer(7)
+        }),
+        Message::Hello2 { capabilities: u64::MAX },
+        Message::Welcome2 {
+            welcome: Welcome {
+                device_uuid: GPU,
+                pool_id: POOL,
+            },
+            capabilities: 1,
+        },
+        Message::ReleaseBatch(ReleaseBatch {
+            event: Some(EventHandle([0x5e; 64])),
+            buffers: vec![BufferId(3), BufferId(9), BufferId(u64::MAX)],
+        }),
+        Message::ReleaseBatch(ReleaseBatch {
+            event: None,
+            buffers: (0..super::MAX_RELEASE_BATCH as u64).map(BufferId).collect(),
+        }),
     ]
 }
 
