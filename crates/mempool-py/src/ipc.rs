@@ -681,6 +681,7 @@ impl PyImporter {
                 handshake_timeout: seconds("timeout", timeout, false)?,
             },
             policy: policy(allow_uids),
+            ..ImporterOptions::default()
         };
         let importer = py
             .detach(|| mempool_ipc::Importer::connect(&path, options))
