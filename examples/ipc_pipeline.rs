@@ -119,7 +119,7 @@ fn produce(consumers: usize, buffers: usize, bytes: usize) -> AnyResult<()> {
 /// Waits until the consumer released `buf`, then checks its writes: `base + i + k + 1`.
 fn check_returned(buf: &ExportedBuffer<'_>, base: u32, k: usize, host: &mut [u8]) -> AnyResult<()> {
     buf.wait_released(WAIT)?;
-    // The consumers' work on it is complete (they synchronize before they release).
+    // Work on the buffer's stream from here on (this copy) runs after the consumers' work on it.
     buf.copy_to_host(0, host)?;
     let add = k as u32 + 1;
     if let Some((i, v)) = u32s(host)
@@ -169,7 +169,7 @@ fn consume(socket: PathBuf, k: usize) -> AnyResult<()> {
             }
         }
         drop(copy);
-        drop(buf); // waits for the add, frees the import, releases
+        drop(buf); // queues the release, ordered after the add by the consumer's event
         received += 1;
     }
     println!(

@@ -277,7 +277,7 @@ fn consume(args: &[String]) -> AnyResult<()> {
             )
             .into());
         }
-        drop(buf); // waits for the copy, frees the import, tells the server
+        drop(buf); // frees the import (whole allocations are not kept) and tells the server, ordered after the copy
         received += 1;
     }
     println!("ipc_serve consume: {received} buffers received and checked");

@@ -187,7 +187,7 @@ enum Command {
         /// Growth factor per step (> 1).
         #[arg(long, default_value_t = 2.0, allow_hyphen_values = true, value_parser = scale_arg)]
         factor: f64,
-        /// The GrowableBuffer's chunk size (a multiple of the granularity; default: the recommended one).
+        /// The GrowableBuffer's granule: each growth maps a multiple of it (a multiple of the granularity; default: the recommended one).
         #[arg(long, allow_hyphen_values = true, value_parser = positive_size_arg)]
         chunk: Option<u64>,
         /// Timed runs per method (median), after one warm-up run.

@@ -1,7 +1,7 @@
 //! [`GrowableBuffer`]: the resizing vector of NVIDIA's virtual memory management post. It reserves a
-//! large virtual range once and maps physical chunks at its end as it grows, so growing never copies
-//! and the address never changes; [`GrowableBuffer::shrink_to_fit`] unmaps and releases the chunks past
-//! the length.
+//! large virtual range once and, at each growth, maps one physical allocation at its end for the bytes
+//! the growth needs, so growing never copies and the address never changes;
+//! [`GrowableBuffer::shrink_to_fit`] unmaps and releases the allocations past the length.
 
 use std::sync::Arc;
 
@@ -24,10 +24,13 @@ pub enum WhenFull {
     Remap,
 }
 
-/// How many chunks of `chunk` bytes hold `len` bytes, and their bytes; `None` on overflow.
-pub(crate) fn chunks_for(len: usize, chunk: usize) -> Option<(usize, usize)> {
-    let bytes = round_up(len, chunk)?;
-    Some((bytes / chunk, bytes))
+/// The bytes a growth from `mapped` bytes to hold `len` bytes maps: `len - mapped` rounded up to the
+/// granule `chunk` (0 when `len` already fits); `None` on overflow.
+pub(crate) fn growth_for(mapped: usize, len: usize, chunk: usize) -> Option<usize> {
+    if len <= mapped {
+        return Some(0);
+    }
+    round_up(len - mapped, chunk)
 }
 
 /// The alignment to reserve with: the chunk when it is a power of two (so that large pages can back
@@ -46,16 +49,19 @@ pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<
     round_up(current.checked_mul(2)?.max(needed), chunk)
 }
 
-/// A device buffer that grows without copying: one reservation of virtual address space, physical
-/// chunks mapped at its end as the length grows (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`).
+/// A device buffer that grows without copying: one reservation of virtual address space, and at each
+/// growth one physical allocation mapped at its end (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`)
+/// for the bytes the growth needs, rounded up to the buffer's granule ([`chunk_size`](Self::chunk_size)).
+/// A growth costs the same three driver calls whatever its size, so a buffer that doubles maps as few
+/// allocations as it has growths.
 ///
-/// - [`resize`](Self::resize) to a larger length maps the chunks it needs; the bytes already there stay
+/// - [`resize`](Self::resize) to a larger length maps what it needs; the bytes already there stay
 ///   where they are, at the same address. The new bytes are uninitialised (whatever the new physical
 ///   memory holds).
-/// - [`shrink_to_fit`](Self::shrink_to_fit) unmaps and releases the chunks past the length (after waiting
-///   for the device's work).
+/// - [`shrink_to_fit`](Self::shrink_to_fit) unmaps and releases the allocations that lie wholly past the
+///   length (after waiting for the device's work); one that the length reaches into stays whole.
 /// - When the reservation is full, [`WhenFull`] decides: fail with [`Error::ReservationFull`], or
-///   reserve a larger range and remap the chunks into it.
+///   reserve a larger range and remap the allocations into it.
 ///
 /// ```no_run
 /// # fn main() -> mempool_core::Result<()> {
@@ -66,19 +72,20 @@ pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<
 /// buf.resize(4096)?;
 /// buf.view(stream.as_ref())?.copy_from_host(0, &[1, 2, 3, 4])?;
 /// let addr = buf.ptr();
-/// buf.resize(64 << 20)?; // maps more chunks; nothing is copied
+/// buf.resize(64 << 20)?; // maps one more allocation; nothing is copied
 /// assert_eq!(buf.ptr(), addr);
 /// assert_eq!(buf.view(stream.as_ref())?.to_host()?[..4], [1, 2, 3, 4]);
 /// buf.resize(4096)?;
-/// buf.shrink_to_fit()?; // unmaps every chunk but the first
+/// buf.shrink_to_fit()?; // unmaps the 64 MiB growth, keeps the first allocation
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
 pub struct GrowableBuffer {
-    // Invariants: `chunks[i]` maps `chunk` bytes at offset `i * chunk` of `reservation`; `len <=
-    // chunks.len() * chunk`. Fields drop in order: the mappings (unmapped, which waits for the device)
-    // before the reservation.
+    // Invariants: `chunks` map `reservation` back to back from offset 0, `mapped` bytes in all, each
+    // a multiple of `chunk`; `len <= mapped`. Fields drop in order: the mappings (unmapped, which
+    // waits for the device) before the reservation.
     chunks: Vec<Mapping>,
+    mapped: usize,
     reservation: Arc<Reservation>,
     props: AllocationProps,
     chunk: usize,
@@ -88,15 +95,15 @@ pub struct GrowableBuffer {
 }
 
 impl GrowableBuffer {
-    /// A buffer of `device`'s memory that may grow to `max_capacity` bytes (rounded up to the chunk
-    /// size, the device's recommended granularity) without moving; it fails past that.
+    /// A buffer of `device`'s memory that may grow to `max_capacity` bytes (rounded up to the granule,
+    /// the device's recommended granularity) without moving; it fails past that.
     pub fn new(device: Device, max_capacity: usize) -> Result<GrowableBuffer> {
         GrowableBuffer::with_options(AllocationProps::new(device), max_capacity, None, WhenFull::Fail)
     }
 
-    /// A buffer of physical chunks made with `props`, of `chunk` bytes each (`None`: the recommended
-    /// granularity; otherwise a multiple of the minimum one), in a reservation of `max_capacity` bytes
-    /// rounded up to the chunk, doing `when_full` when that is not enough.
+    /// A buffer of physical allocations made with `props`, each growth rounded up to the granule `chunk`
+    /// (`None`: the recommended granularity; otherwise a multiple of the minimum one), in a reservation
+    /// of `max_capacity` bytes rounded up to the granule, doing `when_full` when that is not enough.
     pub fn with_options(
         props: AllocationProps,
         max_capacity: usize,
@@ -120,6 +127,7 @@ impl GrowableBuffer {
         let reservation = Reservation::new(device, size, alignment_for(chunk), None)?;
         Ok(GrowableBuffer {
             chunks: Vec::new(),
+            mapped: 0,
             reservation,
             props,
             chunk,
@@ -144,9 +152,10 @@ impl GrowableBuffer {
         self.len == 0
     }
 
-    /// Mapped bytes: the length rounded up to whole chunks, or more before a shrink.
+    /// Mapped bytes: at least the length, rounded up to the granule, more after a shrink of the length
+    /// that [`shrink_to_fit`](Self::shrink_to_fit) has not released.
     pub fn capacity(&self) -> usize {
-        self.chunks.len() * self.chunk
+        self.mapped
     }
 
     /// The reserved address range's size: how far it grows without a remap.
@@ -154,17 +163,17 @@ impl GrowableBuffer {
         self.reservation.size()
     }
 
-    /// The size of each physical chunk.
+    /// The granule: every growth maps a multiple of it.
     pub fn chunk_size(&self) -> usize {
         self.chunk
     }
 
-    /// The mapped chunks, in address order.
+    /// The mappings, one per growth, in address order.
     pub fn chunks(&self) -> &[Mapping] {
         &self.chunks
     }
 
-    /// Sets the length, mapping chunks as needed (the bytes already there keep their values and
+    /// Sets the length, mapping one allocation when it grows past the capacity (the bytes already there keep their values and
     /// address; new bytes are uninitialised). Shrinking only changes the length: see
     /// [`shrink_to_fit`](Self::shrink_to_fit). A length past the reservation fails with
     /// [`Error::ReservationFull`] or remaps, as the buffer's [`WhenFull`] says; out of memory leaves the
@@ -175,7 +184,7 @@ impl GrowableBuffer {
         Ok(())
     }
 
-    /// Maps chunks so that `len() + additional` bytes fit, without changing the length.
+    /// Maps one allocation so that `len() + additional` bytes fit, without changing the length.
     pub fn reserve(&mut self, additional: usize) -> Result<()> {
         let total = self.len.checked_add(additional).ok_or(Error::ReservationFull {
             requested: usize::MAX,
@@ -186,14 +195,16 @@ impl GrowableBuffer {
     }
 
     fn reserve_total(&mut self, total: usize) -> Result<()> {
-        let (n, bytes) = chunks_for(total, self.chunk).ok_or(Error::ReservationFull {
+        let full = Error::ReservationFull {
             requested: total,
             offset: 0,
             capacity: self.reservation.size(),
-        })?;
-        if n <= self.chunks.len() {
+        };
+        let grow = growth_for(self.mapped, total, self.chunk).ok_or(full.clone())?;
+        if grow == 0 {
             return Ok(());
         }
+        let bytes = self.mapped.checked_add(grow).ok_or(full)?;
         if bytes > self.reservation.size() {
             match self.when_full {
                 WhenFull::Fail => {
@@ -206,24 +217,17 @@ impl GrowableBuffer {
                 WhenFull::Remap => self.remap(bytes)?,
             }
         }
-        // Map the new chunks, then grant access to all of them in one call. On an error the new mappings
-        // drop (unmapped) and the buffer stays as it was.
-        let first = self.chunks.len();
-        let mut fresh = Vec::with_capacity(n - first);
-        for i in first..n {
-            let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
-            fresh.push(Mapping::without_access(&self.reservation, i * self.chunk, phys)?);
-        }
-        self.reservation.set_access(
-            first * self.chunk,
-            (n - first) * self.chunk,
-            &[(self.props.device, crate::types::Access::ReadWrite)],
-        )?;
-        self.chunks.extend(fresh);
+        // Map the new allocation, then grant access to it. On an error the new mapping drops (unmapped)
+        // and the buffer stays as it was.
+        let phys = Arc::new(PhysicalAllocation::new(&self.props, grow)?);
+        let fresh = Mapping::without_access(&self.reservation, self.mapped, phys)?;
+        fresh.set_access(&[(self.props.device, crate::types::Access::ReadWrite)])?;
+        self.chunks.push(fresh);
+        self.mapped = bytes;
         Ok(())
     }
 
-    /// Moves the chunks into a new reservation of at least `needed` bytes, by mapping the same physical
+    /// Moves the allocations into a new reservation of at least `needed` bytes, by mapping the same physical
     /// memory there, then unmapping the old range (after the device's work).
     fn remap(&mut self, needed: usize) -> Result<()> {
         let size = remap_size(self.reservation.size(), needed, self.chunk).ok_or(Error::ReservationFull {
@@ -233,8 +237,8 @@ impl GrowableBuffer {
         })?;
         let fresh = Reservation::new(self.props.device, size, alignment_for(self.chunk), None)?;
         let mut moved = Vec::with_capacity(self.chunks.len());
-        for (i, m) in self.chunks.iter().enumerate() {
-            moved.push(Mapping::new(&fresh, i * self.chunk, m.physical().clone())?);
+        for m in &self.chunks {
+            moved.push(Mapping::new(&fresh, m.offset(), m.physical().clone())?);
         }
         // The old mappings drop here: each waits for the device's work, then unmaps; the memory stays,
         // mapped in `fresh`.
@@ -243,13 +247,14 @@ impl GrowableBuffer {
         Ok(())
     }
 
-    /// Unmaps and releases the chunks past the length (waiting for the device's work first). The
-    /// address does not change.
+    /// Unmaps and releases the allocations that lie wholly past the length (waiting for the device's
+    /// work first); one the length reaches into stays. The address does not change.
     pub fn shrink_to_fit(&mut self) -> Result<()> {
-        let (n, _) = chunks_for(self.len, self.chunk).unwrap_or((self.chunks.len(), 0));
-        if n < self.chunks.len() {
+        let keep = self.chunks.iter().take_while(|m| m.offset() < self.len).count();
+        if keep < self.chunks.len() {
             self.ctx.synchronize()?;
-            self.chunks.truncate(n);
+            self.chunks.truncate(keep);
+            self.mapped = self.chunks.last().map_or(0, |m| m.offset() + m.len());
         }
         Ok(())
     }
@@ -258,8 +263,8 @@ impl GrowableBuffer {
     /// buffer's device). Borrows the buffer, so nothing is unmapped while it lives.
     pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
         let addr = if self.len == 0 { DeviceAddr::NULL } else { self.ptr() };
-        // SAFETY: 1. `addr..addr+len` is mapped (the invariant: `len` fits in the mapped chunks, mapped
-        // back to back from the base) and stays mapped while the borrow of `self` lives; the view frees
+        // SAFETY: 1. `addr..addr+len` is mapped (the invariant: `len <= mapped`, the mappings back to
+        // back from the base) and stays mapped while the borrow of `self` lives; the view frees
         // nothing. 2. mappings carry no stream order: map and access are synchronous. 3. the stream is
         // one of the device's context, or taken as such. 4. a null address comes with length 0.
         #[allow(unsafe_code)]
@@ -274,34 +279,32 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     #[test]
-    fn chunk_arithmetic() {
-        assert_eq!(chunks_for(0, 2 * MIB), Some((0, 0)));
-        assert_eq!(chunks_for(1, 2 * MIB), Some((1, 2 * MIB)));
-        assert_eq!(chunks_for(2 * MIB, 2 * MIB), Some((1, 2 * MIB)));
-        assert_eq!(chunks_for(2 * MIB + 1, 2 * MIB), Some((2, 4 * MIB)));
-        assert_eq!(chunks_for(usize::MAX, 2 * MIB), None);
+    fn growth_arithmetic() {
+        assert_eq!(growth_for(0, 0, 2 * MIB), Some(0));
+        assert_eq!(growth_for(0, 1, 2 * MIB), Some(2 * MIB));
+        assert_eq!(growth_for(2 * MIB, 2 * MIB, 2 * MIB), Some(0));
+        assert_eq!(growth_for(2 * MIB, 2 * MIB + 1, 2 * MIB), Some(2 * MIB));
+        assert_eq!(growth_for(2 * MIB, 40 * MIB, 2 * MIB), Some(38 * MIB));
+        assert_eq!(growth_for(0, usize::MAX, 2 * MIB), None);
     }
 
     #[test]
-    fn growth_by_steps_maps_only_new_chunks() {
-        // The chunks a 1 MiB -> 16 GiB doubling sequence maps at each step, as `reserve_total` computes.
+    fn doubling_maps_one_allocation_per_growth() {
+        // A 1 MiB -> 16 GiB doubling sequence, as `reserve_total` computes it: one allocation per step
+        // that grows past the capacity, and the capacity ends at the length.
         let chunk = 2 * MIB;
-        let mut mapped = 0;
-        let mut new_per_step = Vec::new();
+        let (mut mapped, mut allocations) = (0, 0);
         let mut len = MIB;
         while len <= 16 << 30 {
-            let (n, _) = chunks_for(len, chunk).unwrap();
-            new_per_step.push(n.saturating_sub(mapped));
-            mapped = mapped.max(n);
+            let grow = growth_for(mapped, len, chunk).unwrap();
+            if grow > 0 {
+                allocations += 1;
+                mapped += grow;
+            }
             len *= 2;
         }
-        assert_eq!(mapped, (16 << 30) / chunk);
-        assert_eq!(
-            new_per_step.iter().sum::<usize>(),
-            mapped,
-            "every chunk is mapped exactly once"
-        );
-        assert_eq!(&new_per_step[..3], &[1, 0, 1]);
+        assert_eq!(mapped, 16 << 30);
+        assert_eq!(allocations, 14, "1 MiB and 2 MiB share the first allocation");
     }
 
     #[test]

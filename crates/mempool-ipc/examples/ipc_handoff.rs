@@ -3,17 +3,28 @@
 //! against a baseline measured in the same run: copying the same bytes through the host
 //! (device -> pinned host -> Unix socket -> pinned host -> device, acknowledged).
 //!
-//! - Round trip, one consumer: the producer allocates a buffer, shares it, and waits until the
-//!   consumer has imported it (waiting on the producer's event), freed the import and released it.
+//! Three ways through mempool-ipc, measured in the same run with separate consumer processes:
+//!
+//! - `v1 alloc`: protocol version 1 (`ImporterOptions::fast_release = false`), a whole pool
+//!   allocation per buffer: the importer imports each buffer, and its release frees the import
+//!   and synchronizes its stream (the path measured before the fast release path existed);
+//! - `v2 alloc`: the fast release path, a whole pool allocation per buffer (still one import per
+//!   buffer, but releases are ordered by the importer's event and batched);
+//! - `v2 sub`: the fast release path with buffers suballocated (a `PoolResource` over the
+//!   exporter's pool, `Exporter::adopt`) from blocks the importer keeps imported: after the
+//!   first buffer, no import, no synchronize, and releases ordered by an event.
+//!
+//! - Round trip, one consumer: the producer makes a buffer, shares it, and waits until the
+//!   consumer has received it (waiting on the producer's event) and released it.
 //!   Baseline: device-to-host copy, the bytes over the socket, host-to-device copy in the
 //!   consumer, one byte back.
 //! - Sustained, several consumers: one producer thread per consumer keeps 4 buffers in flight,
-//!   each freshly allocated and filled on the GPU (the baseline fills and copies it out); buffers
+//!   each freshly made and filled on the GPU (the baseline fills and copies it out); buffers
 //!   per second over all consumers.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]`
-//! (default 4). The producer re-executes this program for each consumer. Without a GPU it says why and
-//! exits with status 2.
+//! (default 4). The producer re-executes this program for each consumer (twice: a version-1 and a
+//! version-2 set). Without a GPU it says why and exits with status 2.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -23,8 +34,10 @@ use std::process::{Child, Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream};
-use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterId, ImporterOptions};
+use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, Stream, StreamRef};
+use mempool_ipc::{Error, ExportedBuffer, Exporter, ExporterOptions, Importer, ImporterId, ImporterOptions};
+use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::{AsyncOptions, AsyncResource, MemoryResource, PoolResource, ReleaseThreshold};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -46,7 +59,7 @@ fn main() -> ExitCode {
     }
     let args: Vec<String> = std::env::args().collect();
     let result = if args.get(1).map(String::as_str) == Some("consumer") {
-        consumer(Path::new(&args[2]))
+        consumer(Path::new(&args[2]), args.get(3).map(String::as_str) == Some("--v1"))
     } else {
         let consumers = args.get(1).map_or(4, |a| a.parse().expect("consumer count"));
         producer(consumers.max(1))
@@ -113,8 +126,20 @@ fn ack(ctl: &mut UnixStream) -> AnyResult<()> {
 
 // ---------------------------------------------------------------- consumer
 
-fn consumer(socket: &Path) -> AnyResult<()> {
-    let importer = Importer::connect(socket, ImporterOptions::default())?;
+fn consumer(socket: &Path, v1: bool) -> AnyResult<()> {
+    let options = ImporterOptions {
+        fast_release: !v1,
+        ..ImporterOptions::default()
+    };
+    let importer = Importer::connect(socket, options)?;
+    if importer.fast_release() == v1 {
+        return Err(format!(
+            "asked for the fast release path: {}, got it: {}",
+            !v1,
+            importer.fast_release()
+        )
+        .into());
+    }
     let dev = importer.device();
     let ctx = dev.context()?;
     let stream = Stream::new(&ctx)?;
@@ -175,21 +200,53 @@ struct Consumer {
     importer: ImporterId,
 }
 
-fn producer(consumers: usize) -> AnyResult<()> {
-    let dev = Device::get(0)?;
-    let ctx = dev.context()?;
-    let pool = MemPool::new(&dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR))?;
-    pool.keep_everything()?;
-    let dir = std::env::var_os("XDG_RUNTIME_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
-    let socket = dir.join(format!("mempool-handoff-{}.sock", std::process::id()));
-    let exporter = Exporter::new(&socket, pool, ExporterOptions::default())?;
-    let _ = std::fs::remove_file(ctl_path(&socket));
-    let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
+/// How the producer makes buffers: whole pool allocations, or suballocations from a
+/// `PoolResource` over the exporter's pool (adopted by the exporter).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Make {
+    Alloc,
+    Sub,
+}
 
+struct Producer {
+    exporter: Exporter,
+    sub: Arc<PoolResource<Arc<AsyncResource>>>,
+}
+
+impl Producer {
+    fn make<'s>(&self, make: Make, size: usize, stream: StreamRef<'s>) -> AnyResult<ExportedBuffer<'s>> {
+        match make {
+            Make::Alloc => Ok(self.exporter.alloc(size, stream)?),
+            Make::Sub => {
+                let ptr = self.sub.allocate(size, stream)?;
+                let mr = self.sub.clone();
+                // SAFETY: the exporter calls this once, after the last holder let go, with the range
+                // adopted below (an allocation of `mr` on `stream`).
+                let free = move |p: DeviceAddr, n: usize, s: StreamRef<'_>| unsafe { mr.deallocate(p, n, s) };
+                // SAFETY: `ptr` is a fresh `size`-byte allocation of `self.sub` on `stream`, used only
+                // through the returned buffer; `free` gives exactly it back.
+                Ok(unsafe { self.exporter.adopt(ptr, size, stream, free) }?)
+            }
+        }
+    }
+}
+
+fn spawn_consumers(
+    exporter: &Exporter,
+    ctl_listener: &UnixListener,
+    socket: &Path,
+    count: usize,
+    v1: bool,
+    all: &mut Vec<Consumer>,
+) -> AnyResult<()> {
     let exe = std::env::current_exe()?;
-    let mut all = Vec::new();
-    for _ in 0..consumers {
-        let child = Command::new(&exe).arg("consumer").arg(&socket).spawn()?;
+    for _ in 0..count {
+        let mut command = Command::new(&exe);
+        command.arg("consumer").arg(socket);
+        if v1 {
+            command.arg("--v1");
+        }
+        let child = command.spawn()?;
         let (ctl, _) = ctl_listener.accept()?;
         let pid = mempool_ipc::peer_credentials(&ctl)?.pid;
         let importers = exporter.wait_for_importers(all.len() + 1, WAIT)?;
@@ -200,7 +257,46 @@ fn producer(consumers: usize) -> AnyResult<()> {
             .id;
         all.push(Consumer { child, ctl, importer });
     }
+    Ok(())
+}
+
+fn producer(consumers: usize) -> AnyResult<()> {
+    let dev = Device::get(0)?;
+    let ctx = dev.context()?;
+    let upstream = Arc::new(AsyncResource::new(
+        &dev,
+        AsyncOptions {
+            handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR,
+            release_threshold: ReleaseThreshold::KeepAll,
+            ..AsyncOptions::default()
+        },
+    )?);
+    let sub = Arc::new(PoolResource::new(
+        upstream.clone(),
+        &ctx,
+        PoolConfig {
+            initial_size: 1 << 30,
+            ..PoolConfig::default()
+        },
+    )?);
+    let dir = std::env::var_os("XDG_RUNTIME_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
+    let socket = dir.join(format!("mempool-handoff-{}.sock", std::process::id()));
+    let exporter = Exporter::with_pool_in(
+        &socket,
+        upstream.clone(),
+        AsyncResource::pool,
+        ExporterOptions::default(),
+    )?;
     let _ = std::fs::remove_file(ctl_path(&socket));
+    let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
+    // `spawn_consumers` counts the importers connected so far by the length of the list.
+    let mut v2 = Vec::new();
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, false, &mut v2)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, true, &mut v2)?;
+    let mut v1 = v2.split_off(consumers);
+    let all_ids = v1.len() + v2.len();
+    let _ = std::fs::remove_file(ctl_path(&socket));
+    let producer = Producer { exporter, sub };
 
     println!(
         "device: {} ({}), driver CUDA {}",
@@ -208,47 +304,67 @@ fn producer(consumers: usize) -> AnyResult<()> {
         dev.uuid()?,
         mempool_core::driver_version()?
     );
+    println!("({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path)");
     println!();
-    println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer)");
-    println!("| size | iterations | ipc median | ipc mean | host copy median | host copy mean | copy / ipc (median) |");
+    println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer, median / mean)");
+    println!("| size | iterations | v1 alloc | v2 alloc | v2 sub | host copy | v1 alloc / v2 sub (median) |");
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     let stream = Stream::new(&ctx)?;
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
-        let ipc = round_trip_ipc(&exporter, &mut all[0], &stream, size, iters)?;
-        let copy = round_trip_copy(&exporter, &ctx, &mut all[0], &stream, size, iters)?;
+        let old = round_trip_ipc(&producer, Make::Alloc, &mut v1[0], &stream, size, iters)?;
+        let alloc = round_trip_ipc(&producer, Make::Alloc, &mut v2[0], &stream, size, iters)?;
+        let sub = round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters)?;
+        let copy = round_trip_copy(&producer.exporter, &ctx, &mut v2[0], &stream, size, iters)?;
         println!(
-            "| {} | {iters} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}x |",
+            "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x |",
             human(size),
-            median(&ipc),
-            mean(&ipc),
+            median(&old),
+            mean(&old),
+            median(&alloc),
+            mean(&alloc),
+            median(&sub),
+            mean(&sub),
             median(&copy),
             mean(&copy),
-            median(&copy) / median(&ipc)
+            median(&old) / median(&sub)
         );
     }
 
     println!();
-    println!("Sustained, {consumers} consumers, {WINDOW} buffers in flight per consumer, fresh buffer filled on the GPU each time");
-    println!("| size | buffers | ipc buffers/s | host copy buffers/s | ipc / copy |");
-    println!("|---:|---:|---:|---:|---:|");
+    println!("Sustained, {consumers} consumers, {WINDOW} buffers in flight per consumer, fresh buffer filled on the GPU each time (buffers per second)");
+    println!("| size | buffers | v1 alloc | v2 alloc | v2 sub | host copy | v2 sub / v1 alloc |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     for size in [64 * KIB, MIB, 16 * MIB] {
         let per_consumer = (1024 * MIB / size / consumers).clamp(50, 2000);
-        let ipc = sustained_ipc(&exporter, &mut all, size, per_consumer)?;
-        let copy = sustained_copy(&exporter, &ctx, &mut all, size, per_consumer)?;
+        let old = sustained_ipc(&producer, Make::Alloc, &mut v1, size, per_consumer)?;
+        let alloc = sustained_ipc(&producer, Make::Alloc, &mut v2, size, per_consumer)?;
+        let sub = sustained_ipc(&producer, Make::Sub, &mut v2, size, per_consumer)?;
+        let copy = sustained_copy(&producer.exporter, &ctx, &mut v2, size, per_consumer)?;
         println!(
-            "| {} | {} | {ipc:.0} | {copy:.0} | {:.1}x |",
+            "| {} | {} | {old:.0} | {alloc:.0} | {sub:.0} | {copy:.0} | {:.1}x |",
             human(size),
             per_consumer * consumers,
-            ipc / copy
+            sub / old
         );
     }
+    let stats = producer.exporter.stats();
+    println!();
+    println!(
+        "exporter: {} buffers freed, {} blocks kept imported by consumers, {} parked",
+        stats.freed_buffers, stats.kept_blocks, stats.parked_buffers
+    );
 
-    for c in &mut all {
+    for c in v1.iter_mut().chain(v2.iter_mut()) {
         send_op(&mut c.ctl, OP_EXIT, 0)?;
     }
-    drop(exporter);
-    for mut c in all {
+    let Producer { exporter, sub } = producer;
+    let errors = exporter.shutdown();
+    if !errors.is_empty() {
+        return Err(format!("the exporter met errors: {errors:?}").into());
+    }
+    drop(sub);
+    for mut c in v1.into_iter().chain(v2) {
         let status = c.child.wait()?;
         if !status.success() {
             return Err(format!("a consumer failed: {status}").into());
@@ -258,7 +374,8 @@ fn producer(consumers: usize) -> AnyResult<()> {
 }
 
 fn round_trip_ipc(
-    exporter: &Exporter,
+    producer: &Producer,
+    make: Make,
     consumer: &mut Consumer,
     stream: &Stream,
     size: usize,
@@ -269,8 +386,8 @@ fn round_trip_ipc(
     let mut times = Vec::with_capacity(iters);
     for i in 0..iters + warmup {
         let t0 = Instant::now();
-        let buf = exporter.alloc(size, stream.as_ref())?;
-        exporter.share(&buf, &[consumer.importer])?;
+        let buf = producer.make(make, size, stream.as_ref())?;
+        producer.exporter.share(&buf, &[consumer.importer])?;
         buf.wait_released(WAIT)?;
         buf.release()?;
         if i >= warmup {
@@ -309,11 +426,17 @@ fn round_trip_copy(
 }
 
 /// Buffers per second with one producer thread per consumer.
-fn sustained_ipc(exporter: &Exporter, all: &mut [Consumer], size: usize, per_consumer: usize) -> AnyResult<f64> {
+fn sustained_ipc(
+    producer: &Producer,
+    make: Make,
+    all: &mut [Consumer],
+    size: usize,
+    per_consumer: usize,
+) -> AnyResult<f64> {
     for c in all.iter_mut() {
         send_op(&mut c.ctl, OP_IPC, per_consumer as u64)?;
     }
-    let ctx = exporter.pool().context().clone();
+    let ctx = producer.exporter.pool().context().clone();
     let t0 = Instant::now();
     std::thread::scope(|scope| -> AnyResult<()> {
         let workers: Vec<_> = all
@@ -325,9 +448,9 @@ fn sustained_ipc(exporter: &Exporter, all: &mut [Consumer], size: usize, per_con
                     let stream = Stream::new(&ctx)?;
                     let mut in_flight = VecDeque::new();
                     for _ in 0..per_consumer {
-                        let buf = exporter.alloc(size, stream.as_ref())?;
+                        let buf = producer.make(make, size, stream.as_ref())?;
                         buf.fill(0)?; // real GPU work on the buffer before the hand-off
-                        exporter.share(&buf, &[importer])?;
+                        producer.exporter.share(&buf, &[importer])?;
                         in_flight.push_back(buf);
                         if in_flight.len() >= WINDOW {
                             let done = in_flight.pop_front().expect("window is full");

@@ -253,7 +253,6 @@ impl Connection {
     /// Closes this side's sending direction (after a `Goodbye`): the peer reads the end of the
     /// stream after the last message, this side can still receive, and later sends fail with
     /// [`Error::WriteClosed`].
-    #[cfg(test)]
     pub(crate) fn close_write(&self) {
         let _guard = lock(&self.send_lock);
         if !self.write_closed.swap(true, Ordering::AcqRel) {

@@ -212,9 +212,10 @@ pub enum Error {
     #[error(transparent)]
     Io(#[from] io::Error),
 
-    /// A VMM allocation cannot go to this importer: it did not accept VMM sharing in its
-    /// handshake (`ImporterOptions::accept_vmm` unset, or a build without it). Nothing was sent.
-    #[error("importer {importer} does not accept VMM allocations (it connected without ImporterOptions::accept_vmm)")]
+    /// A VMM allocation cannot go to this importer: its handshake did not ask for the VMM
+    /// capability (`ImporterOptions::accept_vmm` unset, a version-1 importer, or a build
+    /// without it). Nothing was sent.
+    #[error("importer {importer} does not accept VMM allocations (its handshake did not ask for the VMM capability: ImporterOptions::accept_vmm unset, or a version-1 importer)")]
     VmmNotAccepted {
         /// The importer.
         importer: ImporterId,

@@ -8,20 +8,24 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use mempool_core::{
-    BufferView, Context, Device, DeviceAddr, Event, ImportedPtr, IpcEventHandle, MemPool, PtrExportData, StreamRef,
+    BufferView, Context, Device, DeviceAddr, Event, EventFlags, ImportedPtr, IpcEventHandle, MemPool, PtrExportData,
+    StreamRef,
 };
 
+use crate::batch::ReleaseBatcher;
 use crate::conn::ConnectionConfig;
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
 use crate::wire::{
-    BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError,
+    BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
+    CAP_VMM,
 };
 
 mod vmm;
@@ -30,16 +34,30 @@ pub use self::vmm::SharedVmm;
 use self::vmm::VmmHost;
 
 /// How an [`Importer`] connects.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ImporterOptions {
     /// The connection's time limits.
     pub connection: ConnectionConfig,
     /// Which users the exporter may run as (default: this process's user).
     pub policy: AccessPolicy,
-    /// Accept VMM physical allocations ([`SharedVmm`], from
-    /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) as well as pool buffers: announced
-    /// in the handshake, and then receive with [`Importer::recv_any`]. Default: `false` (the
-    /// exporter refuses to share VMM memory with this importer).
+    /// Asks for the fast release path (protocol version 2; default `true`): blocks of
+    /// suballocated buffers stay imported for the connection's life, and dropping a
+    /// [`SharedBuffer`] neither synchronizes nor sends a message of its own: it records an
+    /// interprocess event on the buffer's stream and queues the release, which goes out in a
+    /// batch ordered by that event. A version-1 exporter refuses the request; the importer then
+    /// connects the version-1 way. `false` speaks version 1 (each drop synchronizes its stream
+    /// and sends its own `Release`).
+    pub fast_release: bool,
+    /// The most releases one batch carries (1 to 64; default 32).
+    pub max_release_batch: usize,
+    /// The longest a release waits to be sent (default 100 µs). A batch also goes out when it is
+    /// full, and whenever [`Importer::recv`] is about to wait for the exporter.
+    pub max_release_delay: Duration,
+    /// Asks for VMM physical allocations ([`SharedVmm`], from
+    /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) as well as pool buffers: capability
+    /// bit 1 of the version-2 handshake; receive them with [`Importer::recv_any`]. Default:
+    /// `false` (the exporter refuses to share VMM memory with this importer). A version-1
+    /// exporter never grants it.
     pub accept_vmm: bool,
 }
 
@@ -52,18 +70,45 @@ pub enum Received<'s> {
     Vmm(SharedVmm),
 }
 
+impl Default for ImporterOptions {
+    fn default() -> Self {
+        ImporterOptions {
+            connection: ConnectionConfig::default(),
+            policy: AccessPolicy::default(),
+            fast_release: true,
+            max_release_batch: 32,
+            max_release_delay: Duration::from_micros(100),
+            accept_vmm: false,
+        }
+    }
+}
+
 struct State {
     table: ImportTable<ImportedPtr>,
     /// Opened interprocess events by handle. The exporter recycles its events, so the same
     /// handles come back; each is opened once for the connection's life.
     events: HashMap<[u8; 64], Event>,
+    /// The fast release path's interprocess event and its handle, made on the first release.
+    release_event: Option<(Event, EventHandle)>,
+    /// Whether `release_event` was recorded yet.
+    recorded: bool,
     /// The VMM buffers held ([`SharedVmm`]).
     vmm: HashSet<BufferId>,
+}
+
+/// The releases waiting to go out (fast release path), shared with the flusher thread.
+struct Pending {
+    batch: Mutex<ReleaseBatcher>,
+    /// Signalled when a batch begins, and when the importer goes away.
+    changed: Condvar,
+    stop: AtomicBool,
 }
 
 struct Inner {
     // Field order is drop order: the imports go before the pool they came from.
     state: Mutex<State>,
+    /// `Some` on the fast release path.
+    pending: Option<Arc<Pending>>,
     session: ImporterSession,
     ctx: Arc<Context>,
     device: Device,
@@ -79,9 +124,13 @@ struct Inner {
 /// and makes the caller's stream wait on the exporter's event, so work queued on that stream
 /// after `recv` sees the exporter's data.
 ///
-/// Dropping a [`SharedBuffer`] waits for the work queued on its stream, frees the block's import
-/// if it was the block's last buffer here, and only then sends `Release`: the driver's rule that
-/// the importer frees before the exporter does.
+/// On the version-1 path, dropping a [`SharedBuffer`] waits for the work queued on its stream,
+/// frees the block's import if it was the block's last buffer here, and only then sends
+/// `Release`: the driver's rule that the importer frees before the exporter does. On the fast
+/// release path (protocol version 2, asked for by default: [`ImporterOptions::fast_release`]),
+/// blocks of suballocated buffers stay imported for the connection's life (the exporter keeps
+/// them allocated until this importer is gone), and dropping a buffer records this importer's
+/// interprocess event on its stream and queues the release for a batch: it does not wait.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), mempool_ipc::Error> {
@@ -124,13 +173,12 @@ impl Importer {
     /// [`Error::PeerCredentials`]; [`Error::Core`] if the pool cannot be imported; any error of
     /// the handshake: [`Error::Timeout`], [`Error::UnexpectedMessage`], [`Error::Remote`], ...
     pub fn connect(path: impl AsRef<Path>, options: ImporterOptions) -> Result<Importer> {
-        let wanted = if options.accept_vmm {
-            Capabilities::VMM
-        } else {
-            Capabilities::NONE
-        };
+        let mut capabilities = if options.fast_release { CAP_FAST_RELEASE } else { 0 };
+        if options.accept_vmm {
+            capabilities |= CAP_VMM;
+        }
         let (session, imported) =
-            ImporterSession::connect_with(path, options.connection, &options.policy, wanted, find_device)?;
+            ImporterSession::connect(path, options.connection, &options.policy, capabilities, find_device)?;
         let device = imported.device;
         let setup = || -> Result<(Arc<Context>, MemPool)> {
             let ctx = device.context()?;
@@ -141,19 +189,53 @@ impl Importer {
             Ok(parts) => parts,
             Err(e) => return Err(session.reject(e)),
         };
-        Ok(Importer {
-            inner: Arc::new(Inner {
-                state: Mutex::new(State {
-                    table: ImportTable::new(),
-                    events: HashMap::new(),
-                    vmm: HashSet::new(),
-                }),
-                session,
-                ctx,
-                device,
-                pool,
+        let pending = (session.capabilities() & CAP_FAST_RELEASE != 0).then(|| {
+            Arc::new(Pending {
+                batch: Mutex::new(ReleaseBatcher::new(
+                    options.max_release_batch,
+                    options.max_release_delay,
+                )),
+                changed: Condvar::new(),
+                stop: AtomicBool::new(false),
+            })
+        });
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                table: ImportTable::new(),
+                events: HashMap::new(),
+                release_event: None,
+                recorded: false,
+                vmm: HashSet::new(),
             }),
-        })
+            pending: pending.clone(),
+            session,
+            ctx,
+            device,
+            pool,
+        });
+        if let Some(pending) = pending {
+            let weak = Arc::downgrade(&inner);
+            let spawned = std::thread::Builder::new()
+                .name("mempool-ipc-release".into())
+                .spawn(move || flush_when_due(&pending, &weak));
+            if let Err(e) = spawned {
+                return Err(Error::Io(e));
+            }
+        }
+        Ok(Importer { inner })
+    }
+
+    /// Whether this connection uses the fast release path (the importer asked for it and the
+    /// exporter speaks protocol version 2).
+    pub fn fast_release(&self) -> bool {
+        self.inner.pending.is_some()
+    }
+
+    /// Sends the releases waiting to go out now (fast release path; nothing otherwise). They go
+    /// out by themselves within [`ImporterOptions::max_release_delay`], when a batch is full, and
+    /// before [`Importer::recv`] waits.
+    pub fn flush_releases(&self) -> Result<()> {
+        self.inner.flush_releases()
     }
 
     /// The local device that has the exporter's GPU.
@@ -190,12 +272,19 @@ impl Importer {
     /// Whether the exporter agreed to send VMM allocations ([`ImporterOptions::accept_vmm`], and
     /// an exporter that offers them).
     pub fn accepts_vmm(&self) -> bool {
-        self.inner.session.accepted().contains(Capabilities::VMM)
+        self.inner.session.capabilities() & CAP_VMM != 0
     }
 
-    /// How many blocks are imported now (buffers suballocated from one block share it).
+    /// How many blocks are imported now (buffers suballocated from one block share it; on the
+    /// fast release path, blocks the exporter let this importer keep stay imported with no
+    /// buffer held).
     pub fn imported_blocks(&self) -> usize {
         self.inner.lock().table.block_count()
+    }
+
+    /// How many imported blocks are kept for the connection's life (fast release path).
+    pub fn kept_blocks(&self) -> usize {
+        self.inner.lock().table.kept_count()
     }
 
     /// Waits for the next buffer. Work queued on `stream` after this returns runs after the
@@ -243,13 +332,21 @@ impl Importer {
 
     fn recv_any_until<'s>(&self, stream: StreamRef<'s>, deadline: Option<Instant>) -> Result<Received<'s>> {
         let inner = &self.inner;
+        // The exporter may be waiting for these releases before it sends more: send them unless
+        // a message is already here.
+        if inner.pending.is_some() && !inner.session.readable() {
+            inner.flush_releases()?;
+        }
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
             Ok(ExporterEvent::VmmBuffer(descriptor, fd)) => {
                 let host: Arc<dyn VmmHost> = inner.clone();
                 return vmm::receive(host, descriptor, fd, stream).map(Received::Vmm);
             }
-            Ok(ExporterEvent::Goodbye) => return Err(Error::ExporterGone { how: "said Goodbye" }),
+            Ok(ExporterEvent::Goodbye) => {
+                inner.exporter_said_goodbye();
+                return Err(Error::ExporterGone { how: "said Goodbye" });
+            }
             Err(Error::Closed) => {
                 return Err(Error::ExporterGone {
                     how: "closed the connection",
@@ -322,6 +419,13 @@ impl Importer {
 /// Dropping it waits for the work queued on that stream, frees the import (if it was its
 /// block's last buffer here) and sends `Release`. After the exporter is gone, dropping it still
 /// frees the import; the release then has nowhere to go and is skipped.
+///
+/// On the fast release path ([`Importer::fast_release`]) dropping it does not wait: it records
+/// the importer's interprocess event on the buffer's stream and queues the release; the
+/// exporter orders every reuse of the memory after that event, on the GPU. (It still waits if
+/// it frees a block's import, which the exporter allows only for blocks it did not let this
+/// importer keep.) The importer's stream also waits for the previous release's event first, so
+/// that each recording of the event covers every release before it.
 pub struct SharedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
@@ -397,13 +501,137 @@ impl Inner {
         Ok(())
     }
 
+    /// Forgets `id` on the fast release path: frees the block's import if the exporter did not
+    /// let this importer keep it (that waits), then records the release event on `stream` after
+    /// making `stream` wait for its previous recording, so the recording covers this release and
+    /// every earlier one whatever stream they were on.
+    fn forget_fast(&self, id: BufferId, stream: StreamRef<'_>) -> Result<EventHandle> {
+        let mut state = self.lock();
+        if let Some(import) = state.table.release(id)? {
+            import.free(stream)?;
+        }
+        if state.release_event.is_none() {
+            let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+            let handle = EventHandle(event.ipc_handle()?.0);
+            state.release_event = Some((event, handle));
+        }
+        let recorded = state.recorded;
+        let Some((event, handle)) = state.release_event.as_ref() else {
+            unreachable!("made above")
+        };
+        if recorded {
+            stream.wait(event)?;
+        }
+        event.record(stream)?;
+        let handle = *handle;
+        state.recorded = true;
+        Ok(handle)
+    }
+
     fn release(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
+        if let Some(pending) = &self.pending {
+            if let Err(e) = self.forget_fast(id, stream) {
+                // Not ordered by the event: fall back to waiting, and release it on its own.
+                stream.synchronize()?;
+                let _ = self.session.release(id);
+                return Err(e);
+            }
+            let full = {
+                let mut batch = lock_plain(&pending.batch);
+                let was_empty = batch.is_empty();
+                let full = batch.push(id, Instant::now());
+                if was_empty {
+                    pending.changed.notify_all();
+                }
+                full
+            };
+            return if full { self.flush_releases() } else { Ok(()) };
+        }
         self.forget(id, stream)?;
-        match self.session.release(id) {
-            Ok(()) => Ok(()),
-            // The exporter is gone (or said Goodbye and closed): nobody to tell.
-            Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
-            Err(e) => Err(e),
+        ignore_gone(self.session.release(id))
+    }
+
+    /// The exporter said `Goodbye` (it shares nothing more). On the fast release path, an importer
+    /// that holds no buffer frees the imports it kept and says `Goodbye` now, so the exporter's
+    /// shutdown can free those blocks instead of waiting for this importer to be dropped.
+    fn exporter_said_goodbye(&self) {
+        if self.pending.is_none() {
+            return;
+        }
+        if let Err(e) = self.flush_releases() {
+            record_drop_error(e);
+        }
+        let kept = {
+            let mut state = self.lock();
+            if !state.table.is_empty() {
+                return;
+            }
+            state.table.drain()
+        };
+        if let Err(e) = self.ctx.synchronize() {
+            record_drop_error(e.into());
+            return;
+        }
+        drop(kept);
+        let deadline = Instant::now() + self.session.io_timeout();
+        let _ = self.session.goodbye_and_wait(deadline);
+    }
+
+    /// Sends the pending releases (fast release path), in batches.
+    fn flush_releases(&self) -> Result<()> {
+        let Some(pending) = &self.pending else { return Ok(()) };
+        loop {
+            let buffers = lock_plain(&pending.batch).take();
+            if buffers.is_empty() {
+                return Ok(());
+            }
+            // Every buffer taken was released after the event's handle was known.
+            let handle = self.lock().release_event.as_ref().map(|(_, h)| *h);
+            ignore_gone(self.session.release_batch(handle, buffers))?;
+        }
+    }
+}
+
+/// A send that failed because the exporter is gone (or said Goodbye and closed) succeeds:
+/// nobody is left to tell.
+fn ignore_gone(result: Result<()>) -> Result<()> {
+    match result {
+        Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
+        other => other,
+    }
+}
+
+fn lock_plain<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The flusher thread (fast release path): sends a batch once its oldest release has waited
+/// the longest delay allowed, until the importer goes away.
+fn flush_when_due(pending: &Pending, inner: &Weak<Inner>) {
+    let mut batch = lock_plain(&pending.batch);
+    while !pending.stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        match batch.deadline() {
+            None => {
+                batch = pending.changed.wait(batch).unwrap_or_else(|p| p.into_inner());
+            }
+            Some(deadline) if deadline > now => {
+                batch = pending
+                    .changed
+                    .wait_timeout(batch, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            Some(_) => {
+                drop(batch);
+                // Gone: its drop flushed what was left.
+                let Some(inner) = inner.upgrade() else { return };
+                if let Err(e) = inner.flush_releases() {
+                    record_drop_error(e);
+                }
+                drop(inner);
+                batch = lock_plain(&pending.batch);
+            }
         }
     }
 }
@@ -447,8 +675,17 @@ impl VmmHost for Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Every SharedBuffer holds an Arc of this, so the table is empty unless a release failed
-        // half-way; free what is left before saying Goodbye.
+        if let Some(pending) = &self.pending {
+            pending.stop.store(true, Ordering::Release);
+            pending.changed.notify_all();
+            // The releases still pending go out (with their event) before the Goodbye.
+            if let Err(e) = self.flush_releases() {
+                record_drop_error(e);
+            }
+        }
+        // Every SharedBuffer holds an Arc of this, so the table holds no buffer unless a release
+        // failed half-way; it holds the blocks this importer kept. Free them before saying
+        // Goodbye (`ImportedPtr`'s drop synchronizes the context first).
         let leftovers = self.lock().table.drain();
         if !leftovers.is_empty() {
             if let Err(e) = self.ctx.synchronize() {
@@ -456,7 +693,22 @@ impl Drop for Inner {
             }
             drop(leftovers);
         }
-        let _ = self.session.goodbye();
+        let mut released_all = true;
+        if let Some((event, _)) = &self.lock().release_event {
+            // Every use of what was released here is complete before the event goes.
+            if let Err(e) = event.synchronize() {
+                released_all = false;
+                record_drop_error(e.into());
+            }
+        }
+        if self.pending.is_some() && released_all {
+            // The exporter waits on the release event when it reads a batch: keep the event (it
+            // is destroyed with this) until the exporter has read everything and closed.
+            let deadline = Instant::now() + self.session.io_timeout();
+            let _ = self.session.goodbye_and_wait(deadline);
+        } else {
+            let _ = self.session.goodbye();
+        }
     }
 }
 

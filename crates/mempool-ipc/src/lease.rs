@@ -9,7 +9,13 @@
 //!
 //! The importer's side, [`ImportTable`], imports each block once, maps buffers to blocks, and
 //! hands a block back when its last buffer is released, so that the importer frees its import
-//! before it sends `Release`.
+//! before it sends `Release`, unless the exporter let it keep the block's import (the fast
+//! release path of protocol version 2): such a block stays imported until the connection ends.
+//!
+//! The exporter's side of kept imports, [`BlockPins`], records which importers keep which block
+//! imported, and holds back the free of a block's last buffer (which would let the allocation go
+//! back to the driver) until every importer that keeps the block is gone; a block id is therefore
+//! never reused for another allocation while an importer may still hold a stale import of it.
 //!
 //! Both are generic over the handle type, so tests run them against a simulated pool
 //! (`lease/tests.rs`, with a model-based property test of the lease table). Their refusals are
@@ -303,12 +309,140 @@ impl<B> LeaseTable<B> {
     }
 }
 
+/// The exporter's record of blocks whose imports importers keep (see the
+/// [module documentation](self)), over blocks named by a key `K` (the block's base address in
+/// the exporter) and parked buffers `B`.
+///
+/// Invariants (checked by the tests): importer `i` keeps block `k` iff `k` is among `i`'s
+/// blocks; a block is recorded iff some importer keeps it; a parked buffer sits only in a
+/// recorded block, at most one per block.
+#[derive(Debug)]
+pub(crate) struct BlockPins<K, B> {
+    blocks: BTreeMap<K, Pinned<B>>,
+    by_importer: BTreeMap<ImporterId, BTreeSet<K>>,
+}
+
+#[derive(Debug)]
+struct Pinned<B> {
+    keepers: BTreeSet<ImporterId>,
+    parked: Option<B>,
+}
+
+impl<K, B> Default for BlockPins<K, B> {
+    fn default() -> Self {
+        BlockPins {
+            blocks: BTreeMap::new(),
+            by_importer: BTreeMap::new(),
+        }
+    }
+}
+
+impl<K: Ord + Copy, B> BlockPins<K, B> {
+    /// `importer` may keep `block` imported from now on (record it before the `Buffer` message
+    /// that allows it goes out).
+    pub(crate) fn keep(&mut self, block: K, importer: ImporterId) {
+        self.blocks
+            .entry(block)
+            .or_insert_with(|| Pinned {
+                keepers: BTreeSet::new(),
+                parked: None,
+            })
+            .keepers
+            .insert(importer);
+        self.by_importer.entry(importer).or_default().insert(block);
+    }
+
+    /// Whether some importer keeps `block` imported.
+    #[cfg(test)]
+    pub(crate) fn is_kept(&self, block: K) -> bool {
+        self.blocks.contains_key(&block)
+    }
+
+    /// Whether `importer` keeps any block imported.
+    pub(crate) fn keeps_any(&self, importer: ImporterId) -> bool {
+        self.by_importer.contains_key(&importer)
+    }
+
+    /// The last live buffer of `block` is to be freed: if an importer keeps the block imported,
+    /// the buffer is parked here instead (its allocation keeps the block alive) and `None`
+    /// returned; otherwise it comes back: free it now.
+    pub(crate) fn park(&mut self, block: K, buffer: B) -> Option<B> {
+        match self.blocks.get_mut(&block) {
+            Some(pinned) if pinned.parked.is_none() => {
+                pinned.parked = Some(buffer);
+                None
+            }
+            _ => Some(buffer),
+        }
+    }
+
+    /// `importer` keeps nothing imported any more (it said `Goodbye` after freeing its imports,
+    /// or its process is gone). Returns the parked buffers of the blocks nobody keeps now, in key
+    /// order: free them.
+    pub(crate) fn importer_gone(&mut self, importer: ImporterId) -> Vec<(K, B)> {
+        let Some(blocks) = self.by_importer.remove(&importer) else {
+            return Vec::new();
+        };
+        let mut freed = Vec::new();
+        for block in blocks {
+            let Some(pinned) = self.blocks.get_mut(&block) else {
+                continue;
+            };
+            pinned.keepers.remove(&importer);
+            if pinned.keepers.is_empty() {
+                if let Some(parked) = self.blocks.remove(&block).and_then(|p| p.parked) {
+                    freed.push((block, parked));
+                }
+            }
+        }
+        freed
+    }
+
+    /// How many blocks are kept imported by some importer.
+    pub(crate) fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// How many buffers are parked.
+    pub(crate) fn parked(&self) -> usize {
+        self.blocks.values().filter(|p| p.parked.is_some()).count()
+    }
+
+    /// Checks the invariants listed on the type; panics with a description if one is broken.
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self)
+    where
+        K: fmt::Debug,
+    {
+        for (block, pinned) in &self.blocks {
+            assert!(!pinned.keepers.is_empty(), "{block:?} is recorded but nobody keeps it");
+            for importer in &pinned.keepers {
+                assert!(
+                    self.by_importer.get(importer).is_some_and(|s| s.contains(block)),
+                    "{block:?} lists {importer}, whose blocks lack it"
+                );
+            }
+        }
+        for (importer, blocks) in &self.by_importer {
+            assert!(!blocks.is_empty(), "{importer} has an empty block set");
+            for block in blocks {
+                assert!(
+                    self.blocks.get(block).is_some_and(|p| p.keepers.contains(importer)),
+                    "{importer} keeps {block:?}, which does not list it"
+                );
+            }
+        }
+    }
+}
+
 /// One imported block on the importer's side.
 #[derive(Debug)]
 struct ImportedBlock<H> {
     handle: H,
     size: u64,
     buffers: BTreeSet<BufferId>,
+    /// The exporter allowed keeping the import after the last buffer is released.
+    keep: bool,
 }
 
 /// Where a buffer lives, on the importer's side.
@@ -326,7 +460,8 @@ pub(crate) struct BufferPlace {
 /// [module documentation](self).
 ///
 /// Invariants: every buffer's block is present and lists it; every block lists at least one
-/// buffer (a block whose last buffer is released leaves the table and is handed back).
+/// buffer (a block whose last buffer is released leaves the table and is handed back), unless
+/// it is kept (`keep_import`), which stays until [`ImportTable::drain`].
 #[derive(Debug)]
 pub(crate) struct ImportTable<H> {
     blocks: BTreeMap<BlockId, ImportedBlock<H>>,
@@ -376,12 +511,15 @@ impl<H> ImportTable<H> {
                     }
                     .into());
                 }
+                // Once the exporter allowed keeping it, it counts this importer as keeping it.
+                block.keep |= descriptor.keep_import;
                 block
             }
             btree_map::Entry::Vacant(entry) => entry.insert(ImportedBlock {
                 handle: import(descriptor)?,
                 size: descriptor.block_size,
                 buffers: BTreeSet::new(),
+                keep: descriptor.keep_import,
             }),
         };
         block.buffers.insert(buffer);
@@ -404,8 +542,9 @@ impl<H> ImportTable<H> {
         Some((&block.handle, place))
     }
 
-    /// Forgets a buffer. Returns its block's handle if it was the block's last buffer: free the
-    /// import (and synchronize) *before* sending `Release` for this buffer.
+    /// Forgets a buffer. Returns its block's handle if it was the block's last buffer and the
+    /// block is not kept: free the import (and synchronize) *before* sending `Release` for this
+    /// buffer. A kept block stays imported, with no buffer.
     ///
     /// [`LeaseError::UnknownBuffer`] if the buffer is not recorded (a double release).
     pub(crate) fn release(&mut self, buffer: BufferId) -> Result<Option<H>> {
@@ -417,7 +556,7 @@ impl<H> ImportTable<H> {
             return Ok(None);
         };
         block.buffers.remove(&buffer);
-        if block.buffers.is_empty() {
+        if block.buffers.is_empty() && !block.keep {
             return Ok(self.blocks.remove(&place.block_id).map(|b| b.handle));
         }
         Ok(None)
@@ -439,14 +578,18 @@ impl<H> ImportTable<H> {
     }
 
     /// Whether no buffer is recorded.
-    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
 
-    /// How many blocks are imported.
+    /// How many blocks are imported (kept ones included).
     pub(crate) fn block_count(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// How many imported blocks are kept.
+    pub(crate) fn kept_count(&self) -> usize {
+        self.blocks.values().filter(|b| b.keep).count()
     }
 
     /// Checks the invariants listed on the type; panics with a description if one is broken.
@@ -461,7 +604,7 @@ impl<H> ImportTable<H> {
             assert!(place.offset + place.size <= block.size);
         }
         for (id, block) in &self.blocks {
-            assert!(!block.buffers.is_empty(), "{id} has no buffers");
+            assert!(block.keep || !block.buffers.is_empty(), "{id} has no buffers");
             for buffer in &block.buffers {
                 assert_eq!(self.buffers.get(buffer).map(|p| p.block_id), Some(*id));
             }

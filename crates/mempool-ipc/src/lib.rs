@@ -14,8 +14,10 @@
 //!   suballocated from a larger allocation, sent as block plus offset) and frees each one only
 //!   when every holder has let go, dead importers included ([`ExporterStats`] counts them).
 //! - [`Importer`] connects ([`ImporterOptions`]), imports the pool once, and receives
-//!   [`SharedBuffer`]s that wait for their last use, free their import and send the release
-//!   when dropped.
+//!   [`SharedBuffer`]s that release themselves when dropped: on the fast release path (protocol
+//!   version 2, the default) by recording an interprocess event and queueing the release for a
+//!   batch, with the imports of suballocated blocks kept for the connection's life; on the
+//!   version-1 path by waiting for their last use, freeing their import and sending the release.
 //! - [`Error`] says what went wrong; it wraps a [`ProtocolError`] for frames that break the
 //!   wire format and a [`LeaseError`] for what the lease bookkeeping refuses. Errors met where
 //!   nobody can be told (in a `Drop`, on the exporter's serving thread) are kept for
@@ -33,10 +35,12 @@
 //! - `server`: the exporter's connections without the GPU: admission within its limits, one
 //!   bounded send queue per importer, the wait for a dead importer's process, all served by one
 //!   `epoll` thread;
-//! - `lease`: which importer holds which buffer, and when a buffer may be freed;
+//! - `lease`: which importer holds which buffer, and when a buffer may be freed; which blocks
+//!   importers keep imported (protocol version 2);
+//! - `batch`: the importer's releases waiting to go out together (protocol version 2);
 //! - `error`: the error types above, and the sink of [`take_drop_errors`].
 //!
-//! Each module imports only modules below it: `wire` imports none, `lease` imports `wire`,
+//! Each module imports only modules below it: `wire` imports none, `lease` and `batch` import `wire`,
 //! `error` imports both, and nothing imports the crate root.
 //!
 //! Linux only (`SCM_RIGHTS` with `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`), like CUDA's pool IPC.
@@ -44,6 +48,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod batch;
 mod conn;
 mod cred;
 mod error;

@@ -36,7 +36,7 @@ use crate::error::{Error, Result};
 use crate::lease::ImporterId;
 use crate::listener::Listener;
 use crate::session::PoolAnnouncement;
-use crate::wire::{BufferId, Capabilities, Message};
+use crate::wire::{BufferId, Message};
 
 /// The exporter's connections, served by one thread. See the [module documentation](self).
 #[derive(Debug)]
@@ -123,11 +123,6 @@ impl Server {
                 reason: format!("importer {id} is being disconnected, or the exporter is shutting down"),
             }),
         }
-    }
-
-    /// What importer `id` accepted in its handshake; `None` if it is not connected.
-    pub(crate) fn capabilities(&self, id: ImporterId) -> Option<Capabilities> {
-        lock(&self.shared.capabilities).get(&id).copied()
     }
 
     /// The loop's counters, as of its last round.

@@ -15,6 +15,13 @@
 //!    |  Goodbye            ----------------->  |  (or the connection closes)
 //! ```
 //!
+//! Version 2: an importer that asks for capabilities opens with `Hello2 { capabilities }`
+//! instead of `Hello`, and the exporter answers `Welcome2 { GPU UUID, pool id, capabilities
+//! granted }` (a subset of those asked for); the rest of the handshake is the same. With the fast
+//! release capability the importer may also send `ReleaseBatch`; with the VMM capability the
+//! exporter may also send `VmmBuffer` (with one descriptor). A version-1 exporter refuses
+//! `Hello2` (`UnsupportedVersion`); the importer then connects again with `Hello`.
+//!
 //! The whole handshake must finish within [`ConnectionConfig::handshake_timeout`], so a peer
 //! that connects and says nothing costs the exporter that long at most. Any failure sends the
 //! peer an `Error` message (best effort) and closes the connection; an `Error` message from the
@@ -36,8 +43,8 @@ use crate::conn::{Connection, ConnectionConfig, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::wire::{
-    BufferDescriptor, BufferId, Capabilities, DeviceUuid, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
-    VmmBufferDescriptor, Welcome,
+    BufferDescriptor, BufferId, DeviceUuid, EventHandle, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
+    ReleaseBatch, VmmBufferDescriptor, Welcome, CAP_VMM, KNOWN_CAPABILITIES,
 };
 
 /// What an exporter tells each importer in the handshake.
@@ -50,10 +57,13 @@ pub(crate) struct PoolAnnouncement {
 }
 
 /// What an exporter's session may receive after the handshake.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug)]
 pub(crate) enum ImporterEvent {
     /// The importer freed its import of this buffer.
     Release(BufferId),
+    /// The importer is done with these buffers; their use on its GPU is ordered before the
+    /// event (only from an importer granted the fast release capability).
+    ReleaseBatch(ReleaseBatch),
     /// The importer is done: it freed every import and closes the connection. Every buffer it
     /// still held counts as released.
     Goodbye,
@@ -65,7 +75,7 @@ pub(crate) enum ExporterEvent {
     /// A shared buffer.
     Buffer(BufferDescriptor),
     /// A VMM physical allocation and its file descriptor (close-on-exec); only after the
-    /// importer accepted [`Capabilities::VMM`].
+    /// exporter granted [`CAP_VMM`].
     VmmBuffer(VmmBufferDescriptor, OwnedFd),
     /// The exporter is shutting down and shares nothing more; release what you hold.
     Goodbye,
@@ -90,24 +100,31 @@ pub(crate) enum HandshakeStep {
 pub(crate) struct ExporterHandshake {
     announcement: PoolAnnouncement,
     step: HandshakeStep,
-    /// What the importer accepted in `Ready`.
-    accepted: Capabilities,
+    /// The capabilities this exporter offers.
+    offered: u64,
+    /// The capabilities granted (0 for a version-1 `Hello`).
+    granted: u64,
 }
 
 impl ExporterHandshake {
     /// A handshake that waits for `Hello`.
     pub(crate) fn new(announcement: PoolAnnouncement) -> ExporterHandshake {
+        ExporterHandshake::offering(announcement, KNOWN_CAPABILITIES)
+    }
+
+    /// A handshake that grants at most the capabilities in `offered` to a `Hello2`.
+    pub(crate) fn offering(announcement: PoolAnnouncement, offered: u64) -> ExporterHandshake {
         ExporterHandshake {
             announcement,
             step: HandshakeStep::AwaitHello,
-            accepted: Capabilities::NONE,
+            offered: offered & KNOWN_CAPABILITIES,
+            granted: 0,
         }
     }
 
-    /// What the importer accepted of the exporter's offer ([`Capabilities::KNOWN`]): nothing
-    /// before `Ready`.
-    pub(crate) fn accepted(&self) -> Capabilities {
-        self.accepted
+    /// The capabilities granted to the importer (0 until it said `Hello2`, and for `Hello`).
+    pub(crate) fn capabilities(&self) -> u64 {
+        self.granted
     }
 
     /// Where it stands.
@@ -129,33 +146,24 @@ impl ExporterHandshake {
                 Ok(Message::Welcome(Welcome {
                     device_uuid: a.device_uuid,
                     pool_id: a.pool_id,
-                    capabilities: Capabilities::KNOWN,
                 }))
             }
-            (HandshakeStep::AwaitReady, Message::Ready(Ready { capabilities, .. }))
-                if !Capabilities::KNOWN.contains(capabilities) =>
-            {
-                Err(ProtocolError::Violation {
-                    reason: format!(
-                        "Ready accepts capabilities {:#x}, more than the offered {:#x}",
-                        capabilities.0,
-                        Capabilities::KNOWN.0
-                    ),
-                }
-                .into())
+            (HandshakeStep::AwaitHello, Message::Hello2 { capabilities }) => {
+                self.step = HandshakeStep::AwaitReady;
+                self.granted = capabilities & self.offered;
+                Ok(Message::Welcome2 {
+                    welcome: Welcome {
+                        device_uuid: a.device_uuid,
+                        pool_id: a.pool_id,
+                    },
+                    capabilities: self.granted,
+                })
             }
-            (
-                HandshakeStep::AwaitReady,
-                Message::Ready(Ready {
-                    device_uuid,
-                    capabilities,
-                }),
-            ) if device_uuid == a.device_uuid => {
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) if device_uuid == a.device_uuid => {
                 self.step = HandshakeStep::Done;
-                self.accepted = capabilities;
                 Ok(Message::PoolDescriptor(PoolDescriptor { pool_id: a.pool_id }))
             }
-            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid, .. })) => Err(Error::WrongDevice {
+            (HandshakeStep::AwaitReady, Message::Ready(Ready { device_uuid })) => Err(Error::WrongDevice {
                 expected_uuid: a.device_uuid,
                 got: device_uuid,
             }),
@@ -169,12 +177,16 @@ impl ExporterHandshake {
     }
 }
 
-/// What a message from an importer means after the handshake: `Release`, `Goodbye`, or an
-/// error that ends the connection ([`Error::UnexpectedMessage`]; [`Error::Remote`] for the
-/// peer's `Error` message).
-pub(crate) fn importer_event(message: Message) -> Result<ImporterEvent> {
+/// What a message from an importer granted `capabilities` means after the handshake:
+/// `Release`, `ReleaseBatch` (with the fast release capability), `Goodbye`, or an error that
+/// ends the connection ([`Error::UnexpectedMessage`]; [`Error::Remote`] for the peer's `Error`
+/// message).
+pub(crate) fn importer_event(message: Message, capabilities: u64) -> Result<ImporterEvent> {
     match message {
         Message::Release { buffer_id } => Ok(ImporterEvent::Release(buffer_id)),
+        Message::ReleaseBatch(batch) if capabilities & crate::wire::CAP_FAST_RELEASE != 0 => {
+            Ok(ImporterEvent::ReleaseBatch(batch))
+        }
         Message::Goodbye => Ok(ImporterEvent::Goodbye),
         other => Err(unexpected("Release or Goodbye", &other)),
     }
@@ -189,6 +201,8 @@ pub(crate) struct ExporterSession {
     conn: Connection,
     /// What the handshake announced (the tests check it).
     announcement: PoolAnnouncement,
+    /// The capabilities granted.
+    capabilities: u64,
 }
 
 #[cfg(test)]
@@ -221,7 +235,11 @@ impl ExporterSession {
             Ok(())
         };
         match steps() {
-            Ok(()) => Ok(ExporterSession { conn, announcement }),
+            Ok(()) => Ok(ExporterSession {
+                conn,
+                announcement,
+                capabilities: machine.capabilities(),
+            }),
             Err(err) => {
                 conn.close_with_error(&err);
                 Err(err)
@@ -243,7 +261,7 @@ impl ExporterSession {
     /// (including [`Error::Closed`]), the connection is over.
     pub(crate) fn recv(&self) -> Result<ImporterEvent> {
         let received = self.conn.recv()?;
-        match importer_event(received.message) {
+        match importer_event(received.message, self.capabilities) {
             Ok(ImporterEvent::Goodbye) => {
                 self.conn.shutdown();
                 Ok(ImporterEvent::Goodbye)
@@ -281,37 +299,40 @@ pub(crate) struct ImportedPool<D> {
 pub(crate) struct ImporterSession {
     conn: Connection,
     welcome: Welcome,
-    /// What this side accepted in `Ready` (what it wanted, of what the exporter offered).
-    accepted: Capabilities,
+    /// The capabilities the exporter granted (0 after a version-1 handshake).
+    capabilities: u64,
 }
 
 impl ImporterSession {
     /// Connects to the exporter at `path`, checks that the process that answers runs as a
     /// user `policy` allows, and runs the handshake (see [`ImporterSession::handshake`]).
-    #[cfg(test)]
+    ///
+    /// With `capabilities` other than 0 it opens with `Hello2` (version 2); a version-1 exporter
+    /// refuses that with `UnsupportedVersion`, and this connects again with `Hello` (no
+    /// capabilities).
     pub(crate) fn connect<D>(
         path: impl AsRef<Path>,
         config: ConnectionConfig,
         policy: &AccessPolicy,
-        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+        capabilities: u64,
+        mut find_device: impl FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
-        ImporterSession::connect_with(path, config, policy, Capabilities::NONE, find_device)
-    }
-
-    /// [`ImporterSession::connect`], accepting what the exporter offers of `wanted`.
-    pub(crate) fn connect_with<D>(
-        path: impl AsRef<Path>,
-        config: ConnectionConfig,
-        policy: &AccessPolicy,
-        wanted: Capabilities,
-        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
-    ) -> Result<(ImporterSession, ImportedPool<D>)> {
-        let conn = Connection::connect(path, config)?;
-        if let Err(err) = policy.check_socket(&conn) {
-            conn.close_with_error(&err);
-            return Err(err);
+        let path = path.as_ref();
+        let attempt = |capabilities: u64, find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>| {
+            let conn = Connection::connect(path, config)?;
+            if let Err(err) = policy.check_socket(&conn) {
+                conn.close_with_error(&err);
+                return Err(err);
+            }
+            ImporterSession::handshake_with(conn, capabilities, find_device)
+        };
+        match attempt(capabilities, &mut find_device) {
+            Err(Error::Remote {
+                code: crate::wire::ErrorCode::UnsupportedVersion,
+                ..
+            }) if capabilities != 0 => attempt(0, &mut find_device),
+            other => other,
         }
-        ImporterSession::handshake_with(conn, wanted, find_device)
     }
 
     /// Runs the importer's side of the handshake: says `Hello`, hears which GPU and pool the
@@ -323,30 +344,49 @@ impl ImporterSession {
     #[cfg(test)]
     pub(crate) fn handshake<D>(
         conn: Connection,
-        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+        mut find_device: impl FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
-        ImporterSession::handshake_with(conn, Capabilities::NONE, find_device)
+        ImporterSession::handshake_with(conn, 0, &mut find_device)
     }
 
-    /// [`ImporterSession::handshake`], accepting what the exporter offers of `wanted`.
+    /// [`ImporterSession::handshake`], asking for `capabilities` (0: the version-1 `Hello`).
     pub(crate) fn handshake_with<D>(
         conn: Connection,
-        wanted: Capabilities,
-        find_device: impl FnOnce(&DeviceUuid) -> Result<D>,
+        capabilities: u64,
+        find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let deadline = Instant::now() + conn.config().handshake_timeout;
-        let steps = || -> Result<(Welcome, ImportedPool<D>)> {
-            conn.send_until(&Message::Hello, &[], deadline, "handshake")
+        let mut steps = || -> Result<(Welcome, u64, ImportedPool<D>)> {
+            let hello = if capabilities == 0 {
+                Message::Hello
+            } else {
+                Message::Hello2 { capabilities }
+            };
+            conn.send_until(&hello, &[], deadline, "handshake")
                 .map_err(|e| why_closed(&conn, e, deadline))?;
-            let welcome = match recv_in_handshake(&conn, deadline)?.message {
-                Message::Welcome(welcome) => welcome,
-                other => return Err(unexpected("Welcome", &other)),
+            let (welcome, granted) = match recv_in_handshake(&conn, deadline)?.message {
+                Message::Welcome(welcome) if capabilities == 0 => (welcome, 0),
+                Message::Welcome2 {
+                    welcome,
+                    capabilities: granted,
+                } if capabilities != 0 => {
+                    if granted & !capabilities != 0 {
+                        return Err(ProtocolError::Violation {
+                            reason: format!(
+                                "the exporter granted capabilities {granted:#x}, more than the {capabilities:#x} asked for"
+                            ),
+                        }
+                        .into());
+                    }
+                    (welcome, granted)
+                }
+                other if capabilities == 0 => return Err(unexpected("Welcome", &other)),
+                other => return Err(unexpected("Welcome2", &other)),
             };
             let device = find_device(&welcome.device_uuid)?;
             conn.send_until(
                 &Message::Ready(Ready {
                     device_uuid: welcome.device_uuid,
-                    capabilities: welcome.capabilities.intersection(wanted),
                 }),
                 &[],
                 deadline,
@@ -369,20 +409,17 @@ impl ImporterSession {
             }
             // The connection checked that exactly one descriptor came with the message.
             let pool_fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
-            Ok((welcome, ImportedPool { device, pool_fd }))
+            Ok((welcome, granted, ImportedPool { device, pool_fd }))
         };
         match steps() {
-            Ok((welcome, imported)) => {
-                let accepted = welcome.capabilities.intersection(wanted);
-                Ok((
-                    ImporterSession {
-                        conn,
-                        welcome,
-                        accepted,
-                    },
-                    imported,
-                ))
-            }
+            Ok((welcome, capabilities, imported)) => Ok((
+                ImporterSession {
+                    conn,
+                    welcome,
+                    capabilities,
+                },
+                imported,
+            )),
             Err(err) => {
                 conn.close_with_error(&err);
                 Err(err)
@@ -401,14 +438,37 @@ impl ImporterSession {
         self.welcome.device_uuid
     }
 
+    /// The connection's I/O time limit.
+    pub(crate) fn io_timeout(&self) -> std::time::Duration {
+        self.conn.config().io_timeout
+    }
+
+    /// The capabilities the exporter granted (0 after a version-1 handshake).
+    pub(crate) fn capabilities(&self) -> u64 {
+        self.capabilities
+    }
+
+    /// Whether a frame (or the end of the connection) is waiting to be read, without waiting.
+    pub(crate) fn readable(&self) -> bool {
+        let mut fds = [rustix::event::PollFd::from_borrowed_fd(
+            std::os::fd::AsFd::as_fd(&self.conn),
+            rustix::event::PollFlags::IN,
+        )];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+    }
+
+    /// Tells the exporter this importer is done with `buffers`: every use of them on the GPU is
+    /// ordered before `event` (the importer's interprocess event, recorded after that use), or
+    /// complete when `event` is `None`. Only with the fast release capability.
+    pub(crate) fn release_batch(&self, event: Option<EventHandle>, buffers: Vec<BufferId>) -> Result<()> {
+        self.conn
+            .send(&Message::ReleaseBatch(ReleaseBatch { event, buffers }), &[])
+    }
+
     /// The exporter's pool.
     pub(crate) fn pool_id(&self) -> PoolId {
         self.welcome.pool_id
-    }
-
-    /// What this side accepted in the handshake.
-    pub(crate) fn accepted(&self) -> Capabilities {
-        self.accepted
     }
 
     /// The exporter's credentials (`SO_PEERCRED`).
@@ -432,7 +492,7 @@ impl ImporterSession {
         match message {
             Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
             Message::Goodbye => Ok(ExporterEvent::Goodbye),
-            Message::VmmBuffer(buffer) if self.accepted.contains(Capabilities::VMM) => {
+            Message::VmmBuffer(buffer) if self.capabilities & CAP_VMM != 0 => {
                 // The connection checked that exactly one descriptor came with the message.
                 let fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
                 Ok(ExporterEvent::VmmBuffer(buffer, fd))
@@ -445,6 +505,20 @@ impl ImporterSession {
     /// the work that used it finish): the exporter may free the memory as soon as this arrives.
     pub(crate) fn release(&self, buffer: BufferId) -> Result<()> {
         self.conn.send(&Message::Release { buffer_id: buffer }, &[])
+    }
+
+    /// Says `Goodbye` (every import is freed), then waits (until `deadline`) for the exporter to
+    /// close the connection, which it does once it has read everything sent before, and closes
+    /// it. Whatever arrives meanwhile is dropped. The fast release path uses this, so that its
+    /// release event outlives the exporter's use of it.
+    pub(crate) fn goodbye_and_wait(&self, deadline: Instant) -> Result<()> {
+        let result = self.conn.send(&Message::Goodbye, &[]);
+        self.conn.close_write();
+        if result.is_ok() {
+            while self.conn.recv_until(Some(deadline), "goodbye").is_ok() {}
+        }
+        self.conn.shutdown();
+        result
     }
 
     /// Says `Goodbye` (every import is freed) and closes the connection.

@@ -120,8 +120,35 @@ fn allowed_len(min: usize, max: usize) -> String {
 /// The four bytes every frame starts with.
 pub(crate) const MAGIC: [u8; 4] = *b"MPIP";
 
-/// The protocol version this crate speaks; every frame carries it.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+/// The newest protocol version this crate speaks. Every frame carries the version that defines
+/// its message type: the messages of version 1 travel in version-1 frames in every version, and
+/// only the messages version 2 added ([`MessageType::Hello2`], [`MessageType::Welcome2`],
+/// [`MessageType::ReleaseBatch`]) in version-2 frames. A version-1 peer therefore refuses a
+/// version-2 `Hello2` with a clear `UnsupportedVersion` error, and a version-2 exporter answers a
+/// version-1 `Hello` the version-1 way.
+pub(crate) const PROTOCOL_VERSION: u16 = 2;
+
+/// The oldest protocol version this crate speaks.
+pub(crate) const MIN_PROTOCOL_VERSION: u16 = 1;
+
+/// Capability bit (in `Hello2` and `Welcome2`): the fast release path. The importer keeps the
+/// imports of blocks the exporter marks [`BUFFER_FLAG_KEEP_IMPORT`] for the connection's life,
+/// and releases buffers in [`MessageType::ReleaseBatch`] messages ordered by an interprocess
+/// event of its own instead of synchronizing; the exporter waits on that event (on the GPU)
+/// before it frees or reuses the memory, and keeps every block such an importer imported
+/// allocated until that importer's connection has ended and its process has freed its imports.
+pub(crate) const CAP_FAST_RELEASE: u64 = 1;
+
+/// Capability bit (in `Hello2` and `Welcome2`): VMM physical allocations (`cuMemCreate`) travel
+/// as [`MessageType::VmmBuffer`] messages, one file descriptor each. An exporter sends them only
+/// to an importer granted this bit.
+pub(crate) const CAP_VMM: u64 = 1 << 1;
+
+/// Every capability bit this crate knows.
+pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE | CAP_VMM;
+
+/// The most buffers one `ReleaseBatch` names.
+pub(crate) const MAX_RELEASE_BATCH: usize = 64;
 
 /// The length of a frame header.
 pub(crate) const HEADER_LEN: usize = 12;
@@ -146,15 +173,25 @@ pub(crate) const POOL_HANDLE_TYPE_POSIX_FD: u32 = 1;
 /// Bit 0 of a buffer message's flags: the event handle is valid and the importer must wait on it.
 pub(crate) const BUFFER_FLAG_READY_EVENT: u32 = 1;
 
+/// Bit 1 of a buffer message's flags (only to an importer that negotiated [`CAP_FAST_RELEASE`]):
+/// the importer may keep the block imported after it released the block's last buffer; the
+/// exporter keeps the block allocated until this importer's connection is over.
+pub(crate) const BUFFER_FLAG_KEEP_IMPORT: u32 = 2;
+
+/// Bit 0 of a `ReleaseBatch`'s flags: the event handle is valid; the exporter orders the free or
+/// reuse of every buffer in the batch after it.
+pub(crate) const RELEASE_FLAG_EVENT: u32 = 1;
+
 const UUID_LEN: usize = 16;
 const WELCOME_LEN: usize = UUID_LEN + UUID_LEN;
 const READY_LEN: usize = UUID_LEN;
 const POOL_DESCRIPTOR_LEN: usize = UUID_LEN + 4 + 4;
 const BUFFER_LEN: usize = 5 * 8 + 4 + 4 + 64 + 64;
 const RELEASE_LEN: usize = 8;
+const HELLO2_LEN: usize = 8;
+const WELCOME2_LEN: usize = WELCOME_LEN + 8;
+const RELEASE_BATCH_FIXED_LEN: usize = 4 + 4 + 64;
 const ERROR_FIXED_LEN: usize = 4 + 2;
-/// The length of the capabilities field that ends `Welcome` and `Ready` (absent in version-1 frames).
-const CAPABILITIES_LEN: usize = 8;
 
 /// The UUID of a GPU (`cuDeviceGetUuid`): the same physical GPU has the same UUID in every
 /// process, whatever its ordinal there.
@@ -296,14 +333,21 @@ pub enum MessageType {
     Goodbye = 7,
     /// Either way: something went wrong; the sender closes the connection.
     Error = 8,
-    /// Exporter -> importer: a VMM physical allocation (one descriptor attached). Only to an
-    /// importer that accepted the VMM capability. Codes 32 to 47 are kept for VMM messages.
+    /// Importer -> exporter (version 2): opens the conversation with the capabilities it asks for.
+    Hello2 = 9,
+    /// Exporter -> importer (version 2): the GPU, the pool and the capabilities granted.
+    Welcome2 = 10,
+    /// Importer -> exporter (version 2, with the fast release capability): several releases,
+    /// ordered by one interprocess event.
+    ReleaseBatch = 11,
+    /// Exporter -> importer (version 2, only to an importer granted [`CAP_VMM`]): a VMM physical
+    /// allocation (one descriptor attached). Codes 32 to 47 are kept for VMM messages.
     VmmBuffer = 32,
 }
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub(crate) const ALL: [MessageType; 9] = [
+    pub(crate) const ALL: [MessageType; 12] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -312,6 +356,9 @@ impl MessageType {
         MessageType::Release,
         MessageType::Goodbye,
         MessageType::Error,
+        MessageType::Hello2,
+        MessageType::Welcome2,
+        MessageType::ReleaseBatch,
         MessageType::VmmBuffer,
     ];
 
@@ -336,7 +383,19 @@ impl MessageType {
             MessageType::Release => "Release",
             MessageType::Goodbye => "Goodbye",
             MessageType::Error => "Error",
+            MessageType::Hello2 => "Hello2",
+            MessageType::Welcome2 => "Welcome2",
+            MessageType::ReleaseBatch => "ReleaseBatch",
             MessageType::VmmBuffer => "VmmBuffer",
+        }
+    }
+
+    /// The protocol version that defines this type: frames of this type carry it, and a frame
+    /// of this type with another version is refused.
+    pub(crate) fn version(self) -> u16 {
+        match self {
+            MessageType::Hello2 | MessageType::Welcome2 | MessageType::ReleaseBatch | MessageType::VmmBuffer => 2,
+            _ => 1,
         }
     }
 
@@ -353,12 +412,18 @@ impl MessageType {
         let exact = |n| (n, n);
         match self {
             MessageType::Hello | MessageType::Goodbye => exact(0),
-            MessageType::Welcome => (WELCOME_LEN, WELCOME_LEN + CAPABILITIES_LEN),
-            MessageType::Ready => (READY_LEN, READY_LEN + CAPABILITIES_LEN),
+            MessageType::Welcome => exact(WELCOME_LEN),
+            MessageType::Ready => exact(READY_LEN),
             MessageType::PoolDescriptor => exact(POOL_DESCRIPTOR_LEN),
             MessageType::Buffer => exact(BUFFER_LEN),
             MessageType::Release => exact(RELEASE_LEN),
             MessageType::Error => (ERROR_FIXED_LEN, MAX_BODY_LEN),
+            MessageType::Hello2 => exact(HELLO2_LEN),
+            MessageType::Welcome2 => exact(WELCOME2_LEN),
+            MessageType::ReleaseBatch => (
+                RELEASE_BATCH_FIXED_LEN + 8,
+                RELEASE_BATCH_FIXED_LEN + 8 * MAX_RELEASE_BATCH,
+            ),
             MessageType::VmmBuffer => exact(VMM_BUFFER_LEN),
         }
     }
@@ -377,8 +442,6 @@ pub(crate) struct Welcome {
     pub(crate) device_uuid: DeviceUuid,
     /// The pool's identity.
     pub(crate) pool_id: PoolId,
-    /// What the exporter offers beyond the version-1 messages (see [`Capabilities`]).
-    pub(crate) capabilities: Capabilities,
 }
 
 /// The importer's answer to `Welcome`: it found the GPU.
@@ -386,8 +449,6 @@ pub(crate) struct Welcome {
 pub(crate) struct Ready {
     /// The GPU the importer will import on; must equal the `Welcome`'s.
     pub(crate) device_uuid: DeviceUuid,
-    /// What the importer accepts of the exporter's offer (a subset of it).
-    pub(crate) capabilities: Capabilities,
 }
 
 /// The pool itself; its file descriptor travels with this message.
@@ -419,6 +480,9 @@ pub(crate) struct BufferDescriptor {
     /// The event to wait on before first use, recorded after the exporter's allocation and
     /// work on the buffer. `None`: the exporter synchronized before sending, no wait is needed.
     pub(crate) ready_event: Option<EventHandle>,
+    /// The importer may keep the block imported after its last buffer here is released
+    /// ([`BUFFER_FLAG_KEEP_IMPORT`]; only with [`CAP_FAST_RELEASE`]).
+    pub(crate) keep_import: bool,
 }
 
 /// The code of an `Error` message.
@@ -540,8 +604,34 @@ pub(crate) enum Message {
     Goodbye,
     /// Either way: an error; the sender closes the connection.
     Error(ErrorMessage),
-    /// Exporter -> importer: a VMM physical allocation; carries its file descriptor.
+    /// Importer -> exporter (version 2), first message: `Hello` with the capabilities asked for.
+    Hello2 {
+        /// Capability bits (`CAP_*`); unknown bits are allowed (a newer importer) and not granted.
+        capabilities: u64,
+    },
+    /// Exporter -> importer (version 2), answer to `Hello2`.
+    Welcome2 {
+        /// The GPU and the pool, as in `Welcome`.
+        welcome: Welcome,
+        /// The capabilities granted: a subset of those asked for.
+        capabilities: u64,
+    },
+    /// Importer -> exporter (version 2, [`CAP_FAST_RELEASE`]): the importer is done with these
+    /// buffers; their use on its GPU is ordered before `event` (if any).
+    ReleaseBatch(ReleaseBatch),
+    /// Exporter -> importer (version 2, [`CAP_VMM`]): a VMM physical allocation; carries its
+    /// file descriptor.
     VmmBuffer(VmmBufferDescriptor),
+}
+
+/// Several releases in one message: 1 to [`MAX_RELEASE_BATCH`] buffers, and the interprocess
+/// event (of the importer) recorded after every use of them.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub(crate) struct ReleaseBatch {
+    /// The event to order the frees after; `None`: the importer synchronized.
+    pub(crate) event: Option<EventHandle>,
+    /// The buffers released.
+    pub(crate) buffers: Vec<BufferId>,
 }
 
 impl Message {
@@ -556,6 +646,9 @@ impl Message {
             Message::Release { .. } => MessageType::Release,
             Message::Goodbye => MessageType::Goodbye,
             Message::Error(_) => MessageType::Error,
+            Message::Hello2 { .. } => MessageType::Hello2,
+            Message::Welcome2 { .. } => MessageType::Welcome2,
+            Message::ReleaseBatch(_) => MessageType::ReleaseBatch,
             Message::VmmBuffer(_) => MessageType::VmmBuffer,
         }
     }
@@ -563,10 +656,19 @@ impl Message {
     /// Checks every field against the rules of the protocol, the same checks decoding makes.
     pub(crate) fn validate(&self) -> Result<()> {
         match self {
-            Message::Hello | Message::Goodbye | Message::Release { .. } => Ok(()),
-            Message::Welcome(w) => {
+            Message::Hello | Message::Goodbye | Message::Release { .. } | Message::Hello2 { .. } => Ok(()),
+            Message::Welcome(w) | Message::Welcome2 { welcome: w, .. } => {
                 check_uuid(&w.device_uuid)?;
                 check_pool_id(&w.pool_id)
+            }
+            Message::ReleaseBatch(b) => {
+                if b.buffers.is_empty() || b.buffers.len() > MAX_RELEASE_BATCH {
+                    return Err(protocol(format!(
+                        "ReleaseBatch: {} buffers (allowed: 1 to {MAX_RELEASE_BATCH})",
+                        b.buffers.len()
+                    )));
+                }
+                Ok(())
             }
             Message::Ready(r) => check_uuid(&r.device_uuid),
             Message::PoolDescriptor(p) => check_pool_id(&p.pool_id),
@@ -622,6 +724,8 @@ fn check_buffer(b: &BufferDescriptor) -> Result<()> {
 /// A decoded frame header.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Header {
+    /// The frame's protocol version (the one its message type is defined in).
+    pub(crate) version: u16,
     /// The message type.
     pub(crate) message_type: MessageType,
     /// The body's length, already checked against what the type allows.
@@ -642,14 +746,17 @@ pub(crate) fn decode_header(bytes: &[u8]) -> Result<Header> {
         return Err(ProtocolError::BadMagic { got: magic });
     }
     let version = r.u16()?;
-    if version != PROTOCOL_VERSION {
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
         return Err(ProtocolError::UnsupportedVersion {
             got: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let code = r.u16()?;
-    let message_type = MessageType::from_wire(code).ok_or(ProtocolError::UnknownMessageType { got: code })?;
+    // A type is known only in the frames of the version that defines it.
+    let message_type = MessageType::from_wire(code)
+        .filter(|t| t.version() == version)
+        .ok_or(ProtocolError::UnknownMessageType { got: code })?;
     let body_len = r.u32()? as usize;
     if body_len > MAX_BODY_LEN {
         return Err(ProtocolError::MessageTooLarge {
@@ -666,7 +773,11 @@ pub(crate) fn decode_header(bytes: &[u8]) -> Result<Header> {
             got: body_len,
         });
     }
-    Ok(Header { message_type, body_len })
+    Ok(Header {
+        version,
+        message_type,
+        body_len,
+    })
 }
 
 /// Decodes the body of a message of type `message_type`; `body` must be exactly the body.
@@ -687,13 +798,10 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
         MessageType::Welcome => Message::Welcome(Welcome {
             device_uuid: DeviceUuid(r.array()?),
             pool_id: PoolId(r.array()?),
-            capabilities: decode_capabilities(&mut r, "Welcome", WELCOME_LEN, body.len())?,
         }),
         MessageType::Ready => Message::Ready(Ready {
             device_uuid: DeviceUuid(r.array()?),
-            capabilities: decode_capabilities(&mut r, "Ready", READY_LEN, body.len())?,
         }),
-        MessageType::VmmBuffer => Message::VmmBuffer(decode_vmm_buffer(&mut r)?),
         MessageType::PoolDescriptor => {
             let pool_id = PoolId(r.array()?);
             let handle_type = r.u32()?;
@@ -715,7 +823,7 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
             check_reserved(r.u32()?, "Buffer")?;
             let pointer = PointerDescriptor(r.array()?);
             let event = r.array::<64>()?;
-            if flags & !BUFFER_FLAG_READY_EVENT != 0 {
+            if flags & !(BUFFER_FLAG_READY_EVENT | BUFFER_FLAG_KEEP_IMPORT) != 0 {
                 return Err(protocol(format!("Buffer: unknown flag bits {flags:#x}")));
             }
             let ready_event = if flags & BUFFER_FLAG_READY_EVENT != 0 {
@@ -733,11 +841,47 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
                 size,
                 pointer,
                 ready_event,
+                keep_import: flags & BUFFER_FLAG_KEEP_IMPORT != 0,
             })
         }
         MessageType::Release => Message::Release {
             buffer_id: BufferId(r.u64()?),
         },
+        MessageType::Hello2 => Message::Hello2 { capabilities: r.u64()? },
+        MessageType::VmmBuffer => Message::VmmBuffer(decode_vmm_buffer(&mut r)?),
+        MessageType::Welcome2 => Message::Welcome2 {
+            welcome: Welcome {
+                device_uuid: DeviceUuid(r.array()?),
+                pool_id: PoolId(r.array()?),
+            },
+            capabilities: r.u64()?,
+        },
+        MessageType::ReleaseBatch => {
+            let count = r.u32()? as usize;
+            let flags = r.u32()?;
+            let event = r.array::<64>()?;
+            if flags & !RELEASE_FLAG_EVENT != 0 {
+                return Err(protocol(format!("ReleaseBatch: unknown flag bits {flags:#x}")));
+            }
+            let event = if flags & RELEASE_FLAG_EVENT != 0 {
+                Some(EventHandle(event))
+            } else if event != [0; 64] {
+                return Err(protocol("ReleaseBatch: event handle bytes without the event flag"));
+            } else {
+                None
+            };
+            if count.checked_mul(8) != Some(r.remaining()) {
+                return Err(protocol(format!(
+                    "ReleaseBatch: count field says {count} buffers, the body holds {} bytes of ids",
+                    r.remaining()
+                )));
+            }
+            let mut buffers = Vec::with_capacity(count);
+            for _ in 0..count {
+                buffers.push(BufferId(r.u64()?));
+            }
+            Message::ReleaseBatch(ReleaseBatch { event, buffers })
+        }
         MessageType::Error => {
             let code = ErrorCode::from_wire(r.u32()?);
             let text_len = r.u16()? as usize;
@@ -800,7 +944,7 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
     message.validate()?;
     let start = out.len();
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&message.message_type().version().to_le_bytes());
     out.extend_from_slice(&message.message_type().to_wire().to_le_bytes());
     out.extend_from_slice(&[0; 4]);
     let body_start = out.len();
@@ -809,13 +953,8 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
         Message::Welcome(w) => {
             out.extend_from_slice(&w.device_uuid.0);
             out.extend_from_slice(&w.pool_id.0);
-            encode_capabilities(w.capabilities, out);
         }
-        Message::Ready(r) => {
-            out.extend_from_slice(&r.device_uuid.0);
-            encode_capabilities(r.capabilities, out);
-        }
-        Message::VmmBuffer(b) => encode_vmm_buffer(b, out),
+        Message::Ready(r) => out.extend_from_slice(&r.device_uuid.0),
         Message::PoolDescriptor(p) => {
             out.extend_from_slice(&p.pool_id.0);
             out.extend_from_slice(&POOL_HANDLE_TYPE_POSIX_FD.to_le_bytes());
@@ -825,17 +964,37 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
             for field in [b.buffer_id.0, b.block_id.0, b.block_size, b.offset, b.size] {
                 out.extend_from_slice(&field.to_le_bytes());
             }
-            let flags = if b.ready_event.is_some() {
+            let mut flags = if b.ready_event.is_some() {
                 BUFFER_FLAG_READY_EVENT
             } else {
                 0
             };
+            if b.keep_import {
+                flags |= BUFFER_FLAG_KEEP_IMPORT;
+            }
             out.extend_from_slice(&flags.to_le_bytes());
             out.extend_from_slice(&0u32.to_le_bytes());
             out.extend_from_slice(&b.pointer.0);
             out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
         }
         Message::Release { buffer_id } => out.extend_from_slice(&buffer_id.0.to_le_bytes()),
+        Message::Hello2 { capabilities } => out.extend_from_slice(&capabilities.to_le_bytes()),
+        Message::VmmBuffer(b) => encode_vmm_buffer(b, out),
+        Message::Welcome2 { welcome, capabilities } => {
+            out.extend_from_slice(&welcome.device_uuid.0);
+            out.extend_from_slice(&welcome.pool_id.0);
+            out.extend_from_slice(&capabilities.to_le_bytes());
+        }
+        Message::ReleaseBatch(b) => {
+            // `validate` bounded the count.
+            out.extend_from_slice(&(b.buffers.len() as u32).to_le_bytes());
+            let flags = if b.event.is_some() { RELEASE_FLAG_EVENT } else { 0 };
+            out.extend_from_slice(&flags.to_le_bytes());
+            out.extend_from_slice(&b.event.map_or([0; 64], |e| e.0));
+            for id in &b.buffers {
+                out.extend_from_slice(&id.0.to_le_bytes());
+            }
+        }
         Message::Error(e) => {
             out.extend_from_slice(&e.code.to_wire().to_le_bytes());
             // `validate` bounded the text, so the length fits in u16.
@@ -896,11 +1055,11 @@ impl<'a> Reader<'a> {
     }
 }
 
-// ---- VMM sharing: capabilities and the VmmBuffer message ----
+// ---- VMM sharing: the VmmBuffer message ----
 //
-// The protocol's additions for VMM sharing: the capabilities both sides announce in the
-// handshake, and the `VmmBuffer` message that hands over one physical allocation
-// (`cuMemCreate`) as a file descriptor.
+// The protocol's addition for VMM sharing: the `VmmBuffer` message (a version-2 frame) that
+// hands over one physical allocation (`cuMemCreate`) as a file descriptor, sent only to an
+// importer granted [`CAP_VMM`] in the `Hello2`/`Welcome2` handshake.
 //
 // ```text
 // VmmBuffer body (96 bytes), one file descriptor attached (SCM_RIGHTS)
@@ -912,42 +1071,6 @@ impl<'a> Reader<'a> {
 //     28     4  handle type   u32, 1: a POSIX file descriptor
 //     32    64  ready event   CUipcEventHandle, all zeros without flag bit 0
 // ```
-//
-// Capabilities are a `u64` of bits at the end of `Welcome` (what the exporter offers) and of
-// `Ready` (what the importer accepts, a subset of the offer). Unknown bits of an offer are
-// ignored, not refused: that is what lets features be added one bit at a time. Frames without
-// the field (the version-1 lengths) offer and accept nothing; no capabilities are always sent
-// that way (a field of 0 is refused, so every message has one encoding).
-
-/// The features a side of a connection offers (`Welcome`) or accepts (`Ready`), one bit each.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub(crate) struct Capabilities(pub(crate) u64);
-
-impl Capabilities {
-    /// Nothing beyond the version-1 protocol.
-    pub(crate) const NONE: Capabilities = Capabilities(0);
-    /// Bit 1: VMM physical allocations travel as `VmmBuffer` messages. (Bit 0 is left to the
-    /// fast release path being added beside this.)
-    pub(crate) const VMM: Capabilities = Capabilities(1 << 1);
-    /// Every capability this build knows.
-    pub(crate) const KNOWN: Capabilities = Capabilities(Capabilities::VMM.0);
-
-    /// Whether every bit of `other` is set here.
-    pub(crate) fn contains(self, other: Capabilities) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// The bits set in both.
-    pub(crate) fn intersection(self, other: Capabilities) -> Capabilities {
-        Capabilities(self.0 & other.0)
-    }
-}
-
-impl fmt::Debug for Capabilities {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Capabilities({:#x})", self.0)
-    }
-}
 
 /// The handle-type field's value for a POSIX file descriptor
 /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
@@ -1045,35 +1168,6 @@ fn encode_vmm_buffer(b: &VmmBufferDescriptor, out: &mut Vec<u8>) {
     out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&VMM_HANDLE_TYPE_POSIX_FD.to_le_bytes());
     out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
-}
-
-/// Appends the capabilities field: nothing for none, so that such a frame is a version-1 frame.
-fn encode_capabilities(c: Capabilities, out: &mut Vec<u8>) {
-    if c != Capabilities::NONE {
-        out.extend_from_slice(&c.0.to_le_bytes());
-    }
-}
-
-/// Reads the capabilities at the end of a `Welcome` or `Ready` body of `len` bytes, whose
-/// version-1 length is `short` (no capabilities) and whose full length is `short + 8`.
-fn decode_capabilities(r: &mut Reader<'_>, message: &str, short: usize, len: usize) -> Result<Capabilities> {
-    if len == short {
-        Ok(Capabilities::NONE)
-    } else if len == short + 8 {
-        match r.u64()? {
-            0 => Err(ProtocolError::Violation {
-                reason: format!("{message}: a capabilities field of 0 (no capabilities are sent as no field)"),
-            }),
-            bits => Ok(Capabilities(bits)),
-        }
-    } else {
-        Err(ProtocolError::Violation {
-            reason: format!(
-                "{message}: a body of {len} bytes (allowed: {short}, or {} with capabilities)",
-                short + 8
-            ),
-        })
-    }
 }
 
 #[cfg(test)]

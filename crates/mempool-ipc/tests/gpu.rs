@@ -263,7 +263,21 @@ const SUB_COUNT: usize = 16;
 const SUB_LEN: usize = 64 << 10;
 
 fn suballocated_child() {
-    let (importer, stream, kernels) = connect();
+    // The "importer-v1" role speaks protocol version 1: the path without kept imports.
+    let v1 = role().as_deref() == Some("importer-v1");
+    let options = ImporterOptions {
+        fast_release: !v1,
+        ..ImporterOptions::default()
+    };
+    let importer = Importer::connect(child_socket(), options).expect("connect to the exporter");
+    assert_eq!(
+        importer.fast_release(),
+        !v1,
+        "the fast release path is negotiated as asked"
+    );
+    let ctx = importer.device().context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
     let n = SUB_LEN / 4;
     let mut bufs = Vec::new();
     for k in 0..SUB_COUNT {
@@ -287,7 +301,13 @@ fn suballocated_child() {
         unsafe { kernels.add(buf.ptr(), n, 7, stream.as_ref()) }.unwrap();
     }
     drop(bufs);
-    assert_eq!(importer.imported_blocks(), 0);
+    // Version 2 keeps the block imported (the exporter let it); version 1 frees it with its last buffer.
+    let kept = usize::from(!v1);
+    assert_eq!(
+        (importer.imported_blocks(), importer.kept_blocks()),
+        (kept, kept),
+        "imports after the last buffer was released"
+    );
     drop(importer);
     no_drop_errors("importer");
 }
@@ -296,6 +316,7 @@ fn suballocated_child() {
 /// chunks to that pool, reporting any error, before the resource is dropped.
 fn suballocated_parent<R: MemoryResource + 'static>(
     test: &str,
+    child_role: &str,
     make: impl FnOnce(Arc<AsyncResource>, &Arc<Context>) -> R,
     release: impl FnOnce(&R) -> mempool_rmm::Result<()>,
 ) {
@@ -316,7 +337,7 @@ fn suballocated_parent<R: MemoryResource + 'static>(
     let sock = socket_path(test);
     let exporter =
         Exporter::with_pool_in(&sock, upstream.clone(), AsyncResource::pool, ExporterOptions::default()).unwrap();
-    let child = ChildProc::spawn(test, "importer", &sock);
+    let child = ChildProc::spawn(test, child_role, &sock);
     let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
 
     let kernels = CheckKernels::load(&ctx).unwrap();
@@ -351,6 +372,9 @@ fn suballocated_parent<R: MemoryResource + 'static>(
         );
     }
     child.succeeds();
+    // The exporter counts the importer gone (and no longer keeping the block) once it has read its
+    // Goodbye: wait for that, or the last buffer would be parked rather than freed.
+    wait_no_importers(&exporter);
     drop(bufs);
     exporter.wait_idle(WAIT).unwrap();
     let stats = exporter.stats();
@@ -370,6 +394,7 @@ fn suballocated_buffers_from_a_pool_resource_share_one_block() {
     }
     suballocated_parent(
         "suballocated_buffers_from_a_pool_resource_share_one_block",
+        "importer",
         |upstream, ctx| {
             let config = PoolConfig {
                 initial_size: 8 * MIB as u64,
@@ -388,9 +413,283 @@ fn suballocated_buffers_from_a_binning_resource_share_one_block() {
     }
     suballocated_parent(
         "suballocated_buffers_from_a_binning_resource_share_one_block",
+        "importer",
         |upstream, ctx| BinningResource::new(upstream, ctx, BinningConfig::default()).unwrap(),
         BinningResource::release_unused,
     );
+}
+
+#[test]
+fn a_version_1_importer_gets_the_version_1_path_from_a_version_2_exporter() {
+    if role().is_some() {
+        return suballocated_child();
+    }
+    suballocated_parent(
+        "a_version_1_importer_gets_the_version_1_path_from_a_version_2_exporter",
+        "importer-v1",
+        |upstream, ctx| {
+            let config = PoolConfig {
+                initial_size: 8 * MIB as u64,
+                ..PoolConfig::default()
+            };
+            PoolResource::new(upstream, ctx, config).unwrap()
+        },
+        PoolResource::release_unused,
+    );
+}
+
+// ---- The fast release path: reuse ordered by the importer's event, kept imports ----
+
+/// An exportable upstream and a `PoolResource` over it with one 64 MiB chunk, and an exporter of it.
+fn suballocating_exporter(tag: &str) -> (Arc<AsyncResource>, Arc<PoolResource<Arc<AsyncResource>>>, Exporter) {
+    let (dev, ctx) = gpu();
+    let upstream = Arc::new(
+        AsyncResource::new(
+            &dev,
+            AsyncOptions {
+                handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR,
+                release_threshold: ReleaseThreshold::KeepAll,
+                ..AsyncOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        initial_size: 64 * MIB as u64,
+        ..PoolConfig::default()
+    };
+    let sub = Arc::new(PoolResource::new(upstream.clone(), &ctx, config).unwrap());
+    let exporter = Exporter::with_pool_in(
+        socket_path(tag),
+        upstream.clone(),
+        AsyncResource::pool,
+        ExporterOptions::default(),
+    )
+    .unwrap();
+    (upstream, sub, exporter)
+}
+
+/// Waits (bounded) until the exporter has no importer connected.
+fn wait_no_importers(exporter: &Exporter) {
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().importers > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "an importer stays connected: {:?}",
+            exporter.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Allocates `len` bytes from `sub` on `stream` and hands them to the exporter.
+fn adopt_from<'s>(
+    exporter: &Exporter,
+    sub: &Arc<PoolResource<Arc<AsyncResource>>>,
+    len: usize,
+    stream: StreamRef<'s>,
+) -> mempool_ipc::ExportedBuffer<'s> {
+    let ptr = sub.allocate(len, stream).unwrap();
+    let mr = sub.clone();
+    // SAFETY: the exporter calls this once, after the last holder let go, with the range adopted below.
+    let free = move |p: DeviceAddr, n: usize, s: StreamRef<'_>| unsafe { mr.deallocate(p, n, s) };
+    // SAFETY: `ptr` is a fresh `len`-byte allocation of `sub` on `stream`, used only through the returned
+    // buffer; `free` gives exactly it back.
+    unsafe { exporter.adopt(ptr, len, stream, free) }.unwrap()
+}
+
+const ORDER_LEN: usize = 16 * MIB;
+const ORDER_ADDS: u32 = 400;
+
+#[test]
+fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_kernel() {
+    let test = "fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_kernel";
+    if role().is_some() {
+        let (importer, stream, kernels) = connect();
+        assert!(importer.fast_release());
+        for round in ["RELEASED", "RELEASED-AGAIN"] {
+            let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+            // Hundreds of kernels still queued when the buffer is released: the release must not
+            // wait for them, and the exporter must not touch the memory before they are done.
+            for _ in 0..ORDER_ADDS {
+                // SAFETY: the buffer holds ORDER_LEN / 4 u32s, ordered on `stream`.
+                unsafe { kernels.add(buf.ptr(), ORDER_LEN / 4, 1, stream.as_ref()) }.unwrap();
+            }
+            let t0 = Instant::now();
+            drop(buf);
+            println!(
+                "FINDING: dropping the buffer with {ORDER_ADDS} kernels queued took {:?}",
+                t0.elapsed()
+            );
+            importer.flush_releases().unwrap();
+            tell_parent(round);
+        }
+        hear_parent("DONE");
+        drop(importer);
+        no_drop_errors("importer");
+        return;
+    }
+    let _serial = serial();
+    let (_dev, ctx) = gpu();
+    let (upstream, sub, exporter) = suballocating_exporter("order");
+    let mut child = ChildProc::spawn(test, "importer", exporter.path());
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let n = ORDER_LEN / 4;
+    // An anchor keeps the block live, so the buffer below is freed (not parked) when let go.
+    let anchor = adopt_from(&exporter, &sub, 4096, stream.as_ref());
+    let buf = adopt_from(&exporter, &sub, ORDER_LEN, stream.as_ref());
+    // SAFETY: the buffer holds n u32s on `stream`.
+    unsafe { kernels.iota(buf.ptr(), n, 0, stream.as_ref()) }.unwrap();
+    exporter.share(&buf, &[id]).unwrap();
+    child.expect("RELEASED");
+    buf.wait_released(WAIT).unwrap();
+    assert_iota(
+        &read_u32s(&ctx, buf.ptr(), n, stream.as_ref()),
+        ORDER_ADDS,
+        "after wait_released, work on the buffer's stream sees every kernel the importer queued before its release",
+    );
+
+    drop(buf);
+
+    // Reuse: the exporter lets go at once, the importer releases while its kernels still run, the
+    // exporter frees the buffer (ordered after the importer's event) and the memory is allocated
+    // again on the exporter's stream and overwritten at once. Had the free not waited for the
+    // importer's kernels, they would add to what the exporter writes.
+    let buf = adopt_from(&exporter, &sub, ORDER_LEN, stream.as_ref());
+    // SAFETY: the buffer holds n u32s on `stream`.
+    unsafe { kernels.iota(buf.ptr(), n, 0, stream.as_ref()) }.unwrap();
+    exporter.share(&buf, &[id]).unwrap();
+    let second = buf.ptr();
+    drop(buf);
+    child.expect("RELEASED-AGAIN");
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().freed_buffers < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the second buffer was never freed: {:?}",
+            exporter.stats()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let again = sub.allocate(ORDER_LEN, stream.as_ref()).unwrap();
+    println!(
+        "FINDING: the freed buffer's memory was handed out again at the same address: {}",
+        again == second
+    );
+    // SAFETY: `again` is this test's ORDER_LEN allocation of `sub`, on `stream`.
+    unsafe { kernels.iota(again, n, 5, stream.as_ref()) }.unwrap();
+    assert_iota(
+        &read_u32s(&ctx, again, n, stream.as_ref()),
+        5,
+        "memory reused after the importer's release",
+    );
+    // SAFETY: allocated above on `stream`, freed once.
+    unsafe { sub.deallocate(again, ORDER_LEN, stream.as_ref()) }.unwrap();
+    child.say("DONE");
+    child.succeeds();
+    wait_no_importers(&exporter);
+    drop(anchor);
+    exporter.wait_idle(WAIT).unwrap();
+    let stats = exporter.stats();
+    assert_eq!(
+        (stats.kept_blocks, stats.parked_buffers, stats.freed_buffers),
+        (0, 0, 3),
+        "{stats:?}"
+    );
+    assert!(exporter.shutdown().is_empty());
+    stream.synchronize().unwrap();
+    sub.release_unused().unwrap();
+    drop(sub);
+    wait_used(upstream.pool(), &ctx, 0);
+    no_drop_errors("exporter");
+}
+
+const KEPT_COUNT: usize = 8;
+
+#[test]
+fn a_consumer_killed_with_kept_imports_keeps_the_block_allocated_until_its_process_is_gone() {
+    let test = "a_consumer_killed_with_kept_imports_keeps_the_block_allocated_until_its_process_is_gone";
+    if role().is_some() {
+        let (importer, stream, kernels) = connect();
+        assert!(importer.fast_release());
+        for _ in 0..KEPT_COUNT {
+            let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+            // SAFETY: the buffer holds 1024 u32s, ordered on `stream`.
+            unsafe { kernels.add(buf.ptr(), 1024, 1, stream.as_ref()) }.unwrap();
+        }
+        importer.flush_releases().unwrap();
+        assert_eq!(
+            importer.kept_blocks(),
+            1,
+            "the block stays imported with no buffer held"
+        );
+        tell_parent("KEEPING");
+        // Wait to be killed, with the block still imported.
+        hear_parent("NEVER");
+        unreachable!("the parent kills this process");
+    }
+    let _serial = serial();
+    let (_dev, ctx) = gpu();
+    let (upstream, sub, exporter) = suballocating_exporter("kept-kill");
+    let mut child = ChildProc::spawn(test, "importer", exporter.path());
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
+    let stream = Stream::new(&ctx).unwrap();
+    for _ in 0..KEPT_COUNT {
+        let buf = adopt_from(&exporter, &sub, 4096, stream.as_ref());
+        buf.fill(0).unwrap();
+        exporter.share(&buf, &[id]).unwrap();
+        // Only the importer holds it now.
+    }
+    child.expect("KEEPING");
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().live_buffers > 0 {
+        assert!(Instant::now() < deadline, "releases never came: {:?}", exporter.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stats = exporter.stats();
+    // Every buffer was released, but the block's last one is parked: the importer keeps the block
+    // imported, so its allocation must not go back to the driver.
+    assert_eq!(
+        (
+            stats.kept_blocks,
+            stats.parked_buffers,
+            stats.freed_buffers,
+            stats.blocks
+        ),
+        (1, 1, KEPT_COUNT as u64 - 1, 1),
+        "{stats:?}"
+    );
+    child.kill();
+    let deadline = Instant::now() + WAIT;
+    while exporter.stats().parked_buffers > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the parked buffer was never freed: {:?}",
+            exporter.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    exporter.wait_idle(WAIT).unwrap();
+    let stats = exporter.stats();
+    assert_eq!(
+        (
+            stats.kept_blocks,
+            stats.parked_buffers,
+            stats.freed_buffers,
+            stats.blocks,
+            stats.importers
+        ),
+        (0, 0, KEPT_COUNT as u64, 0, 0),
+        "{stats:?}"
+    );
+    assert!(exporter.shutdown().is_empty());
+    stream.synchronize().unwrap();
+    sub.release_unused().unwrap();
+    drop(sub);
+    wait_used(upstream.pool(), &ctx, 0);
+    no_drop_errors("exporter");
 }
 
 // ---- Many buffers in flight, two importers, frees deferred until both released ----
@@ -1060,7 +1359,8 @@ fn stalled_importer_does_not_delay_shares_to_another_by_more_than_10ms() {
         "{errors:?}"
     );
     reader.join().unwrap();
-    drop((rx, stream));
+    // The stalled child's stdin and stdout pipes are the test's, not the exporter's: closed before the count.
+    drop((rx, stream, stalled));
     assert_back_to_baseline("exporter", baseline, &pool, &ctx, used);
     no_drop_errors("exporter");
 }

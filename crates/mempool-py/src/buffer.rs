@@ -73,22 +73,106 @@ impl DeviceBuffer {
         })
         .py()
     }
+}
 
-    /// Makes `consumer` (a raw handle) wait for the work queued on the buffer's stream so far.
-    fn order_before(&self, consumer: usize) -> PyResult<()> {
-        let ours = self.alloc.stream();
-        let legacy = |h: usize| h == 0 || h == 1;
-        if ours == consumer || (legacy(ours) && legacy(consumer)) {
-            return Ok(());
+/// Makes the stream `consumer` wait for the work queued on the stream `ours` so far (raw handles of streams
+/// of `device`'s primary context, 0 or 1 for the legacy default stream): an event recorded on `ours` that
+/// `consumer` waits on. Nothing when they are the same stream.
+pub(crate) fn order_streams(device: usize, ours: usize, consumer: usize) -> PyResult<()> {
+    let legacy = |h: usize| h == 0 || h == 1;
+    if ours == consumer || (legacy(ours) && legacy(consumer)) {
+        return Ok(());
+    }
+    let ctx = mempool_capi::device::context(device).py()?;
+    let _bound = ctx.bind().py()?;
+    let event = Event::new(&ctx, EventFlags::DISABLE_TIMING).py()?;
+    let raw = |h: usize| if legacy(h) { 0 } else { h };
+    // SAFETY: both handles are streams of `device`'s primary context (or the legacy stream), live during
+    // this call: `ours` is owned by the object being exported, `consumer` was passed by the caller for it.
+    #[allow(unsafe_code)]
+    let (o, c) = unsafe {
+        (
+            StreamRef::from_raw(raw(ours) as mempool_core::sys::CUstream),
+            StreamRef::from_raw(raw(consumer) as mempool_core::sys::CUstream),
+        )
+    };
+    event.record(o.in_context(&ctx)).py()?;
+    c.wait(&event).py()
+}
+
+/// Version 3 of CUDA's array interface for `size` bytes at `addr`, ordered on the raw stream `stream`.
+pub(crate) fn cai<'py>(py: Python<'py>, addr: u64, size: usize, stream: usize) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("shape", (size,))?;
+    d.set_item("strides", py.None())?;
+    d.set_item("typestr", "|u1")?;
+    d.set_item("data", (addr, false))?;
+    d.set_item("version", 3)?;
+    // CAI v3: 1 is the legacy default stream (0 is not allowed).
+    d.set_item("stream", if stream == 0 { 1 } else { stream })?;
+    Ok(d)
+}
+
+/// What `__dlpack__` of a 1-D `uint8` view does for every object that has one (`DeviceBuffer` and the
+/// buffers of `mempool.ipc`): checks the arguments, orders the consumer's `stream` after `ours` (unless
+/// it is -1), and returns a capsule whose tensor holds `owner` (the object, keeping its memory alive).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dlpack(
+    py: Python<'_>,
+    what: &str,
+    view: RawView,
+    owner: Py<PyAny>,
+    stream: Option<i64>,
+    max_version: Option<(u32, u32)>,
+    dl_device: Option<(i32, i32)>,
+    copy: Option<bool>,
+) -> PyResult<Py<PyAny>> {
+    if copy == Some(true) {
+        return Err(PyBufferError::new_err(format!(
+            "{what} exports its memory without a copy; copy=True is not supported"
+        )));
+    }
+    if let Some(d) = dl_device {
+        if d != (KDL_CUDA, view.device as i32) {
+            return Err(PyBufferError::new_err(format!(
+                "the buffer is on (kDLCUDA, {}); it cannot be exported to device {d:?} without a copy",
+                view.device
+            )));
         }
-        let ctx = mempool_capi::device::context(self.device).py()?;
-        let _bound = ctx.bind().py()?;
-        let event = Event::new(&ctx, EventFlags::DISABLE_TIMING).py()?;
-        event.record(self.stream_ref().in_context(&ctx)).py()?;
-        // SAFETY: the consumer passed its own stream for this call (the DLPack protocol), live during it.
-        #[allow(unsafe_code)]
-        let c = unsafe { StreamRef::from_raw(consumer as mempool_core::sys::CUstream) };
-        c.wait(&event).py()
+    }
+    match stream {
+        Some(-1) => {}
+        Some(0) => {
+            return Err(PyValueError::new_err(
+                "__dlpack__: stream 0 is ambiguous for CUDA (use 1 for the legacy default stream)",
+            ))
+        }
+        Some(s) if s < -1 => return Err(PyValueError::new_err(format!("__dlpack__: invalid stream {s}"))),
+        Some(s) => order_streams(view.device, view.stream, s as usize)?,
+        None => order_streams(view.device, view.stream, 1)?,
+    }
+    let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+    export(py, view, owner, versioned)
+}
+
+/// A range of device memory as DLPack and the CUDA array interface describe it.
+#[derive(Clone, Copy)]
+pub(crate) struct RawView {
+    pub(crate) addr: u64,
+    pub(crate) size: usize,
+    pub(crate) device: usize,
+    /// The raw stream its work is ordered on (0: legacy).
+    pub(crate) stream: usize,
+}
+
+impl DeviceBuffer {
+    fn raw_view(&self) -> RawView {
+        RawView {
+            addr: self.alloc.addr(),
+            size: self.alloc.size(),
+            device: self.device,
+            stream: self.alloc.stream(),
+        }
     }
 }
 
@@ -217,16 +301,7 @@ impl DeviceBuffer {
     /// (consumers order their work after it).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("shape", (self.alloc.size(),))?;
-        d.set_item("strides", py.None())?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.alloc.addr(), false))?;
-        d.set_item("version", 3)?;
-        // CAI v3: 1 is the legacy default stream (0 is not allowed).
-        let s = self.alloc.stream();
-        d.set_item("stream", if s == 0 { 1 } else { s })?;
-        Ok(d)
+        cai(py, self.alloc.addr(), self.alloc.size(), self.alloc.stream())
     }
 
     /// DLPack's device: `(kDLCUDA, device)`.
@@ -246,34 +321,18 @@ impl DeviceBuffer {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let this = slf.get();
-        if copy == Some(true) {
-            return Err(PyBufferError::new_err(
-                "mempool.DeviceBuffer exports its memory without a copy; copy=True is not supported",
-            ));
-        }
-        if let Some(d) = dl_device {
-            if d != (KDL_CUDA, this.device as i32) {
-                return Err(PyBufferError::new_err(format!(
-                    "the buffer is on (kDLCUDA, {}); it cannot be exported to device {d:?} without a copy",
-                    this.device
-                )));
-            }
-        }
-        match stream {
-            Some(-1) => {}
-            Some(0) => {
-                return Err(PyValueError::new_err(
-                    "__dlpack__: stream 0 is ambiguous for CUDA (use 1 for the legacy default stream)",
-                ))
-            }
-            Some(s) if s < -1 => return Err(PyValueError::new_err(format!("__dlpack__: invalid stream {s}"))),
-            Some(s) => this.order_before(s as usize)?,
-            None => this.order_before(1)?,
-        }
+        let view = slf.get().raw_view();
         let owner = slf.clone().into_any().unbind();
-        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        export(slf.py(), this, owner, versioned)
+        dlpack(
+            slf.py(),
+            "mempool.DeviceBuffer",
+            view,
+            owner,
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        )
     }
 }
 
@@ -340,12 +399,12 @@ struct Export<T> {
 const LEGACY_NAME: &CStr = c"dltensor";
 const VERSIONED_NAME: &CStr = c"dltensor_versioned";
 
-fn tensor(buf: &DeviceBuffer) -> DLTensor {
+fn tensor(view: &RawView) -> DLTensor {
     DLTensor {
-        data: buf.alloc.addr() as *mut c_void,
+        data: view.addr as *mut c_void,
         device: DLDevice {
             device_type: KDL_CUDA,
-            device_id: buf.device as i32,
+            device_id: view.device as i32,
         },
         ndim: 1,
         dtype: DLDataType {
@@ -411,8 +470,8 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
     }
 }
 
-fn export(py: Python<'_>, buf: &DeviceBuffer, owner: Py<PyAny>, versioned: bool) -> PyResult<Py<PyAny>> {
-    let size = buf.alloc.size() as i64;
+fn export(py: Python<'_>, view: RawView, owner: Py<PyAny>, versioned: bool) -> PyResult<Py<PyAny>> {
+    let size = view.size as i64;
     let (ptr, name): (*mut c_void, &CStr) = if versioned {
         let b = Box::new(Export {
             managed: DLManagedTensorVersioned {
@@ -420,7 +479,7 @@ fn export(py: Python<'_>, buf: &DeviceBuffer, owner: Py<PyAny>, versioned: bool)
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_versioned),
                 flags: 0,
-                dl_tensor: tensor(buf),
+                dl_tensor: tensor(&view),
             },
             shape: [size],
             strides: [1],
@@ -438,7 +497,7 @@ fn export(py: Python<'_>, buf: &DeviceBuffer, owner: Py<PyAny>, versioned: bool)
     } else {
         let b = Box::new(Export {
             managed: DLManagedTensor {
-                dl_tensor: tensor(buf),
+                dl_tensor: tensor(&view),
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_legacy),
             },

@@ -59,3 +59,77 @@ impl<T, E: Into<Error>> IntoPy<T> for Result<T, E> {
         self.map_err(|e| to_py(e.into()))
     }
 }
+
+/// The `mempool._errors` class for an error of mempool-ipc (see [`ipc_to_py`]).
+fn ipc_class_name(e: &mempool_ipc::Error) -> &'static str {
+    use mempool_ipc::Error as E;
+    match e {
+        E::Protocol(_) | E::UnexpectedMessage { .. } | E::DescriptorCount { .. } | E::Remote { .. } => {
+            "IpcProtocolError"
+        }
+        E::Refused { .. } | E::PeerCredentials { .. } | E::ForeignPidNamespace { .. } => "RefusedError",
+        E::Timeout { .. } | E::WaitTimeout { .. } => "IpcTimeoutError",
+        E::Closed | E::WriteClosed | E::ConnectionFailed | E::ExporterGone { .. } | E::Stalled { .. } => {
+            "PeerGoneError"
+        }
+        E::UnknownImporter { .. } => "PeerGoneError",
+        E::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            "PeerGoneError"
+        }
+        E::WrongDevice { .. } | E::DeviceNotVisible { .. } => "NoDeviceError",
+        E::Share { source, .. } => ipc_class_name(source),
+        _ => "IpcError",
+    }
+}
+
+/// The Python exception for an error of mempool-ipc, with `context` (what was being done) before its
+/// message: a driver error by its status as [`to_py`] does; a range that cannot be shared is a
+/// `ValueError`; otherwise the `mempool._errors` class of its cause: `PeerGoneError` (the peer closed the
+/// connection, died, or nobody serves the path), `IpcProtocolError` (a malformed or unexpected message, or
+/// the peer's `Error` message), `RefusedError` (turned away: limits, access policy), `IpcTimeoutError`,
+/// `NoDeviceError` (the exporter's GPU is not visible here), and `IpcError` for the rest.
+pub fn ipc_to_py(context: &str, e: mempool_ipc::Error) -> PyErr {
+    let e = match e {
+        mempool_ipc::Error::Core(c) => {
+            let err = to_py(Error::from(c));
+            return Python::attach(|py| {
+                let msg = format!("{context}: {}", err.value(py));
+                PyErr::from_type(err.get_type(py), msg)
+            });
+        }
+        other => other,
+    };
+    if matches!(e, mempool_ipc::Error::NotShareable { .. }) {
+        return pyo3::exceptions::PyValueError::new_err(format!("{context}: {e}"));
+    }
+    named(ipc_class_name(&e), format!("{context}: {e}"))
+}
+
+/// `?` on mempool-ipc's errors, saying what was being done.
+pub trait IpcIntoPy<T> {
+    /// The value, or the error as a Python exception whose message starts with `context`.
+    fn ipc(self, context: &str) -> PyResult<T>;
+}
+
+impl<T> IpcIntoPy<T> for Result<T, mempool_ipc::Error> {
+    fn ipc(self, context: &str) -> PyResult<T> {
+        self.map_err(|e| ipc_to_py(context, e))
+    }
+}
+
+/// An exception of the `mempool._errors` class `name` with message `msg` (an `ImportError` if the package
+/// is broken).
+pub fn named(name: &str, msg: String) -> PyErr {
+    Python::attach(|py| match py.import("mempool._errors").and_then(|m| m.getattr(name)) {
+        Ok(cls) => match cls.cast_into::<PyType>() {
+            Ok(cls) => PyErr::from_type(cls, msg),
+            Err(not_a_class) => PyErr::from(not_a_class),
+        },
+        Err(import_failure) => import_failure,
+    })
+}

@@ -11,6 +11,7 @@
 
 mod buffer;
 mod errors;
+mod ipc;
 mod mr;
 mod stream;
 
@@ -78,6 +79,10 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mr::LoggingResourceAdaptor>()?;
     m.add_class::<mr::LimitingResourceAdaptor>()?;
     m.add_class::<mr::FailureCallbackResourceAdaptor>()?;
+    m.add_class::<ipc::PyExporter>()?;
+    m.add_class::<ipc::PyExportedBuffer>()?;
+    m.add_class::<ipc::PyImporter>()?;
+    m.add_class::<ipc::PyImportedBuffer>()?;
     m.add_function(wrap_pyfunction!(mr::set_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(mr::get_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(get_current_device, m)?)?;

@@ -30,7 +30,7 @@ use crate::errors::IntoPy;
 pub struct PyResource {
     pub(crate) inner: SharedResource,
     pub(crate) device: usize,
-    upstream: Option<Py<PyAny>>,
+    pub(crate) upstream: Option<Py<PyAny>>,
 }
 
 impl PyResource {
@@ -131,7 +131,11 @@ impl ManagedMemoryResource {
 /// A driver stream-ordered pool (`cuMemAllocFromPoolAsync`): RMM's `CudaAsyncMemoryResource`. A new pool
 /// keeps what it reserves unless `release_threshold` says otherwise; `enable_ipc` makes it exportable.
 #[pyclass(module = "mempool.mr", extends = PyResource, frozen)]
-pub struct CudaAsyncMemoryResource;
+pub struct CudaAsyncMemoryResource {
+    /// The resource with its pool, for `mempool.ipc.Exporter` (None for the registry's default resource,
+    /// over the device's default pool, which cannot be exported).
+    pub(crate) typed: Option<Arc<AsyncResource>>,
+}
 
 #[pymethods]
 impl CudaAsyncMemoryResource {
@@ -154,15 +158,16 @@ impl CudaAsyncMemoryResource {
             },
             ..AsyncOptions::default()
         };
-        let mr: SharedResource = Arc::new(AsyncResource::new(&mempool_capi::device::device(d).py()?, options).py()?);
-        Ok(PyResource::leaf(mr, d).add_subclass(CudaAsyncMemoryResource))
+        let typed = Arc::new(AsyncResource::new(&mempool_capi::device::device(d).py()?, options).py()?);
+        let mr: SharedResource = typed.clone();
+        Ok(PyResource::leaf(mr, d).add_subclass(CudaAsyncMemoryResource { typed: Some(typed) }))
     }
 }
 
 impl CudaAsyncMemoryResource {
     /// Wraps an existing resource (the registry's default over the device's default pool).
     pub(crate) fn wrap(inner: SharedResource, device: usize) -> PyClassInitializer<Self> {
-        PyResource::leaf(inner, device).add_subclass(CudaAsyncMemoryResource)
+        PyResource::leaf(inner, device).add_subclass(CudaAsyncMemoryResource { typed: None })
     }
 }
 

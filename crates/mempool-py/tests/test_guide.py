@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-#: ``##`` sections that are prose by design (no runnable block): the planned IPC module and the
-#: benchmark table, and the note on how the guide is tested.
-PROSE_SECTIONS = {"Sharing buffers between processes", "Performance", "Testing this guide"}
+#: ``##`` sections that are prose by design (no runnable block): the benchmark table, and the note on how
+#: the guide is tested.
+PROSE_SECTIONS = {"Performance", "Testing this guide"}
 
 #: Environment variables that would make one block depend on the environment the tests run in.
 CLEARED_ENV = ("NUMBA_CUDA_MEMORY_MANAGER", "PYTORCH_CUDA_ALLOC_CONF", "RMM_LOG_FILE")

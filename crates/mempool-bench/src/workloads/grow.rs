@@ -1,5 +1,5 @@
 //! `grow`: a buffer grown from `start` to `end` bytes, multiplying its size by `factor` at each step
-//! (issue 14). Compared: mempool-core's [`GrowableBuffer`] (one reservation, chunks mapped at the end,
+//! (issue 14). Compared: mempool-core's [`GrowableBuffer`] (one reservation, one allocation mapped at the end per growth,
 //! nothing copied) against allocate-copy-free through each resource given (allocate the new size, copy
 //! the old contents on the device, free the old buffer), as a vector without virtual memory grows.
 //!
@@ -29,7 +29,7 @@ pub struct GrowParams {
     pub factor: f64,
     /// Timed runs per method (median), after one warm-up run.
     pub repeats: usize,
-    /// The GrowableBuffer's chunk size; `None`: the recommended granularity.
+    /// The GrowableBuffer's granule (each growth maps a multiple of it); `None`: the recommended granularity.
     pub chunk: Option<usize>,
 }
 
@@ -154,7 +154,7 @@ pub fn bench(common: &Common, p: &GrowParams) -> Result<Report> {
     let env = crate::env::Environment::detect(Some(&dev));
     let mut report = Report::new(
         "grow",
-        "a buffer grown step by step: GrowableBuffer (map chunks, no copy) vs allocate-copy-free",
+        "a buffer grown step by step: GrowableBuffer (map one allocation per growth, no copy) vs allocate-copy-free",
         env,
     );
     report.param("start", Size(p.start as u64));

@@ -154,19 +154,20 @@ fn garbage_is_rejected_and_the_peer_told() {
 fn unknown_version_is_rejected_and_the_peer_told_in_our_version() {
     let (conn, mut raw) = conn_and_raw();
     let mut frame = wire::encode(&Message::Hello).unwrap();
-    frame[4..6].copy_from_slice(&2u16.to_le_bytes());
+    frame[4..6].copy_from_slice(&3u16.to_le_bytes());
     raw.write_all(&frame).unwrap();
     let err = conn.recv().unwrap_err();
     assert!(
         matches!(
             err,
-            Error::Protocol(ProtocolError::UnsupportedVersion { got: 2, supported: 1 })
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 3, supported: 2 })
         ),
         "{err}"
     );
     let told = expect_error_then_eof(&mut raw);
     assert_eq!(told.code, ErrorCode::UnsupportedVersion);
-    assert!(told.text.contains("version 2"), "{}", told.text);
+    assert!(told.text.contains("version 3"), "{}", told.text);
+    // The Error message travels in a version-1 frame, which every version reads.
 }
 
 #[test]

@@ -11,7 +11,7 @@ use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::{ImporterId, LeaseError};
-use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor};
+use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor, CAP_FAST_RELEASE};
 
 /// A buffer the exporter can share, ordered on a stream like a
 /// [`PoolBuffer`](mempool_core::PoolBuffer). Made by [`Exporter::alloc`](crate::Exporter::alloc)
@@ -57,8 +57,11 @@ impl<'s> ExportedBuffer<'s> {
     }
 
     /// Waits until no importer holds the buffer (each released it, said `Goodbye` or died).
-    /// Their work on it is complete then: importers synchronize before they release, and a dead
-    /// importer's process is gone. [`Error::WaitTimeout`] after `timeout`.
+    /// Work queued on the buffer's stream after this returns runs after their work on it: a
+    /// version-1 importer synchronizes before it releases, a dead importer's process is gone,
+    /// and for an importer on the fast release path (which releases before its GPU work is done)
+    /// this makes the buffer's stream wait on its release event. Host reads that synchronize
+    /// the stream (`copy_to_host`) see their writes. [`Error::WaitTimeout`] after `timeout`.
     pub fn wait_released(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut state = self.inner.lock();
@@ -67,6 +70,15 @@ impl<'s> ExportedBuffer<'s> {
             state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
                 what: format!("importers to release buffer {id}"),
             })?;
+        }
+        let waits = state
+            .leases
+            .get(self.id)
+            .map(|s| s.release_waits.clone())
+            .unwrap_or_default();
+        drop(state);
+        for event in &waits {
+            self.view.stream().wait(event)?;
         }
         Ok(())
     }
@@ -218,6 +230,7 @@ pub(super) fn register<'s>(
             free: Some(free),
             events: Vec::new(),
             last_use: None,
+            release_waits: Vec::new(),
         },
     )?;
     // SAFETY: `ptr..ptr+len` is live memory of the exporter's pool, in `inner.ctx` (allocated by `alloc`, or
@@ -269,17 +282,39 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
             return Err(e);
         }
     };
+    // Importers on the fast release path may keep the block of a suballocated buffer imported:
+    // the exporter then keeps the block allocated until they are gone (recorded before the
+    // message that allows it goes out).
+    let mut keepers = Vec::new();
     if let Some(shared) = state.leases.get_mut(buffer.id) {
         shared.events.push(event);
+        if shared.suballocated() {
+            let base = shared.block_base;
+            for importer in to {
+                let fast = state
+                    .importers
+                    .get(importer)
+                    .is_some_and(|p| p.capabilities & CAP_FAST_RELEASE != 0);
+                if fast {
+                    state.pins.keep(base, *importer);
+                    keepers.push(*importer);
+                }
+            }
+        }
     }
     drop(state);
 
     // Queued, not sent: the serving thread sends each importer's frames as its socket takes
     // them, so an importer that does not read delays nobody else.
-    let message = Message::Buffer(descriptor);
+    let plain = Message::Buffer(descriptor);
+    let kept = Message::Buffer(BufferDescriptor {
+        keep_import: true,
+        ..descriptor
+    });
     let mut first_error = None;
     for importer in to {
-        if let Err(e) = server.send(*importer, &message, Some(buffer.id)) {
+        let message = if keepers.contains(importer) { &kept } else { &plain };
+        if let Err(e) = server.send(*importer, message, Some(buffer.id)) {
             // The owner still holds the buffer, so revoking frees nothing. The serving thread
             // may have counted the importer out already (NotLeased): nothing to undo.
             let _ = inner.lock().leases.revoke(buffer.id, *importer);
@@ -327,6 +362,7 @@ fn describe(
         size: buffer.view.len() as u64,
         pointer,
         ready_event: Some(event),
+        keep_import: false,
     })
 }
 

@@ -114,8 +114,15 @@ pub struct ExporterStats {
     /// Buffers freed because their last holder's connection ended without a release (an
     /// importer that died or broke the protocol).
     pub reclaimed_buffers: u64,
-    /// Buffers left unfreed at shutdown because an importer still held them.
+    /// Buffers left unfreed at shutdown because an importer still held them (or kept their
+    /// block imported).
     pub abandoned_buffers: u64,
+    /// Blocks that importers keep imported (protocol version 2's fast release path): the
+    /// exporter keeps each allocated until every importer that keeps it is gone.
+    pub kept_blocks: usize,
+    /// Buffers nobody holds whose free waits until no importer keeps their block imported (the
+    /// last buffer of a kept block: it keeps the block allocated).
+    pub parked_buffers: usize,
     /// Connections whose handshake is in flight.
     pub handshakes: usize,
     /// Importers whose connection ended uncleanly while they held buffers, whose processes the
@@ -232,6 +239,7 @@ impl Exporter {
             pool_id: PoolId::generate(),
         };
         let free_stream = Stream::new(&ctx)?;
+        let release_stream = Stream::new(&ctx)?;
         let listener = Listener::bind_with(path, options.listener.clone())?;
         let connection = listener.connection_config();
         let limits = Limits {
@@ -247,6 +255,7 @@ impl Exporter {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             free_stream,
+            release_stream,
             shutting_down: AtomicBool::new(false),
             shutdown_timeout: options.shutdown_timeout,
             announcement,
@@ -411,6 +420,8 @@ impl Exporter {
             freed_buffers: state.freed,
             reclaimed_buffers: state.reclaimed,
             abandoned_buffers: state.abandoned,
+            kept_blocks: state.pins.len(),
+            parked_buffers: state.pins.parked(),
         }
     }
 

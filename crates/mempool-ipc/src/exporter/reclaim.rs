@@ -2,6 +2,11 @@
 //! holds; deferred to the internal stream when the last importer releases it; reclaimed when an
 //! importer's connection ends without releasing, once its process is gone; abandoned when the
 //! exporter shuts down while an importer that outlived the timeout still holds it.
+//!
+//! Two rules of the fast release path (protocol version 2) come in here: a free waits (on the
+//! GPU) for the release events importers sent with their releases, and the last buffer of a
+//! block that an importer keeps imported is parked, not freed, until every such importer is
+//! gone, so the block's allocation never goes back to the driver under a kept import.
 
 use mempool_core::{Event, EventFlags, StreamRef};
 
@@ -41,11 +46,51 @@ impl Inner {
         }
     }
 
-    /// Frees a buffer nobody holds any more, ordered on `stream`.
-    pub(super) fn finish(&self, id: BufferId, mut shared: Shared, stream: StreamRef<'_>, deferred: bool) -> Result<()> {
+    /// Frees a buffer nobody holds any more, ordered on `stream`; parks it instead if it is the
+    /// last buffer of a block that an importer keeps imported.
+    pub(super) fn finish(&self, id: BufferId, shared: Shared, stream: StreamRef<'_>, deferred: bool) -> Result<()> {
+        let mut state = self.lock();
+        if deferred {
+            state.deferred = state.deferred.saturating_sub(1);
+        }
+        let base = shared.block_base;
+        let last = state.blocks.get(&base).is_none_or(|b| b.live <= 1);
+        let shared = if last {
+            match state.pins.park(base, (id, shared)) {
+                None => {
+                    // Parked: the block stays recorded (and allocated) with this buffer live.
+                    drop(state);
+                    self.changed.notify_all();
+                    return Ok(());
+                }
+                Some((_, shared)) => shared,
+            }
+        } else {
+            shared
+        };
+        // The block's record goes before the memory does, so that a buffer adopted meanwhile
+        // from a new allocation at the same address gets a new block id.
+        if let Some(block) = state.blocks.get_mut(&base) {
+            block.live -= 1;
+            if block.live == 0 {
+                state.blocks.remove(&base);
+            }
+        }
+        drop(state);
+        self.free_now(id, shared, stream)
+    }
+
+    /// Frees a buffer whose block record is already accounted for, ordered on `stream` after its
+    /// owner's last use and every importer's release event.
+    fn free_now(&self, id: BufferId, mut shared: Shared, stream: StreamRef<'_>) -> Result<()> {
         let mut result = Ok(());
         if let Some(last_use) = shared.last_use.take() {
             result = stream.wait(&last_use).map_err(Error::from);
+        }
+        for event in std::mem::take(&mut shared.release_waits) {
+            if result.is_ok() {
+                result = stream.wait(&event).map_err(Error::from);
+            }
         }
         if result.is_ok() {
             result = match shared.free.take() {
@@ -63,15 +108,6 @@ impl Inner {
             };
         }
         let mut state = self.lock();
-        if let Some(block) = state.blocks.get_mut(&shared.block_base) {
-            block.live -= 1;
-            if block.live == 0 {
-                state.blocks.remove(&shared.block_base);
-            }
-        }
-        if deferred {
-            state.deferred = state.deferred.saturating_sub(1);
-        }
         state.freed += 1;
         // Every importer that waited on these events has released (or is gone), and the free is
         // queued: they can order the next buffer.
@@ -105,13 +141,16 @@ impl Inner {
                 freed.push((buffer, shared));
             }
         }
-        let holds = state.leases.leases_of(id).next().is_some();
+        let holds = state.leases.leases_of(id).next().is_some() || state.pins.keeps_any(id);
         let wait = !clean && holds;
+        let mut unparked = Vec::new();
         if !wait {
             freed.extend(state.leases.disconnect(id));
+            unparked = state.pins.importer_gone(id);
         }
         drop(state);
         self.finish_deferred(freed);
+        self.free_unparked(unparked);
         self.changed.notify_all();
         wait
     }
@@ -119,13 +158,14 @@ impl Inner {
     /// The process of importer `id`, whose connection ended uncleanly, is gone: every buffer it
     /// held counts as released, and those nobody holds any more are freed.
     pub(super) fn reclaim(&self, id: ImporterId) {
-        let freed = {
+        let (freed, unparked) = {
             let mut state = self.lock();
             let freed = state.leases.disconnect(id);
             state.reclaimed += freed.len() as u64;
-            freed
+            (freed, state.pins.importer_gone(id))
         };
         self.finish_deferred(freed);
+        self.free_unparked(unparked);
         self.changed.notify_all();
     }
 
@@ -137,7 +177,30 @@ impl Inner {
         let kept = state.leases.disconnect(id);
         state.abandoned += kept.len() as u64;
         state.leaked.extend(kept.into_iter().map(|(_, s)| s));
+        // Blocks it may still have imported stay allocated: their parked buffers are kept too.
+        let parked: Vec<_> = state.pins.importer_gone(id).into_iter().map(|(_, (_, s))| s).collect();
+        state.abandoned += parked.len() as u64;
+        state.leaked.extend(parked);
         drop(state);
         self.changed.notify_all();
+    }
+
+    /// Frees the parked buffers of blocks that no importer keeps imported any more, on the
+    /// internal stream.
+    fn free_unparked(&self, unparked: Vec<(u64, (BufferId, Shared))>) {
+        for (base, (id, shared)) in unparked {
+            {
+                let mut state = self.lock();
+                if let Some(block) = state.blocks.get_mut(&base) {
+                    block.live -= 1;
+                    if block.live == 0 {
+                        state.blocks.remove(&base);
+                    }
+                }
+            }
+            if let Err(e) = self.free_now(id, shared, self.free_stream.as_ref()) {
+                record_drop_error(e);
+            }
+        }
     }
 }

@@ -6,17 +6,65 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::state::{Inner, Peer};
+use std::sync::Arc;
+
+use mempool_core::{Event, EventFlags, IpcEventHandle};
+
+use super::state::{Inner, Peer, MAX_RELEASE_EVENTS};
 use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
 use crate::server::Handler;
-use crate::wire::BufferId;
+use crate::wire::{BufferId, EventHandle, ProtocolError, ReleaseBatch};
 
 impl Handler for Inner {
-    fn connected(&self, id: ImporterId, credentials: PeerCredentials) {
-        self.lock().importers.insert(id, Peer { credentials });
+    fn connected(&self, id: ImporterId, credentials: PeerCredentials, capabilities: u64) {
+        self.lock().importers.insert(
+            id,
+            Peer {
+                credentials,
+                capabilities,
+                release_events: Vec::new(),
+            },
+        );
         self.changed.notify_all();
+    }
+
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
+        // The importer's uses of these buffers are ordered before its event: wait on it now,
+        // while the importer is surely there (it just sent it), and keep an event of our own.
+        let after = match batch.event {
+            Some(handle) => Some(self.after_release_event(id, handle)?),
+            None => None,
+        };
+        let mut state = self.lock();
+        let mut freed = Vec::new();
+        let mut result = Ok(());
+        for buffer in batch.buffers {
+            match state.leases.release(buffer, id) {
+                Ok(Some(mut shared)) => {
+                    if let Some(after) = &after {
+                        shared.wait_also(after);
+                    }
+                    freed.push((buffer, shared));
+                }
+                Ok(None) => {
+                    if let (Some(after), Some(shared)) = (&after, state.leases.get_mut(buffer)) {
+                        shared.wait_also(after);
+                    }
+                }
+                // The importer is broken: the loop cuts it off, and what it still holds is
+                // reclaimed once its process is gone.
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        drop(state);
+        self.finish_deferred(freed);
+        self.changed.notify_all();
+        result
     }
 
     fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()> {
@@ -41,6 +89,37 @@ impl Handler for Inner {
     }
 }
 
+impl Inner {
+    /// Makes the release stream wait on importer `id`'s release event `handle` (opened once per
+    /// handle, at most [`MAX_RELEASE_EVENTS`] per importer) and returns an event of the
+    /// exporter's own recorded after that wait: what frees of the released buffers wait on.
+    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Arc<Event>> {
+        let mut state = self.lock();
+        let peer = state.importers.get_mut(&id).ok_or(ProtocolError::Violation {
+            reason: format!("importer {id} is not connected"),
+        })?;
+        let index = match peer.release_events.iter().position(|(h, _)| *h == handle) {
+            Some(i) => i,
+            None => {
+                if peer.release_events.len() >= MAX_RELEASE_EVENTS {
+                    return Err(ProtocolError::Violation {
+                        reason: format!("more than {MAX_RELEASE_EVENTS} distinct release events"),
+                    }
+                    .into());
+                }
+                peer.release_events
+                    .push((handle, Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?));
+                peer.release_events.len() - 1
+            }
+        };
+        let stream = self.release_stream.as_ref();
+        stream.wait(&peer.release_events[index].1)?;
+        let after = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
+        after.record(stream)?;
+        Ok(Arc::new(after))
+    }
+}
+
 /// Shuts the exporter down (dropping it, or [`Exporter::shutdown`](crate::Exporter::shutdown)):
 /// no new connections, `Goodbye` queued for every importer (sent as each one's socket takes it,
 /// so one that does not read holds up nobody), a wait (at most the shutdown timeout) for them to
@@ -53,7 +132,9 @@ pub(super) fn shut_down(inner: &Inner) {
     server.begin_shutdown();
     {
         let mut state = inner.lock();
-        while state.leases.importers().next().is_some() {
+        // Importers that keep blocks imported say Goodbye (freeing those imports) once they hold
+        // nothing: wait for that too, so the blocks can be freed rather than abandoned.
+        while state.leases.importers().next().is_some() || state.pins.len() > 0 {
             match inner.wait(state, deadline) {
                 Some(s) => state = s,
                 None => break,

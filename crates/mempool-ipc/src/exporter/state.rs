@@ -12,10 +12,10 @@ use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, Stre
 
 use crate::cred::PeerCredentials;
 use crate::error::{Error, Result};
-use crate::lease::{ImporterId, LeaseTable};
+use crate::lease::{BlockPins, ImporterId, LeaseTable};
 use crate::server::Server;
 use crate::session::PoolAnnouncement;
-use crate::wire::{BlockId, EventHandle, PointerDescriptor};
+use crate::wire::{BlockId, BufferId, EventHandle, PointerDescriptor};
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
 /// the free on.
@@ -78,11 +78,37 @@ pub(super) struct Shared {
     pub(super) events: Vec<IpcEvent>,
     /// Recorded on the owner's stream when the owner let go while importers still held it.
     pub(super) last_use: Option<Event>,
+    /// Events (the exporter's own, recorded on its release stream after it waited on the
+    /// importers' release events) that importers' uses of the buffer are ordered before: frees
+    /// and the owner's later work wait on them (fast release path).
+    pub(super) release_waits: Vec<Arc<Event>>,
 }
+
+impl Shared {
+    /// Whether the buffer was suballocated (adopted): its block outlives it, so importers may
+    /// keep the block imported.
+    pub(super) fn suballocated(&self) -> bool {
+        matches!(self.free, Some(Freer::Custom(_)))
+    }
+
+    /// Orders the buffer's free (and the owner's later waits) after `event` too.
+    pub(super) fn wait_also(&mut self, event: &Arc<Event>) {
+        if !self.release_waits.iter().any(|e| Arc::ptr_eq(e, event)) {
+            self.release_waits.push(event.clone());
+        }
+    }
+}
+
+/// The most distinct release events one importer may use (it needs one).
+pub(super) const MAX_RELEASE_EVENTS: usize = 8;
 
 /// A connected importer (handshake done).
 pub(super) struct Peer {
     pub(super) credentials: PeerCredentials,
+    /// The capabilities its handshake granted (`wire::CAP_*`).
+    pub(super) capabilities: u64,
+    /// Its release events, opened (`cuIpcOpenEventHandle`) on first use, by handle.
+    pub(super) release_events: Vec<(EventHandle, Event)>,
 }
 
 /// Everything the exporter's threads share, under [`Inner::state`].
@@ -101,6 +127,9 @@ pub(super) struct State {
     pub(super) abandoned: u64,
     /// Buffers that could not be freed safely at shutdown; kept so their events stay alive.
     pub(super) leaked: Vec<Shared>,
+    /// Blocks (by base address) that importers keep imported, and the last buffer of each,
+    /// parked until they are gone.
+    pub(super) pins: BlockPins<u64, (BufferId, Shared)>,
 }
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
@@ -114,6 +143,10 @@ pub(super) struct Inner {
     pub(super) state: Mutex<State>,
     pub(super) changed: Condvar,
     pub(super) free_stream: Stream,
+    /// Where the exporter waits on importers' release events as they arrive (so that it never
+    /// touches an importer's event later, when that importer may have destroyed it), recording
+    /// its own event after each wait.
+    pub(super) release_stream: Stream,
     pub(super) shutting_down: AtomicBool,
     pub(super) shutdown_timeout: Duration,
     pub(super) announcement: PoolAnnouncement,

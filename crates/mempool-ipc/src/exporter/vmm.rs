@@ -14,10 +14,10 @@ use mempool_core::{
 };
 
 use super::buffers::{self, ExportedBuffer};
-use super::state::{FreeFn, Freer, Inner};
+use super::state::{FreeFn, Freer, Inner, State};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
-use crate::wire::{BufferId, Capabilities, Message, VmmBufferDescriptor};
+use crate::wire::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
 
 /// A VMM physical allocation the exporter can share with importers that accepted VMM sharing,
 /// mapped in the exporter with read-write access for its device. Made by
@@ -124,24 +124,17 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         return Ok(());
     }
     let server = inner.server()?;
-    for importer in to {
-        match server.capabilities(*importer) {
-            None => return Err(Error::UnknownImporter { importer: *importer }),
-            Some(accepted) if !accepted.contains(Capabilities::VMM) => {
-                return Err(Error::VmmNotAccepted { importer: *importer })
-            }
-            Some(_) => {}
-        }
-    }
+    check_vmm_granted(&inner.lock(), to)?;
     let id = vmm.id();
     let fd = vmm.physical.export_fd()?;
     let event = inner.take_event()?;
     event.event.record(vmm.stream())?;
     let handle = event.handle;
     let mut state = inner.lock();
-    if let Some(importer) = to.iter().find(|i| !state.importers.contains_key(i)) {
+    // Checked again: an importer may have gone meanwhile.
+    if let Err(e) = check_vmm_granted(&state, to) {
         state.idle_events.push(event);
-        return Err(Error::UnknownImporter { importer: *importer });
+        return Err(e);
     }
     for (i, importer) in to.iter().enumerate() {
         if let Err(e) = state.leases.grant(id, *importer) {
@@ -182,4 +175,19 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
     }
     inner.changed.notify_all();
     first_error.map_or(Ok(()), Err)
+}
+
+/// Whether every importer of `to` is connected and was granted [`CAP_VMM`] in its handshake
+/// (bit 1 of `Hello2`/`Welcome2`; a version-1 importer never is).
+fn check_vmm_granted(state: &State, to: &[ImporterId]) -> Result<()> {
+    for importer in to {
+        match state.importers.get(importer) {
+            None => return Err(Error::UnknownImporter { importer: *importer }),
+            Some(peer) if peer.capabilities & CAP_VMM == 0 => {
+                return Err(Error::VmmNotAccepted { importer: *importer })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }

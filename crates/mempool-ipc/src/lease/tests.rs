@@ -285,6 +285,7 @@ fn descriptor(buffer: u64, block: u64, offset: u64, size: u64) -> BufferDescript
         size,
         pointer: PointerDescriptor([block as u8; 64]),
         ready_event: Some(EventHandle([1; 64])),
+        keep_import: false,
     }
 }
 
@@ -377,4 +378,150 @@ fn last_holder_frees() -> Result<()> {
     assert_eq!(table.release(buf, a)?, None);
     assert_eq!(table.disconnect(b), vec![(buf, "allocation")]); // last holder gone: free it
     Ok(())
+}
+
+#[test]
+fn a_kept_block_stays_imported_after_its_last_buffer_and_is_imported_once() {
+    let mut t = ImportTable::new();
+    let imports = std::cell::Cell::new(0);
+    let import = |d: &BufferDescriptor| {
+        imports.set(imports.get() + 1);
+        Ok::<_, LeaseError>(format!("import of {}", d.block_id))
+    };
+    let kept = |buffer, offset| BufferDescriptor {
+        keep_import: true,
+        ..descriptor(buffer, 3, offset, 4096)
+    };
+    // One buffer at a time through the same block: one import for all of them.
+    for id in 0..100u64 {
+        t.add(&kept(id, (id % 8) * 4096), import).unwrap();
+        t.check_invariants();
+        assert_eq!(t.release(BufferId(id)).unwrap(), None, "a kept block came back");
+        t.check_invariants();
+    }
+    assert_eq!(imports.get(), 1);
+    assert_eq!((t.len(), t.block_count(), t.kept_count()), (0, 1, 1));
+    // A block not kept still comes back with its last buffer.
+    t.add(&descriptor(500, 4, 0, 16), import).unwrap();
+    assert_eq!(t.release(BufferId(500)).unwrap().as_deref(), Some("import of block#4"));
+    // A block first imported without the flag becomes kept when a later buffer carries it.
+    t.add(&descriptor(600, 5, 0, 16), import).unwrap();
+    t.add(
+        &BufferDescriptor {
+            keep_import: true,
+            ..descriptor(601, 5, 16, 16)
+        },
+        import,
+    )
+    .unwrap();
+    assert_eq!(t.release(BufferId(600)).unwrap(), None);
+    assert_eq!(t.release(BufferId(601)).unwrap(), None);
+    assert_eq!(t.kept_count(), 2);
+    // The kept imports come back at the end of the connection.
+    let mut drained: Vec<_> = t.drain().into_iter().map(|(id, _)| id).collect();
+    drained.sort_unstable();
+    assert_eq!(drained, vec![BlockId(3), BlockId(5)]);
+    t.check_invariants();
+}
+
+#[test]
+fn block_pins_park_the_last_buffer_until_every_keeper_is_gone() {
+    let mut pins: BlockPins<u64, &str> = BlockPins::default();
+    // Nobody keeps block 1: its last buffer is freed at once.
+    assert_eq!(pins.park(1, "a"), Some("a"));
+    pins.keep(1, ImporterId(10));
+    pins.keep(1, ImporterId(11));
+    pins.keep(2, ImporterId(11));
+    pins.check_invariants();
+    assert!(pins.is_kept(1) && pins.keeps_any(ImporterId(10)) && !pins.keeps_any(ImporterId(12)));
+    // Kept: parked, once per block.
+    assert_eq!(pins.park(1, "b"), None);
+    assert_eq!(pins.park(1, "c"), Some("c"), "a second parked buffer in one block");
+    assert_eq!(pins.parked(), 1);
+    // One keeper leaves: still kept by the other.
+    assert_eq!(pins.importer_gone(ImporterId(10)), vec![]);
+    assert_eq!(pins.importer_gone(ImporterId(10)), vec![], "gone twice");
+    pins.check_invariants();
+    // The last keeper leaves: the parked buffer is handed back; block 2 had none parked.
+    assert_eq!(pins.importer_gone(ImporterId(11)), vec![(1, "b")]);
+    pins.check_invariants();
+    assert_eq!((pins.len(), pins.parked()), (0, 0));
+    assert!(!pins.is_kept(2));
+}
+
+proptest! {
+    /// A model of the exporter's use of `BlockPins` with a live count per block: a buffer's
+    /// memory is never handed back while an importer keeps its block, every buffer is handed back
+    /// exactly once when everyone is gone, and the invariants hold throughout.
+    #[test]
+    fn block_pins_model(ops in proptest::collection::vec((0u8..4, 0u64..4, 0u64..3), 0..200)) {
+        let mut pins: BlockPins<u64, u64> = BlockPins::default();
+        let mut live: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+        let mut keepers: std::collections::BTreeMap<u64, std::collections::BTreeSet<u64>> = Default::default();
+        let mut parked = std::collections::BTreeSet::new();
+        let mut freed = Vec::new();
+        let mut next = 0u64;
+        let free = |block: u64, buffer: u64, keepers: &std::collections::BTreeMap<u64, std::collections::BTreeSet<u64>>| {
+            assert!(keepers.get(&block).is_none_or(|k| k.is_empty()), "block {block} freed while kept");
+            buffer
+        };
+        for (op, block, importer) in ops {
+            match op {
+                0 => {
+                    live.entry(block).or_default().push(next);
+                    next += 1;
+                }
+                1 => {
+                    pins.keep(block, ImporterId(importer));
+                    keepers.entry(block).or_default().insert(importer);
+                }
+                2 => {
+                    // Free one buffer of the block: the last one is parked if kept.
+                    // (A parked buffer counts as live, as in the exporter's block record.)
+                    let Some(buffers) = live.get_mut(&block) else { continue };
+                    let Some(buffer) = buffers.pop() else { continue };
+                    let last = buffers.is_empty();
+                    if last {
+                        live.remove(&block);
+                    }
+                    if last && !parked.contains(&block) {
+                        match pins.park(block, buffer) {
+                            Some(b) => freed.push(free(block, b, &keepers)),
+                            None => {
+                                prop_assert!(keepers.get(&block).is_some_and(|k| !k.is_empty()));
+                                parked.insert(block);
+                            }
+                        }
+                    } else {
+                        freed.push(buffer);
+                    }
+                }
+                _ => {
+                    for set in keepers.values_mut() {
+                        set.remove(&importer);
+                    }
+                    for (b, buffer) in pins.importer_gone(ImporterId(importer)) {
+                        parked.remove(&b);
+                        freed.push(free(b, buffer, &keepers));
+                    }
+                }
+            }
+            pins.check_invariants();
+        }
+        // Everyone leaves, every buffer is freed.
+        for importer in 0..3 {
+            for set in keepers.values_mut() {
+                set.remove(&importer);
+            }
+            for (b, buffer) in pins.importer_gone(ImporterId(importer)) {
+                freed.push(free(b, buffer, &keepers));
+            }
+        }
+        for (_, buffers) in std::mem::take(&mut live) {
+            freed.extend(buffers);
+        }
+        prop_assert_eq!(pins.len(), 0);
+        freed.sort_unstable();
+        prop_assert_eq!(freed, (0..next).collect::<Vec<_>>());
+    }
 }

@@ -28,16 +28,21 @@ use crate::fdpass;
 use crate::lease::ImporterId;
 use crate::listener::Listener;
 use crate::session::{importer_event, ExporterHandshake, ImporterEvent, PoolAnnouncement};
-use crate::wire::{self, BufferId, Capabilities, ErrorCode, ErrorMessage, Message};
+use crate::wire::{self, BufferId, ErrorCode, ErrorMessage, Message, ReleaseBatch};
 
 /// What the event loop tells the exporter, on the loop's thread.
 pub(crate) trait Handler: Send + Sync {
-    /// The handshake of `id` completed: it may be sent buffers from now on.
-    fn connected(&self, id: ImporterId, credentials: PeerCredentials);
+    /// The handshake of `id` completed, granting it `capabilities` (`wire::CAP_*`): it may be
+    /// sent buffers from now on.
+    fn connected(&self, id: ImporterId, credentials: PeerCredentials, capabilities: u64);
 
     /// `id` released `buffer`. An error ends the connection (the importer is told, and the end is
     /// unclean).
     fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()>;
+
+    /// `id` released every buffer of `batch`, all at once (an importer granted the fast release
+    /// capability). An error ends the connection as for [`Handler::released`].
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()>;
 
     /// The connection of `id` ended: `clean` after its `Goodbye`. `undelivered` lists buffers
     /// whose frames never went out (the importer never saw them). Returns whether the importer
@@ -81,8 +86,6 @@ pub(crate) struct Shared {
     pub(crate) outboxes: Mutex<Outboxes>,
     pub(crate) control: Mutex<Control>,
     pub(crate) stats: Mutex<ServerStats>,
-    /// What each connected importer accepted in its handshake ([`Capabilities`]).
-    pub(crate) capabilities: Mutex<HashMap<ImporterId, Capabilities>>,
     wake: OwnedFd,
 }
 
@@ -92,7 +95,6 @@ impl Shared {
             outboxes: Mutex::new(Outboxes::new(send_queue_len)),
             control: Mutex::new(Control::default()),
             stats: Mutex::new(ServerStats::default()),
-            capabilities: Mutex::new(HashMap::new()),
             wake: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
     }
@@ -422,6 +424,7 @@ impl Loop {
             match handshake.on_message(message) {
                 Ok(answer) => {
                     let done = handshake.step() == crate::session::HandshakeStep::Done;
+                    peer.capabilities = handshake.capabilities();
                     match wire::encode(&answer) {
                         Ok(frame) => peer.local.push_back(Outgoing {
                             frame,
@@ -441,9 +444,14 @@ impl Loop {
             return;
         }
         let id = peer.id;
-        match importer_event(message) {
+        match importer_event(message, peer.capabilities) {
             Ok(ImporterEvent::Release(buffer)) => {
                 if let Err(e) = self.handler.released(id, buffer) {
+                    self.end(token, false, Some(e));
+                }
+            }
+            Ok(ImporterEvent::ReleaseBatch(batch)) => {
+                if let Err(e) = self.handler.released_batch(id, batch) {
                     self.end(token, false, Some(e));
                 }
             }
@@ -467,14 +475,13 @@ impl Loop {
             return self.end_handshake(token, Some(e));
         }
         let Some(peer) = self.peers.get_mut(&token) else { return };
-        let accepted = peer.handshake.take().map(|h| h.accepted()).unwrap_or_default();
+        peer.handshake = None;
         // Remembered now: the peer spoke a moment ago, so the pid names it.
         peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
-        let (id, credentials) = (peer.id, peer.credentials);
+        let (id, credentials, capabilities) = (peer.id, peer.credentials, peer.capabilities);
         self.tokens.insert(id, token);
-        lock(&self.shared.capabilities).insert(id, accepted);
         lock(&self.shared.outboxes).open(id);
-        self.handler.connected(id, credentials);
+        self.handler.connected(id, credentials, capabilities);
     }
 
     /// Writes what waits for `token`, as far as its socket takes it.
@@ -525,7 +532,6 @@ impl Loop {
         }
         let mut undelivered = peer.undelivered_local();
         undelivered.extend(lock(&self.shared.outboxes).close(peer.id));
-        lock(&self.shared.capabilities).remove(&peer.id);
         self.tokens.remove(&peer.id);
         let id = peer.id;
         let process = peer.process.take();

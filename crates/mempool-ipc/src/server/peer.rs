@@ -50,6 +50,8 @@ pub(crate) struct Peer {
     pub(crate) wants_out: bool,
     /// Whether the sending direction is closed (after the exporter's `Goodbye`).
     pub(crate) write_closed: bool,
+    /// The capabilities its handshake granted (`wire::CAP_*`; 0 for a version-1 importer).
+    pub(crate) capabilities: u64,
     reader: Reader,
     writing: Option<Writing>,
 }
@@ -113,6 +115,7 @@ impl Peer {
             blocked_since: None,
             wants_out: false,
             write_closed: false,
+            capabilities: 0,
             reader: Reader::default(),
             writing: None,
         })

@@ -21,7 +21,7 @@ use crate::listener::{Listener, ListenerOptions};
 use crate::session::{ExporterEvent, HandshakeStep, ImporterSession, PoolAnnouncement};
 use crate::test_util::{memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, GPU, POOL};
-use crate::wire::{self, BufferId, ErrorCode, Message};
+use crate::wire::{self, BufferId, ErrorCode, Message, ReleaseBatch};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -158,6 +158,8 @@ fn start_time_is_read_after_the_last_parenthesis() {
 #[derive(Default)]
 struct Record {
     connected: Vec<ImporterId>,
+    /// The capabilities granted to each, in the order connected.
+    capabilities: Vec<u64>,
     released: Vec<(ImporterId, BufferId)>,
     ended: Vec<(ImporterId, bool, Vec<BufferId>)>,
     exited: Vec<ImporterId>,
@@ -195,8 +197,11 @@ impl Recorder {
 }
 
 impl Handler for Recorder {
-    fn connected(&self, id: ImporterId, _credentials: PeerCredentials) {
-        self.record.lock().unwrap().connected.push(id);
+    fn connected(&self, id: ImporterId, _credentials: PeerCredentials, capabilities: u64) {
+        let mut r = self.record.lock().unwrap();
+        r.connected.push(id);
+        r.capabilities.push(capabilities);
+        drop(r);
         self.changed.notify_all();
     }
 
@@ -206,6 +211,13 @@ impl Handler for Recorder {
         }
         self.record.lock().unwrap().released.push((id, buffer));
         self.changed.notify_all();
+        Ok(())
+    }
+
+    fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
+        for buffer in batch.buffers {
+            self.released(id, buffer)?;
+        }
         Ok(())
     }
 
@@ -260,7 +272,7 @@ fn client_config() -> ConnectionConfig {
 
 /// An importer without a GPU: the whole handshake, and the pool's descriptor checked.
 fn importer(path: &Path) -> Result<ImporterSession> {
-    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, |uuid| {
+    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, 0, |uuid| {
         assert_eq!(*uuid, GPU);
         Ok(())
     })?;
@@ -681,7 +693,7 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
                     io_timeout: Duration::from_secs(1),
                     handshake_timeout: Duration::from_secs(1),
                 };
-                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, |_| Ok(())).map(|(s, _)| s)
+                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, 0, |_| Ok(())).map(|(s, _)| s)
             })
         })
         .collect();
@@ -706,4 +718,108 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
     assert_eq!(evicted, 0, "{stats}");
     assert!((1..=30).contains(&pauses), "{pauses} pauses");
     assert_eq!(reported, 1, "{stats}");
+}
+
+/// An importer asking for the fast release path, connected and reported.
+fn connected_fast_importer(f: &Fixture) -> (ImporterSession, ImporterId) {
+    let before = f.handler.connected().len();
+    let (session, _) = ImporterSession::connect(
+        &f.path,
+        client_config(),
+        &AccessPolicy::SameUser,
+        wire::CAP_FAST_RELEASE,
+        |_| Ok(()),
+    )
+    .unwrap();
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
+    (session, f.handler.connected()[before])
+}
+
+#[test]
+fn a_release_batch_from_a_fast_importer_reaches_the_exporter_in_one_go() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_fast_importer(&f);
+    assert_eq!(session.capabilities(), wire::CAP_FAST_RELEASE);
+    for k in 1..=3 {
+        f.server.send(id, &buffer_message(k), Some(BufferId(k))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(k));
+    }
+    session
+        .release_batch(None, vec![BufferId(3), BufferId(1), BufferId(2)])
+        .unwrap();
+    f.handler.wait_for("three releases", |r| r.released.len() == 3);
+    assert_eq!(
+        f.handler.record.lock().unwrap().released,
+        vec![(id, BufferId(3)), (id, BufferId(1)), (id, BufferId(2))]
+    );
+    // A bad id in a batch cuts the importer off like a bad release.
+    session.release_batch(None, vec![BufferId(666)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+}
+
+#[test]
+fn a_release_batch_from_a_version_1_importer_is_refused() {
+    let f = serve(limits_for_sockets());
+    let (session, id) = connected_importer(&f);
+    assert_eq!(session.capabilities(), 0);
+    session.release_batch(None, vec![BufferId(1)]).unwrap();
+    f.handler.wait_for("the end", |r| !r.ended.is_empty());
+    assert_eq!(f.handler.ended(id).map(|e| e.0), Some(false));
+    let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::Remote {
+                code: ErrorCode::Protocol,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(f.handler.record.lock().unwrap().released.is_empty());
+}
+
+#[test]
+fn the_server_grants_vmm_to_an_importer_that_asks_and_sends_it_vmm_buffers_with_their_descriptor() {
+    let f = serve(limits_for_sockets());
+    let connect = |asked: u64| {
+        let before = f.handler.connected().len();
+        let (session, _) =
+            ImporterSession::connect(&f.path, client_config(), &AccessPolicy::SameUser, asked, |_| Ok(())).unwrap();
+        f.handler
+            .wait_for("the importer to be reported", |r| r.connected.len() > before);
+        let r = f.handler.record.lock().unwrap();
+        (session, r.connected[before], r.capabilities[before])
+    };
+    // Version 1, fast release only, VMM only, and VMM with bits nobody knows.
+    let (v1, _, granted) = connect(0);
+    assert_eq!((v1.capabilities(), granted), (0, 0));
+    let (fast, _, granted) = connect(wire::CAP_FAST_RELEASE);
+    assert_eq!(
+        (fast.capabilities(), granted),
+        (wire::CAP_FAST_RELEASE, wire::CAP_FAST_RELEASE)
+    );
+    let (vmm, vmm_id, granted) = connect(wire::CAP_VMM);
+    assert_eq!((vmm.capabilities(), granted), (wire::CAP_VMM, wire::CAP_VMM));
+    let (both, _, granted) = connect(wire::CAP_VMM | wire::CAP_FAST_RELEASE | 1 << 40);
+    assert_eq!(granted, wire::CAP_VMM | wire::CAP_FAST_RELEASE);
+    assert_eq!(both.capabilities(), granted);
+
+    // A VmmBuffer queued with a descriptor arrives with it; the server closes its copy once sent.
+    let name = unique_name("server-vmm");
+    let alloc = memfd_with(&name, b"physical");
+    let message = Message::VmmBuffer(wire::testing::vmm_buffer(9));
+    f.server
+        .send_with_fd(vmm_id, &message, Some(BufferId(9)), Some(alloc))
+        .unwrap();
+    match vmm.recv_until(Some(Instant::now() + SOON)).unwrap() {
+        ExporterEvent::VmmBuffer(d, fd) => {
+            assert_eq!(d, wire::testing::vmm_buffer(9));
+            assert_eq!(read_all(fd), b"physical");
+        }
+        other => panic!("expected a VmmBuffer, got {other:?}"),
+    }
+    assert_eq!(open_fds_named(&name), 0, "no copy of the descriptor is left open");
 }

@@ -18,8 +18,8 @@ use crate::listener::Listener;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
 use crate::wire::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
 use crate::wire::{
-    self, BufferId, Capabilities, DeviceUuid, ErrorCode, Message, MessageType, PoolDescriptor, PoolId, ProtocolError,
-    Ready, Welcome,
+    self, BufferId, DeviceUuid, ErrorCode, EventHandle, Message, MessageType, PoolDescriptor, PoolId, ProtocolError,
+    Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE,
 };
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
@@ -72,7 +72,7 @@ fn handshake_over_a_listener() {
     let listener = Listener::bind(&path).unwrap();
     let pool = memfd_with(&unique_name("listener-pool"), b"via the listener");
     let importer =
-        thread::spawn(move || ImporterSession::connect(&path, short_config(), &AccessPolicy::SameUser, find_gpu));
+        thread::spawn(move || ImporterSession::connect(&path, short_config(), &AccessPolicy::SameUser, 0, find_gpu));
     let (conn, peer) = listener.accept().unwrap();
     assert_eq!(peer.pid, std::process::id() as i32);
     let _exporter = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap();
@@ -86,8 +86,14 @@ fn importer_refuses_an_exporter_outside_its_policy() {
     let path = dir.join("pool.sock");
     let listener = Listener::bind(&path).unwrap();
     let other_uid = rustix::process::geteuid().as_raw().wrapping_add(1);
-    let err =
-        ImporterSession::connect(&path, short_config(), &AccessPolicy::allow_uids([other_uid]), find_gpu).unwrap_err();
+    let err = ImporterSession::connect(
+        &path,
+        short_config(),
+        &AccessPolicy::allow_uids([other_uid]),
+        0,
+        find_gpu,
+    )
+    .unwrap_err();
     assert!(matches!(err, Error::PeerCredentials { .. }), "{err}");
     let (conn, _) = listener.accept().unwrap();
     let pool = memfd_with(&unique_name("unused"), b"");
@@ -118,17 +124,10 @@ fn exporter_rejects_an_importer_on_another_gpu() {
         read_frame(&mut raw).unwrap(),
         Message::Welcome(Welcome {
             device_uuid: GPU,
-            pool_id: POOL,
-            capabilities: Capabilities::KNOWN,
+            pool_id: POOL
         })
     );
-    send_raw(
-        &mut raw,
-        &Message::Ready(Ready {
-            device_uuid: OTHER_GPU,
-            capabilities: Capabilities::NONE,
-        }),
-    );
+    send_raw(&mut raw, &Message::Ready(Ready { device_uuid: OTHER_GPU }));
     let err = exporter.join().unwrap().unwrap_err();
     assert!(
         matches!(err, Error::WrongDevice { expected_uuid, got } if expected_uuid == GPU && got == OTHER_GPU),
@@ -242,15 +241,11 @@ fn pool_descriptor_must_name_the_announced_pool() {
         &Message::Welcome(Welcome {
             device_uuid: GPU,
             pool_id: POOL,
-            capabilities: Capabilities::KNOWN,
         }),
     );
     assert_eq!(
         read_frame(&mut raw).unwrap(),
-        Message::Ready(Ready {
-            device_uuid: GPU,
-            capabilities: Capabilities::NONE,
-        })
+        Message::Ready(Ready { device_uuid: GPU })
     );
     let other = wire::encode(&Message::PoolDescriptor(PoolDescriptor {
         pool_id: PoolId([0x77; 16]),
@@ -275,7 +270,7 @@ fn importer_speaking_another_version_is_told() {
     assert!(
         matches!(
             err,
-            Error::Protocol(ProtocolError::UnsupportedVersion { got: 7, supported: 1 })
+            Error::Protocol(ProtocolError::UnsupportedVersion { got: 7, supported: 2 })
         ),
         "{err}"
     );
@@ -362,6 +357,18 @@ fn serve_importer(
                     Err(err) => {
                         free(disconnect(&leases, id));
                         return session.reject(err.into());
+                    }
+                }
+            }
+            Ok(ImporterEvent::ReleaseBatch(batch)) => {
+                for buffer in batch.buffers {
+                    let released = leases.lock().unwrap().release(buffer, id);
+                    match released {
+                        Ok(freed) => free(freed.into_iter().collect()),
+                        Err(err) => {
+                            free(disconnect(&leases, id));
+                            return session.reject(err.into());
+                        }
                     }
                 }
             }
@@ -512,4 +519,104 @@ fn handshake_over_a_connection_pair() -> std::result::Result<(), Box<dyn std::er
     let (_importer, imported) = importer.join().unwrap()?;
     assert_eq!(imported.device, gpu);
     Ok(())
+}
+
+/// `handshake_pair` with the importer asking for `capabilities`.
+fn handshake_pair_asking(pool: &OwnedFd, capabilities: u64) -> (ExporterSession, ImporterSession) {
+    let (e, i) = Connection::pair(short_config()).unwrap();
+    let importer = thread::spawn(move || ImporterSession::handshake_with(i, capabilities, &mut find_gpu));
+    let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
+    let (importer, _) = importer.join().unwrap().unwrap();
+    (exporter, importer)
+}
+
+#[test]
+fn version_2_handshake_grants_the_fast_release_path_and_carries_batches() {
+    let pool = memfd_with(&unique_name("v2"), b"x");
+    // Unknown bits are asked for by a newer importer and not granted.
+    let (exporter, importer) = handshake_pair_asking(&pool, CAP_FAST_RELEASE | 1 << 40);
+    assert_eq!(exporter.capabilities, CAP_FAST_RELEASE);
+    assert_eq!(importer.capabilities(), CAP_FAST_RELEASE);
+    assert_eq!(importer.pool_id(), POOL);
+    let event = Some(EventHandle([0x42; 64]));
+    importer.release_batch(event, vec![BufferId(4), BufferId(2)]).unwrap();
+    importer.release(BufferId(9)).unwrap();
+    assert_eq!(
+        exporter.recv().unwrap(),
+        ImporterEvent::ReleaseBatch(ReleaseBatch {
+            event,
+            buffers: vec![BufferId(4), BufferId(2)],
+        })
+    );
+    assert_eq!(exporter.recv().unwrap(), ImporterEvent::Release(BufferId(9)));
+}
+
+#[test]
+fn a_version_1_importer_sending_a_batch_is_cut_off() {
+    let pool = memfd_with(&unique_name("v1-batch"), b"x");
+    let (exporter, importer, _pool_fd) = handshake_pair(&pool);
+    assert_eq!(importer.capabilities(), 0);
+    importer.release_batch(None, vec![BufferId(1)]).unwrap();
+    let err = exporter.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                got: MessageType::ReleaseBatch,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_exporter_grants_only_what_it_offers_and_answers_hello_the_version_1_way() {
+    let mut none = super::ExporterHandshake::offering(ANNOUNCEMENT, 0);
+    let answer = none.on_message(Message::Hello2 { capabilities: u64::MAX }).unwrap();
+    assert!(
+        matches!(answer, Message::Welcome2 { capabilities: 0, .. }),
+        "{answer:?}"
+    );
+    assert_eq!(none.capabilities(), 0);
+    let mut v1 = super::ExporterHandshake::new(ANNOUNCEMENT);
+    assert!(matches!(v1.on_message(Message::Hello).unwrap(), Message::Welcome(_)));
+    assert_eq!(v1.capabilities(), 0);
+    // Hello2 after Hello is out of order.
+    assert!(v1.on_message(Message::Hello2 { capabilities: 1 }).is_err());
+}
+
+#[test]
+fn an_importer_refused_by_a_version_1_exporter_connects_again_the_version_1_way() {
+    let dir = TempDir::new("session-v1-exporter");
+    let path = dir.join("pool.sock");
+    let listener = Listener::bind(&path).unwrap();
+    let pool = memfd_with(&unique_name("v1-exporter"), b"old");
+    let importer = thread::spawn(move || {
+        ImporterSession::connect(
+            &path,
+            short_config(),
+            &AccessPolicy::SameUser,
+            CAP_FAST_RELEASE,
+            find_gpu,
+        )
+    });
+    // What a version-1 exporter does with `Hello2`: its header's version is refused.
+    let mut raw = listener.accept_stream().unwrap();
+    let mut header = [0u8; wire::HEADER_LEN];
+    std::io::Read::read_exact(&mut raw, &mut header).unwrap();
+    assert_eq!(u16::from_le_bytes([header[4], header[5]]), 2);
+    let refusal = wire::encode(&Message::Error(wire::ErrorMessage::new(
+        ErrorCode::UnsupportedVersion,
+        "unsupported protocol version 2 (this side speaks version 1)",
+    )))
+    .unwrap();
+    raw.write_all(&refusal).unwrap();
+    drop(raw);
+    // The second connection says `Hello`.
+    let (second, _) = listener.accept().unwrap();
+    let _exporter = ExporterSession::handshake(second, ANNOUNCEMENT, pool.as_fd()).unwrap();
+    let (importer, imported) = importer.join().unwrap().unwrap();
+    assert_eq!(importer.capabilities(), 0);
+    assert_eq!(read_all(imported.pool_fd), b"old");
 }

@@ -1,5 +1,5 @@
-//! The VMM additions to the conversation, over real sockets without a GPU: capabilities in the
-//! handshake, `VmmBuffer` with its descriptor (a memfd stands in for the allocation's), and what
+//! The VMM additions to the conversation, over real sockets without a GPU: the VMM capability
+//! (bit 1 of `Hello2`/`Welcome2`), `VmmBuffer` with its descriptor (a memfd stands in for the allocation's), and what
 //! a hostile exporter or importer can do with them.
 
 use std::io::Write;
@@ -7,13 +7,15 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::thread;
 
-use super::{ExporterEvent, ExporterSession, ImporterSession, PoolAnnouncement};
+use super::{ExporterEvent, ExporterHandshake, ExporterSession, HandshakeStep, ImporterSession, PoolAnnouncement};
 use crate::conn::{short_config, Connection};
 use crate::error::{Error, Result};
 use crate::fdpass;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
 use crate::wire::testing::{expect_error_then_eof, read_frame, vmm_buffer, GPU, POOL};
-use crate::wire::{self, Capabilities, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, Ready};
+use crate::wire::{
+    self, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, Ready, Welcome, CAP_FAST_RELEASE, CAP_VMM,
+};
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -28,9 +30,9 @@ fn find_gpu(uuid: &wire::DeviceUuid) -> Result<u32> {
     }
 }
 
-fn pair(wanted: Capabilities, pool: &OwnedFd) -> (ExporterSession, ImporterSession) {
+fn pair(wanted: u64, pool: &OwnedFd) -> (ExporterSession, ImporterSession) {
     let (e, i) = Connection::pair(short_config()).unwrap();
-    let importer = thread::spawn(move || ImporterSession::handshake_with(i, wanted, find_gpu));
+    let importer = thread::spawn(move || ImporterSession::handshake_with(i, wanted, &mut find_gpu));
     let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (importer, _) = importer.join().unwrap().unwrap();
     (exporter, importer)
@@ -39,8 +41,8 @@ fn pair(wanted: Capabilities, pool: &OwnedFd) -> (ExporterSession, ImporterSessi
 #[test]
 fn an_importer_that_accepts_vmm_receives_the_allocation_with_its_descriptor() {
     let pool = memfd_with(&unique_name("vmm-pool"), b"pool");
-    let (exporter, importer) = pair(Capabilities::VMM, &pool);
-    assert_eq!(importer.accepted(), Capabilities::VMM);
+    let (exporter, importer) = pair(CAP_VMM, &pool);
+    assert_eq!(importer.capabilities(), CAP_VMM);
     let name = unique_name("vmm-alloc");
     let alloc = memfd_with(&name, b"physical allocation");
     exporter
@@ -60,10 +62,17 @@ fn an_importer_that_accepts_vmm_receives_the_allocation_with_its_descriptor() {
 }
 
 #[test]
-fn an_importer_that_did_not_accept_vmm_refuses_a_vmm_buffer_and_closes_its_descriptor() {
+fn an_importer_that_did_not_ask_for_vmm_refuses_a_vmm_buffer_and_closes_its_descriptor() {
+    // Both kinds that lack the bit: a version-1 `Hello`, and a `Hello2` asking for other bits.
+    for wanted in [0, CAP_FAST_RELEASE] {
+        refuses_a_vmm_buffer(wanted);
+    }
+}
+
+fn refuses_a_vmm_buffer(wanted: u64) {
     let pool = memfd_with(&unique_name("novmm-pool"), b"pool");
-    let (exporter, importer) = pair(Capabilities::NONE, &pool);
-    assert_eq!(importer.accepted(), Capabilities::NONE);
+    let (exporter, importer) = pair(wanted, &pool);
+    assert_eq!(importer.capabilities(), wanted);
     let name = unique_name("novmm-alloc");
     let alloc = memfd_with(&name, b"x");
     exporter
@@ -101,24 +110,22 @@ fn an_importer_that_did_not_accept_vmm_refuses_a_vmm_buffer_and_closes_its_descr
 fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEvent> {
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer = thread::spawn(move || {
-        let (session, _) =
-            ImporterSession::handshake_with(Connection::new(i, short_config()), Capabilities::VMM, find_gpu)?;
+        let (session, _) = ImporterSession::handshake_with(Connection::new(i, short_config()), CAP_VMM, &mut find_gpu)?;
         session.recv()
     });
-    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
-    let welcome = wire::encode(&Message::Welcome(wire::Welcome {
-        device_uuid: GPU,
-        pool_id: POOL,
-        capabilities: Capabilities::VMM,
-    }))
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello2 { capabilities: CAP_VMM });
+    let welcome = wire::encode(&Message::Welcome2 {
+        welcome: Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+        },
+        capabilities: CAP_VMM,
+    })
     .unwrap();
     raw.write_all(&welcome).unwrap();
     assert_eq!(
         read_frame(&mut raw).unwrap(),
-        Message::Ready(Ready {
-            device_uuid: GPU,
-            capabilities: Capabilities::VMM,
-        })
+        Message::Ready(Ready { device_uuid: GPU })
     );
     let pool = memfd_with(&unique_name("raw-pool"), b"pool");
     let descriptor = wire::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
@@ -168,24 +175,77 @@ fn a_malformed_vmm_buffer_is_refused_with_the_reason_and_its_descriptor_closed()
 }
 
 #[test]
-fn an_importer_accepting_capabilities_it_was_not_offered_is_refused() {
-    let pool = memfd_with(&unique_name("caps"), b"x");
-    let (e, mut raw) = UnixStream::pair().unwrap();
-    raw.write_all(&wire::encode(&Message::Hello).unwrap()).unwrap();
-    let exporter = thread::spawn(move || {
-        ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd())
+fn the_exporter_grants_vmm_only_to_a_hello2_that_asks_for_it() {
+    let granted = |hello: Message, offered: u64| {
+        let mut machine = ExporterHandshake::offering(ANNOUNCEMENT, offered);
+        let answer = machine.on_message(hello).unwrap();
+        let answer_caps = match answer {
+            Message::Welcome(_) => None,
+            Message::Welcome2 { capabilities, .. } => Some(capabilities),
+            other => panic!("expected Welcome or Welcome2, got {other:?}"),
+        };
+        machine.on_message(Message::Ready(Ready { device_uuid: GPU })).unwrap();
+        assert_eq!(machine.step(), HandshakeStep::Done);
+        assert_eq!(answer_caps.unwrap_or(0), machine.capabilities());
+        answer_caps
+    };
+    let all = wire::KNOWN_CAPABILITIES;
+    // A version-1 importer gets the version-1 Welcome and nothing else.
+    assert_eq!(granted(Message::Hello, all), None);
+    assert_eq!(granted(Message::Hello2 { capabilities: CAP_VMM }, all), Some(CAP_VMM));
+    // Unknown bits are not granted.
+    assert_eq!(
+        granted(
+            Message::Hello2 {
+                capabilities: CAP_VMM | 1 << 40
+            },
+            all
+        ),
+        Some(CAP_VMM)
+    );
+    assert_eq!(
+        granted(
+            Message::Hello2 {
+                capabilities: CAP_FAST_RELEASE
+            },
+            all
+        ),
+        Some(CAP_FAST_RELEASE)
+    );
+    // An exporter that does not offer VMM does not grant it.
+    assert_eq!(
+        granted(
+            Message::Hello2 {
+                capabilities: CAP_VMM | CAP_FAST_RELEASE
+            },
+            CAP_FAST_RELEASE
+        ),
+        Some(CAP_FAST_RELEASE)
+    );
+}
+
+#[test]
+fn an_importer_refuses_a_vmm_grant_it_did_not_ask_for() {
+    let (i, mut raw) = UnixStream::pair().unwrap();
+    let importer = thread::spawn(move || {
+        ImporterSession::handshake_with(Connection::new(i, short_config()), CAP_FAST_RELEASE, &mut find_gpu)
     });
-    match read_frame(&mut raw).unwrap() {
-        Message::Welcome(w) => assert_eq!(w.capabilities, Capabilities::KNOWN),
-        other => panic!("expected Welcome, got {other:?}"),
-    }
-    let ready = Message::Ready(Ready {
-        device_uuid: GPU,
-        capabilities: Capabilities(Capabilities::KNOWN.0 | 1 << 40),
-    });
-    raw.write_all(&wire::encode(&ready).unwrap()).unwrap();
-    let err = exporter.join().unwrap().unwrap_err();
-    assert!(err.to_string().contains("more than the offered"), "{err}");
+    assert_eq!(
+        read_frame(&mut raw).unwrap(),
+        Message::Hello2 {
+            capabilities: CAP_FAST_RELEASE
+        }
+    );
+    let welcome = Message::Welcome2 {
+        welcome: Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+        },
+        capabilities: CAP_FAST_RELEASE | CAP_VMM,
+    };
+    raw.write_all(&wire::encode(&welcome).unwrap()).unwrap();
+    let err = importer.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("more than the"), "{err}");
     let told = expect_error_then_eof(&mut raw);
     assert_eq!(told.code, ErrorCode::Protocol);
 }

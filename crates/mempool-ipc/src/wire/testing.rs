@@ -6,8 +6,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use super::{
-    decode_body, decode_header, BlockId, BufferDescriptor, BufferId, Capabilities, DeviceUuid, ErrorCode, ErrorMessage,
-    EventHandle, Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, VmmBufferDescriptor, Welcome, HEADER_LEN,
+    decode_body, decode_header, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle,
+    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, ReleaseBatch, VmmBufferDescriptor, Welcome, HEADER_LEN,
 };
 
 pub(crate) const GPU: DeviceUuid = DeviceUuid([
@@ -25,6 +25,7 @@ pub(crate) fn buffer(id: u64) -> BufferDescriptor {
         size: 4096,
         pointer: PointerDescriptor([id as u8; 64]),
         ready_event: Some(EventHandle([0xe0 | (id as u8 & 0xf); 64])),
+        keep_import: false,
     }
 }
 
@@ -45,12 +46,8 @@ pub(crate) fn every_message() -> Vec<Message> {
         Message::Welcome(Welcome {
             device_uuid: GPU,
             pool_id: POOL,
-            capabilities: Capabilities::VMM,
         }),
-        Message::Ready(Ready {
-            device_uuid: GPU,
-            capabilities: Capabilities::NONE,
-        }),
+        Message::Ready(Ready { device_uuid: GPU }),
         Message::PoolDescriptor(PoolDescriptor { pool_id: POOL }),
         Message::Buffer(buffer(5)),
         Message::Buffer(BufferDescriptor {
@@ -63,6 +60,26 @@ pub(crate) fn every_message() -> Vec<Message> {
         Message::Goodbye,
         Message::Error(ErrorMessage::new(ErrorCode::NotLeased, "no such lease: ü")),
         Message::Error(ErrorMessage::new(ErrorCode::Other(77), "")),
+        Message::Buffer(BufferDescriptor {
+            keep_import: true,
+            ..buffer(7)
+        }),
+        Message::Hello2 { capabilities: u64::MAX },
+        Message::Welcome2 {
+            welcome: Welcome {
+                device_uuid: GPU,
+                pool_id: POOL,
+            },
+            capabilities: 1,
+        },
+        Message::ReleaseBatch(ReleaseBatch {
+            event: Some(EventHandle([0x5e; 64])),
+            buffers: vec![BufferId(3), BufferId(9), BufferId(u64::MAX)],
+        }),
+        Message::ReleaseBatch(ReleaseBatch {
+            event: None,
+            buffers: (0..super::MAX_RELEASE_BATCH as u64).map(BufferId).collect(),
+        }),
         Message::VmmBuffer(vmm_buffer(7)),
         Message::VmmBuffer(VmmBufferDescriptor {
             ready_event: None,

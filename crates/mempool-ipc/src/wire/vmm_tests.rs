@@ -1,4 +1,5 @@
-//! The VMM additions to the wire format: hostile `VmmBuffer` bodies and the capabilities field.
+//! The VMM additions to the wire format: the `VmmBuffer` layout, hostile bodies, and the
+//! capability bit.
 
 use super::testing::{vmm_buffer, GPU, POOL};
 use super::*;
@@ -88,40 +89,63 @@ fn vmm_buffer_body_length_is_exact() {
 }
 
 #[test]
-fn capabilities_are_optional_and_never_zero_on_the_wire() {
-    // Version-1 frames (no field) decode as no capabilities.
-    let ready = encode(&Message::Ready(Ready {
-        device_uuid: GPU,
-        capabilities: Capabilities::NONE,
-    }))
-    .unwrap();
+fn vmm_buffer_layout_is_as_specified_in_a_version_2_frame() {
+    let vmm = encode(&Message::VmmBuffer(vmm_buffer(3))).unwrap();
+    assert_eq!(vmm.len(), HEADER_LEN + 96);
+    assert_eq!(&vmm[4..6], &2u16.to_le_bytes(), "version 2");
+    assert_eq!(&vmm[6..8], &32u16.to_le_bytes(), "type VmmBuffer");
+    assert_eq!(&vmm[HEADER_LEN..HEADER_LEN + 8], &3u64.to_le_bytes(), "buffer id");
+    assert_eq!(
+        &vmm[HEADER_LEN + 8..HEADER_LEN + 16],
+        &(4u64 << 20).to_le_bytes(),
+        "size"
+    );
+    assert_eq!(
+        &vmm[HEADER_LEN + 16..HEADER_LEN + 24],
+        &(2u64 << 20).to_le_bytes(),
+        "granularity"
+    );
+    assert_eq!(
+        &vmm[HEADER_LEN + 24..HEADER_LEN + 32],
+        &[1, 0, 0, 0, 1, 0, 0, 0],
+        "flags, handle type"
+    );
+    assert_eq!(&vmm[HEADER_LEN + 32..], &[0xd3; 64], "ready event");
+    // The same body in a version-1 frame is a type version 1 does not define.
+    let mut v1 = vmm.clone();
+    v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+    assert_eq!(decode(&v1), Err(ProtocolError::UnknownMessageType { got: 32 }));
+}
+
+#[test]
+fn the_vmm_capability_is_bit_1_of_hello2_and_welcome2_and_version_1_frames_keep_their_lengths() {
+    assert_eq!(CAP_VMM, 2);
+    assert_eq!(KNOWN_CAPABILITIES, CAP_FAST_RELEASE | CAP_VMM);
+    assert_eq!(CAP_FAST_RELEASE & CAP_VMM, 0);
+    let hello = encode(&Message::Hello2 { capabilities: CAP_VMM }).unwrap();
+    assert_eq!(&hello[HEADER_LEN..], &2u64.to_le_bytes());
+    let welcome = Message::Welcome2 {
+        welcome: Welcome {
+            device_uuid: GPU,
+            pool_id: POOL,
+        },
+        capabilities: CAP_VMM | CAP_FAST_RELEASE,
+    };
+    let bytes = encode(&welcome).unwrap();
+    assert_eq!(&bytes[HEADER_LEN + 32..], &3u64.to_le_bytes());
+    assert_eq!(decode(&bytes).unwrap(), welcome);
+    // Welcome and Ready have exactly their version-1 bodies: an old importer reads them.
+    let ready = encode(&Message::Ready(Ready { device_uuid: GPU })).unwrap();
     assert_eq!(ready.len(), HEADER_LEN + 16);
-    // A field of 0 is refused: no capabilities are sent as no field.
-    let mut zero = ready.clone();
-    zero.extend_from_slice(&[0; 8]);
-    zero[8..12].copy_from_slice(&24u32.to_le_bytes());
-    assert_eq!(
-        reason(&zero),
-        "Ready: a capabilities field of 0 (no capabilities are sent as no field)"
-    );
-    // A length between the two forms is refused.
-    let mut odd = ready.clone();
-    odd.extend_from_slice(&[1; 4]);
-    odd[8..12].copy_from_slice(&20u32.to_le_bytes());
-    assert_eq!(
-        reason(&odd),
-        "Ready: a body of 20 bytes (allowed: 16, or 24 with capabilities)"
-    );
-    // Bits this build does not know survive decoding (the handshake decides what they mean).
-    let offer = Message::Welcome(Welcome {
-        device_uuid: GPU,
-        pool_id: POOL,
-        capabilities: Capabilities(1 << 63 | 1 << 1),
-    });
-    assert_eq!(decode(&encode(&offer).unwrap()).unwrap(), offer);
-    assert!(Capabilities(1 << 63 | 1 << 1).contains(Capabilities::VMM));
-    assert_eq!(
-        Capabilities(1 << 63 | 1 << 1).intersection(Capabilities::KNOWN),
-        Capabilities::VMM
-    );
+    let mut longer = ready.clone();
+    longer.extend_from_slice(&CAP_VMM.to_le_bytes());
+    longer[8..12].copy_from_slice(&24u32.to_le_bytes());
+    assert!(matches!(
+        decode(&longer),
+        Err(ProtocolError::BodyLength {
+            message: MessageType::Ready,
+            got: 24,
+            ..
+        })
+    ));
 }

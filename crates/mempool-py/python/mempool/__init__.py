@@ -4,21 +4,26 @@
 - ``mempool.mr``: memory resources and adaptors under RMM's names, and the per-device current resource.
 - ``mempool.allocators``: hooks that route CuPy, Numba and PyTorch allocations through mempool.
 - ``mempool.reinitialize``: set up every device's resource in one call.
+- ``mempool.ipc``: share buffers between processes (``Exporter``, ``Importer``).
 
 The package imports without a GPU or a driver; the first call that needs the driver raises a
-``mempool.MempoolError`` subclass naming the cause. (Sharing buffers between processes, ``mempool.ipc``, is
-a module of its own over mempool-ipc.)
+``mempool.MempoolError`` subclass naming the cause.
 """
 
-from . import mr
+from . import ipc, mr
 from ._errors import (
     DriverError,
     DriverNotFoundError,
     DriverTooOldError,
     InvalidDeallocationError,
+    IpcError,
+    IpcProtocolError,
+    IpcTimeoutError,
     MempoolError,
     NoDeviceError,
     OutOfMemoryError,
+    PeerGoneError,
+    RefusedError,
     UnsupportedError,
 )
 from ._lib import DeviceBuffer
@@ -30,10 +35,16 @@ __all__ = [
     "DriverNotFoundError",
     "DriverTooOldError",
     "InvalidDeallocationError",
+    "IpcError",
+    "IpcProtocolError",
+    "IpcTimeoutError",
     "MempoolError",
     "NoDeviceError",
     "OutOfMemoryError",
+    "PeerGoneError",
+    "RefusedError",
     "UnsupportedError",
+    "ipc",
     "is_initialized",
     "mr",
     "reinitialize",

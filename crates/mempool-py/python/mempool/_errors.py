@@ -32,3 +32,26 @@ class InvalidDeallocationError(MempoolError):
 
 class DriverError(MempoolError):
     """Another driver call failed; the message names the call and the CUDA error."""
+
+
+class IpcError(MempoolError):
+    """Sharing buffers between processes (``mempool.ipc``) failed; the base of the errors below, and the
+    class of the rest (a socket path that cannot be used, a buffer shared twice with one importer, ...)."""
+
+
+class PeerGoneError(IpcError):
+    """The other process is gone: it closed the connection, said Goodbye, died, or nobody serves the socket
+    path."""
+
+
+class IpcProtocolError(IpcError):
+    """The peer broke the protocol (a malformed or unexpected message) or reported an error of its own."""
+
+
+class RefusedError(IpcError):
+    """The exporter turned the connection away (its importer limit, its access policy, or shutting down), or
+    the peer runs as a user the access policy does not allow."""
+
+
+class IpcTimeoutError(IpcError):
+    """The peer did not complete a step in time, or a wait (for importers, a buffer, releases) timed out."""

@@ -125,7 +125,7 @@ mod tests {
 
     #[test]
     fn a_limit_counts_as_out_of_memory_as_in_rmm() {
-        let limited = crate::adaptors::LimitingAdaptor::new(SimResource::with_capacity(1 << 20), 1000);
+        let limited = super::super::limiting::LimitingAdaptor::new(SimResource::with_capacity(1 << 20), 1000);
         let calls = Arc::new(AtomicU32::new(0));
         let c2 = calls.clone();
         let mr = FailureCallbackAdaptor::new(limited, move |bytes, attempt| {
@@ -134,7 +134,10 @@ mod tests {
             attempt < 2
         });
         let e = mr.allocate(5000, S).unwrap_err();
-        assert!(matches!(e, crate::Error::LimitExceeded { requested: 5000, .. }), "{e}");
+        assert!(
+            matches!(e, crate::error::Error::LimitExceeded { requested: 5000, .. }),
+            "{e}"
+        );
         assert_eq!(calls.load(Ordering::SeqCst), 3);
     }
 }

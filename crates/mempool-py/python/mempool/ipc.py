@@ -1,0 +1,30 @@
+"""mempool.ipc: share device buffers between processes over a Unix socket (the ``mempool-ipc`` crate).
+
+- ``Exporter(path, mr=None, ...)``: serves an exportable CUDA pool at ``path`` (a pool of its own, or the
+  pool of a ``mempool.mr.CudaAsyncMemoryResource(enable_ipc=True)``, or a resource over one, whose
+  suballocations travel as a block plus an offset). ``alloc(size)`` makes an ``ExportedBuffer``; fill it,
+  then ``share(buffer, to=None)`` sends it to importers.
+- ``Importer(path)``: connects and imports the pool; ``receive(timeout=None)`` returns an
+  ``ImportedBuffer`` with ``ptr``, ``size``, ``__cuda_array_interface__`` and DLPack, so that
+  ``torch.from_dlpack`` and ``cupy.from_dlpack`` view it without a copy. The lease is released when the
+  object and every view of it are garbage-collected.
+
+The exporter frees a buffer only when it and every importer holding it have let go; an importer that dies
+counts as having let go once its process is gone. None of these objects can be pickled: send the socket
+path to the other process (for example as a ``multiprocessing`` argument, in spawn mode) and connect there.
+"""
+
+from ._errors import IpcError, IpcProtocolError, IpcTimeoutError, PeerGoneError, RefusedError
+from ._lib import ExportedBuffer, Exporter, ImportedBuffer, Importer
+
+__all__ = [
+    "ExportedBuffer",
+    "Exporter",
+    "ImportedBuffer",
+    "Importer",
+    "IpcError",
+    "IpcProtocolError",
+    "IpcTimeoutError",
+    "PeerGoneError",
+    "RefusedError",
+]

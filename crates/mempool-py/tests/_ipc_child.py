@@ -1,0 +1,123 @@
+"""Consumer processes of test_ipc.py, started with multiprocessing in spawn mode (a module of its own, so
+that the spawned child can import the functions by name). Each reports through a queue: ("ok", details) or
+("error", traceback text), so that a failure in the child shows in the parent's assertion message."""
+
+import gc
+import os
+import pickle
+import time
+import traceback
+
+
+def _report(queue, fn):
+    try:
+        queue.put(("ok", fn()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put(("error", f"pid {os.getpid()}:\n{traceback.format_exc()}"))
+
+
+def view_and_check(path, framework, expected_len, queue):
+    """Receives one buffer, views it with `framework` (torch or cupy) through DLPack, checks it is the same
+    memory, and reports its size, the sum of its bytes and its first bytes; then waits for the exporter to
+    go and reports the class of the error that says so."""
+
+    def run():
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=60)
+        buf = importer.receive(timeout=120)
+        if framework == "torch":
+            import torch
+
+            t = torch.from_dlpack(buf)
+            same = t.data_ptr() == buf.ptr
+            total = int(t.to(torch.int64).sum().item())
+            head = bytes(t[:16].cpu().tolist())
+        else:
+            import cupy
+
+            t = cupy.from_dlpack(buf)
+            same = int(t.data.ptr) == buf.ptr
+            total = int(t.astype(cupy.int64).sum().get())
+            head = bytes(t[:16].get().tolist())
+        details = {"size": buf.size, "len": int(t.shape[0]), "same_memory": same, "sum": total, "head": head,
+                   "held": importer.held, "device": buf.device, "expected_len": expected_len}
+        del t, buf
+        gc.collect()
+        details["held_after_gc"] = importer.held
+        queue.put(("ok", details))
+        # The parent closes its exporter next: receive() must say the exporter is gone.
+        try:
+            importer.receive(timeout=120)
+            return "received a second buffer"
+        except ipc.PeerGoneError as e:
+            return f"PeerGoneError: {e}"
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+
+    _report(queue, run)
+
+
+def hold_until_told(path, queue, commands):
+    """Receives one buffer, keeps only a torch view of it (the ImportedBuffer object itself is dropped),
+    reports, then drops the view when told and reports again."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=60)
+        buf = importer.receive(timeout=120)
+        t = torch.from_dlpack(buf)
+        buf_id = buf.id
+        del buf
+        gc.collect()
+        queue.put(("ok", {"id": buf_id, "held_with_view": importer.held, "first": int(t[0].item())}))
+        assert commands.get(timeout=120) == "drop"
+        del t
+        gc.collect()
+        return {"held_after_drop": importer.held}
+
+    _report(queue, run)
+
+
+def receive_and_hang(path, queue):
+    """Receives one buffer, views and writes it with torch, reports, then sleeps until killed."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=60)
+        buf = importer.receive(timeout=120)
+        t = torch.from_dlpack(buf)
+        t.fill_(7)
+        torch.cuda.synchronize()
+        queue.put(("ok", {"id": buf.id, "size": buf.size}))
+        time.sleep(600)
+        return "not killed"
+
+    _report(queue, run)
+
+
+def receive_many(path, count, queue):
+    """Receives `count` buffers and reports their contents and how many blocks were imported."""
+
+    def run():
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=60)
+        bufs = [importer.receive(timeout=120) for _ in range(count)]
+        refused = []
+        for obj in (importer, bufs[0]):
+            try:
+                pickle.dumps(obj)
+                refused.append("pickled")
+            except TypeError as e:
+                refused.append(str(e))
+        return {"contents": [b.tobytes() for b in bufs], "blocks": importer.imported_blocks,
+                "held": importer.held, "pickle_errors": refused}
+
+    _report(queue, run)
