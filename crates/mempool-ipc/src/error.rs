@@ -278,11 +278,13 @@ pub(crate) fn record_drop_error(e: Error) {
 /// - `Drop` of an [`ExportedBuffer`](crate::ExportedBuffer) or a
 ///   [`SharedBuffer`](crate::SharedBuffer) (their `release` methods return the error instead),
 ///   and of an [`Importer`](crate::Importer) whose buffers could not all be released;
-/// - the [`Exporter`](crate::Exporter)'s serving thread: accepting connections (the first
-///   failure of a streak), handshakes that broke the protocol (those that timed out or were
-///   turned away are only counted, in [`ExporterStats`](crate::ExporterStats)), importers cut off
-///   for breaking the protocol, not reading or timing out, frees deferred to an importer's release
+/// - the [`Exporter`](crate::Exporter)'s own failures on its serving thread: accepting
+///   connections (the first failure of a streak), watching an importer's process, the driver
+///   (opening a release event), frees deferred to an importer's release
 ///   ([`Exporter::shutdown`](crate::Exporter::shutdown) returns these along with the rest).
+///   What peers cause (broken protocol, reset sockets, time limits, stalls, refusals) is only
+///   counted, in [`ExporterStats`](crate::ExporterStats) (`peer_errors` and the others), so a
+///   hostile peer cannot fill these slots.
 pub fn take_drop_errors() -> Vec<Error> {
     std::mem::take(&mut *DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
 }

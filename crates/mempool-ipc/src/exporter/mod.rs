@@ -128,6 +128,9 @@ pub struct ExporterStats {
     /// Importers whose connection ended uncleanly while they held buffers, whose processes the
     /// exporter waits to be gone before it frees those.
     pub awaiting_exit: usize,
+    /// Processes the exporter watches for their end: one watch (a `pidfd`, or a poll) per
+    /// process, however many of its importers it waits for.
+    pub watched_processes: usize,
     /// Messages queued for importers and not yet taken by their sockets.
     pub queued_messages: usize,
     /// Connections turned away: access policy, another pid namespace, at
@@ -142,6 +145,10 @@ pub struct ExporterStats {
     pub timed_out_connections: u64,
     /// Times accepting paused because the process ran out of descriptors.
     pub accept_pauses: u64,
+    /// Connections ended by an error of the peer's (a broken protocol, a release of what it does
+    /// not hold, a failed socket). Counted here rather than kept for [`take_drop_errors`], so a
+    /// hostile peer cannot crowd out the exporter's own failures there.
+    pub peer_errors: u64,
 }
 
 /// Serves an exportable pool on a Unix socket and shares its buffers with importer processes.
@@ -413,6 +420,8 @@ impl Exporter {
             stalled_importers: served.stalled,
             timed_out_connections: served.timed_out,
             accept_pauses: served.accept_pauses,
+            watched_processes: served.watched_processes,
+            peer_errors: served.peer_errors,
             importers: state.importers.len(),
             live_buffers: state.leases.len(),
             deferred_buffers: state.deferred,
@@ -441,7 +450,7 @@ impl Exporter {
     }
 
     /// Shuts down now (what dropping does), so that errors are not silent: returns the errors
-    /// met while freeing buffers and serving connections since the last
+    /// met while freeing buffers and in the serving thread's own work since the last
     /// [`take_drop_errors`].
     pub fn shutdown(mut self) -> Vec<Error> {
         self.shutdown_inner();

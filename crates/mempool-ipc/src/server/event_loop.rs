@@ -19,7 +19,7 @@ use rustix::io::Errno;
 use rustix::net::{SendFlags, Shutdown};
 
 use super::admission::{Admission, Backoff, Limits, Pending};
-use super::exits::{Liveness, ProcessRef, Watch};
+use super::exits::{Liveness, ProcessKey, ProcessRef, Watch};
 use super::outbox::{Outboxes, Outgoing};
 use super::peer::{Flushed, Peer, Read};
 use crate::cred::{self, PeerCredentials};
@@ -63,12 +63,14 @@ pub(crate) struct ServerStats {
     pub(crate) handshakes: usize,
     pub(crate) importers: usize,
     pub(crate) awaiting_exit: usize,
+    pub(crate) watched_processes: usize,
     pub(crate) queued: usize,
     pub(crate) refused: u64,
     pub(crate) evicted: u64,
     pub(crate) stalled: u64,
     pub(crate) timed_out: u64,
     pub(crate) accept_pauses: u64,
+    pub(crate) peer_errors: u64,
 }
 
 /// Where the shutdown stands.
@@ -142,8 +144,13 @@ struct Loop {
     backoff: Backoff,
     peers: HashMap<u64, Peer>,
     tokens: HashMap<ImporterId, u64>,
-    exits: HashMap<u64, (ImporterId, OwnedFd)>,
-    polled: Vec<(ImporterId, ProcessRef)>,
+    /// Processes awaited through a pidfd, by the pidfd's epoll token: one watch per process,
+    /// however many of its connections ended uncleanly, with the importers that wait on it.
+    exits: HashMap<u64, ExitWatch>,
+    /// The token of `exits` that watches each process (by pid and start time).
+    exit_tokens: HashMap<ProcessKey, u64>,
+    /// Processes polled for their end (no pidfd), one entry per process, with their importers.
+    polled: Vec<(Vec<ImporterId>, ProcessRef)>,
     next_poll: Option<Instant>,
     next_token: u64,
     next_id: u64,
@@ -186,6 +193,7 @@ impl Ready {
             peers: HashMap::new(),
             tokens: HashMap::new(),
             exits: HashMap::new(),
+            exit_tokens: HashMap::new(),
             polled: Vec::new(),
             next_poll: None,
             next_token: 2,
@@ -233,9 +241,14 @@ impl Loop {
                         let _ = rustix::io::read(&self.shared.wake, &mut buf);
                     }
                     token if self.exits.contains_key(&token) => {
-                        if let Some((id, fd)) = self.exits.remove(&token) {
-                            let _ = epoll::delete(&self.epoll, &fd);
-                            self.handler.exited(id);
+                        if let Some(watch) = self.exits.remove(&token) {
+                            let _ = epoll::delete(&self.epoll, &watch.pidfd);
+                            if let Some(key) = watch.key {
+                                self.exit_tokens.remove(&key);
+                            }
+                            for id in watch.importers {
+                                self.handler.exited(id);
+                            }
                         }
                     }
                     token => self.on_peer(token, flags, now),
@@ -527,8 +540,8 @@ impl Loop {
         };
         let _ = epoll::delete(&self.epoll, &peer.stream);
         peer.close_with(err.as_ref(), None);
-        if let Some(e) = err.filter(|e| !matches!(e, Error::Closed)) {
-            record_drop_error(e);
+        if let Some(e) = err {
+            self.peer_error(e);
         }
         let mut undelivered = peer.undelivered_local();
         undelivered.extend(lock(&self.shared.outboxes).close(peer.id));
@@ -543,9 +556,23 @@ impl Loop {
         if self.finishing() {
             return self.handler.abandoned(id);
         }
-        match process.map(ProcessRef::watch) {
-            None | Some(Watch::Gone) => self.handler.exited(id),
-            Some(Watch::Pidfd(fd)) => {
+        let Some(process) = process else {
+            return self.handler.exited(id);
+        };
+        // A process already watched (an earlier connection of it ended uncleanly too) costs
+        // nothing more: the importer joins its watch.
+        let key = process.key();
+        if let Some(key) = key {
+            if let Some(watch) = self.exit_tokens.get(&key).and_then(|t| self.exits.get_mut(t)) {
+                return watch.importers.push(id);
+            }
+            if let Some((ids, _)) = self.polled.iter_mut().find(|(_, p)| p.key() == Some(key)) {
+                return ids.push(id);
+            }
+        }
+        match process.watch() {
+            Watch::Gone => self.handler.exited(id),
+            Watch::Pidfd(fd) => {
                 let token = self.next_token;
                 self.next_token += 1;
                 match epoll::add(
@@ -555,7 +582,17 @@ impl Loop {
                     epoll::EventFlags::IN,
                 ) {
                     Ok(()) => {
-                        self.exits.insert(token, (id, fd));
+                        self.exits.insert(
+                            token,
+                            ExitWatch {
+                                pidfd: fd,
+                                key,
+                                importers: vec![id],
+                            },
+                        );
+                        if let Some(key) = key {
+                            self.exit_tokens.insert(key, token);
+                        }
                     }
                     Err(e) => {
                         record_drop_error(e.into());
@@ -563,10 +600,24 @@ impl Loop {
                     }
                 }
             }
-            Some(Watch::Poll(process)) => {
-                self.polled.push((id, process));
+            Watch::Poll(process) => {
+                self.polled.push((vec![id], process));
                 self.next_poll.get_or_insert(Instant::now() + POLL_EXIT);
             }
+        }
+    }
+
+    /// Counts an error that ended a connection. Peers cause these (a broken protocol, a reset
+    /// socket, a time limit): they are counted ([`ServerStats`]), not kept for
+    /// `take_drop_errors`, whose few slots a hostile peer could otherwise fill and so hide the
+    /// exporter's own failures. Failures of this side (the driver, freeing) are kept.
+    fn peer_error(&mut self, e: Error) {
+        match e {
+            Error::Closed => {}
+            // Counted where they are found.
+            Error::Timeout { .. } | Error::Stalled { .. } | Error::Refused { .. } => {}
+            Error::Core(_) | Error::Free { .. } => record_drop_error(e),
+            _ => self.stats.peer_errors += 1,
         }
     }
 
@@ -584,9 +635,10 @@ impl Loop {
         };
         let mut peer = peer;
         peer.close_with(err.as_ref(), code);
-        // Time limits and refusals are counted; a handshake that broke the protocol is reported.
-        if let Some(e) = err.filter(|e| !matches!(e, Error::Refused { .. } | Error::Timeout { .. } | Error::Closed)) {
-            record_drop_error(e);
+        // Time limits and refusals are counted where found; a handshake that broke the protocol
+        // is counted too.
+        if let Some(e) = err {
+            self.peer_error(e);
         }
     }
 
@@ -678,25 +730,37 @@ impl Loop {
         }
         if self.next_poll.is_some_and(|t| now >= t) {
             let polled = std::mem::take(&mut self.polled);
-            for (id, process) in polled {
+            for (ids, process) in polled {
                 match process.alive() {
-                    Liveness::Gone => self.handler.exited(id),
-                    Liveness::Alive | Liveness::CannotTell => self.polled.push((id, process)),
+                    Liveness::Gone => {
+                        for id in ids {
+                            self.handler.exited(id);
+                        }
+                    }
+                    Liveness::Alive | Liveness::CannotTell => self.polled.push((ids, process)),
                 }
             }
             self.next_poll = (!self.polled.is_empty()).then(|| now + POLL_EXIT);
         }
         if self.backoff.resume(now) {
             if let Some(listener) = &self.listener {
-                if epoll::add(
+                match epoll::add(
                     &self.epoll,
                     listener,
                     epoll::EventData::new_u64(LISTENER),
                     epoll::EventFlags::IN,
-                )
-                .is_ok()
-                {
-                    self.listening = true;
+                ) {
+                    Ok(()) => self.listening = true,
+                    // Out of memory for the epoll entry, say: pause again and retry later,
+                    // rather than never accepting again.
+                    Err(e) => {
+                        let first = !self.backoff.in_streak();
+                        self.backoff.exhausted(now);
+                        self.stats.accept_pauses += 1;
+                        if first {
+                            record_drop_error(e.into());
+                        }
+                    }
                 }
             }
         }
@@ -706,6 +770,7 @@ impl Loop {
         let limits = self.limits;
         let mut next: Option<Instant> = None;
         let mut at = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
+        let outboxes = lock(&self.shared.outboxes);
         for peer in self.peers.values() {
             if peer.handshake.is_some() {
                 at(peer.accepted + limits.handshake_timeout);
@@ -716,10 +781,15 @@ impl Loop {
             if let Some(t) = peer.blocked_since {
                 at(t + limits.io_timeout);
             }
-            if let (None, Some(idle)) = (&peer.handshake, limits.idle_timeout) {
-                at(peer.last_traffic + idle);
+            // Only under the conditions `timers` ends an idle connection under: a past deadline
+            // that `timers` would not act on would make the loop spin.
+            if let (None, false, Some(idle)) = (&peer.handshake, peer.writing(), limits.idle_timeout) {
+                if outboxes.len(peer.id) == 0 {
+                    at(peer.last_traffic + idle);
+                }
             }
         }
+        drop(outboxes);
         if let Some(t) = self.next_poll {
             at(t);
         }
@@ -732,7 +802,9 @@ impl Loop {
     fn publish(&mut self) {
         self.stats.importers = self.tokens.len();
         self.stats.handshakes = self.peers.len() - self.tokens.len();
-        self.stats.awaiting_exit = self.exits.len() + self.polled.len();
+        self.stats.awaiting_exit = self.exits.values().map(|w| w.importers.len()).sum::<usize>()
+            + self.polled.iter().map(|(ids, _)| ids.len()).sum::<usize>();
+        self.stats.watched_processes = self.exits.len() + self.polled.len();
         self.stats.queued = lock(&self.shared.outboxes).total();
         *lock(&self.shared.stats) = self.stats;
     }
@@ -744,16 +816,31 @@ impl Loop {
         for token in tokens {
             self.end(token, false, None);
         }
-        for (_, (id, fd)) in std::mem::take(&mut self.exits) {
-            let _ = epoll::delete(&self.epoll, &fd);
-            self.handler.abandoned(id);
+        self.exit_tokens.clear();
+        for (_, watch) in std::mem::take(&mut self.exits) {
+            let _ = epoll::delete(&self.epoll, &watch.pidfd);
+            for id in watch.importers {
+                self.handler.abandoned(id);
+            }
         }
-        for (id, _) in std::mem::take(&mut self.polled) {
-            self.handler.abandoned(id);
+        for (ids, _) in std::mem::take(&mut self.polled) {
+            for id in ids {
+                self.handler.abandoned(id);
+            }
         }
         self.listener = None;
         self.publish();
     }
+}
+
+/// A process awaited through its pidfd.
+struct ExitWatch {
+    pidfd: OwnedFd,
+    /// Its pid and start time, if known (without them it is never shared).
+    key: Option<ProcessKey>,
+    /// The importers whose connections from this process ended uncleanly while they held
+    /// buffers: each is reported [`Handler::exited`] when the process is gone.
+    importers: Vec<ImporterId>,
 }
 
 /// The error that turns a connection away.

@@ -1,15 +1,20 @@
 //! Whether an importer's process is gone, so that buffers it may still have been using can be
 //! freed. Costs no descriptor while the importer is connected.
 //!
-//! At accept the process is remembered by pid and start time (field 22 of `/proc/PID/stat`, in
-//! clock ticks since boot): a pid can be reused once its process exits, the pair cannot in
-//! practice. When a connection ends uncleanly while the importer still holds buffers, a
-//! `pidfd` is opened and the start time read again: if it still matches, the pidfd names the
-//! importer's process and becomes readable when it exits (the event loop polls it); if the pid
-//! is gone or now names another process, the importer is gone already.
+//! When its handshake completes (the peer spoke a moment before, so its pid still names it; the
+//! pid is `SO_PEERCRED`'s, read at accept) the process is remembered by pid and start time
+//! (field 22 of `/proc/PID/stat`, in clock ticks since boot): a pid can be reused once its
+//! process exits, the pair cannot in practice. When a connection ends uncleanly while the
+//! importer still holds buffers, a `pidfd` is opened and the start time read again: if it still
+//! matches, the pidfd names the importer's process and becomes readable when it exits (the event
+//! loop polls it); if the pid is gone or now names another process, the importer is gone
+//! already. One pidfd serves every connection of a process that ended so (the event loop keys
+//! its watches by pid and start time), so a live process that connects and drops its
+//! connections over and over costs one descriptor, not one per connection.
 //!
-//! Without `/proc` (or where it hides other processes) a pidfd is opened at accept instead,
-//! while the peer is surely alive (one descriptor per importer). Without pidfds (kernels before
+//! Without `/proc` (or where it hides other processes) a pidfd is opened when the handshake
+//! completes instead, while the peer is surely alive (one descriptor per importer, and per
+//! importer still awaited after its connection ended). Without pidfds (kernels before
 //! 5.3) the event loop polls: the start time if it is known, else `kill(pid, 0)`. There `ESRCH`
 //! means gone, success means alive, and `EPERM` (a process is there that this one may not
 //! signal) means gone if the importer ran as this process's user (its own process would be
@@ -22,7 +27,11 @@ use std::os::fd::OwnedFd;
 use rustix::io::Errno;
 use rustix::process::{Pid, PidfdFlags};
 
-/// An importer's process, as remembered at accept.
+/// A process's identity: its pid and its start time (a pid is reused, the pair is not in
+/// practice).
+pub(crate) type ProcessKey = (i32, u64);
+
+/// An importer's process, as remembered when its handshake completed.
 #[derive(Debug)]
 pub(crate) struct ProcessRef {
     pid: i32,
@@ -60,6 +69,16 @@ impl ProcessRef {
             None => Pid::from_raw(pid).and_then(|p| rustix::process::pidfd_open(p, PidfdFlags::empty()).ok()),
         };
         ProcessRef { pid, uid, start, pidfd }
+    }
+
+    /// The process's pid and start time, when the start time is known: two importers with the
+    /// same key are the same process, and one watch serves both. `None` without `/proc` (then
+    /// each importer has a pidfd of its own, opened when it connected).
+    pub(crate) fn key(&self) -> Option<ProcessKey> {
+        match (self.start, &self.pidfd) {
+            (Some(start), None) => Some((self.pid, start)),
+            _ => None,
+        }
     }
 
     /// The connection ended uncleanly: how to watch for the process's end.

@@ -433,12 +433,14 @@ fn shutdown_says_goodbye_to_readers_at_once_though_one_importer_does_not_read() 
         other => panic!("{other:?}"),
     }
     // The socket file is gone and nobody new gets in.
-    f.handler.wait_for("nothing", |_| true);
     let deadline = Instant::now() + SOON;
     while f.path.exists() {
         assert!(Instant::now() < deadline, "the socket file stays");
         std::thread::sleep(Duration::from_millis(5));
     }
+    let late = UnixStream::connect(&f.path);
+    assert!(late.is_err(), "a connection after shutdown began: {late:?}");
+    assert_eq!(f.handler.connected().len(), 2, "only A and B ever connected");
     // Releases are still taken after Goodbye, then the importer's own Goodbye ends it cleanly.
     reader.release(BufferId(7)).unwrap();
     reader.goodbye().unwrap();
@@ -576,16 +578,22 @@ fn descriptors_on_a_message_that_carries_none_are_counted_exactly() {
 
 const CHILD_SOCKET: &str = "MEMPOOL_IPC_SERVER_TEST_SOCKET";
 
-/// The importer process of the next test: connects, completes the handshake, and exits without
-/// `Goodbye` once its stdin closes. Does nothing when run as a test of its own.
+/// The importer process of the next test: connects and completes the handshake; on a line from
+/// its parent closes its socket without `Goodbye` and says `closed`, and stays alive until its
+/// stdin closes. Does nothing when run as a test of its own.
 #[test]
 fn child_importer_exits_without_goodbye() {
+    use std::io::BufRead;
     let Ok(path) = std::env::var(CHILD_SOCKET) else { return };
     let session = importer(Path::new(&path)).unwrap();
     println!("connected");
+    let mut stdin = std::io::stdin().lock();
+    let mut line = String::new();
+    stdin.read_line(&mut line).unwrap();
+    drop(session); // closes the socket; no Goodbye
+    println!("closed");
     let mut rest = Vec::new();
-    let _ = std::io::stdin().read_to_end(&mut rest);
-    std::mem::forget(session);
+    let _ = stdin.read_to_end(&mut rest);
     std::process::exit(0);
 }
 
@@ -606,13 +614,96 @@ fn an_importer_that_held_buffers_is_reported_gone_once_its_process_exits() {
     f.handler.wait_for("the child to connect", |r| !r.connected.is_empty());
     let id = f.handler.connected()[0];
     f.handler.holding.lock().unwrap().insert(id);
-    drop(child.stdin.take());
+    // The child closes its connection uncleanly and stays alive.
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"close\n").unwrap();
+    f.handler
+        .wait_for("the unclean end", |r| r.ended.iter().any(|e| e.0 == id));
+    assert_eq!(f.handler.ended(id), Some((false, vec![])));
+    // The end and the start of the watch happen in one step of the loop, before it publishes its
+    // counters: once the importer is counted as awaited, a watch that found the process gone at
+    // once would have reported it already.
+    wait_stats(&f, "the child's process watched", |s| {
+        s.awaiting_exit == 1 && s.watched_processes == 1
+    });
+    assert!(
+        f.handler.record.lock().unwrap().exited.is_empty(),
+        "reported gone while its process lives"
+    );
+    assert_eq!(child.try_wait().unwrap(), None, "the child is still running");
+    drop(stdin);
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     f.handler
         .wait_for("the child's process to be reported gone", |r| r.exited.contains(&id));
-    assert_eq!(f.handler.ended(id), Some((false, vec![])));
-    wait_stats(&f, "no process awaited", |s| s.awaiting_exit == 0);
+    assert_eq!(f.handler.record.lock().unwrap().exited, [id]);
+    wait_stats(&f, "no process awaited", |s| {
+        s.awaiting_exit == 0 && s.watched_processes == 0
+    });
+}
+
+#[test]
+fn many_unclean_disconnects_from_one_live_process_cost_one_watch() {
+    let f = serve(limits_for_sockets());
+    const ROUNDS: usize = 40;
+    let mut ids = Vec::new();
+    for k in 0..ROUNDS as u64 {
+        // Connect, receive a share, close without Goodbye; this process lives on.
+        let (session, id) = connected_importer(&f);
+        f.handler.holding.lock().unwrap().insert(id);
+        f.server.send(id, &buffer_message(k), Some(BufferId(k))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(k));
+        drop(session);
+        f.handler
+            .wait_for("the unclean end", |r| r.ended.iter().any(|e| e.0 == id));
+        ids.push(id);
+    }
+    wait_stats(&f, "every importer awaited", |s| {
+        s.importers == 0 && s.awaiting_exit == ROUNDS
+    });
+    let stats = f.server.stats();
+    assert_eq!(stats.watched_processes, 1, "{stats:?}");
+    assert!(f.handler.record.lock().unwrap().exited.is_empty());
+    // At shutdown, every one of them is still awaited and is abandoned, never reported gone.
+    drop(f.server);
+    let r = f.handler.record.lock().unwrap();
+    assert_eq!(r.abandoned, ids);
+    assert!(r.exited.is_empty());
+}
+
+#[test]
+fn errors_peers_cause_are_counted_not_kept_as_drop_errors() {
+    let f = serve(limits_for_sockets());
+    const BAD: u64 = 80; // more than the 64 slots of take_drop_errors
+    for _ in 0..BAD {
+        let (session, _) = connected_importer(&f);
+        session.release(BufferId(666)).unwrap();
+        let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                Error::Remote {
+                    code: ErrorCode::NotLeased,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // And a handshake that breaks the protocol.
+        let mut raw = UnixStream::connect(&f.path).unwrap();
+        raw.write_all(&wire::encode(&Message::Goodbye).unwrap()).unwrap();
+        let told = crate::wire::testing::expect_error_then_eof(&mut raw);
+        assert_eq!(told.code, ErrorCode::Protocol);
+    }
+    wait_stats(&f, "every peer error counted", |s| s.peer_errors == 2 * BAD);
+    // Other tests of this binary share the process-wide list; none of theirs names this server's
+    // peers' errors, so look for those only.
+    let kept: Vec<String> = crate::error::take_drop_errors()
+        .iter()
+        .map(|e| e.to_string())
+        .filter(|e| e.contains("666") || e.contains("Goodbye"))
+        .collect();
+    assert!(kept.is_empty(), "{kept:?}");
 }
 
 const CHILD_DIR: &str = "MEMPOOL_IPC_SERVER_TEST_DIR";
