@@ -45,7 +45,10 @@ use crate::wire::{DeviceUuid, PoolId};
 /// How an [`Exporter`] listens, how many connections it serves, and how it shuts down.
 ///
 /// One thread serves every connection (an `epoll` loop), so idle importers cost a socket each
-/// and no thread. The limits bound what careless or hostile peers can take; `docs/ipc.md`
+/// and no thread. That thread also frees what an importer let go of last (a buffer released,
+/// an importer gone): the pool's stream-ordered free, the `free` function given to
+/// [`Exporter::adopt`] (which must not block), and for [`Exporter::alloc_vmm`] memory the
+/// unmap, which waits for the device; no importer is served meanwhile. The limits bound what careless or hostile peers can take; `docs/ipc.md`
 /// (*Limits and floods*) says what each one does under a flood.
 #[derive(Clone, Debug)]
 pub struct ExporterOptions {
@@ -329,6 +332,12 @@ impl Exporter {
     /// last holder lets go, with the stream to order the free on. Until then the buffer (and so
     /// its block) stays allocated.
     ///
+    /// When the last holder is an importer (its release, its `Goodbye`, its process's end),
+    /// `free` runs on the exporter's serving thread, the one thread that serves every
+    /// connection: while it runs no importer is served. It must not block: queue the free on
+    /// the stream it is given (as a stream-ordered `deallocate` does) rather than synchronize,
+    /// and take no lock that a thread waiting on this exporter may hold.
+    ///
     /// Errors: [`Error::NotShareable`] if the range is not inside an allocation of this pool.
     ///
     /// # Safety
@@ -377,6 +386,9 @@ impl Exporter {
     /// handle type on the pool's device, and mapped here with read-write access for that device
     /// (the exporter's own view of it). Work on it is ordered on `stream`, as for
     /// [`Exporter::alloc`]; it is freed (unmapped and released) when the last holder lets go.
+    /// Unmapping is not stream-ordered: the free synchronizes the stream it is ordered on first,
+    /// and when an importer let go last it runs on the serving thread, which serves no importer
+    /// until it is done.
     ///
     /// Errors ([`Error::Core`]): the device lacks VMM or POSIX file-descriptor handles
     /// (`CapabilityMissing`, `VmmHandleTypeNotSupported`), out of memory (with the size), an
