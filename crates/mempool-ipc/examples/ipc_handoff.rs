@@ -198,6 +198,8 @@ struct Consumer {
     child: Child,
     ctl: UnixStream,
     importer: ImporterId,
+    /// Whether it asked for the fast release path.
+    fast: bool,
 }
 
 /// How the producer makes buffers: whole pool allocations, or suballocations from a
@@ -255,7 +257,12 @@ fn spawn_consumers(
             .find(|i| i.credentials.pid == pid)
             .ok_or("the consumer's importer connection is missing")?
             .id;
-        all.push(Consumer { child, ctl, importer });
+        all.push(Consumer {
+            child,
+            ctl,
+            importer,
+            fast: !v1,
+        });
     }
     Ok(())
 }
@@ -384,17 +391,43 @@ fn round_trip_ipc(
     let warmup = 10;
     send_op(&mut consumer.ctl, OP_IPC, (iters + warmup) as u64)?;
     let mut times = Vec::with_capacity(iters);
+    // Per phase (make, share, wait_released, release), to say where a slow row spends its time.
+    let mut phases: [Vec<f64>; 4] = Default::default();
     for i in 0..iters + warmup {
         let t0 = Instant::now();
         let buf = producer.make(make, size, stream.as_ref())?;
+        let t1 = Instant::now();
         producer.exporter.share(&buf, &[consumer.importer])?;
+        let t2 = Instant::now();
         buf.wait_released(WAIT)?;
+        let t3 = Instant::now();
         buf.release()?;
+        let t4 = Instant::now();
         if i >= warmup {
-            times.push(t0.elapsed().as_secs_f64() * 1e6);
+            times.push((t4 - t0).as_secs_f64() * 1e6);
+            for (phase, (a, b)) in phases.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)]) {
+                phase.push((b - a).as_secs_f64() * 1e6);
+            }
         }
     }
     ack(&mut consumer.ctl)?;
+    let kind = match make {
+        Make::Alloc => "alloc",
+        Make::Sub => "sub",
+    };
+    let fast = if consumer.fast { "v2" } else { "v1" };
+    eprintln!(
+        "  phases {fast} {kind} {}: make {:.1} / {:.1}, share {:.1} / {:.1}, wait_released {:.1} / {:.1}, release {:.1} / {:.1} (µs median / mean)",
+        human(size),
+        median(&phases[0]),
+        mean(&phases[0]),
+        median(&phases[1]),
+        mean(&phases[1]),
+        median(&phases[2]),
+        mean(&phases[2]),
+        median(&phases[3]),
+        mean(&phases[3]),
+    );
     Ok(times)
 }
 

@@ -3,10 +3,14 @@
 //! GPU, no sockets; the importer records its release event before it adds a buffer here and
 //! sends what [`ReleaseBatcher::take`] returns.
 //!
-//! A batch goes out when it holds [`ReleaseBatcher::max_count`] buffers (what
-//! [`ReleaseBatcher::push`] says), when its oldest release is [`ReleaseBatcher::max_delay`] old
-//! (the importer's flusher thread waits for [`ReleaseBatcher::deadline`]), and whenever the importer is about to wait for the exporter
-//! (the exporter may be waiting for these releases). The tests are in `batch/tests.rs`.
+//! Like Nagle's algorithm: a release that finds nothing pending and no batch sent within the last
+//! [`ReleaseBatcher::max_delay`] goes out at once (an isolated release waits for nobody, so a
+//! round trip pays no batching delay); releases that follow a recent send gather into a batch,
+//! which goes out when it holds [`ReleaseBatcher::max_count`] buffers (both are what
+//! [`ReleaseBatcher::push`] says), when its oldest release is `max_delay` old (the importer's
+//! flusher thread waits for [`ReleaseBatcher::deadline`]), and whenever the importer is about to
+//! wait for the exporter (the exporter may be waiting for these releases). The tests are in
+//! `batch/tests.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +22,8 @@ pub(crate) struct ReleaseBatcher {
     pending: Vec<BufferId>,
     /// When the oldest pending release was added.
     since: Option<Instant>,
+    /// When the last batch was taken to be sent.
+    last_sent: Option<Instant>,
     max_count: usize,
     max_delay: Duration,
 }
@@ -29,6 +35,7 @@ impl ReleaseBatcher {
         ReleaseBatcher {
             pending: Vec::new(),
             since: None,
+            last_sent: None,
             max_count: max_count.clamp(1, MAX_RELEASE_BATCH),
             max_delay,
         }
@@ -46,13 +53,19 @@ impl ReleaseBatcher {
         self.max_delay
     }
 
-    /// Adds a release made at `now`. Returns `true` when the batch is full: take it and send it now.
+    /// Adds a release made at `now`. Returns `true` when the batch should go now: it is full, or
+    /// this release found nothing pending and no batch was taken within `max_delay` before `now`
+    /// (the link is idle: batching would only delay it).
     pub(crate) fn push(&mut self, buffer: BufferId, now: Instant) -> bool {
+        let idle = self.pending.is_empty()
+            && self
+                .last_sent
+                .is_none_or(|sent| now.saturating_duration_since(sent) >= self.max_delay);
         if self.pending.is_empty() {
             self.since = Some(now);
         }
         self.pending.push(buffer);
-        self.pending.len() >= self.max_count
+        idle || self.pending.len() >= self.max_count
     }
 
     /// When the oldest pending release must be sent; `None` when nothing is pending.
@@ -66,9 +79,13 @@ impl ReleaseBatcher {
         self.deadline().is_some_and(|deadline| now >= deadline)
     }
 
-    /// Takes the pending releases, oldest first, at most `max_count` (what a push that said
-    /// "full" left is always at most that); the rest stay, as a batch begun now.
-    pub(crate) fn take(&mut self) -> Vec<BufferId> {
+    /// Takes the pending releases at `now`, to be sent: oldest first, at most `max_count` (what a
+    /// push that said "send" left is always at most that); the rest stay, as a batch begun now.
+    /// A take of at least one release counts as a send for [`ReleaseBatcher::push`].
+    pub(crate) fn take(&mut self, now: Instant) -> Vec<BufferId> {
+        if !self.pending.is_empty() {
+            self.last_sent = Some(now);
+        }
         if self.pending.len() <= self.max_count {
             self.since = None;
             return std::mem::take(&mut self.pending);

@@ -50,8 +50,11 @@ pub struct ImporterOptions {
     pub fast_release: bool,
     /// The most releases one batch carries (1 to 64; default 32).
     pub max_release_batch: usize,
-    /// The longest a release waits to be sent (default 100 µs). A batch also goes out when it is
-    /// full, and whenever [`Importer::recv`] is about to wait for the exporter.
+    /// The longest a release waits to be sent (default 100 µs). A release that finds nothing
+    /// pending and no batch sent within this delay goes out at once; a batch also goes out when it
+    /// is full, and whenever [`Importer::recv`] is about to wait for the exporter. (Buffers of
+    /// blocks the importer does not keep, whole allocations, are released at once the version-1
+    /// way: freeing their import waits for their stream anyway.)
     pub max_release_delay: Duration,
     /// Asks for VMM physical allocations ([`SharedVmm`], from
     /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) as well as pool buffers: capability
@@ -501,14 +504,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Forgets `id` on the fast release path: frees the block's import if the exporter did not
-    /// let this importer keep it (that waits), then records the release event on `stream` after
-    /// making `stream` wait for its previous recording, so the recording covers this release and
-    /// every earlier one whatever stream they were on.
-    fn forget_fast(&self, id: BufferId, stream: StreamRef<'_>) -> Result<EventHandle> {
+    /// Forgets `id` on the fast release path. If the exporter did not let this importer keep the
+    /// block (a whole allocation), frees the block's import, which waits for `stream`: the release
+    /// is then complete, as on the version-1 path, and `None` is returned (send a plain `Release`;
+    /// an event would only add an interprocess wait on the exporter's side). Otherwise records the
+    /// release event on `stream` after making `stream` wait for its previous recording, so the
+    /// recording covers this release and every earlier one whatever stream they were on.
+    fn forget_fast(&self, id: BufferId, stream: StreamRef<'_>) -> Result<Option<EventHandle>> {
         let mut state = self.lock();
         if let Some(import) = state.table.release(id)? {
             import.free(stream)?;
+            return Ok(None);
         }
         if state.release_event.is_none() {
             let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
@@ -525,27 +531,32 @@ impl Inner {
         event.record(stream)?;
         let handle = *handle;
         state.recorded = true;
-        Ok(handle)
+        Ok(Some(handle))
     }
 
     fn release(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
         if let Some(pending) = &self.pending {
-            if let Err(e) = self.forget_fast(id, stream) {
-                // Not ordered by the event: fall back to waiting, and release it on its own.
-                stream.synchronize()?;
-                let _ = self.session.release(id);
-                return Err(e);
+            match self.forget_fast(id, stream) {
+                Err(e) => {
+                    // Not ordered by the event: fall back to waiting, and release it on its own.
+                    stream.synchronize()?;
+                    let _ = self.session.release(id);
+                    return Err(e);
+                }
+                // The import was freed after `stream` was synchronized: complete, release it now.
+                Ok(None) => return ignore_gone(self.session.release(id)),
+                Ok(Some(_)) => {}
             }
-            let full = {
+            let send = {
                 let mut batch = lock_plain(&pending.batch);
                 let was_empty = batch.is_empty();
-                let full = batch.push(id, Instant::now());
-                if was_empty {
+                let send = batch.push(id, Instant::now());
+                if was_empty && !send {
                     pending.changed.notify_all();
                 }
-                full
+                send
             };
-            return if full { self.flush_releases() } else { Ok(()) };
+            return if send { self.flush_releases() } else { Ok(()) };
         }
         self.forget(id, stream)?;
         ignore_gone(self.session.release(id))
@@ -581,7 +592,7 @@ impl Inner {
     fn flush_releases(&self) -> Result<()> {
         let Some(pending) = &self.pending else { return Ok(()) };
         loop {
-            let buffers = lock_plain(&pending.batch).take();
+            let buffers = lock_plain(&pending.batch).take(Instant::now());
             if buffers.is_empty() {
                 return Ok(());
             }

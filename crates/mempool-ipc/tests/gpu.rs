@@ -46,8 +46,18 @@ fn exportable_pool(dev: &Device) -> MemPool {
     MemPool::new(dev, &PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)).expect("exportable pool")
 }
 
+/// A socket path unique to this process and `tag` (the test's name), short enough for `sun_path`
+/// (108 bytes) whatever the tag's length: the tag's first 24 characters and a hash of all of it.
 fn socket_path(tag: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("mempool-ipc-gpu-{}-{tag}.sock", std::process::id()))
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    tag.hash(&mut hasher);
+    let short: String = tag.chars().take(24).collect();
+    std::env::temp_dir().join(format!(
+        "mempool-ipc-gpu-{}-{short}-{:016x}.sock",
+        std::process::id(),
+        hasher.finish()
+    ))
 }
 
 fn role() -> Option<String> {

@@ -8,6 +8,10 @@ import pickle
 import time
 import traceback
 
+# What the children wait at most: a failure must cost the test run seconds, not minutes (test_ipc.py
+# waits a little longer for their reports).
+TIMEOUT = 20
+
 
 def _report(queue, fn):
     try:
@@ -24,8 +28,8 @@ def view_and_check(path, framework, expected_len, queue):
     def run():
         from mempool import ipc
 
-        importer = ipc.Importer(path, timeout=60)
-        buf = importer.receive(timeout=120)
+        importer = ipc.Importer(path, timeout=TIMEOUT)
+        buf = importer.receive(timeout=TIMEOUT)
         if framework == "torch":
             import torch
 
@@ -48,7 +52,7 @@ def view_and_check(path, framework, expected_len, queue):
         queue.put(("ok", details))
         # The parent closes its exporter next: receive() must say the exporter is gone.
         try:
-            importer.receive(timeout=120)
+            importer.receive(timeout=TIMEOUT)
             return "received a second buffer"
         except ipc.PeerGoneError as e:
             return f"PeerGoneError: {e}"
@@ -58,23 +62,24 @@ def view_and_check(path, framework, expected_len, queue):
     _report(queue, run)
 
 
-def hold_until_told(path, queue, commands):
+def hold_until_told(path, commands, queue):
     """Receives one buffer, keeps only a torch view of it (the ImportedBuffer object itself is dropped),
-    reports, then drops the view when told and reports again."""
+    reports, then drops the view when told and reports again. (`queue` comes last, as `_spawn` in
+    test_ipc.py appends it after the other arguments.)"""
 
     def run():
         import torch
 
         from mempool import ipc
 
-        importer = ipc.Importer(path, timeout=60)
-        buf = importer.receive(timeout=120)
+        importer = ipc.Importer(path, timeout=TIMEOUT)
+        buf = importer.receive(timeout=TIMEOUT)
         t = torch.from_dlpack(buf)
         buf_id = buf.id
         del buf
         gc.collect()
         queue.put(("ok", {"id": buf_id, "held_with_view": importer.held, "first": int(t[0].item())}))
-        assert commands.get(timeout=120) == "drop"
+        assert commands.get(timeout=TIMEOUT) == "drop"
         del t
         gc.collect()
         return {"held_after_drop": importer.held}
@@ -90,8 +95,8 @@ def receive_and_hang(path, queue):
 
         from mempool import ipc
 
-        importer = ipc.Importer(path, timeout=60)
-        buf = importer.receive(timeout=120)
+        importer = ipc.Importer(path, timeout=TIMEOUT)
+        buf = importer.receive(timeout=TIMEOUT)
         t = torch.from_dlpack(buf)
         t.fill_(7)
         torch.cuda.synchronize()
@@ -108,8 +113,8 @@ def receive_many(path, count, queue):
     def run():
         from mempool import ipc
 
-        importer = ipc.Importer(path, timeout=60)
-        bufs = [importer.receive(timeout=120) for _ in range(count)]
+        importer = ipc.Importer(path, timeout=TIMEOUT)
+        bufs = [importer.receive(timeout=TIMEOUT) for _ in range(count)]
         refused = []
         for obj in (importer, bufs[0]):
             try:

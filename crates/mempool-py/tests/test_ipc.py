@@ -21,8 +21,10 @@ from mempool import ipc, mr
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _ipc_child  # noqa: E402  (the spawned children import it by this name)
 
-# Generous: a spawned child imports PyTorch or CuPy and starts CUDA before it connects.
-TIMEOUT = 120
+# A spawned child imports PyTorch or CuPy and starts CUDA before it connects (seconds); a failure costs at
+# most this long per wait. A little longer than the children's own timeouts, so that their reports
+# (with the cause) arrive before the parent gives up.
+TIMEOUT = _ipc_child.TIMEOUT + 5
 
 
 def _socket_path(name):
@@ -303,7 +305,8 @@ def test_suballocations_from_a_resource_share_one_block():
             child.join(timeout=TIMEOUT)
             for b in bufs:
                 b.wait_released(timeout=TIMEOUT)
-            del bufs
+            # The loop variable holds the last buffer too: the exporter's own hold goes only with both.
+            del bufs, b
             exporter.wait_idle(timeout=TIMEOUT)
         finally:
             if child.is_alive():
@@ -336,7 +339,8 @@ def test_pickling_is_refused_and_bad_sources_are_named():
         assert other.close() == []
         # Nobody is connected: shared with nobody, and nothing holds it.
         assert exporter.share(buf).holders() == []
-        del buf
+        # `obj`, the loop variable above, holds the buffer too: the exporter's own hold goes only with both.
+        del buf, obj
         exporter.wait_idle(timeout=TIMEOUT)
     assert exporter.closed
     with pytest.raises(ipc.IpcError, match="closed"):

@@ -12,6 +12,9 @@ fn a_batch_is_full_at_its_count_and_due_after_its_delay() {
     let t0 = Instant::now();
     let mut b = ReleaseBatcher::new(3, 2 * MS);
     assert!(b.is_empty() && b.deadline().is_none() && !b.due(t0 + Duration::from_secs(9)));
+    // Nothing was sent yet: the first release goes at once (Nagle), and counts as a send.
+    assert!(b.push(BufferId(0), t0));
+    assert_eq!(b.take(t0), vec![BufferId(0)]);
     assert!(!b.push(BufferId(1), t0));
     assert_eq!(b.deadline(), Some(t0 + 2 * MS));
     assert!(!b.due(t0 + MS) && b.due(t0 + 2 * MS));
@@ -19,11 +22,25 @@ fn a_batch_is_full_at_its_count_and_due_after_its_delay() {
     assert!(!b.push(BufferId(2), t0 + MS));
     assert_eq!(b.deadline(), Some(t0 + 2 * MS));
     assert!(b.push(BufferId(3), t0 + MS), "the third release fills a batch of 3");
-    assert_eq!(b.take(), vec![BufferId(1), BufferId(2), BufferId(3)]);
+    assert_eq!(b.take(t0 + MS), vec![BufferId(1), BufferId(2), BufferId(3)]);
     assert!(b.is_empty() && b.deadline().is_none());
-    // The next batch starts its own clock.
-    assert!(!b.push(BufferId(4), t0 + 10 * MS));
-    assert_eq!(b.deadline(), Some(t0 + 12 * MS));
+    // Within the delay of that send, the next release starts a batch with its own clock.
+    assert!(!b.push(BufferId(4), t0 + 2 * MS));
+    assert_eq!(b.deadline(), Some(t0 + 4 * MS));
+    assert_eq!(b.take(t0 + 4 * MS), vec![BufferId(4)]);
+    // Long after the last send, an isolated release goes at once again.
+    assert!(b.push(BufferId(5), t0 + 10 * MS));
+    assert_eq!(b.take(t0 + 10 * MS), vec![BufferId(5)]);
+}
+
+#[test]
+fn a_release_joins_a_pending_batch_even_when_the_link_was_idle() {
+    let t0 = Instant::now();
+    let mut b = ReleaseBatcher::new(8, 2 * MS);
+    b.push(BufferId(1), t0);
+    // Not taken yet: the second release waits with the first, whatever the time.
+    assert!(!b.push(BufferId(2), t0 + 5 * MS));
+    assert_eq!(b.take(t0 + 5 * MS), vec![BufferId(1), BufferId(2)]);
 }
 
 #[test]
@@ -46,19 +63,25 @@ proptest! {
         let mut b = ReleaseBatcher::new(max, 5 * MS);
         let mut out = Vec::new();
         let mut next = 0u64;
+        let mut last_sent: Option<Instant> = None;
         for (i, push) in ops.into_iter().enumerate() {
             let now = t0 + MS * i as u32;
             if push {
-                let full = b.push(BufferId(next), now);
+                let idle = b.is_empty() && last_sent.is_none_or(|s| now - s >= b.max_delay());
+                let send = b.push(BufferId(next), now);
                 next += 1;
-                prop_assert_eq!(full, b.len() >= b.max_count());
-                if full {
-                    let batch = b.take();
+                prop_assert_eq!(send, idle || b.len() >= b.max_count());
+                if send {
+                    last_sent = Some(now);
+                    let batch = b.take(now);
                     prop_assert!(batch.len() <= b.max_count());
                     out.extend(batch);
                 }
             } else if b.due(now) || i % 7 == 0 {
-                let batch = b.take();
+                if !b.is_empty() {
+                    last_sent = Some(now);
+                }
+                let batch = b.take(now);
                 prop_assert!(batch.len() <= b.max_count());
                 out.extend(batch);
             }
@@ -67,7 +90,7 @@ proptest! {
             }
         }
         while !b.is_empty() {
-            out.extend(b.take());
+            out.extend(b.take(t0));
         }
         prop_assert_eq!(out, (0..next).map(BufferId).collect::<Vec<_>>());
     }
