@@ -319,6 +319,26 @@ mod tests {
             text.contains("FABRIC") && text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
             "{text}"
         );
+        let e = Error::AllocationNotExportable {
+            device: 0,
+            requested: HandleTypes::POSIX_FILE_DESCRIPTOR,
+            created_with: HandleTypes::empty(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("this physical allocation of device 0 cannot be exported as")
+                && text.contains("AllocationProps::handle_types")
+                && !text.contains("CU_DEVICE_ATTRIBUTE"),
+            "names the allocation's handle types, not the device's: {text}"
+        );
+        let e = Error::Leaked {
+            what: "the reservation of 8 bytes at 0x10".into(),
+            cause: "1 range(s) of it are still mapped".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "the reservation of 8 bytes at 0x10 was leaked on purpose: 1 range(s) of it are still mapped"
+        );
         let e = Error::NotGranular {
             what: "the physical allocation's size",
             value: 4096,

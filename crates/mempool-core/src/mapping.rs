@@ -657,7 +657,7 @@ mod tests {
         }
         let _serial = DROP_ERRORS_TESTS.lock().unwrap_or_else(|p| p.into_inner());
         drop(fake_reservation(0x7100_0000_0000, &[(2 << 20, 2 << 20)]));
-        let errors = crate::take_drop_errors();
+        let errors = crate::drop_errors::take_drop_errors();
         assert_eq!(
             leaks_of(&errors, "the reservation of 8388608 bytes at 0x710000000000"),
             1,
@@ -686,7 +686,7 @@ mod tests {
             "the mapping's reference to the physical allocation is kept, never released"
         );
         drop(res);
-        let errors = crate::take_drop_errors();
+        let errors = crate::drop_errors::take_drop_errors();
         assert_eq!(
             leaks_of(&errors, "the mapping of 2097152 bytes at 0x720000000000"),
             1,
