@@ -100,6 +100,35 @@ pub enum Error {
         supported: HandleTypes,
     },
 
+    /// A physical allocation asked to export itself as a handle type it was not created with (for an
+    /// imported or retained handle: that the driver does not report for it; driver 580 reports none for
+    /// an imported handle). Not a device limitation: create the allocation with
+    /// `AllocationProps::handle_types` including the type.
+    #[error(
+        "this physical allocation of device {device} cannot be exported as {requested:?}: it was created \
+         with (or, imported or retained, the driver reports for it) handle types {created_with:?}; create \
+         it with AllocationProps::handle_types including {requested:?}"
+    )]
+    AllocationNotExportable {
+        /// The device ordinal.
+        device: usize,
+        /// The handle type asked for.
+        requested: HandleTypes,
+        /// The handle types the allocation has.
+        created_with: HandleTypes,
+    },
+
+    /// A destructor could not undo a virtual memory step safely and kept the resource instead (on
+    /// purpose: e.g. a mapping whose unmap failed stays mapped, with its physical memory and its address
+    /// range, rather than have the range freed or reused under it). Reported by [`crate::take_drop_errors`].
+    #[error("{what} was leaked on purpose: {cause}")]
+    Leaked {
+        /// What was kept, e.g. `the mapping of 2097152 bytes at 0x7f0000000000`.
+        what: String,
+        /// Why it could not be released.
+        cause: String,
+    },
+
     /// A size, offset or alignment of a virtual memory call that is not a multiple of the allocation
     /// granularity (`cuMemGetAllocationGranularity`), or is zero where the driver needs bytes.
     #[error(
@@ -289,6 +318,26 @@ mod tests {
         assert!(
             text.contains("FABRIC") && text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
             "{text}"
+        );
+        let e = Error::AllocationNotExportable {
+            device: 0,
+            requested: HandleTypes::POSIX_FILE_DESCRIPTOR,
+            created_with: HandleTypes::empty(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("this physical allocation of device 0 cannot be exported as")
+                && text.contains("AllocationProps::handle_types")
+                && !text.contains("CU_DEVICE_ATTRIBUTE"),
+            "names the allocation's handle types, not the device's: {text}"
+        );
+        let e = Error::Leaked {
+            what: "the reservation of 8 bytes at 0x10".into(),
+            cause: "1 range(s) of it are still mapped".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "the reservation of 8 bytes at 0x10 was leaked on purpose: 1 range(s) of it are still mapped"
         );
         let e = Error::NotGranular {
             what: "the physical allocation's size",

@@ -33,14 +33,20 @@ pub(crate) fn growth_for(mapped: usize, len: usize, chunk: usize) -> Option<usiz
     round_up(len - mapped, chunk)
 }
 
-/// The alignment to reserve with: the chunk when it is a power of two (so that large pages can back
-/// it), else the driver's default.
-fn alignment_for(chunk: usize) -> usize {
-    if chunk.is_power_of_two() {
-        chunk
-    } else {
-        0
+/// The alignment to reserve with: the largest power of two that divides `chunk` (the chunk itself when
+/// it is a power of two, so that large pages can back it), at least `granularity` (the reservation's
+/// minimum, a power of two). As `chunk` is a multiple of the allocations' granularity, a power of two,
+/// every chunk boundary is then granular for them too.
+fn alignment_for(chunk: usize, granularity: usize) -> usize {
+    if chunk == 0 {
+        return granularity;
     }
+    (1usize << chunk.trailing_zeros()).max(granularity)
+}
+
+/// The minimum granularity a [`Reservation`] of `device` is checked against.
+fn reservation_granularity(device: Device) -> Result<usize> {
+    device.vmm_granularity(&AllocationProps::new(device), Granularity::Minimum)
 }
 
 /// The size of the reservation to remap into when `needed` bytes do not fit in `current`: at least
@@ -62,6 +68,8 @@ pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<
 ///   length (after waiting for the device's work); one that the length reaches into stays whole.
 /// - When the reservation is full, [`WhenFull`] decides: fail with [`Error::ReservationFull`], or
 ///   reserve a larger range and remap the allocations into it.
+/// - Only the buffer's device has access (read-write); the reservation and mappings are not handed
+///   out, so nothing outside changes that while a [`view`](Self::view) may be alive.
 ///
 /// ```no_run
 /// # fn main() -> mempool_core::Result<()> {
@@ -119,12 +127,18 @@ impl GrowableBuffer {
             }
             None => device.vmm_granularity(&props, Granularity::Recommended)?,
         };
-        let size = round_up(max_capacity.max(1), chunk).ok_or(Error::ReservationFull {
-            requested: max_capacity,
-            offset: 0,
-            capacity: usize::MAX,
+        let size = round_up(max_capacity.max(1), chunk).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a maximum capacity of {max_capacity} bytes, rounded up to the granule of {chunk} bytes, \
+                 does not fit in the address space"
+            ))
         })?;
-        let reservation = Reservation::new(device, size, alignment_for(chunk), None)?;
+        let reservation = Reservation::new(
+            device,
+            size,
+            alignment_for(chunk, reservation_granularity(device)?),
+            None,
+        )?;
         Ok(GrowableBuffer {
             chunks: Vec::new(),
             mapped: 0,
@@ -168,27 +182,37 @@ impl GrowableBuffer {
         self.chunk
     }
 
-    /// The mappings, one per growth, in address order.
-    pub fn chunks(&self) -> &[Mapping] {
-        &self.chunks
+    /// The physical allocations, one per growth, in address order, each with its offset from
+    /// [`ptr`](Self::ptr) (its length is its [`size`](PhysicalAllocation::size)).
+    ///
+    /// The mappings and the reservation themselves stay private, so that nothing outside changes the
+    /// buffer's access while a view of it may be alive. The buffer grants its own device read-write
+    /// access only (a peer that should read it maps an allocation into a reservation of its own).
+    pub fn chunks(&self) -> impl ExactSizeIterator<Item = (usize, &Arc<PhysicalAllocation>)> + '_ {
+        self.chunks.iter().map(|m| (m.offset(), m.physical()))
     }
 
-    /// Sets the length, mapping one allocation when it grows past the capacity (the bytes already there keep their values and
-    /// address; new bytes are uninitialised). Shrinking only changes the length: see
-    /// [`shrink_to_fit`](Self::shrink_to_fit). A length past the reservation fails with
-    /// [`Error::ReservationFull`] or remaps, as the buffer's [`WhenFull`] says; out of memory leaves the
-    /// buffer as it was, minus nothing.
+    /// Sets the length, mapping one allocation when it grows past the capacity (the bytes already there
+    /// keep their values and address; new bytes are uninitialised). Shrinking only changes the length:
+    /// see [`shrink_to_fit`](Self::shrink_to_fit). A length past the reservation fails with
+    /// [`Error::ReservationFull`] or remaps, as the buffer's [`WhenFull`] says.
+    ///
+    /// On an error the length and the contents are as they were. The new physical allocation is made
+    /// before any remap, so running out of memory ([`Error::OutOfMemory`]) also leaves the address as
+    /// it was; only a driver failure after a successful remap (mapping the new allocation into the new
+    /// range, or granting access to it) leaves the buffer at its new, larger address.
     pub fn resize(&mut self, len: usize) -> Result<()> {
         self.reserve_total(len)?;
         self.len = len;
         Ok(())
     }
 
-    /// Maps one allocation so that `len() + additional` bytes fit, without changing the length.
+    /// Maps one allocation so that `len() + additional` bytes fit, without changing the length (errors
+    /// as [`resize`](Self::resize)).
     pub fn reserve(&mut self, additional: usize) -> Result<()> {
         let total = self.len.checked_add(additional).ok_or(Error::ReservationFull {
-            requested: usize::MAX,
-            offset: 0,
+            requested: additional,
+            offset: self.len,
             capacity: self.reservation.size(),
         })?;
         self.reserve_total(total)
@@ -204,22 +228,18 @@ impl GrowableBuffer {
         if grow == 0 {
             return Ok(());
         }
-        let bytes = self.mapped.checked_add(grow).ok_or(full)?;
-        if bytes > self.reservation.size() {
-            match self.when_full {
-                WhenFull::Fail => {
-                    return Err(Error::ReservationFull {
-                        requested: total,
-                        offset: 0,
-                        capacity: self.reservation.size(),
-                    })
-                }
-                WhenFull::Remap => self.remap(bytes)?,
-            }
+        let bytes = self.mapped.checked_add(grow).ok_or(full.clone())?;
+        let must_remap = bytes > self.reservation.size();
+        if must_remap && self.when_full == WhenFull::Fail {
+            return Err(full);
+        }
+        // The memory first: running out of it leaves the buffer where it is, remapped or not.
+        let phys = Arc::new(PhysicalAllocation::new(&self.props, grow)?);
+        if must_remap {
+            self.remap(bytes)?;
         }
         // Map the new allocation, then grant access to it. On an error the new mapping drops (unmapped)
-        // and the buffer stays as it was.
-        let phys = Arc::new(PhysicalAllocation::new(&self.props, grow)?);
+        // and the buffer keeps its length and contents.
         let fresh = Mapping::without_access(&self.reservation, self.mapped, phys)?;
         fresh.set_access(&[(self.props.device, crate::types::Access::ReadWrite)])?;
         self.chunks.push(fresh);
@@ -228,14 +248,17 @@ impl GrowableBuffer {
     }
 
     /// Moves the allocations into a new reservation of at least `needed` bytes, by mapping the same physical
-    /// memory there, then unmapping the old range (after the device's work).
+    /// memory there (read-write for the buffer's device, as before), then unmapping the old range (after
+    /// the device's work). On an error the buffer stays in the old range.
     fn remap(&mut self, needed: usize) -> Result<()> {
         let size = remap_size(self.reservation.size(), needed, self.chunk).ok_or(Error::ReservationFull {
             requested: needed,
             offset: 0,
             capacity: self.reservation.size(),
         })?;
-        let fresh = Reservation::new(self.props.device, size, alignment_for(self.chunk), None)?;
+        let device = self.props.device;
+        let align = alignment_for(self.chunk, reservation_granularity(device)?);
+        let fresh = Reservation::new(device, size, align, None)?;
         let mut moved = Vec::with_capacity(self.chunks.len());
         for m in &self.chunks {
             moved.push(Mapping::new(&fresh, m.offset(), m.physical().clone())?);
@@ -305,6 +328,35 @@ mod tests {
         }
         assert_eq!(mapped, 16 << 30);
         assert_eq!(allocations, 14, "1 MiB and 2 MiB share the first allocation");
+    }
+
+    #[test]
+    fn reservations_align_to_a_granular_power_of_two() {
+        assert_eq!(alignment_for(2 * MIB, 2 * MIB), 2 * MIB);
+        assert_eq!(
+            alignment_for(8 * MIB, 2 * MIB),
+            8 * MIB,
+            "a power-of-two chunk aligns to itself"
+        );
+        assert_eq!(
+            alignment_for(6 * MIB, 2 * MIB),
+            2 * MIB,
+            "6 MiB: the largest power of two dividing it"
+        );
+        assert_eq!(alignment_for(12 * MIB, 2 * MIB), 4 * MIB);
+        assert_eq!(
+            alignment_for(6 * MIB, 4 * MIB),
+            4 * MIB,
+            "never below the reservation's granularity"
+        );
+        for chunk in [2 * MIB, 6 * MIB, 10 * MIB, 24 * MIB, 1 << 30] {
+            let a = alignment_for(chunk, 2 * MIB);
+            assert!(a.is_power_of_two() && a.is_multiple_of(2 * MIB), "{chunk}: {a}");
+            assert!(
+                chunk.is_multiple_of(a),
+                "every chunk boundary stays aligned: {chunk}: {a}"
+            );
+        }
     }
 
     #[test]

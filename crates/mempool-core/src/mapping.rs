@@ -74,6 +74,19 @@ fn overlaps(mapped: &BTreeMap<usize, usize>, offset: usize, len: usize) -> bool 
     false
 }
 
+/// The alignment a reservation is made with: `alignment`, or the granularity `g` for 0; refused unless a
+/// power of two and a multiple of `g` (every address `cuMemMap` maps at must be granular).
+fn reservation_alignment(alignment: usize, g: usize) -> Result<usize> {
+    let a = if alignment == 0 { g } else { alignment };
+    if !a.is_power_of_two() || g == 0 || !a.is_multiple_of(g) {
+        return Err(Error::InvalidArgument(format!(
+            "the reservation's alignment is {alignment} bytes: it must be 0 (the granularity) or a power of \
+             two that is a multiple of the minimum granularity, {g} bytes"
+        )));
+    }
+    Ok(a)
+}
+
 /// A range of virtual address space (`cuMemAddressReserve`), freed (`cuMemAddressFree`) when the last
 /// `Arc` of it drops, which is after every [`Mapping`] into it is unmapped.
 ///
@@ -104,20 +117,19 @@ pub struct Reservation {
 
 impl Reservation {
     /// Reserves `size` bytes of address space (a non-zero multiple of `device`'s minimum granularity),
-    /// aligned to `alignment` (0: the granularity; otherwise a power of two), at `hint` if the driver
-    /// can place it there (a request, not a promise: see [`Reservation::base`]).
+    /// aligned to `alignment` (0: the granularity; otherwise a power of two that is a multiple of the
+    /// granularity, since `cuMemMap` needs every mapped address granular), at `hint` if the driver can
+    /// place it there (a request, not a promise: see [`Reservation::base`]).
     ///
     /// Address space is shared by every device of the process (unified addressing); `device` names
     /// the granularity and the context the calls run in. Errors: [`Error::CapabilityMissing`] without
-    /// VMM support, [`Error::NotGranular`], [`Error::OutOfMemory`] when no such range is free.
+    /// VMM support, [`Error::NotGranular`] for a size or hint, [`Error::InvalidArgument`] for an
+    /// alignment below the granularity or not a power of two, [`Error::OutOfMemory`] when no such range
+    /// is free.
     pub fn new(device: Device, size: usize, alignment: usize, hint: Option<DeviceAddr>) -> Result<Arc<Reservation>> {
         let g = device.vmm_granularity(&AllocationProps::new(device), Granularity::Minimum)?;
         check_granular("the reservation's size", size, g)?;
-        if alignment != 0 && !alignment.is_power_of_two() {
-            return Err(Error::InvalidArgument(format!(
-                "the reservation's alignment is {alignment} bytes: it must be 0 or a power of two"
-            )));
-        }
+        let alignment = reservation_alignment(alignment, g)?;
         if let Some(h) = hint {
             if !h.0.is_multiple_of(g as u64) {
                 return Err(Error::NotGranular {
@@ -132,14 +144,22 @@ impl Reservation {
             let _g = ctx.bind()?;
             raw::vmm::address_reserve(size, alignment, hint.map_or(0, |h| h.0))?
         };
-        Ok(Arc::new(Reservation {
+        let reservation = Arc::new(Reservation {
             base: DeviceAddr(base),
             size,
             granularity: g,
             device,
             ctx,
             state: Mutex::new(MapState::default()),
-        }))
+        });
+        if !base.is_multiple_of(alignment as u64) {
+            // Not what was asked for: give it back (dropping the value frees it) and say so.
+            return Err(Error::InvalidArgument(format!(
+                "cuMemAddressReserve returned {} for an alignment of {alignment} bytes",
+                DeviceAddr(base)
+            )));
+        }
+        Ok(reservation)
     }
 
     /// The first address (where the driver placed it; compare with a hint to see if it was honoured).
@@ -170,21 +190,92 @@ impl Reservation {
     /// Sets each device's access to `offset..offset+len`, which must be fully mapped (by one or more
     /// mappings back to back, possibly of different devices' memory: a striped range), in one
     /// `cuMemSetAccess`. A device other than a mapping's owner needs peer capability
-    /// (`cuDeviceCanAccessPeer`); revoking access waits for the devices' work first.
+    /// (`cuDeviceCanAccessPeer`).
+    ///
+    /// This safe form only grants: it refuses ([`Error::InvalidArgument`]) `Access::None`, and
+    /// `Access::Read` for a device that has read-write access to part of the range, since a
+    /// [`BufferView`] of a mapping may be copying through that access. Lowering access is
+    /// [`set_access_unchecked`](Self::set_access_unchecked).
     pub fn set_access(&self, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
-        let mut st = self.lock();
-        if !fully_mapped(&st.mapped, offset, len) {
-            return Err(Error::InvalidArgument(format!(
+        self.set_access_inner(offset, len, access, false)
+    }
+
+    /// As [`set_access`](Self::set_access), and may also lower or revoke access: it first waits for all
+    /// work of every device ever granted access to the reservation, then sets the access.
+    ///
+    /// # Safety
+    /// 1. Nothing on the host relies on the access this lowers while it is lowered: no [`BufferView`] of
+    ///    the range is alive ([`Mapping::view`], `GrowableBuffer::view`), and no code that was handed the
+    ///    range's addresses will copy through them before access is granted again.
+    /// 2. No device work that touches the range through a lowered access is queued after this call
+    ///    (work queued before it is waited for).
+    #[allow(unsafe_code)]
+    pub unsafe fn set_access_unchecked(&self, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
+        self.set_access_inner(offset, len, access, true)
+    }
+
+    fn set_access_inner(&self, offset: usize, len: usize, access: &[(Device, Access)], may_lower: bool) -> Result<()> {
+        let not_mapped = || {
+            Error::InvalidArgument(format!(
                 "cannot set access to {len} bytes at offset {offset} of a reservation of {} bytes: the \
                  range is not entirely mapped (cuMemSetAccess needs a fully mapped range)",
                 self.size
-            )));
+            ))
+        };
+        let mut st = self.lock();
+        if !fully_mapped(&st.mapped, offset, len) {
+            return Err(not_mapped());
         }
-        if access.iter().any(|(_, a)| *a == Access::None) {
+        let _g = self.ctx.bind()?;
+        if !may_lower {
+            for (d, a) in access {
+                match a {
+                    Access::ReadWrite => {}
+                    Access::None => {
+                        return Err(Error::InvalidArgument(format!(
+                            "Reservation::set_access does not revoke access (device {} to Access::None): a \
+                             live view may be using it; revoking is the unsafe set_access_unchecked",
+                            d.ordinal()
+                        )))
+                    }
+                    Access::Read => {
+                        // The mappings the range covers; each has one access setting per device.
+                        let first = st.mapped.range(..=offset).next_back().map_or(offset, |(o, _)| *o);
+                        let end = offset + len;
+                        for (&o, _) in st.mapped.range(first..end) {
+                            let now = self.access_at(*d, o)?;
+                            if now == Access::ReadWrite {
+                                return Err(Error::InvalidArgument(format!(
+                                    "Reservation::set_access does not lower device {}'s read-write access to \
+                                     the mapping at offset {o} to read-only: a live view may be writing \
+                                     through it; lowering is the unsafe set_access_unchecked",
+                                    d.ordinal()
+                                )));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if may_lower && access.iter().any(|(_, a)| *a != Access::ReadWrite) {
+            // Unmapping (Mapping::drop) is not stream-ordered and neither is this: wait for the devices'
+            // work without holding the lock, then retake it and check the range again, since a mapping
+            // may have been unmapped meanwhile.
+            drop(_g);
             drop(st);
             self.synchronize_accessors()?;
             st = self.lock();
+            if !fully_mapped(&st.mapped, offset, len) {
+                return Err(not_mapped());
+            }
+            return self.apply_access(&mut st, offset, len, access);
         }
+        drop(_g);
+        self.apply_access(&mut st, offset, len, access)
+    }
+
+    /// The `cuMemSetAccess` itself, under the lock `st` (taken from `self.state`) after the checks.
+    fn apply_access(&self, st: &mut MapState, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
         let descs: Vec<sys::CUmemAccessDesc> = access
             .iter()
             .map(|(d, a)| sys::CUmemAccessDesc {
@@ -193,8 +284,10 @@ impl Reservation {
             })
             .collect();
         let _g = self.ctx.bind()?;
-        // SAFETY: the range is fully mapped by mappings into this reservation (checked under the lock,
-        // which keeps them from being unmapped meanwhile); any revocation waited for the accessors' work.
+        // SAFETY: the range is fully mapped by mappings into this reservation (checked by the caller
+        // under the lock it still holds, which keeps them from being unmapped meanwhile); anything that
+        // lowers access came through `set_access_unchecked`, whose caller vouches that nothing relies
+        // on the access, and waited for the accessors' work.
         #[allow(unsafe_code)]
         unsafe { raw::vmm::set_access(self.base.0 + offset as u64, len, &descs) }?;
         for (d, a) in access {
@@ -205,10 +298,26 @@ impl Reservation {
         Ok(())
     }
 
-    /// `device`'s access to the mapping at `offset` (`cuMemGetAccess`).
+    /// `device`'s access to the mapping at `offset` (`cuMemGetAccess`). An offset past the reservation
+    /// is refused ([`Error::InvalidArgument`]); an unmapped one is the driver's error.
     pub fn access(&self, device: Device, offset: usize) -> Result<Access> {
         let _g = self.ctx.bind()?;
-        let flags = raw::vmm::get_access(&device_location(device), self.base.0 + offset as u64)?;
+        self.access_at(device, offset)
+    }
+
+    /// [`access`](Self::access) with a context already bound.
+    fn access_at(&self, device: Device, offset: usize) -> Result<Access> {
+        if offset >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "offset {offset} lies outside the reservation of {} bytes",
+                self.size
+            )));
+        }
+        let addr =
+            self.base.0.checked_add(offset as u64).ok_or_else(|| {
+                Error::InvalidArgument(format!("offset {offset} past the reservation at {}", self.base))
+            })?;
+        let flags = raw::vmm::get_access(&device_location(device), addr)?;
         use sys::CUmemAccess_flags::*;
         Ok(match flags {
             f if f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64 => Access::ReadWrite,
@@ -234,9 +343,24 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !st.mapped.is_empty() {
+            // A mapping that could not be unmapped left its range recorded (Mapping::drop): freeing the
+            // address range under it would let the driver hand the addresses out again while mapped.
+            crate::drop_errors::record(Error::Leaked {
+                what: format!("the reservation of {} bytes at {}", self.size, self.base),
+                cause: format!(
+                    "{} range(s) of it are still mapped (a mapping could not be unmapped; its error was \
+                     reported before this one)",
+                    st.mapped.len()
+                ),
+            });
+            return;
+        }
         let r = self.ctx.bind().and_then(|_g| {
             // SAFETY: the type's invariant: one reservation, freed once; every mapping holds an `Arc`
-            // of `self`, so none is left.
+            // of `self`, so none is alive, and each unmapped its range (it removes its range from
+            // `mapped` only once the unmap succeeded, and `mapped` is empty).
             #[allow(unsafe_code)]
             let r = unsafe { raw::vmm::address_free(self.base.0, self.size) };
             r.map_err(Error::from)
@@ -297,6 +421,16 @@ impl Mapping {
                 capacity: reservation.size,
             });
         }
+        // The reservation's base is aligned to its own device's granularity; an allocation with a coarser
+        // one (other properties) needs the address itself granular.
+        let addr = reservation.base.0 + offset as u64;
+        if !addr.is_multiple_of(g as u64) {
+            return Err(Error::NotGranular {
+                what: "the mapping's address (the reservation's base plus the offset)",
+                value: addr as usize,
+                granularity: g,
+            });
+        }
         let mut st = reservation.lock();
         if overlaps(&st.mapped, offset, size) {
             return Err(Error::InvalidArgument(format!(
@@ -308,7 +442,7 @@ impl Mapping {
         // under the lock, which is held until the range is recorded); `physical` is live, held by the
         // `Mapping` built below, and `size` is its size.
         #[allow(unsafe_code)]
-        unsafe { raw::vmm::map(reservation.base.0 + offset as u64, size, physical.as_raw()) }?;
+        unsafe { raw::vmm::map(addr, size, physical.as_raw()) }?;
         st.mapped.insert(offset, size);
         drop(st);
         Ok(Mapping {
@@ -318,9 +452,22 @@ impl Mapping {
         })
     }
 
-    /// Sets each device's access to this mapping (see [`Reservation::set_access`]).
+    /// Sets each device's access to this mapping (see [`Reservation::set_access`]: it grants, never
+    /// lowers).
     pub fn set_access(&self, access: &[(Device, Access)]) -> Result<()> {
         self.reservation.set_access(self.offset, self.len(), access)
+    }
+
+    /// Sets each device's access to this mapping, lowering or revoking it too (see
+    /// [`Reservation::set_access_unchecked`]).
+    ///
+    /// # Safety
+    /// 1. As [`Reservation::set_access_unchecked`]: no live view of the mapping, nor any other host or
+    ///    device use of it, relies on the access this lowers.
+    #[allow(unsafe_code)]
+    pub unsafe fn set_access_unchecked(&self, access: &[(Device, Access)]) -> Result<()> {
+        // SAFETY: point 1 is the caller's, for this mapping's range.
+        unsafe { self.reservation.set_access_unchecked(self.offset, self.len(), access) }
     }
 
     /// `device`'s access to this mapping.
@@ -360,11 +507,28 @@ impl Mapping {
 
     /// A view of the mapped bytes for host copies and fills ordered on `stream` (a stream of the physical
     /// allocation's device, or a special handle). The view borrows the mapping, so it cannot outlive it.
+    ///
+    /// The view copies through the owning device's context, so that device needs read-write access:
+    /// a mapping made with [`without_access`](Self::without_access) and not yet granted it is refused
+    /// ([`Error::InvalidArgument`] naming the access it has).
     pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
-        let ctx = self.physical.device().context()?;
+        let owner = self.physical.device();
+        let ctx = owner.context()?;
+        let has = self.access(owner)?;
+        if has != Access::ReadWrite {
+            return Err(Error::InvalidArgument(format!(
+                "cannot view the mapping of {} bytes at {}: its device {} has {has:?} access to it, and a \
+                 view copies through that device, which needs read-write (grant it with set_access)",
+                self.len(),
+                self.addr(),
+                owner.ordinal()
+            )));
+        }
         // SAFETY: 1. the range is mapped memory the driver reaches by unified addressing, and stays
         // mapped while `self` lives, which the view borrows; nothing frees it through the view (dropping a
-        // view frees nothing). 2. a mapping carries no stream order: the map and the access grant are
+        // view frees nothing). The owner has read-write access (checked above) and no safe call lowers
+        // it (`set_access` only grants; lowering is `unsafe`, its caller vouching that no view is alive).
+        // 2. a mapping carries no stream order: the map and the access grant are
         // synchronous, so any stream may use it from now on. 3. a stream without a context is taken as a
         // stream of the device's context (the documented requirement). 4. the address is not null.
         #[allow(unsafe_code)]
@@ -375,6 +539,7 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         let res = &self.reservation;
+        let len = self.physical.size();
         let r = res.synchronize_accessors().and_then(|()| {
             let mut st = res.lock();
             let _g = res.ctx.bind()?;
@@ -382,12 +547,24 @@ impl Drop for Mapping {
             // here; every device granted access has finished its work (synchronized above), and the
             // address is not handed out again by this value.
             #[allow(unsafe_code)]
-            let r = unsafe { raw::vmm::unmap(res.base.0 + self.offset as u64, self.physical.size()) };
+            unsafe { raw::vmm::unmap(res.base.0 + self.offset as u64, len) }?;
+            // Only a range that is really unmapped leaves the record: the reservation frees its
+            // addresses only when nothing is recorded.
             st.mapped.remove(&self.offset);
-            r.map_err(Error::from)
+            Ok(())
         });
         if let Err(e) = r {
-            crate::drop_errors::record(e);
+            // Not unmapped (or not known to be): keep everything the mapping may still use. The range
+            // stays recorded, so the reservation's `Drop` does not free the addresses; the physical
+            // allocation is kept by an `Arc` that is never dropped, so its handle is not released.
+            std::mem::forget(self.physical.clone());
+            crate::drop_errors::record(Error::Leaked {
+                what: format!(
+                    "the mapping of {len} bytes at {} (with its physical allocation and address range)",
+                    self.addr()
+                ),
+                cause: format!("it could not be unmapped: {e}"),
+            });
         }
     }
 }
@@ -424,6 +601,104 @@ mod tests {
         assert!(overlaps(&m, 15, 8));
         assert!(!overlaps(&m, 16, 8));
         assert!(!overlaps(&BTreeMap::new(), 0, 8));
+    }
+
+    #[test]
+    fn alignment_is_the_granularity_or_a_power_of_two_multiple() {
+        let g = 2 << 20;
+        assert_eq!(
+            reservation_alignment(0, g),
+            Ok(g),
+            "0 is the granularity, not the driver's default"
+        );
+        assert_eq!(reservation_alignment(g, g), Ok(g));
+        assert_eq!(reservation_alignment(4 * g, g), Ok(4 * g));
+        let e = reservation_alignment(4096, g).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("multiple of the minimum granularity, 2097152 bytes"),
+            "{e}"
+        );
+        assert!(reservation_alignment(3 * g, g).is_err(), "not a power of two");
+        assert!(reservation_alignment(3, g).is_err());
+        assert!(reservation_alignment(0, 0).is_err(), "no granularity");
+    }
+
+    /// A reservation value of a made-up range in a context that was never retained: its `Drop` runs the
+    /// real code, which without a driver cannot reach the driver.
+    fn fake_reservation(base: u64, mapped: &[(usize, usize)]) -> Arc<Reservation> {
+        Arc::new(Reservation {
+            base: DeviceAddr(base),
+            size: 8 << 20,
+            granularity: 2 << 20,
+            device: Device::from_parts(0, 0),
+            ctx: Context::unretained_for_tests(0),
+            state: Mutex::new(MapState {
+                mapped: map(mapped),
+                accessors: Vec::new(),
+            }),
+        })
+    }
+
+    /// The drop-error list is global: the tests that take it run one at a time.
+    static DROP_ERRORS_TESTS: Mutex<()> = Mutex::new(());
+
+    fn leaks_of(errors: &[Error], what: &str) -> usize {
+        errors
+            .iter()
+            .filter(|e| matches!(e, Error::Leaked { what: w, .. } if w.contains(what)))
+            .count()
+    }
+
+    #[test]
+    fn a_reservation_with_a_mapped_range_is_not_freed() {
+        if crate::raw::library_present() {
+            return; // only without a driver is the made-up range never handed to it
+        }
+        let _serial = DROP_ERRORS_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        drop(fake_reservation(0x7100_0000_0000, &[(2 << 20, 2 << 20)]));
+        let errors = crate::drop_errors::take_drop_errors();
+        assert_eq!(
+            leaks_of(&errors, "the reservation of 8388608 bytes at 0x710000000000"),
+            1,
+            "the address free is skipped and reported: {errors:?}"
+        );
+    }
+
+    #[test]
+    fn a_mapping_that_cannot_unmap_keeps_its_range_and_memory() {
+        if crate::raw::library_present() {
+            return; // without a driver, binding the context fails before the unmap
+        }
+        let _serial = DROP_ERRORS_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        let res = fake_reservation(0x7200_0000_0000, &[(0, 2 << 20)]);
+        let physical = Arc::new(PhysicalAllocation::fake_for_tests(2 << 20));
+        let m = Mapping {
+            offset: 0,
+            physical: physical.clone(),
+            reservation: res.clone(),
+        };
+        drop(m);
+        assert!(res.is_mapped(0, 2 << 20), "a failed unmap leaves the range recorded");
+        assert_eq!(
+            Arc::strong_count(&physical),
+            2,
+            "the mapping's reference to the physical allocation is kept, never released"
+        );
+        drop(res);
+        let errors = crate::drop_errors::take_drop_errors();
+        assert_eq!(
+            leaks_of(&errors, "the mapping of 2097152 bytes at 0x720000000000"),
+            1,
+            "{errors:?}"
+        );
+        assert_eq!(
+            leaks_of(&errors, "the reservation of 8388608 bytes at 0x720000000000"),
+            1,
+            "{errors:?}"
+        );
+        // Our own reference is leaked on purpose too: its release would fail without a driver anyway.
+        std::mem::forget(physical);
     }
 
     #[test]

@@ -254,7 +254,7 @@ impl PhysicalAllocation {
     /// imports with [`PhysicalAllocation::import_fd`] after receiving it over a Unix socket. The
     /// descriptor is the caller's to pass on or close.
     ///
-    /// Refuses ([`Error::VmmHandleTypeNotSupported`]) an allocation not created with
+    /// Refuses ([`Error::AllocationNotExportable`]) an allocation not created with
     /// `POSIX_FILE_DESCRIPTOR` among its handle types.
     pub fn export_fd(&self) -> Result<OwnedFd> {
         self.require_handle_type(HandleTypes::POSIX_FILE_DESCRIPTOR)?;
@@ -271,7 +271,7 @@ impl PhysicalAllocation {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Exports it as a fabric handle. Refuses ([`Error::VmmHandleTypeNotSupported`]) an allocation not
+    /// Exports it as a fabric handle. Refuses ([`Error::AllocationNotExportable`]) an allocation not
     /// created with `FABRIC` among its handle types, which only a device with fabric support allows.
     pub fn export_fabric(&self) -> Result<FabricHandle> {
         self.require_handle_type(HandleTypes::FABRIC)?;
@@ -281,7 +281,8 @@ impl PhysicalAllocation {
 
     /// Imports an allocation another process (or this one) exported as a file descriptor, of `size`
     /// bytes (which the exporter says; the driver does not). The descriptor stays the caller's: close it
-    /// once imported. The device and handle types are the driver's (`cuMemGetAllocationPropertiesFromHandle`).
+    /// once imported. The device and handle types are the driver's (`cuMemGetAllocationPropertiesFromHandle`);
+    /// an allocation not located on a device is refused ([`Error::InvalidArgument`] naming its location type).
     ///
     /// A `size` larger than the allocation makes mapping it fail ([`Error::Driver`] from `cuMemMap`).
     pub fn import_fd(fd: BorrowedFd<'_>, size: usize) -> Result<PhysicalAllocation> {
@@ -298,19 +299,33 @@ impl PhysicalAllocation {
     }
 
     /// The physical allocation mapped at `addr` (`cuMemRetainAllocationHandle`): another reference to the
-    /// same handle the mapping used, released on drop. Its size is that of the mapped allocation around
-    /// `addr` (`cuMemGetAddressRange`). An address that is not mapped with `cuMemMap` is an error.
-    pub fn retain(ctx: &Arc<Context>, addr: DeviceAddr) -> Result<PhysicalAllocation> {
+    /// same handle the mapping used, released on drop. Its size is that of the mapped range around
+    /// `addr` (`cuMemGetAddressRange`). An address that is not mapped is an error; so is a handle whose
+    /// memory is not device memory.
+    ///
+    /// The driver cannot say whether the handle stands for exactly the bytes of that range: a
+    /// stream-ordered pool or `cuMemAlloc` allocation lives inside physical memory the driver may share
+    /// between allocations, and mapping or exporting the returned value would reach all of it. Hence
+    /// `unsafe`.
+    ///
+    /// # Safety
+    /// 1. `addr` lies in a range mapped with `cuMemMap` (a [`crate::Mapping`], or another VMM user's
+    ///    mapping) of one whole physical allocation, from the allocation's offset 0, and
+    ///    `cuMemGetAddressRange` of `addr` reports exactly that mapped range; not memory of a
+    ///    stream-ordered pool, `cuMemAlloc` or any other allocator whose backing memory may hold other
+    ///    allocations.
+    /// 2. The caller may share that whole allocation: whatever it does with the result (map it at
+    ///    another address, export it) reaches every byte of it.
+    #[allow(unsafe_code)]
+    pub unsafe fn retain(ctx: &Arc<Context>, addr: DeviceAddr) -> Result<PhysicalAllocation> {
         let _g = ctx.bind()?;
         let handle = raw::vmm::retain(addr.0)?;
         // SAFETY: a context is bound; the driver only looks the address up.
-        #[allow(unsafe_code)]
         let range = unsafe { raw::memory::address_range(addr.0) };
         match range {
             Ok((_, size)) => PhysicalAllocation::adopt(handle, size, "the retained allocation's size"),
             Err(e) => {
                 // SAFETY: `handle` holds the reference `retain` just took; it is released once, here.
-                #[allow(unsafe_code)]
                 let _ = unsafe { raw::vmm::release(handle) };
                 Err(e.into())
             }
@@ -322,7 +337,7 @@ impl PhysicalAllocation {
     fn adopt(handle: sys::CUmemGenericAllocationHandle, size: usize, what: &'static str) -> Result<PhysicalAllocation> {
         let built = (|| {
             let prop = raw::vmm::properties(handle)?;
-            let device = Device::get(prop.location.id.max(0) as usize)?;
+            let device = Device::get(device_ordinal_of(&prop)?)?;
             let props = AllocationProps {
                 device,
                 handle_types: HandleTypes::from_bits_truncate(prop.requestedHandleTypes.0),
@@ -352,11 +367,44 @@ impl PhysicalAllocation {
         if self.props.handle_types.contains(t) {
             Ok(())
         } else {
-            Err(Error::VmmHandleTypeNotSupported {
+            Err(Error::AllocationNotExportable {
                 device: self.props.device.ordinal(),
                 requested: t,
-                supported: self.props.handle_types,
+                created_with: self.props.handle_types,
             })
+        }
+    }
+}
+
+/// The device ordinal of an allocation's properties, refusing any location but a device
+/// (`PhysicalAllocation` holds device memory only: a host or host-NUMA allocation has no device
+/// context to bind, nor a device granularity).
+fn device_ordinal_of(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+    if prop.location.type_ != sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(Error::InvalidArgument(format!(
+            "the allocation behind the handle is located at {:?} (id {}), not on a device: a \
+             PhysicalAllocation holds device memory only (CU_MEM_LOCATION_TYPE_DEVICE)",
+            prop.location.type_, prop.location.id
+        )));
+    }
+    usize::try_from(prop.location.id).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "the driver reports device ordinal {} for the allocation behind the handle",
+            prop.location.id
+        ))
+    })
+}
+
+#[cfg(test)]
+impl PhysicalAllocation {
+    /// A value with a made-up handle in a context never retained, for host tests of code that only
+    /// holds it. Dropping it tries a release (which fails without a driver): tests forget it instead.
+    pub(crate) fn fake_for_tests(size: usize) -> PhysicalAllocation {
+        PhysicalAllocation {
+            handle: 0,
+            size,
+            props: AllocationProps::new(Device::from_parts(0, 0)),
+            ctx: Context::unretained_for_tests(0),
         }
     }
 }
@@ -460,6 +508,22 @@ mod tests {
         assert_eq!(p.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
         assert_eq!(p.allocFlags.gpuDirectRDMACapable, 1);
         assert_eq!(p.type_, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
+    }
+
+    #[test]
+    fn only_device_locations_are_adopted() {
+        let mut p = props(HandleTypes::empty()).to_raw();
+        p.location.id = 3;
+        assert_eq!(device_ordinal_of(&p), Ok(3));
+        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+        let e = device_ordinal_of(&p).unwrap_err();
+        assert!(
+            e.to_string().contains("CU_MEM_LOCATION_TYPE_HOST") && e.to_string().contains("device memory only"),
+            "{e}"
+        );
+        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        p.location.id = -1;
+        assert!(matches!(device_ordinal_of(&p), Err(Error::InvalidArgument(_))));
     }
 
     #[test]

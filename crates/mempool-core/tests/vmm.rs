@@ -83,7 +83,8 @@ fn vmm_create_map_access_unmap_in_order() {
     assert_eq!(view.to_host().unwrap(), data, "the mapped bytes read back");
 
     // The handle behind any mapped address is the one that was mapped.
-    let retained = PhysicalAllocation::retain(&ctx, m.addr().offset(g + 100)).unwrap();
+    // SAFETY: the address lies in `m`, a cuMemMap of the whole of `phys` (ours to share).
+    let retained = unsafe { PhysicalAllocation::retain(&ctx, m.addr().offset(g + 100)) }.unwrap();
     assert_eq!(
         retained.as_raw(),
         phys.as_raw(),
@@ -192,7 +193,8 @@ fn vmm_bad_sizes_and_ranges_are_refused() {
     assert!(e.to_string().contains("not entirely mapped"), "{e}");
     // An address nothing is mapped at has no allocation to retain.
     let ctx = dev.context().unwrap();
-    let e = PhysicalAllocation::retain(&ctx, va.base().offset(g)).unwrap_err();
+    // SAFETY: nothing is mapped there, so nothing can be retained (the call is expected to fail).
+    let e = unsafe { PhysicalAllocation::retain(&ctx, va.base().offset(g)) }.unwrap_err();
     assert!(
         matches!(
             e,
@@ -205,7 +207,15 @@ fn vmm_bad_sizes_and_ranges_are_refused() {
     );
     // Not exportable unless created so.
     let e = phys.export_fd().unwrap_err();
-    assert!(matches!(e, Error::VmmHandleTypeNotSupported { .. }), "{e}");
+    assert_eq!(
+        e,
+        Error::AllocationNotExportable {
+            device: dev.ordinal(),
+            requested: HandleTypes::POSIX_FILE_DESCRIPTOR,
+            created_with: HandleTypes::empty()
+        }
+    );
+    println!("export refused: {e}");
     drop(m);
     assert_no_drop_errors();
 }
@@ -369,17 +379,127 @@ fn vmm_growable_remaps_when_the_reservation_is_full() {
     buf.resize(2 * g).unwrap();
     let data = pattern(2 * g, 1);
     buf.view(stream.as_ref()).unwrap().copy_from_host(0, &data).unwrap();
-    let physical: Vec<_> = buf.chunks().iter().map(|m| m.physical().as_raw()).collect();
+    let physical: Vec<_> = buf.chunks().map(|(_, p)| p.as_raw()).collect();
     buf.resize(5 * g).unwrap();
     assert!(buf.max_capacity() >= 5 * g);
-    let moved: Vec<_> = buf.chunks()[..physical.len()]
-        .iter()
-        .map(|m| m.physical().as_raw())
-        .collect();
+    assert_eq!(buf.ptr().0 % g as u64, 0, "the new range is granular");
+    let moved: Vec<_> = buf.chunks().take(physical.len()).map(|(_, p)| p.as_raw()).collect();
     assert_eq!(moved, physical, "the same physical chunks, remapped, not copies");
     let mut got = vec![0u8; 2 * g];
     buf.view(stream.as_ref()).unwrap().copy_to_host(0, &mut got).unwrap();
     assert_eq!(got, data, "the data survives the remap");
+    drop(buf);
+    assert_no_drop_errors();
+}
+
+#[test]
+fn vmm_reservation_alignment_rules() {
+    let dev = gpu();
+    let g = min_granularity(dev);
+    for (alignment, want) in [(0, g), (g, g), (4 * g, 4 * g)] {
+        let va = Reservation::new(dev, 4 * g, alignment, None).unwrap();
+        println!("alignment {alignment}: base {}", va.base());
+        assert_eq!(
+            va.base().0 % want as u64,
+            0,
+            "alignment {alignment} gives a base aligned to {want}"
+        );
+    }
+    for bad in [g / 2, 4096, 3 * g] {
+        let e = Reservation::new(dev, 4 * g, bad, None).unwrap_err();
+        println!("alignment {bad} refused: {e}");
+        assert!(
+            matches!(&e, Error::InvalidArgument(t) if t.contains("multiple of the minimum granularity")),
+            "{e}"
+        );
+    }
+    assert_no_drop_errors();
+}
+
+#[test]
+fn vmm_a_view_needs_the_owners_access_and_safe_calls_only_grant() {
+    let dev = gpu();
+    let g = min_granularity(dev);
+    let stream = Stream::new(&dev.context().unwrap()).unwrap();
+    let va = Reservation::new(dev, g, 0, None).unwrap();
+    let phys = Arc::new(PhysicalAllocation::new(&AllocationProps::new(dev), g).unwrap());
+    let m = Mapping::without_access(&va, 0, phys).unwrap();
+    let e = m.view(stream.as_ref()).unwrap_err();
+    println!("view without access: {e}");
+    assert!(
+        matches!(&e, Error::InvalidArgument(t) if t.contains("None access")),
+        "{e}"
+    );
+
+    m.set_access(&[(dev, Access::ReadWrite)]).unwrap();
+    let view = m.view(stream.as_ref()).unwrap();
+    view.copy_from_host(0, &[5; 16]).unwrap();
+    // The safe calls refuse to revoke (a view may be alive, as here).
+    let e = m.set_access(&[(dev, Access::None)]).unwrap_err();
+    println!("revocation refused: {e}");
+    assert!(
+        matches!(&e, Error::InvalidArgument(t) if t.contains("set_access_unchecked")),
+        "{e}"
+    );
+    let e = va.set_access(0, g, &[(dev, Access::Read)]).unwrap_err();
+    println!("lowering to read refused: {e}");
+    assert!(
+        matches!(&e, Error::InvalidArgument(t) if t.contains("set_access_unchecked")),
+        "{e}"
+    );
+    assert_eq!(m.access(dev).unwrap(), Access::ReadWrite, "unchanged by the refusals");
+    assert_eq!(view.to_host().unwrap()[..16], [5; 16]);
+    drop(view);
+
+    // SAFETY: no view of the mapping is alive and nothing uses it until access is granted again.
+    unsafe { m.set_access_unchecked(&[(dev, Access::None)]) }.unwrap();
+    assert_eq!(m.access(dev).unwrap(), Access::None);
+    assert!(m.view(stream.as_ref()).is_err(), "no view once revoked");
+    m.set_access(&[(dev, Access::ReadWrite)]).unwrap();
+    assert_eq!(m.view(stream.as_ref()).unwrap().to_host().unwrap()[..16], [5; 16]);
+    let e = va.access(dev, g).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(_)),
+        "an offset past the reservation: {e}"
+    );
+    drop(m);
+    assert_no_drop_errors();
+}
+
+#[test]
+fn vmm_growable_out_of_memory_neither_moves_nor_changes_the_buffer() {
+    let dev = gpu();
+    let ctx = dev.context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let g = min_granularity(dev);
+    let mut buf = GrowableBuffer::with_options(AllocationProps::new(dev), 2 * g, Some(g), WhenFull::Remap).unwrap();
+    buf.resize(g).unwrap();
+    let data = pattern(g, 4);
+    buf.view(stream.as_ref()).unwrap().copy_from_host(0, &data).unwrap();
+    let (addr, max, cap) = (buf.ptr(), buf.max_capacity(), buf.capacity());
+    // Twice the device's memory cannot be created; the growth also needs a remap (past 2g).
+    let huge = (dev.total_memory().unwrap() * 2).div_ceil(g) * g;
+    let e = buf.resize(huge).unwrap_err();
+    println!("growth to {huge} bytes: {e}");
+    assert!(e.is_out_of_memory(), "{e}");
+    assert_eq!(
+        (buf.ptr(), buf.max_capacity(), buf.capacity(), buf.len()),
+        (addr, max, cap, g),
+        "out of memory leaves the buffer unmoved and unchanged"
+    );
+    let mut got = vec![0u8; g];
+    buf.view(stream.as_ref()).unwrap().copy_to_host(0, &mut got).unwrap();
+    assert_eq!(got, data);
+    let e = buf.reserve(usize::MAX).unwrap_err();
+    assert_eq!(
+        e,
+        Error::ReservationFull {
+            requested: usize::MAX,
+            offset: g,
+            capacity: max
+        },
+        "the overflow names the real request"
+    );
     drop(buf);
     assert_no_drop_errors();
 }
