@@ -134,7 +134,10 @@ mod tests {
             attempt < 2
         });
         let e = mr.allocate(5000, S).unwrap_err();
-        assert!(matches!(e, crate::error::Error::LimitExceeded { requested: 5000, .. }), "{e}");
+        assert!(
+            matches!(e, crate::error::Error::LimitExceeded { requested: 5000, .. }),
+            "{e}"
+        );
         assert_eq!(calls.load(Ordering::SeqCst), 3);
     }
 }
