@@ -182,11 +182,10 @@ def test_failure_callback_cycle_is_collected():
 
     h = Holder()
     h.fc = mr.FailureCallbackResourceAdaptor(cuda, lambda n, h=h: h is None)  # callback -> h -> adaptor
-    w = weakref.ref(h)
-    wa = weakref.ref(h.fc)
+    w = weakref.ref(h)  # h is reachable only through the cycle h -> adaptor -> callback -> h
     del h
     gc.collect()
-    assert w() is None and wa() is None, "the callback <-> adaptor cycle was not collected"
+    assert w() is None, "the callback <-> adaptor cycle was not collected"
     assert fc.callback is not None
 
 
@@ -194,10 +193,11 @@ def test_logging_file_names_follow_rmm(tmp_path, monkeypatch):
     cuda = mr.CudaMemoryResource()
     dev = cuda.device
     monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
     log = mr.LoggingResourceAdaptor(cuda, log_file_name="a.b.csv")
-    assert log.get_file_name() == str(tmp_path / f"a.b.dev{dev}.csv"), log.get_file_name()
-    assert mr.LoggingResourceAdaptor(cuda, log_file_name="plain").get_file_name() == str(tmp_path / f"plain.dev{dev}")
-    assert mr.LoggingResourceAdaptor(cuda, log_file_name=".hidden").get_file_name() == str(tmp_path / f".hidden.dev{dev}")
+    assert log.get_file_name() == os.path.join(cwd, f"a.b.dev{dev}.csv"), log.get_file_name()
+    assert mr.LoggingResourceAdaptor(cuda, log_file_name="plain").get_file_name() == os.path.join(cwd, f"plain.dev{dev}")
+    assert mr.LoggingResourceAdaptor(cuda, log_file_name=".hidden").get_file_name() == os.path.join(cwd, f".hidden.dev{dev}")
     monkeypatch.setenv("RMM_LOG_FILE", str(tmp_path / "env.log"))
     assert mr.LoggingResourceAdaptor(cuda).get_file_name() == str(tmp_path / f"env.dev{dev}.log")
 
@@ -440,7 +440,8 @@ import gc
 gc.collect()
 torch.cuda.synchronize()
 # cuBLAS's workspaces are allocated through the allocator and kept by PyTorch until cleared.
-torch._C._cuda_clearCublasWorkspaces()
+if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+    torch._C._cuda_clearCublasWorkspaces()
 live, failed = allocator_state()
 print("STATE", live, failed, stats.allocation_counts)
 assert failed == 0, (live, failed)
