@@ -20,8 +20,8 @@ pub struct StreamArg {
     pub handle: usize,
     /// The object the handle came from, when it was not `None` or a plain integer.
     pub owner: Option<Py<PyAny>>,
-    /// Whether the caller passed a stream (`stream=None` given explicitly counts) rather than leaving
-    /// the argument out (set by [`StreamArg::given_if`]; `extract` leaves it false).
+    /// Whether the caller passed a stream other than `None` for a call whose default is not the legacy
+    /// stream (set by [`StreamArg::given_if`]; `extract` leaves it false).
     pub given: bool,
 }
 
