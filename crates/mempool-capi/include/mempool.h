@@ -37,9 +37,11 @@ typedef enum mempool_status {
   MEMPOOL_ERROR_OTHER = 10
 } mempool_status_t;
 
-/* A counted reference to a resource. Every handle a *_create or mempool_get_* call returns is released
- * with mempool_resource_destroy; the resource lives while any handle, adaptor over it, registry entry
- * or allocation of it does. */
+/* A counted reference to a resource, which knows the device the resource allocates on. Every handle a
+ * *_create or mempool_get_* call returns is released with mempool_resource_destroy; the resource lives
+ * while any handle, adaptor over it or registry entry holds it. A pointer from mempool_allocate does NOT
+ * hold its resource: free every such allocation (mempool_deallocate) before the last of those references
+ * goes. (Allocations of the PyTorch entry points below do hold the resource that made them.) */
 typedef struct mempool_resource mempool_resource_t;
 
 typedef struct mempool_statistics {
@@ -58,7 +60,8 @@ int mempool_cuda_resource_create(int device, mempool_resource_t** out);    /* cu
 int mempool_managed_resource_create(int device, mempool_resource_t** out); /* managed_memory_resource */
 /* cuda_async_memory_resource: a new driver pool that keeps what it reserves; initial_pool_size 0 = none */
 int mempool_async_resource_create(int device, size_t initial_pool_size, mempool_resource_t** out);
-/* pool_memory_resource over upstream; maximum_pool_size 0 = no maximum */
+/* pool_memory_resource over upstream; maximum_pool_size 0 = no maximum; device must be upstream's device
+ * (MEMPOOL_ERROR_INVALID_ARGUMENT otherwise) */
 int mempool_pool_resource_create(const mempool_resource_t* upstream, int device, size_t initial_pool_size,
                                  size_t maximum_pool_size, mempool_resource_t** out);
 int mempool_statistics_adaptor_create(const mempool_resource_t* upstream, mempool_resource_t** out);
@@ -68,19 +71,23 @@ int mempool_statistics_get(const mempool_resource_t* resource, mempool_statistic
 void mempool_resource_destroy(mempool_resource_t* resource); /* NULL is a no-op */
 
 /* Allocation, ordered on stream. 0 bytes gives NULL. deallocate's ptr must come from allocate of the same
- * resource with the same size, once, with no use ordered after the free on stream. */
+ * resource with the same size, once, with no use ordered after the free on stream, while the resource is
+ * still held (see mempool_resource_t: the pointer does not keep it alive). */
 int mempool_allocate(const mempool_resource_t* resource, size_t bytes, void* stream, void** out);
 int mempool_deallocate(const mempool_resource_t* resource, void* ptr, size_t bytes, void* stream);
 
-/* The per-device current resource (RMM's set/get_current_device_resource). set keeps its own reference;
- * get returns a new handle to destroy. The default, made on first use, is over the device's default pool. */
+/* The per-device current resource (RMM's set/get_current_device_resource). set keeps its own reference
+ * and refuses a resource of another device (MEMPOOL_ERROR_INVALID_ARGUMENT); get returns a new handle to
+ * destroy, which mempool_statistics_get reads when the current resource is a statistics adaptor. The
+ * default, made on first use, is over the device's default pool. */
 int mempool_set_current_device_resource(int device, const mempool_resource_t* resource);
 int mempool_get_current_device_resource(int device, mempool_resource_t** out);
 
 /* PyTorch's pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator): allocate from the device's
  * current resource; free returns the memory to the resource that allocated it (an unknown pointer or a
  * wrong size is refused, not freed). mempool_torch_alloc throws std::runtime_error on failure (message
- * naming the size); mempool_torch_alloc_nullable returns NULL instead (for torch.cuda.MemPool). */
+ * naming the size); mempool_torch_alloc_nullable returns NULL instead: use it for torch.cuda.MemPool, whose
+ * caching allocator frees its cache and retries on NULL. */
 void* mempool_torch_alloc(size_t size, int device, void* stream);
 void* mempool_torch_alloc_nullable(size_t size, int device, void* stream);
 void mempool_torch_free(void* ptr, size_t size, int device, void* stream);

@@ -119,42 +119,63 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-/// Records `e` as this thread's last error and returns its status.
+/// What [`last_error_ptr`] returns on a thread whose thread-local storage is already destroyed (an entry
+/// point called from another thread-local's destructor): the message cannot be kept there.
+const NO_SLOT: &std::ffi::CStr = c"mempool: the error message was lost (called during thread exit)";
+
+/// Sets this thread's last error to `c`. Never panics: after the thread's thread-local storage is
+/// destroyed (a call from another thread-local's destructor) the message is dropped.
+fn set(c: CString) {
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = c;
+        }
+    });
+}
+
+/// Records `e` as this thread's last error and returns its status. Never panics (see [`set`]).
 pub fn record(e: &Error) -> Status {
     let text = e.to_string().replace('\0', " ");
-    let c = CString::new(text).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    set(CString::new(text).unwrap_or_default());
     Status::of(e)
 }
 
 /// Records `e` as this thread's last error, its message led by `prefix` (`"{prefix}: {e}"`), and returns
-/// its status.
+/// its status. Never panics.
 pub fn record_with_prefix(e: &Error, prefix: &str) -> Status {
     let text = format!("{prefix}: {e}").replace('\0', " ");
-    let c = CString::new(text).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    set(CString::new(text).unwrap_or_default());
     Status::of(e)
 }
 
-/// Clears this thread's last error (a successful call).
+/// Clears this thread's last error (a successful call). Never panics.
 pub fn clear() {
-    LAST_ERROR.with(|l| {
-        let mut l = l.borrow_mut();
-        if !l.as_bytes().is_empty() {
-            *l = CString::default();
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            if !l.as_bytes().is_empty() {
+                *l = CString::default();
+            }
         }
     });
 }
 
 /// This thread's last error message, empty after a success. The pointer stays valid until the thread's
-/// next call into mempool.
+/// next call into mempool (a static message once the thread's storage is destroyed). Never panics.
 pub fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.try_borrow().map_or(NO_SLOT.as_ptr(), |l| l.as_ptr()))
+        .unwrap_or(NO_SLOT.as_ptr())
 }
 
 /// This thread's last error message, as Rust text.
 pub fn last_error() -> String {
-    LAST_ERROR.with(|l| l.borrow().to_string_lossy().into_owned())
+    LAST_ERROR
+        .try_with(|l| {
+            l.try_borrow()
+                .map(|l| l.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+        .unwrap_or_else(|_| NO_SLOT.to_string_lossy().into_owned())
 }
 
 /// The message of a caught panic's payload.

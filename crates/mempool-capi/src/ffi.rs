@@ -4,7 +4,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
@@ -15,12 +15,42 @@ use crate::device;
 use crate::error::{self, Error, Result, Status};
 use crate::registry;
 
-/// `mempool_resource_t`: a counted reference to a resource, with its statistics when it is a statistics
-/// adaptor. Every handle a create or get call returns is released by `mempool_resource_destroy`; the
-/// resource lives while any handle, adaptor over it, registry entry or allocation of it does.
+/// `mempool_resource_t`: a counted reference to a resource, the device it allocates on, and its
+/// statistics when it is a statistics adaptor. Every handle a create or get call returns is released by
+/// `mempool_resource_destroy`; the resource lives while any handle, adaptor over it or registry entry
+/// holds it. An allocation of `mempool_allocate` is a bare pointer and does not hold it: free every such
+/// allocation before the last of those references goes (PyTorch's entry points do hold the resource of
+/// each allocation they made).
 pub struct ResourceHandle {
     shared: SharedResource,
     stats: Option<Arc<StatisticsAdaptor<SharedResource>>>,
+    device: usize,
+}
+
+/// Statistics adaptors made through the C ABI or the Python package, by the address of the resource, so
+/// that a handle to the current resource (`mempool_get_current_device_resource`) can read the counters
+/// of a statistics adaptor set as current.
+static STATISTICS: Mutex<Vec<(usize, Weak<StatisticsAdaptor<SharedResource>>)>> = Mutex::new(Vec::new());
+
+fn address(r: &SharedResource) -> usize {
+    Arc::as_ptr(r) as *const () as usize
+}
+
+/// Makes `stats` known to [`mempool_get_current_device_resource`]: a handle to the current resource reads
+/// its counters while it is current (the Python package registers its `StatisticsResourceAdaptor`s).
+pub fn register_statistics(stats: &Arc<StatisticsAdaptor<SharedResource>>) {
+    let shared: SharedResource = stats.clone();
+    let key = address(&shared);
+    let mut table = STATISTICS.lock().unwrap_or_else(|p| p.into_inner());
+    table.retain(|(k, w)| w.strong_count() > 0 && *k != key);
+    table.push((key, Arc::downgrade(stats)));
+}
+
+/// The statistics adaptor that `shared` is, if one was registered and is alive.
+fn statistics_of(shared: &SharedResource) -> Option<Arc<StatisticsAdaptor<SharedResource>>> {
+    let key = address(shared);
+    let table = STATISTICS.lock().unwrap_or_else(|p| p.into_inner());
+    table.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade())
 }
 
 /// `mempool_statistics_t`: current, peak and total bytes and allocation counts.
@@ -41,15 +71,23 @@ pub struct Statistics {
     pub total_count: i64,
 }
 
-fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
-    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(Error::Panic(error::panic_message(&*p))));
-    match r {
+/// Runs an entry point's body: its status, with the thread's last error recorded (or cleared) inside the
+/// caught closure, so that nothing after `catch_unwind` can panic. A panic becomes `MEMPOOL_ERROR_PANIC`
+/// (its message recorded under a second guard; recording never panics, see [`error::record`]).
+pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
+    let run = AssertUnwindSafe(move || match f() {
         Ok(()) => {
             error::clear();
             Status::Success as c_int
         }
         Err(e) => error::record(&e) as c_int,
-    }
+    });
+    catch_unwind(run).unwrap_or_else(|p| {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            error::record(&Error::Panic(error::panic_message(&*p)));
+        }));
+        Status::Panic as c_int
+    })
 }
 
 fn ordinal(device: c_int) -> Result<usize> {
@@ -74,8 +112,23 @@ unsafe fn handle<'a>(h: *const ResourceHandle, what: &str) -> Result<&'a Resourc
     unsafe { h.as_ref() }.ok_or_else(|| Error::InvalidArgument(format!("{what} is null")))
 }
 
-fn plain(shared: SharedResource) -> ResourceHandle {
-    ResourceHandle { shared, stats: None }
+fn plain(shared: SharedResource, device: usize) -> ResourceHandle {
+    ResourceHandle {
+        shared,
+        stats: None,
+        device,
+    }
+}
+
+/// Refuses a resource of another device than `device`.
+fn same_device(h: &ResourceHandle, device: usize, what: &str) -> Result<()> {
+    if h.device != device {
+        return Err(Error::InvalidArgument(format!(
+            "{what} allocates on device {}, not on device {device}",
+            h.device
+        )));
+    }
+    Ok(())
 }
 
 /// This thread's last error message (empty after a success); valid until the thread's next call.
@@ -131,9 +184,10 @@ pub unsafe extern "C" fn mempool_device_count(out: *mut c_int) -> c_int {
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_cuda_resource_create(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
     guard(|| {
-        let mr: SharedResource = Arc::new(CudaResource::new(&device::device(ordinal(device)?)?)?);
+        let d = ordinal(device)?;
+        let mr: SharedResource = Arc::new(CudaResource::new(&device::device(d)?)?);
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe { put_handle(out, plain(mr, d)) }
     })
 }
 
@@ -145,9 +199,10 @@ pub unsafe extern "C" fn mempool_cuda_resource_create(device: c_int, out: *mut *
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_managed_resource_create(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
     guard(|| {
-        let mr: SharedResource = Arc::new(ManagedResource::new(&device::device(ordinal(device)?)?)?);
+        let d = ordinal(device)?;
+        let mr: SharedResource = Arc::new(ManagedResource::new(&device::device(d)?)?);
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe { put_handle(out, plain(mr, d)) }
     })
 }
 
@@ -168,15 +223,16 @@ pub unsafe extern "C" fn mempool_async_resource_create(
             initial_size: (initial_pool_size > 0).then_some(initial_pool_size),
             ..AsyncOptions::default()
         };
-        let mr: SharedResource = Arc::new(AsyncResource::new(&device::device(ordinal(device)?)?, options)?);
+        let d = ordinal(device)?;
+        let mr: SharedResource = Arc::new(AsyncResource::new(&device::device(d)?, options)?);
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe { put_handle(out, plain(mr, d)) }
     })
 }
 
 /// A pool suballocator over `upstream` on `device` (RMM's `pool_memory_resource`): reserves
 /// `initial_pool_size` bytes at its first allocation and never more than `maximum_pool_size` (0: no
-/// maximum).
+/// maximum). `device` must be the upstream's device (`MEMPOOL_ERROR_INVALID_ARGUMENT` otherwise).
 ///
 /// # Safety
 /// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
@@ -191,8 +247,11 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
 ) -> c_int {
     guard(|| {
         // SAFETY: point 1.
-        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
-        let ctx = device::context(ordinal(device)?)?;
+        let h = unsafe { handle(upstream, "upstream") }?;
+        let d = ordinal(device)?;
+        same_device(h, d, "upstream")?;
+        let up = h.shared.clone();
+        let ctx = device::context(d)?;
         let config = PoolConfig {
             initial_size: initial_pool_size as u64,
             maximum_size: (maximum_pool_size > 0).then_some(maximum_pool_size as u64),
@@ -200,7 +259,7 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
         };
         let mr: SharedResource = Arc::new(PoolResource::new(up, &ctx, config)?);
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe { put_handle(out, plain(mr, d)) }
     })
 }
 
@@ -217,8 +276,9 @@ pub unsafe extern "C" fn mempool_statistics_adaptor_create(
 ) -> c_int {
     guard(|| {
         // SAFETY: point 1.
-        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
-        let stats = Arc::new(StatisticsAdaptor::new(up));
+        let h = unsafe { handle(upstream, "upstream") }?;
+        let stats = Arc::new(StatisticsAdaptor::new(h.shared.clone()));
+        register_statistics(&stats);
         let shared: SharedResource = stats.clone();
         // SAFETY: point 1.
         unsafe {
@@ -227,6 +287,7 @@ pub unsafe extern "C" fn mempool_statistics_adaptor_create(
                 ResourceHandle {
                     shared,
                     stats: Some(stats),
+                    device: h.device,
                 },
             )
         }
@@ -247,10 +308,10 @@ pub unsafe extern "C" fn mempool_limiting_adaptor_create(
 ) -> c_int {
     guard(|| {
         // SAFETY: point 1.
-        let up = unsafe { handle(upstream, "upstream") }?.shared.clone();
-        let mr: SharedResource = Arc::new(LimitingAdaptor::new(up, limit));
+        let h = unsafe { handle(upstream, "upstream") }?;
+        let mr: SharedResource = Arc::new(LimitingAdaptor::new(h.shared.clone(), limit));
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe { put_handle(out, plain(mr, h.device)) }
     })
 }
 
@@ -285,8 +346,9 @@ pub unsafe extern "C" fn mempool_statistics_get(resource: *const ResourceHandle,
     })
 }
 
-/// Releases a handle (null is a no-op). The resource itself lives on while adaptors over it, the registry
-/// or its allocations hold it.
+/// Releases a handle (null is a no-op). The resource itself lives on while other handles, adaptors over it
+/// or the registry hold it. Allocations of `mempool_allocate` do not hold it: free them before the last
+/// reference goes.
 ///
 /// # Safety
 /// 1. `resource` is null or a live handle from this library, released once.
@@ -300,7 +362,9 @@ pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle)
     // no user code that could panic (resources' drops record their errors).
     let r = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(resource) })));
     if let Err(p) = r {
-        error::record(&Error::Panic(error::panic_message(&*p)));
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            error::record(&Error::Panic(error::panic_message(&*p)));
+        }));
     }
 }
 
@@ -310,6 +374,8 @@ pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle)
 /// # Safety
 /// 1. `resource` is null or a live handle; `out` is null or valid for a write.
 /// 2. `stream` is a live stream of the resource's device, or a special handle.
+/// 3. The returned pointer does not keep the resource alive: it is freed with `mempool_deallocate` while
+///    the resource is still held (by a handle, an adaptor over it or the registry).
 #[no_mangle]
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_allocate(
@@ -357,7 +423,9 @@ pub unsafe extern "C" fn mempool_deallocate(
 }
 
 /// Makes `resource` the current resource of `device` (the registry keeps its own reference: the handle
-/// may be destroyed afterwards). Allocations made from the previous resource keep it alive.
+/// may be destroyed afterwards). A resource of another device is refused (`MEMPOOL_ERROR_INVALID_ARGUMENT`).
+/// Allocations of `mempool_allocate` from the previous resource must be freed while something else still
+/// holds it; PyTorch's allocations hold their resource.
 ///
 /// # Safety
 /// 1. `resource` is null or a live handle.
@@ -367,13 +435,17 @@ pub unsafe extern "C" fn mempool_set_current_device_resource(device: c_int, reso
     guard(|| {
         // SAFETY: point 1.
         let h = unsafe { handle(resource, "resource") }?;
-        registry::set(ordinal(device)?, h.shared.clone())?;
+        let d = ordinal(device)?;
+        same_device(h, d, "resource")?;
+        registry::set(d, h.shared.clone())?;
         Ok(())
     })
 }
 
 /// Writes a new handle to the current resource of `device` (made on first use: a resource over the
-/// device's default pool) to `*out`; release it with `mempool_resource_destroy`.
+/// device's default pool) to `*out`; release it with `mempool_resource_destroy`. When the current resource
+/// is a statistics adaptor (made by `mempool_statistics_adaptor_create` or the Python package's
+/// `StatisticsResourceAdaptor`), `mempool_statistics_get` reads it through the new handle.
 ///
 /// # Safety
 /// 1. `out` is null or valid for a write.
@@ -381,8 +453,19 @@ pub unsafe extern "C" fn mempool_set_current_device_resource(device: c_int, reso
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_get_current_device_resource(device: c_int, out: *mut *mut ResourceHandle) -> c_int {
     guard(|| {
-        let mr = registry::current(ordinal(device)?)?;
+        let d = ordinal(device)?;
+        let mr = registry::current(d)?;
+        let stats = statistics_of(&mr);
         // SAFETY: point 1.
-        unsafe { put_handle(out, plain(mr)) }
+        unsafe {
+            put_handle(
+                out,
+                ResourceHandle {
+                    shared: mr,
+                    stats,
+                    device: d,
+                },
+            )
+        }
     })
 }

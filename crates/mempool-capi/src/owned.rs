@@ -9,7 +9,8 @@ use crate::error::Result;
 /// It keeps the resource alive (an `Arc`), so the memory outlives any change of the current resource.
 ///
 /// The stream is kept by its raw handle: the [`Allocation::new`] contract is that it stays live until
-/// the allocation is dropped.
+/// the allocation is dropped, and that every use of the memory is ordered before the free the drop
+/// queues on it.
 #[derive(Debug)]
 pub struct Allocation {
     addr: DeviceAddr,
@@ -25,6 +26,10 @@ impl Allocation {
     /// # Safety
     /// 1. `stream` is a live stream of the resource's device (or a special handle: 0, 1 or 2), and stays
     ///    live until the allocation is dropped, where the memory is freed on it.
+    /// 2. Every use of the memory is ordered before the point of `stream` where the drop queues the free:
+    ///    work queued on `stream` before the drop is, and work on any other stream must be made to
+    ///    complete first (synchronized, or `stream` made to wait on it with an event) before the
+    ///    allocation is dropped; otherwise the memory can be reused while that work still runs.
     #[allow(unsafe_code)]
     pub unsafe fn new(mr: SharedResource, size: usize, stream: usize) -> Result<Allocation> {
         // SAFETY: point 1.
@@ -59,9 +64,9 @@ impl Drop for Allocation {
         // SAFETY: `new`'s point 1 keeps the stream live until now.
         #[allow(unsafe_code)]
         let s = unsafe { StreamRef::from_raw(self.stream as mempool_core::sys::CUstream) };
-        // SAFETY: `addr` came from `mr.allocate(size, _)` in `new` and is freed only here, once; the owner
-        // of an `Allocation` orders its uses before this point of the stream (the type's contract, as
-        // RMM's device_buffer, whose destructor frees on its stream).
+        // SAFETY: `addr` came from `mr.allocate(size, _)` in `new` and is freed only here, once; point 2 of
+        // `new` orders every use of the memory before this point of the stream (as RMM's device_buffer,
+        // whose destructor frees on its stream).
         #[allow(unsafe_code)]
         let r = unsafe { self.mr.deallocate(self.addr, self.size, s) };
         if let Err(e) = r {

@@ -34,7 +34,8 @@ use crate::error::{self, Error, Result};
 use crate::registry;
 
 /// Whether [`mempool_torch_alloc`] reports a failure as a C++ exception (the C++ shim was compiled in);
-/// without it, it returns null.
+/// without it, it returns null. `build.rs` leaves the shim out under `panic = "abort"`: a C++ exception
+/// unwinding through `mempool_torch_alloc`'s frame would abort the process there.
 pub const RAISES: bool = cfg!(mempool_cxx_shim);
 
 const SHARDS: usize = 16;
@@ -93,9 +94,10 @@ fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void>
 }
 
 fn alloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> Option<*mut c_void> {
-    let r = catch_unwind(AssertUnwindSafe(|| alloc(size, device, stream)))
-        .unwrap_or_else(|p| Err(Error::Panic(error::panic_message(&*p))));
-    match r {
+    // The last error is recorded or cleared inside the caught closure (recording never panics, see
+    // `error::record`), so nothing after `catch_unwind` can panic.
+    let prefix = |size: usize| format!("mempool could not allocate {size} bytes on device {device}");
+    catch_unwind(AssertUnwindSafe(|| match alloc(size, device, stream) {
         Ok(p) => {
             error::clear();
             Some(p)
@@ -103,13 +105,16 @@ fn alloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> Option<*mut
         Err(e) => {
             // The message names what was asked whichever layer failed (a missing driver says nothing of
             // the size on its own).
-            error::record_with_prefix(
-                &e,
-                &format!("mempool could not allocate {size} bytes on device {device}"),
-            );
+            error::record_with_prefix(&e, &prefix(size));
             None
         }
-    }
+    }))
+    .unwrap_or_else(|p| {
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            error::record_with_prefix(&Error::Panic(error::panic_message(&*p)), &prefix(size));
+        }));
+        None
+    })
 }
 
 #[cfg(mempool_cxx_shim)]
@@ -204,13 +209,15 @@ fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()> {
 #[no_mangle]
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_torch_free(ptr: *mut c_void, size: usize, _device: c_int, stream: *mut c_void) {
-    let r = catch_unwind(AssertUnwindSafe(|| free(ptr, size, stream)))
-        .unwrap_or_else(|p| Err(Error::Panic(error::panic_message(&*p))));
-    match r {
+    let failed = |e: &Error| {
+        FREE_FAILURES.fetch_add(1, Ordering::Relaxed);
+        error::record(e);
+    };
+    let r = catch_unwind(AssertUnwindSafe(|| match free(ptr, size, stream) {
         Ok(()) => error::clear(),
-        Err(e) => {
-            FREE_FAILURES.fetch_add(1, Ordering::Relaxed);
-            error::record(&e);
-        }
+        Err(e) => failed(&e),
+    }));
+    if let Err(p) = r {
+        let _ = catch_unwind(AssertUnwindSafe(|| failed(&Error::Panic(error::panic_message(&*p)))));
     }
 }

@@ -5,8 +5,10 @@ use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
+use pyo3::PyTraverseError;
 
 use mempool_capi::owned::Allocation;
 use mempool_core::{DeviceAddr, Event, EventFlags, StreamRef};
@@ -16,17 +18,36 @@ use crate::mr::PyResource;
 use crate::stream::{self, StreamArg};
 
 /// Device memory of `size` bytes (uninitialised), from `mr` or the current device's resource, ordered on
-/// `stream`.
+/// `stream`. The allocation and the free run with the interpreter released (they can wait on a pool's
+/// lock, or on a failure callback that needs the interpreter on another thread).
 #[pyclass(module = "mempool", name = "DeviceBuffer", frozen, weakref)]
 pub struct DeviceBuffer {
-    alloc: Allocation,
+    // Always `Some` until `drop` takes it to free it with the interpreter released.
+    alloc: Option<Allocation>,
     device: usize,
-    // Keeps a CuPy/Numba/PyTorch stream object alive while the memory may be freed on it.
+    // Keeps a CuPy/Numba/PyTorch stream object alive while the memory may be freed on it (dropped after
+    // `drop` queued the free: fields drop after `Drop::drop`).
     _stream_owner: Option<Py<PyAny>>,
 }
 
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(alloc) = self.alloc.take() {
+            // The free can wait on the resource's lock, held by a thread that may need the interpreter
+            // (a failure callback): release the interpreter for it. `Python::attach` is re-entrant here (the
+            // object is being deallocated by the interpreter on this thread).
+            Python::attach(|py| py.detach(move || drop(alloc)));
+        }
+    }
+}
+
 impl DeviceBuffer {
-    fn allocate(size: usize, s: StreamArg, mr: Option<&Bound<'_, PyResource>>) -> PyResult<DeviceBuffer> {
+    fn allocate(
+        py: Python<'_>,
+        size: usize,
+        s: StreamArg,
+        mr: Option<&Bound<'_, PyResource>>,
+    ) -> PyResult<DeviceBuffer> {
         let (shared, device) = match mr {
             Some(mr) => {
                 let r = mr.get();
@@ -37,35 +58,61 @@ impl DeviceBuffer {
                 (mempool_capi::registry::current(device).py()?, device)
             }
         };
-        // SAFETY: the stream is `s.owner`'s, which this buffer keeps alive until the allocation is freed on
-        // it; a raw integer (or None, the legacy stream) is the caller's documented promise that it outlives
-        // the buffer.
-        #[allow(unsafe_code)]
-        let alloc = unsafe { Allocation::new(shared, size, s.handle) }.py()?;
+        let handle = s.handle;
+        // Released: the allocation can wait on a pool's lock held by a thread that needs the interpreter.
+        let alloc = py
+            .detach(move || {
+                // SAFETY: point 1 of `Allocation::new`: the stream is `s.owner`'s, which this buffer keeps alive
+                // until the allocation is freed on it; a raw integer (or None, the legacy stream) is the
+                // caller's documented promise that it outlives the buffer. Point 2: the buffer's documented
+                // contract (docs/python.md, Streams): work on other streams that uses the memory, through a
+                // view, is synchronized before the last reference goes.
+                #[allow(unsafe_code)]
+                unsafe {
+                    Allocation::new(shared, size, handle)
+                }
+            })
+            .py()?;
         Ok(DeviceBuffer {
-            alloc,
+            alloc: Some(alloc),
             device,
             _stream_owner: s.owner,
         })
+    }
+
+    fn a(&self) -> &Allocation {
+        self.alloc
+            .as_ref()
+            .expect("a DeviceBuffer holds its allocation until it is dropped")
     }
 
     fn stream_ref(&self) -> StreamRef<'static> {
         // SAFETY: the allocation's stream is live while the buffer is (see `allocate`).
         #[allow(unsafe_code)]
         unsafe {
-            StreamRef::from_raw(self.alloc.stream() as mempool_core::sys::CUstream)
+            StreamRef::from_raw(self.a().stream() as mempool_core::sys::CUstream)
         }
     }
 
-    fn copy_out(&self, py: Python<'_>, dst: &mut [u8]) -> PyResult<()> {
+    /// Copies the buffer's first `dst.len()` bytes to `dst`, ordered on `stream` (a stream argument,
+    /// None: the buffer's own stream); waits for the copy.
+    fn copy_out(&self, py: Python<'_>, dst: &mut [u8], stream: &StreamArg) -> PyResult<()> {
         if dst.is_empty() {
             return Ok(());
         }
         let ctx = mempool_capi::device::context(self.device).py()?;
-        let (addr, s) = (DeviceAddr(self.alloc.addr()), self.stream_ref());
+        let s = match stream.given {
+            // SAFETY: the stream was passed for this call; its object (`stream.owner`) is held by the
+            // caller across it, and a raw integer is the caller's promise that it is live.
+            #[allow(unsafe_code)]
+            true => unsafe { StreamRef::from_raw(stream.handle as mempool_core::sys::CUstream) },
+            false => self.stream_ref(),
+        };
+        let addr = DeviceAddr(self.a().addr());
         py.detach(|| {
             // SAFETY: `addr..addr+len` is this buffer's memory (dst.len() <= size, checked by the callers),
-            // readable by work on its stream; the copy waits for the stream.
+            // readable by work on `s` (the buffer's stream, or one the caller ordered after the writes);
+            // the copy waits for the stream.
             #[allow(unsafe_code)]
             unsafe {
                 mempool_core::memory::copy_to_host(&ctx, dst, addr, s)
@@ -168,10 +215,10 @@ pub(crate) struct RawView {
 impl DeviceBuffer {
     fn raw_view(&self) -> RawView {
         RawView {
-            addr: self.alloc.addr(),
-            size: self.alloc.size(),
+            addr: self.a().addr(),
+            size: self.a().size(),
             device: self.device,
-            stream: self.alloc.stream(),
+            stream: self.a().stream(),
         }
     }
 }
@@ -180,8 +227,18 @@ impl DeviceBuffer {
 impl DeviceBuffer {
     #[new]
     #[pyo3(signature = (*, size = 0, stream = None, mr = None))]
-    fn new(size: usize, stream: Option<&Bound<'_, PyAny>>, mr: Option<&Bound<'_, PyResource>>) -> PyResult<Self> {
-        DeviceBuffer::allocate(size, stream::extract(stream)?, mr)
+    fn new(
+        py: Python<'_>,
+        size: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        mr: Option<&Bound<'_, PyResource>>,
+    ) -> PyResult<Self> {
+        DeviceBuffer::allocate(py, size, stream::extract(stream)?, mr)
+    }
+
+    /// The garbage collector sees the stream object the buffer keeps (fixed for the buffer's life).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self._stream_owner)
     }
 
     /// A new buffer holding a copy of `host` (bytes, or any object exporting a buffer: its bytes in C order).
@@ -201,10 +258,10 @@ impl DeviceBuffer {
             }
         };
         let src = bytes.as_bytes();
-        let buf = DeviceBuffer::allocate(src.len(), stream::extract(stream)?, mr)?;
+        let buf = DeviceBuffer::allocate(py, src.len(), stream::extract(stream)?, mr)?;
         if !src.is_empty() {
             let ctx = mempool_capi::device::context(buf.device).py()?;
-            let (addr, s) = (DeviceAddr(buf.alloc.addr()), buf.stream_ref());
+            let (addr, s) = (DeviceAddr(buf.a().addr()), buf.stream_ref());
             py.detach(|| {
                 // SAFETY: `addr` is the new buffer's memory of `src.len()` bytes, writable on its stream; the
                 // copy waits for the stream, and `bytes` (immutable) lives across it.
@@ -221,19 +278,19 @@ impl DeviceBuffer {
     /// The size in bytes.
     #[getter]
     fn size(&self) -> usize {
-        self.alloc.size()
+        self.a().size()
     }
 
     /// The size in bytes (RMM's `nbytes`).
     #[getter]
     fn nbytes(&self) -> usize {
-        self.alloc.size()
+        self.a().size()
     }
 
     /// The device address (0 for 0 bytes).
     #[getter]
     fn ptr(&self) -> u64 {
-        self.alloc.addr()
+        self.a().addr()
     }
 
     /// The ordinal of the device the memory is on.
@@ -245,25 +302,43 @@ impl DeviceBuffer {
     /// The raw handle of the stream the memory was allocated on and will be freed on (0: legacy default).
     #[getter]
     fn stream(&self) -> usize {
-        self.alloc.stream()
+        self.a().stream()
     }
 
-    /// The contents as `bytes`.
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+    /// The contents as `bytes`, copied on `stream` (default: the buffer's own stream, so the copy follows
+    /// the work queued there; RMM's default is the default stream).
+    #[pyo3(signature = (stream = None))]
+    fn tobytes<'py>(&self, py: Python<'py>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyBytes>> {
+        let s = stream::extract(stream)?.given_if(stream.is_some());
         let mut result = Ok(());
-        let b = PyBytes::new_with(py, self.alloc.size(), |dst| {
-            result = self.copy_out(py, dst);
+        let b = PyBytes::new_with(py, self.a().size(), |dst| {
+            result = self.copy_out(py, dst, &s);
             Ok(())
         })?;
         result.map(|()| b)
     }
 
-    /// Copies the contents to host memory: into `ary` (a writable buffer of at least `size` bytes, returned)
-    /// or, without it, into a new `bytearray`.
-    #[pyo3(signature = (ary = None))]
-    fn copy_to_host<'py>(&self, py: Python<'py>, ary: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
-        let size = self.alloc.size();
-        let out = PyByteArray::new_with(py, size, |dst| self.copy_out(py, dst))?;
+    /// Copies the contents to host memory, on `stream` (default: the buffer's own stream): into `ary` (a
+    /// writable buffer of at least `size` bytes, returned) or, without it, into a new NumPy `uint8` array
+    /// (as RMM returns), or a `bytearray` where NumPy is not installed.
+    #[pyo3(signature = (ary = None, stream = None))]
+    fn copy_to_host<'py>(
+        &self,
+        py: Python<'py>,
+        ary: Option<Bound<'py, PyAny>>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let s = stream::extract(stream)?.given_if(stream.is_some());
+        let size = self.a().size();
+        let ary = match ary {
+            Some(a) => Some(a),
+            None => match py.import("numpy") {
+                Ok(np) => Some(np.call_method1("empty", ((size,), "u1"))?),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyImportError>(py) => None,
+                Err(e) => return Err(e),
+            },
+        };
+        let out = PyByteArray::new_with(py, size, |dst| self.copy_out(py, dst, &s))?;
         let Some(ary) = ary else {
             return Ok(out.into_any());
         };
@@ -284,16 +359,16 @@ impl DeviceBuffer {
     }
 
     fn __len__(&self) -> usize {
-        self.alloc.size()
+        self.a().size()
     }
 
     fn __repr__(&self) -> String {
         format!(
             "<mempool.DeviceBuffer size={} ptr={:#x} device={} resource={}>",
-            self.alloc.size(),
-            self.alloc.addr(),
+            self.a().size(),
+            self.a().addr(),
             self.device,
-            self.alloc.resource().name()
+            self.a().resource().name()
         )
     }
 
@@ -301,7 +376,7 @@ impl DeviceBuffer {
     /// (consumers order their work after it).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        cai(py, self.alloc.addr(), self.alloc.size(), self.alloc.stream())
+        cai(py, self.a().addr(), self.a().size(), self.a().stream())
     }
 
     /// DLPack's device: `(kDLCUDA, device)`.
@@ -432,6 +507,11 @@ unsafe fn free_export<T>(p: *mut Export<T>) {
     }));
 }
 
+/// DLPack's deleter of a legacy (`dltensor`) managed tensor made by [`export`]. Never unwinds.
+///
+/// # Safety
+/// 1. `p` is null, or the `managed` field of an `Export<DLManagedTensor>` made by [`export`] (the deleter
+///    is set on no other tensor), passed once (DLPack's rule: the owner calls the deleter once).
 #[allow(unsafe_code)]
 unsafe extern "C" fn delete_legacy(p: *mut DLManagedTensor) {
     if !p.is_null() {
@@ -441,6 +521,10 @@ unsafe extern "C" fn delete_legacy(p: *mut DLManagedTensor) {
     }
 }
 
+/// DLPack's deleter of a versioned (`dltensor_versioned`) managed tensor made by [`export`]. Never unwinds.
+///
+/// # Safety
+/// 1. As point 1 of [`delete_legacy`], for an `Export<DLManagedTensorVersioned>`.
 #[allow(unsafe_code)]
 unsafe extern "C" fn delete_versioned(p: *mut DLManagedTensorVersioned) {
     if !p.is_null() {
@@ -452,6 +536,10 @@ unsafe extern "C" fn delete_versioned(p: *mut DLManagedTensorVersioned) {
 /// The capsule's destructor: a capsule still named `dltensor[_versioned]` was never consumed, so it still
 /// owns its tensor and calls the tensor's deleter (the DLPack specification's rule); a consumed capsule
 /// (renamed `used_dltensor[_versioned]`) owns nothing.
+///
+/// # Safety
+/// 1. Called by Python (as a capsule's destructor) with the GIL held, on a live capsule made by
+///    [`export`], once.
 #[allow(unsafe_code)]
 unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
     // SAFETY: called by Python with the GIL held, on a live capsule.

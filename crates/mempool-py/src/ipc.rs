@@ -238,6 +238,11 @@ fn exportable_pool(mr: &Bound<'_, PyResource>) -> PyResult<(Arc<AsyncResource>, 
 
 #[pymethods]
 impl PyExporter {
+    /// The garbage collector sees the resource the exporter keeps (fixed for its life).
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.mr)
+    }
+
     #[new]
     #[pyo3(signature = (
         path, mr = None, *, device = None, max_importers = 256, max_handshakes = 64, send_queue_len = 1024,

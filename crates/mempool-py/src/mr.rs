@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use pyo3::exceptions::PyValueError;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
+use pyo3::PyTraverseError;
 
 use mempool_core::{DeviceAddr, HandleTypes, StreamRef};
 use mempool_rmm::adaptors::{
@@ -70,6 +72,11 @@ impl PyResource {
     #[getter]
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+    /// The garbage collector sees the upstream (fixed for the resource's life, so nothing to clear:
+    /// cycles through it are broken by the objects that can clear, such as a failure callback).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.upstream)
     }
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         Ok(format!(
@@ -229,9 +236,10 @@ impl PoolMemoryResource {
             ("upstream_chunks", s.upstream_chunks as u64),
         ])
     }
-    /// Returns the chunks no live allocation uses to the upstream.
-    fn release_unused(&self) -> PyResult<()> {
-        self.typed.release_unused().py()
+    /// Returns the chunks no live allocation uses to the upstream. It waits for the device (with the
+    /// interpreter released: other Python threads run meanwhile).
+    fn release_unused(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.typed.release_unused()).py()
     }
 }
 
@@ -288,8 +296,16 @@ impl BinRouter {
 
 impl MemoryResource for BinRouter {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
-        self.used.store(true, Ordering::Release);
-        self.route(bytes).allocate(bytes, stream)
+        let target = {
+            // `used` is set under the read lock, and `add_bin` checks it under the write lock: a bin is
+            // either added before this allocation routes, or refused.
+            let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
+            self.used.store(true, Ordering::Release);
+            bins.iter()
+                .find(|(size, _)| bytes <= *size)
+                .map_or_else(|| self.upstream.clone(), |(_, r)| r.clone())
+        };
+        target.allocate(bytes, stream)
     }
     #[allow(unsafe_code)]
     unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<()> {
@@ -355,11 +371,15 @@ impl BinningMemoryResource {
         bin_resource: Option<&Bound<'_, PyResource>>,
     ) -> PyResult<()> {
         let this = slf.get();
-        if this.router.used.load(Ordering::Acquire) {
-            return Err(PyValueError::new_err(
+        let refused = || {
+            PyValueError::new_err(
                 "add_bin after the resource allocated: frees are routed by size, so a new bin would take frees \
                  of memory it never gave out; add every bin before the first allocation",
-            ));
+            )
+        };
+        // A quick refusal; the check that counts is repeated under the write lock below.
+        if this.router.used.load(Ordering::Acquire) {
+            return Err(refused());
         }
         if allocation_size == 0 {
             return Err(PyValueError::new_err("add_bin: allocation_size must be positive"));
@@ -374,10 +394,6 @@ impl BinningMemoryResource {
                         base.get().device
                     )));
                 }
-                this.bin_objects
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(r.clone().into_any().unbind());
                 r.get().inner.clone()
             }
             None => {
@@ -390,10 +406,33 @@ impl BinningMemoryResource {
                 fixed_size(up, allocation_size, 128)?
             }
         };
+        // Allocations set `used` under the read lock: checked under the write lock, no allocation has
+        // routed yet, and none routes until the bin is in.
         let mut bins = this.router.bins.write().unwrap_or_else(|p| p.into_inner());
+        if this.router.used.load(Ordering::Acquire) {
+            drop(bins);
+            return Err(refused());
+        }
         bins.retain(|(size, _)| *size != allocation_size);
         bins.push((allocation_size, resource));
         bins.sort_by_key(|(size, _)| *size);
+        drop(bins);
+        if let Some(r) = bin_resource {
+            this.bin_objects
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(r.clone().into_any().unbind());
+        }
+        Ok(())
+    }
+
+    /// The garbage collector sees the bin resources given to `add_bin` (kept for the resource's life).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(bins) = self.bin_objects.try_lock() {
+            for b in bins.iter() {
+                visit.call(b)?;
+            }
+        }
         Ok(())
     }
 
@@ -492,6 +531,8 @@ impl StatisticsResourceAdaptor {
     #[new]
     fn new(upstream_mr: &Bound<'_, PyResource>) -> PyClassInitializer<Self> {
         let typed = Arc::new(StatisticsAdaptor::new(upstream_mr.get().inner.clone()));
+        // C code's handle to the current resource reads these counters when this adaptor is current.
+        mempool_capi::ffi::register_statistics(&typed);
         let shared: SharedResource = typed.clone();
         PyResource::over(shared, upstream_mr).add_subclass(StatisticsResourceAdaptor { typed })
     }
@@ -545,8 +586,47 @@ impl TrackingResourceAdaptor {
 
 type FileLogger = LoggingAdaptor<SharedResource, BufWriter<File>>;
 
+/// Every logging adaptor alive, flushed by `_flush_logs` (which `mempool.mr` registers with `atexit`, as RMM
+/// flushes its logs at exit: an adaptor kept as the current resource is never dropped).
+static LOGGERS: Mutex<Vec<std::sync::Weak<FileLogger>>> = Mutex::new(Vec::new());
+
+/// Flushes every live `LoggingResourceAdaptor`'s buffered lines to its file (registered with `atexit` by
+/// `mempool.mr`). A failure to write is reported as a warning, not raised.
+#[pyfunction]
+pub fn _flush_logs(py: Python<'_>) -> PyResult<()> {
+    let live: Vec<Arc<FileLogger>> = {
+        let mut all = LOGGERS.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.iter().filter_map(|w| w.upgrade()).collect()
+    };
+    for logger in live {
+        if let Err(e) = py.detach(|| logger.flush()) {
+            let warnings = py.import("warnings")?;
+            warnings.call_method1("warn", (format!("mempool: could not flush a log file: {e}"),))?;
+        }
+    }
+    Ok(())
+}
+
+/// `name` with `.dev{device}` before its extension (`log.csv` -> `log.dev0.csv`), as RMM's `_append_id`
+/// (`os.path.splitext`: a leading dot is not an extension, and only the last dot of the file name counts).
+fn append_device(name: &str, device: usize) -> String {
+    let file_start = name.rfind('/').map_or(0, |i| i + 1);
+    let file = &name[file_start..];
+    let stem_len = file.len() - file.trim_start_matches('.').len();
+    match file[stem_len..].rfind('.') {
+        Some(dot) => {
+            let at = file_start + stem_len + dot;
+            format!("{}.dev{device}{}", &name[..at], &name[at..])
+        }
+        None => format!("{name}.dev{device}"),
+    }
+}
+
 /// Writes every allocation and free as a CSV line (RMM's format): RMM's `LoggingResourceAdaptor`. The file
-/// is `log_file_name`, else the environment variable `RMM_LOG_FILE`.
+/// is `log_file_name`, else the environment variable `RMM_LOG_FILE`, with `.dev{N}` inserted before its
+/// extension (N: the device the adaptor allocates on) and made absolute, as RMM names it; `get_file_name()`
+/// returns the name used.
 #[pyclass(module = "mempool.mr", extends = PyResource, frozen)]
 pub struct LoggingResourceAdaptor {
     typed: Arc<FileLogger>,
@@ -558,17 +638,23 @@ impl LoggingResourceAdaptor {
     #[new]
     #[pyo3(signature = (upstream_mr, log_file_name = None))]
     fn new(upstream_mr: &Bound<'_, PyResource>, log_file_name: Option<String>) -> PyResult<PyClassInitializer<Self>> {
-        let file_name = match log_file_name.or_else(|| std::env::var("RMM_LOG_FILE").ok()) {
-            Some(f) => f,
-            None => {
-                return Err(PyValueError::new_err(
-                    "LoggingResourceAdaptor needs log_file_name or the RMM_LOG_FILE environment variable",
-                ))
-            }
+        let given = log_file_name.or_else(|| std::env::var("RMM_LOG_FILE").ok().filter(|f| !f.is_empty()));
+        let Some(given) = given else {
+            return Err(PyValueError::new_err(
+                "LoggingResourceAdaptor needs log_file_name or the RMM_LOG_FILE environment variable",
+            ));
         };
+        let named = append_device(&given, upstream_mr.get().device);
+        let file_name = std::path::absolute(&named)
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or(named);
         let file = File::create(&file_name)
             .map_err(|e| PyErr::new::<pyo3::exceptions::PyOSError, _>(format!("cannot create {file_name}: {e}")))?;
         let typed = Arc::new(LoggingAdaptor::new(upstream_mr.get().inner.clone(), BufWriter::new(file)).py()?);
+        LOGGERS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(&typed));
         let shared: SharedResource = typed.clone();
         Ok(PyResource::over(shared, upstream_mr).add_subclass(LoggingResourceAdaptor { typed, file_name }))
     }
@@ -610,9 +696,13 @@ impl LimitingResourceAdaptor {
 /// On out-of-memory calls `callback(nbytes)`; a true result retries the allocation: RMM's
 /// `FailureCallbackResourceAdaptor`. An exception in the callback is reported as unraisable and counts as
 /// false.
+///
+/// The callback is held once, shared by this object and the Rust adaptor, and the garbage collector sees
+/// it: a callback that refers to the adaptor forms a cycle the collector frees (clearing the callback;
+/// the adaptor then refuses like its upstream).
 #[pyclass(module = "mempool.mr", extends = PyResource, frozen)]
 pub struct FailureCallbackResourceAdaptor {
-    callback: Py<PyAny>,
+    callback: Arc<Mutex<Option<Py<PyAny>>>>,
 }
 
 #[pymethods]
@@ -624,29 +714,50 @@ impl FailureCallbackResourceAdaptor {
                 "callback must be callable: callback(nbytes) -> bool",
             ));
         }
-        let cb = callback.clone().unbind();
-        // `Py<PyAny>` is Send + Sync; the closure takes the GIL to call it (re-entrantly when the allocating
-        // thread already holds it).
+        let slot = Arc::new(Mutex::new(Some(callback.unbind())));
+        let cb = slot.clone();
+        // The closure takes the GIL to call the callback (allocations run with the GIL released, so an
+        // allocating Python thread does not hold it here); the slot's lock is not held during the call.
         let f = move |bytes: usize, _attempt: u32| {
-            Python::attach(|py| match cb.call1(py, (bytes,)).and_then(|r| r.bind(py).is_truthy()) {
-                Ok(retry) => retry,
-                Err(e) => {
-                    e.write_unraisable(py, None);
-                    false
+            Python::attach(|py| {
+                let callback = cb
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                    .map(|c| c.clone_ref(py));
+                let Some(callback) = callback else {
+                    return false; // cleared by the garbage collector
+                };
+                match callback.call1(py, (bytes,)).and_then(|r| r.bind(py).is_truthy()) {
+                    Ok(retry) => retry,
+                    Err(e) => {
+                        e.write_unraisable(py, None);
+                        false
+                    }
                 }
             })
         };
         let mr: SharedResource = Arc::new(FailureCallbackAdaptor::new(upstream_mr.get().inner.clone(), f));
-        Ok(
-            PyResource::over(mr, upstream_mr).add_subclass(FailureCallbackResourceAdaptor {
-                callback: callback.unbind(),
-            }),
-        )
+        Ok(PyResource::over(mr, upstream_mr).add_subclass(FailureCallbackResourceAdaptor { callback: slot }))
     }
-    /// The callback.
+    /// The callback (None once the garbage collector cleared it).
     #[getter]
-    fn callback(&self, py: Python<'_>) -> Py<PyAny> {
-        self.callback.clone_ref(py)
+    fn callback(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.callback
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|c| c.clone_ref(py))
+    }
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(cb) = self.callback.try_lock() {
+            visit.call(&*cb)?;
+        }
+        Ok(())
+    }
+    fn __clear__(&self) {
+        let taken = self.callback.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(taken); // after the lock is released: dropping may run Python code
     }
 }
 
@@ -668,12 +779,15 @@ pub fn set_per_device_resource(device: usize, mr: &Bound<'_, PyResource>) -> PyR
             r.device
         )));
     }
-    mempool_capi::registry::set(device, r.inner.clone()).py()?;
-    CURRENT
+    let previous = mempool_capi::registry::set(device, r.inner.clone()).py()?;
+    let replaced = CURRENT
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get_or_insert_with(HashMap::new)
         .insert(device, mr.clone().into_any().unbind());
+    // Dropped after the lock is released: the last reference to a resource can run Python code (a
+    // failure callback's finalizer, a logging adaptor's flush).
+    drop((replaced, previous));
     Ok(())
 }
 
@@ -682,15 +796,20 @@ pub fn set_per_device_resource(device: usize, mr: &Bound<'_, PyResource>) -> PyR
 #[pyfunction]
 pub fn get_per_device_resource(py: Python<'_>, device: usize) -> PyResult<Py<PyAny>> {
     let shared = mempool_capi::registry::current(device).py()?;
-    let mut g = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
-    let map = g.get_or_insert_with(HashMap::new);
-    if let Some(obj) = map.get(&device) {
+    let set = CURRENT
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(&device)
+        .map(|o| o.clone_ref(py));
+    if let Some(obj) = &set {
         if let Ok(r) = obj.bind(py).cast::<PyResource>() {
             if same(&r.get().inner, &shared) {
                 return Ok(obj.clone_ref(py));
             }
         }
     }
+    // Built with the lock released (making a Python object can run Python code).
     let obj = if shared.name() == "AsyncResource" {
         Bound::new(py, CudaAsyncMemoryResource::wrap(shared, device))?
             .into_any()
@@ -698,6 +817,11 @@ pub fn get_per_device_resource(py: Python<'_>, device: usize) -> PyResult<Py<PyA
     } else {
         Bound::new(py, PyResource::leaf(shared, device))?.into_any().unbind()
     };
-    map.insert(device, obj.clone_ref(py));
+    let replaced = CURRENT
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(device, obj.clone_ref(py));
+    drop((replaced, set)); // after the lock is released
     Ok(obj)
 }

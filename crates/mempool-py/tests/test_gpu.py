@@ -1,11 +1,14 @@
 """GPU tests (marked gpu; they fail, never skip, without a GPU). Frameworks that must not initialise CUDA
 first (PyTorch's change_current_allocator) run in subprocesses; each prints what it saw on failure."""
 
+import ctypes
 import gc
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import weakref
 
 import pytest
 
@@ -35,10 +38,30 @@ def test_device_buffer_round_trip():
     d = mempool.DeviceBuffer.to_device(data)
     assert d.size == len(data)
     assert d.tobytes() == data
-    assert bytes(d.copy_to_host()) == data
+    import numpy as np
+
+    host = d.copy_to_host()  # a NumPy uint8 array, as RMM returns
+    assert isinstance(host, np.ndarray) and host.dtype == np.uint8 and host.shape == (len(data),), repr(host)
+    assert host.tobytes() == data
     out = bytearray(len(data))
     assert d.copy_to_host(out) is out and bytes(out) == data
     assert mempool.DeviceBuffer(size=0).ptr == 0
+
+
+def test_tobytes_and_copy_to_host_on_a_stream():
+    import torch
+
+    s = torch.cuda.Stream()
+    d = mempool.DeviceBuffer.to_device(b"\x09" * 4096)
+    t = torch.from_dlpack(d)
+    with torch.cuda.stream(s):
+        s.wait_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(100_000_000)  # keeps `s` busy, so a copy not ordered on it would read 9s
+        t.fill_(3)
+    # Copied on `s`: after the fill.
+    assert d.tobytes(stream=s) == b"\x03" * 4096
+    assert bytes(d.copy_to_host(stream=s.cuda_stream)) == b"\x03" * 4096
+    del t
 
 
 def test_user_guide_numpy_snippet():
@@ -110,6 +133,125 @@ def test_pool_out_of_memory_names_the_size():
     assert isinstance(e.value, mempool.OutOfMemoryError) and str(2**22) in str(e.value), str(e.value)
 
 
+def test_concurrent_add_bin_and_allocate():
+    """add_bin racing allocations from other threads: each add_bin is either in before the first
+    allocation routes or refused; every buffer frees cleanly (a free routed to a bin that never gave the
+    memory out would fail or corrupt the bin)."""
+    cuda = mr.CudaMemoryResource()
+    for round_ in range(20):
+        b = mr.BinningMemoryResource(cuda)
+        start = threading.Barrier(3)
+        bufs, errors, added, refused = [], [], [], []
+
+        def allocate():
+            start.wait()
+            try:
+                for i in range(50):
+                    bufs.append(mempool.DeviceBuffer(size=100 + i * 40, mr=b))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        def add():
+            start.wait()
+            for size in range(256, 256 * 40, 256):
+                try:
+                    b.add_bin(size)
+                    added.append(size)
+                except ValueError as e:
+                    assert "add_bin after" in str(e), str(e)
+                    refused.append(size)
+
+        threads = [threading.Thread(target=allocate), threading.Thread(target=allocate), threading.Thread(target=add)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, (round_, errors)
+        assert b.bin_sizes == sorted(added), (b.bin_sizes, added)
+        assert len(added) + len(refused) == 39
+        bufs.clear()  # every free must succeed (a failure would be reported as unraisable / crash)
+        assert mempool._lib._last_error() == "", mempool._lib._last_error()
+
+
+def test_failure_callback_cycle_is_collected():
+    cuda = mr.CudaMemoryResource()
+    fc = mr.FailureCallbackResourceAdaptor(cuda, lambda n: False)
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.fc = mr.FailureCallbackResourceAdaptor(cuda, lambda n, h=h: h is None)  # callback -> h -> adaptor
+    w = weakref.ref(h)  # h is reachable only through the cycle h -> adaptor -> callback -> h
+    del h
+    gc.collect()
+    assert w() is None, "the callback <-> adaptor cycle was not collected"
+    assert fc.callback is not None
+
+
+def test_logging_file_names_follow_rmm(tmp_path, monkeypatch):
+    cuda = mr.CudaMemoryResource()
+    dev = cuda.device
+    monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
+    log = mr.LoggingResourceAdaptor(cuda, log_file_name="a.b.csv")
+    assert log.get_file_name() == os.path.join(cwd, f"a.b.dev{dev}.csv"), log.get_file_name()
+    assert mr.LoggingResourceAdaptor(cuda, log_file_name="plain").get_file_name() == os.path.join(cwd, f"plain.dev{dev}")
+    assert mr.LoggingResourceAdaptor(cuda, log_file_name=".hidden").get_file_name() == os.path.join(cwd, f".hidden.dev{dev}")
+    monkeypatch.setenv("RMM_LOG_FILE", str(tmp_path / "env.log"))
+    assert mr.LoggingResourceAdaptor(cuda).get_file_name() == str(tmp_path / f"env.dev{dev}.log")
+
+
+def test_current_logging_adaptor_is_flushed_at_exit(tmp_path):
+    out = run_py(
+        f"""
+        import mempool
+        from mempool import mr
+        log = mr.LoggingResourceAdaptor(mr.CudaMemoryResource(), log_file_name={str(tmp_path / "exit.csv")!r})
+        mr.set_current_device_resource(log)
+        b = mempool.DeviceBuffer(size=12345)
+        del b
+        print("NAME", log.get_file_name())
+        """
+    )
+    name = [l.split(" ", 1)[1] for l in out.splitlines() if l.startswith("NAME")][0]
+    text = open(name).read()
+    assert "12345" in text, f"the log was not flushed at exit: {text!r}"
+
+
+def test_reinitialize_checks_every_device_before_switching_any():
+    old = mr.get_current_device_resource()
+    with pytest.raises(mempool.NoDeviceError):
+        mempool.reinitialize(pool_allocator=True, initial_pool_size=2**20, devices=[0, 4096])
+    assert mr.get_per_device_resource(0) is old or mr.get_current_device() != 0
+
+
+def test_torch_free_refuses_a_wrong_size_and_a_double_free():
+    so = ctypes.CDLL(mempool._lib._shared_object_path())
+    so.mempool_torch_alloc_nullable.restype = ctypes.c_void_p
+    so.mempool_torch_alloc_nullable.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    so.mempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    old = mr.get_current_device_resource()
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    mr.set_current_device_resource(stats)
+    try:
+        dev = mr.get_current_device()
+        live, failed = mempool._lib._torch_allocator_state()
+        p = so.mempool_torch_alloc_nullable(4096, dev, None)
+        assert p, mempool._lib._last_error()
+        assert stats.allocation_counts.current_bytes == 4096
+        so.mempool_torch_free(p, 1000, dev, None)
+        assert "1000 bytes" in mempool._lib._last_error(), mempool._lib._last_error()
+        assert stats.allocation_counts.current_bytes == 4096  # nothing freed
+        so.mempool_torch_free(p, 4096, dev, None)
+        assert mempool._lib._last_error() == "" and stats.allocation_counts.current_bytes == 0
+        so.mempool_torch_free(p, 4096, dev, None)
+        assert "did not hand out" in mempool._lib._last_error(), mempool._lib._last_error()
+        assert mempool._lib._torch_allocator_state() == (live, failed + 2)
+    finally:
+        mr.set_current_device_resource(old)
+
+
 def test_binning_add_bin_and_failure_callback():
     cuda = mr.CudaMemoryResource()
     b = mr.BinningMemoryResource(cuda)
@@ -172,9 +314,19 @@ def test_dlpack_torch_cupy_numba_zero_copy_and_keep_alive():
     cap = b2.__dlpack__(stream=-1)
     t2 = torch.utils.dlpack.from_dlpack(cap)
     assert t2.data_ptr() == b2.ptr and t2.cpu().tolist() == [5] * 8
+    # Every view gone: the memory goes back to its resource.
+    stats = mr.StatisticsResourceAdaptor(mr.CudaAsyncMemoryResource())
+    b4 = mempool.DeviceBuffer(size=300, mr=stats)
+    w4 = weakref.ref(b4)
+    views = [torch.from_dlpack(b4), cupy.from_dlpack(b4), cuda.as_cuda_array(b4), cupy.asarray(b4)]
+    del b4
+    gc.collect()
+    assert w4() is not None and stats.allocation_counts.current_bytes == 300
+    del views
+    gc.collect()
+    assert w4() is None, "a view still holds the buffer"
+    assert stats.allocation_counts.current_bytes == 0, stats.allocation_counts
     # A capsule never consumed frees its reference: the buffer can be collected.
-    import weakref
-
     b3 = mempool.DeviceBuffer(size=16)
     w = weakref.ref(b3)
     b3.__dlpack__(stream=-1)
@@ -189,8 +341,15 @@ def test_dlpack_orders_a_consumer_stream_after_the_buffer_stream():
     s = torch.cuda.Stream()
     buf = mempool.DeviceBuffer.to_device(b"\x07" * 1024, stream=s)
     assert buf.stream == s.cuda_stream
+    # Queue a long kernel and then a write on `s` (to_device synchronized, so without this nothing on `s`
+    # would be pending): a consumer stream not made to wait on `s` would read the old 7s.
+    writer = torch.from_dlpack(buf.__dlpack__(stream=-1))
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        writer.fill_(2)
     t = torch.from_dlpack(buf)  # torch passes its current stream; mempool makes it wait on `s`
-    assert int(t.sum().item()) == 7 * 1024
+    assert int(t.sum().item()) == 2 * 1024
+    del writer
 
 
 def test_cupy_allocates_through_mempool():
@@ -276,6 +435,17 @@ def test_torch_change_current_allocator_matches_native():
         + """
 print("STATS", stats.allocation_counts.total_count, stats.allocation_counts.peak_bytes, allocator_state())
 assert stats.allocation_counts.total_count > 0
+del model, x, loss
+import gc
+gc.collect()
+torch.cuda.synchronize()
+# cuBLAS's workspaces are allocated through the allocator and kept by PyTorch until cleared.
+if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+    torch._C._cuda_clearCublasWorkspaces()
+live, failed = allocator_state()
+print("STATE", live, failed, stats.allocation_counts)
+assert failed == 0, (live, failed)
+assert live == 0 and stats.allocation_counts.current_bytes == 0, (live, stats.allocation_counts)
 """
     )
     result = lambda out: [l for l in out.splitlines() if l.startswith("RESULT")][0]

@@ -6,6 +6,7 @@ import ctypes
 import importlib
 import inspect
 import pathlib
+import sys
 
 import pytest
 
@@ -29,9 +30,9 @@ def test_exception_hierarchy():
 
 
 def test_first_driver_call_names_the_missing_driver(no_driver):
-    if not no_driver:
-        return
-    for call in (
+    """Without a driver (CI) each call raises DriverNotFoundError naming it; where a driver is installed
+    the same calls succeed (the host suite run on a GPU machine)."""
+    calls = (
         lambda: mempool.DeviceBuffer(size=100),
         lambda: mempool.DeviceBuffer.to_device(b"abc"),
         lambda: mr.CudaMemoryResource(),
@@ -39,8 +40,16 @@ def test_first_driver_call_names_the_missing_driver(no_driver):
         lambda: mr.ManagedMemoryResource(device=0),
         lambda: mr.get_current_device_resource(),
         lambda: mr.device_count(),
-        lambda: mempool.reinitialize(pool_allocator=True, initial_pool_size=2**20),
-    ):
+    )
+    if not no_driver:
+        old = mr.get_current_device_resource()
+        try:
+            for call in calls:
+                call()
+        finally:
+            mr.set_current_device_resource(old)
+        return
+    for call in calls:
         with pytest.raises(mempool.DriverNotFoundError) as e:
             call()
         assert "driver" in str(e.value).lower(), str(e.value)
@@ -74,12 +83,46 @@ def test_argument_validation_before_the_driver():
         mempool.reinitialize(logging=True)
     with pytest.raises(ValueError, match="ordinals"):
         mempool.reinitialize(devices=[-1])
+    with pytest.raises(ValueError, match="twice"):
+        mempool.reinitialize(devices=[0, 0])
+
+
+def test_reinitialize_takes_rmm_log_file_from_the_environment(monkeypatch, no_driver, tmp_path):
+    """As RMM: logging=True without log_file_name uses RMM_LOG_FILE (here the argument check passes and,
+    without a driver, the first driver call fails; with one, the log is named after the variable)."""
+    monkeypatch.setenv("RMM_LOG_FILE", str(tmp_path / "env.csv"))
+    if no_driver:
+        with pytest.raises(mempool.DriverNotFoundError):
+            mempool.reinitialize(logging=True)
+        return
+    old = mr.get_current_device_resource()
+    try:
+        mempool.reinitialize(logging=True)
+        cur = mr.get_current_device_resource()
+        assert cur.get_file_name() == str(tmp_path / "env.dev0.csv")
+    finally:
+        mr.set_current_device_resource(old)
+
+
+def test_value_chains_are_followed_one_level():
+    """A stream handle's ``.value`` (ctypes.c_void_p) is read once; an object whose ``.value`` has a
+    ``.value`` of its own (here: itself, which recursed without end before) is a TypeError."""
+
+    class SelfValued:
+        @property
+        def value(self):
+            return self
+
+    class NumbaLike:
+        handle = SelfValued()
+
+    with pytest.raises(TypeError, match="not an integer handle"):
+        mempool.DeviceBuffer(size=8, stream=NumbaLike())
 
 
 def test_stream_protocols_are_read_before_the_driver(no_driver):
-    """Every accepted stream form gets past argument parsing (it then fails on the missing driver)."""
-    if not no_driver:
-        return
+    """Every accepted stream form gets past argument parsing: without a driver it then fails on the
+    missing driver; with one it allocates on the legacy default stream (handle 0) each form names."""
 
     class Protocol:
         def __cuda_stream__(self):
@@ -94,9 +137,14 @@ def test_stream_protocols_are_read_before_the_driver(no_driver):
     class NumbaLike:
         handle = ctypes.c_void_p(None)
 
-    for s in (None, 0, 1, 2, Protocol(), TorchLike(), CupyLike(), NumbaLike()):
-        with pytest.raises(mempool.DriverNotFoundError):
-            mempool.DeviceBuffer(size=8, stream=s)
+    forms = (None, 0, Protocol(), TorchLike(), CupyLike(), NumbaLike())
+    for s in forms + (1, 2):
+        if no_driver:
+            with pytest.raises(mempool.DriverNotFoundError):
+                mempool.DeviceBuffer(size=8, stream=s)
+    if not no_driver:
+        for s in forms:
+            assert mempool.DeviceBuffer(size=8, stream=s).stream == 0, s
 
 
 def _stub_tree():
@@ -154,15 +202,15 @@ def test_rmm_names_are_there():
     "module, framework",
     [("mempool.allocators.cupy", "CuPy"), ("mempool.allocators.numba", "Numba"), ("mempool.allocators.torch", "PyTorch")],
 )
-def test_missing_framework_is_named(module, framework):
+def test_missing_framework_is_named(module, framework, monkeypatch):
+    """The framework is hidden (``sys.modules[name] = None`` makes its import fail) whether or not it is
+    installed, so the missing-framework path runs everywhere."""
     top = {"CuPy": "cupy", "Numba": "numba", "PyTorch": "torch"}[framework]
-    try:
-        importlib.import_module(top)
-        return  # installed here: nothing to check
-    except ImportError:
-        pass
-    with pytest.raises(ImportError, match=framework):
+    monkeypatch.setitem(sys.modules, top, None)
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError, match=framework) as e:
         importlib.import_module(module)
+    assert module in str(e.value), str(e.value)
 
 
 def test_extension_exports_the_c_abi(no_driver):

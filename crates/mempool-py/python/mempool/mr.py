@@ -8,6 +8,8 @@ their upstream alive.
 
 from __future__ import annotations
 
+import atexit
+import os
 from collections.abc import Iterable
 
 from ._lib import (
@@ -25,6 +27,7 @@ from ._lib import (
     Statistics,
     StatisticsResourceAdaptor,
     TrackingResourceAdaptor,
+    _flush_logs,
     device_count,
     get_current_device,
     get_per_device_resource,
@@ -57,6 +60,10 @@ __all__ = [
 ]
 
 _initialized = False
+
+# Every live LoggingResourceAdaptor's buffered lines reach its file at exit, as RMM flushes its logs: an
+# adaptor kept as a current resource lives until the process ends, and is never dropped.
+atexit.register(_flush_logs)
 
 
 def set_current_device_resource(mr: DeviceMemoryResource) -> None:
@@ -94,29 +101,34 @@ def reinitialize(
 
     - ``CudaMemoryResource``, or ``ManagedMemoryResource`` with ``managed_memory``;
     - under a ``PoolMemoryResource(initial_pool_size, maximum_pool_size)`` with ``pool_allocator``;
-    - under a ``LoggingResourceAdaptor`` with ``logging``, writing to ``log_file_name`` with ``.dev<N>``
-      inserted before its extension (one log per device), as RMM names them.
+    - under a ``LoggingResourceAdaptor`` with ``logging``, writing to ``log_file_name`` (else the environment
+      variable ``RMM_LOG_FILE``), which inserts ``.dev<N>`` before the extension (one log per device), as
+      RMM names them.
 
-    Memory allocated before keeps the resource it came from alive until it is freed.
+    Every device's resource is made before any is set: an error (a device that does not exist, a pool that
+    cannot be reserved) leaves every device's current resource as it was. Memory allocated before keeps
+    the resource it came from alive until it is freed.
     """
     global _initialized
     if isinstance(devices, int):
         devices = [devices]
     devices = list(devices)
-    if logging and not log_file_name:
-        raise ValueError("reinitialize(logging=True) needs log_file_name")
+    if logging and not log_file_name and not os.environ.get("RMM_LOG_FILE"):
+        raise ValueError("reinitialize(logging=True) needs log_file_name or the RMM_LOG_FILE environment variable")
     for dev in devices:
-        if not isinstance(dev, int) or dev < 0:
+        if not isinstance(dev, int) or isinstance(dev, bool) or dev < 0:
             raise ValueError(f"devices must be non-negative ordinals, got {dev!r}")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices lists a device twice: {devices}")
+    made = []
     for dev in devices:
         base = ManagedMemoryResource(device=dev) if managed_memory else CudaMemoryResource(device=dev)
         mr: DeviceMemoryResource = base
         if pool_allocator:
             mr = PoolMemoryResource(mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
         if logging:
-            assert log_file_name is not None
-            stem, dot, ext = log_file_name.rpartition(".")
-            name = f"{stem}.dev{dev}.{ext}" if dot else f"{log_file_name}.dev{dev}"
-            mr = LoggingResourceAdaptor(mr, log_file_name=name)
+            mr = LoggingResourceAdaptor(mr, log_file_name=log_file_name)
+        made.append((dev, mr))
+    for dev, mr in made:
         set_per_device_resource(dev, mr)
     _initialized = True

@@ -6,8 +6,9 @@
   so mempool's entry point throws a C++ exception, which PyTorch turns into this error).
 - ``torch.cuda.MemPool(mempool_torch_pool_allocator.allocator())`` with ``torch.cuda.use_mem_pool(pool)``
   routes one region of code: PyTorch's caching allocator carves blocks from segments mempool allocates,
-  and on a failure frees its cache, retries, and raises ``torch.OutOfMemoryError``.
-  ``mempool_torch_allocator`` works there too (a failure then raises at once, without the retry).
+  and on a failure (a NULL from ``mempool_torch_alloc_nullable``) frees its cache, retries, and raises
+  ``torch.OutOfMemoryError``. ``mempool_torch_allocator`` (which throws) is not supported under a
+  ``MemPool``: use ``mempool_torch_pool_allocator`` there.
 
 PyTorch's own ``torch.cuda.memory_stats`` raise under a pluggable allocator; read mempool's statistics
 instead (a ``StatisticsResourceAdaptor`` set as the current resource counts PyTorch's allocations).
@@ -24,8 +25,9 @@ __all__ = ["mempool_torch_allocator", "mempool_torch_pool_allocator", "allocator
 
 if not _lib._torch_alloc_raises():
     raise ImportError(
-        "this build of mempool has no C++ shim (no C++ compiler when it was built), so an out-of-memory in "
-        "PyTorch could not raise; rebuild with g++ installed"
+        "this build of mempool has no C++ shim (no C++ compiler when it was built, or built with "
+        "panic=abort), so an out-of-memory in PyTorch could not raise; rebuild with g++ installed and "
+        "panic=unwind"
     )
 
 _so = _lib._shared_object_path()
