@@ -49,10 +49,20 @@ impl Inner {
     /// Frees a buffer nobody holds any more, ordered on `stream`; parks it instead if it is the
     /// last buffer of a block that an importer keeps imported.
     pub(super) fn finish(&self, id: BufferId, shared: Shared, stream: StreamRef<'_>, deferred: bool) -> Result<()> {
-        let mut state = self.lock();
+        let result = self.finish_counted(id, shared, stream);
         if deferred {
+            // Only now, with the free queued (or the buffer parked) and counted, does a deferred
+            // buffer stop counting for `wait_idle`: a waiter woken earlier would read `freed` short.
+            let mut state = self.lock();
             state.deferred = state.deferred.saturating_sub(1);
+            drop(state);
+            self.changed.notify_all();
         }
+        result
+    }
+
+    fn finish_counted(&self, id: BufferId, shared: Shared, stream: StreamRef<'_>) -> Result<()> {
+        let mut state = self.lock();
         let base = shared.block_base;
         let last = state.blocks.get(&base).is_none_or(|b| b.live <= 1);
         let shared = if last {
