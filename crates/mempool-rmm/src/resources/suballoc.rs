@@ -31,7 +31,8 @@ impl StreamKey {
         // `ResourceUpstream::{allocate, deallocate}` only for the stream of the engine call in progress
         // (the suballoc crate's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the only
         // policies these resources run with: see `safe_policy`): the stream of an `allocate` or
-        // `deallocate`, which the caller keeps alive for the call, or the legacy default stream, which
+        // `deallocate` (also when `Sharded` runs the other engines' `release_unused` on it for an engine
+        // that is out of memory), which the caller keeps alive for the call, or the legacy default stream, which
         // `release_unused` passes and which is always valid. The two paths that replay stored keys never
         // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
         // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
