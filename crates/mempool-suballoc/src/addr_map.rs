@@ -107,7 +107,7 @@ impl<V: Copy + Default> AddrTable<V> {
 
     #[inline]
     fn find(&self, addr: u64) -> Option<usize> {
-        if self.len == 0 || addr == 0 {
+        if self.len == 0 {
             return None;
         }
         let mask = self.mask();
