@@ -86,6 +86,11 @@ enum Command {
         /// Log the first resource's warm-up run of the first point to FILE (RMM's CSV format, for `replay`).
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
+        /// Thread counts to sweep (e.g. 1,2,4,8): that many threads, each on its own stream, each running
+        /// the workload against one shared resource; reports aggregate operations per second and scaling.
+        /// Each thread's point defaults to 50k ops, sizes to 64KiB, 256MiB live.
+        #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count_arg)]
+        threads: Vec<usize>,
     },
     /// Several streams allocating, computing on and freeing small buffers at once; sweeps the stream count.
     MultiStream {
@@ -346,8 +351,40 @@ fn run(cli: Cli) -> Result<()> {
             repeats,
             seed,
             log,
+            threads,
         } => {
             let specs = specs(&args, HOST_RESOURCES)?;
+            if !threads.is_empty() {
+                let d = random::THREADS_POINT;
+                let point = random::Point {
+                    n: n.unwrap_or(d.n),
+                    max_size: max_size.map_or(d.max_size, |v| v as usize),
+                    max_usage: max_usage.map_or(d.max_usage, |v| v as usize),
+                };
+                if point.max_usage < point.max_size {
+                    return Err(Error::Usage(format!(
+                        "--max-usage ({}) is smaller than --max-size ({})",
+                        Size(point.max_usage as u64),
+                        Size(point.max_size as u64)
+                    )));
+                }
+                if log.is_some() {
+                    return Err(Error::Usage(
+                        "--log records one thread's run; it does not go with --threads".into(),
+                    ));
+                }
+                let device = device("random", &args, &specs)?;
+                let params = random::ThreadsParams {
+                    point,
+                    threads,
+                    repeats,
+                    seed,
+                };
+                return finish(
+                    random::bench_threads(&common(specs, device, &args), &params)?,
+                    &args.output,
+                );
+            }
             let points = if n.is_none() && max_size.is_none() && max_usage.is_none() {
                 random::STANDARD_POINTS.to_vec()
             } else {

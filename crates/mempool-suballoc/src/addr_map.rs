@@ -4,7 +4,7 @@
 //! frees and wrong sizes in O(1). SipHash (the std default) guards against hash flooding, which
 //! cannot happen here: keys are addresses the engine itself chose.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// A hasher for `u64` addresses: a multiply folded so that the low bits (the bucket index) depend on
@@ -36,25 +36,39 @@ impl Hasher for AddrHasher {
 /// A map from block address to `V`.
 pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
-/// A set of block addresses.
-pub(crate) type AddrSet = HashSet<u64, BuildHasherDefault<AddrHasher>>;
+/// A map from non-zero block address to a `u32` slot (see [`AddrTable`]).
+pub(crate) type SlotMap = AddrTable<u32>;
 
-/// A map from non-zero block address to a `u32` slot: open addressing with linear probing, so a
-/// lookup reads one cache line (the key and the value sit side by side, four entries to a line)
-/// where a general-purpose table reads its control bytes and its buckets from two places. The pool
-/// engine does one lookup per operation on a table of ~100k live allocations, where that line is
-/// the operation's first cache miss.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SlotMap {
-    /// `(address, slot)`; address 0 marks an empty entry. Invariant: every entry is reachable from
+/// A set of non-zero block addresses, eight to a cache line (see [`AddrTable`]).
+pub(crate) type LiveSet = AddrTable<()>;
+
+/// A map from non-zero block address to a small `Copy` value: open addressing with linear probing,
+/// so a lookup reads one cache line (the key and the value sit side by side) where a
+/// general-purpose table reads its control bytes and its buckets from two places. The engines do
+/// one lookup per operation on tables of ~100k live allocations, where that line is the
+/// operation's first cache miss. The hash is a multiply of the address's granule number: addresses
+/// are ones the engine chose, so no flooding defence is needed.
+#[derive(Debug, Clone)]
+pub(crate) struct AddrTable<V> {
+    /// `(address, value)`; address 0 marks an empty entry. Invariant: every entry is reachable from
     /// its home position `hash(addr)` by probing forward without crossing an empty entry.
-    entries: Vec<(u64, u32)>,
+    entries: Vec<(u64, V)>,
     len: usize,
     /// `64 - log2(entries.len())`: the hash's top bits pick the home position.
     shift: u32,
 }
 
-impl SlotMap {
+impl<V> Default for AddrTable<V> {
+    fn default() -> Self {
+        Self {
+            entries: Vec::new(),
+            len: 0,
+            shift: 0,
+        }
+    }
+}
+
+impl<V: Copy + Default> AddrTable<V> {
     const MIN_CAPACITY: usize = 64;
 
     #[inline]
@@ -73,9 +87,9 @@ impl SlotMap {
         self.len
     }
 
-    /// Maps `addr` (non-zero, not present) to `slot`.
+    /// Maps `addr` (non-zero, not present) to `value`.
     #[inline]
-    pub(crate) fn insert(&mut self, addr: u64, slot: u32) {
+    pub(crate) fn insert(&mut self, addr: u64, value: V) {
         debug_assert_ne!(addr, 0, "address 0 marks empty entries");
         // Keep the load at most one half: probes stay within a line or two.
         if (self.len + 1) * 2 > self.entries.len() {
@@ -87,10 +101,11 @@ impl SlotMap {
             debug_assert_ne!(self.entries[i].0, addr, "address {addr:#x} inserted twice");
             i = (i + 1) & mask;
         }
-        self.entries[i] = (addr, slot);
+        self.entries[i] = (addr, value);
         self.len += 1;
     }
 
+    #[inline]
     fn find(&self, addr: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
@@ -106,18 +121,17 @@ impl SlotMap {
         }
     }
 
-    /// The slot of `addr`.
+    /// The value of `addr`.
     #[inline]
-    #[cfg(test)]
-    pub(crate) fn get(&self, addr: u64) -> Option<u32> {
+    pub(crate) fn get(&self, addr: u64) -> Option<V> {
         self.find(addr).map(|i| self.entries[i].1)
     }
 
-    /// Removes `addr`, returning its slot.
+    /// Removes `addr`, returning its value.
     #[inline]
-    pub(crate) fn remove(&mut self, addr: u64) -> Option<u32> {
+    pub(crate) fn remove(&mut self, addr: u64) -> Option<V> {
         let mut hole = self.find(addr)?;
-        let slot = self.entries[hole].1;
+        let value = self.entries[hole].1;
         self.len -= 1;
         // Backward-shift deletion: pull later entries of the probe run into the hole when the hole
         // lies between their home and where they sit, so no tombstones are needed.
@@ -136,23 +150,30 @@ impl SlotMap {
                 hole = i;
             }
         }
-        self.entries[hole] = (0, 0);
-        Some(slot)
+        self.entries[hole] = (0, V::default());
+        Some(value)
     }
 
-    /// Every `(address, slot)`, in no particular order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+    /// Every `(address, value)`, in no particular order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
         self.entries.iter().copied().filter(|&(a, _)| a != 0)
     }
 
+    /// Removes every entry (keeping the table's memory).
+    pub(crate) fn clear(&mut self) {
+        self.entries.fill((0, V::default()));
+        self.len = 0;
+    }
+
+    #[cold]
     fn grow(&mut self) {
         let capacity = (self.entries.len() * 2).max(Self::MIN_CAPACITY);
-        let old = std::mem::replace(&mut self.entries, vec![(0, 0); capacity]);
+        let old = std::mem::replace(&mut self.entries, vec![(0, V::default()); capacity]);
         self.shift = 64 - capacity.trailing_zeros();
         self.len = 0;
-        for (a, s) in old {
+        for (a, v) in old {
             if a != 0 {
-                self.insert(a, s);
+                self.insert(a, v);
             }
         }
     }

@@ -4,10 +4,11 @@
 use std::collections::HashMap;
 
 use super::addr_map::AddrMap;
-use super::chunks::{check_balance, check_disjoint};
+use super::block_table::{BlockTable, SizeIndex};
+use super::chunks::check_balance;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
-use crate::free_list::{Block, FreeList};
+use crate::free_list::Block;
 use crate::pool::{PoolConfig, PoolEngine};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
@@ -40,28 +41,20 @@ impl Default for ArenaConfig {
     }
 }
 
-/// A superblock held by a per-stream arena.
-#[derive(Debug, Clone, Copy)]
-struct Superblock<S> {
-    /// The arena (stream) that carves it. Only work ordered after this stream reuses its blocks.
-    owner: S,
-    /// Bytes of live allocations inside it.
-    used: u64,
-}
-
 /// One stream's arena.
 #[derive(Debug)]
 struct StreamArena<S> {
     stream: S,
-    /// Free blocks inside this arena's superblocks, `chunk` naming the superblock, so that blocks
-    /// coalesce only within one superblock. Invariant: with the live blocks of each superblock,
-    /// exactly covers it.
-    free: FreeList,
-    /// The arena's superblocks with no live block. The arena keeps one (so that a stream hovering
-    /// around a superblock boundary does not bounce superblocks through the global arena) and
-    /// returns the others when it next frees on its own stream. Invariant: exactly the superblocks
-    /// owned by `stream` whose `used` is 0.
-    empty: Vec<u64>,
+    /// Free blocks inside this arena's superblocks, indexed by size over the engine's block table
+    /// (owner: the arena's number), coalescing only within one superblock (the table never links
+    /// blocks of two superblocks). Invariant: with the live blocks tagged with this arena, exactly
+    /// covers the arena's superblocks.
+    free: SizeIndex,
+    /// Slots of the free blocks that span a whole superblock: the arena's superblocks with no live
+    /// block. The arena keeps one (so that a stream hovering around a superblock boundary does not
+    /// bounce superblocks through the global arena) and returns the others when it next frees on
+    /// its own stream. Invariant: exactly the whole-superblock blocks of `free`.
+    empty: Vec<u32>,
 }
 
 /// Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource`, on
@@ -71,15 +64,19 @@ struct StreamArena<S> {
 ///   allocations are superblocks and large blocks.
 /// - Each stream has an arena of superblocks taken from the global arena. Small requests (at most
 ///   half a superblock) are best fits within the stream's arena, coalescing within a superblock;
-///   no other stream touches them, so no event is needed to reuse them.
+///   no other stream touches them, so no event is needed to reuse them. The blocks of every arena
+///   sit in one table linked in address order within their superblock (as the pool's do), so a
+///   free finds its neighbours, its arena and whether its superblock became empty without a hash
+///   lookup beyond the one for the live allocation.
 /// - A superblock whose last block is freed goes back to the global arena (one empty superblock per
 ///   arena is kept), where the pool's event rule hands it to other streams; large requests go
 ///   straight to the global arena under the same rule.
 /// - A block freed on a stream other than its arena's goes back to its arena after the freeing
 ///   stream is synchronized (as RMM does), so the arena's stream needs no event to reuse it.
 ///
-/// Per-thread arenas, RMM's other mode, buy nothing here: an engine is `&mut` behind its
-/// resource's lock, so the lock, not the arena, is what threads contend on.
+/// Per-thread arenas, RMM's other mode, are what a shared resource adds on top: a
+/// [`SuballocatingResource`](../../mempool_rmm/struct.SuballocatingResource.html) keeps several
+/// engines and gives each thread its own (see [`crate::Sharded`]).
 ///
 /// ```
 /// use mempool_suballoc::{ArenaConfig, ArenaEngine, Engine, SimStream, SimStreams, SimUpstream};
@@ -114,11 +111,13 @@ where
     arena_index: HashMap<O::Stream, usize>,
     /// The arena found by the last lookup.
     last: usize,
-    /// Superblocks held by arenas, by start address.
-    superblocks: AddrMap<Superblock<O::Stream>>,
-    /// Live small allocations: address -> (size rounded to [`ALIGNMENT`], superblock). Invariant:
-    /// sizes add up to `small_used`, and per superblock to its `used`.
-    live: AddrMap<(u64, u64)>,
+    /// Superblocks held by arenas: start address -> the number of the arena that carves it.
+    /// Touched only when a superblock moves between an arena and the global arena.
+    superblocks: AddrMap<u32>,
+    /// Every block of every superblock, free (in its arena's `free`) or live (tagged with its
+    /// arena's number), with the live map of small allocations. Invariant: the live blocks add up
+    /// to `small_used`.
+    blocks: BlockTable,
     small_used: u64,
 }
 
@@ -139,11 +138,16 @@ where
                 return self.last;
             }
         }
+        self.arena_slow(stream)
+    }
+
+    #[cold]
+    fn arena_slow(&mut self, stream: O::Stream) -> usize {
         let arenas = &mut self.arenas;
         let i = *self.arena_index.entry(stream).or_insert_with(|| {
             arenas.push(StreamArena {
                 stream,
-                free: FreeList::new(),
+                free: SizeIndex::default(),
                 empty: Vec::new(),
             });
             arenas.len() - 1
@@ -165,17 +169,10 @@ where
                 .map_err(|e| e.with_requested(bytes))?,
             Err(e) => return Err(e.with_requested(bytes)),
         };
-        self.superblocks.insert(addr, Superblock { owner: stream, used: 0 });
+        self.superblocks.insert(addr, i as u32);
         let free = &mut self.arenas[i].free;
-        free.insert(Block {
-            addr,
-            size: sb_size,
-            chunk: addr,
-        });
-        free.take_best_fit(size).ok_or_else(|| Error::Upstream {
-            op: "allocate",
-            source: "a fresh superblock did not fit a small block".into(),
-        })
+        let slot = self.blocks.add_chunk(free, i as u32, addr, sb_size);
+        Ok(self.blocks.allocate_from(free, slot, size, i as u32))
     }
 
     /// Returns every arena's empty superblocks to the global arena, into `stream`'s list (the
@@ -190,20 +187,21 @@ where
             if self.arenas[i].stream != stream {
                 self.global.stream_order().synchronize(self.arenas[i].stream)?;
             }
-            while let Some(sb) = self.arenas[i].empty.pop() {
-                self.return_superblock(i, sb, stream)?;
+            while let Some(slot) = self.arenas[i].empty.pop() {
+                self.return_superblock(i, slot, stream)?;
                 n += 1;
             }
         }
         Ok(n)
     }
 
-    /// Moves the empty superblock `sb` from arena `i` to the global arena, freed on `stream`, which
-    /// must be ordered after every free into it.
-    fn return_superblock(&mut self, i: usize, sb: u64, stream: O::Stream) -> Result<(), Error> {
-        self.arenas[i].free.remove(sb);
-        self.superblocks.remove(&sb);
-        self.global.deallocate(sb, self.superblock_size, stream)
+    /// Moves the empty superblock whose free block is in `slot` from arena `i` to the global arena,
+    /// freed on `stream`, which must be ordered after every free into it. The caller has taken
+    /// `slot` off the arena's `empty` list.
+    fn return_superblock(&mut self, i: usize, slot: u32, stream: O::Stream) -> Result<(), Error> {
+        let sb = self.blocks.remove_whole(&mut self.arenas[i].free, slot);
+        self.superblocks.remove(&sb.addr);
+        self.global.deallocate(sb.addr, self.superblock_size, stream)
     }
 
     /// Superblocks currently held by per-stream arenas.
@@ -252,7 +250,7 @@ where
             arena_index: HashMap::new(),
             last: 0,
             superblocks: AddrMap::default(),
-            live: AddrMap::default(),
+            blocks: BlockTable::default(),
             small_used: 0,
         })
     }
@@ -276,20 +274,19 @@ where
             return self.global.allocate(bytes, stream);
         }
         let i = self.arena(stream);
-        let block = match self.arenas[i].free.take_best_fit(size) {
-            Some(b) => b,
+        let arena = &mut self.arenas[i];
+        let block = match arena.free.find(size) {
+            Some(slot) => {
+                if self.blocks.is_whole(slot) {
+                    // An empty superblock comes back into use.
+                    if let Some(k) = arena.empty.iter().position(|&e| e == slot) {
+                        arena.empty.swap_remove(k);
+                    }
+                }
+                self.blocks.allocate_from(&mut arena.free, slot, size, i as u32)
+            }
             None => self.new_superblock(bytes, size, stream, i)?,
         };
-        if let Some(sb) = self.superblocks.get_mut(&block.chunk) {
-            if sb.used == 0 {
-                let empty = &mut self.arenas[i].empty;
-                if let Some(k) = empty.iter().position(|&e| e == block.chunk) {
-                    empty.swap_remove(k);
-                }
-            }
-            sb.used += size;
-        }
-        self.live.insert(block.addr, (size, block.chunk));
         self.small_used += size;
         Ok(block.addr)
     }
@@ -311,35 +308,26 @@ where
         if size > self.small_max {
             return self.global.deallocate(addr, bytes, stream);
         }
-        let (sb_addr, owner) = match self.live.get(&addr) {
-            Some(&(s, sb)) if s == size => match self.superblocks.get(&sb) {
-                Some(sbi) => (sb, sbi.owner),
-                None => return Err(Error::UnknownAllocation { addr, bytes }),
-            },
-            _ => return Err(Error::UnknownAllocation { addr, bytes }),
+        let Some(slot) = self.blocks.live_slot(addr, size) else {
+            return Err(Error::UnknownAllocation { addr, bytes });
         };
+        let i = self.blocks.tag(slot) as usize;
+        let owner = self.arenas[i].stream;
         if owner != stream {
             self.global.stream_order().synchronize(stream)?;
         }
-        self.live.remove(&addr);
+        let taken = self.blocks.take_live(addr, size);
+        debug_assert_eq!(taken, Some(slot));
         self.small_used -= size;
-        let i = self.arena(owner);
-        self.arenas[i].free.insert(Block {
-            addr,
-            size,
-            chunk: sb_addr,
-        });
-        if let Some(sb) = self.superblocks.get_mut(&sb_addr) {
-            sb.used -= size;
-            if sb.used == 0 {
-                self.arenas[i].empty.push(sb_addr);
-            }
-        }
-        // Only on the arena's own stream: the superblock goes back into that stream's global list.
-        if owner == stream {
-            while self.arenas[i].empty.len() > 1 {
-                let sb = self.arenas[i].empty.swap_remove(0);
-                self.return_superblock(i, sb, stream)?;
+        let merged = self.blocks.insert_free(&mut self.arenas[i].free, i as u32, slot);
+        if self.blocks.is_whole(merged) {
+            self.arenas[i].empty.push(merged);
+            // Only on the arena's own stream: the superblock goes back into that stream's global list.
+            if owner == stream {
+                while self.arenas[i].empty.len() > 1 {
+                    let sb = self.arenas[i].empty.swap_remove(0);
+                    self.return_superblock(i, sb, stream)?;
+                }
             }
         }
         Ok(())
@@ -373,7 +361,7 @@ where
         self.arena_index.clear();
         self.last = 0;
         self.superblocks.clear();
-        self.live.clear();
+        self.blocks.clear();
         self.small_used = 0;
         self.global.release_synchronized()
     }
@@ -390,106 +378,87 @@ where
             used_bytes: used,
             free_bytes: g.reserved_bytes - used,
             free_blocks: g.free_blocks + self.arenas.iter().map(|a| a.free.len()).sum::<usize>(),
-            live_allocations: self.live.len() + g.live_allocations - self.superblocks.len(),
+            live_allocations: self.blocks.live_len() + g.live_allocations - self.superblocks.len(),
             upstream_chunks: g.upstream_chunks,
         }
     }
 
     /// Checks the global arena's invariants (as a pool's), that every superblock is a live global
-    /// allocation owned by the arena that lists its free blocks, that within each superblock free
-    /// and live blocks are aligned, disjoint and add up to it, and that free + used = reserved.
+    /// allocation owned by an arena, that the block table tiles every superblock with the blocks of
+    /// its own arena (free ones in that arena's index, live ones tagged with it), that the arenas'
+    /// `empty` lists hold exactly their whole-superblock free blocks, and that free + used =
+    /// reserved.
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;
         let global_live: HashMap<u64, u64> = self.global.live().map(|b| (b.addr, b.size)).collect();
-        // Per superblock: (free bytes, live bytes).
-        let mut per_sb: HashMap<u64, (u64, u64)> = HashMap::new();
-        let mut blocks: Vec<(Block, &str)> = Vec::new();
-        for (&sb, info) in &self.superblocks {
+        for (&sb, &owner) in &self.superblocks {
             ensure!(
                 global_live.get(&sb) == Some(&sb_size),
                 "arena: superblock {sb:#x} is not a live {sb_size}-byte global allocation"
             );
             ensure!(
-                self.arena_index.contains_key(&info.owner),
-                "arena: superblock {sb:#x} is owned by {:?}, which has no arena",
-                info.owner
+                (owner as usize) < self.arenas.len(),
+                "arena: superblock {sb:#x} is owned by arena {owner}, which does not exist"
             );
-            per_sb.insert(sb, (0, 0));
         }
-        let mut empty_listed = 0;
+        self.blocks.check(
+            self.arenas.iter().enumerate().map(|(i, a)| (i as u32, &a.free)),
+            |chunk| self.superblocks.contains_key(&chunk).then_some(sb_size),
+        )?;
+        let mut chunks_seen = HashMap::new();
         for (i, arena) in self.arenas.iter().enumerate() {
             ensure!(
                 self.arena_index.get(&arena.stream) == Some(&i),
                 "arena: index of stream {:?} is wrong",
                 arena.stream
             );
-            arena.free.check_invariants()?;
-            for b in arena.free.iter() {
-                let sb = self.superblocks.get(&b.chunk);
+            let mut whole = 0;
+            for b in self.blocks.free_blocks(&arena.free) {
                 ensure!(
-                    sb.is_some_and(|s| s.owner == arena.stream),
+                    self.superblocks.get(&b.chunk) == Some(&(i as u32)),
                     "arena: free block {b:?} of {:?}'s arena is not in a superblock it owns",
                     arena.stream
                 );
-                if let Some(e) = per_sb.get_mut(&b.chunk) {
-                    e.0 += b.size;
+                chunks_seen.insert(b.chunk, ());
+                if b.size == sb_size {
+                    whole += 1;
                 }
-                blocks.push((b, "free"));
-            }
-            for &sb in &arena.empty {
-                ensure!(
-                    self.superblocks
-                        .get(&sb)
-                        .is_some_and(|s| s.used == 0 && s.owner == arena.stream),
-                    "arena: empty superblock {sb:#x} of {:?} is in use or not owned",
-                    arena.stream
-                );
             }
             let mut sorted = arena.empty.clone();
             sorted.sort_unstable();
             sorted.dedup();
             ensure!(
-                sorted.len() == arena.empty.len(),
-                "arena: {:?} lists an empty superblock twice",
-                arena.stream
+                sorted.len() == arena.empty.len()
+                    && whole == arena.empty.len()
+                    && arena.empty.iter().all(|&s| self.blocks.is_whole(s)),
+                "arena: {:?} lists {} empty superblocks, {whole} are",
+                arena.stream,
+                arena.empty.len()
             );
-            empty_listed += arena.empty.len();
         }
-        let empty_total = self.superblocks.values().filter(|s| s.used == 0).count();
-        ensure!(
-            empty_listed == empty_total,
-            "arena: {empty_total} superblocks are empty but the arenas list {empty_listed}"
-        );
         let mut small_used = 0;
-        for (&addr, &(size, sb)) in &self.live {
-            let Some(e) = per_sb.get_mut(&sb) else {
-                return Err(InvariantViolation(format!(
-                    "arena: live block {addr:#x} names unknown superblock {sb:#x}"
-                )));
-            };
-            e.1 += size;
-            small_used += size;
-            blocks.push((Block { addr, size, chunk: sb }, "live"));
+        for b in self.blocks.live_blocks() {
+            let slot = self.blocks.live_slot(b.addr, b.size);
+            let owner = slot.map(|s| self.blocks.tag(s));
+            ensure!(
+                owner.is_some() && self.superblocks.get(&b.chunk) == owner.as_ref(),
+                "arena: live block {b:?} is not tagged with the arena of its superblock"
+            );
+            chunks_seen.insert(b.chunk, ());
+            small_used += b.size;
         }
         ensure!(
             small_used == self.small_used,
             "arena: live small blocks add up to {small_used}, `small_used` says {}",
             self.small_used
         );
-        for (sb, &(free, used)) in &per_sb {
-            ensure!(
-                free + used == sb_size,
-                "arena: superblock {sb:#x} has {free} free + {used} live bytes, not {sb_size}"
-            );
-            ensure!(
-                self.superblocks.get(sb).is_some_and(|s| s.used == used),
-                "arena: superblock {sb:#x} counts the wrong number of used bytes"
-            );
-        }
-        check_disjoint("arena", &mut blocks, |b| {
-            b.chunk <= b.addr && b.end() <= b.chunk + sb_size
-        })?;
+        ensure!(
+            chunks_seen.len() == self.superblocks.len(),
+            "arena: {} superblocks, {} hold blocks",
+            self.superblocks.len(),
+            chunks_seen.len()
+        );
         check_balance("arena", &self.stats())
     }
 

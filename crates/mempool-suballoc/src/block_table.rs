@@ -38,7 +38,8 @@ struct Node {
     next: u32,
     /// The free list holding the block, [`LIVE`] or [`VACANT`].
     owner: u32,
-    /// Position in its size class's stack (small free blocks only).
+    /// Free small blocks: the position in its size class's stack. Live blocks: the tag given to
+    /// [`BlockTable::allocate_from`] (the arena engine's arena number).
     pos: u32,
 }
 
@@ -277,14 +278,17 @@ impl BlockTable {
     }
 
     /// Allocates `size` bytes (aligned, at most the block's size) from the high end of free block
-    /// `slot` of `index`; the rest stays free in `index` at the same address.
+    /// `slot` of `index`; the rest stays free in `index` at the same address. The live block keeps
+    /// `tag` (see [`tag`](Self::tag)).
     #[inline]
-    pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64) -> Block {
+    pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64, tag: u32) -> Block {
         index.remove(&mut self.nodes, slot);
         let n = self.nodes[slot as usize];
         debug_assert!(size <= n.size && n.owner != LIVE && n.owner != VACANT);
         let taken = if n.size == size {
-            self.nodes[slot as usize].owner = LIVE;
+            let node = &mut self.nodes[slot as usize];
+            node.owner = LIVE;
+            node.pos = tag;
             slot
         } else {
             let rest = n.size - size;
@@ -295,7 +299,7 @@ impl BlockTable {
                 prev: slot,
                 next: n.next,
                 owner: LIVE,
-                pos: 0,
+                pos: tag,
             });
             if n.next != NIL {
                 self.nodes[n.next as usize].prev = taken;
@@ -308,6 +312,36 @@ impl BlockTable {
         };
         let b = self.nodes[taken as usize].block();
         self.live.insert(b.addr, taken);
+        b
+    }
+
+    /// The slot of the live allocation of `size` bytes at `addr`, if there is one.
+    #[inline]
+    pub(crate) fn live_slot(&self, addr: u64, size: u64) -> Option<u32> {
+        self.live
+            .get(addr)
+            .filter(|&slot| self.nodes[slot as usize].size == size)
+    }
+
+    /// The tag a live block was allocated with.
+    #[inline]
+    pub(crate) fn tag(&self, slot: u32) -> u32 {
+        self.nodes[slot as usize].pos
+    }
+
+    /// Whether the block in `slot` spans its whole chunk.
+    #[inline]
+    pub(crate) fn is_whole(&self, slot: u32) -> bool {
+        let n = &self.nodes[slot as usize];
+        n.prev == NIL && n.next == NIL
+    }
+
+    /// Removes the free block in `slot` (of `index`), which spans its whole chunk, and returns it.
+    pub(crate) fn remove_whole(&mut self, index: &mut SizeIndex, slot: u32) -> Block {
+        debug_assert!(self.is_whole(slot));
+        index.remove(&mut self.nodes, slot);
+        let b = self.nodes[slot as usize].block();
+        self.vacate(slot);
         b
     }
 
@@ -324,9 +358,10 @@ impl BlockTable {
     }
 
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
-    /// list `owner`, merging it with its neighbours that are free in the same list.
+    /// list `owner`, merging it with its neighbours that are free in the same list. Returns the slot
+    /// of the merged free block.
     #[inline]
-    pub(crate) fn insert_free(&mut self, index: &mut SizeIndex, owner: u32, slot: u32) {
+    pub(crate) fn insert_free(&mut self, index: &mut SizeIndex, owner: u32, slot: u32) -> u32 {
         let mut slot = slot;
         let Node { prev, next, .. } = self.nodes[slot as usize];
         if prev != NIL && self.nodes[prev as usize].owner == owner {
@@ -354,6 +389,7 @@ impl BlockTable {
         }
         self.nodes[slot as usize].owner = owner;
         index.insert(&mut self.nodes, slot);
+        slot
     }
 
     /// Moves every block of `from` into `into` (list `owner`), coalescing.

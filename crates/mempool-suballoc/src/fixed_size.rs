@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use super::addr_map::{AddrMap, AddrSet};
+use super::addr_map::{AddrMap, LiveSet};
 use super::chunks::{check_balance, Chunks};
 use super::stream_lists::StreamLists;
 use crate::engine::Engine;
@@ -47,7 +47,7 @@ pub(crate) struct FixedCore<O: StreamOrder> {
     /// `live`, exactly the blocks of all chunks, each once.
     lists: StreamLists<O, Vec<u64>>,
     /// Live blocks.
-    live: AddrSet,
+    live: LiveSet,
 }
 
 impl<O: StreamOrder> FixedCore<O> {
@@ -67,7 +67,7 @@ impl<O: StreamOrder> FixedCore<O> {
             chunk_size,
             chunks: Chunks::default(),
             lists: StreamLists::new(policy),
-            live: AddrSet::default(),
+            live: LiveSet::default(),
         })
     }
 
@@ -89,7 +89,7 @@ impl<O: StreamOrder> FixedCore<O> {
             Some(a) => a,
             None => self.allocate_slow(upstream, order, requested, stream, i)?,
         };
-        self.live.insert(addr);
+        self.live.insert(addr, ());
         Ok(addr)
     }
 
@@ -129,7 +129,7 @@ impl<O: StreamOrder> FixedCore<O> {
     /// Frees the block at `addr` into `stream`'s list.
     #[inline]
     pub(crate) fn deallocate(&mut self, order: &O, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
-        if !self.live.remove(&addr) {
+        if self.live.remove(addr).is_none() {
             return Err(Error::UnknownAllocation { addr, bytes });
         }
         let i = self.lists.find(stream);
@@ -164,7 +164,7 @@ impl<O: StreamOrder> FixedCore<O> {
         for &a in self.lists.list(i) {
             *free_in.entry(chunk_of(a)).or_default() += 1;
         }
-        let unused: AddrSet = free_in
+        let unused: HashSet<u64> = free_in
             .into_iter()
             .filter(|&(_, n)| n == per_chunk)
             .map(|(c, _)| c)
@@ -230,7 +230,7 @@ impl<O: StreamOrder> FixedCore<O> {
         let bs = self.block_size;
         let mut seen = HashSet::with_capacity(self.live.len() + self.lists.blocks());
         let free = self.lists.iter().flat_map(|(_, l)| l.iter().map(|&a| (a, true)));
-        let live = self.live.iter().map(|&a| (a, false));
+        let live = self.live.iter().map(|(a, ())| (a, false));
         for (a, is_free) in free.chain(live) {
             let what = if is_free { "free" } else { "live" };
             ensure!(

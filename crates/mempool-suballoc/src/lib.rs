@@ -51,8 +51,10 @@
 //! | [`BinningEngine`] | `binning_memory_resource` | O(1) for binned sizes |
 //! | [`ArenaEngine`] | `arena_memory_resource` | as the pool's, within per-stream arenas |
 //!
-//! Engines take `&mut self`: a resource that is shared between threads wraps its engine in a
-//! `Mutex`. They are `Send` whenever their upstream, stream order and events are.
+//! Engines take `&mut self`. Threads share them through [`Sharded`]: several engines over one
+//! upstream, each behind its own lock, one per thread, so that threads do not queue on one lock
+//! (what `mempool-rmm`'s `SuballocatingResource` does). Engines are `Send` whenever their
+//! upstream, stream order and events are.
 //!
 //! An upstream that fails to take a chunk back ([`Upstream::deallocate`] returns an error) does not
 //! stop an engine: it forgets the chunk and reports the first such error from the call that returned
@@ -91,6 +93,7 @@ mod error;
 mod fixed_size;
 mod free_list;
 mod pool;
+mod sharded;
 mod stream_lists;
 mod stream_order;
 mod types;
@@ -107,6 +110,7 @@ pub use error::{BoxError, Error, InvariantViolation, OutOfMemoryCause};
 pub use fixed_size::{FixedSizeConfig, FixedSizeEngine};
 pub use free_list::{Block, FreeList};
 pub use pool::{PoolConfig, PoolEngine};
+pub use sharded::Sharded;
 pub use stream_order::{SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS};
 pub use types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 pub use upstream::{SimUpstream, SimUpstreamStats, Upstream, SIM_BASE_ADDRESS};

@@ -127,7 +127,7 @@ where
     fn take(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<Block, Error> {
         let i = self.lists.find(stream);
         if let Some(slot) = self.lists.list(i).find(size) {
-            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
+            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
         }
         self.take_slow(size, requested, stream, i)
     }
@@ -140,7 +140,7 @@ where
             if j != i {
                 if let Some(slot) = self.lists.list(j).find(size) {
                     self.lists.order_after(&self.order, stream, j)?;
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size));
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size, 0));
                 }
             }
         }
@@ -149,7 +149,7 @@ where
             if j != i && !self.lists.list(j).is_empty() {
                 self.merge_list(i, j)?;
                 if let Some(slot) = self.lists.list(i).find(size) {
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size));
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
                 }
             }
         }
@@ -157,7 +157,7 @@ where
         let slot = self
             .blocks
             .add_chunk(self.lists.list_mut(i), i as u32, addr, chunk_size);
-        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size);
+        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0);
         if chunk_size > size {
             // The remainder was allocated on `stream`; others must wait for it like for a free.
             self.lists.entered(&self.order, i);

@@ -308,3 +308,171 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
     });
     Ok(report)
 }
+
+/// The per-thread point of `random --threads` unless given: 50k operations, sizes to 64 KiB, at most
+/// 256 MiB live per thread.
+pub const THREADS_POINT: Point = Point {
+    n: 50_000,
+    max_size: 64 << 10,
+    max_usage: 256 << 20,
+};
+
+/// Parameters of `random --threads`.
+#[derive(Clone, Debug)]
+pub struct ThreadsParams {
+    /// Each thread's point (its own sequence: seed `seed + thread`).
+    pub point: Point,
+    /// Thread counts to sweep.
+    pub threads: Vec<usize>,
+    /// Timed runs per resource and thread count (median), after one warm-up run.
+    pub repeats: usize,
+    /// Seed of thread 0.
+    pub seed: u64,
+}
+
+/// One run of `threads` threads, each on its own stream (the legacy stream in the host simulation)
+/// running its own sequence against `mr`, started together; returns the wall time from the start to
+/// the last thread's end (its final frees and synchronize included), in seconds.
+fn run_threads(seqs: &[Vec<Op>], mr: &dyn MemoryResource, device: Option<&mempool_core::Device>) -> Result<f64> {
+    let ctx = device.map(|d| d.context()).transpose()?;
+    let streams: Vec<Option<Stream>> = match &ctx {
+        Some(ctx) => seqs
+            .iter()
+            .map(|_| Stream::new(ctx).map(Some))
+            .collect::<Result<_, _>>()?,
+        None => seqs.iter().map(|_| None).collect(),
+    };
+    let barrier = std::sync::Barrier::new(seqs.len() + 1);
+    let (start, results) = std::thread::scope(|scope| {
+        let handles: Vec<_> = seqs
+            .iter()
+            .zip(&streams)
+            .map(|(ops, stream)| {
+                let (barrier, ctx) = (&barrier, &ctx);
+                scope.spawn(move || -> Result<Instant> {
+                    let _bound = ctx.as_ref().map(|c| c.bind()).transpose()?;
+                    barrier.wait();
+                    run(ops, mr, stream.as_ref())?;
+                    Ok(Instant::now())
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        let results: Vec<Result<Instant>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Usage("a benchmark thread panicked".into())))
+            })
+            .collect();
+        (start, results)
+    });
+    let mut end = start;
+    for r in results {
+        end = end.max(r?);
+    }
+    Ok(end.duration_since(start).as_secs_f64())
+}
+
+/// `random --threads`: for each thread count, that many threads, each on its own stream, each running
+/// the random workload (its own sequence) against one shared resource; reports the aggregate operations
+/// per second and the scaling against the smallest thread count of the sweep.
+pub fn bench_threads(common: &Common, params: &ThreadsParams) -> Result<Report> {
+    let env = crate::env::Environment::detect(common.device.as_ref());
+    let mut report = Report::new(
+        "random-threads",
+        "the random workload on N threads at once, each on its own stream, against one shared resource",
+        env,
+    );
+    let p = params.point;
+    report.param(
+        "per thread",
+        format!(
+            "(n={}, max_size={}, max_usage={})",
+            p.n,
+            Size(p.max_size as u64),
+            Size(p.max_usage as u64)
+        ),
+    );
+    report.param(
+        "threads",
+        params
+            .threads
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    report.param("repeats", params.repeats);
+    report.param("seed", params.seed);
+    report.param("p_allocate", 0.73);
+    report.columns = vec![
+        Column::new("threads", 0),
+        Column::new("resource", 0),
+        Column::new("Mops/s (all threads)", 3),
+        Column::new("Mops/s per thread", 3),
+        Column::new(&format!("scaling vs {} thread(s)", params.threads[0]), 2),
+    ];
+    let max_threads = params.threads.iter().copied().max().unwrap_or(1);
+    let seqs: Vec<Vec<Op>> = (0..max_threads).map(|t| generate(&p, params.seed + t as u64)).collect();
+    let total = (params.threads.len() * common.specs.len()) as u64;
+    let mut progress = Progress::new(total, common.quiet);
+    let mut series: Vec<Vec<Option<f64>>> = vec![vec![None; params.threads.len()]; common.specs.len()];
+    for (si, spec) in common.specs.iter().enumerate() {
+        let mut first: Option<f64> = None;
+        for (ti, &threads) in params.threads.iter().enumerate() {
+            progress.set_label(format!("{spec} on {threads} thread(s)"));
+            let built = build(spec, common.device.as_ref())?;
+            let mr = built.resource.as_ref();
+            let seqs = &seqs[..threads];
+            run_threads(seqs, mr, common.device.as_ref())?;
+            let mut rates = Vec::new();
+            for _ in 0..params.repeats.max(1) {
+                let secs = run_threads(seqs, mr, common.device.as_ref())?;
+                rates.push((threads * p.n) as f64 / secs / 1e6);
+            }
+            let rate = median(&rates).unwrap_or(f64::NAN);
+            let base = *first.get_or_insert(rate);
+            series[si][ti] = Some(rate);
+            report.row(vec![
+                Cell::from(threads),
+                Cell::from(built.label.as_str()),
+                Cell::from(rate),
+                Cell::from(rate / threads as f64),
+                Cell::from(rate / base),
+            ]);
+            drop(built);
+            progress.inc();
+        }
+    }
+    progress.finish();
+    report.notes.push(format!(
+        "Mops/s: millions of operations (all threads' counted operations) per second of wall time from the \
+         common start to the last thread's end ({}); median of the timed runs after a warm-up run; a fresh \
+         resource per thread count.",
+        if common.device.is_some() {
+            "each thread's final frees and stream synchronize included"
+        } else {
+            "final frees included; host simulation, no GPU: on a host with few cores, scaling says little"
+        }
+    ));
+    report.chart = Some(Chart {
+        title: "Random workload on N threads: aggregate Mops/s (higher is better)".into(),
+        kind: ChartKind::Bars,
+        x_label: "threads".into(),
+        y_label: "million operations per second".into(),
+        categories: params.threads.iter().map(ToString::to_string).collect(),
+        series: common
+            .specs
+            .iter()
+            .zip(series)
+            .map(|(s, values)| Series {
+                name: s.to_string(),
+                values,
+            })
+            .collect(),
+        log_y: false,
+    });
+    Ok(report)
+}

@@ -4,7 +4,7 @@
 //! [`BinningResource`] and [`ArenaResource`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
 
@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use mempool_suballoc::{
     self as suballoc, ArenaConfig, BinningConfig, Engine, EngineConfig, EngineStats, EventPolicy, FixedSizeConfig,
-    PoolConfig, StreamOrder, Upstream,
+    PoolConfig, Sharded, StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
@@ -31,7 +31,8 @@ impl StreamKey {
         // `ResourceUpstream::{allocate, deallocate}` only for the stream of the engine call in progress
         // (the suballoc crate's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the only
         // policies these resources run with: see `safe_policy`): the stream of an `allocate` or
-        // `deallocate`, which the caller keeps alive for the call, or the legacy default stream, which
+        // `deallocate` (also when `Sharded` runs the other engines' `release_unused` on it for an engine
+        // that is out of memory), which the caller keeps alive for the call, or the legacy default stream, which
         // `release_unused` passes and which is always valid. The two paths that replay stored keys never
         // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
         // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
@@ -204,10 +205,37 @@ pub trait SuballocConfig: EngineConfig {
     /// The resource's name, as [`MemoryResource::name`] reports it and its errors name it
     /// (`PoolResource`, ...).
     const RESOURCE_NAME: &'static str;
+
+    /// Whether the resource may split the configuration over several engines, one per thread (see
+    /// [`SuballocatingResource`]): not when it sets a limit on the whole, which each engine would
+    /// apply on its own. Yes by default.
+    fn shardable(&self) -> bool {
+        true
+    }
+
+    /// The configuration of engine `i` of a sharded resource: by default the same for all; a
+    /// configuration with an initial reservation keeps it for engine 0 only, so that sharding does
+    /// not multiply it.
+    fn for_shard(&self, i: usize) -> Self {
+        let _ = i;
+        self.clone()
+    }
 }
 
 impl SuballocConfig for PoolConfig {
     const RESOURCE_NAME: &'static str = "PoolResource";
+
+    fn shardable(&self) -> bool {
+        self.maximum_size.is_none()
+    }
+
+    fn for_shard(&self, i: usize) -> Self {
+        let mut c = *self;
+        if i > 0 {
+            c.initial_size = 0;
+        }
+        c
+    }
 }
 
 impl SuballocConfig for FixedSizeConfig {
@@ -220,13 +248,44 @@ impl SuballocConfig for BinningConfig {
 
 impl SuballocConfig for ArenaConfig {
     const RESOURCE_NAME: &'static str = "ArenaResource";
+
+    fn shardable(&self) -> bool {
+        self.maximum_size.is_none()
+    }
+
+    fn for_shard(&self, i: usize) -> Self {
+        let mut c = *self;
+        if i > 0 {
+            c.initial_size = 0;
+        }
+        c
+    }
+}
+
+/// The most engines a shardable resource keeps: one per hardware thread, up to this.
+const MAX_SHARDS: usize = 16;
+
+/// How many engines a resource with `config` keeps.
+fn shard_count<C: SuballocConfig>(config: &C) -> usize {
+    if !config.shardable() {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_SHARDS))
 }
 
 /// The engine a resource runs: the one `C` names, over the upstream resource and CUDA events.
 type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>, CudaStreams>;
 
 /// A suballocator over any upstream [`MemoryResource`]: the engine that the configuration `C` names
-/// (see [`SuballocConfig`]), run against real streams, behind a lock.
+/// (see [`SuballocConfig`]), run against real streams.
+///
+/// - Threads do not share one lock: the resource keeps one engine per hardware thread (up to 16; a
+///   [`mempool_suballoc::Sharded`]), each behind its own lock, and a thread allocates from its own.
+///   A free goes to the engine that made the allocation (the calling thread's is tried first); an
+///   engine that runs out of memory first has the others return their unused chunks upstream. A
+///   configuration with a maximum size ([`PoolConfig::maximum_size`], [`ArenaConfig::maximum_size`])
+///   keeps one engine, since each engine would apply the limit on its own; an initial size is
+///   reserved by the first engine only.
 ///
 /// - `allocate` and `deallocate` go to the engine, keyed by the stream's handle; a stream reuses its
 ///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
@@ -261,7 +320,7 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 /// # Ok(()) }
 /// ```
 pub struct SuballocatingResource<C: SuballocConfig, U: MemoryResource> {
-    engine: Mutex<ResourceEngine<C, U>>,
+    engines: Sharded<ResourceEngine<C, U>>,
     adapter: Arc<ResourceUpstream<U>>,
 }
 
@@ -286,12 +345,11 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
         });
-        let engine = ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config)
-            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
-        Ok(SuballocatingResource {
-            engine: Mutex::new(engine),
-            adapter,
+        let engines = Sharded::new_indexed(shard_count(&config), |i| {
+            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config.for_shard(i))
         })
+        .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
+        Ok(SuballocatingResource { engines, adapter })
     }
 
     /// The upstream resource.
@@ -299,19 +357,15 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
         &self.adapter.upstream
     }
 
-    fn engine(&self) -> MutexGuard<'_, ResourceEngine<C, U>> {
-        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The engine's configuration, with sizes rounded as it uses them and the event policy it runs
-    /// with.
+    /// with (the first engine's, which keeps the initial size).
     pub fn config(&self) -> C {
-        self.engine().config()
+        self.engines.lock(0).config()
     }
 
-    /// The engine's bookkeeping: reserved, used and free bytes, blocks, upstream chunks.
+    /// The engines' bookkeeping, added up: reserved, used and free bytes, blocks, upstream chunks.
     pub fn stats(&self) -> EngineStats {
-        self.engine().stats()
+        self.engines.stats()
     }
 
     /// Returns to the upstream every chunk that holds no live allocation; live allocations stay
@@ -323,7 +377,7 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
     /// resource is how to see errors that `Drop` cannot report.
     pub fn release_unused(&self) -> Result<()> {
         let _bound = self.adapter.ctx.bind()?;
-        self.engine()
+        self.engines
             .release_unused(StreamKey::of(StreamRef::LEGACY))
             .map(drop)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
@@ -335,7 +389,7 @@ impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResou
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
         }
-        self.engine()
+        self.engines
             .allocate(bytes as u64, StreamKey::of(stream))
             .map(DeviceAddr)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
@@ -348,7 +402,7 @@ impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResou
         }
         // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
         // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
-        self.engine()
+        self.engines
             .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
     }
@@ -367,9 +421,8 @@ impl<C: SuballocConfig, U: MemoryResource> Drop for SuballocatingResource<C, U> 
     /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
     fn drop(&mut self) {
         self.adapter.releasing.store(true, Ordering::Release);
-        let engine = self.engine.get_mut().unwrap_or_else(PoisonError::into_inner);
-        let _ = engine.release();
-        // The engine's own drop then finds nothing left (or retries, still on the legacy stream).
+        let _ = self.engines.release();
+        // The engines' own drops then find nothing left (or retry, still on the legacy stream).
     }
 }
 

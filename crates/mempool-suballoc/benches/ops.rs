@@ -1,0 +1,137 @@
+//! One engine on one point of the standard random workload, timed with `Instant`, for profilers:
+//! `cargo bench -p mempool-suballoc --bench ops -- ENGINE POINT [REPEATS]` prints ns per operation,
+//! and under `valgrind --tool=callgrind --toggle-collect='*ops::run_ops*'` the instructions of the
+//! timed operations alone (divide by the operation count it prints). ENGINE is `pool`, `arena`,
+//! `binning` or `fixed_size`; POINT `small` (200k ops, 64 KiB, 4 GiB), `mid` (100k, 1 MiB, 16 GiB)
+//! or `large` (20k, 64 MiB, 16 GiB). `SUBALLOC_BENCH_OPS=N` replaces the operation count. The
+//! engines and the stream order are the criterion bench's (`engines.rs`): `SimUpstream`, one no-op
+//! stream. Results: `RESULTS-host.md`.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use mempool_suballoc::workload::{self, RandomOp as Op};
+use mempool_suballoc::{
+    ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, SimUpstream, StreamOrder,
+};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// A single stream whose events cost nothing.
+#[derive(Debug, Clone, Copy, Default)]
+struct OneStream;
+
+impl StreamOrder for OneStream {
+    type Stream = ();
+    type Event = ();
+    fn create_event(&self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn record(&self, _event: &mut (), _stream: ()) -> Result<(), Error> {
+        Ok(())
+    }
+    fn wait(&self, _stream: (), _event: &()) -> Result<(), Error> {
+        Ok(())
+    }
+    fn synchronize(&self, _stream: ()) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Runs `ops`, then frees what is left; returns the nanoseconds of the whole run.
+#[inline(never)]
+fn run_ops<E: Engine<Stream = ()>>(engine: &mut E, ops: &[Op], live: &mut Vec<(u64, u64)>) {
+    for &op in ops {
+        match op {
+            Op::Alloc(n) => match engine.allocate(n as u64, ()) {
+                Ok(a) => live.push((black_box(a), n as u64)),
+                Err(e) => panic!("failed to allocate {n} bytes: {e}"),
+            },
+            Op::Free(i) => {
+                let (a, n) = live.swap_remove(i);
+                if let Err(e) = engine.deallocate(a, n, ()) {
+                    panic!("failed to free {a:#x}: {e}");
+                }
+            }
+        }
+    }
+    for (a, n) in live.drain(..) {
+        if let Err(e) = engine.deallocate(a, n, ()) {
+            panic!("failed to free {a:#x}: {e}");
+        }
+    }
+}
+
+fn measure<C: EngineConfig>(config: C, ops: &[Op], repeats: usize) -> Vec<f64> {
+    let mut live = Vec::with_capacity(ops.len());
+    (0..repeats)
+        .map(|_| {
+            let mut engine: C::Engine<SimUpstream, OneStream> =
+                Engine::new(SimUpstream::new(), OneStream, config.clone()).expect("engine config");
+            let t = Instant::now();
+            run_ops(&mut engine, ops, &mut live);
+            let ns = t.elapsed().as_nanos() as f64 / ops.len() as f64;
+            drop(engine);
+            ns
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let usage = "usage: ops ENGINE(pool|arena|binning|fixed_size) POINT(small|mid|large) [REPEATS]";
+    let (engine, point) = match (args.first(), args.get(1)) {
+        (Some(e), Some(p)) => (e.as_str(), p.as_str()),
+        _ => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
+    let repeats: usize = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(5);
+    let (n, max_size, max_usage) = match point {
+        "small" => (200_000, 64 * KIB, 4 * GIB),
+        "mid" => (100_000, MIB, 16 * GIB),
+        "large" => (20_000, 64 * MIB, 16 * GIB),
+        _ => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
+    let n = std::env::var("SUBALLOC_BENCH_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(n);
+    let ops = workload::random_workload(n, max_size as usize, max_usage as usize, 0x5EED_0000 ^ max_size);
+    let ns = match engine {
+        "pool" => measure(PoolConfig::default(), &ops, repeats),
+        "arena" => measure(ArenaConfig::default(), &ops, repeats),
+        "binning" => {
+            let config = BinningConfig {
+                min_size_exponent: 8,
+                max_size_exponent: 64 - (max_size - 1).leading_zeros(),
+                ..Default::default()
+            };
+            measure(config, &ops, repeats)
+        }
+        "fixed_size" => {
+            let config = FixedSizeConfig {
+                block_size: max_size,
+                ..Default::default()
+            };
+            measure(config, &ops, repeats)
+        }
+        _ => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    };
+    let mut sorted = ns.clone();
+    sorted.sort_by(f64::total_cmp);
+    println!(
+        "{engine} {point}: {n} ops, median {:.1} ns/op (runs: {})",
+        sorted[sorted.len() / 2],
+        ns.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(", ")
+    );
+}
