@@ -208,7 +208,8 @@ pub trait SuballocConfig: EngineConfig {
 
     /// Whether the resource may split the configuration over several engines, one per thread (see
     /// [`SuballocatingResource`]): not when it sets a limit on the whole, which each engine would
-    /// apply on its own. Yes by default.
+    /// apply on its own, nor when it asks for an initial reservation, which users expect to be one
+    /// block that serves every thread (as in RMM). Yes by default.
     fn shardable(&self) -> bool {
         true
     }
@@ -226,7 +227,7 @@ impl SuballocConfig for PoolConfig {
     const RESOURCE_NAME: &'static str = "PoolResource";
 
     fn shardable(&self) -> bool {
-        self.maximum_size.is_none()
+        self.maximum_size.is_none() && self.initial_size == 0
     }
 
     fn for_shard(&self, i: usize) -> Self {
@@ -250,7 +251,7 @@ impl SuballocConfig for ArenaConfig {
     const RESOURCE_NAME: &'static str = "ArenaResource";
 
     fn shardable(&self) -> bool {
-        self.maximum_size.is_none()
+        self.maximum_size.is_none() && self.initial_size == 0
     }
 
     fn for_shard(&self, i: usize) -> Self {
@@ -284,8 +285,10 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 ///   A free goes to the engine that made the allocation (the calling thread's is tried first); an
 ///   engine that runs out of memory first has the others return their unused chunks upstream. A
 ///   configuration with a maximum size ([`PoolConfig::maximum_size`], [`ArenaConfig::maximum_size`])
-///   keeps one engine, since each engine would apply the limit on its own; an initial size is
-///   reserved by the first engine only.
+///   keeps one engine, since each engine would apply the limit on its own, and so does one with an
+///   initial size ([`PoolConfig::initial_size`], [`ArenaConfig::initial_size`]): the reservation
+///   asked for is one block that serves every thread, as in RMM. Each engine grows on its own, so a
+///   sharded resource may hold up to one engine's growth per thread more than a single engine would.
 ///
 /// - `allocate` and `deallocate` go to the engine, keyed by the stream's handle; a stream reuses its
 ///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
