@@ -157,6 +157,8 @@ impl Inner {
         if !wait {
             freed.extend(state.leases.disconnect(id));
             unparked = state.pins.importer_gone(id);
+            // Counted as deferred until `free_unparked` has freed them, so `wait_idle` waits.
+            state.deferred += unparked.len();
         }
         drop(state);
         self.finish_deferred(freed);
@@ -172,7 +174,10 @@ impl Inner {
             let mut state = self.lock();
             let freed = state.leases.disconnect(id);
             state.reclaimed += freed.len() as u64;
-            (freed, state.pins.importer_gone(id))
+            let unparked = state.pins.importer_gone(id);
+            // Counted as deferred until `free_unparked` has freed them, so `wait_idle` waits.
+            state.deferred += unparked.len();
+            (freed, unparked)
         };
         self.finish_deferred(freed);
         self.free_unparked(unparked);
@@ -197,6 +202,8 @@ impl Inner {
 
     /// Frees the parked buffers of blocks that no importer keeps imported any more, on the
     /// internal stream.
+    /// Frees buffers that were parked for a block an importer kept, once no importer keeps it; the
+    /// caller counted each in `deferred`, under the lock it unparked them with.
     fn free_unparked(&self, unparked: Vec<(u64, (BufferId, Shared))>) {
         for (base, (id, shared)) in unparked {
             {
@@ -211,6 +218,11 @@ impl Inner {
             if let Err(e) = self.free_now(id, shared, self.free_stream.as_ref()) {
                 record_drop_error(e);
             }
+            // The free is queued and counted: it stops counting for `wait_idle` (see the callers).
+            let mut state = self.lock();
+            state.deferred = state.deferred.saturating_sub(1);
+            drop(state);
+            self.changed.notify_all();
         }
     }
 }
