@@ -85,17 +85,9 @@ pub struct Sharded<E> {
 
 impl<E: Engine> Sharded<E> {
     /// `n` shards (at least one), each engine made by `make`; fails with `make`'s first error.
-    pub fn new(n: usize, make: impl FnMut() -> Result<E, Error>) -> Result<Self, Error> {
-        Self::new_indexed(n, {
-            let mut make = make;
-            move |_| make()
-        })
-    }
-
-    /// `n` shards (at least one), engine `i` made by `make(i)`; fails with `make`'s first error.
-    pub fn new_indexed(n: usize, mut make: impl FnMut(usize) -> Result<E, Error>) -> Result<Self, Error> {
+    pub fn new(n: usize, mut make: impl FnMut() -> Result<E, Error>) -> Result<Self, Error> {
         let shards = (0..n.max(1))
-            .map(|i| make(i).map(|e| Shard(Mutex::new(e))))
+            .map(|_| make().map(|e| Shard(Mutex::new(e))))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             shards: shards.into_boxed_slice(),

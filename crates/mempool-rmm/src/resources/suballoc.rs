@@ -213,14 +213,6 @@ pub trait SuballocConfig: EngineConfig {
     fn shardable(&self) -> bool {
         true
     }
-
-    /// The configuration of engine `i` of a sharded resource: by default the same for all; a
-    /// configuration with an initial reservation keeps it for engine 0 only, so that sharding does
-    /// not multiply it.
-    fn for_shard(&self, i: usize) -> Self {
-        let _ = i;
-        self.clone()
-    }
 }
 
 impl SuballocConfig for PoolConfig {
@@ -228,14 +220,6 @@ impl SuballocConfig for PoolConfig {
 
     fn shardable(&self) -> bool {
         self.maximum_size.is_none() && self.initial_size == 0
-    }
-
-    fn for_shard(&self, i: usize) -> Self {
-        let mut c = *self;
-        if i > 0 {
-            c.initial_size = 0;
-        }
-        c
     }
 }
 
@@ -252,14 +236,6 @@ impl SuballocConfig for ArenaConfig {
 
     fn shardable(&self) -> bool {
         self.maximum_size.is_none() && self.initial_size == 0
-    }
-
-    fn for_shard(&self, i: usize) -> Self {
-        let mut c = *self;
-        if i > 0 {
-            c.initial_size = 0;
-        }
-        c
     }
 }
 
@@ -348,8 +324,8 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
         });
-        let engines = Sharded::new_indexed(shard_count(&config), |i| {
-            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config.for_shard(i))
+        let engines = Sharded::new(shard_count(&config), || {
+            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config.clone())
         })
         .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
         Ok(SuballocatingResource { engines, adapter })
