@@ -39,6 +39,10 @@ mod docs_architecture {}
 mod docs_benchmarks {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/nccl.md")]
+mod docs_nccl {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/core.md")]
 mod docs_core {}
 
