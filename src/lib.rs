@@ -8,6 +8,8 @@
 //!   [`rmm::suballoc`] is `mempool-suballoc`, the suballocator engines (no CUDA dependency).
 //! - [`ipc`] (`mempool-ipc`): sharing pools and buffers between processes ([`ipc::Exporter`],
 //!   [`ipc::Importer`]) over Unix sockets.
+//! - `nccl` (`mempool-nccl`, feature `nccl`): NCCL collectives over mempool memory, NCCL opened at run
+//!   time.
 //!
 //! See the README and `docs/` for the guide, and `docs/architecture.md` for the map of the code.
 
@@ -16,6 +18,9 @@
 pub use mempool_core as core;
 pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
 pub use mempool_ipc as ipc;
+/// NCCL collectives over mempool memory (`mempool-nccl`, feature `nccl`).
+#[cfg(feature = "nccl")]
+pub use mempool_nccl as nccl;
 pub use mempool_rmm as rmm;
 
 // The guide's snippets, compiled (and, unless marked `no_run`, run) as doctests of this crate by
@@ -32,6 +37,10 @@ mod docs_architecture {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/benchmarks.md")]
 mod docs_benchmarks {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/nccl.md")]
+mod docs_nccl {}
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/core.md")]

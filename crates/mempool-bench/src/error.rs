@@ -14,6 +14,9 @@ pub enum Error {
     /// A resource failure.
     #[error(transparent)]
     Rmm(#[from] mempool_rmm::Error),
+    /// An NCCL failure (library missing, a collective that failed).
+    #[error(transparent)]
+    Nccl(#[from] mempool_nccl::Error),
     /// A file that cannot be read or written.
     #[error("{path}: {source}")]
     Io {

@@ -10,7 +10,9 @@ use clap::{Args, Parser, Subcommand};
 use mempool_bench::report::Report;
 use mempool_bench::spec::{self, ResourceSpec};
 use mempool_bench::units::{parse_size, Size};
-use mempool_bench::workloads::{self, fragmentation, grow, multi_stream, peer, query, random, replay, Common};
+use mempool_bench::workloads::{
+    self, allreduce, fragmentation, grow, multi_stream, peer, query, random, replay, Common,
+};
 use mempool_bench::{Error, Result};
 use mempool_core::Device;
 
@@ -138,6 +140,30 @@ enum Command {
         /// Queries to run.
         #[arg(long, value_delimiter = ',', default_value = "q1,q2,q3,q4,q5")]
         queries: Vec<String>,
+    },
+    /// Two or more GPUs: NCCL all-reduce bandwidth over registered VMM memory, unregistered pool memory
+    /// and cuMemAlloc memory (NCCL opened at run time: MEMPOOL_NCCL_LIBRARY or libnccl.so.2).
+    Allreduce {
+        #[command(flatten)]
+        output: OutputArgs,
+        /// GPUs to use, one rank each (default: every visible GPU; at least two).
+        #[arg(long, value_delimiter = ',')]
+        gpus: Vec<usize>,
+        /// Smallest all-reduce.
+        #[arg(long, default_value = "1MiB", value_parser = positive_size_arg)]
+        min: u64,
+        /// Largest all-reduce.
+        #[arg(long, default_value = "1GiB", value_parser = positive_size_arg)]
+        max: u64,
+        /// Each size is the previous one times this (2 or more).
+        #[arg(long, default_value_t = 4, value_parser = count_arg)]
+        factor: usize,
+        /// Untimed iterations per case.
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        /// Timed iterations per case.
+        #[arg(long, default_value_t = 20, value_parser = count_arg)]
+        iters: usize,
     },
     /// Two GPUs: device 1 reading device 0's pool memory (access granted) vs cuMemAlloc memory (peer access).
     Peer {
@@ -528,6 +554,56 @@ fn run(cli: Cli) -> Result<()> {
             grow::steps(&params)?;
             let device = device("grow", &args, &specs)?;
             finish(grow::bench(&common(specs, device, &args), &params)?, &args.output)
+        }
+        Command::Allreduce {
+            output,
+            gpus: chosen,
+            min,
+            max,
+            factor,
+            warmup,
+            iters,
+        } => {
+            if factor < 2 || min > max || !min.is_multiple_of(4) {
+                return Err(Error::Usage(format!(
+                    "sizes from --min {} to --max {} by --factor {factor}: need min <= max, min a multiple of 4 \
+                     bytes (i32 elements) and a factor of at least 2",
+                    Size(min),
+                    Size(max)
+                )));
+            }
+            let mut sizes = Vec::new();
+            let mut b = min;
+            while b <= max {
+                sizes.push(b as usize);
+                b = match b.checked_mul(factor as u64) {
+                    Some(next) => next,
+                    None => break,
+                };
+            }
+            let visible = gpus("allreduce", 2, None)?;
+            let devices = if chosen.is_empty() {
+                visible
+            } else {
+                let mut ds = Vec::new();
+                for i in chosen {
+                    let d = visible.get(i).copied().ok_or_else(|| {
+                        Error::Usage(format!(
+                            "--gpus: there is no GPU {i} ({} visible, numbered from 0)",
+                            visible.len()
+                        ))
+                    })?;
+                    ds.push(d);
+                }
+                ds
+            };
+            let params = allreduce::AllReduceParams {
+                devices,
+                sizes,
+                warmup,
+                iters,
+            };
+            finish(allreduce::bench(&params, output.quiet)?, &output)
         }
         Command::Peer {
             output,

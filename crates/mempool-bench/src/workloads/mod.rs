@@ -1,6 +1,7 @@
 //! The workloads. Each takes the specs to compare and its parameters, runs every resource over the
 //! same work, and returns a [`crate::report::Report`].
 
+pub mod allreduce;
 pub mod columns;
 pub mod fragmentation;
 pub mod grow;

@@ -1,0 +1,291 @@
+//! `allreduce` (two or more GPUs): NCCL all-reduce bandwidth over three kinds of memory in one run:
+//! registered VMM memory (`VmmResource`, `ncclCommRegister`), unregistered stream-ordered pool memory
+//! (`cuMemAllocFromPoolAsync`) and `cuMemAlloc` memory (what `cudaMalloc` returns). One process, one
+//! communicator per GPU (`ncclCommInitAll`), one group call per iteration; host time around a
+//! synchronize of every stream. algbw = bytes / time, busbw = algbw * 2(n-1)/n, as nccl-tests define
+//! them. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mempool_core::{Device, Stream};
+use mempool_nccl::{Comm, Group, ReduceOp, Registration};
+use mempool_rmm::containers::DeviceBuffer;
+use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, SharedResource, VmmResource};
+
+use crate::chart::{Chart, ChartKind, Series};
+use crate::error::{Error, Result};
+use crate::report::{Cell, Column, Report};
+use crate::units::Size;
+
+/// Parameters of the `allreduce` subcommand.
+#[derive(Clone, Debug)]
+pub struct AllReduceParams {
+    /// The GPUs, one rank each (at least two).
+    pub devices: Vec<Device>,
+    /// Bytes per all-reduce, each a multiple of 4 (the elements are i32).
+    pub sizes: Vec<usize>,
+    /// Untimed iterations per case.
+    pub warmup: usize,
+    /// Timed iterations per case.
+    pub iters: usize,
+}
+
+/// The memory kinds compared, in report order.
+const KINDS: [&str; 3] = ["VMM, registered", "pool, unregistered", "cuMemAlloc"];
+
+/// One measured case.
+#[derive(Clone, Debug)]
+pub struct AllReduceCase {
+    /// Bytes per all-reduce.
+    pub bytes: usize,
+    /// The memory kind (one of `KINDS`).
+    pub memory: &'static str,
+    /// Seconds per all-reduce.
+    pub seconds: f64,
+}
+
+impl AllReduceCase {
+    /// Algorithm bandwidth, GB/s (1e9 bytes per second).
+    pub fn algbw(&self) -> f64 {
+        self.bytes as f64 / self.seconds / 1e9
+    }
+
+    /// Bus bandwidth for `n` ranks, GB/s.
+    pub fn busbw(&self, n: usize) -> f64 {
+        busbw(self.algbw(), n)
+    }
+}
+
+/// nccl-tests' bus bandwidth of an all-reduce over `n` ranks.
+pub fn busbw(algbw: f64, n: usize) -> f64 {
+    algbw * 2.0 * (n as f64 - 1.0) / n as f64
+}
+
+fn resources(kind: &str, devices: &[Device]) -> Result<Vec<SharedResource>> {
+    devices
+        .iter()
+        .map(|d| -> Result<SharedResource> {
+            Ok(match kind {
+                "VMM, registered" => Arc::new(VmmResource::new(*d)?),
+                "pool, unregistered" => Arc::new(AsyncResource::new(d, AsyncOptions::default())?),
+                _ => Arc::new(CudaResource::new(d)?),
+            })
+        })
+        .collect()
+}
+
+/// One kind at one size: allocate, register (VMM), check one all-reduce's result, then time.
+fn measure_one(
+    kind: &'static str,
+    bytes: usize,
+    comms: &[Comm],
+    streams: &[Stream],
+    mrs: &[SharedResource],
+    p: &AllReduceParams,
+) -> Result<AllReduceCase> {
+    let n = comms.len();
+    let sends = streams
+        .iter()
+        .zip(mrs)
+        .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
+        .collect::<mempool_rmm::Result<Vec<_>>>()?;
+    let recvs = streams
+        .iter()
+        .zip(mrs)
+        .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
+        .collect::<mempool_rmm::Result<Vec<_>>>()?;
+    let mut regs: Vec<Registration> = Vec::new();
+    if kind == "VMM, registered" {
+        for (i, c) in comms.iter().enumerate() {
+            regs.push(c.register(&sends[i])?);
+            regs.push(c.register(&recvs[i])?);
+        }
+    }
+    for b in &sends {
+        b.fill(1)?; // every i32 is 0x01010101: the sum over n <= 255 ranks carries nothing
+    }
+    let round = || -> Result<()> {
+        let mut g = Group::start()?;
+        for (i, c) in comms.iter().enumerate() {
+            g.all_reduce::<i32>(c, &sends[i], &recvs[i], ReduceOp::Sum, streams[i].as_ref())?;
+        }
+        g.end()?;
+        Ok(())
+    };
+    let sync = || -> Result<()> {
+        for s in streams {
+            s.synchronize()?;
+        }
+        Ok(())
+    };
+    round()?;
+    sync()?;
+    let want = (n as u8).to_ne_bytes()[0];
+    for (i, r) in recvs.iter().enumerate() {
+        let mut head = [0u8; 4];
+        r.copy_to_host(0, &mut head)?;
+        let mut tail = [0u8; 4];
+        r.copy_to_host(bytes - 4, &mut tail)?;
+        if head != [want; 4] || tail != [want; 4] {
+            return Err(Error::Usage(format!(
+                "all-reduce of {kind} memory, {bytes} bytes: rank {i} holds {head:?}..{tail:?}, expected bytes of {want}"
+            )));
+        }
+    }
+    for _ in 0..p.warmup {
+        round()?;
+    }
+    sync()?;
+    let t = Instant::now();
+    for _ in 0..p.iters {
+        round()?;
+    }
+    sync()?;
+    let seconds = t.elapsed().as_secs_f64() / p.iters as f64;
+    drop(regs);
+    Ok(AllReduceCase {
+        bytes,
+        memory: kind,
+        seconds,
+    })
+}
+
+/// Runs every kind at every size.
+pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
+    if p.devices.len() < 2 {
+        return Err(Error::Usage(format!(
+            "allreduce needs at least two GPUs, {} given",
+            p.devices.len()
+        )));
+    }
+    mempool_nccl::disable_nvls()?;
+    let comms = Comm::init_all(&p.devices)?;
+    let streams = p
+        .devices
+        .iter()
+        .map(|d| Stream::new(&d.context()?))
+        .collect::<mempool_core::Result<Vec<_>>>()?;
+    let mut cases = Vec::new();
+    for kind in KINDS {
+        let mrs = resources(kind, &p.devices)?;
+        for &bytes in &p.sizes {
+            let c = measure_one(kind, bytes, &comms, &streams, &mrs, p)?;
+            if !quiet {
+                eprintln!(
+                    "allreduce: {kind}, {}: {:.1} GB/s busbw",
+                    Size(bytes as u64),
+                    c.busbw(p.devices.len())
+                );
+            }
+            cases.push(c);
+        }
+    }
+    drop(streams);
+    for c in comms {
+        c.destroy()?;
+    }
+    Ok(cases)
+}
+
+/// The `allreduce` report.
+pub fn bench(p: &AllReduceParams, quiet: bool) -> Result<Report> {
+    let cases = measure(p, quiet)?;
+    let n = p.devices.len();
+    let env = crate::env::Environment::detect(p.devices.first());
+    let mut report = Report::new(
+        "allreduce",
+        "NCCL all-reduce bandwidth: registered VMM memory vs unregistered pool memory vs cuMemAlloc",
+        env,
+    );
+    let names = p
+        .devices
+        .iter()
+        .map(|d| format!("{} ({})", d.ordinal(), d.name().unwrap_or_default()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    report.param("devices", names);
+    report.param("ranks", n);
+    report.param("nccl", mempool_nccl::library_version()?);
+    report.param("nccl_library", mempool_nccl::library_path()?);
+    report.param(
+        "NCCL_NVLS_ENABLE",
+        std::env::var("NCCL_NVLS_ENABLE").unwrap_or_default(),
+    );
+    report.param("dtype", "i32, sum, out of place");
+    report.param("warmup", p.warmup);
+    report.param("iters", p.iters);
+    report.columns = vec![
+        Column::new("size", 0),
+        Column::new("memory", 0),
+        Column::new("time us", 1),
+        Column::new("algbw GB/s", 2),
+        Column::new("busbw GB/s", 2),
+        Column::new("busbw vs cuMemAlloc", 3),
+    ];
+    let base = |bytes: usize| {
+        cases
+            .iter()
+            .find(|c| c.bytes == bytes && c.memory == "cuMemAlloc")
+            .map(|c| c.busbw(n))
+    };
+    for &bytes in &p.sizes {
+        for c in cases.iter().filter(|c| c.bytes == bytes) {
+            report.row(vec![
+                Cell::from(Size(bytes as u64).to_string()),
+                Cell::from(c.memory),
+                Cell::from(c.seconds * 1e6),
+                Cell::from(c.algbw()),
+                Cell::from(c.busbw(n)),
+                Cell::from(base(bytes).map(|b| c.busbw(n) / b)),
+            ]);
+        }
+    }
+    report.notes.push(format!(
+        "one process, {n} ranks (ncclCommInitAll), one ncclGroupStart/End per iteration; host time around a \
+         synchronize of every stream, divided by the iterations; busbw = algbw * 2(n-1)/n (nccl-tests)"
+    ));
+    report.chart = Some(Chart {
+        title: "all-reduce bus bandwidth".into(),
+        kind: ChartKind::Lines,
+        x_label: "bytes".into(),
+        y_label: "busbw GB/s".into(),
+        categories: p.sizes.iter().map(|&b| Size(b as u64).to_string()).collect(),
+        series: KINDS
+            .iter()
+            .map(|k| Series {
+                name: k.to_string(),
+                values: p
+                    .sizes
+                    .iter()
+                    .map(|&b| {
+                        cases
+                            .iter()
+                            .find(|c| c.bytes == b && c.memory == *k)
+                            .map(|c| c.busbw(n))
+                    })
+                    .collect(),
+            })
+            .collect(),
+        log_y: false,
+    });
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_bandwidth_is_nccl_tests_factor() {
+        assert_eq!(busbw(100.0, 2), 100.0);
+        assert_eq!(busbw(100.0, 4), 150.0);
+        assert_eq!(busbw(100.0, 8), 175.0);
+        let c = AllReduceCase {
+            bytes: 1 << 30,
+            memory: "cuMemAlloc",
+            seconds: 0.01,
+        };
+        assert!((c.algbw() - 107.374_182_4).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,61 @@
+//! # mempool-nccl
+//!
+//! NCCL collectives over mempool memory, with NCCL opened at run time: building needs neither CUDA nor
+//! NCCL, and a machine without NCCL gets [`Error::LibraryNotFound`] naming what was tried.
+//!
+//! - Loading: `$MEMPOOL_NCCL_LIBRARY` (a path) when set, else `libnccl.so.2`, then `libnccl.so`, once
+//!   per process ([`library_version`] reports `ncclGetVersion`). Every entry point is resolved once;
+//!   one the loaded NCCL lacks is [`Error::MissingSymbol`] naming the NCCL version that added it.
+//!   Opening a library runs its initializers, as linking it would: name only a library you trust.
+//! - [`Comm`]: a communicator (`init_all` for several GPUs of this process, `init_rank` with a
+//!   [`UniqueId`] for one rank per thread or process), destroyed on drop.
+//! - Collectives on mempool buffers ([`mempool_core::BufferView`], what `DeviceBuffer`, `PoolBuffer`
+//!   and the rest deref to), typed by [`NcclType`], with lengths, devices and streams checked before
+//!   NCCL is called; [`Group`] for driving several communicators from one thread.
+//! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live.
+//!
+//! NVLink multicast (NVLS) is NCCL's to enable: on shared machines set `NCCL_NVLS_ENABLE=0` before the
+//! first communicator (the crate's tests and `mempool-bench allreduce` do). Nothing here calls
+//! `cuMulticastCreate`. See docs/nccl.md.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod comm;
+mod error;
+pub mod sys;
+mod types;
+
+pub use comm::{Comm, Group, Registration, UniqueId};
+pub use error::{Error, Result};
+pub use types::{DataType, NcclType, ReduceOp};
+
+/// The loaded NCCL's version (`ncclGetVersion`) as `major.minor.patch`, loading it if needed.
+pub fn library_version() -> Result<String> {
+    Ok(sys::library()?.version_string())
+}
+
+/// Where the loaded NCCL came from (the path or name that opened), loading it if needed.
+pub fn library_path() -> Result<String> {
+    Ok(sys::library()?.path().to_owned())
+}
+
+/// Sets `NCCL_NVLS_ENABLE=0` unless the variable is already set, and refuses a setting other than `0`:
+/// what the tests and the benchmark call before the first communicator, on machines where NVLink
+/// multicast must stay off. Call it before any thread could read the environment (at the start of
+/// `main` or of a test).
+pub fn disable_nvls() -> Result<()> {
+    match std::env::var("NCCL_NVLS_ENABLE") {
+        Ok(v) if v.trim() == "0" => Ok(()),
+        Ok(v) => Err(Error::InvalidArgument {
+            call: "disable_nvls",
+            reason: format!(
+                "NCCL_NVLS_ENABLE is {v:?}: NVLink multicast must stay off on these machines; unset it or set it to 0"
+            ),
+        }),
+        Err(_) => {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+            Ok(())
+        }
+    }
+}

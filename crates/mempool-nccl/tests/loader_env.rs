@@ -1,0 +1,27 @@
+//! `MEMPOOL_NCCL_LIBRARY` pointing at a path that does not exist: every entry point reports the same
+//! cause, and nothing else is searched. One test per binary, since the library is opened once per
+//! process and the variable must be set before that.
+
+use mempool_nccl::{disable_nvls, library_version, Error, Group, UniqueId};
+
+#[test]
+fn a_wrong_library_path_is_reported_by_every_entry_point() {
+    std::env::set_var("MEMPOOL_NCCL_LIBRARY", "/nonexistent/libnccl.so.2");
+    let e = library_version().unwrap_err();
+    let Error::LibraryNotFound { tried } = &e else {
+        panic!("expected LibraryNotFound, got {e:?}")
+    };
+    assert_eq!(tried.len(), 1, "only the named path is tried: {tried:?}");
+    assert_eq!(tried[0].0, "/nonexistent/libnccl.so.2");
+    assert_eq!(UniqueId::new().unwrap_err(), e);
+    assert_eq!(Group::start().err(), Some(e.clone()));
+
+    // The NVLS guard: unset becomes 0, 0 stays, anything else is refused.
+    std::env::remove_var("NCCL_NVLS_ENABLE");
+    disable_nvls().unwrap();
+    assert_eq!(std::env::var("NCCL_NVLS_ENABLE").as_deref(), Ok("0"));
+    disable_nvls().unwrap();
+    std::env::set_var("NCCL_NVLS_ENABLE", "1");
+    let e = disable_nvls().unwrap_err();
+    assert!(e.to_string().contains("NVLink multicast must stay off"), "{e}");
+}

@@ -1,0 +1,222 @@
+//! Two GPUs, one process, one communicator per GPU (`ncclCommInitAll`), collectives over mempool memory:
+//! registered VMM memory (`VmmResource`, and the pool engine over it), unregistered stream-ordered pool
+//! memory, and what NCCL says when asked to register pool and `cuMemAlloc` memory. Values are integers,
+//! checked exactly. NCCL_NVLS_ENABLE=0 is set before the first communicator.
+//! `cargo test -p mempool-nccl --features gpu --test two_gpu -- --nocapture` (read the FINDING lines).
+#![cfg(feature = "gpu")]
+
+mod common;
+
+use std::sync::Arc;
+
+use mempool_core::{Device, Stream};
+use mempool_nccl::{Comm, Group, ReduceOp, Registration};
+use mempool_rmm::containers::DeviceBuffer;
+use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, PoolResource, SharedResource, VmmResource};
+
+const N: usize = 4 << 20; // 16 MiB of i32 per buffer: large enough for NCCL's registered paths.
+
+struct Rank {
+    dev: Device,
+    stream: Stream,
+}
+
+fn ranks() -> (Vec<Comm>, Vec<Rank>) {
+    common::setup();
+    let (d0, d1) = common::two_gpus();
+    let comms = Comm::init_all(&[d0, d1]).unwrap();
+    let ranks = [d0, d1]
+        .into_iter()
+        .map(|dev| Rank {
+            dev,
+            stream: Stream::new(&dev.context().unwrap()).unwrap(),
+        })
+        .collect();
+    (comms, ranks)
+}
+
+/// All-reduce (sum) and all-gather over buffers from `mrs[rank]`, registering them first when
+/// `register` is set. Returns what each registration call returned, per rank.
+fn sum_and_gather(
+    what: &str,
+    comms: &[Comm],
+    ranks: &[Rank],
+    mrs: &[SharedResource],
+    register: bool,
+) -> (Vec<Result<(), String>>, Result<(), String>) {
+    let sends: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&common::pattern(r, N), &rk.stream, mrs[r].clone()))
+        .collect();
+    let recvs: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&vec![-1; N], &rk.stream, mrs[r].clone()))
+        .collect();
+    let gathers: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&vec![-1; 2 * N], &rk.stream, mrs[r].clone()))
+        .collect();
+    let mut regs: Vec<Registration> = Vec::new();
+    let mut outcomes = Vec::new();
+    if register {
+        for (r, comm) in comms.iter().enumerate() {
+            let mut outcome = Ok(());
+            for b in [&sends[r], &recvs[r], &gathers[r]] {
+                match comm.register(b) {
+                    Ok(reg) => regs.push(reg),
+                    Err(e) => outcome = Err(e.to_string()),
+                }
+            }
+            outcomes.push(outcome);
+        }
+    }
+
+    let run = || -> mempool_nccl::Result<()> {
+        let mut g = Group::start()?;
+        for (r, comm) in comms.iter().enumerate() {
+            g.all_reduce::<i32>(comm, &sends[r], &recvs[r], ReduceOp::Sum, ranks[r].stream.as_ref())?;
+        }
+        g.end()?;
+        let mut g = Group::start()?;
+        for (r, comm) in comms.iter().enumerate() {
+            g.all_gather::<i32>(comm, &sends[r], &gathers[r], ranks[r].stream.as_ref())?;
+        }
+        g.end()
+    };
+    if let Err(e) = run() {
+        drop(regs);
+        return (outcomes, Err(e.to_string()));
+    }
+    let sum: Vec<i32> = (0..N).map(|j| 3 * (j % 1000) as i32).collect();
+    let gathered: Vec<i32> = common::pattern(0, N).into_iter().chain(common::pattern(1, N)).collect();
+    for (r, rk) in ranks.iter().enumerate() {
+        rk.stream.synchronize().unwrap();
+        common::check(
+            &format!("{what}: all-reduce on rank {r} ({})", rk.dev),
+            &common::from_bytes(&recvs[r].to_host().unwrap()),
+            &sum,
+        );
+        common::check(
+            &format!("{what}: all-gather on rank {r} ({})", rk.dev),
+            &common::from_bytes(&gathers[r].to_host().unwrap()),
+            &gathered,
+        );
+    }
+    drop(regs);
+    (outcomes, Ok(()))
+}
+
+#[test]
+fn two_gpu_registered_vmm_memory_all_reduce_and_all_gather() {
+    let _serial = common::serial();
+    let (comms, ranks) = ranks();
+    let vmm: Vec<SharedResource> = ranks
+        .iter()
+        .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+        .collect();
+    let (outcomes, ran) = sum_and_gather("VmmResource, registered", &comms, &ranks, &vmm, true);
+    println!("FINDING: ncclCommRegister of VmmResource memory: {outcomes:?}; collectives: {ran:?}");
+    ran.unwrap();
+    // NCCL documents user buffer registration for cuMem* memory (what ncclMemAlloc returns).
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+
+    let pooled: Vec<SharedResource> = ranks
+        .iter()
+        .map(|r| {
+            let ctx = r.dev.context().unwrap();
+            Arc::new(PoolResource::new(VmmResource::new(r.dev).unwrap(), &ctx, PoolConfig::default()).unwrap())
+                as SharedResource
+        })
+        .collect();
+    let (outcomes, ran) = sum_and_gather(
+        "PoolResource over VmmResource, registered",
+        &comms,
+        &ranks,
+        &pooled,
+        true,
+    );
+    println!(
+        "FINDING: ncclCommRegister of pool(vmm) suballocations (sub-ranges of cuMemCreate memory): {outcomes:?}; \
+         collectives: {ran:?}"
+    );
+    ran.unwrap();
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    drop((vmm, pooled));
+    for c in comms {
+        c.destroy().unwrap();
+    }
+}
+
+#[test]
+fn two_gpu_unregistered_pool_memory_all_reduce_and_all_gather() {
+    let _serial = common::serial();
+    let (comms, ranks) = ranks();
+    let pools: Vec<SharedResource> = ranks
+        .iter()
+        .map(|r| Arc::new(AsyncResource::new(&r.dev, AsyncOptions::default()).unwrap()) as SharedResource)
+        .collect();
+    let (_, ran) = sum_and_gather(
+        "AsyncResource (cuMemAllocFromPoolAsync), unregistered",
+        &comms,
+        &ranks,
+        &pools,
+        false,
+    );
+    ran.unwrap();
+    drop(pools);
+    for c in comms {
+        c.destroy().unwrap();
+    }
+}
+
+/// The issue's question: which memory can NCCL register? Each kind is registered, then used in the
+/// collectives (whose results are checked whatever registration said). Only the VMM case is asserted
+/// (above): for the others the test prints what NCCL answered.
+#[test]
+fn two_gpu_which_memory_nccl_registers() {
+    let _serial = common::serial();
+    let (comms, ranks) = ranks();
+    let kinds: Vec<(&str, Vec<SharedResource>)> = vec![
+        (
+            "stream-ordered pool memory (AsyncResource, cuMemAllocFromPoolAsync)",
+            ranks
+                .iter()
+                .map(|r| Arc::new(AsyncResource::new(&r.dev, AsyncOptions::default()).unwrap()) as SharedResource)
+                .collect(),
+        ),
+        (
+            "cuMemAlloc memory (CudaResource)",
+            ranks
+                .iter()
+                .map(|r| Arc::new(CudaResource::new(&r.dev).unwrap()) as SharedResource)
+                .collect(),
+        ),
+        (
+            "cuMemCreate memory (VmmResource)",
+            ranks
+                .iter()
+                .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+                .collect(),
+        ),
+    ];
+    let mut findings = Vec::new();
+    for (what, mrs) in &kinds {
+        let (outcomes, ran) = sum_and_gather(what, &comms, &ranks, mrs, true);
+        println!("FINDING: ncclCommRegister of {what}: {outcomes:?}; collectives afterwards (values checked when Ok): {ran:?}");
+        findings.push((what.to_string(), outcomes, ran));
+    }
+    println!("FINDINGS (NCCL {}):", mempool_nccl::library_version().unwrap());
+    for (what, o, ran) in &findings {
+        println!("  {what}: register {o:?}, collectives {ran:?}");
+    }
+    // Collectives on registered cuMemCreate memory are documented to work.
+    assert!(findings[2].2.is_ok(), "{findings:?}");
+    drop(kinds);
+    for c in comms {
+        c.destroy().unwrap();
+    }
+}
