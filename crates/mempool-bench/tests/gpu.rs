@@ -52,6 +52,9 @@ fn every_spec_builds_and_serves_device_memory() {
         "fixed(async,block=1MiB)",
         "expandable",
         "expandable(chunk=2MiB,reserve=4GiB)",
+        "vmm",
+        "vmm(peers=none)",
+        "pool(vmm)",
     ] {
         let built = build(&parse(text).unwrap(), Some(&dev)).unwrap_or_else(|e| panic!("{text}: {e}"));
         let mr = built.resource.as_ref();

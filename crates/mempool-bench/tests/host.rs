@@ -68,6 +68,10 @@ fn specs_parse_to_their_canonical_form() {
         ),
         ("expandable(reclaim=oom)", "expandable"),
         ("expandable(reclaim=growth)", "expandable(reclaim=growth)"),
+        ("vmm", "vmm"),
+        ("vmm(peers=all)", "vmm"),
+        ("vmm(peers=none)", "vmm(peers=none)"),
+        ("pool(vmm,initial=1GiB)", "pool(vmm,initial=1GiB)"),
     ];
     for (text, canonical) in cases {
         let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
@@ -137,6 +141,10 @@ fn bad_specs_say_where_and_what_is_accepted() {
         ("expandable(reclaim=never)", 11, "expected `oom` or `growth`"),
         ("expandable(chunk=0)", 11, "chunk must not be 0"),
         ("expandable(chunk=2MiB,chunk=4MiB)", 22, "given twice"),
+        ("vmm(async)", 4, "options only"),
+        ("vmm(peers=some)", 4, "expected `all` or `none`"),
+        ("vmm(size=1GiB)", 4, "no option `size`"),
+        ("vmm(peers=all,peers=none)", 14, "given twice"),
     ];
     for (text, pos, what) in cases {
         let e = parse(text).unwrap_err();

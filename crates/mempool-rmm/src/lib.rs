@@ -6,7 +6,8 @@
 //! - [`MemoryResource`]: the stream-ordered, object-safe trait every resource implements; its
 //!   documentation states the stream contract.
 //! - Resources over the driver ([`AsyncResource`], [`AsyncManagedResource`], [`CudaResource`],
-//!   [`ManagedResource`], [`PinnedHostResource`], [`HostPoolResource`]), over system memory the GPU
+//!   [`ManagedResource`], [`PinnedHostResource`], [`HostPoolResource`], [`VmmResource`]: one
+//!   `cuMemCreate` mapping per request, as NCCL's `ncclMemAlloc` makes them), over system memory the GPU
 //!   reaches through pageable memory access ([`SystemResource`], [`SamHeadroomResource`]), and over
 //!   closures ([`CallbackResource`]).
 //! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
@@ -48,3 +49,4 @@ pub use resources::{
     HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold,
     SamHeadroomResource, SuballocConfig, SuballocatingResource, SystemResource,
 };
+pub use resources::{PeerAccess, VmmOptions, VmmResource};

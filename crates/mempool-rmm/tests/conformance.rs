@@ -19,7 +19,7 @@ use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CallbackResource, CudaResource, Error, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource,
     MemoryResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource,
-    SystemResource, ALIGNMENT,
+    SystemResource, VmmResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -469,6 +469,9 @@ conformance! {
     // Small chunks: every allocation maps and spans chunk boundaries.
     expandable_reclaim_before_growth => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { reclaim: Reclaim::BeforeGrowth, ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
     expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30), ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
+    // One physical allocation per request (ncclMemAlloc's shape), and the pool engine over it.
+    vmm_resource => |d: &Device| Arc::new(VmmResource::new(*d).unwrap()) as SharedResource, FULL;
+    pool_over_vmm => |d: &Device| Arc::new(PoolResource::new(VmmResource::new(*d).unwrap(), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource, FULL;
     binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
 }
 
@@ -514,5 +517,6 @@ out_of_memory! {
     oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
     oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
     oom_expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource;
+    oom_vmm_resource => |d: &Device| Arc::new(VmmResource::new(*d).unwrap()) as SharedResource;
     oom_callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource;
 }

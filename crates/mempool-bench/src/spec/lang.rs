@@ -30,6 +30,9 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 granularity, at least 2MiB), reserve=SIZE (default: twice device memory),
                                 reclaim=oom|growth (unmap idle chunks only when out of memory, the
                                 default, or before every growth)
+  vmm[(peers=all|none)]         VmmResource: one cuMemCreate allocation mapped per request, as NCCL's
+                                ncclMemAlloc does (POSIX fd handles, recommended granularity); peers=all
+                                (default) grants every peer-capable device access, none only the owner
   pool(UPSTREAM[,OPTIONS])      PoolResource, coalescing best fit; options: initial=SIZE, max=SIZE|max
   binning(UPSTREAM[,OPTIONS])   BinningResource, power-of-two bins; options: min=SIZE, max=SIZE (powers of
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
@@ -108,6 +111,12 @@ pub enum ResourceSpec {
         /// `reclaim=growth`: unmap idle chunks before every growth ([`mempool_rmm::Reclaim::BeforeGrowth`]);
         /// `false` (`reclaim=oom`, the default): only when out of memory.
         reclaim_before_growth: bool,
+    },
+    /// `vmm[(peers=all|none)]`: [`VmmResource`](mempool_rmm::VmmResource).
+    Vmm {
+        /// `peers=none`: only the owning device has access; `false` (`peers=all`, the default): every
+        /// peer-capable device.
+        owner_only: bool,
     },
     /// `pool(UPSTREAM, ...)`: [`PoolResource`](mempool_rmm::PoolResource).
     Pool {
@@ -250,6 +259,9 @@ impl fmt::Display for ResourceSpec {
                     ("reclaim", reclaim_before_growth.then(|| "growth".to_owned())),
                 ],
             ),
+            ResourceSpec::Vmm { owner_only } => {
+                args(f, "vmm", None, &[("peers", owner_only.then(|| "none".to_owned()))])
+            }
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,
                 "pool",
@@ -689,6 +701,40 @@ impl Checker<'_> {
                     reclaim_before_growth: reclaim.unwrap_or(false),
                 }
             }
+            "vmm" => {
+                let mut owner_only = None;
+                for item in &node.items {
+                    match item {
+                        Item::Option { key, value, pos } if key == "peers" => {
+                            if owner_only.is_some() {
+                                return Err(self.err(*pos, "option `peers` given twice"));
+                            }
+                            owner_only = Some(match value.as_str() {
+                                "all" => false,
+                                "none" => true,
+                                _ => {
+                                    return Err(self.err(
+                                        *pos,
+                                        format!("peers: expected `all` or `none`, found `{value}`"),
+                                    ))
+                                }
+                            });
+                        }
+                        Item::Option { key, pos, .. } => {
+                            return Err(self.err(*pos, format!("`vmm` has no option `{key}` (its option: peers)")))
+                        }
+                        Item::Resource(r) => {
+                            return Err(self.err(
+                                r.pos,
+                                "`vmm` takes options only, no upstream (it maps physical memory itself)",
+                            ))
+                        }
+                    }
+                }
+                ResourceSpec::Vmm {
+                    owner_only: owner_only.unwrap_or(false),
+                }
+            }
             "pool" => {
                 let (upstream, opts) = self.upstream_and_options(node, &["initial", "max"])?;
                 let (mut initial, mut max) = (0, None);
@@ -764,7 +810,7 @@ impl Checker<'_> {
                     node.pos,
                     format!(
                         "unknown resource `{other}` (known: cuda, managed, async, async_managed, system, \
-                         sam_headroom, expandable, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                         sam_headroom, expandable, vmm, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
                     ),
                 ))
             }

@@ -8,7 +8,8 @@ use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CudaResource, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource, MemoryResource,
-    PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
+    PeerAccess, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
+    VmmOptions, VmmResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -82,6 +83,19 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             }
         }
         ResourceSpec::System => Arc::new(SystemResource::new(dev)?),
+        ResourceSpec::Vmm { owner_only } => Arc::new(VmmResource::with_options(
+            *dev,
+            VmmOptions {
+                peers: if *owner_only {
+                    PeerAccess::None
+                } else {
+                    PeerAccess::AllCapable
+                },
+                // POSIX descriptors where the device offers them, as VmmResource::new does.
+                handle_types: VmmOptions::default().handle_types & dev.vmm_support()?.handle_types(),
+                ..VmmOptions::default()
+            },
+        )?),
         ResourceSpec::Expandable {
             chunk,
             reserve,

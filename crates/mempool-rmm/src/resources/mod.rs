@@ -1,5 +1,5 @@
 //! Resources backed directly by the driver (stream-ordered pools of device and of managed memory,
-//! `cuMemAlloc`, managed and pinned host memory), over system memory the GPU reaches through pageable
+//! `cuMemAlloc`, managed and pinned host memory, one VMM mapping per request), over system memory the GPU reaches through pageable
 //! memory access, over callbacks, and the suballocating resources that run [`crate::suballoc`]'s engines
 //! over any upstream.
 
@@ -11,6 +11,7 @@ mod expandable;
 mod host_pool;
 mod suballoc;
 mod system;
+mod vmm;
 
 pub use async_managed::{AsyncManagedOptions, AsyncManagedResource};
 pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
@@ -22,3 +23,4 @@ pub use suballoc::{
     ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,
 };
 pub use system::{SamHeadroomResource, SystemResource};
+pub use vmm::{PeerAccess, VmmOptions, VmmResource};
