@@ -203,6 +203,9 @@ mod tests {
             supported: HandleTypes::POSIX_FILE_DESCRIPTOR,
         });
         assert_eq!(Status::of(&vmm), Status::Unsupported);
-        assert_eq!(Status::of(&Error::from(mempool_core::Error::DriverNotFound)), Status::DriverNotFound);
+        assert_eq!(
+            Status::of(&Error::from(mempool_core::Error::DriverNotFound)),
+            Status::DriverNotFound
+        );
     }
 }

@@ -203,8 +203,7 @@ fn peers_choice(peers: Option<PeersArg>) -> PyResult<PeersChoice> {
         Some(PeersArg::Devices(list)) => list
             .into_iter()
             .map(|o| {
-                usize::try_from(o)
-                    .map_err(|_| PyValueError::new_err(format!("peers: device ordinal {o} is negative")))
+                usize::try_from(o).map_err(|_| PyValueError::new_err(format!("peers: device ordinal {o} is negative")))
             })
             .collect::<PyResult<Vec<usize>>>()
             .map(PeersChoice::Devices),
@@ -226,7 +225,11 @@ pub struct VmmMemoryResource {
 impl VmmMemoryResource {
     #[new]
     #[pyo3(signature = (*, device = None, peers = Some(PeersArg::Name(String::from("all"))), gpu_direct_rdma = false))]
-    fn new(device: Option<usize>, peers: Option<PeersArg>, gpu_direct_rdma: bool) -> PyResult<PyClassInitializer<Self>> {
+    fn new(
+        device: Option<usize>,
+        peers: Option<PeersArg>,
+        gpu_direct_rdma: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let choice = peers_choice(peers)?;
         let d = device_or_current(device)?;
         let dev = mempool_capi::device::device(d).py()?;
