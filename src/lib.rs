@@ -38,6 +38,10 @@ mod docs_benchmarks {}
 mod docs_core {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/distributed.md")]
+mod docs_distributed {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/ipc.md")]
 mod docs_ipc {}
 
