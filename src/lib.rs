@@ -47,6 +47,10 @@ mod docs_nccl {}
 mod docs_core {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/distributed.md")]
+mod docs_distributed {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/ipc.md")]
 mod docs_ipc {}
 

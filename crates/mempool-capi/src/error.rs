@@ -87,9 +87,10 @@ impl Status {
                 C::DriverTooOld { .. } => Status::DriverTooOld,
                 C::NoDevice | C::NoSuchDevice { .. } => Status::NoDevice,
                 C::OutOfMemory { .. } => Status::OutOfMemory,
-                C::PoolsNotSupported { .. } | C::CapabilityMissing { .. } | C::HandleTypeNotSupported { .. } => {
-                    Status::Unsupported
-                }
+                C::PoolsNotSupported { .. }
+                | C::CapabilityMissing { .. }
+                | C::HandleTypeNotSupported { .. }
+                | C::VmmHandleTypeNotSupported { .. } => Status::Unsupported,
                 C::InvalidArgument(_) => Status::InvalidArgument,
                 _ => Status::Driver,
             },
@@ -186,5 +187,25 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mempool_core::HandleTypes;
+
+    #[test]
+    fn missing_capabilities_are_unsupported() {
+        let vmm = Error::from(mempool_core::Error::VmmHandleTypeNotSupported {
+            device: 0,
+            requested: HandleTypes::FABRIC,
+            supported: HandleTypes::POSIX_FILE_DESCRIPTOR,
+        });
+        assert_eq!(Status::of(&vmm), Status::Unsupported);
+        assert_eq!(
+            Status::of(&Error::from(mempool_core::Error::DriverNotFound)),
+            Status::DriverNotFound
+        );
     }
 }

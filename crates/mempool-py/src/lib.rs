@@ -73,6 +73,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mr::FixedSizeMemoryResource>()?;
     m.add_class::<mr::BinningMemoryResource>()?;
     m.add_class::<mr::ArenaMemoryResource>()?;
+    m.add_class::<mr::VmmMemoryResource>()?;
     m.add_class::<mr::Statistics>()?;
     m.add_class::<mr::StatisticsResourceAdaptor>()?;
     m.add_class::<mr::TrackingResourceAdaptor>()?;

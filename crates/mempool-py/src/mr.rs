@@ -20,7 +20,7 @@ use mempool_rmm::adaptors::{
 use mempool_rmm::suballoc::{ArenaConfig, FixedSizeConfig, PoolConfig};
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, CudaResource, FixedSizeResource, ManagedResource, MemoryResource,
-    PoolResource, ReleaseThreshold, SharedResource,
+    PeerAccess, PoolResource, ReleaseThreshold, SharedResource, VmmOptions, VmmResource,
 };
 
 use crate::errors::IntoPy;
@@ -175,6 +175,95 @@ impl CudaAsyncMemoryResource {
     /// Wraps an existing resource (the registry's default over the device's default pool).
     pub(crate) fn wrap(inner: SharedResource, device: usize) -> PyClassInitializer<Self> {
         PyResource::leaf(inner, device).add_subclass(CudaAsyncMemoryResource { typed: None })
+    }
+}
+
+/// `peers=` of `VmmMemoryResource` as Python gives it: a name (`"all"` is the only one) or device ordinals.
+#[derive(FromPyObject)]
+enum PeersArg {
+    Name(String),
+    Devices(Vec<i64>),
+}
+
+/// `peers=` checked before the driver is asked anything.
+enum PeersChoice {
+    All,
+    Owner,
+    Devices(Vec<usize>),
+}
+
+fn peers_choice(peers: Option<PeersArg>) -> PyResult<PeersChoice> {
+    match peers {
+        None => Ok(PeersChoice::Owner),
+        Some(PeersArg::Name(name)) if name == "all" => Ok(PeersChoice::All),
+        Some(PeersArg::Name(name)) => Err(PyValueError::new_err(format!(
+            "peers={name:?}: give \"all\" (every device that can access this one), None (the owning device \
+             only) or a list of device ordinals"
+        ))),
+        Some(PeersArg::Devices(list)) => list
+            .into_iter()
+            .map(|o| {
+                usize::try_from(o).map_err(|_| PyValueError::new_err(format!("peers: device ordinal {o} is negative")))
+            })
+            .collect::<PyResult<Vec<usize>>>()
+            .map(PeersChoice::Devices),
+    }
+}
+
+/// One `cuMemCreate` physical allocation, reservation and mapping per request, exportable as a POSIX file
+/// descriptor where the device supports it, with every device `peers` names granted read-write access:
+/// memory the way NCCL's `ncclMemAlloc` makes it, which NCCL can register (`ncclCommRegister`, PyTorch's
+/// `register_mem_pool`). mempool-rmm's `VmmResource`. Each allocation takes at least one granule
+/// (`granularity`, 2 MiB on current GPUs) and a free waits for its stream: put a `PoolMemoryResource` over
+/// it for many small buffers.
+#[pyclass(module = "mempool.mr", extends = PyResource, frozen)]
+pub struct VmmMemoryResource {
+    typed: Arc<VmmResource>,
+}
+
+#[pymethods]
+impl VmmMemoryResource {
+    #[new]
+    #[pyo3(signature = (*, device = None, peers = Some(PeersArg::Name(String::from("all"))), gpu_direct_rdma = false))]
+    fn new(
+        device: Option<usize>,
+        peers: Option<PeersArg>,
+        gpu_direct_rdma: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let choice = peers_choice(peers)?;
+        let d = device_or_current(device)?;
+        let dev = mempool_capi::device::device(d).py()?;
+        let peers = match choice {
+            PeersChoice::All => PeerAccess::AllCapable,
+            PeersChoice::Owner => PeerAccess::None,
+            PeersChoice::Devices(list) => PeerAccess::Devices(
+                list.into_iter()
+                    .map(mempool_capi::device::device)
+                    .collect::<Result<Vec<_>, _>>()
+                    .py()?,
+            ),
+        };
+        // POSIX file descriptors where the device can export them (what NCCL shares between processes);
+        // unexportable memory on a device that cannot, as `VmmResource::new` does.
+        let supported = dev.vmm_support().py()?.handle_types();
+        let options = VmmOptions {
+            handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR & supported,
+            peers,
+            gpu_direct_rdma,
+        };
+        let typed = Arc::new(VmmResource::with_options(dev, options).py()?);
+        let mr: SharedResource = typed.clone();
+        Ok(PyResource::leaf(mr, d).add_subclass(VmmMemoryResource { typed }))
+    }
+    /// The granularity (bytes) every allocation's size is rounded up to and its address aligned to.
+    #[getter]
+    fn granularity(&self) -> usize {
+        self.typed.granularity()
+    }
+    /// `(bytes, count)`: the physical bytes of the live allocations (each a whole number of granules) and
+    /// how many there are.
+    fn allocated(&self) -> (usize, usize) {
+        self.typed.allocated()
     }
 }
 

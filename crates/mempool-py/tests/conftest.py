@@ -5,6 +5,9 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; fails (never skips) without one")
+    config.addinivalue_line(
+        "markers", "two_gpu: needs two GPUs (one per process; also marked gpu); fails (never skips) with fewer"
+    )
 
 
 def _driver_present() -> bool:

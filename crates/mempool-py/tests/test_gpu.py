@@ -94,6 +94,7 @@ def test_every_resource_allocates():
         "tracking": mr.TrackingResourceAdaptor(cuda),
         "limiting": mr.LimitingResourceAdaptor(cuda, 2**20),
         "failure": mr.FailureCallbackResourceAdaptor(cuda, lambda n: False),
+        "vmm": mr.VmmMemoryResource(),
     }
     for name, r in resources.items():
         assert r.device == dev
@@ -124,6 +125,45 @@ def test_composition_and_current_resource():
         assert stats.allocation_counts.current_bytes == 0 and stats.allocation_counts.peak_bytes == 1234
     finally:
         mr.set_current_device_resource(old)
+
+
+def test_vmm_resource_alone_under_adaptors_and_as_current():
+    dev = mr.get_current_device()
+    vmm = mr.VmmMemoryResource()
+    g = vmm.granularity
+    assert g > 0 and g % 4096 == 0 and vmm.device == dev and vmm.name == "VmmResource", (g, vmm)
+    assert vmm.allocated() == (0, 0)
+    # One mapping per allocation, its size rounded up to whole granules, its address aligned to one.
+    a = mempool.DeviceBuffer.to_device(b"v" * 1000, mr=vmm)
+    b = mempool.DeviceBuffer(size=g + 1, mr=vmm)
+    assert a.ptr % g == 0 and b.ptr % g == 0, (hex(a.ptr), hex(b.ptr), g)
+    assert vmm.allocated() == (3 * g, 2), vmm.allocated()
+    assert a.tobytes() == b"v" * 1000
+    del a, b
+    assert vmm.allocated() == (0, 0), vmm.allocated()
+    # Under a pool and a binning resource, and as the current device resource.
+    pool = mr.PoolMemoryResource(vmm, initial_pool_size=4 * g)
+    binning = mr.BinningMemoryResource(pool, 8, 16)
+    stats = mr.StatisticsResourceAdaptor(binning)
+    old = mr.get_current_device_resource()
+    mr.set_current_device_resource(stats)
+    try:
+        bufs = [mempool.DeviceBuffer.to_device(bytes([i]) * (100 + 1000 * i)) for i in range(20)]
+        assert [x.tobytes() for x in bufs] == [bytes([i]) * (100 + 1000 * i) for i in range(20)]
+        assert stats.allocation_counts.current_count == 20, stats.allocation_counts
+        assert vmm.allocated()[1] >= 1 and vmm.allocated()[0] % g == 0, vmm.allocated()
+        del bufs
+    finally:
+        mr.set_current_device_resource(old)
+    # peers=None: the owner only; peers=[dev]: the owner named (allowed); a device that does not exist.
+    for peers in (None, [dev]):
+        r = mr.VmmMemoryResource(peers=peers)
+        x = mempool.DeviceBuffer.to_device(b"p" * 10, mr=r)
+        assert x.tobytes() == b"p" * 10 and r.allocated() == (g, 1), (peers, r.allocated())
+        del x
+    with pytest.raises(mempool.NoDeviceError) as e:
+        mr.VmmMemoryResource(peers=[dev, 4096])
+    assert "4096" in str(e.value), str(e.value)
 
 
 def test_pool_out_of_memory_names_the_size():

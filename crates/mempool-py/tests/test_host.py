@@ -38,6 +38,8 @@ def test_first_driver_call_names_the_missing_driver(no_driver):
         lambda: mr.CudaMemoryResource(),
         lambda: mr.CudaAsyncMemoryResource(),
         lambda: mr.ManagedMemoryResource(device=0),
+        lambda: mr.VmmMemoryResource(),
+        lambda: mr.VmmMemoryResource(peers=None),
         lambda: mr.get_current_device_resource(),
         lambda: mr.device_count(),
     )
@@ -85,6 +87,23 @@ def test_argument_validation_before_the_driver():
         mempool.reinitialize(devices=[-1])
     with pytest.raises(ValueError, match="twice"):
         mempool.reinitialize(devices=[0, 0])
+
+
+def test_vmm_resource_arguments_are_checked_before_the_driver():
+    with pytest.raises(ValueError, match='"all"') as e:
+        mr.VmmMemoryResource(peers="some")
+    assert "None" in str(e.value) and "ordinals" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="-1 is negative"):
+        mr.VmmMemoryResource(peers=[0, -1])
+    for bad in ([0, "x"], 3, True, [0.5]):
+        with pytest.raises(TypeError):
+            mr.VmmMemoryResource(peers=bad)
+    with pytest.raises(TypeError):
+        mr.VmmMemoryResource(gpu_direct_rdma="yes")
+    with pytest.raises(TypeError):
+        mr.VmmMemoryResource(0)  # device is keyword-only, as CudaMemoryResource's
+    with pytest.raises(OverflowError):
+        mr.VmmMemoryResource(device=-1)
 
 
 def test_reinitialize_takes_rmm_log_file_from_the_environment(monkeypatch, no_driver, tmp_path):

@@ -1,7 +1,7 @@
 # Type stubs of the extension module mempool._lib (crates/mempool-py/src).
 import os
 from types import TracebackType
-from typing import Any, Callable, Optional, Sequence, Union, final
+from typing import Any, Callable, Literal, Optional, Sequence, Union, final
 
 Stream = Any  # None, an int handle, an object with __cuda_stream__, or a PyTorch/CuPy/Numba stream
 
@@ -84,6 +84,18 @@ class ArenaMemoryResource(DeviceMemoryResource):
     def __init__(self, upstream_mr: DeviceMemoryResource, arena_size: Optional[int] = None, dump_log_on_failure: bool = False) -> None: ...
 
 @final
+class VmmMemoryResource(DeviceMemoryResource):
+    def __init__(
+        self,
+        *,
+        device: Optional[int] = None,
+        peers: Union[Literal["all"], None, Sequence[int]] = "all",
+        gpu_direct_rdma: bool = False,
+    ) -> None: ...
+    @property
+    def granularity(self) -> int: ...
+    def allocated(self) -> tuple[int, int]: ...
+
 class Statistics:
     @property
     def current_bytes(self) -> int: ...
