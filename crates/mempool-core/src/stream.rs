@@ -216,8 +216,11 @@ impl<'a> StreamRef<'a> {
         self.raw
     }
 
-    /// Blocks until all work queued on the stream is done.
+    /// Blocks until all work queued on the stream is done, with the view's context bound when it knows one.
     pub fn synchronize(&self) -> Result<()> {
+        // A special handle (the legacy or per-thread stream) means the stream of the current context: bind
+        // the context this view knows, so that a thread with no current context synchronizes the right one.
+        let _bound = self.ctx.map(|c| c.bind()).transpose()?;
         // SAFETY: a `StreamRef` is a live stream or a special handle for its lifetime (its constructors'
         // contracts).
         #[allow(unsafe_code)]
@@ -227,6 +230,7 @@ impl<'a> StreamRef<'a> {
 
     /// Whether all work queued on the stream has completed.
     pub fn is_idle(&self) -> Result<bool> {
+        let _bound = self.ctx.map(|c| c.bind()).transpose()?;
         // SAFETY: as in `synchronize`.
         #[allow(unsafe_code)]
         let r = unsafe { raw::stream::query(self.as_raw()) };
