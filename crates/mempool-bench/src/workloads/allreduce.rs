@@ -1,6 +1,7 @@
-//! `allreduce` (two or more GPUs): NCCL all-reduce bandwidth over three kinds of memory in one run:
-//! registered VMM memory (`VmmResource`, `ncclCommRegister`), unregistered stream-ordered pool memory
-//! (`cuMemAllocFromPoolAsync`) and `cuMemAlloc` memory (what `cudaMalloc` returns). One process, one
+//! `allreduce` (two or more GPUs): NCCL all-reduce bandwidth over three kinds of memory, each registered
+//! with `ncclCommRegister` and not, in one run: VMM memory (`VmmResource`, allocated as `ncclMemAlloc`
+//! does), stream-ordered pool memory (`cuMemAllocFromPoolAsync`) and `cuMemAlloc` memory (what
+//! `cudaMalloc` returns); unregistered `cuMemAlloc` memory is the baseline. One process, one
 //! communicator per GPU (`ncclCommInitAll`), one group call per iteration; host time around a
 //! synchronize of every stream. algbw = bytes / time, busbw = algbw * 2(n-1)/n, as nccl-tests define
 //! them. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`).
@@ -32,7 +33,14 @@ pub struct AllReduceParams {
 }
 
 /// The memory kinds compared, in report order.
-const KINDS: [&str; 3] = ["VMM, registered", "pool, unregistered", "cuMemAlloc"];
+const KINDS: [&str; 6] = [
+    "VMM, registered",
+    "VMM, unregistered",
+    "pool, registered",
+    "pool, unregistered",
+    "cuMemAlloc, registered",
+    "cuMemAlloc",
+];
 
 /// One measured case.
 #[derive(Clone, Debug)]
@@ -66,16 +74,18 @@ fn resources(kind: &str, devices: &[Device]) -> Result<Vec<SharedResource>> {
     devices
         .iter()
         .map(|d| -> Result<SharedResource> {
-            Ok(match kind {
-                "VMM, registered" => Arc::new(VmmResource::new(*d)?),
-                "pool, unregistered" => Arc::new(AsyncResource::new(d, AsyncOptions::default())?),
-                _ => Arc::new(CudaResource::new(d)?),
+            Ok(if kind.starts_with("VMM") {
+                Arc::new(VmmResource::new(*d)?)
+            } else if kind.starts_with("pool") {
+                Arc::new(AsyncResource::new(d, AsyncOptions::default())?)
+            } else {
+                Arc::new(CudaResource::new(d)?)
             })
         })
         .collect()
 }
 
-/// One kind at one size: allocate, register (VMM), check one all-reduce's result, then time.
+/// One kind at one size: allocate, register (the kinds named so), check one all-reduce's result, then time.
 fn measure_one(
     kind: &'static str,
     bytes: usize,
@@ -96,7 +106,7 @@ fn measure_one(
         .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
     let mut regs: Vec<Registration> = Vec::new();
-    if kind == "VMM, registered" {
+    if kind.ends_with(", registered") {
         for (i, c) in comms.iter().enumerate() {
             regs.push(c.register(&sends[i])?);
             regs.push(c.register(&recvs[i])?);
@@ -195,7 +205,7 @@ pub fn bench(p: &AllReduceParams, quiet: bool) -> Result<Report> {
     let env = crate::env::Environment::detect(p.devices.first());
     let mut report = Report::new(
         "allreduce",
-        "NCCL all-reduce bandwidth: registered VMM memory vs unregistered pool memory vs cuMemAlloc",
+        "NCCL all-reduce bandwidth: VMM, pool and cuMemAlloc memory, registered with NCCL and not",
         env,
     );
     let names = p
