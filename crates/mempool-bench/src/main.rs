@@ -141,8 +141,8 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_value = "q1,q2,q3,q4,q5")]
         queries: Vec<String>,
     },
-    /// Two or more GPUs: NCCL all-reduce bandwidth over registered VMM memory, unregistered pool memory
-    /// and cuMemAlloc memory (NCCL opened at run time: MEMPOOL_NCCL_LIBRARY or libnccl.so.2).
+    /// Two or more GPUs: NCCL all-reduce bandwidth over VMM, pool and cuMemAlloc memory, each registered
+    /// with NCCL and not (NCCL opened at run time: MEMPOOL_NCCL_LIBRARY or libnccl.so.2).
     Allreduce {
         #[command(flatten)]
         output: OutputArgs,
