@@ -23,6 +23,7 @@ use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
+use crate::trace::{self, Point};
 use crate::wire::{
     BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
     CAP_VMM,
@@ -238,7 +239,7 @@ impl Importer {
     /// out by themselves within [`ImporterOptions::max_release_delay`], when a batch is full, and
     /// before [`Importer::recv`] waits.
     pub fn flush_releases(&self) -> Result<()> {
-        self.inner.flush_releases()
+        self.inner.flush_releases(Point::ImporterSendOther)
     }
 
     /// The local device that has the exporter's GPU.
@@ -338,7 +339,7 @@ impl Importer {
         // The exporter may be waiting for these releases before it sends more: send them unless
         // a message is already here.
         if inner.pending.is_some() && !inner.session.readable() {
-            inner.flush_releases()?;
+            inner.flush_releases(Point::ImporterSendOnRecv)?;
         }
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
@@ -368,6 +369,7 @@ impl Importer {
             Err(e) => return Err(e),
         };
         let id = descriptor.buffer_id;
+        trace::mark(Point::ImporterFrame, id.0);
         let received = (|| -> Result<DeviceAddr> {
             let mut state = inner.lock();
             let base = state
@@ -384,16 +386,24 @@ impl Importer {
                         e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
                     }
                 };
-                if let Err(e) = stream.wait(event) {
-                    drop(state);
-                    let _ = inner.forget(id, stream);
-                    return Err(e.into());
+                // The exporter records the event before it sends the buffer and records it again only
+                // after the buffer is freed, which this importer's release comes before: complete
+                // now, the exporter's work on the buffer is done, and no GPU wait (on another
+                // process's event) is needed.
+                if !event.is_complete().unwrap_or(false) {
+                    trace::mark(Point::ImporterReadyPending, id.0);
+                    if let Err(e) = stream.wait(event) {
+                        drop(state);
+                        let _ = inner.forget(id, stream);
+                        return Err(e.into());
+                    }
                 }
             }
             Ok(ptr)
         })();
         match received {
             Ok(ptr) => {
+                trace::mark(Point::ImporterReceived, id.0);
                 // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
                 // `offset + size <= block_size`), which the import table keeps imported until this buffer is
                 // released, and reached by unified addressing; `stream` waits on the exporter's ready event (or
@@ -427,8 +437,9 @@ impl Importer {
 /// the importer's interprocess event on the buffer's stream and queues the release; the
 /// exporter orders every reuse of the memory after that event, on the GPU. (It still waits if
 /// it frees a block's import, which the exporter allows only for blocks it did not let this
-/// importer keep.) The importer's stream also waits for the previous release's event first, so
-/// that each recording of the event covers every release before it.
+/// importer keep.) The importer's stream also waits for the previous release's event first
+/// (unless that recording is already complete), so that each recording of the event covers every
+/// release before it.
 pub struct SharedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
@@ -508,8 +519,9 @@ impl Inner {
     /// block (a whole allocation), frees the block's import, which waits for `stream`: the release
     /// is then complete, as on the version-1 path, and `None` is returned (send a plain `Release`;
     /// an event would only add an interprocess wait on the exporter's side). Otherwise records the
-    /// release event on `stream` after making `stream` wait for its previous recording, so the
-    /// recording covers this release and every earlier one whatever stream they were on.
+    /// release event on `stream` after making `stream` wait for its previous recording (unless that
+    /// one is complete already), so the recording covers this release and every earlier one
+    /// whatever stream they were on.
     fn forget_fast(&self, id: BufferId, stream: StreamRef<'_>) -> Result<Option<EventHandle>> {
         let mut state = self.lock();
         if let Some(import) = state.table.release(id)? {
@@ -525,7 +537,9 @@ impl Inner {
         let Some((event, handle)) = state.release_event.as_ref() else {
             unreachable!("made above")
         };
-        if recorded {
+        // Only this importer records the event: complete now, every use its earlier recordings
+        // covered is done, and the new recording needs no wait to cover them too.
+        if recorded && !event.is_complete().unwrap_or(false) {
             stream.wait(event)?;
         }
         event.record(stream)?;
@@ -535,6 +549,7 @@ impl Inner {
     }
 
     fn release(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
+        trace::mark(Point::ImporterRelease, id.0);
         if let Some(pending) = &self.pending {
             match self.forget_fast(id, stream) {
                 Err(e) => {
@@ -545,7 +560,7 @@ impl Inner {
                 }
                 // The import was freed after `stream` was synchronized: complete, release it now.
                 Ok(None) => return ignore_gone(self.session.release(id)),
-                Ok(Some(_)) => {}
+                Ok(Some(_)) => trace::mark(Point::ImporterRecorded, id.0),
             }
             let send = {
                 let mut batch = lock_plain(&pending.batch);
@@ -556,7 +571,11 @@ impl Inner {
                 }
                 send
             };
-            return if send { self.flush_releases() } else { Ok(()) };
+            if !send {
+                trace::mark(Point::ImporterQueued, id.0);
+                return Ok(());
+            }
+            return self.flush_releases(Point::ImporterSendOnPush);
         }
         self.forget(id, stream)?;
         ignore_gone(self.session.release(id))
@@ -569,7 +588,7 @@ impl Inner {
         if self.pending.is_none() {
             return;
         }
-        if let Err(e) = self.flush_releases() {
+        if let Err(e) = self.flush_releases(Point::ImporterSendOther) {
             record_drop_error(e);
         }
         let kept = {
@@ -588,17 +607,26 @@ impl Inner {
         let _ = self.session.goodbye_and_wait(deadline);
     }
 
-    /// Sends the pending releases (fast release path), in batches.
-    fn flush_releases(&self) -> Result<()> {
+    /// Sends the pending releases (fast release path), in batches; `why` says who asked, for
+    /// [`trace`].
+    fn flush_releases(&self, why: Point) -> Result<()> {
         let Some(pending) = &self.pending else { return Ok(()) };
         loop {
             let buffers = lock_plain(&pending.batch).take(Instant::now());
             if buffers.is_empty() {
                 return Ok(());
             }
+            let traced = trace::is_enabled().then(|| buffers.clone());
+            for id in traced.iter().flatten() {
+                trace::mark(why, id.0);
+            }
             // Every buffer taken was released after the event's handle was known.
             let handle = self.lock().release_event.as_ref().map(|(_, h)| *h);
-            ignore_gone(self.session.release_batch(handle, buffers))?;
+            let sent = ignore_gone(self.session.release_batch(handle, buffers));
+            for id in traced.iter().flatten() {
+                trace::mark(Point::ImporterSent, id.0);
+            }
+            sent?;
         }
     }
 }
@@ -637,7 +665,7 @@ fn flush_when_due(pending: &Pending, inner: &Weak<Inner>) {
                 drop(batch);
                 // Gone: its drop flushed what was left.
                 let Some(inner) = inner.upgrade() else { return };
-                if let Err(e) = inner.flush_releases() {
+                if let Err(e) = inner.flush_releases(Point::ImporterSendOnTimer) {
                     record_drop_error(e);
                 }
                 drop(inner);
@@ -690,7 +718,7 @@ impl Drop for Inner {
             pending.stop.store(true, Ordering::Release);
             pending.changed.notify_all();
             // The releases still pending go out (with their event) before the Goodbye.
-            if let Err(e) = self.flush_releases() {
+            if let Err(e) = self.flush_releases(Point::ImporterSendOther) {
                 record_drop_error(e);
             }
         }
