@@ -344,10 +344,15 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
     );
     println!("({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path)");
     println!();
+    let stream = Stream::new(&ctx)?;
+    if diagnose {
+        // Before anything else: the v2 sub rows measured first were the slow ones.
+        traced_round_trip(&producer, &mut v2, &stream, 4 * KIB, false, "early, before the tables")?;
+        println!();
+    }
     println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer, median / mean)");
     println!("| size | iterations | v1 alloc | v2 alloc | v2 sub | host copy | v1 alloc / v2 sub (median) |");
     println!("|---:|---:|---:|---:|---:|---:|---:|");
-    let stream = Stream::new(&ctx)?;
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
         let old = round_trip_ipc(
@@ -765,51 +770,73 @@ fn print_steps(title: &str, records: &[Record], own: &[(u64, &'static str, u64)]
     }
 }
 
-/// The `v2 sub` path again, traced: round trips at 4 KiB and 64 KiB (then with the producer's
-/// stream synchronized each time), and sustained at 64 KiB.
+/// One traced `v2 sub` round trip of 300 buffers of `size` with the first fast-path consumer;
+/// prints its summary and (unless `sync`) its steps.
+fn traced_round_trip(
+    producer: &Producer,
+    v2: &mut [Consumer],
+    stream: &Stream,
+    size: usize,
+    sync: bool,
+    when: &str,
+) -> AnyResult<()> {
+    let iters = 300;
+    trace_on(&mut v2[..1])?;
+    let mut probe = Probe::On {
+        points: Vec::new(),
+        busy: 0,
+        sync,
+    };
+    let times = round_trip_ipc(producer, Make::Sub, &mut v2[0], stream, size, iters, &mut probe)?;
+    let dropped = trace::dropped();
+    let records = trace_off(&mut v2[..1])?;
+    let Probe::On { points, busy, .. } = probe else {
+        unreachable!("made above")
+    };
+    let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
+    println!();
+    println!(
+        "traced round trip v2 sub {} ({when}){}: {:.1} / {:.1} µs median / mean over {iters}; producer stream still \
+         busy after the release in {busy} of {} round trips; ready event pending at the consumer {} times, release \
+         event pending at the exporter {} times; trace records dropped here: {dropped}",
+        human(size),
+        if sync {
+            ", producer stream synchronized each time"
+        } else {
+            ""
+        },
+        median(&times),
+        mean(&times),
+        iters + 10,
+        count(trace::Point::ImporterReadyPending),
+        count(trace::Point::ExporterReleasePending),
+    );
+    if !sync {
+        print_steps(
+            &format!("Steps of a round trip, v2 sub {} ({when})", human(size)),
+            &records,
+            &points,
+        );
+    }
+    Ok(())
+}
+
+/// The `v2 sub` path again after the tables: a 4 KiB round trip untraced, then traced round trips
+/// at 4 KiB and 64 KiB (each also with the producer's stream synchronized each time), and
+/// sustained at 64 KiB traced.
 fn diagnosis(producer: &Producer, v2: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
     println!();
     println!("Diagnosis of v2 sub (mempool_ipc::trace on in the producer and the consumers)");
+    let again = round_trip_ipc(producer, Make::Sub, &mut v2[0], stream, 4 * KIB, 300, &mut Probe::Off)?;
+    println!();
+    println!(
+        "round trip v2 sub 4 KiB again after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
+        median(&again),
+        mean(&again)
+    );
     for size in [4 * KIB, 64 * KIB] {
-        let iters = 300;
         for sync in [false, true] {
-            trace_on(&mut v2[..1])?;
-            let mut probe = Probe::On {
-                points: Vec::new(),
-                busy: 0,
-                sync,
-            };
-            let times = round_trip_ipc(producer, Make::Sub, &mut v2[0], stream, size, iters, &mut probe)?;
-            let records = trace_off(&mut v2[..1])?;
-            let Probe::On { points, busy, .. } = probe else {
-                unreachable!("made above")
-            };
-            let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
-            println!();
-            println!(
-                "round trip {}{}: {:.1} / {:.1} µs median / mean over {iters}; producer stream still busy after the \
-                 release in {busy} of {} round trips; ready event pending at the consumer {} times, release event \
-                 pending at the exporter {} times; trace records dropped: {}",
-                human(size),
-                if sync {
-                    ", producer stream synchronized each time"
-                } else {
-                    ""
-                },
-                median(&times),
-                mean(&times),
-                iters + 10,
-                count(trace::Point::ImporterReadyPending),
-                count(trace::Point::ExporterReleasePending),
-                trace::dropped(),
-            );
-            if !sync {
-                print_steps(
-                    &format!("Steps of a round trip, v2 sub {}", human(size)),
-                    &records,
-                    &points,
-                );
-            }
+            traced_round_trip(producer, v2, stream, size, sync, "after the tables")?;
         }
     }
     let size = 64 * KIB;
