@@ -22,13 +22,16 @@
 //!   each freshly made and filled on the GPU (the baseline fills and copies it out); buffers
 //!   per second over all consumers.
 //!
-//! After the tables, a diagnosis of the `v2 sub` path (skipped with `--no-trace`): the 4 KiB and
-//! 64 KiB round trips and the sustained 64 KiB run again with `mempool_ipc::trace` recording in
-//! the producer and the consumers, and each step of a buffer's way (producer, exporter's serving
-//! thread, socket, consumer, release batch, back) is printed with its median, 90th percentile and
-//! count, joined across the processes by buffer id; also how often a ready or release event was
-//! still pending on the GPU, how often the producer's stream was still busy when the release
-//! arrived, and the round trip when the producer synchronizes its stream each time.
+//! A diagnosis of the `v2 sub` path comes with it (skipped with `--no-trace`): a 4 KiB round trip
+//! before the tables, then after them the 4 KiB and 64 KiB round trips and the sustained 64 KiB
+//! run again, untraced and with `mempool_ipc::trace` recording in the producer and the consumers.
+//! Each step of a buffer's way (producer, exporter's serving thread, socket, consumer, release
+//! batch, back) is printed with its median, 90th percentile and count, joined across the processes
+//! by buffer id; also how often a ready or release event was still pending on the GPU, how often
+//! the producer's stream was still busy when the release arrived, and the round trip when the
+//! producer synchronizes its stream each time. All of it twice: with the fast-path consumers, and
+//! with a third set of consumers that wait for pending ready events on the host
+//! (`ImporterOptions::wait_ready_on_host`), so that no stream waits for another process's event.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]
 //! [--no-trace]` (default 4 consumers). The producer re-executes this program for each consumer
@@ -71,7 +74,8 @@ fn main() -> ExitCode {
     }
     let args: Vec<String> = std::env::args().collect();
     let result = if args.get(1).map(String::as_str) == Some("consumer") {
-        consumer(Path::new(&args[2]), args.get(3).map(String::as_str) == Some("--v1"))
+        let flag = args.get(3).map(String::as_str);
+        consumer(Path::new(&args[2]), flag == Some("--v1"), flag == Some("--host-ready"))
     } else {
         let diagnose = !args.iter().any(|a| a == "--no-trace");
         let consumers = args
@@ -143,9 +147,10 @@ fn ack(ctl: &mut UnixStream) -> AnyResult<()> {
 
 // ---------------------------------------------------------------- consumer
 
-fn consumer(socket: &Path, v1: bool) -> AnyResult<()> {
+fn consumer(socket: &Path, v1: bool, host_ready: bool) -> AnyResult<()> {
     let options = ImporterOptions {
         fast_release: !v1,
+        wait_ready_on_host: host_ready,
         ..ImporterOptions::default()
     };
     let importer = Importer::connect(socket, options)?;
@@ -269,16 +274,14 @@ fn spawn_consumers(
     ctl_listener: &UnixListener,
     socket: &Path,
     count: usize,
-    v1: bool,
+    flag: Option<&str>,
     all: &mut Vec<Consumer>,
 ) -> AnyResult<()> {
     let exe = std::env::current_exe()?;
     for _ in 0..count {
         let mut command = Command::new(&exe);
         command.arg("consumer").arg(socket);
-        if v1 {
-            command.arg("--v1");
-        }
+        command.args(flag);
         let child = command.spawn()?;
         let (ctl, _) = ctl_listener.accept()?;
         let pid = mempool_ipc::peer_credentials(&ctl)?.pid;
@@ -292,7 +295,7 @@ fn spawn_consumers(
             child,
             ctl,
             importer,
-            fast: !v1,
+            fast: flag != Some("--v1"),
         });
     }
     Ok(())
@@ -329,10 +332,22 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
     let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
     // `spawn_consumers` counts the importers connected so far by the length of the list.
     let mut v2 = Vec::new();
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, false, &mut v2)?;
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, true, &mut v2)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, None, &mut v2)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v1"), &mut v2)?;
+    if diagnose {
+        // Fast-path consumers that wait for pending ready events on the host (the diagnosis).
+        spawn_consumers(
+            &exporter,
+            &ctl_listener,
+            &socket,
+            consumers,
+            Some("--host-ready"),
+            &mut v2,
+        )?;
+    }
+    let mut host_ready = v2.split_off(2 * consumers);
     let mut v1 = v2.split_off(consumers);
-    let all_ids = v1.len() + v2.len();
+    let all_ids = v1.len() + v2.len() + host_ready.len();
     let _ = std::fs::remove_file(ctl_path(&socket));
     let producer = Producer { exporter, sub };
 
@@ -342,7 +357,14 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
         dev.uuid()?,
         mempool_core::driver_version()?
     );
-    println!("({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path)");
+    println!(
+        "({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path{})",
+        if host_ready.is_empty() {
+            String::new()
+        } else {
+            format!(", {consumers} with it waiting for ready events on the host (the diagnosis)")
+        }
+    );
     println!();
     let stream = Stream::new(&ctx)?;
     if diagnose {
@@ -408,7 +430,7 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
         );
     }
     if diagnose {
-        diagnosis(&producer, &mut v2, &stream)?;
+        diagnosis(&producer, &mut v2, &mut host_ready, &stream)?;
     }
     let stats = producer.exporter.stats();
     println!();
@@ -417,7 +439,7 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
         stats.freed_buffers, stats.kept_blocks, stats.parked_buffers
     );
 
-    for c in v1.iter_mut().chain(v2.iter_mut()) {
+    for c in v1.iter_mut().chain(v2.iter_mut()).chain(host_ready.iter_mut()) {
         send_op(&mut c.ctl, OP_EXIT, 0)?;
     }
     let Producer { exporter, sub } = producer;
@@ -426,7 +448,7 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
         return Err(format!("the exporter met errors: {errors:?}").into());
     }
     drop(sub);
-    for mut c in v1.into_iter().chain(v2) {
+    for mut c in v1.into_iter().chain(v2).chain(host_ready) {
         let status = c.child.wait()?;
         if !status.success() {
             return Err(format!("a consumer failed: {status}").into());
@@ -821,43 +843,60 @@ fn traced_round_trip(
     Ok(())
 }
 
-/// The `v2 sub` path again after the tables: a 4 KiB round trip untraced, then traced round trips
-/// at 4 KiB and 64 KiB (each also with the producer's stream synchronized each time), and
-/// sustained at 64 KiB traced.
-fn diagnosis(producer: &Producer, v2: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
+/// The `v2 sub` path again after the tables, with the fast-path consumers and then with those that
+/// wait for pending ready events on the host (`ImporterOptions::wait_ready_on_host`): round trips
+/// at 4 KiB and 64 KiB untraced, traced, and traced with the producer's stream synchronized each
+/// time; sustained at 64 KiB untraced and traced.
+fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
     println!();
     println!("Diagnosis of v2 sub (mempool_ipc::trace on in the producer and the consumers)");
-    let again = round_trip_ipc(producer, Make::Sub, &mut v2[0], stream, 4 * KIB, 300, &mut Probe::Off)?;
-    println!();
-    println!(
-        "round trip v2 sub 4 KiB again after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
-        median(&again),
-        mean(&again)
-    );
-    for size in [4 * KIB, 64 * KIB] {
-        for sync in [false, true] {
-            traced_round_trip(producer, v2, stream, size, sync, "after the tables")?;
+    let sets: [(&mut [Consumer], &str); 2] = [
+        (v2, "ready events waited for on the GPU"),
+        (host_ready, "ready events waited for on the host"),
+    ];
+    for (set, how) in sets {
+        println!();
+        println!("### consumers with {how}");
+        for size in [4 * KIB, 64 * KIB] {
+            let plain = round_trip_ipc(producer, Make::Sub, &mut set[0], stream, size, 300, &mut Probe::Off)?;
+            println!();
+            println!(
+                "round trip v2 sub {} after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
+                human(size),
+                median(&plain),
+                mean(&plain)
+            );
+            for sync in [false, true] {
+                traced_round_trip(producer, set, stream, size, sync, &format!("after the tables, {how}"))?;
+            }
         }
+        let size = 64 * KIB;
+        let per_consumer = 1000;
+        let plain = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        trace_on(set)?;
+        let rate = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        let records = trace_off(set)?;
+        let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
+        println!();
+        println!(
+            "sustained v2 sub 64 KiB, {} consumers, {how}: {plain:.0} buffers/s untraced, {rate:.0} traced; releases \
+             queued {} times, sent on push {}, on recv {}, on timer {}, other {}; ready events pending {}, release \
+             events pending {}",
+            set.len(),
+            count(trace::Point::ImporterQueued),
+            count(trace::Point::ImporterSendOnPush),
+            count(trace::Point::ImporterSendOnRecv),
+            count(trace::Point::ImporterSendOnTimer),
+            count(trace::Point::ImporterSendOther),
+            count(trace::Point::ImporterReadyPending),
+            count(trace::Point::ExporterReleasePending),
+        );
+        print_steps(
+            &format!("Steps of a buffer, sustained v2 sub 64 KiB, {how}"),
+            &records,
+            &[],
+        );
     }
-    let size = 64 * KIB;
-    let per_consumer = 500;
-    trace_on(v2)?;
-    let rate = sustained_ipc(producer, Make::Sub, v2, size, per_consumer)?;
-    let records = trace_off(v2)?;
-    let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
-    println!();
-    println!(
-        "sustained v2 sub 64 KiB, traced: {rate:.0} buffers/s; releases queued {} times, sent on push {}, on recv {}, \
-         on timer {}, other {}; ready events pending {}, release events pending {}",
-        count(trace::Point::ImporterQueued),
-        count(trace::Point::ImporterSendOnPush),
-        count(trace::Point::ImporterSendOnRecv),
-        count(trace::Point::ImporterSendOnTimer),
-        count(trace::Point::ImporterSendOther),
-        count(trace::Point::ImporterReadyPending),
-        count(trace::Point::ExporterReleasePending),
-    );
-    print_steps("Steps of a buffer, sustained v2 sub 64 KiB", &records, &[]);
     Ok(())
 }
 

@@ -63,6 +63,14 @@ pub struct ImporterOptions {
     /// `false` (the exporter refuses to share VMM memory with this importer). A version-1
     /// exporter never grants it.
     pub accept_vmm: bool,
+    /// How a buffer's first use is ordered after the exporter's work on it when the exporter's
+    /// ready event is still pending as the buffer arrives (when it is complete, nothing is
+    /// waited for either way). `false` (the default): [`Importer::recv`] queues a GPU wait on the
+    /// receiving stream and returns at once. `true`: `recv` waits on the host
+    /// (`cuEventSynchronize`) until the exporter's work is done, so this importer's stream never
+    /// waits on the GPU for another process's event (a cross-process dependency that the GPU
+    /// resolves only by switching between the two processes' contexts).
+    pub wait_ready_on_host: bool,
 }
 
 /// What [`Importer::recv_any`] received: a pool buffer or a VMM physical allocation.
@@ -83,6 +91,7 @@ impl Default for ImporterOptions {
             max_release_batch: 32,
             max_release_delay: Duration::from_micros(100),
             accept_vmm: false,
+            wait_ready_on_host: false,
         }
     }
 }
@@ -111,6 +120,8 @@ struct Pending {
 struct Inner {
     // Field order is drop order: the imports go before the pool they came from.
     state: Mutex<State>,
+    /// [`ImporterOptions::wait_ready_on_host`].
+    wait_ready_on_host: bool,
     /// `Some` on the fast release path.
     pending: Option<Arc<Pending>>,
     session: ImporterSession,
@@ -211,6 +222,7 @@ impl Importer {
                 recorded: false,
                 vmm: HashSet::new(),
             }),
+            wait_ready_on_host: options.wait_ready_on_host,
             pending: pending.clone(),
             session,
             ctx,
@@ -392,7 +404,12 @@ impl Importer {
                 // process's event) is needed.
                 if !event.is_complete().unwrap_or(false) {
                     trace::mark(Point::ImporterReadyPending, id.0);
-                    if let Err(e) = stream.wait(event) {
+                    let waited = if inner.wait_ready_on_host {
+                        event.synchronize()
+                    } else {
+                        stream.wait(event)
+                    };
+                    if let Err(e) = waited {
                         drop(state);
                         let _ = inner.forget(id, stream);
                         return Err(e.into());
@@ -406,9 +423,10 @@ impl Importer {
                 trace::mark(Point::ImporterReceived, id.0);
                 // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
                 // `offset + size <= block_size`), which the import table keeps imported until this buffer is
-                // released, and reached by unified addressing; `stream` waits on the exporter's ready event (or
-                // the exporter synchronized), so work on it is ordered on `stream` from here on; a stream that
-                // carries no context is one of the importer's context by `StreamRef::from_raw`'s contract.
+                // released, and reached by unified addressing; the exporter's work on it is done (its ready
+                // event was complete, or waited for on the host, or the exporter synchronized) or `stream` waits
+                // on that event, so work on it is ordered on `stream` from here on; a stream that carries no
+                // context is one of the importer's context by `StreamRef::from_raw`'s contract.
                 #[allow(unsafe_code)]
                 let view = unsafe { BufferView::new(ptr, descriptor.size as usize, stream, inner.ctx.clone()) };
                 Ok(Received::Buffer(SharedBuffer {
