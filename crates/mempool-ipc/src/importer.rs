@@ -100,7 +100,7 @@ struct State {
     table: ImportTable<ImportedPtr>,
     /// Opened interprocess events by handle. The exporter recycles its events, so the same
     /// handles come back; each is opened once for the connection's life.
-    events: HashMap<[u8; 64], Event>,
+    events: HashMap<[u8; 64], Arc<Event>>,
     /// The fast release path's interprocess event and its handle, made on the first release.
     release_event: Option<(Event, EventHandle)>,
     /// Whether `release_event` was recorded yet.
@@ -393,10 +393,10 @@ impl Importer {
             let ptr = base.offset(descriptor.offset as usize);
             if let Some(handle) = descriptor.ready_event {
                 let event = match state.events.entry(handle.0) {
-                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::hash_map::Entry::Vacant(e) => {
-                        e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
-                    }
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut().clone(),
+                    std::collections::hash_map::Entry::Vacant(e) => e
+                        .insert(Arc::new(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?))
+                        .clone(),
                 };
                 // The exporter records the event before it sends the buffer and records it again only
                 // after the buffer is freed, which this importer's release comes before: complete
@@ -404,13 +404,16 @@ impl Importer {
                 // process's event) is needed.
                 if !event.is_complete().unwrap_or(false) {
                     trace::mark(Point::ImporterReadyPending, id.0);
+                    // A wait on the host does not hold up other threads' releases meanwhile.
                     let waited = if inner.wait_ready_on_host {
+                        drop(state);
                         event.synchronize()
                     } else {
-                        stream.wait(event)
+                        let waited = stream.wait(&event);
+                        drop(state);
+                        waited
                     };
                     if let Err(e) = waited {
-                        drop(state);
                         let _ = inner.forget(id, stream);
                         return Err(e.into());
                     }
@@ -715,7 +718,7 @@ impl VmmHost for Inner {
         let event = match state.events.entry(handle.0) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?)
+                e.insert(Arc::new(Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?))
             }
         };
         Ok(stream.wait(event)?)
