@@ -22,11 +22,22 @@
 //!   each freshly made and filled on the GPU (the baseline fills and copies it out); buffers
 //!   per second over all consumers.
 //!
-//! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]`
-//! (default 4). The producer re-executes this program for each consumer (twice: a version-1 and a
-//! version-2 set). Without a GPU it says why and exits with status 2.
+//! A diagnosis of the `v2 sub` path comes with it (skipped with `--no-trace`): a 4 KiB round trip
+//! before the tables, then after them the 4 KiB and 64 KiB round trips and the sustained 64 KiB
+//! run again, untraced and with `mempool_ipc::trace` recording in the producer and the consumers.
+//! Each step of a buffer's way (producer, exporter's serving thread, socket, consumer, release
+//! batch, back) is printed with its median, 90th percentile and count, joined across the processes
+//! by buffer id; also how often a ready or release event was still pending on the GPU, how often
+//! the producer's stream was still busy when the release arrived, and the round trip when the
+//! producer synchronizes its stream each time. All of it twice: with the fast-path consumers, and
+//! with a third set of consumers that wait for pending ready events on the host
+//! (`ImporterOptions::wait_ready_on_host`), so that no stream waits for another process's event.
+//!
+//! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]
+//! [--no-trace]` (default 4 consumers). The producer re-executes this program for each consumer
+//! (twice: a version-1 and a version-2 set). Without a GPU it says why and exits with status 2.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -35,6 +46,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, Stream, StreamRef};
+use mempool_ipc::trace::{self, Record};
 use mempool_ipc::{Error, ExportedBuffer, Exporter, ExporterOptions, Importer, ImporterId, ImporterOptions};
 use mempool_rmm::suballoc::PoolConfig;
 use mempool_rmm::{AsyncOptions, AsyncResource, MemoryResource, PoolResource, ReleaseThreshold};
@@ -50,6 +62,9 @@ const OP_EXIT: u8 = 0;
 const OP_IPC: u8 = 1;
 /// Receive this many bytes, copy them to the device, answer one byte.
 const OP_COPY: u8 = 2;
+/// 1: start recording `mempool_ipc::trace`; 0: stop, and answer the records (a little-endian u64
+/// count, then each record's bytes).
+const OP_TRACE: u8 = 3;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -59,10 +74,16 @@ fn main() -> ExitCode {
     }
     let args: Vec<String> = std::env::args().collect();
     let result = if args.get(1).map(String::as_str) == Some("consumer") {
-        consumer(Path::new(&args[2]), args.get(3).map(String::as_str) == Some("--v1"))
+        let flag = args.get(3).map(String::as_str);
+        consumer(Path::new(&args[2]), flag == Some("--v1"), flag == Some("--host-ready"))
     } else {
-        let consumers = args.get(1).map_or(4, |a| a.parse().expect("consumer count"));
-        producer(consumers.max(1))
+        let diagnose = !args.iter().any(|a| a == "--no-trace");
+        let consumers = args
+            .iter()
+            .skip(1)
+            .find(|a| !a.starts_with("--"))
+            .map_or(4, |a| a.parse().expect("consumer count"));
+        producer(consumers.max(1), diagnose)
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -126,9 +147,10 @@ fn ack(ctl: &mut UnixStream) -> AnyResult<()> {
 
 // ---------------------------------------------------------------- consumer
 
-fn consumer(socket: &Path, v1: bool) -> AnyResult<()> {
+fn consumer(socket: &Path, v1: bool, host_ready: bool) -> AnyResult<()> {
     let options = ImporterOptions {
         fast_release: !v1,
+        wait_ready_on_host: host_ready,
         ..ImporterOptions::default()
     };
     let importer = Importer::connect(socket, options)?;
@@ -177,6 +199,20 @@ fn consumer(socket: &Path, v1: bool) -> AnyResult<()> {
                 // SAFETY: `dptr` holds at least `len` bytes of device memory of `ctx`.
                 unsafe { memory::copy_to_device(&ctx, dptr, &host.bytes()[..len], stream.as_ref()) }?;
                 ctl.write_all(&[1])?;
+            }
+            OP_TRACE if arg == 1 => {
+                trace::enable();
+                ctl.write_all(&[1])?;
+            }
+            OP_TRACE => {
+                trace::disable();
+                let records = trace::take();
+                let mut out = Vec::with_capacity(8 + records.len() * Record::BYTES);
+                out.extend_from_slice(&(records.len() as u64).to_le_bytes());
+                for r in &records {
+                    out.extend_from_slice(&r.to_bytes());
+                }
+                ctl.write_all(&out)?;
             }
             _ => break,
         }
@@ -238,16 +274,14 @@ fn spawn_consumers(
     ctl_listener: &UnixListener,
     socket: &Path,
     count: usize,
-    v1: bool,
+    flag: Option<&str>,
     all: &mut Vec<Consumer>,
 ) -> AnyResult<()> {
     let exe = std::env::current_exe()?;
     for _ in 0..count {
         let mut command = Command::new(&exe);
         command.arg("consumer").arg(socket);
-        if v1 {
-            command.arg("--v1");
-        }
+        command.args(flag);
         let child = command.spawn()?;
         let (ctl, _) = ctl_listener.accept()?;
         let pid = mempool_ipc::peer_credentials(&ctl)?.pid;
@@ -261,13 +295,13 @@ fn spawn_consumers(
             child,
             ctl,
             importer,
-            fast: !v1,
+            fast: flag != Some("--v1"),
         });
     }
     Ok(())
 }
 
-fn producer(consumers: usize) -> AnyResult<()> {
+fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
     let dev = Device::get(0)?;
     let ctx = dev.context()?;
     let upstream = Arc::new(AsyncResource::new(
@@ -298,10 +332,22 @@ fn producer(consumers: usize) -> AnyResult<()> {
     let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
     // `spawn_consumers` counts the importers connected so far by the length of the list.
     let mut v2 = Vec::new();
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, false, &mut v2)?;
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, true, &mut v2)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, None, &mut v2)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v1"), &mut v2)?;
+    if diagnose {
+        // Fast-path consumers that wait for pending ready events on the host (the diagnosis).
+        spawn_consumers(
+            &exporter,
+            &ctl_listener,
+            &socket,
+            consumers,
+            Some("--host-ready"),
+            &mut v2,
+        )?;
+    }
+    let mut host_ready = v2.split_off(2 * consumers);
     let mut v1 = v2.split_off(consumers);
-    let all_ids = v1.len() + v2.len();
+    let all_ids = v1.len() + v2.len() + host_ready.len();
     let _ = std::fs::remove_file(ctl_path(&socket));
     let producer = Producer { exporter, sub };
 
@@ -311,17 +357,45 @@ fn producer(consumers: usize) -> AnyResult<()> {
         dev.uuid()?,
         mempool_core::driver_version()?
     );
-    println!("({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path)");
+    println!(
+        "({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path{})",
+        if host_ready.is_empty() {
+            String::new()
+        } else {
+            format!(", {consumers} with it waiting for ready events on the host (the diagnosis)")
+        }
+    );
     println!();
+    let stream = Stream::new(&ctx)?;
+    if diagnose {
+        // Before anything else: the v2 sub rows measured first were the slow ones.
+        traced_round_trip(&producer, &mut v2, &stream, 4 * KIB, false, "early, before the tables")?;
+        println!();
+    }
     println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer, median / mean)");
     println!("| size | iterations | v1 alloc | v2 alloc | v2 sub | host copy | v1 alloc / v2 sub (median) |");
     println!("|---:|---:|---:|---:|---:|---:|---:|");
-    let stream = Stream::new(&ctx)?;
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
-        let old = round_trip_ipc(&producer, Make::Alloc, &mut v1[0], &stream, size, iters)?;
-        let alloc = round_trip_ipc(&producer, Make::Alloc, &mut v2[0], &stream, size, iters)?;
-        let sub = round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters)?;
+        let old = round_trip_ipc(
+            &producer,
+            Make::Alloc,
+            &mut v1[0],
+            &stream,
+            size,
+            iters,
+            &mut Probe::Off,
+        )?;
+        let alloc = round_trip_ipc(
+            &producer,
+            Make::Alloc,
+            &mut v2[0],
+            &stream,
+            size,
+            iters,
+            &mut Probe::Off,
+        )?;
+        let sub = round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?;
         let copy = round_trip_copy(&producer.exporter, &ctx, &mut v2[0], &stream, size, iters)?;
         println!(
             "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x |",
@@ -355,6 +429,9 @@ fn producer(consumers: usize) -> AnyResult<()> {
             sub / old
         );
     }
+    if diagnose {
+        diagnosis(&producer, &mut v2, &mut host_ready, &stream)?;
+    }
     let stats = producer.exporter.stats();
     println!();
     println!(
@@ -362,7 +439,7 @@ fn producer(consumers: usize) -> AnyResult<()> {
         stats.freed_buffers, stats.kept_blocks, stats.parked_buffers
     );
 
-    for c in v1.iter_mut().chain(v2.iter_mut()) {
+    for c in v1.iter_mut().chain(v2.iter_mut()).chain(host_ready.iter_mut()) {
         send_op(&mut c.ctl, OP_EXIT, 0)?;
     }
     let Producer { exporter, sub } = producer;
@@ -371,7 +448,7 @@ fn producer(consumers: usize) -> AnyResult<()> {
         return Err(format!("the exporter met errors: {errors:?}").into());
     }
     drop(sub);
-    for mut c in v1.into_iter().chain(v2) {
+    for mut c in v1.into_iter().chain(v2).chain(host_ready) {
         let status = c.child.wait()?;
         if !status.success() {
             return Err(format!("a consumer failed: {status}").into());
@@ -380,6 +457,19 @@ fn producer(consumers: usize) -> AnyResult<()> {
     Ok(())
 }
 
+/// What a round trip records besides its times (the diagnosis).
+enum Probe {
+    Off,
+    /// The producer's own points of each buffer on `trace::now_ns`'s clock, whether its stream
+    /// was still busy when the release arrived, and whether to synchronize it each round trip.
+    On {
+        points: Vec<(u64, &'static str, u64)>,
+        busy: usize,
+        sync: bool,
+    },
+}
+
+#[allow(clippy::too_many_arguments)]
 fn round_trip_ipc(
     producer: &Producer,
     make: Make,
@@ -387,6 +477,7 @@ fn round_trip_ipc(
     stream: &Stream,
     size: usize,
     iters: usize,
+    probe: &mut Probe,
 ) -> AnyResult<Vec<f64>> {
     let warmup = 10;
     send_op(&mut consumer.ctl, OP_IPC, (iters + warmup) as u64)?;
@@ -394,14 +485,35 @@ fn round_trip_ipc(
     // Per phase (make, share, wait_released, release), to say where a slow row spends its time.
     let mut phases: [Vec<f64>; 4] = Default::default();
     for i in 0..iters + warmup {
+        let n0 = trace::now_ns();
         let t0 = Instant::now();
         let buf = producer.make(make, size, stream.as_ref())?;
         let t1 = Instant::now();
+        let n1 = trace::now_ns();
         producer.exporter.share(&buf, &[consumer.importer])?;
         let t2 = Instant::now();
         buf.wait_released(WAIT)?;
         let t3 = Instant::now();
+        let n3 = trace::now_ns();
+        let id = buf.id().0;
         buf.release()?;
+        let n4 = trace::now_ns();
+        if let Probe::On { points, busy, sync } = probe {
+            if !stream.as_ref().is_idle()? {
+                *busy += 1;
+            }
+            if *sync {
+                stream.synchronize()?;
+            }
+            if i >= warmup {
+                points.extend([
+                    (id, "producer: make begins", n0),
+                    (id, "producer: made", n1),
+                    (id, "producer: wait_released returned", n3),
+                    (id, "producer: released", n4),
+                ]);
+            }
+        }
         let t4 = Instant::now();
         if i >= warmup {
             times.push((t4 - t0).as_secs_f64() * 1e6);
@@ -575,4 +687,221 @@ fn human(bytes: usize) -> String {
     } else {
         format!("{} KiB", bytes / KIB)
     }
+}
+
+// ---------------------------------------------------------------- diagnosis
+
+/// Turns `mempool_ipc::trace` on in this process and in `consumers`.
+fn trace_on(consumers: &mut [Consumer]) -> AnyResult<()> {
+    let _ = trace::take();
+    trace::enable();
+    for c in consumers.iter_mut() {
+        send_op(&mut c.ctl, OP_TRACE, 1)?;
+        ack(&mut c.ctl)?;
+    }
+    Ok(())
+}
+
+/// Turns the trace off everywhere and returns every record: this process's, then the consumers'.
+fn trace_off(consumers: &mut [Consumer]) -> AnyResult<Vec<Record>> {
+    trace::disable();
+    let mut all = trace::take();
+    for c in consumers.iter_mut() {
+        send_op(&mut c.ctl, OP_TRACE, 0)?;
+        let mut count = [0u8; 8];
+        c.ctl.read_exact(&mut count)?;
+        for _ in 0..u64::from_le_bytes(count) {
+            let mut bytes = [0u8; Record::BYTES];
+            c.ctl.read_exact(&mut bytes)?;
+            all.push(Record::from_bytes(&bytes).ok_or("a consumer sent a record of an unknown point")?);
+        }
+    }
+    Ok(all)
+}
+
+/// The name of a point in the printed steps: which side, and what happened.
+fn point_name(point: trace::Point) -> &'static str {
+    use trace::Point as P;
+    match point {
+        P::ImporterFrame => "consumer: Buffer frame read",
+        P::ImporterReadyPending => "consumer: ready event pending, GPU wait queued",
+        P::ImporterReceived => "consumer: recv returns",
+        P::ImporterRelease => "consumer: release begins",
+        P::ImporterRecorded => "consumer: release event recorded",
+        P::ImporterQueued => "consumer: release queued in batch",
+        P::ImporterSendOnPush => "consumer: batch sent (push: idle link or full)",
+        P::ImporterSendOnRecv => "consumer: batch sent (recv about to wait)",
+        P::ImporterSendOnTimer => "consumer: batch sent (flusher timer)",
+        P::ImporterSendOther => "consumer: batch sent (other)",
+        P::ImporterSent => "consumer: batch send returned",
+        P::ExporterShared => "exporter: share queued",
+        P::ExporterFrameOut => "exporter: Buffer frame written",
+        P::ExporterReleaseRead => "exporter: release read",
+        P::ExporterReleasePending => "exporter: release event pending, GPU wait queued",
+        P::ExporterReleased => "exporter: release recorded",
+        P::ExporterWoke => "exporter: wait_released woke",
+        P::ExporterWaitDone => "exporter: wait_released done",
+        P::ExporterFreed => "exporter: free queued (or parked)",
+    }
+}
+
+/// Prints, for every pair of points that follow each other in some buffer's timeline (both
+/// processes' records and the producer's own points, ordered by time), how long the step took:
+/// median, 90th percentile, mean (µs) and in how many buffers it occurred; the steps in the order
+/// of their median start within a buffer's life.
+fn print_steps(title: &str, records: &[Record], own: &[(u64, &'static str, u64)]) {
+    let mut by_buffer: BTreeMap<u64, Vec<(u64, &'static str)>> = BTreeMap::new();
+    for r in records {
+        by_buffer
+            .entry(r.buffer)
+            .or_default()
+            .push((r.at_ns, point_name(r.point)));
+    }
+    for &(id, name, at) in own {
+        by_buffer.entry(id).or_default().push((at, name));
+    }
+    // (from, to) -> (durations, start offsets within the buffer's life), µs.
+    type Samples = (Vec<f64>, Vec<f64>);
+    type Step<'a> = ((&'a str, &'a str), Samples);
+    let mut steps: BTreeMap<(&str, &str), Samples> = BTreeMap::new();
+    for timeline in by_buffer.values_mut() {
+        timeline.sort_by_key(|&(at, _)| at);
+        let start = timeline[0].0;
+        for w in timeline.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let entry = steps.entry((a.1, b.1)).or_default();
+            entry.0.push(b.0.saturating_sub(a.0) as f64 / 1e3);
+            entry.1.push(a.0.saturating_sub(start) as f64 / 1e3);
+        }
+    }
+    let mut rows: Vec<Step<'_>> = steps.into_iter().collect();
+    rows.sort_by(|x, y| median(&x.1 .1).total_cmp(&median(&y.1 .1)));
+    println!();
+    println!("{title} ({} buffers traced; µs)", by_buffer.len());
+    println!("| step | count | median | p90 | mean | starts at (median) |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for ((a, b), (durations, starts)) in rows {
+        println!(
+            "| {a} → {b} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            durations.len(),
+            median(&durations),
+            percentile(&durations, 0.9),
+            mean(&durations),
+            median(&starts)
+        );
+    }
+}
+
+/// One traced `v2 sub` round trip of 300 buffers of `size` with the first fast-path consumer;
+/// prints its summary and (unless `sync`) its steps.
+fn traced_round_trip(
+    producer: &Producer,
+    v2: &mut [Consumer],
+    stream: &Stream,
+    size: usize,
+    sync: bool,
+    when: &str,
+) -> AnyResult<()> {
+    let iters = 300;
+    trace_on(&mut v2[..1])?;
+    let mut probe = Probe::On {
+        points: Vec::new(),
+        busy: 0,
+        sync,
+    };
+    let times = round_trip_ipc(producer, Make::Sub, &mut v2[0], stream, size, iters, &mut probe)?;
+    let dropped = trace::dropped();
+    let records = trace_off(&mut v2[..1])?;
+    let Probe::On { points, busy, .. } = probe else {
+        unreachable!("made above")
+    };
+    let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
+    println!();
+    println!(
+        "traced round trip v2 sub {} ({when}){}: {:.1} / {:.1} µs median / mean over {iters}; producer stream still \
+         busy after the release in {busy} of {} round trips; ready event pending at the consumer {} times, release \
+         event pending at the exporter {} times; trace records dropped here: {dropped}",
+        human(size),
+        if sync {
+            ", producer stream synchronized each time"
+        } else {
+            ""
+        },
+        median(&times),
+        mean(&times),
+        iters + 10,
+        count(trace::Point::ImporterReadyPending),
+        count(trace::Point::ExporterReleasePending),
+    );
+    if !sync {
+        print_steps(
+            &format!("Steps of a round trip, v2 sub {} ({when})", human(size)),
+            &records,
+            &points,
+        );
+    }
+    Ok(())
+}
+
+/// The `v2 sub` path again after the tables, with the fast-path consumers and then with those that
+/// wait for pending ready events on the host (`ImporterOptions::wait_ready_on_host`): round trips
+/// at 4 KiB and 64 KiB untraced, traced, and traced with the producer's stream synchronized each
+/// time; sustained at 64 KiB untraced and traced.
+fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
+    println!();
+    println!("Diagnosis of v2 sub (mempool_ipc::trace on in the producer and the consumers)");
+    let sets: [(&mut [Consumer], &str); 2] = [
+        (v2, "ready events waited for on the GPU"),
+        (host_ready, "ready events waited for on the host"),
+    ];
+    for (set, how) in sets {
+        println!();
+        println!("### consumers with {how}");
+        for size in [4 * KIB, 64 * KIB] {
+            let plain = round_trip_ipc(producer, Make::Sub, &mut set[0], stream, size, 300, &mut Probe::Off)?;
+            println!();
+            println!(
+                "round trip v2 sub {} after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
+                human(size),
+                median(&plain),
+                mean(&plain)
+            );
+            for sync in [false, true] {
+                traced_round_trip(producer, set, stream, size, sync, &format!("after the tables, {how}"))?;
+            }
+        }
+        let size = 64 * KIB;
+        let per_consumer = 1000;
+        let plain = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        trace_on(set)?;
+        let rate = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        let records = trace_off(set)?;
+        let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
+        println!();
+        println!(
+            "sustained v2 sub 64 KiB, {} consumers, {how}: {plain:.0} buffers/s untraced, {rate:.0} traced; releases \
+             queued {} times, sent on push {}, on recv {}, on timer {}, other {}; ready events pending {}, release \
+             events pending {}",
+            set.len(),
+            count(trace::Point::ImporterQueued),
+            count(trace::Point::ImporterSendOnPush),
+            count(trace::Point::ImporterSendOnRecv),
+            count(trace::Point::ImporterSendOnTimer),
+            count(trace::Point::ImporterSendOther),
+            count(trace::Point::ImporterReadyPending),
+            count(trace::Point::ExporterReleasePending),
+        );
+        print_steps(
+            &format!("Steps of a buffer, sustained v2 sub 64 KiB, {how}"),
+            &records,
+            &[],
+        );
+    }
+    Ok(())
+}
+
+fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() - 1) as f64 * q).round() as usize]
 }

@@ -23,6 +23,7 @@ use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
 use crate::session::{ExporterEvent, ImporterSession};
+use crate::trace::{self, Point};
 use crate::wire::{
     BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
     CAP_VMM,
@@ -62,6 +63,14 @@ pub struct ImporterOptions {
     /// `false` (the exporter refuses to share VMM memory with this importer). A version-1
     /// exporter never grants it.
     pub accept_vmm: bool,
+    /// How a buffer's first use is ordered after the exporter's work on it when the exporter's
+    /// ready event is still pending as the buffer arrives (when it is complete, nothing is
+    /// waited for either way). `false` (the default): [`Importer::recv`] queues a GPU wait on the
+    /// receiving stream and returns at once. `true`: `recv` waits on the host
+    /// (`cuEventSynchronize`) until the exporter's work is done, so this importer's stream never
+    /// waits on the GPU for another process's event (a cross-process dependency that the GPU
+    /// resolves only by switching between the two processes' contexts).
+    pub wait_ready_on_host: bool,
 }
 
 /// What [`Importer::recv_any`] received: a pool buffer or a VMM physical allocation.
@@ -82,6 +91,7 @@ impl Default for ImporterOptions {
             max_release_batch: 32,
             max_release_delay: Duration::from_micros(100),
             accept_vmm: false,
+            wait_ready_on_host: false,
         }
     }
 }
@@ -90,7 +100,7 @@ struct State {
     table: ImportTable<ImportedPtr>,
     /// Opened interprocess events by handle. The exporter recycles its events, so the same
     /// handles come back; each is opened once for the connection's life.
-    events: HashMap<[u8; 64], Event>,
+    events: HashMap<[u8; 64], Arc<Event>>,
     /// The fast release path's interprocess event and its handle, made on the first release.
     release_event: Option<(Event, EventHandle)>,
     /// Whether `release_event` was recorded yet.
@@ -110,6 +120,8 @@ struct Pending {
 struct Inner {
     // Field order is drop order: the imports go before the pool they came from.
     state: Mutex<State>,
+    /// [`ImporterOptions::wait_ready_on_host`].
+    wait_ready_on_host: bool,
     /// `Some` on the fast release path.
     pending: Option<Arc<Pending>>,
     session: ImporterSession,
@@ -210,6 +222,7 @@ impl Importer {
                 recorded: false,
                 vmm: HashSet::new(),
             }),
+            wait_ready_on_host: options.wait_ready_on_host,
             pending: pending.clone(),
             session,
             ctx,
@@ -238,7 +251,7 @@ impl Importer {
     /// out by themselves within [`ImporterOptions::max_release_delay`], when a batch is full, and
     /// before [`Importer::recv`] waits.
     pub fn flush_releases(&self) -> Result<()> {
-        self.inner.flush_releases()
+        self.inner.flush_releases(Point::ImporterSendOther)
     }
 
     /// The local device that has the exporter's GPU.
@@ -338,7 +351,7 @@ impl Importer {
         // The exporter may be waiting for these releases before it sends more: send them unless
         // a message is already here.
         if inner.pending.is_some() && !inner.session.readable() {
-            inner.flush_releases()?;
+            inner.flush_releases(Point::ImporterSendOnRecv)?;
         }
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
@@ -368,6 +381,7 @@ impl Importer {
             Err(e) => return Err(e),
         };
         let id = descriptor.buffer_id;
+        trace::mark(Point::ImporterFrame, id.0);
         let received = (|| -> Result<DeviceAddr> {
             let mut state = inner.lock();
             let base = state
@@ -379,26 +393,43 @@ impl Importer {
             let ptr = base.offset(descriptor.offset as usize);
             if let Some(handle) = descriptor.ready_event {
                 let event = match state.events.entry(handle.0) {
-                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::hash_map::Entry::Vacant(e) => {
-                        e.insert(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?)
-                    }
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut().clone(),
+                    std::collections::hash_map::Entry::Vacant(e) => e
+                        .insert(Arc::new(Event::open_ipc(&inner.ctx, &IpcEventHandle(handle.0))?))
+                        .clone(),
                 };
-                if let Err(e) = stream.wait(event) {
-                    drop(state);
-                    let _ = inner.forget(id, stream);
-                    return Err(e.into());
+                // The exporter records the event before it sends the buffer and records it again only
+                // after the buffer is freed, which this importer's release comes before: complete
+                // now, the exporter's work on the buffer is done, and no GPU wait (on another
+                // process's event) is needed.
+                if !event.is_complete().unwrap_or(false) {
+                    trace::mark(Point::ImporterReadyPending, id.0);
+                    // A wait on the host does not hold up other threads' releases meanwhile.
+                    let waited = if inner.wait_ready_on_host {
+                        drop(state);
+                        event.synchronize()
+                    } else {
+                        let waited = stream.wait(&event);
+                        drop(state);
+                        waited
+                    };
+                    if let Err(e) = waited {
+                        let _ = inner.forget(id, stream);
+                        return Err(e.into());
+                    }
                 }
             }
             Ok(ptr)
         })();
         match received {
             Ok(ptr) => {
+                trace::mark(Point::ImporterReceived, id.0);
                 // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
                 // `offset + size <= block_size`), which the import table keeps imported until this buffer is
-                // released, and reached by unified addressing; `stream` waits on the exporter's ready event (or
-                // the exporter synchronized), so work on it is ordered on `stream` from here on; a stream that
-                // carries no context is one of the importer's context by `StreamRef::from_raw`'s contract.
+                // released, and reached by unified addressing; the exporter's work on it is done (its ready
+                // event was complete, or waited for on the host, or the exporter synchronized) or `stream` waits
+                // on that event, so work on it is ordered on `stream` from here on; a stream that carries no
+                // context is one of the importer's context by `StreamRef::from_raw`'s contract.
                 #[allow(unsafe_code)]
                 let view = unsafe { BufferView::new(ptr, descriptor.size as usize, stream, inner.ctx.clone()) };
                 Ok(Received::Buffer(SharedBuffer {
@@ -427,8 +458,9 @@ impl Importer {
 /// the importer's interprocess event on the buffer's stream and queues the release; the
 /// exporter orders every reuse of the memory after that event, on the GPU. (It still waits if
 /// it frees a block's import, which the exporter allows only for blocks it did not let this
-/// importer keep.) The importer's stream also waits for the previous release's event first, so
-/// that each recording of the event covers every release before it.
+/// importer keep.) The importer's stream also waits for the previous release's event first
+/// (unless that recording is already complete), so that each recording of the event covers every
+/// release before it.
 pub struct SharedBuffer<'s> {
     inner: Arc<Inner>,
     id: BufferId,
@@ -508,8 +540,9 @@ impl Inner {
     /// block (a whole allocation), frees the block's import, which waits for `stream`: the release
     /// is then complete, as on the version-1 path, and `None` is returned (send a plain `Release`;
     /// an event would only add an interprocess wait on the exporter's side). Otherwise records the
-    /// release event on `stream` after making `stream` wait for its previous recording, so the
-    /// recording covers this release and every earlier one whatever stream they were on.
+    /// release event on `stream` after making `stream` wait for its previous recording (unless that
+    /// one is complete already), so the recording covers this release and every earlier one
+    /// whatever stream they were on.
     fn forget_fast(&self, id: BufferId, stream: StreamRef<'_>) -> Result<Option<EventHandle>> {
         let mut state = self.lock();
         if let Some(import) = state.table.release(id)? {
@@ -525,7 +558,9 @@ impl Inner {
         let Some((event, handle)) = state.release_event.as_ref() else {
             unreachable!("made above")
         };
-        if recorded {
+        // Only this importer records the event: complete now, every use its earlier recordings
+        // covered is done, and the new recording needs no wait to cover them too.
+        if recorded && !event.is_complete().unwrap_or(false) {
             stream.wait(event)?;
         }
         event.record(stream)?;
@@ -535,6 +570,7 @@ impl Inner {
     }
 
     fn release(&self, id: BufferId, stream: StreamRef<'_>) -> Result<()> {
+        trace::mark(Point::ImporterRelease, id.0);
         if let Some(pending) = &self.pending {
             match self.forget_fast(id, stream) {
                 Err(e) => {
@@ -545,7 +581,7 @@ impl Inner {
                 }
                 // The import was freed after `stream` was synchronized: complete, release it now.
                 Ok(None) => return ignore_gone(self.session.release(id)),
-                Ok(Some(_)) => {}
+                Ok(Some(_)) => trace::mark(Point::ImporterRecorded, id.0),
             }
             let send = {
                 let mut batch = lock_plain(&pending.batch);
@@ -556,7 +592,11 @@ impl Inner {
                 }
                 send
             };
-            return if send { self.flush_releases() } else { Ok(()) };
+            if !send {
+                trace::mark(Point::ImporterQueued, id.0);
+                return Ok(());
+            }
+            return self.flush_releases(Point::ImporterSendOnPush);
         }
         self.forget(id, stream)?;
         ignore_gone(self.session.release(id))
@@ -569,7 +609,7 @@ impl Inner {
         if self.pending.is_none() {
             return;
         }
-        if let Err(e) = self.flush_releases() {
+        if let Err(e) = self.flush_releases(Point::ImporterSendOther) {
             record_drop_error(e);
         }
         let kept = {
@@ -588,17 +628,26 @@ impl Inner {
         let _ = self.session.goodbye_and_wait(deadline);
     }
 
-    /// Sends the pending releases (fast release path), in batches.
-    fn flush_releases(&self) -> Result<()> {
+    /// Sends the pending releases (fast release path), in batches; `why` says who asked, for
+    /// [`trace`].
+    fn flush_releases(&self, why: Point) -> Result<()> {
         let Some(pending) = &self.pending else { return Ok(()) };
         loop {
             let buffers = lock_plain(&pending.batch).take(Instant::now());
             if buffers.is_empty() {
                 return Ok(());
             }
+            let traced = trace::is_enabled().then(|| buffers.clone());
+            for id in traced.iter().flatten() {
+                trace::mark(why, id.0);
+            }
             // Every buffer taken was released after the event's handle was known.
             let handle = self.lock().release_event.as_ref().map(|(_, h)| *h);
-            ignore_gone(self.session.release_batch(handle, buffers))?;
+            let sent = ignore_gone(self.session.release_batch(handle, buffers));
+            for id in traced.iter().flatten() {
+                trace::mark(Point::ImporterSent, id.0);
+            }
+            sent?;
         }
     }
 }
@@ -637,7 +686,7 @@ fn flush_when_due(pending: &Pending, inner: &Weak<Inner>) {
                 drop(batch);
                 // Gone: its drop flushed what was left.
                 let Some(inner) = inner.upgrade() else { return };
-                if let Err(e) = inner.flush_releases() {
+                if let Err(e) = inner.flush_releases(Point::ImporterSendOnTimer) {
                     record_drop_error(e);
                 }
                 drop(inner);
@@ -669,7 +718,7 @@ impl VmmHost for Inner {
         let event = match state.events.entry(handle.0) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?)
+                e.insert(Arc::new(Event::open_ipc(&self.ctx, &IpcEventHandle(handle.0))?))
             }
         };
         Ok(stream.wait(event)?)
@@ -690,7 +739,7 @@ impl Drop for Inner {
             pending.stop.store(true, Ordering::Release);
             pending.changed.notify_all();
             // The releases still pending go out (with their event) before the Goodbye.
-            if let Err(e) = self.flush_releases() {
+            if let Err(e) = self.flush_releases(Point::ImporterSendOther) {
                 record_drop_error(e);
             }
         }

@@ -38,10 +38,12 @@
 //! - `lease`: which importer holds which buffer, and when a buffer may be freed; which blocks
 //!   importers keep imported (protocol version 2);
 //! - `batch`: the importer's releases waiting to go out together (protocol version 2);
-//! - `error`: the error types above, and the sink of [`take_drop_errors`].
+//! - `error`: the error types above, and the sink of [`take_drop_errors`];
+//! - [`trace`] (public): opt-in timestamps along a buffer's hand-off and release, for diagnosis.
 //!
 //! Each module imports only modules below it: `wire` imports none, `lease` and `batch` import `wire`,
-//! `error` imports both, and nothing imports the crate root.
+//! `error` imports both, `trace` imports none (every layer records into it), and nothing imports the
+//! crate root.
 //!
 //! Linux only (`SCM_RIGHTS` with `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`), like CUDA's pool IPC.
 
@@ -61,6 +63,7 @@ mod server;
 mod session;
 #[cfg(test)]
 mod test_util;
+pub mod trace;
 mod wire;
 
 pub use conn::ConnectionConfig;

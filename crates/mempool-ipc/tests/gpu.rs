@@ -616,6 +616,96 @@ fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_ke
     no_drop_errors("exporter");
 }
 
+/// The importer's side of the ready-event tests: receives one buffer whose exporter still has
+/// ORDER_ADDS kernels queued on it, and checks it sees the last one. With `on_host` the exporter's
+/// work is done when `recv` returns, so the buffer is read on a stream of its own that nothing
+/// orders; otherwise on the receiving stream, which waits on the exporter's event.
+fn ready_child(on_host: bool) {
+    let options = ImporterOptions {
+        wait_ready_on_host: on_host,
+        ..ImporterOptions::default()
+    };
+    let importer = Importer::connect(child_socket(), options).expect("connect to the exporter");
+    let ctx = importer.device().context().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    hear_parent("QUEUED");
+    let t0 = Instant::now();
+    let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+    println!(
+        "FINDING: recv with the exporter's {ORDER_ADDS} kernels queued took {:?} (a pending ready event waited for \
+         on the {})",
+        t0.elapsed(),
+        if on_host { "host" } else { "GPU" }
+    );
+    let n = buf.len() / 4;
+    let got = if on_host {
+        let unordered = Stream::new(&ctx).unwrap();
+        read_u32s(&ctx, buf.ptr(), n, unordered.as_ref())
+    } else {
+        shared_u32s(&buf)
+    };
+    assert_iota(
+        &got,
+        ORDER_ADDS,
+        "the importer sees every kernel the exporter queued before the share",
+    );
+    drop(buf);
+    importer.flush_releases().unwrap();
+    drop(importer);
+    no_drop_errors("importer");
+}
+
+fn ready_parent(test: &str, child_role: &str) {
+    let _serial = serial();
+    let (_dev, ctx) = gpu();
+    let (upstream, sub, exporter) = suballocating_exporter(&format!("ready-{child_role}"));
+    let mut child = ChildProc::spawn(test, child_role, exporter.path());
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let n = ORDER_LEN / 4;
+    let anchor = adopt_from(&exporter, &sub, 4096, stream.as_ref());
+    let buf = adopt_from(&exporter, &sub, ORDER_LEN, stream.as_ref());
+    // SAFETY: the buffer holds n u32s on `stream`.
+    unsafe { kernels.iota(buf.ptr(), n, 0, stream.as_ref()) }.unwrap();
+    for _ in 0..ORDER_ADDS {
+        // SAFETY: as above.
+        unsafe { kernels.add(buf.ptr(), n, 1, stream.as_ref()) }.unwrap();
+    }
+    exporter.share(&buf, &[id]).unwrap();
+    child.say("QUEUED");
+    buf.wait_released(WAIT).unwrap();
+    drop(buf);
+    child.succeeds();
+    wait_no_importers(&exporter);
+    drop(anchor);
+    exporter.wait_idle(WAIT).unwrap();
+    assert!(exporter.shutdown().is_empty());
+    stream.synchronize().unwrap();
+    sub.release_unused().unwrap();
+    drop(sub);
+    wait_used(upstream.pool(), &ctx, 0);
+    no_drop_errors("exporter");
+}
+
+#[test]
+fn a_pending_ready_event_orders_the_importers_stream_after_the_exporters_kernels() {
+    let test = "a_pending_ready_event_orders_the_importers_stream_after_the_exporters_kernels";
+    if role().is_some() {
+        return ready_child(false);
+    }
+    ready_parent(test, "importer");
+}
+
+#[test]
+fn wait_ready_on_host_returns_from_recv_after_the_exporters_kernels() {
+    let test = "wait_ready_on_host_returns_from_recv_after_the_exporters_kernels";
+    if role().is_some() {
+        return ready_child(true);
+    }
+    ready_parent(test, "importer-host-ready");
+}
+
 const KEPT_COUNT: usize = 8;
 
 #[test]

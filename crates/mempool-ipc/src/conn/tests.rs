@@ -371,3 +371,43 @@ fn hello_over_a_pair() -> Result<()> {
     assert_eq!(b.recv()?.message, Message::Hello);
     Ok(())
 }
+
+/// Receives and sends try the socket before polling it; the time limits stay what they were: a
+/// deadline already past is a timeout even with a whole frame waiting (which a later receive still
+/// gets, the connection in step), and a send with a deadline already past sends nothing.
+#[test]
+fn a_past_deadline_times_out_even_when_the_socket_is_ready() {
+    let (a, b) = Connection::pair(short_config()).unwrap();
+    let past = Instant::now();
+    std::thread::sleep(Duration::from_millis(1));
+    a.send(&Message::Hello, &[]).unwrap();
+    let err = b.recv_until(Some(past), "a test").unwrap_err();
+    assert!(matches!(err, Error::Timeout { during: "a test" }), "{err}");
+    assert!(!b.is_failed());
+    assert_eq!(b.recv().unwrap().message, Message::Hello);
+
+    let err = a.send_until(&Message::Goodbye, &[], past, "a test").unwrap_err();
+    assert!(matches!(err, Error::Timeout { during: "a test" }), "{err}");
+    assert!(!a.is_failed());
+    let err = b
+        .recv_timeout(Duration::from_millis(20), "nothing was sent")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+}
+
+/// A frame that arrives in pieces, with pauses, is read whole: each read that finds nothing yet
+/// waits for more.
+#[test]
+fn a_frame_in_pieces_is_read_whole() {
+    let (conn, mut raw) = conn_and_raw();
+    let frame = wire::encode(&Message::Buffer(buffer(7))).unwrap();
+    let writer = std::thread::spawn(move || {
+        for piece in frame.chunks(5) {
+            raw.write_all(piece).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        raw
+    });
+    assert_eq!(conn.recv().unwrap().message, Message::Buffer(buffer(7)));
+    drop(writer.join().unwrap());
+}

@@ -11,6 +11,7 @@ use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::{ImporterId, LeaseError};
+use crate::trace::{self, Point};
 use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor, CAP_FAST_RELEASE};
 
 /// A buffer the exporter can share, ordered on a stream like a
@@ -71,6 +72,7 @@ impl<'s> ExportedBuffer<'s> {
                 what: format!("importers to release buffer {id}"),
             })?;
         }
+        trace::mark(Point::ExporterWoke, self.id.0);
         let waits = state
             .leases
             .get(self.id)
@@ -80,6 +82,7 @@ impl<'s> ExportedBuffer<'s> {
         for event in &waits {
             self.view.stream().wait(event)?;
         }
+        trace::mark(Point::ExporterWaitDone, self.id.0);
         Ok(())
     }
 
@@ -314,6 +317,7 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
     let mut first_error = None;
     for importer in to {
         let message = if keepers.contains(importer) { &kept } else { &plain };
+        trace::mark(Point::ExporterShared, buffer.id.0);
         if let Err(e) = server.send(*importer, message, Some(buffer.id)) {
             // The owner still holds the buffer, so revoking frees nothing. The serving thread
             // may have counted the importer out already (NotLeased): nothing to undo.

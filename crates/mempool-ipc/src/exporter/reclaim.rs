@@ -13,6 +13,7 @@ use mempool_core::{Event, EventFlags, StreamRef};
 use super::state::{Freer, Inner, Shared};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImporterId;
+use crate::trace::{self, Point};
 use crate::wire::BufferId;
 
 impl Inner {
@@ -70,6 +71,7 @@ impl Inner {
                 None => {
                     // Parked: the block stays recorded (and allocated) with this buffer live.
                     drop(state);
+                    trace::mark(Point::ExporterFreed, id.0);
                     self.changed.notify_all();
                     return Ok(());
                 }
@@ -117,6 +119,7 @@ impl Inner {
                 None => Ok(()),
             };
         }
+        trace::mark(Point::ExporterFreed, id.0);
         let mut state = self.lock();
         state.freed += 1;
         // Every importer that waited on these events has released (or is gone), and the free is

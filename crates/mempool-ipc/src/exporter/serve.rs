@@ -15,6 +15,7 @@ use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
 use crate::server::Handler;
+use crate::trace::{self, Point};
 use crate::wire::{BufferId, EventHandle, ProtocolError, ReleaseBatch};
 
 impl Handler for Inner {
@@ -32,16 +33,29 @@ impl Handler for Inner {
 
     fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
         // The importer's uses of these buffers are ordered before its event: wait on it now,
-        // while the importer is surely there (it just sent it), and keep an event of our own.
+        // while the importer is surely there (it just sent it), and keep an event of our own;
+        // nothing to wait for if the event is complete already.
         let after = match batch.event {
-            Some(handle) => Some(self.after_release_event(id, handle)?),
+            Some(handle) => {
+                let after = self.after_release_event(id, handle)?;
+                if after.is_some() {
+                    for buffer in &batch.buffers {
+                        trace::mark(Point::ExporterReleasePending, buffer.0);
+                    }
+                }
+                after
+            }
             None => None,
         };
         let mut state = self.lock();
         let mut freed = Vec::new();
         let mut result = Ok(());
         for buffer in batch.buffers {
-            match state.leases.release(buffer, id) {
+            let released = state.leases.release(buffer, id);
+            if released.is_ok() {
+                trace::mark(Point::ExporterReleased, buffer.0);
+            }
+            match released {
                 Ok(Some(mut shared)) => {
                     if let Some(after) = &after {
                         shared.wait_also(after);
@@ -71,6 +85,7 @@ impl Handler for Inner {
         // A release of something it does not hold is an error: the importer is broken, the loop
         // cuts it off and it is treated as gone (it may still use what it holds: see `ended`).
         let freed = self.lock().leases.release(buffer, id)?;
+        trace::mark(Point::ExporterReleased, buffer.0);
         self.finish_deferred(freed.map(|s| (buffer, s)).into_iter().collect());
         self.changed.notify_all();
         Ok(())
@@ -93,7 +108,10 @@ impl Inner {
     /// Makes the release stream wait on importer `id`'s release event `handle` (opened once per
     /// handle, at most [`MAX_RELEASE_EVENTS`] per importer) and returns an event of the
     /// exporter's own recorded after that wait: what frees of the released buffers wait on.
-    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Arc<Event>> {
+    /// Returns `None` (nothing to wait for) if the importer's event is complete: its latest
+    /// recording, which covers this batch's uses and every earlier one (the importer orders each
+    /// recording after the previous), is done.
+    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Option<Arc<Event>>> {
         let mut state = self.lock();
         let peer = state.importers.get_mut(&id).ok_or(ProtocolError::Violation {
             reason: format!("importer {id} is not connected"),
@@ -112,11 +130,15 @@ impl Inner {
                 peer.release_events.len() - 1
             }
         };
+        let event = &peer.release_events[index].1;
+        if event.is_complete().unwrap_or(false) {
+            return Ok(None);
+        }
         let stream = self.release_stream.as_ref();
-        stream.wait(&peer.release_events[index].1)?;
+        stream.wait(event)?;
         let after = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
         after.record(stream)?;
-        Ok(Arc::new(after))
+        Ok(Some(Arc::new(after)))
     }
 }
 

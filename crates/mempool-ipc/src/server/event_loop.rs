@@ -459,11 +459,15 @@ impl Loop {
         let id = peer.id;
         match importer_event(message, peer.capabilities) {
             Ok(ImporterEvent::Release(buffer)) => {
+                crate::trace::mark(crate::trace::Point::ExporterReleaseRead, buffer.0);
                 if let Err(e) = self.handler.released(id, buffer) {
                     self.end(token, false, Some(e));
                 }
             }
             Ok(ImporterEvent::ReleaseBatch(batch)) => {
+                for buffer in &batch.buffers {
+                    crate::trace::mark(crate::trace::Point::ExporterReleaseRead, buffer.0);
+                }
                 if let Err(e) = self.handler.released_batch(id, batch) {
                     self.end(token, false, Some(e));
                 }

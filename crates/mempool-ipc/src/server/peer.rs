@@ -277,6 +277,9 @@ impl Peer {
                     // The descriptor went with the first byte: close this side's copy.
                     w.item.fd = None;
                     if w.sent == w.item.frame.len() {
+                        if let Some(buffer) = w.item.buffer {
+                            crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+                        }
                         let fin = w.item.fin;
                         self.writing = None;
                         if fin {
