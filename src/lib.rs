@@ -8,6 +8,9 @@
 //!   [`rmm::suballoc`] is `mempool-suballoc`, the suballocator engines (no CUDA dependency).
 //! - [`ipc`] (`mempool-ipc`): sharing pools and buffers between processes ([`ipc::Exporter`],
 //!   [`ipc::Importer`]) over Unix sockets.
+//! - `cudarc` (feature `cudarc`): the cudarc crate the interop is built against; cudarc's streams and
+//!   contexts work where mempool's are taken, and `rmm::containers::CudarcBuffer` is mempool memory that
+//!   cudarc's copies, launches and NCCL collectives take (docs/cudarc.md).
 //!
 //! See the README and `docs/` for the guide, and `docs/architecture.md` for the map of the code.
 
@@ -17,6 +20,10 @@ pub use mempool_core as core;
 pub use mempool_core::{Device, DeviceAddr, Error, MemPool, PoolProps, Result, Stream, StreamRef};
 pub use mempool_ipc as ipc;
 pub use mempool_rmm as rmm;
+
+/// The cudarc crate mempool's interop is built against (feature `cudarc`; docs/cudarc.md).
+#[cfg(feature = "cudarc")]
+pub use cudarc;
 
 // The guide's snippets, compiled (and, unless marked `no_run`, run) as doctests of this crate by
 // `cargo test`: one module per document. Every ```rust block of README.md and docs/*.md is a doctest;
@@ -36,6 +43,12 @@ mod docs_benchmarks {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/core.md")]
 mod docs_core {}
+
+// Needs the interop, which the dev-dependency on mempool-rmm's `cudarc` feature turns on for every doctest
+// build.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cudarc.md")]
+mod docs_cudarc {}
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/ipc.md")]

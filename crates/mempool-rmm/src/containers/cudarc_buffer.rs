@@ -327,6 +327,18 @@ pub struct CudarcViewMut<'a, T> {
     _elem: PhantomData<fn() -> T>,
 }
 
+impl<T> CudarcView<'_, T> {
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 impl<T> DeviceSlice<T> for CudarcView<'_, T> {
     fn len(&self) -> usize {
         self.len
@@ -340,6 +352,18 @@ impl<T> DevicePtr<T> for CudarcView<'_, T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         wait_for(stream, self.stream, &[self.write]);
         (self.ptr, SyncOnDrop::record_event(self.read, stream))
+    }
+}
+
+impl<T> CudarcViewMut<'_, T> {
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
