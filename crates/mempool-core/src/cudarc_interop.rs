@@ -150,3 +150,38 @@ impl Stream {
         Ok(unsafe { ctx.wrap_borrowed_stream(self.as_raw()) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raw::sys;
+
+    #[test]
+    fn cudarc_errors_keep_the_call_and_the_cuda_result() {
+        let e = Error::from_cudarc(
+            "CudaContext::new_stream",
+            CudarcError(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT),
+        );
+        match &e {
+            Error::Driver { call, error } => {
+                assert_eq!(*call, "CudaContext::new_stream");
+                assert_eq!(error.name, "CUDA_ERROR_INVALID_CONTEXT");
+                assert_eq!(error.code, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32);
+            }
+            other => panic!("expected a driver error, got {other:?}"),
+        }
+        assert!(e.to_string().starts_with("CudaContext::new_stream failed: CUDA_ERROR_INVALID_CONTEXT"), "{e}");
+        // cuInit's "no device" is reported as mempool reports it everywhere (DriverFailure's mapping applies
+        // to the raw call only; through a named cudarc call it stays a driver error).
+        let missing = Error::from_cudarc("cuInit", CudarcError(sys::CUresult::CUDA_ERROR_NO_DEVICE));
+        assert!(matches!(missing, Error::Driver { .. } | Error::NoDevice), "{missing:?}");
+    }
+
+    #[test]
+    fn a_non_primary_context_is_named_as_the_cause() {
+        let e = Error::NotPrimaryContext { ordinal: 3 };
+        let text = e.to_string();
+        assert!(text.contains("device 3") && text.contains("not the device's primary context"), "{text}");
+        assert!(text.contains("CudaContext::new"), "says how to make one that works: {text}");
+    }
+}
