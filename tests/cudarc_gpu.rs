@@ -277,12 +277,16 @@ fn uses_on_other_streams_are_ordered_and_the_free_waits_for_them() {
     let n = 4 * MIB / 4;
     let first: Vec<u32> = (0..n as u32).collect();
 
-    // A read on s2 waits for a write queued on s1 behind 200 ms of work.
+    // A read on s2 waits for a write queued on s1 behind 200 ms of work. The write is a device-to-device
+    // copy: a copy from pageable host memory may block the host until the stream reaches it, which would
+    // order the read without any event.
+    let src = CudarcBuffer::from_host(&first, &s1, mr.clone()).unwrap();
     let mut buf = CudarcBuffer::<u32>::alloc_zeros(n, &s1, mr.clone()).unwrap();
     s1.synchronize().unwrap();
     spin(&s1, &module, 200_000_000);
-    s1.memcpy_htod(&first, &mut buf).unwrap();
+    s1.memcpy_dtod(&src, &mut buf).unwrap();
     assert_eq!(s2.clone_dtoh(&buf).unwrap(), first, "s2 read before s1's write landed");
+    drop(src);
 
     // The free waits for a read on s2 queued behind 200 ms of work: memory the pool hands out again on
     // s1 right after the drop and overwrites there must not reach that read.

@@ -170,7 +170,11 @@ mod tests {
             }
             other => panic!("expected a driver error, got {other:?}"),
         }
-        assert!(e.to_string().starts_with("CudaContext::new_stream failed: CUDA_ERROR_INVALID_CONTEXT"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("CudaContext::new_stream failed: CUDA_ERROR_INVALID_CONTEXT"),
+            "{e}"
+        );
         // cuInit's "no device" is reported as mempool reports it everywhere (DriverFailure's mapping applies
         // to the raw call only; through a named cudarc call it stays a driver error).
         let missing = Error::from_cudarc("cuInit", CudarcError(sys::CUresult::CUDA_ERROR_NO_DEVICE));
@@ -181,7 +185,13 @@ mod tests {
     fn a_non_primary_context_is_named_as_the_cause() {
         let e = Error::NotPrimaryContext { ordinal: 3 };
         let text = e.to_string();
-        assert!(text.contains("device 3") && text.contains("not the device's primary context"), "{text}");
-        assert!(text.contains("CudaContext::new"), "says how to make one that works: {text}");
+        assert!(
+            text.contains("device 3") && text.contains("not the device's primary context"),
+            "{text}"
+        );
+        assert!(
+            text.contains("CudaContext::new"),
+            "says how to make one that works: {text}"
+        );
     }
 }
