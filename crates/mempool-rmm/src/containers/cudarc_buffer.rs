@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 use mempool_core::{DeviceAddr, Event, EventFlags, StreamRef};
 
-use crate::containers::DeviceBuffer;
+use crate::containers::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::resource::SharedResource;
 
