@@ -9,6 +9,10 @@ use crate::handle::Handle;
 use crate::raw::{self, sys};
 use crate::types::{Device, MemoryInfo};
 
+/// The primary contexts mempool retained, by device ordinal (see [`Context::primary_ref`]).
+type PrimaryCache = Mutex<Option<HashMap<usize, &'static Arc<Context>>>>;
+static PRIMARY: PrimaryCache = Mutex::new(None);
+
 /// A device's primary context. mempool retains it once, on first use, for the life of the process (as
 /// the CUDA runtime does); `Context` values are shared `Arc`s of that one retain.
 ///
@@ -40,8 +44,7 @@ impl Context {
     /// either), which lets a borrowed view such as a [`crate::StreamRef`] made from another library's
     /// stream carry the context for any lifetime.
     pub(crate) fn primary_ref(device: Device) -> Result<&'static Arc<Context>> {
-        static CACHE: Mutex<Option<HashMap<usize, &'static Arc<Context>>>> = Mutex::new(None);
-        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cache = PRIMARY.lock().unwrap_or_else(|p| p.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
         if let Some(ctx) = map.get(&device.ordinal()) {
             return Ok(ctx);
@@ -53,6 +56,14 @@ impl Context {
         })));
         map.insert(device.ordinal(), ctx);
         Ok(ctx)
+    }
+
+    /// The primary context of the device with this ordinal if mempool has already retained it: no
+    /// driver call, for conversions that run per call (a cudarc stream's `StreamRef`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn retained_primary(ordinal: usize) -> Option<&'static Arc<Context>> {
+        let cache = PRIMARY.lock().unwrap_or_else(|p| p.into_inner());
+        cache.as_ref().and_then(|map| map.get(&ordinal).copied())
     }
 
     /// The device this context belongs to.

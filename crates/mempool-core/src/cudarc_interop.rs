@@ -37,8 +37,10 @@ impl Error {
 
 /// mempool's primary context of the device of `ctx`, when `ctx` is that primary context.
 fn primary_for(ctx: &CudaContext) -> Result<&'static Arc<Context>> {
-    let device = Device::get(ctx.ordinal())?;
-    let primary = Context::primary_ref(device)?;
+    let primary = match Context::retained_primary(ctx.ordinal()) {
+        Some(primary) => primary,
+        None => Context::primary_ref(Device::get(ctx.ordinal())?)?,
+    };
     if primary.as_raw() == ctx.cu_ctx() {
         Ok(primary)
     } else {
