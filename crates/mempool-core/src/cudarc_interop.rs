@@ -24,8 +24,9 @@ use crate::stream::{Stream, StreamRef};
 use crate::types::Device;
 
 impl Error {
-    /// The error of a failed cudarc driver call, in mempool's terms (its `CUresult` name and message
-    /// under `call`; out-of-memory stays [`Error::OutOfMemory`] only where the caller knows the size).
+    /// The error of a failed cudarc driver call, in mempool's terms: [`Error::Driver`] with `call` and the
+    /// `CUresult`'s name and message. (The interop's allocations go through mempool, whose
+    /// [`Error::OutOfMemory`] carries the size; the cudarc calls it makes allocate no device memory.)
     pub fn from_cudarc(call: &'static str, error: CudarcError) -> Error {
         match raw::check(call, error.0) {
             Err(failure) => failure.into(),

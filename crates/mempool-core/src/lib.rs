@@ -27,8 +27,8 @@
 //! for [`take_drop_errors`] rather than lost or panicked on.
 //!
 //! With the `cudarc` feature, cudarc's streams and contexts work where mempool's are taken
-//! (`StreamRef::from(&cuda_stream)`, [`Context::from_cudarc`], [`Stream::from_cudarc`]) and mempool's
-//! streams are handed to cudarc ([`Stream::new_cudarc`], `unsafe` [`Stream::borrow_for_cudarc`]);
+//! (`StreamRef::from(&cuda_stream)`, `Context::from_cudarc`, `Stream::from_cudarc`) and mempool's
+//! streams are handed to cudarc (`Stream::new_cudarc`, `unsafe` `Stream::borrow_for_cudarc`);
 //! docs/cudarc.md is the guide.
 //!
 //! A program that needs GPUs checks for them with [`require_gpus`]: on a machine with too few it says

@@ -84,7 +84,7 @@ impl Stream {
 
     /// Gives up ownership: the caller must destroy the returned handle (e.g. through [`Stream::from_raw`]).
     ///
-    /// A stream shared with cudarc (feature `cudarc`: [`Stream::from_cudarc`]) keeps cudarc's `Arc`
+    /// A stream shared with cudarc (feature `cudarc`: `Stream::from_cudarc`) keeps cudarc's `Arc`
     /// forever (it is leaked), so cudarc never destroys the handle and the caller's obligation is the same;
     /// but other holders of that `Arc` may still queue work on the stream: destroy it only once they are
     /// done. Prefer dropping such a stream.

@@ -1,6 +1,6 @@
 //! Containers that allocate through a [`crate::MemoryResource`]: an untyped buffer, a typed vector, a
 //! scalar, and a round-robin pool of streams. Each is ordered on a stream: it allocates and frees there,
-//! and its copies run there. With the `cudarc` feature, [`CudarcBuffer`] is typed memory from a resource
+//! and its copies run there. With the `cudarc` feature, `CudarcBuffer` is typed memory from a resource
 //! that cudarc's copies, launches and collectives take.
 
 mod buffer;
