@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The README's test command: the workspace's host tests, then the Python package's wheel build and host
-# pytest suite (scripts/python-tests.sh). Needs a Rust toolchain and python3 with pip (and venv).
+# The README's test command: the workspace's host tests (with the cudarc interop compiled in), then the
+# Python package's wheel build and host pytest suite (scripts/python-tests.sh). Needs a Rust toolchain and python3 with pip (and venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --workspace
+cargo test --workspace --features cudarc
 scripts/python-tests.sh

@@ -10,6 +10,9 @@
 //!   [`ipc::Importer`]) over Unix sockets.
 //! - `nccl` (`mempool-nccl`, feature `nccl`): NCCL collectives over mempool memory, NCCL opened at run
 //!   time.
+//! - `cudarc` (feature `cudarc`): the cudarc crate the interop is built against; cudarc's streams and
+//!   contexts work where mempool's are taken, and `rmm::containers::CudarcBuffer` is mempool memory that
+//!   cudarc's copies, launches and NCCL collectives take (docs/cudarc.md).
 //!
 //! See the README and `docs/` for the guide, and `docs/architecture.md` for the map of the code.
 
@@ -22,6 +25,10 @@ pub use mempool_ipc as ipc;
 #[cfg(feature = "nccl")]
 pub use mempool_nccl as nccl;
 pub use mempool_rmm as rmm;
+
+/// The cudarc crate mempool's interop is built against (feature `cudarc`; docs/cudarc.md).
+#[cfg(feature = "cudarc")]
+pub use cudarc;
 
 // The guide's snippets, compiled (and, unless marked `no_run`, run) as doctests of this crate by
 // `cargo test`: one module per document. Every ```rust block of README.md and docs/*.md is a doctest;
@@ -45,6 +52,12 @@ mod docs_nccl {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/core.md")]
 mod docs_core {}
+
+// Needs the interop, which the dev-dependency on mempool-rmm's `cudarc` feature turns on for every doctest
+// build.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cudarc.md")]
+mod docs_cudarc {}
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/distributed.md")]

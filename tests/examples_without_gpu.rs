@@ -28,6 +28,7 @@ fn examples_say_they_need_a_gpu_and_exit_with_status_2() {
         ("peer_access", "2 GPUs"),
         ("ipc_pipeline", "a GPU"),
         ("ipc_serve", "a GPU"),
+        ("cudarc_kernel", "a GPU"),
     ] {
         let out = Command::new(example(name))
             .output()

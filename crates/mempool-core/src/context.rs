@@ -9,6 +9,10 @@ use crate::handle::Handle;
 use crate::raw::{self, sys};
 use crate::types::{Device, MemoryInfo};
 
+/// The primary contexts mempool retained, by device ordinal (see [`Context::primary_ref`]).
+type PrimaryCache = Mutex<Option<HashMap<usize, &'static Arc<Context>>>>;
+static PRIMARY: PrimaryCache = Mutex::new(None);
+
 /// A device's primary context. mempool retains it once, on first use, for the life of the process (as
 /// the CUDA runtime does); `Context` values are shared `Arc`s of that one retain.
 ///
@@ -32,19 +36,34 @@ impl Context {
     /// context (and everything cached in it) over and over, while raw handles of the old one may still
     /// be in flight on other threads.
     pub(crate) fn primary(device: Device) -> Result<Arc<Context>> {
-        static CACHE: Mutex<Option<HashMap<usize, Arc<Context>>>> = Mutex::new(None);
-        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        Context::primary_ref(device).map(Arc::clone)
+    }
+
+    /// [`Context::primary`] as a reference that lives as long as the process: the cache entry itself.
+    /// Each device's entry is allocated once and never freed (the primary context is never released
+    /// either), which lets a borrowed view such as a [`crate::StreamRef`] made from another library's
+    /// stream carry the context for any lifetime.
+    pub(crate) fn primary_ref(device: Device) -> Result<&'static Arc<Context>> {
+        let mut cache = PRIMARY.lock().unwrap_or_else(|p| p.into_inner());
         let map = cache.get_or_insert_with(HashMap::new);
         if let Some(ctx) = map.get(&device.ordinal()) {
-            return Ok(ctx.clone());
+            return Ok(ctx);
         }
         let raw = raw::context::primary_retain(device.as_raw())?;
-        let ctx = Arc::new(Context {
+        let ctx: &'static Arc<Context> = Box::leak(Box::new(Arc::new(Context {
             device,
             raw: Handle::new(raw),
-        });
-        map.insert(device.ordinal(), ctx.clone());
+        })));
+        map.insert(device.ordinal(), ctx);
         Ok(ctx)
+    }
+
+    /// The primary context of the device with this ordinal if mempool has already retained it: no
+    /// driver call, for conversions that run per call (a cudarc stream's `StreamRef`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn retained_primary(ordinal: usize) -> Option<&'static Arc<Context>> {
+        let cache = PRIMARY.lock().unwrap_or_else(|p| p.into_inner());
+        cache.as_ref().and_then(|map| map.get(&ordinal).copied())
     }
 
     /// The device this context belongs to.

@@ -199,6 +199,18 @@ pub enum Error {
         error: DriverError,
     },
 
+    /// A cudarc context (feature `cudarc`) that is not its device's primary context: mempool's
+    /// [`crate::Context`] is the primary context, so a stream or context of another one cannot become a
+    /// mempool [`crate::Stream`] or [`crate::Context`].
+    #[error(
+        "the cudarc context on device {ordinal} is not the device's primary context: mempool works in \
+         primary contexts only (make the context with CudaContext::new)"
+    )]
+    NotPrimaryContext {
+        /// The device ordinal of the cudarc context.
+        ordinal: usize,
+    },
+
     /// An argument the driver would reject, caught before the call.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -26,6 +26,11 @@
 //! Handles are RAII and keep their context alive. `Drop` cannot return errors; a failure there is kept
 //! for [`take_drop_errors`] rather than lost or panicked on.
 //!
+//! With the `cudarc` feature, cudarc's streams and contexts work where mempool's are taken
+//! (`StreamRef::from(&cuda_stream)`, `Context::from_cudarc`, `Stream::from_cudarc`) and mempool's
+//! streams are handed to cudarc (`Stream::new_cudarc`, `unsafe` `Stream::borrow_for_cudarc`);
+//! docs/cudarc.md is the guide.
+//!
 //! A program that needs GPUs checks for them with [`require_gpus`]: on a machine with too few it says
 //! why ([`MissingGpus`]) and exits with [`NO_GPU_EXIT_STATUS`], as every example of the workspace does.
 //!
@@ -46,6 +51,8 @@
 
 mod buffer;
 mod context;
+#[cfg(feature = "cudarc")]
+mod cudarc_interop;
 mod device;
 mod drop_errors;
 mod error;

@@ -34,6 +34,10 @@ bitflags::bitflags! {
 pub struct Stream {
     ctx: Arc<Context>,
     raw: Handle<sys::CUstream_st>,
+    // Some for a stream shared with cudarc (`Stream::from_cudarc`): cudarc owns the driver stream and
+    // destroys it when its last `Arc` goes, so `Drop` leaves it alone.
+    #[cfg(feature = "cudarc")]
+    cudarc: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 impl Stream {
@@ -49,6 +53,8 @@ impl Stream {
         Ok(Stream {
             ctx: ctx.clone(),
             raw: Handle::new(raw),
+            #[cfg(feature = "cudarc")]
+            cudarc: None,
         })
     }
 
@@ -77,6 +83,11 @@ impl Stream {
     }
 
     /// Gives up ownership: the caller must destroy the returned handle (e.g. through [`Stream::from_raw`]).
+    ///
+    /// A stream shared with cudarc (feature `cudarc`: `Stream::from_cudarc`) keeps cudarc's `Arc`
+    /// forever (it is leaked), so cudarc never destroys the handle and the caller's obligation is the same;
+    /// but other holders of that `Arc` may still queue work on the stream: destroy it only once they are
+    /// done. Prefer dropping such a stream.
     pub fn into_raw(self) -> (Arc<Context>, sys::CUstream) {
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so moving the `Arc` out of it leaves exactly one owner.
@@ -95,12 +106,38 @@ impl Stream {
         Stream {
             ctx,
             raw: Handle::new(raw),
+            #[cfg(feature = "cudarc")]
+            cudarc: None,
         }
+    }
+
+    /// A stream that shares cudarc's ownership of `stream`, whose context is `ctx` (the caller checked
+    /// it: `Stream::from_cudarc`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn shared_with_cudarc(ctx: Arc<Context>, stream: Arc<cudarc::driver::CudaStream>) -> Stream {
+        Stream {
+            ctx,
+            raw: Handle::new(stream.cu_stream()),
+            cudarc: Some(stream),
+        }
+    }
+
+    /// The cudarc stream this stream shares ownership with: `Some` for a stream made by
+    /// [`Stream::from_cudarc`] or [`Stream::new_cudarc`], `None` for one mempool created alone.
+    #[cfg(feature = "cudarc")]
+    pub fn cudarc_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        self.cudarc.as_ref()
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        #[cfg(feature = "cudarc")]
+        if self.cudarc.take().is_some() {
+            // cudarc owns the driver stream: dropping our `Arc` (just done) lets it destroy the stream
+            // once its last `Arc` goes.
+            return;
+        }
         // SAFETY: the stream was created by `cuStreamCreate` (or handed over by `from_raw`'s contract),
         // is owned only by `self`, and no borrowed `StreamRef` outlives `self`.
         #[allow(unsafe_code)]

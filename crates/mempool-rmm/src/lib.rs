@@ -18,6 +18,8 @@
 //!   [`suballoc`] (the `mempool-suballoc` crate: pool, fixed-size, binning, arena, host-testable over
 //!   a simulated upstream) over any upstream resource.
 //! - [`workload`]: the standard random workload the benchmarks draw from.
+//! - [`containers`]: RAII buffers, vectors and scalars over any resource; with the `cudarc` feature,
+//!   `CudarcBuffer`, which cudarc's copies, kernel launches and NCCL collectives take (docs/cudarc.md).
 //! - `testing` (cargo feature `testing`, off by default): `SimResource`, a host-only resource for
 //!   tests without a GPU.
 //!

@@ -1,5 +1,7 @@
 //! [`DeviceBuffer`]: untyped, uninitialised device memory from a resource.
 
+#[cfg(feature = "cudarc")]
+use mempool_core::DeviceAddr;
 use mempool_core::{memory, BufferView, StreamRef};
 
 use crate::error::{Error, Result};
@@ -102,6 +104,16 @@ impl<'s> DeviceBuffer<'s> {
             self.reallocate(self.view.len())?;
         }
         Ok(())
+    }
+
+    /// Gives the allocation up without freeing it: (address, length, capacity, resource). The caller owns
+    /// the memory from here on and returns it to the resource (`capacity` bytes) once; work queued on the
+    /// buffer's stream so far may still use it.
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn into_allocation(mut self) -> (DeviceAddr, usize, usize, SharedResource) {
+        let (addr, len) = self.view.take();
+        // `self` drops with an empty view: nothing is freed.
+        (addr, len, self.capacity, self.mr.clone())
     }
 
     fn reallocate(&mut self, capacity: usize) -> Result<()> {
