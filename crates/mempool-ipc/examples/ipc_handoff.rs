@@ -34,7 +34,8 @@
 //! (`ImporterOptions::wait_ready_on_host`), so that no stream waits for another process's event.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]
-//! [--no-trace]` (default 4 consumers). The producer re-executes this program for each consumer
+//! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's v2 sub column
+//! before its v1 and v2 alloc columns). The producer re-executes this program for each consumer
 //! (twice: a version-1 and a version-2 set). Without a GPU it says why and exits with status 2.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -302,6 +303,7 @@ fn spawn_consumers(
 }
 
 fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
+    let sub_first = std::env::args().any(|a| a == "--sub-first");
     let dev = Device::get(0)?;
     let ctx = dev.context()?;
     let upstream = Arc::new(AsyncResource::new(
@@ -377,6 +379,21 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
+        // `--sub-first`: the v2 sub column is measured before the others of its row, to see whether what
+        // the rows before it leave behind (1,010 whole-allocation hand-offs to the same consumer) slows it.
+        let early = if sub_first {
+            Some(round_trip_ipc(
+                &producer,
+                Make::Sub,
+                &mut v2[0],
+                &stream,
+                size,
+                iters,
+                &mut Probe::Off,
+            )?)
+        } else {
+            None
+        };
         let old = round_trip_ipc(
             &producer,
             Make::Alloc,
@@ -395,7 +412,10 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
             iters,
             &mut Probe::Off,
         )?;
-        let sub = round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?;
+        let sub = match early {
+            Some(sub) => sub,
+            None => round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?,
+        };
         let copy = round_trip_copy(&producer.exporter, &ctx, &mut v2[0], &stream, size, iters)?;
         println!(
             "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x |",
