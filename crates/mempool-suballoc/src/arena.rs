@@ -275,7 +275,7 @@ where
         }
         let i = self.arena(stream);
         let arena = &mut self.arenas[i];
-        let block = match arena.free.find(size) {
+        let block = match self.blocks.find(&arena.free, size) {
             Some(slot) => {
                 if self.blocks.is_whole(slot) {
                     // An empty superblock comes back into use.

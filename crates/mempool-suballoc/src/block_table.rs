@@ -11,23 +11,67 @@
 //! per operation, almost all of them cache misses with ~100k blocks); see
 //! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
-use std::collections::BTreeSet;
-
 use super::addr_map::SlotMap;
-use super::free_list::{class_of, first_class_from, new_slot, SMALL_CLASSES, SMALL_MAX};
+use super::free_list::new_slot;
 use crate::error::{ensure, InvariantViolation};
 use crate::free_list::Block;
 use crate::types::ALIGNMENT;
 
-/// No neighbour (the block starts or ends its chunk).
+/// No neighbour (the block starts or ends its chunk), or the end of a class list.
 const NIL: u32 = u32::MAX;
 /// `Node::owner` of a live block.
 const LIVE: u32 = u32::MAX - 1;
 /// `Node::owner` of a slot that holds no block.
 const VACANT: u32 = u32::MAX;
 
-/// One block of an upstream chunk.
+/// Second-level classes per first level: `2^SL_BITS`, one bitmap word.
+const SL_BITS: u32 = 6;
+/// Sizes of fewer than `2^SL_BITS` granules have exact classes (first level 0).
+const SL_COUNT: u64 = 1 << SL_BITS;
+/// First levels: level 0 (exact classes) and one per power of two from `2^SL_BITS` granules up to
+/// `2^56` granules (2^64 bytes).
+const FL_COUNT: usize = 64 - ALIGNMENT.trailing_zeros() as usize - SL_BITS as usize + 1;
+/// Size classes in all.
+const CLASSES: usize = FL_COUNT << SL_BITS;
+
+/// The TLSF class of a block of `size` bytes (a non-zero multiple of [`ALIGNMENT`]): with `g = size /
+/// ALIGNMENT` granules, class `g` for `g < 64`; above, first level `log2(g) - 5` and second level the
+/// six bits of `g` below its leading one. Every block of a class is at least the class's lower bound
+/// and less than the next class's.
+#[inline]
+fn class_of(size: u64) -> usize {
+    class_of_granules(size / ALIGNMENT)
+}
+
+#[inline]
+fn class_of_granules(g: u64) -> usize {
+    if g < SL_COUNT {
+        return g as usize;
+    }
+    let l = 63 - g.leading_zeros();
+    let fl = (l - SL_BITS + 1) as usize;
+    let sl = ((g >> (l - SL_BITS)) & (SL_COUNT - 1)) as usize;
+    (fl << SL_BITS) | sl
+}
+
+/// The lowest class every block of which holds `size` bytes (a non-zero multiple of
+/// [`ALIGNMENT`]): the class of `size` rounded up to a class boundary. May be [`CLASSES`] or more
+/// (no class fits) for sizes within 1/64 of 2^64.
+#[inline]
+fn fitting_class(size: u64) -> usize {
+    let g = size / ALIGNMENT;
+    if g < SL_COUNT {
+        return g as usize;
+    }
+    let step = 1u64 << (63 - g.leading_zeros() - SL_BITS);
+    // At most 2^56 granules plus less than a step: no overflow.
+    class_of_granules((g + step - 1) & !(step - 1))
+}
+
+/// One block of an upstream chunk, on a cache line of its own: a free or an allocation reads one
+/// line per block it touches.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
 struct Node {
     addr: u64,
     size: u64,
@@ -38,9 +82,13 @@ struct Node {
     next: u32,
     /// The free list holding the block, [`LIVE`] or [`VACANT`].
     owner: u32,
-    /// Free small blocks: the position in its size class's stack. Live blocks: the tag given to
-    /// [`BlockTable::allocate_from`] (the arena engine's arena number).
-    pos: u32,
+    /// Live blocks: the tag given to [`BlockTable::allocate_from`] (the arena engine's arena number).
+    tag: u32,
+    /// Free blocks: the neighbours in the size class's list. `lprev` is meaningful only when the
+    /// block is not the list's head (the head's is stale, so that taking the head writes no other
+    /// node).
+    lprev: u32,
+    lnext: u32,
 }
 
 impl Node {
@@ -54,23 +102,40 @@ impl Node {
     }
 }
 
-/// One free list's blocks, by size: exact best fit without a search.
+/// One free list's blocks, by size: TLSF (two-level segregated fit) classes, constant time.
 ///
-/// Among free blocks of equal small size the most recently inserted is taken (its memory is the
-/// likeliest to be in cache); among equal large sizes the lowest address.
-#[derive(Debug, Default)]
+/// The classes: one per size up to 63 granules of [`ALIGNMENT`] (16 KiB), then 64 per power of
+/// two, so a class spans 1/64 of its lower bound. Each class is a doubly linked list threaded
+/// through the block table's nodes (most recently freed first); a bitmap word per first level marks
+/// the non-empty classes and a summary word the non-empty levels, so the first non-empty class at or
+/// above a given one is two bit scans.
+///
+/// A request is served from the head of the request's own class when that block is large enough
+/// (blocks of one class differ by less than 1/64), else from the first non-empty class whose every
+/// block fits: a good fit, not always the best (at most 1/64 larger than the smallest block that
+/// fits, or the head of a higher class when the request's own class holds no fitting head).
+#[derive(Debug)]
 pub(crate) struct SizeIndex {
-    /// Per size class (`size / ALIGNMENT - 1`), the slots of the small blocks of exactly that size.
-    /// Empty until the first small block arrives. Invariant: `nodes[classes[c][k]].pos == k`.
-    classes: Vec<Vec<u32>>,
-    /// Bit `c % 64` of word `c / 64` is set iff class `c` is non-empty.
-    bits: Vec<u64>,
-    /// Bit `w` is set iff `bits[w] != 0`.
+    /// Per class, the first slot of its list, or [`NIL`]. Empty until the first block arrives.
+    heads: Box<[u32]>,
+    /// Bit `sl` of `bits[fl]` is set iff class `fl * 64 + sl` is non-empty.
+    bits: [u64; FL_COUNT],
+    /// Bit `fl` is set iff `bits[fl] != 0`.
     summary: u64,
-    /// Blocks larger than `SMALL_MAX`, as `(size, addr, slot)`.
-    large: BTreeSet<(u64, u64, u32)>,
     len: usize,
     total: u64,
+}
+
+impl Default for SizeIndex {
+    fn default() -> Self {
+        Self {
+            heads: Box::default(),
+            bits: [0; FL_COUNT],
+            summary: 0,
+            len: 0,
+            total: 0,
+        }
+    }
 }
 
 impl SizeIndex {
@@ -92,132 +157,163 @@ impl SizeIndex {
         self.total
     }
 
-    /// The slot of the smallest block of at least `size` bytes.
+    /// The first non-empty class at or above `c`.
     #[inline]
-    pub(crate) fn find(&self, size: u64) -> Option<u32> {
-        if size <= SMALL_MAX {
-            if let Some(c) = first_class_from(&self.bits, self.summary, class_of(size)) {
-                return self.classes[c].last().copied();
+    fn first_class_from(&self, c: usize) -> Option<usize> {
+        let fl = c >> SL_BITS;
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let here = self.bits[fl] & (!0u64 << (c & (SL_COUNT as usize - 1)));
+        if here != 0 {
+            return Some((fl << SL_BITS) | here.trailing_zeros() as usize);
+        }
+        let above = self.summary & (!0u64).checked_shl(fl as u32 + 1).unwrap_or(0);
+        (above != 0).then(|| {
+            let fl = above.trailing_zeros() as usize;
+            (fl << SL_BITS) | self.bits[fl].trailing_zeros() as usize
+        })
+    }
+
+    #[inline]
+    fn mark(&mut self, c: usize) {
+        self.bits[c >> SL_BITS] |= 1 << (c & (SL_COUNT as usize - 1));
+        self.summary |= 1 << (c >> SL_BITS);
+    }
+
+    #[inline]
+    fn unmark(&mut self, c: usize) {
+        let fl = c >> SL_BITS;
+        self.bits[fl] &= !(1 << (c & (SL_COUNT as usize - 1)));
+        if self.bits[fl] == 0 {
+            self.summary &= !(1 << fl);
+        }
+    }
+
+    /// Files `slot` at the head of its class; does not count it (see [`insert`](Self::insert)).
+    #[inline]
+    fn link(&mut self, nodes: &mut [Node], slot: u32) {
+        if self.heads.is_empty() {
+            self.heads = vec![NIL; CLASSES].into_boxed_slice();
+        }
+        let c = class_of(nodes[slot as usize].size);
+        let head = self.heads[c];
+        nodes[slot as usize].lnext = head;
+        if head != NIL {
+            nodes[head as usize].lprev = slot;
+        } else {
+            self.mark(c);
+        }
+        self.heads[c] = slot;
+    }
+
+    /// Takes `slot` out of its class (by its current size); does not uncount it.
+    #[inline]
+    fn unlink(&mut self, nodes: &mut [Node], slot: u32) {
+        let Node { size, lprev, lnext, .. } = nodes[slot as usize];
+        let c = class_of(size);
+        if self.heads[c] == slot {
+            // The new head's `lprev` goes stale, which a head's may.
+            self.heads[c] = lnext;
+            if lnext == NIL {
+                self.unmark(c);
+            }
+        } else {
+            nodes[lprev as usize].lnext = lnext;
+            if lnext != NIL {
+                nodes[lnext as usize].lprev = lprev;
             }
         }
-        self.large.range((size, 0, 0)..).next().map(|&(_, _, slot)| slot)
     }
 
     #[inline]
     fn insert(&mut self, nodes: &mut [Node], slot: u32) {
-        let n = &mut nodes[slot as usize];
         self.len += 1;
-        self.total += n.size;
-        if n.size > SMALL_MAX {
-            self.large.insert((n.size, n.addr, slot));
-            return;
-        }
-        if self.classes.is_empty() {
-            self.classes = vec![Vec::new(); SMALL_CLASSES];
-            self.bits = vec![0; SMALL_CLASSES / 64];
-        }
-        let c = class_of(n.size);
-        let stack = &mut self.classes[c];
-        n.pos = stack.len() as u32;
-        stack.push(slot);
-        self.bits[c / 64] |= 1 << (c % 64);
-        self.summary |= 1 << (c / 64);
+        self.total += nodes[slot as usize].size;
+        self.link(nodes, slot);
     }
 
     #[inline]
     fn remove(&mut self, nodes: &mut [Node], slot: u32) {
-        let Node { addr, size, pos, .. } = nodes[slot as usize];
         self.len -= 1;
-        self.total -= size;
-        if size > SMALL_MAX {
-            self.large.remove(&(size, addr, slot));
-            return;
-        }
-        let c = class_of(size);
-        let stack = &mut self.classes[c];
-        stack.swap_remove(pos as usize);
-        if let Some(&moved) = stack.get(pos as usize) {
-            nodes[moved as usize].pos = pos;
-        }
-        if stack.is_empty() {
-            self.bits[c / 64] &= !(1 << (c % 64));
-            if self.bits[c / 64] == 0 {
-                self.summary &= !(1 << (c / 64));
-            }
-        }
+        self.total -= nodes[slot as usize].size;
+        self.unlink(nodes, slot);
     }
 
     /// Every slot in the index, in no particular order.
-    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
-        let small = self.bits.iter().enumerate().flat_map(move |(w, &word)| {
+    fn slots<'a>(&'a self, nodes: &'a [Node]) -> impl Iterator<Item = u32> + 'a {
+        self.bits.iter().enumerate().flat_map(move |(fl, &word)| {
             let mut word = word;
             std::iter::from_fn(move || {
                 (word != 0).then(|| {
-                    let c = w * 64 + word.trailing_zeros() as usize;
+                    let c = (fl << SL_BITS) | word.trailing_zeros() as usize;
                     word &= word - 1;
                     c
                 })
             })
-            .flat_map(move |c| self.classes[c].iter().copied())
-        });
-        small.chain(self.large.iter().map(|&(_, _, slot)| slot))
+            .flat_map(move |c| {
+                let mut slot = self.heads[c];
+                std::iter::from_fn(move || {
+                    (slot != NIL).then(|| {
+                        let s = slot;
+                        slot = nodes[s as usize].lnext;
+                        s
+                    })
+                })
+            })
+        })
     }
 
-    /// Empties the index, returning its slots; keeps the class stacks' allocations.
-    fn drain(&mut self) -> Vec<u32> {
-        let slots: Vec<u32> = self.slots().collect();
-        for (w, word) in self.bits.iter_mut().enumerate() {
-            while *word != 0 {
-                let c = w * 64 + word.trailing_zeros() as usize;
-                *word &= *word - 1;
-                self.classes[c].clear();
+    /// Empties the index, returning its slots; keeps the class heads' allocation.
+    fn drain(&mut self, nodes: &[Node]) -> Vec<u32> {
+        let slots: Vec<u32> = self.slots(nodes).collect();
+        for fl in 0..FL_COUNT {
+            while self.bits[fl] != 0 {
+                let c = (fl << SL_BITS) | self.bits[fl].trailing_zeros() as usize;
+                self.bits[fl] &= self.bits[fl] - 1;
+                self.heads[c] = NIL;
             }
         }
         self.summary = 0;
-        self.large.clear();
         self.len = 0;
         self.total = 0;
         slots
     }
 
     /// Checks the index against the slab: every slot filed once, in the right class, owned by
-    /// `owner`, with the right position; bitmaps and totals consistent.
+    /// `owner`, linked both ways; bitmaps and totals consistent.
     fn check(&self, nodes: &[Node], owner: u32) -> Result<(), InvariantViolation> {
         let mut count = 0usize;
         let mut total = 0u64;
-        for (c, stack) in self.classes.iter().enumerate() {
-            let bit = self.bits[c / 64] >> (c % 64) & 1 == 1;
+        for (c, &head) in self.heads.iter().enumerate() {
+            let bit = self.bits[c >> SL_BITS] >> (c & (SL_COUNT as usize - 1)) & 1 == 1;
             ensure!(
-                bit != stack.is_empty(),
-                "size index: class {c}'s bit disagrees with its stack"
+                bit == (head != NIL),
+                "size index: class {c}'s bit disagrees with its list"
             );
-            for (k, &slot) in stack.iter().enumerate() {
+            let (mut prev, mut slot) = (NIL, head);
+            while slot != NIL {
                 let n = nodes.get(slot as usize);
                 ensure!(
-                    n.is_some_and(|n| n.owner == owner
-                        && n.size <= SMALL_MAX
-                        && class_of(n.size) == c
-                        && n.pos as usize == k),
-                    "size index: slot {slot} is misfiled in class {c} of list {owner}"
+                    n.is_some_and(|n| n.owner == owner && class_of(n.size) == c && (prev == NIL || n.lprev == prev)),
+                    "size index: slot {slot} is misfiled or mislinked in class {c} of list {owner}"
                 );
+                ensure!(count <= nodes.len(), "size index: class {c} of list {owner} loops");
                 count += 1;
                 total += nodes[slot as usize].size;
+                prev = slot;
+                slot = nodes[slot as usize].lnext;
             }
         }
-        for (w, &word) in self.bits.iter().enumerate() {
+        ensure!(
+            !self.heads.is_empty() || self.bits.iter().all(|&w| w == 0),
+            "size index: list {owner} marks classes but has none"
+        );
+        for (fl, &word) in self.bits.iter().enumerate() {
             ensure!(
-                (self.summary >> w & 1 == 1) == (word != 0),
-                "size index: summary bit {w} is wrong"
+                (self.summary >> fl & 1 == 1) == (word != 0),
+                "size index: summary bit {fl} is wrong"
             );
-        }
-        for &(size, addr, slot) in &self.large {
-            let n = nodes.get(slot as usize);
-            ensure!(
-                size > SMALL_MAX && n.is_some_and(|n| n.owner == owner && n.addr == addr && n.size == size),
-                "size index: large entry ({size}, {addr:#x}) of list {owner} does not match its slot"
-            );
-            count += 1;
-            total += size;
         }
         ensure!(
             count == self.len && total == self.total,
@@ -262,6 +358,25 @@ impl BlockTable {
         self.live.len()
     }
 
+    /// The slot of a free block of `index` that holds `size` bytes (a non-zero multiple of
+    /// [`ALIGNMENT`]): the head of the request's own class when it is large enough, else the head
+    /// of the first non-empty class whose every block fits (see [`SizeIndex`]).
+    #[inline]
+    pub(crate) fn find(&self, index: &SizeIndex, size: u64) -> Option<u32> {
+        if index.is_empty() {
+            return None;
+        }
+        let own = class_of(size);
+        let fit = fitting_class(size);
+        if own != fit {
+            let head = index.heads[own];
+            if head != NIL && self.nodes[head as usize].size >= size {
+                return Some(head);
+            }
+        }
+        index.first_class_from(fit).map(|c| index.heads[c])
+    }
+
     /// Adds a fresh upstream chunk as one free block of list `owner`; returns its slot.
     pub(crate) fn add_chunk(&mut self, index: &mut SizeIndex, owner: u32, addr: u64, size: u64) -> u32 {
         let slot = self.new_slot(Node {
@@ -271,27 +386,38 @@ impl BlockTable {
             prev: NIL,
             next: NIL,
             owner,
-            pos: 0,
+            tag: 0,
+            lprev: NIL,
+            lnext: NIL,
         });
         index.insert(&mut self.nodes, slot);
         slot
     }
 
     /// Allocates `size` bytes (aligned, at most the block's size) from the high end of free block
-    /// `slot` of `index`; the rest stays free in `index` at the same address. The live block keeps
-    /// `tag` (see [`tag`](Self::tag)).
+    /// `slot` of `index`; the rest stays free in `index` at the same address (and in the same slot).
+    /// The live block keeps `tag` (see [`tag`](Self::tag)).
     #[inline]
     pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64, tag: u32) -> Block {
-        index.remove(&mut self.nodes, slot);
         let n = self.nodes[slot as usize];
         debug_assert!(size <= n.size && n.owner != LIVE && n.owner != VACANT);
         let taken = if n.size == size {
+            index.remove(&mut self.nodes, slot);
             let node = &mut self.nodes[slot as usize];
             node.owner = LIVE;
-            node.pos = tag;
+            node.tag = tag;
             slot
         } else {
             let rest = n.size - size;
+            index.total -= size;
+            if class_of(rest) == class_of(n.size) {
+                // Still in its class: the list stays as it is.
+                self.nodes[slot as usize].size = rest;
+            } else {
+                index.unlink(&mut self.nodes, slot);
+                self.nodes[slot as usize].size = rest;
+                index.link(&mut self.nodes, slot);
+            }
             let taken = self.new_slot(Node {
                 addr: n.addr + rest,
                 size,
@@ -299,15 +425,14 @@ impl BlockTable {
                 prev: slot,
                 next: n.next,
                 owner: LIVE,
-                pos: tag,
+                tag,
+                lprev: NIL,
+                lnext: NIL,
             });
             if n.next != NIL {
                 self.nodes[n.next as usize].prev = taken;
             }
-            let rest_node = &mut self.nodes[slot as usize];
-            rest_node.next = taken;
-            rest_node.size = rest;
-            index.insert(&mut self.nodes, slot);
+            self.nodes[slot as usize].next = taken;
             taken
         };
         let b = self.nodes[taken as usize].block();
@@ -326,7 +451,7 @@ impl BlockTable {
     /// The tag a live block was allocated with.
     #[inline]
     pub(crate) fn tag(&self, slot: u32) -> u32 {
-        self.nodes[slot as usize].pos
+        self.nodes[slot as usize].tag
     }
 
     /// Whether the block in `slot` spans its whole chunk.
@@ -396,7 +521,7 @@ impl BlockTable {
     pub(crate) fn move_all(&mut self, from: &mut SizeIndex, into: &mut SizeIndex, owner: u32) {
         // Every drained slot keeps its old owner until its turn, so no merge below can absorb a slot
         // that is still waiting to be moved.
-        for slot in from.drain() {
+        for slot in from.drain(&self.nodes) {
             self.insert_free(into, owner, slot);
         }
     }
@@ -404,7 +529,7 @@ impl BlockTable {
     /// Removes from `index` the free blocks that span a whole chunk and returns them.
     pub(crate) fn take_whole_chunks(&mut self, index: &mut SizeIndex) -> Vec<Block> {
         let whole: Vec<u32> = index
-            .slots()
+            .slots(&self.nodes)
             .filter(|&s| {
                 let n = &self.nodes[s as usize];
                 n.prev == NIL && n.next == NIL
@@ -423,7 +548,7 @@ impl BlockTable {
 
     /// The blocks of `index`.
     pub(crate) fn free_blocks<'a>(&'a self, index: &'a SizeIndex) -> impl Iterator<Item = Block> + 'a {
-        index.slots().map(|s| self.nodes[s as usize].block())
+        index.slots(&self.nodes).map(|s| self.nodes[s as usize].block())
     }
 
     /// The live allocations.

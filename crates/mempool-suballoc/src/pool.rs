@@ -126,7 +126,7 @@ where
     /// then the other lists merged into its own (one wait each), then the upstream.
     fn take(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<Block, Error> {
         let i = self.lists.find(stream);
-        if let Some(slot) = self.lists.list(i).find(size) {
+        if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
             return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
         }
         self.take_slow(size, requested, stream, i)
@@ -138,7 +138,7 @@ where
         // after anything new, so it stays covered by that list's event.
         for j in 0..self.lists.len() {
             if j != i {
-                if let Some(slot) = self.lists.list(j).find(size) {
+                if let Some(slot) = self.blocks.find(self.lists.list(j), size) {
                     self.lists.order_after(&self.order, stream, j)?;
                     return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size, 0));
                 }
@@ -148,7 +148,7 @@ where
         for j in 0..self.lists.len() {
             if j != i && !self.lists.list(j).is_empty() {
                 self.merge_list(i, j)?;
-                if let Some(slot) = self.lists.list(i).find(size) {
+                if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
                     return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
                 }
             }
