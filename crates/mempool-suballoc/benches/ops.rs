@@ -52,6 +52,8 @@ fn run_ops<E: Engine<Stream = ()>>(engine: &mut E, ops: &[Op], live: &mut Vec<(u
 #[inline(never)]
 fn warm_up<E: Engine<Stream = ()>>(engine: &mut E, ops: &[Op], live: &mut Vec<(u64, u64)>) {
     apply_ops(engine, ops, live);
+    // Not the same machine code as `run_ops`, which the compiler could otherwise fold into one.
+    black_box(engine.stats());
 }
 
 #[inline(always)]
