@@ -11,7 +11,7 @@
 //! per operation, almost all of them cache misses with ~100k blocks); see
 //! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
-use super::addr_map::SlotMap;
+use super::addr_map::SlotTable;
 use super::free_list::new_slot;
 use crate::error::{ensure, InvariantViolation};
 use crate::free_list::Block;
@@ -112,8 +112,10 @@ impl Node {
 ///
 /// A request is served from the head of the request's own class when that block is large enough
 /// (blocks of one class differ by less than 1/64), else from the first non-empty class whose every
-/// block fits: a good fit, not always the best (at most 1/64 larger than the smallest block that
-/// fits, or the head of a higher class when the request's own class holds no fitting head).
+/// block fits, else from any block of its own class that fits (a walk of that class, only when the
+/// alternative is to report no fit): a good fit, not always the best (the head of the first fitting
+/// class, which may be larger than a block of the request's own class further down its list), and
+/// a fit whenever any free block of the list is large enough.
 #[derive(Debug)]
 pub(crate) struct SizeIndex {
     /// Per class, the first slot of its list, or [`NIL`]. Empty until the first block arrives.
@@ -338,7 +340,7 @@ pub(crate) struct BlockTable {
     nodes: Vec<Node>,
     vacant: Vec<u32>,
     /// Live allocations: address -> slot.
-    live: SlotMap,
+    live: SlotTable,
 }
 
 impl BlockTable {
@@ -360,7 +362,9 @@ impl BlockTable {
 
     /// The slot of a free block of `index` that holds `size` bytes (a non-zero multiple of
     /// [`ALIGNMENT`]): the head of the request's own class when it is large enough, else the head
-    /// of the first non-empty class whose every block fits (see [`SizeIndex`]).
+    /// of the first non-empty class whose every block fits, else (before giving up) any block of
+    /// the request's own class that fits (see [`SizeIndex`]). `None` only when no block of `index`
+    /// holds `size` bytes.
     #[inline]
     pub(crate) fn find(&self, index: &SizeIndex, size: u64) -> Option<u32> {
         if index.is_empty() {
@@ -374,7 +378,26 @@ impl BlockTable {
                 return Some(head);
             }
         }
-        index.first_class_from(fit).map(|c| index.heads[c])
+        match index.first_class_from(fit) {
+            Some(c) => Some(index.heads[c]),
+            None if own != fit => self.scan_class(index, own, size),
+            None => None,
+        }
+    }
+
+    /// The first block of class `c` of `index` that holds `size` bytes: a walk of the class, taken
+    /// only when no higher class has a block (the alternative is growing from the upstream).
+    #[cold]
+    fn scan_class(&self, index: &SizeIndex, c: usize, size: u64) -> Option<u32> {
+        let mut slot = index.heads[c];
+        while slot != NIL {
+            let n = &self.nodes[slot as usize];
+            if n.size >= size {
+                return Some(slot);
+            }
+            slot = n.lnext;
+        }
+        None
     }
 
     /// Adds a fresh upstream chunk as one free block of list `owner`; returns its slot.
@@ -443,9 +466,10 @@ impl BlockTable {
     /// The slot of the live allocation of `size` bytes at `addr`, if there is one.
     #[inline]
     pub(crate) fn live_slot(&self, addr: u64, size: u64) -> Option<u32> {
+        let nodes = &self.nodes;
         self.live
-            .get(addr)
-            .filter(|&slot| self.nodes[slot as usize].size == size)
+            .get(addr, |s| nodes[s as usize].addr)
+            .filter(|&slot| nodes[slot as usize].size == size)
     }
 
     /// The tag a live block was allocated with.
@@ -474,12 +498,9 @@ impl BlockTable {
     /// `None` (changing nothing) when there is no such allocation.
     #[inline]
     pub(crate) fn take_live(&mut self, addr: u64, size: u64) -> Option<u32> {
-        let slot = self.live.remove(addr)?;
-        if self.nodes[slot as usize].size != size {
-            self.live.insert(addr, slot);
-            return None;
-        }
-        Some(slot)
+        let nodes = &self.nodes;
+        self.live
+            .remove_if(addr, |s| nodes[s as usize].addr, |s| nodes[s as usize].size == size)
     }
 
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
@@ -553,7 +574,7 @@ impl BlockTable {
 
     /// The live allocations.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.iter().map(|(_, s)| self.nodes[s as usize].block())
+        self.live.slots().map(|s| self.nodes[s as usize].block())
     }
 
     /// Forgets every block.
@@ -573,12 +594,19 @@ impl BlockTable {
             index.check(&self.nodes, owner)?;
             free += index.len();
         }
-        for (addr, slot) in self.live.iter() {
+        for slot in self.live.slots() {
+            let n = self.nodes.get(slot as usize);
             ensure!(
-                self.nodes
-                    .get(slot as usize)
-                    .is_some_and(|n| n.owner == LIVE && n.addr == addr),
-                "block table: live entry {addr:#x} names slot {slot}, which is not that live block"
+                n.is_some_and(|n| n.owner == LIVE),
+                "block table: the live map names slot {slot}, which is not live"
+            );
+            let addr = self.nodes[slot as usize].addr;
+            let found = self
+                .live
+                .get(addr, |s| self.nodes.get(s as usize).map_or(u64::MAX, |n| n.addr));
+            ensure!(
+                found == Some(slot),
+                "block table: the live map finds {found:?} for {addr:#x}, the address of its slot {slot}"
             );
         }
         let live_nodes = self.nodes.iter().filter(|n| n.owner == LIVE).count();
@@ -631,5 +659,158 @@ impl BlockTable {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+    /// `(start, size)`: two chunks back to back (blocks must not merge across them) and one far away.
+    const CHUNKS: [(u64, u64); 3] = [(16 * MIB, 4 * MIB), (20 * MIB, MIB), (1 << 40, 256 * MIB)];
+    const LISTS: usize = 3;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Allocate this many granules from list `usize`.
+        Alloc(usize, u64),
+        /// Free the live block at this index (modulo the count) into list `usize`.
+        Free(usize, usize),
+        /// Move every block of the first list into the second.
+        Move(usize, usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let granules = prop_oneof![1u64..64, 64u64..4096, 4096u64..(1 << 20)];
+        prop_oneof![
+            5 => (0..LISTS, granules).prop_map(|(l, g)| Op::Alloc(l, g)),
+            4 => (0..LISTS, any::<usize>()).prop_map(|(l, k)| Op::Free(l, k)),
+            1 => (0..LISTS, 0..LISTS).prop_map(|(a, b)| Op::Move(a, b)),
+        ]
+    }
+
+    #[test]
+    fn classes_bound_their_blocks() {
+        // Every size's class lies between the fitting classes of its neighbours' sizes, and every
+        // block of the fitting class of a size holds it.
+        for g in (1u64..5000).chain([(1 << 20) - 1, 1 << 20, (1 << 20) + 1, 1 << 55, (1 << 56) - 1]) {
+            let size = g * ALIGNMENT;
+            let (c, f) = (class_of(size), fitting_class(size));
+            assert!(c <= f && f <= c + 1, "{g} granules: class {c}, fitting class {f}");
+            if let Some(next) = size.checked_add(ALIGNMENT) {
+                assert!(class_of(next) >= c, "classes are monotonic at {g} granules");
+            }
+            // The lowest size in class `f` holds `size` (classes span at most 1/64 of their start).
+            if g < 1 << 20 {
+                let lowest =
+                    (g.saturating_sub(g / 32 + 1).max(1)..=g + g / 32 + 1).find(|&h| class_of(h * ALIGNMENT) == f);
+                assert!(
+                    lowest.is_some_and(|h| h >= g),
+                    "{g} granules: class {f} starts at {lowest:?}"
+                );
+            }
+        }
+        assert!(class_of(u64::MAX & !(ALIGNMENT - 1)) < CLASSES);
+    }
+
+    #[test]
+    fn finds_a_fitting_block_below_the_head_of_its_class() {
+        // 200 and 201 granules share a class (two granules wide); the head (the last inserted) is
+        // the smaller. A request of 201 granules fits only the other one, and no higher class holds
+        // a block: `find` must still find it rather than report no fit.
+        let mut table = BlockTable::default();
+        let mut list = SizeIndex::default();
+        let (g200, g201) = (200 * ALIGNMENT, 201 * ALIGNMENT);
+        assert_eq!(class_of(g200), class_of(g201));
+        let big = table.add_chunk(&mut list, 0, 1 << 30, g201);
+        table.add_chunk(&mut list, 0, 1 << 31, g200);
+        assert_eq!(table.find(&list, g201), Some(big));
+        assert_eq!(table.find(&list, 202 * ALIGNMENT), None);
+        // The head serves what it holds.
+        assert_ne!(table.find(&list, g200), None);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// Random allocations, frees and list moves on the block table against a model of the live
+        /// blocks: the table's invariants hold (blocks tile the chunks, class lists intact, no two
+        /// free neighbours of one list unmerged); live blocks never overlap and fit their requests;
+        /// `find` fails only when no free block of the list is large enough; free blocks of one list
+        /// never touch within a chunk (coalescing complete).
+        #[test]
+        fn matches_a_model(ops in prop::collection::vec(op(), 1..300)) {
+            let mut table = BlockTable::default();
+            let mut lists: Vec<SizeIndex> = (0..LISTS).map(|_| SizeIndex::default()).collect();
+            for (k, &(addr, size)) in CHUNKS.iter().enumerate() {
+                table.add_chunk(&mut lists[k % LISTS], (k % LISTS) as u32, addr, size);
+            }
+            let chunk_size = |c: u64| CHUNKS.iter().find(|&&(a, _)| a == c).map(|&(_, s)| s);
+            // (addr, size, tag) of every live block.
+            let mut live: Vec<(u64, u64, u32)> = Vec::new();
+            for (step, op) in ops.into_iter().enumerate() {
+                match op {
+                    Op::Alloc(l, g) => {
+                        let size = g * ALIGNMENT;
+                        let largest = table.free_blocks(&lists[l]).map(|b| b.size).max().unwrap_or(0);
+                        match table.find(&lists[l], size) {
+                            None => prop_assert!(largest < size, "step {step}: no fit for {size} in list {l}, which holds {largest}"),
+                            Some(slot) => {
+                                let from = table.nodes[slot as usize].block();
+                                prop_assert!(from.size >= size && table.nodes[slot as usize].owner == l as u32);
+                                let b = table.allocate_from(&mut lists[l], slot, size, step as u32);
+                                prop_assert_eq!((b.addr, b.size, b.chunk), (from.end() - size, size, from.chunk));
+                                for &(a, s, _) in &live {
+                                    prop_assert!(b.end() <= a || a + s <= b.addr, "step {step}: {b:?} overlaps live {a:#x}+{s}");
+                                }
+                                live.push((b.addr, b.size, step as u32));
+                            }
+                        }
+                    }
+                    Op::Free(l, k) => {
+                        if live.is_empty() {
+                            continue;
+                        }
+                        let (addr, size, tag) = live.swap_remove(k % live.len());
+                        // The wrong size names no allocation and changes nothing.
+                        prop_assert_eq!(table.take_live(addr, size + ALIGNMENT), None);
+                        prop_assert_eq!(table.live_slot(addr, size).map(|s| table.tag(s)), Some(tag));
+                        let slot = table.take_live(addr, size);
+                        prop_assert!(slot.is_some(), "step {step}: live block {addr:#x}+{size} not found");
+                        table.insert_free(&mut lists[l], l as u32, slot.unwrap());
+                        prop_assert_eq!(table.take_live(addr, size), None);
+                    }
+                    Op::Move(a, b) => {
+                        if a != b {
+                            let mut from = std::mem::take(&mut lists[a]);
+                            table.move_all(&mut from, &mut lists[b], b as u32);
+                            prop_assert!(from.is_empty());
+                            lists[a] = from;
+                        }
+                    }
+                }
+                let checked = table.check(lists.iter().enumerate().map(|(i, l)| (i as u32, l)), chunk_size);
+                prop_assert!(checked.is_ok(), "step {step}: {checked:?}");
+                prop_assert_eq!(table.live_len(), live.len());
+                let mut in_table: Vec<(u64, u64)> = table.live_blocks().map(|b| (b.addr, b.size)).collect();
+                let mut in_model: Vec<(u64, u64)> = live.iter().map(|&(a, s, _)| (a, s)).collect();
+                in_table.sort_unstable();
+                in_model.sort_unstable();
+                prop_assert_eq!(in_table, in_model);
+                for (i, list) in lists.iter().enumerate() {
+                    let mut free: Vec<Block> = table.free_blocks(list).collect();
+                    free.sort_unstable_by_key(|b| b.addr);
+                    prop_assert_eq!(free.iter().map(|b| b.size).sum::<u64>(), list.total_bytes());
+                    for w in free.windows(2) {
+                        prop_assert!(
+                            !(w[0].end() == w[1].addr && w[0].chunk == w[1].chunk),
+                            "step {step}: free blocks {:?} and {:?} of list {i} touch", w[0], w[1]
+                        );
+                    }
+                }
+            }
+        }
     }
 }
