@@ -1,14 +1,21 @@
 //! The pool's blocks, free and live, in one slab: boundary tags instead of address maps.
 //!
-//! Every block of every upstream chunk is a node linked to its neighbours in address order, so a
-//! freed block finds the blocks it may coalesce with by following two links, not by looking up
-//! hash maps; only the live-allocation map (which `deallocate` needs anyway, to reject double frees
-//! and wrong sizes) is hashed. Each free list is a [`SizeIndex`] over the same slab: size classes
-//! of one [`ALIGNMENT`] step up to 1 MiB, as stacks with a two-level bitmap of the non-empty ones,
-//! and an ordered set above.
+//! Every block of every upstream chunk is a node (one 64-byte cache line) linked to its neighbours
+//! in address order, so a freed block finds the blocks it may coalesce with by following two links,
+//! not by looking up hash maps; only the live-allocation map (which `deallocate` needs anyway, to
+//! reject double frees and wrong sizes, and which gives the freed block's node) is hashed: a
+//! [`SlotTable`] of 8-byte entries, small enough to stay mostly in a core's L2 cache with ~100k live
+//! blocks. Each free list is a [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps,
+//! constant time at every size) whose lists are threaded through the nodes.
 //!
-//! This replaced a design with per-list hash maps from block start and end (some eight hash lookups
-//! per operation, almost all of them cache misses with ~100k blocks); see
+//! What a free costs, in cache lines: the live map's entry, the block's node, its two address
+//! neighbours, and for each neighbour merged its two class-list neighbours; an allocation: the class
+//! head (whose node it splits), the node after it (relinked) and the live map's entry. A split whose
+//! remainder stays in its class (most splits of large blocks) touches no class list.
+//!
+//! This replaced, in turn, a design with per-list hash maps from block start and end (some eight
+//! hash lookups per operation, almost all of them cache misses with ~100k blocks) and one with
+//! exact size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map; see
 //! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
 use super::addr_map::SlotTable;
