@@ -1,76 +1,35 @@
 //! Several engines behind one `&self` interface, one per thread, so that threads sharing a
 //! resource do not queue on one lock.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::engine::Engine;
 use crate::error::{Error, InvariantViolation};
 use crate::types::EngineStats;
 
-/// Numbers for threads: a new thread takes the lowest number no living thread holds, and gives it
-/// back when it exits. So the threads alive at one time hold distinct numbers, and a thread that
-/// replaces one that exited (a new batch of workers, a thread pool respawning) finds the shard its
-/// predecessor grew, with its chunks, instead of an empty one that must grow from the upstream again.
-#[derive(Debug)]
-struct ThreadNumbers {
-    /// Numbers below this were handed out at least once.
-    next: usize,
-    /// Numbers given back, lowest first.
-    free: BinaryHeap<Reverse<usize>>,
-}
-
-impl ThreadNumbers {
-    const fn new() -> Self {
-        Self {
-            next: 0,
-            free: BinaryHeap::new(),
-        }
-    }
-
-    fn claim(&mut self) -> usize {
-        match self.free.pop() {
-            Some(Reverse(n)) => n,
-            None => {
-                self.next += 1;
-                self.next - 1
-            }
-        }
-    }
-
-    fn give_back(&mut self, n: usize) {
-        self.free.push(Reverse(n));
-    }
-}
-
-static THREAD_NUMBERS: Mutex<ThreadNumbers> = Mutex::new(ThreadNumbers::new());
-
-fn thread_numbers() -> MutexGuard<'static, ThreadNumbers> {
-    // Nothing panics while holding the lock (the heap's push may abort on allocation failure, which
-    // does not unwind), and the numbers stay consistent whatever happened.
-    THREAD_NUMBERS.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// A thread's number, given back when the thread exits.
-struct ThreadNumber(usize);
-
-impl Drop for ThreadNumber {
-    fn drop(&mut self) {
-        thread_numbers().give_back(self.0);
-    }
-}
+/// Numbers handed to threads on their first allocation, so that the threads of a process spread
+/// over the shards round-robin.
+static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// This thread's number, claimed on its first use.
-    static THREAD: ThreadNumber = ThreadNumber(thread_numbers().claim());
+    /// This thread's number (`usize::MAX` until its first use).
+    static THREAD: Cell<usize> = const { Cell::new(usize::MAX) };
 }
 
-/// The calling thread's number: distinct among the living threads that asked. During the thread's
-/// exit (once its number has been given back) this is 0.
+/// The calling thread's number: distinct for the first `usize::MAX` threads to ask.
 #[inline]
 fn thread_number() -> usize {
-    THREAD.try_with(|t| t.0).unwrap_or(0)
+    THREAD.with(|t| {
+        let n = t.get();
+        if n != usize::MAX {
+            return n;
+        }
+        let n = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        t.set(n);
+        n
+    })
 }
 
 /// One shard on its own cache lines, so that two threads locking neighbouring shards do not
@@ -79,10 +38,9 @@ fn thread_number() -> usize {
 struct Shard<E>(Mutex<E>);
 
 /// Engines shared between threads: `n` independent engines ("shards"), each behind its own lock;
-/// a thread allocates from the shard its thread number picks (a thread takes the lowest number no
-/// living thread holds on its first call, and gives it back when it exits), so up to `n` threads
-/// allocate at once without touching each other's lock or data, and a thread that replaces one
-/// that exited uses the shard its predecessor grew. Each shard takes its own chunks from the (shared) upstream and keeps its own per-stream
+/// a thread allocates from the shard its thread number picks (threads take numbers round-robin on
+/// their first call), so up to `n` threads allocate at once without touching each other's lock or
+/// data. Each shard takes its own chunks from the (shared) upstream and keeps its own per-stream
 /// free lists, so every stream rule of the [crate docs](crate) holds shard by shard.
 ///
 /// - `deallocate` tries the calling thread's shard first and, when that shard does not know the
@@ -273,19 +231,5 @@ impl<E: Engine> Sharded<E> {
 impl<E> std::fmt::Debug for Sharded<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sharded").field("shards", &self.shards.len()).finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ThreadNumbers;
-
-    #[test]
-    fn thread_numbers_are_the_lowest_free() {
-        let mut numbers = ThreadNumbers::new();
-        assert_eq!((numbers.claim(), numbers.claim(), numbers.claim()), (0, 1, 2));
-        numbers.give_back(1);
-        numbers.give_back(0);
-        assert_eq!((numbers.claim(), numbers.claim(), numbers.claim()), (0, 1, 3));
     }
 }
