@@ -36,8 +36,159 @@ impl Hasher for AddrHasher {
 /// A map from block address to `V`.
 pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
-/// A map from non-zero block address to a `u32` slot (see [`AddrTable`]).
-pub(crate) type SlotMap = AddrTable<u32>;
+/// A map from block address to the slot of a table that knows each slot's address: eight entries to a
+/// cache line, half the size of an [`AddrTable`] of slots, so that with ~100k live blocks the table
+/// (a few MiB as an `AddrTable`) mostly stays in a core's L2 cache. Each entry holds the slot and
+/// the top 32 bits of the address's hash (the fingerprint, which also gives the entry's home
+/// position); a lookup compares fingerprints and confirms a match with the slot's address, which the
+/// caller reads anyway. Open addressing with linear probing and backward-shift deletion, load at
+/// most one half.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SlotTable {
+    /// `fingerprint << 32 | (slot + 1)`; 0 marks an empty entry. Invariant: every entry is reachable
+    /// from its home position by probing forward without crossing an empty entry.
+    entries: Vec<u64>,
+    len: usize,
+    /// `log2(entries.len())` (at most 32).
+    bits: u32,
+}
+
+impl SlotTable {
+    const MIN_CAPACITY: usize = 64;
+
+    /// The fingerprint of `addr`: the top 32 bits of a multiplicative hash of its granule number.
+    #[inline]
+    fn fingerprint(addr: u64) -> u32 {
+        ((addr >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
+    }
+
+    #[inline]
+    fn home(&self, fp: u32) -> usize {
+        (u64::from(fp) >> (32 - self.bits)) as usize
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.entries.len() - 1
+    }
+
+    /// Number of entries.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Maps `addr` (not present; `addr_of(slot) == addr`) to `slot` (below `u32::MAX`).
+    #[inline]
+    pub(crate) fn insert(&mut self, addr: u64, slot: u32) {
+        debug_assert!(slot < u32::MAX);
+        if (self.len + 1) * 2 > self.entries.len() {
+            self.grow();
+        }
+        let fp = Self::fingerprint(addr);
+        self.place(u64::from(fp) << 32 | (u64::from(slot) + 1));
+        self.len += 1;
+    }
+
+    #[inline]
+    fn place(&mut self, entry: u64) {
+        let mask = self.mask();
+        let mut i = self.home((entry >> 32) as u32);
+        while self.entries[i] != 0 {
+            i = (i + 1) & mask;
+        }
+        self.entries[i] = entry;
+    }
+
+    /// The position of `addr`'s entry; `addr_of` gives a slot's address.
+    #[inline]
+    fn find(&self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let fp = Self::fingerprint(addr);
+        let mask = self.mask();
+        let mut i = self.home(fp);
+        loop {
+            let e = self.entries[i];
+            if e == 0 {
+                return None;
+            }
+            if (e >> 32) as u32 == fp && addr_of((e as u32).wrapping_sub(1)) == addr {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The slot of `addr`.
+    #[inline]
+    pub(crate) fn get(&self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<u32> {
+        self.find(addr, addr_of)
+            .map(|i| (self.entries[i] as u32).wrapping_sub(1))
+    }
+
+    /// Removes `addr`, returning its slot.
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<u32> {
+        self.remove_if(addr, addr_of, |_| true)
+    }
+
+    /// Removes `addr` if `keep_out(slot)` says so, returning its slot; `None` (changing nothing)
+    /// when `addr` is absent or `keep_out` refuses.
+    #[inline]
+    pub(crate) fn remove_if(
+        &mut self,
+        addr: u64,
+        addr_of: impl Fn(u32) -> u64,
+        keep_out: impl FnOnce(u32) -> bool,
+    ) -> Option<u32> {
+        let mut hole = self.find(addr, addr_of)?;
+        let slot = (self.entries[hole] as u32).wrapping_sub(1);
+        if !keep_out(slot) {
+            return None;
+        }
+        self.len -= 1;
+        let mask = self.mask();
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            let e = self.entries[i];
+            if e == 0 {
+                break;
+            }
+            let home = self.home((e >> 32) as u32);
+            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
+                self.entries[hole] = e;
+                hole = i;
+            }
+        }
+        self.entries[hole] = 0;
+        Some(slot)
+    }
+
+    /// Every slot, in no particular order.
+    pub(crate) fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.entries
+            .iter()
+            .filter(|&&e| e != 0)
+            .map(|&e| (e as u32).wrapping_sub(1))
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        let capacity = (self.entries.len() * 2).max(Self::MIN_CAPACITY);
+        // A u32 fingerprint gives the home position of tables up to 2^32 entries: 2^31 live blocks,
+        // more than a slab indexed by u32 holds.
+        let old = std::mem::replace(&mut self.entries, vec![0; capacity]);
+        self.bits = capacity.trailing_zeros();
+        for e in old {
+            if e != 0 {
+                self.place(e);
+            }
+        }
+    }
+}
 
 /// A set of non-zero block addresses, eight to a cache line (see [`AddrTable`]).
 pub(crate) type LiveSet = AddrTable<()>;
@@ -122,7 +273,7 @@ impl<V: Copy + Default> AddrTable<V> {
     }
 
     /// The value of `addr`.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn get(&self, addr: u64) -> Option<V> {
         self.find(addr).map(|i| self.entries[i].1)
     }
@@ -187,8 +338,36 @@ mod tests {
 
     proptest! {
         #[test]
+        fn slot_table_agrees_with_a_hash_map(ops in prop::collection::vec((any::<bool>(), 1u64..400), 1..2000)) {
+            // Slot k holds address `addrs[k]`, as the block table's nodes do.
+            let mut addrs: Vec<u64> = Vec::new();
+            let mut t = SlotTable::default();
+            let mut reference: HashMap<u64, u32> = HashMap::new();
+            for (insert, key) in ops {
+                let addr = key << 8;
+                if insert && !reference.contains_key(&addr) {
+                    let slot = addrs.len() as u32;
+                    addrs.push(addr);
+                    t.insert(addr, slot);
+                    reference.insert(addr, slot);
+                } else {
+                    prop_assert_eq!(t.remove(addr, |s| addrs[s as usize]), reference.remove(&addr));
+                }
+                prop_assert_eq!(t.len(), reference.len());
+            }
+            for (&a, &s) in &reference {
+                prop_assert_eq!(t.get(a, |s| addrs[s as usize]), Some(s));
+            }
+            let mut all: Vec<u32> = t.slots().collect();
+            all.sort_unstable();
+            let mut expected: Vec<u32> = reference.into_values().collect();
+            expected.sort_unstable();
+            prop_assert_eq!(all, expected);
+        }
+
+        #[test]
         fn slot_map_agrees_with_a_hash_map(ops in prop::collection::vec((any::<bool>(), 1u64..400), 1..2000)) {
-            let mut m = SlotMap::default();
+            let mut m = AddrTable::<u32>::default();
             let mut reference: HashMap<u64, u32> = HashMap::new();
             for (k, (insert, key)) in ops.into_iter().enumerate() {
                 // Aligned keys that collide often: a small range, as block addresses in one chunk.

@@ -60,10 +60,11 @@ struct StreamArena<S> {
 /// Per-stream arenas over a global arena of superblocks: RMM's `arena_memory_resource`, on
 /// addresses.
 ///
-/// - The global arena is a [`PoolEngine`] (coalescing best fit) over the upstream; its
+/// - The global arena is a [`PoolEngine`] (coalescing good fit) over the upstream; its
 ///   allocations are superblocks and large blocks.
 /// - Each stream has an arena of superblocks taken from the global arena. Small requests (at most
-///   half a superblock) are best fits within the stream's arena, coalescing within a superblock;
+///   half a superblock) are good fits (the pool's TLSF classes) within the stream's arena,
+///   coalescing within a superblock;
 ///   no other stream touches them, so no event is needed to reuse them. The blocks of every arena
 ///   sit in one table linked in address order within their superblock (as the pool's do), so a
 ///   free finds its neighbours, its arena and whether its superblock became empty without a hash
@@ -275,7 +276,7 @@ where
         }
         let i = self.arena(stream);
         let arena = &mut self.arenas[i];
-        let block = match arena.free.find(size) {
+        let block = match self.blocks.find(&arena.free, size) {
             Some(slot) => {
                 if self.blocks.is_whole(slot) {
                     // An empty superblock comes back into use.

@@ -1,33 +1,84 @@
 //! The pool's blocks, free and live, in one slab: boundary tags instead of address maps.
 //!
-//! Every block of every upstream chunk is a node linked to its neighbours in address order, so a
-//! freed block finds the blocks it may coalesce with by following two links, not by looking up
-//! hash maps; only the live-allocation map (which `deallocate` needs anyway, to reject double frees
-//! and wrong sizes) is hashed. Each free list is a [`SizeIndex`] over the same slab: size classes
-//! of one [`ALIGNMENT`] step up to 1 MiB, as stacks with a two-level bitmap of the non-empty ones,
-//! and an ordered set above.
+//! Every block of every upstream chunk is a node (one 64-byte cache line) linked to its neighbours
+//! in address order, so a freed block finds the blocks it may coalesce with by following two links,
+//! not by looking up hash maps; only the live-allocation map (which `deallocate` needs anyway, to
+//! reject double frees and wrong sizes, and which gives the freed block's node) is hashed: a
+//! [`SlotTable`] of 8-byte entries, small enough to stay mostly in a core's L2 cache with ~100k live
+//! blocks. Each free list is a [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps,
+//! constant time at every size) whose lists are threaded through the nodes.
 //!
-//! This replaced a design with per-list hash maps from block start and end (some eight hash lookups
-//! per operation, almost all of them cache misses with ~100k blocks); see
+//! What a free costs, in cache lines: the live map's entry, the block's node, its two address
+//! neighbours, and for each neighbour merged its two class-list neighbours; an allocation: the class
+//! head (whose node it splits), the node after it (relinked) and the live map's entry. A split whose
+//! remainder stays in its class (most splits of large blocks) touches no class list.
+//!
+//! This replaced, in turn, a design with per-list hash maps from block start and end (some eight
+//! hash lookups per operation, almost all of them cache misses with ~100k blocks) and one with
+//! exact size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map; see
 //! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
-use std::collections::BTreeSet;
-
-use super::addr_map::SlotMap;
-use super::free_list::{class_of, first_class_from, new_slot, SMALL_CLASSES, SMALL_MAX};
+use super::addr_map::SlotTable;
+use super::free_list::new_slot;
 use crate::error::{ensure, InvariantViolation};
 use crate::free_list::Block;
 use crate::types::ALIGNMENT;
 
-/// No neighbour (the block starts or ends its chunk).
+/// No neighbour (the block starts or ends its chunk), or the end of a class list.
 const NIL: u32 = u32::MAX;
 /// `Node::owner` of a live block.
 const LIVE: u32 = u32::MAX - 1;
 /// `Node::owner` of a slot that holds no block.
 const VACANT: u32 = u32::MAX;
 
-/// One block of an upstream chunk.
+/// Second-level classes per first level: `2^SL_BITS`, one bitmap word.
+const SL_BITS: u32 = 6;
+/// Sizes of fewer than `2^SL_BITS` granules have exact classes (first level 0).
+const SL_COUNT: u64 = 1 << SL_BITS;
+/// First levels: level 0 (exact classes) and one per power of two from `2^SL_BITS` granules up to
+/// `2^56` granules (2^64 bytes).
+const FL_COUNT: usize = 64 - ALIGNMENT.trailing_zeros() as usize - SL_BITS as usize + 1;
+/// Size classes in all.
+const CLASSES: usize = FL_COUNT << SL_BITS;
+
+/// The TLSF class of a block of `size` bytes (a non-zero multiple of [`ALIGNMENT`]): with `g = size /
+/// ALIGNMENT` granules, class `g` for `g < 64`; above, first level `log2(g) - 5` and second level the
+/// six bits of `g` below its leading one. Every block of a class is at least the class's lower bound
+/// and less than the next class's.
+#[inline]
+fn class_of(size: u64) -> usize {
+    class_of_granules(size / ALIGNMENT)
+}
+
+#[inline]
+fn class_of_granules(g: u64) -> usize {
+    if g < SL_COUNT {
+        return g as usize;
+    }
+    let l = 63 - g.leading_zeros();
+    let fl = (l - SL_BITS + 1) as usize;
+    let sl = ((g >> (l - SL_BITS)) & (SL_COUNT - 1)) as usize;
+    (fl << SL_BITS) | sl
+}
+
+/// The lowest class every block of which holds `size` bytes (a non-zero multiple of
+/// [`ALIGNMENT`]): the class of `size` rounded up to a class boundary. May be [`CLASSES`] or more
+/// (no class fits) for sizes within 1/64 of 2^64.
+#[inline]
+fn fitting_class(size: u64) -> usize {
+    let g = size / ALIGNMENT;
+    if g < SL_COUNT {
+        return g as usize;
+    }
+    let step = 1u64 << (63 - g.leading_zeros() - SL_BITS);
+    // At most 2^56 granules plus less than a step: no overflow.
+    class_of_granules((g + step - 1) & !(step - 1))
+}
+
+/// One block of an upstream chunk, on a cache line of its own: a free or an allocation reads one
+/// line per block it touches.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
 struct Node {
     addr: u64,
     size: u64,
@@ -38,9 +89,13 @@ struct Node {
     next: u32,
     /// The free list holding the block, [`LIVE`] or [`VACANT`].
     owner: u32,
-    /// Free small blocks: the position in its size class's stack. Live blocks: the tag given to
-    /// [`BlockTable::allocate_from`] (the arena engine's arena number).
-    pos: u32,
+    /// Live blocks: the tag given to [`BlockTable::allocate_from`] (the arena engine's arena number).
+    tag: u32,
+    /// Free blocks: the neighbours in the size class's list. `lprev` is meaningful only when the
+    /// block is not the list's head (the head's is stale, so that taking the head writes no other
+    /// node).
+    lprev: u32,
+    lnext: u32,
 }
 
 impl Node {
@@ -54,23 +109,42 @@ impl Node {
     }
 }
 
-/// One free list's blocks, by size: exact best fit without a search.
+/// One free list's blocks, by size: TLSF (two-level segregated fit) classes, constant time.
 ///
-/// Among free blocks of equal small size the most recently inserted is taken (its memory is the
-/// likeliest to be in cache); among equal large sizes the lowest address.
-#[derive(Debug, Default)]
+/// The classes: one per size up to 63 granules of [`ALIGNMENT`] (16 KiB), then 64 per power of
+/// two, so a class spans 1/64 of its lower bound. Each class is a doubly linked list threaded
+/// through the block table's nodes (most recently freed first); a bitmap word per first level marks
+/// the non-empty classes and a summary word the non-empty levels, so the first non-empty class at or
+/// above a given one is two bit scans.
+///
+/// A request is served from the head of the request's own class when that block is large enough
+/// (blocks of one class differ by less than 1/64), else from the first non-empty class whose every
+/// block fits, else from any block of its own class that fits (a walk of that class, only when the
+/// alternative is to report no fit): a good fit, not always the best (the head of the first fitting
+/// class, which may be larger than a block of the request's own class further down its list), and
+/// a fit whenever any free block of the list is large enough.
+#[derive(Debug)]
 pub(crate) struct SizeIndex {
-    /// Per size class (`size / ALIGNMENT - 1`), the slots of the small blocks of exactly that size.
-    /// Empty until the first small block arrives. Invariant: `nodes[classes[c][k]].pos == k`.
-    classes: Vec<Vec<u32>>,
-    /// Bit `c % 64` of word `c / 64` is set iff class `c` is non-empty.
-    bits: Vec<u64>,
-    /// Bit `w` is set iff `bits[w] != 0`.
+    /// Per class, the first slot of its list, or [`NIL`]. Empty until the first block arrives.
+    heads: Box<[u32]>,
+    /// Bit `sl` of `bits[fl]` is set iff class `fl * 64 + sl` is non-empty.
+    bits: [u64; FL_COUNT],
+    /// Bit `fl` is set iff `bits[fl] != 0`.
     summary: u64,
-    /// Blocks larger than `SMALL_MAX`, as `(size, addr, slot)`.
-    large: BTreeSet<(u64, u64, u32)>,
     len: usize,
     total: u64,
+}
+
+impl Default for SizeIndex {
+    fn default() -> Self {
+        Self {
+            heads: Box::default(),
+            bits: [0; FL_COUNT],
+            summary: 0,
+            len: 0,
+            total: 0,
+        }
+    }
 }
 
 impl SizeIndex {
@@ -92,132 +166,163 @@ impl SizeIndex {
         self.total
     }
 
-    /// The slot of the smallest block of at least `size` bytes.
+    /// The first non-empty class at or above `c`.
     #[inline]
-    pub(crate) fn find(&self, size: u64) -> Option<u32> {
-        if size <= SMALL_MAX {
-            if let Some(c) = first_class_from(&self.bits, self.summary, class_of(size)) {
-                return self.classes[c].last().copied();
+    fn first_class_from(&self, c: usize) -> Option<usize> {
+        let fl = c >> SL_BITS;
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let here = self.bits[fl] & (!0u64 << (c & (SL_COUNT as usize - 1)));
+        if here != 0 {
+            return Some((fl << SL_BITS) | here.trailing_zeros() as usize);
+        }
+        let above = self.summary & (!0u64).checked_shl(fl as u32 + 1).unwrap_or(0);
+        (above != 0).then(|| {
+            let fl = above.trailing_zeros() as usize;
+            (fl << SL_BITS) | self.bits[fl].trailing_zeros() as usize
+        })
+    }
+
+    #[inline]
+    fn mark(&mut self, c: usize) {
+        self.bits[c >> SL_BITS] |= 1 << (c & (SL_COUNT as usize - 1));
+        self.summary |= 1 << (c >> SL_BITS);
+    }
+
+    #[inline]
+    fn unmark(&mut self, c: usize) {
+        let fl = c >> SL_BITS;
+        self.bits[fl] &= !(1 << (c & (SL_COUNT as usize - 1)));
+        if self.bits[fl] == 0 {
+            self.summary &= !(1 << fl);
+        }
+    }
+
+    /// Files `slot` at the head of its class; does not count it (see [`insert`](Self::insert)).
+    #[inline]
+    fn link(&mut self, nodes: &mut [Node], slot: u32) {
+        if self.heads.is_empty() {
+            self.heads = vec![NIL; CLASSES].into_boxed_slice();
+        }
+        let c = class_of(nodes[slot as usize].size);
+        let head = self.heads[c];
+        nodes[slot as usize].lnext = head;
+        if head != NIL {
+            nodes[head as usize].lprev = slot;
+        } else {
+            self.mark(c);
+        }
+        self.heads[c] = slot;
+    }
+
+    /// Takes `slot` out of its class (by its current size); does not uncount it.
+    #[inline]
+    fn unlink(&mut self, nodes: &mut [Node], slot: u32) {
+        let Node { size, lprev, lnext, .. } = nodes[slot as usize];
+        let c = class_of(size);
+        if self.heads[c] == slot {
+            // The new head's `lprev` goes stale, which a head's may.
+            self.heads[c] = lnext;
+            if lnext == NIL {
+                self.unmark(c);
+            }
+        } else {
+            nodes[lprev as usize].lnext = lnext;
+            if lnext != NIL {
+                nodes[lnext as usize].lprev = lprev;
             }
         }
-        self.large.range((size, 0, 0)..).next().map(|&(_, _, slot)| slot)
     }
 
     #[inline]
     fn insert(&mut self, nodes: &mut [Node], slot: u32) {
-        let n = &mut nodes[slot as usize];
         self.len += 1;
-        self.total += n.size;
-        if n.size > SMALL_MAX {
-            self.large.insert((n.size, n.addr, slot));
-            return;
-        }
-        if self.classes.is_empty() {
-            self.classes = vec![Vec::new(); SMALL_CLASSES];
-            self.bits = vec![0; SMALL_CLASSES / 64];
-        }
-        let c = class_of(n.size);
-        let stack = &mut self.classes[c];
-        n.pos = stack.len() as u32;
-        stack.push(slot);
-        self.bits[c / 64] |= 1 << (c % 64);
-        self.summary |= 1 << (c / 64);
+        self.total += nodes[slot as usize].size;
+        self.link(nodes, slot);
     }
 
     #[inline]
     fn remove(&mut self, nodes: &mut [Node], slot: u32) {
-        let Node { addr, size, pos, .. } = nodes[slot as usize];
         self.len -= 1;
-        self.total -= size;
-        if size > SMALL_MAX {
-            self.large.remove(&(size, addr, slot));
-            return;
-        }
-        let c = class_of(size);
-        let stack = &mut self.classes[c];
-        stack.swap_remove(pos as usize);
-        if let Some(&moved) = stack.get(pos as usize) {
-            nodes[moved as usize].pos = pos;
-        }
-        if stack.is_empty() {
-            self.bits[c / 64] &= !(1 << (c % 64));
-            if self.bits[c / 64] == 0 {
-                self.summary &= !(1 << (c / 64));
-            }
-        }
+        self.total -= nodes[slot as usize].size;
+        self.unlink(nodes, slot);
     }
 
     /// Every slot in the index, in no particular order.
-    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
-        let small = self.bits.iter().enumerate().flat_map(move |(w, &word)| {
+    fn slots<'a>(&'a self, nodes: &'a [Node]) -> impl Iterator<Item = u32> + 'a {
+        self.bits.iter().enumerate().flat_map(move |(fl, &word)| {
             let mut word = word;
             std::iter::from_fn(move || {
                 (word != 0).then(|| {
-                    let c = w * 64 + word.trailing_zeros() as usize;
+                    let c = (fl << SL_BITS) | word.trailing_zeros() as usize;
                     word &= word - 1;
                     c
                 })
             })
-            .flat_map(move |c| self.classes[c].iter().copied())
-        });
-        small.chain(self.large.iter().map(|&(_, _, slot)| slot))
+            .flat_map(move |c| {
+                let mut slot = self.heads[c];
+                std::iter::from_fn(move || {
+                    (slot != NIL).then(|| {
+                        let s = slot;
+                        slot = nodes[s as usize].lnext;
+                        s
+                    })
+                })
+            })
+        })
     }
 
-    /// Empties the index, returning its slots; keeps the class stacks' allocations.
-    fn drain(&mut self) -> Vec<u32> {
-        let slots: Vec<u32> = self.slots().collect();
-        for (w, word) in self.bits.iter_mut().enumerate() {
-            while *word != 0 {
-                let c = w * 64 + word.trailing_zeros() as usize;
-                *word &= *word - 1;
-                self.classes[c].clear();
+    /// Empties the index, returning its slots; keeps the class heads' allocation.
+    fn drain(&mut self, nodes: &[Node]) -> Vec<u32> {
+        let slots: Vec<u32> = self.slots(nodes).collect();
+        for fl in 0..FL_COUNT {
+            while self.bits[fl] != 0 {
+                let c = (fl << SL_BITS) | self.bits[fl].trailing_zeros() as usize;
+                self.bits[fl] &= self.bits[fl] - 1;
+                self.heads[c] = NIL;
             }
         }
         self.summary = 0;
-        self.large.clear();
         self.len = 0;
         self.total = 0;
         slots
     }
 
     /// Checks the index against the slab: every slot filed once, in the right class, owned by
-    /// `owner`, with the right position; bitmaps and totals consistent.
+    /// `owner`, linked both ways; bitmaps and totals consistent.
     fn check(&self, nodes: &[Node], owner: u32) -> Result<(), InvariantViolation> {
         let mut count = 0usize;
         let mut total = 0u64;
-        for (c, stack) in self.classes.iter().enumerate() {
-            let bit = self.bits[c / 64] >> (c % 64) & 1 == 1;
+        for (c, &head) in self.heads.iter().enumerate() {
+            let bit = self.bits[c >> SL_BITS] >> (c & (SL_COUNT as usize - 1)) & 1 == 1;
             ensure!(
-                bit != stack.is_empty(),
-                "size index: class {c}'s bit disagrees with its stack"
+                bit == (head != NIL),
+                "size index: class {c}'s bit disagrees with its list"
             );
-            for (k, &slot) in stack.iter().enumerate() {
+            let (mut prev, mut slot) = (NIL, head);
+            while slot != NIL {
                 let n = nodes.get(slot as usize);
                 ensure!(
-                    n.is_some_and(|n| n.owner == owner
-                        && n.size <= SMALL_MAX
-                        && class_of(n.size) == c
-                        && n.pos as usize == k),
-                    "size index: slot {slot} is misfiled in class {c} of list {owner}"
+                    n.is_some_and(|n| n.owner == owner && class_of(n.size) == c && (prev == NIL || n.lprev == prev)),
+                    "size index: slot {slot} is misfiled or mislinked in class {c} of list {owner}"
                 );
+                ensure!(count <= nodes.len(), "size index: class {c} of list {owner} loops");
                 count += 1;
                 total += nodes[slot as usize].size;
+                prev = slot;
+                slot = nodes[slot as usize].lnext;
             }
         }
-        for (w, &word) in self.bits.iter().enumerate() {
+        ensure!(
+            !self.heads.is_empty() || self.bits.iter().all(|&w| w == 0),
+            "size index: list {owner} marks classes but has none"
+        );
+        for (fl, &word) in self.bits.iter().enumerate() {
             ensure!(
-                (self.summary >> w & 1 == 1) == (word != 0),
-                "size index: summary bit {w} is wrong"
+                (self.summary >> fl & 1 == 1) == (word != 0),
+                "size index: summary bit {fl} is wrong"
             );
-        }
-        for &(size, addr, slot) in &self.large {
-            let n = nodes.get(slot as usize);
-            ensure!(
-                size > SMALL_MAX && n.is_some_and(|n| n.owner == owner && n.addr == addr && n.size == size),
-                "size index: large entry ({size}, {addr:#x}) of list {owner} does not match its slot"
-            );
-            count += 1;
-            total += size;
         }
         ensure!(
             count == self.len && total == self.total,
@@ -242,7 +347,7 @@ pub(crate) struct BlockTable {
     nodes: Vec<Node>,
     vacant: Vec<u32>,
     /// Live allocations: address -> slot.
-    live: SlotMap,
+    live: SlotTable,
 }
 
 impl BlockTable {
@@ -262,6 +367,46 @@ impl BlockTable {
         self.live.len()
     }
 
+    /// The slot of a free block of `index` that holds `size` bytes (a non-zero multiple of
+    /// [`ALIGNMENT`]): the head of the request's own class when it is large enough, else the head
+    /// of the first non-empty class whose every block fits, else (before giving up) any block of
+    /// the request's own class that fits (see [`SizeIndex`]). `None` only when no block of `index`
+    /// holds `size` bytes.
+    #[inline]
+    pub(crate) fn find(&self, index: &SizeIndex, size: u64) -> Option<u32> {
+        if index.is_empty() {
+            return None;
+        }
+        let own = class_of(size);
+        let fit = fitting_class(size);
+        if own != fit {
+            let head = index.heads[own];
+            if head != NIL && self.nodes[head as usize].size >= size {
+                return Some(head);
+            }
+        }
+        match index.first_class_from(fit) {
+            Some(c) => Some(index.heads[c]),
+            None if own != fit => self.scan_class(index, own, size),
+            None => None,
+        }
+    }
+
+    /// The first block of class `c` of `index` that holds `size` bytes: a walk of the class, taken
+    /// only when no higher class has a block (the alternative is growing from the upstream).
+    #[cold]
+    fn scan_class(&self, index: &SizeIndex, c: usize, size: u64) -> Option<u32> {
+        let mut slot = index.heads[c];
+        while slot != NIL {
+            let n = &self.nodes[slot as usize];
+            if n.size >= size {
+                return Some(slot);
+            }
+            slot = n.lnext;
+        }
+        None
+    }
+
     /// Adds a fresh upstream chunk as one free block of list `owner`; returns its slot.
     pub(crate) fn add_chunk(&mut self, index: &mut SizeIndex, owner: u32, addr: u64, size: u64) -> u32 {
         let slot = self.new_slot(Node {
@@ -271,27 +416,38 @@ impl BlockTable {
             prev: NIL,
             next: NIL,
             owner,
-            pos: 0,
+            tag: 0,
+            lprev: NIL,
+            lnext: NIL,
         });
         index.insert(&mut self.nodes, slot);
         slot
     }
 
     /// Allocates `size` bytes (aligned, at most the block's size) from the high end of free block
-    /// `slot` of `index`; the rest stays free in `index` at the same address. The live block keeps
-    /// `tag` (see [`tag`](Self::tag)).
+    /// `slot` of `index`; the rest stays free in `index` at the same address (and in the same slot).
+    /// The live block keeps `tag` (see [`tag`](Self::tag)).
     #[inline]
     pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64, tag: u32) -> Block {
-        index.remove(&mut self.nodes, slot);
         let n = self.nodes[slot as usize];
         debug_assert!(size <= n.size && n.owner != LIVE && n.owner != VACANT);
         let taken = if n.size == size {
+            index.remove(&mut self.nodes, slot);
             let node = &mut self.nodes[slot as usize];
             node.owner = LIVE;
-            node.pos = tag;
+            node.tag = tag;
             slot
         } else {
             let rest = n.size - size;
+            index.total -= size;
+            if class_of(rest) == class_of(n.size) {
+                // Still in its class: the list stays as it is.
+                self.nodes[slot as usize].size = rest;
+            } else {
+                index.unlink(&mut self.nodes, slot);
+                self.nodes[slot as usize].size = rest;
+                index.link(&mut self.nodes, slot);
+            }
             let taken = self.new_slot(Node {
                 addr: n.addr + rest,
                 size,
@@ -299,15 +455,14 @@ impl BlockTable {
                 prev: slot,
                 next: n.next,
                 owner: LIVE,
-                pos: tag,
+                tag,
+                lprev: NIL,
+                lnext: NIL,
             });
             if n.next != NIL {
                 self.nodes[n.next as usize].prev = taken;
             }
-            let rest_node = &mut self.nodes[slot as usize];
-            rest_node.next = taken;
-            rest_node.size = rest;
-            index.insert(&mut self.nodes, slot);
+            self.nodes[slot as usize].next = taken;
             taken
         };
         let b = self.nodes[taken as usize].block();
@@ -318,15 +473,16 @@ impl BlockTable {
     /// The slot of the live allocation of `size` bytes at `addr`, if there is one.
     #[inline]
     pub(crate) fn live_slot(&self, addr: u64, size: u64) -> Option<u32> {
+        let nodes = &self.nodes;
         self.live
-            .get(addr)
-            .filter(|&slot| self.nodes[slot as usize].size == size)
+            .get(addr, |s| nodes[s as usize].addr)
+            .filter(|&slot| nodes[slot as usize].size == size)
     }
 
     /// The tag a live block was allocated with.
     #[inline]
     pub(crate) fn tag(&self, slot: u32) -> u32 {
-        self.nodes[slot as usize].pos
+        self.nodes[slot as usize].tag
     }
 
     /// Whether the block in `slot` spans its whole chunk.
@@ -349,12 +505,9 @@ impl BlockTable {
     /// `None` (changing nothing) when there is no such allocation.
     #[inline]
     pub(crate) fn take_live(&mut self, addr: u64, size: u64) -> Option<u32> {
-        let slot = self.live.remove(addr)?;
-        if self.nodes[slot as usize].size != size {
-            self.live.insert(addr, slot);
-            return None;
-        }
-        Some(slot)
+        let nodes = &self.nodes;
+        self.live
+            .remove_if(addr, |s| nodes[s as usize].addr, |s| nodes[s as usize].size == size)
     }
 
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
@@ -396,7 +549,7 @@ impl BlockTable {
     pub(crate) fn move_all(&mut self, from: &mut SizeIndex, into: &mut SizeIndex, owner: u32) {
         // Every drained slot keeps its old owner until its turn, so no merge below can absorb a slot
         // that is still waiting to be moved.
-        for slot in from.drain() {
+        for slot in from.drain(&self.nodes) {
             self.insert_free(into, owner, slot);
         }
     }
@@ -404,7 +557,7 @@ impl BlockTable {
     /// Removes from `index` the free blocks that span a whole chunk and returns them.
     pub(crate) fn take_whole_chunks(&mut self, index: &mut SizeIndex) -> Vec<Block> {
         let whole: Vec<u32> = index
-            .slots()
+            .slots(&self.nodes)
             .filter(|&s| {
                 let n = &self.nodes[s as usize];
                 n.prev == NIL && n.next == NIL
@@ -423,12 +576,12 @@ impl BlockTable {
 
     /// The blocks of `index`.
     pub(crate) fn free_blocks<'a>(&'a self, index: &'a SizeIndex) -> impl Iterator<Item = Block> + 'a {
-        index.slots().map(|s| self.nodes[s as usize].block())
+        index.slots(&self.nodes).map(|s| self.nodes[s as usize].block())
     }
 
     /// The live allocations.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.iter().map(|(_, s)| self.nodes[s as usize].block())
+        self.live.slots().map(|s| self.nodes[s as usize].block())
     }
 
     /// Forgets every block.
@@ -448,12 +601,19 @@ impl BlockTable {
             index.check(&self.nodes, owner)?;
             free += index.len();
         }
-        for (addr, slot) in self.live.iter() {
+        for slot in self.live.slots() {
+            let n = self.nodes.get(slot as usize);
             ensure!(
-                self.nodes
-                    .get(slot as usize)
-                    .is_some_and(|n| n.owner == LIVE && n.addr == addr),
-                "block table: live entry {addr:#x} names slot {slot}, which is not that live block"
+                n.is_some_and(|n| n.owner == LIVE),
+                "block table: the live map names slot {slot}, which is not live"
+            );
+            let addr = self.nodes[slot as usize].addr;
+            let found = self
+                .live
+                .get(addr, |s| self.nodes.get(s as usize).map_or(u64::MAX, |n| n.addr));
+            ensure!(
+                found == Some(slot),
+                "block table: the live map finds {found:?} for {addr:#x}, the address of its slot {slot}"
             );
         }
         let live_nodes = self.nodes.iter().filter(|n| n.owner == LIVE).count();
@@ -506,5 +666,158 @@ impl BlockTable {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+    /// `(start, size)`: two chunks back to back (blocks must not merge across them) and one far away.
+    const CHUNKS: [(u64, u64); 3] = [(16 * MIB, 4 * MIB), (20 * MIB, MIB), (1 << 40, 256 * MIB)];
+    const LISTS: usize = 3;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Allocate this many granules from list `usize`.
+        Alloc(usize, u64),
+        /// Free the live block at this index (modulo the count) into list `usize`.
+        Free(usize, usize),
+        /// Move every block of the first list into the second.
+        Move(usize, usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let granules = prop_oneof![1u64..64, 64u64..4096, 4096u64..(1 << 20)];
+        prop_oneof![
+            5 => (0..LISTS, granules).prop_map(|(l, g)| Op::Alloc(l, g)),
+            4 => (0..LISTS, any::<usize>()).prop_map(|(l, k)| Op::Free(l, k)),
+            1 => (0..LISTS, 0..LISTS).prop_map(|(a, b)| Op::Move(a, b)),
+        ]
+    }
+
+    #[test]
+    fn classes_bound_their_blocks() {
+        // Every size's class lies between the fitting classes of its neighbours' sizes, and every
+        // block of the fitting class of a size holds it.
+        for g in (1u64..5000).chain([(1 << 20) - 1, 1 << 20, (1 << 20) + 1, 1 << 55, (1 << 56) - 1]) {
+            let size = g * ALIGNMENT;
+            let (c, f) = (class_of(size), fitting_class(size));
+            assert!(c <= f && f <= c + 1, "{g} granules: class {c}, fitting class {f}");
+            if let Some(next) = size.checked_add(ALIGNMENT) {
+                assert!(class_of(next) >= c, "classes are monotonic at {g} granules");
+            }
+            // The lowest size in class `f` holds `size` (classes span at most 1/64 of their start).
+            if g < 1 << 20 {
+                let lowest =
+                    (g.saturating_sub(g / 32 + 1).max(1)..=g + g / 32 + 1).find(|&h| class_of(h * ALIGNMENT) == f);
+                assert!(
+                    lowest.is_some_and(|h| h >= g),
+                    "{g} granules: class {f} starts at {lowest:?}"
+                );
+            }
+        }
+        assert!(class_of(!(ALIGNMENT - 1)) < CLASSES);
+    }
+
+    #[test]
+    fn finds_a_fitting_block_below_the_head_of_its_class() {
+        // 200 and 201 granules share a class (two granules wide); the head (the last inserted) is
+        // the smaller. A request of 201 granules fits only the other one, and no higher class holds
+        // a block: `find` must still find it rather than report no fit.
+        let mut table = BlockTable::default();
+        let mut list = SizeIndex::default();
+        let (g200, g201) = (200 * ALIGNMENT, 201 * ALIGNMENT);
+        assert_eq!(class_of(g200), class_of(g201));
+        let big = table.add_chunk(&mut list, 0, 1 << 30, g201);
+        table.add_chunk(&mut list, 0, 1 << 31, g200);
+        assert_eq!(table.find(&list, g201), Some(big));
+        assert_eq!(table.find(&list, 202 * ALIGNMENT), None);
+        // The head serves what it holds.
+        assert_ne!(table.find(&list, g200), None);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// Random allocations, frees and list moves on the block table against a model of the live
+        /// blocks: the table's invariants hold (blocks tile the chunks, class lists intact, no two
+        /// free neighbours of one list unmerged); live blocks never overlap and fit their requests;
+        /// `find` fails only when no free block of the list is large enough; free blocks of one list
+        /// never touch within a chunk (coalescing complete).
+        #[test]
+        fn matches_a_model(ops in prop::collection::vec(op(), 1..300)) {
+            let mut table = BlockTable::default();
+            let mut lists: Vec<SizeIndex> = (0..LISTS).map(|_| SizeIndex::default()).collect();
+            for (k, &(addr, size)) in CHUNKS.iter().enumerate() {
+                table.add_chunk(&mut lists[k % LISTS], (k % LISTS) as u32, addr, size);
+            }
+            let chunk_size = |c: u64| CHUNKS.iter().find(|&&(a, _)| a == c).map(|&(_, s)| s);
+            // (addr, size, tag) of every live block.
+            let mut live: Vec<(u64, u64, u32)> = Vec::new();
+            for (step, op) in ops.into_iter().enumerate() {
+                match op {
+                    Op::Alloc(l, g) => {
+                        let size = g * ALIGNMENT;
+                        let largest = table.free_blocks(&lists[l]).map(|b| b.size).max().unwrap_or(0);
+                        match table.find(&lists[l], size) {
+                            None => prop_assert!(largest < size, "step {step}: no fit for {size} in list {l}, which holds {largest}"),
+                            Some(slot) => {
+                                let from = table.nodes[slot as usize].block();
+                                prop_assert!(from.size >= size && table.nodes[slot as usize].owner == l as u32);
+                                let b = table.allocate_from(&mut lists[l], slot, size, step as u32);
+                                prop_assert_eq!((b.addr, b.size, b.chunk), (from.end() - size, size, from.chunk));
+                                for &(a, s, _) in &live {
+                                    prop_assert!(b.end() <= a || a + s <= b.addr, "step {step}: {b:?} overlaps live {a:#x}+{s}");
+                                }
+                                live.push((b.addr, b.size, step as u32));
+                            }
+                        }
+                    }
+                    Op::Free(l, k) => {
+                        if live.is_empty() {
+                            continue;
+                        }
+                        let (addr, size, tag) = live.swap_remove(k % live.len());
+                        // The wrong size names no allocation and changes nothing.
+                        prop_assert_eq!(table.take_live(addr, size + ALIGNMENT), None);
+                        prop_assert_eq!(table.live_slot(addr, size).map(|s| table.tag(s)), Some(tag));
+                        let slot = table.take_live(addr, size);
+                        prop_assert!(slot.is_some(), "step {step}: live block {addr:#x}+{size} not found");
+                        table.insert_free(&mut lists[l], l as u32, slot.unwrap());
+                        prop_assert_eq!(table.take_live(addr, size), None);
+                    }
+                    Op::Move(a, b) => {
+                        if a != b {
+                            let mut from = std::mem::take(&mut lists[a]);
+                            table.move_all(&mut from, &mut lists[b], b as u32);
+                            prop_assert!(from.is_empty());
+                            lists[a] = from;
+                        }
+                    }
+                }
+                let checked = table.check(lists.iter().enumerate().map(|(i, l)| (i as u32, l)), chunk_size);
+                prop_assert!(checked.is_ok(), "step {step}: {checked:?}");
+                prop_assert_eq!(table.live_len(), live.len());
+                let mut in_table: Vec<(u64, u64)> = table.live_blocks().map(|b| (b.addr, b.size)).collect();
+                let mut in_model: Vec<(u64, u64)> = live.iter().map(|&(a, s, _)| (a, s)).collect();
+                in_table.sort_unstable();
+                in_model.sort_unstable();
+                prop_assert_eq!(in_table, in_model);
+                for (i, list) in lists.iter().enumerate() {
+                    let mut free: Vec<Block> = table.free_blocks(list).collect();
+                    free.sort_unstable_by_key(|b| b.addr);
+                    prop_assert_eq!(free.iter().map(|b| b.size).sum::<u64>(), list.total_bytes());
+                    for w in free.windows(2) {
+                        prop_assert!(
+                            !(w[0].end() == w[1].addr && w[0].chunk == w[1].chunk),
+                            "step {step}: free blocks {:?} and {:?} of list {i} touch", w[0], w[1]
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -46,7 +46,7 @@
 //!
 //! | engine | RMM counterpart | cost per operation |
 //! | --- | --- | --- |
-//! | [`PoolEngine`] | `pool_memory_resource` | coalescing best fit: O(1) for free blocks up to 1 MiB, O(log n) above |
+//! | [`PoolEngine`] | `pool_memory_resource` | coalescing good fit (TLSF classes): O(1) |
 //! | [`FixedSizeEngine`] | `fixed_size_memory_resource` | O(1) |
 //! | [`BinningEngine`] | `binning_memory_resource` | O(1) for binned sizes |
 //! | [`ArenaEngine`] | `arena_memory_resource` | as the pool's, within per-stream arenas |

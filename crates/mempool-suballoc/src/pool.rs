@@ -1,4 +1,4 @@
-//! The coalescing best-fit pool: RMM's `pool_memory_resource` on addresses.
+//! The coalescing good-fit pool (TLSF classes): RMM's `pool_memory_resource` on addresses.
 
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::{check_disjoint, Chunks};
@@ -61,12 +61,13 @@ impl PoolConfig {
     }
 }
 
-/// A coalescing best-fit suballocator over an upstream: RMM's `pool_memory_resource`, on addresses.
+/// A coalescing good-fit suballocator over an upstream: RMM's `pool_memory_resource`, on addresses.
 ///
 /// - Requests are rounded up to [`ALIGNMENT`]; 0 bytes returns address 0 without touching any
 ///   state, and freeing 0 bytes does nothing.
-/// - Free blocks live in per-stream size indexes over one table of blocks linked in address order (exact
-///   best fit and coalescing without search: one hash lookup per operation, for the live allocation);
+/// - Free blocks live in per-stream size indexes over one table of blocks linked in address order
+///   (TLSF classes: a good fit in constant time, a fit whenever the list holds a large enough
+///   block, and coalescing without search: one hash lookup per operation, for the live allocation);
 ///   a request its stream's list cannot serve steals from another stream's list, then merges the
 ///   other lists into its own, each time after an event wait (see the [module docs](super)), and
 ///   only then grows.
@@ -126,7 +127,7 @@ where
     /// then the other lists merged into its own (one wait each), then the upstream.
     fn take(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<Block, Error> {
         let i = self.lists.find(stream);
-        if let Some(slot) = self.lists.list(i).find(size) {
+        if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
             return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
         }
         self.take_slow(size, requested, stream, i)
@@ -138,7 +139,7 @@ where
         // after anything new, so it stays covered by that list's event.
         for j in 0..self.lists.len() {
             if j != i {
-                if let Some(slot) = self.lists.list(j).find(size) {
+                if let Some(slot) = self.blocks.find(self.lists.list(j), size) {
                     self.lists.order_after(&self.order, stream, j)?;
                     return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size, 0));
                 }
@@ -148,7 +149,7 @@ where
         for j in 0..self.lists.len() {
             if j != i && !self.lists.list(j).is_empty() {
                 self.merge_list(i, j)?;
-                if let Some(slot) = self.lists.list(i).find(size) {
+                if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
                     return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
                 }
             }

@@ -405,10 +405,10 @@ impl<C: SuballocConfig, U: MemoryResource> Drop for SuballocatingResource<C, U> 
     }
 }
 
-/// A coalescing best-fit suballocator over any upstream, RMM's `pool_memory_resource`: it grows
+/// A coalescing good-fit suballocator over any upstream, RMM's `pool_memory_resource`: it grows
 /// from the upstream (up to an optional maximum), keeps per-stream free lists, and hands blocks
-/// between streams through events. Free blocks are indexed by size and by address: operations stay
-/// logarithmic with tens of thousands of live allocations. See [`SuballocatingResource`].
+/// between streams through events. Free blocks are indexed by size (TLSF classes) and linked by
+/// address: operations take constant time with tens of thousands of live allocations. See [`SuballocatingResource`].
 ///
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
