@@ -336,12 +336,12 @@ impl PhysicalAllocation {
     /// releases it again when anything fails.
     fn adopt(handle: sys::CUmemGenericAllocationHandle, size: usize, what: &'static str) -> Result<PhysicalAllocation> {
         let built = (|| {
-            let prop = raw::vmm::properties(handle)?;
-            let device = Device::get(device_ordinal_of(&prop)?)?;
+            let info = raw::vmm::properties(handle)?;
+            let device = Device::get(device_ordinal_of(&info)?)?;
             let props = AllocationProps {
                 device,
-                handle_types: HandleTypes::from_bits_truncate(prop.requestedHandleTypes.0),
-                gpu_direct_rdma: prop.allocFlags.gpuDirectRDMACapable != 0,
+                handle_types: HandleTypes::from_bits_truncate(info.handle_types),
+                gpu_direct_rdma: info.gpu_direct_rdma,
             };
             let g = raw::vmm::granularity(&props.to_raw(), false)?;
             check_granular(what, size, g)?;
@@ -379,18 +379,28 @@ impl PhysicalAllocation {
 /// The device ordinal of an allocation's properties, refusing any location but a device
 /// (`PhysicalAllocation` holds device memory only: a host or host-NUMA allocation has no device
 /// context to bind, nor a device granularity).
-fn device_ordinal_of(prop: &sys::CUmemAllocationProp) -> Result<usize> {
-    if prop.location.type_ != sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE {
+fn device_ordinal_of(info: &raw::vmm::AllocationInfo) -> Result<usize> {
+    const DEVICE: u32 = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32;
+    if info.location_type != DEVICE {
+        let name = match info.location_type {
+            0 => "CU_MEM_LOCATION_TYPE_INVALID",
+            2 => "CU_MEM_LOCATION_TYPE_HOST",
+            3 => "CU_MEM_LOCATION_TYPE_HOST_NUMA",
+            4 => "CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT",
+            5 => "CU_MEM_LOCATION_TYPE_INVISIBLE",
+            6 => "CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN",
+            _ => "a location type this build does not know",
+        };
         return Err(Error::InvalidArgument(format!(
-            "the allocation behind the handle is located at {:?} (id {}), not on a device: a \
+            "the allocation behind the handle is located at {name} ({}, id {}), not on a device: a \
              PhysicalAllocation holds device memory only (CU_MEM_LOCATION_TYPE_DEVICE)",
-            prop.location.type_, prop.location.id
+            info.location_type, info.location_id
         )));
     }
-    usize::try_from(prop.location.id).map_err(|_| {
+    usize::try_from(info.location_id).map_err(|_| {
         Error::InvalidArgument(format!(
             "the driver reports device ordinal {} for the allocation behind the handle",
-            prop.location.id
+            info.location_id
         ))
     })
 }
@@ -512,17 +522,29 @@ mod tests {
 
     #[test]
     fn only_device_locations_are_adopted() {
-        let mut p = props(HandleTypes::empty()).to_raw();
-        p.location.id = 3;
+        let mut p = raw::vmm::AllocationInfo {
+            alloc_type: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED as u32,
+            handle_types: 0,
+            location_type: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32,
+            location_id: 3,
+            gpu_direct_rdma: false,
+        };
         assert_eq!(device_ordinal_of(&p), Ok(3));
-        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+        p.location_type = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST as u32;
         let e = device_ordinal_of(&p).unwrap_err();
         assert!(
             e.to_string().contains("CU_MEM_LOCATION_TYPE_HOST") && e.to_string().contains("device memory only"),
             "{e}"
         );
-        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        p.location.id = -1;
+        // A value no binding knows is reported, not read into an enum.
+        p.location_type = 0x7fff_0000;
+        let e = device_ordinal_of(&p).unwrap_err();
+        assert!(
+            e.to_string().contains("does not know") && e.to_string().contains("2147418112"),
+            "{e}"
+        );
+        p.location_type = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32;
+        p.location_id = -1;
         assert!(matches!(device_ordinal_of(&p), Err(Error::InvalidArgument(_))));
     }
 

@@ -134,12 +134,85 @@ pub(crate) fn retain(ptr: sys::CUdeviceptr) -> Result<sys::CUmemGenericAllocatio
     Ok(handle)
 }
 
+/// What `cuMemGetAllocationPropertiesFromHandle` reports of an allocation, as the integers the driver
+/// wrote: a newer driver (or an allocation another process made) may report an enum value the bindings do
+/// not know, which must not be read into a Rust enum.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AllocationInfo {
+    /// `CUmemAllocationType`.
+    pub(crate) alloc_type: u32,
+    /// `CUmemAllocationHandleType` bits.
+    pub(crate) handle_types: u32,
+    /// `CUmemLocationType`.
+    pub(crate) location_type: u32,
+    /// The location's id (a device ordinal for `CU_MEM_LOCATION_TYPE_DEVICE`).
+    pub(crate) location_id: i32,
+    /// `allocFlags.gpuDirectRDMACapable`.
+    pub(crate) gpu_direct_rdma: bool,
+}
+
+/// `CUmemAllocationProp` with every enum field as the `unsigned int` C stores it: the storage the driver
+/// writes into. Its layout is checked against the bindings' struct below.
+#[repr(C)]
+struct RawAllocationProp {
+    alloc_type: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: i32,
+    win32_meta: *mut c_void,
+    compression_type: u8,
+    gpu_direct_rdma: u8,
+    usage: u16,
+    reserved: [u8; 4],
+}
+
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    type P = sys::CUmemAllocationProp;
+    assert!(size_of::<RawAllocationProp>() == size_of::<P>());
+    assert!(align_of::<RawAllocationProp>() == align_of::<P>());
+    assert!(offset_of!(RawAllocationProp, alloc_type) == offset_of!(P, type_));
+    assert!(offset_of!(RawAllocationProp, handle_types) == offset_of!(P, requestedHandleTypes));
+    assert!(
+        offset_of!(RawAllocationProp, location_type) == offset_of!(P, location) + offset_of!(sys::CUmemLocation, type_)
+    );
+    assert!(offset_of!(RawAllocationProp, location_id) == offset_of!(P, location) + offset_of!(sys::CUmemLocation, id));
+    assert!(offset_of!(RawAllocationProp, win32_meta) == offset_of!(P, win32HandleMetaData));
+    assert!(
+        offset_of!(RawAllocationProp, gpu_direct_rdma)
+            == offset_of!(P, allocFlags) + offset_of!(sys::CUmemAllocationProp_st__bindgen_ty_1, gpuDirectRDMACapable)
+    );
+};
+
 /// `cuMemGetAllocationPropertiesFromHandle`.
-pub(crate) fn properties(handle: sys::CUmemGenericAllocationHandle) -> Result<sys::CUmemAllocationProp> {
-    let mut prop = device_props(0, 0, false);
-    // SAFETY: one property struct is written into storage of its type; an unknown handle is an error code.
-    unsafe { call!(cuMemGetAllocationPropertiesFromHandle(&mut prop, handle)) }?;
-    Ok(prop)
+pub(crate) fn properties(handle: sys::CUmemGenericAllocationHandle) -> Result<AllocationInfo> {
+    let mut raw = RawAllocationProp {
+        alloc_type: 0,
+        handle_types: 0,
+        location_type: 0,
+        location_id: 0,
+        win32_meta: std::ptr::null_mut(),
+        compression_type: 0,
+        gpu_direct_rdma: 0,
+        usage: 0,
+        reserved: [0; 4],
+    };
+    // SAFETY: the driver writes one `CUmemAllocationProp` into storage of the same size, alignment and
+    // field offsets (checked at compile time above) whose fields accept any bit pattern the driver writes
+    // (integers, and a pointer that is never dereferenced); an unknown handle is an error code.
+    unsafe {
+        call!(cuMemGetAllocationPropertiesFromHandle(
+            &mut raw as *mut RawAllocationProp as *mut sys::CUmemAllocationProp,
+            handle
+        ))
+    }?;
+    Ok(AllocationInfo {
+        alloc_type: raw.alloc_type,
+        handle_types: raw.handle_types,
+        location_type: raw.location_type,
+        location_id: raw.location_id,
+        gpu_direct_rdma: raw.gpu_direct_rdma != 0,
+    })
 }
 
 /// `cuMemExportToShareableHandle` as a POSIX file descriptor, which the caller then owns.
