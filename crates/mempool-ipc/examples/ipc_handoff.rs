@@ -30,8 +30,9 @@
 //! by buffer id; also how often a ready or release event was still pending on the GPU, how often
 //! the producer's stream was still busy when the release arrived, and the round trip when the
 //! producer synchronizes its stream each time. All of it twice: with the fast-path consumers, and
-//! with a third set of consumers that wait for pending ready events on the host
-//! (`ImporterOptions::wait_ready_on_host`), so that no stream waits for another process's event.
+//! with a third set of consumers that wait on the host for pending ready events
+//! (`ImporterOptions::wait_ready_on_host`) and for their own work before each release
+//! (`ImporterOptions::release_on_host`), so that no stream waits for another process's event.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]
 //! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's v2 sub column
@@ -152,6 +153,7 @@ fn consumer(socket: &Path, v1: bool, host_ready: bool) -> AnyResult<()> {
     let options = ImporterOptions {
         fast_release: !v1,
         wait_ready_on_host: host_ready,
+        release_on_host: host_ready,
         ..ImporterOptions::default()
     };
     let importer = Importer::connect(socket, options)?;
@@ -337,7 +339,8 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
     spawn_consumers(&exporter, &ctl_listener, &socket, consumers, None, &mut v2)?;
     spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v1"), &mut v2)?;
     if diagnose {
-        // Fast-path consumers that wait for pending ready events on the host (the diagnosis).
+        // Fast-path consumers that wait for pending ready events, and for their own work before each
+        // release, on the host (the diagnosis).
         spawn_consumers(
             &exporter,
             &ctl_listener,
@@ -364,7 +367,7 @@ fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
         if host_ready.is_empty() {
             String::new()
         } else {
-            format!(", {consumers} with it waiting for ready events on the host (the diagnosis)")
+            format!(", {consumers} with it waiting for ready and release events on the host (the diagnosis)")
         }
     );
     println!();
@@ -864,7 +867,8 @@ fn traced_round_trip(
 }
 
 /// The `v2 sub` path again after the tables, with the fast-path consumers and then with those that
-/// wait for pending ready events on the host (`ImporterOptions::wait_ready_on_host`): round trips
+/// wait for pending ready events and for their own work before releasing on the host
+/// (`ImporterOptions::wait_ready_on_host`, `release_on_host`): round trips
 /// at 4 KiB and 64 KiB untraced, traced, and traced with the producer's stream synchronized each
 /// time; sustained at 64 KiB untraced and traced.
 fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
@@ -872,7 +876,7 @@ fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consume
     println!("Diagnosis of v2 sub (mempool_ipc::trace on in the producer and the consumers)");
     let sets: [(&mut [Consumer], &str); 2] = [
         (v2, "ready events waited for on the GPU"),
-        (host_ready, "ready events waited for on the host"),
+        (host_ready, "ready and release events waited for on the host"),
     ];
     for (set, how) in sets {
         println!();

@@ -71,6 +71,16 @@ pub struct ImporterOptions {
     /// waits on the GPU for another process's event (a cross-process dependency that the GPU
     /// resolves only by switching between the two processes' contexts).
     pub wait_ready_on_host: bool,
+    /// On the fast release path, how a release of a kept block's buffer is ordered. `false` (the
+    /// default): dropping the [`SharedBuffer`] records the release event and returns; the exporter
+    /// orders the memory's reuse after that event (a GPU wait, when it is still pending as the
+    /// batch arrives). `true`: the drop waits on the host (`cuStreamSynchronize` on the buffer's
+    /// stream, after recording the event) until this process's work on the buffer is done, then sends
+    /// the release at once: the exporter finds the event complete and orders nothing on the GPU, so
+    /// no stream of either process waits for the other's event (version 1's ordering, without its
+    /// import per buffer and free). With [`wait_ready_on_host`](Self::wait_ready_on_host) too, the
+    /// two processes never meet on the GPU.
+    pub release_on_host: bool,
 }
 
 /// What [`Importer::recv_any`] received: a pool buffer or a VMM physical allocation.
@@ -92,6 +102,7 @@ impl Default for ImporterOptions {
             max_release_delay: Duration::from_micros(100),
             accept_vmm: false,
             wait_ready_on_host: false,
+            release_on_host: false,
         }
     }
 }
@@ -122,6 +133,8 @@ struct Inner {
     state: Mutex<State>,
     /// [`ImporterOptions::wait_ready_on_host`].
     wait_ready_on_host: bool,
+    /// [`ImporterOptions::release_on_host`].
+    release_on_host: bool,
     /// `Some` on the fast release path.
     pending: Option<Arc<Pending>>,
     session: ImporterSession,
@@ -223,6 +236,7 @@ impl Importer {
                 vmm: HashSet::new(),
             }),
             wait_ready_on_host: options.wait_ready_on_host,
+            release_on_host: options.release_on_host,
             pending: pending.clone(),
             session,
             ctx,
@@ -582,6 +596,17 @@ impl Inner {
                 // The import was freed after `stream` was synchronized: complete, release it now.
                 Ok(None) => return ignore_gone(self.session.release(id)),
                 Ok(Some(_)) => trace::mark(Point::ImporterRecorded, id.0),
+            }
+            if self.release_on_host {
+                // The event was recorded on `stream` (after any chained wait): once the stream is done,
+                // the event is complete, so the exporter orders nothing after it on the GPU.
+                if let Err(e) = stream.synchronize() {
+                    // Not known to be done: the release still goes out, ordered by its event as usual.
+                    record_drop_error(e.into());
+                } else {
+                    lock_plain(&pending.batch).push(id, Instant::now());
+                    return self.flush_releases(Point::ImporterSendOnPush);
+                }
             }
             let send = {
                 let mut batch = lock_plain(&pending.batch);

@@ -706,6 +706,74 @@ fn wait_ready_on_host_returns_from_recv_after_the_exporters_kernels() {
     ready_parent(test, "importer-host-ready");
 }
 
+/// `ImporterOptions::release_on_host`: the importer queues ORDER_ADDS kernels on a buffer and drops it;
+/// when the exporter hears the release, those kernels are done, so the exporter reads the buffer on a
+/// stream nothing orders and sees every one of them.
+#[test]
+fn release_on_host_finishes_the_importers_kernels_before_the_exporter_hears_the_release() {
+    let test = "release_on_host_finishes_the_importers_kernels_before_the_exporter_hears_the_release";
+    if role().is_some() {
+        let options = ImporterOptions {
+            release_on_host: true,
+            ..ImporterOptions::default()
+        };
+        let importer = Importer::connect(child_socket(), options).expect("connect to the exporter");
+        assert!(importer.fast_release());
+        let ctx = importer.device().context().unwrap();
+        let stream = Stream::new(&ctx).unwrap();
+        let kernels = CheckKernels::load(&ctx).unwrap();
+        let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+        let n = buf.len() / 4;
+        for _ in 0..ORDER_ADDS {
+            // SAFETY: the buffer holds n u32s, ordered on `stream` (recv's stream).
+            unsafe { kernels.add(buf.ptr(), n, 1, stream.as_ref()) }.unwrap();
+        }
+        let t0 = Instant::now();
+        drop(buf);
+        println!(
+            "FINDING: dropping a buffer with {ORDER_ADDS} kernels queued on it took {:?} with release_on_host",
+            t0.elapsed()
+        );
+        importer.flush_releases().unwrap();
+        drop(importer);
+        no_drop_errors("importer");
+        return;
+    }
+    let _serial = serial();
+    let (_dev, ctx) = gpu();
+    let (upstream, sub, exporter) = suballocating_exporter("rel-host");
+    let child = ChildProc::spawn(test, "importer", exporter.path());
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let n = ORDER_LEN / 4;
+    let anchor = adopt_from(&exporter, &sub, 4096, stream.as_ref());
+    let buf = adopt_from(&exporter, &sub, ORDER_LEN, stream.as_ref());
+    // SAFETY: the buffer holds n u32s on `stream`.
+    unsafe { kernels.iota(buf.ptr(), n, 0, stream.as_ref()) }.unwrap();
+    stream.synchronize().unwrap();
+    exporter.share(&buf, &[id]).unwrap();
+    buf.wait_released(WAIT).unwrap();
+    let unordered = Stream::new(&ctx).unwrap();
+    let got = read_u32s(&ctx, buf.ptr(), n, unordered.as_ref());
+    assert_iota(
+        &got,
+        ORDER_ADDS,
+        "after the release, the exporter sees every kernel the importer queued before dropping the buffer",
+    );
+    drop(buf);
+    child.succeeds();
+    wait_no_importers(&exporter);
+    drop(anchor);
+    exporter.wait_idle(WAIT).unwrap();
+    assert!(exporter.shutdown().is_empty());
+    stream.synchronize().unwrap();
+    sub.release_unused().unwrap();
+    drop(sub);
+    wait_used(upstream.pool(), &ctx, 0);
+    no_drop_errors("exporter");
+}
+
 const KEPT_COUNT: usize = 8;
 
 #[test]
