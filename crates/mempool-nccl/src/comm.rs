@@ -177,6 +177,8 @@ impl Comm {
     /// `devices[i]`. Refuses an empty list and a device listed twice.
     pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
         let call = "ncclCommInitAll";
+        // Inside a group NCCL defers the initialization, and the communicators are not usable yet.
+        Self::not_in_group(call)?;
         if devices.is_empty() {
             return Err(Error::InvalidArgument {
                 call,
@@ -252,10 +254,12 @@ impl Comm {
     }
 
     /// Rank `rank` of `nranks` on `device` (`ncclCommInitRank`), joining the ranks that use the same
-    /// `id`, in this process (other threads, or one thread inside a [`Group`]) or others. Blocks until
-    /// every rank has joined.
+    /// `id`, in this process (one thread per rank; for several ranks from one thread use
+    /// [`init_all`](Self::init_all)) or in others. Blocks until every rank has joined. Refused while a
+    /// [`Group`] is open on this thread (NCCL would defer the initialization).
     pub fn init_rank(device: Device, id: &UniqueId, nranks: usize, rank: usize) -> Result<Comm> {
         let call = "ncclCommInitRank";
+        Self::not_in_group(call)?;
         if nranks == 0 || rank >= nranks || nranks > c_int::MAX as usize {
             return Err(Error::InvalidArgument {
                 call,
@@ -594,7 +598,14 @@ impl Comm {
     /// NCCL decides what it can register: `cuMemCreate` memory (`mempool_rmm::VmmResource`) is the
     /// case NCCL documents; see docs/nccl.md for what the GPU tests observed for pool and `cuMemAlloc`
     /// memory.
-    pub fn register<'a>(&'a self, view: &'a BufferView<'_>) -> Result<Registration<'a>> {
+    ///
+    /// # Safety
+    /// 1. Every rank of the communicator registers the buffers it passes to each collective that uses
+    ///    this buffer while the registration lives (NCCL: if any rank passes registered buffers to a
+    ///    collective, every rank must; mixing registered and unregistered buffers across ranks is
+    ///    undefined behaviour).
+    #[allow(unsafe_code)]
+    pub unsafe fn register<'a>(&'a self, view: &'a BufferView<'_>) -> Result<Registration<'a>> {
         let dev = view.context().device();
         if dev != self.device {
             return Err(Error::InvalidArgument {
@@ -605,12 +616,9 @@ impl Comm {
                 ),
             });
         }
-        // SAFETY: the view's range is live memory of this device while the view lives, and the
-        // registration borrows the view, so it is deregistered first.
-        #[allow(unsafe_code)]
-        unsafe {
-            self.register_raw(view.ptr(), view.len())
-        }
+        // SAFETY: the view's range is live memory while the view lives, and the registration borrows
+        // the view, so it is deregistered first; point 2 of `register_raw` is this function's point 1.
+        unsafe { self.register_raw(view.ptr(), view.len()) }
     }
 
     /// [`register`](Self::register) for a raw range.
@@ -618,6 +626,8 @@ impl Comm {
     /// # Safety
     /// 1. `addr..addr+len` is device memory of this communicator's device that stays allocated until
     ///    the returned registration is dropped.
+    /// 2. As point 1 of [`register`](Self::register): every rank registers the buffers it passes to the
+    ///    collectives that use this range.
     #[allow(unsafe_code)]
     pub unsafe fn register_raw(&self, addr: DeviceAddr, len: usize) -> Result<Registration<'_>> {
         let f = self.lib.get(&self.lib.comm_register)?;
@@ -690,9 +700,21 @@ impl Registration<'_> {
     }
 
     fn release(&self) -> Result<()> {
+        if GROUP_DEPTH.with(Cell::get) > 0 {
+            // A collective on this range may be enqueued in the open group and launched at its end.
+            return Err(Error::InvalidArgument {
+                call: "ncclCommDeregister",
+                reason: "a Group is open on this thread; the registration is left to the communicator's \
+                         destruction"
+                    .into(),
+            });
+        }
         let lib = self.comm.lib;
         let f = lib.get(&lib.comm_deregister)?;
         let _g = self.comm.ctx.bind()?;
+        // Deregistering unmaps the peers' mappings of the range at once, on the host: collectives still
+        // running on it must finish first.
+        self.comm.ctx.synchronize()?;
         // SAFETY: `handle` came from ncclCommRegister on this live communicator and is given up once
         // (`deregister` keeps `Drop` from running again).
         #[allow(unsafe_code)]
@@ -729,6 +751,17 @@ pub struct Group<'g> {
 impl<'g> Group<'g> {
     /// `ncclGroupStart`.
     pub fn start() -> Result<Group<'g>> {
+        if GROUP_DEPTH.with(Cell::get) > 0 {
+            // NCCL launches a nested group's work only when the outermost group ends: an inner group's
+            // `end` would release its borrows before the work that uses the buffers exists.
+            return Err(Error::InvalidArgument {
+                call: "ncclGroupStart",
+                reason: "a Group is already open on this thread: NCCL launches a nested group's work only \
+                         when the outermost group ends, after the inner group's buffers could be freed; \
+                         enqueue everything in one group"
+                    .into(),
+            });
+        }
         let lib = sys::library()?;
         let f = lib.get(&lib.group_start)?;
         lib.get(&lib.group_end)?;

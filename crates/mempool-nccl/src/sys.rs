@@ -226,7 +226,10 @@ impl Library {
             if p.is_null() {
                 String::new()
             } else {
-                // SAFETY: NCCL returns NUL-terminated static or thread-local strings, read at once.
+                // SAFETY: NCCL returns NUL-terminated strings that stay allocated for the process's
+                // life: `ncclGetErrorString`'s are static; `ncclGetLastError`'s is a process-wide
+                // 1024-byte buffer whose last byte is always NUL, so the read stays in bounds even
+                // when another NCCL thread rewrites it meanwhile (the text can then be torn).
                 unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
             }
         };
@@ -236,8 +239,8 @@ impl Library {
             None => String::new(),
         };
         let last_error = match self.get_last_error.f {
-            // SAFETY: `ncclGetLastError` accepts a live communicator or NULL (the thread's last error);
-            // callers pass one of those.
+            // SAFETY: `ncclGetLastError` accepts a live communicator or NULL; callers pass one of those.
+            // It reports the process's last error, which may be another thread's.
             Some(f) => text(unsafe { f(comm) }),
             None => String::new(),
         };

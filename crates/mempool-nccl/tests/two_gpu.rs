@@ -66,12 +66,18 @@ fn sum_and_gather(
         for (r, comm) in comms.iter().enumerate() {
             let mut outcome = Ok(());
             for b in [&sends[r], &recvs[r], &gathers[r]] {
-                match comm.register(b) {
+                // SAFETY: every rank registers its three buffers, and when any registration fails all
+                // are dropped below before a collective runs, so no collective mixes registered and
+                // unregistered buffers across ranks.
+                match unsafe { comm.register(b) } {
                     Ok(reg) => regs.push(reg),
                     Err(e) => outcome = Err(e.to_string()),
                 }
             }
             outcomes.push(outcome);
+        }
+        if outcomes.iter().any(|o| o.is_err()) {
+            regs.clear();
         }
     }
 
