@@ -71,6 +71,10 @@ fn cudarc_contexts_map_to_the_primary_context_and_non_primary_ones_are_refused()
     #[allow(unsafe_code)]
     let err = unsafe { mine.borrow_for_cudarc(&other) }.unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // A CudarcBuffer on a non-primary stream is refused: its frees would be ordered on nothing.
+    let (_pool, mr) = resource();
+    let err = CudarcBuffer::<u32>::alloc_zeros(16, &stream, mr).unwrap_err();
+    assert!(err.to_string().contains("non-primary"), "{err}");
     drop(stream);
     drop(other);
     assert_no_drop_errors("non-primary context");

@@ -29,7 +29,9 @@ fn cudarc_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
 /// their guard alive until the launch is queued (docs/cudarc.md shows it).
 ///
 /// Ordering follows cudarc's contract for `CudaSlice`: the buffer holds a read and a write event;
-/// `device_ptr(s)` makes `s` wait for earlier writes and records a read after the use,
+/// `device_ptr(s)` makes `s` wait for earlier writes (and, unlike `CudaSlice`, for the last recorded
+/// read, so that the one read event covers every read on any stream: reads on two streams are then
+/// ordered one after the other) and records a read after the use,
 /// `device_ptr_mut(s)` waits for earlier reads and writes and records a write (cudarc records them
 /// while its context tracks events across streams, i.e. once a second stream was made with
 /// `new_stream`). The buffer is freed by mempool, never by cudarc: `Drop` makes the buffer's stream wait
@@ -81,8 +83,9 @@ impl<T: DeviceRepr> CudarcBuffer<T> {
             resource: "CudarcBuffer",
             reason: format!("{len} elements of {} bytes overflow usize", size_of::<T>()),
         })?;
+        let target = primary_stream(stream)?;
         let (read, write) = Self::events(stream)?;
-        let addr = mr.allocate(bytes, StreamRef::from(&**stream))?;
+        let addr = mr.allocate(bytes, target)?;
         Ok(CudarcBuffer {
             addr: addr.0,
             len,
@@ -137,8 +140,19 @@ impl<T: DeviceRepr> CudarcBuffer<T> {
                 reason: format!("{} bytes are not a whole number of {size}-byte elements", buf.len()),
             });
         }
+        let target = primary_stream(stream)?;
+        if target.context().map(|c| c.as_raw()) != Some(buf.context().as_raw()) {
+            return Err(Error::Unsupported {
+                resource: "CudarcBuffer",
+                reason: format!(
+                    "the cudarc stream is a stream of device {}, the buffer's memory was allocated in the \
+                     context of {}",
+                    stream.context().ordinal(),
+                    buf.context().device()
+                ),
+            });
+        }
         let (read, write) = Self::events(stream)?;
-        let target = StreamRef::from(&**stream);
         if buf.stream() != target {
             let event = Event::new(buf.context(), EventFlags::DISABLE_TIMING)?;
             event.record(buf.stream())?;
@@ -266,7 +280,9 @@ impl<T> DeviceSlice<T> for CudarcBuffer<T> {
 
 impl<T> DevicePtr<T> for CudarcBuffer<T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        wait_for(stream, &self.stream, &[&self.write]);
+        // The read event is re-recorded below: waiting on its last recording first makes the new one
+        // cover every earlier read, on any stream (one event, so the free can follow them all).
+        wait_for(stream, &self.stream, &[&self.write, &self.read]);
         (self.addr, SyncOnDrop::record_event(&self.read, stream))
     }
 }
@@ -350,7 +366,7 @@ impl<T> DeviceSlice<T> for CudarcView<'_, T> {
 
 impl<T> DevicePtr<T> for CudarcView<'_, T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        wait_for(stream, self.stream, &[self.write]);
+        wait_for(stream, self.stream, &[self.write, self.read]);
         (self.ptr, SyncOnDrop::record_event(self.read, stream))
     }
 }
@@ -378,7 +394,7 @@ impl<T> DeviceSlice<T> for CudarcViewMut<'_, T> {
 
 impl<T> DevicePtr<T> for CudarcViewMut<'_, T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        wait_for(stream, self.stream, &[self.write]);
+        wait_for(stream, self.stream, &[self.write, self.read]);
         (self.ptr, SyncOnDrop::record_event(self.read, stream))
     }
 }
@@ -388,6 +404,24 @@ impl<T> DevicePtrMut<T> for CudarcViewMut<'_, T> {
         wait_for(stream, self.stream, &[self.read, self.write]);
         (self.ptr, SyncOnDrop::record_event(self.write, stream))
     }
+}
+
+/// mempool's view of a cudarc stream, which must be a stream of a device's primary context: resources
+/// allocate and free in the primary context, where a stream of another context (above all its legacy
+/// stream, whose raw handle 0 names the primary context's legacy stream there) would order nothing.
+fn primary_stream(stream: &CudaStream) -> Result<StreamRef<'_>> {
+    let s = StreamRef::from(stream);
+    if s.context().is_none() {
+        return Err(Error::Unsupported {
+            resource: "CudarcBuffer",
+            reason: format!(
+                "the cudarc stream belongs to a non-primary context of device {}: mempool's resources \
+                 allocate and free in the device's primary context (use CudaContext::new)",
+                stream.context().ordinal()
+            ),
+        });
+    }
+    Ok(s)
 }
 
 #[cfg(test)]
