@@ -76,8 +76,10 @@ pub struct ImporterOptions {
     /// orders the memory's reuse after that event (a GPU wait, when it is still pending as the
     /// batch arrives). `true`: the drop waits on the host (`cuStreamSynchronize` on the buffer's
     /// stream, after recording the event) until this process's work on the buffer is done, then sends
-    /// the release at once: the exporter finds the event complete and orders nothing on the GPU, so
-    /// no stream of either process waits for the other's event (version 1's ordering, without its
+    /// the release at once: the exporter finds the event complete and orders nothing on the GPU (unless
+    /// another thread of this process re-recorded the shared release event on a busy stream meanwhile:
+    /// then it waits on the GPU as without this option), so no stream of either process waits for the
+    /// other's event (version 1's ordering, without its
     /// import per buffer and free). With [`wait_ready_on_host`](Self::wait_ready_on_host) too, the
     /// two processes never meet on the GPU.
     pub release_on_host: bool,
