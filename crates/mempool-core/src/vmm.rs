@@ -523,7 +523,6 @@ mod tests {
     #[test]
     fn only_device_locations_are_adopted() {
         let mut p = raw::vmm::AllocationInfo {
-            alloc_type: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED as u32,
             handle_types: 0,
             location_type: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32,
             location_id: 3,

@@ -32,22 +32,68 @@ pub struct AllReduceParams {
     pub iters: usize,
 }
 
-/// The memory kinds compared, in report order.
-const KINDS: [&str; 6] = [
-    "VMM, registered",
-    "VMM, unregistered",
-    "pool, registered",
-    "pool, unregistered",
-    "cuMemAlloc, registered",
-    "cuMemAlloc",
+/// Where a kind's memory comes from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Memory {
+    /// `VmmResource`: one `cuMemCreate` allocation per buffer, as `ncclMemAlloc` makes it.
+    Vmm,
+    /// `AsyncResource`: stream-ordered pool memory (`cuMemAllocFromPoolAsync`).
+    Pool,
+    /// `CudaResource`: `cuMemAlloc`, what `cudaMalloc` returns.
+    CuMemAlloc,
+}
+
+/// One memory kind compared: its report label, its memory, and whether its buffers are registered with
+/// NCCL.
+struct Kind {
+    label: &'static str,
+    memory: Memory,
+    registered: bool,
+}
+
+/// The memory kinds compared, in report order; unregistered `cuMemAlloc` memory is the baseline.
+const KINDS: [Kind; 6] = [
+    Kind {
+        label: "VMM, registered",
+        memory: Memory::Vmm,
+        registered: true,
+    },
+    Kind {
+        label: "VMM, unregistered",
+        memory: Memory::Vmm,
+        registered: false,
+    },
+    Kind {
+        label: "pool, registered",
+        memory: Memory::Pool,
+        registered: true,
+    },
+    Kind {
+        label: "pool, unregistered",
+        memory: Memory::Pool,
+        registered: false,
+    },
+    Kind {
+        label: "cuMemAlloc, registered",
+        memory: Memory::CuMemAlloc,
+        registered: true,
+    },
+    Kind {
+        label: BASELINE,
+        memory: Memory::CuMemAlloc,
+        registered: false,
+    },
 ];
+
+/// The label of the baseline kind.
+const BASELINE: &str = "cuMemAlloc";
 
 /// One measured case.
 #[derive(Clone, Debug)]
 pub struct AllReduceCase {
     /// Bytes per all-reduce.
     pub bytes: usize,
-    /// The memory kind (one of `KINDS`).
+    /// The memory kind's label (one of `KINDS`).
     pub memory: &'static str,
     /// Seconds per all-reduce.
     pub seconds: f64,
@@ -70,24 +116,23 @@ pub fn busbw(algbw: f64, n: usize) -> f64 {
     algbw * 2.0 * (n as f64 - 1.0) / n as f64
 }
 
-fn resources(kind: &str, devices: &[Device]) -> Result<Vec<SharedResource>> {
+fn resources(memory: Memory, devices: &[Device]) -> Result<Vec<SharedResource>> {
     devices
         .iter()
         .map(|d| -> Result<SharedResource> {
-            Ok(if kind.starts_with("VMM") {
-                Arc::new(VmmResource::new(*d)?)
-            } else if kind.starts_with("pool") {
-                Arc::new(AsyncResource::new(d, AsyncOptions::default())?)
-            } else {
-                Arc::new(CudaResource::new(d)?)
+            Ok(match memory {
+                Memory::Vmm => Arc::new(VmmResource::new(*d)?),
+                Memory::Pool => Arc::new(AsyncResource::new(d, AsyncOptions::default())?),
+                Memory::CuMemAlloc => Arc::new(CudaResource::new(d)?),
             })
         })
         .collect()
 }
 
-/// One kind at one size: allocate, register (the kinds named so), check one all-reduce's result, then time.
+/// One kind at one size: allocate, register (the kinds that say so), check one all-reduce's result, then
+/// time.
 fn measure_one(
-    kind: &'static str,
+    kind: &Kind,
     bytes: usize,
     comms: &[Comm],
     streams: &[Stream],
@@ -106,7 +151,7 @@ fn measure_one(
         .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
     let mut regs: Vec<Registration> = Vec::new();
-    if kind.ends_with(", registered") {
+    if kind.registered {
         for (i, c) in comms.iter().enumerate() {
             // SAFETY: every rank registers both of its buffers before any collective runs (a failure
             // returns before the collectives, dropping the registrations made).
@@ -143,7 +188,8 @@ fn measure_one(
         r.copy_to_host(bytes - 4, &mut tail)?;
         if head != [want; 4] || tail != [want; 4] {
             return Err(Error::Usage(format!(
-                "all-reduce of {kind} memory, {bytes} bytes: rank {i} holds {head:?}..{tail:?}, expected bytes of {want}"
+                "all-reduce of {} memory, {bytes} bytes: rank {i} holds {head:?}..{tail:?}, expected bytes of {want}",
+                kind.label
             )));
         }
     }
@@ -160,7 +206,7 @@ fn measure_one(
     drop(regs);
     Ok(AllReduceCase {
         bytes,
-        memory: kind,
+        memory: kind.label,
         seconds,
     })
 }
@@ -181,13 +227,14 @@ pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
         .map(|d| Stream::new(&d.context()?))
         .collect::<mempool_core::Result<Vec<_>>>()?;
     let mut cases = Vec::new();
-    for kind in KINDS {
-        let mrs = resources(kind, &p.devices)?;
+    for kind in &KINDS {
+        let mrs = resources(kind.memory, &p.devices)?;
         for &bytes in &p.sizes {
             let c = measure_one(kind, bytes, &comms, &streams, &mrs, p)?;
             if !quiet {
                 eprintln!(
-                    "allreduce: {kind}, {}: {:.1} GB/s busbw",
+                    "allreduce: {}, {}: {:.1} GB/s busbw",
+                    kind.label,
                     Size(bytes as u64),
                     c.busbw(p.devices.len())
                 );
@@ -240,7 +287,7 @@ pub fn bench(p: &AllReduceParams, quiet: bool) -> Result<Report> {
     let base = |bytes: usize| {
         cases
             .iter()
-            .find(|c| c.bytes == bytes && c.memory == "cuMemAlloc")
+            .find(|c| c.bytes == bytes && c.memory == BASELINE)
             .map(|c| c.busbw(n))
     };
     for &bytes in &p.sizes {
@@ -268,14 +315,14 @@ pub fn bench(p: &AllReduceParams, quiet: bool) -> Result<Report> {
         series: KINDS
             .iter()
             .map(|k| Series {
-                name: k.to_string(),
+                name: k.label.to_string(),
                 values: p
                     .sizes
                     .iter()
                     .map(|&b| {
                         cases
                             .iter()
-                            .find(|c| c.bytes == b && c.memory == *k)
+                            .find(|c| c.bytes == b && c.memory == k.label)
                             .map(|c| c.busbw(n))
                     })
                     .collect(),

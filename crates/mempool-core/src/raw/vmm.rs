@@ -139,8 +139,6 @@ pub(crate) fn retain(ptr: sys::CUdeviceptr) -> Result<sys::CUmemGenericAllocatio
 /// not know, which must not be read into a Rust enum.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct AllocationInfo {
-    /// `CUmemAllocationType`.
-    pub(crate) alloc_type: u32,
     /// `CUmemAllocationHandleType` bits.
     pub(crate) handle_types: u32,
     /// `CUmemLocationType`.
@@ -207,7 +205,6 @@ pub(crate) fn properties(handle: sys::CUmemGenericAllocationHandle) -> Result<Al
         ))
     }?;
     Ok(AllocationInfo {
-        alloc_type: raw.alloc_type,
         handle_types: raw.handle_types,
         location_type: raw.location_type,
         location_id: raw.location_id,
