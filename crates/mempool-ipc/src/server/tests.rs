@@ -938,5 +938,11 @@ fn the_server_grants_vmm_to_an_importer_that_asks_and_sends_it_vmm_buffers_with_
         }
         other => panic!("expected a VmmBuffer, got {other:?}"),
     }
-    assert_eq!(open_fds_named(&name), 0, "no copy of the descriptor is left open");
+    // The server closes its copy right after `sendmsg` returns, which can be a moment after the
+    // importer has already read the frame: wait for it rather than race it.
+    let deadline = Instant::now() + SOON;
+    while open_fds_named(&name) != 0 {
+        assert!(Instant::now() < deadline, "a copy of the descriptor stays open");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
