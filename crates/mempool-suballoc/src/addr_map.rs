@@ -190,9 +190,6 @@ impl SlotTable {
     }
 }
 
-/// A set of non-zero block addresses, eight to a cache line (see [`AddrTable`]).
-pub(crate) type LiveSet = AddrTable<()>;
-
 /// A map from non-zero block address to a small `Copy` value: open addressing with linear probing,
 /// so a lookup reads one cache line (the key and the value sit side by side) where a
 /// general-purpose table reads its control bytes and its buckets from two places. The engines do
@@ -233,7 +230,7 @@ impl<V: Copy + Default> AddrTable<V> {
     }
 
     /// Number of entries.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -273,9 +270,15 @@ impl<V: Copy + Default> AddrTable<V> {
     }
 
     /// The value of `addr`.
-    #[cfg(test)]
+    #[inline]
     pub(crate) fn get(&self, addr: u64) -> Option<V> {
         self.find(addr).map(|i| self.entries[i].1)
+    }
+
+    /// The value of `addr`, to change in place.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, addr: u64) -> Option<&mut V> {
+        self.find(addr).map(|i| &mut self.entries[i].1)
     }
 
     /// Removes `addr`, returning its value.

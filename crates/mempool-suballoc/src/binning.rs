@@ -16,7 +16,7 @@ pub struct BinningConfig {
     /// The largest bin is `2^max_size_exponent` bytes; larger requests go straight to the upstream.
     /// At most 40.
     pub max_size_exponent: u32,
-    /// Blocks carved from each upstream chunk, in every bin (at least 1).
+    /// Blocks carved from each upstream chunk, in every bin (at least 1, at most 2^32).
     pub blocks_per_chunk: u64,
     /// When to record the events that hand free blocks to other streams.
     pub event_policy: EventPolicy,

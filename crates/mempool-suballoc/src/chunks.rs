@@ -99,15 +99,6 @@ impl<S: Copy + Debug> Chunks<S> {
         self.map.get(&addr).copied()
     }
 
-    /// The start of the chunk that contains `addr`, if any.
-    pub(crate) fn containing(&self, addr: u64) -> Option<(u64, Chunk<S>)> {
-        self.map
-            .range(..=addr)
-            .next_back()
-            .filter(|(&start, c)| addr < start + c.size)
-            .map(|(&start, &c)| (start, c))
-    }
-
     /// Number of chunks.
     pub(crate) fn len(&self) -> usize {
         self.map.len()
