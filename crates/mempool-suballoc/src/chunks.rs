@@ -5,8 +5,9 @@
 //! on the stream of the call in progress when trimming); [`Chunks`] does both, for the pool's and
 //! the fixed-size core's chunks and the binning engine's large allocations.
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
+
+use crate::addr_map::AddrMap;
 
 use crate::error::{ensure, Error, InvariantViolation};
 
@@ -26,18 +27,20 @@ pub(crate) struct Chunk<S> {
     pub(crate) stream: S,
 }
 
-/// Upstream chunks by start address.
+/// Upstream chunks by start address: a hash map, since the binning engine adds and removes one for
+/// every allocation above its largest bin (a B-tree was several hundred instructions per operation
+/// there); the walks in address order sort first.
 #[derive(Debug)]
 pub(crate) struct Chunks<S> {
     /// Invariants: disjoint, aligned, non-empty; sizes add up to `reserved`.
-    map: BTreeMap<u64, Chunk<S>>,
+    map: AddrMap<Chunk<S>>,
     reserved: u64,
 }
 
 impl<S> Default for Chunks<S> {
     fn default() -> Self {
         Self {
-            map: BTreeMap::new(),
+            map: AddrMap::default(),
             reserved: 0,
         }
     }
@@ -87,7 +90,9 @@ impl<S: Copy + Debug> Chunks<S> {
     /// has synchronized those streams.
     pub(crate) fn release_all<U: Upstream<S>>(&mut self, upstream: &U) -> Result<(), Error> {
         let mut result = Ok(());
-        for (addr, chunk) in std::mem::take(&mut self.map) {
+        let chunks = self.iter().collect::<Vec<_>>();
+        self.map.clear();
+        for (addr, chunk) in chunks {
             result = result.and(upstream.deallocate(addr, chunk.size, chunk.stream));
         }
         self.reserved = 0;
@@ -109,9 +114,11 @@ impl<S: Copy + Debug> Chunks<S> {
         self.reserved
     }
 
-    /// Every chunk as `(address, chunk)`, in address order.
+    /// Every chunk as `(address, chunk)`, in address order (sorted on each call: for the cold paths).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Chunk<S>)> + '_ {
-        self.map.iter().map(|(&a, &c)| (a, c))
+        let mut all: Vec<(u64, Chunk<S>)> = self.map.iter().map(|(&a, &c)| (a, c)).collect();
+        all.sort_unstable_by_key(|&(a, _)| a);
+        all.into_iter()
     }
 
     /// Checks the invariants written next to the fields; `engine` names the engine in messages.
