@@ -304,6 +304,23 @@ mod tests {
     }
 
     #[test]
+    fn release_synchronizes_each_stream_once_however_many_large_allocations_it_holds() {
+        let up = SimUpstream::new();
+        let sim = SimStreams::new();
+        let mut b = BinningEngine::new(up.clone(), sim.clone(), config(8, 12, 4)).unwrap();
+        for _ in 0..50 {
+            b.allocate(10_000, A).unwrap();
+        }
+        b.allocate(20_000, B).unwrap();
+        b.allocate(300, A).unwrap();
+        let before = sim.counts().synchronizes;
+        b.release().unwrap();
+        // Streams A and B for the large allocations, and A again for the bin that saw it.
+        assert_eq!(sim.counts().synchronizes - before, 3);
+        assert_eq!(up.stats().live_chunks, 0);
+    }
+
+    #[test]
     fn bins_and_large_allocations() {
         let up = SimUpstream::new();
         let mut b = BinningEngine::new(up.clone(), SimStreams::new(), config(8, 12, 4)).unwrap();

@@ -80,9 +80,17 @@ impl<S: Copy + Debug> Chunks<S> {
         Ok(chunk.size)
     }
 
-    /// Blocks the host until the streams the chunks were allocated on have completed their work.
-    pub(crate) fn synchronize<O: StreamOrder<Stream = S>>(&self, order: &O) -> Result<(), Error> {
-        self.map.values().try_for_each(|c| order.synchronize(c.stream))
+    /// Blocks the host until the streams the chunks were allocated on have completed their work
+    /// (each stream once, however many chunks came on it).
+    pub(crate) fn synchronize<O: StreamOrder<Stream = S>>(&self, order: &O) -> Result<(), Error>
+    where
+        S: Eq + std::hash::Hash,
+    {
+        let mut seen = std::collections::HashSet::new();
+        self.map
+            .values()
+            .filter(|c| seen.insert(c.stream))
+            .try_for_each(|c| order.synchronize(c.stream))
     }
 
     /// Returns every chunk to the upstream on the stream it was allocated on, and forgets them all,
