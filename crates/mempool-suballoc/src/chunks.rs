@@ -49,17 +49,21 @@ impl<S> Default for Chunks<S> {
 impl<S: Copy + Debug> Chunks<S> {
     /// Allocates a chunk of `size` bytes (a non-zero multiple of [`ALIGNMENT`]) on `stream` and
     /// records it. Errors come back as the upstream reported them (out-of-memory with the chunk's
-    /// size: the caller knows what was requested); an address that is null or misaligned is given
-    /// back and reported as [`Error::Upstream`].
+    /// size: the caller knows what was requested); an address that is null, misaligned or whose range
+    /// would pass the end of the address space is given back and reported as [`Error::Upstream`].
     pub(crate) fn allocate<U: Upstream<S>>(&mut self, upstream: &U, size: u64, stream: S) -> Result<u64, Error> {
         let addr = upstream.allocate(size, stream)?;
-        if addr == 0 || addr % ALIGNMENT != 0 {
+        if addr == 0 || addr % ALIGNMENT != 0 || addr.checked_add(size).is_none() {
             // The broken contract is the error to report; whether the upstream takes the bad range
             // back changes nothing for the engine, which never uses it.
             let _ = upstream.deallocate(addr, size, stream);
             return Err(Error::Upstream {
                 op: "allocate",
-                source: format!("returned {addr:#x}, not a non-null address aligned to {ALIGNMENT} bytes").into(),
+                source: format!(
+                    "returned {addr:#x} for {size} bytes, not a non-null address aligned to {ALIGNMENT} bytes \
+                     whose range fits in 64 bits"
+                )
+                .into(),
             });
         }
         self.map.insert(addr, Chunk { size, stream });
@@ -186,4 +190,54 @@ pub(crate) fn check_balance(engine: &str, st: &EngineStats) -> Result<(), Invari
         st.reserved_bytes
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// An upstream that answers every allocation with one fixed address and records what it is given
+    /// back.
+    struct Fixed {
+        addr: u64,
+        returned: Mutex<Vec<(u64, u64)>>,
+    }
+
+    impl Upstream<()> for Fixed {
+        fn allocate(&self, _bytes: u64, _stream: ()) -> Result<u64, Error> {
+            Ok(self.addr)
+        }
+        fn deallocate(&self, addr: u64, bytes: u64, _stream: ()) -> Result<(), Error> {
+            self.returned.lock().unwrap().push((addr, bytes));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_upstream_breaking_its_contract_is_reported_and_given_its_range_back() {
+        // Null, misaligned, and aligned but running past the end of the address space.
+        for addr in [0, 100, u64::MAX - 255] {
+            let up = Fixed {
+                addr,
+                returned: Mutex::new(Vec::new()),
+            };
+            let mut chunks = Chunks::default();
+            let e = chunks.allocate(&up, 512, ()).unwrap_err();
+            assert!(
+                matches!(&e, Error::Upstream { op: "allocate", source } if source.to_string().contains(&format!("{addr:#x}"))),
+                "{addr:#x}: {e:?}"
+            );
+            assert_eq!(*up.returned.lock().unwrap(), [(addr, 512)]);
+            assert_eq!((chunks.len(), chunks.reserved()), (0, 0));
+        }
+        let up = Fixed {
+            addr: 1 << 20,
+            returned: Mutex::new(Vec::new()),
+        };
+        let mut chunks = Chunks::default();
+        assert_eq!(chunks.allocate(&up, 512, ()).unwrap(), 1 << 20);
+        assert_eq!(chunks.reserved(), 512);
+    }
 }
