@@ -18,7 +18,7 @@
 //! exact size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map; see
 //! `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
-use super::addr_map::SlotTable;
+use super::addr_map::{ChainSlots, ChainTable, CHAIN_END};
 use super::free_list::new_slot;
 use crate::error::{ensure, InvariantViolation};
 use crate::free_list::Block;
@@ -96,6 +96,25 @@ struct Node {
     /// node).
     lprev: u32,
     lnext: u32,
+    /// Live blocks: the next slot of the live map's chain (see [`ChainTable`]).
+    hnext: u32,
+}
+
+impl ChainSlots for [Node] {
+    #[inline]
+    fn key(&self, slot: u32) -> u64 {
+        self[slot as usize].addr
+    }
+
+    #[inline]
+    fn link(&self, slot: u32) -> u32 {
+        self[slot as usize].hnext
+    }
+
+    #[inline]
+    fn set_link(&mut self, slot: u32, next: u32) {
+        self[slot as usize].hnext = next;
+    }
 }
 
 impl Node {
@@ -346,8 +365,8 @@ pub(crate) struct BlockTable {
     /// have been merged); a node is in exactly one of `vacant`, `live` and a size index.
     nodes: Vec<Node>,
     vacant: Vec<u32>,
-    /// Live allocations: address -> slot.
-    live: SlotTable,
+    /// Live allocations: address -> slot, chained through the live nodes' `hnext`.
+    live: ChainTable,
 }
 
 impl BlockTable {
@@ -419,6 +438,7 @@ impl BlockTable {
             tag: 0,
             lprev: NIL,
             lnext: NIL,
+            hnext: CHAIN_END,
         });
         index.insert(&mut self.nodes, slot);
         slot
@@ -458,6 +478,7 @@ impl BlockTable {
                 tag,
                 lprev: NIL,
                 lnext: NIL,
+                hnext: CHAIN_END,
             });
             if n.next != NIL {
                 self.nodes[n.next as usize].prev = taken;
@@ -466,17 +487,16 @@ impl BlockTable {
             taken
         };
         let b = self.nodes[taken as usize].block();
-        self.live.insert(b.addr, taken);
+        self.live.insert(&mut self.nodes[..], b.addr, taken);
         b
     }
 
     /// The slot of the live allocation of `size` bytes at `addr`, if there is one.
     #[inline]
     pub(crate) fn live_slot(&self, addr: u64, size: u64) -> Option<u32> {
-        let nodes = &self.nodes;
         self.live
-            .get(addr, |s| nodes[s as usize].addr)
-            .filter(|&slot| nodes[slot as usize].size == size)
+            .get(&self.nodes[..], addr)
+            .filter(|&slot| self.nodes[slot as usize].size == size)
     }
 
     /// The tag a live block was allocated with.
@@ -505,9 +525,8 @@ impl BlockTable {
     /// `None` (changing nothing) when there is no such allocation.
     #[inline]
     pub(crate) fn take_live(&mut self, addr: u64, size: u64) -> Option<u32> {
-        let nodes = &self.nodes;
         self.live
-            .remove_if(addr, |s| nodes[s as usize].addr, |s| nodes[s as usize].size == size)
+            .remove_if(&mut self.nodes[..], addr, |nodes, s| nodes[s as usize].size == size)
     }
 
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
@@ -581,7 +600,7 @@ impl BlockTable {
 
     /// The live allocations.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.slots().map(|s| self.nodes[s as usize].block())
+        self.live.slots(&self.nodes[..]).map(|s| self.nodes[s as usize].block())
     }
 
     /// Forgets every block.
@@ -601,16 +620,14 @@ impl BlockTable {
             index.check(&self.nodes, owner)?;
             free += index.len();
         }
-        for slot in self.live.slots() {
-            let n = self.nodes.get(slot as usize);
+        self.live.check(&self.nodes[..], self.nodes.len())?;
+        for slot in self.live.slots(&self.nodes[..]) {
             ensure!(
-                n.is_some_and(|n| n.owner == LIVE),
+                self.nodes[slot as usize].owner == LIVE,
                 "block table: the live map names slot {slot}, which is not live"
             );
             let addr = self.nodes[slot as usize].addr;
-            let found = self
-                .live
-                .get(addr, |s| self.nodes.get(s as usize).map_or(u64::MAX, |n| n.addr));
+            let found = self.live.get(&self.nodes[..], addr);
             ensure!(
                 found == Some(slot),
                 "block table: the live map finds {found:?} for {addr:#x}, the address of its slot {slot}"
