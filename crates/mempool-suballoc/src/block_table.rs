@@ -98,6 +98,11 @@ struct Node {
     lnext: u32,
     /// Live blocks: the next slot of the live map's chain (see [`ChainTable`]).
     hnext: u32,
+    /// A hint about the block before (`prev`): whenever that block is free, this is its list
+    /// (otherwise anything). So a free whose hint does not name its own list does not read the
+    /// block before, which cannot merge (TLSF's "previous free" bit: only the block after is read
+    /// on every free, and it is the one kept informed).
+    prev_owner: u32,
 }
 
 impl ChainSlots for [Node] {
@@ -439,6 +444,7 @@ impl BlockTable {
             lprev: NIL,
             lnext: NIL,
             hnext: CHAIN_END,
+            prev_owner: LIVE,
         });
         index.insert(&mut self.nodes, slot);
         slot
@@ -479,9 +485,13 @@ impl BlockTable {
                 lprev: NIL,
                 lnext: NIL,
                 hnext: CHAIN_END,
+                // The remainder before it is free in the list.
+                prev_owner: n.owner,
             });
             if n.next != NIL {
-                self.nodes[n.next as usize].prev = taken;
+                let after = &mut self.nodes[n.next as usize];
+                after.prev = taken;
+                after.prev_owner = LIVE;
             }
             self.nodes[slot as usize].next = taken;
             taken
@@ -535,8 +545,12 @@ impl BlockTable {
     #[inline]
     pub(crate) fn insert_free(&mut self, index: &mut SizeIndex, owner: u32, slot: u32) -> u32 {
         let mut slot = slot;
-        let Node { prev, next, .. } = self.nodes[slot as usize];
-        if prev != NIL && self.nodes[prev as usize].owner == owner {
+        let Node {
+            prev, next, prev_owner, ..
+        } = self.nodes[slot as usize];
+        // The block before is read only when its hint says it may be free in `owner` (see
+        // `Node::prev_owner`); the block after always, and told that its predecessor is now free.
+        if prev != NIL && prev_owner == owner && self.nodes[prev as usize].owner == owner {
             index.remove(&mut self.nodes, prev);
             let size = self.nodes[slot as usize].size;
             let p = &mut self.nodes[prev as usize];
@@ -548,16 +562,21 @@ impl BlockTable {
             self.vacate(slot);
             slot = prev;
         }
-        if next != NIL && self.nodes[next as usize].owner == owner {
-            index.remove(&mut self.nodes, next);
-            let Node { size, next: after, .. } = self.nodes[next as usize];
-            let n = &mut self.nodes[slot as usize];
-            n.size += size;
-            n.next = after;
-            if after != NIL {
-                self.nodes[after as usize].prev = slot;
+        if next != NIL {
+            if self.nodes[next as usize].owner == owner {
+                index.remove(&mut self.nodes, next);
+                let Node { size, next: after, .. } = self.nodes[next as usize];
+                let n = &mut self.nodes[slot as usize];
+                n.size += size;
+                n.next = after;
+                if after != NIL {
+                    // Its `prev_owner` already names `owner`: the block before it was free there.
+                    self.nodes[after as usize].prev = slot;
+                }
+                self.vacate(next);
+            } else {
+                self.nodes[next as usize].prev_owner = owner;
             }
-            self.vacate(next);
         }
         self.nodes[slot as usize].owner = owner;
         index.insert(&mut self.nodes, slot);
@@ -674,12 +693,19 @@ impl BlockTable {
                     );
                 }
             }
-            if n.next == NIL {
-                ensure!(
+            match n.next {
+                NIL => ensure!(
                     chunk_size(n.chunk).is_some_and(|size| n.addr + n.size == n.chunk + size),
                     "block table: {:?} ends its chain before its chunk ends",
                     n.block()
-                );
+                ),
+                // (The block after is checked to link back when its turn comes.)
+                a => ensure!(
+                    n.owner == LIVE || self.nodes.get(a as usize).is_some_and(|a| a.prev_owner == n.owner),
+                    "block table: {:?} is free in list {} but the block after it does not say so",
+                    n.block(),
+                    n.owner
+                ),
             }
         }
         Ok(())
