@@ -111,7 +111,7 @@ impl ChainSlots for [Node] {
         self[slot as usize].addr
     }
 
-    #[inline]
+    #[inline(always)]
     fn link(&self, slot: u32) -> u32 {
         self[slot as usize].hnext
     }
@@ -241,7 +241,7 @@ impl SizeIndex {
     }
 
     /// Takes `slot` out of its class (by its current size); does not uncount it.
-    #[inline]
+    #[inline(always)]
     fn unlink(&mut self, nodes: &mut [Node], slot: u32) {
         let Node { size, lprev, lnext, .. } = nodes[slot as usize];
         let c = class_of(size);

@@ -198,7 +198,8 @@ pub(crate) use engine_common;
 /// [`Error::OutOfMemory`] with [`OutOfMemoryCause::AddressSpace`] when the rounding overflows.
 #[inline]
 pub(crate) fn request_size(bytes: u64) -> Result<u64, Error> {
-    crate::types::align_up(bytes).ok_or(Error::OutOfMemory {
+    // `ok_or_else`: an eagerly built error would be dropped on every successful call.
+    crate::types::align_up(bytes).ok_or_else(|| Error::OutOfMemory {
         requested: bytes,
         cause: crate::error::OutOfMemoryCause::AddressSpace,
     })
