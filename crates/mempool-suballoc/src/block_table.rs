@@ -103,7 +103,13 @@ struct Node {
     /// block before, which cannot merge (TLSF's "previous free" bit: only the block after is read
     /// on every free, and it is the one kept informed).
     prev_owner: u32,
+    /// Free blocks: the size class whose list holds the block (`class_of(size)`, kept so that
+    /// taking the block out of its list does not compute it again).
+    class: u32,
 }
+
+// One cache line per node: a free or an allocation reads one line per block it touches.
+const _: () = assert!(std::mem::size_of::<Node>() == 64);
 
 impl ChainSlots for [Node] {
     #[inline]
@@ -111,7 +117,7 @@ impl ChainSlots for [Node] {
         self[slot as usize].addr
     }
 
-    #[inline(always)]
+    #[inline]
     fn link(&self, slot: u32) -> u32 {
         self[slot as usize].hnext
     }
@@ -224,14 +230,16 @@ impl SizeIndex {
     }
 
     /// Files `slot` at the head of its class; does not count it (see [`insert`](Self::insert)).
-    #[inline]
+    #[inline(always)]
     fn link(&mut self, nodes: &mut [Node], slot: u32) {
         if self.heads.is_empty() {
             self.heads = vec![NIL; CLASSES].into_boxed_slice();
         }
         let c = class_of(nodes[slot as usize].size);
         let head = self.heads[c];
-        nodes[slot as usize].lnext = head;
+        let node = &mut nodes[slot as usize];
+        node.lnext = head;
+        node.class = c as u32;
         if head != NIL {
             nodes[head as usize].lprev = slot;
         } else {
@@ -240,11 +248,13 @@ impl SizeIndex {
         self.heads[c] = slot;
     }
 
-    /// Takes `slot` out of its class (by its current size); does not uncount it.
+    /// Takes `slot` out of its class; does not uncount it.
     #[inline(always)]
     fn unlink(&mut self, nodes: &mut [Node], slot: u32) {
-        let Node { size, lprev, lnext, .. } = nodes[slot as usize];
-        let c = class_of(size);
+        let Node {
+            class, lprev, lnext, ..
+        } = nodes[slot as usize];
+        let c = class as usize;
         if self.heads[c] == slot {
             // The new head's `lprev` goes stale, which a head's may.
             self.heads[c] = lnext;
@@ -328,7 +338,10 @@ impl SizeIndex {
             while slot != NIL {
                 let n = nodes.get(slot as usize);
                 ensure!(
-                    n.is_some_and(|n| n.owner == owner && class_of(n.size) == c && (prev == NIL || n.lprev == prev)),
+                    n.is_some_and(|n| n.owner == owner
+                        && class_of(n.size) == c
+                        && n.class as usize == c
+                        && (prev == NIL || n.lprev == prev)),
                     "size index: slot {slot} is misfiled or mislinked in class {c} of list {owner}"
                 );
                 ensure!(count <= nodes.len(), "size index: class {c} of list {owner} loops");
@@ -445,6 +458,7 @@ impl BlockTable {
             lnext: NIL,
             hnext: CHAIN_END,
             prev_owner: LIVE,
+            class: 0,
         });
         index.insert(&mut self.nodes, slot);
         slot
@@ -466,7 +480,7 @@ impl BlockTable {
         } else {
             let rest = n.size - size;
             index.total -= size;
-            if class_of(rest) == class_of(n.size) {
+            if class_of(rest) == n.class as usize {
                 // Still in its class: the list stays as it is.
                 self.nodes[slot as usize].size = rest;
             } else {
@@ -487,6 +501,7 @@ impl BlockTable {
                 hnext: CHAIN_END,
                 // The remainder before it is free in the list.
                 prev_owner: n.owner,
+                class: 0,
             });
             if n.next != NIL {
                 let after = &mut self.nodes[n.next as usize];
