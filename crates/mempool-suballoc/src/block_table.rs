@@ -409,7 +409,7 @@ impl BlockTable {
     /// of the first non-empty class whose every block fits, else (before giving up) any block of
     /// the request's own class that fits (see [`SizeIndex`]). `None` only when no block of `index`
     /// holds `size` bytes.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, index: &SizeIndex, size: u64) -> Option<u32> {
         if index.is_empty() {
             return None;
@@ -467,7 +467,7 @@ impl BlockTable {
     /// Allocates `size` bytes (aligned, at most the block's size) from the high end of free block
     /// `slot` of `index`; the rest stays free in `index` at the same address (and in the same slot).
     /// The live block keeps `tag` (see [`tag`](Self::tag)).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64, tag: u32) -> Block {
         let n = self.nodes[slot as usize];
         debug_assert!(size <= n.size && n.owner != LIVE && n.owner != VACANT);
@@ -557,7 +557,7 @@ impl BlockTable {
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
     /// list `owner`, merging it with its neighbours that are free in the same list. Returns the slot
     /// of the merged free block.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert_free(&mut self, index: &mut SizeIndex, owner: u32, slot: u32) -> u32 {
         let mut slot = slot;
         let Node {
