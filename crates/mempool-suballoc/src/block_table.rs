@@ -4,19 +4,25 @@
 //! in address order, so a freed block finds the blocks it may coalesce with by following two links,
 //! not by looking up hash maps; only the live-allocation map (which `deallocate` needs anyway, to
 //! reject double frees and wrong sizes, and which gives the freed block's node) is hashed: a
-//! [`SlotTable`] of 8-byte entries, small enough to stay mostly in a core's L2 cache with ~100k live
-//! blocks. Each free list is a [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps,
-//! constant time at every size) whose lists are threaded through the nodes.
+//! [`ChainTable`] of 4-byte chain heads whose chains run through the live nodes themselves, small
+//! enough (256 KiB with ~100k live blocks) to stay mostly in a core's L2 cache. Each free list is a
+//! [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps, constant time at every size)
+//! whose lists are threaded through the nodes. Each node also carries a hint about the block before
+//! it (TLSF's "previous free" bit: [`Node::prev_owner`]) and its size class.
 //!
-//! What a free costs, in cache lines: the live map's entry, the block's node, its two address
-//! neighbours, and for each neighbour merged its two class-list neighbours; an allocation: the class
-//! head (whose node it splits), the node after it (relinked) and the live map's entry. A split whose
+//! What a free costs, in cache lines: the live map's bucket (usually cached), the block's node (and
+//! on average fewer than one other live node of the same chain, usually a recent one, so cached),
+//! the block after it, the block before it only when the hint says it may merge, and for each
+//! neighbour merged its two class-list neighbours (and, merging with the block after, the block
+//! after that, relinked); an allocation: the class head (whose node it splits), a vacant slot for
+//! the allocated block, the node after it (relinked) and the live map's bucket. A split whose
 //! remainder stays in its class (most splits of large blocks) touches no class list.
 //!
 //! This replaced, in turn, a design with per-list hash maps from block start and end (some eight
-//! hash lookups per operation, almost all of them cache misses with ~100k blocks) and one with
-//! exact size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map; see
-//! `crates/mempool-suballoc/benches/RESULTS-host.md`.
+//! hash lookups per operation, almost all of them cache misses with ~100k blocks), one with exact
+//! size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map, and one
+//! with an open-addressed live map of 8-byte entries (2 MiB with ~100k live blocks, about one
+//! more cache miss per free) and no hint; see `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
 use super::addr_map::{ChainSlots, ChainTable, CHAIN_END};
 use super::free_list::new_slot;
