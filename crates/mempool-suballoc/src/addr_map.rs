@@ -7,6 +7,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::error::{ensure, InvariantViolation};
+
 /// A hasher for `u64` addresses: a multiply folded so that the low bits (the bucket index) depend on
 /// every bit of the address, including when addresses are aligned to large powers of two.
 #[derive(Default, Clone, Copy)]
@@ -36,40 +38,53 @@ impl Hasher for AddrHasher {
 /// A map from block address to `V`.
 pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 
-/// A map from block address to the slot of a table that knows each slot's address: eight entries to a
-/// cache line, half the size of an [`AddrTable`] of slots, so that with ~100k live blocks the table
-/// (a few MiB as an `AddrTable`) mostly stays in a core's L2 cache. Each entry holds the slot and
-/// the top 32 bits of the address's hash (the fingerprint, which also gives the entry's home
-/// position); a lookup compares fingerprints and confirms a match with the slot's address, which the
-/// caller reads anyway. Open addressing with linear probing and backward-shift deletion, load at
-/// most one half.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SlotTable {
-    /// `fingerprint << 32 | (slot + 1)`; 0 marks an empty entry. Invariant: every entry is reachable
-    /// from its home position by probing forward without crossing an empty entry.
-    entries: Vec<u64>,
-    len: usize,
-    /// `log2(entries.len())` (at most 32).
-    bits: u32,
+/// The end of a chain of a [`ChainTable`].
+pub(crate) const CHAIN_END: u32 = u32::MAX;
+
+/// The slab a [`ChainTable`]'s chains run through: each slot in the table has an address (its key)
+/// and a link to the next slot of its chain.
+pub(crate) trait ChainSlots {
+    /// The address of `slot`.
+    fn key(&self, slot: u32) -> u64;
+    /// The slot after `slot` in its chain, or [`CHAIN_END`].
+    fn link(&self, slot: u32) -> u32;
+    /// Sets the slot after `slot` in its chain.
+    fn set_link(&mut self, slot: u32, next: u32);
 }
 
-impl SlotTable {
+/// A map from block address to the slot of a slab that stores each slot's address: a hash table of
+/// 4-byte chain heads whose chains are threaded through the slab itself (see [`ChainSlots`]).
+///
+/// The block table's live map: `deallocate` reads the freed block's slot anyway, so a chain costs
+/// one slab read per slot ahead of the one looked for (at most [`MAX_LOAD`](Self::MAX_LOAD) entries
+/// per bucket on average, so a successful lookup reads on average at most two slots) and the table
+/// itself is only the heads, 2 to 4 bytes per entry: with ~100k live blocks, 256 KiB, which mostly
+/// stays in a core's L2 cache where an open table of 8-byte entries at load one half (2 MiB) did
+/// not. Inserting writes the new slot's link, on the line the caller is writing anyway. The hash is
+/// a multiply of the address's granule number: addresses are ones the engine chose, so no flooding
+/// defence is needed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ChainTable {
+    /// Per bucket, the first slot of its chain or [`CHAIN_END`]; empty until the first insert, then
+    /// a power of two of at least [`MIN_CAPACITY`](Self::MIN_CAPACITY) buckets, at least one per
+    /// [`MAX_LOAD`](Self::MAX_LOAD) entries. Invariant: every entry sits in exactly one chain, that
+    /// of its address's bucket.
+    heads: Vec<u32>,
+    len: usize,
+    /// `64 - log2(heads.len())`: the hash's top bits pick the bucket.
+    shift: u32,
+}
+
+impl ChainTable {
     const MIN_CAPACITY: usize = 64;
-
-    /// The fingerprint of `addr`: the top 32 bits of a multiplicative hash of its granule number.
-    #[inline]
-    fn fingerprint(addr: u64) -> u32 {
-        ((addr >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
-    }
+    /// Entries per bucket at most. Measured on the standard workload's small and mid points
+    /// (`benches/RESULTS-host.md`): 2 misses a 2 MiB cache less often than 1 (a smaller table
+    /// against longer chains) and than 4.
+    const MAX_LOAD: usize = 2;
 
     #[inline]
-    fn home(&self, fp: u32) -> usize {
-        (u64::from(fp) >> (32 - self.bits)) as usize
-    }
-
-    #[inline]
-    fn mask(&self) -> usize {
-        self.entries.len() - 1
+    fn bucket(&self, addr: u64) -> usize {
+        ((addr >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
 
     /// Number of entries.
@@ -78,113 +93,129 @@ impl SlotTable {
         self.len
     }
 
-    /// Maps `addr` (not present; `addr_of(slot) == addr`) to `slot` (below `u32::MAX`).
+    /// Maps `addr` (not present; `slots.key(slot) == addr`) to `slot` (below [`CHAIN_END`]);
+    /// overwrites `slot`'s link.
     #[inline]
-    pub(crate) fn insert(&mut self, addr: u64, slot: u32) {
-        debug_assert!(slot < u32::MAX);
-        if (self.len + 1) * 2 > self.entries.len() {
-            self.grow();
+    pub(crate) fn insert(&mut self, slots: &mut (impl ChainSlots + ?Sized), addr: u64, slot: u32) {
+        debug_assert!(slot != CHAIN_END);
+        if self.len >= Self::MAX_LOAD * self.heads.len() {
+            self.grow(slots);
         }
-        let fp = Self::fingerprint(addr);
-        self.place(u64::from(fp) << 32 | (u64::from(slot) + 1));
+        let b = self.bucket(addr);
+        slots.set_link(slot, self.heads[b]);
+        self.heads[b] = slot;
         self.len += 1;
-    }
-
-    #[inline]
-    fn place(&mut self, entry: u64) {
-        let mask = self.mask();
-        let mut i = self.home((entry >> 32) as u32);
-        while self.entries[i] != 0 {
-            i = (i + 1) & mask;
-        }
-        self.entries[i] = entry;
-    }
-
-    /// The position of `addr`'s entry; `addr_of` gives a slot's address.
-    #[inline]
-    fn find(&self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<usize> {
-        if self.len == 0 {
-            return None;
-        }
-        let fp = Self::fingerprint(addr);
-        let mask = self.mask();
-        let mut i = self.home(fp);
-        loop {
-            let e = self.entries[i];
-            if e == 0 {
-                return None;
-            }
-            if (e >> 32) as u32 == fp && addr_of((e as u32).wrapping_sub(1)) == addr {
-                return Some(i);
-            }
-            i = (i + 1) & mask;
-        }
     }
 
     /// The slot of `addr`.
     #[inline]
-    pub(crate) fn get(&self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<u32> {
-        self.find(addr, addr_of)
-            .map(|i| (self.entries[i] as u32).wrapping_sub(1))
-    }
-
-    /// Removes `addr`, returning its slot.
-    #[cfg(test)]
-    pub(crate) fn remove(&mut self, addr: u64, addr_of: impl Fn(u32) -> u64) -> Option<u32> {
-        self.remove_if(addr, addr_of, |_| true)
-    }
-
-    /// Removes `addr` if `keep_out(slot)` says so, returning its slot; `None` (changing nothing)
-    /// when `addr` is absent or `keep_out` refuses.
-    #[inline]
-    pub(crate) fn remove_if(
-        &mut self,
-        addr: u64,
-        addr_of: impl Fn(u32) -> u64,
-        keep_out: impl FnOnce(u32) -> bool,
-    ) -> Option<u32> {
-        let mut hole = self.find(addr, addr_of)?;
-        let slot = (self.entries[hole] as u32).wrapping_sub(1);
-        if !keep_out(slot) {
+    pub(crate) fn get(&self, slots: &(impl ChainSlots + ?Sized), addr: u64) -> Option<u32> {
+        if self.len == 0 {
             return None;
         }
-        self.len -= 1;
-        let mask = self.mask();
-        let mut i = hole;
-        loop {
-            i = (i + 1) & mask;
-            let e = self.entries[i];
-            if e == 0 {
-                break;
+        let mut slot = self.heads[self.bucket(addr)];
+        while slot != CHAIN_END {
+            if slots.key(slot) == addr {
+                return Some(slot);
             }
-            let home = self.home((e >> 32) as u32);
-            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
-                self.entries[hole] = e;
-                hole = i;
-            }
+            slot = slots.link(slot);
         }
-        self.entries[hole] = 0;
-        Some(slot)
+        None
+    }
+
+    /// Removes `addr` if `keep_out(slots, slot)` says so, returning its slot; `None` (changing
+    /// nothing) when `addr` is absent or `keep_out` refuses. The removed slot's link is left as it
+    /// was.
+    #[inline]
+    pub(crate) fn remove_if<S: ChainSlots + ?Sized>(
+        &mut self,
+        slots: &mut S,
+        addr: u64,
+        keep_out: impl FnOnce(&S, u32) -> bool,
+    ) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let b = self.bucket(addr);
+        let (mut before, mut slot) = (CHAIN_END, self.heads[b]);
+        while slot != CHAIN_END {
+            if slots.key(slot) == addr {
+                if !keep_out(slots, slot) {
+                    return None;
+                }
+                let after = slots.link(slot);
+                if before == CHAIN_END {
+                    self.heads[b] = after;
+                } else {
+                    slots.set_link(before, after);
+                }
+                self.len -= 1;
+                return Some(slot);
+            }
+            before = slot;
+            slot = slots.link(slot);
+        }
+        None
     }
 
     /// Every slot, in no particular order.
-    pub(crate) fn slots(&self) -> impl Iterator<Item = u32> + '_ {
-        self.entries
-            .iter()
-            .filter(|&&e| e != 0)
-            .map(|&e| (e as u32).wrapping_sub(1))
+    pub(crate) fn slots<'a, S: ChainSlots + ?Sized>(&'a self, slots: &'a S) -> impl Iterator<Item = u32> + 'a {
+        self.heads.iter().flat_map(move |&head| {
+            let mut slot = head;
+            std::iter::from_fn(move || {
+                (slot != CHAIN_END).then(|| {
+                    let s = slot;
+                    slot = slots.link(s);
+                    s
+                })
+            })
+        })
     }
 
+    /// Checks that every chain holds only slots whose address hashes to its bucket, that the chains
+    /// hold `len` slots in all and that none loops (`limit`: the number of slots in the slab).
+    pub(crate) fn check(&self, slots: &(impl ChainSlots + ?Sized), limit: usize) -> Result<(), InvariantViolation> {
+        let mut count = 0usize;
+        for (b, &head) in self.heads.iter().enumerate() {
+            let mut slot = head;
+            while slot != CHAIN_END {
+                ensure!(
+                    (slot as usize) < limit && count < limit,
+                    "live map: bucket {b}'s chain leaves the slab or loops at slot {slot}"
+                );
+                ensure!(
+                    self.bucket(slots.key(slot)) == b,
+                    "live map: slot {slot} ({:#x}) is chained in bucket {b}, not its own",
+                    slots.key(slot)
+                );
+                count += 1;
+                slot = slots.link(slot);
+            }
+        }
+        ensure!(
+            count == self.len && (self.heads.is_empty() || self.len <= Self::MAX_LOAD * self.heads.len()),
+            "live map: counts {} entries, its chains hold {count} in {} buckets",
+            self.len,
+            self.heads.len()
+        );
+        Ok(())
+    }
+
+    /// Doubles the buckets (to [`MIN_CAPACITY`](Self::MIN_CAPACITY) the first time) and rechains
+    /// every entry.
     #[cold]
-    fn grow(&mut self) {
-        let capacity = (self.entries.len() * 2).max(Self::MIN_CAPACITY);
-        // A u32 fingerprint gives the home position of tables up to 2^32 entries: 2^31 live blocks,
-        // more than a slab indexed by u32 holds.
-        let old = std::mem::replace(&mut self.entries, vec![0; capacity]);
-        self.bits = capacity.trailing_zeros();
-        for e in old {
-            if e != 0 {
-                self.place(e);
+    fn grow(&mut self, slots: &mut (impl ChainSlots + ?Sized)) {
+        let capacity = (self.heads.len() * 2).max(Self::MIN_CAPACITY);
+        let old = std::mem::replace(&mut self.heads, vec![CHAIN_END; capacity]);
+        self.shift = 64 - capacity.trailing_zeros();
+        for head in old {
+            let mut slot = head;
+            while slot != CHAIN_END {
+                let next = slots.link(slot);
+                let b = self.bucket(slots.key(slot));
+                slots.set_link(slot, self.heads[b]);
+                self.heads[b] = slot;
+                slot = next;
             }
         }
     }
@@ -339,29 +370,72 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::HashMap;
 
+    /// `(address, link)` per slot.
+    struct Slab(Vec<(u64, u32)>);
+
+    impl ChainSlots for Slab {
+        fn key(&self, slot: u32) -> u64 {
+            self.0[slot as usize].0
+        }
+        fn link(&self, slot: u32) -> u32 {
+            self.0[slot as usize].1
+        }
+        fn set_link(&mut self, slot: u32, next: u32) {
+            self.0[slot as usize].1 = next;
+        }
+    }
+
+    #[test]
+    fn chain_table_check_finds_a_misfiled_slot() {
+        let mut slab = Slab(Vec::new());
+        let mut t = ChainTable::default();
+        for k in 1..=100u64 {
+            slab.0.push((k << 8, CHAIN_END));
+            t.insert(&mut slab, k << 8, (k - 1) as u32);
+        }
+        assert!(t.check(&slab, slab.0.len()).is_ok());
+        // Moving a slot's address makes it hash elsewhere (for some of the 100 addresses).
+        let moved = (0..100).find(|&s| t.bucket(slab.0[s].0) != t.bucket(slab.0[s].0 + (1 << 20)));
+        slab.0[moved.unwrap()].0 += 1 << 20;
+        assert!(t.check(&slab, slab.0.len()).is_err());
+    }
+
     proptest! {
         #[test]
-        fn slot_table_agrees_with_a_hash_map(ops in prop::collection::vec((any::<bool>(), 1u64..400), 1..2000)) {
-            // Slot k holds address `addrs[k]`, as the block table's nodes do.
-            let mut addrs: Vec<u64> = Vec::new();
-            let mut t = SlotTable::default();
+        fn chain_table_agrees_with_a_hash_map(ops in prop::collection::vec((0u8..4, 1u64..400), 1..2000)) {
+            // Slot k holds address `slab[k].0` and its chain link `slab[k].1`, as the block table's
+            // nodes do; removed slots keep their address, so stale slots are in the slab too.
+            let mut slab = Slab(Vec::new());
+            let mut t = ChainTable::default();
             let mut reference: HashMap<u64, u32> = HashMap::new();
-            for (insert, key) in ops {
+            for (op, key) in ops {
                 let addr = key << 8;
-                if insert && !reference.contains_key(&addr) {
-                    let slot = addrs.len() as u32;
-                    addrs.push(addr);
-                    t.insert(addr, slot);
-                    reference.insert(addr, slot);
-                } else {
-                    prop_assert_eq!(t.remove(addr, |s| addrs[s as usize]), reference.remove(&addr));
+                match op {
+                    0 | 1 if !reference.contains_key(&addr) => {
+                        let slot = slab.0.len() as u32;
+                        slab.0.push((addr, 7));
+                        t.insert(&mut slab, addr, slot);
+                        reference.insert(addr, slot);
+                    }
+                    2 => {
+                        // A refusal changes nothing.
+                        prop_assert_eq!(t.remove_if(&mut slab, addr, |_, _| false), None);
+                        prop_assert_eq!(t.get(&slab, addr), reference.get(&addr).copied());
+                    }
+                    _ => {
+                        let removed = t.remove_if(&mut slab, addr, |s, slot| s.key(slot) == addr);
+                        prop_assert_eq!(removed, reference.remove(&addr));
+                    }
                 }
                 prop_assert_eq!(t.len(), reference.len());
+                let checked = t.check(&slab, slab.0.len());
+                prop_assert!(checked.is_ok(), "{checked:?}");
             }
             for (&a, &s) in &reference {
-                prop_assert_eq!(t.get(a, |s| addrs[s as usize]), Some(s));
+                prop_assert_eq!(t.get(&slab, a), Some(s));
             }
-            let mut all: Vec<u32> = t.slots().collect();
+            prop_assert_eq!(t.get(&slab, 401 << 8), None);
+            let mut all: Vec<u32> = t.slots(&slab).collect();
             all.sort_unstable();
             let mut expected: Vec<u32> = reference.into_values().collect();
             expected.sort_unstable();

@@ -4,21 +4,27 @@
 //! in address order, so a freed block finds the blocks it may coalesce with by following two links,
 //! not by looking up hash maps; only the live-allocation map (which `deallocate` needs anyway, to
 //! reject double frees and wrong sizes, and which gives the freed block's node) is hashed: a
-//! [`SlotTable`] of 8-byte entries, small enough to stay mostly in a core's L2 cache with ~100k live
-//! blocks. Each free list is a [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps,
-//! constant time at every size) whose lists are threaded through the nodes.
+//! [`ChainTable`] of 4-byte chain heads whose chains run through the live nodes themselves, small
+//! enough (256 KiB with ~100k live blocks) to stay mostly in a core's L2 cache. Each free list is a
+//! [`SizeIndex`] over the same slab: TLSF classes (two-level bitmaps, constant time at every size)
+//! whose lists are threaded through the nodes. Each node also carries a hint about the block before
+//! it (TLSF's "previous free" bit: [`Node::prev_owner`]) and its size class.
 //!
-//! What a free costs, in cache lines: the live map's entry, the block's node, its two address
-//! neighbours, and for each neighbour merged its two class-list neighbours; an allocation: the class
-//! head (whose node it splits), the node after it (relinked) and the live map's entry. A split whose
+//! What a free costs, in cache lines: the live map's bucket (usually cached), the block's node (and
+//! on average fewer than one other live node of the same chain, usually a recent one, so cached),
+//! the block after it, the block before it only when the hint says it may merge, and for each
+//! neighbour merged its two class-list neighbours (and, merging with the block after, the block
+//! after that, relinked); an allocation: the class head (whose node it splits), a vacant slot for
+//! the allocated block, the node after it (relinked) and the live map's bucket. A split whose
 //! remainder stays in its class (most splits of large blocks) touches no class list.
 //!
 //! This replaced, in turn, a design with per-list hash maps from block start and end (some eight
-//! hash lookups per operation, almost all of them cache misses with ~100k blocks) and one with
-//! exact size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map; see
-//! `crates/mempool-suballoc/benches/RESULTS-host.md`.
+//! hash lookups per operation, almost all of them cache misses with ~100k blocks), one with exact
+//! size classes as stacks below 1 MiB, an ordered set above and a 16-byte-entry live map, and one
+//! with an open-addressed live map of 8-byte entries (2 MiB with ~100k live blocks, about one
+//! more cache miss per free) and no hint; see `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
-use super::addr_map::SlotTable;
+use super::addr_map::{ChainSlots, ChainTable, CHAIN_END};
 use super::free_list::new_slot;
 use crate::error::{ensure, InvariantViolation};
 use crate::free_list::Block;
@@ -96,6 +102,36 @@ struct Node {
     /// node).
     lprev: u32,
     lnext: u32,
+    /// Live blocks: the next slot of the live map's chain (see [`ChainTable`]).
+    hnext: u32,
+    /// A hint about the block before (`prev`): whenever that block is free, this is its list
+    /// (otherwise anything). So a free whose hint does not name its own list does not read the
+    /// block before, which cannot merge (TLSF's "previous free" bit: only the block after is read
+    /// on every free, and it is the one kept informed).
+    prev_owner: u32,
+    /// Free blocks: the size class whose list holds the block (`class_of(size)`, kept so that
+    /// taking the block out of its list does not compute it again).
+    class: u32,
+}
+
+// One cache line per node: a free or an allocation reads one line per block it touches.
+const _: () = assert!(std::mem::size_of::<Node>() == 64);
+
+impl ChainSlots for [Node] {
+    #[inline]
+    fn key(&self, slot: u32) -> u64 {
+        self[slot as usize].addr
+    }
+
+    #[inline]
+    fn link(&self, slot: u32) -> u32 {
+        self[slot as usize].hnext
+    }
+
+    #[inline]
+    fn set_link(&mut self, slot: u32, next: u32) {
+        self[slot as usize].hnext = next;
+    }
 }
 
 impl Node {
@@ -200,14 +236,16 @@ impl SizeIndex {
     }
 
     /// Files `slot` at the head of its class; does not count it (see [`insert`](Self::insert)).
-    #[inline]
+    #[inline(always)]
     fn link(&mut self, nodes: &mut [Node], slot: u32) {
         if self.heads.is_empty() {
             self.heads = vec![NIL; CLASSES].into_boxed_slice();
         }
         let c = class_of(nodes[slot as usize].size);
         let head = self.heads[c];
-        nodes[slot as usize].lnext = head;
+        let node = &mut nodes[slot as usize];
+        node.lnext = head;
+        node.class = c as u32;
         if head != NIL {
             nodes[head as usize].lprev = slot;
         } else {
@@ -216,11 +254,13 @@ impl SizeIndex {
         self.heads[c] = slot;
     }
 
-    /// Takes `slot` out of its class (by its current size); does not uncount it.
-    #[inline]
+    /// Takes `slot` out of its class; does not uncount it.
+    #[inline(always)]
     fn unlink(&mut self, nodes: &mut [Node], slot: u32) {
-        let Node { size, lprev, lnext, .. } = nodes[slot as usize];
-        let c = class_of(size);
+        let Node {
+            class, lprev, lnext, ..
+        } = nodes[slot as usize];
+        let c = class as usize;
         if self.heads[c] == slot {
             // The new head's `lprev` goes stale, which a head's may.
             self.heads[c] = lnext;
@@ -304,7 +344,10 @@ impl SizeIndex {
             while slot != NIL {
                 let n = nodes.get(slot as usize);
                 ensure!(
-                    n.is_some_and(|n| n.owner == owner && class_of(n.size) == c && (prev == NIL || n.lprev == prev)),
+                    n.is_some_and(|n| n.owner == owner
+                        && class_of(n.size) == c
+                        && n.class as usize == c
+                        && (prev == NIL || n.lprev == prev)),
                     "size index: slot {slot} is misfiled or mislinked in class {c} of list {owner}"
                 );
                 ensure!(count <= nodes.len(), "size index: class {c} of list {owner} loops");
@@ -346,8 +389,8 @@ pub(crate) struct BlockTable {
     /// have been merged); a node is in exactly one of `vacant`, `live` and a size index.
     nodes: Vec<Node>,
     vacant: Vec<u32>,
-    /// Live allocations: address -> slot.
-    live: SlotTable,
+    /// Live allocations: address -> slot, chained through the live nodes' `hnext`.
+    live: ChainTable,
 }
 
 impl BlockTable {
@@ -372,7 +415,7 @@ impl BlockTable {
     /// of the first non-empty class whose every block fits, else (before giving up) any block of
     /// the request's own class that fits (see [`SizeIndex`]). `None` only when no block of `index`
     /// holds `size` bytes.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, index: &SizeIndex, size: u64) -> Option<u32> {
         if index.is_empty() {
             return None;
@@ -419,6 +462,9 @@ impl BlockTable {
             tag: 0,
             lprev: NIL,
             lnext: NIL,
+            hnext: CHAIN_END,
+            prev_owner: LIVE,
+            class: 0,
         });
         index.insert(&mut self.nodes, slot);
         slot
@@ -427,7 +473,7 @@ impl BlockTable {
     /// Allocates `size` bytes (aligned, at most the block's size) from the high end of free block
     /// `slot` of `index`; the rest stays free in `index` at the same address (and in the same slot).
     /// The live block keeps `tag` (see [`tag`](Self::tag)).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn allocate_from(&mut self, index: &mut SizeIndex, slot: u32, size: u64, tag: u32) -> Block {
         let n = self.nodes[slot as usize];
         debug_assert!(size <= n.size && n.owner != LIVE && n.owner != VACANT);
@@ -440,7 +486,7 @@ impl BlockTable {
         } else {
             let rest = n.size - size;
             index.total -= size;
-            if class_of(rest) == class_of(n.size) {
+            if class_of(rest) == n.class as usize {
                 // Still in its class: the list stays as it is.
                 self.nodes[slot as usize].size = rest;
             } else {
@@ -458,25 +504,30 @@ impl BlockTable {
                 tag,
                 lprev: NIL,
                 lnext: NIL,
+                hnext: CHAIN_END,
+                // The remainder before it is free in the list.
+                prev_owner: n.owner,
+                class: 0,
             });
             if n.next != NIL {
-                self.nodes[n.next as usize].prev = taken;
+                let after = &mut self.nodes[n.next as usize];
+                after.prev = taken;
+                after.prev_owner = LIVE;
             }
             self.nodes[slot as usize].next = taken;
             taken
         };
         let b = self.nodes[taken as usize].block();
-        self.live.insert(b.addr, taken);
+        self.live.insert(&mut self.nodes[..], b.addr, taken);
         b
     }
 
     /// The slot of the live allocation of `size` bytes at `addr`, if there is one.
     #[inline]
     pub(crate) fn live_slot(&self, addr: u64, size: u64) -> Option<u32> {
-        let nodes = &self.nodes;
         self.live
-            .get(addr, |s| nodes[s as usize].addr)
-            .filter(|&slot| nodes[slot as usize].size == size)
+            .get(&self.nodes[..], addr)
+            .filter(|&slot| self.nodes[slot as usize].size == size)
     }
 
     /// The tag a live block was allocated with.
@@ -505,19 +556,22 @@ impl BlockTable {
     /// `None` (changing nothing) when there is no such allocation.
     #[inline]
     pub(crate) fn take_live(&mut self, addr: u64, size: u64) -> Option<u32> {
-        let nodes = &self.nodes;
         self.live
-            .remove_if(addr, |s| nodes[s as usize].addr, |s| nodes[s as usize].size == size)
+            .remove_if(&mut self.nodes[..], addr, |nodes, s| nodes[s as usize].size == size)
     }
 
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
     /// list `owner`, merging it with its neighbours that are free in the same list. Returns the slot
     /// of the merged free block.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert_free(&mut self, index: &mut SizeIndex, owner: u32, slot: u32) -> u32 {
         let mut slot = slot;
-        let Node { prev, next, .. } = self.nodes[slot as usize];
-        if prev != NIL && self.nodes[prev as usize].owner == owner {
+        let Node {
+            prev, next, prev_owner, ..
+        } = self.nodes[slot as usize];
+        // The block before is read only when its hint says it may be free in `owner` (see
+        // `Node::prev_owner`); the block after always, and told that its predecessor is now free.
+        if prev != NIL && prev_owner == owner && self.nodes[prev as usize].owner == owner {
             index.remove(&mut self.nodes, prev);
             let size = self.nodes[slot as usize].size;
             let p = &mut self.nodes[prev as usize];
@@ -529,16 +583,21 @@ impl BlockTable {
             self.vacate(slot);
             slot = prev;
         }
-        if next != NIL && self.nodes[next as usize].owner == owner {
-            index.remove(&mut self.nodes, next);
-            let Node { size, next: after, .. } = self.nodes[next as usize];
-            let n = &mut self.nodes[slot as usize];
-            n.size += size;
-            n.next = after;
-            if after != NIL {
-                self.nodes[after as usize].prev = slot;
+        if next != NIL {
+            if self.nodes[next as usize].owner == owner {
+                index.remove(&mut self.nodes, next);
+                let Node { size, next: after, .. } = self.nodes[next as usize];
+                let n = &mut self.nodes[slot as usize];
+                n.size += size;
+                n.next = after;
+                if after != NIL {
+                    // Its `prev_owner` already names `owner`: the block before it was free there.
+                    self.nodes[after as usize].prev = slot;
+                }
+                self.vacate(next);
+            } else {
+                self.nodes[next as usize].prev_owner = owner;
             }
-            self.vacate(next);
         }
         self.nodes[slot as usize].owner = owner;
         index.insert(&mut self.nodes, slot);
@@ -581,7 +640,7 @@ impl BlockTable {
 
     /// The live allocations.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.slots().map(|s| self.nodes[s as usize].block())
+        self.live.slots(&self.nodes[..]).map(|s| self.nodes[s as usize].block())
     }
 
     /// Forgets every block.
@@ -601,16 +660,14 @@ impl BlockTable {
             index.check(&self.nodes, owner)?;
             free += index.len();
         }
-        for slot in self.live.slots() {
-            let n = self.nodes.get(slot as usize);
+        self.live.check(&self.nodes[..], self.nodes.len())?;
+        for slot in self.live.slots(&self.nodes[..]) {
             ensure!(
-                n.is_some_and(|n| n.owner == LIVE),
+                self.nodes[slot as usize].owner == LIVE,
                 "block table: the live map names slot {slot}, which is not live"
             );
             let addr = self.nodes[slot as usize].addr;
-            let found = self
-                .live
-                .get(addr, |s| self.nodes.get(s as usize).map_or(u64::MAX, |n| n.addr));
+            let found = self.live.get(&self.nodes[..], addr);
             ensure!(
                 found == Some(slot),
                 "block table: the live map finds {found:?} for {addr:#x}, the address of its slot {slot}"
@@ -657,12 +714,19 @@ impl BlockTable {
                     );
                 }
             }
-            if n.next == NIL {
-                ensure!(
+            match n.next {
+                NIL => ensure!(
                     chunk_size(n.chunk).is_some_and(|size| n.addr + n.size == n.chunk + size),
                     "block table: {:?} ends its chain before its chunk ends",
                     n.block()
-                );
+                ),
+                // (The block after is checked to link back when its turn comes.)
+                a => ensure!(
+                    n.owner == LIVE || self.nodes.get(a as usize).is_some_and(|a| a.prev_owner == n.owner),
+                    "block table: {:?} is free in list {} but the block after it does not say so",
+                    n.block(),
+                    n.owner
+                ),
             }
         }
         Ok(())

@@ -195,10 +195,13 @@ macro_rules! engine_common {
 pub(crate) use engine_common;
 
 /// `bytes` rounded up to [`ALIGNMENT`](crate::types::ALIGNMENT), the size an engine serves for a request, or
-/// [`Error::OutOfMemory`] with [`OutOfMemoryCause::AddressSpace`] when the rounding overflows.
+/// [`Error::OutOfMemory`] with
+/// [`OutOfMemoryCause::AddressSpace`](crate::error::OutOfMemoryCause::AddressSpace) when the rounding
+/// overflows.
 #[inline]
 pub(crate) fn request_size(bytes: u64) -> Result<u64, Error> {
-    crate::types::align_up(bytes).ok_or(Error::OutOfMemory {
+    // `ok_or_else`: an eagerly built error would be dropped on every successful call.
+    crate::types::align_up(bytes).ok_or_else(|| Error::OutOfMemory {
         requested: bytes,
         cause: crate::error::OutOfMemoryCause::AddressSpace,
     })
