@@ -34,7 +34,8 @@ typedef enum mempool_status {
   MEMPOOL_ERROR_INVALID_DEALLOCATION = 7, /* a free that matched no live allocation */
   MEMPOOL_ERROR_DRIVER = 8,               /* another driver call failed; the message names it */
   MEMPOOL_ERROR_PANIC = 9,                /* a bug in mempool, caught at the boundary */
-  MEMPOOL_ERROR_OTHER = 10
+  MEMPOOL_ERROR_OTHER = 10,
+  MEMPOOL_ERROR_PEER_ACCESS = 11          /* a device cannot access the other's memory (no peer capability) */
 } mempool_status_t;
 
 /* A counted reference to a resource, which knows the device the resource allocates on. Every handle a

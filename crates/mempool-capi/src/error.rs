@@ -69,6 +69,9 @@ pub enum Status {
     Panic = 9,
     /// Anything else (log I/O, ...).
     Other = 10,
+    /// A peer-access grant the driver would refuse: a device without peer capability to the other,
+    /// or the owning device's own access; the message names both devices.
+    PeerAccess = 11,
 }
 
 impl Status {
@@ -92,6 +95,7 @@ impl Status {
                 | C::HandleTypeNotSupported { .. }
                 | C::VmmHandleTypeNotSupported { .. } => Status::Unsupported,
                 C::InvalidArgument(_) => Status::InvalidArgument,
+                C::PeerAccess { .. } => Status::PeerAccess,
                 _ => Status::Driver,
             },
             Error::Rmm(_) => Status::Other,
@@ -112,6 +116,7 @@ impl Status {
             Status::Driver => "MEMPOOL_ERROR_DRIVER",
             Status::Panic => "MEMPOOL_ERROR_PANIC",
             Status::Other => "MEMPOOL_ERROR_OTHER",
+            Status::PeerAccess => "MEMPOOL_ERROR_PEER_ACCESS",
         }
     }
 }
@@ -207,5 +212,18 @@ mod tests {
             Status::of(&Error::from(mempool_core::Error::DriverNotFound)),
             Status::DriverNotFound
         );
+    }
+
+    #[test]
+    fn a_refused_peer_grant_has_its_own_status_naming_both_devices() {
+        let e = Error::from(mempool_core::Error::PeerAccess {
+            owner: 0,
+            peer: 1,
+            reason: mempool_core::PeerRefusal::NoPeerCapability,
+        });
+        assert_eq!(Status::of(&e), Status::PeerAccess);
+        assert_eq!(Status::PeerAccess.name(), "MEMPOOL_ERROR_PEER_ACCESS");
+        let text = e.to_string();
+        assert!(text.contains("device 1") && text.contains("device 0"), "{text}");
     }
 }

@@ -154,6 +154,7 @@ pub extern "C" fn mempool_status_name(status: c_int) -> *const c_char {
         (Status::Driver, c"MEMPOOL_ERROR_DRIVER"),
         (Status::Panic, c"MEMPOOL_ERROR_PANIC"),
         (Status::Other, c"MEMPOOL_ERROR_OTHER"),
+        (Status::PeerAccess, c"MEMPOOL_ERROR_PEER_ACCESS"),
     ];
     all.iter()
         .find(|(s, _)| *s as c_int == status)

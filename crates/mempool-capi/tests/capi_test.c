@@ -21,6 +21,7 @@ static int failures = 0;
 static void common(void) {
   mempool_resource_t* r = (mempool_resource_t*)0x1;
   CHECK(strcmp(mempool_status_name(MEMPOOL_ERROR_OUT_OF_MEMORY), "MEMPOOL_ERROR_OUT_OF_MEMORY") == 0, "name");
+  CHECK(strcmp(mempool_status_name(MEMPOOL_ERROR_PEER_ACCESS), "MEMPOOL_ERROR_PEER_ACCESS") == 0, "peer access name");
   CHECK(strcmp(mempool_status_name(12345), "MEMPOOL_UNKNOWN_STATUS") == 0, "unknown status");
   /* NULL arguments are refused, never dereferenced. */
   CHECK(mempool_pool_resource_create(NULL, 0, 0, 0, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null upstream");

@@ -7,8 +7,8 @@ use pyo3::types::PyType;
 
 use mempool_capi::{Error, Status};
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 8] = [const { PyOnceLock::new() }; 8];
-const NAMES: [&str; 8] = [
+static CLASSES: [PyOnceLock<Py<PyType>>; 9] = [const { PyOnceLock::new() }; 9];
+const NAMES: [&str; 9] = [
     "MempoolError",
     "DriverNotFoundError",
     "DriverTooOldError",
@@ -17,6 +17,7 @@ const NAMES: [&str; 8] = [
     "UnsupportedError",
     "InvalidDeallocationError",
     "DriverError",
+    "PeerAccessError",
 ];
 
 fn class(py: Python<'_>, status: Status) -> PyResult<&Bound<'_, PyType>> {
@@ -28,6 +29,7 @@ fn class(py: Python<'_>, status: Status) -> PyResult<&Bound<'_, PyType>> {
         Status::Unsupported => 5,
         Status::InvalidDeallocation => 6,
         Status::Driver => 7,
+        Status::PeerAccess => 8,
         _ => 0,
     };
     CLASSES[i].import(py, "mempool._errors", NAMES[i])

@@ -25,7 +25,13 @@ def test_imports_without_a_gpu():
 def test_exception_hierarchy():
     assert issubclass(mempool.OutOfMemoryError, MemoryError)
     assert issubclass(mempool.OutOfMemoryError, mempool.MempoolError)
-    for e in (mempool.DriverNotFoundError, mempool.NoDeviceError, mempool.UnsupportedError, mempool.DriverError):
+    for e in (
+        mempool.DriverNotFoundError,
+        mempool.NoDeviceError,
+        mempool.UnsupportedError,
+        mempool.DriverError,
+        mempool.PeerAccessError,
+    ):
         assert issubclass(e, mempool.MempoolError) and issubclass(e, RuntimeError)
 
 

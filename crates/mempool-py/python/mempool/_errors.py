@@ -34,6 +34,11 @@ class DriverError(MempoolError):
     """Another driver call failed; the message names the call and the CUDA error."""
 
 
+class PeerAccessError(MempoolError):
+    """A device cannot be given access to another's memory: no peer capability between the two (as
+    ``cuDeviceCanAccessPeer`` reports), or the owning device's own access; the message names both."""
+
+
 class IpcError(MempoolError):
     """Sharing buffers between processes (``mempool.ipc``) failed; the base of the errors below, and the
     class of the rest (a socket path that cannot be used, a buffer shared twice with one importer, ...)."""
