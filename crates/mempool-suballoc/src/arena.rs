@@ -67,7 +67,10 @@ struct StreamArena<S> {
 ///   no other stream touches them, so no event is needed to reuse them. The blocks of every arena
 ///   sit in one table linked in address order within their superblock (as the pool's do), so a
 ///   free finds its neighbours, its arena and whether its superblock became empty without a hash
-///   lookup beyond the one for the live allocation.
+///   lookup beyond the one for the live allocation (which also takes it out of the live map). No
+///   map of superblocks is kept: a block's arena is its free list's number or, live, its tag, and
+///   the superblocks are the table's chunks, so moving a superblock between an arena and the
+///   global arena touches no hash map beyond the global arena's own live map.
 /// - A superblock whose last block is freed goes back to the global arena (one empty superblock per
 ///   arena is kept), where the pool's event rule hands it to other streams; large requests go
 ///   straight to the global arena under the same rule.
