@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 
-use super::addr_map::AddrMap;
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::check_balance;
 use crate::engine::Engine;
@@ -68,7 +67,10 @@ struct StreamArena<S> {
 ///   no other stream touches them, so no event is needed to reuse them. The blocks of every arena
 ///   sit in one table linked in address order within their superblock (as the pool's do), so a
 ///   free finds its neighbours, its arena and whether its superblock became empty without a hash
-///   lookup beyond the one for the live allocation.
+///   lookup beyond the one for the live allocation (which also takes it out of the live map). No
+///   map of superblocks is kept: a block's arena is its free list's number or, live, its tag, and
+///   the superblocks are the table's chunks, so moving a superblock between an arena and the
+///   global arena touches no hash map beyond the global arena's own live map.
 /// - A superblock whose last block is freed goes back to the global arena (one empty superblock per
 ///   arena is kept), where the pool's event rule hands it to other streams; large requests go
 ///   straight to the global arena under the same rule.
@@ -105,19 +107,21 @@ where
     /// Largest request served by a per-stream arena: `superblock_size / 2`, aligned.
     small_max: u64,
     /// The global arena, which owns the upstream and the stream order. Its live allocations are the
-    /// keys of `superblocks` plus the large allocations.
+    /// superblocks (the chunks of `blocks`) plus the large allocations.
     global: PoolEngine<U, O>,
     /// Per-stream arenas. Invariant: `arena_index[&arenas[i].stream] == i`.
     arenas: Vec<StreamArena<O::Stream>>,
     arena_index: HashMap<O::Stream, usize>,
     /// The arena found by the last lookup.
     last: usize,
-    /// Superblocks held by arenas: start address -> the number of the arena that carves it.
-    /// Touched only when a superblock moves between an arena and the global arena.
-    superblocks: AddrMap<u32>,
+    /// Superblocks held by arenas. Invariant: the number of distinct chunks of `blocks`; each is a
+    /// live `superblock_size`-byte allocation of the global arena, and all its blocks belong to
+    /// one arena. No map from superblock to arena is needed: a block's arena is its free list's
+    /// owner number or, live, its tag.
+    superblock_count: usize,
     /// Every block of every superblock, free (in its arena's `free`) or live (tagged with its
-    /// arena's number), with the live map of small allocations. Invariant: the live blocks add up
-    /// to `small_used`.
+    /// arena's number), with the live map of small allocations; the superblocks are its chunks.
+    /// Invariant: the live blocks add up to `small_used`.
     blocks: BlockTable,
     small_used: u64,
 }
@@ -170,7 +174,7 @@ where
                 .map_err(|e| e.with_requested(bytes))?,
             Err(e) => return Err(e.with_requested(bytes)),
         };
-        self.superblocks.insert(addr, i as u32);
+        self.superblock_count += 1;
         let free = &mut self.arenas[i].free;
         let slot = self.blocks.add_chunk(free, i as u32, addr, sb_size);
         Ok(self.blocks.allocate_from(free, slot, size, i as u32))
@@ -201,13 +205,86 @@ where
     /// `slot` off the arena's `empty` list.
     fn return_superblock(&mut self, i: usize, slot: u32, stream: O::Stream) -> Result<(), Error> {
         let sb = self.blocks.remove_whole(&mut self.arenas[i].free, slot);
-        self.superblocks.remove(&sb.addr);
+        self.superblock_count -= 1;
         self.global.deallocate(sb.addr, self.superblock_size, stream)
     }
 
     /// Superblocks currently held by per-stream arenas.
     pub fn superblocks_in_arenas(&self) -> usize {
-        self.superblocks.len()
+        self.superblock_count
+    }
+
+    /// [`allocate`](Engine::allocate) of `size` bytes (`bytes` rounded, at most `small_max`) from
+    /// `stream`'s arena. Kept out of line so that `allocate`, with its large-request branch to the
+    /// global arena, stays small enough to inline into its caller.
+    #[inline(never)]
+    fn allocate_small(&mut self, size: u64, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
+        let i = self.arena(stream);
+        let arena = &mut self.arenas[i];
+        let Some(slot) = self.blocks.find(&arena.free, size) else {
+            let block = self.new_superblock(bytes, size, stream, i)?;
+            self.small_used += size;
+            return Ok(block.addr);
+        };
+        // Only a whole superblock can be on `empty`, and only when the list is not empty.
+        if !arena.empty.is_empty() && self.blocks.is_whole(slot) {
+            // An empty superblock comes back into use.
+            if let Some(k) = arena.empty.iter().position(|&e| e == slot) {
+                arena.empty.swap_remove(k);
+            }
+        }
+        let block = self.blocks.allocate_from(&mut arena.free, slot, size, i as u32);
+        self.small_used += size;
+        Ok(block.addr)
+    }
+
+    /// [`deallocate`](Engine::deallocate) of a small allocation of `size` bytes (`bytes` rounded):
+    /// one live-map lookup, which takes the block out of the map. A free on a stream other than
+    /// the block's arena's first synchronizes `stream`; when that fails, the block goes back into
+    /// the live map and the free changes nothing.
+    #[inline(never)]
+    fn deallocate_small(&mut self, addr: u64, size: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
+        let Some(slot) = self.blocks.take_live(addr, size) else {
+            return Err(Error::UnknownAllocation { addr, bytes });
+        };
+        let i = self.blocks.tag(slot) as usize;
+        let own = self.arenas[i].stream == stream;
+        if !own {
+            self.synchronize_foreign_free(slot, stream)?;
+        }
+        self.small_used -= size;
+        let merged = self.blocks.insert_free(&mut self.arenas[i].free, i as u32, slot);
+        if self.blocks.is_whole(merged) {
+            self.superblock_emptied(i, merged, own, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Synchronizes `stream`, on which a block of another stream's arena is being freed (the block
+    /// in `slot`, already out of the live map), so that the arena's stream may reuse it without an
+    /// event. On failure puts the block back into the live map.
+    #[cold]
+    fn synchronize_foreign_free(&mut self, slot: u32, stream: O::Stream) -> Result<(), Error> {
+        let synced = self.global.stream_order().synchronize(stream);
+        if synced.is_err() {
+            self.blocks.restore_live(slot);
+        }
+        synced
+    }
+
+    /// Arena `i`'s superblock whose free block is in `slot` just became empty, by a free on
+    /// `stream` (`own`: the arena's stream): lists it on `empty`, and on the arena's own stream
+    /// returns the arena's other empty superblocks to the global arena (into that stream's list).
+    #[cold]
+    fn superblock_emptied(&mut self, i: usize, slot: u32, own: bool, stream: O::Stream) -> Result<(), Error> {
+        self.arenas[i].empty.push(slot);
+        if own {
+            while self.arenas[i].empty.len() > 1 {
+                let sb = self.arenas[i].empty.swap_remove(0);
+                self.return_superblock(i, sb, stream)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -250,7 +327,7 @@ where
             arenas: Vec::new(),
             arena_index: HashMap::new(),
             last: 0,
-            superblocks: AddrMap::default(),
+            superblock_count: 0,
             blocks: BlockTable::default(),
             small_used: 0,
         })
@@ -274,22 +351,7 @@ where
         if size > self.small_max {
             return self.global.allocate(bytes, stream);
         }
-        let i = self.arena(stream);
-        let arena = &mut self.arenas[i];
-        let block = match self.blocks.find(&arena.free, size) {
-            Some(slot) => {
-                if self.blocks.is_whole(slot) {
-                    // An empty superblock comes back into use.
-                    if let Some(k) = arena.empty.iter().position(|&e| e == slot) {
-                        arena.empty.swap_remove(k);
-                    }
-                }
-                self.blocks.allocate_from(&mut arena.free, slot, size, i as u32)
-            }
-            None => self.new_superblock(bytes, size, stream, i)?,
-        };
-        self.small_used += size;
-        Ok(block.addr)
+        self.allocate_small(size, bytes, stream)
     }
 
     /// Frees an allocation of `bytes` made by [`allocate`](Engine::allocate). Freeing 0 bytes does
@@ -309,29 +371,7 @@ where
         if size > self.small_max {
             return self.global.deallocate(addr, bytes, stream);
         }
-        let Some(slot) = self.blocks.live_slot(addr, size) else {
-            return Err(Error::UnknownAllocation { addr, bytes });
-        };
-        let i = self.blocks.tag(slot) as usize;
-        let owner = self.arenas[i].stream;
-        if owner != stream {
-            self.global.stream_order().synchronize(stream)?;
-        }
-        let taken = self.blocks.take_live(addr, size);
-        debug_assert_eq!(taken, Some(slot));
-        self.small_used -= size;
-        let merged = self.blocks.insert_free(&mut self.arenas[i].free, i as u32, slot);
-        if self.blocks.is_whole(merged) {
-            self.arenas[i].empty.push(merged);
-            // Only on the arena's own stream: the superblock goes back into that stream's global list.
-            if owner == stream {
-                while self.arenas[i].empty.len() > 1 {
-                    let sb = self.arenas[i].empty.swap_remove(0);
-                    self.return_superblock(i, sb, stream)?;
-                }
-            }
-        }
-        Ok(())
+        self.deallocate_small(addr, size, bytes, stream)
     }
 
     /// Returns every arena's empty superblocks to the global arena (synchronizing the arenas'
@@ -361,7 +401,7 @@ where
         self.arenas.clear();
         self.arena_index.clear();
         self.last = 0;
-        self.superblocks.clear();
+        self.superblock_count = 0;
         self.blocks.clear();
         self.small_used = 0;
         self.global.release_synchronized()
@@ -371,7 +411,7 @@ where
     /// global arena), and block counts.
     fn stats(&self) -> EngineStats {
         let g = self.global.stats();
-        let sb_bytes = self.superblocks.len() as u64 * self.superblock_size;
+        let sb_bytes = self.superblock_count as u64 * self.superblock_size;
         let large_used = g.used_bytes - sb_bytes;
         let used = self.small_used + large_used;
         EngineStats {
@@ -379,35 +419,44 @@ where
             used_bytes: used,
             free_bytes: g.reserved_bytes - used,
             free_blocks: g.free_blocks + self.arenas.iter().map(|a| a.free.len()).sum::<usize>(),
-            live_allocations: self.blocks.live_len() + g.live_allocations - self.superblocks.len(),
+            live_allocations: self.blocks.live_len() + g.live_allocations - self.superblock_count,
             upstream_chunks: g.upstream_chunks,
         }
     }
 
-    /// Checks the global arena's invariants (as a pool's), that every superblock is a live global
-    /// allocation owned by an arena, that the block table tiles every superblock with the blocks of
-    /// its own arena (free ones in that arena's index, live ones tagged with it), that the arenas'
-    /// `empty` lists hold exactly their whole-superblock free blocks, and that free + used =
-    /// reserved.
+    /// Checks the global arena's invariants (as a pool's), that every chunk of the block table (a
+    /// superblock) is a live `superblock_size`-byte global allocation whose blocks all belong to one
+    /// existing arena (free ones in that arena's index, live ones tagged with it) and which they
+    /// tile, that there are `superblocks_in_arenas()` of them, that the arenas' `empty` lists hold
+    /// exactly their whole-superblock free blocks, and that free + used = reserved.
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;
         let global_live: HashMap<u64, u64> = self.global.live().map(|b| (b.addr, b.size)).collect();
-        for (&sb, &owner) in &self.superblocks {
-            ensure!(
-                global_live.get(&sb) == Some(&sb_size),
-                "arena: superblock {sb:#x} is not a live {sb_size}-byte global allocation"
-            );
-            ensure!(
-                (owner as usize) < self.arenas.len(),
-                "arena: superblock {sb:#x} is owned by arena {owner}, which does not exist"
-            );
-        }
+        let is_superblock = |chunk: u64| global_live.get(&chunk) == Some(&sb_size);
         self.blocks.check(
             self.arenas.iter().enumerate().map(|(i, a)| (i as u32, &a.free)),
-            |chunk| self.superblocks.contains_key(&chunk).then_some(sb_size),
+            |chunk| is_superblock(chunk).then_some(sb_size),
         )?;
-        let mut chunks_seen = HashMap::new();
+        // Superblock -> the arena of the first of its blocks seen; every other block must agree.
+        let mut arena_of: HashMap<u64, u32> = HashMap::new();
+        let mut claim = |b: &Block, arena: u32, what: &str| -> Result<(), InvariantViolation> {
+            ensure!(
+                (arena as usize) < self.arenas.len(),
+                "arena: {what} block {b:?} belongs to arena {arena}, which does not exist"
+            );
+            ensure!(
+                is_superblock(b.chunk),
+                "arena: {what} block {b:?} is in {:#x}, not a live {sb_size}-byte global allocation",
+                b.chunk
+            );
+            let first = *arena_of.entry(b.chunk).or_insert(arena);
+            ensure!(
+                first == arena,
+                "arena: {what} block {b:?} belongs to arena {arena}, other blocks of its superblock to {first}"
+            );
+            Ok(())
+        };
         for (i, arena) in self.arenas.iter().enumerate() {
             ensure!(
                 self.arena_index.get(&arena.stream) == Some(&i),
@@ -416,12 +465,7 @@ where
             );
             let mut whole = 0;
             for b in self.blocks.free_blocks(&arena.free) {
-                ensure!(
-                    self.superblocks.get(&b.chunk) == Some(&(i as u32)),
-                    "arena: free block {b:?} of {:?}'s arena is not in a superblock it owns",
-                    arena.stream
-                );
-                chunks_seen.insert(b.chunk, ());
+                claim(&b, i as u32, "free")?;
                 if b.size == sb_size {
                     whole += 1;
                 }
@@ -441,12 +485,11 @@ where
         let mut small_used = 0;
         for b in self.blocks.live_blocks() {
             let slot = self.blocks.live_slot(b.addr, b.size);
-            let owner = slot.map(|s| self.blocks.tag(s));
             ensure!(
-                owner.is_some() && self.superblocks.get(&b.chunk) == owner.as_ref(),
-                "arena: live block {b:?} is not tagged with the arena of its superblock"
+                slot.is_some(),
+                "arena: live block {b:?} is not found by its address and size"
             );
-            chunks_seen.insert(b.chunk, ());
+            claim(&b, slot.map_or(u32::MAX, |s| self.blocks.tag(s)), "live")?;
             small_used += b.size;
         }
         ensure!(
@@ -455,10 +498,10 @@ where
             self.small_used
         );
         ensure!(
-            chunks_seen.len() == self.superblocks.len(),
-            "arena: {} superblocks, {} hold blocks",
-            self.superblocks.len(),
-            chunks_seen.len()
+            arena_of.len() == self.superblock_count,
+            "arena: {} superblocks counted, {} hold blocks",
+            self.superblock_count,
+            arena_of.len()
         );
         check_balance("arena", &self.stats())
     }
@@ -628,6 +671,65 @@ mod tests {
         a.deallocate(x, 100, A).unwrap();
         assert!(a.deallocate(x, 100, A).is_err());
         a.check_invariants().unwrap();
+    }
+
+    /// [`SimStreams`] whose `synchronize` fails while `fail` is set.
+    struct FailingSync {
+        sim: SimStreams,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl StreamOrder for FailingSync {
+        type Stream = SimStream;
+        type Event = <SimStreams as StreamOrder>::Event;
+        fn create_event(&self) -> Result<Self::Event, Error> {
+            self.sim.create_event()
+        }
+        fn record(&self, event: &mut Self::Event, stream: SimStream) -> Result<(), Error> {
+            self.sim.record(event, stream)
+        }
+        fn wait(&self, stream: SimStream, event: &Self::Event) -> Result<(), Error> {
+            self.sim.wait(stream, event)
+        }
+        fn synchronize(&self, stream: SimStream) -> Result<(), Error> {
+            if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::Stream {
+                    op: "synchronize",
+                    source: "FailingSync: set to fail".into(),
+                });
+            }
+            self.sim.synchronize(stream)
+        }
+    }
+
+    #[test]
+    fn a_cross_stream_free_whose_synchronize_fails_changes_nothing() {
+        let order = std::sync::Arc::new(FailingSync {
+            sim: SimStreams::new(),
+            fail: std::sync::atomic::AtomicBool::new(true),
+        });
+        let config = ArenaConfig {
+            superblock_size: 8 * KIB,
+            ..Default::default()
+        };
+        let mut a = ArenaEngine::new(SimUpstream::new(), order.clone(), config).unwrap();
+        // Several live blocks, so that the failed one shares a live-map chain with others (or not).
+        let blocks: Vec<u64> = (0..20).map(|_| a.allocate(KIB, A).unwrap()).collect();
+        let before = a.stats();
+        for &x in &blocks[..10] {
+            let err = a.deallocate(x, KIB, B).unwrap_err();
+            assert!(matches!(err, Error::Stream { .. }), "{err:?}");
+            assert_eq!(a.stats(), before);
+            a.check_invariants().unwrap();
+        }
+        // Still live: freed normally once the synchronize works, on either stream, exactly once.
+        order.fail.store(false, std::sync::atomic::Ordering::Relaxed);
+        for (k, &x) in blocks.iter().enumerate() {
+            a.deallocate(x, KIB, if k % 2 == 0 { A } else { B }).unwrap();
+            assert!(matches!(a.deallocate(x, KIB, A), Err(Error::UnknownAllocation { .. })));
+        }
+        a.check_invariants().unwrap();
+        assert_eq!(a.stats().used_bytes, 0);
     }
 
     #[test]

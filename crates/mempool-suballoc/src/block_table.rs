@@ -560,6 +560,16 @@ impl BlockTable {
             .remove_if(&mut self.nodes[..], addr, |nodes, s| nodes[s as usize].size == size)
     }
 
+    /// Puts the live allocation in `slot` back into the live map: for a caller that took it out
+    /// with [`take_live`](Self::take_live) and then could not complete the free (nothing else may
+    /// have touched the block in between).
+    #[cold]
+    pub(crate) fn restore_live(&mut self, slot: u32) {
+        debug_assert_eq!(self.nodes[slot as usize].owner, LIVE);
+        let addr = self.nodes[slot as usize].addr;
+        self.live.insert(&mut self.nodes[..], addr, slot);
+    }
+
     /// Puts the block in `slot` (just taken from the live map, or drained from another list) into
     /// list `owner`, merging it with its neighbours that are free in the same list. Returns the slot
     /// of the merged free block.
