@@ -16,6 +16,26 @@ static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     /// This thread's number (`usize::MAX` until its first use).
     static THREAD: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// Where this thread's frees of blocks its own shard did not have went: per 1 MiB region of
+    /// addresses (a small direct-mapped cache, `region << 16 | shard`), the shard that took the last
+    /// such free in that region. A thread that frees what others allocated (a pipeline's consumer)
+    /// frees many blocks of each producer's chunks, so the region names the shard to ask second.
+    /// A hint only: any `Sharded` the thread uses writes it, and a wrong one costs one more lookup.
+    static FOREIGN: [Cell<u64>; FOREIGN_SLOTS] = const { [const { Cell::new(u64::MAX) }; FOREIGN_SLOTS] };
+}
+
+/// Entries of the [`FOREIGN`] cache.
+const FOREIGN_SLOTS: usize = 64;
+
+/// `log2` of the address regions [`FOREIGN`] remembers.
+const FOREIGN_REGION_SHIFT: u32 = 20;
+
+/// The [`FOREIGN`] entry of `addr`'s region, and the region.
+#[inline]
+fn foreign_slot(addr: u64) -> (usize, u64) {
+    let region = addr >> FOREIGN_REGION_SHIFT;
+    let slot = (region.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - FOREIGN_SLOTS.trailing_zeros())) as usize;
+    (slot, region)
 }
 
 /// The calling thread's number: distinct for the first `usize::MAX` threads to ask.
@@ -44,8 +64,10 @@ struct Shard<E>(Mutex<E>);
 /// free lists, so every stream rule of the [crate docs](crate) holds shard by shard.
 ///
 /// - `deallocate` tries the calling thread's shard first and, when that shard does not know the
-///   address ([`Error::UnknownAllocation`], which changes nothing), the others in turn: a block freed
-///   by another thread than the one that allocated it costs a few more lock round trips.
+///   address ([`Error::UnknownAllocation`], which changes nothing), the others in turn, starting with
+///   the one that took this thread's last such free in the same 1 MiB of addresses: a block freed by
+///   another thread than the one that allocated it costs another lock round trip once the thread
+///   has freed a block of the same region before, and a walk over the shards the first time.
 /// - When a shard runs out of memory, the calling thread first asks every other shard to return
 ///   its unused chunks to the upstream (as [`Engine::release_unused`] on the caller's stream), then
 ///   retries once: memory freed into one shard is not lost to the others. (Errors of those
@@ -174,11 +196,21 @@ impl<E: Engine> Sharded<E> {
 
     #[cold]
     fn deallocate_elsewhere(&self, home: usize, addr: u64, bytes: u64, stream: E::Stream) -> Result<(), Error> {
-        for j in (0..self.shards.len()).filter(|&j| j != home) {
+        let n = self.shards.len();
+        let (slot, region) = foreign_slot(addr);
+        let entry = FOREIGN.with(|f| f[slot].get());
+        // The shard that took this thread's last free in the region, if it remembers one, first;
+        // then the others in order; each shard is asked once.
+        let hint = (entry >> 16 == region).then_some((entry & 0xFFFF) as usize % n);
+        let order = hint.into_iter().chain((0..n).filter(|&j| Some(j) != hint));
+        for j in order.filter(|&j| j != home) {
             let r = self.lock(j).deallocate(addr, bytes, stream);
             match r {
                 Err(Error::UnknownAllocation { .. }) => {}
-                r => return r,
+                r => {
+                    FOREIGN.with(|f| f[slot].set(region << 16 | (j as u64 & 0xFFFF)));
+                    return r;
+                }
             }
         }
         Err(Error::UnknownAllocation { addr, bytes })

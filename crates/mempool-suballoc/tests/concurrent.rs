@@ -176,6 +176,49 @@ fn a_foreign_free_is_refused_by_every_shard() {
 }
 
 #[test]
+fn frees_from_a_thread_that_allocated_nothing_reach_the_right_shard_whatever_its_hints_say() {
+    // Two producers on two shards whose first chunks (32 KiB each, adjacent in the upstream) share
+    // one 1 MiB region, so the consumer's hint for the region names the wrong shard half the time.
+    let up = SimUpstream::new();
+    let config = mempool_suballoc::BinningConfig {
+        min_size_exponent: 8,
+        max_size_exponent: 10,
+        ..Default::default()
+    };
+    let engines = Arc::new(
+        Sharded::new(2, || {
+            mempool_suballoc::BinningEngine::new(up.clone(), SimStreams::new(), config)
+        })
+        .unwrap(),
+    );
+    let s = SimStream::new(0);
+    let produce = |engines: Arc<Sharded<_>>| {
+        std::thread::spawn(move || (0..50).map(|_| engines.allocate(256, s).unwrap()).collect::<Vec<u64>>())
+    };
+    let a = produce(engines.clone()).join().unwrap();
+    let b = produce(engines.clone()).join().unwrap();
+    assert_eq!(engines.stats().upstream_chunks, 2, "one chunk per producer's shard");
+    let consumer = {
+        let engines = engines.clone();
+        std::thread::spawn(move || {
+            for (x, y) in a.iter().zip(&b) {
+                engines.deallocate(*x, 256, s).unwrap();
+                engines.deallocate(*y, 256, s).unwrap();
+                // Freed once: a second free is refused by every shard.
+                assert!(matches!(
+                    engines.deallocate(*y, 256, s),
+                    Err(Error::UnknownAllocation { .. })
+                ));
+            }
+        })
+    };
+    consumer.join().unwrap();
+    let st = engines.stats();
+    assert_eq!((st.live_allocations, st.used_bytes), (0, 0));
+    engines.check_invariants().unwrap();
+}
+
+#[test]
 fn a_full_shard_takes_back_what_other_shards_hold_unused() {
     // 64 KiB of upstream: one thread's shard fills it and frees everything; another thread's shard
     // can only allocate once the first shard's unused chunks went back upstream.
