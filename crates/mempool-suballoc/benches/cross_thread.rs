@@ -9,28 +9,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mempool_suballoc::workload::random_workload;
-use mempool_suballoc::{BinningConfig, Engine, Error, Sharded, SimUpstream, StreamOrder};
+use mempool_suballoc::{BinningConfig, Engine, Sharded, SimUpstream};
 
-/// A single stream whose events cost nothing.
-#[derive(Debug, Clone, Copy, Default)]
-struct OneStream;
-
-impl StreamOrder for OneStream {
-    type Stream = ();
-    type Event = ();
-    fn create_event(&self) -> Result<(), Error> {
-        Ok(())
-    }
-    fn record(&self, _event: &mut (), _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn wait(&self, _stream: (), _event: &()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn synchronize(&self, _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-}
+mod common;
+use common::OneStream;
 
 type Bins = mempool_suballoc::BinningEngine<SimUpstream, OneStream>;
 

@@ -23,34 +23,14 @@ use std::time::Duration;
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use mempool_suballoc::workload::{self, RandomOp as Op};
-use mempool_suballoc::{
-    ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, SimUpstream, StreamOrder,
-};
+use mempool_suballoc::{ArenaConfig, BinningConfig, Engine, EngineConfig, FixedSizeConfig, PoolConfig, SimUpstream};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// A single stream whose events cost nothing (see the crate-level note above).
-#[derive(Debug, Clone, Copy, Default)]
-struct OneStream;
-
-impl StreamOrder for OneStream {
-    type Stream = ();
-    type Event = ();
-    fn create_event(&self) -> Result<(), Error> {
-        Ok(())
-    }
-    fn record(&self, _event: &mut (), _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn wait(&self, _stream: (), _event: &()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn synchronize(&self, _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-}
+mod common;
+use common::OneStream;
 
 /// The standard points: (operations, max_size, max_usage).
 const POINTS: [(usize, u64, u64); 2] = [(200_000, 64 * KIB, 4 * GIB), (100_000, MIB, 16 * GIB)];

@@ -19,33 +19,14 @@ use std::time::Instant;
 use mempool_suballoc::workload::{self, RandomOp as Op};
 use mempool_suballoc::{
     ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, Sharded, SimUpstream,
-    StreamOrder,
 };
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// A single stream whose events cost nothing.
-#[derive(Debug, Clone, Copy, Default)]
-struct OneStream;
-
-impl StreamOrder for OneStream {
-    type Stream = ();
-    type Event = ();
-    fn create_event(&self) -> Result<(), Error> {
-        Ok(())
-    }
-    fn record(&self, _event: &mut (), _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn wait(&self, _stream: (), _event: &()) -> Result<(), Error> {
-        Ok(())
-    }
-    fn synchronize(&self, _stream: ()) -> Result<(), Error> {
-        Ok(())
-    }
-}
+mod common;
+use common::OneStream;
 
 /// What the timed loop calls: an engine, or engines behind [`Sharded`]'s locks.
 trait Target {
