@@ -15,6 +15,11 @@ use mempool::rmm::containers::CudarcBuffer;
 use mempool::rmm::{AsyncOptions, AsyncResource, SharedResource};
 
 fn setup() -> Vec<(Arc<CudaStream>, SharedResource)> {
+    // Never NVLink multicast on the shared machines: set before the CUDA driver or NCCL is loaded.
+    // (Edition 2021: `set_var` is safe to call, but racy with other threads' `getenv`.) The only test of
+    // this binary calls this first, before any library that could start a thread is loaded, and the
+    // harness's main thread only waits for it, so no other thread reads the environment now.
+    std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let count = Device::count().expect("two-GPU tests need the CUDA driver");
     assert!(
         count >= 2,
@@ -30,11 +35,6 @@ fn setup() -> Vec<(Arc<CudaStream>, SharedResource)> {
          (LD_LIBRARY_PATH={:?})",
         std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
     );
-    // Never NVLink multicast on the shared machines. Set before NCCL reads its environment; the tests
-    // of this binary set the same value.
-    // SAFETY (edition 2021: set_var is safe): no other thread reads the environment concurrently in a
-    // way that matters here; every test writes the same value.
-    std::env::set_var("NCCL_NVLS_ENABLE", "0");
     (0..2)
         .map(|i| {
             let dev = Device::get(i).unwrap();

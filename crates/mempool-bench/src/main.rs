@@ -656,9 +656,22 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// For `allreduce`: turns NCCL's NVLink multicast off (`NCCL_NVLS_ENABLE=0` unless set; another value is
+/// refused later by the workload's check), before the driver or NCCL is loaded.
+#[allow(unsafe_code)]
+fn disable_nvls_for_allreduce(cli: &Cli) -> Result<()> {
+    if matches!(cli.command, Command::Allreduce { .. }) {
+        // SAFETY: called first thing in `main`, after parsing the arguments and before any thread is
+        // started or any library that could start one (the CUDA driver, NCCL) is loaded, so no other
+        // thread reads or writes the environment.
+        unsafe { mempool_nccl::disable_nvls() }?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    match disable_nvls_for_allreduce(&cli).and_then(|()| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             match e {

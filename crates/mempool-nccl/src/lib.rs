@@ -40,11 +40,40 @@ pub fn library_path() -> Result<String> {
     Ok(sys::library()?.path().to_owned())
 }
 
+/// Checks that NVLink multicast is off for the communicators this process makes: `Ok` when
+/// `NCCL_NVLS_ENABLE` is `0`, an error naming the variable and the fix otherwise (unset included: NCCL
+/// then turns NVLS on where the system supports it). Reads the environment only.
+pub fn nvls_disabled() -> Result<()> {
+    match std::env::var("NCCL_NVLS_ENABLE") {
+        Ok(v) if v.trim() == "0" => Ok(()),
+        other => Err(Error::InvalidArgument {
+            call: "nvls_disabled",
+            reason: format!(
+                "NCCL_NVLS_ENABLE is {}: NVLink multicast must stay off on these machines; set it to 0 before the \
+                 program starts (or call the unsafe disable_nvls before any other thread runs)",
+                match other {
+                    Ok(v) => format!("{v:?}"),
+                    Err(_) => "unset".into(),
+                }
+            ),
+        }),
+    }
+}
+
 /// Sets `NCCL_NVLS_ENABLE=0` unless the variable is already set, and refuses a setting other than `0`:
 /// what the tests and the benchmark call before the first communicator, on machines where NVLink
-/// multicast must stay off. Call it before any thread could read the environment (at the start of
-/// `main` or of a test).
-pub fn disable_nvls() -> Result<()> {
+/// multicast must stay off. (Setting the variable in the environment the program starts with does the
+/// same without this call.)
+///
+/// # Safety
+///
+/// It writes the process environment (`std::env::set_var`), which is undefined behaviour on Linux
+/// while another thread reads or writes the environment (NCCL, the CUDA driver and libc read it with
+/// `getenv`). Call it while no other thread of the process can do so: at the start of `main`, before
+/// any thread is started, or under a `std::sync::Once` that every thread passes before its first
+/// NCCL or CUDA call.
+#[allow(unsafe_code)]
+pub unsafe fn disable_nvls() -> Result<()> {
     match std::env::var("NCCL_NVLS_ENABLE") {
         Ok(v) if v.trim() == "0" => Ok(()),
         Ok(v) => Err(Error::InvalidArgument {

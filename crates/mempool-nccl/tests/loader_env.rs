@@ -2,7 +2,7 @@
 //! cause, and nothing else is searched. One test per binary, since the library is opened once per
 //! process and the variable must be set before that.
 
-use mempool_nccl::{disable_nvls, library_version, Error, Group, UniqueId};
+use mempool_nccl::{disable_nvls, library_version, nvls_disabled, Error, Group, UniqueId};
 
 #[test]
 fn a_wrong_library_path_is_reported_by_every_entry_point() {
@@ -16,12 +16,22 @@ fn a_wrong_library_path_is_reported_by_every_entry_point() {
     assert_eq!(UniqueId::new().unwrap_err(), e);
     assert_eq!(Group::start().err(), Some(e.clone()));
 
-    // The NVLS guard: unset becomes 0, 0 stays, anything else is refused.
+    // The NVLS guard: unset becomes 0, 0 stays, anything else is refused; the check only reads.
     std::env::remove_var("NCCL_NVLS_ENABLE");
-    disable_nvls().unwrap();
+    let e = nvls_disabled().unwrap_err();
+    assert!(e.to_string().contains("NCCL_NVLS_ENABLE is unset"), "{e}");
+    // SAFETY (each call below): the only test of this binary; no NCCL or CUDA library is loaded (the
+    // named NCCL path does not exist) and nothing else runs, so no other thread touches the environment.
+    #[allow(unsafe_code)]
+    unsafe { disable_nvls() }.unwrap();
     assert_eq!(std::env::var("NCCL_NVLS_ENABLE").as_deref(), Ok("0"));
-    disable_nvls().unwrap();
+    nvls_disabled().unwrap();
+    #[allow(unsafe_code)]
+    unsafe { disable_nvls() }.unwrap();
     std::env::set_var("NCCL_NVLS_ENABLE", "1");
-    let e = disable_nvls().unwrap_err();
+    #[allow(unsafe_code)]
+    let e = unsafe { disable_nvls() }.unwrap_err();
     assert!(e.to_string().contains("NVLink multicast must stay off"), "{e}");
+    let e = nvls_disabled().unwrap_err();
+    assert!(e.to_string().contains("\"1\""), "{e}");
 }

@@ -219,7 +219,9 @@ pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
             p.devices.len()
         )));
     }
-    mempool_nccl::disable_nvls()?;
+    // The binary sets NCCL_NVLS_ENABLE=0 at the start of `main` (see `disable_nvls_for_allreduce`); a
+    // library caller must have set it.
+    mempool_nccl::nvls_disabled()?;
     let comms = Comm::init_all(&p.devices)?;
     let streams = p
         .devices

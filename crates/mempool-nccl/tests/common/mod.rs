@@ -12,7 +12,17 @@ use mempool_rmm::SharedResource;
 /// `MEMPOOL_NCCL_LIBRARY` is set nor `libnccl.so.2` is on the loader's path, asks python3 where the
 /// `nvidia.nccl` package keeps it. Prints the NCCL that was loaded.
 pub fn setup() {
-    mempool_nccl::disable_nvls().expect("NCCL_NVLS_ENABLE must be unset or 0 on these machines");
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(setup_once);
+}
+
+/// [`setup`]'s work, done once per test binary: every test calls `setup` before its first CUDA or NCCL
+/// call, so while this writes the environment the other test threads wait in `call_once` and read
+/// nothing.
+fn setup_once() {
+    // SAFETY: see above: no other thread of this test binary reads or writes the environment until
+    // `call_once` returns (the harness read its own variables before starting the tests).
+    unsafe { mempool_nccl::disable_nvls() }.expect("NCCL_NVLS_ENABLE must be unset or 0 on these machines");
     if std::env::var_os("MEMPOOL_NCCL_LIBRARY").is_none()
         && mempool_nccl::sys::open_first(&["libnccl.so.2".into()]).is_err()
     {
