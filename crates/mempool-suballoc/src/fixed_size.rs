@@ -44,7 +44,7 @@ type BlockId = u64;
 /// keep one per bin over a shared upstream.
 ///
 /// Everything a call touches is small: a chunk's blocks are numbered, each chunk has a slot in a
-/// table (its start address and one live bit per block), free blocks are `(slot, index)` pairs on
+/// table (its start address and one live bit per block), free blocks are [`BlockId`]s on
 /// per-stream stacks, and a free finds its chunk through a map from address pages to the (at
 /// most two) chunks that overlap each page. With 128 blocks per chunk the tables are a few bytes
 /// per block (a hash set of live addresses was 16 bytes per live block, and its line was the
