@@ -177,8 +177,9 @@ fn a_foreign_free_is_refused_by_every_shard() {
 
 #[test]
 fn frees_from_a_thread_that_allocated_nothing_reach_the_right_shard_whatever_its_hints_say() {
-    // Two producers on two shards whose first chunks (32 KiB each, adjacent in the upstream) share
-    // one 1 MiB region, so the consumer's hint for the region names the wrong shard half the time.
+    // Blocks of two shards whose first chunks (32 KiB each, adjacent in the upstream) share one 1 MiB
+    // region, so the consumer's hint for the region names the wrong shard half the time (and its own
+    // shard, whichever it is, knows half of them).
     let up = SimUpstream::new();
     let config = mempool_suballoc::BinningConfig {
         min_size_exponent: 8,
@@ -192,12 +193,15 @@ fn frees_from_a_thread_that_allocated_nothing_reach_the_right_shard_whatever_its
         .unwrap(),
     );
     let s = SimStream::new(0);
-    let produce = |engines: Arc<Sharded<_>>| {
-        std::thread::spawn(move || (0..50).map(|_| engines.allocate(256, s).unwrap()).collect::<Vec<u64>>())
+    // Each shard allocates its blocks directly (as two producer threads with those shards would).
+    let produce = |shard: usize| {
+        (0..50)
+            .map(|_| engines.lock(shard).allocate(256, s).unwrap())
+            .collect::<Vec<u64>>()
     };
-    let a = produce(engines.clone()).join().unwrap();
-    let b = produce(engines.clone()).join().unwrap();
-    assert_eq!(engines.stats().upstream_chunks, 2, "one chunk per producer's shard");
+    let a = produce(0);
+    let b = produce(1);
+    assert_eq!(engines.stats().upstream_chunks, 2, "one chunk per shard");
     let consumer = {
         let engines = engines.clone();
         std::thread::spawn(move || {
