@@ -13,6 +13,10 @@ use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
 
+/// The tag of the global arena's allocations that are superblocks (its callers' large allocations
+/// carry 0), so that a caller's free can never return a superblock to the global arena.
+const SUPERBLOCK: u32 = 1;
+
 /// The shape of an [`ArenaEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArenaConfig {
@@ -166,11 +170,11 @@ where
     #[cold]
     fn new_superblock(&mut self, bytes: u64, size: u64, stream: O::Stream, i: usize) -> Result<Block, Error> {
         let sb_size = self.superblock_size;
-        let addr = match self.global.allocate(sb_size, stream) {
+        let addr = match self.global.allocate_tagged(sb_size, stream, SUPERBLOCK) {
             Ok(a) => a,
             Err(Error::OutOfMemory { .. }) if self.return_empty_superblocks(stream)? > 0 => self
                 .global
-                .allocate(sb_size, stream)
+                .allocate_tagged(sb_size, stream, SUPERBLOCK)
                 .map_err(|e| e.with_requested(bytes))?,
             Err(e) => return Err(e.with_requested(bytes)),
         };
@@ -206,7 +210,8 @@ where
     fn return_superblock(&mut self, i: usize, slot: u32, stream: O::Stream) -> Result<(), Error> {
         let sb = self.blocks.remove_whole(&mut self.arenas[i].free, slot);
         self.superblock_count -= 1;
-        self.global.deallocate(sb.addr, self.superblock_size, stream)
+        self.global
+            .deallocate_tagged(sb.addr, self.superblock_size, stream, SUPERBLOCK)
     }
 
     /// Superblocks currently held by per-stream arenas.
@@ -432,8 +437,12 @@ where
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;
-        let global_live: HashMap<u64, u64> = self.global.live().map(|b| (b.addr, b.size)).collect();
-        let is_superblock = |chunk: u64| global_live.get(&chunk) == Some(&sb_size);
+        let global_live: HashMap<u64, (u64, u32)> = self
+            .global
+            .live_tagged()
+            .map(|(b, tag)| (b.addr, (b.size, tag)))
+            .collect();
+        let is_superblock = |chunk: u64| global_live.get(&chunk) == Some(&(sb_size, SUPERBLOCK));
         self.blocks.check(
             self.arenas.iter().enumerate().map(|(i, a)| (i as u32, &a.free)),
             |chunk| is_superblock(chunk).then_some(sb_size),
@@ -503,6 +512,12 @@ where
             self.superblock_count,
             arena_of.len()
         );
+        let tagged = global_live.values().filter(|&&(_, tag)| tag == SUPERBLOCK).count();
+        ensure!(
+            tagged == self.superblock_count,
+            "arena: the global arena holds {tagged} superblocks, the arenas {}",
+            self.superblock_count
+        );
         check_balance("arena", &self.stats())
     }
 
@@ -520,6 +535,36 @@ crate::engine::engine_common!(ArenaConfig => ArenaEngine);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_superblock_cannot_be_freed_as_a_large_allocation() {
+        // 8 KiB superblocks: a 1 KiB block is carved from the high end of one; the superblock is a
+        // live 8 KiB allocation of the global arena, but none of the caller's.
+        let config = ArenaConfig {
+            superblock_size: 8 * 1024,
+            ..Default::default()
+        };
+        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config).unwrap();
+        let s = SimStream::new(0);
+        let small = a.allocate(1024, s).unwrap();
+        let superblock = small + 1024 - 8 * 1024;
+        assert!(matches!(
+            a.deallocate(superblock, 8 * 1024, s),
+            Err(Error::UnknownAllocation { .. })
+        ));
+        a.check_invariants().unwrap();
+        // So a large allocation of that size cannot land on the live small block.
+        let big = a.allocate(8 * 1024, s).unwrap();
+        assert!(
+            big + 8 * 1024 <= small || small + 1024 <= big,
+            "{big:#x} overlaps {small:#x}"
+        );
+        // A caller's own large allocation of a superblock's size is freed as usual.
+        a.deallocate(big, 8 * 1024, s).unwrap();
+        a.deallocate(small, 1024, s).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(a.stats().used_bytes, 0);
+    }
     use crate::error::OutOfMemoryCause;
     use crate::stream_order::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};

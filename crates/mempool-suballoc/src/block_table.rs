@@ -560,6 +560,23 @@ impl BlockTable {
             .remove_if(&mut self.nodes[..], addr, |nodes, s| nodes[s as usize].size == size)
     }
 
+    /// [`take_live`](Self::take_live) for an allocation made with `tag` only: `None` (changing
+    /// nothing) for one made with another tag.
+    #[inline]
+    pub(crate) fn take_live_tagged(&mut self, addr: u64, size: u64, tag: u32) -> Option<u32> {
+        self.live.remove_if(&mut self.nodes[..], addr, |nodes, s| {
+            let n = &nodes[s as usize];
+            n.size == size && n.tag == tag
+        })
+    }
+
+    /// Live allocations with their tags.
+    pub(crate) fn live_tagged(&self) -> impl Iterator<Item = (Block, u32)> + '_ {
+        self.live
+            .slots(&self.nodes[..])
+            .map(|s| (self.nodes[s as usize].block(), self.nodes[s as usize].tag))
+    }
+
     /// Puts the live allocation in `slot` back into the live map: for a caller that took it out
     /// with [`take_live`](Self::take_live) and then could not complete the free (nothing else may
     /// have touched the block in between).

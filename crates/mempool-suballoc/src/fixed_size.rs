@@ -599,7 +599,8 @@ where
     type Order = O;
 
     /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
-    /// with [`Error::InvalidConfig`] for a zero block size or count, or a chunk size that overflows.
+    /// with [`Error::InvalidConfig`] for a zero block size or count, a count above 2^32, or a chunk
+    /// size that overflows.
     fn new(upstream: U, order: O, config: FixedSizeConfig) -> Result<Self, Error> {
         let core = FixedCore::new(config.block_size, config.blocks_per_chunk, config.event_policy)?;
         Ok(Self {

@@ -125,23 +125,23 @@ where
 {
     /// Finds `size` bytes for `stream`: its own list, then another stream's list (one event wait),
     /// then the other lists merged into its own (one wait each), then the upstream.
-    fn take(&mut self, size: u64, requested: u64, stream: O::Stream) -> Result<Block, Error> {
+    fn take(&mut self, size: u64, requested: u64, stream: O::Stream, tag: u32) -> Result<Block, Error> {
         let i = self.lists.find(stream);
         if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
-            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
+            return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, tag));
         }
-        self.take_slow(size, requested, stream, i)
+        self.take_slow(size, requested, stream, i, tag)
     }
 
     #[cold]
-    fn take_slow(&mut self, size: u64, requested: u64, stream: O::Stream, i: usize) -> Result<Block, Error> {
+    fn take_slow(&mut self, size: u64, requested: u64, stream: O::Stream, i: usize, tag: u32) -> Result<Block, Error> {
         // Steal one block. Its remainder stays in the other stream's list: it was never ordered
         // after anything new, so it stays covered by that list's event.
         for j in 0..self.lists.len() {
             if j != i {
                 if let Some(slot) = self.blocks.find(self.lists.list(j), size) {
                     self.lists.order_after(&self.order, stream, j)?;
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size, 0));
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(j), slot, size, tag));
                 }
             }
         }
@@ -150,7 +150,7 @@ where
             if j != i && !self.lists.list(j).is_empty() {
                 self.merge_list(i, j)?;
                 if let Some(slot) = self.blocks.find(self.lists.list(i), size) {
-                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0));
+                    return Ok(self.blocks.allocate_from(self.lists.list_mut(i), slot, size, tag));
                 }
             }
         }
@@ -158,7 +158,7 @@ where
         let slot = self
             .blocks
             .add_chunk(self.lists.list_mut(i), i as u32, addr, chunk_size);
-        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size, 0);
+        let block = self.blocks.allocate_from(self.lists.list_mut(i), slot, size, tag);
         if chunk_size > size {
             // The remainder was allocated on `stream`; others must wait for it like for a free.
             self.lists.entered(&self.order, i);
@@ -267,6 +267,47 @@ where
     pub(crate) fn live(&self) -> impl Iterator<Item = Block> + '_ {
         self.blocks.live_blocks()
     }
+
+    /// Live allocations with the tags they were made with.
+    pub(crate) fn live_tagged(&self) -> impl Iterator<Item = (Block, u32)> + '_ {
+        self.blocks.live_tagged()
+    }
+
+    /// [`Engine::allocate`], the allocation marked with `tag` (0 for the engine's own callers): the
+    /// arena engine marks its superblocks, so that no free of a caller's can take one back.
+    #[inline]
+    pub(crate) fn allocate_tagged(&mut self, bytes: u64, stream: O::Stream, tag: u32) -> Result<u64, Error> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let size = crate::engine::request_size(bytes)?;
+        let block = self.take(size, bytes, stream, tag)?;
+        self.used += block.size;
+        Ok(block.addr)
+    }
+
+    /// [`Engine::deallocate`] of an allocation made with `tag`: [`Error::UnknownAllocation`]
+    /// (changing nothing) for one made with another tag.
+    #[inline]
+    pub(crate) fn deallocate_tagged(
+        &mut self,
+        addr: u64,
+        bytes: u64,
+        stream: O::Stream,
+        tag: u32,
+    ) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let unknown = || Error::UnknownAllocation { addr, bytes };
+        let size = align_up(bytes).ok_or_else(unknown)?;
+        let slot = self.blocks.take_live_tagged(addr, size, tag).ok_or_else(unknown)?;
+        self.used -= size;
+        let i = self.lists.find(stream);
+        self.blocks.insert_free(self.lists.list_mut(i), i as u32, slot);
+        self.lists.entered(&self.order, i);
+        Ok(())
+    }
 }
 
 impl<U, O> Engine for PoolEngine<U, O>
@@ -301,13 +342,7 @@ where
 
     #[inline]
     fn allocate(&mut self, bytes: u64, stream: O::Stream) -> Result<u64, Error> {
-        if bytes == 0 {
-            return Ok(0);
-        }
-        let size = crate::engine::request_size(bytes)?;
-        let block = self.take(size, bytes, stream)?;
-        self.used += block.size;
-        Ok(block.addr)
+        self.allocate_tagged(bytes, stream, 0)
     }
 
     /// Frees an allocation into `stream`'s list, where it coalesces with its free neighbours.
@@ -315,17 +350,7 @@ where
     /// allocation.
     #[inline]
     fn deallocate(&mut self, addr: u64, bytes: u64, stream: O::Stream) -> Result<(), Error> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let unknown = || Error::UnknownAllocation { addr, bytes };
-        let size = align_up(bytes).ok_or_else(unknown)?;
-        let slot = self.blocks.take_live(addr, size).ok_or_else(unknown)?;
-        self.used -= size;
-        let i = self.lists.find(stream);
-        self.blocks.insert_free(self.lists.list_mut(i), i as u32, slot);
-        self.lists.entered(&self.order, i);
-        Ok(())
+        self.deallocate_tagged(addr, bytes, stream, 0)
     }
 
     /// Moves every stream's free blocks into `into`'s list, after making `into` wait on each

@@ -20,7 +20,8 @@ thread_local! {
     /// addresses (a small direct-mapped cache, `region << 16 | shard`), the shard that took the last
     /// such free in that region. A thread that frees what others allocated (a pipeline's consumer)
     /// frees many blocks of each producer's chunks, so the region names the shard to ask second.
-    /// A hint only: any `Sharded` the thread uses writes it, and a wrong one costs one more lookup.
+    /// A hint only: any `Sharded` the thread uses writes it, shard numbers are kept modulo 2^16, and
+    /// a wrong one costs one more lookup.
     static FOREIGN: [Cell<u64>; FOREIGN_SLOTS] = const { [const { Cell::new(u64::MAX) }; FOREIGN_SLOTS] };
 }
 
