@@ -74,17 +74,8 @@ pub fn nvls_disabled() -> Result<()> {
 /// NCCL or CUDA call.
 #[allow(unsafe_code)]
 pub unsafe fn disable_nvls() -> Result<()> {
-    match std::env::var("NCCL_NVLS_ENABLE") {
-        Ok(v) if v.trim() == "0" => Ok(()),
-        Ok(v) => Err(Error::InvalidArgument {
-            call: "disable_nvls",
-            reason: format!(
-                "NCCL_NVLS_ENABLE is {v:?}: NVLink multicast must stay off on these machines; unset it or set it to 0"
-            ),
-        }),
-        Err(_) => {
-            std::env::set_var("NCCL_NVLS_ENABLE", "0");
-            Ok(())
-        }
+    if std::env::var("NCCL_NVLS_ENABLE").is_err() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
+    nvls_disabled()
 }

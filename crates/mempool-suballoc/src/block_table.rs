@@ -667,7 +667,7 @@ impl BlockTable {
 
     /// The live allocations.
     pub(crate) fn live_blocks(&self) -> impl Iterator<Item = Block> + '_ {
-        self.live.slots(&self.nodes[..]).map(|s| self.nodes[s as usize].block())
+        self.live_tagged().map(|(b, _)| b)
     }
 
     /// Forgets every block.

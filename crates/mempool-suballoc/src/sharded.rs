@@ -104,9 +104,6 @@ pub struct Sharded<E> {
     /// Invariant: at least one. The shards' engines share one upstream and hold disjoint chunks of
     /// it, so no address is live in two shards.
     shards: Box<[Shard<E>]>,
-    /// `shards.len() - 1` when that is a power of two, so that picking a thread's shard is a mask
-    /// rather than a division.
-    mask: Option<usize>,
 }
 
 impl<E: Engine> Sharded<E> {
@@ -115,10 +112,8 @@ impl<E: Engine> Sharded<E> {
         let shards = (0..n.max(1))
             .map(|_| make().map(|e| Shard(Mutex::new(e))))
             .collect::<Result<Vec<_>, _>>()?;
-        let mask = shards.len().is_power_of_two().then(|| shards.len() - 1);
         Ok(Self {
             shards: shards.into_boxed_slice(),
-            mask,
         })
     }
 
@@ -147,10 +142,11 @@ impl<E: Engine> Sharded<E> {
     /// The calling thread's shard.
     #[inline]
     fn home(&self) -> usize {
-        match self.mask {
-            Some(0) => 0,
-            Some(mask) => thread_number() & mask,
-            None => thread_number() % self.shards.len(),
+        // A mask rather than a division when the count is a power of two (as the resources' are).
+        match self.shards.len() {
+            1 => 0,
+            n if n.is_power_of_two() => thread_number() & (n - 1),
+            n => thread_number() % n,
         }
     }
 
