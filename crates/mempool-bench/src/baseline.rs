@@ -21,7 +21,9 @@ impl RawCudaResource {
     }
 }
 
-impl MemoryResource for RawCudaResource {
+// SAFETY: `cuMemAlloc` returns fresh device memory of at least `bytes` bytes (aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for RawCudaResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(memory::device_alloc(&self.ctx, bytes)?)
     }
@@ -55,7 +57,9 @@ impl RawPoolResource {
     }
 }
 
-impl MemoryResource for RawPoolResource {
+// SAFETY: the pool (owned by `self`, destroyed only when `self` drops) returns fresh stream-ordered allocations, aligned to 256 and null only for 0 bytes, that nothing else owns until `deallocate` frees them.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for RawPoolResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(self.pool.allocate(bytes, stream)?)
     }

@@ -60,7 +60,9 @@ impl<R: MemoryResource> Tracked<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for Tracked<R> {
+// SAFETY: forwards every allocation and free to `inner` unchanged (it only counts them), so `inner`'s `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource> MemoryResource for Tracked<R> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         match self.inner.allocate(bytes, stream) {
             Ok(p) => {

@@ -523,7 +523,9 @@ fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
     }
     let plan = replay::parse("generated", log.as_bytes()).unwrap();
     assert_eq!(plan.threads.len(), 3);
-    let sim = SimResource::new();
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let sim = unsafe { SimResource::new() };
     let stats = replay::run(&plan, &sim, None).unwrap();
     assert_eq!(stats.failures, 0);
     assert_eq!(
@@ -532,7 +534,9 @@ fn replay_runs_threads_in_the_logged_order_on_the_simulation() {
     );
     assert_eq!(sim.live_allocations(), 0, "everything is freed at the end");
     // With a capacity below the peak, allocations fail and are counted; their frees are skipped.
-    let small = SimResource::with_capacity((plan.logged_peak / 2) as usize);
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let small = unsafe { SimResource::with_capacity((plan.logged_peak / 2) as usize) };
     let stats = replay::run(&plan, &small, None).unwrap();
     assert!(stats.failures > 0);
     assert_eq!(small.live_allocations(), 0);
@@ -554,7 +558,9 @@ fn the_shipped_sample_log_replays_in_both_formats() {
     assert!(plan.steps.len() > 1000);
     assert_eq!((&plan.steps, plan.logged_peak), (&old_plan.steps, old_plan.logged_peak));
     for plan in [plan, old_plan] {
-        let sim = SimResource::new();
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let sim = unsafe { SimResource::new() };
         let stats = replay::run(&plan, &sim, None).unwrap();
         assert_eq!((stats.failures, stats.peak_bytes), (0, plan.logged_peak));
     }
@@ -587,13 +593,17 @@ fn the_random_workload_matches_the_standard_shape() {
     for (n, ops) in [(500, "500 ops"), (2500, "2500 ops"), (2000, "2k ops"), (1, "1 ops")] {
         assert_eq!(Point { n, ..p }.label(), format!("{ops}, <= 64KiB, 32MiB"));
     }
-    let sim = SimResource::new();
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let sim = unsafe { SimResource::new() };
     let stats = run(&ops, &sim, None).unwrap();
     assert!(stats.peak_bytes <= p.max_usage as u64 && stats.peak_bytes > (p.max_usage / 2) as u64);
     assert!(stats.peak_allocations > 100);
     assert_eq!(sim.live_allocations(), 0);
     // An allocation failure is reported, and what was allocated is still freed.
-    let small = SimResource::with_capacity(1 << 20);
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let small = unsafe { SimResource::with_capacity(1 << 20) };
     assert!(run(&ops, &small, None).is_err());
     assert_eq!(small.live_allocations(), 0);
 }

@@ -271,7 +271,9 @@ fn check_rmm_log(name: &str, text: &str) -> Vec<rmm_parser::Event> {
 /// Replays `text` over the host simulation; returns the plan.
 fn replays(name: &str, text: &str) -> replay::Plan {
     let plan = replay::parse(name, text.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-    let sim = SimResource::new();
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let sim = unsafe { SimResource::new() };
     let stats = replay::run(&plan, &sim, None).unwrap();
     assert_eq!((stats.failures, stats.peak_bytes), (0, plan.logged_peak), "{name}");
     assert_eq!(sim.live_allocations(), 0, "{name}");
@@ -301,7 +303,9 @@ fn data(file: &str) -> PathBuf {
 #[test]
 #[allow(unsafe_code)] // frees what it allocates: `deallocate` is unsafe
 fn a_log_mempool_writes_is_what_rmm_26_10_writes_and_passes_rmms_parser() {
-    let mr = LoggingAdaptor::new(SimResource::with_capacity(8 << 20), Vec::new()).unwrap();
+    // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+    #[allow(unsafe_code)]
+    let mr = LoggingAdaptor::new(unsafe { SimResource::with_capacity(8 << 20) }, Vec::new()).unwrap();
     // Three threads on the legacy and per-thread streams; thread 0 hands some blocks to thread 1, which
     // frees them; some requests exceed the capacity (logged as `allocate failure`); some are 0 bytes.
     // Thread 1 frees the blocks thread 0 sends as they come, and the rest once thread 0 is done.

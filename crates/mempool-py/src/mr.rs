@@ -383,7 +383,11 @@ impl BinRouter {
     }
 }
 
-impl MemoryResource for BinRouter {
+// SAFETY: every allocation and free goes unchanged to the one resource (a bin's or the fallback) that
+// the size selects, and the same size selects the same resource for the free, so that resource's
+// `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for BinRouter {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
         let target = {
             // `used` is set under the read lock, and `add_bin` checks it under the write lock: a bin is

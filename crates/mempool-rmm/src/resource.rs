@@ -21,6 +21,47 @@ pub(crate) fn align_up_usize(bytes: usize) -> Option<usize> {
 
 /// A stream-ordered memory resource.
 ///
+/// # Safety
+/// The trait is `unsafe` to implement, as [`std::alloc::GlobalAlloc`] and [`std::alloc::Allocator`] are:
+/// the safe owners built on it ([`crate::containers::DeviceBuffer`], [`crate::containers::DeviceVec`],
+/// `CudarcBuffer`, the suballocating resources, mempool-ipc's exporter) copy into, hand out and free what
+/// `allocate` returns without checking it. An implementation promises:
+/// 1. A successful `allocate(bytes, stream)` returns null only when `bytes` is 0, and otherwise the start
+///    of a range of at least `bytes` bytes, aligned to [`ALIGNMENT`], that nothing else owns: no live
+///    allocation of this or any other resource overlaps it, and the resource neither uses it nor hands it
+///    out again until it is passed back to `deallocate`. The caller owns it.
+/// 2. The range is memory of this process that the CUDA driver reaches by unified addressing (device,
+///    pinned host, managed, or pageable memory on a device with pageable memory access), usable by work
+///    ordered on `stream` once `allocate` returns, and it stays valid until it is deallocated or the
+///    resource is dropped.
+/// 3. `is_equal(other)` returns `true` only when each of the two resources may deallocate what the other
+///    allocated (callers rely on it to pick the resource that frees).
+///
+/// In return, `deallocate` may assume its own `# Safety` list.
+///
+/// A resource that hands out another buffer's address cannot be written without `unsafe`: a safe `impl`
+/// does not compile.
+///
+/// ```compile_fail,E0200
+/// use mempool_core::{DeviceAddr, StreamRef};
+/// use mempool_rmm::{MemoryResource, Result};
+///
+/// #[derive(Debug)]
+/// struct Aliasing(DeviceAddr);
+///
+/// impl MemoryResource for Aliasing {
+///     fn allocate(&self, _bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
+///         Ok(self.0) // the same address for every caller
+///     }
+///     unsafe fn deallocate(&self, _p: DeviceAddr, _n: usize, _s: StreamRef<'_>) -> Result<()> {
+///         Ok(())
+///     }
+///     fn name(&self) -> &'static str {
+///         "Aliasing"
+///     }
+/// }
+/// ```
+///
 /// # The stream contract
 /// - Memory from `allocate(n, A)` may be used by work on stream `A` at once, and by work on another
 ///   stream `B` only after `B` is ordered after `A` (an event recorded on `A` that `B` waits on, or a
@@ -35,14 +76,14 @@ pub(crate) fn align_up_usize(bytes: usize) -> Option<usize> {
 ///   [`crate::Error::InvalidDeallocation`] rather than touch the memory.
 ///
 /// # Other guarantees
-/// - Allocations are aligned to [`ALIGNMENT`] bytes.
 /// - `allocate(0, _)` succeeds cheaply with a null pointer, and `deallocate` of a null pointer is a no-op.
 /// - Running out of memory is [`crate::Error::OutOfMemory`] with the size asked for.
 /// - Resources are `Send + Sync`; `Arc<dyn MemoryResource>` is the type-erased form
 ///   ([`SharedResource`]).
 ///
 /// [`is_equal`]: MemoryResource::is_equal
-pub trait MemoryResource: Send + Sync + Debug {
+#[allow(unsafe_code)]
+pub unsafe trait MemoryResource: Send + Sync + Debug {
     /// Allocates `bytes`, ordered on `stream`.
     ///
     /// `#[track_caller]`: implementations see the user's call site through any stack of adaptors (the
@@ -76,7 +117,9 @@ pub trait MemoryResource: Send + Sync + Debug {
 /// The type-erased, shareable form of a resource.
 pub type SharedResource = Arc<dyn MemoryResource>;
 
-impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
+// SAFETY: forwards every call to the shared resource unchanged.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     #[track_caller]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)
@@ -94,7 +137,9 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     }
 }
 
-impl<R: MemoryResource + ?Sized> MemoryResource for &R {
+// SAFETY: forwards every call to the borrowed resource unchanged.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource + ?Sized> MemoryResource for &R {
     #[track_caller]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         (**self).allocate(bytes, stream)

@@ -31,23 +31,29 @@ pub struct SimResource {
     state: Mutex<State>,
 }
 
-impl Default for SimResource {
-    fn default() -> Self {
-        SimResource::new()
-    }
-}
-
 impl SimResource {
     /// The base of the fake address space: far from anything a real process maps.
     pub const BASE: u64 = 0x7000_0000_0000;
 
     /// Unlimited capacity.
-    pub fn new() -> Self {
-        SimResource::with_capacity(usize::MAX)
+    ///
+    /// # Safety
+    /// As [`SimResource::with_capacity`].
+    #[allow(unsafe_code)]
+    pub unsafe fn new() -> Self {
+        // SAFETY: the caller keeps `with_capacity`'s promise.
+        unsafe { SimResource::with_capacity(usize::MAX) }
     }
 
     /// At most `capacity` bytes (aligned) live at once.
-    pub fn with_capacity(capacity: usize) -> Self {
+    ///
+    /// # Safety
+    /// The addresses are fake: [`MemoryResource`]'s guarantee 2 (memory the driver reaches) does not hold.
+    /// 1. Nothing dereferences an address of this resource, or of an adaptor or suballocator over it: no
+    ///    container ([`crate::containers::DeviceBuffer`], ...), copy, fill, kernel or driver call is given
+    ///    one. Allocating, freeing and reading the statistics is all the caller does with them.
+    #[allow(unsafe_code)]
+    pub unsafe fn with_capacity(capacity: usize) -> Self {
         SimResource {
             capacity,
             state: Mutex::new(State {
@@ -82,7 +88,9 @@ impl SimResource {
     }
 }
 
-impl MemoryResource for SimResource {
+// SAFETY: guarantee 1 holds (live ranges never overlap, checked in `State`); guarantee 2 (memory the driver reaches) does not, which is why its constructors are `unsafe`: their callers promise no address of it is ever dereferenced.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for SimResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);

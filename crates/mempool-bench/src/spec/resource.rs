@@ -36,7 +36,11 @@ pub fn build(spec: &ResourceSpec, device: Option<&Device>) -> Result<Built> {
 
 fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<SharedResource> {
     if let ResourceSpec::Sim = spec {
-        return Ok(Arc::new(SimResource::new()));
+        // SAFETY: `sim` is a host-only spec (`ResourceSpec::is_host_only`): the workloads that touch memory
+        // (query, multi-stream, and main.rs's checks before any GPU workload) refuse host-only specs, so its
+        // addresses are only allocated, freed and counted by the allocation replays.
+        #[allow(unsafe_code)]
+        return Ok(Arc::new(unsafe { SimResource::new() }));
     }
     let dev = device.ok_or_else(|| Error::Usage(format!("`{spec}` needs a GPU; only `sim` runs without one")))?;
     let ctx: Arc<Context> = dev.context()?;
@@ -214,7 +218,9 @@ impl<R: std::fmt::Debug> std::fmt::Debug for ThresholdRestored<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for ThresholdRestored<R> {
+// SAFETY: forwards every call to `inner` unchanged, so `inner`'s `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource> MemoryResource for ThresholdRestored<R> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
         self.inner.allocate(bytes, stream)
     }

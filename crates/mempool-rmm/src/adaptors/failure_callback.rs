@@ -54,7 +54,9 @@ where
     }
 }
 
-impl<U, F> MemoryResource for FailureCallbackAdaptor<U, F>
+// SAFETY: forwards every allocation and free to the upstream unchanged (a failure only runs the callback before retrying the upstream), so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U, F> MemoryResource for FailureCallbackAdaptor<U, F>
 where
     U: MemoryResource,
     F: Fn(usize, u32) -> bool + Send + Sync,
@@ -92,7 +94,9 @@ mod tests {
 
     #[test]
     fn retries_while_the_callback_frees_memory() {
-        let sim = Arc::new(SimResource::with_capacity(1024));
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let sim = Arc::new(unsafe { SimResource::with_capacity(1024) });
         let hog = sim.allocate(1024, S).unwrap();
         let calls = Arc::new(AtomicU32::new(0));
         let (s2, c2) = (sim.clone(), calls.clone());
@@ -117,7 +121,9 @@ mod tests {
 
     #[test]
     fn gives_up_when_the_callback_says_so() {
-        let mr = FailureCallbackAdaptor::new(SimResource::with_capacity(256), |_, attempt| attempt < 3);
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = FailureCallbackAdaptor::new(unsafe { SimResource::with_capacity(256) }, |_, attempt| attempt < 3);
         let e = mr.allocate(1024, S).unwrap_err();
         assert!(e.is_out_of_memory());
         assert_eq!(mr.upstream().failed_allocations(), 4);
@@ -125,7 +131,10 @@ mod tests {
 
     #[test]
     fn a_limit_counts_as_out_of_memory_as_in_rmm() {
-        let limited = super::super::limiting::LimitingAdaptor::new(SimResource::with_capacity(1 << 20), 1000);
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let limited =
+            super::super::limiting::LimitingAdaptor::new(unsafe { SimResource::with_capacity(1 << 20) }, 1000);
         let calls = Arc::new(AtomicU32::new(0));
         let c2 = calls.clone();
         let mr = FailureCallbackAdaptor::new(limited, move |bytes, attempt| {

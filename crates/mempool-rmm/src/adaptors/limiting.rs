@@ -40,7 +40,9 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
+// SAFETY: forwards every allocation it allows and every free to the upstream unchanged, so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let Some(need) = align_up_usize(bytes) else {
             return Err(Error::LimitExceeded {
@@ -89,7 +91,9 @@ mod tests {
 
     #[test]
     fn refuses_past_the_limit_and_recovers() {
-        let mr = LimitingAdaptor::new(SimResource::new(), 1024);
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = LimitingAdaptor::new(unsafe { SimResource::new() }, 1024);
         let a = mr.allocate(500, S).unwrap(); // 512 counted
         let b = mr.allocate(512, S).unwrap();
         assert_eq!(mr.used(), 1024);
@@ -118,7 +122,9 @@ mod tests {
 
     #[test]
     fn upstream_failure_releases_the_reservation() {
-        let mr = LimitingAdaptor::new(SimResource::with_capacity(256), 4096);
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = LimitingAdaptor::new(unsafe { SimResource::with_capacity(256) }, 4096);
         assert!(mr.allocate(1024, S).unwrap_err().is_out_of_memory());
         assert_eq!(mr.used(), 0);
     }

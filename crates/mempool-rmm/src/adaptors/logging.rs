@@ -293,7 +293,8 @@ impl std::fmt::Display for StreamHandle {
 /// use mempool_core::StreamRef;
 /// use mempool_rmm::adaptors::{parse_log, LoggingAdaptor};
 /// use mempool_rmm::{testing::SimResource, MemoryResource};
-/// let mr = LoggingAdaptor::new(SimResource::new(), Vec::<u8>::new()).unwrap();
+/// // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+/// let mr = LoggingAdaptor::new(unsafe { SimResource::new() }, Vec::<u8>::new()).unwrap();
 /// let p = mr.allocate(512, StreamRef::LEGACY).unwrap();
 /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
 /// unsafe { mr.deallocate(p, 512, StreamRef::LEGACY) }.unwrap();
@@ -374,7 +375,9 @@ impl<U: MemoryResource, W: Write + Send> LoggingAdaptor<U, W> {
     }
 }
 
-impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W> {
+// SAFETY: forwards every allocation and free to the upstream unchanged (it only logs them), so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdaptor<U, W> {
     #[allow(unsafe_code)]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         match self.upstream.allocate(bytes, stream) {
@@ -433,7 +436,9 @@ mod tests {
 
     #[test]
     fn writes_what_rmm_26_10_writes_and_reads_it_back() {
-        let mr = LoggingAdaptor::new(SimResource::with_capacity(4096), Vec::new()).unwrap();
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = LoggingAdaptor::new(unsafe { SimResource::with_capacity(4096) }, Vec::new()).unwrap();
         let a = mr.allocate(1000, S).unwrap();
         assert!(mr.allocate(1 << 20, StreamRef::PER_THREAD).is_err());
         let z = mr.allocate(0, S).unwrap();
@@ -478,7 +483,9 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn threads_are_os_thread_ids() {
-        let mr = LoggingAdaptor::new(SimResource::new(), Vec::new()).unwrap();
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = LoggingAdaptor::new(unsafe { SimResource::new() }, Vec::new()).unwrap();
         let ids: Vec<u64> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|_| {
@@ -525,7 +532,9 @@ mod tests {
         log: Arc<Mutex<Vec<u8>>>,
     }
 
-    impl MemoryResource for SeesLog {
+    // SAFETY: a test double that forwards to the simulation, which was constructed under `SimResource::new`'s contract (its addresses are never dereferenced in this test).
+    #[allow(unsafe_code)]
+    unsafe impl MemoryResource for SeesLog {
         fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
             self.sim.allocate(bytes, stream)
         }
@@ -545,7 +554,9 @@ mod tests {
     fn a_free_is_logged_before_the_upstream_frees() {
         let out = Shared::default();
         let up = SeesLog {
-            sim: SimResource::new(),
+            // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+            #[allow(unsafe_code)]
+            sim: unsafe { SimResource::new() },
             log: out.0.clone(),
         };
         let mr = LoggingAdaptor::new(up, out.clone()).unwrap();

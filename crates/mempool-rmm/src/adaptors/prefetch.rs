@@ -33,7 +33,9 @@ impl<U: MemoryResource> PrefetchAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
+// SAFETY: forwards every allocation and free to the upstream unchanged (it only prefetches what it returns), so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
     #[allow(unsafe_code)]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let p = self.upstream.allocate(bytes, stream)?;

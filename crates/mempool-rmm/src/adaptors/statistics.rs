@@ -47,7 +47,8 @@ pub struct Counters {
 /// use mempool_rmm::adaptors::StatisticsAdaptor;
 /// use mempool_rmm::testing::SimResource;
 /// use mempool_rmm::MemoryResource;
-/// let mr = StatisticsAdaptor::new(SimResource::new());
+/// // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+/// let mr = StatisticsAdaptor::new(unsafe { SimResource::new() });
 /// let p = mr.allocate(1000, StreamRef::LEGACY).unwrap();
 /// assert_eq!(mr.counters().bytes.current, 1000);
 /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
@@ -114,7 +115,9 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
+// SAFETY: forwards every allocation and free to the upstream unchanged (it only counts them), so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let p = self.upstream.allocate(bytes, stream)?;
         let mut s = self.stack();
@@ -150,7 +153,9 @@ mod tests {
 
     #[test]
     fn counts_bytes_and_allocations() {
-        let mr = StatisticsAdaptor::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = StatisticsAdaptor::new(unsafe { SimResource::new() });
         let a = mr.allocate(100, S).unwrap();
         let b = mr.allocate(200, S).unwrap();
         // SAFETY: allocated from `mr` above with this size and freed once; SimResource addresses are never
@@ -181,14 +186,18 @@ mod tests {
 
     #[test]
     fn failed_allocations_are_not_counted() {
-        let mr = StatisticsAdaptor::new(SimResource::with_capacity(1024));
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = StatisticsAdaptor::new(unsafe { SimResource::with_capacity(1024) });
         assert!(mr.allocate(4096, S).unwrap_err().is_out_of_memory());
         assert_eq!(mr.counters(), Counters::default());
     }
 
     #[test]
     fn scopes_nest() {
-        let mr = StatisticsAdaptor::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = StatisticsAdaptor::new(unsafe { SimResource::new() });
         let a = mr.allocate(1000, S).unwrap();
         mr.push_counters();
         let b = mr.allocate(10, S).unwrap();

@@ -86,7 +86,9 @@ impl<U: MemoryResource> TrackingAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
+// SAFETY: forwards every allocation and free to the upstream unchanged (it only records them), so the upstream's `unsafe impl` guarantees are this one's.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     #[track_caller]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let location = Location::caller();
@@ -156,7 +158,9 @@ mod tests {
 
     #[test]
     fn reports_leaks_with_call_sites() {
-        let mr = TrackingAdaptor::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = TrackingAdaptor::new(unsafe { SimResource::new() });
         let a = mr.allocate(100, S).unwrap();
         let line_b = line!() + 1;
         let b = mr.allocate(200, S).unwrap();
@@ -179,7 +183,10 @@ mod tests {
 
     #[test]
     fn call_site_survives_type_erasure_and_outer_adaptors() {
-        let mr = crate::adaptors::statistics::StatisticsAdaptor::new(TrackingAdaptor::new(SimResource::new()));
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr =
+            crate::adaptors::statistics::StatisticsAdaptor::new(TrackingAdaptor::new(unsafe { SimResource::new() }));
         let dynamic: &dyn MemoryResource = &mr;
         let line = line!() + 1;
         let p = dynamic.allocate(64, S).unwrap();
@@ -191,7 +198,9 @@ mod tests {
 
     #[test]
     fn refuses_unknown_and_mismatched_frees() {
-        let mr = TrackingAdaptor::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let mr = TrackingAdaptor::new(unsafe { SimResource::new() });
         let a = mr.allocate(100, S).unwrap();
         assert!(matches!(
             // SAFETY: breaks obligation 1 on purpose (wrong size): the adaptor checks its live table before

@@ -98,7 +98,9 @@ impl AsyncManagedResource {
     }
 }
 
-impl MemoryResource for AsyncManagedResource {
+// SAFETY: each allocation is a fresh stream-ordered allocation from the pool `self` owns (aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for AsyncManagedResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         self.inner.allocate(bytes, stream)
     }

@@ -145,7 +145,9 @@ pub(crate) fn prepare_new_pool(
     Ok(())
 }
 
-impl MemoryResource for AsyncResource {
+// SAFETY: each allocation is a fresh stream-ordered allocation from the pool `self` holds (aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for AsyncResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         Ok(self.pool.allocate(bytes, stream)?)
     }

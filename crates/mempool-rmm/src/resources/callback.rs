@@ -68,7 +68,8 @@ impl<'s> Returned<'s> {
 /// use mempool_rmm::testing::SimResource;
 /// use mempool_rmm::MemoryResource;
 ///
-/// let upstream = Arc::new(SimResource::new());
+/// // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+/// let upstream = Arc::new(unsafe { SimResource::new() });
 /// let (a, f) = (upstream.clone(), upstream.clone());
 /// let free = move |r: Returned<'_>| {
 ///     // SAFETY: a `Returned` names an address this resource's allocate callback returned, hence one of
@@ -100,8 +101,9 @@ where
     /// 1. `free`, given a [`Returned`] (an address `allocate` returned for `bytes`, handed back once, its
     ///    uses ordered before the stream's point), returns exactly that memory to whoever `allocate` took it
     ///    from, and touches nothing else.
-    /// 2. `allocate` returns memory that stays allocated, and is used by nothing else, until `free` is
-    ///    called with it.
+    /// 2. `allocate` keeps [`MemoryResource`]'s guarantees 1 and 2: what it returns is null only for 0
+    ///    bytes, aligned to [`crate::ALIGNMENT`], memory the driver reaches by unified addressing, and it
+    ///    stays allocated, used by nothing else, until `free` is called with it.
     #[allow(unsafe_code)]
     pub unsafe fn new(allocate: A, free: F) -> CallbackResource<A, F> {
         CallbackResource { allocate, free }
@@ -114,7 +116,9 @@ impl<A, F> fmt::Debug for CallbackResource<A, F> {
     }
 }
 
-impl<A, F> MemoryResource for CallbackResource<A, F>
+// SAFETY: `CallbackResource::new` is `unsafe`, and its caller promised that `allocate` returns memory meeting the trait's guarantees 1 and 2 and that `free` returns exactly it; `is_equal` is the default identity.
+#[allow(unsafe_code)]
+unsafe impl<A, F> MemoryResource for CallbackResource<A, F>
 where
     A: Fn(usize, StreamRef<'_>) -> Result<DeviceAddr> + Send + Sync,
     F: for<'s> Fn(Returned<'s>) -> Result<()> + Send + Sync,
@@ -190,7 +194,9 @@ mod tests {
 
     #[test]
     fn allocation_and_free_go_through_the_callbacks() {
-        let upstream = Arc::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let upstream = Arc::new(unsafe { SimResource::new() });
         let calls = Arc::new(AtomicUsize::new(0));
         let mr = over_sim(upstream.clone(), calls.clone());
         assert_eq!(mr.name(), "CallbackResource");
@@ -207,7 +213,9 @@ mod tests {
 
     #[test]
     fn zero_bytes_and_null_never_reach_the_callbacks() {
-        let upstream = Arc::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let upstream = Arc::new(unsafe { SimResource::new() });
         let calls = Arc::new(AtomicUsize::new(0));
         let mr = over_sim(upstream.clone(), calls.clone());
         assert_eq!(mr.allocate(0, S).unwrap(), DeviceAddr::NULL);
@@ -219,7 +227,9 @@ mod tests {
 
     #[test]
     fn the_callbacks_errors_come_back_as_they_are() {
-        let upstream = Arc::new(SimResource::with_capacity(1024));
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let upstream = Arc::new(unsafe { SimResource::with_capacity(1024) });
         let mr = over_sim(upstream.clone(), Arc::new(AtomicUsize::new(0)));
         let e = mr.allocate(4096, S).unwrap_err();
         assert!(e.is_out_of_memory(), "{e}");
@@ -275,7 +285,9 @@ mod tests {
 
     #[test]
     fn composes_under_adaptors_and_behind_an_arc() {
-        let upstream = Arc::new(SimResource::new());
+        // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+        #[allow(unsafe_code)]
+        let upstream = Arc::new(unsafe { SimResource::new() });
         let stats = StatisticsAdaptor::new(over_sim(upstream.clone(), Arc::new(AtomicUsize::new(0))));
         let shared: crate::resource::SharedResource = Arc::new(stats);
         let p = shared.allocate(300, S).unwrap();

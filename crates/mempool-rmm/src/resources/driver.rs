@@ -29,7 +29,9 @@ macro_rules! plain_resource {
             }
         }
 
-        impl MemoryResource for $name {
+        // SAFETY: each allocation is a fresh driver allocation (`cuMemAlloc`, `cuMemAllocManaged` or `cuMemHostAlloc`: at least `bytes` bytes, aligned to at least 256, null only for 0 bytes) that nothing else owns until `deallocate` frees it.
+        #[allow(unsafe_code)]
+        unsafe impl MemoryResource for $name {
             fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
                 let alloc: fn(&Context, usize) -> mempool_core::Result<DeviceAddr> = $alloc;
                 Ok(alloc(&self.ctx, bytes)?)

@@ -350,7 +350,9 @@ impl ExpandableResource {
     }
 }
 
-impl MemoryResource for ExpandableResource {
+// SAFETY: the engine hands out disjoint, aligned ranges of the mapped segment (its invariants, tested on the host), which stays mapped while `self` lives; a range is handed out again only after `deallocate` returned it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for ExpandableResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);

@@ -95,7 +95,9 @@ impl HostPoolResource {
     }
 }
 
-impl MemoryResource for HostPoolResource {
+// SAFETY: each allocation is a fresh stream-ordered allocation from the host pool `self` holds (pinned host memory the driver reaches, aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for HostPoolResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         self.inner.allocate(bytes, stream)
     }

@@ -363,7 +363,9 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
     }
 }
 
-impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
+// SAFETY: the engine hands out disjoint, aligned ranges of blocks it took from the upstream (its invariants, tested on the host by mempool-suballoc's conformance and property tests), which the resource holds until it drops; a range is handed out again only after `deallocate` returned it. The upstream's `unsafe impl` guarantees 2 for those blocks.
+#[allow(unsafe_code)]
+unsafe impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);

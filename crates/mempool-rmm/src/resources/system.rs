@@ -95,8 +95,8 @@ unsafe fn host_deallocate(resource: &'static str, ptr: DeviceAddr, bytes: usize)
 /// pointer queries (`cuPointerGetAttribute`) do not know it.
 ///
 /// Two instances are equal only when they are the same object. (RMM calls all its instances equal; here
-/// [`MemoryResource::is_equal`] may not trust another resource's claim to be a `SystemResource`, since
-/// any safe code can implement the trait.)
+/// [`MemoryResource::is_equal`] sees another resource only as a `dyn MemoryResource` and cannot tell that
+/// it frees through the same allocator.)
 ///
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
@@ -151,7 +151,9 @@ unsafe fn system_deallocate(
     unsafe { host_deallocate(resource, ptr, bytes) }
 }
 
-impl MemoryResource for SystemResource {
+// SAFETY: each allocation is a fresh `std::alloc` block of at least `bytes` bytes aligned to 256 (null only for 0 bytes), which the device reaches through pageable memory access (checked in `new`); nothing else owns it until `deallocate` returns it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for SystemResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         host_allocate(SYSTEM, bytes)
     }
@@ -238,7 +240,9 @@ impl SamHeadroomResource {
     }
 }
 
-impl MemoryResource for SamHeadroomResource {
+// SAFETY: each allocation is a fresh `std::alloc` block of at least `bytes` bytes aligned to 256 (null only for 0 bytes), which the device reaches through pageable memory access (checked in `new`); nothing else owns it until `deallocate` returns it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for SamHeadroomResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let ptr = host_allocate(SAM_HEADROOM, bytes)?;
         if ptr.is_null() {

@@ -243,7 +243,9 @@ impl VmmResource {
     }
 }
 
-impl MemoryResource for VmmResource {
+// SAFETY: each allocation is its own physical allocation mapped into its own reservation (aligned to the granularity, a multiple of 256), kept in `self`'s live map until `deallocate` removes and unmaps it.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for VmmResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
