@@ -14,7 +14,6 @@
 //! [`error`] directly.
 
 #![deny(unsafe_code)]
-#![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod device;

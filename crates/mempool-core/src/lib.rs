@@ -46,8 +46,6 @@
 
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
-#![warn(clippy::undocumented_unsafe_blocks)]
-#![warn(clippy::missing_safety_doc)]
 
 mod buffer;
 mod context;

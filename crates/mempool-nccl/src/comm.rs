@@ -465,14 +465,18 @@ impl Comm {
                 } else {
                     lib.get(&lib.reduce_scatter)?
                 };
+                // SAFETY: as for the other collectives below: the entry point has nccl.h's signature, the
+                // buffers hold `count` elements of `dt` (checked by the callers), the communicator is live.
                 unsafe { f(s, r, count, dt, op.to_raw(), self.raw, st) }
             }
             Coll::AllGather => {
                 let f = lib.get(&lib.all_gather)?;
+                // SAFETY: nccl.h's signature; the callers checked the counts; the communicator is live.
                 unsafe { f(s, r, count, dt, self.raw, st) }
             }
             Coll::Broadcast(root) => {
                 let f = lib.get(&lib.broadcast)?;
+                // SAFETY: nccl.h's signature; the callers checked the counts and the root; the communicator is live.
                 unsafe { f(s, r, count, dt, root as c_int, self.raw, st) }
             }
         };

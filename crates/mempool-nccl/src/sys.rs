@@ -163,7 +163,7 @@ impl Library {
         if r != SUCCESS {
             return Err(OpenError::Load(format!("ncclGetVersion returned {}", result_name(r))));
         }
-        // SAFETY (each `resolve`): the signature is nccl.h's for that name.
+        // SAFETY: each `resolve` is given the signature nccl.h declares for that name.
         unsafe {
             Ok(Library {
                 get_unique_id: resolve(&lib, "ncclGetUniqueId", "2.0"),

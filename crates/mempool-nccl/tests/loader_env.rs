@@ -20,16 +20,19 @@ fn a_wrong_library_path_is_reported_by_every_entry_point() {
     std::env::remove_var("NCCL_NVLS_ENABLE");
     let e = nvls_disabled().unwrap_err();
     assert!(e.to_string().contains("NCCL_NVLS_ENABLE is unset"), "{e}");
-    // SAFETY (each call below): the only test of this binary; no NCCL or CUDA library is loaded (the
-    // named NCCL path does not exist) and nothing else runs, so no other thread touches the environment.
+    // The only test of this binary; no NCCL or CUDA library is loaded (the named NCCL path does not exist)
+    // and nothing else runs, so no other thread touches the environment during the calls below.
     #[allow(unsafe_code)]
+    // SAFETY: no other thread reads or writes the environment (above).
     unsafe { disable_nvls() }.unwrap();
     assert_eq!(std::env::var("NCCL_NVLS_ENABLE").as_deref(), Ok("0"));
     nvls_disabled().unwrap();
     #[allow(unsafe_code)]
+    // SAFETY: no other thread reads or writes the environment (above).
     unsafe { disable_nvls() }.unwrap();
     std::env::set_var("NCCL_NVLS_ENABLE", "1");
     #[allow(unsafe_code)]
+    // SAFETY: no other thread reads or writes the environment (above).
     let e = unsafe { disable_nvls() }.unwrap_err();
     assert!(e.to_string().contains("NVLink multicast must stay off"), "{e}");
     let e = nvls_disabled().unwrap_err();

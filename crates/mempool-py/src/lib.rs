@@ -7,7 +7,6 @@
 //! `mempool_torch_free`: they share this module's per-device registry.
 
 #![deny(unsafe_code)]
-#![deny(unsafe_op_in_unsafe_fn)]
 
 mod buffer;
 mod errors;

@@ -210,9 +210,9 @@ fn run_all(dev: Device) -> Result<(), Box<dyn std::error::Error>> {
             }
             let mr = make()?;
             let alloc = |size: usize| mr.allocate(size, s).unwrap_or_else(|e| panic!("{name}: {e}"));
-            // SAFETY (of the closure's use): `run` frees each allocation it got from `alloc` exactly once, with
-            // its size, on `s`, and never touches the memory.
             let free = |ptr: DeviceAddr, size: usize| {
+                // SAFETY: `run` frees each allocation it got from `alloc` exactly once, with its size, on `s`,
+                // and never touches the memory.
                 unsafe { mr.deallocate(ptr, size, s) }.unwrap_or_else(|e| panic!("{name}: {e}"))
             };
             run(&ops, s, &alloc, &free);

@@ -26,7 +26,6 @@
 //! See `docs/resources.md` for which resource suits which workload.
 
 #![deny(unsafe_code)]
-#![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod adaptors;

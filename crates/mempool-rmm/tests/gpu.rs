@@ -112,11 +112,11 @@ fn failure_callback_frees_memory_and_retries() {
         c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         // Free what we hold, then retry once.
         match h2.lock().unwrap().take() {
-            // SAFETY: the stream handle is the test's live stream.
             #[allow(unsafe_code)]
             Some(p) if attempt == 0 => {
+                // SAFETY: the stream handle is the test's live stream.
                 let s = unsafe { mempool_core::StreamRef::from_raw(s2 as mempool_core::sys::CUstream) };
-                // SAFETY (deallocate): `p` is the test's 200 MiB allocation from this resource, taken out of
+                // SAFETY: `p` is the test's 200 MiB allocation from this resource, taken out of
                 // `held` (freed once); nothing used it.
                 unsafe { p2.deallocate(p, 200 << 20, s) }.unwrap();
                 true
