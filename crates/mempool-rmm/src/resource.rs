@@ -11,13 +11,8 @@ use crate::error::Result;
 /// resource in this crate returns is aligned to it (as RMM's `CUDA_ALLOCATION_ALIGNMENT`).
 pub use mempool_suballoc::{align_up, ALIGNMENT};
 
-/// [`ALIGNMENT`] as a `usize`, for the resources' `usize` sizes.
-pub(crate) const ALIGNMENT_USIZE: usize = ALIGNMENT as usize;
-
-/// [`align_up`] for the resources' `usize` sizes: `None` when the rounded size does not fit.
-pub(crate) fn align_up_usize(bytes: usize) -> Option<usize> {
-    align_up(bytes as u64).and_then(|n| usize::try_from(n).ok())
-}
+// Sizes are `usize` here and `u64` in the engines: the two convert losslessly (CUDA is 64-bit only).
+const _: () = assert!(usize::BITS == u64::BITS);
 
 /// A stream-ordered memory resource.
 ///
@@ -154,20 +149,5 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for &R {
     }
     fn name(&self) -> &'static str {
         (**self).name()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn usize_sizes_round_as_the_engines_round() {
-        assert_eq!(align_up_usize(0), Some(0));
-        assert_eq!(align_up_usize(1), Some(256));
-        assert_eq!(align_up_usize(256), Some(256));
-        assert_eq!(align_up_usize(257), Some(512));
-        assert_eq!(align_up_usize(usize::MAX), None);
-        assert_eq!(ALIGNMENT_USIZE as u64, ALIGNMENT);
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{align_up_usize, MemoryResource};
+use crate::resource::{align_up, MemoryResource};
 
 #[derive(Debug, Default)]
 struct State {
@@ -98,7 +98,7 @@ unsafe impl MemoryResource for SimResource {
         let mut s = self.state();
         // A size that does not fit once rounded, or past the capacity or the address space, is out of
         // memory.
-        let fits = align_up_usize(bytes).and_then(|size| {
+        let fits = align_up(bytes as u64).map(|n| n as usize).and_then(|size| {
             let next = s.next.checked_add(size as u64)?;
             (s.used.saturating_add(size) <= self.capacity).then_some((size, next))
         });
@@ -127,7 +127,7 @@ unsafe impl MemoryResource for SimResource {
             Some(&b) if b == bytes => {
                 s.live.remove(&ptr.0);
                 // A live allocation's size rounded when it was allocated.
-                s.used -= align_up_usize(bytes).unwrap_or(0);
+                s.used -= align_up(bytes as u64).map(|n| n as usize).unwrap_or(0);
                 Ok(())
             }
             found => Err(Error::InvalidDeallocation {

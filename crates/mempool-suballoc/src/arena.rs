@@ -5,9 +5,9 @@ use std::collections::HashMap;
 
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::check_balance;
+use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
-use crate::free_list::Block;
 use crate::pool::{PoolConfig, PoolEngine};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
@@ -566,9 +566,9 @@ mod tests {
         assert_eq!(a.stats().used_bytes, 0);
     }
     use crate::error::OutOfMemoryCause;
-    use crate::stream_order::{SimStream, SimStreams};
+    use crate::sim::SimUpstream;
+    use crate::sim::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

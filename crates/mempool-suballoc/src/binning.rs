@@ -268,9 +268,9 @@ crate::engine::engine_common!(BinningConfig => BinningEngine);
 mod tests {
     use super::*;
     use crate::error::OutOfMemoryCause;
-    use crate::stream_order::{SimStream, SimStreams};
+    use crate::sim::SimUpstream;
+    use crate::sim::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

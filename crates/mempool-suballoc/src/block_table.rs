@@ -25,9 +25,8 @@
 //! more cache miss per free) and no hint; see `crates/mempool-suballoc/benches/RESULTS-host.md`.
 
 use super::addr_map::{ChainSlots, ChainTable, CHAIN_END};
-use super::free_list::new_slot;
+use crate::block::Block;
 use crate::error::{ensure, InvariantViolation};
-use crate::free_list::Block;
 use crate::types::ALIGNMENT;
 
 /// No neighbour (the block starts or ends its chunk), or the end of a class list.
@@ -395,7 +394,7 @@ pub(crate) struct BlockTable {
 
 impl BlockTable {
     fn new_slot(&mut self, node: Node) -> u32 {
-        new_slot(&mut self.nodes, &mut self.vacant, node)
+        new_slot_in(&mut self.nodes, &mut self.vacant, node)
     }
 
     #[inline]
@@ -757,6 +756,22 @@ impl BlockTable {
             }
         }
         Ok(())
+    }
+}
+
+/// Stores `node` in a vacant slot of `nodes` (listed in `vacant`), or a new one; returns the slot.
+#[inline]
+fn new_slot_in<T>(nodes: &mut Vec<T>, vacant: &mut Vec<u32>, node: T) -> u32 {
+    match vacant.pop() {
+        Some(s) => {
+            nodes[s as usize] = node;
+            s
+        }
+        None => {
+            // A u32 slot covers 4 billion blocks, some 160 GB of nodes: more than any slab holds.
+            nodes.push(node);
+            (nodes.len() - 1) as u32
+        }
     }
 }
 

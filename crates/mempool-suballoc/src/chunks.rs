@@ -11,7 +11,7 @@ use crate::addr_map::AddrMap;
 
 use crate::error::{ensure, Error, InvariantViolation};
 
-use crate::free_list::Block;
+use crate::block::Block;
 
 use crate::stream_order::StreamOrder;
 

@@ -7,9 +7,9 @@ use crate::engine::{Engine, EngineConfig};
 use crate::error::Error;
 use crate::fixed_size::FixedSizeConfig;
 use crate::pool::PoolConfig;
-use crate::stream_order::{SimStream, SimStreams};
+use crate::sim::SimUpstream;
+use crate::sim::{SimStream, SimStreams};
 use crate::types::EngineStats;
-use crate::upstream::SimUpstream;
 
 const A: SimStream = SimStream::new(0);
 

@@ -84,6 +84,7 @@
 mod addr_map;
 mod arena;
 mod binning;
+mod block;
 mod block_table;
 mod chunks;
 mod engine;
@@ -91,9 +92,10 @@ mod engine;
 mod engine_tests;
 mod error;
 mod fixed_size;
-mod free_list;
 mod pool;
 mod sharded;
+#[cfg(any(test, feature = "testing"))]
+mod sim;
 mod stream_lists;
 mod stream_order;
 mod types;
@@ -105,12 +107,17 @@ mod testing;
 
 pub use arena::{ArenaConfig, ArenaEngine};
 pub use binning::{BinningConfig, BinningEngine};
+pub use block::Block;
 pub use engine::{Engine, EngineConfig};
 pub use error::{BoxError, Error, InvariantViolation, OutOfMemoryCause};
 pub use fixed_size::{FixedSizeConfig, FixedSizeEngine};
-pub use free_list::{Block, FreeList};
 pub use pool::{PoolConfig, PoolEngine};
 pub use sharded::Sharded;
-pub use stream_order::{SimEvent, SimStream, SimStreamCounts, SimStreams, StreamOrder, SyncPoint, SIM_MAX_STREAMS};
+#[cfg(any(test, feature = "testing"))]
+pub use sim::{
+    SimEvent, SimStream, SimStreamCounts, SimStreams, SimUpstream, SimUpstreamStats, SyncPoint, SIM_BASE_ADDRESS,
+    SIM_MAX_STREAMS,
+};
+pub use stream_order::StreamOrder;
 pub use types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
-pub use upstream::{SimUpstream, SimUpstreamStats, Upstream, SIM_BASE_ADDRESS};
+pub use upstream::Upstream;

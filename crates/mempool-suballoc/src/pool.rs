@@ -3,9 +3,9 @@
 use super::block_table::{BlockTable, SizeIndex};
 use super::chunks::{check_disjoint, Chunks};
 use super::stream_lists::StreamLists;
+use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
-use crate::free_list::Block;
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -443,9 +443,9 @@ crate::engine::engine_common!(PoolConfig => PoolEngine);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream_order::{SimStream, SimStreams};
+    use crate::sim::SimUpstream;
+    use crate::sim::{SimStream, SimStreams};
     use crate::testing::{self, ops, world};
-    use crate::upstream::SimUpstream;
     use proptest::prelude::*;
 
     const A: SimStream = SimStream::new(0);

@@ -12,11 +12,13 @@ use crate::engine::Engine;
 
 use crate::error::Error;
 
-use crate::stream_order::{SimEvent, SimStream, SimStreams, StreamOrder, SyncPoint};
+use crate::sim::{SimEvent, SimStream, SimStreams, SyncPoint};
+use crate::stream_order::StreamOrder;
 
 use crate::types::{EngineStats, EventPolicy, ALIGNMENT};
 
-use crate::upstream::{SimUpstream, Upstream};
+use crate::sim::SimUpstream;
+use crate::upstream::Upstream;
 
 /// The stream of the engine call in progress, shared by the checking wrappers below: `None`
 /// while releasing, or between calls.

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ALIGNMENT_USIZE};
+use crate::resource::{MemoryResource, ALIGNMENT};
 
 /// Aligns allocations of at least `threshold` bytes to `alignment` (a power of two above 256), by
 /// over-allocating from the upstream, RMM's `aligned_resource_adaptor`. Smaller requests pass through
@@ -31,7 +31,7 @@ impl<U: MemoryResource> AlignedAdaptor<U> {
         }
         Ok(AlignedAdaptor {
             upstream,
-            alignment: alignment.max(ALIGNMENT_USIZE),
+            alignment: alignment.max(ALIGNMENT as usize),
             threshold,
             shifted: Mutex::default(),
         })
@@ -41,7 +41,7 @@ impl<U: MemoryResource> AlignedAdaptor<U> {
         &self.upstream
     }
     fn applies(&self, bytes: usize) -> bool {
-        self.alignment > ALIGNMENT_USIZE && bytes >= self.threshold && bytes > 0
+        self.alignment > ALIGNMENT as usize && bytes >= self.threshold && bytes > 0
     }
 }
 
@@ -52,7 +52,7 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
         if !self.applies(bytes) {
             return self.upstream.allocate(bytes, stream);
         }
-        let upstream_bytes = bytes + self.alignment - ALIGNMENT_USIZE;
+        let upstream_bytes = bytes + self.alignment - ALIGNMENT as usize;
         let raw = self.upstream.allocate(upstream_bytes, stream).map_err(|e| match e {
             // Report the size the caller asked for, not the padded one.
             Error::OutOfMemory { resource, .. } => Error::OutOfMemory {

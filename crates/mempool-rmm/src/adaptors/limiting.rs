@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{align_up_usize, MemoryResource};
+use crate::resource::{align_up, MemoryResource};
 
 /// Refuses allocations that would take the bytes allocated through it past a limit, RMM's
 /// `limiting_resource_adaptor`. Sizes count as rounded up to [`crate::ALIGNMENT`], as they occupy.
@@ -44,7 +44,7 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
 #[allow(unsafe_code)]
 unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        let Some(need) = align_up_usize(bytes) else {
+        let Some(need) = align_up(bytes as u64).map(|n| n as usize) else {
             return Err(Error::LimitExceeded {
                 requested: bytes,
                 used: self.used(),
@@ -72,8 +72,10 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
         unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         // `bytes` is the size of a live allocation made through this adaptor, so it rounded then.
-        self.used
-            .fetch_sub(align_up_usize(bytes).unwrap_or(0), Ordering::AcqRel);
+        self.used.fetch_sub(
+            align_up(bytes as u64).map(|n| n as usize).unwrap_or(0),
+            Ordering::AcqRel,
+        );
         Ok(())
     }
 

@@ -5,7 +5,7 @@ use std::fmt;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ALIGNMENT_USIZE};
+use crate::resource::{MemoryResource, ALIGNMENT};
 
 const NAME: &str = "CallbackResource";
 
@@ -134,7 +134,7 @@ where
                 requested: bytes,
             });
         }
-        if ptr.0 % ALIGNMENT_USIZE as u64 != 0 {
+        if ptr.0 % ALIGNMENT != 0 {
             // Handed back at once: it came from the allocate callback for `bytes`, was never handed out or
             // used, and nothing is queued on `stream` that names it; the free callback gets it once.
             let _ = (self.free)(Returned { ptr, bytes, stream });
@@ -142,7 +142,7 @@ where
                 resource: NAME,
                 reason: format!(
                     "the allocate callback returned {ptr} for {bytes} bytes, which is not aligned to \
-                     {ALIGNMENT_USIZE} bytes"
+                     {ALIGNMENT} bytes"
                 ),
             });
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::resource::{MemoryResource, ALIGNMENT_USIZE};
+use crate::resource::{MemoryResource, ALIGNMENT};
 
 const SYSTEM: &str = "SystemResource";
 const SAM_HEADROOM: &str = "SamHeadroomResource";
@@ -37,10 +37,10 @@ fn require_pageable_access(resource: &'static str, device: &Device) -> Result<()
 /// The layout of a system allocation of `bytes`: aligned as every resource's allocations are. `None` for
 /// a size no layout can describe.
 fn layout(bytes: usize) -> Option<Layout> {
-    Layout::from_size_align(bytes, ALIGNMENT_USIZE).ok()
+    Layout::from_size_align(bytes, ALIGNMENT as usize).ok()
 }
 
-/// Allocates `bytes` of pageable host memory from the global allocator, [`ALIGNMENT_USIZE`]-aligned. 0
+/// Allocates `bytes` of pageable host memory from the global allocator, [`ALIGNMENT`]-aligned. 0
 /// bytes is the null address; a size the allocator cannot serve is out of memory.
 fn host_allocate(resource: &'static str, bytes: usize) -> Result<DeviceAddr> {
     if bytes == 0 {
@@ -175,7 +175,7 @@ unsafe impl MemoryResource for SystemResource {
 /// down to the alignment) prefer the device, the remaining `cpu` bytes prefer the host. RMM's rule.
 fn split(bytes: usize, free: usize, headroom: usize) -> (usize, usize) {
     let allocatable = free.saturating_sub(headroom);
-    let gpu = bytes.min(allocatable) / ALIGNMENT_USIZE * ALIGNMENT_USIZE;
+    let gpu = bytes.min(allocatable) / ALIGNMENT as usize * ALIGNMENT as usize;
     (gpu, bytes - gpu)
 }
 
@@ -280,7 +280,7 @@ mod tests {
         for bytes in [1, 255, 256, 257, 4096, 3 << 20] {
             let p = host_allocate(SYSTEM, bytes).unwrap();
             assert!(!p.is_null());
-            assert_eq!(p.0 % ALIGNMENT_USIZE as u64, 0, "{bytes} bytes at {p}");
+            assert_eq!(p.0 % ALIGNMENT, 0, "{bytes} bytes at {p}");
             // SAFETY: `p` is `bytes` bytes of fresh host memory from the global allocator.
             unsafe { std::ptr::write_bytes(p.0 as *mut u8, 0xab, bytes) };
             // SAFETY: `p` came from `host_allocate(_, bytes)` and is freed once; nothing uses it after.
