@@ -180,9 +180,14 @@ impl Status {
                 | C::CapabilityMissing { .. }
                 | C::HandleTypeNotSupported { .. }
                 | C::VmmHandleTypeNotSupported { .. } => Status::Unsupported,
-                C::InvalidArgument(_) => Status::InvalidArgument,
+                // Operations this kind of pool or this allocation cannot do.
+                C::PoolKind { .. } | C::AllocationNotExportable { .. } => Status::Unsupported,
+                C::InvalidArgument(_) | C::NotGranular { .. } => Status::InvalidArgument,
                 C::PeerAccess { .. } => Status::PeerAccess,
-                _ => Status::Driver,
+                C::Driver { .. } => Status::Driver,
+                // A full reservation, a leak on purpose, a context that is not primary, and variants added
+                // later: their messages name the cause.
+                _ => Status::Other,
             },
             Error::Rmm(_) => Status::Other,
         }
@@ -269,9 +274,10 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests {
     use super::*;
-    use mempool_core::HandleTypes;
+    use mempool_core::{DriverError, DriverVersion, HandleTypes, PeerRefusal};
 
     #[test]
     fn missing_capabilities_are_unsupported() {
@@ -292,11 +298,162 @@ mod tests {
         let e = Error::from(mempool_core::Error::PeerAccess {
             owner: 0,
             peer: 1,
-            reason: mempool_core::PeerRefusal::NoPeerCapability,
+            reason: PeerRefusal::NoPeerCapability,
         });
         assert_eq!(Status::of(&e), Status::PeerAccess);
         assert_eq!(Status::PeerAccess.name(), "MEMPOOL_ERROR_PEER_ACCESS");
         let text = e.to_string();
         assert!(text.contains("device 1") && text.contains("device 0"), "{text}");
+    }
+
+    /// For every status but success: an error of that status, as the C ABI records it, and what its
+    /// last-error message must name.
+    fn one_error_per_status() -> Vec<(Error, &'static [&'static str])> {
+        use mempool_core::Error as C;
+        use mempool_rmm::Error as R;
+        vec![
+            (
+                Error::InvalidArgument("upstream is null".into()),
+                &["invalid argument", "upstream is null"],
+            ),
+            (C::DriverNotFound.into(), &["no CUDA driver", "libcuda.so"]),
+            (
+                C::DriverTooOld {
+                    call: "cuMemPoolCreate",
+                    driver: DriverVersion(11000),
+                    required: Some(DriverVersion(11020)),
+                }
+                .into(),
+                &["cuMemPoolCreate", "11.0", "11.2"],
+            ),
+            (
+                C::NoSuchDevice { ordinal: 3, count: 1 }.into(),
+                &["device 3", "1 device"],
+            ),
+            (
+                R::OutOfMemory {
+                    resource: "PoolResource",
+                    requested: 1 << 30,
+                }
+                .into(),
+                &["out of memory", "PoolResource", "1073741824 bytes"],
+            ),
+            (
+                R::Unsupported {
+                    resource: "FixedSizeResource",
+                    reason: "it serves blocks of at most 1048576 bytes".into(),
+                }
+                .into(),
+                &["FixedSizeResource", "at most 1048576 bytes"],
+            ),
+            (
+                R::InvalidDeallocation {
+                    resource: "PoolResource",
+                    ptr: 0x7f00_0000_1000,
+                    bytes: 256,
+                    reason: "no live allocation starts there".into(),
+                }
+                .into(),
+                &[
+                    "invalid deallocation",
+                    "0x7f0000001000",
+                    "256 bytes",
+                    "no live allocation",
+                ],
+            ),
+            (
+                C::Driver {
+                    call: "cuMemAllocAsync",
+                    error: DriverError {
+                        code: 700,
+                        name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+                        message: "an illegal memory access was encountered".into(),
+                    },
+                }
+                .into(),
+                &["cuMemAllocAsync", "CUDA_ERROR_ILLEGAL_ADDRESS", "illegal memory access"],
+            ),
+            (
+                Error::Panic("index out of bounds".into()),
+                &["panic", "index out of bounds"],
+            ),
+            (
+                R::Log("No space left on device".into()).into(),
+                &["log", "No space left on device"],
+            ),
+            (
+                C::PeerAccess {
+                    owner: 0,
+                    peer: 1,
+                    reason: PeerRefusal::NoPeerCapability,
+                }
+                .into(),
+                &["device 0", "device 1"],
+            ),
+        ]
+    }
+
+    #[test]
+    fn every_status_has_a_last_error_message_that_names_its_cause() {
+        let cases = one_error_per_status();
+        let mut covered: Vec<Status> = cases.iter().map(|(e, _)| Status::of(e)).collect();
+        covered.sort_by_key(|s| *s as i32);
+        let expected: Vec<Status> = Status::ALL.iter().copied().filter(|s| *s != Status::Success).collect();
+        assert_eq!(
+            covered, expected,
+            "one case per status, each classified as its own status"
+        );
+        for (e, names) in &cases {
+            let status = record(e);
+            assert_eq!(status, Status::of(e));
+            // SAFETY: `last_error_ptr` returns this thread's NUL-terminated message, live until the next
+            // call into mempool on this thread (none happens before the copy).
+            let text = unsafe { CStr::from_ptr(last_error_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            assert_eq!(text, last_error());
+            for name in *names {
+                assert!(
+                    text.contains(name),
+                    "{}: the message {text:?} does not name {name:?}",
+                    status.name()
+                );
+            }
+            clear();
+            assert_eq!(last_error(), "");
+        }
+    }
+
+    #[test]
+    fn errors_of_the_core_are_classified_by_their_cause_not_as_driver_failures() {
+        use mempool_core::Error as C;
+        let not_granular = C::NotGranular {
+            what: "the physical allocation's size",
+            value: 1000,
+            granularity: 2 << 20,
+        };
+        assert_eq!(Status::of(&not_granular.into()), Status::InvalidArgument);
+        let kind = C::PoolKind {
+            operation: "trimming",
+            kind: "an imported pool",
+            why: "only the exporting process can trim it",
+        };
+        assert_eq!(Status::of(&kind.into()), Status::Unsupported);
+        let leaked = C::Leaked {
+            what: "a mapping".into(),
+            cause: "cuMemUnmap failed".into(),
+        };
+        assert_eq!(Status::of(&leaked.into()), Status::Other);
+    }
+
+    #[test]
+    fn a_message_with_a_nul_byte_is_kept_with_the_nul_replaced() {
+        record(&Error::InvalidArgument("a\0b".into()));
+        assert_eq!(last_error(), "invalid argument: a b");
+        record_with_prefix(
+            &Error::InvalidArgument("x".into()),
+            "mempool could not allocate 16 bytes",
+        );
+        assert_eq!(last_error(), "mempool could not allocate 16 bytes: invalid argument: x");
     }
 }

@@ -466,3 +466,27 @@ pub unsafe extern "C" fn mempool_get_current_device_resource(device: c_int, out:
         }
     })
 }
+
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_an_entry_point_is_caught_and_named() {
+        let status = guard(|| panic!("the table was empty"));
+        assert_eq!(status, Status::Panic as c_int);
+        let text = error::last_error();
+        assert!(text.contains("panic") && text.contains("the table was empty"), "{text}");
+        assert_eq!(guard(|| Ok(())), Status::Success as c_int);
+        assert_eq!(error::last_error(), "");
+    }
+
+    #[test]
+    fn a_null_out_is_refused_before_the_driver_is_asked() {
+        // SAFETY: a null `out` is allowed (point 1).
+        let status = unsafe { mempool_device_count(std::ptr::null_mut()) };
+        assert_eq!(status, Status::InvalidArgument as c_int);
+        assert_eq!(error::last_error(), "invalid argument: out is null");
+    }
+}
