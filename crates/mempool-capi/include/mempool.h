@@ -23,8 +23,8 @@
 extern "C" {
 #endif
 
-/* What a call returned. Every code is paired with a one-line summary; mempool_last_error() says what
- * happened. (Checked against the Rust definition, crates/mempool-capi/src/error.rs, by tests/abi.rs.) */
+/* The status a call returns, each with its one-line summary; mempool_last_error() names the cause. (The
+ * codes are defined in crates/mempool-capi/src/error.rs; tests/abi.rs checks this header against it.) */
 typedef enum mempool_status {
   /* the call succeeded */
   MEMPOOL_SUCCESS = 0,

@@ -217,7 +217,8 @@ fn set(c: CString) {
     });
 }
 
-/// Records `e` as this thread's last error and returns its status. Never panics (see [`set`]).
+/// Records `e` as this thread's last error and returns its status. Never panics: once the thread's
+/// thread-local storage is destroyed, the message is dropped.
 pub fn record(e: &Error) -> Status {
     let text = e.to_string().replace('\0', " ");
     set(CString::new(text).unwrap_or_default());

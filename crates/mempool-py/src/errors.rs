@@ -163,6 +163,10 @@ impl<T> IpcIntoPy<T> for Result<T, mempool_ipc::Error> {
 /// An exception of the `mempool._errors` class `name` with message `msg` (an `ImportError` if the package
 /// is broken).
 pub fn named(name: &str, msg: String) -> PyErr {
+    debug_assert!(
+        is_table_class(name),
+        "{name} is not a mempool._errors class of the exception table (a status's or an IpcClass)"
+    );
     Python::attach(|py| match py.import("mempool._errors").and_then(|m| m.getattr(name)) {
         Ok(cls) => match cls.cast_into::<PyType>() {
             Ok(cls) => PyErr::from_type(cls, msg),
@@ -172,8 +176,22 @@ pub fn named(name: &str, msg: String) -> PyErr {
     })
 }
 
+/// Whether `name` is a `mempool._errors` class of the exception table.
+fn is_table_class(name: &str) -> bool {
+    let status = |s: &Status| {
+        s.python_exception()
+            .is_some_and(|e| e.module == BASE.module && e.class == name)
+    };
+    Status::ALL.iter().any(status) || IpcClass::ALL.iter().any(|c| c.name() == name)
+}
+
 /// `(code, C name, module, class)`: a row of [`_exception_table`].
-type ExceptionRow = (Option<i32>, Option<&'static str>, Option<&'static str>, Option<&'static str>);
+type ExceptionRow = (
+    Option<i32>,
+    Option<&'static str>,
+    Option<&'static str>,
+    Option<&'static str>,
+);
 
 /// The exception table as the package uses it, for its tests (`tests/test_errors.py`): a row
 /// `(code, C name, module, class)` per status (`None` for the module and class of `MEMPOOL_SUCCESS`),
@@ -182,7 +200,12 @@ type ExceptionRow = (Option<i32>, Option<&'static str>, Option<&'static str>, Op
 fn _exception_table() -> Vec<ExceptionRow> {
     let statuses = Status::ALL.iter().map(|s| {
         let exc = s.python_exception();
-        (Some(*s as i32), Some(s.name()), exc.map(|e| e.module), exc.map(|e| e.class))
+        (
+            Some(*s as i32),
+            Some(s.name()),
+            exc.map(|e| e.module),
+            exc.map(|e| e.class),
+        )
     });
     let ipc = IpcClass::ALL
         .iter()
