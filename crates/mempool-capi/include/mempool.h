@@ -23,19 +23,33 @@
 extern "C" {
 #endif
 
+/* The status a call returns, each with its one-line summary; mempool_last_error() names the cause. (The
+ * codes are defined in crates/mempool-capi/src/error.rs; tests/abi.rs checks this header against it.) */
 typedef enum mempool_status {
+  /* the call succeeded */
   MEMPOOL_SUCCESS = 0,
-  MEMPOOL_ERROR_INVALID_ARGUMENT = 1,     /* a NULL or out-of-range argument */
-  MEMPOOL_ERROR_DRIVER_NOT_FOUND = 2,     /* no libcuda.so could be loaded */
+  /* a NULL or out-of-range argument; the message names it and why */
+  MEMPOOL_ERROR_INVALID_ARGUMENT = 1,
+  /* no CUDA driver (libcuda.so) could be loaded */
+  MEMPOOL_ERROR_DRIVER_NOT_FOUND = 2,
+  /* the driver lacks a call this needs; the message names the call and the versions */
   MEMPOOL_ERROR_DRIVER_TOO_OLD = 3,
-  MEMPOOL_ERROR_NO_DEVICE = 4,            /* no device, or no device with that ordinal */
-  MEMPOOL_ERROR_OUT_OF_MEMORY = 5,        /* the message names the size asked for */
-  MEMPOOL_ERROR_UNSUPPORTED = 6,          /* a missing capability, a size the resource cannot serve */
-  MEMPOOL_ERROR_INVALID_DEALLOCATION = 7, /* a free that matched no live allocation */
-  MEMPOOL_ERROR_DRIVER = 8,               /* another driver call failed; the message names it */
-  MEMPOOL_ERROR_PANIC = 9,                /* a bug in mempool, caught at the boundary */
+  /* no device, or no device with that ordinal */
+  MEMPOOL_ERROR_NO_DEVICE = 4,
+  /* out of memory, or over a limiting adaptor's limit; the message names the size asked for */
+  MEMPOOL_ERROR_OUT_OF_MEMORY = 5,
+  /* the device or resource cannot serve the request (a missing capability, a size it does not serve) */
+  MEMPOOL_ERROR_UNSUPPORTED = 6,
+  /* a free that matched no live allocation */
+  MEMPOOL_ERROR_INVALID_DEALLOCATION = 7,
+  /* another driver call failed; the message names the call and the CUDA error */
+  MEMPOOL_ERROR_DRIVER = 8,
+  /* a bug in mempool: a panic caught at the C boundary */
+  MEMPOOL_ERROR_PANIC = 9,
+  /* anything else (the logging adaptor's I/O, ...); the message names it */
   MEMPOOL_ERROR_OTHER = 10,
-  MEMPOOL_ERROR_PEER_ACCESS = 11          /* a device cannot access the other's memory (no peer capability) */
+  /* a device cannot access the other's memory (no peer capability); the message names both devices */
+  MEMPOOL_ERROR_PEER_ACCESS = 11
 } mempool_status_t;
 
 /* A counted reference to a resource, which knows the device the resource allocates on. Every handle a

@@ -94,21 +94,26 @@ fn ordinal(device: c_int) -> Result<usize> {
     usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is negative")))
 }
 
+/// Writes a new handle owning `h` to `*out` (released by `mempool_resource_destroy`); refuses a null `out`.
+///
 /// # Safety
-/// `out` is null or valid for a write.
+/// 1. `out` is null or valid for a write of a pointer.
 #[allow(unsafe_code)]
 unsafe fn put_handle(out: *mut *mut ResourceHandle, h: ResourceHandle) -> Result<()> {
-    // SAFETY: the caller's contract (checked for null here).
+    // SAFETY: point 1; `as_mut` checks for null.
     let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
     *out = Box::into_raw(Box::new(h));
     Ok(())
 }
 
+/// The handle `h` points to; a null `h` is refused, with `what` naming the argument.
+///
 /// # Safety
-/// `h` is null or a live handle from this library.
+/// 1. `h` is null or a live handle from this library (made by `put_handle`, not yet destroyed).
+/// 2. The handle stays live, and is not destroyed, for the lifetime `'a` the caller picks.
 #[allow(unsafe_code)]
 unsafe fn handle<'a>(h: *const ResourceHandle, what: &str) -> Result<&'a ResourceHandle> {
-    // SAFETY: the caller's contract (checked for null here).
+    // SAFETY: points 1 and 2; `as_ref` checks for null.
     unsafe { h.as_ref() }.ok_or_else(|| Error::InvalidArgument(format!("{what} is null")))
 }
 
@@ -142,23 +147,12 @@ pub extern "C" fn mempool_last_error() -> *const c_char {
 #[no_mangle]
 #[allow(unsafe_code)]
 pub extern "C" fn mempool_status_name(status: c_int) -> *const c_char {
-    let all = [
-        (Status::Success, c"MEMPOOL_SUCCESS"),
-        (Status::InvalidArgument, c"MEMPOOL_ERROR_INVALID_ARGUMENT"),
-        (Status::DriverNotFound, c"MEMPOOL_ERROR_DRIVER_NOT_FOUND"),
-        (Status::DriverTooOld, c"MEMPOOL_ERROR_DRIVER_TOO_OLD"),
-        (Status::NoDevice, c"MEMPOOL_ERROR_NO_DEVICE"),
-        (Status::OutOfMemory, c"MEMPOOL_ERROR_OUT_OF_MEMORY"),
-        (Status::Unsupported, c"MEMPOOL_ERROR_UNSUPPORTED"),
-        (Status::InvalidDeallocation, c"MEMPOOL_ERROR_INVALID_DEALLOCATION"),
-        (Status::Driver, c"MEMPOOL_ERROR_DRIVER"),
-        (Status::Panic, c"MEMPOOL_ERROR_PANIC"),
-        (Status::Other, c"MEMPOOL_ERROR_OTHER"),
-        (Status::PeerAccess, c"MEMPOOL_ERROR_PEER_ACCESS"),
-    ];
-    all.iter()
-        .find(|(s, _)| *s as c_int == status)
-        .map_or(c"MEMPOOL_UNKNOWN_STATUS".as_ptr(), |(_, n)| n.as_ptr())
+    catch_unwind(|| {
+        Status::from_code(status)
+            .map_or(c"MEMPOOL_UNKNOWN_STATUS", Status::c_name)
+            .as_ptr()
+    })
+    .unwrap_or(c"MEMPOOL_UNKNOWN_STATUS".as_ptr())
 }
 
 /// Writes the number of visible devices to `*out`.
@@ -169,9 +163,9 @@ pub extern "C" fn mempool_status_name(status: c_int) -> *const c_char {
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_device_count(out: *mut c_int) -> c_int {
     guard(|| {
-        let n = device::count()?;
         // SAFETY: point 1 (checked for null).
         let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        let n = device::count()?;
         *out = c_int::try_from(n).unwrap_or(c_int::MAX);
         Ok(())
     })
@@ -247,7 +241,7 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
     out: *mut *mut ResourceHandle,
 ) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(upstream, "upstream") }?;
         let d = ordinal(device)?;
         same_device(h, d, "upstream")?;
@@ -276,7 +270,7 @@ pub unsafe extern "C" fn mempool_statistics_adaptor_create(
     out: *mut *mut ResourceHandle,
 ) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(upstream, "upstream") }?;
         let stats = Arc::new(StatisticsAdaptor::new(h.shared.clone()));
         register_statistics(&stats);
@@ -308,7 +302,7 @@ pub unsafe extern "C" fn mempool_limiting_adaptor_create(
     out: *mut *mut ResourceHandle,
 ) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(upstream, "upstream") }?;
         let mr: SharedResource = Arc::new(LimitingAdaptor::new(h.shared.clone(), limit));
         // SAFETY: point 1.
@@ -324,7 +318,7 @@ pub unsafe extern "C" fn mempool_limiting_adaptor_create(
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_statistics_get(resource: *const ResourceHandle, out: *mut Statistics) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(resource, "resource") }?;
         let stats = h.stats.as_ref().ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -359,9 +353,11 @@ pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle)
     if resource.is_null() {
         return;
     }
-    // SAFETY: point 1: it came from `Box::into_raw` in `put_handle` and is released once. Dropping runs
-    // no user code that could panic (resources' drops record their errors).
-    let r = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(resource) })));
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: point 1: it came from `Box::into_raw` in `put_handle` and is released once. A panic while
+        // dropping is caught here (resources' drops record their errors rather than panic).
+        drop(unsafe { Box::from_raw(resource) })
+    }));
     if let Err(p) = r {
         let _ = catch_unwind(AssertUnwindSafe(|| {
             error::record(&Error::Panic(error::panic_message(&*p)));
@@ -386,7 +382,7 @@ pub unsafe extern "C" fn mempool_allocate(
     out: *mut *mut c_void,
 ) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(resource, "resource") }?;
         // SAFETY: point 1 (checked for null).
         let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
@@ -413,7 +409,7 @@ pub unsafe extern "C" fn mempool_deallocate(
     stream: *mut c_void,
 ) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(resource, "resource") }?;
         // SAFETY: point 3.
         let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
@@ -434,7 +430,7 @@ pub unsafe extern "C" fn mempool_deallocate(
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_set_current_device_resource(device: c_int, resource: *const ResourceHandle) -> c_int {
     guard(|| {
-        // SAFETY: point 1.
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(resource, "resource") }?;
         let d = ordinal(device)?;
         same_device(h, d, "resource")?;
@@ -469,4 +465,28 @@ pub unsafe extern "C" fn mempool_get_current_device_resource(device: c_int, out:
             )
         }
     })
+}
+
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_an_entry_point_is_caught_and_named() {
+        let status = guard(|| panic!("the table was empty"));
+        assert_eq!(status, Status::Panic as c_int);
+        let text = error::last_error();
+        assert!(text.contains("panic") && text.contains("the table was empty"), "{text}");
+        assert_eq!(guard(|| Ok(())), Status::Success as c_int);
+        assert_eq!(error::last_error(), "");
+    }
+
+    #[test]
+    fn a_null_out_is_refused_before_the_driver_is_asked() {
+        // SAFETY: a null `out` is allowed (point 1).
+        let status = unsafe { mempool_device_count(std::ptr::null_mut()) };
+        assert_eq!(status, Status::InvalidArgument as c_int);
+        assert_eq!(error::last_error(), "invalid argument: out is null");
+    }
 }

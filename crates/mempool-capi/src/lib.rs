@@ -10,6 +10,11 @@
 //! `MEMPOOL_ERROR_PANIC`. The one exception to "returns a status" is `mempool_torch_alloc`, which reports
 //! a failure to PyTorch as a C++ exception, because PyTorch ignores a null return (see [`torch`]).
 //!
+//! The status codes are defined once, in [`error`]'s table: [`Status`], its C names and summaries, and
+//! the Python exception of each ([`Status::python_exception`]). `tests/abi.rs` checks `include/mempool.h`
+//! (its status enum, every prototype against the entry points of [`ffi`] and [`torch`], and
+//! `mempool_statistics_t`) and the Python package's `_errors.py` against the Rust definitions.
+//!
 //! The Rust side of the Python package uses [`device`], [`registry`], [`owned::Allocation`] and
 //! [`error`] directly.
 

@@ -73,16 +73,19 @@ pub fn live_allocations() -> usize {
         .sum()
 }
 
-fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void> {
+/// `size` bytes from `device`'s current resource on `stream`, recorded in the live table.
+///
+/// # Safety
+/// 1. `stream` is a live stream of `device` (or a special handle) for the duration of the call.
+#[allow(unsafe_code)]
+unsafe fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void> {
     if size == 0 {
         return Ok(std::ptr::null_mut());
     }
     let ordinal =
         usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is negative")))?;
     let mr = registry::current(ordinal)?;
-    // SAFETY: PyTorch passes its current stream of `device`, live for this call; the stream is only
-    // used for this allocation here.
-    #[allow(unsafe_code)]
+    // SAFETY: point 1; the stream is only used for this allocation here.
     let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
     let addr = mr.allocate(size, s)?;
     shard(addr.as_raw())
@@ -93,11 +96,17 @@ fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void>
     Ok(addr.as_raw() as *mut c_void)
 }
 
-fn alloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> Option<*mut c_void> {
+/// [`alloc`] with the thread's last error recorded or cleared, and a panic caught: `None` on failure.
+///
+/// # Safety
+/// 1. As point 1 of [`alloc`].
+#[allow(unsafe_code)]
+unsafe fn alloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> Option<*mut c_void> {
     // The last error is recorded or cleared inside the caught closure (recording never panics, see
     // `error::record`), so nothing after `catch_unwind` can panic.
     let prefix = |size: usize| format!("mempool could not allocate {size} bytes on device {device}");
-    catch_unwind(AssertUnwindSafe(|| match alloc(size, device, stream) {
+    // SAFETY: point 1.
+    catch_unwind(AssertUnwindSafe(|| match unsafe { alloc(size, device, stream) } {
         Ok(p) => {
             error::clear();
             Some(p)
@@ -137,7 +146,8 @@ extern "C-unwind" {
 #[no_mangle]
 #[allow(unsafe_code)]
 pub unsafe extern "C-unwind" fn mempool_torch_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    match alloc_guarded(size, device, stream) {
+    // SAFETY: point 1.
+    match unsafe { alloc_guarded(size, device, stream) } {
         Some(p) => p,
         None => {
             #[cfg(mempool_cxx_shim)]
@@ -161,10 +171,18 @@ pub unsafe extern "C-unwind" fn mempool_torch_alloc(size: usize, device: c_int, 
 #[no_mangle]
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_torch_alloc_nullable(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    alloc_guarded(size, device, stream).unwrap_or(std::ptr::null_mut())
+    // SAFETY: point 1.
+    unsafe { alloc_guarded(size, device, stream) }.unwrap_or(std::ptr::null_mut())
 }
 
-fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()> {
+/// Returns `ptr` (of `size` bytes) to the resource that allocated it, if the live table holds it with that
+/// size; refuses it otherwise (nothing is freed).
+///
+/// # Safety
+/// 1. `stream` is live for the duration of the call.
+/// 2. No work uses the memory at `ptr` after this point of `stream`.
+#[allow(unsafe_code)]
+unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()> {
     if ptr.is_null() {
         return Ok(());
     }
@@ -187,13 +205,11 @@ fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()> {
             "free of {addr:#x}, which mempool's PyTorch allocator did not hand out (or freed already); not freed"
         )));
     };
-    // SAFETY: point 1 of `mempool_torch_free`: the stream is live.
-    #[allow(unsafe_code)]
+    // SAFETY: point 1: the stream is live.
     let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
-    // uses it, ordered on `stream` (the stream it allocated on, which PyTorch recorded).
-    #[allow(unsafe_code)]
+    // uses it, ordered on `stream` (point 2).
     unsafe { mr.deallocate(DeviceAddr(addr), size, s) }?;
     Ok(())
 }
@@ -213,7 +229,8 @@ pub unsafe extern "C" fn mempool_torch_free(ptr: *mut c_void, size: usize, _devi
         FREE_FAILURES.fetch_add(1, Ordering::Relaxed);
         error::record(e);
     };
-    let r = catch_unwind(AssertUnwindSafe(|| match free(ptr, size, stream) {
+    // SAFETY: points 1 and 2.
+    let r = catch_unwind(AssertUnwindSafe(|| match unsafe { free(ptr, size, stream) } {
         Ok(()) => error::clear(),
         Err(e) => failed(&e),
     }));

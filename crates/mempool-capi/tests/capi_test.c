@@ -34,7 +34,8 @@ static void common(void) {
   CHECK(mempool_set_current_device_resource(0, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
   CHECK(mempool_cuda_resource_create(-1, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
   CHECK(strstr(mempool_last_error(), "negative") != NULL, "message");
-  CHECK(mempool_device_count(NULL) != MEMPOOL_SUCCESS, "null out");
+  CHECK(mempool_device_count(NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out, refused before the driver is asked");
+  CHECK(strstr(mempool_last_error(), "out is null") != NULL, "message names the argument");
   CHECK(mempool_get_current_device_resource(-3, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
   CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
   mempool_resource_destroy(NULL);

@@ -1,53 +1,43 @@
-//! mempool's errors as Python exceptions: the classes of `mempool._errors`, chosen by the C ABI's status of
-//! the error, with its message (which names the cause: no driver, no device, the size that did not fit).
+//! mempool's errors as Python exceptions, with their messages (which name the cause: no driver, no device,
+//! the size that did not fit). The class of an error is the one its C ABI status has in mempool-capi's
+//! status table ([`Status::python_exception`]); errors of mempool-ipc have the classes of [`IpcClass`]
+//! besides. `tests/test_errors.py` checks `mempool._errors` and `include/mempool.h` against both.
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
+use mempool_capi::error::PythonException;
 use mempool_capi::{Error, Status};
 
-static CLASSES: [PyOnceLock<Py<PyType>>; 9] = [const { PyOnceLock::new() }; 9];
-const NAMES: [&str; 9] = [
-    "MempoolError",
-    "DriverNotFoundError",
-    "DriverTooOldError",
-    "NoDeviceError",
-    "OutOfMemoryError",
-    "UnsupportedError",
-    "InvalidDeallocationError",
-    "DriverError",
-    "PeerAccessError",
-];
+/// The class of each status (indexed by its code: `Status::ALL` is in code order), imported once.
+static CLASSES: [PyOnceLock<Py<PyType>>; Status::ALL.len()] = [const { PyOnceLock::new() }; Status::ALL.len()];
 
+/// The class of an error whose status has none (only `Status::Success` has none, and no error has it).
+const BASE: PythonException = PythonException {
+    module: "mempool._errors",
+    class: "MempoolError",
+};
+
+/// The Python exception class of `status`, as mempool-capi's status table names it.
 fn class(py: Python<'_>, status: Status) -> PyResult<&Bound<'_, PyType>> {
-    let i = match status {
-        Status::DriverNotFound => 1,
-        Status::DriverTooOld => 2,
-        Status::NoDevice => 3,
-        Status::OutOfMemory => 4,
-        Status::Unsupported => 5,
-        Status::InvalidDeallocation => 6,
-        Status::Driver => 7,
-        Status::PeerAccess => 8,
-        _ => 0,
-    };
-    CLASSES[i].import(py, "mempool._errors", NAMES[i])
+    let exc = status.python_exception().unwrap_or(BASE);
+    CLASSES[status as usize].import(py, exc.module, exc.class)
 }
 
-/// The Python exception for `e`: a `ValueError` for a bad argument, else the `mempool._errors` class of
-/// its status (`OutOfMemoryError` is also a `MemoryError`), carrying `e`'s message.
-pub fn to_py(e: Error) -> PyErr {
-    Python::attach(|py| {
-        let status = Status::of(&e);
-        if status == Status::InvalidArgument {
-            return pyo3::exceptions::PyValueError::new_err(e.to_string());
-        }
-        match class(py, status) {
-            Ok(cls) => PyErr::from_type(cls.clone(), e.to_string()),
-            Err(import_failure) => import_failure,
-        }
+/// An exception of `status`'s class carrying `message`.
+fn of_status(status: Status, message: String) -> PyErr {
+    Python::attach(|py| match class(py, status) {
+        Ok(cls) => PyErr::from_type(cls.clone(), message),
+        Err(import_failure) => import_failure,
     })
+}
+
+/// The Python exception for `e`: the class its status has in mempool-capi's status table (a `ValueError`
+/// for a bad argument, else a `mempool._errors` class; `OutOfMemoryError` is also a `MemoryError`),
+/// carrying `e`'s message.
+pub fn to_py(e: Error) -> PyErr {
+    of_status(Status::of(&e), e.to_string())
 }
 
 /// `?` on mempool's errors in functions that return `PyResult`.
@@ -62,30 +52,73 @@ impl<T, E: Into<Error>> IntoPy<T> for Result<T, E> {
     }
 }
 
-/// The `mempool._errors` class for an error of mempool-ipc (see [`ipc_to_py`]).
-fn ipc_class_name(e: &mempool_ipc::Error) -> &'static str {
+/// The `mempool._errors` classes that only errors of mempool-ipc have (the others have a status's class):
+/// `IpcError` and its subclasses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum IpcClass {
+    /// `IpcError`: the base, and the class of the causes below have no class of their own.
+    Ipc,
+    /// `PeerGoneError`: the peer closed the connection, died, or nobody serves the path.
+    PeerGone,
+    /// `IpcProtocolError`: a malformed or unexpected message, or the peer's `Error` message.
+    Protocol,
+    /// `RefusedError`: turned away (limits, access policy).
+    Refused,
+    /// `IpcTimeoutError`: a step or a wait timed out.
+    Timeout,
+}
+
+impl IpcClass {
+    const ALL: [IpcClass; 5] = [
+        IpcClass::Ipc,
+        IpcClass::PeerGone,
+        IpcClass::Protocol,
+        IpcClass::Refused,
+        IpcClass::Timeout,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            IpcClass::Ipc => "IpcError",
+            IpcClass::PeerGone => "PeerGoneError",
+            IpcClass::Protocol => "IpcProtocolError",
+            IpcClass::Refused => "RefusedError",
+            IpcClass::Timeout => "IpcTimeoutError",
+        }
+    }
+}
+
+/// The Python class of an error of mempool-ipc (see [`ipc_to_py`]): one of mempool-ipc's own, or the
+/// class of a status.
+enum IpcCause {
+    Ipc(IpcClass),
+    Status(Status),
+}
+
+fn ipc_cause(e: &mempool_ipc::Error) -> IpcCause {
     use mempool_ipc::Error as E;
+    use IpcCause::Ipc;
     match e {
         E::Protocol(_) | E::UnexpectedMessage { .. } | E::DescriptorCount { .. } | E::Remote { .. } => {
-            "IpcProtocolError"
+            Ipc(IpcClass::Protocol)
         }
-        E::Refused { .. } | E::PeerCredentials { .. } | E::ForeignPidNamespace { .. } => "RefusedError",
-        E::Timeout { .. } | E::WaitTimeout { .. } => "IpcTimeoutError",
+        E::Refused { .. } | E::PeerCredentials { .. } | E::ForeignPidNamespace { .. } => Ipc(IpcClass::Refused),
+        E::Timeout { .. } | E::WaitTimeout { .. } => Ipc(IpcClass::Timeout),
         E::Closed | E::WriteClosed | E::ConnectionFailed | E::ExporterGone { .. } | E::Stalled { .. } => {
-            "PeerGoneError"
+            Ipc(IpcClass::PeerGone)
         }
-        E::UnknownImporter { .. } => "PeerGoneError",
+        E::UnknownImporter { .. } => Ipc(IpcClass::PeerGone),
         E::Io(io)
             if matches!(
                 io.kind(),
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
             ) =>
         {
-            "PeerGoneError"
+            Ipc(IpcClass::PeerGone)
         }
-        E::WrongDevice { .. } | E::DeviceNotVisible { .. } => "NoDeviceError",
-        E::Share { source, .. } => ipc_class_name(source),
-        _ => "IpcError",
+        E::WrongDevice { .. } | E::DeviceNotVisible { .. } => IpcCause::Status(Status::NoDevice),
+        E::Share { source, .. } => ipc_cause(source),
+        _ => Ipc(IpcClass::Ipc),
     }
 }
 
@@ -107,9 +140,12 @@ pub fn ipc_to_py(context: &str, e: mempool_ipc::Error) -> PyErr {
         other => other,
     };
     if matches!(e, mempool_ipc::Error::NotShareable { .. }) {
-        return pyo3::exceptions::PyValueError::new_err(format!("{context}: {e}"));
+        return of_status(Status::InvalidArgument, format!("{context}: {e}"));
     }
-    named(ipc_class_name(&e), format!("{context}: {e}"))
+    match ipc_cause(&e) {
+        IpcCause::Ipc(class) => named(class.name(), format!("{context}: {e}")),
+        IpcCause::Status(status) => of_status(status, format!("{context}: {e}")),
+    }
 }
 
 /// `?` on mempool-ipc's errors, saying what was being done.
@@ -127,6 +163,10 @@ impl<T> IpcIntoPy<T> for Result<T, mempool_ipc::Error> {
 /// An exception of the `mempool._errors` class `name` with message `msg` (an `ImportError` if the package
 /// is broken).
 pub fn named(name: &str, msg: String) -> PyErr {
+    debug_assert!(
+        is_table_class(name),
+        "{name} is not a mempool._errors class of the exception table (a status's or an IpcClass)"
+    );
     Python::attach(|py| match py.import("mempool._errors").and_then(|m| m.getattr(name)) {
         Ok(cls) => match cls.cast_into::<PyType>() {
             Ok(cls) => PyErr::from_type(cls, msg),
@@ -134,4 +174,58 @@ pub fn named(name: &str, msg: String) -> PyErr {
         },
         Err(import_failure) => import_failure,
     })
+}
+
+/// Whether `name` is a `mempool._errors` class of the exception table.
+fn is_table_class(name: &str) -> bool {
+    let status = |s: &Status| {
+        s.python_exception()
+            .is_some_and(|e| e.module == BASE.module && e.class == name)
+    };
+    Status::ALL.iter().any(status) || IpcClass::ALL.iter().any(|c| c.name() == name)
+}
+
+/// `(code, C name, module, class)`: a row of [`_exception_table`].
+type ExceptionRow = (
+    Option<i32>,
+    Option<&'static str>,
+    Option<&'static str>,
+    Option<&'static str>,
+);
+
+/// The exception table as the package uses it, for its tests (`tests/test_errors.py`): a row
+/// `(code, C name, module, class)` per status (`None` for the module and class of `MEMPOOL_SUCCESS`),
+/// then `(None, None, "mempool._errors", class)` per class only mempool-ipc's errors have.
+#[pyfunction]
+fn _exception_table() -> Vec<ExceptionRow> {
+    let statuses = Status::ALL.iter().map(|s| {
+        let exc = s.python_exception();
+        (
+            Some(*s as i32),
+            Some(s.name()),
+            exc.map(|e| e.module),
+            exc.map(|e| e.class),
+        )
+    });
+    let ipc = IpcClass::ALL
+        .iter()
+        .map(|c| (None, None, Some("mempool._errors"), Some(c.name())));
+    statuses.chain(ipc).collect()
+}
+
+/// The exception [`to_py`] raises for an error of status `code`, with `message` (for the tests: it goes
+/// through the same lookup). A code that is no status is a `ValueError`.
+#[pyfunction]
+fn _exception_for_status(code: i32, message: String) -> PyErr {
+    match Status::from_code(code) {
+        Some(status) => of_status(status, message),
+        None => pyo3::exceptions::PyValueError::new_err(format!("{code} is not a mempool status code")),
+    }
+}
+
+/// Adds the test hooks above to the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_exception_table, m)?)?;
+    m.add_function(wrap_pyfunction!(_exception_for_status, m)?)?;
+    Ok(())
 }

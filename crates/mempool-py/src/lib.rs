@@ -92,5 +92,6 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_torch_allocator_state, m)?)?;
     m.add_function(wrap_pyfunction!(_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(mr::_flush_logs, m)?)?;
+    errors::register(m)?;
     Ok(())
 }

@@ -1,4 +1,7 @@
-"""mempool's exceptions. Every error names its cause: no driver, no device, the size that did not fit."""
+"""mempool's exceptions. Every error names its cause: no driver, no device, the size that did not fit.
+
+Which class an error of each C ABI status (``MEMPOOL_ERROR_*``) raises is defined once, in mempool-capi's
+status table (``crates/mempool-capi/src/error.rs``); the package's tests check this module against it."""
 
 
 class MempoolError(RuntimeError):
