@@ -2,6 +2,11 @@
 # On the GPU machine, after gpu-pack: every packed test binary with its own time limit ($1 seconds, default
 # 240; further arguments go to each binary), one line each with its duration, the failures' details, then
 # 'N passed, N failed'. Unlike .gpu/run-tests, a hung binary costs its limit, not the whole run.
+# Runs from the repository root whatever the current directory, and tells the tests where it is
+# (MEMPOOL_SOURCE_ROOT: the packed binaries find the crates' committed data under it, not under the build
+# machine's path).
+cd "$(dirname "$0")/.." || exit 1
+export MEMPOOL_SOURCE_ROOT="${MEMPOOL_SOURCE_ROOT:-$PWD}"
 lim=${1:-240}; shift || true
 pass=0; fail=0
 for t in .gpu/tests/*; do

@@ -162,6 +162,8 @@ macro_rules! kernels {
         $(#[$doc])*
         #[derive(Debug)]
         $vis struct $name<'m> {
+            /// The module the kernels were looked up in.
+            module: &'m Module,
             $($(#[$field_doc])* pub(crate) $field: Function<'m>,)*
         }
 
@@ -169,8 +171,14 @@ macro_rules! kernels {
             #[doc = concat!("Looks the kernels up in `module` (loaded from `", stringify!($ptx), "`, see [`load`]).")]
             $vis fn new(module: &'m Module) -> Result<$name<'m>> {
                 Ok($name {
+                    module,
                     $($field: module.function($symbol)?,)*
                 })
+            }
+
+            /// The context the kernels were loaded into: launches go to streams of this context.
+            $vis fn context(&self) -> &'m Arc<Context> {
+                self.module.context()
             }
         }
     };

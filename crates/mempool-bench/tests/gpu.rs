@@ -12,7 +12,7 @@ use mempool_bench::workloads::columns::Exec;
 use mempool_bench::workloads::query::{self, reference, Query, QueryParams, Scale};
 use mempool_bench::workloads::{fragmentation, grow, multi_stream, peer, random, replay, with_baselines, Common};
 use mempool_core::kernels::{u32s, CheckKernels};
-use mempool_core::{Device, Stream};
+use mempool_core::{Device, Stream, StreamRef};
 use mempool_rmm::{AsyncOptions, AsyncResource};
 
 fn device() -> Device {
@@ -139,7 +139,15 @@ fn columnar_operators_agree_with_the_host() {
     let k = QueryKernels::new(&module).unwrap();
     let mr = AsyncResource::new(&dev, AsyncOptions::default()).unwrap();
     let stream = Stream::new(&ctx).unwrap();
-    let x = Exec::new(&mr, stream.as_ref(), &ctx, &k);
+    // A stream that knows no context is refused: the kernels would be launched on it.
+    let refused = Exec::new(&mr, StreamRef::LEGACY, &k)
+        .err()
+        .expect("a stream without a context is refused");
+    assert!(
+        matches!(&refused, mempool_bench::Error::Usage(m) if m.contains("knows no context")),
+        "{refused}"
+    );
+    let x = Exec::new(&mr, stream.as_ref(), &k).unwrap();
 
     // Scan over three levels of tiles (2 Mi + 333 elements), and the selection it serves.
     let n = (2 << 20) + 333;
@@ -156,10 +164,11 @@ fn columnar_operators_agree_with_the_host() {
     let sel = x.select(&flags).unwrap();
     let kept: Vec<u32> = host.iter().copied().filter(|v| (2..4).contains(v)).collect();
     assert_eq!(sel.count, kept.len());
-    assert_eq!(x.compact(&vals, &flags, &sel).unwrap().download().unwrap(), kept);
-    let idx = x.compact_index(&flags, &sel).unwrap().download().unwrap();
+    assert_eq!(x.compact(&vals, &sel).unwrap().download().unwrap(), kept);
+    let idx = x.compact_index(&sel).unwrap().download().unwrap();
     assert!(idx.windows(2).all(|w| w[0] < w[1]) && idx.iter().all(|&i| (2..4).contains(&host[i as usize])));
-    drop((vals, flags, sel));
+    drop(sel);
+    drop((vals, flags));
 
     // Radix sort: full 32-bit keys, stable (equal keys keep their row order).
     let m = 300_001;

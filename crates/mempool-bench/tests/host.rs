@@ -13,6 +13,8 @@ use mempool_bench::workloads::replay::{self, Step};
 use mempool_bench::Error;
 use mempool_rmm::testing::SimResource;
 
+mod common;
+
 // ---------------------------------------------------------------------------------------------------
 // Specs
 
@@ -835,49 +837,104 @@ fn values_that_make_no_sense_are_refused_with_the_reason() {
     }
 }
 
+/// Every GPU workload on every machine: without the GPUs it needs it says so (`mempool-bench WORKLOAD:
+/// needs a GPU: WHY`, with what runs instead) and exits with status 2; with them, a small run succeeds.
 #[test]
-fn without_a_driver_gpu_workloads_say_so() {
-    if mempool_core::driver_present() {
-        return; // a machine with a driver: the GPU tests cover it
-    }
-    let no_driver = "needs a GPU: no CUDA driver found";
+fn gpu_workloads_need_their_gpus_or_run() {
     // A readable log: the file is checked before the driver, so a missing one would be refused first.
-    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample-random.csv");
-    for (args, first, hint) in [
+    let sample = common::data("sample-random.csv");
+    let sample = sample.to_str().unwrap();
+    let small_random = [
+        "--n",
+        "200",
+        "--max-size",
+        "4KiB",
+        "--max-usage",
+        "64KiB",
+        "--repeats",
+        "1",
+    ];
+    for (args, small, first, hint) in [
         (
             &["random"][..],
+            &small_random[..],
             "random",
             "`-r sim` runs the random workload on a host simulation",
         ),
         (
             &["random", "-r", "sim,pool(async)"],
+            &small_random[..],
             "random",
             "mempool-bench random -r sim",
         ),
-        (&["replay", sample], "replay", "mempool-bench replay -r sim FILE"),
+        (
+            &["replay", sample],
+            &["--repeats", "1"],
+            "replay",
+            "mempool-bench replay -r sim FILE",
+        ),
         (
             &["query", "--scale", "0.01"],
+            &["--workers", "1", "--rounds", "1", "--queries", "q1"],
             "query",
             "runs kernels on the GPU; there is no host simulation",
         ),
         (
             &["multi-stream"],
+            &[
+                "--streams",
+                "1",
+                "--iterations",
+                "4",
+                "--elements",
+                "1024",
+                "--repeats",
+                "1",
+            ],
             "multi-stream",
             "runs kernels on the GPU; there is no host simulation",
         ),
     ] {
-        let (status, err) = refused(args);
-        assert_eq!(status, Some(2), "{args:?}: {err}");
-        assert!(
-            err.starts_with(&format!("mempool-bench {first}: {no_driver}")),
-            "{args:?}: {err}"
-        );
-        assert!(err.contains(hint), "{args:?}: {err}");
+        match mempool_core::require_gpus(1) {
+            Err(missing) => {
+                let (status, err) = refused(args);
+                assert_eq!(status, Some(2), "{args:?}: {err}");
+                assert!(
+                    err.starts_with(&format!("mempool-bench {first}: {missing}")),
+                    "{args:?}: {err}"
+                );
+                assert!(
+                    err.starts_with(&format!("mempool-bench {first}: needs a GPU: ")),
+                    "{args:?}: {err}"
+                );
+                assert!(err.contains(hint), "{args:?}: {err}");
+            }
+            Ok(_) => {
+                let out = bench().args(args).args(small).arg("-q").output().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    out.status.success(),
+                    "{args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(stdout.contains("device: "), "{args:?} reports its device: {stdout}");
+            }
+        }
     }
-    let (status, err) = refused(&["peer"]);
-    assert_eq!(status, Some(2), "{err}");
-    assert!(
-        err.starts_with("mempool-bench peer: needs 2 GPUs: no CUDA driver found"),
-        "{err}"
-    );
+    match mempool_core::require_gpus(2) {
+        Err(missing) => {
+            let (status, err) = refused(&["peer"]);
+            assert_eq!(status, Some(2), "{err}");
+            assert!(err.starts_with(&format!("mempool-bench peer: {missing}")), "{err}");
+            assert!(err.starts_with("mempool-bench peer: needs 2 GPUs: "), "{err}");
+        }
+        Ok(_) => {
+            let out = bench()
+                .args(["peer", "--bytes", "1MiB", "--repeats", "1", "-q"])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            assert!(String::from_utf8_lossy(&out.stdout).contains("device: "));
+        }
+    }
 }

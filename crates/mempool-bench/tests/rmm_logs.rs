@@ -4,7 +4,7 @@
 //! - a log that mempool-rmm's `LoggingAdaptor` writes has the exact shape RMM 26.10 writes and passes
 //!   those rules, and RMM reads back what mempool meant;
 //! - logs in RMM 26.10's format, `data/rmm-26.10-format.csv` (derived from RMM's sources) and
-//!   `data/rmm-26.10.csv` (recorded on a GPU by `data/rmm-log/make_rmm_log.cu`; checked when present),
+//!   `data/rmm-26.10.csv` (recorded on a GPU by `data/rmm-log/make_rmm_log.cu`),
 //!   pass the same rules and replay over the host simulation.
 //!
 //! The sample log in the new format and in the old one is checked in `host.rs`.
@@ -296,9 +296,8 @@ fn cross_thread_frees(events: &[rmm_parser::Event]) -> usize {
     n
 }
 
-fn data(file: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data").join(file)
-}
+mod common;
+use common::data;
 
 #[test]
 #[allow(unsafe_code)] // frees what it allocates: `deallocate` is unsafe
@@ -420,7 +419,7 @@ fn rmms_parser_rules_reject_what_rmm_rejects() {
     assert!(stoul("", 10).is_err());
 }
 
-/// The logs in RMM 26.10's format under `data/`: the derived one, always; the recorded one when it is there.
+/// The logs in RMM 26.10's format under `data/`: the derived one and the recorded one.
 #[test]
 fn rmm_26_10_logs_pass_rmms_parser_and_replay() {
     let derived = std::fs::read_to_string(data("rmm-26.10-format.csv")).unwrap();
@@ -428,21 +427,18 @@ fn rmm_26_10_logs_pass_rmms_parser_and_replay() {
     let plan = replays("rmm-26.10-format.csv", &derived);
     assert_eq!((plan.threads.len(), plan.logged_failures), (3, 1));
     assert!(cross_thread_frees(&rmm) >= 4);
-    let recorded = data("rmm-26.10.csv");
-    if recorded.exists() {
-        check_recorded_rmm_26_10_log(&recorded);
-    }
+    check_recorded_rmm_26_10_log(&data("rmm-26.10.csv"));
 }
 
 /// The log `data/rmm-log/make_rmm_log.cu` writes: the main thread's allocation and free on the default
 /// stream, 24 allocations by thread A and 16 by thread B on their own streams, 16 of A's freed by B, and
 /// the main thread's failed 1 PiB allocation. Point `MEMPOOL_RMM_LOG` at a freshly made log to check it
-/// before committing it (`cargo test -p mempool-bench --test rmm_logs recorded`).
+/// before committing it (`cargo test -p mempool-bench --test rmm_logs recorded`); without it, the
+/// committed one (`data/rmm-26.10.csv`) is checked.
 #[test]
 fn recorded_rmm_log_from_env_matches_make_rmm_log() {
-    if let Some(path) = std::env::var_os("MEMPOOL_RMM_LOG") {
-        check_recorded_rmm_26_10_log(Path::new(&path));
-    }
+    let path = std::env::var_os("MEMPOOL_RMM_LOG").map_or_else(|| data("rmm-26.10.csv"), PathBuf::from);
+    check_recorded_rmm_26_10_log(&path);
 }
 
 fn check_recorded_rmm_26_10_log(path: &Path) {

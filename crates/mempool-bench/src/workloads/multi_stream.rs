@@ -11,7 +11,7 @@
 use std::sync::{Barrier, Mutex};
 use std::time::Instant;
 
-use mempool_core::{memory, Device, Stream};
+use mempool_core::{memory, Stream};
 use mempool_rmm::MemoryResource;
 
 use crate::chart::{Chart, ChartKind, Series};
@@ -48,18 +48,18 @@ pub(crate) fn expected_sum(seed: u32, elements: usize, rounds: u32) -> u64 {
         .sum()
 }
 
-/// Runs `iterations` per stream on `streams` streams; returns the wall time (seconds). Checks every
-/// stream's sum against `sums` (the expected sum per seed).
+/// Runs `iterations` per stream on `streams` streams of the kernels' context; returns the wall time
+/// (seconds). Checks every stream's sum against `sums` (the expected sum per seed).
 pub(crate) fn run(
-    device: &Device,
     kernels: &WorkKernels<'_>,
     mr: &dyn MemoryResource,
     streams: usize,
     params: &MultiStreamParams,
     sums: &[u64],
 ) -> Result<f64> {
-    let ctx = device.context()?;
-    let owned: Vec<Stream> = (0..streams).map(|_| Stream::new(&ctx)).collect::<Result<_, _>>()?;
+    // The streams are made in the kernels' context, so every launch below is on a stream of it.
+    let ctx = kernels.context();
+    let owned: Vec<Stream> = (0..streams).map(|_| Stream::new(ctx)).collect::<Result<_, _>>()?;
     let barrier = Barrier::new(streams);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let spans: Mutex<Vec<(Instant, Instant)>> = Mutex::new(Vec::new());
@@ -79,8 +79,11 @@ pub(crate) fn run(
                     for it in 0..params.iterations {
                         let buf = mr.allocate(bytes, s)?;
                         let seed = (it as u32 + si as u32) % SEEDS;
-                        // SAFETY: `buf` holds `n` u32s and `acc` one u64, allocated on `s`, which orders the
-                        // three kernels before the free below; the arguments match work.cu's signatures.
+                        // SAFETY: for each launch, 1: the arguments match work.cu's signatures
+                        // (`bench_fill_hash_u32(out, n, seed)`, `bench_work_u32(buf, n, rounds)`,
+                        // `bench_sum_u32(buf, n, out)`); 2: the kernels touch `buf[0..n)` (`n` u32s) and the
+                        // one u64 of `acc`, both allocated on `s`, which orders the kernels before the free
+                        // below; 3: `s` is a stream of `ctx`, the kernels' context.
                         unsafe {
                             launch(
                                 &kernels.fill_hash,
@@ -198,11 +201,11 @@ pub fn bench(common: &Common, params: &MultiStreamParams) -> Result<Report> {
         let mut row = Vec::new();
         for &streams in &params.streams {
             progress.set_label(format!("{spec}, {streams} streams"));
-            run(&device, &kernels, &tracked, streams, params, &sums)?;
+            run(&kernels, &tracked, streams, params, &sums)?;
             tracked.reset();
             let mut secs = Vec::new();
             for _ in 0..params.repeats.max(1) {
-                secs.push(run(&device, &kernels, &tracked, streams, params, &sums)?);
+                secs.push(run(&kernels, &tracked, streams, params, &sums)?);
             }
             row.push((median(&secs).unwrap_or(f64::NAN), tracked.stats().peak));
             progress.inc();

@@ -242,16 +242,15 @@ fn q5_min_count(s: &Scale) -> u32 {
     (s.fact / s.customers).max(1) as u32
 }
 
-/// The rows `flags` keeps of a generated column of `n` rows (the full column freed at once).
+/// The rows `sel` keeps of a generated column of `n` rows (the full column freed at once).
 fn gen_kept<'a>(
     x: &'a Exec<'a>,
     n: usize,
     (seed, lo, span): (u32, u32, u32),
-    flags: &Col<'a, u32>,
-    sel: &Selection<'a>,
+    sel: &Selection<'_, 'a>,
 ) -> Result<Col<'a, u32>> {
     let c = x.gen(n, seed, lo, span)?;
-    x.compact(&c, flags, sel)
+    x.compact(&c, sel)
 }
 
 /// The `f` sales with `date_sk` in `lo..hi`: their column generated as `key_column` and their revenue
@@ -266,10 +265,11 @@ fn sales_in_dates<'a>(
     let flags = x.flags_range(&date, lo, hi)?;
     drop(date);
     let sel = x.select(&flags)?;
-    let key = gen_kept(x, f, key_column, &flags, &sel)?;
-    let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &flags, &sel)?;
-    let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
-    drop((flags, sel));
+    let key = gen_kept(x, f, key_column, &sel)?;
+    let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &sel)?;
+    let price = gen_kept(x, f, (S_PRICE, 1, 1000), &sel)?;
+    drop(sel);
+    drop(flags);
     let rev = x.mul(&qty, &price)?;
     drop((qty, price));
     Ok((key, rev))
@@ -279,17 +279,29 @@ fn sales_in_dates<'a>(
 fn having<'a>(x: &'a Exec<'a>, g: Groups<'a>, min_count: u32) -> Result<Groups<'a>> {
     let having = x.flags_range(&g.counts, min_count, u32::MAX)?;
     let sel = x.select(&having)?;
-    let keys = x.compact(&g.keys, &having, &sel)?;
-    let counts = x.compact(&g.counts, &having, &sel)?;
-    let sums = x.compact_u64(&g.sums, &having, &sel)?;
-    drop((g, having, sel));
+    let keys = x.compact(&g.keys, &sel)?;
+    let counts = x.compact(&g.counts, &sel)?;
+    let sums = x.compact_u64(&g.sums, &sel)?;
+    drop(sel);
+    drop((g, having));
     Ok(Groups { keys, sums, counts })
 }
 
 /// Runs `q` on `exec` and returns its digest (checked by the caller). Buffers come from and go back to
 /// the Exec's resource as the pipeline moves on.
+#[allow(unsafe_code)] // gathers by the rows its joins found (see the SAFETY lines)
 pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Digest> {
     let (f, n_items, n_cust) = (s.fact, s.items as u32, s.customers as u32);
+    // Q3's first join gathers row 0 for the sales whose item is not found: the dimensions are never empty.
+    if n_items == 0 || n_cust == 0 || s.items > u32::MAX as usize || s.customers > u32::MAX as usize {
+        return Err(Error::Usage(format!(
+            "{}: {} items and {} customers: each dimension needs 1 to {} rows (Scale::new gives at least 64)",
+            q.name(),
+            s.items,
+            s.customers,
+            u32::MAX
+        )));
+    }
     // Sorted (key, count) rows and the total of the sums: the end of every group-by query.
     let finish_groups = |keys: Col<'a, u32>, counts: Col<'a, u32>, sums: Col<'a, u64>, bound: u64| -> Result<Digest> {
         let total = x.sum_u64(&sums)?;
@@ -315,7 +327,7 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
                 let key = x.iota(n_items as usize, 0)?;
                 let flags = x.flags_range(&cat, 0, 8)?;
                 let sel = x.select(&flags)?;
-                (x.compact(&key, &flags, &sel)?, x.compact(&cat, &flags, &sel)?)
+                (x.compact(&key, &sel)?, x.compact(&cat, &sel)?)
             };
             let table = x.hash_build(&keys)?;
             drop(keys);
@@ -326,12 +338,15 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
             };
             drop(table);
             let sel = x.select(&flags)?;
-            let matched = x.compact(&rows, &flags, &sel)?;
+            let matched = x.compact(&rows, &sel)?;
             drop(rows);
-            let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &flags, &sel)?;
-            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
-            drop((flags, sel));
-            let cat = x.gather(&cats, &matched)?;
+            let qty = gen_kept(x, f, (S_QUANTITY, 1, 100), &sel)?;
+            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &sel)?;
+            drop(sel);
+            drop(flags);
+            // SAFETY: point 1: `matched` holds build rows of the table built on `keys`, as long as `cats`
+            // (both compacted by one selection): every row is below `cats.len()`.
+            let cat = unsafe { x.gather(&cats, &matched) }?;
             drop((cats, matched));
             let rev = x.mul(&qty, &price)?;
             drop((qty, price));
@@ -344,12 +359,13 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
             let qty_all = x.gen(f, S_QUANTITY, 1, 100)?;
             let flags = x.flags_range(&qty_all, 1, 51)?;
             let sel = x.select(&flags)?;
-            let qty = x.compact(&qty_all, &flags, &sel)?;
+            let qty = x.compact(&qty_all, &sel)?;
             drop(qty_all);
-            let item = gen_kept(x, f, (S_ITEM, 0, n_items), &flags, &sel)?;
-            let cust = gen_kept(x, f, (S_CUSTOMER, 0, n_cust), &flags, &sel)?;
-            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &flags, &sel)?;
-            drop((flags, sel));
+            let item = gen_kept(x, f, (S_ITEM, 0, n_items), &sel)?;
+            let cust = gen_kept(x, f, (S_CUSTOMER, 0, n_cust), &sel)?;
+            let price = gen_kept(x, f, (S_PRICE, 1, 1000), &sel)?;
+            drop(sel);
+            drop(flags);
             // Join every item for its brand.
             let brand = {
                 let brands = x.gen(n_items as usize, S_BRAND, 0, BRANDS)?;
@@ -358,7 +374,10 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
                 drop(keys);
                 let (rows, found) = x.probe(&table, &item)?;
                 drop((table, found));
-                x.gather(&brands, &rows)?
+                // SAFETY: point 1: `rows` holds build rows of the table built on `keys` (`n_items` rows, as
+                // many as `brands`), or 0 where the key was not found, below `n_items`, which is at
+                // least 1 (checked at the top).
+                unsafe { x.gather(&brands, &rows) }?
             };
             drop(item);
             // Join customers born 1960..1980 for their state.
@@ -369,9 +388,9 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
                 let sel = x.select(&flags)?;
                 let keys = {
                     let c = x.iota(n_cust as usize, 0)?;
-                    x.compact(&c, &flags, &sel)?
+                    x.compact(&c, &sel)?
                 };
-                let states = gen_kept(x, n_cust as usize, (S_STATE, 0, STATES), &flags, &sel)?;
+                let states = gen_kept(x, n_cust as usize, (S_STATE, 0, STATES), &sel)?;
                 (keys, states)
             };
             let table = x.hash_build(&cust_keys)?;
@@ -379,16 +398,19 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
             let (rows, flags) = x.probe(&table, &cust)?;
             drop((table, cust));
             let sel = x.select(&flags)?;
-            let matched = x.compact(&rows, &flags, &sel)?;
+            let matched = x.compact(&rows, &sel)?;
             drop(rows);
-            let brand_m = x.compact(&brand, &flags, &sel)?;
+            let brand_m = x.compact(&brand, &sel)?;
             drop(brand);
-            let qty_m = x.compact(&qty, &flags, &sel)?;
+            let qty_m = x.compact(&qty, &sel)?;
             drop(qty);
-            let price_m = x.compact(&price, &flags, &sel)?;
-            drop((price, flags, sel));
+            let price_m = x.compact(&price, &sel)?;
+            drop(sel);
+            drop((price, flags));
             let (brand, qty, price) = (brand_m, qty_m, price_m);
-            let state = x.gather(&states, &matched)?;
+            // SAFETY: point 1: `matched` holds build rows of the table built on `cust_keys`, as long as
+            // `states` (both compacted by one selection): every row is below `states.len()`.
+            let state = unsafe { x.gather(&states, &matched) }?;
             drop((states, matched));
             let key = x.combine(&brand, &state, 64)?;
             drop((brand, state));
@@ -410,8 +432,9 @@ pub(crate) fn run_query<'a>(q: Query, x: &'a Exec<'a>, s: &Scale) -> Result<Dige
             drop(rev);
             let heads = x.flags_head(&keys)?;
             let sel = x.select(&heads)?;
-            let distinct = x.compact(&keys, &heads, &sel)?;
-            drop((keys, heads, sel));
+            let distinct = x.compact(&keys, &sel)?;
+            drop(sel);
+            drop((keys, heads));
             Digest::of(&distinct.download()?, &[], total)
         }
         Query::Q5 => {
@@ -489,12 +512,20 @@ pub fn run_suite(
         let start = Instant::now();
         std::thread::scope(|scope| {
             for (w, stream) in streams.iter().enumerate() {
-                let (barrier, kernels, ctx, times, first_error, allocs) =
-                    (&barrier, &kernels, &ctx, &times, &first_error, &allocs);
+                let (barrier, kernels, times, first_error, allocs) =
+                    (&barrier, &kernels, &times, &first_error, &allocs);
                 let queries = &params.queries;
                 scope.spawn(move || {
-                    let exec = Exec::new(mr, stream.as_ref(), ctx, kernels);
+                    let exec = Exec::new(mr, stream.as_ref(), kernels);
+                    // Every worker reaches the barrier, also one that cannot run.
                     barrier.wait();
+                    let exec = match exec {
+                        Ok(exec) => exec,
+                        Err(e) => {
+                            first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                            return;
+                        }
+                    };
                     for i in 0..nq {
                         let qi = (w + i) % nq;
                         let q = queries[qi];

@@ -34,10 +34,14 @@
 //! (`ImporterOptions::wait_ready_on_host`) and for their own work before each release
 //! (`ImporterOptions::release_on_host`), so that no stream waits for another process's event.
 //!
-//! Run on a GPU: `cargo run --release -p mempool-ipc --example ipc_handoff -- [consumers]
+//! Run on a GPU: `cargo run --release -p mempool-bench --bin ipc_handoff -- [consumers]
 //! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's v2 sub column
 //! before its v1 and v2 alloc columns). The producer re-executes this program for each consumer
 //! (twice: a version-1 and a version-2 set). Without a GPU it says why and exits with status 2.
+//!
+//! One of mempool-bench's workloads, as its own binary rather than a `mempool-bench` subcommand: it
+//! runs several processes (the producer re-executes itself as each consumer) and prints its own
+//! tables, not a report of resources side by side.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read, Write};
@@ -70,22 +74,82 @@ const OP_TRACE: u8 = 3;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// What the command line asks for.
+enum Role {
+    /// `[consumers] [--no-trace] [--sub-first]`: the producer, which starts the consumers.
+    Producer {
+        consumers: usize,
+        diagnose: bool,
+        sub_first: bool,
+    },
+    /// `consumer SOCKET [--v1 | --host-ready]`: one consumer, started by the producer.
+    Consumer {
+        socket: PathBuf,
+        v1: bool,
+        host_ready: bool,
+    },
+}
+
+/// The command line, or why it cannot be run (checked before the driver is loaded).
+fn parse_args(args: &[String]) -> Result<Role, String> {
+    if args.first().map(String::as_str) == Some("consumer") {
+        let socket = args.get(1).ok_or("consumer: the exporter's socket path is missing")?;
+        let flag = args.get(2).map(String::as_str);
+        if let Some(extra) = args.get(if flag.is_some() { 3 } else { 2 }) {
+            return Err(format!("consumer: unexpected argument `{extra}`"));
+        }
+        return match flag {
+            None | Some("--v1") | Some("--host-ready") => Ok(Role::Consumer {
+                socket: PathBuf::from(socket),
+                v1: flag == Some("--v1"),
+                host_ready: flag == Some("--host-ready"),
+            }),
+            Some(other) => Err(format!("consumer: unknown flag `{other}` (--v1, --host-ready)")),
+        };
+    }
+    let (mut consumers, mut diagnose, mut sub_first) = (None, true, false);
+    for a in args {
+        match a.as_str() {
+            "--no-trace" => diagnose = false,
+            "--sub-first" => sub_first = true,
+            flag if flag.starts_with("--") => {
+                return Err(format!(
+                    "unknown flag `{flag}`: usage: ipc_handoff [consumers] [--no-trace] [--sub-first]"
+                ))
+            }
+            n if consumers.is_none() => match n.parse::<usize>() {
+                Ok(c) if c > 0 => consumers = Some(c),
+                _ => return Err(format!("`{n}` is not a consumer count (a whole number, 1 or more)")),
+            },
+            extra => return Err(format!("unexpected argument `{extra}`: one consumer count at most")),
+        }
+    }
+    Ok(Role::Producer {
+        consumers: consumers.unwrap_or(4),
+        diagnose,
+        sub_first,
+    })
+}
+
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let role = match parse_args(&args) {
+        Ok(role) => role,
+        Err(e) => {
+            eprintln!("ipc_handoff: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if let Err(missing) = mempool_core::require_gpus(1) {
         return missing.exit("ipc_handoff");
     }
-    let args: Vec<String> = std::env::args().collect();
-    let result = if args.get(1).map(String::as_str) == Some("consumer") {
-        let flag = args.get(3).map(String::as_str);
-        consumer(Path::new(&args[2]), flag == Some("--v1"), flag == Some("--host-ready"))
-    } else {
-        let diagnose = !args.iter().any(|a| a == "--no-trace");
-        let consumers = args
-            .iter()
-            .skip(1)
-            .find(|a| !a.starts_with("--"))
-            .map_or(4, |a| a.parse().expect("consumer count"));
-        producer(consumers.max(1), diagnose)
+    let result = match role {
+        Role::Consumer { socket, v1, host_ready } => consumer(&socket, v1, host_ready),
+        Role::Producer {
+            consumers,
+            diagnose,
+            sub_first,
+        } => producer(consumers, diagnose, sub_first),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -304,8 +368,7 @@ fn spawn_consumers(
     Ok(())
 }
 
-fn producer(consumers: usize, diagnose: bool) -> AnyResult<()> {
-    let sub_first = std::env::args().any(|a| a == "--sub-first");
+fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> {
     let dev = Device::get(0)?;
     let ctx = dev.context()?;
     let upstream = Arc::new(AsyncResource::new(
