@@ -24,6 +24,9 @@ impl Comm {
     ///    this buffer while the registration lives (NCCL: if any rank passes registered buffers to a
     ///    collective, every rank must; mixing registered and unregistered buffers across ranks is
     ///    undefined behaviour).
+    /// 2. The registration is dropped or [`deregister`](Registration::deregister)ed, not leaked
+    ///    (`mem::forget`, an `Rc` cycle), before the buffer is freed: its borrow of the buffer ends
+    ///    when it is forgotten, while NCCL keeps the range registered until `ncclCommDeregister`.
     #[allow(unsafe_code)]
     pub unsafe fn register<'a>(&'a self, view: &'a BufferView<'_>) -> Result<Registration<'a>> {
         let dev = view.context().device();
@@ -36,9 +39,9 @@ impl Comm {
                 ),
             });
         }
-        // SAFETY: the view's range is live memory of this device while the view lives, and the
-        // registration borrows the view for 'a, so it is deregistered first (see `Registration`);
-        // point 2 of `register_raw` is this function's point 1.
+        // SAFETY: the view's range is live memory of this device while the view lives; the
+        // registration borrows the view for 'a, so it is deregistered first (see `Registration`), or
+        // it is leaked, which point 2 excludes: `register_raw`'s point 1. Its point 2 is point 1 here.
         unsafe { self.register_raw(view.ptr(), view.len()) }
     }
 
@@ -47,7 +50,8 @@ impl Comm {
     /// # Safety
     /// 1. `addr..addr+len` is device memory of this communicator's device that stays allocated until
     ///    the returned registration is deregistered: until it is dropped, or, when it is dropped
-    ///    inside a [`group`](crate::group()), until that `group` call returns.
+    ///    inside a [`group`](crate::group()), until that `group` call returns (a registration that is
+    ///    leaked is never deregistered).
     /// 2. As point 1 of [`register`](Self::register): every rank registers the buffers it passes to the
     ///    collectives that use this range.
     #[allow(unsafe_code)]
@@ -103,7 +107,7 @@ impl Comm {
 /// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
 /// let reg = {
 ///     let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
-///     // SAFETY: one rank: it registers what it passes.
+///     // SAFETY: one rank: it registers what it passes (this does not compile: `buf` goes first).
 ///     unsafe { comms[0].register(&buf) }?
 /// }; // error[E0597]: `buf` does not live long enough
 /// drop(reg);
@@ -124,7 +128,7 @@ impl Comm {
 /// # let stream = Stream::new(&dev.context()?)?;
 /// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
 /// let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
-/// // SAFETY: one rank: it registers what it passes.
+/// // SAFETY: one rank: it registers what it passes; the registration is dropped, not leaked.
 /// let reg = unsafe { comms[0].register(&buf) }?;
 /// mempool_nccl::group(|_g| {
 ///     drop(reg); // deregistered at the group's end
@@ -148,7 +152,7 @@ impl Comm {
 /// # let stream = Stream::new(&dev.context()?)?;
 /// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
 /// let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
-/// // SAFETY: one rank: it registers what it passes.
+/// // SAFETY: one rank: it registers what it passes; the registration is dropped, not leaked.
 /// let reg = unsafe { comms[0].register(&buf) }?;
 /// mempool_nccl::group(|g| {
 ///     g.all_reduce_in_place::<f32>(&comms[0], &buf, ReduceOp::Sum, stream.as_ref())?;

@@ -87,7 +87,8 @@ fn one_rank_group_ends_after_errors_and_panics_and_defers_deregistration() {
     let n = 1 << 20;
     let want = common::pattern(0, n);
     let buf = common::buffer(&want, &stream, mr.clone());
-    // SAFETY: one rank: it registers the buffer it passes to every collective below.
+    // SAFETY: one rank: it registers the buffer it passes to every collective below; `reg` is
+    // dropped (in the last group) before the buffer.
     let reg = unsafe { comm.register(&buf) }.unwrap();
 
     let e = group(|g| {

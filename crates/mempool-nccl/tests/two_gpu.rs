@@ -68,7 +68,7 @@ fn sum_and_gather(
             for b in [&sends[r], &recvs[r], &gathers[r]] {
                 // SAFETY: every rank registers its three buffers, and when any registration fails all
                 // are dropped below before a collective runs, so no collective mixes registered and
-                // unregistered buffers across ranks.
+                // unregistered buffers across ranks; `regs` is dropped before the buffers.
                 match unsafe { comm.register(b) } {
                     Ok(reg) => regs.push(reg),
                     Err(e) => outcome = Err(e.to_string()),
@@ -201,7 +201,8 @@ fn two_gpu_registrations_dropped_inside_a_group_are_deregistered_at_its_end() {
     let regs: Vec<Registration> = comms
         .iter()
         .zip(&bufs)
-        // SAFETY: every rank registers the buffer it passes to the all-reduce.
+        // SAFETY: every rank registers the buffer it passes to the all-reduce; `regs` is dropped in
+        // the group, before the buffers.
         .map(|(c, b)| unsafe { c.register(b) }.unwrap())
         .collect();
     group(|g| {
