@@ -18,8 +18,8 @@
 //! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live; one
 //!   dropped inside a group is deregistered when the group ends, before [`group()`] returns.
 //! - Raw handles and constants re-exported from the private FFI module: [`RawComm`] (what
-//!   [`Comm::as_raw`] returns), [`UNIQUE_ID_BYTES`], [`LIBRARY_ENV`]; [`probe_library`] checks a
-//!   candidate library without loading it for the process.
+//!   [`Comm::as_raw`] returns), [`UNIQUE_ID_BYTES`], [`LIBRARY_ENV`]; [`probe_library`] opens a
+//!   candidate library and reports its version, without making it the process's NCCL.
 //!
 //! What safe code cannot do, shown by compile-fail examples on [`group()`] and [`Registration`]: drop,
 //! move or mutate a buffer the group uses before `ncclGroupEnd`, or keep a registration past its
