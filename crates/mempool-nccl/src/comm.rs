@@ -1,4 +1,4 @@
-//! Communicators, collectives on mempool buffers, groups and registrations.
+//! Communicators ([`Comm`], [`UniqueId`]) and their collectives on mempool buffers.
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
@@ -8,13 +8,9 @@ use std::sync::Arc;
 use mempool_core::{BufferView, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
+use crate::group;
 use crate::sys::{self, Library, RawComm, RawUniqueId, UNIQUE_ID_BYTES};
 use crate::types::{NcclType, ReduceOp};
-
-thread_local! {
-    /// How many [`Group`]s are open on this thread: NCCL's group state is per thread.
-    static GROUP_DEPTH: Cell<usize> = const { Cell::new(0) };
-}
 
 /// The bytes every rank of a communicator is initialized with (`ncclUniqueId`, 128 bytes): made once
 /// ([`UniqueId::new`]) and sent to the other ranks by any means (a socket, a file, a shared variable).
@@ -58,15 +54,16 @@ impl UniqueId {
 /// Collectives take mempool buffers (anything that derefs to [`BufferView`]: `DeviceBuffer`,
 /// `PoolBuffer`, ...) of the communicator's device, run on the buffers' stream (so that a buffer's
 /// stream-ordered free comes after the collective), and check lengths before NCCL is called. Outside a
-/// [`Group`] each call is enqueued at once; inside one, use the group's methods.
+/// [`group`](crate::group()) each call is enqueued at once; inside one, use the [`Group`](crate::Group)'s
+/// methods.
 ///
 /// `Send`, not `Sync`: NCCL does not allow concurrent calls on one communicator.
 pub struct Comm {
-    raw: RawComm,
-    lib: &'static Library,
-    device: Device,
-    ctx: Arc<Context>,
-    rank: usize,
+    pub(crate) raw: RawComm,
+    pub(crate) lib: &'static Library,
+    pub(crate) device: Device,
+    pub(crate) ctx: Arc<Context>,
+    pub(crate) rank: usize,
     nranks: usize,
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -146,7 +143,7 @@ pub(crate) fn collective_count(
 
 /// Which collective to enqueue.
 #[derive(Copy, Clone, Debug)]
-enum Coll {
+pub(crate) enum Coll {
     AllReduce(ReduceOp),
     ReduceScatter(ReduceOp),
     AllGather,
@@ -256,7 +253,7 @@ impl Comm {
     /// Rank `rank` of `nranks` on `device` (`ncclCommInitRank`), joining the ranks that use the same
     /// `id`, in this process (one thread per rank; for several ranks from one thread use
     /// [`init_all`](Self::init_all)) or in others. Blocks until every rank has joined. Refused while a
-    /// [`Group`] is open on this thread (NCCL would defer the initialization).
+    /// [`group`](crate::group()) is open on this thread (NCCL would defer the initialization).
     pub fn init_rank(device: Device, id: &UniqueId, nranks: usize, rank: usize) -> Result<Comm> {
         let call = "ncclCommInitRank";
         Self::not_in_group(call)?;
@@ -367,10 +364,10 @@ impl Comm {
     }
 
     fn not_in_group(call: &'static str) -> Result<()> {
-        if GROUP_DEPTH.with(Cell::get) > 0 {
+        if group::is_open() {
             return Err(Error::InvalidArgument {
                 call,
-                reason: "a Group is open on this thread: enqueue through the group's methods, which keep the \
+                reason: "a group is open on this thread: enqueue through the group's methods, which keep the \
                          buffers borrowed until ncclGroupEnd launches the work"
                     .into(),
             });
@@ -380,7 +377,7 @@ impl Comm {
 
     /// Checks and enqueues one collective. `send` is `None` for the in-place forms, whose input lies
     /// in `recv` where NCCL expects it.
-    fn enqueue<T: NcclType>(
+    pub(crate) fn enqueue<T: NcclType>(
         &self,
         coll: Coll,
         send: Option<&BufferView<'_>>,
@@ -447,11 +444,11 @@ impl Comm {
         let call = coll.name();
         let dt = T::DATA_TYPE.to_raw();
         let (s, r) = (send.0 as usize as *const c_void, recv.0 as usize as *mut c_void);
-        let st = stream.as_raw();
+        let st = stream.as_raw() as sys::RawStream;
         let lib = self.lib;
         let _g = self.ctx.bind()?;
-        // SAFETY (every call below): points 1 and 2 are the caller's; `raw` is this live communicator;
-        // the signature is nccl.h's.
+        // The three calls below share one argument: points 1 and 2 are the caller's; `raw` is this live
+        // communicator; the signatures are nccl.h's.
         let code = match coll {
             Coll::AllReduce(op) | Coll::ReduceScatter(op) => {
                 if lib.version_code() < op.since() {
@@ -465,25 +462,24 @@ impl Comm {
                 } else {
                     lib.get(&lib.reduce_scatter)?
                 };
-                // SAFETY: as for the other collectives below: the entry point has nccl.h's signature, the
-                // buffers hold `count` elements of `dt` (checked by the callers), the communicator is live.
+                // SAFETY: see above the `match`.
                 unsafe { f(s, r, count, dt, op.to_raw(), self.raw, st) }
             }
             Coll::AllGather => {
                 let f = lib.get(&lib.all_gather)?;
-                // SAFETY: nccl.h's signature; the callers checked the counts; the communicator is live.
+                // SAFETY: see above the `match`.
                 unsafe { f(s, r, count, dt, self.raw, st) }
             }
             Coll::Broadcast(root) => {
                 let f = lib.get(&lib.broadcast)?;
-                // SAFETY: nccl.h's signature; the callers checked the counts and the root; the communicator is live.
+                // SAFETY: see above the `match`.
                 unsafe { f(s, r, count, dt, root as c_int, self.raw, st) }
             }
         };
         lib.check(call, code, self.raw)
     }
 
-    fn root(&self, call: &'static str, root: usize) -> Result<usize> {
+    pub(crate) fn root(&self, call: &'static str, root: usize) -> Result<usize> {
         if root >= self.nranks {
             return Err(Error::InvalidArgument {
                 call,
@@ -575,7 +571,8 @@ impl Comm {
     }
 
     /// `ncclAllReduce` on raw addresses and any stream of the device, for memory mempool did not
-    /// allocate (another framework's tensors). Inside a [`Group`] too.
+    /// allocate (another framework's tensors). Inside a [`group`](crate::group()) too: the caller keeps the
+    /// memory live, as point 1 says.
     ///
     /// # Safety
     /// 1. `send` and `recv` each hold `count` elements of `T` of device memory this communicator's
@@ -594,61 +591,6 @@ impl Comm {
         // SAFETY: points 1-3 are the caller's, and are what `enqueue_raw` requires.
         unsafe { self.enqueue_raw::<T>(Coll::AllReduce(op), send, recv, count, stream) }
     }
-
-    /// Registers `view`'s memory with the communicator (`ncclCommRegister`, NCCL 2.19), so that
-    /// collectives on it can use it in place of NCCL's staging buffers where NCCL supports that; the
-    /// registration is dropped (`ncclCommDeregister`) before the memory or the communicator can be.
-    ///
-    /// NCCL decides what it can register: `cuMemCreate` memory (`mempool_rmm::VmmResource`) is the
-    /// case NCCL documents; see docs/nccl.md for what the GPU tests observed for pool and `cuMemAlloc`
-    /// memory.
-    ///
-    /// # Safety
-    /// 1. Every rank of the communicator registers the buffers it passes to each collective that uses
-    ///    this buffer while the registration lives (NCCL: if any rank passes registered buffers to a
-    ///    collective, every rank must; mixing registered and unregistered buffers across ranks is
-    ///    undefined behaviour).
-    #[allow(unsafe_code)]
-    pub unsafe fn register<'a>(&'a self, view: &'a BufferView<'_>) -> Result<Registration<'a>> {
-        let dev = view.context().device();
-        if dev != self.device {
-            return Err(Error::InvalidArgument {
-                call: "ncclCommRegister",
-                reason: format!(
-                    "the buffer is memory of {dev}, the communicator runs on {}",
-                    self.device
-                ),
-            });
-        }
-        // SAFETY: the view's range is live memory while the view lives, and the registration borrows
-        // the view, so it is deregistered first; point 2 of `register_raw` is this function's point 1.
-        unsafe { self.register_raw(view.ptr(), view.len()) }
-    }
-
-    /// [`register`](Self::register) for a raw range.
-    ///
-    /// # Safety
-    /// 1. `addr..addr+len` is device memory of this communicator's device that stays allocated until
-    ///    the returned registration is dropped.
-    /// 2. As point 1 of [`register`](Self::register): every rank registers the buffers it passes to the
-    ///    collectives that use this range.
-    #[allow(unsafe_code)]
-    pub unsafe fn register_raw(&self, addr: DeviceAddr, len: usize) -> Result<Registration<'_>> {
-        let f = self.lib.get(&self.lib.comm_register)?;
-        // Checked before the registration exists, so that its drop can always deregister.
-        self.lib.get(&self.lib.comm_deregister)?;
-        let _g = self.ctx.bind()?;
-        let mut handle: *mut c_void = std::ptr::null_mut();
-        // SAFETY: point 1 is the caller's; `raw` is live; NCCL writes one handle.
-        let r = unsafe { f(self.raw, addr.0 as usize as *mut c_void, len, &mut handle) };
-        self.lib.check("ncclCommRegister", r, self.raw)?;
-        Ok(Registration {
-            comm: self,
-            handle,
-            addr,
-            len,
-        })
-    }
 }
 
 impl Drop for Comm {
@@ -658,212 +600,6 @@ impl Drop for Comm {
                 "mempool-nccl: destroying the communicator of rank {} failed: {e}",
                 self.rank
             );
-        }
-    }
-}
-
-/// A range registered with a communicator (`ncclCommRegister`), deregistered on drop. It borrows the
-/// communicator and the buffer, so neither can go first.
-pub struct Registration<'a> {
-    comm: &'a Comm,
-    handle: *mut c_void,
-    addr: DeviceAddr,
-    len: usize,
-}
-
-impl std::fmt::Debug for Registration<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registration")
-            .field("rank", &self.comm.rank)
-            .field("addr", &self.addr)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl Registration<'_> {
-    /// The registered address.
-    pub fn addr(&self) -> DeviceAddr {
-        self.addr
-    }
-
-    /// The registered length.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the range is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Deregisters now, reporting an error that `Drop` could only print.
-    pub fn deregister(self) -> Result<()> {
-        let this = std::mem::ManuallyDrop::new(self);
-        this.release()
-    }
-
-    fn release(&self) -> Result<()> {
-        if GROUP_DEPTH.with(Cell::get) > 0 {
-            // A collective on this range may be enqueued in the open group and launched at its end.
-            return Err(Error::InvalidArgument {
-                call: "ncclCommDeregister",
-                reason: "a Group is open on this thread; the registration is left to the communicator's \
-                         destruction"
-                    .into(),
-            });
-        }
-        let lib = self.comm.lib;
-        let f = lib.get(&lib.comm_deregister)?;
-        let _g = self.comm.ctx.bind()?;
-        // Deregistering unmaps the peers' mappings of the range at once, on the host: collectives still
-        // running on it must finish first.
-        self.comm.ctx.synchronize()?;
-        // SAFETY: `handle` came from ncclCommRegister on this live communicator and is given up once
-        // (`deregister` keeps `Drop` from running again).
-        #[allow(unsafe_code)]
-        let r = unsafe { f(self.comm.raw, self.handle) };
-        lib.check("ncclCommDeregister", r, self.comm.raw)
-    }
-}
-
-impl Drop for Registration<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = self.release() {
-            eprintln!(
-                "mempool-nccl: deregistering {} bytes at {} failed: {e}",
-                self.len, self.addr
-            );
-        }
-    }
-}
-
-/// `ncclGroupStart` ... `ncclGroupEnd`: collectives of several communicators driven from one thread
-/// (one per GPU of [`Comm::init_all`]) must be enqueued in a group, or the first one waits for the
-/// others forever. The group's methods borrow the buffers until [`end`](Self::end) (or drop) launches
-/// the work, so a buffer cannot be freed before the collective that uses it is enqueued.
-///
-/// Not `Send`: NCCL's group state belongs to the thread. While a group is open, the communicators' own
-/// collective methods refuse to run (their buffers would not be held long enough).
-pub struct Group<'g> {
-    lib: &'static Library,
-    ended: bool,
-    _borrows: PhantomData<&'g ()>,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl<'g> Group<'g> {
-    /// `ncclGroupStart`.
-    pub fn start() -> Result<Group<'g>> {
-        if GROUP_DEPTH.with(Cell::get) > 0 {
-            // NCCL launches a nested group's work only when the outermost group ends: an inner group's
-            // `end` would release its borrows before the work that uses the buffers exists.
-            return Err(Error::InvalidArgument {
-                call: "ncclGroupStart",
-                reason: "a Group is already open on this thread: NCCL launches a nested group's work only \
-                         when the outermost group ends, after the inner group's buffers could be freed; \
-                         enqueue everything in one group"
-                    .into(),
-            });
-        }
-        let lib = sys::library()?;
-        let f = lib.get(&lib.group_start)?;
-        lib.get(&lib.group_end)?;
-        // SAFETY: no arguments; the matching ncclGroupEnd is in `end` / `Drop`.
-        #[allow(unsafe_code)]
-        let r = unsafe { f() };
-        lib.check("ncclGroupStart", r, std::ptr::null_mut())?;
-        GROUP_DEPTH.with(|d| d.set(d.get() + 1));
-        Ok(Group {
-            lib,
-            ended: false,
-            _borrows: PhantomData,
-            _not_send: PhantomData,
-        })
-    }
-
-    /// `ncclGroupEnd`: launches what was enqueued, reporting NCCL's error.
-    pub fn end(mut self) -> Result<()> {
-        self.finish()
-    }
-
-    fn finish(&mut self) -> Result<()> {
-        if self.ended {
-            return Ok(());
-        }
-        self.ended = true;
-        GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
-        let f = self.lib.get(&self.lib.group_end)?;
-        // SAFETY: matches the ncclGroupStart of `start`, on the same thread (the group is not `Send`).
-        #[allow(unsafe_code)]
-        let r = unsafe { f() };
-        self.lib.check("ncclGroupEnd", r, std::ptr::null_mut())
-    }
-
-    /// [`Comm::all_reduce`] inside the group.
-    pub fn all_reduce<T: NcclType>(
-        &mut self,
-        comm: &'g Comm,
-        send: &'g BufferView<'_>,
-        recv: &'g BufferView<'_>,
-        op: ReduceOp,
-        stream: StreamRef<'g>,
-    ) -> Result<()> {
-        comm.enqueue::<T>(Coll::AllReduce(op), Some(send), recv, stream)
-    }
-
-    /// [`Comm::all_reduce_in_place`] inside the group.
-    pub fn all_reduce_in_place<T: NcclType>(
-        &mut self,
-        comm: &'g Comm,
-        buf: &'g BufferView<'_>,
-        op: ReduceOp,
-        stream: StreamRef<'g>,
-    ) -> Result<()> {
-        comm.enqueue::<T>(Coll::AllReduce(op), None, buf, stream)
-    }
-
-    /// [`Comm::all_gather`] inside the group.
-    pub fn all_gather<T: NcclType>(
-        &mut self,
-        comm: &'g Comm,
-        send: &'g BufferView<'_>,
-        recv: &'g BufferView<'_>,
-        stream: StreamRef<'g>,
-    ) -> Result<()> {
-        comm.enqueue::<T>(Coll::AllGather, Some(send), recv, stream)
-    }
-
-    /// [`Comm::reduce_scatter`] inside the group.
-    pub fn reduce_scatter<T: NcclType>(
-        &mut self,
-        comm: &'g Comm,
-        send: &'g BufferView<'_>,
-        recv: &'g BufferView<'_>,
-        op: ReduceOp,
-        stream: StreamRef<'g>,
-    ) -> Result<()> {
-        comm.enqueue::<T>(Coll::ReduceScatter(op), Some(send), recv, stream)
-    }
-
-    /// [`Comm::broadcast`] inside the group.
-    pub fn broadcast<T: NcclType>(
-        &mut self,
-        comm: &'g Comm,
-        send: &'g BufferView<'_>,
-        recv: &'g BufferView<'_>,
-        root: usize,
-        stream: StreamRef<'g>,
-    ) -> Result<()> {
-        let root = comm.root("ncclBroadcast", root)?;
-        comm.enqueue::<T>(Coll::Broadcast(root), Some(send), recv, stream)
-    }
-}
-
-impl Drop for Group<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = self.finish() {
-            eprintln!("mempool-nccl: ncclGroupEnd failed: {e}");
         }
     }
 }

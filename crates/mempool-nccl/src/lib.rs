@@ -11,8 +11,19 @@
 //!   [`UniqueId`] for one rank per thread or process), destroyed on drop.
 //! - Collectives on mempool buffers ([`mempool_core::BufferView`], what `DeviceBuffer`, `PoolBuffer`
 //!   and the rest deref to), typed by [`NcclType`], with lengths, devices and streams checked before
-//!   NCCL is called; [`Group`] for driving several communicators from one thread.
-//! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live.
+//!   NCCL is called.
+//! - [`group()`]: `ncclGroupStart`, a closure that enqueues collectives through a [`Group`], then
+//!   `ncclGroupEnd`, always (also when the closure fails or panics), before the borrows handed to the
+//!   group end: how one thread drives several communicators.
+//! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live; one
+//!   dropped inside a group is deregistered when the group ends, before [`group()`] returns.
+//! - Raw handles and constants re-exported from the private FFI module: [`RawComm`] (what
+//!   [`Comm::as_raw`] returns), [`UNIQUE_ID_BYTES`], [`LIBRARY_ENV`]; [`probe_library`] opens a
+//!   candidate library and reports its version, without making it the process's NCCL.
+//!
+//! What safe code cannot do, shown by compile-fail examples on [`group()`] and [`Registration`]: drop,
+//! move or mutate a buffer the group uses before `ncclGroupEnd`, or keep a registration past its
+//! buffer.
 //!
 //! NVLink multicast (NVLS) is NCCL's to enable: on shared machines set `NCCL_NVLS_ENABLE=0` before the
 //! first communicator (the crate's tests and `mempool-bench allreduce` do). Nothing here calls
@@ -23,11 +34,16 @@
 
 mod comm;
 mod error;
-pub mod sys;
+mod group;
+mod registration;
+mod sys;
 mod types;
 
-pub use comm::{Comm, Group, Registration, UniqueId};
+pub use comm::{Comm, UniqueId};
 pub use error::{Error, Result};
+pub use group::{group, Group};
+pub use registration::Registration;
+pub use sys::{OpaqueComm, RawComm, LIBRARY_ENV, UNIQUE_ID_BYTES};
 pub use types::{DataType, NcclType, ReduceOp};
 
 /// The loaded NCCL's version (`ncclGetVersion`) as `major.minor.patch`, loading it if needed.
@@ -38,6 +54,16 @@ pub fn library_version() -> Result<String> {
 /// Where the loaded NCCL came from (the path or name that opened), loading it if needed.
 pub fn library_path() -> Result<String> {
     Ok(sys::library()?.path().to_owned())
+}
+
+/// Opens `name` (a path, or a name the dynamic loader searches) the way the process's NCCL is opened,
+/// returns its version as `major.minor.patch`, and closes it again: it does not become the library
+/// this crate uses (that is chosen once, by [`LIBRARY_ENV`] or the search [`library_version`]
+/// describes). For checking a candidate before setting [`LIBRARY_ENV`]. Fails as the search does:
+/// [`Error::LibraryNotFound`] with the loader's reason, [`Error::NotNccl`] for a library without
+/// `ncclGetVersion`. Opening a library runs its initializers: name only a library you trust.
+pub fn probe_library(name: &str) -> Result<String> {
+    Ok(sys::open_first(&[name.to_owned()])?.version_string())
 }
 
 /// Checks that NVLink multicast is off for the communicators this process makes: `Ok` when

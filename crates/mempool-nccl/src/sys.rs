@@ -2,7 +2,8 @@
 //! `libloading`: every entry point is resolved once, when the library is opened; one the library lacks
 //! stays absent and its call is an [`Error::MissingSymbol`] naming the NCCL version that added it.
 //!
-//! This is the crate's one FFI module: everything unsafe about calling NCCL is here or in `comm`.
+//! This is the crate's one FFI module: everything unsafe about calling NCCL is here or in `comm`, `group`
+//! and `registration`. Private: what users need of it is re-exported at the crate root.
 
 #![allow(unsafe_code)]
 
@@ -36,13 +37,11 @@ pub type RawResult = c_int;
 pub type RawDataType = c_int;
 /// `ncclRedOp_t`.
 pub type RawRedOp = c_int;
-/// `cudaStream_t`, the same handle as the driver's `CUstream`.
-pub type RawStream = mempool_core::sys::CUstream;
+/// `cudaStream_t`, the same handle as the driver's `CUstream` (a pointer to an opaque struct).
+pub type RawStream = *mut c_void;
 
 /// `ncclSuccess`.
 pub const SUCCESS: RawResult = 0;
-/// `ncclInProgress` (non-blocking communicators only; this crate makes blocking ones).
-pub const IN_PROGRESS: RawResult = 7;
 
 /// The name of an `ncclResult_t` value, as `nccl.h` spells it.
 pub fn result_name(code: RawResult) -> &'static str {
@@ -163,7 +162,7 @@ impl Library {
         if r != SUCCESS {
             return Err(OpenError::Load(format!("ncclGetVersion returned {}", result_name(r))));
         }
-        // SAFETY: each `resolve` is given the signature nccl.h declares for that name.
+        // SAFETY: each `resolve` below names the signature nccl.h declares for that name.
         unsafe {
             Ok(Library {
                 get_unique_id: resolve(&lib, "ncclGetUniqueId", "2.0"),
@@ -333,6 +332,35 @@ mod tests {
         assert_eq!(version_text(22703), "2.27.3");
         assert_eq!(version_text(2804), "2.8.4");
         assert_eq!(version_text(21903), "2.19.3");
+    }
+
+    #[test]
+    fn a_failed_search_lists_every_name_tried_with_the_reason() {
+        let names = vec![
+            "/nonexistent/dir/libnccl.so.2".to_owned(),
+            "libnccl-not-here.so".to_owned(),
+        ];
+        let e = open_first(&names).unwrap_err();
+        let Error::LibraryNotFound { tried } = &e else {
+            panic!("expected LibraryNotFound, got {e:?}")
+        };
+        let tried_names: Vec<&str> = tried.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(tried_names, names);
+        assert!(tried.iter().all(|(_, why)| !why.is_empty()), "{tried:?}");
+        let text = e.to_string();
+        assert!(text.contains(&names[0]) && text.contains(&names[1]), "{text}");
+    }
+
+    #[test]
+    fn the_search_stops_at_a_library_that_is_not_nccl() {
+        let names = vec!["libc.so.6".to_owned(), "libnccl-not-here.so".to_owned()];
+        assert_eq!(
+            open_first(&names).unwrap_err(),
+            Error::NotNccl {
+                path: "libc.so.6".into(),
+                symbol: "ncclGetVersion"
+            }
+        );
     }
 
     #[test]

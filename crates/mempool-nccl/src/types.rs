@@ -1,6 +1,6 @@
 //! The element types and reduction operations a collective takes.
 
-use crate::sys::{RawDataType, RawRedOp};
+use std::ffi::c_int;
 
 /// `ncclDataType_t`: the element types of a collective.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -25,8 +25,8 @@ pub enum DataType {
 }
 
 impl DataType {
-    /// The `ncclDataType_t` value (nccl.h).
-    pub fn to_raw(self) -> RawDataType {
+    /// The `ncclDataType_t` value (nccl.h; a C enum, so an `int`).
+    pub fn to_raw(self) -> c_int {
         match self {
             DataType::Int8 => 0,
             DataType::Uint8 => 1,
@@ -78,8 +78,8 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    /// The `ncclRedOp_t` value (nccl.h).
-    pub fn to_raw(self) -> RawRedOp {
+    /// The `ncclRedOp_t` value (nccl.h; a C enum, so an `int`).
+    pub fn to_raw(self) -> c_int {
         match self {
             ReduceOp::Sum => 0,
             ReduceOp::Prod => 1,

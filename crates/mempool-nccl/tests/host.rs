@@ -1,24 +1,19 @@
 //! Host tests of loading NCCL and of the checks made before NCCL is called; no GPU, no NCCL needed.
 
-use mempool_nccl::sys::{candidates, open_first};
-use mempool_nccl::{Comm, Error, UniqueId};
+use mempool_nccl::{probe_library, Comm, Error, UniqueId};
 
 #[test]
 fn a_missing_library_names_what_was_tried_and_the_fix() {
-    let names = vec![
-        "/nonexistent/dir/libnccl.so.2".to_owned(),
-        "libnccl-not-here.so".to_owned(),
-    ];
-    let e = open_first(&names).unwrap_err();
+    let name = "/nonexistent/dir/libnccl.so.2";
+    let e = probe_library(name).unwrap_err();
     let Error::LibraryNotFound { tried } = &e else {
         panic!("expected LibraryNotFound, got {e:?}")
     };
-    assert_eq!(tried.len(), 2);
-    assert_eq!(tried[0].0, names[0]);
+    assert_eq!(tried.len(), 1);
+    assert_eq!(tried[0].0, name);
     let text = e.to_string();
     for needle in [
-        "/nonexistent/dir/libnccl.so.2",
-        "libnccl-not-here.so",
+        name,
         "nvidia-nccl-cu13",
         "site-packages/nvidia/nccl/lib",
         "MEMPOOL_NCCL_LIBRARY",
@@ -30,7 +25,7 @@ fn a_missing_library_names_what_was_tried_and_the_fix() {
 #[test]
 fn a_library_that_is_not_nccl_is_refused_by_name() {
     // Any shared library without ncclGetVersion: the C library is on every Linux machine.
-    let e = open_first(&["libc.so.6".to_owned()]).unwrap_err();
+    let e = probe_library("libc.so.6").unwrap_err();
     assert_eq!(
         e,
         Error::NotNccl {
@@ -42,9 +37,9 @@ fn a_library_that_is_not_nccl_is_refused_by_name() {
 }
 
 #[test]
-fn the_environment_variable_replaces_the_search() {
-    assert_eq!(candidates(Some("/x/libnccl.so.2")), ["/x/libnccl.so.2"]);
-    assert_eq!(candidates(None), ["libnccl.so.2", "libnccl.so"]);
+fn the_environment_variable_is_named_at_the_root() {
+    assert_eq!(mempool_nccl::LIBRARY_ENV, "MEMPOOL_NCCL_LIBRARY");
+    assert_eq!(mempool_nccl::UNIQUE_ID_BYTES, 128);
 }
 
 #[test]

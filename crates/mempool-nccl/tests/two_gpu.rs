@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use mempool_core::{Device, Stream};
-use mempool_nccl::{Comm, Group, ReduceOp, Registration};
+use mempool_nccl::{group, Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
 use mempool_rmm::suballoc::PoolConfig;
 use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, PoolResource, SharedResource, VmmResource};
@@ -68,7 +68,7 @@ fn sum_and_gather(
             for b in [&sends[r], &recvs[r], &gathers[r]] {
                 // SAFETY: every rank registers its three buffers, and when any registration fails all
                 // are dropped below before a collective runs, so no collective mixes registered and
-                // unregistered buffers across ranks.
+                // unregistered buffers across ranks; `regs` is dropped before the buffers.
                 match unsafe { comm.register(b) } {
                     Ok(reg) => regs.push(reg),
                     Err(e) => outcome = Err(e.to_string()),
@@ -82,16 +82,18 @@ fn sum_and_gather(
     }
 
     let run = || -> mempool_nccl::Result<()> {
-        let mut g = Group::start()?;
-        for (r, comm) in comms.iter().enumerate() {
-            g.all_reduce::<i32>(comm, &sends[r], &recvs[r], ReduceOp::Sum, ranks[r].stream.as_ref())?;
-        }
-        g.end()?;
-        let mut g = Group::start()?;
-        for (r, comm) in comms.iter().enumerate() {
-            g.all_gather::<i32>(comm, &sends[r], &gathers[r], ranks[r].stream.as_ref())?;
-        }
-        g.end()
+        group(|g| {
+            for (r, comm) in comms.iter().enumerate() {
+                g.all_reduce::<i32>(comm, &sends[r], &recvs[r], ReduceOp::Sum, ranks[r].stream.as_ref())?;
+            }
+            Ok(())
+        })?;
+        group(|g| {
+            for (r, comm) in comms.iter().enumerate() {
+                g.all_gather::<i32>(comm, &sends[r], &gathers[r], ranks[r].stream.as_ref())?;
+            }
+            Ok(())
+        })
     };
     if let Err(e) = run() {
         drop(regs);
@@ -174,6 +176,62 @@ fn two_gpu_unregistered_pool_memory_all_reduce_and_all_gather() {
     );
     ran.unwrap();
     drop(pools);
+    for c in comms {
+        c.destroy().unwrap();
+    }
+}
+
+/// Registrations dropped inside a group (where NCCL refuses `ncclCommDeregister`) are deregistered when
+/// the group ends: `group` returns `Ok` (it returns a failed deferred deregistration's error), the
+/// values are exact, and inside the group registering, the communicators' own collectives and a nested
+/// group are refused.
+#[test]
+fn two_gpu_registrations_dropped_inside_a_group_are_deregistered_at_its_end() {
+    let _serial = common::serial();
+    let (comms, ranks) = ranks();
+    let mrs: Vec<SharedResource> = ranks
+        .iter()
+        .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+        .collect();
+    let bufs: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&common::pattern(r, N), &rk.stream, mrs[r].clone()))
+        .collect();
+    let regs: Vec<Registration> = comms
+        .iter()
+        .zip(&bufs)
+        // SAFETY: every rank registers the buffer it passes to the all-reduce; `regs` is dropped in
+        // the group, before the buffers.
+        .map(|(c, b)| unsafe { c.register(b) }.unwrap())
+        .collect();
+    group(|g| {
+        for (r, comm) in comms.iter().enumerate() {
+            g.all_reduce_in_place::<i32>(comm, &bufs[r], ReduceOp::Sum, ranks[r].stream.as_ref())?;
+        }
+        // SAFETY: refused before NCCL is called, so nothing is registered.
+        let e = unsafe { comms[0].register(&bufs[0]) }.unwrap_err();
+        assert!(e.to_string().contains("group is open"), "{e}");
+        let e = comms[0]
+            .all_reduce_in_place::<i32>(&bufs[0], ReduceOp::Sum, ranks[0].stream.as_ref())
+            .unwrap_err();
+        assert!(e.to_string().contains("group is open"), "{e}");
+        let e = group(|_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("already open"), "{e}");
+        drop(regs); // deregistered after ncclGroupEnd, before `group` returns
+        Ok(())
+    })
+    .unwrap();
+    let sum: Vec<i32> = (0..N).map(|j| 3 * (j % 1000) as i32).collect();
+    for (r, rk) in ranks.iter().enumerate() {
+        rk.stream.synchronize().unwrap();
+        common::check(
+            &format!("all-reduce in place, registrations dropped in the group, rank {r}"),
+            &common::from_bytes(&bufs[r].to_host().unwrap()),
+            &sum,
+        );
+    }
+    drop((bufs, mrs));
     for c in comms {
         c.destroy().unwrap();
     }

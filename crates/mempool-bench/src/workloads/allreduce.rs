@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mempool_core::{Device, Stream};
-use mempool_nccl::{Comm, Group, ReduceOp, Registration};
+use mempool_nccl::{Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
 use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, SharedResource, VmmResource};
 
@@ -154,7 +154,8 @@ fn measure_one(
     if kind.registered {
         for (i, c) in comms.iter().enumerate() {
             // SAFETY: every rank registers both of its buffers before any collective runs (a failure
-            // returns before the collectives, dropping the registrations made).
+            // returns before the collectives, dropping the registrations made); `regs` is dropped, not
+            // leaked, before the buffers.
             #[allow(unsafe_code)]
             let pair = unsafe { (c.register(&sends[i])?, c.register(&recvs[i])?) };
             regs.push(pair.0);
@@ -165,11 +166,12 @@ fn measure_one(
         b.fill(1)?; // every i32 is 0x01010101: the sum over n <= 255 ranks carries nothing
     }
     let round = || -> Result<()> {
-        let mut g = Group::start()?;
-        for (i, c) in comms.iter().enumerate() {
-            g.all_reduce::<i32>(c, &sends[i], &recvs[i], ReduceOp::Sum, streams[i].as_ref())?;
-        }
-        g.end()?;
+        mempool_nccl::group(|g| {
+            for (i, c) in comms.iter().enumerate() {
+                g.all_reduce::<i32>(c, &sends[i], &recvs[i], ReduceOp::Sum, streams[i].as_ref())?;
+            }
+            Ok(())
+        })?;
         Ok(())
     };
     let sync = || -> Result<()> {

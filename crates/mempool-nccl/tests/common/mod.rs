@@ -23,9 +23,7 @@ fn setup_once() {
     // SAFETY: see above: no other thread of this test binary reads or writes the environment until
     // `call_once` returns (the harness read its own variables before starting the tests).
     unsafe { mempool_nccl::disable_nvls() }.expect("NCCL_NVLS_ENABLE must be unset or 0 on these machines");
-    if std::env::var_os("MEMPOOL_NCCL_LIBRARY").is_none()
-        && mempool_nccl::sys::open_first(&["libnccl.so.2".into()]).is_err()
-    {
+    if std::env::var_os("MEMPOOL_NCCL_LIBRARY").is_none() && mempool_nccl::probe_library("libnccl.so.2").is_err() {
         let out = Command::new("python3")
             .args([
                 "-c",
