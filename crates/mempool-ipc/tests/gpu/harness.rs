@@ -250,3 +250,13 @@ pub(crate) fn wait_no_importers(exporter: &Exporter) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// The harness's own check (no GPU needed): the name `this_test!` gives is the one libtest lists.
+#[test]
+fn this_test_names_the_test_function_as_libtest_lists_it() {
+    assert_eq!(
+        this_test!(),
+        "harness::this_test_names_the_test_function_as_libtest_lists_it"
+    );
+    assert_test_exists(this_test!());
+}
