@@ -90,7 +90,9 @@ fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_ke
     child.expect("RELEASED");
     buf.wait_released(WAIT).unwrap();
     assert_iota(
-        &read_u32s(&ctx, buf.ptr(), n, stream.as_ref()),
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        &unsafe { read_u32s(&ctx, buf.ptr(), n, stream.as_ref()) },
         ORDER_ADDS,
         "after wait_released, work on the buffer's stream sees every kernel the importer queued before its release",
     );
@@ -125,7 +127,9 @@ fn fast_release_orders_the_exporters_reads_and_reuse_after_the_importers_last_ke
     // SAFETY: `again` is this test's ORDER_LEN allocation of `sub`, on `stream`.
     unsafe { kernels.iota(again, n, 5, stream.as_ref()) }.unwrap();
     assert_iota(
-        &read_u32s(&ctx, again, n, stream.as_ref()),
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        &unsafe { read_u32s(&ctx, again, n, stream.as_ref()) },
         5,
         "memory reused after the importer's release",
     );
@@ -167,7 +171,9 @@ fn ready_child(on_host: bool) {
     let n = buf.len() / 4;
     let got = if on_host {
         let unordered = Stream::new(&ctx).unwrap();
-        read_u32s(&ctx, buf.ptr(), n, unordered.as_ref())
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        unsafe { read_u32s(&ctx, buf.ptr(), n, unordered.as_ref()) }
     } else {
         shared_u32s(&buf)
     };
@@ -277,7 +283,9 @@ fn release_on_host_finishes_the_importers_kernels_before_the_exporter_hears_the_
     exporter.share(&buf, &[id]).unwrap();
     buf.wait_released(WAIT).unwrap();
     let unordered = Stream::new(&ctx).unwrap();
-    let got = read_u32s(&ctx, buf.ptr(), n, unordered.as_ref());
+    // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+    // or synchronized) or ordered before the copy on its stream.
+    let got = unsafe { read_u32s(&ctx, buf.ptr(), n, unordered.as_ref()) };
     assert_iota(
         &got,
         ORDER_ADDS,

@@ -94,9 +94,16 @@ pub(crate) fn child_socket() -> PathBuf {
     PathBuf::from(std::env::var(SOCK).expect("the parent passes the socket path"))
 }
 
-pub(crate) fn read_u32s(ctx: &Context, ptr: DeviceAddr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
+/// Copies `n` u32s at `ptr` to the host, ordered on `stream`.
+///
+/// # Safety
+/// 1. `ptr..ptr + 4 * n` is live device memory reachable from `ctx` that stays allocated until
+///    the copy is done (it is done when this returns).
+/// 2. Nothing writes it during the copy: its writers' work is done or ordered before the copy on
+///    `stream`.
+pub(crate) unsafe fn read_u32s(ctx: &Context, ptr: DeviceAddr, n: usize, stream: StreamRef<'_>) -> Vec<u32> {
     let mut host = vec![0u8; n * 4];
-    // SAFETY: callers pass live device memory of at least n u32s, ordered on `stream`.
+    // SAFETY: the caller keeps points 1 and 2; `host` holds exactly n u32s.
     unsafe { memory::copy_to_host(ctx, &mut host, ptr, stream) }.unwrap();
     u32s(&host)
 }

@@ -38,7 +38,9 @@ fn pool_and_pointer_shared_with_data_checked_on_both_sides() {
     assert_eq!(buf.holders(), vec![importers[0].id]);
     buf.wait_released(WAIT).unwrap();
     assert_iota(
-        &read_u32s(&ctx, buf.ptr(), BASIC_N, stream.as_ref()),
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        &unsafe { read_u32s(&ctx, buf.ptr(), BASIC_N, stream.as_ref()) },
         1005,
         "the exporter sees the importer's writes",
     );

@@ -109,7 +109,9 @@ fn suballocated_parent<R: MemoryResource + 'static>(
     for (k, buf) in bufs.iter().enumerate() {
         buf.wait_released(WAIT).unwrap();
         assert_iota(
-            &read_u32s(&ctx, buf.ptr(), n, stream.as_ref()),
+            // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+            // or synchronized) or ordered before the copy on its stream.
+            &unsafe { read_u32s(&ctx, buf.ptr(), n, stream.as_ref()) },
             (k * 100_000 + 7) as u32,
             "the exporter sees the importer's writes to a suballocated buffer",
         );

@@ -84,7 +84,9 @@ fn vmm_ipc_data_written_by_each_side_is_read_by_the_other_and_released_on_drop()
     child.expect("DROPPED");
     vmm.wait_released(WAIT).expect("the importer's drop releases the lease");
     assert_iota(
-        &read_u32s(&ctx, vmm.ptr(), VMM_N, stream.as_ref()),
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        &unsafe { read_u32s(&ctx, vmm.ptr(), VMM_N, stream.as_ref()) },
         1005,
         "the exporter sees the importer's writes",
     );
