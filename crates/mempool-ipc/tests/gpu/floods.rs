@@ -45,16 +45,6 @@ fn fds_and_threads() -> (usize, usize) {
     (count_dir("/proc/self/fd"), count_dir("/proc/self/task"))
 }
 
-fn frame(ty: u16, body: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(12 + body.len());
-    f.extend_from_slice(b"MPIP");
-    f.extend_from_slice(&1u16.to_le_bytes());
-    f.extend_from_slice(&ty.to_le_bytes());
-    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    f.extend_from_slice(body);
-    f
-}
-
 /// An importer that speaks the protocol by hand, with no GPU: what an idle importer (or one that
 /// stops reading) looks like to the exporter.
 struct FakeImporter {

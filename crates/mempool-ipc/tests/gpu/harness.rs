@@ -258,6 +258,18 @@ pub(crate) fn wait_no_importers(exporter: &Exporter) {
     }
 }
 
+/// A version-1 frame of message type `ty`, for tests that speak the protocol by hand
+/// (docs/ipc-protocol.md).
+pub(crate) fn frame(ty: u16, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(12 + body.len());
+    f.extend_from_slice(b"MPIP");
+    f.extend_from_slice(&1u16.to_le_bytes());
+    f.extend_from_slice(&ty.to_le_bytes());
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
 /// The harness's own check (no GPU needed): the name `this_test!` gives is the one libtest lists.
 #[test]
 fn this_test_names_the_test_function_as_libtest_lists_it() {

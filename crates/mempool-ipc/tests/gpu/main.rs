@@ -14,6 +14,7 @@ mod harness;
 mod deaths;
 mod fast_release;
 mod floods;
+mod hostile;
 mod many_importers;
 mod pools;
 mod suballocated;
