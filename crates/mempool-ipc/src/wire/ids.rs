@@ -154,8 +154,8 @@ pub enum MessageType {
     /// Importer -> exporter (version 2, with the fast release capability): several releases,
     /// ordered by one interprocess event.
     ReleaseBatch = 11,
-    /// Exporter -> importer (version 2, only to an importer granted [`CAP_VMM`](super::messages::CAP_VMM)): a VMM physical
-    /// allocation (one descriptor attached). Codes 32 to 47 are kept for VMM messages.
+    /// Exporter -> importer (version 2, only to an importer granted the capability `CAP_VMM`): a
+    /// VMM physical allocation (one descriptor attached). Codes 32 to 47 are kept for VMM messages.
     VmmBuffer = 32,
 }
 
