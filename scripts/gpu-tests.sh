@@ -56,7 +56,7 @@ for line in open(sys.argv[1]):
     url, _, fragment = m["package_id"].partition("#")
     package = fragment.split("@")[0] if "@" in fragment else url.rstrip("/").rsplit("/", 1)[-1]
     kind, target = m["target"]["kind"][0], m["target"]["name"]
-    # mempool-core-gpu (tests/gpu.rs), mempool-core-lib (its unit tests), mempool-bench-bin, ...
+    # mempool-core-gpu (tests/gpu.rs or tests/gpu/main.rs), mempool-core-lib (its unit tests), mempool-bench-bin, ...
     name = f"{package}-{target}" if kind == "test" else f"{package}-{kind}"
     if name in names:
         sys.exit(f"gpu-tests: two test binaries named {name}")

@@ -13,8 +13,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use mempool_core::{
-    BufferView, Context, Device, DeviceAddr, Event, EventFlags, ImportedPtr, IpcEventHandle, MemPool, PtrExportData,
-    StreamRef,
+    memory, BufferView, Context, Device, DeviceAddr, Event, EventFlags, ImportedPtr, IpcEventHandle, MemPool,
+    PtrExportData, StreamRef,
 };
 
 use crate::batch::ReleaseBatcher;
@@ -403,7 +403,13 @@ impl Importer {
             let base = state
                 .table
                 .add(&descriptor, |d: &BufferDescriptor| -> Result<ImportedPtr> {
-                    Ok(inner.pool.import_pointer(&PtrExportData(d.pointer.0))?)
+                    let imported = inner.pool.import_pointer(&PtrExportData(d.pointer.0))?;
+                    // The block's size is the exporter's word; the views below reach `block_size` bytes
+                    // from the imported pointer, so they must lie in the allocation the driver imported.
+                    // On error `imported` is dropped, which frees the import.
+                    let (base, size) = memory::address_range(&inner.ctx, imported.ptr())?;
+                    check_block_in_allocation(d, imported.ptr(), base, size)?;
+                    Ok(imported)
                 })?
                 .ptr();
             let ptr = base.offset(descriptor.offset as usize);
@@ -441,7 +447,8 @@ impl Importer {
             Ok(ptr) => {
                 trace::mark(Point::ImporterReceived, id.0);
                 // SAFETY: `ptr..ptr+size` lies inside the block imported into `inner.ctx` (the decoder checked
-                // `offset + size <= block_size`), which the import table keeps imported until this buffer is
+                // `offset + size <= block_size`, and the import checked that the block's `block_size` bytes lie in
+                // the allocation the driver imported: `check_block_in_allocation`), which the import table keeps imported until this buffer is
                 // released, and reached by unified addressing; the exporter's work on it is done (its ready
                 // event was complete, or waited for on the host, or the exporter synchronized) or `stream` waits
                 // on that event, so work on it is ordered on `stream` from here on; a stream that carries no
@@ -807,6 +814,31 @@ fn find_device(uuid: &DeviceUuid) -> Result<Device> {
         }
     }
     Err(Error::DeviceNotVisible { uuid: *uuid })
+}
+
+/// Checks that a block's `block_size` bytes from `imported` (the pointer the driver imported for
+/// it) lie inside the allocation the driver reports for that pointer, `base..base+size`
+/// (`cuMemGetAddressRange`). The block size comes from the exporter, another process: without
+/// this check a block size larger than the allocation would give views over memory that the
+/// import does not keep allocated.
+fn check_block_in_allocation(
+    d: &BufferDescriptor,
+    imported: DeviceAddr,
+    base: DeviceAddr,
+    size: usize,
+) -> std::result::Result<(), ProtocolError> {
+    let start = imported.as_raw().checked_sub(base.as_raw());
+    let end = start.and_then(|start| start.checked_add(d.block_size));
+    match end {
+        Some(end) if end <= size as u64 => Ok(()),
+        _ => Err(ProtocolError::Violation {
+            reason: format!(
+                "buffer {}: {} claims {} bytes, but the allocation the driver imported for it holds {size} bytes \
+                 at {base} (the block's pointer is {imported})",
+                d.buffer_id, d.block_id, d.block_size
+            ),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -126,11 +126,25 @@ pub(super) fn alloc<'s>(inner: &Arc<Inner>, bytes: usize, stream: StreamRef<'s>)
             live: 1,
         },
     );
-    register(inner, state, ptr, bytes, block_base, Freer::Pool, stream)
+    // SAFETY: (1) `ptr..ptr+bytes` was just allocated from the exporter's pool, in `inner.ctx`, and
+    // nothing else holds it; (2) `Freer::Pool` frees it to that pool, where it came from; (3) the
+    // allocation is ordered on `stream`.
+    #[allow(unsafe_code)]
+    unsafe {
+        register(inner, state, ptr, bytes, block_base, Freer::Pool, stream)
+    }
 }
 
 /// [`Exporter::adopt`](crate::Exporter::adopt).
-pub(super) fn adopt<'s, F, E>(
+///
+/// # Safety
+/// [`Exporter::adopt`](crate::Exporter::adopt)'s contract, which its caller keeps:
+/// 1. `ptr..ptr+len` is memory the caller owns and hands over: from now on nothing uses or frees it
+///    except through the returned buffer and through `free`.
+/// 2. Work on it is ordered on `stream`.
+/// 3. `free(ptr, len, s)`, called once, returns exactly this memory to its owner, ordered on `s`.
+#[allow(unsafe_code)]
+pub(super) unsafe fn adopt<'s, F, E>(
     inner: &Arc<Inner>,
     ptr: DeviceAddr,
     len: usize,
@@ -207,13 +221,31 @@ where
             );
         }
     }
-    register(inner, state, ptr, len, base, Freer::Custom(free), stream)
+    // SAFETY: (1) the range lies in a live allocation of the exporter's pool (checked above, through the
+    // driver), in `inner.ctx`, and this function's caller handed it over (its point 1); (2) `free` returns
+    // exactly it (its point 3); (3) work on it is ordered on `stream` (its point 2).
+    #[allow(unsafe_code)]
+    unsafe {
+        register(inner, state, ptr, len, base, Freer::Custom(free), stream)
+    }
 }
 
 /// Records a buffer in a block already recorded, for [`alloc`] and [`adopt`]; or, for
 /// `Exporter::alloc_vmm`, a mapped VMM allocation (no block: `block_base` is its address, which no
 /// pool block has).
-pub(super) fn register<'s>(
+///
+/// # Safety
+/// The returned buffer reads and writes `ptr..ptr+len` from safe code, here and in importers, and
+/// `free` runs once, after the last holder let go:
+/// 1. `ptr..ptr+len` is live device memory in `inner.ctx` (of the exporter's pool, in the block at
+///    `block_base`, or a VMM mapping with read-write access for the device) that nothing else uses
+///    or frees from now on, except through the returned buffer and `free`.
+/// 2. `free` frees exactly that memory: `Freer::Pool` only for memory allocated from the exporter's
+///    pool; a `Freer::Custom` closure returns it to its owner.
+/// 3. Work on it is ordered on `stream`; a stream that carries no context is one of the exporter's
+///    context.
+#[allow(unsafe_code)]
+pub(super) unsafe fn register<'s>(
     inner: &Arc<Inner>,
     mut state: MutexGuard<'_, State>,
     ptr: DeviceAddr,
@@ -236,13 +268,10 @@ pub(super) fn register<'s>(
             release_waits: Vec::new(),
         },
     )?;
-    // SAFETY: `ptr..ptr+len` is live memory of the exporter's pool, in `inner.ctx` (allocated by `alloc`, or
-    // checked to lie in a live allocation of the pool by `adopt`, whose caller handed it over), or a VMM
-    // allocation that `alloc_vmm` mapped with read-write access for the device, whose mapping `free` drops; the lease
-    // table now holds it, and the exporter frees it only after this buffer's release (`release_once`) and
-    // the last importer's, so it stays allocated while the view can reach it; work on it is ordered on
-    // `stream`, the stream it was allocated or adopted on (a stream that carries no context is one of the
-    // exporter's context, by `StreamRef::from_raw`'s contract).
+    // SAFETY: `ptr..ptr+len` is live memory in `inner.ctx` that nothing else uses (this function's
+    // point 1); the lease table now holds it, and the exporter frees it (`free`, point 2) only after
+    // this buffer's release (`release_once`) and the last importer's, so it stays allocated while the
+    // view can reach it; work on it is ordered on `stream` (point 3).
     #[allow(unsafe_code)]
     let view = unsafe { BufferView::new(ptr, len, stream, inner.ctx.clone()) };
     Ok(ExportedBuffer {

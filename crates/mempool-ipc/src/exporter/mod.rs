@@ -360,7 +360,8 @@ impl Exporter {
         F: FnOnce(DeviceAddr, usize, StreamRef<'_>) -> std::result::Result<(), E> + Send + 'static,
         E: std::error::Error + Send + Sync + 'static,
     {
-        buffers::adopt(&self.inner, ptr, len, stream, free)
+        // SAFETY: this function's caller keeps the same contract (points 1 to 3 above).
+        unsafe { buffers::adopt(&self.inner, ptr, len, stream, free) }
     }
 
     /// Shares `buffer` with each importer in `to`: records an interprocess event on the

@@ -110,7 +110,11 @@ pub(super) fn alloc_vmm<'s>(inner: &Arc<Inner>, bytes: usize, stream: StreamRef<
         synced.map_err(Error::from)
     });
     let state = inner.lock();
-    let buffer = buffers::register(inner, state, addr, size, addr.as_raw(), Freer::Custom(free), stream)?;
+    // SAFETY: (1) `addr..addr+size` is the mapping just made in a fresh reservation of the exporter's
+    // device, with read-write access, and nothing else holds it; (2) `free` drops that mapping (and
+    // nothing else); (3) nothing was queued on it yet, so any stream orders the work on it.
+    #[allow(unsafe_code)]
+    let buffer = unsafe { buffers::register(inner, state, addr, size, addr.as_raw(), Freer::Custom(free), stream) }?;
     Ok(ExportedVmm {
         buffer,
         physical,

@@ -4,12 +4,58 @@
 
 use std::os::fd::AsFd;
 
-use super::{Importer, ImporterOptions};
+use mempool_core::DeviceAddr;
+
+use super::{check_block_in_allocation, Importer, ImporterOptions};
 use crate::error::Error;
 use crate::listener::Listener;
 use crate::session::{ExporterSession, PoolAnnouncement};
 use crate::test_util::{memfd_with, open_fds_named, unique_name};
-use crate::wire::{DeviceUuid, ErrorCode, PoolId};
+use crate::wire::testing::buffer;
+use crate::wire::{BufferDescriptor, DeviceUuid, ErrorCode, PoolId, ProtocolError};
+
+/// A hostile exporter's block size: larger than the allocation the driver imported, or a pointer
+/// outside it. Refused, naming the sizes, before any view of the block exists.
+#[test]
+fn a_block_larger_than_the_imported_allocation_is_refused() {
+    const MIB: u64 = 1 << 20;
+    let at = |a: u64| DeviceAddr(a);
+    let block = |block_size| BufferDescriptor {
+        block_size,
+        offset: 0,
+        size: block_size,
+        ..buffer(5)
+    };
+    // Exactly the allocation, or inside it: accepted.
+    assert_eq!(
+        check_block_in_allocation(&block(2 * MIB), at(0x10_0000_0000), at(0x10_0000_0000), 2 << 20),
+        Ok(())
+    );
+    assert_eq!(
+        check_block_in_allocation(&block(MIB), at(0x10_0010_0000), at(0x10_0000_0000), 2 << 20),
+        Ok(())
+    );
+    let refused = [
+        // One byte more than the allocation.
+        (block(2 * MIB + 1), 0x10_0000_0000, 0x10_0000_0000),
+        // Inside at its start, past its end.
+        (block(2 * MIB), 0x10_0010_0000, 0x10_0000_0000),
+        // A pointer before the allocation the driver names.
+        (block(MIB), 0x0f_ffff_f000, 0x10_0000_0000),
+        // A size that overflows the address space.
+        (block(u64::MAX), 0x10_0000_0000, 0x10_0000_0000),
+    ];
+    for (d, imported, base) in refused {
+        let err = check_block_in_allocation(&d, at(imported), at(base), 2 << 20).unwrap_err();
+        let ProtocolError::Violation { reason } = &err else {
+            panic!("expected a protocol violation, got {err:?}");
+        };
+        assert!(
+            reason.contains(&format!("claims {} bytes", d.block_size)) && reason.contains("holds 2097152 bytes"),
+            "{reason}"
+        );
+    }
+}
 
 #[test]
 fn an_importer_that_cannot_use_the_exporters_gpu_fails_clearly_on_both_sides() {

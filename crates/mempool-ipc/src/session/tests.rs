@@ -6,7 +6,6 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Instant;
 
 use super::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
 use crate::conn::{short_config, Connection, ConnectionConfig};
@@ -163,10 +162,8 @@ fn importer_that_does_not_see_the_gpu_says_so() {
 fn silent_importer_times_out_the_handshake() {
     let pool = memfd_with(&unique_name("silent"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
-    let start = Instant::now();
     let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
-    assert!(start.elapsed() >= short_config().handshake_timeout);
     assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::Timeout);
 }
 

@@ -2,6 +2,8 @@
 
 use proptest::prelude::*;
 
+use super::codec::{body_len_bounds, encode_into, MAGIC, MAX_FRAME_LEN};
+use super::messages::{MAX_BODY_LEN, MAX_ERROR_TEXT_LEN};
 use super::testing::{buffer, every_message, GPU, POOL};
 use super::*;
 use crate::wire;
@@ -43,7 +45,7 @@ fn every_message_round_trips() {
         assert_eq!(header.body_len, bytes.len() - HEADER_LEN);
         // Appending to a buffer gives the same bytes.
         let mut out = vec![1, 2, 3];
-        wire::encode_into(&message, &mut out).unwrap();
+        encode_into(&message, &mut out).unwrap();
         assert_eq!(&out[3..], &bytes[..]);
     }
 }
@@ -244,7 +246,7 @@ fn body_length_must_fit_the_type() {
     // Every fixed-size message with one byte more and one byte less.
     for message in every_message() {
         let t = message.message_type();
-        let (min, max) = t.body_len_bounds();
+        let (min, max) = body_len_bounds(t);
         let body = &frame(&message)[HEADER_LEN..];
         let mut longer = body.to_vec();
         longer.push(0);
@@ -530,7 +532,7 @@ proptest! {
     #[test]
     fn valid_messages_round_trip(message in arb_message()) {
         let bytes = wire::encode(&message).unwrap();
-        prop_assert!(bytes.len() <= wire::MAX_FRAME_LEN);
+        prop_assert!(bytes.len() <= MAX_FRAME_LEN);
         prop_assert_eq!(wire::decode(&bytes).unwrap(), message);
     }
 

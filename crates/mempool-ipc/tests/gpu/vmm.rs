@@ -1,9 +1,9 @@
 //! GPU tests of VMM sharing (`Exporter::alloc_vmm` / `share_vmm`, `Importer::recv_any` /
-//! `SharedVmm`), in two processes with the helpers of `gpu.rs` (a child re-executes this binary,
+//! `SharedVmm`), in two processes over the re-exec harness (a child re-executes this binary,
 //! filtered to the same test, with `MEMPOOL_IPC_TEST_ROLE` set). Run:
-//! `cargo test -p mempool-ipc --features gpu --test gpu vmm_ipc`.
+//! `cargo test -p mempool-ipc --features gpu --test gpu vmm::`.
 
-use super::*;
+use crate::harness::*;
 use mempool_core::kernels::u32s;
 use mempool_ipc::{Received, SharedVmm};
 
@@ -43,7 +43,7 @@ fn free_memory(ctx: &Context) -> u64 {
 
 #[test]
 fn vmm_ipc_data_written_by_each_side_is_read_by_the_other_and_released_on_drop() {
-    let test = "vmm_ipc::vmm_ipc_data_written_by_each_side_is_read_by_the_other_and_released_on_drop";
+    let test = this_test!();
     if role().is_some() {
         let (importer, stream, kernels) = connect_vmm();
         let v = recv_vmm(&importer, &stream);
@@ -84,7 +84,9 @@ fn vmm_ipc_data_written_by_each_side_is_read_by_the_other_and_released_on_drop()
     child.expect("DROPPED");
     vmm.wait_released(WAIT).expect("the importer's drop releases the lease");
     assert_iota(
-        &read_u32s(&ctx, vmm.ptr(), VMM_N, stream.as_ref()),
+        // SAFETY: the buffer is live (held here) and holds that many u32s; its writers are done (released
+        // or synchronized) or ordered before the copy on its stream.
+        &unsafe { read_u32s(&ctx, vmm.ptr(), VMM_N, stream.as_ref()) },
         1005,
         "the exporter sees the importer's writes",
     );
@@ -108,7 +110,7 @@ const VMM_SLACK: u64 = 64 * MIB as u64;
 
 #[test]
 fn vmm_ipc_importer_killed_mid_use_is_reclaimed_and_its_memory_freed() {
-    let test = "vmm_ipc::vmm_ipc_importer_killed_mid_use_is_reclaimed_and_its_memory_freed";
+    let test = this_test!();
     if role().is_some() {
         let (importer, stream, kernels) = connect_vmm();
         let bufs: Vec<SharedVmm> = (0..VMM_KILL_COUNT).map(|_| recv_vmm(&importer, &stream)).collect();
