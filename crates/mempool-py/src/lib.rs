@@ -10,10 +10,12 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod buffer;
+mod dlpack;
 mod errors;
 mod ipc;
 mod mr;
 mod stream;
+mod view;
 
 use pyo3::prelude::*;
 

@@ -107,8 +107,8 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
         let mut bins = self.bins.write().unwrap_or_else(|p| p.into_inner());
         if self.frozen.load(Ordering::Acquire) {
             return Err(refuse(format!(
-                "add_bin({allocation_size}) after the first allocation: frees are routed by size, so a new bin \
-                 would take frees of memory it never gave out; add every bin before allocating"
+                "add_bin after the first allocation (a bin of {allocation_size} bytes): frees are routed by size, \
+                 so a new bin would take frees of memory it never gave out; add every bin before allocating"
             )));
         }
         match bins.binary_search_by_key(&size, |(s, _)| *s) {
