@@ -41,8 +41,10 @@ def test_module_shape():
     for name in ("alloc", "share", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "close",
                  "__enter__", "__exit__"):
         assert hasattr(ipc.Exporter, name), name
-    for name in ("receive", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
+    for name in ("recv", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
         assert hasattr(ipc.Importer, name), name
+    # One verb in Rust and Python: mempool-ipc's Importer::recv.
+    assert not hasattr(ipc.Importer, "receive")
     for cls in (ipc.ImportedBuffer, ipc.ExportedBuffer):
         for name in ("ptr", "size", "id", "tobytes", "__cuda_array_interface__", "__dlpack__", "__dlpack_device__"):
             assert hasattr(cls, name), (cls, name)
