@@ -303,7 +303,7 @@ impl PyExporter {
         self.mr.as_ref().map(|m| m.clone_ref(py))
     }
 
-    /// Whether `close()` was called.
+    /// Whether `shutdown()` was called.
     #[getter]
     fn closed(&self) -> bool {
         self.exporter.lock().unwrap_or_else(|p| p.into_inner()).is_none()
@@ -419,8 +419,8 @@ impl PyExporter {
     /// Shuts down: removes the socket file, says Goodbye to every importer and waits (at most
     /// `shutdown_timeout`) for them to release what they hold. Returns the messages of the errors met while
     /// freeing buffers and serving connections. Buffers still alive keep working. A second call does
-    /// nothing (and returns []).
-    fn close(&self, py: Python<'_>) -> Vec<String> {
+    /// nothing (and returns []). mempool-ipc's `Exporter::shutdown`; leaving a `with` block calls it.
+    fn shutdown(&self, py: Python<'_>) -> Vec<String> {
         let taken = self.exporter.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(exporter) = taken else {
             return Vec::new();
@@ -441,7 +441,7 @@ impl PyExporter {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close(py);
+        self.shutdown(py);
         false
     }
 
