@@ -9,10 +9,12 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+mod dlpack;
 mod errors;
 mod ipc;
 mod mr;
 mod stream;
+mod view;
 
 use pyo3::prelude::*;
 

@@ -29,7 +29,7 @@ def view_and_check(path, framework, expected_len, queue):
         from mempool import ipc
 
         importer = ipc.Importer(path, timeout=TIMEOUT)
-        buf = importer.receive(timeout=TIMEOUT)
+        buf = importer.recv(timeout=TIMEOUT)
         if framework == "torch":
             import torch
 
@@ -50,9 +50,9 @@ def view_and_check(path, framework, expected_len, queue):
         gc.collect()
         details["held_after_gc"] = importer.held
         queue.put(("ok", details))
-        # The parent closes its exporter next: receive() must say the exporter is gone.
+        # The parent closes its exporter next: recv() must say the exporter is gone.
         try:
-            importer.receive(timeout=TIMEOUT)
+            importer.recv(timeout=TIMEOUT)
             return "received a second buffer"
         except ipc.PeerGoneError as e:
             return f"PeerGoneError: {e}"
@@ -73,7 +73,7 @@ def hold_until_told(path, commands, queue):
         from mempool import ipc
 
         importer = ipc.Importer(path, timeout=TIMEOUT)
-        buf = importer.receive(timeout=TIMEOUT)
+        buf = importer.recv(timeout=TIMEOUT)
         t = torch.from_dlpack(buf)
         buf_id = buf.id
         del buf
@@ -96,7 +96,7 @@ def receive_and_hang(path, queue):
         from mempool import ipc
 
         importer = ipc.Importer(path, timeout=TIMEOUT)
-        buf = importer.receive(timeout=TIMEOUT)
+        buf = importer.recv(timeout=TIMEOUT)
         t = torch.from_dlpack(buf)
         t.fill_(7)
         torch.cuda.synchronize()
@@ -114,7 +114,7 @@ def receive_many(path, count, queue):
         from mempool import ipc
 
         importer = ipc.Importer(path, timeout=TIMEOUT)
-        bufs = [importer.receive(timeout=TIMEOUT) for _ in range(count)]
+        bufs = [importer.recv(timeout=TIMEOUT) for _ in range(count)]
         refused = []
         for obj in (importer, bufs[0]):
             try:

@@ -64,6 +64,69 @@ def test_tobytes_and_copy_to_host_on_a_stream():
     del t
 
 
+def test_copy_from_host():
+    """RMM's copy_from_host: the host bytes land at the start of the buffer, the rest stays; a host object
+    larger than the buffer is a ValueError naming both sizes; any object exporting a buffer is taken in C
+    order; stream= orders the copy on that stream."""
+    import numpy as np
+    import torch
+
+    buf = mempool.DeviceBuffer.to_device(b"\x00" * 10)
+    assert buf.copy_from_host(b"abcdef") is None
+    assert buf.tobytes() == b"abcdef\x00\x00\x00\x00"
+    buf.copy_from_host(bytearray(b"XY"))
+    buf.copy_from_host(b"")  # 0 bytes: nothing changes
+    assert buf.tobytes() == b"XYcdef\x00\x00\x00\x00"
+    with pytest.raises(ValueError) as e:
+        buf.copy_from_host(b"z" * 11)
+    assert "0..11" in str(e.value) and "10 bytes" in str(e.value), str(e.value)
+    assert buf.tobytes() == b"XYcdef\x00\x00\x00\x00"  # a refused copy writes nothing
+    a = np.arange(6, dtype=np.int16).reshape(2, 3)
+    wide = mempool.DeviceBuffer(size=a.nbytes)
+    wide.copy_from_host(a.T)  # not contiguous: its bytes in C order
+    assert wide.tobytes() == np.ascontiguousarray(a.T).tobytes()
+    # On a stream: ordered after the work queued there (a fill of 7s after a long sleep).
+    s = torch.cuda.Stream()
+    d = mempool.DeviceBuffer(size=4096)
+    t = torch.from_dlpack(d)
+    with torch.cuda.stream(s):
+        s.wait_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(100_000_000)
+        t.fill_(7)
+    d.copy_from_host(b"\x01" * 16, stream=s)
+    assert d.tobytes(stream=s) == b"\x01" * 16 + b"\x07" * (4096 - 16)
+    del t
+    with pytest.raises(TypeError):
+        buf.copy_from_host(12)
+
+
+def test_binning_bins_are_mempool_rmms():
+    """Power-of-two bins from BinningResource, added bins in front of them (AddedBinsAdaptor): a request goes
+    to the smallest bin that holds it, larger ones to the upstream."""
+    cuda = mr.CudaMemoryResource()
+    upstream = mr.StatisticsResourceAdaptor(cuda)
+    b = mr.BinningMemoryResource(upstream, 8, 10)
+    assert b.bin_sizes == [256, 512, 1024]
+    added = mr.StatisticsResourceAdaptor(mr.FixedSizeMemoryResource(cuda, block_size=3072, blocks_to_preallocate=4))
+    b.add_bin(3000, added)  # rounded up to 3072
+    with pytest.raises(ValueError, match="already has a bin of 512 bytes"):
+        b.add_bin(400)
+    assert b.bin_sizes == [256, 512, 1024, 3072]
+    x = mempool.DeviceBuffer.to_device(b"a" * 2000, mr=b)  # the added 3072-byte bin
+    assert added.allocation_counts.current_count == 1
+    y = mempool.DeviceBuffer.to_device(b"b" * 700, mr=b)  # the 1024-byte power-of-two bin
+    assert added.allocation_counts.current_count == 1
+    z = mempool.DeviceBuffer.to_device(b"c" * 5000, mr=b)  # no bin holds it: the upstream
+    assert added.allocation_counts.current_count == 1
+    assert (x.tobytes(), y.tobytes(), z.tobytes()) == (b"a" * 2000, b"b" * 700, b"c" * 5000)
+    assert b.name == "AddedBinsAdaptor"
+    with pytest.raises(ValueError, match="add_bin after the first allocation"):
+        b.add_bin(8192)
+    del x, y, z
+    assert added.allocation_counts.current_count == 0
+    assert mempool._lib._last_error() == "", mempool._lib._last_error()
+
+
 def test_user_guide_numpy_snippet():
     import numpy as np
     a = np.array([1, 2, 3], dtype="float64")

@@ -257,3 +257,33 @@ def test_extension_exports_the_c_abi(no_driver):
     so.mempool_torch_free(0x100000, 256, 0, None)
     assert lib._torch_allocator_state()[1] == before + 1
     assert b"did not hand out" in so.mempool_last_error()
+
+
+def test_buffer_classes_share_one_surface():
+    """DeviceBuffer, ExportedBuffer and ImportedBuffer get their getters, CUDA array interface and DLPack from
+    one definition (src/view.rs): the same names, the same signatures and the same documentation."""
+    shared = ("ptr", "size", "nbytes", "device", "stream", "__len__", "__cuda_array_interface__",
+              "__dlpack__", "__dlpack_device__")
+    classes = (lib.DeviceBuffer, lib.ExportedBuffer, lib.ImportedBuffer)
+    for name in shared:
+        docs = {getattr(cls, name).__doc__ for cls in classes}
+        assert len(docs) == 1, (name, docs)
+        if callable(getattr(mempool.DeviceBuffer, name)) and name != "__len__":
+            sigs = {str(inspect.signature(getattr(cls, name))) for cls in classes}
+            assert len(sigs) == 1, (name, sigs)
+    assert str(inspect.signature(mempool.DeviceBuffer.__dlpack__)) == (
+        "(self, /, *, stream=None, max_version=None, dl_device=None, copy=None)"
+    )
+
+
+def test_copy_from_host_has_rmms_signature():
+    # rmm.DeviceBuffer.copy_from_host(ary, stream=DEFAULT_STREAM); None is the buffer's own stream here.
+    params = inspect.signature(mempool.DeviceBuffer.copy_from_host).parameters
+    assert list(params) == ["self", "ary", "stream"]
+    assert params["stream"].default is None and params["ary"].default is inspect.Parameter.empty
+
+
+def test_binning_resource_has_rmms_signature():
+    params = inspect.signature(mr.BinningMemoryResource.add_bin).parameters
+    assert list(params) == ["self", "allocation_size", "bin_resource"]
+    assert params["bin_resource"].default is None

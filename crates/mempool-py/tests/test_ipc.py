@@ -38,11 +38,14 @@ def _socket_path(name):
 def test_module_shape():
     for name in ("Exporter", "Importer", "ExportedBuffer", "ImportedBuffer"):
         assert getattr(ipc, name) is getattr(mempool._lib, name)
-    for name in ("alloc", "share", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "close",
+    for name in ("alloc", "share", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "shutdown",
                  "__enter__", "__exit__"):
         assert hasattr(ipc.Exporter, name), name
-    for name in ("receive", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
+    for name in ("recv", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
         assert hasattr(ipc.Importer, name), name
+    # One verb in Rust and Python: mempool-ipc's Importer::recv.
+    assert not hasattr(ipc.Importer, "receive")
+    assert not hasattr(ipc.Exporter, "close")  # mempool-ipc's verb: Exporter::shutdown
     for cls in (ipc.ImportedBuffer, ipc.ExportedBuffer):
         for name in ("ptr", "size", "id", "tobytes", "__cuda_array_interface__", "__dlpack__", "__dlpack_device__"):
             assert hasattr(cls, name), (cls, name)
@@ -206,7 +209,7 @@ def test_spawned_consumer_views_without_a_copy(framework):
         assert got["held"] == 1 and got["held_after_gc"] == 0, got
         buf.wait_released(timeout=TIMEOUT)
         assert buf.holders() == []
-        errors = exporter.close()
+        errors = exporter.shutdown()
         assert errors == [], errors
         gone = _result(queue, child, "receive after close")
         assert gone.startswith("PeerGoneError"), gone
@@ -214,7 +217,7 @@ def test_spawned_consumer_views_without_a_copy(framework):
         assert child.exitcode == 0, child.exitcode
         del buf
     finally:
-        exporter.close()
+        exporter.shutdown()
         if child.is_alive():
             child.kill()
 
@@ -336,7 +339,7 @@ def test_pickling_is_refused_and_bad_sources_are_named():
         other = ipc.Exporter(_socket_path("other.sock"))
         with pytest.raises(ValueError, match="another Exporter"):
             other.share(buf)
-        assert other.close() == []
+        assert other.shutdown() == []
         # Nobody is connected: shared with nobody, and nothing holds it.
         assert exporter.share(buf).holders() == []
         # `obj`, the loop variable above, holds the buffer too: the exporter's own hold goes only with both.

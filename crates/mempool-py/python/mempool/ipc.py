@@ -4,7 +4,7 @@
   pool of a ``mempool.mr.CudaAsyncMemoryResource(enable_ipc=True)``, or a resource over one, whose
   suballocations travel as a block plus an offset). ``alloc(size)`` makes an ``ExportedBuffer``; fill it,
   then ``share(buffer, to=None)`` sends it to importers.
-- ``Importer(path)``: connects and imports the pool; ``receive(timeout=None)`` returns an
+- ``Importer(path)``: connects and imports the pool; ``recv(timeout=None)`` (the Rust crate's verb) returns an
   ``ImportedBuffer`` with ``ptr``, ``size``, ``__cuda_array_interface__`` and DLPack, so that
   ``torch.from_dlpack`` and ``cupy.from_dlpack`` view it without a copy. The lease is released when the
   object and every view of it are garbage-collected.

@@ -2,6 +2,7 @@
 //! are. Every adaptor owns its upstream (any `U: MemoryResource`, including `Arc<dyn MemoryResource>`)
 //! and exposes it through `upstream()`.
 
+mod added_bins;
 mod aligned;
 mod failure_callback;
 mod limiting;
@@ -10,6 +11,7 @@ mod prefetch;
 mod statistics;
 mod tracking;
 
+pub use added_bins::AddedBinsAdaptor;
 pub use aligned::AlignedAdaptor;
 pub use failure_callback::FailureCallbackAdaptor;
 pub use limiting::LimitingAdaptor;

@@ -1,81 +1,24 @@
-//! `mempool.ipc`: sharing device buffers between processes, over mempool-ipc.
-//!
-//! - [`PyExporter`] (`mempool.ipc.Exporter`) serves an exportable pool on a Unix socket and shares
-//!   [`PyExportedBuffer`]s (`mempool.ipc.ExportedBuffer`) with the importers connected to it.
-//! - [`PyImporter`] (`mempool.ipc.Importer`) connects to a socket path and receives
-//!   [`PyImportedBuffer`]s (`mempool.ipc.ImportedBuffer`): views of the exporter's memory whose lease is
-//!   released when the object and every view made from it (DLPack, CUDA array interface) are gone.
-//!
-//! Every blocking call (connecting, waiting for importers or buffers, shutting down, releasing a buffer)
-//! runs with the GIL released. None of these objects can be pickled: what crosses to another process is
-//! the socket path.
+//! `mempool.ipc.Exporter`: serves an exportable pool and shares buffers of it.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt};
+use pyo3::types::{PyDict, PyInt};
 
-use mempool_core::{Context, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
-use mempool_ipc::{AccessPolicy, ConnectionConfig, ExporterOptions, ImporterId, ImporterOptions, ListenerOptions};
+use mempool_core::{HandleTypes, MemPool, PoolProps, Stream, StreamRef};
+use mempool_ipc::{ConnectionConfig, ExporterOptions, ImporterId, ListenerOptions};
 use mempool_rmm::{AsyncResource, MemoryResource, SharedResource};
 
-use crate::buffer::{cai, dlpack, order_streams, DeviceBuffer, RawView};
+use super::buffers::PyExportedBuffer;
+use super::{at_least_one, no_pickle, policy, seconds, static_ref};
+use crate::buffer::{host_bytes, DeviceBuffer};
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
 use crate::mr::{CudaAsyncMemoryResource, PyResource};
 use crate::stream;
-
-/// A view of `stream` that the borrow checker does not tie to it.
-///
-/// # Safety
-/// 1. The caller keeps `stream` alive (an `Arc` held next to whatever keeps the view) for as long as the
-///    view, or anything made with it, is used: the buffers of this module hold the `Arc` in a field that
-///    is dropped after the buffer.
-#[allow(unsafe_code)]
-unsafe fn static_ref(stream: &Stream) -> StreamRef<'static> {
-    // SAFETY: point 1 keeps the stream live for as long as the view is used; the stream is one of the pool's
-    // (or importer's) context, which is where mempool-ipc binds it.
-    unsafe { StreamRef::from_raw(stream.as_raw()) }
-}
-
-fn seconds(name: &str, v: f64, zero_ok: bool) -> PyResult<Duration> {
-    if !v.is_finite() || v < 0.0 || (v == 0.0 && !zero_ok) {
-        let what = if zero_ok { "a non-negative" } else { "a positive" };
-        return Err(PyValueError::new_err(format!(
-            "{name} must be {what} number of seconds, got {v}"
-        )));
-    }
-    Duration::try_from_secs_f64(v).map_err(|e| PyValueError::new_err(format!("{name}: {e}")))
-}
-
-fn at_least_one(name: &str, v: usize) -> PyResult<usize> {
-    if v == 0 {
-        return Err(PyValueError::new_err(format!("{name} must be at least 1")));
-    }
-    Ok(v)
-}
-
-fn policy(allow_uids: Option<Vec<u32>>) -> AccessPolicy {
-    allow_uids.map_or(AccessPolicy::SameUser, AccessPolicy::allow_uids)
-}
-
-/// The error of pickling (or otherwise copying into another process) one of this module's objects.
-fn no_pickle(what: &str) -> PyErr {
-    PyTypeError::new_err(format!(
-        "mempool.ipc.{what} cannot be pickled or sent to another process: it is a live connection or mapping \
-         of this process. Send the socket path (a str) instead, and connect a mempool.ipc.Importer to it in \
-         the other process"
-    ))
-}
-
-/// The bytes of a bytes-like object (C order), copied.
-fn host_bytes<'py>(data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
-    let view = data.py().import("builtins")?.getattr("memoryview")?.call1((data,))?;
-    Ok(view.call_method0("tobytes")?.cast_into::<PyBytes>()?)
-}
+use crate::view::{order_streams, RawView};
 
 static NEXT_EXPORTER: AtomicU64 = AtomicU64::new(1);
 
@@ -360,7 +303,7 @@ impl PyExporter {
         self.mr.as_ref().map(|m| m.clone_ref(py))
     }
 
-    /// Whether `close()` was called.
+    /// Whether `shutdown()` was called.
     #[getter]
     fn closed(&self) -> bool {
         self.exporter.lock().unwrap_or_else(|p| p.into_inner()).is_none()
@@ -402,18 +345,12 @@ impl PyExporter {
                  allocate with Exporter.alloc(size) and fill that buffer",
             ));
         } else {
-            let data = py
-                .import("builtins")?
-                .getattr("memoryview")?
-                .call1((buffer,))
-                .map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "share: expected an ExportedBuffer, an int or a bytes-like object, got {}",
-                        buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-                    ))
-                })?
-                .call_method0("tobytes")?
-                .cast_into::<PyBytes>()?;
+            let data = host_bytes(buffer).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "share: expected an ExportedBuffer, an int or a bytes-like object, got {}",
+                    buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                ))
+            })?;
             let b = Bound::new(py, this.make_buffer(data.as_bytes().len())?)?;
             b.get().write(py, 0, data.as_bytes())?;
             b
@@ -482,8 +419,8 @@ impl PyExporter {
     /// Shuts down: removes the socket file, says Goodbye to every importer and waits (at most
     /// `shutdown_timeout`) for them to release what they hold. Returns the messages of the errors met while
     /// freeing buffers and serving connections. Buffers still alive keep working. A second call does
-    /// nothing (and returns []).
-    fn close(&self, py: Python<'_>) -> Vec<String> {
+    /// nothing (and returns []). mempool-ipc's `Exporter::shutdown`; leaving a `with` block calls it.
+    fn shutdown(&self, py: Python<'_>) -> Vec<String> {
         let taken = self.exporter.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(exporter) = taken else {
             return Vec::new();
@@ -504,7 +441,7 @@ impl PyExporter {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close(py);
+        self.shutdown(py);
         false
     }
 
@@ -529,401 +466,5 @@ impl Drop for PyExporter {
             // The shutdown waits for importers: without the GIL.
             Python::attach(|py| py.detach(move || drop(exporter)));
         }
-    }
-}
-
-/// A buffer of the exporter's pool that can be shared; freed when this object (and every view of it) is
-/// gone and every importer has released it.
-#[pyclass(module = "mempool.ipc", name = "ExportedBuffer", frozen, weakref)]
-pub struct PyExportedBuffer {
-    // Field order is drop order: the buffer before the stream it is ordered on.
-    buf: mempool_ipc::ExportedBuffer<'static>,
-    _stream: Arc<Stream>,
-    view: RawView,
-    /// The serial of the `PyExporter` that made it.
-    exporter: u64,
-}
-
-impl PyExportedBuffer {
-    fn write(&self, py: Python<'_>, offset: usize, data: &[u8]) -> PyResult<()> {
-        py.detach(|| self.buf.copy_from_host(offset, data)).py()
-    }
-}
-
-#[pymethods]
-impl PyExportedBuffer {
-    /// The exporter's id of the buffer (what importers see as `ImportedBuffer.id`).
-    #[getter]
-    fn id(&self) -> u64 {
-        self.buf.id().0
-    }
-    /// The device address.
-    #[getter]
-    fn ptr(&self) -> u64 {
-        self.view.addr
-    }
-    /// The size in bytes.
-    #[getter]
-    fn size(&self) -> usize {
-        self.view.size
-    }
-    /// The size in bytes.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.view.size
-    }
-    /// The ordinal of the device.
-    #[getter]
-    fn device(&self) -> usize {
-        self.view.device
-    }
-    /// The raw handle of the exporter's stream the buffer is ordered on.
-    #[getter]
-    fn stream(&self) -> usize {
-        self.view.stream
-    }
-    fn __len__(&self) -> usize {
-        self.view.size
-    }
-    /// The ids of the importers holding the buffer now.
-    fn holders(&self) -> Vec<u64> {
-        self.buf.holders().into_iter().map(|i| i.0).collect()
-    }
-    /// Waits until no importer holds the buffer; `IpcTimeoutError` after `timeout` seconds.
-    #[pyo3(signature = (timeout = 30.0))]
-    fn wait_released(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
-        let timeout = seconds("timeout", timeout, true)?;
-        py.detach(|| self.buf.wait_released(timeout))
-            .ipc(&format!("waiting for importers to release buffer {}", self.buf.id()))
-    }
-    /// Copies `data` (bytes-like) into the buffer at `offset`; waits for the copy.
-    #[pyo3(signature = (data, offset = 0))]
-    fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
-        let src = host_bytes(data)?;
-        self.write(py, offset, src.as_bytes())
-    }
-    /// The contents as `bytes` (waits for the work queued on the buffer's stream).
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let v = py.detach(|| self.buf.to_host()).py()?;
-        Ok(PyBytes::new(py, &v))
-    }
-    #[getter]
-    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        cai(py, self.view.addr, self.view.size, self.view.stream)
-    }
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (2, self.view.device as i32)
-    }
-    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
-    fn __dlpack__(
-        slf: &Bound<'_, Self>,
-        stream: Option<i64>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(i32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Py<PyAny>> {
-        let view = slf.get().view;
-        let owner = slf.clone().into_any().unbind();
-        dlpack(
-            slf.py(),
-            "mempool.ipc.ExportedBuffer",
-            view,
-            owner,
-            stream,
-            max_version,
-            dl_device,
-            copy,
-        )
-    }
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("ExportedBuffer"))
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.ExportedBuffer id={} size={} ptr={:#x} device={}>",
-            self.buf.id(),
-            self.view.size,
-            self.view.addr,
-            self.view.device
-        )
-    }
-}
-
-/// A connection to an exporter, with its pool imported.
-#[pyclass(module = "mempool.ipc", name = "Importer", frozen, weakref)]
-pub struct PyImporter {
-    importer: Mutex<Option<mempool_ipc::Importer>>,
-    stream: Arc<Stream>,
-    ctx: Arc<Context>,
-    device: usize,
-    path: PathBuf,
-}
-
-impl PyImporter {
-    fn handle(&self) -> PyResult<mempool_ipc::Importer> {
-        self.importer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| named("IpcError", format!("the importer of {} is closed", self.path.display())))
-    }
-}
-
-#[pymethods]
-impl PyImporter {
-    #[new]
-    #[pyo3(signature = (path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None))]
-    fn new(
-        py: Python<'_>,
-        path: PathBuf,
-        timeout: f64,
-        io_timeout: f64,
-        allow_uids: Option<Vec<u32>>,
-    ) -> PyResult<Self> {
-        let options = ImporterOptions {
-            connection: ConnectionConfig {
-                io_timeout: seconds("io_timeout", io_timeout, false)?,
-                handshake_timeout: seconds("timeout", timeout, false)?,
-            },
-            policy: policy(allow_uids),
-            ..ImporterOptions::default()
-        };
-        let importer = py
-            .detach(|| mempool_ipc::Importer::connect(&path, options))
-            .ipc(&format!("connecting to the exporter at {}", path.display()))?;
-        let device = importer.device().ordinal();
-        let ctx = mempool_capi::device::context(device).py()?;
-        let stream = Arc::new(Stream::new(&ctx).py()?);
-        Ok(PyImporter {
-            importer: Mutex::new(Some(importer)),
-            stream,
-            ctx,
-            device,
-            path,
-        })
-    }
-
-    /// The socket path connected to.
-    #[getter]
-    fn path(&self) -> String {
-        self.path.to_string_lossy().into_owned()
-    }
-
-    /// The ordinal, in this process, of the device with the exporter's GPU.
-    #[getter]
-    fn device(&self) -> usize {
-        self.device
-    }
-
-    /// How many buffers this importer holds now.
-    #[getter]
-    fn held(&self) -> PyResult<usize> {
-        Ok(self.handle()?.held())
-    }
-
-    /// How many of the exporter's blocks are imported now.
-    #[getter]
-    fn imported_blocks(&self) -> PyResult<usize> {
-        Ok(self.handle()?.imported_blocks())
-    }
-
-    /// Whether `close()` was called.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.importer.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-
-    /// Waits for the next buffer (at most `timeout` seconds; None: as long as it takes, interruptible by
-    /// Ctrl-C). `PeerGoneError` once the exporter has said Goodbye, closed the connection or died;
-    /// `IpcTimeoutError` after `timeout`.
-    #[pyo3(signature = (timeout = None))]
-    fn receive(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyImportedBuffer> {
-        let deadline = match timeout {
-            Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),
-            None => None,
-        };
-        let importer = self.handle()?;
-        // SAFETY: the buffer received below holds `self.stream` (dropped after the buffer), and the view is
-        // used only through the buffer.
-        #[allow(unsafe_code)]
-        let s = unsafe { static_ref(&self.stream) };
-        const SLICE: Duration = Duration::from_millis(200);
-        loop {
-            let wait = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-            match py.detach(|| importer.recv_timeout(s, wait)) {
-                Ok(buf) => {
-                    let view = RawView {
-                        addr: buf.ptr().as_raw(),
-                        size: buf.len(),
-                        device: self.device,
-                        stream: self.stream.as_raw() as usize,
-                    };
-                    return Ok(PyImportedBuffer {
-                        id: buf.id().0,
-                        buf: Mutex::new(Some(buf)),
-                        _stream: self.stream.clone(),
-                        ctx: self.ctx.clone(),
-                        view,
-                    });
-                }
-                Err(mempool_ipc::Error::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {
-                    py.check_signals()?;
-                }
-                Err(e) => return Err(ipc_to_py("receiving a buffer", e)),
-            }
-        }
-    }
-
-    /// Lets go of the connection: it says Goodbye once every buffer received from it is gone too.
-    fn close(&self) {
-        let taken = self.importer.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(taken);
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close();
-        false
-    }
-
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("Importer"))
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.Importer path={:?} device={}{}>",
-            self.path.display().to_string(),
-            self.device,
-            if self.closed() { " closed" } else { "" }
-        )
-    }
-}
-
-/// A buffer received from an exporter. Its lease is released when this object and every view made from it
-/// (DLPack capsules and the tensors built from them, CUDA-array-interface consumers that keep it) are gone.
-#[pyclass(module = "mempool.ipc", name = "ImportedBuffer", frozen, weakref)]
-pub struct PyImportedBuffer {
-    // Field order is drop order: the buffer before the stream it is ordered on.
-    buf: Mutex<Option<mempool_ipc::SharedBuffer<'static>>>,
-    _stream: Arc<Stream>,
-    ctx: Arc<Context>,
-    view: RawView,
-    id: u64,
-}
-
-impl Drop for PyImportedBuffer {
-    fn drop(&mut self) {
-        let taken = self.buf.get_mut().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(buf) = taken {
-            let ctx = self.ctx.clone();
-            let release = move || {
-                // Views may have queued work on any stream of this process (a PyTorch or CuPy stream): wait for
-                // all of it before the exporter may reuse the memory. The buffer's own drop then waits for its
-                // stream, frees the import and sends the release. Errors of a broken context are left to it.
-                let _ = ctx.synchronize();
-                drop(buf);
-            };
-            Python::attach(|py| py.detach(release));
-        }
-    }
-}
-
-#[pymethods]
-impl PyImportedBuffer {
-    /// The exporter's id of the buffer.
-    #[getter]
-    fn id(&self) -> u64 {
-        self.id
-    }
-    /// The device address in this process.
-    #[getter]
-    fn ptr(&self) -> u64 {
-        self.view.addr
-    }
-    /// The size in bytes.
-    #[getter]
-    fn size(&self) -> usize {
-        self.view.size
-    }
-    /// The size in bytes.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.view.size
-    }
-    /// The ordinal of the device in this process.
-    #[getter]
-    fn device(&self) -> usize {
-        self.view.device
-    }
-    /// The raw handle of the importer's stream, which waits for the exporter's work on the buffer.
-    #[getter]
-    fn stream(&self) -> usize {
-        self.view.stream
-    }
-    fn __len__(&self) -> usize {
-        self.view.size
-    }
-    /// The contents as `bytes` (waits for the work queued on the buffer's stream).
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let guard = self.buf.lock().unwrap_or_else(|p| p.into_inner());
-        let buf = guard
-            .as_ref()
-            .ok_or_else(|| named("IpcError", "the buffer was released".into()))?;
-        let v = py.detach(|| buf.to_host()).py()?;
-        Ok(PyBytes::new(py, &v))
-    }
-    /// Copies `data` (bytes-like) into the buffer at `offset` (the memory is the exporter's: it sees the
-    /// write); waits for the copy.
-    #[pyo3(signature = (data, offset = 0))]
-    fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
-        let src = host_bytes(data)?;
-        let guard = self.buf.lock().unwrap_or_else(|p| p.into_inner());
-        let buf = guard
-            .as_ref()
-            .ok_or_else(|| named("IpcError", "the buffer was released".into()))?;
-        let src = src.as_bytes();
-        py.detach(|| buf.copy_from_host(offset, src)).py()
-    }
-    #[getter]
-    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        cai(py, self.view.addr, self.view.size, self.view.stream)
-    }
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (2, self.view.device as i32)
-    }
-    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
-    fn __dlpack__(
-        slf: &Bound<'_, Self>,
-        stream: Option<i64>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(i32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Py<PyAny>> {
-        let view = slf.get().view;
-        let owner = slf.clone().into_any().unbind();
-        dlpack(
-            slf.py(),
-            "mempool.ipc.ImportedBuffer",
-            view,
-            owner,
-            stream,
-            max_version,
-            dl_device,
-            copy,
-        )
-    }
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("ImportedBuffer"))
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.ImportedBuffer id={} size={} ptr={:#x} device={}>",
-            self.id, self.view.size, self.view.addr, self.view.device
-        )
     }
 }
