@@ -8,7 +8,7 @@ use mempool_core::{DeviceAddr, StreamRef};
 use mempool_suballoc::BinningConfig;
 
 use crate::error::{Error, Result};
-use crate::resource::{align_up_usize, MemoryResource, SharedResource};
+use crate::resource::{align_up, MemoryResource, SharedResource};
 
 const NAME: &str = "AddedBinsAdaptor";
 
@@ -29,9 +29,11 @@ const NAME: &str = "AddedBinsAdaptor";
 /// use mempool_rmm::adaptors::AddedBinsAdaptor;
 /// use mempool_rmm::testing::SimResource;
 /// use mempool_rmm::{MemoryResource, SharedResource};
-/// let upstream = SimResource::new();
+/// // SAFETY: the simulation's addresses are never dereferenced here (only allocated and freed).
+/// let upstream = unsafe { SimResource::new() };
 /// let mr = AddedBinsAdaptor::new(&upstream);
-/// let bin = Arc::new(SimResource::new());
+/// // SAFETY: as above.
+/// let bin = Arc::new(unsafe { SimResource::new() });
 /// mr.add_bin(1000, bin.clone() as SharedResource)?; // rounded up to 1024, as RMM aligns bin sizes
 /// assert_eq!(mr.bin_sizes(), [1024]);
 /// let small = mr.allocate(600, StreamRef::LEGACY)?; // the 1024-byte bin
@@ -90,7 +92,7 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
     /// allocated (frees are routed by size, so a new bin would take frees of memory it never gave out).
     pub fn add_bin(&self, allocation_size: usize, resource: SharedResource) -> Result<()> {
         let refuse = |reason: String| Error::Unsupported { resource: NAME, reason };
-        let size = match align_up_usize(allocation_size) {
+        let size = match align_up(allocation_size as u64).map(|n| n as usize) {
             Some(s) if s > 0 => s,
             _ => {
                 return Err(refuse(format!(
@@ -152,7 +154,11 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
+// SAFETY: every allocation and free goes unchanged to the one resource (an added bin or the upstream)
+// that its size selects; the bins are fixed before the first allocation (`add_bin` refuses after it), so
+// a free's size selects the resource that made the allocation, whose `unsafe impl` guarantees are ours.
+#[allow(unsafe_code)]
+unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let upstream_bin = self.upstream_bin(bytes);
         let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
@@ -191,8 +197,10 @@ mod tests {
     use super::*;
     use crate::testing::SimResource;
 
+    #[allow(unsafe_code)]
     fn sim() -> Arc<SimResource> {
-        Arc::new(SimResource::new())
+        // SAFETY: the simulation's addresses are never dereferenced in these tests.
+        Arc::new(unsafe { SimResource::new() })
     }
 
     #[test]
