@@ -53,6 +53,7 @@ mod buffer;
 mod context;
 #[cfg(feature = "cudarc")]
 mod cudarc_interop;
+mod current;
 mod device;
 mod drop_errors;
 mod error;
@@ -79,7 +80,8 @@ pub use event::{Event, EventFlags, IpcEventHandle};
 pub use growable::{GrowableBuffer, WhenFull};
 pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
-pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
+pub use current::CurrentPoolGuard;
+pub use pool::{ImportedPtr, MemPool};
 pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
 pub use stream::{Stream, StreamFlags, StreamRef};
 pub use types::{
