@@ -83,7 +83,7 @@ fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut c_void>
     // SAFETY: PyTorch passes its current stream of `device`, live for this call; the stream is only
     // used for this allocation here.
     #[allow(unsafe_code)]
-    let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+    let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     let addr = mr.allocate(size, s)?;
     shard(addr.as_raw())
         .lock()
@@ -189,7 +189,7 @@ fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()> {
     };
     // SAFETY: point 1 of `mempool_torch_free`: the stream is live.
     #[allow(unsafe_code)]
-    let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+    let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
     // uses it, ordered on `stream` (the stream it allocated on, which PyTorch recorded).

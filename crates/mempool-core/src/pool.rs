@@ -267,7 +267,7 @@ impl MemPool {
     }
 
     /// The raw `CUmemoryPool`, valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUmemoryPool {
+    pub fn as_raw(&self) -> crate::RawPool {
         self.handle.raw.get()
     }
 

@@ -246,7 +246,7 @@ impl PhysicalAllocation {
     }
 
     /// The raw handle (`CUmemGenericAllocationHandle`), valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUmemGenericAllocationHandle {
+    pub fn as_raw(&self) -> crate::RawAllocationHandle {
         self.handle
     }
 

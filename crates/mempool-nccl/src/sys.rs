@@ -37,7 +37,7 @@ pub type RawDataType = c_int;
 /// `ncclRedOp_t`.
 pub type RawRedOp = c_int;
 /// `cudaStream_t`, the same handle as the driver's `CUstream`.
-pub type RawStream = mempool_core::sys::CUstream;
+pub type RawStream = mempool_core::RawStream;
 
 /// `ncclSuccess`.
 pub const SUCCESS: RawResult = 0;

@@ -90,7 +90,7 @@ impl DeviceBuffer {
         // SAFETY: the allocation's stream is live while the buffer is (see `allocate`).
         #[allow(unsafe_code)]
         unsafe {
-            StreamRef::from_raw(self.a().stream() as mempool_core::sys::CUstream)
+            StreamRef::from_raw(self.a().stream() as mempool_core::RawStream)
         }
     }
 
@@ -105,7 +105,7 @@ impl DeviceBuffer {
             // SAFETY: the stream was passed for this call; its object (`stream.owner`) is held by the
             // caller across it, and a raw integer is the caller's promise that it is live.
             #[allow(unsafe_code)]
-            true => unsafe { StreamRef::from_raw(stream.handle as mempool_core::sys::CUstream) },
+            true => unsafe { StreamRef::from_raw(stream.handle as mempool_core::RawStream) },
             false => self.stream_ref(),
         };
         let addr = DeviceAddr(self.a().addr());
@@ -139,8 +139,8 @@ pub(crate) fn order_streams(device: usize, ours: usize, consumer: usize) -> PyRe
     #[allow(unsafe_code)]
     let (o, c) = unsafe {
         (
-            StreamRef::from_raw(raw(ours) as mempool_core::sys::CUstream),
-            StreamRef::from_raw(raw(consumer) as mempool_core::sys::CUstream),
+            StreamRef::from_raw(raw(ours) as mempool_core::RawStream),
+            StreamRef::from_raw(raw(consumer) as mempool_core::RawStream),
         )
     };
     event.record(o.in_context(&ctx)).py()?;
