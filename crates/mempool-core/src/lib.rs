@@ -60,6 +60,7 @@ mod error;
 mod event;
 mod growable;
 mod handle;
+#[cfg(feature = "testing")]
 pub mod kernels;
 mod mapping;
 pub mod memory;
@@ -74,13 +75,13 @@ mod vmm;
 
 pub use buffer::PoolBuffer;
 pub use context::{Context, ContextGuard};
+pub use current::CurrentPoolGuard;
 pub use drop_errors::take_drop_errors;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
 pub use growable::{GrowableBuffer, WhenFull};
 pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
-pub use current::CurrentPoolGuard;
 pub use pool::{ImportedPtr, MemPool};
 pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
 pub use stream::{Stream, StreamFlags, StreamRef};

@@ -185,7 +185,11 @@ impl MemPool {
     /// 1. `raw` is a live pool of `ctx`'s device that is never destroyed (a default pool).
     /// 2. Its memory is of `allocation_type`.
     #[allow(unsafe_code)]
-    pub(crate) unsafe fn borrowed(ctx: Arc<Context>, raw: sys::CUmemoryPool, allocation_type: AllocationType) -> MemPool {
+    pub(crate) unsafe fn borrowed(
+        ctx: Arc<Context>,
+        raw: sys::CUmemoryPool,
+        allocation_type: AllocationType,
+    ) -> MemPool {
         let device = ctx.device();
         MemPool {
             handle: Arc::new(PoolHandle {

@@ -111,10 +111,14 @@ impl Stream {
         }
     }
 
-    /// A stream that shares cudarc's ownership of `stream`, whose context is `ctx` (the caller checked
-    /// it: `Stream::from_cudarc`).
+    /// A stream that shares cudarc's ownership of `stream`, whose context is `ctx`.
+    ///
+    /// # Safety
+    /// 1. `stream`'s `CUcontext` is `ctx`'s (`Stream::from_cudarc` checks it): the stream's calls bind
+    ///    `ctx`, and work queued on it runs in that context.
     #[cfg(feature = "cudarc")]
-    pub(crate) fn shared_with_cudarc(ctx: Arc<Context>, stream: Arc<cudarc::driver::CudaStream>) -> Stream {
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn shared_with_cudarc(ctx: Arc<Context>, stream: Arc<cudarc::driver::CudaStream>) -> Stream {
         Stream {
             ctx,
             raw: Handle::new(stream.cu_stream()),

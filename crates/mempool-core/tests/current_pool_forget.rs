@@ -16,7 +16,11 @@ fn a_forgotten_guard_leaves_a_live_pool_current() {
     drop(pool);
     // The leaked activation keeps the pool alive and current; allocating from it works.
     let current = dev.current_pool().unwrap();
-    assert_eq!(current.as_raw(), raw, "the forgotten activation's pool is still current");
+    assert_eq!(
+        current.as_raw(),
+        raw,
+        "the forgotten activation's pool is still current"
+    );
     let stream = Stream::new(&ctx).unwrap();
     let buf = current.alloc(MIB, stream.as_ref()).unwrap();
     buf.fill(7).unwrap();

@@ -403,7 +403,11 @@ fn current_pool_guards_end_in_any_order() {
     drop(g2);
     assert_eq!(dev.current_pool().unwrap().as_raw(), b_raw);
     drop(g3);
-    assert_eq!(dev.current_pool().unwrap().as_raw(), b_raw, "the oldest activation is `b` too");
+    assert_eq!(
+        dev.current_pool().unwrap().as_raw(),
+        b_raw,
+        "the oldest activation is `b` too"
+    );
     drop(g1);
     assert_eq!(dev.current_pool().unwrap().as_raw(), before);
     drop((b, c));
