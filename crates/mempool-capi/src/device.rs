@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use mempool_core::{sys, Context, Device};
+use mempool_core::{Context, Device};
 
 use crate::error::{Error, Result};
 
@@ -59,20 +59,9 @@ pub fn context(ordinal: usize) -> Result<Arc<Context>> {
 /// no context is current (what the CUDA runtime's `cudaGetDevice` reports on a fresh thread).
 pub fn current() -> Result<usize> {
     let d = devices()?;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: `devices()` succeeded, so the driver library is loaded and initialised (cudarc's lazily
-    // loaded symbol is present); `ctx` is a valid place for the driver to write the handle.
-    #[allow(unsafe_code)]
-    let r = unsafe { sys::cuCtxGetCurrent(&mut ctx) };
-    if r != sys::CUresult::CUDA_SUCCESS || ctx.is_null() {
-        return Ok(0);
-    }
-    let mut raw: sys::CUdevice = 0;
-    // SAFETY: as above; a context is current on this thread, and `raw` is a valid place to write.
-    #[allow(unsafe_code)]
-    let r = unsafe { sys::cuCtxGetDevice(&mut raw) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Ok(0);
-    }
-    Ok(d.devices.iter().position(|dev| dev.as_raw() == raw).unwrap_or(0))
+    // A failed query reads as no current context, as before: the runtime's answer on a fresh thread.
+    let current = mempool_core::Device::of_current_context().ok().flatten();
+    Ok(current
+        .and_then(|c| d.devices.iter().position(|dev| *dev == c))
+        .unwrap_or(0))
 }

@@ -387,7 +387,7 @@ pub unsafe extern "C" fn mempool_allocate(
         // SAFETY: point 1 (checked for null).
         let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
         // SAFETY: point 2.
-        let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
         *out = h.shared.allocate(bytes, s)?.as_raw() as *mut c_void;
         Ok(())
     })
@@ -412,7 +412,7 @@ pub unsafe extern "C" fn mempool_deallocate(
         // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(resource, "resource") }?;
         // SAFETY: point 3.
-        let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
         // SAFETY: points 2 and 3 are the resource's `deallocate` contract.
         unsafe { h.shared.deallocate(DeviceAddr(ptr as u64), bytes, s) }?;
         Ok(())

@@ -33,7 +33,7 @@ impl Allocation {
     #[allow(unsafe_code)]
     pub unsafe fn new(mr: SharedResource, size: usize, stream: usize) -> Result<Allocation> {
         // SAFETY: point 1.
-        let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
         let addr = mr.allocate(size, s)?;
         Ok(Allocation { addr, size, stream, mr })
     }
@@ -63,7 +63,7 @@ impl Drop for Allocation {
     fn drop(&mut self) {
         // SAFETY: `new`'s point 1 keeps the stream live until now.
         #[allow(unsafe_code)]
-        let s = unsafe { StreamRef::from_raw(self.stream as mempool_core::sys::CUstream) };
+        let s = unsafe { StreamRef::from_raw(self.stream as mempool_core::RawStream) };
         // SAFETY: `addr` came from `mr.allocate(size, _)` in `new` and is freed only here, once; point 2 of
         // `new` orders every use of the memory before this point of the stream (as RMM's device_buffer,
         // whose destructor frees on its stream).

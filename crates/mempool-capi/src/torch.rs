@@ -85,8 +85,10 @@ unsafe fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut 
     let ordinal =
         usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is negative")))?;
     let mr = registry::current(ordinal)?;
-    // SAFETY: point 1; the stream is only used for this allocation here.
-    let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+    // SAFETY: PyTorch passes its current stream of `device`, live for this call; the stream is only
+    // used for this allocation here.
+    #[allow(unsafe_code)]
+    let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     let addr = mr.allocate(size, s)?;
     shard(addr.as_raw())
         .lock()
@@ -205,8 +207,9 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
             "free of {addr:#x}, which mempool's PyTorch allocator did not hand out (or freed already); not freed"
         )));
     };
-    // SAFETY: point 1: the stream is live.
-    let s = unsafe { StreamRef::from_raw(stream as mempool_core::sys::CUstream) };
+    // SAFETY: point 1 of `mempool_torch_free`: the stream is live.
+    #[allow(unsafe_code)]
+    let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
     // uses it, ordered on `stream` (point 2).

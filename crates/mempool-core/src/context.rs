@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::raw::{self, sys};
-use crate::types::{Device, MemoryInfo};
+use crate::types::{Device, MemoryInfo, PeerRefusal};
 
 /// The primary contexts mempool retained, by device ordinal (see [`Context::primary_ref`]).
 type PrimaryCache = Mutex<Option<HashMap<usize, &'static Arc<Context>>>>;
@@ -72,7 +72,7 @@ impl Context {
     }
 
     /// The raw `CUcontext`, for interop (cudarc, C). It stays valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUcontext {
+    pub fn as_raw(&self) -> crate::RawContext {
         self.raw.get()
     }
 
@@ -93,6 +93,40 @@ impl Context {
             pushed,
             _ctx: PhantomData,
         })
+    }
+
+    /// Lets this context's device access memory that `peer` allocates with `cuMemAlloc`
+    /// (`cuCtxEnablePeerAccess`); access that is already enabled is fine. Pool memory ignores this: a
+    /// pool grants a peer access with [`crate::MemPool::grant_access`].
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a context of `peer`'s own device, [`Error::PeerAccess`]
+    /// (`NoPeerCapability`) when `cuDeviceCanAccessPeer` says this device cannot map `peer`'s memory,
+    /// both before the driver is asked; the driver's own refusal otherwise.
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<()> {
+        let (dev, owner) = (self.device(), peer.device());
+        if dev == owner {
+            return Err(Error::InvalidArgument(format!(
+                "cuCtxEnablePeerAccess: device {} already accesses its own memory; peer access is between two \
+                 devices",
+                dev.ordinal()
+            )));
+        }
+        if !dev.can_access_peer(owner)? {
+            return Err(Error::PeerAccess {
+                owner: owner.ordinal(),
+                peer: dev.ordinal(),
+                reason: PeerRefusal::NoPeerCapability,
+            });
+        }
+        let _g = self.bind()?;
+        // SAFETY: 1. `self` is bound (current) on this thread for the call and both contexts are retained
+        // while `self` and `peer` live.
+        #[allow(unsafe_code)]
+        let r = unsafe { raw::context::enable_peer_access(peer.as_raw()) };
+        match r {
+            Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as u32) => Ok(()),
+            r => Ok(r?),
+        }
     }
 
     /// Blocks until all work in this context is done (`cuCtxSynchronize`).

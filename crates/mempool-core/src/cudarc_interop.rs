@@ -104,7 +104,10 @@ impl Stream {
     /// Errors: [`Error::NotPrimaryContext`] for a stream of a non-primary context.
     pub fn from_cudarc(stream: Arc<CudaStream>) -> Result<Stream> {
         let ctx = Context::from_cudarc(stream.context())?;
-        Ok(Stream::shared_with_cudarc(ctx, stream))
+        // SAFETY: 1. `ctx` is the mempool value of the stream's own context (`from_cudarc` of
+        // `stream.context()`).
+        #[allow(unsafe_code)]
+        Ok(unsafe { Stream::shared_with_cudarc(ctx, stream) })
     }
 
     /// A new stream of `ctx` made by cudarc (`CudaContext::new_stream`: non-blocking), shared by both
@@ -117,7 +120,9 @@ impl Stream {
         let stream = cuda
             .new_stream()
             .map_err(|e| Error::from_cudarc("CudaContext::new_stream", e))?;
-        Ok(Stream::shared_with_cudarc(ctx.clone(), stream))
+        // SAFETY: 1. cudarc made the stream in `ctx.to_cudarc()`, the cudarc value of `ctx`'s context.
+        #[allow(unsafe_code)]
+        Ok(unsafe { Stream::shared_with_cudarc(ctx.clone(), stream) })
     }
 
     /// This stream as a cudarc stream in `ctx`: a clone of the shared `Arc` for a stream made by

@@ -1,6 +1,6 @@
 //! Devices: enumeration, properties, pool support and peer capability. The [`Device`] value itself is
-//! plain data (in `types`); its pool accessors (`default_pool`, `current_pool`) are implemented next to
-//! `MemPool`, in `pool`.
+//! plain data (in `types`); its pool accessors are implemented next to `MemPool`: `default_pool` in `pool`,
+//! `current_pool` in `current`.
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html>
 
 use std::sync::Arc;
@@ -31,6 +31,29 @@ impl Device {
     /// Every visible device, in ordinal order.
     pub fn all() -> Result<Vec<Device>> {
         (0..Device::count()?).map(Device::get).collect()
+    }
+
+    /// The device of the calling thread's current CUDA context (`cuCtxGetCurrent`, `cuCtxGetDevice`):
+    /// what the CUDA runtime's `cudaGetDevice` reports on a thread that has used a device. `None` when
+    /// no context is current on the thread. mempool's own calls bind their context only for their
+    /// duration, so this is the context the application (or another library) made current.
+    pub fn of_current_context() -> Result<Option<Device>> {
+        raw::init()?;
+        if raw::context::current()?.is_null() {
+            return Ok(None);
+        }
+        let raw = raw::context::device()?;
+        let count = Device::count()?;
+        for ordinal in 0..count {
+            let device = Device::get(ordinal)?;
+            if device.as_raw() == raw {
+                return Ok(Some(device));
+            }
+        }
+        Err(Error::NoSuchDevice {
+            ordinal: raw.max(0) as usize,
+            count,
+        })
     }
 
     /// The device's name, e.g. `NVIDIA H100 80GB HBM3`.

@@ -1,6 +1,6 @@
 //! Built-in check kernels (hand-written PTX, JIT-compiled by the driver): fill, copy and add over
-//! 32-bit elements. Tests, examples and health checks use them to do real device work on pool memory
-//! without nvcc at build time.
+//! 32-bit elements. Tests and examples use them to do real device work on pool memory without nvcc at
+//! build time. Behind the `testing` feature.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -47,7 +47,15 @@ impl CheckKernels {
         })
     }
 
-    fn launch(&self, name: &str, n: usize, stream: StreamRef<'_>, params: &mut [*mut c_void]) -> Result<()> {
+    /// Launches kernel `name` over `n` elements with `params`.
+    ///
+    /// # Safety
+    /// 1. `params` holds one pointer per parameter of `name`'s signature in kernels.ptx, in order, each to
+    ///    a live value of the parameter's width.
+    /// 2. The addresses among them are what the public wrapper's `# Safety` asks of its caller: device
+    ///    memory that work on `stream` may access for `n` 4-byte aligned `u32`s until the kernel completes.
+    #[allow(unsafe_code)]
+    unsafe fn launch(&self, name: &str, n: usize, stream: StreamRef<'_>, params: &mut [*mut c_void]) -> Result<()> {
         if n >= (u32::MAX as usize) {
             return Err(Error::InvalidArgument(format!(
                 "{n} elements is more than the check kernels index"
@@ -57,12 +65,8 @@ impl CheckKernels {
             return Ok(());
         }
         let f = self.module.function(name)?;
-        // SAFETY: the public wrappers pass one pointer per parameter of `name`'s signature in kernels.ptx,
-        // each to a value of the parameter's width; the callers vouch for the addresses.
-        #[allow(unsafe_code)]
-        unsafe {
-            f.launch(LaunchConfig::for_elements(n, BLOCK), stream, params)
-        }
+        // SAFETY: points 1 and 2 are the caller's; the grid covers `n` elements, the kernels check the bound.
+        unsafe { f.launch(LaunchConfig::for_elements(n, BLOCK), stream, params) }
     }
 
     /// `dst[i] = base + i` for `i < n` (wrapping), ordered on `stream`.
@@ -73,16 +77,20 @@ impl CheckKernels {
     #[allow(unsafe_code)]
     pub unsafe fn iota(&self, dst: DeviceAddr, n: usize, base: u32, stream: StreamRef<'_>) -> Result<()> {
         let (mut d, mut b, mut len) = (dst.0, base, n as u64);
-        self.launch(
-            "mempool_iota_u32",
-            n,
-            stream,
-            &mut [
-                &mut d as *mut u64 as *mut c_void,
-                &mut b as *mut u32 as *mut c_void,
-                &mut len as *mut u64 as *mut c_void,
-            ],
-        )
+        // SAFETY: 1. `mempool_iota_u32(u64 dst, u32 base, u64 n)`: three pointers to values of those widths.
+        // 2. point 1 of this function.
+        unsafe {
+            self.launch(
+                "mempool_iota_u32",
+                n,
+                stream,
+                &mut [
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut b as *mut u32 as *mut c_void,
+                    &mut len as *mut u64 as *mut c_void,
+                ],
+            )
+        }
     }
 
     /// `dst[i] = src[i]` for `i < n`, each element loaded by a thread (so a peer's memory is read through
@@ -94,16 +102,20 @@ impl CheckKernels {
     #[allow(unsafe_code)]
     pub unsafe fn copy(&self, dst: DeviceAddr, src: DeviceAddr, n: usize, stream: StreamRef<'_>) -> Result<()> {
         let (mut d, mut s, mut len) = (dst.0, src.0, n as u64);
-        self.launch(
-            "mempool_copy_u32",
-            n,
-            stream,
-            &mut [
-                &mut d as *mut u64 as *mut c_void,
-                &mut s as *mut u64 as *mut c_void,
-                &mut len as *mut u64 as *mut c_void,
-            ],
-        )
+        // SAFETY: 1. `mempool_copy_u32(u64 dst, u64 src, u64 n)`: three pointers to values of those widths.
+        // 2. point 1 of this function.
+        unsafe {
+            self.launch(
+                "mempool_copy_u32",
+                n,
+                stream,
+                &mut [
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut s as *mut u64 as *mut c_void,
+                    &mut len as *mut u64 as *mut c_void,
+                ],
+            )
+        }
     }
 
     /// `buf[i] += value` for `i < n` (wrapping), ordered on `stream`.
@@ -113,16 +125,20 @@ impl CheckKernels {
     #[allow(unsafe_code)]
     pub unsafe fn add(&self, buf: DeviceAddr, n: usize, value: u32, stream: StreamRef<'_>) -> Result<()> {
         let (mut p, mut v, mut len) = (buf.0, value, n as u64);
-        self.launch(
-            "mempool_add_u32",
-            n,
-            stream,
-            &mut [
-                &mut p as *mut u64 as *mut c_void,
-                &mut v as *mut u32 as *mut c_void,
-                &mut len as *mut u64 as *mut c_void,
-            ],
-        )
+        // SAFETY: 1. `mempool_add_u32(u64 buf, u32 value, u64 n)`: three pointers to values of those widths.
+        // 2. point 1 of this function.
+        unsafe {
+            self.launch(
+                "mempool_add_u32",
+                n,
+                stream,
+                &mut [
+                    &mut p as *mut u64 as *mut c_void,
+                    &mut v as *mut u32 as *mut c_void,
+                    &mut len as *mut u64 as *mut c_void,
+                ],
+            )
+        }
     }
 }
 

@@ -51,12 +51,14 @@ mod buffer;
 mod context;
 #[cfg(feature = "cudarc")]
 mod cudarc_interop;
+mod current;
 mod device;
 mod drop_errors;
 mod error;
 mod event;
 mod growable;
 mod handle;
+#[cfg(feature = "testing")]
 pub mod kernels;
 mod mapping;
 pub mod memory;
@@ -71,13 +73,14 @@ mod vmm;
 
 pub use buffer::PoolBuffer;
 pub use context::{Context, ContextGuard};
+pub use current::CurrentPoolGuard;
 pub use drop_errors::take_drop_errors;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
 pub use growable::{GrowableBuffer, WhenFull};
 pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
-pub use pool::{CurrentPoolGuard, ImportedPtr, MemPool};
+pub use pool::{ImportedPtr, MemPool};
 pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
 pub use stream::{Stream, StreamFlags, StreamRef};
 pub use types::{
@@ -87,8 +90,21 @@ pub use types::{
 pub use view::BufferView;
 pub use vmm::{round_up, AllocationProps, FabricHandle, Granularity, PhysicalAllocation, VmmSupport};
 
-/// The raw driver types (`CUstream`, `CUdeviceptr`, ...), for interop through `into_raw` / `from_raw`.
-pub use cudarc::driver::sys;
+/// The driver's stream handle (`CUstream`), as [`Stream::as_raw`] returns and [`StreamRef::from_raw`]
+/// takes it: a C API's `cudaStream_t`, PyTorch's `cuda_stream`, an integer cast with `as RawStream`.
+pub type RawStream = cudarc::driver::sys::CUstream;
+/// The driver's context handle (`CUcontext`), as [`Context::as_raw`] returns it.
+pub type RawContext = cudarc::driver::sys::CUcontext;
+/// The driver's event handle (`CUevent`), as [`Event::as_raw`] returns it.
+pub type RawEvent = cudarc::driver::sys::CUevent;
+/// The driver's pool handle (`CUmemoryPool`, the runtime's `cudaMemPool_t`), as [`MemPool::as_raw`] and
+/// [`memory::pool_of`] return it.
+pub type RawPool = cudarc::driver::sys::CUmemoryPool;
+/// The driver's device handle (`CUdevice`, an `int`), as [`Device::as_raw`] returns it.
+pub type RawDevice = cudarc::driver::sys::CUdevice;
+/// The driver's physical allocation handle (`CUmemGenericAllocationHandle`), as
+/// [`PhysicalAllocation::as_raw`] returns it.
+pub type RawAllocationHandle = cudarc::driver::sys::CUmemGenericAllocationHandle;
 
 /// Loads and initialises the driver (once) and returns its version (`cuDriverGetVersion`).
 ///

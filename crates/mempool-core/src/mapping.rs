@@ -197,7 +197,11 @@ impl Reservation {
     /// [`BufferView`] of a mapping may be copying through that access. Lowering access is
     /// [`set_access_unchecked`](Self::set_access_unchecked).
     pub fn set_access(&self, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
-        self.set_access_inner(offset, len, access, false)
+        // SAFETY: 1. `may_lower` is false: what would lower access is refused before the driver is asked.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.set_access_inner(offset, len, access, false)
+        }
     }
 
     /// As [`set_access`](Self::set_access), and may also lower or revoke access: it first waits for all
@@ -211,10 +215,24 @@ impl Reservation {
     ///    (work queued before it is waited for).
     #[allow(unsafe_code)]
     pub unsafe fn set_access_unchecked(&self, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
-        self.set_access_inner(offset, len, access, true)
+        // SAFETY: 1. points 1 and 2 are the caller's.
+        unsafe { self.set_access_inner(offset, len, access, true) }
     }
 
-    fn set_access_inner(&self, offset: usize, len: usize, access: &[(Device, Access)], may_lower: bool) -> Result<()> {
+    /// The checks and the call behind [`set_access`](Self::set_access) (`may_lower` false: lowering is
+    /// refused) and [`set_access_unchecked`](Self::set_access_unchecked) (`may_lower` true).
+    ///
+    /// # Safety
+    /// 1. With `may_lower` true, points 1 and 2 of [`Reservation::set_access_unchecked`]'s `# Safety` hold
+    ///    for the range and the access.
+    #[allow(unsafe_code)]
+    unsafe fn set_access_inner(
+        &self,
+        offset: usize,
+        len: usize,
+        access: &[(Device, Access)],
+        may_lower: bool,
+    ) -> Result<()> {
         let not_mapped = || {
             Error::InvalidArgument(format!(
                 "cannot set access to {len} bytes at offset {offset} of a reservation of {} bytes: the \
@@ -268,14 +286,33 @@ impl Reservation {
             if !fully_mapped(&st.mapped, offset, len) {
                 return Err(not_mapped());
             }
-            return self.apply_access(&mut st, offset, len, access);
+            // SAFETY: 1. `st` is `self.state`'s lock, retaken, and the range was checked fully mapped under
+            // it just now. 2. lowering is vouched for by point 1 of this function (`may_lower`), and the
+            // accessors' work was waited for above.
+            return unsafe { self.apply_access(&mut st, offset, len, access) };
         }
         drop(_g);
-        self.apply_access(&mut st, offset, len, access)
+        // SAFETY: 1. `st` is `self.state`'s lock, held since the range was checked fully mapped. 2. nothing
+        // is lowered: without `may_lower` the checks above refused it, and with it lowering went through the
+        // branch above.
+        unsafe { self.apply_access(&mut st, offset, len, access) }
     }
 
     /// The `cuMemSetAccess` itself, under the lock `st` (taken from `self.state`) after the checks.
-    fn apply_access(&self, st: &mut MapState, offset: usize, len: usize, access: &[(Device, Access)]) -> Result<()> {
+    ///
+    /// # Safety
+    /// 1. `st` is the state behind `self.state`'s lock, held by the caller since it checked that
+    ///    `offset..offset + len` is fully mapped (so no mapping of the range is unmapped meanwhile).
+    /// 2. Any access this lowers is vouched for as [`Reservation::set_access_unchecked`]'s `# Safety`
+    ///    asks, and the work of the devices that had it was waited for.
+    #[allow(unsafe_code)]
+    unsafe fn apply_access(
+        &self,
+        st: &mut MapState,
+        offset: usize,
+        len: usize,
+        access: &[(Device, Access)],
+    ) -> Result<()> {
         let descs: Vec<sys::CUmemAccessDesc> = access
             .iter()
             .map(|(d, a)| sys::CUmemAccessDesc {
@@ -284,11 +321,9 @@ impl Reservation {
             })
             .collect();
         let _g = self.ctx.bind()?;
-        // SAFETY: the range is fully mapped by mappings into this reservation (checked by the caller
-        // under the lock it still holds, which keeps them from being unmapped meanwhile); anything that
-        // lowers access came through `set_access_unchecked`, whose caller vouches that nothing relies
-        // on the access, and waited for the accessors' work.
-        #[allow(unsafe_code)]
+        // SAFETY: the range is fully mapped by mappings into this reservation (point 1: checked by the
+        // caller under the lock it still holds, which keeps them from being unmapped meanwhile); anything
+        // that lowers access is vouched for and was waited for (point 2).
         unsafe { raw::vmm::set_access(self.base.0 + offset as u64, len, &descs) }?;
         for (d, a) in access {
             if *a != Access::None && !st.accessors.contains(d) {

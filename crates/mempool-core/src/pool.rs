@@ -95,7 +95,7 @@ fn access_from_raw(flags: sys::CUmemAccess_flags) -> Access {
 #[derive(Debug)]
 pub struct MemPool {
     ctx: Arc<Context>,
-    raw: Handle<sys::CUmemPoolHandle_st>,
+    handle: Arc<PoolHandle>,
     kind: PoolKind,
     /// The device whose context the pool's calls are made in: the pool's own device, or for a host pool
     /// the device it was created for.
@@ -153,7 +153,7 @@ impl MemPool {
         let raw = raw::pool::create(&raw_props)?;
         Ok(MemPool {
             ctx: ctx.clone(),
-            raw: Handle::new(raw),
+            handle: PoolHandle::destroyed_on_drop(&ctx, raw),
             kind: PoolKind::Owned,
             device: *device,
             location,
@@ -162,35 +162,61 @@ impl MemPool {
         })
     }
 
-    fn default_of(ctx: Arc<Context>) -> Result<MemPool> {
+    pub(crate) fn default_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let raw = raw::pool::device_default(device.as_raw())?;
-        Ok(MemPool::borrowed(ctx, raw, AllocationType::Pinned))
+        // SAFETY: a device's default pool is never destroyed (point 1).
+        #[allow(unsafe_code)]
+        Ok(unsafe { MemPool::borrowed(ctx, raw, AllocationType::Pinned) })
     }
 
     fn default_managed_of(ctx: Arc<Context>) -> Result<MemPool> {
         let device = ctx.device();
         let location = location_to_raw(PoolLocation::Device(device));
         let raw = raw::pool::location_default(location, allocation_type_to_raw(AllocationType::Managed))?;
-        Ok(MemPool::borrowed(ctx, raw, AllocationType::Managed))
+        // SAFETY: a location's default pool is never destroyed (point 1).
+        #[allow(unsafe_code)]
+        Ok(unsafe { MemPool::borrowed(ctx, raw, AllocationType::Managed) })
     }
 
-    fn current_of(ctx: Arc<Context>) -> Result<MemPool> {
-        let device = ctx.device();
-        let raw = raw::pool::device_current(device.as_raw())?;
-        Ok(MemPool::borrowed(ctx, raw, AllocationType::Pinned))
-    }
-
-    fn borrowed(ctx: Arc<Context>, raw: sys::CUmemoryPool, allocation_type: AllocationType) -> MemPool {
+    /// A view of a pool this value does not own: dropping it destroys nothing.
+    ///
+    /// # Safety
+    /// 1. `raw` is a live pool of `ctx`'s device that is never destroyed (a default pool).
+    /// 2. Its memory is of `allocation_type`.
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn borrowed(
+        ctx: Arc<Context>,
+        raw: sys::CUmemoryPool,
+        allocation_type: AllocationType,
+    ) -> MemPool {
         let device = ctx.device();
         MemPool {
+            handle: Arc::new(PoolHandle {
+                ctx: ctx.clone(),
+                raw: Handle::new(raw),
+                destroy: false,
+            }),
             ctx,
-            raw: Handle::new(raw),
             kind: PoolKind::Borrowed,
             device,
             location: PoolLocation::Device(device),
             handle_types: HandleTypes::empty(),
             allocation_type,
+        }
+    }
+
+    /// Another value for the same pool, sharing its handle: the pool is destroyed when the last value
+    /// that shares it drops (an activation as the device's current pool holds one).
+    pub(crate) fn share(&self) -> MemPool {
+        MemPool {
+            ctx: self.ctx.clone(),
+            handle: self.handle.clone(),
+            kind: self.kind,
+            device: self.device,
+            location: self.location,
+            handle_types: self.handle_types,
+            allocation_type: self.allocation_type,
         }
     }
 
@@ -205,7 +231,7 @@ impl MemPool {
         let raw = raw::pool::import_fd(fd)?;
         Ok(MemPool {
             ctx: ctx.clone(),
-            raw: Handle::new(raw),
+            handle: PoolHandle::destroyed_on_drop(&ctx, raw),
             kind: PoolKind::Imported,
             device: *device,
             location: PoolLocation::Device(*device),
@@ -245,8 +271,8 @@ impl MemPool {
     }
 
     /// The raw `CUmemoryPool`, valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUmemoryPool {
-        self.raw.get()
+    pub fn as_raw(&self) -> crate::RawPool {
+        self.handle.raw.get()
     }
 
     fn get_u64(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
@@ -388,7 +414,7 @@ impl MemPool {
         self.set_access(peer, Access::None)
     }
 
-    fn require_allocating(&self, operation: &'static str) -> Result<()> {
+    pub(crate) fn require_allocating(&self, operation: &'static str) -> Result<()> {
         if self.kind == PoolKind::Imported {
             return Err(Error::PoolKind {
                 operation,
@@ -445,38 +471,6 @@ impl MemPool {
         #[allow(unsafe_code)]
         let buf = unsafe { PoolBuffer::from_parts(ptr, bytes, stream, self.ctx.clone()) };
         Ok(buf)
-    }
-
-    /// Makes this pool the device's current pool (what `cudaMallocAsync` and `cuMemAllocAsync` use) until
-    /// the guard drops, which restores the previous one. The current pool is process-wide: this is the
-    /// explicit, scoped way to change it.
-    pub fn make_current(&self) -> Result<CurrentPoolGuard<'_>> {
-        self.require_allocating("making current")?;
-        if self.allocation_type == AllocationType::Managed {
-            return Err(Error::PoolKind {
-                operation: "making current",
-                kind: "a pool of managed memory",
-                why: "cuDeviceSetMemPool sets the device's pool of pinned device memory; allocate from a managed \
-                      pool by name (MemPool::allocate)",
-            });
-        }
-        let PoolLocation::Device(device) = self.location else {
-            return Err(Error::PoolKind {
-                operation: "making current",
-                kind: "a host pool",
-                why: "a device's current pool must be located on that device",
-            });
-        };
-        let previous = raw::pool::device_current(device.as_raw())?;
-        // SAFETY: the pool is live and located on `device`; the guard borrows `self`, so it stays live
-        // until the guard restores the previous pool.
-        #[allow(unsafe_code)]
-        unsafe { raw::pool::set_device_current(device.as_raw(), self.as_raw()) }?;
-        Ok(CurrentPoolGuard {
-            device,
-            previous: Handle::new(previous),
-            _pool: self,
-        })
     }
 
     /// Exports the pool as a POSIX file descriptor for another process
@@ -547,9 +541,30 @@ impl MemPool {
     }
 }
 
-impl Drop for MemPool {
+/// The pool handle every value for one pool shares ([`MemPool::share`]): the last one to drop destroys an
+/// owned or imported pool.
+#[derive(Debug)]
+struct PoolHandle {
+    ctx: Arc<Context>,
+    raw: Handle<sys::CUmemPoolHandle_st>,
+    /// False for a default pool, which is never destroyed.
+    destroy: bool,
+}
+
+impl PoolHandle {
+    /// The handle of a pool this process created or imported, destroyed when the last share drops.
+    fn destroyed_on_drop(ctx: &Arc<Context>, raw: sys::CUmemoryPool) -> Arc<PoolHandle> {
+        Arc::new(PoolHandle {
+            ctx: ctx.clone(),
+            raw: Handle::new(raw),
+            destroy: true,
+        })
+    }
+}
+
+impl Drop for PoolHandle {
     fn drop(&mut self) {
-        if self.kind == PoolKind::Borrowed {
+        if !self.destroy {
             return;
         }
         // Let queued frees complete first. The driver allows destroying a pool with frees pending, but
@@ -558,10 +573,12 @@ impl Drop for MemPool {
         if let Err(e) = self.ctx.synchronize() {
             crate::drop_errors::record(e);
         }
-        // SAFETY: owned or imported pools are destroyed exactly once, here. Outstanding allocations are
-        // allowed: the driver releases the pool once they are freed.
+        // SAFETY: owned or imported pools are destroyed exactly once, here, when the last value sharing
+        // the handle drops. None of them is a device's current pool through mempool: every activation
+        // (`crate::current`) holds a share until another pool has been made current in its place.
+        // Outstanding allocations are allowed: the driver releases the pool once they are freed.
         #[allow(unsafe_code)]
-        if let Err(e) = unsafe { raw::pool::destroy(self.as_raw()) } {
+        if let Err(e) = unsafe { raw::pool::destroy(self.raw.get()) } {
             crate::drop_errors::record(e.into());
         }
     }
@@ -585,33 +602,6 @@ impl Device {
     pub fn default_managed_pool(&self) -> Result<MemPool> {
         self.require_managed_pools()?;
         MemPool::default_managed_of(self.context()?)
-    }
-
-    /// The device's current pool (`cuDeviceGetMemPool`), a process-wide setting. Dropping the returned
-    /// value does not destroy it. To change it, use [`MemPool::make_current`], which restores it.
-    pub fn current_pool(&self) -> Result<MemPool> {
-        self.require_pools()?;
-        MemPool::current_of(self.context()?)
-    }
-}
-
-/// Restores a device's previous current pool when dropped. See [`MemPool::make_current`].
-#[must_use = "the pool is only current while the guard lives"]
-#[derive(Debug)]
-pub struct CurrentPoolGuard<'p> {
-    device: Device,
-    previous: Handle<sys::CUmemPoolHandle_st>,
-    _pool: &'p MemPool,
-}
-
-impl Drop for CurrentPoolGuard<'_> {
-    fn drop(&mut self) {
-        // SAFETY: `previous` was the device's current pool, which the application keeps alive (the
-        // default pool always is); restoring it undoes our change.
-        #[allow(unsafe_code)]
-        if let Err(e) = unsafe { raw::pool::set_device_current(self.device.as_raw(), self.previous.get()) } {
-            crate::drop_errors::record(e.into());
-        }
     }
 }
 

@@ -73,7 +73,7 @@ impl Stream {
     }
 
     /// The raw `CUstream`, valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUstream {
+    pub fn as_raw(&self) -> crate::RawStream {
         self.raw.get()
     }
 
@@ -88,7 +88,7 @@ impl Stream {
     /// forever (it is leaked), so cudarc never destroys the handle and the caller's obligation is the same;
     /// but other holders of that `Arc` may still queue work on the stream: destroy it only once they are
     /// done. Prefer dropping such a stream.
-    pub fn into_raw(self) -> (Arc<Context>, sys::CUstream) {
+    pub fn into_raw(self) -> (Arc<Context>, crate::RawStream) {
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so moving the `Arc` out of it leaves exactly one owner.
         #[allow(unsafe_code)]
@@ -102,7 +102,7 @@ impl Stream {
     /// 1. `raw` is a live stream of `ctx`, created by `cuStreamCreate` (not a special handle).
     /// 2. Nothing else destroys it: the returned value destroys it on drop.
     #[allow(unsafe_code)]
-    pub unsafe fn from_raw(ctx: Arc<Context>, raw: sys::CUstream) -> Stream {
+    pub unsafe fn from_raw(ctx: Arc<Context>, raw: crate::RawStream) -> Stream {
         Stream {
             ctx,
             raw: Handle::new(raw),
@@ -111,10 +111,14 @@ impl Stream {
         }
     }
 
-    /// A stream that shares cudarc's ownership of `stream`, whose context is `ctx` (the caller checked
-    /// it: `Stream::from_cudarc`).
+    /// A stream that shares cudarc's ownership of `stream`, whose context is `ctx`.
+    ///
+    /// # Safety
+    /// 1. `stream`'s `CUcontext` is `ctx`'s (`Stream::from_cudarc` checks it): the stream's calls bind
+    ///    `ctx`, and work queued on it runs in that context.
     #[cfg(feature = "cudarc")]
-    pub(crate) fn shared_with_cudarc(ctx: Arc<Context>, stream: Arc<cudarc::driver::CudaStream>) -> Stream {
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn shared_with_cudarc(ctx: Arc<Context>, stream: Arc<cudarc::driver::CudaStream>) -> Stream {
         Stream {
             ctx,
             raw: Handle::new(stream.cu_stream()),
@@ -215,7 +219,7 @@ impl<'a> StreamRef<'a> {
     ///    context of the object it is given to (a pool's, a resource's, a buffer's): it is a stream of
     ///    that context, or a special handle.
     #[allow(unsafe_code)]
-    pub unsafe fn from_raw(raw: sys::CUstream) -> StreamRef<'a> {
+    pub unsafe fn from_raw(raw: crate::RawStream) -> StreamRef<'a> {
         StreamRef {
             raw: raw as usize,
             ctx: None,
@@ -244,7 +248,7 @@ impl<'a> StreamRef<'a> {
     }
 
     /// The raw `CUstream`.
-    pub fn as_raw(&self) -> sys::CUstream {
+    pub fn as_raw(&self) -> crate::RawStream {
         self.raw as sys::CUstream
     }
 

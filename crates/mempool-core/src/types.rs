@@ -73,7 +73,7 @@ impl Device {
     }
 
     /// The raw `CUdevice`.
-    pub fn as_raw(&self) -> sys::CUdevice {
+    pub fn as_raw(&self) -> crate::RawDevice {
         self.raw
     }
 }

@@ -246,7 +246,7 @@ impl PhysicalAllocation {
     }
 
     /// The raw handle (`CUmemGenericAllocationHandle`), valid while `self` lives.
-    pub fn as_raw(&self) -> sys::CUmemGenericAllocationHandle {
+    pub fn as_raw(&self) -> crate::RawAllocationHandle {
         self.handle
     }
 
@@ -288,14 +288,22 @@ impl PhysicalAllocation {
     pub fn import_fd(fd: BorrowedFd<'_>, size: usize) -> Result<PhysicalAllocation> {
         raw::init()?;
         let handle = raw::vmm::import_fd(fd.as_raw_fd())?;
-        PhysicalAllocation::adopt(handle, size, "the imported allocation's size")
+        // SAFETY: 1. the import just returned a live handle with one reference, handed over here.
+        #[allow(unsafe_code)]
+        unsafe {
+            PhysicalAllocation::adopt(handle, size, "the imported allocation's size")
+        }
     }
 
     /// Imports an allocation exported as a fabric handle, of `size` bytes.
     pub fn import_fabric(fabric: &FabricHandle, size: usize) -> Result<PhysicalAllocation> {
         raw::init()?;
         let handle = raw::vmm::import_fabric(&fabric.0)?;
-        PhysicalAllocation::adopt(handle, size, "the imported allocation's size")
+        // SAFETY: 1. the import just returned a live handle with one reference, handed over here.
+        #[allow(unsafe_code)]
+        unsafe {
+            PhysicalAllocation::adopt(handle, size, "the imported allocation's size")
+        }
     }
 
     /// The physical allocation mapped at `addr` (`cuMemRetainAllocationHandle`): another reference to the
@@ -323,7 +331,8 @@ impl PhysicalAllocation {
         // SAFETY: a context is bound; the driver only looks the address up.
         let range = unsafe { raw::memory::address_range(addr.0) };
         match range {
-            Ok((_, size)) => PhysicalAllocation::adopt(handle, size, "the retained allocation's size"),
+            // SAFETY: 1. the retain just returned a live handle with one reference, handed over here.
+            Ok((_, size)) => unsafe { PhysicalAllocation::adopt(handle, size, "the retained allocation's size") },
             Err(e) => {
                 // SAFETY: `handle` holds the reference `retain` just took; it is released once, here.
                 let _ = unsafe { raw::vmm::release(handle) };
@@ -334,7 +343,17 @@ impl PhysicalAllocation {
 
     /// Wraps a handle this value now holds one reference to, reading its properties from the driver;
     /// releases it again when anything fails.
-    fn adopt(handle: sys::CUmemGenericAllocationHandle, size: usize, what: &'static str) -> Result<PhysicalAllocation> {
+    ///
+    /// # Safety
+    /// 1. `handle` is a live physical allocation handle, and the caller gives its one reference (from an
+    ///    import or a retain) up to this function: the returned value releases it on drop, or this function
+    ///    releases it on failure; nothing else releases it.
+    #[allow(unsafe_code)]
+    unsafe fn adopt(
+        handle: sys::CUmemGenericAllocationHandle,
+        size: usize,
+        what: &'static str,
+    ) -> Result<PhysicalAllocation> {
         let built = (|| {
             let info = raw::vmm::properties(handle)?;
             let device = Device::get(device_ordinal_of(&info)?)?;
@@ -355,8 +374,7 @@ impl PhysicalAllocation {
                 ctx,
             }),
             Err(e) => {
-                // SAFETY: this function holds the one reference the caller passed in; released once.
-                #[allow(unsafe_code)]
+                // SAFETY: this function holds the one reference the caller passed in (point 1); released once.
                 let _ = unsafe { raw::vmm::release(handle) };
                 Err(e)
             }

@@ -23,6 +23,14 @@ fn reserves() -> std::sync::MutexGuard<'static, ()> {
     RESERVES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Held by tests that make a pool current or assert which pool is current: the device's current pool is
+/// process-wide, and the test harness runs tests side by side.
+static CURRENT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn current_lock() -> std::sync::MutexGuard<'static, ()> {
+    CURRENT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn gpu() -> (Device, Arc<Context>) {
     let dev = Device::get(0).expect("GPU tests need a CUDA device: run them on a GPU machine");
     let ctx = dev.context().expect("primary context");
@@ -324,6 +332,7 @@ fn memory_is_reused_on_the_same_stream_and_handed_off_through_an_event() {
 
 #[test]
 fn default_and_current_pool() {
+    let _c = current_lock();
     let (dev, ctx) = gpu();
     let default = dev.default_pool().unwrap();
     assert_eq!(default.kind(), PoolKind::Borrowed);
@@ -347,6 +356,118 @@ fn default_and_current_pool() {
         "the guard restores the previous pool"
     );
     stream.synchronize().unwrap();
+}
+
+#[test]
+fn current_pool_guards_end_in_any_order() {
+    let _c = current_lock();
+    let (dev, ctx) = gpu();
+    let before = dev.current_pool().unwrap().as_raw();
+    assert_eq!(before, dev.default_pool().unwrap().as_raw());
+    let a = MemPool::new(&dev, &PoolProps::new()).unwrap();
+    let b = MemPool::new(&dev, &PoolProps::new()).unwrap();
+    let b_raw = b.as_raw();
+    let ga = a.make_current().unwrap();
+    let gb = b.make_current().unwrap();
+    assert_eq!(dev.current_pool().unwrap().as_raw(), b_raw);
+    // The older activation ends first: the newer one's pool stays current.
+    drop(ga);
+    assert_eq!(
+        dev.current_pool().unwrap().as_raw(),
+        b_raw,
+        "ending an older activation leaves the newest one's pool current"
+    );
+    // `a` is no longer current anywhere, so it may go; the current pool still allocates, from `b`.
+    drop(a);
+    let stream = Stream::new(&ctx).unwrap();
+    let current = dev.current_pool().unwrap();
+    assert_eq!(current.kind(), PoolKind::Owned, "a share of `b`, not a borrowed view");
+    let buf = current.alloc(MIB, stream.as_ref()).unwrap();
+    buf.fill(1).unwrap();
+    assert!(b.usage().unwrap().used_current >= MIB as u64);
+    drop(buf);
+    stream.synchronize().unwrap();
+    drop(current);
+    drop(gb);
+    assert_eq!(
+        dev.current_pool().unwrap().as_raw(),
+        before,
+        "the last activation to end restores the pool from before the first"
+    );
+
+    // Three nested activations (one pool twice), ended middle first, then newest, then oldest.
+    let c = MemPool::new(&dev, &PoolProps::new()).unwrap();
+    let g1 = b.make_current().unwrap();
+    let g2 = c.make_current().unwrap();
+    let g3 = b.make_current().unwrap();
+    drop(g2);
+    assert_eq!(dev.current_pool().unwrap().as_raw(), b_raw);
+    drop(g3);
+    assert_eq!(
+        dev.current_pool().unwrap().as_raw(),
+        b_raw,
+        "the oldest activation is `b` too"
+    );
+    drop(g1);
+    assert_eq!(dev.current_pool().unwrap().as_raw(), before);
+    drop((b, c));
+    assert_eq!(dev.current_pool().unwrap().as_raw(), before);
+    assert!(mempool_core::take_drop_errors().is_empty());
+}
+
+#[test]
+fn current_pool_activations_of_two_threads_end_in_any_order() {
+    use std::sync::mpsc::channel;
+    let _c = current_lock();
+    let (dev, ctx) = gpu();
+    let before = dev.current_pool().unwrap().as_raw();
+    let a = MemPool::new(&dev, &PoolProps::new()).unwrap();
+    let b = MemPool::new(&dev, &PoolProps::new()).unwrap();
+    let b_raw = b.as_raw();
+    let (a_active, wait_a_active) = channel();
+    let (b_active, wait_b_active) = channel();
+    let (a_ended, wait_a_ended) = channel();
+    // Thread 1 makes `a` current, thread 2 then makes `b` current, thread 1 ends its activation first.
+    let (pa, pb, d) = (&a, &b, &dev);
+    let shared = std::thread::scope(|s| {
+        s.spawn(move || {
+            let guard = pa.make_current().unwrap();
+            a_active.send(()).unwrap();
+            wait_b_active.recv().unwrap();
+            drop(guard);
+            a_ended.send(()).unwrap();
+        });
+        let second = s.spawn(move || {
+            wait_a_active.recv().unwrap();
+            let guard = pb.make_current().unwrap();
+            b_active.send(()).unwrap();
+            wait_a_ended.recv().unwrap();
+            let current = d.current_pool().unwrap();
+            assert_eq!(
+                current.as_raw(),
+                pb.as_raw(),
+                "another thread's older activation ended: this thread's pool stays current"
+            );
+            drop(guard);
+            current
+        });
+        second.join().unwrap()
+    });
+    assert_eq!(dev.current_pool().unwrap().as_raw(), before);
+    // The value thread 2 took from `Device::current_pool` shares `b`: dropping `b` does not destroy it.
+    drop((a, b));
+    assert_eq!(shared.as_raw(), b_raw);
+    let stream = Stream::new(&ctx).unwrap();
+    let buf = shared.alloc(MIB, stream.as_ref()).unwrap();
+    buf.fill(5).unwrap();
+    let mut host = vec![0u8; 16];
+    buf.copy_to_host(0, &mut host).unwrap();
+    assert_eq!(host, [5u8; 16]);
+    assert!(shared.usage().unwrap().used_current >= MIB as u64);
+    drop(buf);
+    stream.synchronize().unwrap();
+    drop(shared);
+    assert!(mempool_core::take_drop_errors().is_empty());
 }
 
 #[test]

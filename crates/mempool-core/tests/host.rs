@@ -3,36 +3,59 @@
 
 use std::collections::HashSet;
 
-use mempool_core::{sys, Device, Error, HandleTypes, StreamRef};
+use mempool_core::{Device, Error, HandleTypes, RawStream, StreamRef};
 
-/// Without a driver, every entry point returns `DriverNotFound` (never a panic). On a machine that does
-/// have a driver the same calls must still not panic, and their errors must not claim a missing driver.
+/// Every entry point answers the same on every machine: without a driver `DriverNotFound` (never a
+/// panic); with a driver whose `cuInit` fails, that same error everywhere (`NoDevice` when it sees no
+/// GPU, or a failure that names `cuInit`); with a working driver, devices that can be listed and a
+/// made-up address refused by name.
 #[test]
-fn without_a_driver_every_entry_point_says_so() {
+fn every_entry_point_says_whether_the_driver_works() {
     let present = mempool_core::driver_present();
-    let results = [
-        mempool_core::driver_version().map(|_| ()),
-        Device::count().map(|_| ()),
-        Device::get(0).map(|_| ()),
-        Device::all().map(|_| ()),
-        mempool_core::memory::pointer_info(mempool_core::DeviceAddr(0x1000)).map(|_| ()),
-    ];
-    for r in results {
-        match (present, r) {
-            (false, Err(e)) => {
-                assert_eq!(e, Error::DriverNotFound);
-                assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+    let version = mempool_core::driver_version();
+    let others = || {
+        [
+            Device::count().map(drop),
+            Device::get(0).map(drop),
+            Device::all().map(drop),
+            mempool_core::memory::pointer_info(mempool_core::DeviceAddr(0x1000)).map(drop),
+        ]
+    };
+    match version {
+        Err(e) if !present => {
+            assert_eq!(e, Error::DriverNotFound);
+            assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+            for r in others() {
+                assert_eq!(r, Err(Error::DriverNotFound));
             }
-            (false, Ok(())) => panic!("an entry point succeeded without a driver"),
-            (true, Err(e)) => assert_ne!(e, Error::DriverNotFound, "a loadable driver reported as missing"),
-            (true, Ok(())) => {}
+        }
+        Ok(v) if !present => panic!("the driver reported version {v} though its library does not load"),
+        Err(e) => {
+            assert!(
+                e == Error::NoDevice || e.to_string().contains("cuInit"),
+                "a loadable driver whose cuInit fails reports NoDevice or names cuInit: {e}"
+            );
+            for r in others() {
+                assert_eq!(r, Err(e.clone()), "every entry point reports cuInit's failure");
+            }
+        }
+        Ok(v) => {
+            assert!(v.major() >= 11, "{v}");
+            let n = Device::count().unwrap();
+            assert!(n >= 1, "cuInit succeeded with no device");
+            assert_eq!(Device::all().unwrap().len(), n);
+            assert_eq!(Device::get(0).unwrap().ordinal(), 0);
+            assert_eq!(
+                Device::get(n).unwrap_err(),
+                Error::NoSuchDevice { ordinal: n, count: n }
+            );
+            let e = mempool_core::memory::pointer_info(mempool_core::DeviceAddr(0x1000)).unwrap_err();
+            assert!(e.to_string().contains("cuPointerGetAttribute"), "{e}");
         }
     }
-    if !present {
-        // Pool creation needs a device, so it cannot be reached; the error type still prints the cause.
-        let e = Error::PoolsNotSupported { device: 3 };
-        assert_eq!(e.to_string(), "device 3 does not support stream-ordered memory pools");
-    }
+    // Pool creation needs a device, so it may not be reachable here; the error type still prints the cause.
+    let e = Error::PoolsNotSupported { device: 3 };
+    assert_eq!(e.to_string(), "device 3 does not support stream-ordered memory pools");
 }
 
 #[test]
@@ -67,12 +90,12 @@ fn stream_refs_compare_by_handle() {
     // SAFETY: the made-up handles are never passed to the driver.
     let (a, b) = unsafe {
         (
-            StreamRef::from_raw(0x10 as sys::CUstream),
-            StreamRef::from_raw(0x10 as sys::CUstream),
+            StreamRef::from_raw(0x10 as RawStream),
+            StreamRef::from_raw(0x10 as RawStream),
         )
     };
     // SAFETY: as above.
-    let c = unsafe { StreamRef::from_raw(0x20 as sys::CUstream) };
+    let c = unsafe { StreamRef::from_raw(0x20 as RawStream) };
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert_eq!((a.id(), c.id()), (0x10, 0x20));

@@ -50,7 +50,7 @@ fn primary(device: usize) -> PyResult<&'static Arc<Context>> {
 #[allow(unsafe_code)]
 unsafe fn stream_in(s: &StreamArg, ctx: &'static Arc<Context>) -> StreamRef<'static> {
     // SAFETY: points 1 and 2.
-    unsafe { StreamRef::from_raw(s.handle as mempool_core::sys::CUstream) }.in_context(ctx)
+    unsafe { StreamRef::from_raw(s.handle as mempool_core::RawStream) }.in_context(ctx)
 }
 
 /// Device memory of `size` bytes (uninitialised), from `mr` or the current device's resource, ordered on

@@ -46,8 +46,8 @@ pub(crate) fn order_streams(device: usize, ours: usize, consumer: usize) -> PyRe
     #[allow(unsafe_code)]
     let (o, c) = unsafe {
         (
-            StreamRef::from_raw(raw(ours) as mempool_core::sys::CUstream),
-            StreamRef::from_raw(raw(consumer) as mempool_core::sys::CUstream),
+            StreamRef::from_raw(raw(ours) as mempool_core::RawStream),
+            StreamRef::from_raw(raw(consumer) as mempool_core::RawStream),
         )
     };
     event.record(o.in_context(&ctx)).py()?;

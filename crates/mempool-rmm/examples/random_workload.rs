@@ -16,7 +16,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use mempool_core::{sys, Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
+use cudarc::driver::sys;
+use mempool_core::{Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
 use mempool_rmm::workload::{random_workload, RandomOp as Op};
 use mempool_rmm::{

@@ -115,7 +115,7 @@ fn failure_callback_frees_memory_and_retries() {
             #[allow(unsafe_code)]
             Some(p) if attempt == 0 => {
                 // SAFETY: the stream handle is the test's live stream.
-                let s = unsafe { mempool_core::StreamRef::from_raw(s2 as mempool_core::sys::CUstream) };
+                let s = unsafe { mempool_core::StreamRef::from_raw(s2 as mempool_core::RawStream) };
                 // SAFETY: `p` is the test's 200 MiB allocation from this resource, taken out of
                 // `held` (freed once); nothing used it.
                 unsafe { p2.deallocate(p, 200 << 20, s) }.unwrap();

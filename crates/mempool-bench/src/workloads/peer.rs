@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, sys, Context, Device, DeviceAddr, Event, EventFlags, MemPool, PoolProps, Stream};
+use mempool_core::{memory, Context, Device, DeviceAddr, Event, EventFlags, MemPool, PoolProps, Stream};
 
 use crate::chart::{Chart, ChartKind, Series};
 use crate::error::{Error, Result};
@@ -28,14 +28,7 @@ pub struct PeerParams {
 /// Lets `ctx`'s device access `peer`'s `cuMemAlloc` memory (`cuCtxEnablePeerAccess`); already enabled
 /// is fine.
 fn enable_peer_access(ctx: &Arc<Context>, peer: &Arc<Context>) -> Result<()> {
-    let _g = ctx.bind()?;
-    // SAFETY: both contexts are retained primary contexts (alive while the Arcs are); `ctx` is current on
-    // this thread for the call; flags must be 0.
-    let r = unsafe { sys::cuCtxEnablePeerAccess(peer.as_raw(), 0) };
-    match r {
-        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
-        other => Err(Error::Usage(format!("cuCtxEnablePeerAccess failed: {other:?}"))),
-    }
+    Ok(ctx.enable_peer_access(peer)?)
 }
 
 /// One measured case.

@@ -20,6 +20,26 @@ pub(crate) fn current() -> Result<sys::CUcontext> {
     Ok(ctx)
 }
 
+/// The device of the calling thread's current context.
+pub(crate) fn device() -> Result<sys::CUdevice> {
+    let mut dev = 0;
+    // SAFETY: one int is written; without a current context (or with a destroyed one) this is an error
+    // code.
+    unsafe { call!(cuCtxGetDevice(&mut dev)) }?;
+    Ok(dev)
+}
+
+/// Lets the calling thread's current context access memory of `peer`'s device allocated in `peer`
+/// (`cuMemAlloc` memory; pool memory ignores it). Flags must be 0.
+///
+/// # Safety
+/// 1. A live context is current on the calling thread, and `peer` is a live context (held by a retain
+///    for the duration of the call).
+pub(crate) unsafe fn enable_peer_access(peer: sys::CUcontext) -> Result<()> {
+    // SAFETY: point 1; flags are 0.
+    unsafe { call!(cuCtxEnablePeerAccess(peer, 0)) }
+}
+
 /// Pushes `ctx` on the calling thread's context stack.
 ///
 /// # Safety

@@ -37,7 +37,7 @@ impl StreamKey {
         // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
         // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
         // does not escape: each use is a single driver call.
-        unsafe { StreamRef::from_raw(self.0 as mempool_core::sys::CUstream) }
+        unsafe { StreamRef::from_raw(self.0 as mempool_core::RawStream) }
     }
 }
 
