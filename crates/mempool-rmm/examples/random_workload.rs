@@ -1,6 +1,6 @@
 //! The standard random workload (RMM's `random_allocations` shape, see docs/architecture.md, "Performance") over
-//! several resources, with raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` (called directly through
-//! the driver's bindings, no wrapper) as the baseline measured in the same run. A benchmark, not a test: it prints nanoseconds per operation.
+//! several resources, with the driver pool itself (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync` through
+//! `MemPool::allocate` and `free_async`, mempool-core's thinnest path) as the baseline measured in the same run. A benchmark, not a test: it prints nanoseconds per operation.
 //!
 //! `cargo run --release -p mempool-rmm --example random_workload [-- --quick] [-- --only NAME,...]`
 //!
@@ -16,7 +16,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::sys;
 use mempool_core::{Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
 use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
 use mempool_rmm::workload::{random_workload, RandomOp as Op};
@@ -167,23 +166,20 @@ fn run_all(dev: Device) -> Result<(), Box<dyn std::error::Error>> {
     for (pi, p) in points.iter().enumerate() {
         // Generated once per point, not timed, the same for every resource.
         let ops = random_workload(p.n, p.max_size, p.max_usage, 42 + pi as u64);
-        // The baseline calls the driver directly, with no wrapper in between (the context is current).
-        let (pool_raw, stream_raw) = (raw_pool.as_raw(), s.as_raw());
+        // The baseline is the driver pool itself through mempool-core's thinnest path (`MemPool::allocate`
+        // and `free_async`: one driver call each, after a check that the context is current), as
+        // mempool-bench's `raw-pool` baseline; every driver call goes through mempool-core's `raw/`.
         let raw_alloc = |size: usize| {
-            let mut p = 0;
-            // SAFETY: the pool and the stream are live, the pool's context is current on this thread, and
-            // `p` is a valid out-pointer.
-            #[allow(unsafe_code)]
-            let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, pool_raw, stream_raw) };
-            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemAllocFromPoolAsync({size})");
-            DeviceAddr(p)
+            raw_pool
+                .allocate(size, s)
+                .unwrap_or_else(|e| panic!("raw pool: allocate({size}): {e}"))
         };
         let raw_free = |ptr: DeviceAddr, _size: usize| {
-            // SAFETY: `ptr` came from `cuMemAllocFromPoolAsync` above on this stream and is freed once; the
-            // context is current.
+            // SAFETY: `ptr` came from `raw_pool.allocate` above on this stream, `run` frees it once and never
+            // touches the memory.
             #[allow(unsafe_code)]
-            let r = unsafe { sys::cuMemFreeAsync(ptr.0, stream_raw) };
-            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemFreeAsync");
+            let r = unsafe { raw_pool.free_async(ptr, s) };
+            r.unwrap_or_else(|e| panic!("raw pool: free: {e}"));
         };
         run(&ops, s, &raw_alloc, &raw_free);
         let raw = median((0..REPEATS).map(|_| run(&ops, s, &raw_alloc, &raw_free).0).collect());
