@@ -15,7 +15,7 @@
 //! (its status enum, every prototype against the entry points of [`ffi`] and [`torch`], and
 //! `mempool_statistics_t`) and the Python package's `_errors.py` against the Rust definitions.
 //!
-//! The Rust side of the Python package uses [`device`], [`registry`], [`owned::Allocation`] and
+//! The Rust side of the Python package uses [`device`], [`registry`] and
 //! [`error`] directly.
 
 #![deny(unsafe_code)]
@@ -24,7 +24,6 @@
 pub mod device;
 pub mod error;
 pub mod ffi;
-pub mod owned;
 pub mod registry;
 pub mod torch;
 
