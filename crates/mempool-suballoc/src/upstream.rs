@@ -13,8 +13,8 @@ use crate::error::Error;
 /// at once and on other streams only after they are ordered after `s`; `deallocate(a, n, s)` means
 /// the range may be reused by work ordered after `s`.
 pub trait Upstream<S> {
-    /// Allocates `bytes` (a non-zero multiple of [`ALIGNMENT`]) and returns an address aligned to
-    /// [`ALIGNMENT`]. Fails with [`Error::OutOfMemory`] when full (the engine may retry smaller),
+    /// Allocates `bytes` (a non-zero multiple of [`ALIGNMENT`](crate::ALIGNMENT)) and returns an address aligned to
+    /// [`ALIGNMENT`](crate::ALIGNMENT). Fails with [`Error::OutOfMemory`] when full (the engine may retry smaller),
     /// with any other [`Error`] otherwise.
     fn allocate(&self, bytes: u64, stream: S) -> Result<u64, Error>;
     /// Returns a range obtained from [`allocate`](Self::allocate) with the same `bytes`. Fails with

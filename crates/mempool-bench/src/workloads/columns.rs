@@ -6,7 +6,7 @@
 //! checked by [`Exec::new`], flags are a type of their own ([`Flags`], every value 0 or 1, made only by
 //! the flag operators) and a [`Selection`] borrows the flags it was computed from, so a compaction
 //! always writes within the column it allocates for it. The one operator whose bounds depend on the
-//! values of a column, [`Exec::gather`], is `unsafe`.
+//! values of a column, `Exec::gather`, is `unsafe`.
 
 #![allow(unsafe_code)]
 
@@ -116,7 +116,7 @@ impl<T: Element> Drop for Col<'_, T> {
 }
 
 /// A column of flags, one per row, each 0 or 1: made only by the flag operators ([`Exec::flags_range`],
-/// [`Exec::flags_head`], [`Exec::probe`]) and changed only by [`Exec::flags_and`], which keeps every
+/// `Exec::flags_head`, [`Exec::probe`]) and changed only by [`Exec::flags_and`], which keeps every
 /// value 0 or 1. Reads as a `Col<u32>`.
 ///
 /// Invariant: every element of the column is 0 or 1 once the work queued on the stream before any use
