@@ -10,9 +10,9 @@
 //! Two small traits connect them to the world:
 //!
 //! - [`Upstream`]: where big chunks of address space come from (on a GPU, a driver pool or another
-//!   memory resource; on the host, [`SimUpstream`]).
+//!   memory resource; on the host, `SimUpstream`, behind the `testing` feature).
 //! - [`StreamOrder`]: how one stream is made to wait for another through an event (on a GPU,
-//!   `cuEventRecord` / `cuStreamWaitEvent`; on the host, [`SimStreams`], which keeps logical clocks
+//!   `cuEventRecord` / `cuStreamWaitEvent`; on the host, `SimStreams` (feature `testing`), which keeps logical clocks
 //!   so tests can check that every hand-off between streams was ordered).
 //!
 //! Because both are traits, the same engine code runs against real streams in the resource layer
