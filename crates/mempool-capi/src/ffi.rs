@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
-use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::suballoc::PoolOptions;
 use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, SharedResource};
 
 use crate::device;
@@ -246,13 +246,13 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
         let d = ordinal(device)?;
         same_device(h, d, "upstream")?;
         let up = h.shared.clone();
-        let ctx = device::context(d)?;
-        let config = PoolConfig {
+        let dev = device::device(d)?;
+        let options = PoolOptions {
             initial_size: initial_pool_size as u64,
             maximum_size: (maximum_pool_size > 0).then_some(maximum_pool_size as u64),
-            ..PoolConfig::default()
+            ..PoolOptions::default()
         };
-        let mr: SharedResource = Arc::new(PoolResource::new(up, &ctx, config)?);
+        let mr: SharedResource = Arc::new(PoolResource::new(up, &dev, options)?);
         // SAFETY: point 1.
         unsafe { put_handle(out, plain(mr, d)) }
     })

@@ -24,6 +24,17 @@ pub enum WhenFull {
     Remap,
 }
 
+/// How a [`GrowableBuffer`] grows. The default: each growth rounded up to the device's recommended
+/// granularity, and [`WhenFull::Fail`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct GrowableOptions {
+    /// The granule each growth is rounded up to, a multiple of the minimum granularity. `None`: the
+    /// recommended granularity.
+    pub chunk: Option<usize>,
+    /// What to do when the reservation is full.
+    pub when_full: WhenFull,
+}
+
 /// The bytes a growth from `mapped` bytes to hold `len` bytes maps: `len - mapped` rounded up to the
 /// granule `chunk` (0 when `len` already fits); `None` on overflow.
 pub(crate) fn growth_for(mapped: usize, len: usize, chunk: usize) -> Option<usize> {
@@ -73,10 +84,10 @@ pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<
 ///
 /// ```no_run
 /// # fn main() -> mempool_core::Result<()> {
-/// use mempool_core::{Device, GrowableBuffer, Stream};
+/// use mempool_core::{Device, GrowableBuffer, GrowableOptions, Stream};
 /// let dev = Device::get(0)?;
 /// let stream = Stream::new(&dev.context()?)?;
-/// let mut buf = GrowableBuffer::new(dev, 1 << 30)?; // reserves 1 GiB of addresses, maps nothing
+/// let mut buf = GrowableBuffer::new(&dev, 1 << 30, GrowableOptions::default())?; // reserves 1 GiB of addresses, maps nothing
 /// buf.resize(4096)?;
 /// buf.view(stream.as_ref())?.copy_from_host(0, &[1, 2, 3, 4])?;
 /// let addr = buf.ptr();
@@ -103,21 +114,19 @@ pub struct GrowableBuffer {
 }
 
 impl GrowableBuffer {
-    /// A buffer of `device`'s memory that may grow to `max_capacity` bytes (rounded up to the granule,
-    /// the device's recommended granularity) without moving; it fails past that.
-    pub fn new(device: Device, max_capacity: usize) -> Result<GrowableBuffer> {
-        GrowableBuffer::with_options(AllocationProps::new(device), max_capacity, None, WhenFull::Fail)
+    /// A buffer of `device`'s memory (not exportable) that may grow to `max_capacity` bytes, rounded up
+    /// to the granule, as `options` say; with [`WhenFull::Fail`] it fails past that.
+    pub fn new(device: &Device, max_capacity: usize, options: GrowableOptions) -> Result<GrowableBuffer> {
+        GrowableBuffer::with_props(AllocationProps::new(*device), max_capacity, options)
     }
 
-    /// A buffer of physical allocations made with `props`, each growth rounded up to the granule `chunk`
-    /// (`None`: the recommended granularity; otherwise a multiple of the minimum one), in a reservation
-    /// of `max_capacity` bytes rounded up to the granule, doing `when_full` when that is not enough.
-    pub fn with_options(
-        props: AllocationProps,
-        max_capacity: usize,
-        chunk: Option<usize>,
-        when_full: WhenFull,
-    ) -> Result<GrowableBuffer> {
+    /// A buffer of physical allocations made with `props` (which name the device, and how the memory
+    /// may be exported), each growth rounded up to the granule `options.chunk` (`None`: the
+    /// recommended granularity; otherwise a multiple of the minimum one), in a reservation of
+    /// `max_capacity` bytes rounded up to the granule, doing `options.when_full` when that is not
+    /// enough.
+    pub fn with_props(props: AllocationProps, max_capacity: usize, options: GrowableOptions) -> Result<GrowableBuffer> {
+        let GrowableOptions { chunk, when_full } = options;
         let device = props.device;
         let min = device.vmm_granularity(&props, Granularity::Minimum)?;
         let chunk = match chunk {
@@ -372,7 +381,7 @@ mod tests {
         if crate::raw::library_present() {
             return;
         }
-        let e = GrowableBuffer::new(Device::from_parts(0, 0), 1 << 30).unwrap_err();
+        let e = GrowableBuffer::new(&Device::from_parts(0, 0), 1 << 30, GrowableOptions::default()).unwrap_err();
         assert_eq!(e, Error::DriverNotFound);
     }
 }

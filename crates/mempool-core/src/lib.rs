@@ -77,7 +77,7 @@ pub use current::CurrentPoolGuard;
 pub use drop_errors::take_drop_errors;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
-pub use growable::{GrowableBuffer, WhenFull};
+pub use growable::{GrowableBuffer, GrowableOptions, WhenFull};
 pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
 pub use pool::{ImportedPtr, MemPool};

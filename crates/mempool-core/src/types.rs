@@ -220,6 +220,9 @@ pub enum AllocationType {
 
 /// Properties of a new pool (`CUmemPoolProps`).
 ///
+/// Named `Props`, not `Options` (the workspace's word for a struct of settings), because it mirrors the
+/// driver's `CUmemPoolProps` field for field.
+///
 /// ```
 /// use mempool_core::{HandleTypes, PoolProps};
 /// let props = PoolProps::new().handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).max_size(1 << 30);

@@ -86,6 +86,9 @@ pub enum Granularity {
 /// How a physical allocation is made (`CUmemAllocationProp`): pinned memory of one device, exportable as
 /// the given handle types, optionally GPUDirect RDMA capable.
 ///
+/// Named `Props`, not `Options` (the workspace's word for a struct of settings), because it mirrors the
+/// driver's `CUmemAllocationProp`.
+///
 /// ```
 /// # fn main() -> mempool_core::Result<()> {
 /// # if !mempool_core::driver_present() { return Ok(()); }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{
-    memory, take_drop_errors, Access, AllocationProps, Device, Error, Granularity, GrowableBuffer, HandleTypes,
-    Mapping, PhysicalAllocation, Reservation, Stream, WhenFull,
+    memory, take_drop_errors, Access, AllocationProps, Device, Error, Granularity, GrowableBuffer, GrowableOptions,
+    HandleTypes, Mapping, PhysicalAllocation, Reservation, Stream, WhenFull,
 };
 
 fn gpu() -> Device {
@@ -325,7 +325,7 @@ fn vmm_growable_grows_without_moving_and_shrinks() {
     let dev = gpu();
     let ctx = dev.context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
-    let mut buf = GrowableBuffer::new(dev, 64 << 20).unwrap();
+    let mut buf = GrowableBuffer::new(&dev, 64 << 20, GrowableOptions::default()).unwrap();
     let chunk = buf.chunk_size();
     assert_eq!(buf.capacity(), 0, "nothing is mapped before the first resize");
     assert!(buf.max_capacity() >= 64 << 20);
@@ -375,7 +375,15 @@ fn vmm_growable_remaps_when_the_reservation_is_full() {
     let ctx = dev.context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let g = min_granularity(dev);
-    let mut buf = GrowableBuffer::with_options(AllocationProps::new(dev), 2 * g, Some(g), WhenFull::Remap).unwrap();
+    let mut buf = GrowableBuffer::new(
+        &dev,
+        2 * g,
+        GrowableOptions {
+            chunk: Some(g),
+            when_full: WhenFull::Remap,
+        },
+    )
+    .unwrap();
     buf.resize(2 * g).unwrap();
     let data = pattern(2 * g, 1);
     buf.view(stream.as_ref()).unwrap().copy_from_host(0, &data).unwrap();
@@ -472,7 +480,15 @@ fn vmm_growable_out_of_memory_neither_moves_nor_changes_the_buffer() {
     let ctx = dev.context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let g = min_granularity(dev);
-    let mut buf = GrowableBuffer::with_options(AllocationProps::new(dev), 2 * g, Some(g), WhenFull::Remap).unwrap();
+    let mut buf = GrowableBuffer::new(
+        &dev,
+        2 * g,
+        GrowableOptions {
+            chunk: Some(g),
+            when_full: WhenFull::Remap,
+        },
+    )
+    .unwrap();
     buf.resize(g).unwrap();
     let data = pattern(g, 4);
     buf.view(stream.as_ref()).unwrap().copy_from_host(0, &data).unwrap();

@@ -8,7 +8,7 @@
 //! connection fails.
 //!
 //! Time limits: a frame that has begun to arrive must be complete within
-//! [`ConnectionConfig::io_timeout`], and a send must finish within it, so a peer that stalls
+//! [`ConnectionOptions::io_timeout`], and a send must finish within it, so a peer that stalls
 //! or trickles cannot hold a thread forever. Waiting for the *next* frame is unbounded with
 //! [`Connection::recv`] (an idle importer is legitimate) and bounded with
 //! [`Connection::recv_timeout`] / [`Connection::recv_until`] (the handshake uses these).
@@ -22,7 +22,7 @@
 //! direction has its own lock), so a reader thread can wait for releases while another thread
 //! shares buffers.
 //!
-//! Only [`ConnectionConfig`] is public (re-exported at the crate root): the exporter's
+//! Only [`ConnectionOptions`] is public (re-exported at the crate root): the exporter's
 //! [`ListenerOptions`](crate::ListenerOptions) and the [`ImporterOptions`](crate::ImporterOptions)
 //! take it. The tests (`conn/tests.rs`) play hostile peers over real sockets.
 
@@ -48,7 +48,7 @@ use crate::wire::{self, ErrorMessage, Message, ProtocolError, HEADER_LEN, MAX_FD
 /// starts a frame and stalls, or stops reading, costs one `io_timeout`. Waiting for the next
 /// message after the handshake has no limit (an idle importer is legitimate).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct ConnectionConfig {
+pub struct ConnectionOptions {
     /// How long a frame may take to arrive once its first byte has, and how long a send may
     /// wait for room in the socket. Default: 10 s.
     pub io_timeout: Duration,
@@ -57,9 +57,9 @@ pub struct ConnectionConfig {
     pub handshake_timeout: Duration,
 }
 
-impl Default for ConnectionConfig {
+impl Default for ConnectionOptions {
     fn default() -> Self {
-        ConnectionConfig {
+        ConnectionOptions {
             io_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(5),
         }
@@ -80,7 +80,7 @@ pub(crate) struct Received {
 #[derive(Debug)]
 pub(crate) struct Connection {
     stream: UnixStream,
-    config: ConnectionConfig,
+    options: ConnectionOptions,
     send_lock: Mutex<()>,
     recv_lock: Mutex<()>,
     failed: AtomicBool,
@@ -90,10 +90,10 @@ pub(crate) struct Connection {
 impl Connection {
     /// Wraps a connected stream. The stream's blocking mode does not matter: every call waits
     /// with `poll` and its own deadline.
-    pub(crate) fn new(stream: UnixStream, config: ConnectionConfig) -> Connection {
+    pub(crate) fn new(stream: UnixStream, options: ConnectionOptions) -> Connection {
         Connection {
             stream,
-            config,
+            options,
             send_lock: Mutex::new(()),
             recv_lock: Mutex::new(()),
             failed: AtomicBool::new(false),
@@ -103,20 +103,20 @@ impl Connection {
 
     /// Connects to a listening socket at `path`. Check who answered with
     /// [`Connection::peer_credentials`] (the importer's session does).
-    pub(crate) fn connect(path: impl AsRef<Path>, config: ConnectionConfig) -> Result<Connection> {
-        Ok(Connection::new(UnixStream::connect(path)?, config))
+    pub(crate) fn connect(path: impl AsRef<Path>, options: ConnectionOptions) -> Result<Connection> {
+        Ok(Connection::new(UnixStream::connect(path)?, options))
     }
 
     /// Two connected ends, for tests and for threads of one process.
     #[cfg(test)]
-    pub(crate) fn pair(config: ConnectionConfig) -> Result<(Connection, Connection)> {
+    pub(crate) fn pair(options: ConnectionOptions) -> Result<(Connection, Connection)> {
         let (a, b) = UnixStream::pair()?;
-        Ok((Connection::new(a, config), Connection::new(b, config)))
+        Ok((Connection::new(a, options), Connection::new(b, options)))
     }
 
     /// The time limits.
-    pub(crate) fn config(&self) -> &ConnectionConfig {
-        &self.config
+    pub(crate) fn options(&self) -> &ConnectionOptions {
+        &self.options
     }
 
     /// The credentials of the process at the other end (`SO_PEERCRED`).
@@ -134,7 +134,7 @@ impl Connection {
     /// duplicates of the descriptors; the caller keeps its own.
     ///
     /// Fails with [`Error::Timeout`] if the peer does not make room within
-    /// [`ConnectionConfig::io_timeout`]; if part of the frame had gone out, the connection fails.
+    /// [`ConnectionOptions::io_timeout`]; if part of the frame had gone out, the connection fails.
     pub(crate) fn send(&self, message: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.send_inner(message, fds, None, "send")
     }
@@ -171,7 +171,7 @@ impl Connection {
         if self.write_closed.load(Ordering::Acquire) {
             return Err(Error::WriteClosed);
         }
-        let io_deadline = Instant::now() + self.config.io_timeout;
+        let io_deadline = Instant::now() + self.options.io_timeout;
         let deadline = deadline.map_or(io_deadline, |d| d.min(io_deadline));
         let mut sent = 0;
         let result = (|| {
@@ -204,7 +204,7 @@ impl Connection {
     }
 
     /// Receives the next message, waiting as long as it takes for it to begin; once it has,
-    /// it must be complete within [`ConnectionConfig::io_timeout`].
+    /// it must be complete within [`ConnectionOptions::io_timeout`].
     ///
     /// [`Error::Closed`] if the peer closed the connection between messages,
     /// [`ProtocolError::Truncated`] if it closed in the middle of one. A peer's `Error` message is
@@ -371,7 +371,7 @@ impl FrameReader<'_> {
             }
             if !self.started {
                 self.started = true;
-                let frame_deadline = Instant::now() + self.conn.config.io_timeout;
+                let frame_deadline = Instant::now() + self.conn.options.io_timeout;
                 self.deadline = Some(self.deadline.map_or(frame_deadline, |d| d.min(frame_deadline)));
             }
             filled += n;
@@ -436,8 +436,8 @@ fn wait(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>, during
 
 /// Short limits for the tests: a stalled peer costs a test 200 ms.
 #[cfg(test)]
-pub(crate) fn short_config() -> ConnectionConfig {
-    ConnectionConfig {
+pub(crate) fn short_options() -> ConnectionOptions {
+    ConnectionOptions {
         io_timeout: Duration::from_millis(200),
         handshake_timeout: Duration::from_millis(200),
     }

@@ -18,7 +18,7 @@ use mempool_core::{
 };
 
 use crate::batch::ReleaseBatcher;
-use crate::conn::ConnectionConfig;
+use crate::conn::ConnectionOptions;
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
@@ -38,7 +38,7 @@ use self::vmm::VmmHost;
 #[derive(Clone, Debug)]
 pub struct ImporterOptions {
     /// The connection's time limits.
-    pub connection: ConnectionConfig,
+    pub connection: ConnectionOptions,
     /// Which users the exporter may run as (default: this process's user).
     pub policy: AccessPolicy,
     /// Asks for the fast release path (protocol version 2; default `true`): blocks of
@@ -97,7 +97,7 @@ pub enum Received<'s> {
 impl Default for ImporterOptions {
     fn default() -> Self {
         ImporterOptions {
-            connection: ConnectionConfig::default(),
+            connection: ConnectionOptions::default(),
             policy: AccessPolicy::default(),
             fast_release: true,
             max_release_batch: 32,

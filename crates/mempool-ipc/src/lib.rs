@@ -8,7 +8,7 @@
 //! `docs/ipc.md` is the guide; `docs/ipc-protocol.md` specifies the protocol.
 //!
 //! - [`Exporter`] serves a pool on a socket path ([`ExporterOptions`], with the socket's
-//!   [`ListenerOptions`], who may connect ([`AccessPolicy`]) and the [`ConnectionConfig`] time
+//!   [`ListenerOptions`], who may connect ([`AccessPolicy`]) and the [`ConnectionOptions`] time
 //!   limits), lists the connected importers ([`ImporterInfo`]: an [`ImporterId`] and the
 //!   process's [`PeerCredentials`]), shares [`ExportedBuffer`]s (whole allocations, or buffers
 //!   suballocated from a larger allocation, sent as block plus offset) and frees each one only
@@ -66,7 +66,7 @@ mod test_util;
 pub mod trace;
 mod wire;
 
-pub use conn::ConnectionConfig;
+pub use conn::ConnectionOptions;
 pub use cred::{peer_credentials, AccessPolicy, PeerCredentials};
 pub use error::{take_drop_errors, Error, Result};
 pub use exporter::{ExportedBuffer, ExportedVmm, Exporter, ExporterOptions, ExporterStats, ImporterInfo};

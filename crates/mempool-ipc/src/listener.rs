@@ -39,7 +39,7 @@ use rustix::io::Errno;
 
 #[cfg(test)]
 use crate::conn::Connection;
-use crate::conn::ConnectionConfig;
+use crate::conn::ConnectionOptions;
 use crate::cred::AccessPolicy;
 #[cfg(test)]
 use crate::cred::PeerCredentials;
@@ -65,7 +65,7 @@ pub struct ListenerOptions {
     /// Default `true`.
     pub replace_stale: bool,
     /// The time limits of accepted connections.
-    pub connection: ConnectionConfig,
+    pub connection: ConnectionOptions,
 }
 
 impl Default for ListenerOptions {
@@ -74,7 +74,7 @@ impl Default for ListenerOptions {
             mode: 0o600,
             policy: AccessPolicy::SameUser,
             replace_stale: true,
-            connection: ConnectionConfig::default(),
+            connection: ConnectionOptions::default(),
         }
     }
 }
@@ -87,7 +87,7 @@ pub(crate) struct Listener {
     /// Device and inode of the socket file we created, so that drop removes only our file.
     file_id: (u64, u64),
     policy: AccessPolicy,
-    connection: ConnectionConfig,
+    connection: ConnectionOptions,
 }
 
 impl Listener {
@@ -197,7 +197,7 @@ impl Listener {
     }
 
     /// The time limits of accepted connections.
-    pub(crate) fn connection_config(&self) -> ConnectionConfig {
+    pub(crate) fn connection_options(&self) -> ConnectionOptions {
         self.connection
     }
 

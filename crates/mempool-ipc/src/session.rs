@@ -22,7 +22,7 @@
 //! exporter may also send `VmmBuffer` (with one descriptor). A version-1 exporter refuses
 //! `Hello2` (`UnsupportedVersion`); the importer then connects again with `Hello`.
 //!
-//! The whole handshake must finish within [`ConnectionConfig::handshake_timeout`], so a peer
+//! The whole handshake must finish within [`ConnectionOptions::handshake_timeout`], so a peer
 //! that connects and says nothing costs the exporter that long at most. Any failure sends the
 //! peer an `Error` message (best effort) and closes the connection; an `Error` message from the
 //! peer becomes [`Error::Remote`].
@@ -39,7 +39,7 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::Instant;
 
-use crate::conn::{Connection, ConnectionConfig, Received};
+use crate::conn::{Connection, ConnectionOptions, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::wire::{
@@ -211,7 +211,7 @@ impl ExporterSession {
     /// connection: waits for `Hello`, announces the GPU and the pool, checks that the importer
     /// uses the same GPU, and sends the pool's file descriptor (the caller keeps its own).
     ///
-    /// Errors: [`Error::Timeout`] after [`ConnectionConfig::handshake_timeout`];
+    /// Errors: [`Error::Timeout`] after [`ConnectionOptions::handshake_timeout`];
     /// [`Error::WrongDevice`]; [`Error::UnexpectedMessage`]; [`Error::Remote`]; any error of
     /// [`Connection`]. The connection is closed on error.
     pub(crate) fn handshake(
@@ -219,7 +219,7 @@ impl ExporterSession {
         announcement: PoolAnnouncement,
         pool_fd: BorrowedFd<'_>,
     ) -> Result<ExporterSession> {
-        let deadline = Instant::now() + conn.config().handshake_timeout;
+        let deadline = Instant::now() + conn.options().handshake_timeout;
         let mut machine = ExporterHandshake::new(announcement);
         let mut steps = || -> Result<()> {
             while machine.step() != HandshakeStep::Done {
@@ -312,14 +312,14 @@ impl ImporterSession {
     /// capabilities).
     pub(crate) fn connect<D>(
         path: impl AsRef<Path>,
-        config: ConnectionConfig,
+        options: ConnectionOptions,
         policy: &AccessPolicy,
         capabilities: u64,
         mut find_device: impl FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let path = path.as_ref();
         let attempt = |capabilities: u64, find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>| {
-            let conn = Connection::connect(path, config)?;
+            let conn = Connection::connect(path, options)?;
             if let Err(err) = policy.check_socket(&conn) {
                 conn.close_with_error(&err);
                 return Err(err);
@@ -355,7 +355,7 @@ impl ImporterSession {
         capabilities: u64,
         find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
-        let deadline = Instant::now() + conn.config().handshake_timeout;
+        let deadline = Instant::now() + conn.options().handshake_timeout;
         let mut steps = || -> Result<(Welcome, u64, ImportedPool<D>)> {
             let hello = if capabilities == 0 {
                 Message::Hello
@@ -440,7 +440,7 @@ impl ImporterSession {
 
     /// The connection's I/O time limit.
     pub(crate) fn io_timeout(&self) -> std::time::Duration {
-        self.conn.config().io_timeout
+        self.conn.options().io_timeout
     }
 
     /// The capabilities the exporter granted (0 after a version-1 handshake).

@@ -145,7 +145,7 @@ pub(crate) fn scoped<R>(
 /// use std::sync::Arc;
 /// use mempool_core::{Device, Stream};
 /// use mempool_nccl::{Comm, ReduceOp};
-/// use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let devices = Device::all()?;
@@ -153,7 +153,7 @@ pub(crate) fn scoped<R>(
 /// let streams = devices.iter().map(|d| Stream::new(&d.context()?)).collect::<Result<Vec<_>, _>>()?;
 /// let mut bufs = Vec::new();
 /// for (d, s) in devices.iter().zip(&streams) {
-///     let mr: SharedResource = Arc::new(VmmResource::new(*d)?);
+///     let mr: SharedResource = Arc::new(VmmResource::new(d, VmmOptions::default())?);
 ///     bufs.push(DeviceBuffer::from_host(&[1u8; 1024], s, mr)?);
 /// }
 /// mempool_nccl::group(|g| {
@@ -173,12 +173,12 @@ pub(crate) fn scoped<R>(
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::{Comm, ReduceOp};
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// let buf = DeviceBuffer::from_host(&[1u8; 1024], &stream, mr)?;
 /// mempool_nccl::group(|g| {
 ///     g.all_reduce_in_place::<u8>(&comms[0], &buf, ReduceOp::Sum, stream.as_ref())?;
@@ -195,12 +195,12 @@ pub(crate) fn scoped<R>(
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::{Comm, ReduceOp};
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// mempool_nccl::group(|g| {
 ///     let buf = DeviceBuffer::from_host(&[1u8; 1024], &stream, mr).unwrap();
 ///     g.all_reduce_in_place::<u8>(&comms[0], &buf, ReduceOp::Sum, stream.as_ref())?;
@@ -216,12 +216,12 @@ pub(crate) fn scoped<R>(
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::{Comm, ReduceOp};
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// let mut buf = DeviceBuffer::from_host(&[1u8; 1024], &stream, mr)?;
 /// mempool_nccl::group(|g| {
 ///     g.all_reduce_in_place::<u8>(&comms[0], &buf, ReduceOp::Sum, stream.as_ref())?;

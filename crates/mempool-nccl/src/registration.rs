@@ -99,12 +99,12 @@ impl Comm {
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::Comm;
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// let reg = {
 ///     let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
 ///     // SAFETY: one rank: it registers what it passes (this does not compile: `buf` goes first).
@@ -121,12 +121,12 @@ impl Comm {
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::Comm;
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
 /// // SAFETY: one rank: it registers what it passes; the registration is dropped, not leaked.
 /// let reg = unsafe { comms[0].register(&buf) }?;
@@ -145,12 +145,12 @@ impl Comm {
 /// # use std::sync::Arc;
 /// # use mempool_core::{Device, Stream};
 /// # use mempool_nccl::{Comm, ReduceOp};
-/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmResource};
+/// # use mempool_rmm::{containers::DeviceBuffer, SharedResource, VmmOptions, VmmResource};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dev = Device::get(0)?;
 /// # let comms = Comm::init_all(&[dev])?;
 /// # let stream = Stream::new(&dev.context()?)?;
-/// # let mr: SharedResource = Arc::new(VmmResource::new(dev)?);
+/// # let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default())?);
 /// let buf = DeviceBuffer::new(1 << 20, &stream, mr)?;
 /// // SAFETY: one rank: it registers what it passes; the registration is dropped, not leaked.
 /// let reg = unsafe { comms[0].register(&buf) }?;

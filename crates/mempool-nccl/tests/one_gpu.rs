@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use mempool_core::{Device, Stream};
 use mempool_nccl::{group, Comm, Error, ReduceOp};
-use mempool_rmm::{AsyncResource, SharedResource, VmmResource};
+use mempool_rmm::{AsyncResource, SharedResource, VmmOptions, VmmResource};
 
 #[test]
 fn one_rank_all_reduce_copies_and_arguments_are_checked() {
@@ -23,7 +23,7 @@ fn one_rank_all_reduce_copies_and_arguments_are_checked() {
     for (name, mr) in [
         (
             "VmmResource",
-            Arc::new(VmmResource::new(dev).unwrap()) as SharedResource,
+            Arc::new(VmmResource::new(&dev, VmmOptions::default()).unwrap()) as SharedResource,
         ),
         (
             "AsyncResource",
@@ -83,7 +83,7 @@ fn one_rank_group_ends_after_errors_and_panics_and_defers_deregistration() {
     let comms = Comm::init_all(&[dev]).unwrap();
     let comm = &comms[0];
     let stream = Stream::new(&dev.context().unwrap()).unwrap();
-    let mr: SharedResource = Arc::new(VmmResource::new(dev).unwrap());
+    let mr: SharedResource = Arc::new(VmmResource::new(&dev, VmmOptions::default()).unwrap());
     let n = 1 << 20;
     let want = common::pattern(0, n);
     let buf = common::buffer(&want, &stream, mr.clone());

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use mempool_core::{Device, Stream};
 use mempool_nccl::{group, Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
-use mempool_rmm::suballoc::PoolConfig;
-use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, PoolResource, SharedResource, VmmResource};
+use mempool_rmm::suballoc::PoolOptions;
+use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, PoolResource, SharedResource, VmmOptions, VmmResource};
 
 const N: usize = 4 << 20; // 16 MiB of i32 per buffer: large enough for NCCL's registered paths.
 
@@ -124,7 +124,7 @@ fn two_gpu_registered_vmm_memory_all_reduce_and_all_gather() {
     let (comms, ranks) = ranks();
     let vmm: Vec<SharedResource> = ranks
         .iter()
-        .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+        .map(|r| Arc::new(VmmResource::new(&r.dev, VmmOptions::default()).unwrap()) as SharedResource)
         .collect();
     let (outcomes, ran) = sum_and_gather("VmmResource, registered", &comms, &ranks, &vmm, true);
     println!("FINDING: ncclCommRegister of VmmResource memory: {outcomes:?}; collectives: {ran:?}");
@@ -135,9 +135,8 @@ fn two_gpu_registered_vmm_memory_all_reduce_and_all_gather() {
     let pooled: Vec<SharedResource> = ranks
         .iter()
         .map(|r| {
-            let ctx = r.dev.context().unwrap();
-            Arc::new(PoolResource::new(VmmResource::new(r.dev).unwrap(), &ctx, PoolConfig::default()).unwrap())
-                as SharedResource
+            let vmm = VmmResource::new(&r.dev, VmmOptions::default()).unwrap();
+            Arc::new(PoolResource::new(vmm, &r.dev, PoolOptions::default()).unwrap()) as SharedResource
         })
         .collect();
     let (outcomes, ran) = sum_and_gather(
@@ -191,7 +190,7 @@ fn two_gpu_registrations_dropped_inside_a_group_are_deregistered_at_its_end() {
     let (comms, ranks) = ranks();
     let mrs: Vec<SharedResource> = ranks
         .iter()
-        .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+        .map(|r| Arc::new(VmmResource::new(&r.dev, VmmOptions::default()).unwrap()) as SharedResource)
         .collect();
     let bufs: Vec<DeviceBuffer> = ranks
         .iter()
@@ -263,7 +262,7 @@ fn two_gpu_which_memory_nccl_registers() {
             "cuMemCreate memory (VmmResource)",
             ranks
                 .iter()
-                .map(|r| Arc::new(VmmResource::new(r.dev).unwrap()) as SharedResource)
+                .map(|r| Arc::new(VmmResource::new(&r.dev, VmmOptions::default()).unwrap()) as SharedResource)
                 .collect(),
         ),
     ];

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mempool_core::{Device, DeviceAddr, MemPool, PoolProps, Stream, StreamRef};
-use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, PoolConfig};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, PoolOptions};
 use mempool_rmm::workload::{random_workload, RandomOp as Op};
 use mempool_rmm::{
     ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, MemoryResource, PoolResource,
@@ -141,17 +141,19 @@ fn run_all(dev: Device) -> Result<(), Box<dyn std::error::Error>> {
         ),
         (
             "pool(async)",
-            Box::new(|| Ok(Arc::new(PoolResource::new(upstream()?, &ctx, PoolConfig::default())?) as SharedResource)),
+            Box::new(|| Ok(Arc::new(PoolResource::new(upstream()?, &dev, PoolOptions::default())?) as SharedResource)),
         ),
         (
             "binning(async)",
             Box::new(|| {
-                Ok(Arc::new(BinningResource::new(upstream()?, &ctx, BinningConfig::default())?) as SharedResource)
+                Ok(Arc::new(BinningResource::new(upstream()?, &dev, BinningOptions::default())?) as SharedResource)
             }),
         ),
         (
             "arena(async)",
-            Box::new(|| Ok(Arc::new(ArenaResource::new(upstream()?, &ctx, ArenaConfig::default())?) as SharedResource)),
+            Box::new(|| {
+                Ok(Arc::new(ArenaResource::new(upstream()?, &dev, ArenaOptions::default())?) as SharedResource)
+            }),
         ),
         (
             "cuda",

@@ -48,6 +48,6 @@ pub use resources::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CallbackResource, CudaResource, ExpandableOptions, ExpandableResource, ExpandableStats, FixedSizeResource,
     HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold,
-    SamHeadroomResource, SuballocConfig, SuballocatingResource, SystemResource,
+    SamHeadroomResource, SuballocOptions, SuballocatingResource, SystemResource,
 };
 pub use resources::{PeerAccess, VmmOptions, VmmResource};

@@ -13,13 +13,13 @@ use mempool_rmm::adaptors::{
     TrackingAdaptor,
 };
 use mempool_rmm::resources::Returned;
-use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
 use mempool_rmm::workload::SplitMix64;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CallbackResource, CudaResource, Error, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource,
     MemoryResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource,
-    SystemResource, VmmResource, ALIGNMENT,
+    SystemResource, VmmOptions, VmmResource, ALIGNMENT,
 };
 
 const MIB: usize = 1 << 20;
@@ -458,21 +458,21 @@ conformance! {
     aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource, FULL;
     failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource, FULL;
     prefetch_adaptor => |d: &Device| Arc::new(PrefetchAdaptor::new(ManagedResource::new(d).unwrap(), d).unwrap()) as SharedResource, FULL;
-    pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource, FULL;
-    pool_resource_over_cuda => |d: &Device| Arc::new(PoolResource::new(CudaResource::new(d).unwrap(), &d.context().unwrap(), PoolConfig { initial_size: 256 * MIB as u64, ..Default::default() }).unwrap()) as SharedResource, FULL;
-    fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource, FIXED;
-    binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
-    arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource, FULL;
-    statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap())) as SharedResource, FULL;
+    pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), d, PoolOptions::default()).unwrap()) as SharedResource, FULL;
+    pool_resource_over_cuda => |d: &Device| Arc::new(PoolResource::new(CudaResource::new(d).unwrap(), d, PoolOptions { initial_size: 256 * MIB as u64, ..Default::default() }).unwrap()) as SharedResource, FULL;
+    fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), d, FixedSizeOptions::default()).unwrap()) as SharedResource, FIXED;
+    binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), d, BinningOptions::default()).unwrap()) as SharedResource, FULL;
+    arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), d, ArenaOptions::default()).unwrap()) as SharedResource, FULL;
+    statistics_over_binning => |d: &Device| Arc::new(StatisticsAdaptor::new(BinningResource::new(async_new(d), d, BinningOptions::default()).unwrap())) as SharedResource, FULL;
     callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource, FULL;
-    expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource, CHUNKED;
+    expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(d, ExpandableOptions::default()).unwrap()) as SharedResource, CHUNKED;
     // Small chunks: every allocation maps and spans chunk boundaries.
-    expandable_reclaim_before_growth => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { reclaim: Reclaim::BeforeGrowth, ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
-    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::with_options(*d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30), ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
+    expandable_reclaim_before_growth => |d: &Device| Arc::new(ExpandableResource::new(d, ExpandableOptions { reclaim: Reclaim::BeforeGrowth, ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
+    expandable_small_chunks => |d: &Device| Arc::new(ExpandableResource::new(d, ExpandableOptions { chunk_size: Some(2 * MIB), reservation: Some(16 << 30), ..Default::default() }).unwrap()) as SharedResource, CHUNKED;
     // One physical allocation per request (ncclMemAlloc's shape), and the pool engine over it.
-    vmm_resource => |d: &Device| Arc::new(VmmResource::new(*d).unwrap()) as SharedResource, FULL;
-    pool_over_vmm => |d: &Device| Arc::new(PoolResource::new(VmmResource::new(*d).unwrap(), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource, FULL;
-    binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource, FULL;
+    vmm_resource => |d: &Device| Arc::new(VmmResource::new(d, VmmOptions::default()).unwrap()) as SharedResource, FULL;
+    pool_over_vmm => |d: &Device| Arc::new(PoolResource::new(VmmResource::new(d, VmmOptions::default()).unwrap(), d, PoolOptions::default()).unwrap()) as SharedResource, FULL;
+    binning_over_callback => |d: &Device| Arc::new(BinningResource::new(callback_over(async_new(d)), d, BinningOptions::default()).unwrap()) as SharedResource, FULL;
 }
 
 // The resources that need a capability of the driver or device: where it is there they run the suite,
@@ -512,11 +512,11 @@ out_of_memory! {
     oom_limiting_adaptor => |d: &Device| Arc::new(LimitingAdaptor::new(async_new(d), 8 << 30)) as SharedResource;
     oom_aligned_adaptor => |d: &Device| Arc::new(AlignedAdaptor::new(async_new(d), 4096, 64 * 1024).unwrap()) as SharedResource;
     oom_failure_callback_adaptor => |d: &Device| Arc::new(FailureCallbackAdaptor::new(async_new(d), |_, attempt| attempt == 0)) as SharedResource;
-    oom_pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), &d.context().unwrap(), PoolConfig::default()).unwrap()) as SharedResource;
-    oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), &d.context().unwrap(), FixedSizeConfig::default()).unwrap()) as SharedResource;
-    oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), &d.context().unwrap(), BinningConfig::default()).unwrap()) as SharedResource;
-    oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), &d.context().unwrap(), ArenaConfig::default()).unwrap()) as SharedResource;
-    oom_expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(*d).unwrap()) as SharedResource;
-    oom_vmm_resource => |d: &Device| Arc::new(VmmResource::new(*d).unwrap()) as SharedResource;
+    oom_pool_resource => |d: &Device| Arc::new(PoolResource::new(async_new(d), d, PoolOptions::default()).unwrap()) as SharedResource;
+    oom_fixed_size_resource => |d: &Device| Arc::new(FixedSizeResource::new(async_new(d), d, FixedSizeOptions::default()).unwrap()) as SharedResource;
+    oom_binning_resource => |d: &Device| Arc::new(BinningResource::new(async_new(d), d, BinningOptions::default()).unwrap()) as SharedResource;
+    oom_arena_resource => |d: &Device| Arc::new(ArenaResource::new(async_new(d), d, ArenaOptions::default()).unwrap()) as SharedResource;
+    oom_expandable_resource => |d: &Device| Arc::new(ExpandableResource::new(d, ExpandableOptions::default()).unwrap()) as SharedResource;
+    oom_vmm_resource => |d: &Device| Arc::new(VmmResource::new(d, VmmOptions::default()).unwrap()) as SharedResource;
     oom_callback_resource => |d: &Device| Arc::new(callback_over(async_new(d))) as SharedResource;
 }

@@ -35,8 +35,8 @@ fn expandable_one_segment_coalesces_maps_on_demand_and_trims() {
     let dev = device();
     let ctx = dev.context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
-    let mr = ExpandableResource::with_options(
-        dev,
+    let mr = ExpandableResource::new(
+        &dev,
         ExpandableOptions {
             reservation: Some(1 << 30),
             chunk_size: Some(2 * MIB),
@@ -112,8 +112,8 @@ fn expandable_one_segment_coalesces_maps_on_demand_and_trims() {
 #[test]
 fn expandable_refuses_bad_chunks_and_oversized_requests_by_name() {
     let dev = device();
-    let e = ExpandableResource::with_options(
-        dev,
+    let e = ExpandableResource::new(
+        &dev,
         ExpandableOptions {
             chunk_size: Some(MIB + 1),
             ..Default::default()
@@ -121,8 +121,8 @@ fn expandable_refuses_bad_chunks_and_oversized_requests_by_name() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("the chunk size is 1048577 bytes"), "{e}");
-    let mr = ExpandableResource::with_options(
-        dev,
+    let mr = ExpandableResource::new(
+        &dev,
         ExpandableOptions {
             reservation: Some(64 * MIB),
             ..Default::default()
@@ -141,8 +141,8 @@ fn expandable_reclaim_before_growth_unmaps_idle_chunks_first() {
     let stream = Stream::new(&dev.context().unwrap()).unwrap();
     let s = stream.as_ref();
     let make = |reclaim| {
-        ExpandableResource::with_options(
-            dev,
+        ExpandableResource::new(
+            &dev,
             ExpandableOptions {
                 reservation: Some(1 << 30),
                 chunk_size: Some(2 * MIB),

@@ -54,10 +54,10 @@ fn peer_reads_and_writes(mr: &VmmResource, d0: Device, d1: Device) {
 #[test]
 fn two_gpu_vmm_resource_grants_every_capable_peer() {
     let (d0, d1) = two_gpus();
-    let mr = VmmResource::new(d0).unwrap();
+    let mr = VmmResource::new(&d0, VmmOptions::default()).unwrap();
     peer_reads_and_writes(&mr, d0, d1);
-    let named = VmmResource::with_options(
-        d0,
+    let named = VmmResource::new(
+        &d0,
         VmmOptions {
             peers: PeerAccess::Devices(vec![d1]),
             ..Default::default()
@@ -66,7 +66,7 @@ fn two_gpu_vmm_resource_grants_every_capable_peer() {
     .unwrap();
     peer_reads_and_writes(&named, d0, d1);
     // Memory of device 1 granted to device 0, too.
-    let back = VmmResource::new(d1).unwrap();
+    let back = VmmResource::new(&d1, VmmOptions::default()).unwrap();
     peer_reads_and_writes(&back, d1, d0);
     drop((mr, named, back));
     let errors = take_drop_errors();

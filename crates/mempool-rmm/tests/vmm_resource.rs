@@ -8,7 +8,7 @@ use std::sync::Arc;
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, take_drop_errors, Device, HandleTypes, PhysicalAllocation, Stream};
 use mempool_rmm::containers::DeviceBuffer;
-use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::suballoc::PoolOptions;
 use mempool_rmm::{Error, MemoryResource, PeerAccess, PoolResource, SharedResource, VmmOptions, VmmResource};
 
 const MIB: usize = 1 << 20;
@@ -24,7 +24,7 @@ fn vmm_allocations_are_granular_exportable_and_returned() {
     let stream = Stream::new(&ctx).unwrap();
     let support = dev.vmm_support().unwrap();
     println!("{dev}: {support:?}");
-    let mr = VmmResource::new(dev).unwrap();
+    let mr = VmmResource::new(&dev, VmmOptions::default()).unwrap();
     let g = mr.granularity();
     println!("{mr:?}");
     assert!(g > 0 && g.is_power_of_two(), "recommended granularity {g}");
@@ -115,8 +115,8 @@ fn vmm_options_are_checked_against_the_device() {
     let dev = device();
     let support = dev.vmm_support().unwrap();
     // Fabric handles only where the device reports them.
-    let fabric = VmmResource::with_options(
-        dev,
+    let fabric = VmmResource::new(
+        &dev,
         VmmOptions {
             handle_types: HandleTypes::FABRIC,
             ..Default::default()
@@ -131,8 +131,8 @@ fn vmm_options_are_checked_against_the_device() {
         ),
         (false, Ok(_)) => panic!("fabric handles accepted on a device that does not report them"),
     }
-    let rdma = VmmResource::with_options(
-        dev,
+    let rdma = VmmResource::new(
+        &dev,
         VmmOptions {
             gpu_direct_rdma: true,
             ..Default::default()
@@ -145,8 +145,8 @@ fn vmm_options_are_checked_against_the_device() {
     }
     // The owner alone, named or not.
     for peers in [PeerAccess::None, PeerAccess::Devices(vec![dev])] {
-        let mr = VmmResource::with_options(
-            dev,
+        let mr = VmmResource::new(
+            &dev,
             VmmOptions {
                 peers,
                 handle_types: HandleTypes::empty(),
@@ -159,7 +159,7 @@ fn vmm_options_are_checked_against_the_device() {
         assert_eq!(buf.to_host().unwrap(), vec![7u8; 4096]);
     }
     // Out of memory names the size, without asking the driver for more than the device has.
-    let mr = VmmResource::new(dev).unwrap();
+    let mr = VmmResource::new(&dev, VmmOptions::default()).unwrap();
     let huge = dev.total_memory().unwrap() + 1;
     let stream = Stream::new(&dev.context().unwrap()).unwrap();
     let e = mr.allocate(huge, stream.as_ref()).unwrap_err();
@@ -171,8 +171,8 @@ fn vmm_pool_over_vmm_suballocates_and_drops_cleanly() {
     let dev = device();
     let ctx = dev.context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
-    let vmm = VmmResource::new(dev).unwrap();
-    let pool = PoolResource::new(vmm, &ctx, PoolConfig::default()).unwrap();
+    let vmm = VmmResource::new(&dev, VmmOptions::default()).unwrap();
+    let pool = PoolResource::new(vmm, &dev, PoolOptions::default()).unwrap();
     let mr: SharedResource = Arc::new(pool);
     let bufs: Vec<DeviceBuffer> = (0..64u8)
         .map(|i| DeviceBuffer::from_host(&[i; 1000], &stream, mr.clone()).unwrap())

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mempool_suballoc::workload::random_workload;
-use mempool_suballoc::{BinningConfig, Engine, Sharded, SimUpstream};
+use mempool_suballoc::{BinningOptions, Engine, Sharded, SimUpstream};
 
 mod common;
 use common::OneStream;
@@ -37,12 +37,13 @@ fn main() {
     let mut results = Vec::new();
     for _ in 0..repeats {
         let up = SimUpstream::new();
-        let config = BinningConfig {
+        let options = BinningOptions {
             min_size_exponent: 8,
             max_size_exponent: 16,
             ..Default::default()
         };
-        let bins = Arc::new(Sharded::new(shards, || Bins::new(up.clone(), OneStream, config)).expect("engine config"));
+        let bins =
+            Arc::new(Sharded::new(shards, || Bins::new(up.clone(), OneStream, options)).expect("engine options"));
         let made: Vec<Vec<(u64, u64)>> = (0..producers)
             .map(|_| {
                 let bins = bins.clone();

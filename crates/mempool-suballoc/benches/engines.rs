@@ -23,7 +23,9 @@ use std::time::Duration;
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use mempool_suballoc::workload::{self, RandomOp as Op};
-use mempool_suballoc::{ArenaConfig, BinningConfig, Engine, EngineConfig, FixedSizeConfig, PoolConfig, SimUpstream};
+use mempool_suballoc::{
+    ArenaOptions, BinningOptions, Engine, EngineOptions, FixedSizeOptions, PoolOptions, SimUpstream,
+};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -60,13 +62,13 @@ fn run<E: Engine<Stream = ()>>(engine: &mut E, ops: &[Op]) {
     }
 }
 
-/// Benchmarks the engine `config` names, a fresh one per iteration.
-fn bench_engine<C: EngineConfig>(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, ops: &[Op], config: C) {
+/// Benchmarks the engine `options` names, a fresh one per iteration.
+fn bench_engine<C: EngineOptions>(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, ops: &[Op], options: C) {
     group.bench_function(name, |b| {
         b.iter_batched(
             || {
                 let engine: C::Engine<SimUpstream, OneStream> =
-                    Engine::new(SimUpstream::new(), OneStream, config.clone()).expect("engine config");
+                    Engine::new(SimUpstream::new(), OneStream, options.clone()).expect("engine options");
                 engine
             },
             |mut engine| {
@@ -99,19 +101,19 @@ fn random_workload(c: &mut Criterion) {
             .sample_size(10)
             .measurement_time(Duration::from_secs(4));
 
-        bench_engine(&mut group, "pool", &ops, PoolConfig::default());
-        let fixed_size = FixedSizeConfig {
+        bench_engine(&mut group, "pool", &ops, PoolOptions::default());
+        let fixed_size = FixedSizeOptions {
             block_size: max_size,
             ..Default::default()
         };
         bench_engine(&mut group, "fixed_size", &ops, fixed_size);
-        let binning = BinningConfig {
+        let binning = BinningOptions {
             min_size_exponent: 8,
             max_size_exponent: ceil_log2(max_size),
             ..Default::default()
         };
         bench_engine(&mut group, "binning", &ops, binning);
-        bench_engine(&mut group, "arena", &ops, ArenaConfig::default());
+        bench_engine(&mut group, "arena", &ops, ArenaOptions::default());
         group.finish();
     }
 }

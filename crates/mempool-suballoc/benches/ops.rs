@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use mempool_suballoc::workload::{self, RandomOp as Op};
 use mempool_suballoc::{
-    ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, Sharded, SimUpstream,
+    ArenaOptions, BinningOptions, Engine, EngineOptions, Error, FixedSizeOptions, PoolOptions, Sharded, SimUpstream,
 };
 
 const KIB: u64 = 1 << 10;
@@ -103,16 +103,16 @@ fn apply_ops<T: Target>(target: &mut T, ops: &[Op], live: &mut Vec<(u64, u64)>) 
     }
 }
 
-fn measure<C: EngineConfig>(config: C, ops: &[Op], repeats: usize, warm: bool, shards: usize) -> Vec<f64> {
+fn measure<C: EngineOptions>(options: C, ops: &[Op], repeats: usize, warm: bool, shards: usize) -> Vec<f64> {
     let make = || -> C::Engine<SimUpstream, OneStream> {
-        Engine::new(SimUpstream::new(), OneStream, config.clone()).expect("engine config")
+        Engine::new(SimUpstream::new(), OneStream, options.clone()).expect("engine options")
     };
     (0..repeats)
         .map(|_| {
             if shards == 0 {
                 time(&mut Direct(make()), ops, warm)
             } else {
-                let mut sharded = Sharded::new(shards, || Ok(make())).expect("engine config");
+                let mut sharded = Sharded::new(shards, || Ok(make())).expect("engine options");
                 time(&mut sharded, ops, warm)
             }
         })
@@ -161,30 +161,30 @@ fn main() {
         .unwrap_or(0);
     let ops = workload::random_workload(n, max_size as usize, max_usage as usize, 0x5EED_0000 ^ max_size);
     let ns = match engine {
-        "pool" => measure(PoolConfig::default(), &ops, repeats, warm, shards),
-        "arena" => measure(ArenaConfig::default(), &ops, repeats, warm, shards),
+        "pool" => measure(PoolOptions::default(), &ops, repeats, warm, shards),
+        "arena" => measure(ArenaOptions::default(), &ops, repeats, warm, shards),
         "binning" => {
-            let config = BinningConfig {
+            let options = BinningOptions {
                 min_size_exponent: 8,
                 max_size_exponent: 64 - (max_size - 1).leading_zeros(),
                 ..Default::default()
             };
-            measure(config, &ops, repeats, warm, shards)
+            measure(options, &ops, repeats, warm, shards)
         }
         "binning_gpu" => {
-            let config = BinningConfig {
+            let options = BinningOptions {
                 min_size_exponent: 18,
                 max_size_exponent: 22,
                 ..Default::default()
             };
-            measure(config, &ops, repeats, warm, shards)
+            measure(options, &ops, repeats, warm, shards)
         }
         "fixed_size" => {
-            let config = FixedSizeConfig {
+            let options = FixedSizeOptions {
                 block_size: max_size,
                 ..Default::default()
             };
-            measure(config, &ops, repeats, warm, shards)
+            measure(options, &ops, repeats, warm, shards)
         }
         _ => {
             eprintln!("{usage}");

@@ -8,7 +8,7 @@ use super::chunks::check_balance;
 use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
-use crate::pool::{PoolConfig, PoolEngine};
+use crate::pool::{PoolEngine, PoolOptions};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -19,19 +19,19 @@ const SUPERBLOCK: u32 = 1;
 
 /// The shape of an [`ArenaEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ArenaConfig {
+pub struct ArenaOptions {
     /// Size of the superblocks that per-stream arenas take from the global arena, rounded up to
     /// [`ALIGNMENT`]. Requests above half of it go straight to the global arena.
     pub superblock_size: u64,
-    /// Bytes the global arena reserves with its first growth (see [`PoolConfig::initial_size`]).
+    /// Bytes the global arena reserves with its first growth (see [`PoolOptions::initial_size`]).
     pub initial_size: u64,
-    /// The global arena never reserves more than this (see [`PoolConfig::maximum_size`]).
+    /// The global arena never reserves more than this (see [`PoolOptions::maximum_size`]).
     pub maximum_size: Option<u64>,
     /// When to record the events that hand free superblocks and large blocks to other streams.
     pub event_policy: EventPolicy,
 }
 
-impl Default for ArenaConfig {
+impl Default for ArenaOptions {
     /// 1 MiB superblocks (RMM's minimum superblock size), no initial reservation, no maximum,
     /// [`EventPolicy::Adaptive`].
     fn default() -> Self {
@@ -86,10 +86,10 @@ struct StreamArena<S> {
 /// engines and gives each thread its own (see [`crate::Sharded`]).
 ///
 /// ```
-/// use mempool_suballoc::{ArenaConfig, ArenaEngine, Engine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{ArenaOptions, ArenaEngine, Engine, SimStream, SimStreams, SimUpstream};
 ///
-/// let config = ArenaConfig { superblock_size: 1 << 16, ..Default::default() };
-/// let mut arena = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let options = ArenaOptions { superblock_size: 1 << 16, ..Default::default() };
+/// let mut arena = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), options)?;
 /// let s = SimStream::new(0);
 /// let small = arena.allocate(1000, s)?; // in a 64 KiB superblock of stream 0's arena
 /// let large = arena.allocate(1 << 17, s)?; // straight from the global arena
@@ -104,9 +104,9 @@ where
     O: StreamOrder,
 {
     /// Normalized: `superblock_size` rounded up to [`ALIGNMENT`], the global arena's sizes as its
-    /// [`PoolConfig`] normalizes them.
-    config: ArenaConfig,
-    /// `config.superblock_size`.
+    /// [`PoolOptions`] normalizes them.
+    options: ArenaOptions,
+    /// `options.superblock_size`.
     superblock_size: u64,
     /// Largest request served by a per-stream arena: `superblock_size / 2`, aligned.
     small_max: u64,
@@ -298,33 +298,33 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    type Config = ArenaConfig;
+    type Options = ArenaOptions;
     type Stream = O::Stream;
     type Upstream = U;
     type Order = O;
 
     /// An arena engine over `upstream` that orders streams through `order`. Reserves nothing yet.
-    /// Fails with [`Error::InvalidConfig`] for a superblock below 512 bytes (it must hold two
-    /// aligned blocks) or a global configuration [`PoolEngine`]'s `new` would reject.
-    fn new(upstream: U, order: O, config: ArenaConfig) -> Result<Self, Error> {
+    /// Fails with [`Error::InvalidOptions`] for a superblock below 512 bytes (it must hold two
+    /// aligned blocks) or global options [`PoolEngine`]'s `new` would reject.
+    fn new(upstream: U, order: O, options: ArenaOptions) -> Result<Self, Error> {
         let superblock_size =
-            align_up(config.superblock_size).ok_or(Error::InvalidConfig("superblock_size is not representable"))?;
+            align_up(options.superblock_size).ok_or(Error::InvalidOptions("superblock_size is not representable"))?;
         if superblock_size < 2 * ALIGNMENT {
-            return Err(Error::InvalidConfig("superblock_size must be at least 512 bytes"));
+            return Err(Error::InvalidOptions("superblock_size must be at least 512 bytes"));
         }
-        let global_config = PoolConfig {
-            initial_size: config.initial_size,
-            maximum_size: config.maximum_size,
-            event_policy: config.event_policy,
+        let global_options = PoolOptions {
+            initial_size: options.initial_size,
+            maximum_size: options.maximum_size,
+            event_policy: options.event_policy,
         };
-        let global = PoolEngine::new(upstream, order, global_config)?;
-        let global_config = global.config();
+        let global = PoolEngine::new(upstream, order, global_options)?;
+        let global_options = global.options();
         Ok(Self {
-            config: ArenaConfig {
+            options: ArenaOptions {
                 superblock_size,
-                initial_size: global_config.initial_size,
-                maximum_size: global_config.maximum_size,
-                event_policy: config.event_policy,
+                initial_size: global_options.initial_size,
+                maximum_size: global_options.maximum_size,
+                event_policy: options.event_policy,
             },
             superblock_size,
             small_max: (superblock_size / 2) & !(ALIGNMENT - 1),
@@ -338,8 +338,8 @@ where
         })
     }
 
-    fn config(&self) -> ArenaConfig {
-        self.config
+    fn options(&self) -> ArenaOptions {
+        self.options
     }
 
     /// Allocates `bytes` for use on `stream`: from the stream's arena up to half a superblock,
@@ -530,7 +530,7 @@ where
     }
 }
 
-crate::engine::engine_common!(ArenaConfig => ArenaEngine);
+crate::engine::engine_common!(ArenaOptions => ArenaEngine);
 
 #[cfg(test)]
 mod tests {
@@ -540,11 +540,11 @@ mod tests {
     fn a_superblock_cannot_be_freed_as_a_large_allocation() {
         // 8 KiB superblocks: a 1 KiB block is carved from the high end of one; the superblock is a
         // live 8 KiB allocation of the global arena, but none of the caller's.
-        let config = ArenaConfig {
+        let options = ArenaOptions {
             superblock_size: 8 * 1024,
             ..Default::default()
         };
-        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config).unwrap();
+        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), options).unwrap();
         let s = SimStream::new(0);
         let small = a.allocate(1024, s).unwrap();
         let superblock = small + 1024 - 8 * 1024;
@@ -576,11 +576,11 @@ mod tests {
     const KIB: u64 = 1024;
 
     fn arena(superblock_size: u64, up: SimUpstream, sim: SimStreams) -> ArenaEngine<SimUpstream, SimStreams> {
-        let config = ArenaConfig {
+        let options = ArenaOptions {
             superblock_size,
             ..Default::default()
         };
-        ArenaEngine::new(up, sim, config).unwrap()
+        ArenaEngine::new(up, sim, options).unwrap()
     }
 
     #[test]
@@ -661,13 +661,13 @@ mod tests {
 
     #[test]
     fn out_of_memory_reports_the_requested_size_after_reclaiming_empty_superblocks() {
-        let config = ArenaConfig {
+        let options = ArenaOptions {
             superblock_size: 4 * KIB,
             initial_size: 8 * KIB,
             maximum_size: Some(8 * KIB),
             ..Default::default()
         };
-        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), config).unwrap();
+        let mut a = ArenaEngine::new(SimUpstream::new(), SimStreams::new(), options).unwrap();
         let x = a.allocate(2 * KIB, A).unwrap();
         let y = a.allocate(2 * KIB, B).unwrap();
         a.deallocate(y, 2 * KIB, B).unwrap();
@@ -691,12 +691,12 @@ mod tests {
             ArenaEngine::new(
                 SimUpstream::new(),
                 SimStreams::new(),
-                ArenaConfig {
+                ArenaOptions {
                     superblock_size: 256,
                     ..Default::default()
                 }
             ),
-            Err(Error::InvalidConfig(_))
+            Err(Error::InvalidOptions(_))
         ));
     }
 
@@ -753,11 +753,11 @@ mod tests {
             sim: SimStreams::new(),
             fail: std::sync::atomic::AtomicBool::new(true),
         });
-        let config = ArenaConfig {
+        let options = ArenaOptions {
             superblock_size: 8 * KIB,
             ..Default::default()
         };
-        let mut a = ArenaEngine::new(SimUpstream::new(), order.clone(), config).unwrap();
+        let mut a = ArenaEngine::new(SimUpstream::new(), order.clone(), options).unwrap();
         // Several live blocks, so that the failed one shares a live-map chain with others (or not).
         let blocks: Vec<u64> = (0..20).map(|_| a.allocate(KIB, A).unwrap()).collect();
         let before = a.stats();
@@ -790,21 +790,21 @@ mod tests {
         fn random_sequences(ops in ops(6000, 3, 150), on_demand in any::<bool>()) {
             let policy = if on_demand { EventPolicy::RecordOnDemand } else { EventPolicy::RecordOnFree };
             let w = world(None, policy);
-            let config = ArenaConfig { superblock_size: 8 * 1024, event_policy: policy, ..Default::default() };
-            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = ArenaOptions { superblock_size: 8 * 1024, event_policy: policy, ..Default::default() };
+            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(a, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150)) {
             let w = world(None, EventPolicy::RecordOnFree);
-            let config = ArenaConfig {
+            let options = ArenaOptions {
                 superblock_size: 4 * 1024,
                 initial_size: 8 * 1024,
                 maximum_size: Some(48 * 1024),
                 ..Default::default()
             };
-            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let a = ArenaEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(a, &w, &ops, true)?;
         }
     }

@@ -10,7 +10,7 @@ use crate::upstream::Upstream;
 
 /// The bins of a [`BinningEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BinningConfig {
+pub struct BinningOptions {
     /// The smallest bin is `2^min_size_exponent` bytes; at least 8 (256 bytes, the alignment).
     pub min_size_exponent: u32,
     /// The largest bin is `2^max_size_exponent` bytes; larger requests go straight to the upstream.
@@ -22,7 +22,7 @@ pub struct BinningConfig {
     pub event_policy: EventPolicy,
 }
 
-impl Default for BinningConfig {
+impl Default for BinningOptions {
     /// Bins of 256 B to 1 MiB, 128 blocks per chunk (RMM's fixed-size default),
     /// [`EventPolicy::Adaptive`].
     fn default() -> Self {
@@ -43,10 +43,10 @@ impl Default for BinningConfig {
 /// the [module docs](super). 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_suballoc::{BinningConfig, BinningEngine, Engine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{BinningOptions, BinningEngine, Engine, SimStream, SimStreams, SimUpstream};
 ///
-/// let config = BinningConfig { min_size_exponent: 8, max_size_exponent: 12, ..Default::default() };
-/// let mut bins = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let options = BinningOptions { min_size_exponent: 8, max_size_exponent: 12, ..Default::default() };
+/// let mut bins = BinningEngine::new(SimUpstream::new(), SimStreams::new(), options)?;
 /// let s = SimStream::new(0);
 /// let small = bins.allocate(300, s)?; // the 512-byte bin
 /// let large = bins.allocate(10_000, s)?; // above 4 KiB: straight from the upstream
@@ -62,7 +62,7 @@ where
 {
     upstream: U,
     order: O,
-    config: BinningConfig,
+    options: BinningOptions,
     /// `bins[k]` serves sizes in `(2^(min+k-1), 2^(min+k)]` (the first bin everything up to its size).
     bins: Vec<FixedCore<O>>,
     /// Allocations above the largest bin (rounded to [`ALIGNMENT`]), each its own upstream
@@ -78,10 +78,10 @@ where
     /// The bin serving `bytes > 0`, or `None` above the largest bin.
     #[inline]
     fn bin(&self, bytes: u64) -> Option<usize> {
-        let size = bytes.max(1 << self.config.min_size_exponent);
+        let size = bytes.max(1 << self.options.min_size_exponent);
         // ceil(log2(size)), for size >= 2.
         let exp = 64 - (size - 1).leading_zeros();
-        (exp <= self.config.max_size_exponent).then(|| (exp - self.config.min_size_exponent) as usize)
+        (exp <= self.options.max_size_exponent).then(|| (exp - self.options.min_size_exponent) as usize)
     }
 
     /// The block size that serves a request of `bytes`, or `None` when it goes to the upstream.
@@ -116,40 +116,40 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    type Config = BinningConfig;
+    type Options = BinningOptions;
     type Stream = O::Stream;
     type Upstream = U;
     type Order = O;
 
     /// An engine with one bin per power of two from `2^min_size_exponent` to
-    /// `2^max_size_exponent`. Reserves nothing yet. Fails with [`Error::InvalidConfig`] when the
+    /// `2^max_size_exponent`. Reserves nothing yet. Fails with [`Error::InvalidOptions`] when the
     /// exponents are out of range or out of order, or `blocks_per_chunk` is 0 or too large.
-    fn new(upstream: U, order: O, config: BinningConfig) -> Result<Self, Error> {
-        let (min, max) = (config.min_size_exponent, config.max_size_exponent);
+    fn new(upstream: U, order: O, options: BinningOptions) -> Result<Self, Error> {
+        let (min, max) = (options.min_size_exponent, options.max_size_exponent);
         if min < ALIGNMENT.trailing_zeros() {
-            return Err(Error::InvalidConfig(
+            return Err(Error::InvalidOptions(
                 "min_size_exponent is below 8 (bins smaller than the alignment)",
             ));
         }
         if max > 40 || min > max {
-            return Err(Error::InvalidConfig(
+            return Err(Error::InvalidOptions(
                 "need min_size_exponent <= max_size_exponent <= 40",
             ));
         }
         let bins = (min..=max)
-            .map(|e| FixedCore::new(1 << e, config.blocks_per_chunk, config.event_policy))
+            .map(|e| FixedCore::new(1 << e, options.blocks_per_chunk, options.event_policy))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             upstream,
             order,
-            config,
+            options,
             bins,
             large: Chunks::default(),
         })
     }
 
-    fn config(&self) -> BinningConfig {
-        self.config
+    fn options(&self) -> BinningOptions {
+        self.options
     }
 
     /// Allocates `bytes` for use on `stream`: from its bin, or from the upstream above the largest
@@ -262,7 +262,7 @@ where
     }
 }
 
-crate::engine::engine_common!(BinningConfig => BinningEngine);
+crate::engine::engine_common!(BinningOptions => BinningEngine);
 
 #[cfg(test)]
 mod tests {
@@ -276,8 +276,8 @@ mod tests {
     const A: SimStream = SimStream::new(0);
     const B: SimStream = SimStream::new(1);
 
-    fn config(min: u32, max: u32, per_chunk: u64) -> BinningConfig {
-        BinningConfig {
+    fn options(min: u32, max: u32, per_chunk: u64) -> BinningOptions {
+        BinningOptions {
             min_size_exponent: min,
             max_size_exponent: max,
             blocks_per_chunk: per_chunk,
@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn picks_the_smallest_bin_that_fits() {
-        let b = BinningEngine::new(SimUpstream::new(), SimStreams::new(), config(8, 12, 4)).unwrap();
+        let b = BinningEngine::new(SimUpstream::new(), SimStreams::new(), options(8, 12, 4)).unwrap();
         let cases = [
             (1, Some(256)),
             (256, Some(256)),
@@ -307,7 +307,7 @@ mod tests {
     fn release_synchronizes_each_stream_once_however_many_large_allocations_it_holds() {
         let up = SimUpstream::new();
         let sim = SimStreams::new();
-        let mut b = BinningEngine::new(up.clone(), sim.clone(), config(8, 12, 4)).unwrap();
+        let mut b = BinningEngine::new(up.clone(), sim.clone(), options(8, 12, 4)).unwrap();
         for _ in 0..50 {
             b.allocate(10_000, A).unwrap();
         }
@@ -323,7 +323,7 @@ mod tests {
     #[test]
     fn bins_and_large_allocations() {
         let up = SimUpstream::new();
-        let mut b = BinningEngine::new(up.clone(), SimStreams::new(), config(8, 12, 4)).unwrap();
+        let mut b = BinningEngine::new(up.clone(), SimStreams::new(), options(8, 12, 4)).unwrap();
         let small = b.allocate(300, A).unwrap();
         let small2 = b.allocate(400, A).unwrap();
         assert_eq!(small2, small + 512);
@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn out_of_memory_reports_the_requested_size() {
         let up = SimUpstream::with_capacity(2048);
-        let mut b = BinningEngine::new(up, SimStreams::new(), config(8, 10, 2)).unwrap();
+        let mut b = BinningEngine::new(up, SimStreams::new(), options(8, 10, 2)).unwrap();
         b.allocate(1024, A).unwrap();
         b.allocate(1024, A).unwrap();
         for bytes in [1000, 5000] {
@@ -372,7 +372,7 @@ mod tests {
     #[test]
     fn stream_hand_off_in_a_bin() {
         let sim = SimStreams::new();
-        let mut b = BinningEngine::new(SimUpstream::new(), sim.clone(), config(8, 10, 1)).unwrap();
+        let mut b = BinningEngine::new(SimUpstream::new(), sim.clone(), options(8, 10, 1)).unwrap();
         let x = b.allocate(600, A).unwrap();
         let freed = sim.point(A);
         b.deallocate(x, 600, A).unwrap();
@@ -382,10 +382,15 @@ mod tests {
 
     #[test]
     fn invalid_configurations_are_rejected() {
-        for c in [config(7, 10, 4), config(12, 10, 4), config(8, 41, 4), config(8, 10, 0)] {
+        for c in [
+            options(7, 10, 4),
+            options(12, 10, 4),
+            options(8, 41, 4),
+            options(8, 10, 0),
+        ] {
             assert!(matches!(
                 BinningEngine::new(SimUpstream::new(), SimStreams::new(), c),
-                Err(Error::InvalidConfig(_))
+                Err(Error::InvalidOptions(_))
             ));
         }
     }
@@ -402,15 +407,15 @@ mod tests {
         #[test]
         fn random_sequences(ops in ops(4096, 3, 150), per_chunk in 1u64..5) {
             let w = world(None, EventPolicy::RecordOnFree);
-            let b = BinningEngine::new(w.up.clone(), w.order.clone(), config(8, 11, per_chunk)).unwrap();
+            let b = BinningEngine::new(w.up.clone(), w.order.clone(), options(8, 11, per_chunk)).unwrap();
             testing::run(b, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(4096, 3, 150)) {
             let w = world(Some(32 * 1024), EventPolicy::RecordOnDemand);
-            let config = BinningConfig { event_policy: EventPolicy::RecordOnDemand, ..config(8, 11, 4) };
-            let b = BinningEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = BinningOptions { event_policy: EventPolicy::RecordOnDemand, ..options(8, 11, 4) };
+            let b = BinningEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(b, &w, &ops, true)?;
         }
     }

@@ -29,12 +29,12 @@ use crate::upstream::Upstream;
 ///   below).
 ///
 /// ```
-/// use mempool_suballoc::{Engine, EngineConfig, PoolConfig, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, EngineOptions, PoolOptions, SimStream, SimStreams, SimUpstream};
 ///
 /// /// Allocates and frees one block with any engine.
-/// fn round_trip<C: EngineConfig>(config: C) -> Result<(), mempool_suballoc::Error> {
+/// fn round_trip<C: EngineOptions>(options: C) -> Result<(), mempool_suballoc::Error> {
 ///     let upstream = SimUpstream::new();
-///     let mut engine: C::Engine<SimUpstream, SimStreams> = Engine::new(upstream.clone(), SimStreams::new(), config)?;
+///     let mut engine: C::Engine<SimUpstream, SimStreams> = Engine::new(upstream.clone(), SimStreams::new(), options)?;
 ///     let s = SimStream::new(0);
 ///     let a = engine.allocate(1000, s)?;
 ///     engine.deallocate(a, 1000, s)?;
@@ -43,7 +43,7 @@ use crate::upstream::Upstream;
 ///     assert_eq!(upstream.stats().live_chunks, 0);
 ///     Ok(())
 /// }
-/// round_trip(PoolConfig::default())?;
+/// round_trip(PoolOptions::default())?;
 /// # Ok::<(), mempool_suballoc::Error>(())
 /// ```
 ///
@@ -54,8 +54,8 @@ use crate::upstream::Upstream;
 /// take back is forgotten. A caller that needs to see those errors calls `release` (or, once nothing
 /// is live, `release_unused`) before dropping the engine, which then has nothing left to return.
 pub trait Engine {
-    /// The engine's configuration.
-    type Config: EngineConfig;
+    /// The engine's options.
+    type Options: EngineOptions;
     /// A stream's identity, as the stream order names it; free lists are kept per stream.
     type Stream: Copy + Eq + Hash + Debug;
     /// Where the engine's chunks come from.
@@ -64,13 +64,13 @@ pub trait Engine {
     type Order: StreamOrder<Stream = Self::Stream>;
 
     /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
-    /// with [`Error::InvalidConfig`] for a configuration that cannot work.
-    fn new(upstream: Self::Upstream, order: Self::Order, config: Self::Config) -> Result<Self, Error>
+    /// with [`Error::InvalidOptions`] for options that cannot work.
+    fn new(upstream: Self::Upstream, order: Self::Order, options: Self::Options) -> Result<Self, Error>
     where
         Self: Sized;
 
-    /// The configuration, with sizes rounded as the engine uses them.
-    fn config(&self) -> Self::Config;
+    /// The options, with sizes rounded as the engine uses them.
+    fn options(&self) -> Self::Options;
 
     /// Allocates `bytes` for use on `stream`: an address aligned to
     /// [`ALIGNMENT`](crate::types::ALIGNMENT), or 0 for 0 bytes.
@@ -125,26 +125,26 @@ pub trait Engine {
     fn stream_order(&self) -> &Self::Order;
 }
 
-/// The configuration of one kind of engine, which names the engine over any upstream and stream
+/// The options of one kind of engine, which names the engine over any upstream and stream
 /// order: what lets one generic type (a memory resource, a test) build any engine from its
-/// configuration alone.
+/// options alone.
 ///
 /// The engine it names is `Send`, for the upstreams, stream orders and events that are: a resource
 /// shared between threads keeps its engine behind a lock.
 ///
 /// ```
-/// use mempool_suballoc::{EngineConfig, EventPolicy, FixedSizeConfig, FixedSizeEngine, SimStreams, SimUpstream};
+/// use mempool_suballoc::{EngineOptions, EventPolicy, FixedSizeOptions, FixedSizeEngine, SimStreams, SimUpstream};
 ///
-/// let mut config = FixedSizeConfig::default();
-/// config.set_event_policy(EventPolicy::RecordOnFree);
-/// let engine: <FixedSizeConfig as EngineConfig>::Engine<SimUpstream, SimStreams> =
-///     mempool_suballoc::Engine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let mut options = FixedSizeOptions::default();
+/// options.set_event_policy(EventPolicy::RecordOnFree);
+/// let engine: <FixedSizeOptions as EngineOptions>::Engine<SimUpstream, SimStreams> =
+///     mempool_suballoc::Engine::new(SimUpstream::new(), SimStreams::new(), options)?;
 /// let _: &FixedSizeEngine<SimUpstream, SimStreams> = &engine;
 /// # Ok::<(), mempool_suballoc::Error>(())
 /// ```
-pub trait EngineConfig: Clone + Debug {
+pub trait EngineOptions: Clone + Debug {
     /// The engine this configures, over upstream `U` and stream order `O`.
-    type Engine<U, O>: Engine<Config = Self, Stream = O::Stream, Upstream = U, Order = O> + Send
+    type Engine<U, O>: Engine<Options = Self, Stream = O::Stream, Upstream = U, Order = O> + Send
     where
         O: StreamOrder + Send,
         O::Stream: Send,
@@ -158,12 +158,12 @@ pub trait EngineConfig: Clone + Debug {
     fn set_event_policy(&mut self, policy: EventPolicy);
 }
 
-/// The parts of an engine that are the same for every engine: its configuration names it
-/// ([`EngineConfig`]), and dropping it releases everything as [`Engine::release`] does, ignoring the
+/// The parts of an engine that are the same for every engine: its options type names it
+/// ([`EngineOptions`]), and dropping it releases everything as [`Engine::release`] does, ignoring the
 /// error (see [`Engine`], "Dropping").
 macro_rules! engine_common {
-    ($config:ident => $engine:ident) => {
-        impl $crate::engine::EngineConfig for $config {
+    ($options:ident => $engine:ident) => {
+        impl $crate::engine::EngineOptions for $options {
             type Engine<U, O>
                 = $engine<U, O>
             where

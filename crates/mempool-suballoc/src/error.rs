@@ -37,9 +37,9 @@ pub enum Error {
         /// The size passed to `deallocate`.
         bytes: u64,
     },
-    /// A configuration that cannot work (say, a maximum size below the initial size).
-    #[error("invalid configuration: {0}")]
-    InvalidConfig(&'static str),
+    /// Options that cannot work (say, a maximum size below the initial size).
+    #[error("invalid options: {0}")]
+    InvalidOptions(&'static str),
     /// A stream or event operation failed.
     #[error("stream operation `{op}` failed")]
     Stream {

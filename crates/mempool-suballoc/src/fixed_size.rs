@@ -13,7 +13,7 @@ use crate::upstream::Upstream;
 
 /// The shape of a [`FixedSizeEngine`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FixedSizeConfig {
+pub struct FixedSizeOptions {
     /// Size of every block, rounded up to [`ALIGNMENT`]; the largest request served.
     pub block_size: u64,
     /// Blocks carved from each upstream chunk (at least 1, at most 2^32).
@@ -22,7 +22,7 @@ pub struct FixedSizeConfig {
     pub event_policy: EventPolicy,
 }
 
-impl Default for FixedSizeConfig {
+impl Default for FixedSizeOptions {
     /// RMM's defaults: 1 MiB blocks, 128 per chunk, [`EventPolicy::Adaptive`].
     fn default() -> Self {
         Self {
@@ -85,18 +85,18 @@ pub(crate) struct FixedCore<O: StreamOrder> {
 impl<O: StreamOrder> FixedCore<O> {
     pub(crate) fn new(block_size: u64, blocks_per_chunk: u64, policy: EventPolicy) -> Result<Self, Error> {
         if block_size == 0 {
-            return Err(Error::InvalidConfig("block_size is 0"));
+            return Err(Error::InvalidOptions("block_size is 0"));
         }
         if blocks_per_chunk == 0 {
-            return Err(Error::InvalidConfig("blocks_per_chunk is 0"));
+            return Err(Error::InvalidOptions("blocks_per_chunk is 0"));
         }
         if blocks_per_chunk > 1 << 32 {
-            return Err(Error::InvalidConfig("blocks_per_chunk is above 2^32"));
+            return Err(Error::InvalidOptions("blocks_per_chunk is above 2^32"));
         }
-        let block_size = align_up(block_size).ok_or(Error::InvalidConfig("block_size is not representable"))?;
+        let block_size = align_up(block_size).ok_or(Error::InvalidOptions("block_size is not representable"))?;
         let chunk_size = block_size
             .checked_mul(blocks_per_chunk)
-            .ok_or(Error::InvalidConfig("block_size * blocks_per_chunk overflows"))?;
+            .ok_or(Error::InvalidOptions("block_size * blocks_per_chunk overflows"))?;
         Ok(Self {
             block_size,
             block_shift: block_size.is_power_of_two().then(|| block_size.trailing_zeros()),
@@ -553,10 +553,10 @@ impl<O: StreamOrder> FixedCore<O> {
 /// [`Error::TooLarge`]; 0 bytes returns address 0 without touching any state.
 ///
 /// ```
-/// use mempool_suballoc::{Engine, FixedSizeConfig, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, FixedSizeOptions, FixedSizeEngine, SimStream, SimStreams, SimUpstream};
 ///
-/// let config = FixedSizeConfig { block_size: 4096, blocks_per_chunk: 16, ..Default::default() };
-/// let mut fixed = FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let options = FixedSizeOptions { block_size: 4096, blocks_per_chunk: 16, ..Default::default() };
+/// let mut fixed = FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), options)?;
 /// let s = SimStream::new(0);
 /// let a = fixed.allocate(100, s)?;
 /// let b = fixed.allocate(4096, s)?;
@@ -573,7 +573,7 @@ where
     upstream: U,
     order: O,
     /// Normalized: `block_size` rounded up to [`ALIGNMENT`].
-    config: FixedSizeConfig,
+    options: FixedSizeOptions,
     core: FixedCore<O>,
 }
 
@@ -593,29 +593,29 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    type Config = FixedSizeConfig;
+    type Options = FixedSizeOptions;
     type Stream = O::Stream;
     type Upstream = U;
     type Order = O;
 
     /// An engine over `upstream` that orders streams through `order`. Reserves nothing yet. Fails
-    /// with [`Error::InvalidConfig`] for a zero block size or count, a count above 2^32, or a chunk
+    /// with [`Error::InvalidOptions`] for a zero block size or count, a count above 2^32, or a chunk
     /// size that overflows.
-    fn new(upstream: U, order: O, config: FixedSizeConfig) -> Result<Self, Error> {
-        let core = FixedCore::new(config.block_size, config.blocks_per_chunk, config.event_policy)?;
+    fn new(upstream: U, order: O, options: FixedSizeOptions) -> Result<Self, Error> {
+        let core = FixedCore::new(options.block_size, options.blocks_per_chunk, options.event_policy)?;
         Ok(Self {
             upstream,
             order,
-            config: FixedSizeConfig {
+            options: FixedSizeOptions {
                 block_size: core.block_size(),
-                ..config
+                ..options
             },
             core,
         })
     }
 
-    fn config(&self) -> FixedSizeConfig {
-        self.config
+    fn options(&self) -> FixedSizeOptions {
+        self.options
     }
 
     /// Allocates one block for `bytes <= block_size` on `stream`; 0 for 0 bytes.
@@ -682,7 +682,7 @@ where
     }
 }
 
-crate::engine::engine_common!(FixedSizeConfig => FixedSizeEngine);
+crate::engine::engine_common!(FixedSizeOptions => FixedSizeEngine);
 
 #[cfg(test)]
 mod tests {
@@ -698,12 +698,12 @@ mod tests {
     const C: SimStream = SimStream::new(2);
 
     fn fixed(block_size: u64, blocks_per_chunk: u64, up: SimUpstream) -> FixedSizeEngine<SimUpstream, SimStreams> {
-        let config = FixedSizeConfig {
+        let options = FixedSizeOptions {
             block_size,
             blocks_per_chunk,
             ..Default::default()
         };
-        FixedSizeEngine::new(up, SimStreams::new(), config).unwrap()
+        FixedSizeEngine::new(up, SimStreams::new(), options).unwrap()
     }
 
     #[test]
@@ -748,14 +748,14 @@ mod tests {
         assert!(matches!(f.deallocate(a, 512, A), Err(Error::UnknownAllocation { .. })));
         f.check_invariants().unwrap();
         for (block_size, blocks_per_chunk) in [(0, 1), (256, 0), (u64::MAX / 2, 4), (256, (1 << 32) + 1)] {
-            let config = FixedSizeConfig {
+            let options = FixedSizeOptions {
                 block_size,
                 blocks_per_chunk,
                 ..Default::default()
             };
             assert!(matches!(
-                FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), config),
-                Err(Error::InvalidConfig(_))
+                FixedSizeEngine::new(SimUpstream::new(), SimStreams::new(), options),
+                Err(Error::InvalidOptions(_))
             ));
         }
     }
@@ -831,12 +831,12 @@ mod tests {
     #[test]
     fn blocks_cross_streams_only_after_a_wait() {
         let sim = SimStreams::new();
-        let config = FixedSizeConfig {
+        let options = FixedSizeOptions {
             block_size: 256,
             blocks_per_chunk: 1,
             event_policy: EventPolicy::RecordOnDemand,
         };
-        let mut f = FixedSizeEngine::new(SimUpstream::new(), sim.clone(), config).unwrap();
+        let mut f = FixedSizeEngine::new(SimUpstream::new(), sim.clone(), options).unwrap();
         let a = f.allocate(256, A).unwrap();
         let freed = sim.point(A);
         f.deallocate(a, 256, A).unwrap();
@@ -887,16 +887,16 @@ mod tests {
         #[test]
         fn random_sequences(ops in ops(1024, 3, 150), per_chunk in 1u64..6) {
             let w = world(None, EventPolicy::RecordOnFree);
-            let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: per_chunk, ..Default::default() };
-            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = FixedSizeOptions { block_size: 1024, blocks_per_chunk: per_chunk, ..Default::default() };
+            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(f, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(1024, 3, 150)) {
             let w = world(Some(24 * 1024), EventPolicy::RecordOnDemand);
-            let config = FixedSizeConfig { block_size: 1024, blocks_per_chunk: 4, event_policy: EventPolicy::RecordOnDemand };
-            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = FixedSizeOptions { block_size: 1024, blocks_per_chunk: 4, event_policy: EventPolicy::RecordOnDemand };
+            let f = FixedSizeEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(f, &w, &ops, true)?;
         }
     }

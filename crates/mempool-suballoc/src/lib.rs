@@ -5,8 +5,8 @@
 //!
 //! The engines here decide *which* addresses to hand out and *which streams must wait for which*
 //! before an address may be reused; they never touch the memory behind an address. All four
-//! implement one trait, [`Engine`], and each configuration type names its engine through
-//! [`EngineConfig`], so that generic code (a memory resource, a test) builds and drives any of them.
+//! implement one trait, [`Engine`], and each options type names its engine through
+//! [`EngineOptions`], so that generic code (a memory resource, a test) builds and drives any of them.
 //! Two small traits connect them to the world:
 //!
 //! - [`Upstream`]: where big chunks of address space come from (on a GPU, a driver pool or another
@@ -64,10 +64,10 @@
 //! [`workload`] holds the standard random workload the benchmarks draw from.
 //!
 //! ```
-//! use mempool_suballoc::{Engine, PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+//! use mempool_suballoc::{Engine, PoolOptions, PoolEngine, SimStream, SimStreams, SimUpstream};
 //!
 //! let upstream = SimUpstream::new();
-//! let mut pool = PoolEngine::new(upstream.clone(), SimStreams::new(), PoolConfig::default())?;
+//! let mut pool = PoolEngine::new(upstream.clone(), SimStreams::new(), PoolOptions::default())?;
 //! let s = SimStream::new(0);
 //! let a = pool.allocate(1000, s)?;
 //! assert_eq!(a % 256, 0);
@@ -105,13 +105,13 @@ pub mod workload;
 #[cfg(test)]
 mod testing;
 
-pub use arena::{ArenaConfig, ArenaEngine};
-pub use binning::{BinningConfig, BinningEngine};
+pub use arena::{ArenaEngine, ArenaOptions};
+pub use binning::{BinningEngine, BinningOptions};
 pub use block::Block;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineOptions};
 pub use error::{BoxError, Error, InvariantViolation, OutOfMemoryCause};
-pub use fixed_size::{FixedSizeConfig, FixedSizeEngine};
-pub use pool::{PoolConfig, PoolEngine};
+pub use fixed_size::{FixedSizeEngine, FixedSizeOptions};
+pub use pool::{PoolEngine, PoolOptions};
 pub use sharded::Sharded;
 #[cfg(any(test, feature = "testing"))]
 pub use sim::{

@@ -12,7 +12,7 @@ use crate::upstream::Upstream;
 
 /// How a [`PoolEngine`] (or an [`ArenaEngine`](super::ArenaEngine)'s global arena) grows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolConfig {
+pub struct PoolOptions {
     /// Bytes to reserve with the first growth, rounded up to [`ALIGNMENT`]. The pool reserves it on
     /// its first allocation (on that allocation's stream) rather than at construction, because
     /// reserving needs a stream. 0: the first growth is the first request.
@@ -24,7 +24,7 @@ pub struct PoolConfig {
     pub event_policy: EventPolicy,
 }
 
-impl Default for PoolConfig {
+impl Default for PoolOptions {
     /// No initial reservation, no maximum, [`EventPolicy::Adaptive`].
     fn default() -> Self {
         Self {
@@ -35,19 +35,19 @@ impl Default for PoolConfig {
     }
 }
 
-impl PoolConfig {
-    /// Checks the configuration and rounds its sizes to [`ALIGNMENT`].
+impl PoolOptions {
+    /// Checks the options and rounds its sizes to [`ALIGNMENT`].
     fn normalized(self) -> Result<Self, Error> {
         let initial_size =
-            align_up(self.initial_size).ok_or(Error::InvalidConfig("initial_size is not representable"))?;
+            align_up(self.initial_size).ok_or(Error::InvalidOptions("initial_size is not representable"))?;
         let maximum_size = match self.maximum_size {
             Some(max) => {
                 let max = max & !(ALIGNMENT - 1);
                 if max == 0 {
-                    return Err(Error::InvalidConfig("maximum_size is below the alignment"));
+                    return Err(Error::InvalidOptions("maximum_size is below the alignment"));
                 }
                 if initial_size > max {
-                    return Err(Error::InvalidConfig("initial_size is larger than maximum_size"));
+                    return Err(Error::InvalidOptions("initial_size is larger than maximum_size"));
                 }
                 Some(max)
             }
@@ -72,7 +72,7 @@ impl PoolConfig {
 ///   other lists into its own, each time after an event wait (see the [module docs](super)), and
 ///   only then grows.
 /// - Growth takes a new upstream chunk of `max(request, reserved)` bytes, so the pool doubles (the
-///   first time at least [`PoolConfig::initial_size`]); past [`PoolConfig::maximum_size`] an
+///   first time at least [`PoolOptions::initial_size`]); past [`PoolOptions::maximum_size`] an
 ///   allocation fails with [`Error::OutOfMemory`] naming the size asked for. When the upstream is
 ///   full, the attempt is halved down to the request. A request larger than the pool becomes its
 ///   own chunk.
@@ -82,10 +82,10 @@ impl PoolConfig {
 ///   allocation.
 ///
 /// ```
-/// use mempool_suballoc::{Engine, PoolConfig, PoolEngine, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, PoolOptions, PoolEngine, SimStream, SimStreams, SimUpstream};
 ///
-/// let config = PoolConfig { initial_size: 1 << 20, maximum_size: Some(1 << 22), ..Default::default() };
-/// let mut pool = PoolEngine::new(SimUpstream::new(), SimStreams::new(), config)?;
+/// let options = PoolOptions { initial_size: 1 << 20, maximum_size: Some(1 << 22), ..Default::default() };
+/// let mut pool = PoolEngine::new(SimUpstream::new(), SimStreams::new(), options)?;
 /// let (a, b) = (SimStream::new(0), SimStream::new(1));
 /// let p = pool.allocate(3000, a)?;
 /// pool.deallocate(p, 3000, a)?;
@@ -104,8 +104,8 @@ where
 {
     upstream: U,
     order: O,
-    /// Normalized (aligned) configuration. Invariant: `chunks.reserved() <= maximum_size`.
-    config: PoolConfig,
+    /// Normalized (aligned) options. Invariant: `chunks.reserved() <= maximum_size`.
+    options: PoolOptions,
     /// Upstream chunks.
     chunks: Chunks<O::Stream>,
     /// Free blocks, one size index per stream, over `blocks`. Invariant: list `i`'s index holds
@@ -187,9 +187,9 @@ where
         let reserved = self.chunks.reserved();
         let mut want = size.max(reserved);
         if reserved == 0 {
-            want = want.max(self.config.initial_size);
+            want = want.max(self.options.initial_size);
         }
-        if let Some(maximum) = self.config.maximum_size {
+        if let Some(maximum) = self.options.maximum_size {
             let remaining = maximum - reserved;
             if size > remaining {
                 return Err(Error::OutOfMemory {
@@ -315,29 +315,29 @@ where
     U: Upstream<O::Stream>,
     O: StreamOrder,
 {
-    type Config = PoolConfig;
+    type Options = PoolOptions;
     type Stream = O::Stream;
     type Upstream = U;
     type Order = O;
 
     /// A pool over `upstream` that orders streams through `order`. Reserves nothing yet (see
-    /// [`PoolConfig::initial_size`]). Fails with [`Error::InvalidConfig`] when the initial size
+    /// [`PoolOptions::initial_size`]). Fails with [`Error::InvalidOptions`] when the initial size
     /// exceeds the maximum or the maximum is below [`ALIGNMENT`].
-    fn new(upstream: U, order: O, config: PoolConfig) -> Result<Self, Error> {
-        let config = config.normalized()?;
+    fn new(upstream: U, order: O, options: PoolOptions) -> Result<Self, Error> {
+        let options = options.normalized()?;
         Ok(Self {
             upstream,
             order,
-            config,
+            options,
             chunks: Chunks::default(),
-            lists: StreamLists::new(config.event_policy),
+            lists: StreamLists::new(options.event_policy),
             blocks: BlockTable::default(),
             used: 0,
         })
     }
 
-    fn config(&self) -> PoolConfig {
-        self.config
+    fn options(&self) -> PoolOptions {
+        self.options
     }
 
     #[inline]
@@ -419,7 +419,7 @@ where
             free + used == reserved,
             "pool: free {free} + used {used} != reserved {reserved}"
         );
-        if let Some(max) = self.config.maximum_size {
+        if let Some(max) = self.options.maximum_size {
             ensure!(reserved <= max, "pool: reserved {reserved} exceeds the maximum {max}");
         }
         check_disjoint("pool", &mut blocks, |b| {
@@ -438,7 +438,7 @@ where
     }
 }
 
-crate::engine::engine_common!(PoolConfig => PoolEngine);
+crate::engine::engine_common!(PoolOptions => PoolEngine);
 
 #[cfg(test)]
 mod tests {
@@ -453,15 +453,15 @@ mod tests {
     const C: SimStream = SimStream::new(2);
     const KIB: u64 = 1024;
 
-    fn pool(config: PoolConfig) -> (PoolEngine<SimUpstream, SimStreams>, SimUpstream, SimStreams) {
+    fn pool(options: PoolOptions) -> (PoolEngine<SimUpstream, SimStreams>, SimUpstream, SimStreams) {
         let up = SimUpstream::new();
         let sim = SimStreams::new();
-        let p = PoolEngine::new(up.clone(), sim.clone(), config).unwrap();
+        let p = PoolEngine::new(up.clone(), sim.clone(), options).unwrap();
         (p, up, sim)
     }
 
-    fn with_initial(initial_size: u64) -> PoolConfig {
-        PoolConfig {
+    fn with_initial(initial_size: u64) -> PoolOptions {
+        PoolOptions {
             initial_size,
             ..Default::default()
         }
@@ -534,13 +534,13 @@ mod tests {
 
     #[test]
     fn maximum_size_fails_with_the_requested_size() {
-        let config = PoolConfig {
+        let options = PoolOptions {
             initial_size: 4 * KIB,
             maximum_size: Some(10 * KIB + 5),
             ..Default::default()
         };
-        let (mut p, _, _) = pool(config);
-        assert_eq!(p.config().maximum_size, Some(10 * KIB));
+        let (mut p, _, _) = pool(options);
+        assert_eq!(p.options().maximum_size, Some(10 * KIB));
         p.allocate(4 * KIB, A).unwrap();
         p.allocate(5 * KIB, A).unwrap();
         assert_eq!(p.stats().reserved_bytes, 9 * KIB);
@@ -596,20 +596,20 @@ mod tests {
     #[test]
     fn invalid_configurations_are_rejected() {
         let bad = [
-            PoolConfig {
+            PoolOptions {
                 initial_size: 8 * KIB,
                 maximum_size: Some(4 * KIB),
                 ..Default::default()
             },
-            PoolConfig {
+            PoolOptions {
                 maximum_size: Some(100),
                 ..Default::default()
             },
         ];
-        for config in bad {
+        for options in bad {
             assert!(matches!(
-                PoolEngine::new(SimUpstream::new(), SimStreams::new(), config),
-                Err(Error::InvalidConfig(_))
+                PoolEngine::new(SimUpstream::new(), SimStreams::new(), options),
+                Err(Error::InvalidOptions(_))
             ));
         }
     }
@@ -621,7 +621,7 @@ mod tests {
             EventPolicy::RecordOnDemand,
             EventPolicy::Adaptive,
         ] {
-            let (mut p, _, sim) = pool(PoolConfig {
+            let (mut p, _, sim) = pool(PoolOptions {
                 initial_size: 64 * KIB,
                 event_policy: policy,
                 ..Default::default()
@@ -658,11 +658,11 @@ mod tests {
 
     #[test]
     fn adaptive_records_only_into_lists_other_streams_took_from() {
-        let (mut p, _, sim) = pool(PoolConfig {
+        let (mut p, _, sim) = pool(PoolOptions {
             initial_size: 64 * KIB,
             ..Default::default()
         });
-        assert_eq!(p.config().event_policy, EventPolicy::Adaptive);
+        assert_eq!(p.options().event_policy, EventPolicy::Adaptive);
         // One stream on its own: no record, no wait, no synchronize, however many frees.
         for _ in 0..10 {
             let x = p.allocate(4 * KIB, A).unwrap();
@@ -697,7 +697,7 @@ mod tests {
             EventPolicy::RecordOnDemand,
             EventPolicy::Adaptive,
         ] {
-            let (mut p, _, sim) = pool(PoolConfig {
+            let (mut p, _, sim) = pool(PoolOptions {
                 initial_size: 4 * KIB,
                 event_policy: policy,
                 ..Default::default()
@@ -726,7 +726,7 @@ mod tests {
 
     #[test]
     fn a_failed_wait_hands_nothing_over() {
-        let (mut p, _, sim) = pool(PoolConfig {
+        let (mut p, _, sim) = pool(PoolOptions {
             event_policy: EventPolicy::RecordOnFree,
             ..with_initial(4 * KIB)
         });
@@ -852,23 +852,23 @@ mod tests {
         #[test]
         fn random_sequences(ops in ops(6000, 3, 150), policy in policy(), initial in 0u64..16_384) {
             let w = world(None, policy);
-            let config = PoolConfig { initial_size: initial, event_policy: policy, ..Default::default() };
-            let p = PoolEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = PoolOptions { initial_size: initial, event_policy: policy, ..Default::default() };
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(p, &w, &ops, false)?;
         }
 
         #[test]
         fn random_sequences_with_a_maximum(ops in ops(6000, 3, 150), policy in policy()) {
             let w = world(None, policy);
-            let config = PoolConfig { initial_size: 4096, maximum_size: Some(40_000), event_policy: policy };
-            let p = PoolEngine::new(w.up.clone(), w.order.clone(), config).unwrap();
+            let options = PoolOptions { initial_size: 4096, maximum_size: Some(40_000), event_policy: policy };
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), options).unwrap();
             testing::run(p, &w, &ops, true)?;
         }
 
         #[test]
         fn random_sequences_with_a_small_upstream(ops in ops(6000, 3, 150)) {
             let w = world(Some(48 * 1024), EventPolicy::RecordOnFree);
-            let p = PoolEngine::new(w.up.clone(), w.order.clone(), PoolConfig::default()).unwrap();
+            let p = PoolEngine::new(w.up.clone(), w.order.clone(), PoolOptions::default()).unwrap();
             testing::run(p, &w, &ops, true)?;
         }
     }

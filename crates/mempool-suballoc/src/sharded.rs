@@ -78,11 +78,11 @@ struct Shard<E>(Mutex<E>);
 ///
 /// ```
 /// use std::sync::Arc;
-/// use mempool_suballoc::{Engine, PoolConfig, PoolEngine, Sharded, SimStream, SimStreams, SimUpstream};
+/// use mempool_suballoc::{Engine, PoolOptions, PoolEngine, Sharded, SimStream, SimStreams, SimUpstream};
 ///
 /// let up = SimUpstream::new();
 /// let sim = SimStreams::new();
-/// let pool = Arc::new(Sharded::new(4, || PoolEngine::new(up.clone(), sim.clone(), PoolConfig::default()))?);
+/// let pool = Arc::new(Sharded::new(4, || PoolEngine::new(up.clone(), sim.clone(), PoolOptions::default()))?);
 /// let threads: Vec<_> = (0..4)
 ///     .map(|t| {
 ///         let pool = pool.clone();

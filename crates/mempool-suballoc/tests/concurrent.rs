@@ -11,8 +11,8 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use mempool_suballoc::workload::SplitMix64;
 use mempool_suballoc::{
-    align_up, ArenaConfig, BinningConfig, Engine, EngineConfig, Error, FixedSizeConfig, PoolConfig, Sharded, SimStream,
-    SimStreams, SimUpstream,
+    align_up, ArenaOptions, BinningOptions, Engine, EngineOptions, Error, FixedSizeOptions, PoolOptions, Sharded,
+    SimStream, SimStreams, SimUpstream,
 };
 use proptest::prelude::*;
 
@@ -43,12 +43,12 @@ struct Params {
     seed: u64,
 }
 
-/// Runs the concurrent sequence against the engines `config` names; returns the first failure.
-fn run<C: EngineConfig>(config: C, p: &Params) -> Result<(), String> {
+/// Runs the concurrent sequence against the engines `options` names; returns the first failure.
+fn run<C: EngineOptions>(options: C, p: &Params) -> Result<(), String> {
     let up = SimUpstream::new();
     let sim = SimStreams::new();
     let engines: Sharded<C::Engine<SimUpstream, SimStreams>> =
-        Sharded::new(p.shards, || Engine::new(up.clone(), sim.clone(), config.clone())).map_err(|e| e.to_string())?;
+        Sharded::new(p.shards, || Engine::new(up.clone(), sim.clone(), options.clone())).map_err(|e| e.to_string())?;
     let live: Live = Live::default();
     // Allocations handed from one thread to another, which frees them on its own stream.
     let handed: Mutex<Vec<(u64, u64)>> = Mutex::default();
@@ -155,7 +155,7 @@ fn run<C: EngineConfig>(config: C, p: &Params) -> Result<(), String> {
 fn a_foreign_free_is_refused_by_every_shard() {
     let up = SimUpstream::new();
     let engines = Sharded::new(3, || {
-        mempool_suballoc::PoolEngine::new(up.clone(), SimStreams::new(), PoolConfig::default())
+        mempool_suballoc::PoolEngine::new(up.clone(), SimStreams::new(), PoolOptions::default())
     })
     .unwrap();
     let s = SimStream::new(0);
@@ -181,14 +181,14 @@ fn frees_from_a_thread_that_allocated_nothing_reach_the_right_shard_whatever_its
     // region, so the consumer's hint for the region names the wrong shard half the time (and its own
     // shard, whichever it is, knows half of them).
     let up = SimUpstream::new();
-    let config = mempool_suballoc::BinningConfig {
+    let options = mempool_suballoc::BinningOptions {
         min_size_exponent: 8,
         max_size_exponent: 10,
         ..Default::default()
     };
     let engines = Arc::new(
         Sharded::new(2, || {
-            mempool_suballoc::BinningEngine::new(up.clone(), SimStreams::new(), config)
+            mempool_suballoc::BinningEngine::new(up.clone(), SimStreams::new(), options)
         })
         .unwrap(),
     );
@@ -229,7 +229,7 @@ fn a_full_shard_takes_back_what_other_shards_hold_unused() {
     let up = SimUpstream::with_capacity(64 * 1024);
     let engines = Arc::new(
         Sharded::new(2, || {
-            mempool_suballoc::PoolEngine::new(up.clone(), SimStreams::new(), PoolConfig::default())
+            mempool_suballoc::PoolEngine::new(up.clone(), SimStreams::new(), PoolOptions::default())
         })
         .unwrap(),
     );
@@ -261,10 +261,10 @@ proptest! {
     ) {
         let p = Params { threads, shards, ops: 1500, max_size: 20_000, seed };
         let r = match kind {
-            0 => run(PoolConfig::default(), &p),
-            1 => run(BinningConfig { max_size_exponent: 14, blocks_per_chunk: 8, ..Default::default() }, &p),
-            2 => run(ArenaConfig { superblock_size: 32 * 1024, ..Default::default() }, &p),
-            _ => run(FixedSizeConfig { block_size: 20_000, blocks_per_chunk: 8, ..Default::default() }, &p),
+            0 => run(PoolOptions::default(), &p),
+            1 => run(BinningOptions { max_size_exponent: 14, blocks_per_chunk: 8, ..Default::default() }, &p),
+            2 => run(ArenaOptions { superblock_size: 32 * 1024, ..Default::default() }, &p),
+            _ => run(FixedSizeOptions { block_size: 20_000, blocks_per_chunk: 8, ..Default::default() }, &p),
         };
         prop_assert!(r.is_ok(), "kind {}, {} threads, {} shards, seed {}: {}", kind, threads, shards, seed, r.unwrap_err());
     }

@@ -12,7 +12,7 @@ use std::sync::{mpsc, Mutex, MutexGuard, PoisonError};
 
 use mempool_suballoc::workload::SplitMix64;
 use mempool_suballoc::{
-    ArenaConfig, BinningConfig, Engine, EngineConfig, Error, EventPolicy, FixedSizeConfig, PoolConfig, SimStream,
+    ArenaOptions, BinningOptions, Engine, EngineOptions, Error, EventPolicy, FixedSizeOptions, PoolOptions, SimStream,
     SimStreams, SimUpstream, StreamOrder, SyncPoint, ALIGNMENT,
 };
 
@@ -30,7 +30,7 @@ struct Shadow {
 }
 
 /// One engine over a simulated upstream and simulated streams, shared by the threads of a check.
-struct World<C: EngineConfig> {
+struct World<C: EngineOptions> {
     /// The configuration, for failure messages.
     name: String,
     up: SimUpstream,
@@ -41,13 +41,13 @@ struct World<C: EngineConfig> {
     state: Mutex<(C::Engine<SimUpstream, SimStreams>, Shadow)>,
 }
 
-impl<C: EngineConfig> World<C> {
-    fn new(config: C, max_size: u64) -> Self {
+impl<C: EngineOptions> World<C> {
+    fn new(options: C, max_size: u64) -> Self {
         let up = SimUpstream::new();
         let sim = SimStreams::new();
-        let name = format!("{config:?}");
+        let name = format!("{options:?}");
         let engine =
-            Engine::new(up.clone(), sim.clone(), config).unwrap_or_else(|e| panic!("{name}: engine not built: {e}"));
+            Engine::new(up.clone(), sim.clone(), options).unwrap_or_else(|e| panic!("{name}: engine not built: {e}"));
         World {
             name,
             up,
@@ -175,9 +175,9 @@ enum Check {
 /// Every engine, in several configurations, with the largest request each serves here.
 fn each_engine(check: Check) {
     let pools = [
-        (PoolConfig::default(), GIB),
+        (PoolOptions::default(), GIB),
         (
-            PoolConfig {
+            PoolOptions {
                 initial_size: MIB,
                 maximum_size: Some(2 * GIB),
                 event_policy: EventPolicy::RecordOnFree,
@@ -185,20 +185,20 @@ fn each_engine(check: Check) {
             64 * MIB,
         ),
         (
-            PoolConfig {
+            PoolOptions {
                 event_policy: EventPolicy::RecordOnDemand,
                 ..Default::default()
             },
             GIB,
         ),
     ];
-    for (config, max_size) in pools {
-        run(check, config, max_size);
+    for (options, max_size) in pools {
+        run(check, options, max_size);
     }
     let fixed = [
-        (FixedSizeConfig::default(), MIB),
+        (FixedSizeOptions::default(), MIB),
         (
-            FixedSizeConfig {
+            FixedSizeOptions {
                 block_size: 64 * KIB,
                 blocks_per_chunk: 4,
                 event_policy: EventPolicy::RecordOnFree,
@@ -206,13 +206,13 @@ fn each_engine(check: Check) {
             64 * KIB,
         ),
     ];
-    for (config, max_size) in fixed {
-        run(check, config, max_size);
+    for (options, max_size) in fixed {
+        run(check, options, max_size);
     }
     let binning = [
-        (BinningConfig::default(), GIB),
+        (BinningOptions::default(), GIB),
         (
-            BinningConfig {
+            BinningOptions {
                 min_size_exponent: 8,
                 max_size_exponent: 12,
                 blocks_per_chunk: 2,
@@ -221,13 +221,13 @@ fn each_engine(check: Check) {
             GIB,
         ),
     ];
-    for (config, max_size) in binning {
-        run(check, config, max_size);
+    for (options, max_size) in binning {
+        run(check, options, max_size);
     }
     let arenas = [
-        (ArenaConfig::default(), GIB),
+        (ArenaOptions::default(), GIB),
         (
-            ArenaConfig {
+            ArenaOptions {
                 superblock_size: 64 * KIB,
                 initial_size: MIB,
                 maximum_size: None,
@@ -236,13 +236,13 @@ fn each_engine(check: Check) {
             GIB,
         ),
     ];
-    for (config, max_size) in arenas {
-        run(check, config, max_size);
+    for (options, max_size) in arenas {
+        run(check, options, max_size);
     }
 }
 
-fn run<C: EngineConfig>(check: Check, config: C, max_size: u64) {
-    let w = World::new(config, max_size);
+fn run<C: EngineOptions>(check: Check, options: C, max_size: u64) {
+    let w = World::new(options, max_size);
     match check {
         Check::ZeroBytes => zero_bytes(&w),
         Check::SizesAreAligned => sizes_are_aligned(&w),
@@ -257,7 +257,7 @@ fn run<C: EngineConfig>(check: Check, config: C, max_size: u64) {
     w.finish();
 }
 
-fn zero_bytes<C: EngineConfig>(w: &World<C>) {
+fn zero_bytes<C: EngineOptions>(w: &World<C>) {
     let s = SimStream::new(0);
     let p = w.allocate(0, s);
     w.deallocate(p, 0, s);
@@ -267,7 +267,7 @@ fn zero_bytes<C: EngineConfig>(w: &World<C>) {
     w.deallocate(q, 100, s);
 }
 
-fn sizes_are_aligned<C: EngineConfig>(w: &World<C>) {
+fn sizes_are_aligned<C: EngineOptions>(w: &World<C>) {
     let s = SimStream::new(0);
     let mut size = 4;
     while size <= w.max_size {
@@ -277,7 +277,7 @@ fn sizes_are_aligned<C: EngineConfig>(w: &World<C>) {
     }
 }
 
-fn impossible_size_is_out_of_memory<C: EngineConfig>(w: &World<C>) {
+fn impossible_size_is_out_of_memory<C: EngineOptions>(w: &World<C>) {
     let s = SimStream::new(0);
     w.up.set_capacity(Some(1 << 40));
     let huge = 1u64 << 52;
@@ -296,7 +296,7 @@ fn impossible_size_is_out_of_memory<C: EngineConfig>(w: &World<C>) {
     w.up.set_capacity(None);
 }
 
-fn random_allocations<C: EngineConfig>(w: &World<C>) {
+fn random_allocations<C: EngineOptions>(w: &World<C>) {
     let s = SimStream::new(0);
     let mut rng = SplitMix64(1);
     let max = w.max_size.min(MIB);
@@ -312,7 +312,7 @@ fn random_allocations<C: EngineConfig>(w: &World<C>) {
     }
 }
 
-fn mixed_allocate_and_free<C: EngineConfig>(w: &World<C>) {
+fn mixed_allocate_and_free<C: EngineOptions>(w: &World<C>) {
     let s = SimStream::new(0);
     let mut rng = SplitMix64(2);
     let max = w.max_size.min(MIB);
@@ -332,7 +332,7 @@ fn mixed_allocate_and_free<C: EngineConfig>(w: &World<C>) {
 }
 
 /// Four threads, each on a stream of its own: memory moves between them only through the engine.
-fn four_threads<C: EngineConfig>(w: &World<C>) {
+fn four_threads<C: EngineOptions>(w: &World<C>) {
     std::thread::scope(|scope| {
         for t in 0..4u64 {
             scope.spawn(move || {
@@ -359,7 +359,7 @@ fn four_threads<C: EngineConfig>(w: &World<C>) {
 
 /// One thread allocates on its stream and "uses" the memory there; another frees it on its own
 /// stream after waiting on an event recorded after that use.
-fn allocate_and_free_on_different_threads<C: EngineConfig>(w: &World<C>) {
+fn allocate_and_free_on_different_threads<C: EngineOptions>(w: &World<C>) {
     let (tx, rx) = mpsc::channel();
     let size = w.max_size.min(MIB);
     std::thread::scope(|scope| {
@@ -387,7 +387,7 @@ fn allocate_and_free_on_different_threads<C: EngineConfig>(w: &World<C>) {
     w.deallocate(p, size, a);
 }
 
-fn allocate_and_free_on_different_streams<C: EngineConfig>(w: &World<C>) {
+fn allocate_and_free_on_different_streams<C: EngineOptions>(w: &World<C>) {
     let (a, b) = (SimStream::new(0), SimStream::new(1));
     let size = w.max_size.min(MIB);
     for _ in 0..100 {
@@ -404,7 +404,7 @@ fn allocate_and_free_on_different_streams<C: EngineConfig>(w: &World<C>) {
 }
 
 /// Not in the GPU suite: `release_unused` returns the chunks nothing lives in, and only those.
-fn release_unused_keeps_live_allocations<C: EngineConfig>(w: &World<C>) {
+fn release_unused_keeps_live_allocations<C: EngineOptions>(w: &World<C>) {
     let streams = [0, 1, 2].map(SimStream::new);
     let mut rng = SplitMix64(3);
     let max = w.max_size.min(256 * KIB);

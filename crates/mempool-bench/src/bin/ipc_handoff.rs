@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 use mempool_core::{memory, Context, Device, DeviceAddr, HandleTypes, Stream, StreamRef};
 use mempool_ipc::trace::{self, Record};
 use mempool_ipc::{Error, ExportedBuffer, Exporter, ExporterOptions, Importer, ImporterId, ImporterOptions};
-use mempool_rmm::suballoc::PoolConfig;
+use mempool_rmm::suballoc::PoolOptions;
 use mempool_rmm::{AsyncOptions, AsyncResource, MemoryResource, PoolResource, ReleaseThreshold};
 
 const KIB: usize = 1 << 10;
@@ -381,10 +381,10 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
     )?);
     let sub = Arc::new(PoolResource::new(
         upstream.clone(),
-        &ctx,
-        PoolConfig {
+        &dev,
+        PoolOptions {
             initial_size: 1 << 30,
-            ..PoolConfig::default()
+            ..PoolOptions::default()
         },
     )?);
     let dir = std::env::var_os("XDG_RUNTIME_DIR").map_or_else(std::env::temp_dir, PathBuf::from);

@@ -166,7 +166,7 @@ pub enum ResourceSpec {
     Sim,
 }
 
-// The defaults of mempool-rmm's `BinningConfig`, spelled out so specs print them the same way.
+// The defaults of mempool-rmm's `BinningOptions`, spelled out so specs print them the same way.
 const BIN_MIN: u64 = 256;
 const BIN_MAX: u64 = 1 << 20;
 const BIN_BLOCKS: u64 = 128;

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use mempool_core::{Context, Device, DeviceAddr, MemPool, StreamRef};
-use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
+use mempool_core::{Device, DeviceAddr, MemPool, StreamRef};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
@@ -43,7 +43,6 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         return Ok(Arc::new(unsafe { SimResource::new() }));
     }
     let dev = device.ok_or_else(|| Error::Usage(format!("`{spec}` needs a GPU; only `sim` runs without one")))?;
-    let ctx: Arc<Context> = dev.context()?;
     let r: SharedResource = match spec {
         ResourceSpec::Sim => unreachable!("handled above"),
         ResourceSpec::Cuda => Arc::new(CudaResource::new(dev)?),
@@ -87,15 +86,15 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             }
         }
         ResourceSpec::System => Arc::new(SystemResource::new(dev)?),
-        ResourceSpec::Vmm { owner_only } => Arc::new(VmmResource::with_options(
-            *dev,
+        ResourceSpec::Vmm { owner_only } => Arc::new(VmmResource::new(
+            dev,
             VmmOptions {
                 peers: if *owner_only {
                     PeerAccess::None
                 } else {
                     PeerAccess::AllCapable
                 },
-                // POSIX descriptors where the device offers them, as VmmResource::new does.
+                // POSIX descriptors where the device offers them, unexportable memory where it does not.
                 handle_types: VmmOptions::default().handle_types & dev.vmm_support()?.handle_types(),
                 ..VmmOptions::default()
             },
@@ -104,8 +103,8 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             chunk,
             reserve,
             reclaim_before_growth,
-        } => Arc::new(ExpandableResource::with_options(
-            *dev,
+        } => Arc::new(ExpandableResource::new(
+            dev,
             ExpandableOptions {
                 chunk_size: chunk.map(|c| c as usize),
                 reservation: reserve.map(|r| r as usize),
@@ -122,12 +121,12 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         )?),
         ResourceSpec::Pool { upstream, initial, max } => {
             let up = build_resource(upstream, device)?;
-            let config = PoolConfig {
+            let options = PoolOptions {
                 initial_size: *initial,
                 maximum_size: *max,
                 ..Default::default()
             };
-            Arc::new(PoolResource::new(up, &ctx, config)?)
+            Arc::new(PoolResource::new(up, dev, options)?)
         }
         ResourceSpec::Binning {
             upstream,
@@ -136,13 +135,13 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             blocks,
         } => {
             let up = build_resource(upstream, device)?;
-            let config = BinningConfig {
+            let options = BinningOptions {
                 min_size_exponent: min.trailing_zeros(),
                 max_size_exponent: max.trailing_zeros(),
                 blocks_per_chunk: *blocks,
                 ..Default::default()
             };
-            Arc::new(BinningResource::new(up, &ctx, config)?)
+            Arc::new(BinningResource::new(up, dev, options)?)
         }
         ResourceSpec::Arena {
             upstream,
@@ -151,13 +150,13 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             max,
         } => {
             let up = build_resource(upstream, device)?;
-            let config = ArenaConfig {
+            let options = ArenaOptions {
                 superblock_size: *superblock,
                 initial_size: *initial,
                 maximum_size: *max,
                 ..Default::default()
             };
-            Arc::new(ArenaResource::new(up, &ctx, config)?)
+            Arc::new(ArenaResource::new(up, dev, options)?)
         }
         ResourceSpec::Fixed {
             upstream,
@@ -165,12 +164,12 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
             blocks,
         } => {
             let up = build_resource(upstream, device)?;
-            let config = FixedSizeConfig {
+            let options = FixedSizeOptions {
                 block_size: *block,
                 blocks_per_chunk: *blocks,
                 ..Default::default()
             };
-            Arc::new(FixedSizeResource::new(up, &ctx, config)?)
+            Arc::new(FixedSizeResource::new(up, dev, options)?)
         }
     };
     Ok(r)

@@ -12,7 +12,7 @@ use std::time::Instant;
 use mempool_core::{Device, Stream};
 use mempool_nccl::{Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
-use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, SharedResource, VmmResource};
+use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, SharedResource, VmmOptions, VmmResource};
 
 use crate::chart::{Chart, ChartKind, Series};
 use crate::error::{Error, Result};
@@ -121,7 +121,7 @@ fn resources(memory: Memory, devices: &[Device]) -> Result<Vec<SharedResource>> 
         .iter()
         .map(|d| -> Result<SharedResource> {
             Ok(match memory {
-                Memory::Vmm => Arc::new(VmmResource::new(*d)?),
+                Memory::Vmm => Arc::new(VmmResource::new(d, VmmOptions::default())?),
                 Memory::Pool => Arc::new(AsyncResource::new(d, AsyncOptions::default())?),
                 Memory::CuMemAlloc => Arc::new(CudaResource::new(d)?),
             })

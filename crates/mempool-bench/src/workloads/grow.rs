@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use mempool_core::{memory, AllocationProps, Device, DeviceAddr, GrowableBuffer, Stream, WhenFull};
+use mempool_core::{memory, Device, DeviceAddr, GrowableBuffer, GrowableOptions, Stream, WhenFull};
 use mempool_rmm::MemoryResource;
 
 use crate::error::{Error, Result};
@@ -74,7 +74,14 @@ fn run_growable(dev: Device, sizes: &[usize], chunk: Option<usize>) -> Result<Ti
     let ctx = dev.context()?;
     let last = *sizes.last().unwrap_or(&0);
     let t = Instant::now();
-    let mut buf = GrowableBuffer::with_options(AllocationProps::new(dev), last, chunk, WhenFull::Fail)?;
+    let mut buf = GrowableBuffer::new(
+        &dev,
+        last,
+        GrowableOptions {
+            chunk,
+            when_full: WhenFull::Fail,
+        },
+    )?;
     let mut last_step = 0.0;
     for &n in sizes {
         let ts = Instant::now();

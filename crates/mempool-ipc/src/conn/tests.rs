@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{short_config, Connection, ConnectionConfig};
+use super::{short_options, Connection, ConnectionOptions};
 use crate::error::{Error, Result};
 use crate::fdpass;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
@@ -17,7 +17,7 @@ use crate::wire::{self, BufferId, ErrorCode, Message, MessageType, PoolDescripto
 /// A connection and a raw socket for playing a (possibly hostile) peer.
 fn conn_and_raw() -> (Connection, UnixStream) {
     let (a, b) = UnixStream::pair().unwrap();
-    (Connection::new(a, short_config()), b)
+    (Connection::new(a, short_options()), b)
 }
 
 fn pool_descriptor() -> Message {
@@ -26,7 +26,7 @@ fn pool_descriptor() -> Message {
 
 #[test]
 fn every_message_travels_with_its_descriptors() {
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     let name = unique_name("conn-pool");
     let memfd = memfd_with(&name, b"pool contents");
     for message in every_message() {
@@ -48,7 +48,7 @@ fn every_message_travels_with_its_descriptors() {
 
 #[test]
 fn send_checks_the_descriptor_count_before_sending() {
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     let memfd = memfd_with(&unique_name("count"), b"");
     let release = Message::Release { buffer_id: BufferId(1) };
     assert!(matches!(
@@ -281,11 +281,11 @@ fn peer_stalling_mid_message_times_out_and_fails_the_connection() {
 #[test]
 fn peer_pausing_mid_message_within_the_io_timeout_is_received() {
     let (a, mut raw) = UnixStream::pair().unwrap();
-    let config = ConnectionConfig {
+    let options = ConnectionOptions {
         io_timeout: Duration::from_secs(60),
-        ..short_config()
+        ..short_options()
     };
-    let conn = Connection::new(a, config);
+    let conn = Connection::new(a, options);
     let frame = wire::encode(&Message::Buffer(buffer(1))).unwrap();
     raw.write_all(&frame[..HEADER_LEN + 1]).unwrap();
     let rest = std::thread::spawn(move || {
@@ -316,7 +316,7 @@ fn peer_that_does_not_read_cannot_block_a_sender() {
 
 #[test]
 fn peer_error_message_is_delivered() {
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     let message = Message::Error(wire::ErrorMessage::new(ErrorCode::ShuttingDown, "bye"));
     a.send(&message, &[]).unwrap();
     assert_eq!(b.recv().unwrap().message, message);
@@ -324,7 +324,7 @@ fn peer_error_message_is_delivered() {
 
 #[test]
 fn shutdown_closes_both_ways() {
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     a.shutdown();
     assert!(matches!(
         a.send(&Message::Hello, &[]).unwrap_err(),
@@ -336,7 +336,7 @@ fn shutdown_closes_both_ways() {
 #[test]
 fn send_and_recv_run_concurrently() {
     const N: u64 = 500;
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     let (a, b) = (Arc::new(a), Arc::new(b));
     let spawn_sender = |conn: Arc<Connection>| {
         std::thread::spawn(move || {
@@ -386,7 +386,7 @@ fn read_frame_helper_sees_what_connection_sends() {
 /// pair of connections.
 #[test]
 fn hello_over_a_pair() -> Result<()> {
-    let (a, b) = Connection::pair(ConnectionConfig::default())?;
+    let (a, b) = Connection::pair(ConnectionOptions::default())?;
     a.send(&Message::Hello, &[])?;
     assert_eq!(b.recv()?.message, Message::Hello);
     Ok(())
@@ -397,7 +397,7 @@ fn hello_over_a_pair() -> Result<()> {
 /// gets, the connection in step), and a send with a deadline already past sends nothing.
 #[test]
 fn a_past_deadline_times_out_even_when_the_socket_is_ready() {
-    let (a, b) = Connection::pair(short_config()).unwrap();
+    let (a, b) = Connection::pair(short_options()).unwrap();
     let past = Instant::now();
     std::thread::sleep(Duration::from_millis(1));
     a.send(&Message::Hello, &[]).unwrap();

@@ -70,7 +70,7 @@ pub struct ExporterOptions {
     pub max_handshakes: usize,
     /// Messages queued for one importer at most (beyond what its socket holds). An importer
     /// whose queue is full, or whose queue makes no progress for
-    /// [`ConnectionConfig::io_timeout`](crate::ConnectionConfig::io_timeout), does not read: it
+    /// [`ConnectionOptions::io_timeout`](crate::ConnectionOptions::io_timeout), does not read: it
     /// is disconnected and its leases reclaimed as for one that died. Default: 1,024.
     pub send_queue_len: usize,
     /// Disconnects an importer when no message went either way for this long (its leases are
@@ -251,7 +251,7 @@ impl Exporter {
         let free_stream = Stream::new(&ctx)?;
         let release_stream = Stream::new(&ctx)?;
         let listener = Listener::bind_with(path, options.listener.clone())?;
-        let connection = listener.connection_config();
+        let connection = listener.connection_options();
         let limits = Limits {
             max_importers: options.max_importers,
             max_handshakes: options.max_handshakes,

@@ -5,7 +5,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
 use super::{Listener, ListenerOptions};
-use crate::conn::{short_config, Connection};
+use crate::conn::{short_options, Connection};
 use crate::cred::AccessPolicy;
 use crate::error::{Error, Result};
 use crate::test_util::TempDir;
@@ -70,7 +70,7 @@ fn accepts_a_peer_of_the_same_user() {
     let dir = TempDir::new("accept");
     let path = dir.join("pool.sock");
     let listener = Listener::bind(&path).unwrap();
-    let client = Connection::connect(&path, short_config()).unwrap();
+    let client = Connection::connect(&path, short_options()).unwrap();
     let (server, peer) = listener.accept().unwrap();
     assert_eq!(peer.uid, own_uid());
     client.send(&Message::Hello, &[]).unwrap();

@@ -13,7 +13,7 @@ use super::admission::{least_progressed, Admission, Backoff, Limits, Pending};
 use super::exits::parse_start_time;
 use super::outbox::{Outboxes, Outgoing, PushError};
 use super::{Handler, Server};
-use crate::conn::ConnectionConfig;
+use crate::conn::ConnectionOptions;
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::lease::{ImporterId, LeaseError};
@@ -263,8 +263,8 @@ fn serve(limits: Limits) -> Fixture {
     }
 }
 
-fn client_config() -> ConnectionConfig {
-    ConnectionConfig {
+fn client_options() -> ConnectionOptions {
+    ConnectionOptions {
         io_timeout: SOON,
         handshake_timeout: SOON,
     }
@@ -272,7 +272,7 @@ fn client_config() -> ConnectionConfig {
 
 /// An importer without a GPU: the whole handshake, and the pool's descriptor checked.
 fn importer(path: &Path) -> Result<ImporterSession> {
-    let (session, imported) = ImporterSession::connect(path, client_config(), &AccessPolicy::SameUser, 0, |uuid| {
+    let (session, imported) = ImporterSession::connect(path, client_options(), &AccessPolicy::SameUser, 0, |uuid| {
         assert_eq!(*uuid, GPU);
         Ok(())
     })?;
@@ -806,11 +806,11 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
         .map(|_| {
             let path = path.clone();
             std::thread::spawn(move || {
-                let config = ConnectionConfig {
+                let options = ConnectionOptions {
                     io_timeout: Duration::from_secs(1),
                     handshake_timeout: Duration::from_secs(1),
                 };
-                ImporterSession::connect(&path, config, &AccessPolicy::SameUser, 0, |_| Ok(())).map(|(s, _)| s)
+                ImporterSession::connect(&path, options, &AccessPolicy::SameUser, 0, |_| Ok(())).map(|(s, _)| s)
             })
         })
         .collect();
@@ -842,7 +842,7 @@ fn connected_fast_importer(f: &Fixture) -> (ImporterSession, ImporterId) {
     let before = f.handler.connected().len();
     let (session, _) = ImporterSession::connect(
         &f.path,
-        client_config(),
+        client_options(),
         &AccessPolicy::SameUser,
         wire::CAP_FAST_RELEASE,
         |_| Ok(()),
@@ -904,7 +904,7 @@ fn the_server_grants_vmm_to_an_importer_that_asks_and_sends_it_vmm_buffers_with_
     let connect = |asked: u64| {
         let before = f.handler.connected().len();
         let (session, _) =
-            ImporterSession::connect(&f.path, client_config(), &AccessPolicy::SameUser, asked, |_| Ok(())).unwrap();
+            ImporterSession::connect(&f.path, client_options(), &AccessPolicy::SameUser, asked, |_| Ok(())).unwrap();
         f.handler
             .wait_for("the importer to be reported", |r| r.connected.len() > before);
         let r = f.handler.record.lock().unwrap();

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 
 use super::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
-use crate::conn::{short_config, Connection, ConnectionConfig};
+use crate::conn::{short_options, Connection, ConnectionOptions};
 use crate::cred::AccessPolicy;
 use crate::error::{Error, Result};
 use crate::fdpass;
@@ -41,7 +41,7 @@ fn send_raw(raw: &mut UnixStream, message: &Message) {
 
 /// Runs a successful handshake over a socket pair; the pool memfd holds `contents`.
 fn handshake_pair(pool: &OwnedFd) -> (ExporterSession, ImporterSession, OwnedFd) {
-    let (e, i) = Connection::pair(short_config()).unwrap();
+    let (e, i) = Connection::pair(short_options()).unwrap();
     let importer = thread::spawn(move || ImporterSession::handshake(i, find_gpu));
     let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (importer, imported) = importer.join().unwrap().unwrap();
@@ -71,7 +71,7 @@ fn handshake_over_a_listener() {
     let listener = Listener::bind(&path).unwrap();
     let pool = memfd_with(&unique_name("listener-pool"), b"via the listener");
     let importer =
-        thread::spawn(move || ImporterSession::connect(&path, short_config(), &AccessPolicy::SameUser, 0, find_gpu));
+        thread::spawn(move || ImporterSession::connect(&path, short_options(), &AccessPolicy::SameUser, 0, find_gpu));
     let (conn, peer) = listener.accept().unwrap();
     assert_eq!(peer.pid, std::process::id() as i32);
     let _exporter = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap();
@@ -87,7 +87,7 @@ fn importer_refuses_an_exporter_outside_its_policy() {
     let other_uid = rustix::process::geteuid().as_raw().wrapping_add(1);
     let err = ImporterSession::connect(
         &path,
-        short_config(),
+        short_options(),
         &AccessPolicy::allow_uids([other_uid]),
         0,
         find_gpu,
@@ -115,7 +115,7 @@ fn exporter_rejects_an_importer_on_another_gpu() {
     let pool = memfd_with(&name, b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
     let exporter = thread::spawn(move || {
-        let result = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd());
+        let result = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd());
         result.map(|_| ())
     });
     send_raw(&mut raw, &Message::Hello);
@@ -140,7 +140,7 @@ fn exporter_rejects_an_importer_on_another_gpu() {
 #[test]
 fn importer_that_does_not_see_the_gpu_says_so() {
     let pool = memfd_with(&unique_name("invisible"), b"x");
-    let (e, i) = Connection::pair(short_config()).unwrap();
+    let (e, i) = Connection::pair(short_options()).unwrap();
     let importer = thread::spawn(move || {
         ImporterSession::handshake(i, |uuid| Err::<(), _>(Error::DeviceNotVisible { uuid: *uuid })).map(|_| ())
     });
@@ -162,7 +162,7 @@ fn importer_that_does_not_see_the_gpu_says_so() {
 fn silent_importer_times_out_the_handshake() {
     let pool = memfd_with(&unique_name("silent"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
-    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    let err = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
     assert_eq!(expect_error_then_eof(&mut raw).code, ErrorCode::Timeout);
 }
@@ -173,14 +173,14 @@ fn importer_stalling_after_hello_times_out_the_handshake() {
     let pool = memfd_with(&unique_name("stall"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
     send_raw(&mut raw, &Message::Hello);
-    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    let err = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
 }
 
 #[test]
 fn silent_exporter_times_out_the_importer() {
     let (i, _raw) = UnixStream::pair().unwrap();
-    let err = ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).unwrap_err();
+    let err = ImporterSession::handshake(Connection::new(i, short_options()), find_gpu).unwrap_err();
     assert!(matches!(err, Error::Timeout { during: "handshake" }), "{err}");
 }
 
@@ -189,7 +189,7 @@ fn out_of_order_message_in_the_handshake() {
     let pool = memfd_with(&unique_name("order"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
     send_raw(&mut raw, &Message::Release { buffer_id: BufferId(1) });
-    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    let err = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(
         matches!(
             err,
@@ -209,7 +209,7 @@ fn out_of_order_message_in_the_handshake() {
 fn exporter_skipping_a_step_is_rejected() {
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer =
-        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).map(|_| ()));
+        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_options()), find_gpu).map(|_| ()));
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
     send_raw(&mut raw, &Message::Buffer(buffer(1)));
     let err = importer.join().unwrap().unwrap_err();
@@ -231,7 +231,7 @@ fn pool_descriptor_must_name_the_announced_pool() {
     let name = unique_name("other-pool");
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer =
-        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_config()), find_gpu).map(|_| ()));
+        thread::spawn(move || ImporterSession::handshake(Connection::new(i, short_options()), find_gpu).map(|_| ()));
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello);
     send_raw(
         &mut raw,
@@ -263,7 +263,7 @@ fn importer_speaking_another_version_is_told() {
     let mut hello = wire::encode(&Message::Hello).unwrap();
     hello[4..6].copy_from_slice(&7u16.to_le_bytes());
     raw.write_all(&hello).unwrap();
-    let err = ExporterSession::handshake(Connection::new(e, short_config()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
+    let err = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(
         matches!(
             err,
@@ -505,7 +505,7 @@ fn double_release_cuts_the_importer_off() {
 fn handshake_over_a_connection_pair() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let pool_fd = rustix::fs::memfd_create("pool", rustix::fs::MemfdFlags::CLOEXEC)?;
     let gpu = DeviceUuid([7; 16]);
-    let (exporter_end, importer_end) = Connection::pair(ConnectionConfig::default())?;
+    let (exporter_end, importer_end) = Connection::pair(ConnectionOptions::default())?;
 
     let importer = std::thread::spawn(move || ImporterSession::handshake(importer_end, |uuid| Ok(*uuid)));
     let announcement = PoolAnnouncement {
@@ -520,7 +520,7 @@ fn handshake_over_a_connection_pair() -> std::result::Result<(), Box<dyn std::er
 
 /// `handshake_pair` with the importer asking for `capabilities`.
 fn handshake_pair_asking(pool: &OwnedFd, capabilities: u64) -> (ExporterSession, ImporterSession) {
-    let (e, i) = Connection::pair(short_config()).unwrap();
+    let (e, i) = Connection::pair(short_options()).unwrap();
     let importer = thread::spawn(move || ImporterSession::handshake_with(i, capabilities, &mut find_gpu));
     let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (importer, _) = importer.join().unwrap().unwrap();
@@ -592,7 +592,7 @@ fn an_importer_refused_by_a_version_1_exporter_connects_again_the_version_1_way(
     let importer = thread::spawn(move || {
         ImporterSession::connect(
             &path,
-            short_config(),
+            short_options(),
             &AccessPolicy::SameUser,
             CAP_FAST_RELEASE,
             find_gpu,

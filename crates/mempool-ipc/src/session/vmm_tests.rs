@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::thread;
 
 use super::{ExporterEvent, ExporterHandshake, ExporterSession, HandshakeStep, ImporterSession, PoolAnnouncement};
-use crate::conn::{short_config, Connection};
+use crate::conn::{short_options, Connection};
 use crate::error::{Error, Result};
 use crate::fdpass;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
@@ -31,7 +31,7 @@ fn find_gpu(uuid: &wire::DeviceUuid) -> Result<u32> {
 }
 
 fn pair(wanted: u64, pool: &OwnedFd) -> (ExporterSession, ImporterSession) {
-    let (e, i) = Connection::pair(short_config()).unwrap();
+    let (e, i) = Connection::pair(short_options()).unwrap();
     let importer = thread::spawn(move || ImporterSession::handshake_with(i, wanted, &mut find_gpu));
     let exporter = ExporterSession::handshake(e, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (importer, _) = importer.join().unwrap().unwrap();
@@ -110,7 +110,8 @@ fn refuses_a_vmm_buffer(wanted: u64) {
 fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEvent> {
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer = thread::spawn(move || {
-        let (session, _) = ImporterSession::handshake_with(Connection::new(i, short_config()), CAP_VMM, &mut find_gpu)?;
+        let (session, _) =
+            ImporterSession::handshake_with(Connection::new(i, short_options()), CAP_VMM, &mut find_gpu)?;
         session.recv()
     });
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello2 { capabilities: CAP_VMM });
@@ -228,7 +229,7 @@ fn the_exporter_grants_vmm_only_to_a_hello2_that_asks_for_it() {
 fn an_importer_refuses_a_vmm_grant_it_did_not_ask_for() {
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer = thread::spawn(move || {
-        ImporterSession::handshake_with(Connection::new(i, short_config()), CAP_FAST_RELEASE, &mut find_gpu)
+        ImporterSession::handshake_with(Connection::new(i, short_options()), CAP_FAST_RELEASE, &mut find_gpu)
     });
     assert_eq!(
         read_frame(&mut raw).unwrap(),

@@ -4,7 +4,7 @@ use crate::harness::*;
 
 /// An exportable upstream and a `PoolResource` over it with one 64 MiB chunk, and an exporter of it.
 fn suballocating_exporter(tag: &str) -> (Arc<AsyncResource>, Arc<PoolResource<Arc<AsyncResource>>>, Exporter) {
-    let (dev, ctx) = gpu();
+    let (dev, _) = gpu();
     let upstream = Arc::new(
         AsyncResource::new(
             &dev,
@@ -16,11 +16,11 @@ fn suballocating_exporter(tag: &str) -> (Arc<AsyncResource>, Arc<PoolResource<Ar
         )
         .unwrap(),
     );
-    let config = PoolConfig {
+    let options = PoolOptions {
         initial_size: 64 * MIB as u64,
-        ..PoolConfig::default()
+        ..PoolOptions::default()
     };
-    let sub = Arc::new(PoolResource::new(upstream.clone(), &ctx, config).unwrap());
+    let sub = Arc::new(PoolResource::new(upstream.clone(), &dev, options).unwrap());
     let exporter = Exporter::with_pool_in(
         socket_path(tag),
         upstream.clone(),

@@ -17,7 +17,7 @@ pub(crate) use mempool_core::{
     memory, Context, Device, DeviceAddr, HandleTypes, MemPool, PoolProps, Stream, StreamRef,
 };
 pub(crate) use mempool_ipc::{Error, Exporter, ExporterOptions, Importer, ImporterOptions, SharedBuffer};
-pub(crate) use mempool_rmm::suballoc::{BinningConfig, PoolConfig};
+pub(crate) use mempool_rmm::suballoc::{BinningOptions, PoolOptions};
 pub(crate) use mempool_rmm::{
     AsyncOptions, AsyncResource, BinningResource, MemoryResource, PoolResource, ReleaseThreshold,
 };

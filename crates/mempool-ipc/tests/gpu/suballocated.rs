@@ -60,7 +60,7 @@ fn suballocated_child() {
 fn suballocated_parent<R: MemoryResource + 'static>(
     test: &str,
     child_role: &str,
-    make: impl FnOnce(Arc<AsyncResource>, &Arc<Context>) -> R,
+    make: impl FnOnce(Arc<AsyncResource>, &Device) -> R,
     release: impl FnOnce(&R) -> mempool_rmm::Result<()>,
 ) {
     let _serial = serial();
@@ -76,7 +76,7 @@ fn suballocated_parent<R: MemoryResource + 'static>(
         )
         .unwrap(),
     );
-    let sub = Arc::new(make(upstream.clone(), &ctx));
+    let sub = Arc::new(make(upstream.clone(), &dev));
     let sock = socket_path(test);
     let exporter =
         Exporter::with_pool_in(&sock, upstream.clone(), AsyncResource::pool, ExporterOptions::default()).unwrap();
@@ -140,12 +140,12 @@ fn suballocated_buffers_from_a_pool_resource_share_one_block() {
     suballocated_parent(
         this_test!(),
         "importer",
-        |upstream, ctx| {
-            let config = PoolConfig {
+        |upstream, dev| {
+            let options = PoolOptions {
                 initial_size: 8 * MIB as u64,
-                ..PoolConfig::default()
+                ..PoolOptions::default()
             };
-            PoolResource::new(upstream, ctx, config).unwrap()
+            PoolResource::new(upstream, dev, options).unwrap()
         },
         PoolResource::release_unused,
     );
@@ -159,7 +159,7 @@ fn suballocated_buffers_from_a_binning_resource_share_one_block() {
     suballocated_parent(
         this_test!(),
         "importer",
-        |upstream, ctx| BinningResource::new(upstream, ctx, BinningConfig::default()).unwrap(),
+        |upstream, dev| BinningResource::new(upstream, dev, BinningOptions::default()).unwrap(),
         BinningResource::release_unused,
     );
 }
@@ -172,12 +172,12 @@ fn a_version_1_importer_gets_the_version_1_path_from_a_version_2_exporter() {
     suballocated_parent(
         this_test!(),
         "importer-v1",
-        |upstream, ctx| {
-            let config = PoolConfig {
+        |upstream, dev| {
+            let options = PoolOptions {
                 initial_size: 8 * MIB as u64,
-                ..PoolConfig::default()
+                ..PoolOptions::default()
             };
-            PoolResource::new(upstream, ctx, config).unwrap()
+            PoolResource::new(upstream, dev, options).unwrap()
         },
         PoolResource::release_unused,
     );

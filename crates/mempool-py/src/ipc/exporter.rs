@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
 use mempool_core::{HandleTypes, MemPool, PoolProps, Stream, StreamRef};
-use mempool_ipc::{ConnectionConfig, ExporterOptions, ImporterId, ListenerOptions};
+use mempool_ipc::{ConnectionOptions, ExporterOptions, ImporterId, ListenerOptions};
 use mempool_rmm::{AsyncResource, MemoryResource, SharedResource};
 
 use super::buffers::PyExportedBuffer;
@@ -219,7 +219,7 @@ impl PyExporter {
                 mode,
                 policy: policy(allow_uids),
                 replace_stale,
-                connection: ConnectionConfig {
+                connection: ConnectionOptions {
                     io_timeout: seconds("io_timeout", io_timeout, false)?,
                     handshake_timeout: seconds("handshake_timeout", handshake_timeout, false)?,
                 },

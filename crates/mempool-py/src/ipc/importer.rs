@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 
 use mempool_core::{Context, Stream};
-use mempool_ipc::{ConnectionConfig, ImporterOptions};
+use mempool_ipc::{ConnectionOptions, ImporterOptions};
 
 use super::buffers::PyImportedBuffer;
 use super::{no_pickle, policy, seconds, static_ref};
@@ -46,7 +46,7 @@ impl PyImporter {
         allow_uids: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let options = ImporterOptions {
-            connection: ConnectionConfig {
+            connection: ConnectionOptions {
                 io_timeout: seconds("io_timeout", io_timeout, false)?,
                 handshake_timeout: seconds("timeout", timeout, false)?,
             },

@@ -10,8 +10,6 @@ mod registry;
 mod resources;
 mod suballoc;
 
-use std::sync::Arc;
-
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::PyTraverseError;
@@ -108,6 +106,7 @@ pub(crate) fn half_free(device: usize) -> PyResult<usize> {
     Ok((info.free / 2) & !255)
 }
 
-pub(crate) fn upstream_device(upstream: &Bound<'_, PyResource>) -> PyResult<Arc<mempool_core::Context>> {
-    mempool_capi::device::context(upstream.get().device).py()
+/// The device whose memory `upstream` hands out.
+pub(crate) fn upstream_device(upstream: &Bound<'_, PyResource>) -> PyResult<mempool_core::Device> {
+    mempool_capi::device::device(upstream.get().device).py()
 }

@@ -154,14 +154,14 @@ impl VmmMemoryResource {
             ),
         };
         // POSIX file descriptors where the device can export them (what NCCL shares between processes);
-        // unexportable memory on a device that cannot, as `VmmResource::new` does.
+        // unexportable memory on a device that cannot.
         let supported = dev.vmm_support().py()?.handle_types();
         let options = VmmOptions {
             handle_types: HandleTypes::POSIX_FILE_DESCRIPTOR & supported,
             peers,
             gpu_direct_rdma,
         };
-        let typed = Arc::new(VmmResource::with_options(dev, options).py()?);
+        let typed = Arc::new(VmmResource::new(&dev, options).py()?);
         let mr: SharedResource = typed.clone();
         Ok(PyResource::leaf(mr, d).add_subclass(VmmMemoryResource { typed }))
     }

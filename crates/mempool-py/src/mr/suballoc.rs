@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::PyTraverseError;
 
 use mempool_rmm::adaptors::AddedBinsAdaptor;
-use mempool_rmm::suballoc::{ArenaConfig, BinningConfig, FixedSizeConfig, PoolConfig};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
 use mempool_rmm::{ArenaResource, BinningResource, FixedSizeResource, PoolResource, SharedResource};
 
 use super::{half_free, upstream_device, PyResource};
@@ -33,7 +33,7 @@ impl PoolMemoryResource {
         initial_pool_size: Option<usize>,
         maximum_pool_size: Option<usize>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let ctx = upstream_device(upstream_mr)?;
+        let dev = upstream_device(upstream_mr)?;
         let initial = match initial_pool_size {
             Some(n) => n,
             None => half_free(upstream_mr.get().device)?,
@@ -45,12 +45,12 @@ impl PoolMemoryResource {
                 )));
             }
         }
-        let config = PoolConfig {
+        let options = PoolOptions {
             initial_size: initial as u64,
             maximum_size: maximum_pool_size.map(|m| m as u64),
-            ..PoolConfig::default()
+            ..PoolOptions::default()
         };
-        let typed = Arc::new(PoolResource::new(upstream_mr.get().inner.clone(), &ctx, config).py()?);
+        let typed = Arc::new(PoolResource::new(upstream_mr.get().inner.clone(), &dev, options).py()?);
         let shared: SharedResource = typed.clone();
         Ok(PyResource::over(shared, upstream_mr).add_subclass(PoolMemoryResource { typed }))
     }
@@ -83,14 +83,14 @@ impl PoolMemoryResource {
 pub struct FixedSizeMemoryResource;
 
 fn fixed_size(upstream: &Bound<'_, PyResource>, block_size: usize, blocks: usize) -> PyResult<SharedResource> {
-    let ctx = upstream_device(upstream)?;
-    let config = FixedSizeConfig {
+    let dev = upstream_device(upstream)?;
+    let options = FixedSizeOptions {
         block_size: block_size as u64,
         blocks_per_chunk: blocks as u64,
-        ..FixedSizeConfig::default()
+        ..FixedSizeOptions::default()
     };
     Ok(Arc::new(
-        FixedSizeResource::new(upstream.get().inner.clone(), &ctx, config).py()?,
+        FixedSizeResource::new(upstream.get().inner.clone(), &dev, options).py()?,
     ))
 }
 
@@ -136,15 +136,15 @@ impl BinningMemoryResource {
                     "bin exponents {min_size_exponent}..={max_size_exponent}: need min <= max <= 40"
                 )));
             }
-            let config = BinningConfig {
+            let options = BinningOptions {
                 min_size_exponent: min_size_exponent.max(8) as u32,
                 max_size_exponent: max_size_exponent.max(8) as u32,
                 blocks_per_chunk: 128,
-                ..BinningConfig::default()
+                ..BinningOptions::default()
             };
-            let ctx = upstream_device(upstream_mr)?;
-            let bins: SharedResource = Arc::new(BinningResource::new(upstream, &ctx, config).py()?);
-            AddedBinsAdaptor::over_binning(bins, &config)
+            let dev = upstream_device(upstream_mr)?;
+            let bins: SharedResource = Arc::new(BinningResource::new(upstream, &dev, options).py()?);
+            AddedBinsAdaptor::over_binning(bins, &options)
         } else {
             AddedBinsAdaptor::new(upstream)
         };
@@ -238,17 +238,17 @@ impl ArenaMemoryResource {
         dump_log_on_failure: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         let _ = dump_log_on_failure; // RMM's debugging aid; errors here already name the size.
-        let ctx = upstream_device(upstream_mr)?;
+        let dev = upstream_device(upstream_mr)?;
         let size = match arena_size {
             Some(n) => n,
             None => half_free(upstream_mr.get().device)?,
         } as u64;
-        let config = ArenaConfig {
+        let options = ArenaOptions {
             initial_size: size,
             maximum_size: Some(size),
-            ..ArenaConfig::default()
+            ..ArenaOptions::default()
         };
-        let mr: SharedResource = Arc::new(ArenaResource::new(upstream_mr.get().inner.clone(), &ctx, config).py()?);
+        let mr: SharedResource = Arc::new(ArenaResource::new(upstream_mr.get().inner.clone(), &dev, options).py()?);
         Ok(PyResource::over(mr, upstream_mr).add_subclass(ArenaMemoryResource))
     }
 }

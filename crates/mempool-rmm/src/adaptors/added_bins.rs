@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
 
 use mempool_core::{DeviceAddr, StreamRef};
-use mempool_suballoc::BinningConfig;
+use mempool_suballoc::BinningOptions;
 
 use crate::error::{Error, Result};
 use crate::resource::{align_up, MemoryResource, SharedResource};
@@ -70,11 +70,11 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
     }
 
     /// In front of a [`BinningResource`](crate::BinningResource) (or any resource that serves the same
-    /// bins) made with `config`: its power-of-two bins count as bins when picking the smallest bin that
+    /// bins) made with `options`: its power-of-two bins count as bins when picking the smallest bin that
     /// holds a request, and it takes everything no bin holds.
-    pub fn over_binning(upstream: U, config: &BinningConfig) -> Self {
+    pub fn over_binning(upstream: U, options: &BinningOptions) -> Self {
         AddedBinsAdaptor {
-            upstream_bins: Some((config.min_size_exponent, config.max_size_exponent)),
+            upstream_bins: Some((options.min_size_exponent, options.max_size_exponent)),
             ..AddedBinsAdaptor::new(upstream)
         }
     }
@@ -206,12 +206,12 @@ mod tests {
     #[test]
     fn the_smallest_bin_that_holds_a_request_serves_it() {
         let upstream = sim();
-        let config = BinningConfig {
+        let options = BinningOptions {
             min_size_exponent: 8,
             max_size_exponent: 10,
-            ..BinningConfig::default()
+            ..BinningOptions::default()
         };
-        let mr = AddedBinsAdaptor::over_binning(upstream.clone(), &config);
+        let mr = AddedBinsAdaptor::over_binning(upstream.clone(), &options);
         let (b768, b4k) = (sim(), sim());
         mr.add_bin(300, b768.clone()).unwrap_err(); // 512: one of the upstream's bins
         mr.add_bin(600, b768.clone()).unwrap(); // rounded up to 768

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use mempool_core::{
     AllocationProps, Context, Device, DeviceAddr, Granularity, Mapping, PhysicalAllocation, Reservation, StreamRef,
 };
-use mempool_suballoc::{self as suballoc, Engine, EngineStats, EventPolicy, PoolConfig, PoolEngine, Upstream};
+use mempool_suballoc::{self as suballoc, Engine, EngineStats, EventPolicy, PoolEngine, PoolOptions, Upstream};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
@@ -191,9 +191,9 @@ struct State {
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
 /// use mempool_core::{Device, Stream};
-/// use mempool_rmm::{ExpandableResource, MemoryResource};
+/// use mempool_rmm::{ExpandableOptions, ExpandableResource, MemoryResource};
 /// let dev = Device::get(0)?;
-/// let mr = ExpandableResource::new(dev)?;
+/// let mr = ExpandableResource::new(&dev, ExpandableOptions::default())?;
 /// let stream = Stream::new(&dev.context()?)?;
 /// let p = mr.allocate(64 << 20, stream.as_ref())?;
 /// assert!(mr.stats().mapped_bytes >= 64 << 20);
@@ -225,15 +225,11 @@ impl std::fmt::Debug for ExpandableResource {
 }
 
 impl ExpandableResource {
-    /// An expandable resource on `device` with the default layout.
-    pub fn new(device: Device) -> Result<ExpandableResource> {
-        ExpandableResource::with_options(device, ExpandableOptions::default())
-    }
-
-    /// An expandable resource on `device` laid out as `options` says. Reserves the address range now and
-    /// maps nothing. Errors name the cause: a device without VMM support, a chunk size that is not a
-    /// multiple of the granularity.
-    pub fn with_options(device: Device, options: ExpandableOptions) -> Result<ExpandableResource> {
+    /// An expandable resource on `device` laid out as `options` says ([`ExpandableOptions::default`]:
+    /// PyTorch's layout). Reserves the address range now and maps nothing. Errors name the cause: a
+    /// device without VMM support, a chunk size that is not a multiple of the granularity.
+    pub fn new(device: &Device, options: ExpandableOptions) -> Result<ExpandableResource> {
+        let device = *device;
         let props = AllocationProps::new(device);
         let min = device.vmm_granularity(&props, Granularity::Minimum)?;
         let chunk = match options.chunk_size {
@@ -265,7 +261,7 @@ impl ExpandableResource {
         let reservation = Reservation::new(device, size, align, None)?;
         let ctx = device.context()?;
         let base = reservation.base().0;
-        let config = PoolConfig {
+        let engine_options = PoolOptions {
             initial_size: size as u64,
             maximum_size: Some(size as u64),
             event_policy: EventPolicy::Adaptive,
@@ -276,7 +272,7 @@ impl ExpandableResource {
             taken: AtomicBool::new(false),
         };
         let engine =
-            PoolEngine::new(upstream, CudaStreams::new(&ctx), config).map_err(|e| map_engine_error(NAME, e))?;
+            PoolEngine::new(upstream, CudaStreams::new(&ctx), engine_options).map_err(|e| map_engine_error(NAME, e))?;
         let table = ChunkTable::new(base, size as u64, chunk as u64);
         let chunks = (0..table.live.len()).map(|_| None).collect();
         Ok(ExpandableResource {

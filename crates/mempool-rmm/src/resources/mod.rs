@@ -20,7 +20,7 @@ pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
 pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats, Reclaim};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
 pub use suballoc::{
-    ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocConfig, SuballocatingResource,
+    ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocOptions, SuballocatingResource,
 };
 pub use system::{SamHeadroomResource, SystemResource};
 pub use vmm::{PeerAccess, VmmOptions, VmmResource};

@@ -1,18 +1,18 @@
 //! The suballocating resources: one generic [`SuballocatingResource`] that runs any engine of
-//! [`crate::suballoc`] (named by its configuration) against real streams and an upstream
+//! [`crate::suballoc`] (named by its options type) against real streams and an upstream
 //! [`MemoryResource`], and the four aliases [`PoolResource`], [`FixedSizeResource`],
 //! [`BinningResource`] and [`ArenaResource`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use mempool_core::{Context, DeviceAddr, Event, EventFlags, StreamRef};
+use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
 use mempool_suballoc::{
-    self as suballoc, ArenaConfig, BinningConfig, Engine, EngineConfig, EngineStats, EventPolicy, FixedSizeConfig,
-    PoolConfig, Sharded, StreamOrder, Upstream,
+    self as suballoc, ArenaOptions, BinningOptions, Engine, EngineOptions, EngineStats, EventPolicy, FixedSizeOptions,
+    PoolOptions, Sharded, StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
@@ -172,7 +172,7 @@ pub(crate) fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Er
             bytes: bytes as usize,
             reason: "not a live allocation of this resource".into(),
         },
-        suballoc::Error::InvalidConfig(why) => Error::Unsupported {
+        suballoc::Error::InvalidOptions(why) => Error::Unsupported {
             resource,
             reason: why.into(),
         },
@@ -197,16 +197,16 @@ pub(crate) fn map_engine_error(resource: &'static str, e: suballoc::Error) -> Er
     }
 }
 
-/// An engine configuration that a [`SuballocatingResource`] runs: the configuration names the
-/// engine (through [`EngineConfig`]) and the resource's name.
+/// Engine options that a [`SuballocatingResource`] runs: the options type names the
+/// engine (through [`EngineOptions`]) and the resource's name.
 ///
-/// Implemented by [`PoolConfig`], [`FixedSizeConfig`], [`BinningConfig`] and [`ArenaConfig`].
-pub trait SuballocConfig: EngineConfig {
+/// Implemented by [`PoolOptions`], [`FixedSizeOptions`], [`BinningOptions`] and [`ArenaOptions`].
+pub trait SuballocOptions: EngineOptions {
     /// The resource's name, as [`MemoryResource::name`] reports it and its errors name it
     /// (`PoolResource`, ...).
     const RESOURCE_NAME: &'static str;
 
-    /// Whether the resource may split the configuration over several engines, one per thread (see
+    /// Whether the resource may split the options over several engines, one per thread (see
     /// [`SuballocatingResource`]): not when it sets a limit on the whole, which each engine would
     /// apply on its own, nor when it asks for an initial reservation, which users expect to be one
     /// block that serves every thread (as in RMM). Yes by default.
@@ -215,7 +215,7 @@ pub trait SuballocConfig: EngineConfig {
     }
 }
 
-impl SuballocConfig for PoolConfig {
+impl SuballocOptions for PoolOptions {
     const RESOURCE_NAME: &'static str = "PoolResource";
 
     fn shardable(&self) -> bool {
@@ -223,15 +223,15 @@ impl SuballocConfig for PoolConfig {
     }
 }
 
-impl SuballocConfig for FixedSizeConfig {
+impl SuballocOptions for FixedSizeOptions {
     const RESOURCE_NAME: &'static str = "FixedSizeResource";
 }
 
-impl SuballocConfig for BinningConfig {
+impl SuballocOptions for BinningOptions {
     const RESOURCE_NAME: &'static str = "BinningResource";
 }
 
-impl SuballocConfig for ArenaConfig {
+impl SuballocOptions for ArenaOptions {
     const RESOURCE_NAME: &'static str = "ArenaResource";
 
     fn shardable(&self) -> bool {
@@ -242,27 +242,27 @@ impl SuballocConfig for ArenaConfig {
 /// The most engines a shardable resource keeps: one per hardware thread, up to this.
 const MAX_SHARDS: usize = 16;
 
-/// How many engines a resource with `config` keeps.
-fn shard_count<C: SuballocConfig>(config: &C) -> usize {
-    if !config.shardable() {
+/// How many engines a resource with `options` keeps.
+fn shard_count<C: SuballocOptions>(options: &C) -> usize {
+    if !options.shardable() {
         return 1;
     }
     std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_SHARDS))
 }
 
 /// The engine a resource runs: the one `C` names, over the upstream resource and CUDA events.
-type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>, CudaStreams>;
+type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>>, CudaStreams>;
 
-/// A suballocator over any upstream [`MemoryResource`]: the engine that the configuration `C` names
-/// (see [`SuballocConfig`]), run against real streams.
+/// A suballocator over any upstream [`MemoryResource`]: the engine that the options type `C` names
+/// (see [`SuballocOptions`]), run against real streams.
 ///
 /// - Threads do not share one lock: the resource keeps one engine per hardware thread (up to 16; a
 ///   [`mempool_suballoc::Sharded`]), each behind its own lock, and a thread allocates from its own.
 ///   A free goes to the engine that made the allocation (the calling thread's is tried first); an
 ///   engine that runs out of memory first has the others return their unused chunks upstream. A
-///   configuration with a maximum size ([`PoolConfig::maximum_size`], [`ArenaConfig::maximum_size`])
+///   resource with a maximum size ([`PoolOptions::maximum_size`], [`ArenaOptions::maximum_size`])
 ///   keeps one engine, since each engine would apply the limit on its own, and so does one with an
-///   initial size ([`PoolConfig::initial_size`], [`ArenaConfig::initial_size`]): the reservation
+///   initial size ([`PoolOptions::initial_size`], [`ArenaOptions::initial_size`]): the reservation
 ///   asked for is one block that serves every thread, as in RMM. Each engine grows on its own, so a
 ///   sharded resource may hold up to one engine's growth per thread more than a single engine would.
 ///
@@ -270,7 +270,7 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 ///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
 ///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
 ///   address.
-/// - The engine runs with [`EventPolicy::Adaptive`] when the configuration asks for
+/// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
 ///   [`EventPolicy::RecordOnDemand`], which would record on streams that may have been destroyed
 ///   since.
 /// - Engine errors map to [`Error`]: out of memory to [`Error::OutOfMemory`] (naming the size asked
@@ -284,12 +284,12 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
 /// use mempool_core::{Device, Stream};
-/// use mempool_rmm::suballoc::ArenaConfig;
+/// use mempool_rmm::suballoc::ArenaOptions;
 /// use mempool_rmm::{AsyncResource, MemoryResource, SuballocatingResource};
 /// let dev = Device::get(0)?;
 /// let ctx = dev.context()?;
-/// let mr: SuballocatingResource<ArenaConfig, _> =
-///     SuballocatingResource::new(AsyncResource::default_pool(&dev)?, &ctx, ArenaConfig::default())?;
+/// let mr: SuballocatingResource<ArenaOptions, _> =
+///     SuballocatingResource::new(AsyncResource::default_pool(&dev)?, &dev, ArenaOptions::default())?;
 /// assert_eq!(mr.name(), "ArenaResource");
 /// let stream = Stream::new(&ctx)?;
 /// let p = mr.allocate(4096, stream.as_ref())?;
@@ -298,12 +298,12 @@ type ResourceEngine<C, U> = <C as EngineConfig>::Engine<Arc<ResourceUpstream<U>>
 /// mr.release_unused()?; // every chunk goes back to the driver pool
 /// # Ok(()) }
 /// ```
-pub struct SuballocatingResource<C: SuballocConfig, U: MemoryResource> {
+pub struct SuballocatingResource<C: SuballocOptions, U: MemoryResource> {
     engines: Sharded<ResourceEngine<C, U>>,
     adapter: Arc<ResourceUpstream<U>>,
 }
 
-impl<C: SuballocConfig, U: MemoryResource> std::fmt::Debug for SuballocatingResource<C, U> {
+impl<C: SuballocOptions, U: MemoryResource> std::fmt::Debug for SuballocatingResource<C, U> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct(C::RESOURCE_NAME)
             .field("upstream", &self.adapter.upstream)
@@ -312,20 +312,22 @@ impl<C: SuballocConfig, U: MemoryResource> std::fmt::Debug for SuballocatingReso
     }
 }
 
-impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
-    /// Suballocates from `upstream`, whose memory lives in `ctx` (the context whose streams are used
-    /// with it). Reserves nothing yet. Fails with [`Error::Unsupported`] for a configuration the
-    /// engine rejects.
-    pub fn new(upstream: U, ctx: &Arc<Context>, config: C) -> Result<Self> {
-        let mut config = config;
-        config.set_event_policy(safe_policy(config.event_policy()));
+impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
+    /// Suballocates from `upstream`, whose memory lives on `device` (the streams used with it are
+    /// streams of the device's primary context). Reserves nothing yet. Fails with
+    /// [`Error::Unsupported`] for options the engine rejects, and with the driver's error when the
+    /// primary context cannot be retained.
+    pub fn new(upstream: U, device: &Device, options: C) -> Result<Self> {
+        let ctx = &device.context()?;
+        let mut options = options;
+        options.set_event_policy(safe_policy(options.event_policy()));
         let adapter = Arc::new(ResourceUpstream {
             upstream,
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
         });
-        let engines = Sharded::new(shard_count(&config), || {
-            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, config.clone())
+        let engines = Sharded::new(shard_count(&options), || {
+            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, options.clone())
         })
         .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
         Ok(SuballocatingResource { engines, adapter })
@@ -336,10 +338,10 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
         &self.adapter.upstream
     }
 
-    /// The engine's configuration, with sizes rounded as it uses them and the event policy it runs
+    /// The engine's options, with sizes rounded as it uses them and the event policy it runs
     /// with (the first engine's, which keeps the initial size).
-    pub fn config(&self) -> C {
-        self.engines.lock(0).config()
+    pub fn options(&self) -> C {
+        self.engines.lock(0).options()
     }
 
     /// The engines' bookkeeping, added up: reserved, used and free bytes, blocks, upstream chunks.
@@ -365,7 +367,7 @@ impl<C: SuballocConfig, U: MemoryResource> SuballocatingResource<C, U> {
 
 // SAFETY: the engine hands out disjoint, aligned ranges of blocks it took from the upstream (its invariants, tested on the host by mempool-suballoc's conformance and property tests), which the resource holds until it drops; a range is handed out again only after `deallocate` returned it. The upstream's `unsafe impl` guarantees 2 for those blocks.
 #[allow(unsafe_code)]
-unsafe impl<C: SuballocConfig, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
+unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
@@ -393,7 +395,7 @@ unsafe impl<C: SuballocConfig, U: MemoryResource> MemoryResource for Suballocati
     }
 }
 
-impl<C: SuballocConfig, U: MemoryResource> Drop for SuballocatingResource<C, U> {
+impl<C: SuballocOptions, U: MemoryResource> Drop for SuballocatingResource<C, U> {
     /// Returns every chunk to the upstream, live allocations included, as RMM's resources do when
     /// destroyed: the engine synchronizes the context, then frees each chunk on the legacy default
     /// stream (the streams it stored may be gone). The error cannot be returned from `drop` and is
@@ -415,30 +417,30 @@ impl<C: SuballocConfig, U: MemoryResource> Drop for SuballocatingResource<C, U> 
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
 /// use mempool_core::{Device, Stream};
-/// use mempool_rmm::{suballoc::PoolConfig, AsyncResource, MemoryResource, PoolResource};
+/// use mempool_rmm::{suballoc::PoolOptions, AsyncResource, MemoryResource, PoolResource};
 /// let dev = Device::get(0)?;
 /// let ctx = dev.context()?;
-/// let config = PoolConfig { initial_size: 1 << 30, ..Default::default() };
-/// let mr = PoolResource::new(AsyncResource::default_pool(&dev)?, &ctx, config)?;
+/// let options = PoolOptions { initial_size: 1 << 30, ..Default::default() };
+/// let mr = PoolResource::new(AsyncResource::default_pool(&dev)?, &dev, options)?;
 /// let stream = Stream::new(&ctx)?;
 /// let p = mr.allocate(4096, stream.as_ref())?;
 /// // SAFETY: `p` came from `mr.allocate` with this size, is freed once, and nothing uses it after.
 /// unsafe { mr.deallocate(p, 4096, stream.as_ref()) }?;
 /// # Ok(()) }
 /// ```
-pub type PoolResource<U> = SuballocatingResource<PoolConfig, U>;
+pub type PoolResource<U> = SuballocatingResource<PoolOptions, U>;
 
 /// Fixed-size blocks carved from upstream chunks, O(1) per operation, RMM's
 /// `fixed_size_memory_resource`. Larger requests are refused with [`Error::Unsupported`]. See
 /// [`SuballocatingResource`].
-pub type FixedSizeResource<U> = SuballocatingResource<FixedSizeConfig, U>;
+pub type FixedSizeResource<U> = SuballocatingResource<FixedSizeOptions, U>;
 
 /// Power-of-two bins of fixed-size blocks, larger requests straight to the upstream, RMM's
 /// `binning_memory_resource`: the fastest choice for many small allocations. See
 /// [`SuballocatingResource`].
-pub type BinningResource<U> = SuballocatingResource<BinningConfig, U>;
+pub type BinningResource<U> = SuballocatingResource<BinningOptions, U>;
 
 /// Per-stream arenas of superblocks over a global arena, RMM's `arena_memory_resource`: little
 /// contention between streams, large allocations straight from the global arena. See
 /// [`SuballocatingResource`].
-pub type ArenaResource<U> = SuballocatingResource<ArenaConfig, U>;
+pub type ArenaResource<U> = SuballocatingResource<ArenaOptions, U>;

@@ -31,8 +31,20 @@ pub enum PeerAccess {
 /// How a [`VmmResource`] makes its allocations.
 ///
 /// The default: exportable as a POSIX file descriptor, every peer-capable device granted access, not
-/// marked GPUDirect RDMA capable. [`VmmResource::new`] narrows the handle types to what the device
-/// supports; [`VmmResource::with_options`] takes them as given and refuses what the device lacks.
+/// marked GPUDirect RDMA capable. [`VmmResource::new`] takes the handle types as given and refuses
+/// what the device lacks; to get unexportable memory on a device that cannot export instead, narrow
+/// them to what it supports:
+///
+/// ```no_run
+/// # fn main() -> mempool_rmm::Result<()> {
+/// use mempool_core::Device;
+/// use mempool_rmm::{VmmOptions, VmmResource};
+/// let dev = Device::get(0)?;
+/// let defaults = VmmOptions::default();
+/// let options = VmmOptions { handle_types: defaults.handle_types & dev.vmm_support()?.handle_types(), ..defaults };
+/// let mr = VmmResource::new(&dev, options)?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmmOptions {
     /// How each allocation may be exported (`CUmemAllocationProp::requestedHandleTypes`):
@@ -78,7 +90,8 @@ struct Live {
 /// can import (export the allocation behind a mapped address as a file descriptor).
 ///
 /// - Each allocation costs driver calls and at least one granule (2 MiB on current GPUs): put a
-///   suballocator over it (`PoolResource::new(VmmResource::new(dev)?, ..)`) for many small buffers.
+///   suballocator over it (`PoolResource::new(vmm, &dev, PoolOptions::default())`) for many small
+///   buffers.
 /// - `deallocate` is synchronous: it waits for the stream (the memory may still be in use by work on
 ///   it), then unmaps, which also waits for every device granted access, releases the physical memory
 ///   and frees the address range. Dropping the resource frees whatever is still allocated the same way.
@@ -87,9 +100,9 @@ struct Live {
 /// ```no_run
 /// # fn main() -> mempool_rmm::Result<()> {
 /// use mempool_core::{Device, Stream};
-/// use mempool_rmm::{MemoryResource, VmmResource};
+/// use mempool_rmm::{MemoryResource, VmmOptions, VmmResource};
 /// let dev = Device::get(0)?;
-/// let mr = VmmResource::new(dev)?;
+/// let mr = VmmResource::new(&dev, VmmOptions::default())?;
 /// let stream = Stream::new(&dev.context()?)?;
 /// let p = mr.allocate(3 << 20, stream.as_ref())?; // one physical allocation of 4 MiB (2 MiB granules)
 /// assert_eq!(p.0 % mr.granularity() as u64, 0);
@@ -167,21 +180,14 @@ fn resolve_peers<D: Copy + PartialEq>(
 }
 
 impl VmmResource {
-    /// A resource on `device` with [`VmmOptions::default`], its handle types narrowed to those the device
-    /// supports (a device without POSIX file descriptor export gets unexportable memory rather than an
-    /// error). A device without VMM support is refused with mempool-core's error naming the attribute.
-    pub fn new(device: Device) -> Result<VmmResource> {
-        let supported = device.vmm_support()?.handle_types();
-        let mut options = VmmOptions::default();
-        options.handle_types &= supported;
-        VmmResource::with_options(device, options)
-    }
-
     /// A resource on `device` as `options` say. Checks everything it can now, before any allocation:
     /// VMM support, the handle types and the RDMA flag against the device (mempool-core's
     /// `CapabilityMissing` / `VmmHandleTypeNotSupported`), and each peer named in
     /// [`PeerAccess::Devices`] against `cuDeviceCanAccessPeer` (`PeerAccess` naming both devices).
-    pub fn with_options(device: Device, options: VmmOptions) -> Result<VmmResource> {
+    /// The handle types are taken as given: to fall back to unexportable memory on a device without
+    /// POSIX file descriptor export, narrow them first (see [`VmmOptions`]).
+    pub fn new(device: &Device, options: VmmOptions) -> Result<VmmResource> {
+        let device = *device;
         let props = AllocationProps::new(device)
             .handle_types(options.handle_types)
             .gpu_direct_rdma(options.gpu_direct_rdma);
@@ -394,7 +400,7 @@ mod tests {
         }
         let e = Device::get(0)
             .map_err(Error::from)
-            .and_then(VmmResource::new)
+            .and_then(|d| VmmResource::new(&d, VmmOptions::default()))
             .unwrap_err();
         assert_eq!(e, Error::Core(mempool_core::Error::DriverNotFound));
     }
