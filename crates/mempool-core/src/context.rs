@@ -72,7 +72,7 @@ impl Context {
     }
 
     /// The raw `CUcontext`, for interop (cudarc, C). It stays valid while `self` lives.
-    pub fn as_raw(&self) -> crate::RawContext {
+    pub fn as_raw(&self) -> crate::types::RawContext {
         self.raw.get()
     }
 
@@ -111,7 +111,8 @@ impl Context {
                 dev.ordinal()
             )));
         }
-        if !dev.can_access_peer(owner)? {
+        // `cuDeviceCanAccessPeer` itself (`Device::can_access_peer` is a layer above this module).
+        if !raw::device::can_access_peer(dev.as_raw(), owner.as_raw())? {
             return Err(Error::PeerAccess {
                 owner: owner.ordinal(),
                 peer: dev.ordinal(),

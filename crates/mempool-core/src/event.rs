@@ -140,7 +140,7 @@ impl Event {
     }
 
     /// The raw `CUevent`, valid while `self` lives.
-    pub fn as_raw(&self) -> crate::RawEvent {
+    pub fn as_raw(&self) -> crate::types::RawEvent {
         self.raw.get()
     }
 }

@@ -90,21 +90,7 @@ pub use types::{
 pub use view::BufferView;
 pub use vmm::{round_up, AllocationProps, FabricHandle, Granularity, PhysicalAllocation, VmmSupport};
 
-/// The driver's stream handle (`CUstream`), as [`Stream::as_raw`] returns and [`StreamRef::from_raw`]
-/// takes it: a C API's `cudaStream_t`, PyTorch's `cuda_stream`, an integer cast with `as RawStream`.
-pub type RawStream = cudarc::driver::sys::CUstream;
-/// The driver's context handle (`CUcontext`), as [`Context::as_raw`] returns it.
-pub type RawContext = cudarc::driver::sys::CUcontext;
-/// The driver's event handle (`CUevent`), as [`Event::as_raw`] returns it.
-pub type RawEvent = cudarc::driver::sys::CUevent;
-/// The driver's pool handle (`CUmemoryPool`, the runtime's `cudaMemPool_t`), as [`MemPool::as_raw`] and
-/// [`memory::pool_of`] return it.
-pub type RawPool = cudarc::driver::sys::CUmemoryPool;
-/// The driver's device handle (`CUdevice`, an `int`), as [`Device::as_raw`] returns it.
-pub type RawDevice = cudarc::driver::sys::CUdevice;
-/// The driver's physical allocation handle (`CUmemGenericAllocationHandle`), as
-/// [`PhysicalAllocation::as_raw`] returns it.
-pub type RawAllocationHandle = cudarc::driver::sys::CUmemGenericAllocationHandle;
+pub use types::{RawAllocationHandle, RawContext, RawDevice, RawEvent, RawPool, RawStream};
 
 /// Loads and initialises the driver (once) and returns its version (`cuDriverGetVersion`).
 ///

@@ -325,7 +325,7 @@ pub fn address_range(ctx: &Context, ptr: DeviceAddr) -> Result<(DeviceAddr, usiz
 
 /// The stream-ordered pool an address was allocated from (`CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`), as a
 /// raw handle to compare with [`crate::MemPool::as_raw`]; null for memory that no pool allocated.
-pub fn pool_of(ptr: DeviceAddr) -> Result<crate::RawPool> {
+pub fn pool_of(ptr: DeviceAddr) -> Result<crate::types::RawPool> {
     raw::init()?;
     // SAFETY: the driver writes the pool handle, a pointer-sized value, which a `usize` holds.
     #[allow(unsafe_code)]

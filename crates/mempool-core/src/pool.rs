@@ -271,7 +271,7 @@ impl MemPool {
     }
 
     /// The raw `CUmemoryPool`, valid while `self` lives.
-    pub fn as_raw(&self) -> crate::RawPool {
+    pub fn as_raw(&self) -> crate::types::RawPool {
         self.handle.raw.get()
     }
 

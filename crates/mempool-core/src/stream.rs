@@ -73,7 +73,7 @@ impl Stream {
     }
 
     /// The raw `CUstream`, valid while `self` lives.
-    pub fn as_raw(&self) -> crate::RawStream {
+    pub fn as_raw(&self) -> crate::types::RawStream {
         self.raw.get()
     }
 
@@ -88,7 +88,7 @@ impl Stream {
     /// forever (it is leaked), so cudarc never destroys the handle and the caller's obligation is the same;
     /// but other holders of that `Arc` may still queue work on the stream: destroy it only once they are
     /// done. Prefer dropping such a stream.
-    pub fn into_raw(self) -> (Arc<Context>, crate::RawStream) {
+    pub fn into_raw(self) -> (Arc<Context>, crate::types::RawStream) {
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so moving the `Arc` out of it leaves exactly one owner.
         #[allow(unsafe_code)]
@@ -102,7 +102,7 @@ impl Stream {
     /// 1. `raw` is a live stream of `ctx`, created by `cuStreamCreate` (not a special handle).
     /// 2. Nothing else destroys it: the returned value destroys it on drop.
     #[allow(unsafe_code)]
-    pub unsafe fn from_raw(ctx: Arc<Context>, raw: crate::RawStream) -> Stream {
+    pub unsafe fn from_raw(ctx: Arc<Context>, raw: crate::types::RawStream) -> Stream {
         Stream {
             ctx,
             raw: Handle::new(raw),
@@ -219,7 +219,7 @@ impl<'a> StreamRef<'a> {
     ///    context of the object it is given to (a pool's, a resource's, a buffer's): it is a stream of
     ///    that context, or a special handle.
     #[allow(unsafe_code)]
-    pub unsafe fn from_raw(raw: crate::RawStream) -> StreamRef<'a> {
+    pub unsafe fn from_raw(raw: crate::types::RawStream) -> StreamRef<'a> {
         StreamRef {
             raw: raw as usize,
             ctx: None,
@@ -248,7 +248,7 @@ impl<'a> StreamRef<'a> {
     }
 
     /// The raw `CUstream`.
-    pub fn as_raw(&self) -> crate::RawStream {
+    pub fn as_raw(&self) -> crate::types::RawStream {
         self.raw as sys::CUstream
     }
 

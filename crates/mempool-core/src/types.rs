@@ -7,6 +7,22 @@ use std::fmt;
 
 use cudarc::driver::sys;
 
+/// The driver's stream handle (`CUstream`), as [`Stream::as_raw`](crate::Stream::as_raw) returns and [`StreamRef::from_raw`](crate::StreamRef::from_raw)
+/// takes it: a C API's `cudaStream_t`, PyTorch's `cuda_stream`, an integer cast with `as RawStream`.
+pub type RawStream = cudarc::driver::sys::CUstream;
+/// The driver's context handle (`CUcontext`), as [`Context::as_raw`](crate::Context::as_raw) returns it.
+pub type RawContext = cudarc::driver::sys::CUcontext;
+/// The driver's event handle (`CUevent`), as [`Event::as_raw`](crate::Event::as_raw) returns it.
+pub type RawEvent = cudarc::driver::sys::CUevent;
+/// The driver's pool handle (`CUmemoryPool`, the runtime's `cudaMemPool_t`), as [`MemPool::as_raw`](crate::MemPool::as_raw) and
+/// [`memory::pool_of`](crate::memory::pool_of) return it.
+pub type RawPool = cudarc::driver::sys::CUmemoryPool;
+/// The driver's device handle (`CUdevice`, an `int`), as [`Device::as_raw`](crate::Device::as_raw) returns it.
+pub type RawDevice = cudarc::driver::sys::CUdevice;
+/// The driver's physical allocation handle (`CUmemGenericAllocationHandle`), as
+/// [`PhysicalAllocation::as_raw`](crate::PhysicalAllocation::as_raw) returns it.
+pub type RawAllocationHandle = cudarc::driver::sys::CUmemGenericAllocationHandle;
+
 /// A device address (`CUdeviceptr`). Plain data: holding one grants nothing; the types that own memory
 /// ([`crate::PoolBuffer`], resources in mempool-rmm) decide when it is valid, and freeing one is `unsafe`.
 ///
@@ -73,7 +89,7 @@ impl Device {
     }
 
     /// The raw `CUdevice`.
-    pub fn as_raw(&self) -> crate::RawDevice {
+    pub fn as_raw(&self) -> RawDevice {
         self.raw
     }
 }

@@ -249,7 +249,7 @@ impl PhysicalAllocation {
     }
 
     /// The raw handle (`CUmemGenericAllocationHandle`), valid while `self` lives.
-    pub fn as_raw(&self) -> crate::RawAllocationHandle {
+    pub fn as_raw(&self) -> crate::types::RawAllocationHandle {
         self.handle
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use mempool_core::{BufferView, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
-use crate::group;
+use crate::scope;
 use crate::sys::{self, Library, RawComm, RawUniqueId, UNIQUE_ID_BYTES};
 use crate::types::{NcclType, ReduceOp};
 
@@ -364,7 +364,7 @@ impl Comm {
     }
 
     fn not_in_group(call: &'static str) -> Result<()> {
-        if group::is_open() {
+        if scope::is_open() {
             return Err(Error::InvalidArgument {
                 call,
                 reason: "a group is open on this thread: enqueue through the group's methods, which keep the \

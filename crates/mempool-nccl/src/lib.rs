@@ -36,6 +36,7 @@ mod comm;
 mod error;
 mod group;
 mod registration;
+mod scope;
 mod sys;
 mod types;
 

@@ -7,7 +7,7 @@ use mempool_core::{BufferView, DeviceAddr};
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
-use crate::group;
+use crate::scope;
 
 impl Comm {
     /// Registers `view`'s memory with the communicator (`ncclCommRegister`, NCCL 2.19), so that
@@ -56,7 +56,7 @@ impl Comm {
     ///    collectives that use this range.
     #[allow(unsafe_code)]
     pub unsafe fn register_raw(&self, addr: DeviceAddr, len: usize) -> Result<Registration<'_>> {
-        if group::is_open() {
+        if scope::is_open() {
             return Err(Error::InvalidArgument {
                 call: "ncclCommRegister",
                 reason: "a group is open on this thread: register before the group starts (a registration \
@@ -212,7 +212,7 @@ impl Registration<'_> {
         let (raw, handle) = (self.comm.raw, self.handle);
         let ctx = self.comm.ctx.clone();
         let (addr, len, rank) = (self.addr, self.len, self.comm.rank);
-        group::run_or_defer(
+        scope::run_or_defer(
             move || format!("deregistering {len} bytes at {addr} from rank {rank}"),
             move || {
                 let _g = ctx.bind()?;

@@ -16,7 +16,8 @@ use mempool_rmm::containers::DeviceBuffer as RmmBuffer;
 use crate::errors::IntoPy;
 use crate::mr::PyResource;
 use crate::stream::{self, StreamArg};
-use crate::view::{device_view_pymethods, DeviceView, RawView};
+use crate::surface::device_view_pymethods;
+use crate::view::{DeviceView, RawView};
 
 /// The primary context of `device`, borrowed for the life of the process (the buffers' streams carry it).
 /// Retained once per device by mempool-capi; the `'static` reference is leaked once per device.

@@ -1,5 +1,5 @@
 //! DLPack export of a 1-D `uint8` view of device memory, shared by every buffer class
-//! ([`crate::view::device_view_pymethods`]): the argument checks of `__dlpack__`, the managed tensors
+//! ([`crate::surface::device_view_pymethods`]): the argument checks of `__dlpack__`, the managed tensors
 //! (legacy `dltensor` and versioned `dltensor_versioned`), their deleters and the capsule's destructor.
 
 use std::ffi::{c_void, CStr};

@@ -14,6 +14,7 @@ mod errors;
 mod ipc;
 mod mr;
 mod stream;
+mod surface;
 mod view;
 
 use pyo3::prelude::*;

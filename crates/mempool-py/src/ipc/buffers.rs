@@ -9,10 +9,11 @@ use pyo3::types::PyBytes;
 
 use mempool_core::{Context, Stream};
 
-use super::{no_pickle, seconds};
+use super::common::{no_pickle, seconds};
 use crate::buffer::host_bytes;
 use crate::errors::{named, IntoPy, IpcIntoPy};
-use crate::view::{device_view_pymethods, DeviceView, RawView};
+use crate::surface::device_view_pymethods;
+use crate::view::{DeviceView, RawView};
 
 /// A buffer of the exporter's pool that can be shared; freed when this object (and every view of it) is
 /// gone and every importer has released it.

@@ -13,7 +13,7 @@ use mempool_ipc::{ConnectionOptions, ExporterOptions, ImporterId, ListenerOption
 use mempool_rmm::{AsyncResource, MemoryResource, SharedResource};
 
 use super::buffers::PyExportedBuffer;
-use super::{at_least_one, no_pickle, policy, seconds, static_ref};
+use super::common::{at_least_one, no_pickle, policy, seconds, static_ref};
 use crate::buffer::{host_bytes, DeviceBuffer};
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
 use crate::mr::{CudaAsyncMemoryResource, PyResource};

@@ -10,7 +10,7 @@ use mempool_core::{Context, Stream};
 use mempool_ipc::{ConnectionOptions, ImporterOptions};
 
 use super::buffers::PyImportedBuffer;
-use super::{no_pickle, policy, seconds, static_ref};
+use super::common::{no_pickle, policy, seconds, static_ref};
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
 use crate::view::RawView;
 

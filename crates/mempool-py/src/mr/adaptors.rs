@@ -15,7 +15,7 @@ use mempool_rmm::adaptors::{
 };
 use mempool_rmm::SharedResource;
 
-use super::PyResource;
+use super::base::PyResource;
 use crate::errors::IntoPy;
 
 /// Counters of bytes and allocations: current, peak and total (RMM's `Statistics`).

@@ -9,7 +9,8 @@ use pyo3::prelude::*;
 
 use mempool_rmm::SharedResource;
 
-use super::{CudaAsyncMemoryResource, PyResource};
+use super::base::PyResource;
+use super::resources::CudaAsyncMemoryResource;
 use crate::errors::IntoPy;
 
 /// The Python objects set as each device's resource, so that `get_per_device_resource` returns the object

@@ -12,7 +12,7 @@ use mempool_rmm::{
     VmmOptions, VmmResource,
 };
 
-use super::{device_or_current, PyResource};
+use super::base::{device_or_current, PyResource};
 use crate::errors::IntoPy;
 
 /// `cuMemAlloc`: RMM's `CudaMemoryResource`.

@@ -13,7 +13,7 @@ use mempool_rmm::adaptors::AddedBinsAdaptor;
 use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
 use mempool_rmm::{ArenaResource, BinningResource, FixedSizeResource, PoolResource, SharedResource};
 
-use super::{half_free, upstream_device, PyResource};
+use super::base::{half_free, upstream_device, PyResource};
 use crate::errors::IntoPy;
 
 /// A pool suballocator: RMM's `PoolMemoryResource`. `initial_pool_size` (default: half the device's free
