@@ -52,9 +52,11 @@ fn a_block_larger_than_the_allocation_its_pointer_names_is_refused_by_the_import
     let stream = Stream::new(&ctx).unwrap();
     let ptr = pool.allocate(MIB, stream.as_ref()).unwrap();
     stream.synchronize().unwrap();
-    // The range the driver reports for a pool allocation may be the pool's whole mapped chunk around it
-    // (seen on H200, driver 580: exporting that range's base fails), so the claim is twice that range,
-    // which no import of `ptr` can hold.
+    // The pool is exported before its pointer, as the exporter does (and core's IPC test): on H200 with
+    // driver 580, `cuMemPoolExportPointer` on a pool not yet exported failed with CUDA_ERROR_INVALID_VALUE.
+    // The range the driver reports may be more than the allocation (the pool's mapped chunk), so the claim
+    // is twice that range, which no import of `ptr` can hold.
+    let pool_fd = pool.export_fd().unwrap();
     let (_base, size) = memory::address_range(&ctx, ptr).unwrap();
     let pointer = pool.export_pointer(ptr).unwrap();
     let sock = socket_path("hostile-block");
@@ -73,7 +75,6 @@ fn a_block_larger_than_the_allocation_its_pointer_names_is_refused_by_the_import
     s.read_exact(&mut ready).unwrap();
     assert_eq!(message_type(&ready), 3, "expected Ready: {ready:?}");
     // PoolDescriptor, with the pool's descriptor attached.
-    let pool_fd = pool.export_fd().unwrap();
     let body = [&pool_id[..], &1u32.to_le_bytes(), &0u32.to_le_bytes()].concat();
     let bytes = frame(4, &body);
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
