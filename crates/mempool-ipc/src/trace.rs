@@ -1,5 +1,5 @@
 //! Opt-in timestamps at points of a buffer's hand-off and release, to say where a round trip's
-//! time goes (`examples/ipc_handoff.rs` prints them). Off by default: then each point costs one
+//! time goes (mempool-bench's `ipc_handoff` binary prints them). Off by default: then each point costs one
 //! relaxed atomic load. [`enable`] turns recording on in this process, [`take`] hands the records
 //! over; the importer's process and the exporter's each record their own, and the times of both
 //! are on one clock ([`now_ns`]: the system clock, read once, advanced by the monotonic clock), so
