@@ -11,6 +11,7 @@ and constants (`sys::CUstream`, `sys::CUresult::...`) are not calls and pass. Pr
 fails when there is one.
 """
 
+import importlib.util
 import pathlib
 import re
 import sys
@@ -20,37 +21,13 @@ ALLOWED = ROOT / "crates" / "mempool-core" / "src" / "raw"
 CALL = re.compile(r"(?:\bsys::|\bculib\(\)\s*\.\s*)(cu[A-Z]\w*)\s*\(")
 
 
-def code_only(text):
-    """Blanks out comments and string/char literals, keeping newlines, so only code is searched."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", text[i:j]))
-            i = j
-        elif text[i] == '"' or text.startswith('r"', i) or text.startswith('r#"', i):
-            m = re.match(r'r(#*)"', text[i:])
-            if m:
-                end = '"' + m.group(1)
-                j = text.find(end, i + len(m.group(0)))
-                j = n if j < 0 else j + len(end)
-            else:
-                j = i + 1
-                while j < n and text[j] != '"':
-                    j += 2 if text[j] == "\\" else 1
-                j = min(n, j + 1)
-            out.append(re.sub(r"[^\n]", " ", text[i:j]))
-            i = j
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+def load_strip():
+    """module-cycles.py's `strip`: the one comment and literal blanker of the CI scripts."""
+    here = pathlib.Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("module_cycles", here / "module-cycles.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.strip
 
 
 def sources():
@@ -62,9 +39,10 @@ def sources():
 
 
 def main():
+    strip = load_strip()
     bad = []
     for path in sources():
-        code = code_only(path.read_text(encoding="utf-8"))
+        code = strip(path.read_text(encoding="utf-8"))
         for m in CALL.finditer(code):
             line = code.count("\n", 0, m.start()) + 1
             bad.append(f"{path}:{line}: {m.group(1)} called outside crates/mempool-core/src/raw/")
