@@ -7,8 +7,9 @@ use crate::error::Error;
 static DROP_ERRORS: Mutex<Vec<Error>> = Mutex::new(Vec::new());
 const MAX_DROP_ERRORS: usize = 64;
 
-/// Keeps an error a destructor met, for [`take_drop_errors`] (at most 64; later ones are dropped).
-pub(crate) fn record(e: Error) {
+/// Keeps an error a destructor met, for [`take_drop_errors`] (at most 64; later ones are dropped): for
+/// the destructors of other crates' types over mempool-core (mempool-rmm's resources).
+pub fn record(e: Error) {
     let mut errors = DROP_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
     if errors.len() < MAX_DROP_ERRORS {
         errors.push(e);

@@ -74,7 +74,7 @@ mod vmm;
 pub use buffer::PoolBuffer;
 pub use context::{Context, ContextGuard};
 pub use current::CurrentPoolGuard;
-pub use drop_errors::take_drop_errors;
+pub use drop_errors::{record as record_drop_error, take_drop_errors};
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags, IpcEventHandle};
 pub use growable::{GrowableBuffer, GrowableOptions, WhenFull};

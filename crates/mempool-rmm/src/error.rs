@@ -16,6 +16,28 @@ pub enum Error {
         /// The bytes asked for.
         requested: usize,
     },
+    /// Out of memory, with what the resource holds ([`crate::ServiceResource`]).
+    #[error(
+        "out of memory: {resource} could not allocate {requested} bytes for tag `{tag}`: it holds {held} bytes \
+         mapped, {live} bytes live, its largest free block in mapped memory is {largest_free} bytes, and the \
+         device has {device_free} bytes free"
+    )]
+    OutOfMemoryHeld {
+        /// The resource.
+        resource: &'static str,
+        /// The size asked for.
+        requested: usize,
+        /// The tag asked for.
+        tag: String,
+        /// Physical memory the resource holds (every tag).
+        held: u64,
+        /// Bytes of live allocations (every tag).
+        live: u64,
+        /// The largest free block of the tag that needs no mapping.
+        largest_free: u64,
+        /// The device's free memory (`cuMemGetInfo`) when the request failed.
+        device_free: u64,
+    },
     /// A [`crate::adaptors::LimitingAdaptor`] refused an allocation over its limit.
     #[error("allocation of {requested} bytes refused: {used} of the limit of {limit} bytes are in use")]
     LimitExceeded {
@@ -61,7 +83,10 @@ impl Error {
     /// [`crate::adaptors::FailureCallbackAdaptor`] above a [`crate::adaptors::LimitingAdaptor`] gets its
     /// callback and an engine over one reports out-of-memory.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. } | Error::LimitExceeded { .. })
+        matches!(
+            self,
+            Error::OutOfMemory { .. } | Error::OutOfMemoryHeld { .. } | Error::LimitExceeded { .. }
+        )
     }
 }
 

@@ -50,4 +50,8 @@ pub use resources::{
     HostPoolOptions, HostPoolResource, ManagedResource, PinnedHostResource, PoolResource, Reclaim, ReleaseThreshold,
     SamHeadroomResource, SuballocOptions, SuballocatingResource, SystemResource,
 };
+pub use resources::{
+    ChunkObserver, ChunkRange, ObserverId, ServiceExport, ServiceOptions, ServiceResource, ServiceStats, SleepMode,
+    SleepReport, Tag, TagStats, TaggedResource, WakeReport, MAX_TAG_NAME,
+};
 pub use resources::{PeerAccess, VmmOptions, VmmResource};

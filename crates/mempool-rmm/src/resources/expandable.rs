@@ -3,16 +3,18 @@
 //! segment, so the address space never fragments across segments.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use mempool_core::{
     AllocationProps, Context, Device, DeviceAddr, Granularity, Mapping, PhysicalAllocation, Reservation, StreamRef,
 };
-use mempool_suballoc::{self as suballoc, Engine, EngineStats, EventPolicy, PoolEngine, PoolOptions, Upstream};
+use mempool_suballoc::{self as suballoc, Engine, EngineStats, EventPolicy, PoolEngine, PoolOptions};
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
+use crate::resources::service::resource::WholeRange;
+use crate::resources::service::table::{over_watermark, ChunkTable};
+use crate::resources::service::types::Reclaim;
 use crate::resources::suballoc::{map_engine_error, CudaStreams, StreamKey};
 
 const NAME: &str = "ExpandableResource";
@@ -31,20 +33,6 @@ pub struct ExpandableOptions {
     pub reclaim: Reclaim,
 }
 
-/// When an [`ExpandableResource`] unmaps idle chunks (mapped chunks no live allocation touches) on its
-/// own, besides [`ExpandableResource::trim`]. Either way it first waits for the device.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Reclaim {
-    /// Only when creating a chunk runs out of memory, then once more (PyTorch's behaviour): idle chunks
-    /// stay mapped for reuse, so allocations that land on them map nothing.
-    #[default]
-    OnOutOfMemory,
-    /// Also before mapping any new chunk: memory held never exceeds what live allocations touch plus the
-    /// new chunks, at the price of a device synchronize and unmaps whenever the resource grows while it
-    /// holds idle chunks.
-    BeforeGrowth,
-}
-
 /// What an [`ExpandableResource`] holds.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExpandableStats {
@@ -60,112 +48,11 @@ pub struct ExpandableStats {
     pub chunk_size: u64,
 }
 
-/// Which chunks of the range live allocations touch, and which are mapped: the resource's bookkeeping,
-/// free of CUDA so that host tests check it.
-#[derive(Debug)]
-pub(crate) struct ChunkTable {
-    base: u64,
-    chunk: u64,
-    /// Per chunk: how many live allocations overlap it.
-    live: Vec<u32>,
-    /// Per chunk: whether it is mapped.
-    mapped: Vec<bool>,
-    mapped_count: usize,
-    peak_mapped: usize,
-}
-
-impl ChunkTable {
-    pub(crate) fn new(base: u64, size: u64, chunk: u64) -> ChunkTable {
-        let n = size.div_ceil(chunk) as usize;
-        ChunkTable {
-            base,
-            chunk,
-            live: vec![0; n],
-            mapped: vec![false; n],
-            mapped_count: 0,
-            peak_mapped: 0,
-        }
-    }
-
-    /// The chunks `addr..addr+bytes` overlaps (`bytes > 0`, inside the range).
-    pub(crate) fn span(&self, addr: u64, bytes: u64) -> Range<usize> {
-        let first = (addr - self.base) / self.chunk;
-        let last = (addr - self.base + bytes - 1) / self.chunk;
-        first as usize..last as usize + 1
-    }
-
-    /// The chunks of `span` that are not mapped.
-    pub(crate) fn unmapped(&self, span: Range<usize>) -> Vec<usize> {
-        span.filter(|&i| !self.mapped[i]).collect()
-    }
-
-    pub(crate) fn set_mapped(&mut self, i: usize, mapped: bool) {
-        if self.mapped[i] != mapped {
-            self.mapped[i] = mapped;
-            if mapped {
-                self.mapped_count += 1;
-                self.peak_mapped = self.peak_mapped.max(self.mapped_count);
-            } else {
-                self.mapped_count -= 1;
-            }
-        }
-    }
-
-    pub(crate) fn acquire(&mut self, span: Range<usize>) {
-        for i in span {
-            self.live[i] += 1;
-        }
-    }
-
-    pub(crate) fn release(&mut self, span: Range<usize>) {
-        for i in span {
-            self.live[i] = self.live[i].saturating_sub(1);
-        }
-    }
-
-    /// Mapped chunks no live allocation touches: what trimming unmaps.
-    pub(crate) fn idle(&self) -> Vec<usize> {
-        (0..self.live.len())
-            .filter(|&i| self.mapped[i] && self.live[i] == 0)
-            .collect()
-    }
-
-    /// The offset of chunk `i` in the range.
-    pub(crate) fn offset(&self, i: usize) -> usize {
-        (i as u64 * self.chunk) as usize
-    }
-}
-
-/// The engine's upstream: the whole reservation, handed out once as a single chunk (the one segment).
-#[derive(Debug)]
-struct WholeRange {
-    base: u64,
-    size: u64,
-    taken: AtomicBool,
-}
-
-impl Upstream<StreamKey> for WholeRange {
-    fn allocate(&self, bytes: u64, _stream: StreamKey) -> Result<u64, suballoc::Error> {
-        if bytes <= self.size && !self.taken.swap(true, Ordering::AcqRel) {
-            Ok(self.base)
-        } else {
-            Err(suballoc::Error::OutOfMemory {
-                requested: bytes,
-                cause: suballoc::OutOfMemoryCause::Upstream,
-            })
-        }
-    }
-
-    fn deallocate(&self, _addr: u64, _bytes: u64, _stream: StreamKey) -> Result<(), suballoc::Error> {
-        // Chunks are unmapped by the resource (trim, drop), never by the engine; address space stays.
-        self.taken.store(false, Ordering::Release);
-        Ok(())
-    }
-}
-
 struct State {
     engine: PoolEngine<WholeRange, CudaStreams>,
     table: ChunkTable,
+    /// The most bytes live at once (the watermark's reference).
+    peak_used: u64,
     /// `chunks[i]` maps chunk `i` when `table` says it is mapped.
     chunks: Vec<Option<Mapping>>,
 }
@@ -266,17 +153,18 @@ impl ExpandableResource {
             maximum_size: Some(size as u64),
             event_policy: EventPolicy::Adaptive,
         };
-        let upstream = WholeRange {
-            base,
-            size: size as u64,
-            taken: AtomicBool::new(false),
-        };
+        let upstream = WholeRange::new(base, size as u64);
         let engine =
             PoolEngine::new(upstream, CudaStreams::new(&ctx), engine_options).map_err(|e| map_engine_error(NAME, e))?;
         let table = ChunkTable::new(base, size as u64, chunk as u64);
-        let chunks = (0..table.live.len()).map(|_| None).collect();
+        let chunks = (0..table.len()).map(|_| None).collect();
         Ok(ExpandableResource {
-            state: Mutex::new(State { engine, table, chunks }),
+            state: Mutex::new(State {
+                engine,
+                table,
+                peak_used: 0,
+                chunks,
+            }),
             reservation,
             props,
             chunk,
@@ -304,8 +192,8 @@ impl ExpandableResource {
         let st = self.state();
         let engine: EngineStats = st.engine.stats();
         ExpandableStats {
-            mapped_bytes: (st.table.mapped_count * self.chunk) as u64,
-            peak_mapped_bytes: (st.table.peak_mapped * self.chunk) as u64,
+            mapped_bytes: (st.table.mapped_count() * self.chunk) as u64,
+            peak_mapped_bytes: (st.table.peak_mapped() * self.chunk) as u64,
             used_bytes: engine.used_bytes,
             reservation_bytes: self.reservation.size() as u64,
             chunk_size: self.chunk as u64,
@@ -364,7 +252,23 @@ unsafe impl MemoryResource for ExpandableResource {
             .map_err(|e| map_engine_error(NAME, e))?;
         let span = st.table.span(addr, rounded);
         st.table.acquire(span.clone());
-        if self.reclaim == Reclaim::BeforeGrowth && !st.table.unmapped(span.clone()).is_empty() {
+        let new = (st.table.unmapped(span.clone()).len() * self.chunk) as u64;
+        let reclaim = new > 0
+            && match self.reclaim {
+                Reclaim::OnOutOfMemory => false,
+                Reclaim::BeforeGrowth => true,
+                Reclaim::Watermark { percent } => {
+                    let used = st.engine.stats().used_bytes;
+                    st.peak_used = st.peak_used.max(used);
+                    over_watermark(
+                        (st.table.mapped_count() * self.chunk) as u64,
+                        new,
+                        st.peak_used,
+                        percent,
+                    )
+                }
+            };
+        if reclaim {
             // The span's chunks are acquired, so they are not idle: only others are unmapped.
             if let Err(e) = self.trim_locked(&mut st) {
                 st.table.release(span);
@@ -426,65 +330,5 @@ impl Drop for ExpandableResource {
         let _ = st.engine.release();
         let _ = self.ctx.synchronize();
         st.chunks.clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    #[test]
-    fn spans_cover_the_chunks_a_block_touches() {
-        let t = ChunkTable::new(1 << 40, 64 * MIB, 2 * MIB);
-        assert_eq!(t.live.len(), 32);
-        let b = 1u64 << 40;
-        assert_eq!(t.span(b, 1), 0..1);
-        assert_eq!(t.span(b, 2 * MIB), 0..1);
-        assert_eq!(t.span(b, 2 * MIB + 1), 0..2);
-        assert_eq!(t.span(b + 2 * MIB - 256, 512), 0..2, "a block across a chunk boundary");
-        assert_eq!(t.span(b + 62 * MIB, 2 * MIB), 31..32);
-        assert_eq!(t.offset(3), (6 * MIB) as usize);
-    }
-
-    #[test]
-    fn idle_chunks_are_mapped_ones_no_block_touches() {
-        let mut t = ChunkTable::new(0, 16 * MIB, 2 * MIB);
-        let a = t.span(0, 3 * MIB); // chunks 0, 1
-        let b = t.span(3 * MIB, 4 * MIB); // chunks 1, 2, 3
-        t.acquire(a.clone());
-        t.acquire(b.clone());
-        assert_eq!(t.unmapped(0..4), vec![0, 1, 2, 3]);
-        for i in 0..4 {
-            t.set_mapped(i, true);
-        }
-        assert_eq!(t.unmapped(0..4), Vec::<usize>::new());
-        assert!(t.idle().is_empty());
-        t.release(a);
-        assert_eq!(t.idle(), vec![0], "chunk 1 is still touched by b");
-        t.release(b);
-        assert_eq!(t.idle(), vec![0, 1, 2, 3]);
-        t.set_mapped(0, false);
-        t.set_mapped(0, false); // idempotent
-        assert_eq!(t.mapped_count, 3);
-        assert_eq!(t.peak_mapped, 4);
-    }
-
-    #[test]
-    fn the_engine_sees_one_segment_and_never_more() {
-        let up = WholeRange {
-            base: 1 << 40,
-            size: 64 * MIB,
-            taken: AtomicBool::new(false),
-        };
-        let key = StreamKey::of(StreamRef::LEGACY);
-        assert_eq!(up.allocate(64 * MIB, key).unwrap(), 1 << 40);
-        assert!(
-            matches!(up.allocate(MIB, key), Err(suballoc::Error::OutOfMemory { requested, .. }) if requested == MIB)
-        );
-        up.deallocate(1 << 40, 64 * MIB, key).unwrap();
-        assert!(up.allocate(65 * MIB, key).is_err(), "more than the range");
-        assert_eq!(up.allocate(MIB, key).unwrap(), 1 << 40);
     }
 }

@@ -9,6 +9,7 @@ mod callback;
 mod driver;
 mod expandable;
 mod host_pool;
+mod service;
 mod suballoc;
 mod system;
 mod vmm;
@@ -17,8 +18,12 @@ pub use async_managed::{AsyncManagedOptions, AsyncManagedResource};
 pub use async_resource::{AsyncOptions, AsyncResource, ReleaseThreshold};
 pub use callback::{CallbackResource, Returned};
 pub use driver::{CudaResource, ManagedResource, PinnedHostResource};
-pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats, Reclaim};
+pub use expandable::{ExpandableOptions, ExpandableResource, ExpandableStats};
 pub use host_pool::{HostPoolOptions, HostPoolResource};
+pub use service::{
+    ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceExport, ServiceOptions, ServiceResource, ServiceStats,
+    SleepMode, SleepReport, Tag, TagStats, TaggedResource, WakeReport, MAX_TAG_NAME,
+};
 pub use suballoc::{
     ArenaResource, BinningResource, FixedSizeResource, PoolResource, SuballocOptions, SuballocatingResource,
 };

@@ -1,0 +1,1268 @@
+//! [`ServiceResource`]: one reservation per device, a region of it per tag, each region suballocated by
+//! the pool engine as one segment and backed by physical chunks mapped where allocations land.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use mempool_core::{
+    Access, AllocationProps, Context, Device, DeviceAddr, Event, EventFlags, Granularity, HandleTypes, Mapping,
+    PhysicalAllocation, Reservation, StreamRef,
+};
+use mempool_suballoc::{self as suballoc, Engine, EventPolicy, PoolEngine, PoolOptions, Upstream};
+
+use crate::error::{Error, Result};
+use crate::resource::MemoryResource;
+use crate::resources::service::table::{check_tag_name, over_watermark, runs, ChunkTable};
+use crate::resources::service::types::{
+    ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceOptions, ServiceStats, SleepMode, SleepReport, Tag,
+    TagStats, WakeReport,
+};
+use crate::resources::suballoc::{map_engine_error, CudaStreams, StreamKey};
+
+const NAME: &str = "ServiceResource";
+
+/// Chunks restored per batch on wake (map, grant access, queue the copy), so that mapping the next batch
+/// overlaps the copy of this one.
+const WAKE_BATCH: usize = 64;
+
+/// A region's engine upstream: the whole region, handed out once as a single chunk (the one segment).
+#[derive(Debug)]
+pub(crate) struct WholeRange {
+    base: u64,
+    size: u64,
+    taken: AtomicBool,
+}
+
+impl WholeRange {
+    pub(crate) fn new(base: u64, size: u64) -> WholeRange {
+        WholeRange {
+            base,
+            size,
+            taken: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Upstream<StreamKey> for WholeRange {
+    fn allocate(&self, bytes: u64, _stream: StreamKey) -> Result<u64, suballoc::Error> {
+        if bytes <= self.size && !self.taken.swap(true, Ordering::AcqRel) {
+            Ok(self.base)
+        } else {
+            Err(suballoc::Error::OutOfMemory {
+                requested: bytes,
+                cause: suballoc::OutOfMemoryCause::Upstream,
+            })
+        }
+    }
+
+    fn deallocate(&self, _addr: u64, _bytes: u64, _stream: StreamKey) -> Result<(), suballoc::Error> {
+        // Chunks are unmapped by the resource, never by the engine; address space stays.
+        self.taken.store(false, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// Page-locked host memory holding a sleeping tag's contents; freed on drop.
+struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: the pointer is owned memory that only this value frees; nothing in it is thread-bound.
+#[allow(unsafe_code)]
+unsafe impl Send for PinnedHost {}
+
+impl PinnedHost {
+    fn new(ctx: &Arc<Context>, len: usize) -> Result<PinnedHost> {
+        let ptr = mempool_core::memory::pinned_host_alloc(ctx, len)?;
+        Ok(PinnedHost {
+            ptr,
+            len,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The unified address of byte `offset` (`offset <= len`): pinned memory is reachable by the copy
+    /// engines at its host address.
+    fn addr(&self, offset: usize) -> DeviceAddr {
+        debug_assert!(offset <= self.len);
+        DeviceAddr(self.ptr as u64 + offset as u64)
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `pinned_host_alloc` and is freed once, here; every copy into or out of it
+        // was waited for before its owner let it go (sleep and wake synchronize their stream).
+        #[allow(unsafe_code)]
+        let r = unsafe { mempool_core::memory::pinned_host_free(&self.ctx, self.ptr) };
+        if let Err(e) = r {
+            mempool_core::record_drop_error(e);
+        }
+    }
+}
+
+/// A sleeping tag: which chunks to map back, and where their contents wait.
+struct Sleeping {
+    mode: SleepMode,
+    /// The chunks live allocations touched when it fell asleep, in order; with `Offload`, chunk
+    /// `chunks[k]` is saved at `k * chunk` of `host`.
+    chunks: Vec<usize>,
+    host: Option<PinnedHost>,
+}
+
+struct Region {
+    name: String,
+    engine: PoolEngine<WholeRange, CudaStreams>,
+    table: ChunkTable,
+    /// `chunks[i]` maps chunk `i` when `table` says it is mapped.
+    chunks: Vec<Option<Mapping>>,
+    asleep: Option<Sleeping>,
+    used: u64,
+    peak_used: u64,
+    live: u64,
+    allocations: u64,
+    frees: u64,
+    exports: u64,
+}
+
+struct State {
+    regions: Vec<Region>,
+    used: u64,
+    peak_used: u64,
+    peak_mapped: u64,
+    reclaims: u64,
+    reclaimed_bytes: u64,
+    observers: Vec<(ObserverId, Arc<dyn ChunkObserver>)>,
+    next_observer: u64,
+}
+
+impl State {
+    fn mapped_chunks(&self) -> u64 {
+        self.regions.iter().map(|r| r.table.mapped_count() as u64).sum()
+    }
+}
+
+/// One pool for GPU services: a virtual reservation on one device, divided into a region per [`Tag`];
+/// each region is suballocated, stream-ordered, by the coalescing pool engine (that of
+/// [`crate::PoolResource`]) as one segment, and physical memory is mapped in chunks where allocations land.
+///
+/// - **Growth never moves anything**: an allocation that lands on unmapped chunks maps them
+///   (`cuMemCreate` + `cuMemMap`, one access grant per run); every address stays where it was, and a
+///   failure to map leaves everything as it was.
+/// - **Fragmentation is bounded** by the reclaim policy ([`ServiceOptions::reclaim`]); the default
+///   watermark keeps the memory mapped within 15% above the most bytes ever live: when a growth would
+///   pass it, the resource first waits for the device and unmaps every idle chunk (mapped, touched by
+///   no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
+///   the watermark nothing is unmapped, so a workload that reaches a steady state maps nothing more.
+/// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a [`TaggedResource`] per
+///   tag; this resource's own `allocate` uses [`Tag::DEFAULT`]), with statistics per tag.
+/// - **Sleep and wake**: [`sleep`](Self::sleep) releases a tag's physical memory, keeping its addresses
+///   (and its live allocations) reserved, after offloading the contents to pinned host memory or
+///   discarding them; [`wake`](Self::wake) maps memory back at the same addresses and restores them.
+/// - **Observers** ([`attach`](Self::attach)) are told of every run of chunks mapped and unmapped, so
+///   that NCCL registration follows the pool.
+/// - **Sharing**: [`export`](Self::export) hands the physical chunks behind a range to another process
+///   (mempool-ipc), and a tag with exports cannot sleep.
+///
+/// ```no_run
+/// # fn main() -> mempool_rmm::Result<()> {
+/// use mempool_core::{Device, Stream};
+/// use mempool_rmm::{MemoryResource, ServiceOptions, ServiceResource, SleepMode};
+/// let dev = Device::get(0)?;
+/// let mr = ServiceResource::new(&dev, ServiceOptions::default())?;
+/// let weights = mr.tagged(mr.tag("weights")?);
+/// let stream = Stream::new(&dev.context()?)?;
+/// let p = weights.allocate(64 << 20, stream.as_ref())?;
+/// stream.synchronize()?;
+/// mr.sleep(&[weights.tag()], SleepMode::Offload, stream.as_ref())?; // the memory is released
+/// mr.wake(&[weights.tag()], stream.as_ref())?; // mapped back at `p`, contents restored
+/// // SAFETY: `p` came from `weights.allocate` with this size, is freed once, and nothing uses it after.
+/// unsafe { weights.deallocate(p, 64 << 20, stream.as_ref()) }?;
+/// # Ok(()) }
+/// ```
+pub struct ServiceResource {
+    // Fields drop in order: the state (engines, then mappings, each unmapped after waiting for the device)
+    // before the reservation.
+    state: Mutex<State>,
+    reservation: Arc<Reservation>,
+    props: AllocationProps,
+    chunk: usize,
+    region_size: usize,
+    max_tags: usize,
+    reclaim: Reclaim,
+    ctx: Arc<Context>,
+}
+
+impl std::fmt::Debug for ServiceResource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(NAME)
+            .field("device", &self.props.device)
+            .field("base", &self.reservation.base())
+            .field("chunk", &self.chunk)
+            .field("region_size", &self.region_size)
+            .finish()
+    }
+}
+
+impl ServiceResource {
+    /// A service resource on `device` laid out as `options` says. Reserves the address space now and
+    /// maps nothing. Errors name the cause: a device without VMM support, a chunk size that is not a
+    /// multiple of the granularity, no tags, a reservation the driver refuses.
+    pub fn new(device: &Device, options: ServiceOptions) -> Result<Arc<ServiceResource>> {
+        let device = *device;
+        let support = device.vmm_support()?;
+        if !support.vmm {
+            return Err(Error::Unsupported {
+                resource: NAME,
+                reason: format!("device {} does not support virtual memory management", device.ordinal()),
+            });
+        }
+        if options.max_tags == 0 || options.max_tags > u32::MAX as usize {
+            return Err(Error::Unsupported {
+                resource: NAME,
+                reason: format!("max_tags must be at least 1 (got {})", options.max_tags),
+            });
+        }
+        if let Reclaim::Watermark { percent } = options.reclaim {
+            if percent > 10_000 {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: format!("a watermark of {percent}% is above the most allowed (10000%)"),
+                });
+            }
+        }
+        let shareable = match options.shareable {
+            Some(true) if !support.posix_fd => {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: format!(
+                        "device {} cannot export VMM allocations as POSIX file descriptors (shareable = true)",
+                        device.ordinal()
+                    ),
+                })
+            }
+            Some(s) => s,
+            None => support.posix_fd,
+        };
+        let rdma = match options.gpu_direct_rdma {
+            Some(true) if !support.gpu_direct_rdma => {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: format!(
+                        "device {} does not support GPUDirect RDMA with VMM allocations",
+                        device.ordinal()
+                    ),
+                })
+            }
+            Some(r) => r,
+            None => support.gpu_direct_rdma,
+        };
+        let mut props = AllocationProps::new(device).gpu_direct_rdma(rdma);
+        if shareable {
+            props = props.handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+        }
+        let min = device.vmm_granularity(&props, Granularity::Minimum)?;
+        let chunk = match options.chunk_size {
+            Some(c) => {
+                if c == 0 || !c.is_multiple_of(min) {
+                    return Err(mempool_core::Error::NotGranular {
+                        what: "the chunk size",
+                        value: c,
+                        granularity: min,
+                    }
+                    .into());
+                }
+                c
+            }
+            None => {
+                let rec = device.vmm_granularity(&props, Granularity::Recommended)?;
+                mempool_core::round_up(2 << 20, rec).unwrap_or(rec)
+            }
+        };
+        let want = match options.region_size {
+            Some(r) => r,
+            None => device.total_memory()?.saturating_mul(2),
+        };
+        let too_big = |what: String| Error::Unsupported {
+            resource: NAME,
+            reason: format!("{what} is not representable"),
+        };
+        let region_size = mempool_core::round_up(want.max(chunk), chunk)
+            .ok_or_else(|| too_big(format!("a region of {want} bytes")))?;
+        let total = region_size
+            .checked_mul(options.max_tags)
+            .ok_or_else(|| too_big(format!("{} regions of {region_size} bytes", options.max_tags)))?;
+        let align = if chunk.is_power_of_two() { chunk } else { 0 };
+        let reservation = Reservation::new(device, total, align, None).map_err(|e| match e {
+            mempool_core::Error::OutOfMemory { .. } | mempool_core::Error::Driver { .. } => Error::Unsupported {
+                resource: NAME,
+                reason: format!(
+                    "the driver refused to reserve {total} bytes of address space ({} tags of {region_size} \
+                     bytes): {e}; ask for fewer tags or smaller regions",
+                    options.max_tags
+                ),
+            },
+            other => other.into(),
+        })?;
+        let ctx = device.context()?;
+        let mr = ServiceResource {
+            state: Mutex::new(State {
+                regions: Vec::new(),
+                used: 0,
+                peak_used: 0,
+                peak_mapped: 0,
+                reclaims: 0,
+                reclaimed_bytes: 0,
+                observers: Vec::new(),
+                next_observer: 0,
+            }),
+            reservation,
+            props,
+            chunk,
+            region_size,
+            max_tags: options.max_tags,
+            reclaim: options.reclaim,
+            ctx,
+        };
+        {
+            let mut st = mr.state();
+            mr.add_region(&mut st, "default".to_owned())?;
+        }
+        Ok(Arc::new(mr))
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn add_region(&self, st: &mut State, name: String) -> Result<Tag> {
+        let index = st.regions.len();
+        let base = self.reservation.base().0 + (index * self.region_size) as u64;
+        let engine = PoolEngine::new(
+            WholeRange::new(base, self.region_size as u64),
+            CudaStreams::new(&self.ctx),
+            PoolOptions {
+                initial_size: self.region_size as u64,
+                maximum_size: Some(self.region_size as u64),
+                event_policy: EventPolicy::Adaptive,
+            },
+        )
+        .map_err(|e| map_engine_error(NAME, e))?;
+        let table = ChunkTable::new(base, self.region_size as u64, self.chunk as u64);
+        let chunks = (0..table.len()).map(|_| None).collect();
+        st.regions.push(Region {
+            name,
+            engine,
+            table,
+            chunks,
+            asleep: None,
+            used: 0,
+            peak_used: 0,
+            live: 0,
+            allocations: 0,
+            frees: 0,
+            exports: 0,
+        });
+        Ok(Tag(index as u32))
+    }
+
+    /// The tag named `name`, made now if there is none (its region is empty until something is allocated
+    /// under it). Errors: a name that is not 1 to 64 ASCII letters, digits, `_`, `-`, `.` or `:`; more
+    /// tags than [`ServiceOptions::max_tags`].
+    pub fn tag(&self, name: &str) -> Result<Tag> {
+        check_tag_name(name).map_err(|reason| Error::Unsupported { resource: NAME, reason })?;
+        let mut st = self.state();
+        if let Some(i) = st.regions.iter().position(|r| r.name == name) {
+            return Ok(Tag(i as u32));
+        }
+        if st.regions.len() >= self.max_tags {
+            let names: Vec<&str> = st.regions.iter().map(|r| r.name.as_str()).collect();
+            return Err(Error::Unsupported {
+                resource: NAME,
+                reason: format!(
+                    "cannot add tag `{name}`: the resource has room for {} tags and has {names:?} (raise \
+                     ServiceOptions::max_tags)",
+                    self.max_tags
+                ),
+            });
+        }
+        self.add_region(&mut st, name.to_owned())
+    }
+
+    /// The tag named `name`, if there is one.
+    pub fn find_tag(&self, name: &str) -> Option<Tag> {
+        self.state()
+            .regions
+            .iter()
+            .position(|r| r.name == name)
+            .map(|i| Tag(i as u32))
+    }
+
+    /// The name of `tag`, if it is one of this resource's.
+    pub fn tag_name(&self, tag: Tag) -> Option<String> {
+        self.state().regions.get(tag.index()).map(|r| r.name.clone())
+    }
+
+    /// A [`MemoryResource`] that allocates under `tag` (frees go to whichever tag the address is in).
+    pub fn tagged(self: &Arc<Self>, tag: Tag) -> TaggedResource {
+        TaggedResource {
+            inner: self.clone(),
+            tag,
+        }
+    }
+
+    /// The device whose memory it hands out.
+    pub fn device(&self) -> Device {
+        self.props.device
+    }
+
+    /// The reserved range's first address.
+    pub fn base(&self) -> DeviceAddr {
+        self.reservation.base()
+    }
+
+    /// Bytes per chunk.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk
+    }
+
+    /// Bytes of address space per tag.
+    pub fn region_size(&self) -> usize {
+        self.region_size
+    }
+
+    /// The tag whose region holds `addr`, if it lies in the reservation.
+    pub fn tag_of(&self, addr: DeviceAddr) -> Option<Tag> {
+        let base = self.reservation.base().0;
+        let off = addr.0.checked_sub(base)?;
+        let i = off / self.region_size as u64;
+        (i < self.state().regions.len() as u64).then_some(Tag(i as u32))
+    }
+
+    fn region_index(&self, st: &State, tag: Tag) -> Result<usize> {
+        if tag.index() < st.regions.len() {
+            Ok(tag.index())
+        } else {
+            Err(Error::Unsupported {
+                resource: NAME,
+                reason: format!(
+                    "tag {} is not one of this resource's ({} tags)",
+                    tag.0,
+                    st.regions.len()
+                ),
+            })
+        }
+    }
+
+    /// What it holds now, in total and per tag.
+    pub fn stats(&self) -> ServiceStats {
+        let st = self.state();
+        let chunk = self.chunk as u64;
+        let tags = st
+            .regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| TagStats {
+                tag: Tag(i as u32),
+                name: r.name.clone(),
+                asleep: r.asleep.as_ref().map(|s| s.mode),
+                used_bytes: r.used,
+                peak_used_bytes: r.peak_used,
+                live_allocations: r.live,
+                allocations: r.allocations,
+                frees: r.frees,
+                mapped_bytes: r.table.mapped_count() as u64 * chunk,
+                offloaded_bytes: r
+                    .asleep
+                    .as_ref()
+                    .and_then(|s| s.host.as_ref())
+                    .map_or(0, |h| h.len as u64),
+                largest_free_mapped: largest_free_mapped(r),
+                exports: r.exports,
+            })
+            .collect();
+        ServiceStats {
+            mapped_bytes: st.mapped_chunks() * chunk,
+            peak_mapped_bytes: st.peak_mapped,
+            used_bytes: st.used,
+            peak_used_bytes: st.peak_used,
+            reservation_bytes: self.reservation.size() as u64,
+            chunk_size: chunk,
+            reclaims: st.reclaims,
+            reclaimed_bytes: st.reclaimed_bytes,
+            tags,
+        }
+    }
+
+    /// Sets every peak (the resource's and each tag's) to the current value. The watermark's reference is
+    /// the peak of live bytes, so this also lets the resource hold less from now on.
+    pub fn reset_peaks(&self) {
+        let mut st = self.state();
+        st.peak_used = st.used;
+        st.peak_mapped = st.mapped_chunks() * self.chunk as u64;
+        for r in &mut st.regions {
+            r.peak_used = r.used;
+        }
+    }
+
+    /// Waits for the device, then unmaps and releases every chunk no live allocation touches (every tag
+    /// that is awake). Returns the bytes released.
+    pub fn trim(&self) -> Result<u64> {
+        let mut st = self.state();
+        self.unmap_idle(&mut st, None)
+    }
+
+    /// Unmaps every idle chunk of the awake tags, except those in `keep` (a region and its chunks), after
+    /// waiting for the device.
+    fn unmap_idle(&self, st: &mut State, keep: Option<(usize, Range<usize>)>) -> Result<u64> {
+        let mut plan: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (ri, r) in st.regions.iter().enumerate() {
+            if r.asleep.is_some() {
+                continue;
+            }
+            let idle: Vec<usize> = r
+                .table
+                .idle()
+                .into_iter()
+                .filter(|c| !matches!(&keep, Some((k, span)) if *k == ri && span.contains(c)))
+                .collect();
+            if !idle.is_empty() {
+                plan.push((ri, idle));
+            }
+        }
+        if plan.is_empty() {
+            return Ok(0);
+        }
+        // Frees were stream-ordered; unmapping is not: wait until no work can touch the chunks.
+        self.ctx.synchronize()?;
+        let mut released = 0u64;
+        for (ri, idle) in plan {
+            released += self.unmap_chunks(st, ri, &idle);
+        }
+        st.reclaimed_bytes += released;
+        Ok(released)
+    }
+
+    /// Tells the observers, then unmaps and releases `chunks` (sorted, mapped) of region `ri`. The device
+    /// has been waited for. Returns the bytes released.
+    fn unmap_chunks(&self, st: &mut State, ri: usize, chunks: &[usize]) -> u64 {
+        let tag = Tag(ri as u32);
+        for run in runs(chunks.iter().copied()) {
+            let range = ChunkRange {
+                tag,
+                addr: DeviceAddr(st.regions[ri].table.addr(run.start)),
+                len: run.len() * self.chunk,
+            };
+            for (_, o) in &st.observers {
+                o.unmapping(range);
+            }
+        }
+        let r = &mut st.regions[ri];
+        for &i in chunks {
+            r.chunks[i] = None; // unmaps (the mapping waits for the device again: cheap once idle)
+            r.table.set_mapped(i, false);
+        }
+        (chunks.len() * self.chunk) as u64
+    }
+
+    /// Maps `chunks` (sorted, unmapped) of region `ri`, a run at a time, one access grant per run, and
+    /// tells the observers. On failure, what this call mapped is unmapped again.
+    fn map_chunks(&self, st: &mut State, ri: usize, chunks: &[usize]) -> Result<()> {
+        let mut done: Vec<usize> = Vec::with_capacity(chunks.len());
+        let result = (|| -> Result<()> {
+            for run in runs(chunks.iter().copied()) {
+                self.map_run(st, ri, run, &mut done)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.undo_maps(st, ri, &done);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Maps one run of chunks of region `ri`, granting access once, and tells the observers; `done`
+    /// collects the chunks whose mapping is recorded (for an undo).
+    fn map_run(&self, st: &mut State, ri: usize, run: Range<usize>, done: &mut Vec<usize>) -> Result<()> {
+        let mut recorded = Vec::with_capacity(run.len());
+        for i in run.clone() {
+            let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
+            let offset = ri * self.region_size + st.regions[ri].table.offset(i);
+            let m = Mapping::without_access(&self.reservation, offset, phys);
+            let m = match m {
+                Ok(m) => m,
+                Err(e) => {
+                    done.extend(recorded);
+                    return Err(e.into());
+                }
+            };
+            let r = &mut st.regions[ri];
+            r.chunks[i] = Some(m);
+            r.table.set_mapped(i, true);
+            recorded.push(i);
+        }
+        done.extend(recorded);
+        let offset = ri * self.region_size + st.regions[ri].table.offset(run.start);
+        self.reservation.set_access(
+            offset,
+            run.len() * self.chunk,
+            &[(self.props.device, Access::ReadWrite)],
+        )?;
+        let range = ChunkRange {
+            tag: Tag(ri as u32),
+            addr: self.reservation.base().offset(offset),
+            len: run.len() * self.chunk,
+        };
+        for (_, o) in &st.observers {
+            o.mapped(range);
+        }
+        let mapped = st.mapped_chunks() * self.chunk as u64;
+        st.peak_mapped = st.peak_mapped.max(mapped);
+        Ok(())
+    }
+
+    /// Unmaps chunks a failed call mapped (nothing used them). Observers that were told of them are told
+    /// of the unmapping.
+    fn undo_maps(&self, st: &mut State, ri: usize, done: &[usize]) {
+        if done.is_empty() {
+            return;
+        }
+        let mut sorted = done.to_vec();
+        sorted.sort_unstable();
+        self.unmap_chunks(st, ri, &sorted);
+    }
+
+    /// Allocates `bytes` under `tag`, ordered on `stream`. Errors: a tag that is not this resource's, a
+    /// sleeping tag, out of memory (naming the size, what is held and live, the largest free block and the
+    /// device's free memory).
+    pub fn allocate_tagged(&self, bytes: usize, tag: Tag, stream: StreamRef<'_>) -> Result<DeviceAddr> {
+        if bytes == 0 {
+            return Ok(DeviceAddr::NULL);
+        }
+        let rounded = suballoc::align_up(bytes as u64).ok_or(Error::OutOfMemory {
+            resource: NAME,
+            requested: bytes,
+        })?;
+        let mut st = self.state();
+        let ri = self.region_index(&st, tag)?;
+        if st.regions[ri].asleep.is_some() {
+            return Err(asleep_error(&st.regions[ri].name, "allocate from"));
+        }
+        let key = StreamKey::of(stream);
+        let addr = match st.regions[ri].engine.allocate(bytes as u64, key) {
+            Ok(a) => a,
+            Err(e) => {
+                let e = map_engine_error(NAME, e);
+                return Err(if e.is_out_of_memory() {
+                    self.oom(&st, ri, bytes)
+                } else {
+                    e
+                });
+            }
+        };
+        let span = st.regions[ri].table.span(addr, rounded);
+        st.regions[ri].table.acquire(span.clone());
+        if span.clone().any(|i| !st.regions[ri].table.is_mapped(i)) {
+            if let Err(e) = self.grow(&mut st, ri, span.clone(), rounded) {
+                let r = &mut st.regions[ri];
+                r.table.release(span);
+                // The block was never handed out: nothing used it, so it goes straight back.
+                let _ = r.engine.deallocate(addr, bytes as u64, key);
+                return Err(if e.is_out_of_memory() {
+                    self.oom(&st, ri, bytes)
+                } else {
+                    e
+                });
+            }
+        }
+        st.used += rounded;
+        st.peak_used = st.peak_used.max(st.used);
+        let r = &mut st.regions[ri];
+        r.used += rounded;
+        r.peak_used = r.peak_used.max(r.used);
+        r.live += 1;
+        r.allocations += 1;
+        Ok(DeviceAddr(addr))
+    }
+
+    /// Maps the unmapped chunks of `span` in region `ri` for an allocation of `rounded` bytes, reclaiming
+    /// idle chunks first when the policy says so, and once more after running out of memory.
+    fn grow(&self, st: &mut State, ri: usize, span: Range<usize>, rounded: u64) -> Result<()> {
+        let need = st.regions[ri].table.unmapped(span.clone());
+        let new = (need.len() * self.chunk) as u64;
+        let reclaim = match self.reclaim {
+            Reclaim::OnOutOfMemory => false,
+            Reclaim::BeforeGrowth => true,
+            Reclaim::Watermark { percent } => {
+                let mapped = st.mapped_chunks() * self.chunk as u64;
+                over_watermark(mapped, new, st.peak_used.max(st.used + rounded), percent)
+            }
+        };
+        if reclaim {
+            // The span's chunks are acquired, so they are not idle: only others are unmapped.
+            if self.unmap_idle(st, Some((ri, span.clone())))? > 0 {
+                st.reclaims += 1;
+            }
+        }
+        let mut result = self.map_chunks(st, ri, &need);
+        if matches!(&result, Err(e) if e.is_out_of_memory()) {
+            // Give back what no live allocation touches, then try once more.
+            result = self
+                .unmap_idle(st, Some((ri, span)))
+                .and_then(|_| self.map_chunks(st, ri, &need));
+        }
+        result
+    }
+
+    /// The out-of-memory error for `bytes` under region `ri`, with what the resource holds.
+    fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
+        let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
+        Error::OutOfMemoryHeld {
+            resource: NAME,
+            requested: bytes,
+            tag: st.regions[ri].name.clone(),
+            held: st.mapped_chunks() * self.chunk as u64,
+            live: st.used,
+            largest_free: largest_free_mapped(&st.regions[ri]),
+            device_free,
+        }
+    }
+
+    /// Frees an allocation (of any tag) on `stream`.
+    fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
+        let mut st = self.state();
+        let base = self.reservation.base().0;
+        let ri = ptr
+            .0
+            .checked_sub(base)
+            .map(|off| (off / self.region_size as u64) as usize)
+            .filter(|&i| i < st.regions.len())
+            .ok_or_else(|| Error::InvalidDeallocation {
+                resource: NAME,
+                ptr: ptr.0,
+                bytes,
+                reason: "the address is not in the resource's reservation".into(),
+            })?;
+        if !st.regions[ri].table.contains(ptr.0, rounded.max(1)) {
+            return Err(Error::InvalidDeallocation {
+                resource: NAME,
+                ptr: ptr.0,
+                bytes,
+                reason: format!("the range runs past the end of tag `{}`'s region", st.regions[ri].name),
+            });
+        }
+        if st.regions[ri].asleep.is_some() {
+            return Err(asleep_error(&st.regions[ri].name, "free into"));
+        }
+        let r = &mut st.regions[ri];
+        // The engine refuses an address or size that is not a live allocation, before the table changes.
+        r.engine
+            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
+            .map_err(|e| map_engine_error(NAME, e))?;
+        let span = r.table.span(ptr.0, rounded);
+        r.table.release(span);
+        r.used -= rounded;
+        r.live -= 1;
+        r.frees += 1;
+        st.used -= rounded;
+        Ok(())
+    }
+
+    /// Releases the physical memory of `tags`, keeping their addresses (and their live allocations)
+    /// reserved: with [`SleepMode::Offload`] the chunks live allocations touch are first copied to pinned
+    /// host memory, ordered on `stream`; with [`SleepMode::Discard`] their contents are lost. The device
+    /// is waited for before anything is unmapped, and observers are told.
+    ///
+    /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
+    /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending
+    /// (synchronize it first: sleeping memory a queued kernel still uses would fault it); out of pinned
+    /// host memory for the offload.
+    pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
+        let mut st = self.state();
+        let mut idx = Vec::with_capacity(tags.len());
+        for &t in tags {
+            let ri = self.region_index(&st, t)?;
+            let r = &st.regions[ri];
+            if r.asleep.is_some() {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: format!("tag `{}` is already asleep", r.name),
+                });
+            }
+            if r.exports > 0 {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: format!(
+                        "tag `{}` cannot sleep: {} of its ranges are shared with another process (each is \
+                         released when its importers let go)",
+                        r.name, r.exports
+                    ),
+                });
+            }
+            if !idx.contains(&ri) {
+                idx.push(ri);
+            }
+        }
+        self.check_idle(stream)?;
+        self.ctx.synchronize()?;
+        let mut report = SleepReport::default();
+        for &ri in &idx {
+            let touched: Vec<usize> = st.regions[ri]
+                .table
+                .mapped_chunks()
+                .into_iter()
+                .filter(|&i| st.regions[ri].table.is_touched(i))
+                .collect();
+            let host = match mode {
+                SleepMode::Discard => None,
+                SleepMode::Offload if touched.is_empty() => None,
+                SleepMode::Offload => {
+                    let host = PinnedHost::new(&self.ctx, touched.len() * self.chunk)?;
+                    self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream)?;
+                    stream.synchronize()?;
+                    report.offloaded_bytes += host.len as u64;
+                    Some(host)
+                }
+            };
+            let mapped = st.regions[ri].table.mapped_chunks();
+            report.released_bytes += self.unmap_chunks(&mut st, ri, &mapped);
+            st.regions[ri].asleep = Some(Sleeping {
+                mode,
+                chunks: touched,
+                host,
+            });
+        }
+        Ok(report)
+    }
+
+    /// Maps the memory of sleeping `tags` back at the same addresses (the chunks live allocations touched
+    /// when they fell asleep) and, for offloaded tags, copies the contents back, ordered on `stream`; waits
+    /// for `stream` before it returns. Observers are told. Tags that are awake are skipped.
+    ///
+    /// On a failure (out of memory), what this call mapped for the failing tag is unmapped again and the
+    /// tag stays asleep with its saved contents: nothing is lost, and `wake` can be called again.
+    pub fn wake(&self, tags: &[Tag], stream: StreamRef<'_>) -> Result<WakeReport> {
+        let mut st = self.state();
+        for &t in tags {
+            self.region_index(&st, t)?;
+        }
+        let mut report = WakeReport::default();
+        for &t in tags {
+            let ri = t.index();
+            let Some(sleeping) = st.regions[ri].asleep.take() else {
+                continue;
+            };
+            match self.restore(&mut st, ri, &sleeping, stream) {
+                Ok(()) => {
+                    report.mapped_bytes += (sleeping.chunks.len() * self.chunk) as u64;
+                    report.restored_bytes += sleeping.host.as_ref().map_or(0, |h| h.len as u64);
+                    // The copies were waited for: the host memory can go.
+                    drop(sleeping);
+                }
+                Err(e) => {
+                    st.regions[ri].asleep = Some(sleeping);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Maps `sleeping`'s chunks of region `ri` back in batches, queuing each batch's copy before mapping
+    /// the next, then waits for `stream`.
+    fn restore(&self, st: &mut State, ri: usize, sleeping: &Sleeping, stream: StreamRef<'_>) -> Result<()> {
+        let mut done: Vec<usize> = Vec::with_capacity(sleeping.chunks.len());
+        let result = (|| -> Result<()> {
+            let mut k = 0;
+            for run in runs(sleeping.chunks.iter().copied()) {
+                let mut start = run.start;
+                while start < run.end {
+                    let end = (start + WAKE_BATCH).min(run.end);
+                    self.map_run(st, ri, start..end, &mut done)?;
+                    if let Some(host) = &sleeping.host {
+                        let chunks: Vec<usize> = (start..end).collect();
+                        self.copy_at(&st.regions[ri].table, &chunks, host, k, Direction::Restore, stream)?;
+                    }
+                    k += end - start;
+                    start = end;
+                }
+            }
+            stream.synchronize()?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            // Copies already queued read the host memory and write chunks about to be unmapped: wait.
+            let _ = stream.synchronize();
+            let _ = self.ctx.synchronize();
+            self.undo_maps(st, ri, &done);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Queues copies between `chunks` (sorted, mapped, chunk `chunks[k]` at `k * chunk` of `host`) and
+    /// `host`, one per run.
+    fn copy_runs(
+        &self,
+        table: &ChunkTable,
+        chunks: &[usize],
+        host: &PinnedHost,
+        dir: Direction,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        self.copy_at(table, chunks, host, 0, dir, stream)
+    }
+
+    /// As [`copy_runs`](Self::copy_runs), for chunks saved from position `first` of `host` on.
+    fn copy_at(
+        &self,
+        table: &ChunkTable,
+        chunks: &[usize],
+        host: &PinnedHost,
+        first: usize,
+        dir: Direction,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        let mut k = first;
+        for run in runs(chunks.iter().copied()) {
+            let dev = DeviceAddr(table.addr(run.start));
+            let len = run.len() * self.chunk;
+            let at = host.addr(k * self.chunk);
+            if (k + run.len()) * self.chunk > host.len {
+                return Err(Error::Unsupported {
+                    resource: NAME,
+                    reason: "internal: a copy would run past the host buffer".into(),
+                });
+            }
+            let (dst, src) = match dir {
+                Direction::Save => (at, dev),
+                Direction::Restore => (dev, at),
+            };
+            // SAFETY: 1. `dev..dev+len` is mapped (the chunks are mapped, with read-write access for the
+            // device) and stays mapped until the copy completes: sleep and wake wait for `stream` before
+            // anything is unmapped or the host memory freed. `at..at+len` lies inside `host` (checked
+            // above), page-locked memory the copy engines reach at its unified address, alive until the
+            // same wait.
+            #[allow(unsafe_code)]
+            unsafe { mempool_core::memory::copy_device_async(&self.ctx, dst, src, len, stream) }?;
+            k += run.len();
+        }
+        Ok(())
+    }
+
+    /// Refuses when `stream` has work still queued.
+    fn check_idle(&self, stream: StreamRef<'_>) -> Result<()> {
+        let ev = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
+        ev.record(stream)?;
+        if !ev.is_complete()? {
+            return Err(Error::Unsupported {
+                resource: NAME,
+                reason: "cannot sleep while the stream given has work still queued (it may use the memory \
+                         being released): synchronize it first"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Attaches `observer`: it is told of every run mapped now, at once, and of every later map and unmap
+    /// until [`detach`](Self::detach).
+    pub fn attach(&self, observer: Arc<dyn ChunkObserver>) -> ObserverId {
+        let mut st = self.state();
+        for (ri, r) in st.regions.iter().enumerate() {
+            for run in runs(r.table.mapped_chunks().into_iter()) {
+                observer.mapped(ChunkRange {
+                    tag: Tag(ri as u32),
+                    addr: DeviceAddr(r.table.addr(run.start)),
+                    len: run.len() * self.chunk,
+                });
+            }
+        }
+        let id = ObserverId(st.next_observer);
+        st.next_observer += 1;
+        st.observers.push((id, observer));
+        id
+    }
+
+    /// Detaches an observer: it is told that every run mapped now is unmapping (so that it lets go of
+    /// what it holds), then never called again. Returns whether it was attached.
+    pub fn detach(&self, id: ObserverId) -> bool {
+        let mut st = self.state();
+        let Some(pos) = st.observers.iter().position(|(i, _)| *i == id) else {
+            return false;
+        };
+        let (_, observer) = st.observers.remove(pos);
+        for (ri, r) in st.regions.iter().enumerate() {
+            for run in runs(r.table.mapped_chunks().into_iter()) {
+                observer.unmapping(ChunkRange {
+                    tag: Tag(ri as u32),
+                    addr: DeviceAddr(r.table.addr(run.start)),
+                    len: run.len() * self.chunk,
+                });
+            }
+        }
+        true
+    }
+
+    /// The physical chunks behind `addr..addr+len` (inside one tag's region, every chunk touched by a
+    /// live allocation), for sharing with another process, and a hold that keeps the tag from sleeping
+    /// until it is dropped. The first chunk starts `offset` bytes before `addr`.
+    ///
+    /// Errors: an empty range, a range outside the reservation or across two tags, a sleeping tag, a range
+    /// with a chunk no live allocation touches.
+    pub fn export(self: &Arc<Self>, addr: DeviceAddr, len: usize) -> Result<ServiceExport> {
+        let mut st = self.state();
+        let bad = |reason: String| Error::Unsupported { resource: NAME, reason };
+        if len == 0 {
+            return Err(bad("cannot export an empty range".into()));
+        }
+        let ri = addr
+            .0
+            .checked_sub(self.reservation.base().0)
+            .map(|off| (off / self.region_size as u64) as usize)
+            .filter(|&i| i < st.regions.len())
+            .ok_or_else(|| bad(format!("{addr} is not in the resource's reservation")))?;
+        let r = &st.regions[ri];
+        if !r.table.contains(addr.0, len as u64) {
+            return Err(bad(format!(
+                "{len} bytes at {addr} run past the end of tag `{}`'s region",
+                r.name
+            )));
+        }
+        if r.asleep.is_some() {
+            return Err(asleep_error(&r.name, "export from"));
+        }
+        let span = r.table.span(addr.0, len as u64);
+        if let Some(i) = span.clone().find(|&i| !r.table.is_touched(i) || !r.table.is_mapped(i)) {
+            return Err(bad(format!(
+                "{len} bytes at {addr} include the chunk at {} that no live allocation of tag `{}` touches",
+                DeviceAddr(r.table.addr(i)),
+                r.name
+            )));
+        }
+        let chunks: Vec<Arc<PhysicalAllocation>> = span
+            .clone()
+            .filter_map(|i| r.chunks[i].as_ref().map(|m| m.physical().clone()))
+            .collect();
+        let first = r.table.addr(span.start);
+        st.regions[ri].exports += 1;
+        Ok(ServiceExport {
+            owner: self.clone(),
+            tag: Tag(ri as u32),
+            chunks,
+            offset: (addr.0 - first) as usize,
+            len,
+        })
+    }
+
+    fn end_export(&self, tag: Tag) {
+        let mut st = self.state();
+        if let Some(r) = st.regions.get_mut(tag.index()) {
+            r.exports = r.exports.saturating_sub(1);
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Direction {
+    Save,
+    Restore,
+}
+
+fn asleep_error(name: &str, what: &str) -> Error {
+    Error::Unsupported {
+        resource: NAME,
+        reason: format!("cannot {what} tag `{name}`: it is asleep (wake it first)"),
+    }
+}
+
+/// The largest free block of region `r`'s engine that lies in mapped memory.
+fn largest_free_mapped(r: &Region) -> u64 {
+    r.engine
+        .free_blocks()
+        .map(|(_, b)| r.table.largest_mapped_piece(b.addr, b.addr + b.size))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Physical chunks of a [`ServiceResource`] handed out for sharing ([`ServiceResource::export`]): while it
+/// lives, the tag cannot sleep. It holds the chunks (so they outlive any unmapping here) and the resource.
+pub struct ServiceExport {
+    owner: Arc<ServiceResource>,
+    tag: Tag,
+    chunks: Vec<Arc<PhysicalAllocation>>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for ServiceExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceExport")
+            .field("tag", &self.tag)
+            .field("chunks", &self.chunks.len())
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl ServiceExport {
+    /// The physical chunks, in address order, each [`ServiceResource::chunk_size`] bytes.
+    pub fn chunks(&self) -> &[Arc<PhysicalAllocation>] {
+        &self.chunks
+    }
+
+    /// Where the range starts in the first chunk.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The range's length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: an export has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The tag it belongs to.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// The resource it came from.
+    pub fn resource(&self) -> &Arc<ServiceResource> {
+        &self.owner
+    }
+}
+
+impl Drop for ServiceExport {
+    fn drop(&mut self) {
+        self.owner.end_export(self.tag);
+    }
+}
+
+// SAFETY: each region's engine hands out disjoint, aligned ranges of its region (its invariants, tested on
+// the host), and regions are disjoint; `allocate` maps every chunk of the range before returning it, and a
+// chunk a live allocation touches is unmapped only by `sleep`, which keeps the addresses reserved for
+// `wake` (the memory is not handed to anyone else: the same addresses come back mapped to the same
+// allocation); a range is handed out again only after `deallocate` returned it. The memory stays valid
+// while `self` lives, except while its tag sleeps, which its owner asks for.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for ServiceResource {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
+        self.allocate_tagged(bytes, Tag::DEFAULT, stream)
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        self.deallocate_inner(ptr, bytes, stream)
+    }
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+}
+
+impl Drop for ServiceResource {
+    /// Returns everything, live allocations included, as RMM's resources do when destroyed: waits for the
+    /// device, tells the observers, unmaps and releases every chunk, then frees the range. Errors go to
+    /// `mempool_core::take_drop_errors`.
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        for r in &mut st.regions {
+            let _ = r.engine.release();
+        }
+        let _ = self.ctx.synchronize();
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        for ri in 0..st.regions.len() {
+            let mapped = st.regions[ri].table.mapped_chunks();
+            for run in runs(mapped.iter().copied()) {
+                let range = ChunkRange {
+                    tag: Tag(ri as u32),
+                    addr: DeviceAddr(st.regions[ri].table.addr(run.start)),
+                    len: run.len() * self.chunk,
+                };
+                for (_, o) in &st.observers {
+                    o.unmapping(range);
+                }
+            }
+            st.regions[ri].chunks.clear();
+        }
+    }
+}
+
+/// A [`ServiceResource`] seen as a [`MemoryResource`] that allocates under one tag
+/// ([`ServiceResource::tagged`]). Frees go to whichever tag the address lies in.
+#[derive(Clone, Debug)]
+pub struct TaggedResource {
+    inner: Arc<ServiceResource>,
+    tag: Tag,
+}
+
+impl TaggedResource {
+    /// Its tag.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// The resource it allocates from.
+    pub fn resource(&self) -> &Arc<ServiceResource> {
+        &self.inner
+    }
+}
+
+// SAFETY: forwards to the `ServiceResource`, whose impl upholds the contract; `is_equal` holds only for
+// views of the same resource, which free each other's memory (a free finds the tag by address).
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for TaggedResource {
+    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
+        self.inner.allocate_tagged(bytes, self.tag, stream)
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        self.inner.deallocate_inner(ptr, bytes, stream)
+    }
+
+    fn is_equal(&self, other: &dyn MemoryResource) -> bool {
+        std::ptr::addr_eq(self as *const Self, other as *const dyn MemoryResource)
+    }
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_engine_sees_one_segment_and_never_more() {
+        let up = WholeRange::new(1 << 40, 64 * MIB);
+        let key = StreamKey::of(StreamRef::LEGACY);
+        assert_eq!(up.allocate(64 * MIB, key).unwrap(), 1 << 40);
+        assert!(
+            matches!(up.allocate(MIB, key), Err(suballoc::Error::OutOfMemory { requested, .. }) if requested == MIB)
+        );
+        up.deallocate(1 << 40, 64 * MIB, key).unwrap();
+        assert!(up.allocate(65 * MIB, key).is_err(), "more than the range");
+        assert_eq!(up.allocate(MIB, key).unwrap(), 1 << 40);
+    }
+}

@@ -1,0 +1,276 @@
+//! The service resource's bookkeeping, free of CUDA so that host tests check it: which chunks of a range
+//! live allocations touch and which are mapped ([`ChunkTable`], also the expandable resource's), tag
+//! names, and the reclaim policy's arithmetic.
+
+use std::ops::Range;
+
+/// Which chunks of a range live allocations touch, and which are mapped.
+#[derive(Debug)]
+pub(crate) struct ChunkTable {
+    base: u64,
+    chunk: u64,
+    /// Per chunk: how many live allocations overlap it.
+    live: Vec<u32>,
+    /// Per chunk: whether it is mapped.
+    mapped: Vec<bool>,
+    mapped_count: usize,
+    peak_mapped: usize,
+}
+
+impl ChunkTable {
+    pub(crate) fn new(base: u64, size: u64, chunk: u64) -> ChunkTable {
+        let n = size.div_ceil(chunk) as usize;
+        ChunkTable {
+            base,
+            chunk,
+            live: vec![0; n],
+            mapped: vec![false; n],
+            mapped_count: 0,
+            peak_mapped: 0,
+        }
+    }
+
+    /// How many chunks the range has.
+    pub(crate) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The chunks `addr..addr+bytes` overlaps (`bytes > 0`, inside the range).
+    pub(crate) fn span(&self, addr: u64, bytes: u64) -> Range<usize> {
+        let first = (addr - self.base) / self.chunk;
+        let last = (addr - self.base + bytes - 1) / self.chunk;
+        first as usize..last as usize + 1
+    }
+
+    /// Whether `addr..addr+bytes` lies inside the range.
+    pub(crate) fn contains(&self, addr: u64, bytes: u64) -> bool {
+        let end = self.base + self.live.len() as u64 * self.chunk;
+        addr >= self.base && addr.checked_add(bytes).is_some_and(|e| e <= end)
+    }
+
+    /// The chunks of `span` that are not mapped.
+    pub(crate) fn unmapped(&self, span: Range<usize>) -> Vec<usize> {
+        span.filter(|&i| !self.mapped[i]).collect()
+    }
+
+    pub(crate) fn is_mapped(&self, i: usize) -> bool {
+        self.mapped[i]
+    }
+
+    pub(crate) fn set_mapped(&mut self, i: usize, mapped: bool) {
+        if self.mapped[i] != mapped {
+            self.mapped[i] = mapped;
+            if mapped {
+                self.mapped_count += 1;
+                self.peak_mapped = self.peak_mapped.max(self.mapped_count);
+            } else {
+                self.mapped_count -= 1;
+            }
+        }
+    }
+
+    pub(crate) fn acquire(&mut self, span: Range<usize>) {
+        for i in span {
+            self.live[i] += 1;
+        }
+    }
+
+    pub(crate) fn release(&mut self, span: Range<usize>) {
+        for i in span {
+            self.live[i] = self.live[i].saturating_sub(1);
+        }
+    }
+
+    /// Whether a live allocation touches chunk `i`.
+    pub(crate) fn is_touched(&self, i: usize) -> bool {
+        self.live[i] > 0
+    }
+
+    /// Mapped chunks no live allocation touches: what trimming unmaps.
+    pub(crate) fn idle(&self) -> Vec<usize> {
+        (0..self.live.len())
+            .filter(|&i| self.mapped[i] && self.live[i] == 0)
+            .collect()
+    }
+
+    /// Every mapped chunk.
+    pub(crate) fn mapped_chunks(&self) -> Vec<usize> {
+        (0..self.live.len()).filter(|&i| self.mapped[i]).collect()
+    }
+
+    /// Chunks mapped now.
+    pub(crate) fn mapped_count(&self) -> usize {
+        self.mapped_count
+    }
+
+    /// The most chunks mapped at once.
+    pub(crate) fn peak_mapped(&self) -> usize {
+        self.peak_mapped
+    }
+
+    /// The offset of chunk `i` in the range.
+    pub(crate) fn offset(&self, i: usize) -> usize {
+        (i as u64 * self.chunk) as usize
+    }
+
+    /// The address of chunk `i`.
+    pub(crate) fn addr(&self, i: usize) -> u64 {
+        self.base + i as u64 * self.chunk
+    }
+
+    /// The part of `start..end` covered by mapped chunks, as its largest contiguous piece: how a free
+    /// block of the engine is usable without mapping anything.
+    pub(crate) fn largest_mapped_piece(&self, start: u64, end: u64) -> u64 {
+        if end <= start {
+            return 0;
+        }
+        let (mut best, mut run_start) = (0u64, None::<u64>);
+        let span = self.span(start, end - start);
+        for i in span {
+            let lo = self.addr(i).max(start);
+            let hi = (self.addr(i) + self.chunk).min(end);
+            if self.mapped[i] {
+                let s = *run_start.get_or_insert(lo);
+                best = best.max(hi - s);
+            } else {
+                run_start = None;
+            }
+        }
+        best
+    }
+}
+
+/// Splits sorted chunk indices into runs of consecutive ones.
+pub(crate) fn runs(mut chunks: impl Iterator<Item = usize>) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let Some(first) = chunks.next() else {
+        return out;
+    };
+    let mut cur = first..first + 1;
+    for i in chunks {
+        if i == cur.end {
+            cur.end += 1;
+        } else {
+            out.push(std::mem::replace(&mut cur, i..i + 1));
+        }
+    }
+    out.push(cur);
+    out
+}
+
+/// The longest tag name.
+pub const MAX_TAG_NAME: usize = 64;
+
+/// Checks a tag name: 1 to [`MAX_TAG_NAME`] bytes of ASCII letters, digits, `_`, `-`, `.` and `:`.
+pub(crate) fn check_tag_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_TAG_NAME {
+        return Err(format!(
+            "a tag name has 1 to {MAX_TAG_NAME} characters; `{}` has {}",
+            name.escape_debug(),
+            name.len()
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':')))
+    {
+        return Err(format!(
+            "a tag name has only ASCII letters, digits, `_`, `-`, `.` and `:`; `{}` has {:?}",
+            name.escape_debug(),
+            c
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the watermark policy unmaps idle chunks before mapping `new` more bytes: when the bytes mapped
+/// would pass `(100 + percent)%` of the reference, the most bytes ever live (this allocation's included).
+pub(crate) fn over_watermark(mapped: u64, new: u64, peak_live: u64, percent: u32) -> bool {
+    let limit = (peak_live as u128 * (100 + percent as u128)) / 100;
+    (mapped as u128 + new as u128) > limit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn spans_cover_the_chunks_a_block_touches() {
+        let t = ChunkTable::new(1 << 40, 64 * MIB, 2 * MIB);
+        assert_eq!(t.len(), 32);
+        let b = 1u64 << 40;
+        assert_eq!(t.span(b, 1), 0..1);
+        assert_eq!(t.span(b, 2 * MIB), 0..1);
+        assert_eq!(t.span(b, 2 * MIB + 1), 0..2);
+        assert_eq!(t.span(b + 2 * MIB - 256, 512), 0..2, "a block across a chunk boundary");
+        assert_eq!(t.span(b + 62 * MIB, 2 * MIB), 31..32);
+        assert_eq!(t.offset(3), (6 * MIB) as usize);
+        assert!(t.contains(b, 64 * MIB));
+        assert!(!t.contains(b, 64 * MIB + 1));
+        assert!(!t.contains(b - 1, 1));
+        assert!(!t.contains(u64::MAX, 2), "no overflow");
+    }
+
+    #[test]
+    fn idle_chunks_are_mapped_ones_no_block_touches() {
+        let mut t = ChunkTable::new(0, 16 * MIB, 2 * MIB);
+        let a = t.span(0, 3 * MIB); // chunks 0, 1
+        let b = t.span(3 * MIB, 4 * MIB); // chunks 1, 2, 3
+        t.acquire(a.clone());
+        t.acquire(b.clone());
+        assert_eq!(t.unmapped(0..4), vec![0, 1, 2, 3]);
+        for i in 0..4 {
+            t.set_mapped(i, true);
+        }
+        assert_eq!(t.unmapped(0..4), Vec::<usize>::new());
+        assert!(t.idle().is_empty());
+        t.release(a);
+        assert_eq!(t.idle(), vec![0], "chunk 1 is still touched by b");
+        t.release(b);
+        assert_eq!(t.idle(), vec![0, 1, 2, 3]);
+        t.set_mapped(0, false);
+        t.set_mapped(0, false); // idempotent
+        assert_eq!(t.mapped_count(), 3);
+        assert_eq!(t.peak_mapped(), 4);
+        assert_eq!(t.mapped_chunks(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn the_largest_mapped_piece_of_a_free_block_stops_at_unmapped_chunks() {
+        let mut t = ChunkTable::new(0, 16 * MIB, 2 * MIB);
+        for i in [0, 1, 3, 4, 5] {
+            t.set_mapped(i, true);
+        }
+        assert_eq!(t.largest_mapped_piece(MIB, 5 * MIB), 3 * MIB, "chunks 0-1 from 1 MiB");
+        assert_eq!(t.largest_mapped_piece(MIB, 12 * MIB), 6 * MIB, "chunks 3-5");
+        assert_eq!(t.largest_mapped_piece(4 * MIB, 6 * MIB), 0, "chunk 2 is not mapped");
+        assert_eq!(t.largest_mapped_piece(5 * MIB, 5 * MIB), 0);
+    }
+
+    #[test]
+    fn runs_group_consecutive_chunks() {
+        assert_eq!(runs([1, 2, 3, 7, 9, 10].into_iter()), vec![1..4, 7..8, 9..11]);
+        assert!(runs(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn tag_names_are_checked() {
+        assert!(check_tag_name("kv-cache").is_ok());
+        assert!(check_tag_name("weights.v2:layer_0").is_ok());
+        assert!(check_tag_name("").unwrap_err().contains("1 to 64"));
+        assert!(check_tag_name(&"x".repeat(65)).is_err());
+        assert!(check_tag_name("a b").unwrap_err().contains("' '"));
+        assert!(check_tag_name("é").is_err());
+    }
+
+    #[test]
+    fn the_watermark_compares_mapped_and_new_bytes_with_the_peak_of_live_bytes() {
+        // 1.5 GiB mapped, 512 MiB more, peak live 1.5 GiB: 2 GiB > 1.65 GiB.
+        assert!(over_watermark(1536 * MIB, 512 * MIB, 1536 * MIB, 10));
+        assert!(!over_watermark(1536 * MIB, 100 * MIB, 1536 * MIB, 10));
+        assert!(!over_watermark(0, 0, 0, 0));
+        assert!(over_watermark(u64::MAX, u64::MAX, u64::MAX, 0), "no overflow");
+    }
+}
