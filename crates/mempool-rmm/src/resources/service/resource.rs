@@ -1,6 +1,7 @@
 //! [`ServiceResource`]: one reservation per device, a region of it per tag, each region suballocated by
 //! the pool engine as one segment and backed by physical chunks mapped where allocations land.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -21,6 +22,16 @@ use crate::resources::service::types::{
 use crate::resources::suballoc::{map_engine_error, CudaStreams, StreamKey};
 
 const NAME: &str = "ServiceResource";
+
+/// The most chunks one physical allocation (one mapping) spans. Growth and wake map a run of chunks as
+/// few allocations as this allows: the driver's cost is per call (create, map), not per byte, so a run of
+/// 64 MiB is one call where 2 MiB chunks would be 32; a mapping is unmapped only when no live allocation
+/// touches any of its chunks, so this also bounds how much an idle chunk can be kept mapped by a live
+/// neighbour in its mapping.
+const GROUP_CHUNKS: usize = 32;
+
+/// Marks a chunk that belongs to no mapping.
+const NO_GROUP: u32 = u32::MAX;
 
 /// Chunks restored per batch on wake (map, grant access, queue the copy), so that mapping the next batch
 /// overlaps the copy of this one.
@@ -117,8 +128,10 @@ struct Region {
     name: String,
     engine: PoolEngine<WholeRange, CudaStreams>,
     table: ChunkTable,
-    /// `chunks[i]` maps chunk `i` when `table` says it is mapped.
-    chunks: Vec<Option<Mapping>>,
+    /// Per chunk: the first chunk of the mapping it belongs to ([`NO_GROUP`] when unmapped).
+    group_of: Vec<u32>,
+    /// The mappings, by their first chunk; each spans `len / chunk` chunks, all marked mapped in `table`.
+    mappings: HashMap<usize, Mapping>,
     asleep: Option<Sleeping>,
     used: u64,
     peak_used: u64,
@@ -137,6 +150,9 @@ struct State {
     reclaimed_bytes: u64,
     observers: Vec<(ObserverId, Arc<dyn ChunkObserver>)>,
     next_observer: u64,
+    /// Pinned host buffers that held offloaded tags, kept for the next offload: pinning and unpinning
+    /// host memory costs far more than the copies (as PyTorch's pinned-memory cache keeps its blocks).
+    host_cache: Vec<PinnedHost>,
 }
 
 impl State {
@@ -318,6 +334,7 @@ impl ServiceResource {
                 reclaimed_bytes: 0,
                 observers: Vec::new(),
                 next_observer: 0,
+                host_cache: Vec::new(),
             }),
             reservation,
             props,
@@ -352,12 +369,13 @@ impl ServiceResource {
         )
         .map_err(|e| map_engine_error(NAME, e))?;
         let table = ChunkTable::new(base, self.region_size as u64, self.chunk as u64);
-        let chunks = (0..table.len()).map(|_| None).collect();
+        let group_of = vec![NO_GROUP; table.len()];
         st.regions.push(Region {
             name,
             engine,
             table,
-            chunks,
+            group_of,
+            mappings: HashMap::new(),
             asleep: None,
             used: 0,
             peak_used: 0,
@@ -478,8 +496,8 @@ impl ServiceResource {
                 offloaded_bytes: r
                     .asleep
                     .as_ref()
-                    .and_then(|s| s.host.as_ref())
-                    .map_or(0, |h| h.len as u64),
+                    .filter(|s| s.host.is_some())
+                    .map_or(0, |s| (s.chunks.len() * self.chunk) as u64),
                 largest_free_mapped: largest_free_mapped(r),
                 exports: r.exports,
             })
@@ -493,6 +511,7 @@ impl ServiceResource {
             chunk_size: chunk,
             reclaims: st.reclaims,
             reclaimed_bytes: st.reclaimed_bytes,
+            host_cache_bytes: st.host_cache.iter().map(|h| h.len as u64).sum(),
             tags,
         }
     }
@@ -506,6 +525,13 @@ impl ServiceResource {
         for r in &mut st.regions {
             r.peak_used = r.used;
         }
+    }
+
+    /// Frees the pinned host buffers kept from earlier offloads (see [`ServiceStats::host_cache_bytes`]).
+    /// Returns the bytes freed.
+    pub fn release_host_cache(&self) -> u64 {
+        let cache = std::mem::take(&mut self.state().host_cache);
+        cache.iter().map(|h| h.len as u64).sum()
     }
 
     /// Waits for the device, then unmaps and releases every chunk no live allocation touches (every tag
@@ -523,13 +549,19 @@ impl ServiceResource {
             if r.asleep.is_some() {
                 continue;
             }
-            let idle: Vec<usize> = r
-                .table
-                .idle()
-                .into_iter()
-                .filter(|c| !matches!(&keep, Some((k, span)) if *k == ri && span.contains(c)))
+            let chunk = self.chunk;
+            let mut idle: Vec<usize> = r
+                .mappings
+                .iter()
+                .filter(|(&start, m)| {
+                    let group = start..start + m.len() / chunk;
+                    let kept = matches!(&keep, Some((k, span)) if *k == ri && span.start < group.end && group.start < span.end);
+                    !kept && group.clone().all(|i| !r.table.is_touched(i))
+                })
+                .map(|(&start, _)| start)
                 .collect();
             if !idle.is_empty() {
+                idle.sort_unstable();
                 plan.push((ri, idle));
             }
         }
@@ -540,20 +572,26 @@ impl ServiceResource {
         self.ctx.synchronize()?;
         let mut released = 0u64;
         for (ri, idle) in plan {
-            released += self.unmap_chunks(st, ri, &idle);
+            released += self.unmap_groups(st, ri, &idle);
         }
         st.reclaimed_bytes += released;
         Ok(released)
     }
 
-    /// Tells the observers, then unmaps and releases `chunks` (sorted, mapped) of region `ri`. The device
-    /// has been waited for. Returns the bytes released.
-    fn unmap_chunks(&self, st: &mut State, ri: usize, chunks: &[usize]) -> u64 {
+    /// Tells the observers, then unmaps and releases the mappings that start at `starts` (sorted) in
+    /// region `ri`. The device has been waited for. Returns the bytes released.
+    fn unmap_groups(&self, st: &mut State, ri: usize, starts: &[usize]) -> u64 {
         let tag = Tag(ri as u32);
-        for run in runs(chunks.iter().copied()) {
+        let r = &st.regions[ri];
+        let chunks = starts.iter().flat_map(|&g| {
+            let n = r.mappings.get(&g).map_or(0, |m| m.len() / self.chunk);
+            g..g + n
+        });
+        let runs = runs(chunks);
+        for run in &runs {
             let range = ChunkRange {
                 tag,
-                addr: DeviceAddr(st.regions[ri].table.addr(run.start)),
+                addr: DeviceAddr(r.table.addr(run.start)),
                 len: run.len() * self.chunk,
             };
             for (_, o) in &st.observers {
@@ -561,17 +599,33 @@ impl ServiceResource {
             }
         }
         let r = &mut st.regions[ri];
-        for &i in chunks {
-            r.chunks[i] = None; // unmaps (the mapping waits for the device again: cheap once idle)
-            r.table.set_mapped(i, false);
+        let mut released = 0u64;
+        for &g in starts {
+            // Unmaps (the mapping waits for the device again: cheap once idle) and releases.
+            if let Some(m) = r.mappings.remove(&g) {
+                let n = m.len() / self.chunk;
+                released += m.len() as u64;
+                drop(m);
+                for i in g..g + n {
+                    r.table.set_mapped(i, false);
+                    r.group_of[i] = NO_GROUP;
+                }
+            }
         }
-        (chunks.len() * self.chunk) as u64
+        released
+    }
+
+    /// The first chunks of every mapping of region `ri`, sorted.
+    fn all_groups(r: &Region) -> Vec<usize> {
+        let mut g: Vec<usize> = r.mappings.keys().copied().collect();
+        g.sort_unstable();
+        g
     }
 
     /// Maps `chunks` (sorted, unmapped) of region `ri`, a run at a time, one access grant per run, and
     /// tells the observers. On failure, what this call mapped is unmapped again.
     fn map_chunks(&self, st: &mut State, ri: usize, chunks: &[usize]) -> Result<()> {
-        let mut done: Vec<usize> = Vec::with_capacity(chunks.len());
+        let mut done: Vec<usize> = Vec::new();
         let result = (|| -> Result<()> {
             for run in runs(chunks.iter().copied()) {
                 self.map_run(st, ri, run, &mut done)?;
@@ -579,33 +633,31 @@ impl ServiceResource {
             Ok(())
         })();
         if let Err(e) = result {
-            self.undo_maps(st, ri, &done);
+            self.undo_maps(st, ri, &mut done);
             return Err(e);
         }
         Ok(())
     }
 
-    /// Maps one run of chunks of region `ri`, granting access once, and tells the observers; `done`
-    /// collects the chunks whose mapping is recorded (for an undo).
+    /// Maps one run of unmapped chunks of region `ri` as physical allocations of at most
+    /// [`GROUP_CHUNKS`] chunks, grants access once over the run, and tells the observers; `done` collects
+    /// the first chunk of every mapping recorded (for an undo).
     fn map_run(&self, st: &mut State, ri: usize, run: Range<usize>, done: &mut Vec<usize>) -> Result<()> {
-        let mut recorded = Vec::with_capacity(run.len());
-        for i in run.clone() {
-            let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
-            let offset = ri * self.region_size + st.regions[ri].table.offset(i);
-            let m = Mapping::without_access(&self.reservation, offset, phys);
-            let m = match m {
-                Ok(m) => m,
-                Err(e) => {
-                    done.extend(recorded);
-                    return Err(e.into());
-                }
-            };
+        let mut start = run.start;
+        while start < run.end {
+            let n = (run.end - start).min(GROUP_CHUNKS);
+            let phys = Arc::new(PhysicalAllocation::new(&self.props, n * self.chunk)?);
+            let offset = ri * self.region_size + st.regions[ri].table.offset(start);
+            let m = Mapping::without_access(&self.reservation, offset, phys)?;
             let r = &mut st.regions[ri];
-            r.chunks[i] = Some(m);
-            r.table.set_mapped(i, true);
-            recorded.push(i);
+            r.mappings.insert(start, m);
+            for i in start..start + n {
+                r.table.set_mapped(i, true);
+                r.group_of[i] = start as u32;
+            }
+            done.push(start);
+            start += n;
         }
-        done.extend(recorded);
         let offset = ri * self.region_size + st.regions[ri].table.offset(run.start);
         self.reservation.set_access(
             offset,
@@ -625,15 +677,14 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Unmaps chunks a failed call mapped (nothing used them). Observers that were told of them are told
-    /// of the unmapping.
-    fn undo_maps(&self, st: &mut State, ri: usize, done: &[usize]) {
+    /// Unmaps the mappings a failed call made (nothing used them; `done` holds their first chunks). The
+    /// observers see them unmapping (they may have been told of them).
+    fn undo_maps(&self, st: &mut State, ri: usize, done: &mut [usize]) {
         if done.is_empty() {
             return;
         }
-        let mut sorted = done.to_vec();
-        sorted.sort_unstable();
-        self.unmap_chunks(st, ri, &sorted);
+        done.sort_unstable();
+        self.unmap_groups(st, ri, done);
     }
 
     /// Allocates `bytes` under `tag`, ordered on `stream`. Errors: a tag that is not this resource's, a
@@ -775,7 +826,8 @@ impl ServiceResource {
 
     /// Releases the physical memory of `tags`, keeping their addresses (and their live allocations)
     /// reserved: with [`SleepMode::Offload`] the chunks live allocations touch are first copied to pinned
-    /// host memory, ordered on `stream`; with [`SleepMode::Discard`] their contents are lost. The device
+    /// host memory (a buffer kept from an earlier offload when one is large enough, else a new one), ordered
+    /// on `stream`; with [`SleepMode::Discard`] their contents are lost. The device
     /// is waited for before anything is unmapped, and observers are told.
     ///
     /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
@@ -822,15 +874,23 @@ impl ServiceResource {
                 SleepMode::Discard => None,
                 SleepMode::Offload if touched.is_empty() => None,
                 SleepMode::Offload => {
-                    let host = PinnedHost::new(&self.ctx, touched.len() * self.chunk)?;
+                    let want = touched.len() * self.chunk;
+                    // The smallest cached buffer that fits, else a new one.
+                    let fit = (0..st.host_cache.len())
+                        .filter(|&i| st.host_cache[i].len >= want)
+                        .min_by_key(|&i| st.host_cache[i].len);
+                    let host = match fit {
+                        Some(i) => st.host_cache.swap_remove(i),
+                        None => PinnedHost::new(&self.ctx, want)?,
+                    };
                     self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream)?;
                     stream.synchronize()?;
-                    report.offloaded_bytes += host.len as u64;
+                    report.offloaded_bytes += want as u64;
                     Some(host)
                 }
             };
-            let mapped = st.regions[ri].table.mapped_chunks();
-            report.released_bytes += self.unmap_chunks(&mut st, ri, &mapped);
+            let groups = Self::all_groups(&st.regions[ri]);
+            report.released_bytes += self.unmap_groups(&mut st, ri, &groups);
             st.regions[ri].asleep = Some(Sleeping {
                 mode,
                 chunks: touched,
@@ -842,7 +902,9 @@ impl ServiceResource {
 
     /// Maps the memory of sleeping `tags` back at the same addresses (the chunks live allocations touched
     /// when they fell asleep) and, for offloaded tags, copies the contents back, ordered on `stream`; waits
-    /// for `stream` before it returns. Observers are told. Tags that are awake are skipped.
+    /// for `stream` before it returns. Observers are told. Tags that are awake are skipped. The pinned host
+    /// buffers of offloaded tags are kept for the next offload
+    /// ([`release_host_cache`](Self::release_host_cache) frees them).
     ///
     /// On a failure (out of memory), what this call mapped for the failing tag is unmapped again and the
     /// tag stays asleep with its saved contents: nothing is lost, and `wake` can be called again.
@@ -860,9 +922,11 @@ impl ServiceResource {
             match self.restore(&mut st, ri, &sleeping, stream) {
                 Ok(()) => {
                     report.mapped_bytes += (sleeping.chunks.len() * self.chunk) as u64;
-                    report.restored_bytes += sleeping.host.as_ref().map_or(0, |h| h.len as u64);
-                    // The copies were waited for: the host memory can go.
-                    drop(sleeping);
+                    if let Some(host) = sleeping.host {
+                        report.restored_bytes += (sleeping.chunks.len() * self.chunk) as u64;
+                        // The copies were waited for: the buffer is free for the next offload.
+                        st.host_cache.push(host);
+                    }
                 }
                 Err(e) => {
                     st.regions[ri].asleep = Some(sleeping);
@@ -876,7 +940,7 @@ impl ServiceResource {
     /// Maps `sleeping`'s chunks of region `ri` back in batches, queuing each batch's copy before mapping
     /// the next, then waits for `stream`.
     fn restore(&self, st: &mut State, ri: usize, sleeping: &Sleeping, stream: StreamRef<'_>) -> Result<()> {
-        let mut done: Vec<usize> = Vec::with_capacity(sleeping.chunks.len());
+        let mut done: Vec<usize> = Vec::new();
         let result = (|| -> Result<()> {
             let mut k = 0;
             for run in runs(sleeping.chunks.iter().copied()) {
@@ -899,7 +963,7 @@ impl ServiceResource {
             // Copies already queued read the host memory and write chunks about to be unmapped: wait.
             let _ = stream.synchronize();
             let _ = self.ctx.synchronize();
-            self.undo_maps(st, ri, &done);
+            self.undo_maps(st, ri, &mut done);
             return Err(e);
         }
         Ok(())
@@ -1009,9 +1073,10 @@ impl ServiceResource {
         true
     }
 
-    /// The physical chunks behind `addr..addr+len` (inside one tag's region, every chunk touched by a
+    /// The physical allocations behind `addr..addr+len` (inside one tag's region, every chunk touched by a
     /// live allocation), for sharing with another process, and a hold that keeps the tag from sleeping
-    /// until it is dropped. The first chunk starts `offset` bytes before `addr`.
+    /// until it is dropped. Each allocation spans one or more chunks; the first starts
+    /// [`ServiceExport::offset`] bytes before `addr`.
     ///
     /// Errors: an empty range, a range outside the reservation or across two tags, a sleeping tag, a range
     /// with a chunk no live allocation touches.
@@ -1045,11 +1110,13 @@ impl ServiceResource {
                 r.name
             )));
         }
-        let chunks: Vec<Arc<PhysicalAllocation>> = span
-            .clone()
-            .filter_map(|i| r.chunks[i].as_ref().map(|m| m.physical().clone()))
+        let mut starts: Vec<usize> = span.clone().map(|i| r.group_of[i] as usize).collect();
+        starts.dedup();
+        let chunks: Vec<Arc<PhysicalAllocation>> = starts
+            .iter()
+            .filter_map(|g| r.mappings.get(g).map(|m| m.physical().clone()))
             .collect();
-        let first = r.table.addr(span.start);
+        let first = r.table.addr(starts[0]);
         st.regions[ri].exports += 1;
         Ok(ServiceExport {
             owner: self.clone(),
@@ -1112,7 +1179,9 @@ impl std::fmt::Debug for ServiceExport {
 }
 
 impl ServiceExport {
-    /// The physical chunks, in address order, each [`ServiceResource::chunk_size`] bytes.
+    /// The physical allocations behind the range, in address order, contiguous: each spans one or more
+    /// chunks ([`PhysicalAllocation::size`] says how many bytes), the first starting [`offset`](Self::offset)
+    /// bytes before the range.
     pub fn chunks(&self) -> &[Arc<PhysicalAllocation>] {
         &self.chunks
     }
@@ -1197,7 +1266,7 @@ impl Drop for ServiceResource {
                     o.unmapping(range);
                 }
             }
-            st.regions[ri].chunks.clear();
+            st.regions[ri].mappings.clear();
         }
     }
 }

@@ -157,6 +157,9 @@ pub struct ServiceStats {
     pub reclaims: u64,
     /// Bytes unmapped by those reclaims and by trims.
     pub reclaimed_bytes: u64,
+    /// Pinned host memory kept from earlier offloads for the next one (freed by
+    /// [`ServiceResource::release_host_cache`](super::ServiceResource::release_host_cache) and on drop).
+    pub host_cache_bytes: u64,
     /// Per tag, in tag order.
     pub tags: Vec<TagStats>,
 }
