@@ -283,7 +283,7 @@ fn scale_arg(s: &str) -> std::result::Result<f64, String> {
 // `async` keeps what it reserves (RMM's default); `async(threshold=0)` is the driver's default, which gives
 // unused memory back at every synchronize.
 const DEFAULT_RESOURCES: &str = "async,async(threshold=0),pool(async),binning(async),arena(async)";
-const FRAGMENTATION_RESOURCES: &str = "expandable,expandable(reclaim=growth),async,pool(async)";
+const FRAGMENTATION_RESOURCES: &str = "expandable,expandable(reclaim=growth),service,async,pool(async)";
 const GROW_RESOURCES: &str = "cuda,async";
 const HOST_RESOURCES: &str = "async,pool(async),binning(async),arena(async)";
 

@@ -52,6 +52,10 @@ fn every_spec_builds_and_serves_device_memory() {
         "fixed(async,block=1MiB)",
         "expandable",
         "expandable(chunk=2MiB,reserve=4GiB)",
+        "service",
+        "service(chunk=4MiB,region=8GiB,tags=2,watermark=10)",
+        "service(watermark=oom)",
+        "service(watermark=growth)",
         "vmm",
         "vmm(peers=none)",
         "pool(vmm)",
@@ -312,8 +316,12 @@ fn the_random_workload_runs_on_every_resource() {
         seed: 42,
         log: None,
     };
-    let report = random::bench(&common("cuda,async,pool(async),binning(async),arena(async)"), &params).unwrap();
-    assert_eq!(report.rows.len(), 7);
+    let report = random::bench(
+        &common("cuda,async,pool(async),binning(async),arena(async),service,service(watermark=10)"),
+        &params,
+    )
+    .unwrap();
+    assert_eq!(report.rows.len(), 9);
 }
 
 #[test]
@@ -325,9 +333,18 @@ fn the_fragmentation_and_grow_workloads_run_on_vmm_and_pools() {
         larges: 4,
         request: None,
     };
-    let report = fragmentation::bench(&common("expandable,expandable(reclaim=growth),pool(async)"), &p).unwrap();
+    let report = fragmentation::bench(
+        &common("expandable,expandable(reclaim=growth),pool(async),service,service(watermark=growth)"),
+        &p,
+    )
+    .unwrap();
     println!("{}", report.render_text());
-    assert_eq!(report.rows.len(), 5, "three resources and the two baselines");
+    assert_eq!(report.rows.len(), 7, "five resources and the two baselines");
+    assert!(
+        report.notes.iter().any(|n| n.contains("issue 23") && n.contains("`service`")),
+        "the report says how `service` stands against issue 23's target: {:?}",
+        report.notes
+    );
     let g = grow::GrowParams {
         start: 1 << 20,
         end: 64 << 20,
