@@ -908,6 +908,12 @@ fn values_that_make_no_sense_are_refused_with_the_reason() {
         (&["peer", "--bytes", "-1"], size),
         (&["peer", "--bytes", "17"], "--bytes (17) must be a multiple of 16"),
         (&["peer", "--repeats", "0"], positive),
+        (&["sleep", "--size", "0"], size),
+        (&["sleep", "--size", "-1"], size),
+        (&["sleep", "--size", "max"], "`max`, unlimited, is not a size here"),
+        (&["sleep", "--size", "6"], "--size (6) must be a positive multiple of 4 bytes"),
+        (&["sleep", "--repeats", "0"], positive),
+        (&["sleep", "--device", "-1"], "must be a device ordinal"),
         (&["peer", "-r", "async"], "-r/--resources does not apply to peer"),
         (&["peer", "--no-baselines"], "--no-baselines does not apply to peer"),
         (
@@ -982,6 +988,12 @@ fn gpu_workloads_need_their_gpus_or_run() {
             ],
             "multi-stream",
             "runs kernels on the GPU; there is no host simulation",
+        ),
+        (
+            &["sleep"],
+            &["--size", "64MiB", "--repeats", "1"],
+            "sleep",
+            "needs a GPU with virtual memory management; there is no host simulation",
         ),
     ] {
         match mempool_core::require_gpus(1) {
