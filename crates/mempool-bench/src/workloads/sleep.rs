@@ -34,6 +34,7 @@ use std::time::Instant;
 use mempool_core::{memory, Context, Device, DeviceAddr, Stream};
 use mempool_rmm::{MemoryResource, ServiceOptions, ServiceResource, SleepMode};
 
+use crate::chart::{Chart, ChartKind, Series};
 use crate::error::{Error, Result};
 use crate::kernels::{elementwise, hash2, launch, load, Arg, WorkKernels};
 use crate::progress::Progress;
@@ -479,6 +480,18 @@ pub fn bench(device: Device, p: &SleepParams, quiet: bool) -> Result<Report> {
     let bytes = p.size as f64;
     let med = |op: usize| median(&samples.iter().map(|s| s.secs[op]).collect::<Vec<_>>()).unwrap_or(f64::NAN);
     let h2d_gbps = bytes / med(H2D) / 1e9;
+    report.chart = Some(Chart {
+        title: format!("Sleep and wake of {} against pinned copies: GB/s (higher is better)", Size(p.size as u64)),
+        kind: ChartKind::Bars,
+        x_label: "operation".into(),
+        y_label: "GB/s".into(),
+        categories: OPS.iter().map(|s| (*s).to_owned()).collect(),
+        series: vec![Series {
+            name: "median".into(),
+            values: (0..OPS.len()).map(|op| Some(bytes / med(op) / 1e9)).collect(),
+        }],
+        log_y: false,
+    });
     for (op, name) in OPS.iter().enumerate() {
         let secs: Vec<f64> = samples.iter().map(|s| s.secs[op]).collect();
         let freed: Vec<f64> = samples.iter().map(|s| s.freed[op] as f64).collect();
