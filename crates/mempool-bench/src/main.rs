@@ -583,7 +583,8 @@ fn run(cli: Cli) -> Result<()> {
                 repeats,
             };
             params.check()?;
-            let hint = "The sleep workload needs a GPU with virtual memory management; there is no host simulation of it.";
+            let hint =
+                "The sleep workload needs a GPU with virtual memory management; there is no host simulation of it.";
             let devices = gpus("sleep", 1, Some(hint))?;
             let dev = *devices.get(device).ok_or_else(|| {
                 Error::Usage(format!(

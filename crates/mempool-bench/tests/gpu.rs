@@ -344,7 +344,10 @@ fn the_fragmentation_and_grow_workloads_run_on_vmm_and_pools() {
     println!("{}", report.render_text());
     assert_eq!(report.rows.len(), 7, "five resources and the two baselines");
     assert!(
-        report.notes.iter().any(|n| n.contains("issue 23") && n.contains("`service`")),
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("issue 23") && n.contains("`service`")),
         "the report says how `service` stands against issue 23's target: {:?}",
         report.notes
     );
@@ -378,7 +381,10 @@ fn sleep_and_wake_are_measured_and_the_restore_checked() {
         );
     }
     assert!(
-        report.notes.iter().any(|n| n.starts_with("target (issue 23): wake with restore")),
+        report
+            .notes
+            .iter()
+            .any(|n| n.starts_with("target (issue 23): wake with restore")),
         "{:?}",
         report.notes
     );

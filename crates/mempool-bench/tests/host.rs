@@ -911,7 +911,10 @@ fn values_that_make_no_sense_are_refused_with_the_reason() {
         (&["sleep", "--size", "0"], size),
         (&["sleep", "--size", "-1"], size),
         (&["sleep", "--size", "max"], "`max`, unlimited, is not a size here"),
-        (&["sleep", "--size", "6"], "--size (6) must be a positive multiple of 4 bytes"),
+        (
+            &["sleep", "--size", "6"],
+            "--size (6) must be a positive multiple of 4 bytes",
+        ),
         (&["sleep", "--repeats", "0"], positive),
         (&["sleep", "--device", "-1"], "must be a device ordinal"),
         (&["peer", "-r", "async"], "-r/--resources does not apply to peer"),

@@ -368,10 +368,8 @@ impl Bench<'_> {
         (out.secs[H2D], out.freed[H2D], _) = self.timed(|b| b.copy_in())?;
         // The host buffer still holds what the device-to-host copy brought: the fill, checked.
         self.check(seed, "the fill, read by the device-to-host copy")?;
-        let (secs, freed, slept) = self.timed(|b| {
-            Ok(b.service
-                .sleep(&tags, SleepMode::Offload, b.stream.as_ref())?)
-        })?;
+        let (secs, freed, slept) =
+            self.timed(|b| Ok(b.service.sleep(&tags, SleepMode::Offload, b.stream.as_ref())?))?;
         (out.secs[SLEEP_OFFLOAD], out.freed[SLEEP_OFFLOAD]) = (secs, freed);
         if slept.offloaded_bytes < self.size as u64 {
             return Err(Error::Check(format!(
@@ -391,10 +389,8 @@ impl Bench<'_> {
         }
         self.copy_out()?;
         self.check(seed, "after sleep(Offload) and wake, the restored contents")?;
-        (out.secs[SLEEP_DISCARD], out.freed[SLEEP_DISCARD], _) = self.timed(|b| {
-            Ok(b.service
-                .sleep(&tags, SleepMode::Discard, b.stream.as_ref())?)
-        })?;
+        (out.secs[SLEEP_DISCARD], out.freed[SLEEP_DISCARD], _) =
+            self.timed(|b| Ok(b.service.sleep(&tags, SleepMode::Discard, b.stream.as_ref())?))?;
         (out.secs[WAKE_FRESH], out.freed[WAKE_FRESH], _) =
             self.timed(|b| Ok(b.service.wake(&tags, b.stream.as_ref())?))?;
         Ok(out)
@@ -420,7 +416,10 @@ pub fn bench(device: Device, p: &SleepParams, quiet: bool) -> Result<Report> {
         env,
     );
     report.param("size", Size(p.size as u64));
-    report.param("allocation", format!("one of {} under tag `{TAG}`", Size(p.size as u64)));
+    report.param(
+        "allocation",
+        format!("one of {} under tag `{TAG}`", Size(p.size as u64)),
+    );
     report.param("chunk", Size(chunk));
     report.param("repeats", p.repeats);
 
@@ -481,7 +480,10 @@ pub fn bench(device: Device, p: &SleepParams, quiet: bool) -> Result<Report> {
     let med = |op: usize| median(&samples.iter().map(|s| s.secs[op]).collect::<Vec<_>>()).unwrap_or(f64::NAN);
     let h2d_gbps = bytes / med(H2D) / 1e9;
     report.chart = Some(Chart {
-        title: format!("Sleep and wake of {} against pinned copies: GB/s (higher is better)", Size(p.size as u64)),
+        title: format!(
+            "Sleep and wake of {} against pinned copies: GB/s (higher is better)",
+            Size(p.size as u64)
+        ),
         kind: ChartKind::Bars,
         x_label: "operation".into(),
         y_label: "GB/s".into(),
@@ -524,9 +526,24 @@ pub fn bench(device: Device, p: &SleepParams, quiet: bool) -> Result<Report> {
         "checked: the fill (read by the device-to-host copy) and, after every wake with restore, the whole \
          allocation copied back, word by word against the host's hash2; sleep(Offload) released {} of {} mapped \
          ({:.1}%).",
-        Size(median(&samples.iter().map(|s| s.freed[SLEEP_OFFLOAD] as f64).collect::<Vec<_>>()).unwrap_or(0.0) as u64),
+        Size(
+            median(
+                &samples
+                    .iter()
+                    .map(|s| s.freed[SLEEP_OFFLOAD] as f64)
+                    .collect::<Vec<_>>()
+            )
+            .unwrap_or(0.0) as u64
+        ),
         Size(mapped),
-        100.0 * median(&samples.iter().map(|s| s.freed[SLEEP_OFFLOAD] as f64).collect::<Vec<_>>()).unwrap_or(0.0)
+        100.0
+            * median(
+                &samples
+                    .iter()
+                    .map(|s| s.freed[SLEEP_OFFLOAD] as f64)
+                    .collect::<Vec<_>>()
+            )
+            .unwrap_or(0.0)
             / mapped as f64
     ));
     report.notes.push(format!(
@@ -581,7 +598,10 @@ mod tests {
                     hits[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
-            assert!(hits.iter().all(|h| h.load(std::sync::atomic::Ordering::Relaxed) == 1), "{len}");
+            assert!(
+                hits.iter().all(|h| h.load(std::sync::atomic::Ordering::Relaxed) == 1),
+                "{len}"
+            );
         }
     }
 }
