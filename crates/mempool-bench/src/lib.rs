@@ -7,7 +7,9 @@
 //! - [`spec`]: resource specs (`pool(async,initial=1GiB)`), parsed and checked without a GPU, built
 //!   into `Arc<dyn MemoryResource>` on one.
 //! - [`workloads`]: `random` (the standard random workload), `multi_stream`, `replay` (RMM's CSV logs),
-//!   `query` (gpu-bdb-style pipelines of columnar operators), `peer` (two GPUs).
+//!   `query` (gpu-bdb-style pipelines of columnar operators), `peer` (two GPUs), `fragmentation` and
+//!   `grow` (virtual memory), `sleep` (a `ServiceResource` tag's sleep and wake against pinned copies),
+//!   `allreduce` (NCCL).
 //! - [`report`]: the aligned table, JSON, CSV and SVG chart every run writes, naming the device,
 //!   driver, date, command and parameters.
 //! - [`kernels`]: the CUDA C kernels under `kernels/`, committed as PTX and loaded through the driver.

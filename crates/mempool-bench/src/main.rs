@@ -11,7 +11,7 @@ use mempool_bench::report::Report;
 use mempool_bench::spec::{self, ResourceSpec};
 use mempool_bench::units::{parse_size, Size};
 use mempool_bench::workloads::{
-    self, allreduce, fragmentation, grow, multi_stream, peer, query, random, replay, Common,
+    self, allreduce, fragmentation, grow, multi_stream, peer, query, random, replay, sleep, Common,
 };
 use mempool_bench::{Error, Result};
 use mempool_core::Device;
@@ -225,6 +225,22 @@ enum Command {
         #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
     },
+    /// Issue 23: sleep and wake (offload and discard) of a ServiceResource tag holding one allocation of
+    /// --size, each timed to completion, against pinned host<->device copies of the same bytes; the
+    /// restored contents are checked.
+    Sleep {
+        #[command(flatten)]
+        output: OutputArgs,
+        /// Bytes allocated (one allocation), filled, put to sleep and woken; a multiple of 4.
+        #[arg(long, default_value = "16GiB", allow_hyphen_values = true, value_parser = positive_size_arg)]
+        size: u64,
+        /// Timed repeats (median), after one warm-up repeat.
+        #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
+        repeats: usize,
+        /// The GPU to run on.
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = ordinal_arg)]
+        device: usize,
+    },
     /// List the resource specs that -r accepts.
     Resources,
 }
@@ -283,7 +299,7 @@ fn scale_arg(s: &str) -> std::result::Result<f64, String> {
 // `async` keeps what it reserves (RMM's default); `async(threshold=0)` is the driver's default, which gives
 // unused memory back at every synchronize.
 const DEFAULT_RESOURCES: &str = "async,async(threshold=0),pool(async),binning(async),arena(async)";
-const FRAGMENTATION_RESOURCES: &str = "expandable,expandable(reclaim=growth),async,pool(async)";
+const FRAGMENTATION_RESOURCES: &str = "expandable,expandable(reclaim=growth),service,async,pool(async)";
 const GROW_RESOURCES: &str = "cuda,async";
 const HOST_RESOURCES: &str = "async,pool(async),binning(async),arena(async)";
 
@@ -554,6 +570,29 @@ fn run(cli: Cli) -> Result<()> {
             grow::steps(&params)?;
             let device = device("grow", &args, &specs)?;
             finish(grow::bench(&common(specs, device, &args), &params)?, &args.output)
+        }
+        Command::Sleep {
+            output,
+            size,
+            repeats,
+            device,
+        } => {
+            let params = sleep::SleepParams {
+                size: usize::try_from(size)
+                    .map_err(|_| Error::Usage(format!("--size {}: too large for this machine", Size(size))))?,
+                repeats,
+            };
+            params.check()?;
+            let hint =
+                "The sleep workload needs a GPU with virtual memory management; there is no host simulation of it.";
+            let devices = gpus("sleep", 1, Some(hint))?;
+            let dev = *devices.get(device).ok_or_else(|| {
+                Error::Usage(format!(
+                    "--device {device}: there is no such GPU ({} visible, numbered from 0)",
+                    devices.len()
+                ))
+            })?;
+            finish(sleep::bench(dev, &params, output.quiet)?, &output)
         }
         Command::Allreduce {
             output,

@@ -70,6 +70,19 @@ fn specs_parse_to_their_canonical_form() {
         ),
         ("expandable(reclaim=oom)", "expandable"),
         ("expandable(reclaim=growth)", "expandable(reclaim=growth)"),
+        ("service", "service"),
+        ("service()", "service"),
+        ("service(watermark=15)", "service"),
+        ("service(watermark=10)", "service(watermark=10)"),
+        ("service(watermark=10%)", "service(watermark=10)"),
+        ("service(watermark=0)", "service(watermark=0)"),
+        ("service(watermark=oom)", "service(watermark=oom)"),
+        ("service(watermark=growth)", "service(watermark=growth)"),
+        ("service(tags=8)", "service"),
+        (
+            "service( watermark=growth, tags=2, region=64GiB, chunk=4MiB )",
+            "service(chunk=4MiB,region=64GiB,tags=2,watermark=growth)",
+        ),
         ("vmm", "vmm"),
         ("vmm(peers=all)", "vmm"),
         ("vmm(peers=none)", "vmm(peers=none)"),
@@ -143,6 +156,23 @@ fn bad_specs_say_where_and_what_is_accepted() {
         ("expandable(reclaim=never)", 11, "expected `oom` or `growth`"),
         ("expandable(chunk=0)", 11, "chunk must not be 0"),
         ("expandable(chunk=2MiB,chunk=4MiB)", 22, "given twice"),
+        ("service(async)", 8, "options only"),
+        (
+            "service(reserve=1GiB)",
+            8,
+            "no option `reserve` (its options: chunk, region, tags, watermark)",
+        ),
+        ("service(watermark=never)", 8, "expected a percentage from 0 to 10000"),
+        ("service(watermark=10001)", 8, "expected a percentage"),
+        ("service(watermark=-5)", 8, "expected a percentage"),
+        ("service(watermark=1.5)", 8, "expected a percentage"),
+        ("service(chunk=0)", 8, "chunk must be a size above 0"),
+        ("service(region=max)", 8, "region must be a size above 0"),
+        ("service(region=lots)", 8, "region: bad size"),
+        ("service(tags=0)", 8, "tags: expected a positive whole number"),
+        ("service(tags=4294967296)", 8, "at most 4294967295 tags"),
+        ("service(tags=2,tags=4)", 15, "given twice"),
+        ("service(watermark=oom,watermark=10)", 22, "given twice"),
         ("vmm(async)", 4, "options only"),
         ("vmm(peers=some)", 4, "expected `all` or `none`"),
         ("vmm(size=1GiB)", 4, "no option `size`"),
@@ -175,6 +205,8 @@ fn bad_specs_say_where_and_what_is_accepted() {
         "fixed",
         "cuMemAlloc",
         "sim",
+        "service",
+        "expandable",
     ] {
         assert!(ACCEPTED.contains(name), "{name} is listed");
     }
@@ -186,9 +218,66 @@ fn bad_specs_say_where_and_what_is_accepted() {
         "superblock=",
         "blocks=",
         "block=",
+        "region=",
+        "tags=",
+        "watermark=",
     ] {
         assert!(ACCEPTED.contains(option), "{option} is listed");
     }
+}
+
+#[test]
+fn service_specs_carry_the_resource_options() {
+    use mempool_rmm::{Reclaim, ServiceOptions};
+    // The defaults a bare `service` stands for are the resource's own.
+    let ResourceSpec::Service {
+        chunk,
+        region,
+        tags,
+        reclaim,
+    } = parse("service").unwrap()
+    else {
+        panic!("`service` parses to ResourceSpec::Service");
+    };
+    let d = ServiceOptions::default();
+    assert_eq!((chunk, region), (None, None));
+    assert_eq!(tags, d.max_tags as u64);
+    assert_eq!(reclaim, d.reclaim);
+    assert_eq!(
+        parse("service(chunk=4MiB,region=1TiB,tags=3,watermark=10)").unwrap(),
+        ResourceSpec::Service {
+            chunk: Some(4 << 20),
+            region: Some(1 << 40),
+            tags: 3,
+            reclaim: Reclaim::Watermark { percent: 10 },
+        }
+    );
+    for (text, reclaim) in [
+        ("service(watermark=oom)", Reclaim::OnOutOfMemory),
+        ("service(watermark=growth)", Reclaim::BeforeGrowth),
+        ("service(watermark=10000)", Reclaim::Watermark { percent: 10_000 }),
+    ] {
+        assert!(
+            matches!(parse(text).unwrap(), ResourceSpec::Service { reclaim: r, .. } if r == reclaim),
+            "{text}"
+        );
+    }
+    // The list the issue's commands use.
+    let specs = parse_list("pool(async),service,service(watermark=10),expandable,expandable(reclaim=growth)").unwrap();
+    let names: Vec<String> = specs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        names,
+        [
+            "pool(async)",
+            "service",
+            "service(watermark=10)",
+            "expandable",
+            "expandable(reclaim=growth)"
+        ]
+    );
+    // Without a GPU it is refused at build time with the reason, like every GPU spec.
+    let e = build(&specs[1], None).unwrap_err().to_string();
+    assert!(e.contains("`service` needs a GPU"), "{e}");
 }
 
 #[test]
@@ -819,6 +908,15 @@ fn values_that_make_no_sense_are_refused_with_the_reason() {
         (&["peer", "--bytes", "-1"], size),
         (&["peer", "--bytes", "17"], "--bytes (17) must be a multiple of 16"),
         (&["peer", "--repeats", "0"], positive),
+        (&["sleep", "--size", "0"], size),
+        (&["sleep", "--size", "-1"], size),
+        (&["sleep", "--size", "max"], "`max`, unlimited, is not a size here"),
+        (
+            &["sleep", "--size", "6"],
+            "--size (6) must be a positive multiple of 4 bytes",
+        ),
+        (&["sleep", "--repeats", "0"], positive),
+        (&["sleep", "--device", "-1"], "must be a device ordinal"),
         (&["peer", "-r", "async"], "-r/--resources does not apply to peer"),
         (&["peer", "--no-baselines"], "--no-baselines does not apply to peer"),
         (
@@ -893,6 +991,12 @@ fn gpu_workloads_need_their_gpus_or_run() {
             ],
             "multi-stream",
             "runs kernels on the GPU; there is no host simulation",
+        ),
+        (
+            &["sleep"],
+            &["--size", "64MiB", "--repeats", "1"],
+            "sleep",
+            "needs a GPU with virtual memory management; there is no host simulation",
         ),
     ] {
         match mempool_core::require_gpus(1) {

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use mempool_rmm::{Reclaim, ServiceOptions};
+
 use crate::units::{parse_size, Size};
 
 /// What a spec may say, shown with every spec error and by `mempool-bench resources`.
@@ -30,6 +32,14 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 granularity, at least 2MiB), reserve=SIZE (default: twice device memory),
                                 reclaim=oom|growth (unmap idle chunks only when out of memory, the
                                 default, or before every growth)
+  service[(OPTIONS)]            ServiceResource (issue 23): one reservation, a region per tag, each suballocated
+                                as one segment over chunks mapped where allocations land (VMM); the bench
+                                allocates under the default tag; options: chunk=SIZE (default: recommended
+                                granularity, at least 2MiB), region=SIZE (address space per tag, default:
+                                twice device memory), tags=N (default 8), watermark=PERCENT|oom|growth (unmap
+                                idle chunks before a growth that would map more than PERCENT above the peak
+                                of live bytes, default 15; oom: only when out of memory; growth: before every
+                                growth)
   vmm[(peers=all|none)]         VmmResource: one cuMemCreate allocation mapped per request, as NCCL's
                                 ncclMemAlloc does (POSIX fd handles, recommended granularity); peers=all
                                 (default) grants every peer-capable device access, none only the owner
@@ -112,6 +122,17 @@ pub enum ResourceSpec {
         /// `false` (`reclaim=oom`, the default): only when out of memory.
         reclaim_before_growth: bool,
     },
+    /// `service(...)`: [`ServiceResource`](mempool_rmm::ServiceResource), allocating under its default tag.
+    Service {
+        /// Chunk size; `None`: the resource's default.
+        chunk: Option<u64>,
+        /// Address space per tag; `None`: the resource's default.
+        region: Option<u64>,
+        /// How many tags the resource can have ([`ServiceOptions::max_tags`]); default 8.
+        tags: u64,
+        /// When idle chunks are unmapped (`watermark=`); default [`ServiceOptions::DEFAULT_RECLAIM`].
+        reclaim: Reclaim,
+    },
     /// `vmm[(peers=all|none)]`: [`VmmResource`](mempool_rmm::VmmResource).
     Vmm {
         /// `peers=none`: only the owning device has access; `false` (`peers=all`, the default): every
@@ -170,6 +191,11 @@ pub enum ResourceSpec {
 const BIN_MIN: u64 = 256;
 const BIN_MAX: u64 = 1 << 20;
 const BIN_BLOCKS: u64 = 128;
+
+/// The default tag count of a `service` spec, as `ServiceOptions::default().max_tags`.
+const SERVICE_TAGS: u64 = 8;
+/// The largest watermark a `service` spec takes, as `ServiceResource::new` checks it.
+const MAX_WATERMARK: u32 = 10_000;
 
 impl ResourceSpec {
     /// Whether this is one of the raw baselines.
@@ -257,6 +283,29 @@ impl fmt::Display for ResourceSpec {
                     ("chunk", limit(*chunk)),
                     ("reserve", limit(*reserve)),
                     ("reclaim", reclaim_before_growth.then(|| "growth".to_owned())),
+                ],
+            ),
+            ResourceSpec::Service {
+                chunk,
+                region,
+                tags,
+                reclaim,
+            } => args(
+                f,
+                "service",
+                None,
+                &[
+                    ("chunk", limit(*chunk)),
+                    ("region", limit(*region)),
+                    ("tags", (*tags != SERVICE_TAGS).then(|| tags.to_string())),
+                    (
+                        "watermark",
+                        (*reclaim != ServiceOptions::DEFAULT_RECLAIM).then(|| match reclaim {
+                            Reclaim::Watermark { percent } => percent.to_string(),
+                            Reclaim::OnOutOfMemory => "oom".to_owned(),
+                            Reclaim::BeforeGrowth => "growth".to_owned(),
+                        }),
+                    ),
                 ],
             ),
             ResourceSpec::Vmm { owner_only } => {
@@ -361,7 +410,7 @@ impl<'a> Parser<'a> {
         let start = self.pos;
         while self
             .peek()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+            .is_some_and(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '%'))
         {
             self.pos += 1;
         }
@@ -584,6 +633,71 @@ impl Checker<'_> {
         Ok(a)
     }
 
+    /// `service(chunk=SIZE,region=SIZE,tags=N,watermark=PERCENT|oom|growth)`.
+    fn service(&self, node: &Node) -> Result<ResourceSpec, SpecError> {
+        const KEYS: &str = "chunk, region, tags, watermark";
+        let (mut chunk, mut region, mut tags, mut reclaim) = (None, None, None, None);
+        let mut seen: Vec<&str> = Vec::new();
+        for item in &node.items {
+            let (key, value, pos) = match item {
+                Item::Option { key, value, pos } => (key.as_str(), value.as_str(), *pos),
+                Item::Resource(r) => {
+                    return Err(self.err(
+                        r.pos,
+                        "`service` takes options only, no upstream (it maps physical memory itself)",
+                    ))
+                }
+            };
+            if !["chunk", "region", "tags", "watermark"].contains(&key) {
+                return Err(self.err(pos, format!("`service` has no option `{key}` (its options: {KEYS})")));
+            }
+            if seen.contains(&key) {
+                return Err(self.err(pos, format!("option `{key}` given twice")));
+            }
+            seen.push(key);
+            match key {
+                "chunk" | "region" => {
+                    let v = self.size(value, pos, key)?;
+                    if v == 0 || v == u64::MAX {
+                        return Err(self.err(pos, format!("`service`: {key} must be a size above 0, found `{value}`")));
+                    }
+                    *(if key == "chunk" { &mut chunk } else { &mut region }) = Some(v);
+                }
+                "tags" => {
+                    let n = self.count(value, pos, key)?;
+                    if n > u64::from(u32::MAX) {
+                        return Err(self.err(pos, format!("tags: at most {} tags, found `{value}`", u32::MAX)));
+                    }
+                    tags = Some(n);
+                }
+                _ => {
+                    reclaim = Some(match value {
+                        "oom" => Reclaim::OnOutOfMemory,
+                        "growth" => Reclaim::BeforeGrowth,
+                        _ => match value.strip_suffix('%').unwrap_or(value).parse::<u32>() {
+                            Ok(percent) if percent <= MAX_WATERMARK => Reclaim::Watermark { percent },
+                            _ => {
+                                return Err(self.err(
+                                    pos,
+                                    format!(
+                                        "watermark: expected a percentage from 0 to {MAX_WATERMARK} (e.g. 15), \
+                                         `oom` or `growth`, found `{value}`"
+                                    ),
+                                ))
+                            }
+                        },
+                    });
+                }
+            }
+        }
+        Ok(ResourceSpec::Service {
+            chunk,
+            region,
+            tags: tags.unwrap_or(SERVICE_TAGS),
+            reclaim: reclaim.unwrap_or(ServiceOptions::DEFAULT_RECLAIM),
+        })
+    }
+
     fn no_args(&self, node: &Node) -> Result<(), SpecError> {
         if node.parens && !node.items.is_empty() {
             return Err(self.err(node.pos, format!("`{}` takes no arguments", node.name)));
@@ -701,6 +815,7 @@ impl Checker<'_> {
                     reclaim_before_growth: reclaim.unwrap_or(false),
                 }
             }
+            "service" => self.service(node)?,
             "vmm" => {
                 let mut owner_only = None;
                 for item in &node.items {
@@ -810,7 +925,7 @@ impl Checker<'_> {
                     node.pos,
                     format!(
                         "unknown resource `{other}` (known: cuda, managed, async, async_managed, system, \
-                         sam_headroom, expandable, vmm, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                         sam_headroom, expandable, service, vmm, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
                     ),
                 ))
             }

@@ -8,8 +8,8 @@ use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,
     CudaResource, ExpandableOptions, ExpandableResource, FixedSizeResource, ManagedResource, MemoryResource,
-    PeerAccess, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, SharedResource, SystemResource,
-    VmmOptions, VmmResource,
+    PeerAccess, PoolResource, Reclaim, ReleaseThreshold, SamHeadroomResource, ServiceOptions, ServiceResource,
+    SharedResource, SystemResource, VmmOptions, VmmResource,
 };
 
 use crate::baseline::{RawCudaResource, RawPoolResource};
@@ -115,6 +115,25 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
                 },
             },
         )?),
+        ResourceSpec::Service {
+            chunk,
+            region,
+            tags,
+            reclaim,
+        } => {
+            let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+            // `new` returns an `Arc`; its `MemoryResource` impl allocates under the default tag.
+            ServiceResource::new(
+                dev,
+                ServiceOptions {
+                    chunk_size: chunk.map(size),
+                    region_size: region.map(size),
+                    max_tags: size(*tags),
+                    reclaim: *reclaim,
+                    ..ServiceOptions::default()
+                },
+            )?
+        }
         ResourceSpec::SamHeadroom { headroom } => Arc::new(SamHeadroomResource::new(
             dev,
             usize::try_from(*headroom).unwrap_or(usize::MAX),

@@ -10,6 +10,7 @@ pub mod peer;
 pub mod query;
 pub mod random;
 pub mod replay;
+pub mod sleep;
 
 use mempool_core::Device;
 

@@ -21,6 +21,10 @@ use crate::spec::{build, ResourceSpec};
 use crate::units::Size;
 use crate::workloads::Common;
 
+/// Issue 23's target for the `service` resource: ns per operation at most this times `pool(async)`'s in
+/// the same run.
+pub const SERVICE_VS_POOL_TARGET: f64 = 1.2;
+
 /// One point of the workload.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Point {
@@ -223,6 +227,8 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
     let total = (params.points.len() * common.specs.len()) as u64;
     let mut progress = Progress::new(total, common.quiet);
     let mut results: Vec<Vec<Option<f64>>> = vec![vec![None; params.points.len()]; common.specs.len()];
+    let pool_async = crate::spec::parse("pool(async)")?;
+    let mut service_vs_pool: Vec<String> = Vec::new();
     for (pi, p) in params.points.iter().enumerate() {
         let ops = generate(p, params.seed + pi as u64);
         let mut rows: Vec<(String, RunStats)> = Vec::new();
@@ -257,6 +263,14 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
                 .map(|(_, s)| s.ns_per_op)
         };
         let bases: Vec<Option<f64>> = baselines.iter().map(base).collect();
+        // Issue 23: each `service` spec against `pool(async)` in the same run.
+        if let Some(pool) = base(&pool_async) {
+            for (si, (label, st)) in rows.iter().enumerate() {
+                if matches!(common.specs[si], ResourceSpec::Service { .. }) {
+                    service_vs_pool.push(format!("{label} at {}: {:.3}", p.label(), st.ns_per_op / pool));
+                }
+            }
+        }
         for (label, st) in &rows {
             let mut cells = vec![
                 Cell::from(p.label()),
@@ -289,6 +303,13 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
             format!(" ({}: one timed run)", single.join(" and "))
         }
     ));
+    if !service_vs_pool.is_empty() {
+        report.notes.push(format!(
+            "target (issue 23): `service` per operation within {SERVICE_VS_POOL_TARGET}x of `pool(async)` in the \
+             same run; ns/op over pool(async)'s: {}.",
+            service_vs_pool.join("; ")
+        ));
+    }
     report.chart = Some(Chart {
         title: "Random workload: nanoseconds per operation (lower is better)".into(),
         kind: ChartKind::Bars,
