@@ -210,11 +210,13 @@ pub struct ServiceResource {
     max_tags: usize,
     reclaim: Reclaim,
     ctx: Arc<Context>,
+    /// Its name in errors and `MemoryResource::name`.
+    name: &'static str,
 }
 
 impl std::fmt::Debug for ServiceResource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct(NAME)
+        f.debug_struct(self.name)
             .field("device", &self.props.device)
             .field("base", &self.reservation.base())
             .field("chunk", &self.chunk)
@@ -228,24 +230,33 @@ impl ServiceResource {
     /// maps nothing. Errors name the cause: a device without VMM support, a chunk size that is not a
     /// multiple of the granularity, no tags, a reservation the driver refuses.
     pub fn new(device: &Device, options: ServiceOptions) -> Result<Arc<ServiceResource>> {
+        Self::with_name(device, options, NAME)
+    }
+
+    /// [`new`](Self::new), naming itself `name` in errors (the expandable resource is one of these).
+    pub(crate) fn with_name(
+        device: &Device,
+        options: ServiceOptions,
+        name: &'static str,
+    ) -> Result<Arc<ServiceResource>> {
         let device = *device;
         let support = device.vmm_support()?;
         if !support.vmm {
             return Err(Error::Unsupported {
-                resource: NAME,
+                resource: name,
                 reason: format!("device {} does not support virtual memory management", device.ordinal()),
             });
         }
         if options.max_tags == 0 || options.max_tags > u32::MAX as usize {
             return Err(Error::Unsupported {
-                resource: NAME,
+                resource: name,
                 reason: format!("max_tags must be at least 1 (got {})", options.max_tags),
             });
         }
         if let Reclaim::Watermark { percent } = options.reclaim {
             if percent > 10_000 {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: name,
                     reason: format!("a watermark of {percent}% is above the most allowed (10000%)"),
                 });
             }
@@ -253,7 +264,7 @@ impl ServiceResource {
         let shareable = match options.shareable {
             Some(true) if !support.posix_fd => {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: name,
                     reason: format!(
                         "device {} cannot export VMM allocations as POSIX file descriptors (shareable = true)",
                         device.ordinal()
@@ -266,7 +277,7 @@ impl ServiceResource {
         let rdma = match options.gpu_direct_rdma {
             Some(true) if !support.gpu_direct_rdma => {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: name,
                     reason: format!(
                         "device {} does not support GPUDirect RDMA with VMM allocations",
                         device.ordinal()
@@ -303,7 +314,7 @@ impl ServiceResource {
             None => device.total_memory()?.saturating_mul(2),
         };
         let too_big = |what: String| Error::Unsupported {
-            resource: NAME,
+            resource: name,
             reason: format!("{what} is not representable"),
         };
         let region_size = mempool_core::round_up(want.max(chunk), chunk)
@@ -314,7 +325,7 @@ impl ServiceResource {
         let align = if chunk.is_power_of_two() { chunk } else { 0 };
         let reservation = Reservation::new(device, total, align, None).map_err(|e| match e {
             mempool_core::Error::OutOfMemory { .. } | mempool_core::Error::Driver { .. } => Error::Unsupported {
-                resource: NAME,
+                resource: name,
                 reason: format!(
                     "the driver refused to reserve {total} bytes of address space ({} tags of {region_size} \
                      bytes): {e}; ask for fewer tags or smaller regions",
@@ -343,6 +354,7 @@ impl ServiceResource {
             max_tags: options.max_tags,
             reclaim: options.reclaim,
             ctx,
+            name,
         };
         {
             let mut st = mr.state();
@@ -367,7 +379,7 @@ impl ServiceResource {
                 event_policy: EventPolicy::Adaptive,
             },
         )
-        .map_err(|e| map_engine_error(NAME, e))?;
+        .map_err(|e| map_engine_error(self.name, e))?;
         let table = ChunkTable::new(base, self.region_size as u64, self.chunk as u64);
         let group_of = vec![NO_GROUP; table.len()];
         st.regions.push(Region {
@@ -391,7 +403,10 @@ impl ServiceResource {
     /// under it). Errors: a name that is not 1 to 64 ASCII letters, digits, `_`, `-`, `.` or `:`; more
     /// tags than [`ServiceOptions::max_tags`].
     pub fn tag(&self, name: &str) -> Result<Tag> {
-        check_tag_name(name).map_err(|reason| Error::Unsupported { resource: NAME, reason })?;
+        check_tag_name(name).map_err(|reason| Error::Unsupported {
+            resource: self.name,
+            reason,
+        })?;
         let mut st = self.state();
         if let Some(i) = st.regions.iter().position(|r| r.name == name) {
             return Ok(Tag(i as u32));
@@ -399,7 +414,7 @@ impl ServiceResource {
         if st.regions.len() >= self.max_tags {
             let names: Vec<&str> = st.regions.iter().map(|r| r.name.as_str()).collect();
             return Err(Error::Unsupported {
-                resource: NAME,
+                resource: self.name,
                 reason: format!(
                     "cannot add tag `{name}`: the resource has room for {} tags and has {names:?} (raise \
                      ServiceOptions::max_tags)",
@@ -465,7 +480,7 @@ impl ServiceResource {
             Ok(tag.index())
         } else {
             Err(Error::Unsupported {
-                resource: NAME,
+                resource: self.name,
                 reason: format!(
                     "tag {} is not one of this resource's ({} tags)",
                     tag.0,
@@ -695,19 +710,19 @@ impl ServiceResource {
             return Ok(DeviceAddr::NULL);
         }
         let rounded = suballoc::align_up(bytes as u64).ok_or(Error::OutOfMemory {
-            resource: NAME,
+            resource: self.name,
             requested: bytes,
         })?;
         let mut st = self.state();
         let ri = self.region_index(&st, tag)?;
         if st.regions[ri].asleep.is_some() {
-            return Err(asleep_error(&st.regions[ri].name, "allocate from"));
+            return Err(asleep_error(self.name, &st.regions[ri].name, "allocate from"));
         }
         let key = StreamKey::of(stream);
         let addr = match st.regions[ri].engine.allocate(bytes as u64, key) {
             Ok(a) => a,
             Err(e) => {
-                let e = map_engine_error(NAME, e);
+                let e = map_engine_error(self.name, e);
                 return Err(if e.is_out_of_memory() {
                     self.oom(&st, ri, bytes)
                 } else {
@@ -773,7 +788,7 @@ impl ServiceResource {
     fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
         let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
         Error::OutOfMemoryHeld {
-            resource: NAME,
+            resource: self.name,
             requested: bytes,
             tag: st.regions[ri].name.clone(),
             held: st.mapped_chunks() * self.chunk as u64,
@@ -794,27 +809,27 @@ impl ServiceResource {
             .map(|off| (off / self.region_size as u64) as usize)
             .filter(|&i| i < st.regions.len())
             .ok_or_else(|| Error::InvalidDeallocation {
-                resource: NAME,
+                resource: self.name,
                 ptr: ptr.0,
                 bytes,
                 reason: "the address is not in the resource's reservation".into(),
             })?;
         if !st.regions[ri].table.contains(ptr.0, rounded.max(1)) {
             return Err(Error::InvalidDeallocation {
-                resource: NAME,
+                resource: self.name,
                 ptr: ptr.0,
                 bytes,
                 reason: format!("the range runs past the end of tag `{}`'s region", st.regions[ri].name),
             });
         }
         if st.regions[ri].asleep.is_some() {
-            return Err(asleep_error(&st.regions[ri].name, "free into"));
+            return Err(asleep_error(self.name, &st.regions[ri].name, "free into"));
         }
         let r = &mut st.regions[ri];
         // The engine refuses an address or size that is not a live allocation, before the table changes.
         r.engine
             .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
-            .map_err(|e| map_engine_error(NAME, e))?;
+            .map_err(|e| map_engine_error(self.name, e))?;
         let span = r.table.span(ptr.0, rounded);
         r.table.release(span);
         r.used -= rounded;
@@ -842,13 +857,13 @@ impl ServiceResource {
             let r = &st.regions[ri];
             if r.asleep.is_some() {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: self.name,
                     reason: format!("tag `{}` is already asleep", r.name),
                 });
             }
             if r.exports > 0 {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: self.name,
                     reason: format!(
                         "tag `{}` cannot sleep: {} of its ranges are shared with another process (each is \
                          released when its importers let go)",
@@ -999,7 +1014,7 @@ impl ServiceResource {
             let at = host.addr(k * self.chunk);
             if (k + run.len()) * self.chunk > host.len {
                 return Err(Error::Unsupported {
-                    resource: NAME,
+                    resource: self.name,
                     reason: "internal: a copy would run past the host buffer".into(),
                 });
             }
@@ -1025,7 +1040,7 @@ impl ServiceResource {
         ev.record(stream)?;
         if !ev.is_complete()? {
             return Err(Error::Unsupported {
-                resource: NAME,
+                resource: self.name,
                 reason: "cannot sleep while the stream given has work still queued (it may use the memory \
                          being released): synchronize it first"
                     .into(),
@@ -1082,7 +1097,10 @@ impl ServiceResource {
     /// with a chunk no live allocation touches.
     pub fn export(self: &Arc<Self>, addr: DeviceAddr, len: usize) -> Result<ServiceExport> {
         let mut st = self.state();
-        let bad = |reason: String| Error::Unsupported { resource: NAME, reason };
+        let bad = |reason: String| Error::Unsupported {
+            resource: self.name,
+            reason,
+        };
         if len == 0 {
             return Err(bad("cannot export an empty range".into()));
         }
@@ -1100,7 +1118,7 @@ impl ServiceResource {
             )));
         }
         if r.asleep.is_some() {
-            return Err(asleep_error(&r.name, "export from"));
+            return Err(asleep_error(self.name, &r.name, "export from"));
         }
         let span = r.table.span(addr.0, len as u64);
         if let Some(i) = span.clone().find(|&i| !r.table.is_touched(i) || !r.table.is_mapped(i)) {
@@ -1141,9 +1159,9 @@ enum Direction {
     Restore,
 }
 
-fn asleep_error(name: &str, what: &str) -> Error {
+fn asleep_error(resource: &'static str, name: &str, what: &str) -> Error {
     Error::Unsupported {
-        resource: NAME,
+        resource,
         reason: format!("cannot {what} tag `{name}`: it is asleep (wake it first)"),
     }
 }
@@ -1239,7 +1257,7 @@ unsafe impl MemoryResource for ServiceResource {
     }
 
     fn name(&self) -> &'static str {
-        NAME
+        self.name
     }
 }
 
@@ -1312,7 +1330,7 @@ unsafe impl MemoryResource for TaggedResource {
     }
 
     fn name(&self) -> &'static str {
-        NAME
+        self.inner.name
     }
 }
 

@@ -14,7 +14,6 @@ pub(crate) struct ChunkTable {
     /// Per chunk: whether it is mapped.
     mapped: Vec<bool>,
     mapped_count: usize,
-    peak_mapped: usize,
 }
 
 impl ChunkTable {
@@ -26,7 +25,6 @@ impl ChunkTable {
             live: vec![0; n],
             mapped: vec![false; n],
             mapped_count: 0,
-            peak_mapped: 0,
         }
     }
 
@@ -62,7 +60,6 @@ impl ChunkTable {
             self.mapped[i] = mapped;
             if mapped {
                 self.mapped_count += 1;
-                self.peak_mapped = self.peak_mapped.max(self.mapped_count);
             } else {
                 self.mapped_count -= 1;
             }
@@ -86,13 +83,6 @@ impl ChunkTable {
         self.live[i] > 0
     }
 
-    /// Mapped chunks no live allocation touches: what trimming unmaps.
-    pub(crate) fn idle(&self) -> Vec<usize> {
-        (0..self.live.len())
-            .filter(|&i| self.mapped[i] && self.live[i] == 0)
-            .collect()
-    }
-
     /// Every mapped chunk.
     pub(crate) fn mapped_chunks(&self) -> Vec<usize> {
         (0..self.live.len()).filter(|&i| self.mapped[i]).collect()
@@ -101,11 +91,6 @@ impl ChunkTable {
     /// Chunks mapped now.
     pub(crate) fn mapped_count(&self) -> usize {
         self.mapped_count
-    }
-
-    /// The most chunks mapped at once.
-    pub(crate) fn peak_mapped(&self) -> usize {
-        self.peak_mapped
     }
 
     /// The offset of chunk `i` in the range.
@@ -214,7 +199,7 @@ mod tests {
     }
 
     #[test]
-    fn idle_chunks_are_mapped_ones_no_block_touches() {
+    fn chunks_count_the_live_blocks_that_touch_them() {
         let mut t = ChunkTable::new(0, 16 * MIB, 2 * MIB);
         let a = t.span(0, 3 * MIB); // chunks 0, 1
         let b = t.span(3 * MIB, 4 * MIB); // chunks 1, 2, 3
@@ -225,15 +210,18 @@ mod tests {
             t.set_mapped(i, true);
         }
         assert_eq!(t.unmapped(0..4), Vec::<usize>::new());
-        assert!(t.idle().is_empty());
+        assert!((0..4).all(|i| t.is_touched(i)));
         t.release(a);
-        assert_eq!(t.idle(), vec![0], "chunk 1 is still touched by b");
+        assert_eq!(
+            (0..4).map(|i| t.is_touched(i)).collect::<Vec<_>>(),
+            [false, true, true, true],
+            "chunk 1 is still touched by b"
+        );
         t.release(b);
-        assert_eq!(t.idle(), vec![0, 1, 2, 3]);
+        assert!((0..4).all(|i| !t.is_touched(i)));
         t.set_mapped(0, false);
         t.set_mapped(0, false); // idempotent
         assert_eq!(t.mapped_count(), 3);
-        assert_eq!(t.peak_mapped(), 4);
         assert_eq!(t.mapped_chunks(), vec![1, 2, 3]);
     }
 
