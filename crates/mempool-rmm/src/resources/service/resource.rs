@@ -590,9 +590,11 @@ impl ServiceResource {
     fn map_run(&self, st: &mut State, ri: usize, run: Range<usize>, done: &mut Vec<usize>) -> Result<()> {
         let mut recorded = Vec::with_capacity(run.len());
         for i in run.clone() {
-            let phys = Arc::new(PhysicalAllocation::new(&self.props, self.chunk)?);
             let offset = ri * self.region_size + st.regions[ri].table.offset(i);
-            let m = Mapping::without_access(&self.reservation, offset, phys);
+            // A failure to create the chunk (out of memory, the usual one) or to map it leaves the chunks
+            // this run mapped before it recorded in `done`, so that the caller's undo unmaps them.
+            let m = PhysicalAllocation::new(&self.props, self.chunk)
+                .and_then(|phys| Mapping::without_access(&self.reservation, offset, Arc::new(phys)));
             let m = match m {
                 Ok(m) => m,
                 Err(e) => {
@@ -737,24 +739,29 @@ impl ServiceResource {
         let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
         let mut st = self.state();
         let base = self.reservation.base().0;
+        let invalid = |reason: String| Error::InvalidDeallocation {
+            resource: NAME,
+            ptr: ptr.0,
+            bytes,
+            reason,
+        };
         let ri = ptr
             .0
             .checked_sub(base)
+            .filter(|&off| off < self.reservation.size() as u64)
             .map(|off| (off / self.region_size as u64) as usize)
-            .filter(|&i| i < st.regions.len())
-            .ok_or_else(|| Error::InvalidDeallocation {
-                resource: NAME,
-                ptr: ptr.0,
-                bytes,
-                reason: "the address is not in the resource's reservation".into(),
-            })?;
+            .ok_or_else(|| invalid("the address is not in the resource's reservation".into()))?;
+        if ri >= st.regions.len() {
+            return Err(invalid(format!(
+                "the address lies in the region of tag {ri}, which the resource has not made (it has {} tags)",
+                st.regions.len()
+            )));
+        }
         if !st.regions[ri].table.contains(ptr.0, rounded.max(1)) {
-            return Err(Error::InvalidDeallocation {
-                resource: NAME,
-                ptr: ptr.0,
-                bytes,
-                reason: format!("the range runs past the end of tag `{}`'s region", st.regions[ri].name),
-            });
+            return Err(invalid(format!(
+                "the range runs past the end of tag `{}`'s region",
+                st.regions[ri].name
+            )));
         }
         if st.regions[ri].asleep.is_some() {
             return Err(asleep_error(&st.regions[ri].name, "free into"));
@@ -823,8 +830,12 @@ impl ServiceResource {
                 SleepMode::Offload if touched.is_empty() => None,
                 SleepMode::Offload => {
                     let host = PinnedHost::new(&self.ctx, touched.len() * self.chunk)?;
-                    self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream)?;
-                    stream.synchronize()?;
+                    let queued = self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream);
+                    // Wait even when a copy could not be queued: those queued before it write into `host`,
+                    // which the error return frees.
+                    let waited = stream.synchronize();
+                    queued?;
+                    waited?;
                     report.offloaded_bytes += host.len as u64;
                     Some(host)
                 }
