@@ -995,9 +995,10 @@ fn service_out_of_memory_names_the_size_and_leaves_everything_as_it_was() {
     let g = gpu();
     let s = g.stream.as_ref();
     let total = g.dev.total_memory().unwrap();
-    // Chunks of 512 MiB keep the attempt (map until the device is full, unmap, once more) to a few
-    // hundred driver calls; the region holds the request, so the engine finds room and mapping fails.
-    let chunk = 512 * MIB;
+    // Chunks of 510 MiB keep the attempt (map until the device is full, unmap, once more) to a few
+    // hundred driver calls; not a power of two, so the reservation keeps the driver's own alignment. The
+    // region holds the request, so the engine finds room and mapping is what fails.
+    let chunk = 255 * 2 * MIB;
     let mr = ServiceResource::new(
         &g.dev,
         ServiceOptions {
