@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use mempool_core::kernels::{u32s, CheckKernels};
+use mempool_core::kernels::CheckKernels;
 use mempool_core::{memory, take_drop_errors, Context, Device, DeviceAddr, LaunchConfig, Module, Stream};
 use mempool_rmm::{
     ChunkObserver, ChunkRange, Error, MemoryResource, Reclaim, ServiceOptions, ServiceResource, SleepMode, Tag,
@@ -71,11 +71,11 @@ impl Gpu {
         let mut host = vec![0u8; bytes];
         // SAFETY: point 1; the copy waits for the stream, after the fills queued on it.
         unsafe { memory::copy_to_host(&self.ctx, &mut host, p, self.stream.as_ref()) }.unwrap();
-        let bad = u32s(&host)
-            .iter()
+        let bad = host
+            .chunks_exact(4)
+            .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
             .enumerate()
-            .find(|(i, &v)| v != base.wrapping_add(*i as u32))
-            .map(|(i, v)| (i, *v));
+            .find(|&(i, v)| v != base.wrapping_add(i as u32));
         assert!(
             bad.is_none(),
             "{what}: first wrong element at {p}: {bad:?} (expected base {base})"
