@@ -803,24 +803,29 @@ impl ServiceResource {
         let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
         let mut st = self.state();
         let base = self.reservation.base().0;
+        let invalid = |reason: String| Error::InvalidDeallocation {
+            resource: self.name,
+            ptr: ptr.0,
+            bytes,
+            reason,
+        };
         let ri = ptr
             .0
             .checked_sub(base)
+            .filter(|&off| off < self.reservation.size() as u64)
             .map(|off| (off / self.region_size as u64) as usize)
-            .filter(|&i| i < st.regions.len())
-            .ok_or_else(|| Error::InvalidDeallocation {
-                resource: self.name,
-                ptr: ptr.0,
-                bytes,
-                reason: "the address is not in the resource's reservation".into(),
-            })?;
+            .ok_or_else(|| invalid("the address is not in the resource's reservation".into()))?;
+        if ri >= st.regions.len() {
+            return Err(invalid(format!(
+                "the address lies in the region of tag {ri}, which the resource has not made (it has {} tags)",
+                st.regions.len()
+            )));
+        }
         if !st.regions[ri].table.contains(ptr.0, rounded.max(1)) {
-            return Err(Error::InvalidDeallocation {
-                resource: self.name,
-                ptr: ptr.0,
-                bytes,
-                reason: format!("the range runs past the end of tag `{}`'s region", st.regions[ri].name),
-            });
+            return Err(invalid(format!(
+                "the range runs past the end of tag `{}`'s region",
+                st.regions[ri].name
+            )));
         }
         if st.regions[ri].asleep.is_some() {
             return Err(asleep_error(self.name, &st.regions[ri].name, "free into"));
@@ -898,8 +903,12 @@ impl ServiceResource {
                         Some(i) => st.host_cache.swap_remove(i),
                         None => PinnedHost::new(&self.ctx, want)?,
                     };
-                    self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream)?;
-                    stream.synchronize()?;
+                    let queued = self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream);
+                    // Wait even when a copy could not be queued: those queued before it write into `host`,
+                    // which the error return frees.
+                    let waited = stream.synchronize();
+                    queued?;
+                    waited?;
                     report.offloaded_bytes += want as u64;
                     Some(host)
                 }

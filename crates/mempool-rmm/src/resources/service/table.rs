@@ -251,6 +251,20 @@ mod tests {
         assert!(check_tag_name(&"x".repeat(65)).is_err());
         assert!(check_tag_name("a b").unwrap_err().contains("' '"));
         assert!(check_tag_name("é").is_err());
+        assert!(
+            check_tag_name(&"x".repeat(MAX_TAG_NAME)).is_ok(),
+            "the longest name is allowed"
+        );
+    }
+
+    #[test]
+    fn the_watermark_allows_exactly_its_limit() {
+        // 100 MiB peak at 15%: 115 MiB may be mapped, one byte more may not.
+        assert!(!over_watermark(100 * MIB, 15 * MIB, 100 * MIB, 15));
+        assert!(over_watermark(100 * MIB, 15 * MIB + 1, 100 * MIB, 15));
+        // A zero percent watermark: nothing above the peak of live bytes.
+        assert!(!over_watermark(0, 2 * MIB, 2 * MIB, 0));
+        assert!(over_watermark(2 * MIB, 2 * MIB, 3 * MIB, 0));
     }
 
     #[test]
