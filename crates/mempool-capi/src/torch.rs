@@ -144,8 +144,10 @@ pub fn reset_peaks(device: usize) {
         c.peak_count.store(c.count.load(Ordering::Relaxed), Ordering::Relaxed);
         // An allocation between the two loads and the stores may have raised the current values above the
         // stored peaks: raise them again.
-        c.peak_bytes.fetch_max(c.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
-        c.peak_count.fetch_max(c.count.load(Ordering::Relaxed), Ordering::Relaxed);
+        c.peak_bytes
+            .fetch_max(c.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        c.peak_count
+            .fetch_max(c.count.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
 
@@ -401,7 +403,11 @@ mod tests {
         assert_eq!((got.peak_bytes, got.peak_count), (24, 1));
         c.freed(24);
         assert_eq!(counters(dev).bytes, 0);
-        assert_eq!(counters(MAX_COUNTED_DEVICES), Counters::default(), "past the counted devices");
+        assert_eq!(
+            counters(MAX_COUNTED_DEVICES),
+            Counters::default(),
+            "past the counted devices"
+        );
     }
 
     #[test]

@@ -66,7 +66,15 @@ fn _torch_counters(device: usize, reset_peaks: bool) -> (u64, u64, u64, u64, u64
         mempool_capi::torch::reset_peaks(device);
     }
     let c = mempool_capi::torch::counters(device);
-    (c.bytes, c.peak_bytes, c.count, c.peak_count, c.allocations, c.frees, c.failures)
+    (
+        c.bytes,
+        c.peak_bytes,
+        c.count,
+        c.peak_count,
+        c.allocations,
+        c.frees,
+        c.failures,
+    )
 }
 
 /// `(failures so far, last message)` of the calling thread's allocations through PyTorch's entry points.
