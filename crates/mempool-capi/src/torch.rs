@@ -17,8 +17,13 @@
 //!   retries and raises `torch.OutOfMemoryError`.
 //!
 //! Neither lets a Rust panic cross the boundary; the failure is also left in `mempool_last_error()` of
-//! the allocating thread.
+//! the allocating thread, and in [`last_failure`] (which later successful calls do not clear).
+//!
+//! Counters per device ([`counters`], [`reset_peaks`]): bytes and allocations PyTorch holds through these
+//! entry points now and at their peak, allocations and frees made, failed allocations. They are atomics
+//! updated beside the live table, so reading them takes no lock.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 #[cfg(mempool_cxx_shim)]
 use std::ffi::c_char;
@@ -40,16 +45,138 @@ pub const RAISES: bool = cfg!(mempool_cxx_shim);
 
 const SHARDS: usize = 16;
 
-/// Every live allocation PyTorch holds: address -> (size, resource). Sharded by address so that threads
-/// allocating at once rarely meet on one lock.
-/// One shard of the live allocations: address -> (size, resource).
-type Shard = Mutex<Option<HashMap<u64, (usize, SharedResource)>>>;
+/// One shard of the live allocations: address -> (size, device, resource). Every live allocation PyTorch
+/// holds is in one; sharded by address so that threads allocating at once rarely meet on one lock.
+type Shard = Mutex<Option<HashMap<u64, (usize, usize, SharedResource)>>>;
 
 static LIVE: [Shard; SHARDS] = [const { Mutex::new(None) }; SHARDS];
 
 /// Frees that failed (an unknown pointer, a size that does not match, a driver error); see
 /// [`free_failures`].
 static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
+
+/// Devices whose allocations are counted ([`counters`]): ordinals `0..MAX_COUNTED_DEVICES`. Allocations on
+/// a device past them work, uncounted.
+pub const MAX_COUNTED_DEVICES: usize = 64;
+
+/// One device's counters (see [`Counters`]).
+struct DeviceCounters {
+    bytes: AtomicU64,
+    peak_bytes: AtomicU64,
+    count: AtomicU64,
+    peak_count: AtomicU64,
+    allocations: AtomicU64,
+    frees: AtomicU64,
+    failures: AtomicU64,
+}
+
+impl DeviceCounters {
+    const fn new() -> DeviceCounters {
+        DeviceCounters {
+            bytes: AtomicU64::new(0),
+            peak_bytes: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+            peak_count: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
+            frees: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    fn allocated(&self, size: usize) {
+        let bytes = self.bytes.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
+        self.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
+        let count = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak_count.fetch_max(count, Ordering::Relaxed);
+        self.allocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn freed(&self, size: usize) {
+        self.bytes.fetch_sub(size as u64, Ordering::Relaxed);
+        self.count.fetch_sub(1, Ordering::Relaxed);
+        self.frees.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+static COUNTERS: [DeviceCounters; MAX_COUNTED_DEVICES] = [const { DeviceCounters::new() }; MAX_COUNTED_DEVICES];
+
+fn device_counters(device: usize) -> Option<&'static DeviceCounters> {
+    COUNTERS.get(device)
+}
+
+/// What PyTorch holds through these entry points on one device ([`counters`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes of live allocations (the sizes PyTorch asked for).
+    pub bytes: u64,
+    /// The most bytes live at once since the process started or the last [`reset_peaks`].
+    pub peak_bytes: u64,
+    /// Live allocations.
+    pub count: u64,
+    /// The most allocations live at once since the process started or the last [`reset_peaks`].
+    pub peak_count: u64,
+    /// Allocations made since the process started.
+    pub allocations: u64,
+    /// Frees made since the process started (refused frees are not counted: see [`free_failures`]).
+    pub frees: u64,
+    /// Allocations that failed since the process started (out of memory, no resource, a driver error).
+    pub failures: u64,
+}
+
+/// The counters of `device`; all zero for a device at or past [`MAX_COUNTED_DEVICES`]. Each field is read
+/// on its own: while other threads allocate, they may be from slightly different moments.
+pub fn counters(device: usize) -> Counters {
+    device_counters(device).map_or_else(Counters::default, |c| Counters {
+        bytes: c.bytes.load(Ordering::Relaxed),
+        peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
+        count: c.count.load(Ordering::Relaxed),
+        peak_count: c.peak_count.load(Ordering::Relaxed),
+        allocations: c.allocations.load(Ordering::Relaxed),
+        frees: c.frees.load(Ordering::Relaxed),
+        failures: c.failures.load(Ordering::Relaxed),
+    })
+}
+
+/// Sets `device`'s peaks (bytes and count) to their current values.
+pub fn reset_peaks(device: usize) {
+    if let Some(c) = device_counters(device) {
+        c.peak_bytes.store(c.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        c.peak_count.store(c.count.load(Ordering::Relaxed), Ordering::Relaxed);
+        // An allocation between the two loads and the stores may have raised the current values above the
+        // stored peaks: raise them again.
+        c.peak_bytes
+            .fetch_max(c.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        c.peak_count
+            .fetch_max(c.count.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    /// This thread's failed allocations so far, and the message of the last one.
+    static LAST_FAILURE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
+}
+
+/// This thread's failed allocations through these entry points so far, and the message of the last one
+/// (`(0, "")` before the first). Unlike `mempool_last_error()`, a later successful call does not clear it:
+/// PyTorch's caching allocator frees its cache (through [`mempool_torch_free`]) between a failed
+/// allocation and the `OutOfMemoryError` it raises.
+pub fn last_failure() -> (u64, String) {
+    LAST_FAILURE
+        .try_with(|l| l.try_borrow().map(|l| l.clone()).unwrap_or_default())
+        .unwrap_or_default()
+}
+
+fn record_failure(device: c_int, message: String) {
+    if let Some(c) = usize::try_from(device).ok().and_then(device_counters) {
+        c.failures.fetch_add(1, Ordering::Relaxed);
+    }
+    let _ = LAST_FAILURE.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            l.0 += 1;
+            l.1 = message;
+        }
+    });
+}
 
 fn shard(addr: u64) -> &'static Shard {
     // Allocations are 256-byte aligned: the bits above the alignment spread them.
@@ -94,7 +221,10 @@ unsafe fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut 
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get_or_insert_with(HashMap::new)
-        .insert(addr.as_raw(), (size, mr));
+        .insert(addr.as_raw(), (size, ordinal, mr));
+    if let Some(c) = device_counters(ordinal) {
+        c.allocated(size);
+    }
     Ok(addr.as_raw() as *mut c_void)
 }
 
@@ -116,13 +246,18 @@ unsafe fn alloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> Opti
         Err(e) => {
             // The message names what was asked whichever layer failed (a missing driver says nothing of
             // the size on its own).
-            error::record_with_prefix(&e, &prefix(size));
+            let p = prefix(size);
+            error::record_with_prefix(&e, &p);
+            record_failure(device, format!("{p}: {e}"));
             None
         }
     }))
     .unwrap_or_else(|p| {
         let _ = catch_unwind(AssertUnwindSafe(|| {
-            error::record_with_prefix(&Error::Panic(error::panic_message(&*p)), &prefix(size));
+            let e = Error::Panic(error::panic_message(&*p));
+            let p = prefix(size);
+            error::record_with_prefix(&e, &p);
+            record_failure(device, format!("{p}: {e}"));
         }));
         None
     })
@@ -193,8 +328,8 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
         let mut g = shard(addr).lock().unwrap_or_else(|p| p.into_inner());
         let map = g.get_or_insert_with(HashMap::new);
         match map.get(&addr) {
-            Some((n, _)) if *n == size => map.remove(&addr),
-            Some((n, _)) => {
+            Some((n, _, _)) if *n == size => map.remove(&addr),
+            Some((n, _, _)) => {
                 return Err(Error::InvalidArgument(format!(
                     "free of {addr:#x} with {size} bytes, but mempool allocated {n} bytes there; not freed"
                 )))
@@ -202,7 +337,7 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
             None => None,
         }
     };
-    let Some((_, mr)) = entry else {
+    let Some((_, device, mr)) = entry else {
         return Err(Error::InvalidArgument(format!(
             "free of {addr:#x}, which mempool's PyTorch allocator did not hand out (or freed already); not freed"
         )));
@@ -213,7 +348,12 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
     // uses it, ordered on `stream` (point 2).
-    unsafe { mr.deallocate(DeviceAddr(addr), size, s) }?;
+    let r = unsafe { mr.deallocate(DeviceAddr(addr), size, s) };
+    // The entry left the table: PyTorch no longer holds the memory, whether or not the resource took it back.
+    if let Some(c) = device_counters(device) {
+        c.freed(size);
+    }
+    r?;
     Ok(())
 }
 
@@ -239,5 +379,52 @@ pub unsafe extern "C" fn mempool_torch_free(ptr: *mut c_void, size: usize, _devi
     }));
     if let Err(p) = r {
         let _ = catch_unwind(AssertUnwindSafe(|| failed(&Error::Panic(error::panic_message(&*p)))));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_follow_allocations_and_frees_and_peaks_reset_to_current() {
+        // A device ordinal no other test touches.
+        let dev = MAX_COUNTED_DEVICES - 1;
+        let c = device_counters(dev).unwrap();
+        c.allocated(1000);
+        c.allocated(24);
+        c.freed(1000);
+        let got = counters(dev);
+        assert_eq!((got.bytes, got.count), (24, 1));
+        assert_eq!((got.peak_bytes, got.peak_count), (1024, 2));
+        assert_eq!((got.allocations, got.frees), (2, 1));
+        reset_peaks(dev);
+        let got = counters(dev);
+        assert_eq!((got.peak_bytes, got.peak_count), (24, 1));
+        c.freed(24);
+        assert_eq!(counters(dev).bytes, 0);
+        assert_eq!(
+            counters(MAX_COUNTED_DEVICES),
+            Counters::default(),
+            "past the counted devices"
+        );
+    }
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn a_failed_allocation_is_counted_and_its_message_kept_past_later_calls() {
+        let (before, _) = last_failure();
+        // SAFETY: a null stream is the legacy default stream; the call fails before using it (a negative
+        // device).
+        let p = unsafe { mempool_torch_alloc_nullable(4096, -3, std::ptr::null_mut()) };
+        assert!(p.is_null());
+        let (n, message) = last_failure();
+        assert_eq!(n, before + 1);
+        assert!(message.contains("4096") && message.contains("-3"), "{message}");
+        // A free of nothing succeeds and clears the last error, not the last failure.
+        // SAFETY: a null pointer frees nothing; the stream is not used.
+        unsafe { mempool_torch_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut()) };
+        assert_eq!(error::last_error(), "");
+        assert_eq!(last_failure(), (n, message));
     }
 }

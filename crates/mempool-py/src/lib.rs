@@ -57,6 +57,32 @@ fn _torch_allocator_state() -> (usize, u64) {
     )
 }
 
+/// Device `device`'s counters of PyTorch's allocator entry points, `(bytes, peak_bytes, count, peak_count,
+/// allocations, frees, failures)`; with `reset_peaks`, the peaks are set to the current values first.
+#[pyfunction]
+#[pyo3(signature = (device, reset_peaks = false))]
+fn _torch_counters(device: usize, reset_peaks: bool) -> (u64, u64, u64, u64, u64, u64, u64) {
+    if reset_peaks {
+        mempool_capi::torch::reset_peaks(device);
+    }
+    let c = mempool_capi::torch::counters(device);
+    (
+        c.bytes,
+        c.peak_bytes,
+        c.count,
+        c.peak_count,
+        c.allocations,
+        c.frees,
+        c.failures,
+    )
+}
+
+/// `(failures so far, last message)` of the calling thread's allocations through PyTorch's entry points.
+#[pyfunction]
+fn _torch_last_failure() -> (u64, String) {
+    mempool_capi::torch::last_failure()
+}
+
 /// The calling thread's last error of the C entry points ("" when the last call succeeded).
 #[pyfunction]
 fn _last_error() -> String {
@@ -93,6 +119,8 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_shared_object_path, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_alloc_raises, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_allocator_state, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_last_failure, m)?)?;
     m.add_function(wrap_pyfunction!(_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(mr::_flush_logs, m)?)?;
     errors::register(m)?;
