@@ -277,6 +277,16 @@ impl<'a> StreamRef<'a> {
         let r = unsafe { raw::stream::query(self.as_raw()) };
         Ok(r?)
     }
+
+    /// Whether the stream is being captured into a CUDA graph (`cuStreamIsCapturing`): while it is, work
+    /// that synchronizes the device or the stream is illegal and would invalidate the capture.
+    pub fn is_capturing(&self) -> Result<bool> {
+        let _bound = self.ctx.map(|c| c.bind()).transpose()?;
+        // SAFETY: as in `synchronize`.
+        #[allow(unsafe_code)]
+        let r = unsafe { raw::stream::is_capturing(self.as_raw()) };
+        Ok(r?)
+    }
 }
 
 #[cfg(test)]

@@ -50,3 +50,15 @@ pub(crate) unsafe fn wait_event(s: sys::CUstream, e: sys::CUevent) -> Result<()>
     // SAFETY: point 1; flags must be 0 (CU_EVENT_WAIT_DEFAULT).
     unsafe { call!(cuStreamWaitEvent(s, e, 0)) }
 }
+
+/// Whether `s` is being captured into a graph (an invalidated capture counts: the stream is still in
+/// capture mode until it ends).
+///
+/// # Safety
+/// 1. `s` is a live stream or one of the special handles.
+pub(crate) unsafe fn is_capturing(s: sys::CUstream) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: point 1; one status is written.
+    unsafe { call!(cuStreamIsCapturing(s, &mut status)) }?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use mempool_core::{
-    Access, AllocationProps, Context, Device, DeviceAddr, Event, EventFlags, Granularity, HandleTypes, Mapping,
-    PhysicalAllocation, Reservation, StreamRef,
+    Access, AllocationProps, Context, Device, DeviceAddr, Granularity, HandleTypes, Mapping, PhysicalAllocation,
+    Reservation, StreamRef,
 };
 use mempool_suballoc::{self as suballoc, Engine, EventPolicy, PoolEngine, PoolOptions, Upstream};
 
@@ -733,7 +733,7 @@ impl ServiceResource {
         let span = st.regions[ri].table.span(addr, rounded);
         st.regions[ri].table.acquire(span.clone());
         if span.clone().any(|i| !st.regions[ri].table.is_mapped(i)) {
-            if let Err(e) = self.grow(&mut st, ri, span.clone(), rounded) {
+            if let Err(e) = self.grow(&mut st, ri, span.clone(), rounded, stream) {
                 let r = &mut st.regions[ri];
                 r.table.release(span);
                 // The block was never handed out: nothing used it, so it goes straight back.
@@ -757,17 +757,21 @@ impl ServiceResource {
 
     /// Maps the unmapped chunks of `span` in region `ri` for an allocation of `rounded` bytes, reclaiming
     /// idle chunks first when the policy says so, and once more after running out of memory.
-    fn grow(&self, st: &mut State, ri: usize, span: Range<usize>, rounded: u64) -> Result<()> {
+    fn grow(&self, st: &mut State, ri: usize, span: Range<usize>, rounded: u64, stream: StreamRef<'_>) -> Result<()> {
         let need = st.regions[ri].table.unmapped(span.clone());
         let new = (need.len() * self.chunk) as u64;
-        let reclaim = match self.reclaim {
-            Reclaim::OnOutOfMemory => false,
-            Reclaim::BeforeGrowth => true,
-            Reclaim::Watermark { percent } => {
-                let mapped = st.mapped_chunks() * self.chunk as u64;
-                over_watermark(mapped, new, st.peak_used.max(st.used + rounded), percent)
-            }
-        };
+        // Reclaiming waits for the device, which a stream being captured into a graph forbids (it would
+        // invalidate the capture): then the resource only maps, and an out-of-memory is not retried.
+        let capturing = stream.is_capturing()?;
+        let reclaim = !capturing
+            && match self.reclaim {
+                Reclaim::OnOutOfMemory => false,
+                Reclaim::BeforeGrowth => true,
+                Reclaim::Watermark { percent } => {
+                    let mapped = st.mapped_chunks() * self.chunk as u64;
+                    over_watermark(mapped, new, st.peak_used.max(st.used + rounded), percent)
+                }
+            };
         if reclaim {
             // The span's chunks are acquired, so they are not idle: only others are unmapped.
             if self.unmap_idle(st, Some((ri, span.clone())))? > 0 {
@@ -775,7 +779,7 @@ impl ServiceResource {
             }
         }
         let mut result = self.map_chunks(st, ri, &need);
-        if matches!(&result, Err(e) if e.is_out_of_memory()) {
+        if !capturing && matches!(&result, Err(e) if e.is_out_of_memory()) {
             // Give back what no live allocation touches, then try once more.
             result = self
                 .unmap_idle(st, Some((ri, span)))
@@ -1045,9 +1049,7 @@ impl ServiceResource {
 
     /// Refuses when `stream` has work still queued.
     fn check_idle(&self, stream: StreamRef<'_>) -> Result<()> {
-        let ev = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
-        ev.record(stream)?;
-        if !ev.is_complete()? {
+        if !stream.in_context(&self.ctx).is_idle()? {
             return Err(Error::Unsupported {
                 resource: self.name,
                 reason: "cannot sleep while the stream given has work still queued (it may use the memory \
