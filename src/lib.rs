@@ -76,6 +76,10 @@ mod docs_ipc_protocol {}
 mod docs_resources {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/services.md")]
+mod docs_services {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/testing.md")]
 mod docs_testing {}
 
