@@ -25,6 +25,7 @@ pub mod device;
 pub mod error;
 pub mod ffi;
 pub mod registry;
+pub mod service;
 pub mod torch;
 
 pub use error::{Error, Result, Status};

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use mempool_core::{
-    Access, AllocationProps, Context, Device, DeviceAddr, Event, EventFlags, Granularity, HandleTypes, Mapping,
-    PhysicalAllocation, Reservation, StreamRef,
+    Access, AllocationProps, Context, Device, DeviceAddr, Granularity, HandleTypes, Mapping, PhysicalAllocation,
+    Reservation, StreamRef,
 };
 use mempool_suballoc::{self as suballoc, Engine, EventPolicy, PoolEngine, PoolOptions, Upstream};
 
@@ -783,6 +783,7 @@ impl ServiceResource {
     /// (synchronize it first: sleeping memory a queued kernel still uses would fault it); out of pinned
     /// host memory for the offload.
     pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
+        let stream = self.own_context(stream);
         let mut st = self.state();
         let mut idx = Vec::with_capacity(tags.len());
         for &t in tags {
@@ -847,6 +848,7 @@ impl ServiceResource {
     /// On a failure (out of memory), what this call mapped for the failing tag is unmapped again and the
     /// tag stays asleep with its saved contents: nothing is lost, and `wake` can be called again.
     pub fn wake(&self, tags: &[Tag], stream: StreamRef<'_>) -> Result<WakeReport> {
+        let stream = self.own_context(stream);
         let mut st = self.state();
         for &t in tags {
             self.region_index(&st, t)?;
@@ -955,11 +957,20 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Refuses when `stream` has work still queued.
+    /// `stream` bound to the resource's context when it knows none (the legacy or per-thread stream, a raw
+    /// handle): its synchronize and query then work from a thread with no current context.
+    fn own_context<'s>(&'s self, stream: StreamRef<'s>) -> StreamRef<'s> {
+        match stream.context() {
+            Some(_) => stream,
+            None => stream.in_context(&self.ctx),
+        }
+    }
+
+    /// Refuses when `stream` has work still queued. `cuStreamQuery`, not an event recorded now: an event
+    /// recorded on an idle stream completes only once the device has processed the record, so a query right
+    /// after it can read "not ready" with nothing queued.
     fn check_idle(&self, stream: StreamRef<'_>) -> Result<()> {
-        let ev = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
-        ev.record(stream)?;
-        if !ev.is_complete()? {
+        if !self.own_context(stream).is_idle()? {
             return Err(Error::Unsupported {
                 resource: NAME,
                 reason: "cannot sleep while the stream given has work still queued (it may use the memory \
