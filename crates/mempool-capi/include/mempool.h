@@ -98,6 +98,69 @@ int mempool_deallocate(const mempool_resource_t* resource, void* ptr, size_t byt
 int mempool_set_current_device_resource(int device, const mempool_resource_t* resource);
 int mempool_get_current_device_resource(int device, mempool_resource_t** out);
 
+/* The service resource (mempool-rmm's ServiceResource): one virtual reservation on the device, divided into
+ * a region per tag ("default" is tag 0; others are made by name), physical memory mapped in chunks where
+ * allocations land (addresses never move), and whole tags put to sleep (their memory released, addresses
+ * kept) and woken. Its handle allocates under the default tag and is usable wherever a resource is; so is
+ * the handle of mempool_service_tagged_resource, which allocates under one tag. Out of memory
+ * (MEMPOOL_ERROR_OUT_OF_MEMORY) names the size, the tag, what the resource holds and has live, the
+ * largest free block and the device's free memory. Every mempool_service_* call below takes a handle of
+ * either kind (any other resource is MEMPOOL_ERROR_INVALID_ARGUMENT), and tags by number. */
+typedef enum mempool_sleep_mode {
+  MEMPOOL_SLEEP_DISCARD = 0, /* the contents are lost; wake maps fresh memory at the same addresses */
+  MEMPOOL_SLEEP_OFFLOAD = 1  /* the contents go to pinned host memory; wake copies them back */
+} mempool_sleep_mode_t;
+
+/* watermark_percent of mempool_service_resource_create: idle chunks are unmapped only on out of memory. */
+#define MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY (-1)
+
+typedef struct mempool_service_sleep_report {
+  uint64_t released_bytes, offloaded_bytes;
+} mempool_service_sleep_report_t;
+
+typedef struct mempool_service_wake_report {
+  uint64_t mapped_bytes, restored_bytes;
+} mempool_service_wake_report_t;
+
+typedef struct mempool_service_stats {
+  uint64_t mapped_bytes, peak_mapped_bytes, used_bytes, peak_used_bytes;
+  uint64_t reservation_bytes, chunk_size, reclaims, reclaimed_bytes;
+  size_t num_tags; /* how many tags there are (mempool_service_stats writes at most tags_capacity of them) */
+} mempool_service_stats_t;
+
+typedef struct mempool_service_tag_stats {
+  char name[65]; /* NUL-terminated */
+  uint32_t tag;
+  int asleep; /* -1 while awake, else the mempool_sleep_mode_t it sleeps in */
+  uint64_t used_bytes, peak_used_bytes, live_allocations, allocations, frees;
+  uint64_t mapped_bytes, offloaded_bytes, largest_free_mapped, exports;
+} mempool_service_tag_stats_t;
+
+/* max_tags 0: 8; chunk_size 0: the recommended granularity, at least 2 MiB; region_size 0: twice the
+ * device's memory (address space per tag); watermark_percent: at most that much mapped above the peak of
+ * live bytes (15 is the Rust default), or MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY; shareable: 1, 0, or -1 where
+ * the device supports it. */
+int mempool_service_resource_create(int device, size_t max_tags, size_t chunk_size, size_t region_size,
+                                    int watermark_percent, int shareable, mempool_resource_t** out);
+/* The tag named name, made if there is none (1 to 64 ASCII letters, digits, '_', '-', '.', ':'). */
+int mempool_service_tag(const mempool_resource_t* service, const char* name, uint32_t* out);
+/* A new handle allocating under tag (destroy it with mempool_resource_destroy). */
+int mempool_service_tagged_resource(const mempool_resource_t* service, uint32_t tag, mempool_resource_t** out);
+/* Releases the tags' physical memory (mode: a mempool_sleep_mode_t). Refused, changing nothing, for an
+ * unknown tag, one asleep or shared with another process, and a stream with work still queued. */
+int mempool_service_sleep(const mempool_resource_t* service, const uint32_t* tags, size_t num_tags, int mode,
+                          void* stream, mempool_service_sleep_report_t* out);
+/* Maps the sleeping tags back at the same addresses, restoring offloaded contents; awake tags are skipped;
+ * returns once stream is done. */
+int mempool_service_wake(const mempool_resource_t* service, const uint32_t* tags, size_t num_tags, void* stream,
+                         mempool_service_wake_report_t* out);
+/* Unmaps every idle chunk of the awake tags (after waiting for the device); *out: the bytes released. */
+int mempool_service_trim(const mempool_resource_t* service, uint64_t* out);
+int mempool_service_reset_peaks(const mempool_resource_t* service);
+/* Totals to *out, and the first tags_capacity tags (in tag order) to tags (NULL when tags_capacity is 0). */
+int mempool_service_stats(const mempool_resource_t* service, mempool_service_stats_t* out,
+                          mempool_service_tag_stats_t* tags, size_t tags_capacity);
+
 /* PyTorch's pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator): allocate from the device's
  * current resource; free returns the memory to the resource that allocated it (an unknown pointer or a
  * wrong size is refused, not freed). mempool_torch_alloc throws std::runtime_error on failure (message

@@ -168,7 +168,9 @@ impl Status {
         match e {
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::Panic(_) => Status::Panic,
-            Error::Rmm(R::OutOfMemory { .. } | R::LimitExceeded { .. }) => Status::OutOfMemory,
+            Error::Rmm(R::OutOfMemory { .. } | R::OutOfMemoryHeld { .. } | R::LimitExceeded { .. }) => {
+                Status::OutOfMemory
+            }
             Error::Rmm(R::Unsupported { .. }) => Status::Unsupported,
             Error::Rmm(R::InvalidDeallocation { .. }) => Status::InvalidDeallocation,
             Error::Rmm(R::Core(c)) => match c {
@@ -445,6 +447,33 @@ mod tests {
             cause: "cuMemUnmap failed".into(),
         };
         assert_eq!(Status::of(&leaked.into()), Status::Other);
+    }
+
+    #[test]
+    fn a_service_out_of_memory_is_out_of_memory_and_says_what_is_held() {
+        let e = Error::from(mempool_rmm::Error::OutOfMemoryHeld {
+            resource: "ServiceResource",
+            requested: 3 << 30,
+            tag: "kv-cache".into(),
+            held: 7 << 30,
+            live: 6 << 30,
+            largest_free: 1 << 29,
+            device_free: 1 << 20,
+        });
+        assert_eq!(record(&e), Status::OutOfMemory);
+        let text = last_error();
+        for name in [
+            "out of memory",
+            "3221225472 bytes",
+            "`kv-cache`",
+            "holds 7516192768 bytes mapped",
+            "6442450944 bytes live",
+            "largest free block in mapped memory is 536870912 bytes",
+            "device has 1048576 bytes free",
+        ] {
+            assert!(text.contains(name), "{text:?} does not name {name:?}");
+        }
+        clear();
     }
 
     #[test]

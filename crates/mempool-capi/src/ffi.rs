@@ -9,14 +9,17 @@ use std::sync::{Arc, Mutex, Weak};
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
 use mempool_rmm::suballoc::PoolOptions;
-use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, SharedResource};
+use mempool_rmm::{
+    AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, ServiceResource, SharedResource, Tag,
+};
 
 use crate::device;
 use crate::error::{self, Error, Result, Status};
 use crate::registry;
+use crate::service;
 
-/// `mempool_resource_t`: a counted reference to a resource, the device it allocates on, and its
-/// statistics when it is a statistics adaptor. Every handle a create or get call returns is released by
+/// `mempool_resource_t`: a counted reference to a resource, the device it allocates on, its statistics
+/// when it is a statistics adaptor, and the service resource when it is one or a tag of one. Every handle a create or get call returns is released by
 /// `mempool_resource_destroy`; the resource lives while any handle, adaptor over it or registry entry
 /// holds it. An allocation of `mempool_allocate` is a bare pointer and does not hold it: free every such
 /// allocation before the last of those references goes (PyTorch's entry points do hold the resource of
@@ -24,6 +27,7 @@ use crate::registry;
 pub struct ResourceHandle {
     shared: SharedResource,
     stats: Option<Arc<StatisticsAdaptor<SharedResource>>>,
+    service: Option<Arc<ServiceResource>>,
     device: usize,
 }
 
@@ -121,6 +125,7 @@ fn plain(shared: SharedResource, device: usize) -> ResourceHandle {
     ResourceHandle {
         shared,
         stats: None,
+        service: None,
         device,
     }
 }
@@ -282,6 +287,7 @@ pub unsafe extern "C" fn mempool_statistics_adaptor_create(
                 ResourceHandle {
                     shared,
                     stats: Some(stats),
+                    service: None,
                     device: h.device,
                 },
             )
@@ -460,10 +466,424 @@ pub unsafe extern "C" fn mempool_get_current_device_resource(device: c_int, out:
                 ResourceHandle {
                     shared: mr,
                     stats,
+                    service: None,
                     device: d,
                 },
             )
         }
+    })
+}
+
+/// `mempool_service_sleep_report_t`: what `mempool_service_sleep` released.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ServiceSleepReport {
+    /// Physical memory unmapped and released.
+    pub released_bytes: u64,
+    /// Bytes copied to pinned host memory (`MEMPOOL_SLEEP_OFFLOAD`).
+    pub offloaded_bytes: u64,
+}
+
+/// `mempool_service_wake_report_t`: what `mempool_service_wake` brought back.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ServiceWakeReport {
+    /// Physical memory mapped again.
+    pub mapped_bytes: u64,
+    /// Bytes copied back from pinned host memory.
+    pub restored_bytes: u64,
+}
+
+/// `mempool_service_stats_t`: what a service resource holds, every tag together.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ServiceStatistics {
+    /// Physical memory mapped now.
+    pub mapped_bytes: u64,
+    /// The most mapped at once (since the last peak reset).
+    pub peak_mapped_bytes: u64,
+    /// Bytes of live allocations.
+    pub used_bytes: u64,
+    /// The most bytes live at once (since the last peak reset).
+    pub peak_used_bytes: u64,
+    /// The reserved virtual range's size.
+    pub reservation_bytes: u64,
+    /// The chunk size.
+    pub chunk_size: u64,
+    /// How many times idle chunks were unmapped on the resource's own.
+    pub reclaims: u64,
+    /// Bytes unmapped by those reclaims and by trims.
+    pub reclaimed_bytes: u64,
+    /// How many tags the resource has (the default included).
+    pub num_tags: usize,
+}
+
+/// `mempool_service_tag_stats_t`: what one tag of a service resource holds.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct ServiceTagStatistics {
+    /// The tag's name, NUL-terminated (at most 64 bytes before the NUL).
+    pub name: [c_char; 65],
+    /// The tag's number.
+    pub tag: u32,
+    /// -1 while awake, else the `MEMPOOL_SLEEP_*` mode it sleeps in.
+    pub asleep: c_int,
+    /// Bytes of live allocations.
+    pub used_bytes: u64,
+    /// The most bytes live at once (since the last peak reset).
+    pub peak_used_bytes: u64,
+    /// Live allocations.
+    pub live_allocations: u64,
+    /// Allocations made.
+    pub allocations: u64,
+    /// Frees made.
+    pub frees: u64,
+    /// Physical memory mapped now.
+    pub mapped_bytes: u64,
+    /// Bytes kept in pinned host memory while it sleeps offloaded.
+    pub offloaded_bytes: u64,
+    /// The largest free block in mapped memory.
+    pub largest_free_mapped: u64,
+    /// Ranges of it shared with other processes now.
+    pub exports: u64,
+}
+
+// A tag name and its NUL fit `ServiceTagStatistics::name`.
+const _: () = assert!(mempool_rmm::MAX_TAG_NAME < 65);
+
+/// The service resource behind a handle of `mempool_service_resource_create` or
+/// `mempool_service_tagged_resource`; another resource is refused, naming what it is.
+fn service_of(h: &ResourceHandle) -> Result<&Arc<ServiceResource>> {
+    h.service.as_ref().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "service is a {}, not a service resource (make one with mempool_service_resource_create)",
+            h.shared.name()
+        ))
+    })
+}
+
+/// The tags of `(tags, num_tags)`, each checked against `mr`.
+///
+/// # Safety
+/// 1. `tags` is null or valid for reads of `num_tags` values.
+#[allow(unsafe_code)]
+unsafe fn tag_list(mr: &ServiceResource, tags: *const u32, num_tags: usize) -> Result<Vec<Tag>> {
+    if num_tags == 0 {
+        return Ok(Vec::new());
+    }
+    if tags.is_null() {
+        return Err(Error::InvalidArgument(format!(
+            "tags is null and num_tags is {num_tags}"
+        )));
+    }
+    // SAFETY: point 1; `tags` is not null and `num_tags` is not 0.
+    let list = unsafe { std::slice::from_raw_parts(tags, num_tags) };
+    list.iter().map(|&t| service::tag_by_number(mr, u64::from(t))).collect()
+}
+
+/// A service resource on `device` (mempool-rmm's `ServiceResource`): one virtual reservation divided into
+/// a region per tag, physical memory mapped in chunks where allocations land, whole tags put to sleep and
+/// woken at the same addresses. Allocations through the handle are of the default tag;
+/// `mempool_service_tagged_resource` gives a handle per tag. `max_tags` (0: 8), `chunk_size` (0: the
+/// recommended granularity, at least 2 MiB) and `region_size` (0: twice the device's memory) lay it out;
+/// `watermark_percent` bounds what it maps above the peak of live bytes (`MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY`,
+/// -1: idle chunks are unmapped only when mapping runs out of memory); `shareable` is 1 for chunks
+/// exportable as POSIX file descriptors, 0 for none, -1 where the device supports it.
+///
+/// # Safety
+/// 1. `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_resource_create(
+    device: c_int,
+    max_tags: usize,
+    chunk_size: usize,
+    region_size: usize,
+    watermark_percent: c_int,
+    shareable: c_int,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        let d = ordinal(device)?;
+        let watermark = match watermark_percent {
+            -1 => None,
+            p => Some(u32::try_from(p).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "watermark_percent {p} is negative (give a percent, or MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY)"
+                ))
+            })?),
+        };
+        let shareable = match shareable {
+            -1 => None,
+            0 => Some(false),
+            1 => Some(true),
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "shareable is {other}: give 1 (yes), 0 (no) or -1 (where the device supports it)"
+                )))
+            }
+        };
+        let nonzero = |n: usize| (n > 0).then_some(n);
+        let max_tags = if max_tags == 0 {
+            mempool_rmm::ServiceOptions::default().max_tags
+        } else {
+            max_tags
+        };
+        let options = service::options(
+            max_tags,
+            nonzero(chunk_size),
+            nonzero(region_size),
+            watermark,
+            shareable,
+        );
+        let mr = service::create(d, options)?;
+        let shared: SharedResource = mr.clone();
+        let h = ResourceHandle {
+            shared,
+            stats: None,
+            service: Some(mr),
+            device: d,
+        };
+        // SAFETY: point 1.
+        unsafe { put_handle(out, h) }
+    })
+}
+
+/// Writes the number of the tag named `name` of `service` to `*out`, making the tag if there is none (a
+/// name is 1 to 64 ASCII letters, digits, `_`, `-`, `.` or `:`; more tags than `max_tags` is refused).
+/// The default tag is 0, named "default".
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `name` is null or a NUL-terminated string; `out` is null or valid
+///    for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_tag(
+    service: *const ResourceHandle,
+    name: *const c_char,
+    out: *mut u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let mr = service_of(unsafe { handle(service, "service") }?)?;
+        if name.is_null() {
+            return Err(Error::InvalidArgument("name is null".into()));
+        }
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // SAFETY: point 1: a NUL-terminated string, not null.
+        let name = unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_str()
+            .map_err(|_| Error::InvalidArgument("name is not UTF-8".into()))?;
+        let tag = service::tag_or_new(mr, name)?;
+        *out = tag.index() as u32;
+        Ok(())
+    })
+}
+
+/// Writes a new handle that allocates from `service` under `tag` to `*out` (usable wherever a resource
+/// is: `mempool_allocate`, adaptors, `mempool_set_current_device_resource`); frees through it go to
+/// whichever tag the address lies in. Release it with `mempool_resource_destroy`; it holds the resource.
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_tagged_resource(
+    service: *const ResourceHandle,
+    tag: u32,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(service, "service") }?;
+        let mr = service_of(h)?;
+        let tag = service::tag_by_number(mr, u64::from(tag))?;
+        let shared: SharedResource = Arc::new(mr.tagged(tag));
+        let t = ResourceHandle {
+            shared,
+            stats: None,
+            service: Some(mr.clone()),
+            device: h.device,
+        };
+        // SAFETY: point 1.
+        unsafe { put_handle(out, t) }
+    })
+}
+
+/// Releases the physical memory of the `num_tags` tags at `tags`, keeping their addresses and live
+/// allocations: `MEMPOOL_SLEEP_OFFLOAD` copies the contents to pinned host memory first (ordered on
+/// `stream`), `MEMPOOL_SLEEP_DISCARD` loses them. Refused with nothing changed: an unknown tag, a tag
+/// already asleep or with ranges shared with another process, `stream` with work still queued
+/// (synchronize it first). Allocating from or freeing into a sleeping tag is refused until
+/// `mempool_service_wake`.
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `tags` is null or valid for reads of `num_tags` values; `out` is
+///    null or valid for a write.
+/// 2. `stream` is a live stream of the resource's device, or a special handle.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_sleep(
+    service: *const ResourceHandle,
+    tags: *const u32,
+    num_tags: usize,
+    mode: c_int,
+    stream: *mut c_void,
+    out: *mut ServiceSleepReport,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(service, "service") }?;
+        let mr = service_of(h)?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // SAFETY: point 1.
+        let tags = unsafe { tag_list(mr, tags, num_tags) }?;
+        let mode = service::mode_of_code(mode)?;
+        let ctx = device::context(h.device)?;
+        // SAFETY: point 2; the view does not outlive this call.
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) }.in_context(&ctx);
+        let r = mr.sleep(&tags, mode, s)?;
+        *out = ServiceSleepReport {
+            released_bytes: r.released_bytes,
+            offloaded_bytes: r.offloaded_bytes,
+        };
+        Ok(())
+    })
+}
+
+/// Maps the memory of the sleeping tags among the `num_tags` at `tags` back at the same addresses and
+/// restores the contents of offloaded ones, ordered on `stream`; returns once `stream` is done. Awake tags
+/// are skipped. On out of memory the failing tag stays asleep with its contents: call again later.
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `tags` is null or valid for reads of `num_tags` values; `out` is
+///    null or valid for a write.
+/// 2. `stream` is a live stream of the resource's device, or a special handle.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_wake(
+    service: *const ResourceHandle,
+    tags: *const u32,
+    num_tags: usize,
+    stream: *mut c_void,
+    out: *mut ServiceWakeReport,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(service, "service") }?;
+        let mr = service_of(h)?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // SAFETY: point 1.
+        let tags = unsafe { tag_list(mr, tags, num_tags) }?;
+        let ctx = device::context(h.device)?;
+        // SAFETY: point 2; the view does not outlive this call.
+        let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) }.in_context(&ctx);
+        let r = mr.wake(&tags, s)?;
+        *out = ServiceWakeReport {
+            mapped_bytes: r.mapped_bytes,
+            restored_bytes: r.restored_bytes,
+        };
+        Ok(())
+    })
+}
+
+/// Waits for the device, unmaps every chunk of an awake tag that no live allocation touches, and writes
+/// the bytes released to `*out`.
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_trim(service: *const ResourceHandle, out: *mut u64) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let mr = service_of(unsafe { handle(service, "service") }?)?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        *out = mr.trim()?;
+        Ok(())
+    })
+}
+
+/// Sets every peak of `service` (its own and each tag's) to the current value; the watermark follows the
+/// peak of live bytes, so the resource may hold less from now on.
+///
+/// # Safety
+/// 1. `service` is null or a live handle.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_reset_peaks(service: *const ResourceHandle) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let mr = service_of(unsafe { handle(service, "service") }?)?;
+        mr.reset_peaks();
+        Ok(())
+    })
+}
+
+/// Writes what `service` holds to `*out` and, per tag in tag order, to `tags[0..min(num_tags,
+/// tags_capacity)]` (`tags` may be NULL when `tags_capacity` is 0; `out->num_tags` says how many there are).
+///
+/// # Safety
+/// 1. `service` is null or a live handle; `out` is null or valid for a write; `tags` is null or valid for
+///    writes of `tags_capacity` values.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_service_stats(
+    service: *const ResourceHandle,
+    out: *mut ServiceStatistics,
+    tags: *mut ServiceTagStatistics,
+    tags_capacity: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let mr = service_of(unsafe { handle(service, "service") }?)?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        if tags.is_null() && tags_capacity > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "tags is null and tags_capacity is {tags_capacity}"
+            )));
+        }
+        let s = mr.stats();
+        *out = ServiceStatistics {
+            mapped_bytes: s.mapped_bytes,
+            peak_mapped_bytes: s.peak_mapped_bytes,
+            used_bytes: s.used_bytes,
+            peak_used_bytes: s.peak_used_bytes,
+            reservation_bytes: s.reservation_bytes,
+            chunk_size: s.chunk_size,
+            reclaims: s.reclaims,
+            reclaimed_bytes: s.reclaimed_bytes,
+            num_tags: s.tags.len(),
+        };
+        for (i, t) in s.tags.iter().take(tags_capacity).enumerate() {
+            let mut name: [c_char; 65] = [0; 65];
+            for (dst, b) in name.iter_mut().zip(t.name.bytes().take(64)) {
+                *dst = b as c_char;
+            }
+            let row = ServiceTagStatistics {
+                name,
+                tag: t.tag.index() as u32,
+                asleep: t.asleep.map_or(-1, service::mode_code),
+                used_bytes: t.used_bytes,
+                peak_used_bytes: t.peak_used_bytes,
+                live_allocations: t.live_allocations,
+                allocations: t.allocations,
+                frees: t.frees,
+                mapped_bytes: t.mapped_bytes,
+                offloaded_bytes: t.offloaded_bytes,
+                largest_free_mapped: t.largest_free_mapped,
+                exports: t.exports,
+            };
+            // SAFETY: point 1: `tags` is not null (checked above, `tags_capacity > i`) and valid for writes
+            // of `tags_capacity` values; `i < tags_capacity`.
+            unsafe { tags.add(i).write(row) };
+        }
+        Ok(())
     })
 }
 

@@ -1,8 +1,9 @@
 //! # mempool-capi
 //!
 //! The C ABI of mempool (`include/mempool.h`): resources (create, compose, destroy), allocation and
-//! deallocation on a stream, the per-device current resource, statistics, the calling thread's last
-//! error, and the two entry points PyTorch's pluggable allocator calls. Built as `libmempool_capi.so` for
+//! deallocation on a stream, the per-device current resource, statistics, the service resource (tags,
+//! sleep and wake, trim, per-tag statistics: `mempool_service_*`), the calling thread's last error, and
+//! the two entry points PyTorch's pluggable allocator calls. Built as `libmempool_capi.so` for
 //! C and C++ programs, and linked into the Python extension (crates/mempool-py), which exports the same
 //! symbols, so that PyTorch, C code and Python in one process share one registry.
 //!
@@ -15,8 +16,7 @@
 //! (its status enum, every prototype against the entry points of [`ffi`] and [`torch`], and
 //! `mempool_statistics_t`) and the Python package's `_errors.py` against the Rust definitions.
 //!
-//! The Rust side of the Python package uses [`device`], [`registry`] and
-//! [`error`] directly.
+//! The Rust side of the Python package uses [`device`], [`registry`], [`service`] and [`error`] directly.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -25,6 +25,7 @@ pub mod device;
 pub mod error;
 pub mod ffi;
 pub mod registry;
+pub mod service;
 pub mod torch;
 
 pub use error::{Error, Result, Status};

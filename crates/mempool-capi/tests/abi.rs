@@ -2,7 +2,8 @@
 //! - the status enum against [`Status`] (names, codes, and each code's one-line summary);
 //! - the function prototypes against the `#[no_mangle]` entry points of `src/ffi.rs` and `src/torch.rs`
 //!   (names, parameter names and C types, return types), both ways;
-//! - `mempool_statistics_t` against the `#[repr(C)]` `Statistics`;
+//! - its structs (`mempool_statistics_t`, the service resource's) against the `#[repr(C)]` structs of
+//!   `src/ffi.rs`, and `mempool_sleep_mode_t` against mempool-capi's sleep mode codes;
 //! - the Python package's exception classes (`mempool._errors`) against [`Status::python_exception`].
 //!
 //! It also checks that every entry point catches panics (its body runs inside `guard` or `catch_unwind`),
@@ -189,15 +190,25 @@ fn c_type_of(rust: &str) -> String {
     if let Some(inner) = rust.strip_prefix("*mut ") {
         return format!("{}*", c_type_of(inner));
     }
+    if let Some(array) = rust.strip_prefix('[').and_then(|a| a.strip_suffix(']')) {
+        let (inner, len) = array.split_once(';').expect("an array type without a length");
+        return format!("{}[{}]", c_type_of(inner), len.trim());
+    }
     match rust {
         "" | "()" => "void",
         "c_int" => "int",
         "usize" => "size_t",
         "i64" => "int64_t",
+        "u32" => "uint32_t",
+        "u64" => "uint64_t",
         "c_void" => "void",
         "c_char" => "char",
         "ResourceHandle" => "mempool_resource_t",
         "Statistics" => "mempool_statistics_t",
+        "ServiceSleepReport" => "mempool_service_sleep_report_t",
+        "ServiceWakeReport" => "mempool_service_wake_report_t",
+        "ServiceStatistics" => "mempool_service_stats_t",
+        "ServiceTagStatistics" => "mempool_service_tag_stats_t",
         other => panic!("no C type known for the Rust type `{other}`: add it to c_type_of"),
     }
     .to_string()
@@ -361,11 +372,11 @@ fn no_entry_point_lets_a_panic_unwind() {
     }
 }
 
-#[test]
-fn mempool_statistics_t_is_the_repr_c_statistics() {
+/// The fields of the header's `typedef struct {c_name} { ... }`: (name, C type), arrays as `char[65]`.
+fn header_struct(c_name: &str) -> Vec<(String, String)> {
     let start = HEADER
-        .find("typedef struct mempool_statistics {")
-        .expect("no mempool_statistics_t");
+        .find(&format!("typedef struct {c_name} {{"))
+        .unwrap_or_else(|| panic!("mempool.h has no struct {c_name}"));
     let (body, _) = balanced(HEADER, start + HEADER[start..].find('{').unwrap(), '{', '}');
     let mut header = Vec::new();
     for decl in strip_c_comments(body)
@@ -375,28 +386,105 @@ fn mempool_statistics_t_is_the_repr_c_statistics() {
     {
         let (ty, names) = decl.split_once(char::is_whitespace).unwrap();
         for n in names.split(',') {
-            header.push((n.trim().to_string(), ty.to_string()));
+            let n = n.trim();
+            match n.split_once('[') {
+                Some((n, len)) => header.push((n.to_string(), format!("{ty}[{}", len.trim()))),
+                None => header.push((n.to_string(), ty.to_string())),
+            }
         }
     }
+    header
+}
+
+/// The fields of `pub struct {rust_name}` in `src/ffi.rs`: (name, C type).
+fn rust_struct(rust_name: &str) -> Vec<(String, String)> {
     let ffi = SOURCES[0].1;
     let start = ffi
-        .find("pub struct Statistics {")
-        .expect("no Statistics in src/ffi.rs");
+        .find(&format!("pub struct {rust_name} {{"))
+        .unwrap_or_else(|| panic!("no {rust_name} in src/ffi.rs"));
     let (body, _) = balanced(ffi, start + ffi[start..].find('{').unwrap(), '{', '}');
-    let rust: Vec<(String, String)> = body
-        .lines()
+    body.lines()
         .map(str::trim)
         .filter_map(|l| l.strip_prefix("pub "))
         .map(|l| {
             let (n, t) = l.trim_end_matches(',').split_once(':').unwrap();
             (n.trim().to_string(), c_type_of(t))
         })
+        .collect()
+}
+
+#[test]
+fn the_structs_of_mempool_h_are_the_repr_c_structs_of_ffi_rs() {
+    use mempool_capi::ffi::{
+        ServiceSleepReport, ServiceStatistics, ServiceTagStatistics, ServiceWakeReport, Statistics,
+    };
+    let pairs = [
+        ("mempool_statistics", "Statistics", std::mem::size_of::<Statistics>()),
+        (
+            "mempool_service_sleep_report",
+            "ServiceSleepReport",
+            std::mem::size_of::<ServiceSleepReport>(),
+        ),
+        (
+            "mempool_service_wake_report",
+            "ServiceWakeReport",
+            std::mem::size_of::<ServiceWakeReport>(),
+        ),
+        (
+            "mempool_service_stats",
+            "ServiceStatistics",
+            std::mem::size_of::<ServiceStatistics>(),
+        ),
+        (
+            "mempool_service_tag_stats",
+            "ServiceTagStatistics",
+            std::mem::size_of::<ServiceTagStatistics>(),
+        ),
+    ];
+    for (c_name, rust_name, size) in pairs {
+        let header = header_struct(c_name);
+        let rust = rust_struct(rust_name);
+        assert!(!rust.is_empty(), "{rust_name} has no fields the parser found");
+        assert_eq!(header, rust, "{c_name}_t differs from {rust_name} (src/ffi.rs)");
+        // Every field is 8 bytes wide except the tag statistics' name, number and state, packed as C packs
+        // them (65 + 4 + 4 bytes, padded to 80 before the first uint64_t).
+        let expected = if rust_name == "ServiceTagStatistics" {
+            80 + (rust.len() - 3) * 8
+        } else {
+            rust.len() * 8
+        };
+        assert_eq!(size, expected, "{rust_name}'s size");
+    }
+    assert_eq!(std::mem::offset_of!(ServiceTagStatistics, used_bytes), 80);
+}
+
+#[test]
+fn mempool_sleep_mode_t_is_the_rust_codes() {
+    let start = HEADER
+        .find("typedef enum mempool_sleep_mode {")
+        .expect("mempool.h has no mempool_sleep_mode enum");
+    let (body, _) = balanced(HEADER, start + HEADER[start..].find('{').unwrap(), '{', '}');
+    let header: Vec<(String, i32)> = strip_c_comments(body)
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (n, v) = e.split_once('=').expect("an enumerator without a value");
+            (n.trim().to_string(), v.trim().parse().unwrap())
+        })
         .collect();
+    use mempool_capi::service::{SLEEP_DISCARD, SLEEP_OFFLOAD};
     assert_eq!(
-        header, rust,
-        "mempool_statistics_t differs from Statistics (src/ffi.rs)"
+        header,
+        [
+            ("MEMPOOL_SLEEP_DISCARD".to_string(), SLEEP_DISCARD),
+            ("MEMPOOL_SLEEP_OFFLOAD".to_string(), SLEEP_OFFLOAD)
+        ]
     );
-    assert_eq!(std::mem::size_of::<mempool_capi::ffi::Statistics>(), rust.len() * 8);
+    assert!(
+        HEADER.contains("#define MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY (-1)"),
+        "mempool_service_resource_create reads -1 as on out of memory"
+    );
 }
 
 /// The classes `_errors.py` defines: name -> base classes.

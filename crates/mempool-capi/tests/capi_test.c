@@ -47,6 +47,108 @@ static void common(void) {
   CHECK(mempool_torch_alloc_nullable(16, -1, NULL) == NULL, "negative device");
   CHECK(strstr(mempool_last_error(), "16 bytes") != NULL && strstr(mempool_last_error(), "negative") != NULL,
         "the message names the size and the cause");
+  /* The service resource's entry points refuse NULL handles and outputs, and options checked before the
+   * driver is asked. */
+  uint32_t tag = 7;
+  CHECK(mempool_service_tag(NULL, "weights", &tag) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  CHECK(strstr(mempool_last_error(), "service is null") != NULL, "message names the argument");
+  CHECK(tag == 7, "out untouched on failure");
+  CHECK(mempool_service_tagged_resource(NULL, 0, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+  mempool_service_sleep_report_t sleep_report;
+  mempool_service_wake_report_t wake_report;
+  CHECK(mempool_service_sleep(NULL, &tag, 1, MEMPOOL_SLEEP_OFFLOAD, NULL, &sleep_report) ==
+            MEMPOOL_ERROR_INVALID_ARGUMENT,
+        "null service");
+  CHECK(mempool_service_wake(NULL, &tag, 1, NULL, &wake_report) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  uint64_t released = 0;
+  CHECK(mempool_service_trim(NULL, &released) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  CHECK(mempool_service_reset_peaks(NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  mempool_service_stats_t stats;
+  CHECK(mempool_service_stats(NULL, &stats, NULL, 0) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null service");
+  CHECK(mempool_service_resource_create(-1, 0, 0, 0, 15, -1, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
+  CHECK(mempool_service_resource_create(0, 0, 0, 0, -2, -1, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "watermark");
+  CHECK(strstr(mempool_last_error(), "watermark_percent -2") != NULL, "message names the argument");
+  CHECK(mempool_service_resource_create(0, 0, 0, 0, MEMPOOL_RECLAIM_ON_OUT_OF_MEMORY, 2, &r) ==
+            MEMPOOL_ERROR_INVALID_ARGUMENT,
+        "shareable");
+  CHECK(strstr(mempool_last_error(), "shareable is 2") != NULL, "message names the argument");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+}
+
+/* The service resource on device 0: tags, statistics, sleep and wake, trim, out of memory. */
+static void service_gpu(void) {
+  mempool_resource_t *svc = NULL, *weights_mr = NULL, *base = NULL;
+  CHECK(mempool_service_resource_create(0, 4, 0, (size_t)1 << 30, 15, -1, &svc) == MEMPOOL_SUCCESS, "service");
+  if (svc == NULL) return;
+  uint32_t weights = 99, again = 98, def = 97;
+  CHECK(mempool_service_tag(svc, "weights", &weights) == MEMPOOL_SUCCESS && weights == 1, "tag %u", weights);
+  CHECK(mempool_service_tag(svc, "weights", &again) == MEMPOOL_SUCCESS && again == 1, "same tag %u", again);
+  CHECK(mempool_service_tag(svc, "default", &def) == MEMPOOL_SUCCESS && def == 0, "default tag %u", def);
+  CHECK(mempool_service_tag(svc, "no spaces", &again) == MEMPOOL_ERROR_INVALID_ARGUMENT, "bad name");
+  CHECK(strstr(mempool_last_error(), "no spaces") != NULL, "message names the name");
+  CHECK(mempool_service_tag(svc, NULL, &again) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null name");
+  CHECK(mempool_service_tagged_resource(svc, 9, &weights_mr) == MEMPOOL_ERROR_INVALID_ARGUMENT, "unknown tag");
+  CHECK(strstr(mempool_last_error(), "tag 9") != NULL && strstr(mempool_last_error(), "`weights`") != NULL,
+        "message names the tag and the tags there are");
+  CHECK(mempool_service_tagged_resource(svc, weights, &weights_mr) == MEMPOOL_SUCCESS, "tagged");
+  /* Another resource is not a service resource. */
+  CHECK(mempool_async_resource_create(0, 0, &base) == MEMPOOL_SUCCESS, "async");
+  uint64_t released = 0;
+  CHECK(mempool_service_trim(base, &released) == MEMPOOL_ERROR_INVALID_ARGUMENT, "not a service resource");
+  CHECK(strstr(mempool_last_error(), "not a service resource") != NULL, "message");
+
+  size_t n = (size_t)3 << 20;
+  void *p = NULL, *q = NULL, *r = NULL;
+  CHECK(mempool_allocate(weights_mr, n, NULL, &p) == MEMPOOL_SUCCESS && p != NULL, "allocate under weights");
+  CHECK(mempool_allocate(svc, 1000, NULL, &q) == MEMPOOL_SUCCESS && q != NULL, "allocate under default");
+  mempool_service_stats_t st;
+  mempool_service_tag_stats_t ts[4];
+  memset(ts, 0, sizeof ts);
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS && st.num_tags == 2, "stats: %zu tags",
+        st.num_tags);
+  CHECK(mempool_service_stats(svc, &st, NULL, 1) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null tags with capacity");
+  CHECK(st.used_bytes >= n + 1000 && st.mapped_bytes >= n && st.chunk_size > 0, "totals");
+  CHECK(strcmp(ts[0].name, "default") == 0 && ts[0].tag == 0 && ts[0].live_allocations == 1, "default row");
+  CHECK(strcmp(ts[1].name, "weights") == 0 && ts[1].tag == 1 && ts[1].live_allocations == 1 &&
+            ts[1].used_bytes >= n && ts[1].mapped_bytes >= n && ts[1].asleep == -1,
+        "weights row");
+
+  mempool_service_sleep_report_t sr;
+  mempool_service_wake_report_t wr;
+  CHECK(mempool_service_sleep(svc, &weights, 1, 5, NULL, &sr) == MEMPOOL_ERROR_INVALID_ARGUMENT, "bad mode");
+  CHECK(strstr(mempool_last_error(), "sleep mode 5") != NULL, "message names the mode");
+  CHECK(mempool_service_sleep(svc, NULL, 1, MEMPOOL_SLEEP_OFFLOAD, NULL, &sr) == MEMPOOL_ERROR_INVALID_ARGUMENT,
+        "null tags");
+  CHECK(mempool_service_sleep(svc, &weights, 1, MEMPOOL_SLEEP_OFFLOAD, NULL, &sr) == MEMPOOL_SUCCESS, "sleep");
+  CHECK(sr.released_bytes >= n && sr.offloaded_bytes >= n, "released %llu offloaded %llu",
+        (unsigned long long)sr.released_bytes, (unsigned long long)sr.offloaded_bytes);
+  CHECK(mempool_allocate(weights_mr, 256, NULL, &r) == MEMPOOL_ERROR_UNSUPPORTED, "allocate from a sleeping tag");
+  CHECK(strstr(mempool_last_error(), "asleep") != NULL, "message says why");
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS, "stats");
+  CHECK(ts[1].asleep == MEMPOOL_SLEEP_OFFLOAD && ts[1].mapped_bytes == 0 && ts[1].offloaded_bytes == sr.offloaded_bytes,
+        "asleep row");
+  CHECK(ts[0].asleep == -1 && ts[0].mapped_bytes > 0, "the default tag stays awake");
+  CHECK(mempool_service_wake(svc, &weights, 1, NULL, &wr) == MEMPOOL_SUCCESS, "wake");
+  CHECK(wr.mapped_bytes == sr.offloaded_bytes && wr.restored_bytes == sr.offloaded_bytes, "woken %llu restored %llu",
+        (unsigned long long)wr.mapped_bytes, (unsigned long long)wr.restored_bytes);
+  CHECK(mempool_service_wake(svc, &weights, 1, NULL, &wr) == MEMPOOL_SUCCESS && wr.mapped_bytes == 0, "awake: no-op");
+
+  CHECK(mempool_deallocate(weights_mr, p, n, NULL) == MEMPOOL_SUCCESS, "free under weights");
+  CHECK(mempool_deallocate(svc, q, 1000, NULL) == MEMPOOL_SUCCESS, "free under default");
+  CHECK(mempool_service_trim(svc, &released) == MEMPOOL_SUCCESS && released >= n, "trim released %llu",
+        (unsigned long long)released);
+  CHECK(mempool_service_reset_peaks(svc) == MEMPOOL_SUCCESS, "reset peaks");
+  CHECK(mempool_service_stats(svc, &st, NULL, 0) == MEMPOOL_SUCCESS && st.peak_used_bytes == 0 &&
+            st.used_bytes == 0 && st.mapped_bytes == 0,
+        "peaks reset");
+  /* More than a tag's region: out of memory, naming what the resource holds. */
+  CHECK(mempool_allocate(weights_mr, (size_t)2 << 30, NULL, &r) == MEMPOOL_ERROR_OUT_OF_MEMORY, "too large");
+  CHECK(strstr(mempool_last_error(), "2147483648 bytes") != NULL && strstr(mempool_last_error(), "largest free") != NULL,
+        "message names the size and what is held");
+  mempool_resource_destroy(weights_mr);
+  mempool_resource_destroy(base);
+  mempool_resource_destroy(svc);
 }
 
 static int host(void) {
@@ -64,6 +166,7 @@ static int nodriver(void) {
   CHECK(r == NULL, "no handle");
   CHECK(mempool_async_resource_create(0, 0, &r) == MEMPOOL_ERROR_DRIVER_NOT_FOUND, "async resource");
   CHECK(mempool_get_current_device_resource(0, &r) == MEMPOOL_ERROR_DRIVER_NOT_FOUND, "current");
+  CHECK(mempool_service_resource_create(0, 0, 0, 0, 15, -1, &r) == MEMPOOL_ERROR_DRIVER_NOT_FOUND, "service");
   CHECK(mempool_torch_alloc_nullable(1024, 0, NULL) == NULL, "torch alloc without a driver");
   CHECK(strstr(mempool_last_error(), "1024 bytes") != NULL, "torch message names the size");
   return failures;
@@ -113,6 +216,7 @@ static int gpu(void) {
   mempool_resource_destroy(stats);
   mempool_resource_destroy(pool);
   mempool_resource_destroy(base);
+  service_gpu();
   return failures;
 }
 

@@ -102,6 +102,8 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mr::BinningMemoryResource>()?;
     m.add_class::<mr::ArenaMemoryResource>()?;
     m.add_class::<mr::VmmMemoryResource>()?;
+    m.add_class::<mr::ServiceMemoryResource>()?;
+    m.add_class::<mr::TaggedMemoryResource>()?;
     m.add_class::<mr::Statistics>()?;
     m.add_class::<mr::StatisticsResourceAdaptor>()?;
     m.add_class::<mr::TrackingResourceAdaptor>()?;

@@ -1,7 +1,7 @@
 # Type stubs of the extension module mempool._lib (crates/mempool-py/src).
 import os
 from types import TracebackType
-from typing import Any, Callable, Literal, Optional, Sequence, Union, final
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union, final
 
 Stream = Any  # None, an int handle, an object with __cuda_stream__, or a PyTorch/CuPy/Numba stream
 
@@ -96,6 +96,43 @@ class VmmMemoryResource(DeviceMemoryResource):
     @property
     def granularity(self) -> int: ...
     def allocated(self) -> tuple[int, int]: ...
+
+TagRef = Union[str, int]  # a tag's name or its number
+
+@final
+class ServiceMemoryResource(DeviceMemoryResource):
+    def __init__(
+        self,
+        device: Optional[int] = None,
+        *,
+        max_tags: int = 8,
+        chunk_size: Optional[int] = None,
+        region_size: Optional[int] = None,
+        watermark: Optional[int] = 15,
+        shareable: Optional[bool] = None,
+    ) -> None: ...
+    def tag(self, name: str) -> int: ...
+    def tagged(self, tag: TagRef) -> TaggedMemoryResource: ...
+    def sleep(
+        self, tags: Union[TagRef, Iterable[TagRef]], mode: Literal["offload", "discard"] = "offload", stream: Stream = None
+    ) -> dict[str, int]: ...
+    def wake(self, tags: Union[TagRef, Iterable[TagRef]], stream: Stream = None) -> dict[str, int]: ...
+    def trim(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def reset_peaks(self) -> None: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def region_size(self) -> int: ...
+    @property
+    def tag_names(self) -> list[str]: ...
+
+@final
+class TaggedMemoryResource(DeviceMemoryResource):
+    @property
+    def tag(self) -> int: ...
+    @property
+    def tag_name(self) -> str: ...
 
 class Statistics:
     @property

@@ -3,12 +3,14 @@
 //! the per-device current resource.
 //!
 //! Files: `base.rs` (the base class, `DeviceMemoryResource`, and shared helpers), `resources.rs` (resources over the driver),
-//! `suballoc.rs` (the suballocators), `adaptors.rs`, `registry.rs` (the per-device current resource).
+//! `suballoc.rs` (the suballocators), `service.rs` (the service resource and its tags), `adaptors.rs`,
+//! `registry.rs` (the per-device current resource).
 
 mod adaptors;
 mod base;
 mod registry;
 mod resources;
+mod service;
 mod suballoc;
 
 pub(crate) use adaptors::{
@@ -18,4 +20,5 @@ pub(crate) use adaptors::{
 pub(crate) use base::PyResource;
 pub(crate) use registry::{get_per_device_resource, set_per_device_resource};
 pub(crate) use resources::{CudaAsyncMemoryResource, CudaMemoryResource, ManagedMemoryResource, VmmMemoryResource};
+pub(crate) use service::{ServiceMemoryResource, TaggedMemoryResource};
 pub(crate) use suballoc::{ArenaMemoryResource, BinningMemoryResource, FixedSizeMemoryResource, PoolMemoryResource};

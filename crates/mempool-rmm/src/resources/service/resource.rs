@@ -762,7 +762,7 @@ impl ServiceResource {
         let new = (need.len() * self.chunk) as u64;
         // Reclaiming waits for the device, which a stream being captured into a graph forbids (it would
         // invalidate the capture): then the resource only maps, and an out-of-memory is not retried.
-        let capturing = stream.is_capturing()?;
+        let capturing = self.own_context(stream).is_capturing()?;
         let reclaim = !capturing
             && match self.reclaim {
                 Reclaim::OnOutOfMemory => false,
@@ -859,6 +859,7 @@ impl ServiceResource {
     /// (synchronize it first: sleeping memory a queued kernel still uses would fault it); out of pinned
     /// host memory for the offload.
     pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
+        let stream = self.own_context(stream);
         let mut st = self.state();
         let mut idx = Vec::with_capacity(tags.len());
         for &t in tags {
@@ -937,6 +938,7 @@ impl ServiceResource {
     /// On a failure (out of memory), what this call mapped for the failing tag is unmapped again and the
     /// tag stays asleep with its saved contents: nothing is lost, and `wake` can be called again.
     pub fn wake(&self, tags: &[Tag], stream: StreamRef<'_>) -> Result<WakeReport> {
+        let stream = self.own_context(stream);
         let mut st = self.state();
         for &t in tags {
             self.region_index(&st, t)?;
@@ -1047,9 +1049,20 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Refuses when `stream` has work still queued.
+    /// `stream` bound to the resource's context when it knows none (the legacy or per-thread stream, a raw
+    /// handle): its synchronize and query then work from a thread with no current context.
+    fn own_context<'s>(&'s self, stream: StreamRef<'s>) -> StreamRef<'s> {
+        match stream.context() {
+            Some(_) => stream,
+            None => stream.in_context(&self.ctx),
+        }
+    }
+
+    /// Refuses when `stream` has work still queued. `cuStreamQuery`, not an event recorded now: an event
+    /// recorded on an idle stream completes only once the device has processed the record, so a query right
+    /// after it can read "not ready" with nothing queued.
     fn check_idle(&self, stream: StreamRef<'_>) -> Result<()> {
-        if !stream.in_context(&self.ctx).is_idle()? {
+        if !self.own_context(stream).is_idle()? {
             return Err(Error::Unsupported {
                 resource: self.name,
                 reason: "cannot sleep while the stream given has work still queued (it may use the memory \

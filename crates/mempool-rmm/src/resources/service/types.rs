@@ -17,6 +17,12 @@ impl Tag {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+
+    /// The tag whose number is `index` (what [`index`](Self::index) returns): for callers that carry tags
+    /// as numbers (the C ABI, Python). A resource refuses a number it has no tag for.
+    pub const fn from_index(index: u32) -> Tag {
+        Tag(index)
+    }
 }
 
 /// What [`ServiceResource::sleep`](super::ServiceResource::sleep) does with the contents of the memory
