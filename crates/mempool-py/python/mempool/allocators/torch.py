@@ -104,9 +104,7 @@ def _service_and_tag(resource: Any) -> tuple[Optional[Any], Optional[str]]:
             if service_cls is not None and isinstance(candidate, service_cls):
                 parent = candidate
                 break
-        tag = getattr(resource, "tag", None)
-        if callable(tag):
-            tag = tag()
+        tag = getattr(resource, "tag_name", None)
         return parent, tag if isinstance(tag, str) else None
     return None, None
 
