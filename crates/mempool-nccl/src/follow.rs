@@ -223,7 +223,14 @@ impl Follow {
                 // before any later collective on this communicator (`before_collective`). The caller
                 // holds the communicator and no group is open on this thread. NCCL writes one handle.
                 #[allow(unsafe_code)]
-                let r = unsafe { reg(comm.raw, span.0 as usize as *mut c_void, (span.1 - span.0) as usize, &mut handle) };
+                let r = unsafe {
+                    reg(
+                        comm.raw,
+                        span.0 as usize as *mut c_void,
+                        (span.1 - span.0) as usize,
+                        &mut handle,
+                    )
+                };
                 match lib.check("ncclCommRegister", r, comm.raw) {
                     Ok(()) => book.held.push(Held {
                         tag: *tag,

@@ -123,7 +123,11 @@ mod tests {
         assert_eq!(s.spans(), [(0, 3 * C)], "filling the hole joins all three");
         s.insert(5 * C, 6 * C);
         s.insert(4 * C, 7 * C);
-        assert_eq!(s.spans(), [(0, 3 * C), (4 * C, 7 * C)], "a range over another swallows it");
+        assert_eq!(
+            s.spans(),
+            [(0, 3 * C), (4 * C, 7 * C)],
+            "a range over another swallows it"
+        );
         s.insert(C, 5 * C);
         assert_eq!(s.spans(), [(0, 7 * C)]);
         s.insert(9 * C, 9 * C);
@@ -134,7 +138,11 @@ mod tests {
     fn removing_cuts_the_ranges_it_overlaps() {
         let mut s = set(&[(0, 4 * C), (6 * C, 8 * C)]);
         s.remove(C, 2 * C);
-        assert_eq!(s.spans(), [(0, C), (2 * C, 4 * C), (6 * C, 8 * C)], "a middle chunk splits a run");
+        assert_eq!(
+            s.spans(),
+            [(0, C), (2 * C, 4 * C), (6 * C, 8 * C)],
+            "a middle chunk splits a run"
+        );
         s.remove(3 * C, 7 * C);
         assert_eq!(s.spans(), [(0, C), (2 * C, 3 * C), (7 * C, 8 * C)], "across two runs");
         s.remove(0, 10 * C);
@@ -186,7 +194,10 @@ mod tests {
         let mapped = set(&[(0, C), (3 * C, 5 * C)]);
         let p = plan(mapped.spans(), &[], &[]);
         assert_eq!(p.register, [(0, C), (3 * C, 5 * C)]);
-        assert!(plan(mapped.spans(), &p.register, &[]).is_empty(), "applied, nothing is left");
+        assert!(
+            plan(mapped.spans(), &p.register, &[]).is_empty(),
+            "applied, nothing is left"
+        );
         let p = plan(mapped.spans(), &[(0, C)], &[(3 * C, 5 * C)]);
         assert!(p.is_empty(), "a failed run waits until it changes");
         let mut grown = mapped.clone();
