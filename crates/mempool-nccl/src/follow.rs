@@ -106,6 +106,8 @@ struct Held {
     tag: Tag,
     span: Span,
     handle: Handle,
+    /// `Book::collectives` when it was registered: while they are equal no collective can use it.
+    since: u64,
 }
 
 /// What the attachment knows: what is mapped (from the resource's calls), what is registered, what
@@ -121,6 +123,8 @@ struct Book {
     errors_dropped: u64,
     /// A bring-up-to-date waits for the end of the group open on some thread.
     deferred: bool,
+    /// Collectives enqueued on the communicator so far.
+    collectives: u64,
 }
 
 impl Book {
@@ -191,9 +195,16 @@ impl Follow {
             book.record(e.clone());
             return Err(e);
         }
-        if plans.iter().any(|(_, p)| !p.deregister.is_empty()) {
+        let used = |tag: Tag, span: &Span| {
+            book.held
+                .iter()
+                .any(|h| h.tag == tag && h.span == *span && h.since != book.collectives)
+        };
+        if plans.iter().any(|(t, p)| p.deregister.iter().any(|s| used(*t, s))) {
             // Deregistering unmaps the peers' mappings at once, on the host: work still queued on the
-            // ranges must finish first (an unmapping has waited already; a merge has not).
+            // ranges must finish first (an unmapping has waited already; a merge has not). A
+            // registration no collective was enqueued after cannot be in use: growth in batches (wake)
+            // does not wait.
             if let Err(e) = comm.ctx.synchronize() {
                 fail(book, e.into());
             }
@@ -232,11 +243,15 @@ impl Follow {
                     )
                 };
                 match lib.check("ncclCommRegister", r, comm.raw) {
-                    Ok(()) => book.held.push(Held {
-                        tag: *tag,
-                        span,
-                        handle: Handle(handle),
-                    }),
+                    Ok(()) => {
+                        let since = book.collectives;
+                        book.held.push(Held {
+                            tag: *tag,
+                            span,
+                            handle: Handle(handle),
+                            since,
+                        })
+                    }
                     Err(e) => {
                         book.failed.push((*tag, span));
                         fail(book, e);
@@ -260,10 +275,9 @@ impl BeforeCollective for Follow {
         // The communicator of an attachment is reachable only through a `CommGuard` (not `Send`) or the
         // observer, both holding `lend` on this thread.
         let mut book = self.book();
-        if book.plans().is_empty() {
-            return Ok(());
-        }
-        if scope::is_open() {
+        let result = if book.plans().is_empty() {
+            Ok(())
+        } else if scope::is_open() {
             return Err(Error::InvalidArgument {
                 call,
                 reason: "the pool attached to this communicator mapped or unmapped memory while a group is \
@@ -271,8 +285,12 @@ impl BeforeCollective for Follow {
                          allocate (and free) the group's buffers before the group starts"
                     .into(),
             });
-        }
-        self.reconcile(comm, &mut book)
+        } else {
+            self.reconcile(comm, &mut book)
+        };
+        // Counted after the registrations it may use were made: those are in use from now on.
+        book.collectives += 1;
+        result
     }
 }
 
