@@ -429,7 +429,8 @@ impl RegisteredRange {
 ///   [`Attachment::errors`], never panic. The collective that triggered the work returns the failure.
 ///
 /// Refused, and `comm` destroyed with the error: a resource of another device than the communicator's,
-/// a group open on this thread, an NCCL without `ncclCommRegister` (before 2.19).
+/// a group open on this thread (the communicator is then destroyed when the group ends), an NCCL without
+/// `ncclCommRegister` (before 2.19).
 ///
 /// # Safety
 ///
@@ -452,10 +453,16 @@ pub unsafe fn attach(mut comm: Comm, resource: &Arc<ServiceResource>) -> Result<
         });
     }
     if scope::is_open() {
+        // Destroyed when the group ends, not inside it.
+        let rank = comm.rank();
+        scope::run_or_defer(
+            move || format!("destroying the communicator of rank {rank} refused by attach"),
+            move || comm.destroy(),
+        )?;
         return Err(Error::InvalidArgument {
             call,
             reason: "a group is open on this thread: attach before the group starts (registrations cannot be \
-                     made inside it)"
+                     made inside it); the communicator is destroyed when the group ends"
                 .into(),
         });
     }
