@@ -65,7 +65,18 @@ pub struct Comm {
     pub(crate) ctx: Arc<Context>,
     pub(crate) rank: usize,
     nranks: usize,
+    /// Work run before each collective: an attachment's registrations brought up to date
+    /// (`crate::follow`); set while the communicator is attached to a pool.
+    pub(crate) before: Option<Arc<dyn BeforeCollective>>,
     _not_sync: PhantomData<Cell<()>>,
+}
+
+/// What a communicator runs before it enqueues a collective (at the top of every collective, raw ones
+/// included), on the thread that calls it: an attached pool's registrations brought up to date, or an
+/// error naming why they cannot be.
+pub(crate) trait BeforeCollective: Send + Sync {
+    /// Runs before the collective `call` on `comm`.
+    fn before_collective(&self, call: &'static str, comm: &Comm) -> Result<()>;
 }
 
 // SAFETY: an ncclComm_t may be used from any thread, one at a time (NCCL's documented rule); `Comm` is
@@ -214,6 +225,7 @@ impl Comm {
                 ctx,
                 rank,
                 nranks: n,
+                before: None,
                 _not_sync: PhantomData,
             })
             .collect();
@@ -281,6 +293,7 @@ impl Comm {
             ctx,
             rank,
             nranks,
+            before: None,
             _not_sync: PhantomData,
         };
         comm.verify()?;
@@ -442,6 +455,9 @@ impl Comm {
         stream: StreamRef<'_>,
     ) -> Result<()> {
         let call = coll.name();
+        if let Some(before) = &self.before {
+            before.before_collective(call, self)?;
+        }
         let dt = T::DATA_TYPE.to_raw();
         let (s, r) = (send.0 as usize as *const c_void, recv.0 as usize as *mut c_void);
         let st = stream.as_raw() as sys::RawStream;

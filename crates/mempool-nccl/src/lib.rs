@@ -17,6 +17,10 @@
 //!   group end: how one thread drives several communicators.
 //! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live; one
 //!   dropped inside a group is deregistered when the group ends, before [`group()`] returns.
+//! - [`attach`]: registration that follows a `mempool_rmm::ServiceResource`: every run of chunks it
+//!   maps is registered with the communicator, adjacent runs as one, and deregistered before it is
+//!   unmapped (growth, trim, reclaim, sleep, wake), with no call from the user; the [`Attachment`]
+//!   owns the communicator and lends it ([`Attachment::comm`]) for collectives.
 //! - Raw handles and constants re-exported from the private FFI module: [`RawComm`] (what
 //!   [`Comm::as_raw`] returns), [`UNIQUE_ID_BYTES`], [`LIBRARY_ENV`]; [`probe_library`] opens a
 //!   candidate library and reports its version, without making it the process's NCCL.
@@ -34,7 +38,9 @@
 
 mod comm;
 mod error;
+mod follow;
 mod group;
+mod ranges;
 mod registration;
 mod scope;
 mod sys;
@@ -42,6 +48,7 @@ mod types;
 
 pub use comm::{Comm, UniqueId};
 pub use error::{Error, Result};
+pub use follow::{attach, Attachment, CommGuard, RegisteredRange};
 pub use group::{group, Group};
 pub use registration::Registration;
 pub use sys::{OpaqueComm, RawComm, LIBRARY_ENV, UNIQUE_ID_BYTES};

@@ -1,6 +1,7 @@
 //! Two GPUs, one process, one communicator per GPU (`ncclCommInitAll`), collectives over mempool memory:
 //! registered VMM memory (`VmmResource`, and the pool engine over it), unregistered stream-ordered pool
-//! memory, and what NCCL says when asked to register pool and `cuMemAlloc` memory. Values are integers,
+//! memory, what NCCL says when asked to register pool and `cuMemAlloc` memory, and service pools with
+//! their communicators attached (registration that follows growth, trim, sleep and wake). Values are integers,
 //! checked exactly. NCCL_NVLS_ENABLE=0 is set before the first communicator.
 //! `cargo test -p mempool-nccl --features gpu --test two_gpu -- --nocapture` (read the FINDING lines).
 #![cfg(feature = "gpu")]
@@ -10,10 +11,13 @@ mod common;
 use std::sync::Arc;
 
 use mempool_core::{Device, Stream};
-use mempool_nccl::{group, Comm, ReduceOp, Registration};
+use mempool_nccl::{attach, group, Attachment, Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
 use mempool_rmm::suballoc::PoolOptions;
-use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, PoolResource, SharedResource, VmmOptions, VmmResource};
+use mempool_rmm::{
+    AsyncOptions, AsyncResource, CudaResource, PoolResource, ServiceOptions, ServiceResource, SharedResource,
+    SleepMode, Tag, VmmOptions, VmmResource,
+};
 
 const N: usize = 4 << 20; // 16 MiB of i32 per buffer: large enough for NCCL's registered paths.
 
@@ -282,4 +286,124 @@ fn two_gpu_which_memory_nccl_registers() {
     for c in comms {
         c.destroy().unwrap();
     }
+}
+
+/// The case: each rank has a `ServiceResource` with its communicator attached; buffers are
+/// allocated after the pool grew (and grow it again, next to what is mapped), so each lies in one
+/// registration made with no call of the test; the all-reduce and all-gather over them give the exact
+/// values. Then a trim and a sleep/wake cycle, and the all-reduce again.
+#[test]
+fn two_gpu_attached_service_pools_all_reduce_after_growth() {
+    let _serial = common::serial();
+    let (comms, ranks) = ranks();
+    let mrs: Vec<Arc<ServiceResource>> = ranks
+        .iter()
+        .map(|r| {
+            ServiceResource::new(
+                &r.dev,
+                ServiceOptions {
+                    region_size: Some(4 << 30),
+                    max_tags: 2,
+                    ..ServiceOptions::default()
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let atts: Vec<Attachment> = comms
+        .into_iter()
+        .zip(&mrs)
+        // SAFETY: every rank attaches its communicator to the resource every collective buffer below
+        // comes from, and the test asserts that no registration failed before the collectives.
+        .map(|(c, mr)| unsafe { attach(c, mr) }.unwrap())
+        .collect();
+    let shared: Vec<SharedResource> = mrs.iter().map(|m| m.clone() as SharedResource).collect();
+    // The pool grows a first time...
+    let warm: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&vec![7; 1 << 20], &rk.stream, shared[r].clone()))
+        .collect();
+    // ...and the collective buffers come after it, growing it again next to the first chunks.
+    let sends: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&common::pattern(r, N), &rk.stream, shared[r].clone()))
+        .collect();
+    let recvs: Vec<DeviceBuffer> = ranks
+        .iter()
+        .enumerate()
+        .map(|(r, rk)| common::buffer(&vec![-1; N], &rk.stream, shared[r].clone()))
+        .collect();
+    for (r, att) in atts.iter().enumerate() {
+        assert!(att.errors().is_empty(), "rank {r}: {:?}", att.errors());
+        assert!(att.is_current(), "rank {r}");
+        let regs = att.registered();
+        println!(
+            "rank {r}: registrations {regs:?}; mapped {}",
+            mrs[r].stats().mapped_bytes
+        );
+        for (what, b) in [("send", &sends[r]), ("receive", &recvs[r]), ("first", &warm[r])] {
+            assert!(
+                regs.iter().any(|g| g.contains(b.ptr(), b.len())),
+                "rank {r}: the {what} buffer ({} bytes at {}) lies in one registration: {regs:?}",
+                b.len(),
+                b.ptr()
+            );
+        }
+    }
+    let sum: Vec<i32> = (0..N).map(|j| 3 * (j % 1000) as i32).collect();
+    let run_and_check = |what: &str| {
+        let guards: Vec<_> = atts.iter().map(|a| a.comm()).collect();
+        group(|g| {
+            for (r, c) in guards.iter().enumerate() {
+                g.all_reduce::<i32>(c, &sends[r], &recvs[r], ReduceOp::Sum, ranks[r].stream.as_ref())?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        drop(guards);
+        for (r, rk) in ranks.iter().enumerate() {
+            rk.stream.synchronize().unwrap();
+            common::check(
+                &format!("{what}: all-reduce on rank {r} ({})", rk.dev),
+                &common::from_bytes(&recvs[r].to_host().unwrap()),
+                &sum,
+            );
+        }
+    };
+    run_and_check("attached service pools, after growth");
+
+    // Trim (the first buffer's chunks go) and sleep/wake of the default tag with offload: the
+    // registrations follow; the next all-reduce is exact again.
+    drop(warm);
+    for (r, mr) in mrs.iter().enumerate() {
+        ranks[r].stream.synchronize().unwrap();
+        mr.trim().unwrap();
+        mr.sleep(&[Tag::DEFAULT], SleepMode::Offload, ranks[r].stream.as_ref())
+            .unwrap();
+        assert!(atts[r].registered().is_empty(), "rank {r}: asleep, nothing registered");
+        mr.wake(&[Tag::DEFAULT], ranks[r].stream.as_ref()).unwrap();
+        assert!(atts[r].errors().is_empty(), "rank {r}: {:?}", atts[r].errors());
+        assert!(atts[r].is_current(), "rank {r}");
+        assert_eq!(atts[r].registered(), atts[r].mapped(), "rank {r}");
+        let regs = atts[r].registered();
+        assert!(
+            regs.iter().any(|g| g.contains(sends[r].ptr(), sends[r].len())),
+            "{regs:?}"
+        );
+    }
+    // Overwrite the receive buffers so the check sees this run's result.
+    let minus: Vec<u8> = common::to_bytes(&vec![-1; N]);
+    for (r, rk) in ranks.iter().enumerate() {
+        rk.stream.synchronize().unwrap();
+        recvs[r].copy_from_host(0, &minus).unwrap();
+    }
+    run_and_check("attached service pools, after trim, sleep and wake");
+
+    drop((sends, recvs, shared));
+    for a in atts {
+        a.detach().unwrap().destroy().unwrap();
+    }
+    drop(mrs);
 }

@@ -1,7 +1,10 @@
 //! `allreduce` (two or more GPUs): NCCL all-reduce bandwidth over three kinds of memory, each registered
 //! with `ncclCommRegister` and not, in one run: VMM memory (`VmmResource`, allocated as `ncclMemAlloc`
 //! does), stream-ordered pool memory (`cuMemAllocFromPoolAsync`) and `cuMemAlloc` memory (what
-//! `cudaMalloc` returns); unregistered `cuMemAlloc` memory is the baseline. One process, one
+//! `cudaMalloc` returns); unregistered `cuMemAlloc` memory is the baseline. A fourth kind is a
+//! `ServiceResource` per GPU with its communicator attached (`mempool_nccl::attach`, registration that
+//! follows the pool): its buffers are allocated after the pool grew and grow it again, and the run
+//! checks that each lies in one registration, made with no registration call of the benchmark. One process, one
 //! communicator per GPU (`ncclCommInitAll`), one group call per iteration; host time around a
 //! synchronize of every stream. algbw = bytes / time, busbw = algbw * 2(n-1)/n, as nccl-tests define
 //! them. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`).
@@ -10,9 +13,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mempool_core::{Device, Stream};
-use mempool_nccl::{Comm, ReduceOp, Registration};
+use mempool_nccl::{Attachment, Comm, ReduceOp, Registration};
 use mempool_rmm::containers::DeviceBuffer;
-use mempool_rmm::{AsyncOptions, AsyncResource, CudaResource, SharedResource, VmmOptions, VmmResource};
+use mempool_rmm::{
+    AsyncOptions, AsyncResource, CudaResource, ServiceOptions, ServiceResource, SharedResource, VmmOptions, VmmResource,
+};
 
 use crate::chart::{Chart, ChartKind, Series};
 use crate::error::{Error, Result};
@@ -41,6 +46,9 @@ enum Memory {
     Pool,
     /// `CudaResource`: `cuMemAlloc`, what `cudaMalloc` returns.
     CuMemAlloc,
+    /// `ServiceResource` (default options) with a communicator attached: buffers allocated after the pool
+    /// grew, registered by the attachment.
+    ServiceAttached,
 }
 
 /// One memory kind compared: its report label, its memory, and whether its buffers are registered with
@@ -52,11 +60,16 @@ struct Kind {
 }
 
 /// The memory kinds compared, in report order; unregistered `cuMemAlloc` memory is the baseline.
-const KINDS: [Kind; 6] = [
+const KINDS: [Kind; 7] = [
     Kind {
         label: "VMM, registered",
         memory: Memory::Vmm,
         registered: true,
+    },
+    Kind {
+        label: ATTACHED,
+        memory: Memory::ServiceAttached,
+        registered: false,
     },
     Kind {
         label: "VMM, unregistered",
@@ -88,6 +101,9 @@ const KINDS: [Kind; 6] = [
 /// The label of the baseline kind.
 const BASELINE: &str = "cuMemAlloc";
 
+/// The label of the attached service pool.
+const ATTACHED: &str = "service pool, attached, after growth";
+
 /// One measured case.
 #[derive(Clone, Debug)]
 pub struct AllReduceCase {
@@ -116,25 +132,47 @@ pub fn busbw(algbw: f64, n: usize) -> f64 {
     algbw * 2.0 * (n as f64 - 1.0) / n as f64
 }
 
-fn resources(memory: Memory, devices: &[Device]) -> Result<Vec<SharedResource>> {
-    devices
-        .iter()
-        .map(|d| -> Result<SharedResource> {
-            Ok(match memory {
-                Memory::Vmm => Arc::new(VmmResource::new(d, VmmOptions::default())?),
-                Memory::Pool => Arc::new(AsyncResource::new(d, AsyncOptions::default())?),
-                Memory::CuMemAlloc => Arc::new(CudaResource::new(d)?),
-            })
-        })
-        .collect()
+/// Each device's resource for `memory`; for the attached service pool also the attachments, each owning
+/// a communicator of its own (`ncclCommInitAll` again), which hold the resources weakly.
+fn resources(memory: Memory, devices: &[Device]) -> Result<(Vec<SharedResource>, Vec<Attachment>)> {
+    let each = |make: &dyn Fn(&Device) -> Result<SharedResource>| devices.iter().map(make).collect::<Result<Vec<_>>>();
+    let mrs = match memory {
+        Memory::Vmm => each(&|d| Ok(Arc::new(VmmResource::new(d, VmmOptions::default())?)))?,
+        Memory::Pool => each(&|d| Ok(Arc::new(AsyncResource::new(d, AsyncOptions::default())?)))?,
+        Memory::CuMemAlloc => each(&|d| Ok(Arc::new(CudaResource::new(d)?)))?,
+        Memory::ServiceAttached => return services_attached(devices),
+    };
+    Ok((mrs, Vec::new()))
 }
 
-/// One kind at one size: allocate, register (the kinds that say so), check one all-reduce's result, then
-/// time.
+/// A `ServiceResource` per device, each with a new communicator attached.
+fn services_attached(devices: &[Device]) -> Result<(Vec<SharedResource>, Vec<Attachment>)> {
+    let services = devices
+        .iter()
+        .map(|d| ServiceResource::new(d, ServiceOptions::default()))
+        .collect::<mempool_rmm::Result<Vec<_>>>()?;
+    let atts = Comm::init_all(devices)?
+        .into_iter()
+        .zip(&services)
+        .map(|(c, s)| {
+            // SAFETY: every rank attaches its communicator to the resource its buffers come from,
+            // and `measure_one` checks that each buffer lies in a registration before any
+            // collective.
+            #[allow(unsafe_code)]
+            let a = unsafe { mempool_nccl::attach(c, s) };
+            a
+        })
+        .collect::<mempool_nccl::Result<Vec<_>>>()?;
+    Ok((services.into_iter().map(|s| s as SharedResource).collect(), atts))
+}
+
+/// One kind at one size: allocate, register (the kinds that say so; with `atts`, check that each buffer
+/// lies in one registration of the attachment), check one all-reduce's result, then time.
 fn measure_one(
     kind: &Kind,
     bytes: usize,
-    comms: &[Comm],
+    comms: &[&Comm],
+    atts: Option<&[Attachment]>,
     streams: &[Stream],
     mrs: &[SharedResource],
     p: &AllReduceParams,
@@ -150,6 +188,27 @@ fn measure_one(
         .zip(mrs)
         .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
+    if let Some(atts) = atts {
+        for (i, att) in atts.iter().enumerate() {
+            if let Some(e) = att.errors().first() {
+                return Err(Error::Usage(format!(
+                    "{}: rank {i}: a registration failed: {e}",
+                    kind.label
+                )));
+            }
+            let regs = att.registered();
+            for (what, b) in [("send", &sends[i]), ("receive", &recvs[i])] {
+                if !regs.iter().any(|r| r.contains(b.ptr(), b.len())) {
+                    return Err(Error::Usage(format!(
+                        "{}, {bytes} bytes: rank {i}'s {what} buffer at {} lies in no single registration \
+                         ({regs:?})",
+                        kind.label,
+                        b.ptr()
+                    )));
+                }
+            }
+        }
+    }
     let mut regs: Vec<Registration> = Vec::new();
     if kind.registered {
         for (i, c) in comms.iter().enumerate() {
@@ -225,6 +284,7 @@ pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
     // library caller must have set it.
     mempool_nccl::nvls_disabled()?;
     let comms = Comm::init_all(&p.devices)?;
+    let comm_refs: Vec<&Comm> = comms.iter().collect();
     let streams = p
         .devices
         .iter()
@@ -232,9 +292,30 @@ pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
         .collect::<mempool_core::Result<Vec<_>>>()?;
     let mut cases = Vec::new();
     for kind in &KINDS {
-        let mrs = resources(kind.memory, &p.devices)?;
+        let (mrs, atts) = resources(kind.memory, &p.devices)?;
         for &bytes in &p.sizes {
-            let c = measure_one(kind, bytes, &comms, &streams, &mrs, p)?;
+            let guards: Vec<_> = atts.iter().map(|a| a.comm()).collect();
+            let refs: Vec<&Comm> = if atts.is_empty() {
+                comm_refs.clone()
+            } else {
+                guards.iter().map(|g| &**g).collect()
+            };
+            // The pool grows first (a buffer that stays while the case runs), so that the measured
+            // buffers are allocated after growth, and grow it again next to it.
+            let warm = if atts.is_empty() {
+                Vec::new()
+            } else {
+                streams
+                    .iter()
+                    .zip(&mrs)
+                    .map(|(s, mr)| DeviceBuffer::new(1 << 20, s, mr.clone()))
+                    .collect::<mempool_rmm::Result<Vec<_>>>()?
+            };
+            let atts_arg = (!atts.is_empty()).then_some(atts.as_slice());
+            let c = measure_one(kind, bytes, &refs, atts_arg, &streams, &mrs, p)?;
+            drop(warm);
+            drop(refs);
+            drop(guards);
             if !quiet {
                 eprintln!(
                     "allreduce: {}, {}: {:.1} GB/s busbw",
@@ -244,6 +325,10 @@ pub fn measure(p: &AllReduceParams, quiet: bool) -> Result<Vec<AllReduceCase>> {
                 );
             }
             cases.push(c);
+        }
+        drop(mrs);
+        for a in atts {
+            a.detach()?.destroy()?;
         }
     }
     drop(streams);
@@ -260,7 +345,8 @@ pub fn bench(p: &AllReduceParams, quiet: bool) -> Result<Report> {
     let env = crate::env::Environment::detect(p.devices.first());
     let mut report = Report::new(
         "allreduce",
-        "NCCL all-reduce bandwidth: VMM, pool and cuMemAlloc memory, registered with NCCL and not",
+        "NCCL all-reduce bandwidth: VMM, pool and cuMemAlloc memory, registered with NCCL and not, and a \
+         service pool with its communicator attached (registration that follows the pool)",
         env,
     );
     let names = p
