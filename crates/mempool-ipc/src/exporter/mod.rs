@@ -430,7 +430,9 @@ impl Exporter {
     /// The exporter keeps no reference of its own: `hold` (with the chunks) is kept until the last
     /// importer released the range, said `Goodbye`, or died and its process is gone, and then
     /// dropped after a synchronize of the stream the exporter frees on. A
-    /// `mempool_rmm::ServiceExport` as the hold keeps its tag awake exactly that long. At shutdown, a range an importer still holds is abandoned with its hold (never dropped).
+    /// `mempool_rmm::ServiceExport` as the hold keeps its tag awake exactly that long. At shutdown,
+    /// a range an importer still holds is abandoned: its hold is kept until the exporter itself is
+    /// dropped (the importer's own handles keep the physical memory alive in its process).
     ///
     /// Errors, before anything is sent (`hold` is dropped at once): no importer, no chunks, more than
     /// [`MAX_VMM_CHUNKS`](crate::MAX_VMM_CHUNKS) of them, chunks of different sizes, of another
