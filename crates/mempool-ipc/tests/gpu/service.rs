@@ -31,7 +31,10 @@ fn connect_chunks() -> (Importer, Stream, CheckKernels) {
         ..ImporterOptions::default()
     };
     let importer = Importer::connect(child_socket(), options).expect("connect to the exporter");
-    assert!(importer.accepts_vmm_chunks(), "the exporter offers ranges of VMM chunks");
+    assert!(
+        importer.accepts_vmm_chunks(),
+        "the exporter offers ranges of VMM chunks"
+    );
     let ctx = importer.device().context().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let kernels = CheckKernels::load(&ctx).unwrap();
@@ -39,7 +42,10 @@ fn connect_chunks() -> (Importer, Stream, CheckKernels) {
 }
 
 fn recv_range(importer: &Importer, stream: &Stream) -> SharedVmmRange {
-    match importer.recv_any_timeout(stream.as_ref(), WAIT).expect("a range of VMM chunks") {
+    match importer
+        .recv_any_timeout(stream.as_ref(), WAIT)
+        .expect("a range of VMM chunks")
+    {
         Received::VmmRange(r) => r,
         Received::Buffer(b) => panic!("a pool buffer instead of a range of VMM chunks: {b:?}"),
         Received::Vmm(v) => panic!("one VMM allocation instead of a range of VMM chunks: {v:?}"),
@@ -111,7 +117,12 @@ fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc)
     };
     refused(&[], 0, 1, "at least one chunk");
     refused(&chunks, chunk, 1, "starts in the first");
-    refused(&chunks, offset, chunks.len() * chunk - offset + 1, "starts in the first");
+    refused(
+        &chunks,
+        offset,
+        chunks.len() * chunk - offset + 1,
+        "starts in the first",
+    );
     refused(&chunks, 0, 1, "before the last");
     assert_eq!(exporter.stats().live_buffers, 0);
 
@@ -139,10 +150,9 @@ fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc)
 /// Sleeping the tag is refused while the importer holds the range, naming why.
 fn sleep_is_refused(o: &Owner) {
     o.stream.synchronize().unwrap();
-    let err = o
-        .mr
-        .sleep(&[o.tag], SleepMode::Discard, o.stream.as_ref())
-        .expect_err("a tag whose range another process holds cannot sleep");
+    let err =
+        o.mr.sleep(&[o.tag], SleepMode::Discard, o.stream.as_ref())
+            .expect_err("a tag whose range another process holds cannot sleep");
     assert!(err.to_string().contains("shared with another process"), "{err}");
     assert_eq!(tag_stats(&o.mr, o.tag).asleep, None);
 }
@@ -156,10 +166,7 @@ fn back_to_baseline(o: Owner) {
     assert_eq!(tag_stats(&o.mr, o.tag).exports, 0, "the hold was dropped");
     o.stream.synchronize().unwrap();
     let slept = o.mr.sleep(&[o.tag], SleepMode::Discard, o.stream.as_ref()).unwrap();
-    assert!(
-        slept.released_bytes >= (4 * o.mr.chunk_size()) as u64,
-        "{slept:?}"
-    );
+    assert!(slept.released_bytes >= (4 * o.mr.chunk_size()) as u64, "{slept:?}");
     assert_eq!(tag_stats(&o.mr, o.tag).mapped_bytes, 0);
     o.mr.wake(&[o.tag], o.stream.as_ref()).unwrap();
     // SAFETY: both came from `allocate_tagged` on this resource with these sizes, are freed once, and
