@@ -67,7 +67,7 @@ impl Default for ConnectionOptions {
 }
 
 /// A message and the file descriptors that came with it (exactly
-/// `message.message_type().descriptor_count()` of them, close-on-exec).
+/// `message.descriptor_count()` of them, close-on-exec).
 #[derive(Debug)]
 pub(crate) struct Received {
     /// The message.
@@ -158,7 +158,7 @@ impl Connection {
         deadline: Option<Instant>,
         during: &'static str,
     ) -> Result<()> {
-        let expected = message.message_type().descriptor_count();
+        let expected = message.descriptor_count();
         if fds.len() != expected {
             return Err(Error::DescriptorCount {
                 expected,
@@ -307,7 +307,7 @@ struct FrameReader<'a> {
     conn: &'a Connection,
     /// Every descriptor that arrived while this frame was read; dropped (closed) on error.
     fds: fdpass::FdTally,
-    /// How many descriptors the frame's type carries, once its header is in.
+    /// The most descriptors the frame's type carries, once its header is in.
     expected: Option<usize>,
     /// The caller's deadline, tightened to `io_timeout` after the frame's first byte.
     deadline: Option<Instant>,
@@ -321,13 +321,15 @@ impl FrameReader<'_> {
         let mut header = [0u8; HEADER_LEN];
         self.read_exact(&mut header, 0, HEADER_LEN)?;
         let head = wire::decode_header(&header)?;
-        let expected = head.message_type.descriptor_count();
-        self.expected = Some(expected);
-        self.fds.check(expected, false)?;
+        // The most the type carries; a `VmmChunks` says its exact count in its body.
+        let most = head.message_type.max_descriptors();
+        self.expected = Some(most);
+        self.fds.check(most, false)?;
         let mut body = vec![0u8; head.body_len];
         self.read_exact(&mut body, HEADER_LEN, HEADER_LEN + head.body_len)?;
-        self.fds.check(expected, true)?;
+        self.fds.check(most, false)?;
         let message = wire::decode_body(head.message_type, &body)?;
+        self.fds.check(message.descriptor_count(), true)?;
         Ok(Received {
             message,
             fds: self.fds.take(),

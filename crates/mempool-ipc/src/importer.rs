@@ -26,13 +26,15 @@ use crate::session::{ExporterEvent, ImporterSession};
 use crate::trace::{self, Point};
 use crate::wire::{
     BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
-    CAP_VMM,
+    CAP_VMM, CAP_VMM_CHUNKS,
 };
 
 mod vmm;
+mod vmm_chunks;
 
 pub use self::vmm::SharedVmm;
 use self::vmm::VmmHost;
+pub use self::vmm_chunks::SharedVmmRange;
 
 /// How an [`Importer`] connects.
 #[derive(Clone, Debug)]
@@ -58,10 +60,11 @@ pub struct ImporterOptions {
     /// way: freeing their import waits for their stream anyway.)
     pub max_release_delay: Duration,
     /// Asks for VMM physical allocations ([`SharedVmm`], from
-    /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) as well as pool buffers: capability
-    /// bit 1 of the version-2 handshake; receive them with [`Importer::recv_any`]. Default:
-    /// `false` (the exporter refuses to share VMM memory with this importer). A version-1
-    /// exporter never grants it.
+    /// [`Exporter::share_vmm`](crate::Exporter::share_vmm)) and ranges over several of them
+    /// ([`SharedVmmRange`], from [`Exporter::share_vmm_chunks`](crate::Exporter::share_vmm_chunks))
+    /// as well as pool buffers: capability bits 1 and 2 of the version-2 handshake; receive them
+    /// with [`Importer::recv_any`]. Default: `false` (the exporter refuses to share VMM memory with
+    /// this importer). A version-1 exporter never grants them.
     pub accept_vmm: bool,
     /// How a buffer's first use is ordered after the exporter's work on it when the exporter's
     /// ready event is still pending as the buffer arrives (when it is complete, nothing is
@@ -92,6 +95,8 @@ pub enum Received<'s> {
     Buffer(SharedBuffer<'s>),
     /// A VMM physical allocation, mapped here.
     Vmm(SharedVmm),
+    /// A range over several VMM physical allocations, mapped here back to back.
+    VmmRange(SharedVmmRange),
 }
 
 impl Default for ImporterOptions {
@@ -205,7 +210,7 @@ impl Importer {
     pub fn connect(path: impl AsRef<Path>, options: ImporterOptions) -> Result<Importer> {
         let mut capabilities = if options.fast_release { CAP_FAST_RELEASE } else { 0 };
         if options.accept_vmm {
-            capabilities |= CAP_VMM;
+            capabilities |= CAP_VMM | CAP_VMM_CHUNKS;
         }
         let (session, imported) =
             ImporterSession::connect(path, options.connection, &options.policy, capabilities, find_device)?;
@@ -307,6 +312,12 @@ impl Importer {
         self.inner.session.capabilities() & CAP_VMM != 0
     }
 
+    /// Whether the exporter agreed to send ranges over several VMM allocations
+    /// ([`ImporterOptions::accept_vmm`], and an exporter that offers them).
+    pub fn accepts_vmm_chunks(&self) -> bool {
+        self.inner.session.capabilities() & CAP_VMM_CHUNKS != 0
+    }
+
     /// How many blocks are imported now (buffers suballocated from one block share it; on the
     /// fast release path, blocks the exporter let this importer keep stay imported with no
     /// buffer held).
@@ -359,6 +370,13 @@ impl Importer {
                     got: MessageType::VmmBuffer,
                 })
             }
+            Received::VmmRange(range) => {
+                range.release()?;
+                Err(Error::UnexpectedMessage {
+                    expected: "Buffer (a VmmChunks arrived and was released: receive with Importer::recv_any)",
+                    got: MessageType::VmmChunks,
+                })
+            }
         }
     }
 
@@ -374,6 +392,10 @@ impl Importer {
             Ok(ExporterEvent::VmmBuffer(descriptor, fd)) => {
                 let host: Arc<dyn VmmHost> = inner.clone();
                 return vmm::receive(host, descriptor, fd, stream).map(Received::Vmm);
+            }
+            Ok(ExporterEvent::VmmChunks(descriptor, fds)) => {
+                let host: Arc<dyn VmmHost> = inner.clone();
+                return vmm_chunks::receive(host, descriptor, fds, stream).map(Received::VmmRange);
             }
             Ok(ExporterEvent::Goodbye) => {
                 inner.exporter_said_goodbye();

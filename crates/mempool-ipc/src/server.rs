@@ -84,23 +84,30 @@ impl Server {
     /// [`Error::Stalled`] if its queue is full (it is disconnected: it does not read);
     /// [`Error::Refused`] while it is being disconnected or the exporter shuts down.
     pub(crate) fn send(&self, id: ImporterId, message: &Message, buffer: Option<BufferId>) -> Result<()> {
-        self.send_with_fd(id, message, buffer, None)
+        self.send_with_fds(id, message, buffer, Vec::new())
     }
 
-    /// [`Server::send`] with a descriptor of the frame's own (`VmmBuffer`), which the loop
-    /// sends with the frame's first byte and then closes (or closes unsent if the connection
-    /// ends first).
-    pub(crate) fn send_with_fd(
+    /// [`Server::send`] with descriptors of the frame's own (`VmmBuffer`: one, `VmmChunks`: one
+    /// per chunk), which the loop sends with the frame's first byte and then closes (or closes
+    /// unsent if the connection ends first). Their number must be what the message carries
+    /// ([`Error::DescriptorCount`] otherwise, and nothing is queued).
+    pub(crate) fn send_with_fds(
         &self,
         id: ImporterId,
         message: &Message,
         buffer: Option<BufferId>,
-        fd: Option<OwnedFd>,
+        fds: Vec<OwnedFd>,
     ) -> Result<()> {
+        if fds.len() != message.descriptor_count() {
+            return Err(Error::DescriptorCount {
+                expected: message.descriptor_count(),
+                got: fds.len(),
+            });
+        }
         let frame = crate::wire::encode(message)?;
         let item = Outgoing {
             buffer,
-            fd,
+            fds,
             ..Outgoing::plain(frame)
         };
         let pushed = lock(&self.shared.outboxes).push(id, item);

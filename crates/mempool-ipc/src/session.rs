@@ -19,7 +19,8 @@
 //! instead of `Hello`, and the exporter answers `Welcome2 { GPU UUID, pool id, capabilities
 //! granted }` (a subset of those asked for); the rest of the handshake is the same. With the fast
 //! release capability the importer may also send `ReleaseBatch`; with the VMM capability the
-//! exporter may also send `VmmBuffer` (with one descriptor). A version-1 exporter refuses
+//! exporter may also send `VmmBuffer` (with one descriptor), with the VMM chunks capability
+//! `VmmChunks` (with one descriptor per chunk). A version-1 exporter refuses
 //! `Hello2` (`UnsupportedVersion`); the importer then connects again with `Hello`.
 //!
 //! The whole handshake must finish within [`ConnectionOptions::handshake_timeout`], so a peer
@@ -44,7 +45,7 @@ use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::wire::{
     BufferDescriptor, BufferId, DeviceUuid, EventHandle, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
-    ReleaseBatch, VmmBufferDescriptor, Welcome, CAP_VMM, KNOWN_CAPABILITIES,
+    ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor, Welcome, CAP_VMM, CAP_VMM_CHUNKS, KNOWN_CAPABILITIES,
 };
 
 /// What an exporter tells each importer in the handshake.
@@ -77,6 +78,9 @@ pub(crate) enum ExporterEvent {
     /// A VMM physical allocation and its file descriptor (close-on-exec); only after the
     /// exporter granted [`CAP_VMM`].
     VmmBuffer(VmmBufferDescriptor, OwnedFd),
+    /// A range over several VMM physical allocations and their file descriptors, one per chunk in
+    /// order (close-on-exec); only after the exporter granted [`CAP_VMM_CHUNKS`].
+    VmmChunks(VmmChunksDescriptor, Vec<OwnedFd>),
     /// The exporter is shutting down and shares nothing more; release what you hold.
     Goodbye,
 }
@@ -225,7 +229,7 @@ impl ExporterSession {
             while machine.step() != HandshakeStep::Done {
                 let received = recv_in_handshake(&conn, deadline)?;
                 let answer = machine.on_message(received.message)?;
-                let fds: &[BorrowedFd<'_>] = if answer.message_type().descriptor_count() == 1 {
+                let fds: &[BorrowedFd<'_>] = if answer.descriptor_count() == 1 {
                     &[pool_fd]
                 } else {
                     &[]
@@ -496,6 +500,10 @@ impl ImporterSession {
                 // The connection checked that exactly one descriptor came with the message.
                 let fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
                 Ok(ExporterEvent::VmmBuffer(buffer, fd))
+            }
+            // The connection checked that exactly `count` descriptors came with it, in order.
+            Message::VmmChunks(chunks) if self.capabilities & CAP_VMM_CHUNKS != 0 => {
+                Ok(ExporterEvent::VmmChunks(chunks, fds))
             }
             other => Err(self.reject(unexpected("Buffer or Goodbye", &other))),
         }

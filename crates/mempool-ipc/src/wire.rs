@@ -7,7 +7,8 @@
 //! - `ids`: the names the protocol gives to things ([`DeviceUuid`], [`PoolId`], [`BufferId`],
 //!   [`BlockId`], exported pointers, event handles) and [`MessageType`]; imports nothing;
 //! - `error`: [`ProtocolError`];
-//! - `vmm`: the `VmmBuffer` descriptor (a VMM physical allocation), its layout and its checks;
+//! - `vmm`: the `VmmBuffer` descriptor (a VMM physical allocation) and the `VmmChunks` one (a
+//!   range over several), their layouts and their checks;
 //! - `messages`: [`Message`] and its bodies, [`ErrorCode`], the limits and capability bits, and
 //!   [`Message::validate`];
 //! - `codec`: the frame header, every body's bytes, [`encode`] and [`decode_header`] /
@@ -46,14 +47,14 @@ mod vmm;
 
 pub(crate) use codec::{decode_body, decode_header, encode, Header, HEADER_LEN, MAX_FDS_PER_MESSAGE};
 pub use error::ProtocolError;
-pub use ids::{BlockId, BufferId, DeviceUuid, MessageType, PoolId};
+pub use ids::{BlockId, BufferId, DeviceUuid, MessageType, PoolId, MAX_VMM_CHUNKS};
 pub(crate) use ids::{EventHandle, PointerDescriptor};
 pub use messages::ErrorCode;
 pub(crate) use messages::{
     BufferDescriptor, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE, CAP_VMM,
-    KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
+    CAP_VMM_CHUNKS, KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
 };
-pub(crate) use vmm::VmmBufferDescriptor;
+pub(crate) use vmm::{check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor};
 
 #[cfg(test)]
 pub(crate) use codec::decode;

@@ -114,6 +114,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ipc::PyExportedBuffer>()?;
     m.add_class::<ipc::PyImporter>()?;
     m.add_class::<ipc::PyImportedBuffer>()?;
+    m.add_class::<ipc::PyImportedRange>()?;
     m.add_function(wrap_pyfunction!(mr::set_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(mr::get_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(get_current_device, m)?)?;

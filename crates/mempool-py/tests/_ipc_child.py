@@ -126,3 +126,52 @@ def receive_many(path, count, queue):
                 "held": importer.held, "pickle_errors": refused}
 
     _report(queue, run)
+
+
+def view_range_until_told(path, commands, queue):
+    """Receives a service resource's range (Exporter.share_range), views it with torch through DLPack,
+    checks it is the same memory, sums it on the GPU, adds 1 to every byte, reports; drops it when told and
+    reports again."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=TIMEOUT, accept_ranges=True)
+        r = importer.recv(timeout=TIMEOUT)
+        t = torch.from_dlpack(r)
+        details = {"type": type(r).__name__, "id": r.id, "size": r.size, "len": int(t.shape[0]),
+                   "chunks": r.chunks, "chunk_size": r.chunk_size, "same_memory": t.data_ptr() == r.ptr,
+                   "sum": int(t.to(torch.int64).sum().item()), "head": bytes(t[:16].cpu().tolist()),
+                   "held": importer.held}
+        t.add_(1)
+        torch.cuda.synchronize()
+        queue.put(("ok", details))
+        assert commands.get(timeout=TIMEOUT) == "drop"
+        del t, r
+        gc.collect()
+        return {"held_after_drop": importer.held}
+
+    _report(queue, run)
+
+
+def view_range_and_hang(path, queue):
+    """Receives a service resource's range, views and writes it with torch, reports, then sleeps until
+    killed."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=TIMEOUT, accept_ranges=True)
+        r = importer.recv(timeout=TIMEOUT)
+        t = torch.from_dlpack(r)
+        t.fill_(9)
+        torch.cuda.synchronize()
+        queue.put(("ok", {"id": r.id, "size": r.size}))
+        time.sleep(600)
+        return "not killed"
+
+    _report(queue, run)

@@ -36,9 +36,9 @@ def _socket_path(name):
 
 
 def test_module_shape():
-    for name in ("Exporter", "Importer", "ExportedBuffer", "ImportedBuffer"):
+    for name in ("Exporter", "Importer", "ExportedBuffer", "ImportedBuffer", "ImportedRange"):
         assert getattr(ipc, name) is getattr(mempool._lib, name)
-    for name in ("alloc", "share", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "shutdown",
+    for name in ("alloc", "share", "share_range", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "shutdown",
                  "__enter__", "__exit__"):
         assert hasattr(ipc.Exporter, name), name
     for name in ("recv", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
@@ -46,10 +46,12 @@ def test_module_shape():
     # One verb in Rust and Python: mempool-ipc's Importer::recv.
     assert not hasattr(ipc.Importer, "receive")
     assert not hasattr(ipc.Exporter, "close")  # mempool-ipc's verb: Exporter::shutdown
-    for cls in (ipc.ImportedBuffer, ipc.ExportedBuffer):
+    for cls in (ipc.ImportedBuffer, ipc.ExportedBuffer, ipc.ImportedRange):
         for name in ("ptr", "size", "id", "tobytes", "__cuda_array_interface__", "__dlpack__", "__dlpack_device__"):
             assert hasattr(cls, name), (cls, name)
-    for cls in (ipc.Exporter, ipc.Importer, ipc.ImportedBuffer, ipc.ExportedBuffer):
+    for name in ("chunks", "chunk_size"):
+        assert hasattr(ipc.ImportedRange, name), name
+    for cls in (ipc.Exporter, ipc.Importer, ipc.ImportedBuffer, ipc.ExportedBuffer, ipc.ImportedRange):
         # Pickling is refused with an explanation (the instances need a GPU: test_pickling_is_refused).
         assert "__reduce__" in vars(cls), cls
 
@@ -348,3 +350,94 @@ def test_pickling_is_refused_and_bad_sources_are_named():
     assert exporter.closed
     with pytest.raises(ipc.IpcError, match="closed"):
         exporter.alloc(8)
+
+
+MiB = 1 << 20
+
+
+def _service_buffer(n, seed):
+    """A service resource, its "kv-cache" tag, a small allocation (so that the next may start inside a chunk)
+    and a buffer of `n` bytes holding a pattern, across several chunks."""
+    svc = mr.ServiceMemoryResource(0, region_size=1 << 30)
+    kv = svc.tagged("kv-cache")
+    small = mempool.DeviceBuffer(size=MiB, mr=kv)
+    data = bytes((i * 7 + seed) % 256 for i in range(n))
+    buf = mempool.DeviceBuffer(size=n, mr=kv)
+    buf.copy_from_host(data)
+    return svc, kv, small, buf, data
+
+
+@pytest.mark.gpu
+def test_service_range_is_viewed_by_torch_in_another_process_and_keeps_its_tag_awake():
+    n = 5 * MiB + 4096
+    svc, kv, small, buf, data = _service_buffer(n, 3)
+    path = _socket_path("range.sock")
+    ctx = multiprocessing.get_context("spawn")
+    commands = ctx.Queue()
+    with ipc.Exporter(path) as exporter:
+        child, queue = _spawn(_ipc_child.view_range_until_told, path, commands)
+        try:
+            exporter.wait_for_importers(1, timeout=TIMEOUT)
+            with pytest.raises(TypeError, match="ServiceMemoryResource"):
+                exporter.share_range(mr.CudaMemoryResource(), buf)
+            range_id = exporter.share_range(kv, buf)
+            got = _result(queue, child, "view the range with torch")
+            print(got)
+            assert got["type"] == "ImportedRange" and got["id"] == range_id, got
+            assert got["size"] == got["len"] == n, got
+            assert got["same_memory"], got
+            assert got["chunks"] >= 3 and got["chunks"] * got["chunk_size"] >= n, got
+            assert got["sum"] == sum(data), got
+            assert got["head"] == data[:16], got
+            assert got["held"] == 1, got
+            # The importer holds the range: the tag cannot sleep, and says why.
+            with pytest.raises(mempool.UnsupportedError, match="shared with another process"):
+                svc.sleep("kv-cache", mode="discard")
+            commands.put("drop")
+            done = _result(queue, child, "drop the range")
+            assert done["held_after_drop"] == 0, done
+            exporter.wait_idle(timeout=TIMEOUT)
+            stats = exporter.stats()
+            assert stats["freed_buffers"] == 1 and stats["reclaimed_buffers"] == 0, stats
+            # The child's writes are the owner's bytes; the tag sleeps and wakes with them.
+            expected = bytes((b + 1) % 256 for b in data)
+            assert buf.tobytes() == expected
+            svc.sleep("kv-cache", mode="offload")
+            svc.wake("kv-cache")
+            assert buf.tobytes() == expected
+            child.join(timeout=TIMEOUT)
+            assert child.exitcode == 0, child.exitcode
+        finally:
+            if child.is_alive():
+                child.kill()
+    del buf, small
+
+
+@pytest.mark.gpu
+def test_service_range_held_by_a_killed_consumer_lets_its_tag_sleep_again():
+    n = 3 * MiB
+    svc, kv, small, buf, data = _service_buffer(n, 5)
+    path = _socket_path("range-kill.sock")
+    with ipc.Exporter(path) as exporter:
+        child, queue = _spawn(_ipc_child.view_range_and_hang, path)
+        try:
+            exporter.wait_for_importers(1, timeout=TIMEOUT)
+            range_id = exporter.share_range(kv, buf)
+            got = _result(queue, child, "view and write the range")
+            assert got == {"id": range_id, "size": n}, got
+            with pytest.raises(mempool.UnsupportedError, match="shared with another process"):
+                svc.sleep("kv-cache", mode="discard")
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(timeout=TIMEOUT)
+            assert child.exitcode == -signal.SIGKILL, child.exitcode
+            exporter.wait_idle(timeout=TIMEOUT)
+            stats = exporter.stats()
+            assert stats["reclaimed_buffers"] == 1 and stats["importers"] == 0, stats
+            assert buf.tobytes() == b"\x09" * n  # the consumer's writes landed before it died
+            report = svc.sleep("kv-cache", mode="discard")
+            assert report["released_bytes"] >= n, report
+            svc.wake("kv-cache")
+        finally:
+            if child.is_alive():
+                child.kill()
+    del buf, small

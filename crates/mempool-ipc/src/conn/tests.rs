@@ -30,9 +30,7 @@ fn every_message_travels_with_its_descriptors() {
     let name = unique_name("conn-pool");
     let memfd = memfd_with(&name, b"pool contents");
     for message in every_message() {
-        let fds: Vec<_> = (0..message.message_type().descriptor_count())
-            .map(|_| memfd.as_fd())
-            .collect();
+        let fds: Vec<_> = (0..message.descriptor_count()).map(|_| memfd.as_fd()).collect();
         a.send(&message, &fds).unwrap();
         let received = b.recv().unwrap();
         assert_eq!(received.message, message);
@@ -124,7 +122,7 @@ fn descriptors_sent_mid_frame_are_counted_too() {
 #[test]
 fn many_descriptors_on_a_message_that_carries_none_name_the_exact_count() {
     // Three ride on the header's first byte, before the reader knows the type: it keeps at most
-    // one, closes the rest, and names the type's count (0), not the most any message carries.
+    // the most any message carries, closes the rest, and names the type's count (0), not that most.
     let (conn, raw) = conn_and_raw();
     let name = unique_name("three");
     let memfd = memfd_with(&name, b"x");
@@ -430,4 +428,77 @@ fn a_frame_in_pieces_is_read_whole() {
     });
     assert_eq!(conn.recv().unwrap().message, Message::Buffer(buffer(7)));
     drop(writer.join().unwrap());
+}
+
+fn vmm_chunks(count: u32) -> Message {
+    Message::VmmChunks(wire::testing::vmm_chunks(21, count))
+}
+
+#[test]
+fn vmm_chunks_arrive_with_one_descriptor_per_chunk_in_order() {
+    let (a, b) = Connection::pair(short_options()).unwrap();
+    let name = unique_name("chunks");
+    let memfds: Vec<_> = (0..4u8).map(|i| memfd_with(&name, &[b'0' + i])).collect();
+    let fds: Vec<_> = memfds.iter().map(|m| m.as_fd()).collect();
+    // The count is the body's: a wrong number is refused before anything is sent.
+    assert!(matches!(
+        a.send(&vmm_chunks(4), &fds[..3]).unwrap_err(),
+        Error::DescriptorCount { expected: 4, got: 3 }
+    ));
+    a.send(&vmm_chunks(4), &fds).unwrap();
+    let received = b.recv().unwrap();
+    assert_eq!(received.message, vmm_chunks(4));
+    let contents: Vec<Vec<u8>> = received.fds.into_iter().map(read_all).collect();
+    assert_eq!(
+        contents,
+        vec![b"0".to_vec(), b"1".to_vec(), b"2".to_vec(), b"3".to_vec()]
+    );
+    drop(memfds);
+    assert_eq!(open_fds_named(&name), 0);
+}
+
+#[test]
+fn vmm_chunks_with_fewer_or_more_descriptors_than_their_count_are_refused_and_closed() {
+    for sent in [0, 2, 4] {
+        let (conn, mut raw) = conn_and_raw();
+        let name = unique_name("chunk-count");
+        let memfd = memfd_with(&name, b"x");
+        let fds = vec![memfd.as_fd(); sent];
+        let frame = wire::encode(&vmm_chunks(3)).unwrap();
+        fdpass::send_with_fds(&raw, &frame, &fds).unwrap();
+        drop(memfd);
+        let err = conn.recv().unwrap_err();
+        assert!(
+            matches!(err, Error::DescriptorCount { expected: 3, got } if got == sent),
+            "{sent} descriptors: {err}"
+        );
+        assert_eq!(open_fds_named(&name), 0, "{sent} descriptors");
+        expect_error_then_eof(&mut raw);
+    }
+}
+
+#[test]
+fn more_descriptors_than_any_message_carries_are_closed_as_they_arrive() {
+    // A hostile exporter sends 130 descriptors with the header and 130 more with the body of a
+    // `VmmChunks`: past the 253 any message may carry, the reader fails without keeping them.
+    let (conn, raw) = conn_and_raw();
+    let name = unique_name("chunk-flood");
+    let memfd = memfd_with(&name, b"x");
+    let fds = vec![memfd.as_fd(); 130];
+    let frame = wire::encode(&vmm_chunks(253)).unwrap();
+    fdpass::send_with_fds(&raw, &frame[..HEADER_LEN], &fds).unwrap();
+    fdpass::send_with_fds(&raw, &frame[HEADER_LEN..], &fds).unwrap();
+    drop(memfd);
+    let err = conn.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DescriptorCount {
+                expected: 253,
+                got: 260
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(open_fds_named(&name), 0);
 }

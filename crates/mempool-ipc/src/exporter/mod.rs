@@ -11,17 +11,22 @@
 //! - `reclaim`: freeing, at once, deferred to the last release, or reclaimed from an importer
 //!   that is gone (the lease table decides when);
 //! - `vmm`: [`ExportedVmm`], VMM physical allocations (`alloc_vmm`) sent as descriptors
-//!   (`share_vmm`), in the same lease table.
+//!   (`share_vmm`), in the same lease table;
+//! - `vmm_chunks`: ranges over several VMM physical allocations the caller owns (a service
+//!   resource's chunks), sent as one descriptor per chunk (`share_vmm_chunks`), in the same lease
+//!   table with no owner's reference.
 //!
 //! This file holds the public types and calls into those. `buffers`, `serve` and `reclaim`
 //! import only `state` (`reclaim` adds the freeing methods to `Inner` that the other two call),
-//! `vmm` imports `state` and `buffers`, and none of them imports this module.
+//! `vmm` imports `state` and `buffers`, `vmm_chunks` imports `state`, and none of them imports
+//! this module.
 
 mod buffers;
 mod reclaim;
 mod serve;
 mod state;
 mod vmm;
+mod vmm_chunks;
 
 use std::fmt;
 use std::path::Path;
@@ -29,7 +34,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use mempool_core::{DeviceAddr, MemPool, Stream, StreamRef};
+use mempool_core::{DeviceAddr, MemPool, PhysicalAllocation, Stream, StreamRef};
 
 pub use self::buffers::ExportedBuffer;
 use self::state::{Inner, PoolSource, Projected, State};
@@ -40,7 +45,7 @@ use crate::lease::ImporterId;
 use crate::listener::{Listener, ListenerOptions};
 use crate::server::{Handler, Limits, Server};
 use crate::session::PoolAnnouncement;
-use crate::wire::{DeviceUuid, PoolId};
+use crate::wire::{BufferId, DeviceUuid, PoolId};
 
 /// How an [`Exporter`] listens, how many connections it serves, and how it shuts down.
 ///
@@ -411,6 +416,43 @@ impl Exporter {
     /// an importer that could not take it, as for [`Exporter::share`].
     pub fn share_vmm(&self, buffer: &ExportedVmm<'_>, to: &[ImporterId]) -> Result<()> {
         vmm::share_vmm(&self.inner, buffer, to)
+    }
+
+    /// Shares the range `offset..offset+len` of the physical `chunks` mapped back to back (the
+    /// chunks of a growable reservation, such as those `mempool_rmm::ServiceResource::export` hands
+    /// out) with
+    /// each importer in `to`, which maps them into addresses of its own
+    /// ([`SharedVmmRange`](crate::SharedVmmRange)). Records an interprocess event on `stream`
+    /// (importers wait on it before they touch the memory: queue the work that fills the range on
+    /// `stream` first), records the leases, and sends each importer one `VmmChunks` message with a
+    /// file descriptor per chunk. Returns the range's id.
+    ///
+    /// The exporter keeps no reference of its own: `hold` (with the chunks) is kept until the last
+    /// importer released the range, said `Goodbye`, or died and its process is gone, and then
+    /// dropped after a synchronize of the stream the exporter frees on. A
+    /// `mempool_rmm::ServiceExport` as the hold keeps its tag awake exactly that long. At shutdown,
+    /// a range an importer still holds is abandoned: its hold is kept until the exporter itself is
+    /// dropped (the importer's own handles keep the physical memory alive in its process).
+    ///
+    /// Errors, before anything is sent (`hold` is dropped at once): no importer, no chunks, more than
+    /// [`MAX_VMM_CHUNKS`](crate::MAX_VMM_CHUNKS) of them, chunks of different sizes, of another
+    /// device than the exporter's, or not exportable as POSIX file descriptors, a range that is
+    /// empty, does not start in the first chunk, runs past the last or does not reach it
+    /// ([`Error::Core`] naming which); [`Error::UnknownImporter`]; [`Error::VmmNotAccepted`] if an
+    /// importer did not accept VMM sharing ([`ImporterOptions::accept_vmm`](crate::ImporterOptions::accept_vmm),
+    /// or an exporter too old for ranges); [`Error::Core`] if a chunk cannot be exported. Then
+    /// [`Error::Share`] for an importer that could not take it, as for [`Exporter::share`] (the
+    /// others hold it).
+    pub fn share_vmm_chunks(
+        &self,
+        chunks: &[Arc<PhysicalAllocation>],
+        offset: usize,
+        len: usize,
+        hold: Box<dyn Send + Sync>,
+        stream: StreamRef<'_>,
+        to: &[ImporterId],
+    ) -> Result<BufferId> {
+        vmm_chunks::share_vmm_chunks(&self.inner, chunks, offset, len, hold, stream, to)
     }
 
     /// Shares `buffer` with every importer connected now; returns who got it.

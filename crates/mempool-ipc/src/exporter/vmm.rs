@@ -166,7 +166,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         let sent = fd
             .try_clone()
             .map_err(Error::from)
-            .and_then(|fd| server.send_with_fd(*importer, &message, Some(id), Some(fd)));
+            .and_then(|fd| server.send_with_fds(*importer, &message, Some(id), vec![fd]));
         if let Err(e) = sent {
             // The owner still holds the buffer, so revoking frees nothing.
             let _ = inner.lock().leases.revoke(id, *importer);

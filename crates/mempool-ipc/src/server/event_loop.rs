@@ -442,9 +442,9 @@ impl Loop {
                         Ok(frame) => peer.local.push_back(Outgoing {
                             frame,
                             buffer: None,
-                            with_pool_fd: answer.message_type().descriptor_count() == 1,
+                            with_pool_fd: answer.descriptor_count() == 1,
                             fin: false,
-                            fd: None,
+                            fds: Vec::new(),
                         }),
                         Err(e) => return self.end_handshake(token, Some(e.into())),
                     }
@@ -694,7 +694,7 @@ impl Loop {
             buffer: None,
             with_pool_fd: false,
             fin: true,
-            fd: None,
+            fds: Vec::new(),
         });
         self.mailbox(now);
     }

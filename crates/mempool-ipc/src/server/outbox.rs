@@ -20,9 +20,9 @@ pub(crate) struct Outgoing {
     pub(crate) with_pool_fd: bool,
     /// Close the sending direction once it is out (`Goodbye`).
     pub(crate) fin: bool,
-    /// A descriptor of its own that rides on the frame's first byte (`VmmBuffer`); closed
-    /// here once sent, or with the frame if it never goes out.
-    pub(crate) fd: Option<OwnedFd>,
+    /// Descriptors of its own that ride on the frame's first byte (`VmmBuffer`: one,
+    /// `VmmChunks`: one per chunk); closed here once sent, or with the frame if it never goes out.
+    pub(crate) fds: Vec<OwnedFd>,
 }
 
 impl Outgoing {
@@ -33,7 +33,7 @@ impl Outgoing {
             buffer: None,
             with_pool_fd: false,
             fin: false,
-            fd: None,
+            fds: Vec::new(),
         }
     }
 }

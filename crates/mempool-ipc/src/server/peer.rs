@@ -21,7 +21,12 @@ use crate::error::{Error, Result};
 use crate::fdpass::{self, FdTally};
 use crate::lease::ImporterId;
 use crate::session::ExporterHandshake;
-use crate::wire::{self, ErrorMessage, Header, Message, ProtocolError, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+use crate::wire::{self, ErrorMessage, Header, Message, ProtocolError, HEADER_LEN};
+
+/// The most descriptors kept while a frame's header is still arriving (the rest are closed at once,
+/// still counted): no message an importer sends carries any, so one is enough to name the count in
+/// the error, and a hostile importer cannot make the exporter hold more.
+const KEPT_BEFORE_HEADER: usize = 1;
 
 /// The most frames read from one connection per wake-up, so a chatty peer cannot starve others
 /// (the poll is level-triggered: the rest is read on the next round).
@@ -166,13 +171,13 @@ impl Peer {
             let (buf, limit, frame_len, done_before) = match r.head {
                 None => (
                     &mut r.header[r.header_filled..],
-                    MAX_FDS_PER_MESSAGE,
+                    KEPT_BEFORE_HEADER,
                     HEADER_LEN,
                     r.header_filled,
                 ),
                 Some(head) => (
                     &mut r.body[r.body_filled..],
-                    head.message_type.descriptor_count(),
+                    head.message_type.max_descriptors().min(KEPT_BEFORE_HEADER),
                     HEADER_LEN + head.body_len,
                     HEADER_LEN + r.body_filled,
                 ),
@@ -187,7 +192,7 @@ impl Peer {
                 let n = received.bytes;
                 r.fds.add(received.fds, received.control_truncated, limit);
                 if let Some(head) = r.head {
-                    r.fds.check(head.message_type.descriptor_count(), false)?;
+                    r.fds.check(head.message_type.max_descriptors(), false)?;
                 }
                 if n == 0 {
                     if r.started.is_none() && r.fds.count() == 0 {
@@ -210,16 +215,17 @@ impl Peer {
             match r.head {
                 None if r.header_filled == HEADER_LEN => {
                     let head = wire::decode_header(&r.header)?;
-                    r.fds.check(head.message_type.descriptor_count(), false)?;
+                    r.fds.check(head.message_type.max_descriptors(), false)?;
                     r.head = Some(head);
                     r.body = vec![0; head.body_len];
                     r.body_filled = 0;
                 }
                 Some(head) if r.body_filled == head.body_len => {
-                    r.fds.check(head.message_type.descriptor_count(), true)?;
+                    r.fds.check(head.message_type.max_descriptors(), false)?;
+                    let message = wire::decode_body(head.message_type, &r.body)?;
+                    r.fds.check(message.descriptor_count(), true)?;
                     // Every message an exporter accepts carries none; `check` saw to that.
                     drop(r.fds.take());
-                    let message = wire::decode_body(head.message_type, &r.body)?;
                     *r = Reader::default();
                     return Ok(Some(Some(message)));
                 }
@@ -255,12 +261,12 @@ impl Peer {
             let Some(w) = self.writing.as_mut() else {
                 continue;
             };
-            let own_fd: [BorrowedFd<'_>; 1];
+            let own_fds: Vec<BorrowedFd<'_>>;
             let fds: &[BorrowedFd<'_>] = if w.sent == 0 && w.item.with_pool_fd {
                 &[pool_fd]
-            } else if let (0, Some(fd)) = (w.sent, w.item.fd.as_ref()) {
-                own_fd = [fd.as_fd()];
-                &own_fd
+            } else if w.sent == 0 && !w.item.fds.is_empty() {
+                own_fds = w.item.fds.iter().map(AsFd::as_fd).collect();
+                &own_fds
             } else {
                 &[]
             };
@@ -274,8 +280,8 @@ impl Peer {
                     if self.blocked_since.is_some() {
                         self.blocked_since = Some(now);
                     }
-                    // The descriptor went with the first byte: close this side's copy.
-                    w.item.fd = None;
+                    // The descriptors went with the first byte: close this side's copies.
+                    w.item.fds.clear();
                     if w.sent == w.item.frame.len() {
                         if let Some(buffer) = w.item.buffer {
                             crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);

@@ -298,6 +298,7 @@ fn recv_buffer(session: &ImporterSession) -> BufferId {
         ExporterEvent::Buffer(b) => b.buffer_id,
         ExporterEvent::Goodbye => panic!("Goodbye instead of a buffer"),
         ExporterEvent::VmmBuffer(b, _) => panic!("a VMM buffer instead of a buffer: {b:?}"),
+        ExporterEvent::VmmChunks(c, _) => panic!("VMM chunks instead of a buffer: {c:?}"),
     }
 }
 
@@ -923,13 +924,16 @@ fn the_server_grants_vmm_to_an_importer_that_asks_and_sends_it_vmm_buffers_with_
     let (both, _, granted) = connect(wire::CAP_VMM | wire::CAP_FAST_RELEASE | 1 << 40);
     assert_eq!(granted, wire::CAP_VMM | wire::CAP_FAST_RELEASE);
     assert_eq!(both.capabilities(), granted);
+    let (chunks, _, granted) = connect(wire::CAP_VMM_CHUNKS | wire::CAP_VMM);
+    assert_eq!(granted, wire::CAP_VMM_CHUNKS | wire::CAP_VMM);
+    assert_eq!(chunks.capabilities(), granted);
 
     // A VmmBuffer queued with a descriptor arrives with it; the server closes its copy once sent.
     let name = unique_name("server-vmm");
     let alloc = memfd_with(&name, b"physical");
     let message = Message::VmmBuffer(wire::testing::vmm_buffer(9));
     f.server
-        .send_with_fd(vmm_id, &message, Some(BufferId(9)), Some(alloc))
+        .send_with_fds(vmm_id, &message, Some(BufferId(9)), vec![alloc])
         .unwrap();
     match vmm.recv_until(Some(Instant::now() + SOON)).unwrap() {
         ExporterEvent::VmmBuffer(d, fd) => {
@@ -943,6 +947,47 @@ fn the_server_grants_vmm_to_an_importer_that_asks_and_sends_it_vmm_buffers_with_
     let deadline = Instant::now() + SOON;
     while open_fds_named(&name) != 0 {
         assert!(Instant::now() < deadline, "a copy of the descriptor stays open");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn the_server_sends_vmm_chunks_with_one_descriptor_per_chunk_in_order_and_refuses_a_wrong_count() {
+    let f = serve(limits_for_sockets());
+    let before = f.handler.connected().len();
+    let asked = wire::CAP_VMM | wire::CAP_VMM_CHUNKS;
+    let (session, _) =
+        ImporterSession::connect(&f.path, client_options(), &AccessPolicy::SameUser, asked, |_| Ok(())).unwrap();
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
+    let id = f.handler.connected()[before];
+    let name = unique_name("server-chunks");
+    let chunks: Vec<_> = (0..3u8).map(|i| memfd_with(&name, &[b'a' + i; 4])).collect();
+    let descriptor = wire::testing::vmm_chunks(11, 3);
+    let message = Message::VmmChunks(descriptor);
+
+    // A count that is not the message's is refused before anything is queued (and the descriptors
+    // handed over are closed).
+    let two: Vec<_> = (0..2).map(|_| memfd_with(&name, b"xx")).collect();
+    match f.server.send_with_fds(id, &message, Some(BufferId(11)), two) {
+        Err(Error::DescriptorCount { expected: 3, got: 2 }) => {}
+        other => panic!("expected a descriptor count error, got {other:?}"),
+    }
+
+    f.server
+        .send_with_fds(id, &message, Some(BufferId(11)), chunks)
+        .unwrap();
+    match session.recv_until(Some(Instant::now() + SOON)).unwrap() {
+        ExporterEvent::VmmChunks(d, fds) => {
+            assert_eq!(d, descriptor);
+            let contents: Vec<Vec<u8>> = fds.into_iter().map(read_all).collect();
+            assert_eq!(contents, vec![b"aaaa".to_vec(), b"bbbb".to_vec(), b"cccc".to_vec()]);
+        }
+        other => panic!("expected VmmChunks, got {other:?}"),
+    }
+    let deadline = Instant::now() + SOON;
+    while open_fds_named(&name) != 0 {
+        assert!(Instant::now() < deadline, "a copy of a chunk's descriptor stays open");
         std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -12,9 +12,10 @@ use crate::conn::{short_options, Connection};
 use crate::error::{Error, Result};
 use crate::fdpass;
 use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
-use crate::wire::testing::{expect_error_then_eof, read_frame, vmm_buffer, GPU, POOL};
+use crate::wire::testing::{expect_error_then_eof, read_frame, vmm_buffer, vmm_chunks, GPU, POOL};
 use crate::wire::{
     self, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, Ready, Welcome, CAP_FAST_RELEASE, CAP_VMM,
+    CAP_VMM_CHUNKS,
 };
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
@@ -249,4 +250,63 @@ fn an_importer_refuses_a_vmm_grant_it_did_not_ask_for() {
     assert!(err.to_string().contains("more than the"), "{err}");
     let told = expect_error_then_eof(&mut raw);
     assert_eq!(told.code, ErrorCode::Protocol);
+}
+
+#[test]
+fn an_importer_that_accepts_vmm_chunks_receives_every_chunk_in_order() {
+    let pool = memfd_with(&unique_name("chunks-pool"), b"pool");
+    let (exporter, importer) = pair(CAP_VMM | CAP_VMM_CHUNKS, &pool);
+    assert_eq!(importer.capabilities(), CAP_VMM | CAP_VMM_CHUNKS);
+    let name = unique_name("chunks-alloc");
+    let chunks: Vec<OwnedFd> = (0..3u8).map(|i| memfd_with(&name, &[b'x' + i])).collect();
+    let fds: Vec<_> = chunks.iter().map(|c| c.as_fd()).collect();
+    exporter.conn.send(&Message::VmmChunks(vmm_chunks(4, 3)), &fds).unwrap();
+    drop(fds);
+    drop(chunks);
+    match importer.recv().unwrap() {
+        ExporterEvent::VmmChunks(d, fds) => {
+            assert_eq!(d, vmm_chunks(4, 3));
+            assert!(fds.iter().all(is_cloexec));
+            let got: Vec<Vec<u8>> = fds.into_iter().map(read_all).collect();
+            assert_eq!(got, vec![b"x".to_vec(), b"y".to_vec(), b"z".to_vec()]);
+        }
+        other => panic!("expected VmmChunks, got {other:?}"),
+    }
+    assert_eq!(open_fds_named(&name), 0, "the descriptors are closed once read");
+}
+
+#[test]
+fn an_importer_granted_only_single_vmm_buffers_refuses_vmm_chunks_and_closes_their_descriptors() {
+    let pool = memfd_with(&unique_name("nochunks-pool"), b"pool");
+    let (exporter, importer) = pair(CAP_VMM, &pool);
+    let name = unique_name("nochunks-alloc");
+    let alloc = memfd_with(&name, b"x");
+    exporter
+        .conn
+        .send(&Message::VmmChunks(vmm_chunks(1, 2)), &[alloc.as_fd(), alloc.as_fd()])
+        .unwrap();
+    drop(alloc);
+    let err = importer.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::UnexpectedMessage {
+                got: MessageType::VmmChunks,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(open_fds_named(&name), 0, "the unwanted descriptors are not kept");
+    let err = exporter.recv().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Remote {
+                code: ErrorCode::Protocol,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

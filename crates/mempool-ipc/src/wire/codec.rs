@@ -3,12 +3,15 @@
 //! Everything here is a pure function over byte slices, so it can be fuzzed without sockets.
 
 use super::error::{protocol, ProtocolError, Result};
-use super::ids::{BlockId, BufferId, DeviceUuid, EventHandle, MessageType, PointerDescriptor, PoolId};
+use super::ids::{BlockId, BufferId, DeviceUuid, EventHandle, MessageType, PointerDescriptor, PoolId, MAX_VMM_CHUNKS};
 use super::messages::{
     BufferDescriptor, ErrorCode, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, ERROR_FIXED_LEN,
     MAX_BODY_LEN, MAX_RELEASE_BATCH,
 };
-use super::vmm::{VmmBufferDescriptor, VMM_BUFFER_LEN, VMM_FLAG_READY_EVENT, VMM_HANDLE_TYPE_POSIX_FD};
+use super::vmm::{
+    VmmBufferDescriptor, VmmChunksDescriptor, VMM_BUFFER_LEN, VMM_CHUNKS_LEN, VMM_FLAG_READY_EVENT,
+    VMM_HANDLE_TYPE_POSIX_FD,
+};
 
 /// The four bytes every frame starts with.
 pub(crate) const MAGIC: [u8; 4] = *b"MPIP";
@@ -31,8 +34,8 @@ pub(crate) const HEADER_LEN: usize = 12;
 #[cfg(test)]
 pub(crate) const MAX_FRAME_LEN: usize = HEADER_LEN + MAX_BODY_LEN;
 
-/// The most file descriptors any message carries.
-pub(crate) const MAX_FDS_PER_MESSAGE: usize = 1;
+/// The most file descriptors any message carries (a `VmmChunks` with the most chunks).
+pub(crate) const MAX_FDS_PER_MESSAGE: usize = MAX_VMM_CHUNKS;
 
 /// The value of the pool descriptor's handle-type field: the pool travels as a POSIX file
 /// descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
@@ -79,6 +82,7 @@ pub(crate) fn body_len_bounds(t: MessageType) -> (usize, usize) {
             RELEASE_BATCH_FIXED_LEN + 8 * MAX_RELEASE_BATCH,
         ),
         MessageType::VmmBuffer => exact(VMM_BUFFER_LEN),
+        MessageType::VmmChunks => exact(VMM_CHUNKS_LEN),
     }
 }
 
@@ -210,6 +214,7 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
         },
         MessageType::Hello2 => Message::Hello2 { capabilities: r.u64()? },
         MessageType::VmmBuffer => Message::VmmBuffer(decode_vmm_buffer(&mut r)?),
+        MessageType::VmmChunks => Message::VmmChunks(decode_vmm_chunks(&mut r)?),
         MessageType::Welcome2 => Message::Welcome2 {
             welcome: Welcome {
                 device_uuid: DeviceUuid(r.array()?),
@@ -341,6 +346,7 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
         Message::Release { buffer_id } => out.extend_from_slice(&buffer_id.0.to_le_bytes()),
         Message::Hello2 { capabilities } => out.extend_from_slice(&capabilities.to_le_bytes()),
         Message::VmmBuffer(b) => encode_vmm_buffer(b, out),
+        Message::VmmChunks(c) => encode_vmm_chunks(c, out),
         Message::Welcome2 { welcome, capabilities } => {
             out.extend_from_slice(&welcome.device_uuid.0);
             out.extend_from_slice(&welcome.pool_id.0);
@@ -424,21 +430,7 @@ fn decode_vmm_buffer(r: &mut Reader<'_>) -> Result<VmmBufferDescriptor> {
     let flags = r.u32()?;
     let handle_type = r.u32()?;
     let event = r.array::<64>()?;
-    if flags & !VMM_FLAG_READY_EVENT != 0 {
-        return Err(protocol(format!("VmmBuffer: unknown flag bits {flags:#x}")));
-    }
-    if handle_type != VMM_HANDLE_TYPE_POSIX_FD {
-        return Err(protocol(format!(
-            "VmmBuffer: handle type {handle_type} is not supported (only {VMM_HANDLE_TYPE_POSIX_FD}, a POSIX file descriptor)"
-        )));
-    }
-    let ready_event = if flags & VMM_FLAG_READY_EVENT != 0 {
-        Some(EventHandle(event))
-    } else if event != [0; 64] {
-        return Err(protocol("VmmBuffer: event handle bytes without the ready-event flag"));
-    } else {
-        None
-    };
+    let ready_event = vmm_ready_event("VmmBuffer", flags, handle_type, event)?;
     Ok(VmmBufferDescriptor {
         buffer_id,
         size,
@@ -460,4 +452,66 @@ fn encode_vmm_buffer(b: &VmmBufferDescriptor, out: &mut Vec<u8>) {
     out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&VMM_HANDLE_TYPE_POSIX_FD.to_le_bytes());
     out.extend_from_slice(&b.ready_event.map_or([0; 64], |e| e.0));
+}
+
+/// The ready event of a VMM message: present with flag bit 0, else all zeros.
+fn vmm_ready_event(message: &str, flags: u32, handle_type: u32, event: [u8; 64]) -> Result<Option<EventHandle>> {
+    if flags & !VMM_FLAG_READY_EVENT != 0 {
+        return Err(protocol(format!("{message}: unknown flag bits {flags:#x}")));
+    }
+    if handle_type != VMM_HANDLE_TYPE_POSIX_FD {
+        return Err(protocol(format!(
+            "{message}: handle type {handle_type} is not supported (only {VMM_HANDLE_TYPE_POSIX_FD}, a POSIX file descriptor)"
+        )));
+    }
+    if flags & VMM_FLAG_READY_EVENT != 0 {
+        Ok(Some(EventHandle(event)))
+    } else if event != [0; 64] {
+        Err(protocol(format!(
+            "{message}: event handle bytes without the ready-event flag"
+        )))
+    } else {
+        Ok(None)
+    }
+}
+
+/// Decodes a `VmmChunks` body from `r` (its length already checked; `validate` checks the rest).
+fn decode_vmm_chunks(r: &mut Reader<'_>) -> Result<VmmChunksDescriptor> {
+    let buffer_id = BufferId(r.u64()?);
+    let chunk_size = r.u64()?;
+    let granularity = r.u64()?;
+    let offset = r.u64()?;
+    let len = r.u64()?;
+    let count = r.u32()?;
+    let flags = r.u32()?;
+    let handle_type = r.u32()?;
+    check_reserved(r.u32()?, "VmmChunks")?;
+    let event = r.array::<64>()?;
+    let ready_event = vmm_ready_event("VmmChunks", flags, handle_type, event)?;
+    Ok(VmmChunksDescriptor {
+        buffer_id,
+        chunk_size,
+        granularity,
+        offset,
+        len,
+        count,
+        ready_event,
+    })
+}
+
+/// Appends a `VmmChunks` body to `out`.
+fn encode_vmm_chunks(c: &VmmChunksDescriptor, out: &mut Vec<u8>) {
+    for field in [c.buffer_id.0, c.chunk_size, c.granularity, c.offset, c.len] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+    out.extend_from_slice(&c.count.to_le_bytes());
+    let flags = if c.ready_event.is_some() {
+        VMM_FLAG_READY_EVENT
+    } else {
+        0
+    };
+    out.extend_from_slice(&flags.to_le_bytes());
+    out.extend_from_slice(&VMM_HANDLE_TYPE_POSIX_FD.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&c.ready_event.map_or([0; 64], |e| e.0));
 }

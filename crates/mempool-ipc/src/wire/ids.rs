@@ -127,6 +127,11 @@ pub(crate) struct PointerDescriptor(pub(crate) [u8; 64]);
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct EventHandle(pub(crate) [u8; 64]);
 
+/// The most chunks, and so file descriptors, one `VmmChunks` message carries: what one `sendmsg`
+/// can carry on Linux (`SCM_MAX_FD`). A longer range is shared in several parts (or with larger
+/// chunks).
+pub const MAX_VMM_CHUNKS: usize = 253;
+
 /// The type of a message, as the frame header names it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[repr(u16)]
@@ -157,11 +162,15 @@ pub enum MessageType {
     /// Exporter -> importer (version 2, only to an importer granted the capability `CAP_VMM`): a
     /// VMM physical allocation (one descriptor attached). Codes 32 to 47 are kept for VMM messages.
     VmmBuffer = 32,
+    /// Exporter -> importer (version 2, only to an importer granted the capability
+    /// `CAP_VMM_CHUNKS`): a range over several VMM physical allocations of one size, mapped back to
+    /// back (one descriptor per chunk attached, as many as the body's count says).
+    VmmChunks = 33,
 }
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub(crate) const ALL: [MessageType; 12] = [
+    pub(crate) const ALL: [MessageType; 13] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -174,6 +183,7 @@ impl MessageType {
         MessageType::Welcome2,
         MessageType::ReleaseBatch,
         MessageType::VmmBuffer,
+        MessageType::VmmChunks,
     ];
 
     /// The type with this wire code, if the protocol defines one.
@@ -201,6 +211,7 @@ impl MessageType {
             MessageType::Welcome2 => "Welcome2",
             MessageType::ReleaseBatch => "ReleaseBatch",
             MessageType::VmmBuffer => "VmmBuffer",
+            MessageType::VmmChunks => "VmmChunks",
         }
     }
 
@@ -208,15 +219,24 @@ impl MessageType {
     /// of this type with another version is refused.
     pub(crate) fn version(self) -> u16 {
         match self {
-            MessageType::Hello2 | MessageType::Welcome2 | MessageType::ReleaseBatch | MessageType::VmmBuffer => 2,
+            MessageType::Hello2
+            | MessageType::Welcome2
+            | MessageType::ReleaseBatch
+            | MessageType::VmmBuffer
+            | MessageType::VmmChunks => 2,
             _ => 1,
         }
     }
 
-    /// How many file descriptors travel with a message of this type (exactly that many).
-    pub(crate) fn descriptor_count(self) -> usize {
+    /// The most file descriptors a message of this type carries: exactly that many for every type
+    /// but `VmmChunks`, whose body says how many (1 to this bound; [`Message::descriptor_count`]
+    /// gives a decoded message's exact count).
+    ///
+    /// [`Message::descriptor_count`]: super::messages::Message::descriptor_count
+    pub(crate) fn max_descriptors(self) -> usize {
         match self {
             MessageType::PoolDescriptor | MessageType::VmmBuffer => 1,
+            MessageType::VmmChunks => MAX_VMM_CHUNKS,
             _ => 0,
         }
     }

@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::error::{protocol, ProtocolError, Result};
 use super::ids::{BlockId, BufferId, DeviceUuid, EventHandle, MessageType, PointerDescriptor, PoolId};
-use super::vmm::{check_vmm_buffer, VmmBufferDescriptor};
+use super::vmm::{check_vmm_buffer, check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor};
 
 /// Capability bit (in `Hello2` and `Welcome2`): the fast release path. The importer keeps the
 /// imports of blocks the exporter marks
@@ -21,8 +21,14 @@ pub(crate) const CAP_FAST_RELEASE: u64 = 1;
 /// to an importer granted this bit.
 pub(crate) const CAP_VMM: u64 = 1 << 1;
 
+/// Capability bit (in `Hello2` and `Welcome2`): ranges over several VMM physical allocations
+/// (the chunks of a growable reservation, such as a service resource's) travel as
+/// [`MessageType::VmmChunks`] messages, one file descriptor per chunk. An exporter sends them
+/// only to an importer granted this bit.
+pub(crate) const CAP_VMM_CHUNKS: u64 = 1 << 2;
+
 /// Every capability bit this crate knows.
-pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE | CAP_VMM;
+pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE | CAP_VMM | CAP_VMM_CHUNKS;
 
 /// The most buffers one `ReleaseBatch` names.
 pub(crate) const MAX_RELEASE_BATCH: usize = 64;
@@ -224,6 +230,9 @@ pub(crate) enum Message {
     /// Exporter -> importer (version 2, [`CAP_VMM`]): a VMM physical allocation; carries its
     /// file descriptor.
     VmmBuffer(VmmBufferDescriptor),
+    /// Exporter -> importer (version 2, [`CAP_VMM_CHUNKS`]): a range over several VMM physical
+    /// allocations; carries one file descriptor per chunk.
+    VmmChunks(VmmChunksDescriptor),
 }
 
 /// Several releases in one message: 1 to [`MAX_RELEASE_BATCH`] buffers, and the interprocess
@@ -252,6 +261,17 @@ impl Message {
             Message::Welcome2 { .. } => MessageType::Welcome2,
             Message::ReleaseBatch(_) => MessageType::ReleaseBatch,
             Message::VmmBuffer(_) => MessageType::VmmBuffer,
+            Message::VmmChunks(_) => MessageType::VmmChunks,
+        }
+    }
+
+    /// How many file descriptors travel with this message (exactly that many): the type's
+    /// [`max_descriptors`](MessageType::max_descriptors), except for `VmmChunks`, which carries
+    /// one per chunk.
+    pub(crate) fn descriptor_count(&self) -> usize {
+        match self {
+            Message::VmmChunks(c) => c.count as usize,
+            other => other.message_type().max_descriptors(),
         }
     }
 
@@ -276,6 +296,7 @@ impl Message {
             Message::PoolDescriptor(p) => check_pool_id(&p.pool_id),
             Message::Buffer(b) => check_buffer(b),
             Message::VmmBuffer(b) => check_vmm_buffer(b),
+            Message::VmmChunks(c) => check_vmm_chunks(c),
             Message::Error(e) => {
                 if e.text.len() > MAX_ERROR_TEXT_LEN {
                     return Err(ProtocolError::MessageTooLarge {

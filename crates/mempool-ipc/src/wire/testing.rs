@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use super::{
     decode_body, decode_header, BlockId, BufferDescriptor, BufferId, DeviceUuid, ErrorCode, ErrorMessage, EventHandle,
-    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, ReleaseBatch, VmmBufferDescriptor, Welcome, HEADER_LEN,
+    Message, PointerDescriptor, PoolDescriptor, PoolId, Ready, ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor,
+    Welcome, HEADER_LEN,
 };
 
 pub(crate) const GPU: DeviceUuid = DeviceUuid([
@@ -36,6 +37,20 @@ pub(crate) fn vmm_buffer(id: u64) -> VmmBufferDescriptor {
         size: 4 << 20,
         granularity: 2 << 20,
         ready_event: Some(EventHandle([0xd0 | (id as u8 & 0xf); 64])),
+    }
+}
+
+/// A `VmmChunks` range over `count` chunks of 2 MiB: from 4 KiB into the first to 8 KiB into the
+/// last.
+pub(crate) fn vmm_chunks(id: u64, count: u32) -> VmmChunksDescriptor {
+    VmmChunksDescriptor {
+        buffer_id: BufferId(id),
+        chunk_size: 2 << 20,
+        granularity: 2 << 20,
+        offset: 4096,
+        len: (count as u64 - 1) * (2 << 20) + 4096,
+        count,
+        ready_event: Some(EventHandle([0xc0 | (id as u8 & 0xf); 64])),
     }
 }
 
@@ -81,6 +96,11 @@ pub(crate) fn every_message() -> Vec<Message> {
             buffers: (0..super::MAX_RELEASE_BATCH as u64).map(BufferId).collect(),
         }),
         Message::VmmBuffer(vmm_buffer(7)),
+        Message::VmmChunks(vmm_chunks(12, 3)),
+        Message::VmmChunks(VmmChunksDescriptor {
+            ready_event: None,
+            ..vmm_chunks(13, 1)
+        }),
         Message::VmmBuffer(VmmBufferDescriptor {
             ready_event: None,
             ..vmm_buffer(8)

@@ -78,16 +78,26 @@ fn header_layout_is_as_specified() {
 #[test]
 fn message_types_have_stable_codes_and_descriptor_counts() {
     let codes: Vec<u16> = MessageType::ALL.iter().map(|t| t.to_wire()).collect();
-    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 32]);
+    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 32, 33]);
     for t in MessageType::ALL {
         assert_eq!(MessageType::from_wire(t.to_wire()), Some(t));
-        let fds = if matches!(t, MessageType::PoolDescriptor | MessageType::VmmBuffer) {
-            1
-        } else {
-            0
+        let fds = match t {
+            MessageType::PoolDescriptor | MessageType::VmmBuffer => 1,
+            MessageType::VmmChunks => MAX_VMM_CHUNKS,
+            _ => 0,
         };
-        assert_eq!(t.descriptor_count(), fds, "{t}");
+        assert_eq!(t.max_descriptors(), fds, "{t}");
     }
+    // Every message but a `VmmChunks` carries exactly its type's count; that one, one per chunk.
+    for m in every_message() {
+        let want = match &m {
+            Message::VmmChunks(c) => c.count as usize,
+            other => other.message_type().max_descriptors(),
+        };
+        assert_eq!(m.descriptor_count(), want, "{m:?}");
+    }
+    // The most any message carries is what one `sendmsg` can pass.
+    assert_eq!(MAX_FDS_PER_MESSAGE, crate::fdpass::SCM_MAX_FD);
     assert_eq!(MessageType::from_wire(0), None);
     assert_eq!(MessageType::from_wire(12), None);
 }
@@ -158,7 +168,11 @@ fn every_type_travels_in_the_version_that_defines_it_and_only_there() {
         assert_eq!(version, message.message_type().version(), "{message:?}");
         // Version-1 messages keep version-1 frames, so a version-1 peer reads them.
         let expected = match message.message_type() {
-            MessageType::Hello2 | MessageType::Welcome2 | MessageType::ReleaseBatch | MessageType::VmmBuffer => 2,
+            MessageType::Hello2
+            | MessageType::Welcome2
+            | MessageType::ReleaseBatch
+            | MessageType::VmmBuffer
+            | MessageType::VmmChunks => 2,
             _ => 1,
         };
         assert_eq!(version, expected, "{message:?}");

@@ -17,5 +17,6 @@ mod floods;
 mod hostile;
 mod many_importers;
 mod pools;
+mod service;
 mod suballocated;
 mod vmm;

@@ -26,6 +26,7 @@ fn recv_vmm(importer: &Importer, stream: &Stream) -> SharedVmm {
     match importer.recv_any_timeout(stream.as_ref(), WAIT).expect("a VMM buffer") {
         Received::Vmm(v) => v,
         Received::Buffer(b) => panic!("a pool buffer instead of a VMM allocation: {b:?}"),
+        Received::VmmRange(r) => panic!("a range of VMM chunks instead of one VMM allocation: {r:?}"),
     }
 }
 

@@ -8,6 +8,12 @@
   ``ImportedBuffer`` with ``ptr``, ``size``, ``__cuda_array_interface__`` and DLPack, so that
   ``torch.from_dlpack`` and ``cupy.from_dlpack`` view it without a copy. The lease is released when the
   object and every view of it are garbage-collected.
+- Sharing a service resource's memory: ``Exporter.share_range(mr, buffer, to=None)`` shares a buffer
+  allocated from a ``mempool.mr.ServiceMemoryResource`` (or a ``TaggedMemoryResource`` of one) with
+  importers made with ``Importer(path, accept_ranges=True)``; their ``recv`` returns an ``ImportedRange``
+  (the owner's physical chunks mapped back to back at the importer's own addresses; ``ptr``, ``size``,
+  ``__cuda_array_interface__`` and DLPack, so ``torch.from_dlpack`` views it). While an importer holds it,
+  the owner keeps the buffer alive and its tag cannot sleep; an importer that dies lets go of it.
 
 The exporter frees a buffer only when it and every importer holding it have let go; an importer that dies
 counts as having let go once its process is gone. None of these objects can be pickled: send the socket
@@ -15,12 +21,13 @@ path to the other process (for example as a ``multiprocessing`` argument, in spa
 """
 
 from ._errors import IpcError, IpcProtocolError, IpcTimeoutError, PeerGoneError, RefusedError
-from ._lib import ExportedBuffer, Exporter, ImportedBuffer, Importer
+from ._lib import ExportedBuffer, Exporter, ImportedBuffer, ImportedRange, Importer
 
 __all__ = [
     "ExportedBuffer",
     "Exporter",
     "ImportedBuffer",
+    "ImportedRange",
     "Importer",
     "IpcError",
     "IpcProtocolError",

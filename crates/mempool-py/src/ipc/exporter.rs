@@ -8,12 +8,13 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
-use mempool_core::{HandleTypes, MemPool, PoolProps, Stream, StreamRef};
+use mempool_core::{DeviceAddr, HandleTypes, MemPool, PoolProps, Stream, StreamRef};
 use mempool_ipc::{ConnectionOptions, ExporterOptions, ImporterId, ListenerOptions};
 use mempool_rmm::{AsyncResource, MemoryResource, SharedResource};
 
 use super::buffers::PyExportedBuffer;
 use super::common::{at_least_one, no_pickle, policy, seconds, static_ref};
+use super::service::service_of;
 use crate::buffer::{host_bytes, DeviceBuffer};
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
 use crate::mr::{CudaAsyncMemoryResource, PyResource};
@@ -365,6 +366,54 @@ impl PyExporter {
         py.detach(|| exporter.share(&shared.buf, &ids))
             .ipc(&format!("sharing buffer {}", shared.buf.id()))?;
         Ok(buf)
+    }
+
+    /// Shares the memory of `buffer` (a `mempool.DeviceBuffer`, or any object with `ptr` and `size`)
+    /// allocated from `mr`, a `mempool.mr.ServiceMemoryResource` (or a `TaggedMemoryResource` of one) on
+    /// this exporter's device, with importers that passed `accept_ranges=True`: they receive an
+    /// `ImportedRange` mapping the same physical memory at addresses of their own. `to` is a list of
+    /// importer ids (default: every importer connected now). `stream` is the stream the work that filled
+    /// the buffer was queued on (default: the legacy default stream): importers use the memory only after
+    /// that work. Returns the range's id.
+    ///
+    /// Until every importer has let go of it (released it, or died), the buffer is kept alive and its
+    /// tag cannot sleep (`sleep` raises, naming why); then both are let go. Errors: a resource that is not a
+    /// service resource, a buffer outside it or across two tags, a sleeping tag, an importer that did not
+    /// accept ranges or is not connected.
+    #[pyo3(signature = (mr, buffer, to = None, *, stream = None))]
+    fn share_range<'py>(
+        slf: &Bound<'py, Self>,
+        mr: &Bound<'py, PyAny>,
+        buffer: &Bound<'py, PyAny>,
+        to: Option<Vec<u64>>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<u64> {
+        let py = slf.py();
+        let this = slf.get();
+        let service = service_of(mr)?;
+        let user_stream = stream::extract(stream)?;
+        let ptr: u64 = buffer.getattr("ptr")?.extract()?;
+        let size: usize = buffer.getattr("size")?.extract()?;
+        let export = service.export(DeviceAddr(ptr), size).py()?;
+        order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
+        let exporter = this.handle()?;
+        let ids: Vec<ImporterId> = match to {
+            Some(ids) => ids.into_iter().map(ImporterId).collect(),
+            None => exporter.importers().iter().map(|i| i.id).collect(),
+        };
+        let chunks = export.chunks().to_vec();
+        let offset = export.offset();
+        // The exporter keeps both until the last importer let go: the export keeps the tag awake, the
+        // buffer object keeps the allocation from being freed and handed out again meanwhile.
+        let hold: Box<dyn Send + Sync> = Box::new((export, buffer.clone().unbind()));
+        // SAFETY: `self.stream` outlives the call, the only use of the view (the exporter records an event
+        // on it and, when no importer took the range, queues the hold's release after it).
+        #[allow(unsafe_code)]
+        let s = unsafe { static_ref(&this.stream) };
+        let id = py
+            .detach(|| exporter.share_vmm_chunks(&chunks, offset, size, hold, s, &ids))
+            .ipc(&format!("sharing {size} bytes at {ptr:#x} of a service resource"))?;
+        Ok(id.0)
     }
 
     /// The importers connected now: a list of dicts with `id`, `pid`, `uid`, `gid`.

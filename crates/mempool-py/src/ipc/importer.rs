@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 
 use mempool_core::{Context, Stream};
-use mempool_ipc::{ConnectionOptions, ImporterOptions};
+use mempool_ipc::{ConnectionOptions, ImporterOptions, Received};
 
 use super::buffers::PyImportedBuffer;
 use super::common::{no_pickle, policy, seconds, static_ref};
+use super::service::PyImportedRange;
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
 use crate::view::RawView;
 
@@ -22,6 +23,8 @@ pub struct PyImporter {
     ctx: Arc<Context>,
     device: usize,
     path: PathBuf,
+    /// Whether ranges of a service resource (`Exporter.share_range`) were asked for.
+    accept_ranges: bool,
 }
 
 impl PyImporter {
@@ -37,13 +40,14 @@ impl PyImporter {
 #[pymethods]
 impl PyImporter {
     #[new]
-    #[pyo3(signature = (path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None))]
+    #[pyo3(signature = (path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None, accept_ranges = false))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         timeout: f64,
         io_timeout: f64,
         allow_uids: Option<Vec<u32>>,
+        accept_ranges: bool,
     ) -> PyResult<Self> {
         let options = ImporterOptions {
             connection: ConnectionOptions {
@@ -51,6 +55,7 @@ impl PyImporter {
                 handshake_timeout: seconds("timeout", timeout, false)?,
             },
             policy: policy(allow_uids),
+            accept_vmm: accept_ranges,
             ..ImporterOptions::default()
         };
         let importer = py
@@ -65,6 +70,7 @@ impl PyImporter {
             ctx,
             device,
             path,
+            accept_ranges,
         })
     }
 
@@ -99,37 +105,75 @@ impl PyImporter {
     }
 
     /// Waits for the next buffer (at most `timeout` seconds; None: as long as it takes, interruptible by
-    /// Ctrl-C). `PeerGoneError` once the exporter has said Goodbye, closed the connection or died;
-    /// `IpcTimeoutError` after `timeout`.
+    /// Ctrl-C): an `ImportedBuffer`, or, with `accept_ranges=True`, an `ImportedRange` when the exporter
+    /// shared a service resource's range (`Exporter.share_range`). `PeerGoneError` once the exporter has
+    /// said Goodbye, closed the connection or died; `IpcTimeoutError` after `timeout`.
     #[pyo3(signature = (timeout = None))]
-    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyImportedBuffer> {
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let deadline = match timeout {
             Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),
             None => None,
         };
         let importer = self.handle()?;
-        // SAFETY: the buffer received below holds `self.stream` (dropped after the buffer), and the view is
-        // used only through the buffer.
+        // SAFETY: the buffer or range received below holds `self.stream` (dropped after it), and the view is
+        // used only through it.
         #[allow(unsafe_code)]
         let s = unsafe { static_ref(&self.stream) };
         const SLICE: Duration = Duration::from_millis(200);
         loop {
             let wait = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-            match py.detach(|| importer.recv_timeout(s, wait)) {
-                Ok(buf) => {
+            let received = if self.accept_ranges {
+                py.detach(|| importer.recv_any_timeout(s, wait))
+            } else {
+                py.detach(|| importer.recv_timeout(s, wait)).map(Received::Buffer)
+            };
+            match received {
+                Ok(Received::Buffer(buf)) => {
                     let view = RawView {
                         addr: buf.ptr().as_raw(),
                         size: buf.len(),
                         device: self.device,
                         stream: self.stream.as_raw() as usize,
                     };
-                    return Ok(PyImportedBuffer {
+                    let buffer = PyImportedBuffer {
                         id: buf.id().0,
                         buf: Mutex::new(Some(buf)),
                         _stream: self.stream.clone(),
                         ctx: self.ctx.clone(),
                         view,
-                    });
+                    };
+                    return Ok(Py::new(py, buffer)?.into_any());
+                }
+                Ok(Received::VmmRange(range)) => {
+                    let view = RawView {
+                        addr: range.ptr().as_raw(),
+                        size: range.len(),
+                        device: self.device,
+                        stream: self.stream.as_raw() as usize,
+                    };
+                    let imported = PyImportedRange {
+                        id: range.id().0,
+                        chunks: range.chunks(),
+                        chunk_size: range.chunk_size(),
+                        range: Mutex::new(Some(range)),
+                        _stream: self.stream.clone(),
+                        ctx: self.ctx.clone(),
+                        view,
+                    };
+                    return Ok(Py::new(py, imported)?.into_any());
+                }
+                Ok(Received::Vmm(v)) => {
+                    // Python has no class for a lone VMM allocation: released at once, and said so.
+                    let id = v.id();
+                    py.detach(|| v.release())
+                        .ipc("releasing an unexpected VMM allocation")?;
+                    return Err(named(
+                        "IpcProtocolError",
+                        format!(
+                            "the exporter sent VMM allocation {id} (Exporter::share_vmm), which mempool.ipc does \
+                             not receive; it was released"
+                        ),
+                    ));
                 }
                 Err(mempool_ipc::Error::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {
                     py.check_signals()?;

@@ -11,13 +11,18 @@
 //! the socket path.
 
 //! Files: `exporter.rs` (`Exporter`), `importer.rs` (`Importer`), `buffers.rs` (the two buffer classes,
-//! whose shared surface is [`crate::view`]'s), `common.rs` (argument checks shared by all three).
+//! whose shared surface is [`crate::view`]'s), `service.rs` (`ImportedRange`, a service resource's range
+//! received from `Exporter.share_range`, and how the service resource behind a `mempool.mr` object is
+//! found), `common.rs` (argument checks shared by all of them).
 
 mod buffers;
 mod common;
 mod exporter;
 mod importer;
+mod service;
 
 pub(crate) use buffers::{PyExportedBuffer, PyImportedBuffer};
 pub(crate) use exporter::PyExporter;
 pub(crate) use importer::PyImporter;
+#[allow(unused_imports)] // `register_service_of`: called by `mempool.mr`'s service classes (merged separately).
+pub(crate) use service::{register_service_of, PyImportedRange, ServiceOf};

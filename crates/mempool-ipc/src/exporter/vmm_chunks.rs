@@ -1,0 +1,195 @@
+//! Ranges over several VMM physical allocations on the exporter's side: [`share_vmm_chunks`] sends the
+//! chunks behind a range (a growable reservation's, such as a service resource's) as one `VmmChunks`
+//! message with a descriptor per chunk. The range lives in the same lease table as every other shared
+//! buffer, with no owner's reference: the caller's hold is dropped when the last importer released it,
+//! said `Goodbye`, or died and its process is gone.
+
+use std::sync::Arc;
+
+use mempool_core::{AllocationProps, DeviceAddr, Granularity, HandleTypes, PhysicalAllocation, StreamRef};
+
+use super::state::{FreeFn, Freer, Inner, Shared, State};
+use crate::error::{Error, Result};
+use crate::lease::ImporterId;
+use crate::wire::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
+
+/// [`Exporter::share_vmm_chunks`](crate::Exporter::share_vmm_chunks).
+pub(super) fn share_vmm_chunks(
+    inner: &Arc<Inner>,
+    chunks: &[Arc<PhysicalAllocation>],
+    offset: usize,
+    len: usize,
+    hold: Box<dyn Send + Sync>,
+    stream: StreamRef<'_>,
+    to: &[ImporterId],
+) -> Result<BufferId> {
+    let invalid = |reason: String| Error::from(mempool_core::Error::InvalidArgument(reason));
+    if to.is_empty() {
+        return Err(invalid("sharing VMM chunks needs at least one importer".into()));
+    }
+    let descriptor = describe(inner, chunks, offset, len)?;
+    let server = inner.server()?;
+    check_granted(&inner.lock(), to)?;
+    let fds = chunks
+        .iter()
+        .map(|c| c.export_fd())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let event = inner.take_event()?;
+    event.event.record(stream)?;
+    let mut state = inner.lock();
+    // Checked again: an importer may have gone meanwhile.
+    if let Err(e) = check_granted(&state, to) {
+        state.idle_events.push(event);
+        return Err(e);
+    }
+    let id = BufferId(state.next_buffer);
+    state.next_buffer += 1;
+    let handle = event.handle;
+    let kept = chunks.to_vec();
+    // Called once, when the last holder let go: the owner's work before the share is ordered before
+    // `stream` (the owner's reference is let go on the caller's stream below), importers synchronized
+    // before releasing or are gone. Only then may the owner reuse the memory (a service resource's tag
+    // sleeps only once its export is dropped).
+    let free: FreeFn = Box::new(move |_, _, stream| {
+        let synced = stream.synchronize();
+        drop(kept);
+        drop(hold);
+        synced.map_err(Error::from)
+    });
+    let shared = Shared {
+        // Nothing of the exporter's address space is shared: the record only keeps the range's length.
+        ptr: DeviceAddr(0),
+        len,
+        // No pool block lies at address 0, so the range never joins a block's record or its pins.
+        block_base: 0,
+        free: Some(Freer::Custom(free)),
+        events: vec![event],
+        last_use: None,
+        release_waits: Vec::new(),
+    };
+    if let Err(e) = state.leases.insert(id, shared) {
+        return Err(e.into());
+    }
+    for (i, importer) in to.iter().enumerate() {
+        if let Err(e) = state.leases.grant(id, *importer) {
+            for granted in &to[..i] {
+                let _ = state.leases.revoke(id, *granted);
+            }
+            drop(state);
+            // Nobody holds it: this frees it (drops the hold) on `stream`.
+            let _ = inner.release_owner(id, stream);
+            return Err(e.into());
+        }
+    }
+    drop(state);
+
+    let message = Message::VmmChunks(VmmChunksDescriptor {
+        ready_event: Some(handle),
+        buffer_id: id,
+        ..descriptor
+    });
+    let mut first_error = None;
+    for importer in to {
+        // Each frame carries descriptors of its own, closed once sent.
+        let sent = fds
+            .iter()
+            .map(|fd| fd.try_clone())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(Error::from)
+            .and_then(|fds| server.send_with_fds(*importer, &message, Some(id), fds));
+        if let Err(e) = sent {
+            // The owner's reference still holds the range, so revoking frees nothing.
+            let _ = inner.lock().leases.revoke(id, *importer);
+            first_error.get_or_insert(Error::Share {
+                buffer: id,
+                importer: *importer,
+                source: Box::new(e),
+            });
+        }
+    }
+    // From now on the importers hold it alone: the last to let go frees it.
+    let released = inner.release_owner(id, stream);
+    inner.changed.notify_all();
+    match (first_error, released) {
+        (Some(e), _) | (None, Err(e)) => Err(e),
+        (None, Ok(())) => Ok(id),
+    }
+}
+
+/// The message's fields but the id and the event, after checking what the caller handed over.
+fn describe(
+    inner: &Inner,
+    chunks: &[Arc<PhysicalAllocation>],
+    offset: usize,
+    len: usize,
+) -> Result<VmmChunksDescriptor> {
+    let invalid = |reason: String| Error::from(mempool_core::Error::InvalidArgument(reason));
+    let Some(first) = chunks.first() else {
+        return Err(invalid("sharing VMM chunks needs at least one chunk".into()));
+    };
+    if chunks.len() > MAX_VMM_CHUNKS {
+        return Err(invalid(format!(
+            "a range over {} chunks is more than one share carries ({MAX_VMM_CHUNKS}, the most file \
+             descriptors one message can pass): share it in parts, or use larger chunks",
+            chunks.len()
+        )));
+    }
+    let chunk = first.size();
+    let device = inner.source.pool().device();
+    for (i, c) in chunks.iter().enumerate() {
+        if c.size() != chunk {
+            return Err(invalid(format!(
+                "chunk {i} has {} bytes, chunk 0 has {chunk}: every chunk of a shared range has one size",
+                c.size()
+            )));
+        }
+        if c.device() != device {
+            return Err(invalid(format!(
+                "chunk {i} lives on device {}, not on the exporter's device {}",
+                c.device().ordinal(),
+                device.ordinal()
+            )));
+        }
+        if !c.props().handle_types.contains(HandleTypes::POSIX_FILE_DESCRIPTOR) {
+            return Err(invalid(format!(
+                "chunk {i} was not created exportable as a POSIX file descriptor"
+            )));
+        }
+    }
+    let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+    let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
+    let descriptor = VmmChunksDescriptor {
+        buffer_id: BufferId(0),
+        chunk_size: chunk as u64,
+        granularity: granularity as u64,
+        offset: offset as u64,
+        len: len as u64,
+        count: chunks.len() as u32,
+        ready_event: None,
+    };
+    // The importer's own checks, with the caller's words for the range.
+    if offset >= chunk || len == 0 || offset.checked_add(len).is_none_or(|end| end > chunk * chunks.len()) {
+        return Err(invalid(format!(
+            "{len} bytes at offset {offset} are not a non-empty range inside {} chunks of {chunk} bytes that \
+             starts in the first",
+            chunks.len()
+        )));
+    }
+    check_vmm_chunks(&descriptor).map_err(|e| invalid(format!("cannot share these chunks: {e}")))?;
+    Ok(descriptor)
+}
+
+/// Whether every importer of `to` is connected and was granted [`CAP_VMM_CHUNKS`] in its handshake
+/// (bit 2 of `Hello2`/`Welcome2`).
+fn check_granted(state: &State, to: &[ImporterId]) -> Result<()> {
+    for importer in to {
+        match state.importers.get(importer) {
+            None => return Err(Error::UnknownImporter { importer: *importer }),
+            Some(peer) if peer.capabilities & CAP_VMM_CHUNKS == 0 => {
+                return Err(Error::VmmNotAccepted { importer: *importer })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
