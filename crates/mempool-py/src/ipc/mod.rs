@@ -24,5 +24,4 @@ mod service;
 pub(crate) use buffers::{PyExportedBuffer, PyImportedBuffer};
 pub(crate) use exporter::PyExporter;
 pub(crate) use importer::PyImporter;
-#[allow(unused_imports)] // `register_service_of`: called by `mempool.mr`'s service classes (merged separately).
-pub(crate) use service::{register_service_of, PyImportedRange, ServiceOf};
+pub(crate) use service::PyImportedRange;

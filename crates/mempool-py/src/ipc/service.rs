@@ -1,12 +1,8 @@
 //! Sharing a service resource's memory: how `mempool.ipc` finds the `ServiceResource` behind a
 //! `mempool.mr.ServiceMemoryResource` (or a `TaggedMemoryResource` of one), and
 //! `mempool.ipc.ImportedRange`, the importer's view of a range shared with `Exporter.share_range`.
-//!
-//! `mempool.mr` defines the service resource's Python classes; this module does not import it. Instead
-//! `mempool.mr` registers, once, when the extension module is made, the function that finds the Rust
-//! resource behind one of its objects ([`register_service_of`]).
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -19,23 +15,9 @@ use crate::errors::{named, IpcIntoPy};
 use crate::surface::device_view_pymethods;
 use crate::view::{DeviceView, RawView};
 
-/// Finds the `ServiceResource` behind a Python object: `Some` for a `mempool.mr.ServiceMemoryResource`
-/// or a `TaggedMemoryResource` of one, `None` for anything else.
-pub(crate) type ServiceOf = fn(&Bound<'_, PyAny>) -> Option<Arc<ServiceResource>>;
-
-static SERVICE_OF: OnceLock<ServiceOf> = OnceLock::new();
-
-/// Registers how `mempool.ipc` finds the `ServiceResource` behind a `mempool.mr` object: called once by
-/// `mempool.mr`'s setup of the extension module (later calls change nothing).
-#[allow(dead_code)] // Called by `mr/service.rs`'s registration, merged with `mempool.mr`'s service classes.
-pub(crate) fn register_service_of(f: ServiceOf) {
-    let _ = SERVICE_OF.set(f);
-}
-
 /// The `ServiceResource` behind `mr`, or a `TypeError` naming what was given.
 pub(crate) fn service_of(mr: &Bound<'_, PyAny>) -> PyResult<Arc<ServiceResource>> {
-    let found = SERVICE_OF.get().and_then(|f| f(mr));
-    found.ok_or_else(|| {
+    crate::mr::service::service_of(mr).ok_or_else(|| {
         let given = mr.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         pyo3::exceptions::PyTypeError::new_err(format!(
             "share_range: mr must be a mempool.mr.ServiceMemoryResource or a TaggedMemoryResource of one, got {given}"

@@ -10,7 +10,7 @@ mod adaptors;
 mod base;
 mod registry;
 mod resources;
-mod service;
+pub(crate) mod service;
 mod suballoc;
 
 pub(crate) use adaptors::{

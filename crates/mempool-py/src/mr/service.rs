@@ -27,6 +27,15 @@ pub struct ServiceMemoryResource {
     typed: Arc<ServiceResource>,
 }
 
+/// The `ServiceResource` behind a Python object: `Some` for a `ServiceMemoryResource` or a
+/// `TaggedMemoryResource` of one (what `mempool.ipc`'s `Exporter.share_range` shares), `None` otherwise.
+pub(crate) fn service_of(obj: &Bound<'_, PyAny>) -> Option<Arc<ServiceResource>> {
+    if let Ok(s) = obj.cast::<ServiceMemoryResource>() {
+        return Some(s.get().typed.clone());
+    }
+    obj.cast::<TaggedMemoryResource>().ok().map(|t| t.get().service.clone())
+}
+
 /// A tag given by name (an existing tag) or by number.
 fn one_tag(mr: &ServiceResource, obj: &Bound<'_, PyAny>) -> PyResult<Tag> {
     if let Ok(name) = obj.cast::<PyString>() {
