@@ -269,11 +269,6 @@ def use(pool: Any, resource: Any, device: Any = None) -> Iterator[Any]:
 
     if not isinstance(resource, mr.DeviceMemoryResource):
         raise TypeError(f"use needs a mempool.mr resource, got {type(resource).__name__}")
-    if pool is not None and getattr(pool, "allocator", None) is None:
-        raise ValueError(
-            "use needs a torch.cuda.MemPool built on mempool_torch_pool_allocator.allocator() (this pool "
-            "allocates with PyTorch's own allocator, so the resource would not be used)"
-        )
     dev = _device_index(device)
     previous = _lib.get_per_device_resource(dev)
     _lib.set_per_device_resource(dev, resource)
