@@ -175,7 +175,12 @@ fn describe(
     let total = chunks
         .iter()
         .try_fold(0usize, |sum, c| sum.checked_add(c.size()))
-        .ok_or_else(|| invalid(format!("{} chunks hold more bytes than this machine addresses", chunks.len())))?;
+        .ok_or_else(|| {
+            invalid(format!(
+                "{} chunks hold more bytes than this machine addresses",
+                chunks.len()
+            ))
+        })?;
     let first = chunks[0].size();
     let last_start = total - chunks[chunks.len() - 1].size();
     // The importer's own checks, with the caller's words for the range.

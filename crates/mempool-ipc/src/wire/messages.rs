@@ -239,7 +239,7 @@ pub(crate) enum Message {
     /// file descriptor.
     VmmBuffer(VmmBufferDescriptor),
     /// Exporter -> importer (version 2, [`CAP_VMM_CHUNKS`]): a range over several VMM physical
-    /// allocations; carries one file descriptor per chunk.
+    /// allocations of the sizes it gives; carries one file descriptor per chunk.
     VmmChunks(VmmChunksDescriptor),
 }
 

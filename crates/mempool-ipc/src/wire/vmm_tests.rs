@@ -233,9 +233,18 @@ fn vmm_chunks_body_length_is_exactly_the_count_it_declares() {
     );
     // Inside the bounds but not the count's: a size more, a size less, a stray byte.
     for (len, want) in [
-        (136, "VmmChunks #5: count field says 3 chunks, the body holds 16 bytes of sizes"),
-        (128, "VmmChunks #5: count field says 3 chunks, the body holds 8 bytes of sizes"),
-        (133, "VmmChunks #5: count field says 3 chunks, the body holds 13 bytes of sizes"),
+        (
+            136,
+            "VmmChunks #5: count field says 3 chunks, the body holds 16 bytes of sizes",
+        ),
+        (
+            128,
+            "VmmChunks #5: count field says 3 chunks, the body holds 8 bytes of sizes",
+        ),
+        (
+            133,
+            "VmmChunks #5: count field says 3 chunks, the body holds 13 bytes of sizes",
+        ),
     ] {
         let mut other = body.clone();
         other.resize(len, 1);
@@ -391,7 +400,10 @@ fn hostile_vmm_chunks_are_refused_with_exact_reasons() {
         },
     ] {
         assert!(
-            matches!(encode(&Message::VmmChunks(bad.clone())), Err(ProtocolError::Violation { .. })),
+            matches!(
+                encode(&Message::VmmChunks(bad.clone())),
+                Err(ProtocolError::Violation { .. })
+            ),
             "{bad:?}"
         );
     }
