@@ -135,9 +135,9 @@ struct Owner {
     exporter: Exporter,
 }
 
-/// The owner's side, up to the share: a small allocation first (it maps one chunk, so the shared one
-/// may start inside it), then `len` bytes over 40 chunks and more filled with `iota(base)` (their growth
-/// maps the run as allocations of 32 chunks and of the rest), exported as allocations of different
+/// The owner's side, up to the share: a small allocation first (its chunk mapped alone, next to the
+/// shared one, which ends or starts inside it), then `len` bytes over 40 chunks and more filled with
+/// `iota(base)` (their growth maps the run as allocations of 32 chunks and of the rest), exported as allocations of different
 /// sizes and shared with the one importer (a child running `test`, told the sizes to expect), after
 /// checking what the exporter refuses.
 fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc) {
