@@ -1,8 +1,8 @@
 //! Ranges over several VMM physical allocations on the exporter's side: [`share_vmm_chunks`] sends the
 //! chunks behind a range (a growable reservation's, such as a service resource's, each of its own size)
-//! as one `VmmChunks` message with a descriptor and a size per chunk. The range lives in the same lease table as every other shared
-//! buffer, with no owner's reference: the caller's hold is dropped when the last importer released it,
-//! said `Goodbye`, or died and its process is gone.
+//! as one `VmmChunks` message with a descriptor and a size per chunk. The range lives in the same lease
+//! table as every other shared buffer, with no owner's reference: the caller's hold is dropped when the
+//! last importer released it, said `Goodbye`, or died and its process is gone.
 
 use std::sync::Arc;
 

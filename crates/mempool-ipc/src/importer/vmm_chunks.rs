@@ -148,10 +148,11 @@ impl Drop for SharedVmmRange {
 }
 
 /// Imports each chunk `d` names from `fds` (in order, with the size `d` gives it), maps them back to
-/// back into one reservation of this process (chunk `i` at the sum of the sizes before it), grants the importer's device read-write access to all of it and makes `stream`
-/// wait on the exporter's event. On failure the range is not held: `Release` is sent at once
-/// (except for a buffer id already held, which ends the connection instead: releasing it would
-/// release the other).
+/// back into one reservation of this process (chunk `i` at the sum of the sizes before it), grants
+/// the importer's device read-write access to all of it at once and makes `stream` wait on the
+/// exporter's event. On any failure what was mapped is unmapped, every handle and descriptor
+/// released, and the range is not held: `Release` is sent at once (except for a buffer id already
+/// held, which ends the connection instead: releasing it would release the other).
 pub(super) fn receive(
     host: Arc<dyn VmmHost>,
     d: VmmChunksDescriptor,
