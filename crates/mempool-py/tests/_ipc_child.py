@@ -142,7 +142,7 @@ def view_range_until_told(path, commands, queue):
         r = importer.recv(timeout=TIMEOUT)
         t = torch.from_dlpack(r)
         details = {"type": type(r).__name__, "id": r.id, "size": r.size, "len": int(t.shape[0]),
-                   "chunks": r.chunks, "chunk_size": r.chunk_size, "same_memory": t.data_ptr() == r.ptr,
+                   "chunks": r.chunks, "chunk_sizes": r.chunk_sizes, "same_memory": t.data_ptr() == r.ptr,
                    "sum": int(t.to(torch.int64).sum().item()), "head": bytes(t[:16].cpu().tolist()),
                    "held": importer.held}
         t.add_(1)

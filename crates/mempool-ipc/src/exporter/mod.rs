@@ -420,12 +420,12 @@ impl Exporter {
 
     /// Shares the range `offset..offset+len` of the physical `chunks` mapped back to back (the
     /// chunks of a growable reservation, such as those `mempool_rmm::ServiceResource::export` hands
-    /// out) with
-    /// each importer in `to`, which maps them into addresses of its own
+    /// out; each may have its own size, a multiple of the device's minimum VMM granularity) with
+    /// each importer in `to`, which maps them, in order and back to back, into addresses of its own
     /// ([`SharedVmmRange`](crate::SharedVmmRange)). Records an interprocess event on `stream`
     /// (importers wait on it before they touch the memory: queue the work that fills the range on
     /// `stream` first), records the leases, and sends each importer one `VmmChunks` message with a
-    /// file descriptor per chunk. Returns the range's id.
+    /// file descriptor and a size per chunk. Returns the range's id.
     ///
     /// The exporter keeps no reference of its own: `hold` (with the chunks) is kept until the last
     /// importer released the range, said `Goodbye`, or died and its process is gone, and then
@@ -435,9 +435,10 @@ impl Exporter {
     /// dropped (the importer's own handles keep the physical memory alive in its process).
     ///
     /// Errors, before anything is sent (`hold` is dropped at once): no importer, no chunks, more than
-    /// [`MAX_VMM_CHUNKS`](crate::MAX_VMM_CHUNKS) of them, chunks of different sizes, of another
-    /// device than the exporter's, or not exportable as POSIX file descriptors, a range that is
-    /// empty, does not start in the first chunk, runs past the last or does not reach it
+    /// [`MAX_VMM_CHUNKS`](crate::MAX_VMM_CHUNKS) of them, chunks of another device than the
+    /// exporter's, not exportable as POSIX file descriptors, or whose size is not a multiple of the
+    /// device's granularity, a range that is empty, does not start in the first chunk, runs past
+    /// the last or does not reach it
     /// ([`Error::Core`] naming which); [`Error::UnknownImporter`]; [`Error::VmmNotAccepted`] if an
     /// importer did not accept VMM sharing ([`ImporterOptions::accept_vmm`](crate::ImporterOptions::accept_vmm),
     /// or an exporter too old for ranges); [`Error::Core`] if a chunk cannot be exported. Then

@@ -1,8 +1,8 @@
 //! Ranges over several VMM physical allocations on the exporter's side: [`share_vmm_chunks`] sends the
-//! chunks behind a range (a growable reservation's, such as a service resource's) as one `VmmChunks`
-//! message with a descriptor per chunk. The range lives in the same lease table as every other shared
-//! buffer, with no owner's reference: the caller's hold is dropped when the last importer released it,
-//! said `Goodbye`, or died and its process is gone.
+//! chunks behind a range (a growable reservation's, such as a service resource's, each of its own size)
+//! as one `VmmChunks` message with a descriptor and a size per chunk. The range lives in the same lease
+//! table as every other shared buffer, with no owner's reference: the caller's hold is dropped when the
+//! last importer released it, said `Goodbye`, or died and its process is gone.
 
 use std::sync::Arc;
 
@@ -124,9 +124,9 @@ fn describe(
     len: usize,
 ) -> Result<VmmChunksDescriptor> {
     let invalid = |reason: String| Error::from(mempool_core::Error::InvalidArgument(reason));
-    let Some(first) = chunks.first() else {
+    if chunks.is_empty() {
         return Err(invalid("sharing VMM chunks needs at least one chunk".into()));
-    };
+    }
     if chunks.len() > MAX_VMM_CHUNKS {
         return Err(invalid(format!(
             "a range over {} chunks is more than one share carries ({MAX_VMM_CHUNKS}, the most file \
@@ -134,15 +134,10 @@ fn describe(
             chunks.len()
         )));
     }
-    let chunk = first.size();
     let device = inner.source.pool().device();
+    let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+    let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
     for (i, c) in chunks.iter().enumerate() {
-        if c.size() != chunk {
-            return Err(invalid(format!(
-                "chunk {i} has {} bytes, chunk 0 has {chunk}: every chunk of a shared range has one size",
-                c.size()
-            )));
-        }
         if c.device() != device {
             return Err(invalid(format!(
                 "chunk {i} lives on device {}, not on the exporter's device {}",
@@ -155,28 +150,75 @@ fn describe(
                 "chunk {i} was not created exportable as a POSIX file descriptor"
             )));
         }
+        if c.size() == 0 || !c.size().is_multiple_of(granularity) {
+            return Err(invalid(format!(
+                "chunk {i} has {} bytes, not a non-zero multiple of device {}'s granularity of {granularity} bytes",
+                c.size(),
+                device.ordinal()
+            )));
+        }
     }
-    let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
-    let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
-    let descriptor = VmmChunksDescriptor {
-        buffer_id: BufferId(0),
-        chunk_size: chunk as u64,
-        granularity: granularity as u64,
-        offset: offset as u64,
-        len: len as u64,
-        count: chunks.len() as u32,
-        ready_event: None,
-    };
+    // Every size is a whole number of their greatest common divisor, itself a multiple of the
+    // granularity.
+    let unit = chunks.iter().map(|c| c.size()).fold(0, gcd);
+    let mut sizes = Vec::with_capacity(chunks.len());
+    for (i, c) in chunks.iter().enumerate() {
+        let units = u32::try_from(c.size() / unit).map_err(|_| {
+            invalid(format!(
+                "chunk {i} has {} bytes, more than one share describes ({} units of {unit} bytes)",
+                c.size(),
+                u32::MAX
+            ))
+        })?;
+        sizes.push(units);
+    }
+    let total = chunks
+        .iter()
+        .try_fold(0usize, |sum, c| sum.checked_add(c.size()))
+        .ok_or_else(|| {
+            invalid(format!(
+                "{} chunks hold more bytes than this machine addresses",
+                chunks.len()
+            ))
+        })?;
+    let first = chunks[0].size();
+    let last_start = total - chunks[chunks.len() - 1].size();
     // The importer's own checks, with the caller's words for the range.
-    if offset >= chunk || len == 0 || offset.checked_add(len).is_none_or(|end| end > chunk * chunks.len()) {
+    let end = offset.checked_add(len);
+    if offset >= first || len == 0 || end.is_none_or(|end| end > total) {
         return Err(invalid(format!(
-            "{len} bytes at offset {offset} are not a non-empty range inside {} chunks of {chunk} bytes that \
-             starts in the first",
+            "{len} bytes at offset {offset} are not a non-empty range inside {} chunks of {total} bytes in all \
+             that starts in the first ({first} bytes)",
             chunks.len()
         )));
     }
+    if end.is_some_and(|end| end <= last_start) {
+        return Err(invalid(format!(
+            "{len} bytes at offset {offset} end before the last of the {} chunks (which starts at byte \
+             {last_start}): share only the chunks the range reaches",
+            chunks.len()
+        )));
+    }
+    let descriptor = VmmChunksDescriptor {
+        buffer_id: BufferId(0),
+        unit: unit as u64,
+        granularity: granularity as u64,
+        offset: offset as u64,
+        len: len as u64,
+        sizes,
+        ready_event: None,
+    };
     check_vmm_chunks(&descriptor).map_err(|e| invalid(format!("cannot share these chunks: {e}")))?;
     Ok(descriptor)
+}
+
+/// The greatest common divisor of `a` and `b` (`gcd(0, b) == b`).
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// Whether every importer of `to` is connected and was granted [`CAP_VMM_CHUNKS`] in its handshake

@@ -1,6 +1,7 @@
 //! Ranges over several VMM physical allocations on the importer's side: [`SharedVmmRange`], and
-//! receiving one (import every chunk's descriptor, reserve one range of this process's own
-//! addresses, map the chunks back to back in order, grant this device access to all of them).
+//! receiving one (import every chunk's descriptor with its size, reserve one range of this process's
+//! own addresses, map the chunks back to back in order, each at the sum of the sizes before it, grant
+//! this device access to all of them at once).
 
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
@@ -15,8 +16,9 @@ use super::vmm::VmmHost;
 use crate::error::{record_drop_error, Error, Result};
 use crate::wire::{BufferId, ProtocolError, VmmChunksDescriptor};
 
-/// A range of the exporter's memory that lies across several VMM physical allocations of one size
-/// (the chunks of a growable reservation, such as a service resource's), received with
+/// A range of the exporter's memory that lies across several VMM physical allocations, each of its
+/// own size (the chunks of a growable reservation, such as a service resource's mappings of 1 to 32
+/// of its chunks), received with
 /// [`Importer::recv_any`](crate::Importer::recv_any) from
 /// [`Exporter::share_vmm_chunks`](crate::Exporter::share_vmm_chunks). The chunks are mapped back
 /// to back into one reservation of this process with read-write access for the importer's device;
@@ -34,7 +36,8 @@ pub struct SharedVmmRange {
     /// Empty once released.
     mappings: Vec<Mapping>,
     reservation: Arc<Reservation>,
-    chunk_size: usize,
+    /// Each chunk's size in bytes, in mapping order.
+    chunk_sizes: Vec<usize>,
     offset: usize,
     len: usize,
 }
@@ -45,8 +48,7 @@ impl fmt::Debug for SharedVmmRange {
             .field("id", &self.id)
             .field("ptr", &self.ptr())
             .field("len", &self.len)
-            .field("chunks", &self.mappings.len())
-            .field("chunk_size", &self.chunk_size)
+            .field("chunk_sizes", &self.chunk_sizes)
             .finish()
     }
 }
@@ -72,14 +74,16 @@ impl SharedVmmRange {
         false
     }
 
-    /// How many chunks are mapped.
+    /// How many chunks (physical allocations) the range lies across.
     pub fn chunks(&self) -> usize {
-        self.mappings.len()
+        self.chunk_sizes.len()
     }
 
-    /// Each chunk's size.
-    pub fn chunk_size(&self) -> usize {
-        self.chunk_size
+    /// Each chunk's size in bytes, in address order: chunk `i` is mapped at the sum of the sizes
+    /// before it from the reservation's base. Every size is a multiple of the device's minimum VMM
+    /// granularity; they need not be equal.
+    pub fn chunk_sizes(&self) -> &[usize] {
+        &self.chunk_sizes
     }
 
     /// Where the range starts in the first chunk (and in the reservation).
@@ -87,7 +91,8 @@ impl SharedVmmRange {
         self.offset
     }
 
-    /// The reservation the chunks are mapped into, from its base: the first chunk starts there.
+    /// The reservation the chunks are mapped into, from its base, back to back: the first chunk
+    /// starts there, and the reservation is exactly as long as the chunks' sizes together.
     pub fn reservation(&self) -> &Arc<Reservation> {
         &self.reservation
     }
@@ -97,7 +102,8 @@ impl SharedVmmRange {
     pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
         let ctx = self.host.device().context()?;
         // SAFETY: 1. `ptr..ptr+len` lies in the chunks mapped back to back from the reservation's base
-        // (`receive` mapped `count` chunks and the decoder checked `offset + len <= count * chunk_size`),
+        // (`receive` mapped every chunk, of the sizes the message gave, and the decoder checked
+        // `offset + len` <= the sum of those sizes),
         // with read-write access for the importer's device, which owns every chunk (checked on import);
         // they stay mapped while `self` lives, which the view borrows, and no safe call lowers the access.
         // Dropping a view frees nothing. 2. the maps and the access grant are synchronous, and the
@@ -141,11 +147,12 @@ impl Drop for SharedVmmRange {
     }
 }
 
-/// Imports each chunk `d` names from `fds` (in order), maps them back to back into one reservation
-/// of this process, grants the importer's device read-write access to all of it and makes `stream`
-/// wait on the exporter's event. On failure the range is not held: `Release` is sent at once
-/// (except for a buffer id already held, which ends the connection instead: releasing it would
-/// release the other).
+/// Imports each chunk `d` names from `fds` (in order, with the size `d` gives it), maps them back to
+/// back into one reservation of this process (chunk `i` at the sum of the sizes before it), grants
+/// the importer's device read-write access to all of it at once and makes `stream` wait on the
+/// exporter's event. On any failure what was mapped is unmapped, every handle and descriptor
+/// released, and the range is not held: `Release` is sent at once (except for a buffer id already
+/// held, which ends the connection instead: releasing it would release the other).
 pub(super) fn receive(
     host: Arc<dyn VmmHost>,
     d: VmmChunksDescriptor,
@@ -163,9 +170,9 @@ pub(super) fn receive(
         let violation = |reason: String| -> Error { ProtocolError::Violation { reason }.into() };
         // The connection counted the descriptors against the body; a mismatch here is a bug, not
         // the peer's word, but nothing is mapped on it either way.
-        if fds.len() != d.count as usize {
+        if fds.len() != d.count() {
             return Err(Error::DescriptorCount {
-                expected: d.count as usize,
+                expected: d.count(),
                 got: fds.len(),
             });
         }
@@ -178,13 +185,14 @@ pub(super) fn receive(
                 d.granularity
             )));
         }
-        // The decoder checked: chunk_size a non-zero multiple of the granularity, count * chunk_size
-        // fits a usize, offset + len inside the chunks, the last chunk reached.
-        let chunk = d.chunk_size as usize;
+        // The decoder checked: the unit a non-zero multiple of the granularity (so is every size), no
+        // size 0, their sum fits a usize, offset + len inside the chunks, the last chunk reached.
         let reservation = Reservation::new(device, d.mapped_len() as usize, 0, None)?;
         let mut mappings = Vec::with_capacity(fds.len());
+        let mut at = 0usize;
         for (i, fd) in fds.into_iter().enumerate() {
-            let physical = PhysicalAllocation::import_fd(fd.as_fd(), chunk)?;
+            let size = d.chunk_bytes(i) as usize;
+            let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
             drop(fd); // imported: the handle holds the memory now
             if physical.device() != device {
                 return Err(violation(format!(
@@ -194,7 +202,8 @@ pub(super) fn receive(
                 )));
             }
             // On error the mappings made so far are dropped: unmapped, handles released.
-            mappings.push(Mapping::without_access(&reservation, i * chunk, Arc::new(physical))?);
+            mappings.push(Mapping::without_access(&reservation, at, Arc::new(physical))?);
+            at += size;
         }
         reservation.set_access(0, d.mapped_len() as usize, &[(device, Access::ReadWrite)])?;
         if let Some(handle) = d.ready_event {
@@ -208,7 +217,7 @@ pub(super) fn receive(
             id,
             mappings,
             reservation,
-            chunk_size: d.chunk_size as usize,
+            chunk_sizes: (0..d.count()).map(|i| d.chunk_bytes(i) as usize).collect(),
             offset: d.offset as usize,
             len: d.len as usize,
         }),

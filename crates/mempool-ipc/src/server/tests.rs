@@ -964,7 +964,7 @@ fn the_server_sends_vmm_chunks_with_one_descriptor_per_chunk_in_order_and_refuse
     let name = unique_name("server-chunks");
     let chunks: Vec<_> = (0..3u8).map(|i| memfd_with(&name, &[b'a' + i; 4])).collect();
     let descriptor = wire::testing::vmm_chunks(11, 3);
-    let message = Message::VmmChunks(descriptor);
+    let message = Message::VmmChunks(descriptor.clone());
 
     // A count that is not the message's is refused before anything is queued (and the descriptors
     // handed over are closed).

@@ -6,11 +6,11 @@ use super::error::{protocol, ProtocolError, Result};
 use super::ids::{BlockId, BufferId, DeviceUuid, EventHandle, MessageType, PointerDescriptor, PoolId, MAX_VMM_CHUNKS};
 use super::messages::{
     BufferDescriptor, ErrorCode, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, ERROR_FIXED_LEN,
-    MAX_BODY_LEN, MAX_RELEASE_BATCH,
+    ERROR_MAX_LEN, MAX_BODY_LEN, MAX_RELEASE_BATCH,
 };
 use super::vmm::{
-    VmmBufferDescriptor, VmmChunksDescriptor, VMM_BUFFER_LEN, VMM_CHUNKS_LEN, VMM_FLAG_READY_EVENT,
-    VMM_HANDLE_TYPE_POSIX_FD,
+    check_vmm_chunk_count, VmmBufferDescriptor, VmmChunksDescriptor, VMM_BUFFER_LEN, VMM_CHUNKS_FIXED_LEN,
+    VMM_CHUNKS_MAX_LEN, VMM_FLAG_READY_EVENT, VMM_HANDLE_TYPE_POSIX_FD,
 };
 
 /// The four bytes every frame starts with.
@@ -74,7 +74,7 @@ pub(crate) fn body_len_bounds(t: MessageType) -> (usize, usize) {
         MessageType::PoolDescriptor => exact(POOL_DESCRIPTOR_LEN),
         MessageType::Buffer => exact(BUFFER_LEN),
         MessageType::Release => exact(RELEASE_LEN),
-        MessageType::Error => (ERROR_FIXED_LEN, MAX_BODY_LEN),
+        MessageType::Error => (ERROR_FIXED_LEN, ERROR_MAX_LEN),
         MessageType::Hello2 => exact(HELLO2_LEN),
         MessageType::Welcome2 => exact(WELCOME2_LEN),
         MessageType::ReleaseBatch => (
@@ -82,7 +82,8 @@ pub(crate) fn body_len_bounds(t: MessageType) -> (usize, usize) {
             RELEASE_BATCH_FIXED_LEN + 8 * MAX_RELEASE_BATCH,
         ),
         MessageType::VmmBuffer => exact(VMM_BUFFER_LEN),
-        MessageType::VmmChunks => exact(VMM_CHUNKS_LEN),
+        // The body says how many sizes follow; the decoder holds it to exactly that.
+        MessageType::VmmChunks => (VMM_CHUNKS_FIXED_LEN + 4, VMM_CHUNKS_MAX_LEN),
     }
 }
 
@@ -475,36 +476,48 @@ fn vmm_ready_event(message: &str, flags: u32, handle_type: u32, event: [u8; 64])
     }
 }
 
-/// Decodes a `VmmChunks` body from `r` (its length already checked; `validate` checks the rest).
+/// Decodes a `VmmChunks` body from `r` (its length checked against the type's bounds; here against
+/// the count it declares; `validate` checks the rest).
 fn decode_vmm_chunks(r: &mut Reader<'_>) -> Result<VmmChunksDescriptor> {
     let buffer_id = BufferId(r.u64()?);
-    let chunk_size = r.u64()?;
+    let unit = r.u64()?;
     let granularity = r.u64()?;
     let offset = r.u64()?;
     let len = r.u64()?;
-    let count = r.u32()?;
+    let count = r.u32()? as usize;
     let flags = r.u32()?;
     let handle_type = r.u32()?;
     check_reserved(r.u32()?, "VmmChunks")?;
     let event = r.array::<64>()?;
     let ready_event = vmm_ready_event("VmmChunks", flags, handle_type, event)?;
+    check_vmm_chunk_count(buffer_id, count)?;
+    if count * 4 != r.remaining() {
+        return Err(protocol(format!(
+            "VmmChunks {buffer_id}: count field says {count} chunks, the body holds {} bytes of sizes",
+            r.remaining()
+        )));
+    }
+    let mut sizes = Vec::with_capacity(count);
+    for _ in 0..count {
+        sizes.push(r.u32()?);
+    }
     Ok(VmmChunksDescriptor {
         buffer_id,
-        chunk_size,
+        unit,
         granularity,
         offset,
         len,
-        count,
+        sizes,
         ready_event,
     })
 }
 
-/// Appends a `VmmChunks` body to `out`.
+/// Appends a `VmmChunks` body to `out` (`validate` bounded the count).
 fn encode_vmm_chunks(c: &VmmChunksDescriptor, out: &mut Vec<u8>) {
-    for field in [c.buffer_id.0, c.chunk_size, c.granularity, c.offset, c.len] {
+    for field in [c.buffer_id.0, c.unit, c.granularity, c.offset, c.len] {
         out.extend_from_slice(&field.to_le_bytes());
     }
-    out.extend_from_slice(&c.count.to_le_bytes());
+    out.extend_from_slice(&(c.count() as u32).to_le_bytes());
     let flags = if c.ready_event.is_some() {
         VMM_FLAG_READY_EVENT
     } else {
@@ -514,4 +527,7 @@ fn encode_vmm_chunks(c: &VmmChunksDescriptor, out: &mut Vec<u8>) {
     out.extend_from_slice(&VMM_HANDLE_TYPE_POSIX_FD.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&c.ready_event.map_or([0; 64], |e| e.0));
+    for size in &c.sizes {
+        out.extend_from_slice(&size.to_le_bytes());
+    }
 }

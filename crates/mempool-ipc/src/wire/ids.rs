@@ -163,8 +163,9 @@ pub enum MessageType {
     /// VMM physical allocation (one descriptor attached). Codes 32 to 47 are kept for VMM messages.
     VmmBuffer = 32,
     /// Exporter -> importer (version 2, only to an importer granted the capability
-    /// `CAP_VMM_CHUNKS`): a range over several VMM physical allocations of one size, mapped back to
-    /// back (one descriptor per chunk attached, as many as the body's count says).
+    /// `CAP_VMM_CHUNKS`): a range over several VMM physical allocations, each of the size the body
+    /// gives it, mapped back to back (one descriptor per chunk attached, as many as the body's count
+    /// says).
     VmmChunks = 33,
 }
 

@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::error::{protocol, ProtocolError, Result};
 use super::ids::{BlockId, BufferId, DeviceUuid, EventHandle, MessageType, PointerDescriptor, PoolId};
-use super::vmm::{check_vmm_buffer, check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor};
+use super::vmm::{check_vmm_buffer, check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor, VMM_CHUNKS_MAX_LEN};
 
 /// Capability bit (in `Hello2` and `Welcome2`): the fast release path. The importer keeps the
 /// imports of blocks the exporter marks
@@ -36,8 +36,16 @@ pub(crate) const MAX_RELEASE_BATCH: usize = 64;
 /// The longest text an `Error` message may carry, in bytes of UTF-8.
 pub(crate) const MAX_ERROR_TEXT_LEN: usize = 1024;
 
-/// The longest body any message may have (an `Error` message with the longest text).
-pub(crate) const MAX_BODY_LEN: usize = ERROR_FIXED_LEN + MAX_ERROR_TEXT_LEN;
+/// The longest body any message may have: a `VmmChunks` over the most chunks (1132 bytes), longer
+/// than an `Error` with the longest text ([`ERROR_MAX_LEN`]).
+pub(crate) const MAX_BODY_LEN: usize = if VMM_CHUNKS_MAX_LEN > ERROR_MAX_LEN {
+    VMM_CHUNKS_MAX_LEN
+} else {
+    ERROR_MAX_LEN
+};
+
+/// The longest `Error` body: one with the longest text.
+pub(crate) const ERROR_MAX_LEN: usize = ERROR_FIXED_LEN + MAX_ERROR_TEXT_LEN;
 
 /// The fixed part of an `Error` body: the code (u32) and the text's length (u16).
 pub(crate) const ERROR_FIXED_LEN: usize = 4 + 2;
@@ -231,7 +239,7 @@ pub(crate) enum Message {
     /// file descriptor.
     VmmBuffer(VmmBufferDescriptor),
     /// Exporter -> importer (version 2, [`CAP_VMM_CHUNKS`]): a range over several VMM physical
-    /// allocations; carries one file descriptor per chunk.
+    /// allocations of the sizes it gives; carries one file descriptor per chunk.
     VmmChunks(VmmChunksDescriptor),
 }
 
@@ -270,7 +278,7 @@ impl Message {
     /// one per chunk.
     pub(crate) fn descriptor_count(&self) -> usize {
         match self {
-            Message::VmmChunks(c) => c.count as usize,
+            Message::VmmChunks(c) => c.count(),
             other => other.message_type().max_descriptors(),
         }
     }
@@ -301,7 +309,7 @@ impl Message {
                 if e.text.len() > MAX_ERROR_TEXT_LEN {
                     return Err(ProtocolError::MessageTooLarge {
                         len: ERROR_FIXED_LEN + e.text.len(),
-                        max: MAX_BODY_LEN,
+                        max: ERROR_MAX_LEN,
                     });
                 }
                 Ok(())

@@ -40,16 +40,19 @@ pub(crate) fn vmm_buffer(id: u64) -> VmmBufferDescriptor {
     }
 }
 
-/// A `VmmChunks` range over `count` chunks of 2 MiB: from 4 KiB into the first to 8 KiB into the
-/// last.
+/// A `VmmChunks` range over `count` chunks in units of 2 MiB, chunk `i` of `i % 3 + 1` units (2, 4,
+/// 6, 2, 4, ... MiB): from 4 KiB into the first to 8 KiB into the last.
 pub(crate) fn vmm_chunks(id: u64, count: u32) -> VmmChunksDescriptor {
+    let sizes: Vec<u32> = (0..count).map(|i| i % 3 + 1).collect();
+    let unit = 2u64 << 20;
+    let last_start: u64 = sizes[..sizes.len() - 1].iter().map(|&s| u64::from(s) * unit).sum();
     VmmChunksDescriptor {
         buffer_id: BufferId(id),
-        chunk_size: 2 << 20,
+        unit,
         granularity: 2 << 20,
         offset: 4096,
-        len: (count as u64 - 1) * (2 << 20) + 4096,
-        count,
+        len: last_start + 8192 - 4096,
+        sizes,
         ready_event: Some(EventHandle([0xc0 | (id as u8 & 0xf); 64])),
     }
 }

@@ -91,7 +91,7 @@ fn message_types_have_stable_codes_and_descriptor_counts() {
     // Every message but a `VmmChunks` carries exactly its type's count; that one, one per chunk.
     for m in every_message() {
         let want = match &m {
-            Message::VmmChunks(c) => c.count as usize,
+            Message::VmmChunks(c) => c.count(),
             other => other.message_type().max_descriptors(),
         };
         assert_eq!(m.descriptor_count(), want, "{m:?}");
@@ -491,7 +491,38 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 buffers: ids.into_iter().map(BufferId).collect(),
             })
         });
+    // Ranges over 1 to 253 chunks of any sizes (in units of a multiple of a power-of-two
+    // granularity), starting in the first and ending in the last.
+    let chunks = (
+        any::<u64>(),
+        0u32..=5,
+        1u64..=8,
+        proptest::collection::vec(1u32..=1 << 20, 1..=MAX_VMM_CHUNKS),
+        any::<u64>(),
+        any::<u64>(),
+        proptest::option::of(any::<[u8; 64]>()),
+    )
+        .prop_map(|(id, g, m, sizes, a, b, event)| {
+            let granularity = 1u64 << (16 + g);
+            let unit = granularity * m;
+            let total: u64 = sizes.iter().map(|&s| u64::from(s) * unit).sum();
+            let first = u64::from(sizes[0]) * unit;
+            let last_start = total - u64::from(sizes[sizes.len() - 1]) * unit;
+            let offset = a % first;
+            let lo = offset.max(last_start);
+            let end = lo + 1 + b % (total - lo);
+            Message::VmmChunks(VmmChunksDescriptor {
+                buffer_id: BufferId(id),
+                unit,
+                granularity,
+                offset,
+                len: end - offset,
+                sizes,
+                ready_event: event.map(EventHandle),
+            })
+        });
     prop_oneof![
+        chunks,
         Just(Message::Hello),
         Just(Message::Goodbye),
         (uuid.clone(), pool.clone())

@@ -1,7 +1,9 @@
 //! GPU tests of sharing a service resource's memory across processes (`ServiceResource::export`,
 //! `Exporter::share_vmm_chunks`, `Importer::recv_any` / `SharedVmmRange`), in two processes over the
-//! re-exec harness: the owner allocates under a tag, fills the range and shares its chunks; the importer
-//! maps them at an address of its own and works on them on its GPU; while it holds them the tag cannot
+//! re-exec harness: the owner allocates under a tag so that the range lies across physical allocations of
+//! different sizes (the resource maps a run of chunks as allocations of up to 32 chunks), fills the range
+//! and shares them; the importer maps them, each of its own size, back to back at an address of its own
+//! and works on them on its GPU; while it holds them the tag cannot
 //! sleep; once it released them, or died, the owner is back at its baseline and the tag sleeps. Run:
 //! `cargo test -p mempool-ipc --features gpu --test gpu service::`.
 
@@ -52,11 +54,48 @@ fn recv_range(importer: &Importer, stream: &Stream) -> SharedVmmRange {
     }
 }
 
-/// What the importer checks of every range it receives: its shape, and (on its GPU, through its own
-/// mapping) that `add` sees the owner's `iota(base)`: after adding 5, it reads `base + 5 + i`.
+/// What the parent tells the importer to expect, in its role: the size of every physical allocation
+/// behind the range, and where the range starts in the first.
+fn importer_role(sizes: &[usize], offset: usize) -> String {
+    let sizes: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    format!("importer {} {offset}", sizes.join(","))
+}
+
+/// The sizes and offset `importer_role` wrote into this child's role.
+fn expected_shape() -> (Vec<usize>, usize) {
+    let role = role().expect("a child");
+    let mut words = role.split(' ').skip(1);
+    let sizes = words
+        .next()
+        .expect("the allocations' sizes")
+        .split(',')
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let offset = words.next().expect("the offset").parse().unwrap();
+    (sizes, offset)
+}
+
+/// What the importer checks of every range it receives: its shape (the owner's allocations, of
+/// different sizes, mapped back to back), and (on its GPU, through its own mapping) that `add` sees the
+/// owner's `iota(base)` across every allocation: after adding 5, it reads `base + 5 + i`.
 fn check_range_on_gpu(r: &SharedVmmRange, stream: &Stream, kernels: &CheckKernels, base: u32) {
-    assert!(r.offset() < r.chunk_size(), "{r:?}");
-    assert_eq!(r.chunks(), (r.offset() + r.len()).div_ceil(r.chunk_size()), "{r:?}");
+    let (sizes, offset) = expected_shape();
+    assert_eq!(r.chunk_sizes(), &sizes[..], "the owner's allocations: {r:?}");
+    assert_eq!(r.chunks(), sizes.len(), "{r:?}");
+    assert_eq!(r.offset(), offset, "{r:?}");
+    assert!(
+        sizes.iter().any(|&s| s != sizes[0]),
+        "allocations of different sizes: {r:?}"
+    );
+    let total: usize = sizes.iter().sum();
+    let last_start = total - sizes[sizes.len() - 1];
+    assert!(r.offset() < sizes[0], "{r:?}");
+    assert!(
+        r.offset() + r.len() > last_start && r.offset() + r.len() <= total,
+        "{r:?}"
+    );
+    assert_eq!(r.reservation().size(), total, "{r:?}");
+    assert!(r.reservation().is_mapped(0, total), "every allocation is mapped: {r:?}");
     assert_eq!(r.len() % 4, 0, "{r:?}");
     assert_eq!(r.ptr().as_raw() % 256, 0, "{r:?}");
     let n = r.len() / 4;
@@ -66,6 +105,22 @@ fn check_range_on_gpu(r: &SharedVmmRange, stream: &Stream, kernels: &CheckKernel
     let mut host = vec![0u8; r.len()];
     r.view(stream.as_ref()).unwrap().copy_to_host(0, &mut host).unwrap();
     assert_iota(&u32s(&host), base + 5, "the importer's GPU sees the owner's data");
+    // The bytes on both sides of every boundary between two allocations, read on their own.
+    let mut at = 0;
+    for size in &sizes[..sizes.len() - 1] {
+        at += size;
+        let i = (at - r.offset()) / 4;
+        let mut pair = [0u8; 8];
+        r.view(stream.as_ref())
+            .unwrap()
+            .copy_to_host(4 * (i - 1), &mut pair)
+            .unwrap();
+        assert_eq!(
+            u32s(&pair),
+            vec![base + 5 + i as u32 - 1, base + 5 + i as u32],
+            "at byte {at}"
+        );
+    }
 }
 
 /// The owner's side: the resource, its tag and allocations, and the exporter.
@@ -80,9 +135,11 @@ struct Owner {
     exporter: Exporter,
 }
 
-/// The owner's side, up to the share: a small allocation first (so the shared one may start inside a
-/// chunk), then `len` bytes over at least four chunks filled with `iota(base)`, exported and shared
-/// with the one importer (a child running `test`), after checking what the exporter refuses.
+/// The owner's side, up to the share: a small allocation first (its chunk mapped alone, next to the
+/// shared one, which ends or starts inside it), then `len` bytes over 40 chunks and more filled with
+/// `iota(base)` (their growth maps the run as allocations of 32 chunks and of the rest), exported as allocations of different
+/// sizes and shared with the one importer (a child running `test`, told the sizes to expect), after
+/// checking what the exporter refuses.
 fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc) {
     let (dev, ctx) = gpu();
     let kernels = CheckKernels::load(&ctx).unwrap();
@@ -91,22 +148,30 @@ fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc)
     let tag = mr.tag("kv-cache").unwrap();
     let chunk = mr.chunk_size();
     let small = mr.allocate_tagged(MIB, tag, stream.as_ref()).unwrap();
-    let len = 3 * chunk + MIB;
+    let len = 40 * chunk + MIB;
     let big = mr.allocate_tagged(len, tag, stream.as_ref()).unwrap();
     // SAFETY: `big` holds len / 4 u32s, allocated on `stream`.
     unsafe { kernels.iota(big, len / 4, base, stream.as_ref()) }.unwrap();
 
-    let sock = socket_path(sock_tag);
-    let exporter = Exporter::new(&sock, exportable_pool(&dev), ExporterOptions::default()).unwrap();
-    let child = ChildProc::spawn(test, "importer", &sock);
-    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
-
     let export = mr.export(big, len).unwrap();
     let chunks = export.chunks().to_vec();
     let offset = export.offset();
-    assert!(chunks.len() >= 4, "{export:?}");
-    assert_eq!(chunks.len(), (offset + len).div_ceil(chunk), "{export:?}");
+    let sizes: Vec<usize> = chunks.iter().map(|c| c.size()).collect();
+    let total: usize = sizes.iter().sum();
+    assert!(chunks.len() >= 2, "{export:?} {sizes:?}");
+    assert!(sizes.iter().all(|s| s % chunk == 0 && *s <= 32 * chunk), "{sizes:?}");
+    assert!(
+        sizes.iter().any(|&s| s != sizes[0]),
+        "the range lies across allocations of different sizes: {sizes:?}"
+    );
+    assert!(offset < sizes[0] && offset + len <= total, "{export:?} {sizes:?}");
+    assert!(offset + len > total - sizes[sizes.len() - 1], "{export:?} {sizes:?}");
     assert_eq!(tag_stats(&mr, tag).exports, 1);
+
+    let sock = socket_path(sock_tag);
+    let exporter = Exporter::new(&sock, exportable_pool(&dev), ExporterOptions::default()).unwrap();
+    let child = ChildProc::spawn(test, &importer_role(&sizes, offset), &sock);
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
 
     // What the exporter refuses before sending anything (each hold dropped at once).
     let refused = |chunks: &[Arc<mempool_core::PhysicalAllocation>], offset: usize, len: usize, why: &str| {
@@ -116,20 +181,20 @@ fn share_with_child(test: &str, sock_tag: &str, base: u32) -> (Owner, ChildProc)
         assert!(err.to_string().contains(why), "{err}");
     };
     refused(&[], 0, 1, "at least one chunk");
-    refused(&chunks, chunk, 1, "starts in the first");
-    refused(
-        &chunks,
-        offset,
-        chunks.len() * chunk - offset + 1,
-        "starts in the first",
-    );
+    refused(&chunks, sizes[0], 1, "starts in the first");
+    refused(&chunks, offset, total - offset + 1, "starts in the first");
+    refused(&chunks, offset, 0, "non-empty");
     refused(&chunks, 0, 1, "before the last");
+    // Chunks of one range in another order: the range ends before the last one.
+    let mut reversed = chunks.clone();
+    reversed.reverse();
+    refused(&reversed, 0, sizes[sizes.len() - 1], "before the last");
     assert_eq!(exporter.stats().live_buffers, 0);
 
     exporter
         .share_vmm_chunks(&chunks, offset, len, Box::new(export), stream.as_ref(), &[id])
         .unwrap();
-    drop(chunks);
+    drop((chunks, reversed));
     // The owner keeps no reference: the importer's lease alone keeps the range (and the tag awake).
     let stats = exporter.stats();
     assert_eq!((stats.live_buffers, stats.deferred_buffers), (1, 1), "{stats:?}");
@@ -166,7 +231,7 @@ fn back_to_baseline(o: Owner) {
     assert_eq!(tag_stats(&o.mr, o.tag).exports, 0, "the hold was dropped");
     o.stream.synchronize().unwrap();
     let slept = o.mr.sleep(&[o.tag], SleepMode::Discard, o.stream.as_ref()).unwrap();
-    assert!(slept.released_bytes >= (4 * o.mr.chunk_size()) as u64, "{slept:?}");
+    assert!(slept.released_bytes >= (41 * o.mr.chunk_size()) as u64, "{slept:?}");
     assert_eq!(tag_stats(&o.mr, o.tag).mapped_bytes, 0);
     o.mr.wake(&[o.tag], o.stream.as_ref()).unwrap();
     // SAFETY: both came from `allocate_tagged` on this resource with these sizes, are freed once, and

@@ -153,8 +153,7 @@ impl PyImporter {
                     };
                     let imported = PyImportedRange {
                         id: range.id().0,
-                        chunks: range.chunks(),
-                        chunk_size: range.chunk_size(),
+                        chunk_sizes: range.chunk_sizes().to_vec(),
                         range: Mutex::new(Some(range)),
                         _stream: self.stream.clone(),
                         ctx: self.ctx.clone(),

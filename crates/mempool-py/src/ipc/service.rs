@@ -38,8 +38,7 @@ pub struct PyImportedRange {
     pub(super) ctx: Arc<Context>,
     pub(super) view: RawView,
     pub(super) id: u64,
-    pub(super) chunks: usize,
-    pub(super) chunk_size: usize,
+    pub(super) chunk_sizes: Vec<usize>,
 }
 
 impl Drop for PyImportedRange {
@@ -73,15 +72,16 @@ device_view_pymethods!(PyImportedRange {
     fn id(&self) -> u64 {
         self.id
     }
-    /// How many physical chunks the range lies across.
+    /// How many physical chunks (allocations of the owner's) the range lies across.
     #[getter]
     fn chunks(&self) -> usize {
-        self.chunks
+        self.chunk_sizes.len()
     }
-    /// Each chunk's size in bytes.
+    /// Each chunk's size in bytes, in address order (a list; the sizes may differ, each a multiple of
+    /// the device's VMM granularity). The range starts inside the first and ends inside the last.
     #[getter]
-    fn chunk_size(&self) -> usize {
-        self.chunk_size
+    fn chunk_sizes(&self) -> Vec<usize> {
+        self.chunk_sizes.clone()
     }
     /// The contents as `bytes` (waits for the work queued on the range's stream).
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
@@ -105,7 +105,11 @@ device_view_pymethods!(PyImportedRange {
     fn __repr__(&self) -> String {
         format!(
             "<mempool.ipc.ImportedRange id={} size={} ptr={:#x} device={} chunks={}>",
-            self.id, self.view.size, self.view.addr, self.view.device, self.chunks
+            self.id,
+            self.view.size,
+            self.view.addr,
+            self.view.device,
+            self.chunk_sizes.len()
         )
     }
 });
