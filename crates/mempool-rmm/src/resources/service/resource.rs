@@ -553,26 +553,23 @@ impl ServiceResource {
     /// that is awake). Returns the bytes released.
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.state();
-        self.unmap_idle(&mut st, None)
+        self.unmap_idle(&mut st)
     }
 
-    /// Unmaps every idle chunk of the awake tags, except those in `keep` (a region and its chunks), after
-    /// waiting for the device.
-    fn unmap_idle(&self, st: &mut State, keep: Option<(usize, Range<usize>)>) -> Result<u64> {
+    /// Unmaps every idle mapping of the awake tags (one no live allocation touches), after waiting for the
+    /// device.
+    fn unmap_idle(&self, st: &mut State) -> Result<u64> {
         let mut plan: Vec<(usize, Vec<usize>)> = Vec::new();
         for (ri, r) in st.regions.iter().enumerate() {
-            if r.asleep.is_some() {
+            if r.asleep.is_some() || r.mappings.is_empty() {
                 continue;
             }
+            let free = free_chunks(r);
             let chunk = self.chunk;
             let mut idle: Vec<usize> = r
                 .mappings
                 .iter()
-                .filter(|(&start, m)| {
-                    let group = start..start + m.len() / chunk;
-                    let kept = matches!(&keep, Some((k, span)) if *k == ri && span.start < group.end && group.start < span.end);
-                    !kept && group.clone().all(|i| !r.table.is_touched(i))
-                })
+                .filter(|(&start, m)| (start..start + m.len() / chunk).all(|i| free[i]))
                 .map(|(&start, _)| start)
                 .collect();
             if !idle.is_empty() {
@@ -731,11 +728,9 @@ impl ServiceResource {
             }
         };
         let span = st.regions[ri].table.span(addr, rounded);
-        st.regions[ri].table.acquire(span.clone());
-        if span.clone().any(|i| !st.regions[ri].table.is_mapped(i)) {
-            if let Err(e) = self.grow(&mut st, ri, span.clone(), rounded, stream) {
+        if !st.regions[ri].table.all_mapped(span.clone()) {
+            if let Err(e) = self.grow(&mut st, ri, span, rounded, stream) {
                 let r = &mut st.regions[ri];
-                r.table.release(span);
                 // The block was never handed out: nothing used it, so it goes straight back.
                 let _ = r.engine.deallocate(addr, bytes as u64, key);
                 return Err(if e.is_out_of_memory() {
@@ -773,17 +768,15 @@ impl ServiceResource {
                 }
             };
         if reclaim {
-            // The span's chunks are acquired, so they are not idle: only others are unmapped.
-            if self.unmap_idle(st, Some((ri, span.clone())))? > 0 {
+            // The new block is live in the engine, so its chunks are not idle: only others are unmapped.
+            if self.unmap_idle(st)? > 0 {
                 st.reclaims += 1;
             }
         }
         let mut result = self.map_chunks(st, ri, &need);
         if !capturing && matches!(&result, Err(e) if e.is_out_of_memory()) {
             // Give back what no live allocation touches, then try once more.
-            result = self
-                .unmap_idle(st, Some((ri, span)))
-                .and_then(|_| self.map_chunks(st, ri, &need));
+            result = self.unmap_idle(st).and_then(|_| self.map_chunks(st, ri, &need));
         }
         result
     }
@@ -839,8 +832,6 @@ impl ServiceResource {
         r.engine
             .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
             .map_err(|e| map_engine_error(self.name, e))?;
-        let span = r.table.span(ptr.0, rounded);
-        r.table.release(span);
         r.used -= rounded;
         r.live -= 1;
         r.frees += 1;
@@ -889,11 +880,12 @@ impl ServiceResource {
         self.ctx.synchronize()?;
         let mut report = SleepReport::default();
         for &ri in &idx {
+            let free = free_chunks(&st.regions[ri]);
             let touched: Vec<usize> = st.regions[ri]
                 .table
                 .mapped_chunks()
                 .into_iter()
-                .filter(|&i| st.regions[ri].table.is_touched(i))
+                .filter(|&i| !free[i])
                 .collect();
             let host = match mode {
                 SleepMode::Discard => None,
@@ -1145,7 +1137,8 @@ impl ServiceResource {
             return Err(asleep_error(self.name, &r.name, "export from"));
         }
         let span = r.table.span(addr.0, len as u64);
-        if let Some(i) = span.clone().find(|&i| !r.table.is_touched(i) || !r.table.is_mapped(i)) {
+        let free = free_chunks(r);
+        if let Some(i) = span.clone().find(|&i| free[i] || !r.table.is_mapped(i)) {
             return Err(bad(format!(
                 "{len} bytes at {addr} include the chunk at {} that no live allocation of tag `{}` touches",
                 DeviceAddr(r.table.addr(i)),
@@ -1188,6 +1181,12 @@ fn asleep_error(resource: &'static str, name: &str, what: &str) -> Error {
         resource,
         reason: format!("cannot {what} tag `{name}`: it is asleep (wake it first)"),
     }
+}
+
+/// Per chunk of region `r`: whether it lies wholly in free space (no live allocation touches it).
+fn free_chunks(r: &Region) -> Vec<bool> {
+    r.table
+        .free_chunks(r.engine.free_blocks().map(|(_, b)| (b.addr, b.addr + b.size)))
 }
 
 /// The largest free block of region `r`'s engine that lies in mapped memory.

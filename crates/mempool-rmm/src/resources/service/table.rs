@@ -4,33 +4,35 @@
 
 use std::ops::Range;
 
-/// Which chunks of a range live allocations touch, and which are mapped.
+/// Which chunks of a range are mapped: one bit per chunk, so that the check an allocation makes (are the
+/// chunks it lands on mapped?) reads a few bytes of a small bitmap. Which chunks live allocations touch is
+/// not kept per chunk (that cost a cache miss per operation): it is computed from the engine's free blocks
+/// when it is needed (trim, reclaim, sleep, export), with [`ChunkTable::free_chunks`].
 #[derive(Debug)]
 pub(crate) struct ChunkTable {
     base: u64,
     chunk: u64,
-    /// Per chunk: how many live allocations overlap it.
-    live: Vec<u32>,
-    /// Per chunk: whether it is mapped.
-    mapped: Vec<bool>,
+    len: usize,
+    /// Bit `i` set: chunk `i` is mapped.
+    mapped: Vec<u64>,
     mapped_count: usize,
 }
 
 impl ChunkTable {
     pub(crate) fn new(base: u64, size: u64, chunk: u64) -> ChunkTable {
-        let n = size.div_ceil(chunk) as usize;
+        let len = size.div_ceil(chunk) as usize;
         ChunkTable {
             base,
             chunk,
-            live: vec![0; n],
-            mapped: vec![false; n],
+            len,
+            mapped: vec![0; len.div_ceil(64)],
             mapped_count: 0,
         }
     }
 
     /// How many chunks the range has.
     pub(crate) fn len(&self) -> usize {
-        self.live.len()
+        self.len
     }
 
     /// The chunks `addr..addr+bytes` overlaps (`bytes > 0`, inside the range).
@@ -42,22 +44,27 @@ impl ChunkTable {
 
     /// Whether `addr..addr+bytes` lies inside the range.
     pub(crate) fn contains(&self, addr: u64, bytes: u64) -> bool {
-        let end = self.base + self.live.len() as u64 * self.chunk;
+        let end = self.base + self.len as u64 * self.chunk;
         addr >= self.base && addr.checked_add(bytes).is_some_and(|e| e <= end)
     }
 
     /// The chunks of `span` that are not mapped.
     pub(crate) fn unmapped(&self, span: Range<usize>) -> Vec<usize> {
-        span.filter(|&i| !self.mapped[i]).collect()
+        span.filter(|&i| !self.is_mapped(i)).collect()
+    }
+
+    /// Whether every chunk of `span` is mapped.
+    pub(crate) fn all_mapped(&self, span: Range<usize>) -> bool {
+        span.into_iter().all(|i| self.is_mapped(i))
     }
 
     pub(crate) fn is_mapped(&self, i: usize) -> bool {
-        self.mapped[i]
+        self.mapped[i / 64] & (1 << (i % 64)) != 0
     }
 
     pub(crate) fn set_mapped(&mut self, i: usize, mapped: bool) {
-        if self.mapped[i] != mapped {
-            self.mapped[i] = mapped;
+        if self.is_mapped(i) != mapped {
+            self.mapped[i / 64] ^= 1 << (i % 64);
             if mapped {
                 self.mapped_count += 1;
             } else {
@@ -66,26 +73,17 @@ impl ChunkTable {
         }
     }
 
-    pub(crate) fn acquire(&mut self, span: Range<usize>) {
-        for i in span {
-            self.live[i] += 1;
-        }
-    }
-
-    pub(crate) fn release(&mut self, span: Range<usize>) {
-        for i in span {
-            self.live[i] = self.live[i].saturating_sub(1);
-        }
-    }
-
-    /// Whether a live allocation touches chunk `i`.
-    pub(crate) fn is_touched(&self, i: usize) -> bool {
-        self.live[i] > 0
-    }
-
-    /// Every mapped chunk.
+    /// Every mapped chunk, in order.
     pub(crate) fn mapped_chunks(&self) -> Vec<usize> {
-        (0..self.live.len()).filter(|&i| self.mapped[i]).collect()
+        let mut out = Vec::with_capacity(self.mapped_count);
+        for (w, &bits) in self.mapped.iter().enumerate() {
+            let mut b = bits;
+            while b != 0 {
+                out.push(w * 64 + b.trailing_zeros() as usize);
+                b &= b - 1;
+            }
+        }
+        out
     }
 
     /// Chunks mapped now.
@@ -103,6 +101,37 @@ impl ChunkTable {
         self.base + i as u64 * self.chunk
     }
 
+    /// Which chunks no live allocation touches, given every free range of the region (`start..end`, in any
+    /// order; neighbouring ranges, such as free blocks of two streams, count as one): `free[i]` is true
+    /// when chunk `i` lies wholly inside free space.
+    pub(crate) fn free_chunks(&self, ranges: impl Iterator<Item = (u64, u64)>) -> Vec<bool> {
+        let mut ranges: Vec<(u64, u64)> = ranges.filter(|(a, b)| b > a).collect();
+        ranges.sort_unstable();
+        let mut free = vec![false; self.len];
+        let mut cur: Option<(u64, u64)> = None;
+        let mut mark = |(a, b): (u64, u64)| {
+            let lo = (a.saturating_sub(self.base)).div_ceil(self.chunk) as usize;
+            let hi = ((b.saturating_sub(self.base)) / self.chunk).min(self.len as u64) as usize;
+            for f in free.iter_mut().take(hi).skip(lo) {
+                *f = true;
+            }
+        };
+        for (a, b) in ranges {
+            match cur {
+                Some((ca, cb)) if a <= cb => cur = Some((ca, cb.max(b))),
+                Some(c) => {
+                    mark(c);
+                    cur = Some((a, b));
+                }
+                None => cur = Some((a, b)),
+            }
+        }
+        if let Some(c) = cur {
+            mark(c);
+        }
+        free
+    }
+
     /// The part of `start..end` covered by mapped chunks, as its largest contiguous piece: how a free
     /// block of the engine is usable without mapping anything.
     pub(crate) fn largest_mapped_piece(&self, start: u64, end: u64) -> u64 {
@@ -114,7 +143,7 @@ impl ChunkTable {
         for i in span {
             let lo = self.addr(i).max(start);
             let hi = (self.addr(i) + self.chunk).min(end);
-            if self.mapped[i] {
+            if self.is_mapped(i) {
                 let s = *run_start.get_or_insert(lo);
                 best = best.max(hi - s);
             } else {
@@ -199,30 +228,45 @@ mod tests {
     }
 
     #[test]
-    fn chunks_count_the_live_blocks_that_touch_them() {
-        let mut t = ChunkTable::new(0, 16 * MIB, 2 * MIB);
-        let a = t.span(0, 3 * MIB); // chunks 0, 1
-        let b = t.span(3 * MIB, 4 * MIB); // chunks 1, 2, 3
-        t.acquire(a.clone());
-        t.acquire(b.clone());
+    fn the_mapped_bitmap_counts_and_lists_chunks() {
+        let mut t = ChunkTable::new(0, 200 * 2 * MIB, 2 * MIB);
         assert_eq!(t.unmapped(0..4), vec![0, 1, 2, 3]);
-        for i in 0..4 {
+        for i in [0, 1, 2, 3, 63, 64, 130, 199] {
             t.set_mapped(i, true);
         }
-        assert_eq!(t.unmapped(0..4), Vec::<usize>::new());
-        assert!((0..4).all(|i| t.is_touched(i)));
-        t.release(a);
-        assert_eq!(
-            (0..4).map(|i| t.is_touched(i)).collect::<Vec<_>>(),
-            [false, true, true, true],
-            "chunk 1 is still touched by b"
+        t.set_mapped(0, true); // idempotent
+        assert_eq!(t.mapped_count(), 8);
+        assert!(t.all_mapped(0..4) && t.all_mapped(63..65) && !t.all_mapped(3..5));
+        assert_eq!(t.unmapped(62..66), vec![62, 65]);
+        assert_eq!(t.mapped_chunks(), vec![0, 1, 2, 3, 63, 64, 130, 199]);
+        t.set_mapped(64, false);
+        t.set_mapped(64, false);
+        assert_eq!(t.mapped_count(), 7);
+        assert!(!t.is_mapped(64) && t.is_mapped(63));
+    }
+
+    #[test]
+    fn free_chunks_are_those_wholly_inside_free_space() {
+        let t = ChunkTable::new(1 << 30, 16 * MIB, 2 * MIB);
+        let b = 1u64 << 30;
+        // Free: [1 MiB, 7 MiB) as two neighbouring blocks (two streams' lists), and [10 MiB, 16 MiB).
+        let free = t.free_chunks(
+            [
+                (b + 4 * MIB, b + 7 * MIB),
+                (b + 10 * MIB, b + 16 * MIB),
+                (b + MIB, b + 4 * MIB),
+            ]
+            .into_iter(),
         );
-        t.release(b);
-        assert!((0..4).all(|i| !t.is_touched(i)));
-        t.set_mapped(0, false);
-        t.set_mapped(0, false); // idempotent
-        assert_eq!(t.mapped_count(), 3);
-        assert_eq!(t.mapped_chunks(), vec![1, 2, 3]);
+        let idle: Vec<usize> = (0..t.len()).filter(|&i| free[i]).collect();
+        assert_eq!(
+            idle,
+            vec![1, 2, 5, 6, 7],
+            "chunk 0 and 3 are partly live, 4 wholly live"
+        );
+        assert!(t.free_chunks(std::iter::empty()).iter().all(|f| !f));
+        let all = t.free_chunks([(b, b + 16 * MIB)].into_iter());
+        assert!(all.iter().all(|f| *f));
     }
 
     #[test]
