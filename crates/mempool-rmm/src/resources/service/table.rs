@@ -12,6 +12,9 @@ use std::ops::Range;
 pub(crate) struct ChunkTable {
     base: u64,
     chunk: u64,
+    /// `log2(chunk)` when the chunk is a power of two (the usual case): spans are then shifts, not
+    /// divisions, on every allocation.
+    shift: Option<u32>,
     len: usize,
     /// Bit `i` set: chunk `i` is mapped.
     mapped: Vec<u64>,
@@ -24,6 +27,7 @@ impl ChunkTable {
         ChunkTable {
             base,
             chunk,
+            shift: chunk.is_power_of_two().then(|| chunk.trailing_zeros()),
             len,
             mapped: vec![0; len.div_ceil(64)],
             mapped_count: 0,
@@ -37,8 +41,11 @@ impl ChunkTable {
 
     /// The chunks `addr..addr+bytes` overlaps (`bytes > 0`, inside the range).
     pub(crate) fn span(&self, addr: u64, bytes: u64) -> Range<usize> {
-        let first = (addr - self.base) / self.chunk;
-        let last = (addr - self.base + bytes - 1) / self.chunk;
+        let (lo, hi) = (addr - self.base, addr - self.base + bytes - 1);
+        let (first, last) = match self.shift {
+            Some(k) => (lo >> k, hi >> k),
+            None => (lo / self.chunk, hi / self.chunk),
+        };
         first as usize..last as usize + 1
     }
 
@@ -225,6 +232,12 @@ mod tests {
         assert!(!t.contains(b, 64 * MIB + 1));
         assert!(!t.contains(b - 1, 1));
         assert!(!t.contains(u64::MAX, 2), "no overflow");
+        // A chunk that is not a power of two divides.
+        let t = ChunkTable::new(0, 60 * MIB, 6 * MIB);
+        assert_eq!(
+            (t.len(), t.span(5 * MIB, 2 * MIB), t.span(12 * MIB, 6 * MIB)),
+            (10, 0..2, 2..3)
+        );
     }
 
     #[test]
