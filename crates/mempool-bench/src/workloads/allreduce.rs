@@ -166,8 +166,9 @@ fn services_attached(devices: &[Device]) -> Result<(Vec<SharedResource>, Vec<Att
     Ok((services.into_iter().map(|s| s as SharedResource).collect(), atts))
 }
 
-/// One kind at one size: allocate, register (the kinds that say so; with `atts`, check that each buffer
-/// lies in one registration of the attachment), check one all-reduce's result, then time.
+/// One kind at one size: allocate, register (the kinds that say so; with `atts`, trim the service pools
+/// first, so that the buffers grow them, and check that each buffer lies in one registration of the
+/// attachment), check one all-reduce's result, then time.
 fn measure_one(
     kind: &Kind,
     bytes: usize,
@@ -178,6 +179,16 @@ fn measure_one(
     p: &AllReduceParams,
 ) -> Result<AllReduceCase> {
     let n = comms.len();
+    if let Some(atts) = atts {
+        // The buffers grow the pool: the previous size's chunks, idle now, are unmapped first, so each
+        // buffer maps its chunks as one physical allocation (NCCL's registered transports need a buffer
+        // inside one `cuMemCreate` allocation; one across two ran at unregistered speed).
+        for att in atts {
+            if let Some(svc) = att.resource() {
+                svc.trim()?;
+            }
+        }
+    }
     let sends = streams
         .iter()
         .zip(mrs)

@@ -49,7 +49,7 @@ pub struct ExpandableStats {
 ///
 /// - `allocate` asks the engine for a block of the range, then maps (`cuMemCreate` + `cuMemMap` +
 ///   `cuMemSetAccess` for the device) every chunk the block touches that is not mapped yet, a run of
-///   chunks as physical allocations of up to 32 chunks. Stream
+///   chunks as one physical allocation. Stream
 ///   semantics are the pool engine's (a stream reuses its own frees at once, other streams after an
 ///   event wait).
 /// - Because there is one segment, free neighbours always coalesce: there is no per-segment

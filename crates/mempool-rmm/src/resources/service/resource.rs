@@ -23,11 +23,13 @@ use crate::resources::suballoc::{map_engine_error, CudaStreams, StreamKey};
 
 const NAME: &str = "ServiceResource";
 
-/// The most chunks one physical allocation (one mapping) spans. Growth and wake map a run of chunks as
-/// few allocations as this allows: the driver's cost is per call (create, map), not per byte, so a run of
-/// 64 MiB is one call where 2 MiB chunks would be 32; a mapping is unmapped only when no live allocation
-/// touches any of its chunks, so this also bounds how much an idle chunk can be kept mapped by a live
-/// neighbour in its mapping.
+/// The most chunks one physical allocation (one mapping) spans when wake maps a tag back: the driver's
+/// cost is per call (create, map), not per byte, so 64 MiB is one call where 2 MiB chunks would be 32,
+/// and batches this size let the copy of one overlap the mapping of the next. Growth maps the chunks an
+/// allocation needs as one physical allocation, whatever their number: a buffer that grew the pool then
+/// lies in one `cuMemCreate` allocation, which NCCL's registered transports need (a buffer across two ran
+/// at unregistered speed), and a mapping is unmapped only when no live allocation touches any of its
+/// chunks, which is true of the whole allocation's run once it is freed.
 const GROUP_CHUNKS: usize = 32;
 
 /// Marks a chunk that belongs to no mapping.
@@ -640,7 +642,7 @@ impl ServiceResource {
         let mut done: Vec<usize> = Vec::new();
         let result = (|| -> Result<()> {
             for run in runs(chunks.iter().copied()) {
-                self.map_run(st, ri, run, &mut done)?;
+                self.map_run(st, ri, run, usize::MAX, &mut done)?;
             }
             Ok(())
         })();
@@ -651,13 +653,20 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Maps one run of unmapped chunks of region `ri` as physical allocations of at most
-    /// [`GROUP_CHUNKS`] chunks, grants access once over the run, and tells the observers; `done` collects
-    /// the first chunk of every mapping recorded (for an undo).
-    fn map_run(&self, st: &mut State, ri: usize, run: Range<usize>, done: &mut Vec<usize>) -> Result<()> {
+    /// Maps one run of unmapped chunks of region `ri` as physical allocations of at most `max_group`
+    /// chunks, grants access once over the run, and tells the observers; `done` collects the first chunk
+    /// of every mapping recorded (for an undo).
+    fn map_run(
+        &self,
+        st: &mut State,
+        ri: usize,
+        run: Range<usize>,
+        max_group: usize,
+        done: &mut Vec<usize>,
+    ) -> Result<()> {
         let mut start = run.start;
         while start < run.end {
-            let n = (run.end - start).min(GROUP_CHUNKS);
+            let n = (run.end - start).min(max_group);
             let phys = Arc::new(PhysicalAllocation::new(&self.props, n * self.chunk)?);
             let offset = ri * self.region_size + st.regions[ri].table.offset(start);
             let m = Mapping::without_access(&self.reservation, offset, phys)?;
@@ -969,7 +978,7 @@ impl ServiceResource {
                 let mut start = run.start;
                 while start < run.end {
                     let end = (start + WAKE_BATCH).min(run.end);
-                    self.map_run(st, ri, start..end, &mut done)?;
+                    self.map_run(st, ri, start..end, GROUP_CHUNKS, &mut done)?;
                     if let Some(host) = &sleeping.host {
                         let chunks: Vec<usize> = (start..end).collect();
                         self.copy_at(&st.regions[ri].table, &chunks, host, k, Direction::Restore, stream)?;
