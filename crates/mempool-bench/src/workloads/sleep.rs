@@ -517,9 +517,11 @@ pub fn bench(device: Device, p: &SleepParams, quiet: bool) -> Result<Report> {
         Size(p.size as u64)
     ));
     report.notes.push(
-        "sleep(Offload) includes the resource's pinned host allocation (cuMemHostAlloc) and the copy out; wake \
-         with restore includes mapping the chunks, the copy back, and freeing that pinned memory. The baselines \
-         copy between the same device memory and one pinned buffer allocated beforehand."
+        "sleep(Offload) includes the copy out and the unmapping; the pinned host buffer it copies into is \
+         allocated (cuMemHostAlloc) by the warm-up's sleep and kept by the resource for the next offload, so \
+         the timed ones reuse it. Wake with restore includes mapping the chunks and the copy back (the buffer \
+         stays cached). The baselines copy between the same device memory and one pinned buffer allocated \
+         beforehand."
             .into(),
     );
     report.notes.push(format!(
