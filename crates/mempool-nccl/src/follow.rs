@@ -1,12 +1,13 @@
-//! Registration that follows a pool: [`attach`] a communicator to a [`ServiceResource`], and every run
-//! of physical chunks the resource maps is registered with the communicator (`ncclCommRegister`), and
+//! Registration that follows a pool: [`attach`] a communicator to a [`ServiceResource`], and every
+//! physical allocation the resource maps is registered with the communicator (`ncclCommRegister`), and
 //! deregistered (`ncclCommDeregister`) before it is unmapped, through growth, trimming, reclaim, sleep
 //! and wake, with no call from the user. The [`Attachment`] owns the communicator and lends it
 //! ([`Attachment::comm`]) for collectives.
 //!
-//! Adjacent runs are registered as one (see `crate::ranges`: NCCL uses a registration only when one
-//! covers the whole buffer), so a run that grows is deregistered and its union registered, and a run
-//! cut by an unmapping is deregistered and its pieces that stay mapped registered again.
+//! One registration per physical allocation (see `crate::ranges`: NCCL uses a registration only when
+//! one covers the whole buffer, and its registered transports need the buffer inside one `cuMemCreate`
+//! allocation); the pool maps the chunks an allocation needs as one physical allocation, so a buffer
+//! that grew the pool lies in one registration.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -101,7 +102,7 @@ struct Handle(*mut c_void);
 #[allow(unsafe_code)]
 unsafe impl Send for Handle {}
 
-/// One registration held: a maximal mapped run of one tag.
+/// One registration held: one mapped physical allocation of one tag.
 struct Held {
     tag: Tag,
     span: Span,
@@ -114,7 +115,7 @@ struct Held {
 /// failed.
 #[derive(Default)]
 struct Book {
-    /// Mapped ranges per tag (a tag's runs never merge with another tag's, although regions touch).
+    /// Mapped ranges per tag, one per physical allocation.
     mapped: BTreeMap<Tag, RangeSet>,
     held: Vec<Held>,
     /// Runs whose registration failed: not tried again until they change.
@@ -165,7 +166,7 @@ impl Follow {
         self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Makes the registrations equal to the maximal mapped runs: deregisters what is stale (after
+    /// Makes the registrations equal to the mapped allocations: deregisters what is stale (after
     /// waiting for the device: collectives may still use it), then registers what is missing. Every
     /// failure is recorded; the first is returned. The caller holds the communicator (`lend`) and no
     /// group is open on this thread.
@@ -380,7 +381,7 @@ impl ChunkObserver for Observer {
     }
 }
 
-/// One registration an [`Attachment`] holds: a maximal run of mapped chunks of one tag.
+/// One registration an [`Attachment`] holds: one mapped physical allocation of one tag.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RegisteredRange {
     /// The tag whose region it lies in.
@@ -545,7 +546,7 @@ impl Attachment {
         r
     }
 
-    /// The registrations held now, in address order: one per maximal run of mapped chunks of a tag,
+    /// The registrations held now, in address order: one per mapped physical allocation of a tag,
     /// unless a change waits (see [`is_current`](Self::is_current)) or a registration failed.
     pub fn registered(&self) -> Vec<RegisteredRange> {
         let book = self.shared.follow.book();
@@ -562,7 +563,7 @@ impl Attachment {
         v
     }
 
-    /// The runs of chunks the resource reported mapped, in address order, merged per tag.
+    /// The physical allocations the resource reported mapped, in address order, per tag.
     pub fn mapped(&self) -> Vec<RegisteredRange> {
         let book = self.shared.follow.book();
         let mut v: Vec<RegisteredRange> = book
@@ -580,7 +581,7 @@ impl Attachment {
         v
     }
 
-    /// Whether the registrations are exactly one per maximal mapped run, with nothing waiting (runs
+    /// Whether the registrations are exactly one per mapped allocation, with nothing waiting (runs
     /// whose registration failed are not waiting: see [`errors`](Self::errors)).
     pub fn is_current(&self) -> bool {
         self.shared.follow.book().plans().is_empty()

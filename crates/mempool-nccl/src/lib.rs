@@ -17,8 +17,8 @@
 //!   group end: how one thread drives several communicators.
 //! - [`Registration`]: `ncclCommRegister` for as long as the buffer and the communicator live; one
 //!   dropped inside a group is deregistered when the group ends, before [`group()`] returns.
-//! - [`attach`]: registration that follows a `mempool_rmm::ServiceResource`: every run of chunks it
-//!   maps is registered with the communicator, adjacent runs as one, and deregistered before it is
+//! - [`attach`]: registration that follows a `mempool_rmm::ServiceResource`: every physical allocation
+//!   it maps is registered with the communicator, one registration each, and deregistered before it is
 //!   unmapped (growth, trim, reclaim, sleep, wake), with no call from the user; the [`Attachment`]
 //!   owns the communicator and lends it ([`Attachment::comm`]) for collectives.
 //! - Raw handles and constants re-exported from the private FFI module: [`RawComm`] (what

@@ -1,18 +1,21 @@
 //! The bookkeeping of registration that follows a pool, apart from NCCL so that host tests drive it: the
-//! mapped address ranges of each tag ([`RangeSet`], coalesced), and the plan ([`plan`]) that turns the
-//! registrations held into one registration per maximal mapped run.
+//! mapped address ranges of each tag ([`RangeSet`]: one per physical allocation the pool reported), and
+//! the plan ([`plan`]) that turns the registrations held into one registration per range.
 //!
-//! Why one per maximal run: NCCL looks a collective's buffer up in its registration cache
+//! Why one per physical allocation: NCCL looks a collective's buffer up in its registration cache
 //! (`ncclRegFind`, src/include/register_inline.h) and uses a registration only when one entry covers
-//! the whole buffer (`data + size <= reg->endAddr` of a single slot); a buffer that spans two
-//! registrations is treated as unregistered. A pool that grows maps chunks next to mapped ones, and a
-//! buffer allocated after the growth may lie across both, so adjacent runs are merged into one
-//! registration, and a run cut by an unmapping is re-registered as the pieces that stay mapped.
+//! the whole buffer (`data + size <= reg->endAddr` of a single slot), and its registered transports need
+//! the buffer inside one `cuMemCreate` allocation: registrations merged over neighbouring allocations
+//! covered every buffer allocated after growth, and NCCL ran those all-reduces at unregistered speed on
+//! two H200s. The service pool maps the chunks an allocation needs as one physical allocation, so a
+//! buffer that grew the pool lies in one registration; one that lies across two allocations (part of its
+//! memory mapped earlier for a neighbour) is not covered and runs unregistered, with the right result.
 
 /// A half-open address range `start..end`.
 pub(crate) type Span = (u64, u64);
 
-/// Disjoint, sorted, coalesced ranges: two ranges that touch are one.
+/// Disjoint, sorted ranges: ranges that touch stay apart (each is one physical allocation); ranges that
+/// overlap are merged.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct RangeSet {
     spans: Vec<Span>,
@@ -29,15 +32,15 @@ impl RangeSet {
         self.spans.is_empty()
     }
 
-    /// Adds `start..end`, merging it with every range it overlaps or touches.
+    /// Adds `start..end`, merging it with every range it overlaps (a range it only touches stays apart).
     pub(crate) fn insert(&mut self, start: u64, end: u64) {
         if start >= end {
             return;
         }
-        // The first range that ends at or after `start` (it may touch or overlap).
-        let lo = self.spans.partition_point(|&(_, e)| e < start);
-        // One past the last range that starts at or before `end`.
-        let hi = self.spans.partition_point(|&(s, _)| s <= end);
+        // The first range that ends after `start` (it overlaps).
+        let lo = self.spans.partition_point(|&(_, e)| e <= start);
+        // One past the last range that starts before `end`.
+        let hi = self.spans.partition_point(|&(s, _)| s < end);
         let (mut s, mut e) = (start, end);
         if lo < hi {
             s = s.min(self.spans[lo].0);
@@ -87,7 +90,7 @@ impl Plan {
     }
 }
 
-/// The plan that takes `held` (the registered spans, any order) to `wanted` (the maximal mapped runs).
+/// The plan that takes `held` (the registered spans, any order) to `wanted` (the mapped ranges).
 pub(crate) fn plan(wanted: &[Span], held: &[Span], failed: &[Span]) -> Plan {
     let mut deregister: Vec<Span> = held.iter().copied().filter(|h| !wanted.contains(h)).collect();
     deregister.sort_unstable();
@@ -114,24 +117,27 @@ mod tests {
     }
 
     #[test]
-    fn touching_and_overlapping_ranges_coalesce() {
+    fn touching_ranges_stay_apart_and_overlapping_ones_merge() {
         let mut s = RangeSet::default();
         s.insert(0, C);
         s.insert(2 * C, 3 * C);
-        assert_eq!(s.spans(), [(0, C), (2 * C, 3 * C)], "a hole keeps them apart");
         s.insert(C, 2 * C);
-        assert_eq!(s.spans(), [(0, 3 * C)], "filling the hole joins all three");
+        assert_eq!(
+            s.spans(),
+            [(0, C), (C, 2 * C), (2 * C, 3 * C)],
+            "three neighbouring allocations are three ranges"
+        );
         s.insert(5 * C, 6 * C);
         s.insert(4 * C, 7 * C);
         assert_eq!(
             s.spans(),
-            [(0, 3 * C), (4 * C, 7 * C)],
+            [(0, C), (C, 2 * C), (2 * C, 3 * C), (4 * C, 7 * C)],
             "a range over another swallows it"
         );
-        s.insert(C, 5 * C);
-        assert_eq!(s.spans(), [(0, 7 * C)]);
+        s.insert(C + 1, 5 * C);
+        assert_eq!(s.spans(), [(0, C), (C, 7 * C)], "overlapping ranges merge");
         s.insert(9 * C, 9 * C);
-        assert_eq!(s.spans(), [(0, 7 * C)], "an empty range adds nothing");
+        assert_eq!(s.spans(), [(0, C), (C, 7 * C)], "an empty range adds nothing");
     }
 
     #[test]
@@ -152,25 +158,16 @@ mod tests {
     }
 
     #[test]
-    fn growth_next_to_a_registered_run_replaces_it_by_the_union() {
-        // Registered: one run. The pool grows at its end: the run is deregistered and the union
-        // registered, so that a buffer across the old end lies in one registration.
+    fn growth_next_to_a_registered_allocation_registers_the_new_one_alone() {
         let held = [(0, 2 * C)];
         let mapped = set(&[(0, 2 * C), (2 * C, 3 * C)]);
         let p = plan(mapped.spans(), &held, &[]);
-        assert_eq!(p.deregister, [(0, 2 * C)]);
-        assert_eq!(p.register, [(0, 3 * C)]);
-        // Growth apart from it registers the new run alone.
+        assert!(p.deregister.is_empty(), "the old registration stays");
+        assert_eq!(p.register, [(2 * C, 3 * C)]);
         let mapped = set(&[(0, 2 * C), (5 * C, 6 * C)]);
         let p = plan(mapped.spans(), &held, &[]);
         assert!(p.deregister.is_empty());
         assert_eq!(p.register, [(5 * C, 6 * C)]);
-        // Growth that fills a hole joins three registrations into one.
-        let held = [(0, C), (2 * C, 3 * C)];
-        let mapped = set(&[(0, C), (C, 2 * C), (2 * C, 3 * C)]);
-        let p = plan(mapped.spans(), &held, &[]);
-        assert_eq!(p.deregister, [(0, C), (2 * C, 3 * C)]);
-        assert_eq!(p.register, [(0, 3 * C)]);
     }
 
     #[test]
@@ -201,15 +198,17 @@ mod tests {
         let p = plan(mapped.spans(), &[(0, C)], &[(3 * C, 5 * C)]);
         assert!(p.is_empty(), "a failed run waits until it changes");
         let mut grown = mapped.clone();
-        grown.insert(5 * C, 6 * C);
+        grown.remove(3 * C, 5 * C);
+        grown.insert(3 * C, 6 * C);
         let p = plan(grown.spans(), &[(0, C)], &[(3 * C, 5 * C)]);
-        assert_eq!(p.register, [(3 * C, 6 * C)], "the run changed: tried again");
+        assert_eq!(p.register, [(3 * C, 6 * C)], "the range changed: tried again");
     }
 
     #[test]
     fn random_changes_keep_the_plan_exact() {
-        // A small deterministic generator: every step maps or unmaps a random chunk range, applies the
-        // plan, and checks that the registrations are exactly the maximal mapped runs.
+        // A small deterministic generator: every step maps a free chunk range as one allocation or
+        // unmaps one allocation, applies the plan, and checks that the registrations are exactly the
+        // mapped allocations.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut next = move |n: u64| {
             x ^= x << 13;
@@ -218,38 +217,29 @@ mod tests {
             x % n
         };
         let mut mapped = RangeSet::default();
-        let mut chunks = [false; 32];
+        let mut allocs: Vec<Span> = Vec::new();
         let mut held: Vec<Span> = Vec::new();
         for _ in 0..2000 {
-            let a = next(32);
-            let b = (a + 1 + next(6)).min(32);
-            let on = next(2) == 0;
-            if on {
-                mapped.insert(a * C, b * C);
+            if next(2) == 0 || allocs.is_empty() {
+                let a = next(32);
+                let b = (a + 1 + next(6)).min(32);
+                let (s, e) = (a * C, b * C);
+                if allocs.iter().all(|&(x, y)| y <= s || x >= e) {
+                    mapped.insert(s, e);
+                    allocs.push((s, e));
+                }
             } else {
-                mapped.remove(a * C, b * C);
+                let (s, e) = allocs.swap_remove(next(allocs.len() as u64) as usize);
+                mapped.remove(s, e);
             }
-            chunks[a as usize..b as usize].iter_mut().for_each(|c| *c = on);
             let p = plan(mapped.spans(), &held, &[]);
             held.retain(|h| !p.deregister.contains(h));
             held.extend(&p.register);
             held.sort_unstable();
-            // The runs of `chunks`, computed the slow way.
-            let mut runs = Vec::new();
-            let mut i = 0;
-            while i < 32 {
-                if chunks[i] {
-                    let s = i;
-                    while i < 32 && chunks[i] {
-                        i += 1;
-                    }
-                    runs.push((s as u64 * C, i as u64 * C));
-                } else {
-                    i += 1;
-                }
-            }
-            assert_eq!(mapped.spans(), runs.as_slice());
-            assert_eq!(held, runs, "one registration per maximal mapped run");
+            let mut want = allocs.clone();
+            want.sort_unstable();
+            assert_eq!(mapped.spans(), want.as_slice());
+            assert_eq!(held, want, "one registration per mapped allocation");
         }
     }
 }

@@ -595,19 +595,7 @@ impl ServiceResource {
     /// Tells the observers, then unmaps and releases the mappings that start at `starts` (sorted) in
     /// region `ri`. The device has been waited for. Returns the bytes released.
     fn unmap_groups(&self, st: &mut State, ri: usize, starts: &[usize]) -> u64 {
-        let tag = Tag(ri as u32);
-        let r = &st.regions[ri];
-        let chunks = starts.iter().flat_map(|&g| {
-            let n = r.mappings.get(&g).map_or(0, |m| m.len() / self.chunk);
-            g..g + n
-        });
-        let runs = runs(chunks);
-        for run in &runs {
-            let range = ChunkRange {
-                tag,
-                addr: DeviceAddr(r.table.addr(run.start)),
-                len: run.len() * self.chunk,
-            };
+        for range in group_ranges(ri, &st.regions[ri], starts) {
             for (_, o) in &st.observers {
                 o.unmapping(range);
             }
@@ -664,6 +652,7 @@ impl ServiceResource {
         max_group: usize,
         done: &mut Vec<usize>,
     ) -> Result<()> {
+        let first_done = done.len();
         let mut start = run.start;
         while start < run.end {
             let n = (run.end - start).min(max_group);
@@ -685,13 +674,10 @@ impl ServiceResource {
             run.len() * self.chunk,
             &[(self.props.device, Access::ReadWrite)],
         )?;
-        let range = ChunkRange {
-            tag: Tag(ri as u32),
-            addr: self.reservation.base().offset(offset),
-            len: run.len() * self.chunk,
-        };
-        for (_, o) in &st.observers {
-            o.mapped(range);
+        for range in group_ranges(ri, &st.regions[ri], &done[first_done..]) {
+            for (_, o) in &st.observers {
+                o.mapped(range);
+            }
         }
         let mapped = st.mapped_chunks() * self.chunk as u64;
         st.peak_mapped = st.peak_mapped.max(mapped);
@@ -1079,12 +1065,8 @@ impl ServiceResource {
     pub fn attach(&self, observer: Arc<dyn ChunkObserver>) -> ObserverId {
         let mut st = self.state();
         for (ri, r) in st.regions.iter().enumerate() {
-            for run in runs(r.table.mapped_chunks().into_iter()) {
-                observer.mapped(ChunkRange {
-                    tag: Tag(ri as u32),
-                    addr: DeviceAddr(r.table.addr(run.start)),
-                    len: run.len() * self.chunk,
-                });
+            for range in group_ranges(ri, r, &Self::all_groups(r)) {
+                observer.mapped(range);
             }
         }
         let id = ObserverId(st.next_observer);
@@ -1102,12 +1084,8 @@ impl ServiceResource {
         };
         let (_, observer) = st.observers.remove(pos);
         for (ri, r) in st.regions.iter().enumerate() {
-            for run in runs(r.table.mapped_chunks().into_iter()) {
-                observer.unmapping(ChunkRange {
-                    tag: Tag(ri as u32),
-                    addr: DeviceAddr(r.table.addr(run.start)),
-                    len: run.len() * self.chunk,
-                });
+            for range in group_ranges(ri, r, &Self::all_groups(r)) {
+                observer.unmapping(range);
             }
         }
         true
@@ -1190,6 +1168,21 @@ fn asleep_error(resource: &'static str, name: &str, what: &str) -> Error {
         resource,
         reason: format!("cannot {what} tag `{name}`: it is asleep (wake it first)"),
     }
+}
+
+/// The address ranges of region `ri`'s mappings that start at chunks `starts` (one physical allocation
+/// each), as observers are told of them.
+fn group_ranges(ri: usize, r: &Region, starts: &[usize]) -> Vec<ChunkRange> {
+    starts
+        .iter()
+        .filter_map(|&g| {
+            r.mappings.get(&g).map(|m| ChunkRange {
+                tag: Tag(ri as u32),
+                addr: DeviceAddr(r.table.addr(g)),
+                len: m.len(),
+            })
+        })
+        .collect()
 }
 
 /// Per chunk of region `r`: whether it lies wholly in free space (no live allocation touches it).
@@ -1305,13 +1298,8 @@ impl Drop for ServiceResource {
         let _ = self.ctx.synchronize();
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         for ri in 0..st.regions.len() {
-            let mapped = st.regions[ri].table.mapped_chunks();
-            for run in runs(mapped.iter().copied()) {
-                let range = ChunkRange {
-                    tag: Tag(ri as u32),
-                    addr: DeviceAddr(st.regions[ri].table.addr(run.start)),
-                    len: run.len() * self.chunk,
-                };
+            let groups = Self::all_groups(&st.regions[ri]);
+            for range in group_ranges(ri, &st.regions[ri], &groups) {
                 for (_, o) in &st.observers {
                     o.unmapping(range);
                 }

@@ -79,7 +79,7 @@ impl Default for ServiceOptions {
     }
 }
 
-/// A contiguous run of mapped chunks, as [`ChunkObserver`]s see it.
+/// The range of one physical allocation (one mapping: one or more chunks), as [`ChunkObserver`]s see it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkRange {
     /// The tag whose region it lies in.
@@ -97,13 +97,16 @@ impl ChunkRange {
     }
 }
 
-/// Told of every run of chunks a [`ServiceResource`](super::ServiceResource) maps and, before it is
-/// unmapped, of every run it unmaps: growth, trimming, reclaim, sleep and wake. NCCL registration that
-/// follows the pool is one (`mempool_nccl`'s `attach`).
+/// Told of every physical allocation a [`ServiceResource`](super::ServiceResource) maps and, before it is
+/// unmapped, of every one it unmaps: growth, trimming, reclaim, sleep and wake. One call per allocation,
+/// so an observer sees the boundaries of the `cuMemCreate` allocations behind the memory (NCCL's
+/// registered transports need a buffer inside one). NCCL registration that follows the pool is one
+/// (`mempool_nccl`'s `attach`).
 ///
 /// The calls are made while the resource's lock is held: an observer must not call back into the
-/// resource, and should be quick. An unmapped run may cut across runs reported mapped earlier (a chunk
-/// in the middle of a run going idle): an observer that keeps per-run state splits it.
+/// resource, and should be quick. A range reported unmapping was reported mapped before, with the same
+/// address and length, except after a failed growth or wake, which reports the allocations it made and
+/// undoes, some perhaps never reported mapped.
 pub trait ChunkObserver: Send + Sync {
     /// `range` was mapped, and its device has read-write access.
     fn mapped(&self, range: ChunkRange);
