@@ -149,7 +149,17 @@ fn resources(memory: Memory, devices: &[Device]) -> Result<(Vec<SharedResource>,
 fn services_attached(devices: &[Device]) -> Result<(Vec<SharedResource>, Vec<Attachment>)> {
     let services = devices
         .iter()
-        .map(|d| ServiceResource::new(d, ServiceOptions::default()))
+        // A tag per size (`measure_one`): room for 15 sizes, each 64 GiB of address space (no memory).
+        .map(|d| {
+            ServiceResource::new(
+                d,
+                ServiceOptions {
+                    max_tags: 16,
+                    region_size: Some(64 << 30),
+                    ..ServiceOptions::default()
+                },
+            )
+        })
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
     let atts = Comm::init_all(devices)?
         .into_iter()
@@ -166,9 +176,9 @@ fn services_attached(devices: &[Device]) -> Result<(Vec<SharedResource>, Vec<Att
     Ok((services.into_iter().map(|s| s as SharedResource).collect(), atts))
 }
 
-/// One kind at one size: allocate, register (the kinds that say so; with `atts`, trim the service pools
-/// first, so that the buffers grow them, and check that each buffer lies in one registration of the
-/// attachment), check one all-reduce's result, then time.
+/// One kind at one size: allocate, register (the kinds that say so; with `atts`, allocate from a new tag
+/// of each service pool, so that the buffers grow it, and check that each buffer lies in one registration
+/// of the attachment), check one all-reduce's result, then time.
 fn measure_one(
     kind: &Kind,
     bytes: usize,
@@ -179,24 +189,30 @@ fn measure_one(
     p: &AllReduceParams,
 ) -> Result<AllReduceCase> {
     let n = comms.len();
-    if let Some(atts) = atts {
-        // The buffers grow the pool: the previous size's chunks, idle now, are unmapped first, so each
-        // buffer maps its chunks as one physical allocation (NCCL's registered transports need a buffer
-        // inside one `cuMemCreate` allocation; one across two ran at unregistered speed).
-        for att in atts {
-            if let Some(svc) = att.resource() {
-                svc.trim()?;
-            }
-        }
-    }
+    // For the attached service pools, each size's buffers come from a tag of their own, which nothing
+    // used before: the buffers grow the pool, each mapping the chunks it needs as one physical
+    // allocation (registered alone), rather than landing partly on chunks mapped for earlier sizes.
+    let tagged: Vec<SharedResource> = match atts {
+        Some(atts) => atts
+            .iter()
+            .map(|att| -> Result<SharedResource> {
+                let svc = att
+                    .resource()
+                    .ok_or_else(|| Error::Usage(format!("{}: the service pool is gone", kind.label)))?;
+                let tag = svc.tag(&format!("allreduce-{bytes}"))?;
+                Ok(Arc::new(svc.tagged(tag)))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => mrs.to_vec(),
+    };
     let sends = streams
         .iter()
-        .zip(mrs)
+        .zip(&tagged)
         .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
     let recvs = streams
         .iter()
-        .zip(mrs)
+        .zip(&tagged)
         .map(|(s, mr)| DeviceBuffer::new(bytes, s, mr.clone()))
         .collect::<mempool_rmm::Result<Vec<_>>>()?;
     if let Some(atts) = atts {
