@@ -4,10 +4,10 @@
 //! and wake, with no call from the user. The [`Attachment`] owns the communicator and lends it
 //! ([`Attachment::comm`]) for collectives.
 //!
-//! One registration per physical allocation (see `crate::ranges`: NCCL uses a registration only when
-//! one covers the whole buffer, and its registered transports need the buffer inside one `cuMemCreate`
-//! allocation); the pool maps the chunks an allocation needs as one physical allocation, so a buffer
-//! that grew the pool lies in one registration.
+//! One registration per physical allocation (see `crate::ranges`: NCCL uses a registration only when one
+//! covers the whole buffer, and its registered transports are expected to need the buffer inside one
+//! `cuMemCreate` allocation); the pool maps the chunks an allocation needs as one physical allocation, so a
+//! buffer that grew the pool lies in one registration.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;

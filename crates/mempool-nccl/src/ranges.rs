@@ -3,13 +3,13 @@
 //! the plan ([`plan`]) that turns the registrations held into one registration per range.
 //!
 //! Why one per physical allocation: NCCL looks a collective's buffer up in its registration cache
-//! (`ncclRegFind`, src/include/register_inline.h) and uses a registration only when one entry covers
-//! the whole buffer (`data + size <= reg->endAddr` of a single slot), and its registered transports need
-//! the buffer inside one `cuMemCreate` allocation: registrations merged over neighbouring allocations
-//! covered every buffer allocated after growth, and NCCL ran those all-reduces at unregistered speed on
-//! two H200s. The service pool maps the chunks an allocation needs as one physical allocation, so a
-//! buffer that grew the pool lies in one registration; one that lies across two allocations (part of its
-//! memory mapped earlier for a neighbour) is not covered and runs unregistered, with the right result.
+//! (`ncclRegFind`, src/include/register_inline.h) and uses a registration only when one entry covers the
+//! whole buffer (`data + size <= reg->endAddr` of a single slot), and its registered transports are expected
+//! to need the buffer inside one `cuMemCreate` allocation: registrations merged over neighbouring allocations
+//! covered every buffer allocated after growth, and NCCL ran those all-reduces at unregistered speed on two
+//! H200s. The service pool maps the chunks an allocation needs as one physical allocation, so a buffer that
+//! grew the pool lies in one registration; one that lies across two allocations (part of its memory mapped
+//! earlier for a neighbour) is not covered and runs unregistered, with the right result.
 
 /// A half-open address range `start..end`.
 pub(crate) type Span = (u64, u64);

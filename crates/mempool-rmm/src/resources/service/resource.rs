@@ -27,9 +27,10 @@ const NAME: &str = "ServiceResource";
 /// cost is per call (create, map), not per byte, so 64 MiB is one call where 2 MiB chunks would be 32,
 /// and batches this size let the copy of one overlap the mapping of the next. Growth maps the chunks an
 /// allocation needs as one physical allocation, whatever their number: a buffer that grew the pool then
-/// lies in one `cuMemCreate` allocation, which NCCL's registered transports need (a buffer across two ran
-/// at unregistered speed), and a mapping is unmapped only when no live allocation touches any of its
-/// chunks, which is true of the whole allocation's run once it is freed.
+/// lies in one `cuMemCreate` allocation, which NCCL's registered transports are expected to need
+/// (registrations merged across several ran at unregistered speed), and a mapping is unmapped only when
+/// no live allocation touches any of its chunks, which is true of the whole allocation's run once it is
+/// freed.
 const GROUP_CHUNKS: usize = 32;
 
 /// Marks a chunk that belongs to no mapping.

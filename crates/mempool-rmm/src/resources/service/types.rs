@@ -98,9 +98,9 @@ impl ChunkRange {
 }
 
 /// Told of every physical allocation a [`ServiceResource`](super::ServiceResource) maps and, before it is
-/// unmapped, of every one it unmaps: growth, trimming, reclaim, sleep and wake. One call per allocation,
-/// so an observer sees the boundaries of the `cuMemCreate` allocations behind the memory (NCCL's
-/// registered transports need a buffer inside one). NCCL registration that follows the pool is one
+/// unmapped, of every one it unmaps: growth, trimming, reclaim, sleep and wake. One call per allocation, so
+/// an observer sees the boundaries of the `cuMemCreate` allocations behind the memory (NCCL's registered
+/// transports are expected to need a buffer inside one). NCCL registration that follows the pool is one
 /// (`mempool_nccl`'s `attach`).
 ///
 /// The calls are made while the resource's lock is held: an observer must not call back into the
