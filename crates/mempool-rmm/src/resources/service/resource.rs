@@ -843,8 +843,10 @@ impl ServiceResource {
     ///
     /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
     /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending
-    /// (synchronize it first: sleeping memory a queued kernel still uses would fault it); out of pinned
-    /// host memory for the offload.
+    /// (synchronize it first: sleeping memory a queued kernel still uses would fault it). Tags sleep one
+    /// after the other: when one fails later (out of pinned host memory for its offload, a copy the driver
+    /// refuses), the tags before it in `tags` are asleep, it and those after it are awake with their
+    /// memory as it was, and [`stats`](Self::stats) says which.
     pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
         let stream = self.own_context(stream);
         let mut st = self.state();
