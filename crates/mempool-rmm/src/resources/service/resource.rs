@@ -1,7 +1,7 @@
 //! [`ServiceResource`]: one reservation per device, a region of it per tag, each region suballocated by
 //! the pool engine as one segment and backed by physical chunks mapped where allocations land.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -32,9 +32,6 @@ const NAME: &str = "ServiceResource";
 /// no live allocation touches any of its chunks, which is true of the whole allocation's run once it is
 /// freed.
 const GROUP_CHUNKS: usize = 32;
-
-/// Marks a chunk that belongs to no mapping.
-const NO_GROUP: u32 = u32::MAX;
 
 /// Chunks restored per batch on wake (map, grant access, queue the copy), so that mapping the next batch
 /// overlaps the copy of this one.
@@ -131,14 +128,12 @@ struct Region {
     name: String,
     engine: PoolEngine<WholeRange, CudaStreams>,
     table: ChunkTable,
-    /// Per chunk: the first chunk of the mapping it belongs to ([`NO_GROUP`] when unmapped).
-    group_of: Vec<u32>,
-    /// The mappings, by their first chunk; each spans `len / chunk` chunks, all marked mapped in `table`.
-    mappings: HashMap<usize, Mapping>,
+    /// The mappings, by their first chunk, in address order; each spans `len / chunk` chunks, all marked
+    /// mapped in `table` (the mapping a chunk belongs to is the last one starting at or before it).
+    mappings: BTreeMap<usize, Mapping>,
     asleep: Option<Sleeping>,
     used: u64,
     peak_used: u64,
-    live: u64,
     allocations: u64,
     frees: u64,
     exports: u64,
@@ -384,17 +379,14 @@ impl ServiceResource {
         )
         .map_err(|e| map_engine_error(self.name, e))?;
         let table = ChunkTable::new(base, self.region_size as u64, self.chunk as u64);
-        let group_of = vec![NO_GROUP; table.len()];
         st.regions.push(Region {
             name,
             engine,
             table,
-            group_of,
-            mappings: HashMap::new(),
+            mappings: BTreeMap::new(),
             asleep: None,
             used: 0,
             peak_used: 0,
-            live: 0,
             allocations: 0,
             frees: 0,
             exports: 0,
@@ -472,10 +464,16 @@ impl ServiceResource {
 
     /// The tag whose region holds `addr`, if it lies in the reservation.
     pub fn tag_of(&self, addr: DeviceAddr) -> Option<Tag> {
-        let base = self.reservation.base().0;
-        let off = addr.0.checked_sub(base)?;
-        let i = off / self.region_size as u64;
-        (i < self.state().regions.len() as u64).then_some(Tag(i as u32))
+        let i = self.region_slot(addr)?;
+        (i < self.state().regions.len()).then_some(Tag(i as u32))
+    }
+
+    /// Which region of the reservation holds `addr` (made into a tag or not), if the reservation does.
+    fn region_slot(&self, addr: DeviceAddr) -> Option<usize> {
+        addr.0
+            .checked_sub(self.reservation.base().0)
+            .filter(|&off| off < self.reservation.size() as u64)
+            .map(|off| (off / self.region_size as u64) as usize)
     }
 
     fn region_index(&self, st: &State, tag: Tag) -> Result<usize> {
@@ -507,7 +505,7 @@ impl ServiceResource {
                 asleep: r.asleep.as_ref().map(|s| s.mode),
                 used_bytes: r.used,
                 peak_used_bytes: r.peak_used,
-                live_allocations: r.live,
+                live_allocations: r.allocations - r.frees,
                 allocations: r.allocations,
                 frees: r.frees,
                 mapped_bytes: r.table.mapped_count() as u64 * chunk,
@@ -569,14 +567,13 @@ impl ServiceResource {
             }
             let free = free_chunks(r);
             let chunk = self.chunk;
-            let mut idle: Vec<usize> = r
+            let idle: Vec<usize> = r
                 .mappings
                 .iter()
                 .filter(|(&start, m)| (start..start + m.len() / chunk).all(|i| free[i]))
                 .map(|(&start, _)| start)
                 .collect();
             if !idle.is_empty() {
-                idle.sort_unstable();
                 plan.push((ri, idle));
             }
         }
@@ -611,7 +608,6 @@ impl ServiceResource {
                 drop(m);
                 for i in g..g + n {
                     r.table.set_mapped(i, false);
-                    r.group_of[i] = NO_GROUP;
                 }
             }
         }
@@ -620,9 +616,7 @@ impl ServiceResource {
 
     /// The first chunks of every mapping of region `ri`, sorted.
     fn all_groups(r: &Region) -> Vec<usize> {
-        let mut g: Vec<usize> = r.mappings.keys().copied().collect();
-        g.sort_unstable();
-        g
+        r.mappings.keys().copied().collect()
     }
 
     /// Maps `chunks` (sorted, unmapped) of region `ri`, a run at a time, one access grant per run, and
@@ -664,7 +658,6 @@ impl ServiceResource {
             r.mappings.insert(start, m);
             for i in start..start + n {
                 r.table.set_mapped(i, true);
-                r.group_of[i] = start as u32;
             }
             done.push(start);
             start += n;
@@ -741,7 +734,6 @@ impl ServiceResource {
         let r = &mut st.regions[ri];
         r.used += rounded;
         r.peak_used = r.peak_used.max(r.used);
-        r.live += 1;
         r.allocations += 1;
         Ok(DeviceAddr(addr))
     }
@@ -795,18 +787,14 @@ impl ServiceResource {
     fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
         let mut st = self.state();
-        let base = self.reservation.base().0;
         let invalid = |reason: String| Error::InvalidDeallocation {
             resource: self.name,
             ptr: ptr.0,
             bytes,
             reason,
         };
-        let ri = ptr
-            .0
-            .checked_sub(base)
-            .filter(|&off| off < self.reservation.size() as u64)
-            .map(|off| (off / self.region_size as u64) as usize)
+        let ri = self
+            .region_slot(ptr)
             .ok_or_else(|| invalid("the address is not in the resource's reservation".into()))?;
         if ri >= st.regions.len() {
             return Err(invalid(format!(
@@ -829,7 +817,6 @@ impl ServiceResource {
             .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
             .map_err(|e| map_engine_error(self.name, e))?;
         r.used -= rounded;
-        r.live -= 1;
         r.frees += 1;
         st.used -= rounded;
         Ok(())
@@ -898,7 +885,7 @@ impl ServiceResource {
                         Some(i) => st.host_cache.swap_remove(i),
                         None => PinnedHost::new(&self.ctx, want)?,
                     };
-                    let queued = self.copy_runs(&st.regions[ri].table, &touched, &host, Direction::Save, stream);
+                    let queued = self.copy_at(&st.regions[ri].table, &touched, &host, 0, Direction::Save, stream);
                     // Wait even when a copy could not be queued: those queued before it write into `host`,
                     // which the error return frees.
                     let waited = stream.synchronize();
@@ -989,20 +976,8 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Queues copies between `chunks` (sorted, mapped, chunk `chunks[k]` at `k * chunk` of `host`) and
-    /// `host`, one per run.
-    fn copy_runs(
-        &self,
-        table: &ChunkTable,
-        chunks: &[usize],
-        host: &PinnedHost,
-        dir: Direction,
-        stream: StreamRef<'_>,
-    ) -> Result<()> {
-        self.copy_at(table, chunks, host, 0, dir, stream)
-    }
-
-    /// As [`copy_runs`](Self::copy_runs), for chunks saved from position `first` of `host` on.
+    /// Queues copies between `chunks` (sorted, mapped) and `host`, one per run of chunks: chunk `chunks[k]`
+    /// is saved at `(first + k) * chunk` of `host`.
     fn copy_at(
         &self,
         table: &ChunkTable,
@@ -1110,10 +1085,8 @@ impl ServiceResource {
         if len == 0 {
             return Err(bad("cannot export an empty range".into()));
         }
-        let ri = addr
-            .0
-            .checked_sub(self.reservation.base().0)
-            .map(|off| (off / self.region_size as u64) as usize)
+        let ri = self
+            .region_slot(addr)
             .filter(|&i| i < st.regions.len())
             .ok_or_else(|| bad(format!("{addr} is not in the resource's reservation")))?;
         let r = &st.regions[ri];
@@ -1135,13 +1108,19 @@ impl ServiceResource {
                 r.name
             )));
         }
-        let mut starts: Vec<usize> = span.clone().map(|i| r.group_of[i] as usize).collect();
-        starts.dedup();
-        let chunks: Vec<Arc<PhysicalAllocation>> = starts
-            .iter()
-            .filter_map(|g| r.mappings.get(g).map(|m| m.physical().clone()))
+        // Every chunk of the span is mapped (checked above): the mappings over it are the one holding its
+        // first chunk and those starting after that chunk inside it.
+        let first = r
+            .mappings
+            .range(..=span.start)
+            .next_back()
+            .map_or(span.start, |(&g, _)| g);
+        let chunks: Vec<Arc<PhysicalAllocation>> = r
+            .mappings
+            .range(first..span.end)
+            .map(|(_, m)| m.physical().clone())
             .collect();
-        let first = r.table.addr(starts[0]);
+        let first = r.table.addr(first);
         st.regions[ri].exports += 1;
         Ok(ServiceExport {
             owner: self.clone(),

@@ -35,6 +35,7 @@ impl ChunkTable {
     }
 
     /// How many chunks the range has.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
