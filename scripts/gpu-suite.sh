@@ -21,7 +21,8 @@ for t in .gpu/tests/*; do
     grep -E -A12 '^---- |panicked|has been running' "$log" | head -40
     [ "$rc" = 124 ] && grep -E '^test .* \.\.\. ' "$log" | tail -5
   fi
-  rm -f "$log"
+  # A failing binary's whole log stays under $OUT (when set) for the run's files; a passing one's goes.
+  if [ -n "${OUT:-}" ] && { [ "${f:-0}" != 0 ] || [ "$rc" != 0 ]; }; then :; else rm -f "$log"; fi
 done
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
