@@ -195,12 +195,12 @@ def fragmented(seed=7):
         if i % 5 == 4 and kept:
             p.free(kept.pop(rng.randrange(len(kept))))
     for _ in range(60):
-        p.alloc(256 * 1024 * rng.randint(1, 4), stream=0, tag=0)
+        p.alloc(256 * 1024 * rng.randint(1, 4), stream=0, tag=rng.choice((0, 1, 3)))
     rng.shuffle(kept)
     for a in kept[: int(len(kept) * 0.7)]:
         p.free(a)
     for _ in range(40):
-        if p.alloc(768 * 1024, stream=1, tag=0) is None:
+        if p.alloc(768 * 1024, stream=1, tag=2) is None:
             break
     s = p.snapshot(["activations", "weights", "kv-cache", "optimizer"],
                    [{"id": 0, "handle": "0x0", "label": "default"}, {"id": 1, "handle": "0x55d0c0", "label": "side"}],
