@@ -348,3 +348,46 @@ def test_bare_viewer_offers_a_file(tmp_path):
     assert "shown" in dom.by_id("open").classes
     assert dom.by_id("file-input").attrs.get("type") == "file"
     assert dom.by_id("error").text() == ""
+
+
+def test_minimal_snapshot(tmp_path):
+    """What the schema lets a producer leave out or empty: devices, tags, streams, per_stream, chunks, live,
+    history's events; and `stats` keys the viewer does not know."""
+    snap = {"schema": "mempool.snapshot", "version": 1, "created_unix_ns": 0, "source": "replay:empty.csv",
+            "devices": [], "tags": [], "streams": [],
+            "resources": [{"id": 3, "parent": None, "name": "cuda", "kind": "CudaResource", "device": 0,
+                           "stats": {"live_bytes": 0, "peak_live_bytes": 0, "held_bytes": 0, "peak_held_bytes": 0,
+                                     "allocations": 0, "frees": 0, "live_count": 0, "new_counter": 5},
+                           "per_stream": [], "chunks": []}],
+            "live": [],
+            "history": {"capacity": 16, "recorded": 0, "dropped": 0,
+                        **{c: [] for c in S.COLUMNS}}}
+    dom = open_page(tmp_path, "minimal", S.page(snap))
+    assert_ready(dom)
+    assert dom.by_id("meta").one(cls="source").text() == "source: replay:empty.csv"
+    assert dom.by_id("summary").one("tr", data_resource=3).value("live-bytes") == (0, "0 B")
+    assert dom.by_id("timeline-note").text() == "The snapshot has no history events."
+    assert dom.by_id("timeline").one("tr", data_resource=3).value("end-live")[0] == 0
+    assert dom.by_id("largest-note").text() == "No live allocations."
+    assert dom.by_id("no-chunks").text().startswith("No resource in this snapshot reports chunks")
+    assert not [r for r in dom.by_id("histogram").find_all("tr") if "data-bucket" in r.attrs]
+
+
+@pytest.mark.parametrize("how", ["input", "drop"])
+def test_bare_viewer_opens_a_file(tmp_path, how):
+    """The bare viewer reads a snapshot file given to its file input or dropped on the page: the test appends
+    a script that hands it one, as the browser does after the user picks or drops a file."""
+    snap = S.small()
+    text = json.dumps(json.dumps(snap)).replace("<", "\\u003c")
+    hand = ("input.files = dt.files; input.dispatchEvent(new Event('change'));" if how == "input" else
+            "document.dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));")
+    script = ("<script>(function () { const dt = new DataTransfer();"
+              f" dt.items.add(new File([{text}], 'snapshot.json', {{type: 'application/json'}}));"
+              f" const input = document.getElementById('file-input'); {hand} }})();</script>")
+    bare = S.VIEWER.read_text(encoding="utf-8")
+    assert bare.count("</body>") == 1
+    dom = open_page(tmp_path, f"bare-{how}", bare.replace("</body>", script + "</body>"))
+    assert_ready(dom)
+    assert "shown" not in dom.by_id("open").classes
+    assert dom.by_id("summary").one("tr", data_resource=0).value("live-bytes") == (5120, "5.00 KiB")
+    assert dom.by_id("largest").one("tr", data_rank=2).one("td", "tag").text() == "weights"
