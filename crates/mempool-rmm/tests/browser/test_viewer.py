@@ -391,3 +391,55 @@ def test_bare_viewer_opens_a_file(tmp_path, how):
     assert "shown" not in dom.by_id("open").classes
     assert dom.by_id("summary").one("tr", data_resource=0).value("live-bytes") == (5120, "5.00 KiB")
     assert dom.by_id("largest").one("tr", data_rank=2).one("td", "tag").text() == "weights"
+
+
+def window_values(snap, rid, a, b):
+    """A resource's line over the events a <= t_ns <= b: (value at a, highest, value at b, events in the window)."""
+    h = snap["history"]
+    live = next(r for r in snap["resources"] if r["id"] == rid)["stats"]["live_bytes"]
+    delta = [(t, s if o == S.ALLOC else -s if o == S.FREE else 0)
+             for t, o, r, s in zip(h["t_ns"], h["op"], h["resource"], h["size"]) if r == rid]
+    v = live - sum(x for _, x in delta) + sum(x for t, x in delta if t < a)
+    at_a, peak = v, v
+    for t, x in delta:
+        if a <= t <= b:
+            v += x
+            peak = max(peak, v)
+    return at_a, peak, v
+
+
+@pytest.mark.parametrize("then", ["", "dblclick"])
+def test_zoom_by_dragging(tmp_path, then):
+    """Dragging across the timeline shows only the events inside the dragged time range; a double-click
+    shows them all again."""
+    snap = S.fragmented()
+    drag = """<script>(function () {
+      const cv = document.getElementById('timeline-canvas'), r = cv.getBoundingClientRect();
+      const W = Number(document.getElementById('timeline').dataset.columns), y = r.top + 50;
+      const at = (f) => ({clientX: r.left + 72 + f * W, clientY: y, bubbles: true, button: 0});
+      cv.dispatchEvent(new MouseEvent('mousedown', at(0.2)));
+      window.dispatchEvent(new MouseEvent('mousemove', at(0.45)));
+      window.dispatchEvent(new MouseEvent('mouseup', at(0.7)));
+      %s
+    })();</script>""" % ("cv.dispatchEvent(new MouseEvent('dblclick', at(0.5)));" if then else "")
+    html = S.page(snap)
+    dom = open_page(tmp_path, f"zoom{then}", html.replace("</body>", drag + "</body>"))
+    assert_ready(dom)
+    tl = dom.by_id("timeline")
+    ts = snap["history"]["t_ns"]
+    if then:
+        assert "data-view-start" not in tl.attrs and tl.attrs["data-shown"] == str(len(ts))
+        assert "hidden" in dom.by_id("zoom-reset").attrs
+        return
+    a, b = float(tl.attrs["data-view-start"]), float(tl.attrs["data-view-end"])
+    assert ts[0] < a < b < ts[-1]
+    assert int(tl.attrs["data-shown"]) == sum(1 for t in ts if a <= t <= b)
+    assert "hidden" not in dom.by_id("zoom-reset").attrs
+    assert dom.by_id("timeline-note").text().startswith(f"Zoomed: {int(tl.attrs['data-shown']):,} of {len(ts):,} events")
+    for rid in (0, 1):
+        at_a, peak, at_b = window_values(snap, rid, a, b)
+        row = tl.one("tr", data_resource=rid)
+        assert row.value("end-live")[0] == at_b
+        assert row.value("peak-shown")[0] == peak
+    # the whole-history numbers elsewhere do not change
+    assert dom.by_id("summary").one("tr", data_resource=0).value("live-bytes")[0] == snap["resources"][0]["stats"]["live_bytes"]
