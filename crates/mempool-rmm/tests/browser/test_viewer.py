@@ -332,6 +332,9 @@ def chromium_version():
     ("not-a-snapshot", json.dumps({"schema": "torch.memory", "version": 1}), "not a mempool snapshot"),
     ("ragged-history", json.dumps(dict(S.small(), history=dict(S.small()["history"], size=[1]))),
      "history columns differ in length: \"size\" has 1 entries"),
+    ("no-thread-column", json.dumps(dict(S.small(), history={k: v for k, v in S.small()["history"].items()
+                                                           if k != "thread"})),
+     "history has 6 events but no \"thread\" column"),
 ])
 def test_unreadable_snapshot_says_why(tmp_path, name, text, expected):
     dom = open_page(tmp_path, name, S.page(text))
@@ -352,7 +355,8 @@ def test_bare_viewer_offers_a_file(tmp_path):
 
 def test_minimal_snapshot(tmp_path):
     """What the schema lets a producer leave out or empty: devices, tags, streams, per_stream, chunks, live,
-    history's events; and `stats` keys the viewer does not know."""
+    history's events (and then its columns); `stats` keys the viewer does not know, and the nulls the Rust
+    producer writes for what a resource does not count or an allocation's unknown stream."""
     snap = {"schema": "mempool.snapshot", "version": 1, "created_unix_ns": 0, "source": "replay:empty.csv",
             "devices": [], "tags": [], "streams": [],
             "resources": [{"id": 3, "parent": None, "name": "cuda", "kind": "CudaResource", "device": 0,
@@ -360,17 +364,27 @@ def test_minimal_snapshot(tmp_path):
                                      "allocations": 0, "frees": 0, "live_count": 0, "new_counter": 5},
                            "per_stream": [], "chunks": []}],
             "live": [],
-            "history": {"capacity": 16, "recorded": 0, "dropped": 0,
-                        **{c: [] for c in S.COLUMNS}}}
+            "history": {"capacity": 16, "recorded": 0, "dropped": 0, "t_ns": []}}
+    snap["resources"].append({"id": 4, "parent": 3, "name": "stats", "kind": "StatisticsAdaptor", "device": None,
+                              "stats": {"live_bytes": 256, "peak_live_bytes": None, "held_bytes": None,
+                                        "peak_held_bytes": None, "allocations": 1, "frees": 0, "live_count": 1},
+                              "per_stream": [], "chunks": []})
+    snap["live"].append({"resource": 4, "address": 4096, "size": 256, "stream": None, "tag": 0, "t_ns": None})
     dom = open_page(tmp_path, "minimal", S.page(snap))
     assert_ready(dom)
     assert dom.by_id("meta").one(cls="source").text() == "source: replay:empty.csv"
     assert dom.by_id("summary").one("tr", data_resource=3).value("live-bytes") == (0, "0 B")
     assert dom.by_id("timeline-note").text() == "The snapshot has no history events."
     assert dom.by_id("timeline").one("tr", data_resource=3).value("end-live")[0] == 0
-    assert dom.by_id("largest-note").text() == "No live allocations."
+    row = dom.by_id("summary").one("tr", data_resource=4)
+    assert row.one("td", "held-bytes").text() == "—" and row.value("live-bytes") == (256, "256 B")
+    largest = dom.by_id("largest").one("tr", data_rank=1)
+    assert largest.one("td", "stream").text() == "—" and largest.one("td", "t").text() == "—"
+    assert largest.one("td", "tag").text() == "tag 0"
     assert dom.by_id("no-chunks").text().startswith("No resource in this snapshot reports chunks")
-    assert not [r for r in dom.by_id("histogram").find_all("tr") if "data-bucket" in r.attrs]
+    buckets = [r for r in dom.by_id("histogram").find_all("tr") if "data-bucket" in r.attrs]
+    assert [r.attrs["data-bucket"] for r in buckets] == ["8"]
+    assert buckets[0].value("history-count")[0] == 0 and buckets[0].value("live-count")[0] == 1
 
 
 @pytest.mark.parametrize("how", ["input", "drop"])
