@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command: the workspace's host tests (with the cudarc interop compiled in), then the
-# Python package's wheel build and host pytest suite (scripts/python-tests.sh). Needs a Rust toolchain and python3 with pip (and venv).
+# Python package's wheel build and host pytest suite (scripts/python-tests.sh), then the snapshot viewer's
+# browser test (scripts/browser-tests.sh: headless Chromium, installed from the distribution's packages when
+# missing). Needs a Rust toolchain and python3 with pip (and venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace --features cudarc
 scripts/python-tests.sh
+scripts/browser-tests.sh
