@@ -1,0 +1,157 @@
+//! The GPU under the memory service: the server's [`GpuBackend`] (VMM physical allocations with
+//! the POSIX file-descriptor handle type, and the relay of a creator's interprocess event onto a
+//! stream of the server's own), and the client's import of a granted descriptor (the
+//! memMapIPCDrv sample's pattern, as the importer's `vmm` does: import, reserve addresses of this
+//! process's own, map, grant this device read-write access).
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use mempool_core::{
+    Access, AllocationProps, Context, Device, Event, EventFlags, Granularity, HandleTypes, IpcEventHandle, Mapping,
+    PhysicalAllocation, Reservation, Stream, StreamRef,
+};
+
+use super::backend::{Allocation, Backend, RelayedEvent};
+use super::error::{Error, Result};
+use super::proto::messages::EventBytes;
+use crate::wire::DeviceUuid;
+
+struct Gpu {
+    props: AllocationProps,
+    ctx: Arc<Context>,
+    /// The server's stream: waits on creators' events, records the server's own.
+    stream: Stream,
+}
+
+/// The server's GPU side, on the devices it serves.
+pub(crate) struct GpuBackend {
+    devices: Vec<(DeviceUuid, u64)>,
+    gpus: Vec<Gpu>,
+}
+
+/// The allocation properties both sides use: device memory of `device`, exportable as a POSIX
+/// file descriptor.
+fn props(device: Device) -> AllocationProps {
+    AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)
+}
+
+impl GpuBackend {
+    /// Opens the devices `ordinals` (their primary contexts) and a stream on each.
+    pub(crate) fn new(ordinals: &[usize]) -> Result<GpuBackend> {
+        if ordinals.is_empty() {
+            return Err(Error::InvalidArgument("a server needs at least one device".into()));
+        }
+        let mut devices = Vec::new();
+        let mut gpus: Vec<Gpu> = Vec::new();
+        for &ordinal in ordinals {
+            let device = Device::get(ordinal)?;
+            let uuid = DeviceUuid(device.uuid()?.0);
+            if devices.iter().any(|(u, _)| *u == uuid) {
+                return Err(Error::InvalidArgument(format!("device {ordinal} is listed twice")));
+            }
+            if !device.supports_vmm()? {
+                return Err(Error::InvalidArgument(format!(
+                    "device {ordinal} does not support virtual memory management"
+                )));
+            }
+            let props = props(device);
+            let granularity = device.vmm_granularity(&props, Granularity::Minimum)? as u64;
+            let ctx = device.context()?;
+            let stream = Stream::new(&ctx)?;
+            devices.push((uuid, granularity));
+            gpus.push(Gpu { props, ctx, stream });
+        }
+        Ok(GpuBackend { devices, gpus })
+    }
+}
+
+struct GpuAllocation(PhysicalAllocation);
+
+impl Allocation for GpuAllocation {
+    fn export_fd(&self) -> Result<OwnedFd> {
+        Ok(self.0.export_fd()?)
+    }
+}
+
+struct GpuEvent {
+    _event: Event,
+    handle: EventBytes,
+}
+
+impl RelayedEvent for GpuEvent {
+    fn handle(&self) -> EventBytes {
+        self.handle
+    }
+}
+
+impl Backend for GpuBackend {
+    fn devices(&self) -> &[(DeviceUuid, u64)] {
+        &self.devices
+    }
+
+    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+        let size = usize::try_from(size)
+            .map_err(|_| Error::InvalidArgument(format!("{size} bytes do not fit this machine's addresses")))?;
+        Ok(Box::new(GpuAllocation(PhysicalAllocation::new(&self.gpus[index].props, size)?)))
+    }
+
+    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+        let gpu = &self.gpus[index];
+        let opened = Event::open_ipc(&gpu.ctx, &IpcEventHandle(*creator))?;
+        gpu.stream.wait(&opened)?;
+        let own = Event::new(&gpu.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+        own.record(gpu.stream.as_ref())?;
+        let handle = own.ipc_handle()?.0;
+        // The wait is queued: the creator's event may go (the driver defers its release).
+        drop(opened);
+        Ok(Box::new(GpuEvent { _event: own, handle }))
+    }
+}
+
+/// The device of this process whose UUID is `uuid`.
+pub(crate) fn local_device(uuid: DeviceUuid) -> Result<Device> {
+    for device in Device::all()? {
+        if device.uuid()?.0 == uuid.0 {
+            return Ok(device);
+        }
+    }
+    Err(Error::DeviceNotVisible {
+        device: uuid.to_string(),
+    })
+}
+
+/// Imports a granted allocation of `size` bytes on `device`, maps it into a fresh reservation of
+/// this process and grants `device` read-write access. Refuses a granularity that is not this
+/// process's own for the device (the server and this process would disagree about the layout).
+pub(crate) fn import(device: Device, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
+    let own = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
+    if granularity != own {
+        return Err(Error::protocol(format!(
+            "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
+        )));
+    }
+    // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
+    let size = size as usize;
+    let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
+    drop(fd); // imported: the handle holds the memory now
+    let reservation = Reservation::new(device, size, 0, None)?;
+    let mapping = Mapping::without_access(&reservation, 0, Arc::new(physical))?;
+    mapping.set_access(&[(device, Access::ReadWrite)])?;
+    Ok(mapping)
+}
+
+/// Makes `stream` wait on the server's interprocess event `handle` (no host wait).
+pub(crate) fn wait_event(ctx: &Arc<Context>, handle: &EventBytes, stream: StreamRef<'_>) -> Result<()> {
+    let event = Event::open_ipc(ctx, &IpcEventHandle(*handle))?;
+    stream.wait(&event)?;
+    Ok(())
+}
+
+/// Records an interprocess event on `stream`, for `publish`.
+pub(crate) fn record_event(ctx: &Arc<Context>, stream: StreamRef<'_>) -> Result<(Event, EventBytes)> {
+    let event = Event::new(ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+    event.record(stream)?;
+    let handle = event.ipc_handle()?.0;
+    Ok((event, handle))
+}
