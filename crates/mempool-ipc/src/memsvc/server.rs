@@ -495,8 +495,11 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
         };
         match reply {
             Ok((message, fd)) => framed.send(&message, fd.as_ref().map(|f| f.as_fd()))?,
-            Err(e) if e.is_refusal() => framed.send(&Message::Refused(codec::refusal_of(&e)), None)?,
-            Err(e) => return Err(e),
+            // A message that breaks the protocol (a detach of an attachment it does not hold)
+            // ends the connection; anything else the state machine says is a refusal, a
+            // failure of the server's GPU included (`ServerGpu`).
+            Err(e @ Error::Protocol { .. }) => return Err(e),
+            Err(e) => framed.send(&Message::Refused(codec::refusal_of(&e)), None)?,
         }
     }
 }

@@ -337,6 +337,7 @@ pub(crate) fn refusal_of(err: &Error) -> Refusal {
         Error::Busy { reason } => (r.code, r.text) = (BUSY, reason.clone()),
         Error::Timeout { during } => (r.code, r.text) = (TIMEOUT, (*during).to_owned()),
         Error::Protocol { reason } => (r.code, r.text) = (PROTOCOL, reason.clone()),
+        Error::ServerGpu { message } => (r.code, r.text) = (SERVER_GPU, message.clone()),
         other => (r.code, r.text) = (SERVER_GPU, other.to_string()),
     }
     // Bounded so that any refusal encodes: a name is at most 128 bytes once validated, but a
