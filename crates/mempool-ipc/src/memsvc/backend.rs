@@ -33,6 +33,18 @@ pub(crate) trait Backend: Send {
     fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>>;
 }
 
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn devices(&self) -> &[(DeviceUuid, u64)] {
+        (**self).devices()
+    }
+    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+        (**self).allocate(index, size)
+    }
+    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+        (**self).relay_event(index, creator)
+    }
+}
+
 #[cfg(test)]
 pub(crate) use host::HostBackend;
 
@@ -126,17 +138,5 @@ mod host {
             own[0] ^= 0xff;
             Ok(Box::new(HostEvent(own)))
         }
-    }
-}
-
-impl<B: Backend + ?Sized> Backend for Box<B> {
-    fn devices(&self) -> &[(DeviceUuid, u64)] {
-        (**self).devices()
-    }
-    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
-        (**self).allocate(index, size)
-    }
-    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
-        (**self).relay_event(index, creator)
     }
 }

@@ -134,7 +134,7 @@ impl Framed {
         let mut header = [0u8; HEADER_LEN];
         self.fill(&mut header, &mut deadline, first, frame_timeout, &mut fds, &mut fd_limit)?;
         let h = codec::decode_header(&header)?;
-        if h.kind.from_client() != self.server_side {
+        if h.kind.is_from_client() != self.server_side {
             return Err(Error::protocol(format!(
                 "{:?} is not a message this side receives",
                 h.kind

@@ -286,11 +286,9 @@ fn accept_loop(inner: &Shared, listener: Listener) {
         if ready == 0 {
             continue;
         }
-        loop {
-            match listener.accept_stream() {
-                Ok(stream) => admit(inner, stream),
-                Err(_) => break, // WouldBlock: none waits (or a transient accept error)
-            }
+        // Until WouldBlock: none waits (or a transient accept error; the next tick retries).
+        while let Ok(stream) = listener.accept_stream() {
+            admit(inner, stream);
         }
     }
     // The listener drops here: the socket file goes.
@@ -362,13 +360,11 @@ fn admit(inner: &Shared, stream: UnixStream) {
         return refused(e);
     }
     // The process's identity, fixed now: its pid may be reused after it exits.
-    let pidfd = match rustix::process::Pid::from_raw(creds.pid)
+    // None: already gone, so nothing it holds can outlive it.
+    let pidfd = rustix::process::Pid::from_raw(creds.pid)
         .ok_or(rustix::io::Errno::SRCH)
         .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
-    {
-        Ok(fd) => Some(fd),
-        Err(_) => None, // already gone: nothing it holds can outlive it
-    };
+        .ok();
     let (clone, framed) = match stream
         .try_clone()
         .map_err(Error::from)

@@ -94,7 +94,7 @@ impl MessageKind {
     }
 
     /// Whether the client sends it (else the server does).
-    pub(crate) fn from_client(self) -> bool {
+    pub(crate) fn is_from_client(self) -> bool {
         (self as u16) < 64
     }
 }

@@ -18,11 +18,11 @@ fn info(i: u32) -> BufferInfo {
         size: 2 << 20,
         device: DeviceUuid([i as u8; 16]),
         tag: "tag".into(),
-        state: if i % 2 == 0 { BufferState::Published } else { BufferState::Creating },
+        state: if i.is_multiple_of(2) { BufferState::Published } else { BufferState::Creating },
         owner_uid: 1000 + i,
         owner_pid: -1,
         attachments: i,
-        expires_in: (i % 3 == 0).then(|| Duration::from_millis(u64::from(i) * 7)),
+        expires_in: i.is_multiple_of(3).then(|| Duration::from_millis(u64::from(i) * 7)),
     }
 }
 

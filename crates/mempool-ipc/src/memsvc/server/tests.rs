@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 
@@ -39,7 +39,7 @@ fn quick_limits() -> Limits {
     }
 }
 
-fn serve(path: &PathBuf, limits: Limits) -> (Server, Arc<AtomicU64>) {
+fn serve(path: &Path, limits: Limits) -> (Server, Arc<AtomicU64>) {
     let backend = HostBackend::new(1, G);
     let live = backend.live.clone();
     let config = ServerConfig::new(path).limits(limits);
@@ -74,7 +74,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 /// How many descriptors of this process are sockets of the server at `path` (the listener and
 /// the server's side of accepted connections: `/proc/net/unix` names the address the listener
 /// was bound to for both, the listener's private directory next to `path`, see `listener`).
-fn server_sockets(path: &PathBuf) -> usize {
+fn server_sockets(path: &Path) -> usize {
     let table = std::fs::read_to_string("/proc/net/unix").unwrap();
     let prefix = path
         .parent()
@@ -179,7 +179,7 @@ fn server_gone_is_peer_gone_and_a_restart_serves_the_path_again() {
     std::fs::remove_file(&path).unwrap();
 }
 
-fn raw_connect(path: &PathBuf) -> UnixStream {
+fn raw_connect(path: &Path) -> UnixStream {
     let s = UnixStream::connect(path).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
     s
