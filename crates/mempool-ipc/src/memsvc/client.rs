@@ -74,6 +74,8 @@ struct Shared {
     timeout: Duration,
     server_pid: u32,
     devices: Vec<(DeviceUuid, u64)>,
+    /// The server's events opened here, by handle.
+    events: gpu::OpenedEvents,
 }
 
 /// A connection to a memory server. Cheap to clone (clones share the connection and take turns);
@@ -134,6 +136,7 @@ impl Client {
                 timeout: options.timeout,
                 server_pid,
                 devices,
+                events: gpu::OpenedEvents::default(),
             }),
         })
     }
@@ -270,7 +273,7 @@ impl Client {
         }
         held.mapping = Some(gpu::import(device, g.fd, g.size, g.granularity)?);
         if let Some(handle) = g.event {
-            gpu::wait_event(&held.ctx, &handle, stream)?;
+            gpu::wait_event(&self.shared.events, &held.ctx, &handle, stream)?;
         }
         Ok(Attached { held })
     }

@@ -4,8 +4,9 @@
 //! memMapIPCDrv sample's pattern, as the importer's `vmm` does: import, reserve addresses of this
 //! process's own, map, grant this device read-write access).
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mempool_core::{
     Access, AllocationProps, Context, Device, Event, EventFlags, Granularity, HandleTypes, IpcEventHandle, Mapping,
@@ -17,11 +18,17 @@ use super::error::{Error, Result};
 use super::proto::messages::EventBytes;
 use crate::wire::DeviceUuid;
 
+/// The server's interprocess events not in use, with their handles. Events are recycled, never
+/// destroyed while the server runs, so a handle a client opened once stays valid for its
+/// connection's life and clients cache opened events per handle (as the exporter's importers do).
+type EventPool = Arc<Mutex<Vec<(Event, EventBytes)>>>;
+
 struct Gpu {
     props: AllocationProps,
     ctx: Arc<Context>,
     /// The server's stream: waits on creators' events, records the server's own.
     stream: Stream,
+    idle_events: EventPool,
 }
 
 /// The server's GPU side, on the devices it serves.
@@ -60,7 +67,12 @@ impl GpuBackend {
             let ctx = device.context()?;
             let stream = Stream::new(&ctx)?;
             devices.push((uuid, granularity));
-            gpus.push(Gpu { props, ctx, stream });
+            gpus.push(Gpu {
+                props,
+                ctx,
+                stream,
+                idle_events: EventPool::default(),
+            });
         }
         Ok(GpuBackend { devices, gpus })
     }
@@ -74,14 +86,27 @@ impl Allocation for GpuAllocation {
     }
 }
 
+/// A buffer's relayed event; back to its device's pool when the buffer is freed.
 struct GpuEvent {
-    _event: Event,
+    event: Option<Event>,
     handle: EventBytes,
+    pool: EventPool,
 }
 
 impl RelayedEvent for GpuEvent {
     fn handle(&self) -> EventBytes {
         self.handle
+    }
+}
+
+impl Drop for GpuEvent {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            self.pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((event, self.handle));
+        }
     }
 }
 
@@ -100,12 +125,24 @@ impl Backend for GpuBackend {
         let gpu = &self.gpus[index];
         let opened = Event::open_ipc(&gpu.ctx, &IpcEventHandle(*creator))?;
         gpu.stream.wait(&opened)?;
-        let own = Event::new(&gpu.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
-        own.record(gpu.stream.as_ref())?;
-        let handle = own.ipc_handle()?.0;
+        let recycled = gpu.idle_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let (own, handle) = match recycled {
+            Some(pair) => pair,
+            None => {
+                let own = Event::new(&gpu.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+                let handle = own.ipc_handle()?.0;
+                (own, handle)
+            }
+        };
+        let relayed = GpuEvent {
+            event: Some(own),
+            handle,
+            pool: gpu.idle_events.clone(),
+        };
+        relayed.event.as_ref().expect("just set").record(gpu.stream.as_ref())?;
         // The wait is queued: the creator's event may go (the driver defers its release).
         drop(opened);
-        Ok(Box::new(GpuEvent { _event: own, handle }))
+        Ok(Box::new(relayed))
     }
 }
 
@@ -141,9 +178,27 @@ pub(crate) fn import(device: Device, fd: OwnedFd, size: u64, granularity: u64) -
     Ok(mapping)
 }
 
-/// Makes `stream` wait on the server's interprocess event `handle` (no host wait).
-pub(crate) fn wait_event(ctx: &Arc<Context>, handle: &EventBytes, stream: StreamRef<'_>) -> Result<()> {
-    let event = Event::open_ipc(ctx, &IpcEventHandle(*handle))?;
+/// The server's events this client opened, by handle: each is opened once for the connection's
+/// life (the server recycles its events and never destroys one while it runs).
+pub(crate) type OpenedEvents = Mutex<HashMap<EventBytes, Arc<Event>>>;
+
+/// Makes `stream` wait on the server's interprocess event `handle` (no host wait), opening it
+/// in `ctx` on first use.
+pub(crate) fn wait_event(
+    opened: &OpenedEvents,
+    ctx: &Arc<Context>,
+    handle: &EventBytes,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    let event = {
+        let mut opened = opened.lock().unwrap_or_else(|p| p.into_inner());
+        match opened.entry(*handle) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
+            std::collections::hash_map::Entry::Vacant(e) => e
+                .insert(Arc::new(Event::open_ipc(ctx, &IpcEventHandle(*handle))?))
+                .clone(),
+        }
+    };
     stream.wait(&event)?;
     Ok(())
 }
