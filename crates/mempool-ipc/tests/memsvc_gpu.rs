@@ -56,7 +56,11 @@ fn child_socket() -> PathBuf {
 
 fn socket_path(tag: &str) -> PathBuf {
     let short: String = tag.chars().rev().take(24).collect::<String>().chars().rev().collect();
-    std::env::temp_dir().join(format!("memsvc-gpu-{}-{}.sock", std::process::id(), short.replace("::", "-")))
+    std::env::temp_dir().join(format!(
+        "memsvc-gpu-{}-{}.sock",
+        std::process::id(),
+        short.replace("::", "-")
+    ))
 }
 
 fn gpu() -> (Device, Arc<Context>) {
@@ -102,7 +106,10 @@ fn wait_stats(server: &Server, what: &str, f: impl Fn(&ServerStats) -> bool) {
 fn no_drop_errors(what: &str) {
     let ipc = mempool_ipc::take_drop_errors();
     let core = mempool_core::take_drop_errors();
-    assert!(ipc.is_empty() && core.is_empty(), "{what}: errors in drops: {ipc:?} {core:?}");
+    assert!(
+        ipc.is_empty() && core.is_empty(),
+        "{what}: errors in drops: {ipc:?} {core:?}"
+    );
 }
 
 /// A child process running `test` in role `role`, killed if the test fails first.
@@ -121,7 +128,9 @@ impl ChildProc {
             .output()
             .unwrap();
         assert!(
-            String::from_utf8_lossy(&out.stdout).lines().any(|l| l == format!("{test}: test")),
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|l| l == format!("{test}: test")),
             "this test binary has no test named {test:?}"
         );
         let mut child = Command::new(std::env::current_exe().unwrap())
@@ -204,8 +213,17 @@ fn client_gpu() -> (Device, Arc<Context>, Stream, CheckKernels) {
 }
 
 /// Creates `name` (SIZE bytes), fills it with `base + i` by a kernel and publishes it on `stream`.
-fn create_iota(client: &Client, dev: Device, name: &str, base: u32, stream: &Stream, kernels: &CheckKernels) -> Attached {
-    let created = client.create(name, SIZE, dev, &CreateOptions::new().tag("gpu-test")).unwrap();
+fn create_iota(
+    client: &Client,
+    dev: Device,
+    name: &str,
+    base: u32,
+    stream: &Stream,
+    kernels: &CheckKernels,
+) -> Attached {
+    let created = client
+        .create(name, SIZE, dev, &CreateOptions::new().tag("gpu-test"))
+        .unwrap();
     assert_eq!(created.len(), SIZE);
     // SAFETY: 1. `created` maps SIZE bytes (SIZE / 4 u32s, aligned) read-write for `dev`, and stays
     // mapped until it is dropped, which synchronizes the context first.
@@ -223,7 +241,11 @@ fn check_iota(ctx: &Context, buf: &Attached, base: u32, stream: &Stream) {
     let got = u32s(&host);
     assert_eq!(got.len(), n);
     if let Some((i, &v)) = got.iter().enumerate().find(|&(i, &v)| v != base.wrapping_add(i as u32)) {
-        panic!("{}: element {i} is {v}, expected {}", buf.name(), base.wrapping_add(i as u32));
+        panic!(
+            "{}: element {i} is {v}, expected {}",
+            buf.name(),
+            base.wrapping_add(i as u32)
+        );
     }
 }
 
@@ -282,7 +304,9 @@ fn create_write_publish_attach_across_processes_and_after_a_restart() {
     again.succeeds();
     let admin = Client::connect(&path).unwrap();
     admin.delete("e2e/w").unwrap();
-    wait_stats(&server, "the deleted buffer is freed", |s| s.buffers == 0 && s.bytes == 0);
+    wait_stats(&server, "the deleted buffer is freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
     drop(admin);
     server.shutdown();
     wait_free(&ctx, baseline, "after delete and shutdown");
@@ -318,7 +342,10 @@ fn a_client_killed_mid_write_leaves_nothing() {
         s.buffers == 0 && s.attachments == 0 && s.connections == 0
     });
     let admin = Client::connect(&path).unwrap();
-    assert!(admin.list().unwrap().is_empty(), "an unpublished buffer dies with its creator");
+    assert!(
+        admin.list().unwrap().is_empty(),
+        "an unpublished buffer dies with its creator"
+    );
     drop(admin);
     wait_free(&ctx, baseline, "after the writer died (server still up)");
     server.shutdown();
@@ -461,7 +488,9 @@ fn attaching_a_name_being_deleted_fails_while_holders_keep_their_bytes() {
         Some("creator") => {
             let (dev, _ctx, stream, kernels) = client_gpu();
             let client = Client::connect(child_socket()).unwrap();
-            create_iota(&client, dev, "del/x", 11, &stream, &kernels).release().unwrap();
+            create_iota(&client, dev, "del/x", 11, &stream, &kernels)
+                .release()
+                .unwrap();
             tell_parent("PUBLISHED");
             return;
         }
@@ -473,7 +502,10 @@ fn attaching_a_name_being_deleted_fails_while_holders_keep_their_bytes() {
             hear_parent("CHECK");
             // Deleted meanwhile: the name is gone, the memory is not.
             check_iota(&ctx, &buf, 11, &stream);
-            assert!(matches!(client.attach("del/x", stream.as_ref()), Err(Error::UnknownName { .. })));
+            assert!(matches!(
+                client.attach("del/x", stream.as_ref()),
+                Err(Error::UnknownName { .. })
+            ));
             drop(buf);
             no_drop_errors("holder");
             tell_parent("OK");
@@ -544,7 +576,10 @@ fn a_killed_server_gives_peer_gone_mappings_stay_valid_and_a_restart_serves_the_
     stream.synchronize().unwrap();
     server.kill();
     // The next call says the server is gone, and so does every later one.
-    assert!(matches!(client.list(), Err(Error::PeerGone { .. })), "after the server died");
+    assert!(
+        matches!(client.list(), Err(Error::PeerGone { .. })),
+        "after the server died"
+    );
     assert!(matches!(client.stats(), Err(Error::PeerGone { .. })));
     assert!(matches!(Client::connect(&path), Err(Error::PeerGone { .. })));
     // This process holds its own imported handle: its mapping stays valid until it drops it.
@@ -575,14 +610,24 @@ fn mempool_serve_listens_and_stops_on_sigterm() {
     let _ = gpu();
     let path = socket_path(this_test!());
     let mut child = Command::new(env!("CARGO_BIN_EXE_mempool-serve"))
-        .args(["--socket", path.to_str().unwrap(), "--device", "0", "--uid-buffers", "4"])
+        .args([
+            "--socket",
+            path.to_str().unwrap(),
+            "--device",
+            "0",
+            "--uid-buffers",
+            "4",
+        ])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
-    assert!(line.contains("listening on") && line.contains(path.to_str().unwrap()), "{line:?}");
+    assert!(
+        line.contains("listening on") && line.contains(path.to_str().unwrap()),
+        "{line:?}"
+    );
     let client = Client::connect(&path).unwrap();
     assert!(client.list().unwrap().is_empty());
     let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();

@@ -76,7 +76,12 @@ fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
     let stream = Stream::new(&ctx)?;
     let client = Client::connect(socket)?;
     for i in 0..count {
-        let created = client.create(&name(count, i), per as usize, device, &CreateOptions::new().tag("bench"))?;
+        let created = client.create(
+            &name(count, i),
+            per as usize,
+            device,
+            &CreateOptions::new().tag("bench"),
+        )?;
         // SAFETY: 1. `created` maps `per` bytes (a multiple of 4) read-write for the device until it
         // is released below, after a synchronize of the context.
         unsafe { memory::fill_u32_async(&ctx, created.ptr(), i as u32 + 1, created.len() / 4, stream.as_ref()) }?;
@@ -191,7 +196,11 @@ fn ms(d: f64) -> String {
 }
 
 fn main_process(args: &Args) -> Fallible<()> {
-    let rows = if args.buffers.is_empty() { vec![1, 1000] } else { args.buffers.clone() };
+    let rows = if args.buffers.is_empty() {
+        vec![1, 1000]
+    } else {
+        args.buffers.clone()
+    };
     if args.reps == 0 || rows.contains(&0) {
         return Err("--reps and --buffers must be at least 1".into());
     }
@@ -208,10 +217,7 @@ fn main_process(args: &Args) -> Fallible<()> {
         host_cpu(),
         args.reps
     );
-    println!(
-        "command: {}",
-        std::env::args().collect::<Vec<_>>().join(" ")
-    );
+    println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
     println!();
     println!(
         "{:<22} {:>11} {:>14} {:>14} {:>11} {:>15}",
@@ -287,7 +293,8 @@ mod tests {
         assert_eq!(parse_bytes("16GiB"), Ok(16 << 30));
         assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
         assert!(parse_bytes("16GB").is_err());
-        let args = Args::try_parse_from(["memsvc_attach", "--size", "1GiB", "--buffers", "1", "--buffers", "10"]).unwrap();
+        let args =
+            Args::try_parse_from(["memsvc_attach", "--size", "1GiB", "--buffers", "1", "--buffers", "10"]).unwrap();
         assert_eq!((args.size, args.buffers, args.reps), (1 << 30, vec![1, 10], 3));
     }
 }

@@ -89,7 +89,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    let devices = if args.devices.is_empty() { vec![0] } else { args.devices.clone() };
+    let devices = if args.devices.is_empty() {
+        vec![0]
+    } else {
+        args.devices.clone()
+    };
     let config = ServerConfig::new(&args.socket)
         .devices(devices.clone())
         .quotas(Quotas {
@@ -151,14 +155,28 @@ mod tests {
     #[test]
     fn flags_parse() {
         let args = Args::try_parse_from([
-            "mempool-serve", "--socket", "/tmp/s", "-d", "0", "-d", "1", "--uid-bytes", "1GiB", "--allow-uid", "7",
-            "--ttl", "60",
+            "mempool-serve",
+            "--socket",
+            "/tmp/s",
+            "-d",
+            "0",
+            "-d",
+            "1",
+            "--uid-bytes",
+            "1GiB",
+            "--allow-uid",
+            "7",
+            "--ttl",
+            "60",
         ])
         .unwrap();
         assert_eq!(args.devices, [0, 1]);
         assert_eq!(args.uid_bytes, Some(1 << 30));
         assert_eq!(args.allow_uids, [7]);
         assert_eq!(args.mode, 0o600);
-        assert!(Args::try_parse_from(["mempool-serve"]).is_err(), "the socket is required");
+        assert!(
+            Args::try_parse_from(["mempool-serve"]).is_err(),
+            "the socket is required"
+        );
     }
 }

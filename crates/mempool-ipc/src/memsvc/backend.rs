@@ -73,7 +73,9 @@ mod host {
     impl HostBackend {
         pub(crate) fn new(devices: usize, granularity: u64) -> HostBackend {
             HostBackend {
-                devices: (0..devices).map(|i| (DeviceUuid([i as u8 + 1; 16]), granularity)).collect(),
+                devices: (0..devices)
+                    .map(|i| (DeviceUuid([i as u8 + 1; 16]), granularity))
+                    .collect(),
                 live: Arc::default(),
                 live_bytes: Arc::default(),
                 capacity: u64::MAX,

@@ -120,15 +120,24 @@ impl Client {
         if server.uid != own && !options.trust_uids.contains(&server.uid) {
             return Err(Error::NotPermitted {
                 uid: server.uid,
-                what: format!("serve this process as its memory server (trusted: uid {own} and {:?})", options.trust_uids),
+                what: format!(
+                    "serve this process as its memory server (trusted: uid {own} and {:?})",
+                    options.trust_uids
+                ),
             });
         }
         let framed = Framed::new(stream, false, options.timeout)?;
-        framed.send(&Message::Hello, None)?;
-        let (server_pid, devices) = match framed.recv(Some(options.timeout), options.timeout)? {
-            (Message::Welcome { pid, devices }, _) => (pid, devices),
-            (Message::Refused(r), _) => return Err(codec::error_of(r)),
-            (other, _) => return Err(Error::protocol(format!("expected Welcome, got {:?}", other.kind()))),
+        // A server at its connection limit writes `Refused` and closes at once: the Hello may
+        // then fail to go out, but the refusal is still there to read and says why.
+        let sent = framed.send(&Message::Hello, None);
+        let (server_pid, devices) = match (framed.recv(Some(options.timeout), options.timeout), sent) {
+            (Ok((Message::Refused(r), _)), _) => return Err(codec::error_of(r)),
+            (_, Err(e)) => return Err(e),
+            (Ok((Message::Welcome { pid, devices }, _)), Ok(())) => (pid, devices),
+            (Ok((other, _)), Ok(())) => {
+                return Err(Error::protocol(format!("expected Welcome, got {:?}", other.kind())))
+            }
+            (Err(e), Ok(())) => return Err(e),
         };
         Ok(Client {
             shared: Arc::new(Shared {
@@ -257,7 +266,9 @@ impl Client {
         let device = match gpu::local_device(g.device) {
             Ok(d) => d,
             Err(e) => {
-                let _ = self.call_done(&Message::Detach { attachment: g.attachment });
+                let _ = self.call_done(&Message::Detach {
+                    attachment: g.attachment,
+                });
                 return Err(e);
             }
         };
@@ -377,7 +388,9 @@ impl Held {
     }
 
     fn mapping(&self) -> &Mapping {
-        self.mapping.as_ref().expect("a buffer holds its mapping until released")
+        self.mapping
+            .as_ref()
+            .expect("a buffer holds its mapping until released")
     }
 
     /// Unmaps (after the device's work), then detaches; `abort` deletes the name first.

@@ -49,12 +49,24 @@ impl Framed {
         let frame = codec::encode(message)?;
         let mut sent = 0;
         while sent < frame.len() {
-            let fds: Vec<BorrowedFd<'_>> = if sent == 0 { fd.into_iter().collect() } else { Vec::new() };
+            let fds: Vec<BorrowedFd<'_>> = if sent == 0 {
+                fd.into_iter().collect()
+            } else {
+                Vec::new()
+            };
             match fdpass::send_raw(self.stream.as_fd(), &frame[sent..], &fds, SendFlags::empty()) {
                 Ok(n) => sent += n,
                 Err(Errno::INTR) => {}
-                Err(e) if is_timeout(e) => return Err(Error::Timeout { during: "writing a frame" }),
-                Err(e) if is_gone(e) => return Err(Error::PeerGone { during: "writing a frame" }),
+                Err(e) if is_timeout(e) => {
+                    return Err(Error::Timeout {
+                        during: "writing a frame",
+                    })
+                }
+                Err(e) if is_gone(e) => {
+                    return Err(Error::PeerGone {
+                        during: "writing a frame",
+                    })
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -63,7 +75,9 @@ impl Framed {
 
     fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
         // A zero timeout means "none" to the kernel: never pass one.
-        Ok(self.stream.set_read_timeout(timeout.map(|t| t.max(Duration::from_millis(1))))?)
+        Ok(self
+            .stream
+            .set_read_timeout(timeout.map(|t| t.max(Duration::from_millis(1))))?)
     }
 
     /// Reads into `buf` until full. `deadline` None: wait for the first byte as long as
@@ -84,7 +98,9 @@ impl Framed {
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(Error::Timeout { during: "reading a frame" });
+                        return Err(Error::Timeout {
+                            during: "reading a frame",
+                        });
                     }
                     self.set_timeout(Some(left))?;
                 }
@@ -103,7 +119,11 @@ impl Framed {
                     fds.extend(r.fds);
                     if r.bytes == 0 {
                         return Err(Error::PeerGone {
-                            during: if deadline.is_none() { "waiting for a frame" } else { "reading a frame" },
+                            during: if deadline.is_none() {
+                                "waiting for a frame"
+                            } else {
+                                "reading a frame"
+                            },
                         });
                     }
                     if deadline.is_none() {
@@ -114,10 +134,18 @@ impl Framed {
                 Err(Errno::INTR) => {}
                 Err(e) if is_timeout(e) => {
                     return Err(Error::Timeout {
-                        during: if deadline.is_none() { "waiting for a frame" } else { "reading a frame" },
+                        during: if deadline.is_none() {
+                            "waiting for a frame"
+                        } else {
+                            "reading a frame"
+                        },
                     })
                 }
-                Err(e) if is_gone(e) => return Err(Error::PeerGone { during: "reading a frame" }),
+                Err(e) if is_gone(e) => {
+                    return Err(Error::PeerGone {
+                        during: "reading a frame",
+                    })
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -132,7 +160,14 @@ impl Framed {
         // Before the header is in, at most one descriptor (what any message carries) is kept.
         let mut fd_limit = 1;
         let mut header = [0u8; HEADER_LEN];
-        self.fill(&mut header, &mut deadline, first, frame_timeout, &mut fds, &mut fd_limit)?;
+        self.fill(
+            &mut header,
+            &mut deadline,
+            first,
+            frame_timeout,
+            &mut fds,
+            &mut fd_limit,
+        )?;
         let h = codec::decode_header(&header)?;
         if h.kind.is_from_client() != self.server_side {
             return Err(Error::protocol(format!(

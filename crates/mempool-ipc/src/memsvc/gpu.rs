@@ -118,7 +118,10 @@ impl Backend for GpuBackend {
     fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("{size} bytes do not fit this machine's addresses")))?;
-        Ok(Box::new(GpuAllocation(PhysicalAllocation::new(&self.gpus[index].props, size)?)))
+        Ok(Box::new(GpuAllocation(PhysicalAllocation::new(
+            &self.gpus[index].props,
+            size,
+        )?)))
     }
 
     fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {

@@ -95,7 +95,10 @@ mod tests {
     fn tags_are_bounded() {
         assert!(check_tag("").is_ok());
         assert!(check_tag(&"t".repeat(256)).is_ok());
-        assert!(matches!(check_tag(&"t".repeat(257)), Err(Error::BadTag { len: 257, max: 256 })));
+        assert!(matches!(
+            check_tag(&"t".repeat(257)),
+            Err(Error::BadTag { len: 257, max: 256 })
+        ));
     }
 
     proptest! {

@@ -88,10 +88,34 @@ impl Ledger {
         let mine = self.per_uid.get(&uid).copied().unwrap_or_default();
         let q = self.quotas;
         let checks = [
-            (QuotaScope::Uid(uid), QuotaKind::Bytes, q.per_uid_bytes, mine.bytes, bytes),
-            (QuotaScope::Uid(uid), QuotaKind::Buffers, q.per_uid_buffers, mine.buffers, 1),
-            (QuotaScope::Total, QuotaKind::Bytes, q.total_bytes, self.total.bytes, bytes),
-            (QuotaScope::Total, QuotaKind::Buffers, q.total_buffers, self.total.buffers, 1),
+            (
+                QuotaScope::Uid(uid),
+                QuotaKind::Bytes,
+                q.per_uid_bytes,
+                mine.bytes,
+                bytes,
+            ),
+            (
+                QuotaScope::Uid(uid),
+                QuotaKind::Buffers,
+                q.per_uid_buffers,
+                mine.buffers,
+                1,
+            ),
+            (
+                QuotaScope::Total,
+                QuotaKind::Bytes,
+                q.total_bytes,
+                self.total.bytes,
+                bytes,
+            ),
+            (
+                QuotaScope::Total,
+                QuotaKind::Buffers,
+                q.total_buffers,
+                self.total.buffers,
+                1,
+            ),
         ];
         for (scope, kind, limit, in_use, requested) in checks {
             if let Some(limit) = limit {
@@ -217,12 +241,22 @@ mod tests {
         ledger.charge(1, 40);
         assert!(matches!(
             ledger.check(1, 0),
-            Err(Error::QuotaExceeded { kind: QuotaKind::Buffers, limit: 2, in_use: 2, .. })
+            Err(Error::QuotaExceeded {
+                kind: QuotaKind::Buffers,
+                limit: 2,
+                in_use: 2,
+                ..
+            })
         ));
         ledger.check(2, 50).unwrap();
         assert!(matches!(
             ledger.check(2, 51),
-            Err(Error::QuotaExceeded { scope: QuotaScope::Total, kind: QuotaKind::Bytes, in_use: 100, .. })
+            Err(Error::QuotaExceeded {
+                scope: QuotaScope::Total,
+                kind: QuotaKind::Bytes,
+                in_use: 100,
+                ..
+            })
         ));
         ledger.credit(1, 60);
         assert_eq!(ledger.usage(1), Usage { bytes: 40, buffers: 1 });
@@ -230,7 +264,10 @@ mod tests {
         assert_eq!(ledger.usage(1), Usage::default());
         assert_eq!(ledger.total(), Usage::default());
         // Overflow is a refusal, not a wrap.
-        let ledger = Ledger::new(Quotas { per_uid_bytes: Some(u64::MAX), ..Quotas::default() });
+        let ledger = Ledger::new(Quotas {
+            per_uid_bytes: Some(u64::MAX),
+            ..Quotas::default()
+        });
         let mut ledger = ledger;
         ledger.charge(3, u64::MAX);
         assert!(ledger.check(3, 1).is_err());

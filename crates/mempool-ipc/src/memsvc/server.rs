@@ -323,7 +323,11 @@ fn housekeeping(inner: &Shared) {
 fn refuse(stream: &UnixStream, err: &Error) {
     let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
     if let Ok(frame) = codec::encode(&Message::Refused(codec::refusal_of(err))) {
-        let _ = rustix::net::send(stream.as_fd(), &frame, rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT);
+        let _ = rustix::net::send(
+            stream.as_fd(),
+            &frame,
+            rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT,
+        );
     }
 }
 
@@ -348,10 +352,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
         let mine = conns.values().filter(|c| c.uid == creds.uid).count();
         if mine >= limits.max_connections_per_uid {
             return refused(Error::Busy {
-                reason: format!(
-                    "uid {} has {mine} connections, the limit per uid",
-                    creds.uid
-                ),
+                reason: format!("uid {} has {mine} connections, the limit per uid", creds.uid),
             });
         }
     }
@@ -394,7 +395,12 @@ fn admit(inner: &Shared, stream: UnixStream) {
         }
         Err(_) => {
             drop(conns);
-            refuse(&clone, &Error::Busy { reason: "it could not start a thread".into() });
+            refuse(
+                &clone,
+                &Error::Busy {
+                    reason: "it could not start a thread".into(),
+                },
+            );
             inner.state().disconnect(conn);
         }
     }
@@ -426,7 +432,11 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
     match framed.recv(Some(limits.handshake_timeout), limits.frame_timeout) {
         Ok((Message::Hello, _)) => {}
         Ok((other, _)) => return Err(Error::protocol(format!("expected Hello, got {:?}", other.kind()))),
-        Err(Error::Timeout { .. }) => return Err(Error::Timeout { during: "waiting for Hello" }),
+        Err(Error::Timeout { .. }) => {
+            return Err(Error::Timeout {
+                during: "waiting for Hello",
+            })
+        }
         Err(e) => return Err(e),
     }
     let devices = inner.state().devices();
@@ -448,7 +458,9 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
         };
         let (request, _) = match framed.recv(first, limits.frame_timeout) {
             Ok(r) => r,
-            Err(Error::Timeout { during: "waiting for a frame" }) => {
+            Err(Error::Timeout {
+                during: "waiting for a frame",
+            }) => {
                 return Err(Error::Timeout {
                     during: "an idle connection that holds nothing",
                 })
@@ -482,7 +494,15 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                 let s = inner.state().stats();
                 Ok((
                     Message::StatsReply {
-                        numbers: [s.buffers, s.bytes, s.named, s.attachments, s.connections, s.freed, s.rejected],
+                        numbers: [
+                            s.buffers,
+                            s.bytes,
+                            s.named,
+                            s.attachments,
+                            s.connections,
+                            s.freed,
+                            s.rejected,
+                        ],
                     },
                     None,
                 ))

@@ -76,7 +76,10 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
         Message::Detach { attachment } => w.u64(*attachment),
         Message::Welcome { pid, devices } => {
             if devices.len() > MAX_DEVICES {
-                return Err(Error::protocol(format!("{} devices (at most {MAX_DEVICES})", devices.len())));
+                return Err(Error::protocol(format!(
+                    "{} devices (at most {MAX_DEVICES})",
+                    devices.len()
+                )));
             }
             w.u32(*pid);
             w.u16(devices.len() as u16);
@@ -100,7 +103,10 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
         }
         Message::ListPage { more, entries } => {
             if entries.len() > MAX_LIST_PAGE {
-                return Err(Error::protocol(format!("{} entries (at most {MAX_LIST_PAGE})", entries.len())));
+                return Err(Error::protocol(format!(
+                    "{} entries (at most {MAX_LIST_PAGE})",
+                    entries.len()
+                )));
             }
             w.u8(u8::from(*more));
             w.u16(entries.len() as u16);
@@ -114,7 +120,10 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
                 w.u32(e.owner_pid as u32);
                 w.u32(e.attachments);
                 w.u8(u8::from(e.expires_in.is_some()));
-                w.u64(e.expires_in.map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64));
+                w.u64(
+                    e.expires_in
+                        .map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64),
+                );
             }
         }
         Message::StatsReply { numbers } => numbers.iter().for_each(|n| w.u64(*n)),
@@ -374,13 +383,24 @@ pub(crate) fn error_of(r: Refusal) -> Error {
             max: r.numbers[1] as usize,
         },
         QUOTA => Error::QuotaExceeded {
-            scope: if r.scope == 1 { QuotaScope::Total } else { QuotaScope::Uid(r.uid) },
-            kind: if r.kind == 1 { QuotaKind::Buffers } else { QuotaKind::Bytes },
+            scope: if r.scope == 1 {
+                QuotaScope::Total
+            } else {
+                QuotaScope::Uid(r.uid)
+            },
+            kind: if r.kind == 1 {
+                QuotaKind::Buffers
+            } else {
+                QuotaKind::Bytes
+            },
             limit: r.numbers[0],
             in_use: r.numbers[1],
             requested: r.numbers[2],
         },
-        NOT_PERMITTED => Error::NotPermitted { uid: r.uid, what: r.text },
+        NOT_PERMITTED => Error::NotPermitted {
+            uid: r.uid,
+            what: r.text,
+        },
         WRONG_STATE => match BufferState::from_code(r.state) {
             Some(state) => Error::WrongState {
                 name: r.name,

@@ -18,7 +18,11 @@ fn info(i: u32) -> BufferInfo {
         size: 2 << 20,
         device: DeviceUuid([i as u8; 16]),
         tag: "tag".into(),
-        state: if i.is_multiple_of(2) { BufferState::Published } else { BufferState::Creating },
+        state: if i.is_multiple_of(2) {
+            BufferState::Published
+        } else {
+            BufferState::Creating
+        },
         owner_uid: 1000 + i,
         owner_pid: -1,
         attachments: i,
@@ -65,7 +69,9 @@ fn samples() -> Vec<Message> {
             more: true,
             entries: (0..MAX_LIST_PAGE as u32).map(info).collect(),
         },
-        Message::StatsReply { numbers: [1, 2, 3, 4, 5, 6, 7] },
+        Message::StatsReply {
+            numbers: [1, 2, 3, 4, 5, 6, 7],
+        },
         Message::Refused(Refusal {
             code: 5,
             uid: 3,
@@ -121,7 +127,10 @@ fn hostile_headers_are_refused() {
     assert!(protocol(header(&|h| h[..4].copy_from_slice(b"MPIP"))).contains("magic"));
     assert!(protocol(header(&|h| h[4] = 2)).contains("version 2"));
     assert!(protocol(header(&|h| h[6] = 200)).contains("unknown message type 200"));
-    assert!(protocol(header(&|h| h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 + 1).to_le_bytes()))).contains("limit"));
+    assert!(protocol(header(
+        &|h| h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 + 1).to_le_bytes())
+    ))
+    .contains("limit"));
     assert!(protocol(header(&|h| h[8..12].copy_from_slice(&u32::MAX.to_le_bytes()))).contains("limit"));
     assert!(protocol(decode(&frame[..5])).contains("header"));
 }
@@ -148,7 +157,12 @@ fn hostile_bodies_are_refused() {
     let body = [0xff, 0xff, b'a'];
     assert!(protocol(decode_body(MessageKind::Attach, &body)).contains("cut short"));
     // A flag that is not 0 or 1, and an absent event that is not zeros.
-    let mut body = encode(&Message::Publish { name: "a".into(), event: None }).unwrap()[HEADER_LEN..].to_vec();
+    let mut body = encode(&Message::Publish {
+        name: "a".into(),
+        event: None,
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
     body[0] = 2;
     assert!(protocol(decode_body(MessageKind::Publish, &body)).contains("flag"));
     body[0] = 0;
@@ -175,15 +189,32 @@ fn hostile_grants_are_refused() {
     assert!(protocol(granted(6000, 4096)).contains("multiple"));
     assert!(protocol(granted(1 << 63, 4096)).contains("addresses"));
     // Counts past the limits.
-    let mut w = encode(&Message::Welcome { pid: 1, devices: vec![] }).unwrap()[HEADER_LEN..].to_vec();
+    let mut w = encode(&Message::Welcome {
+        pid: 1,
+        devices: vec![],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
     w[4..6].copy_from_slice(&(MAX_DEVICES as u16 + 1).to_le_bytes());
     assert!(protocol(decode_body(MessageKind::Welcome, &w)).contains("devices"));
-    let mut l = encode(&Message::ListPage { more: false, entries: vec![] }).unwrap()[HEADER_LEN..].to_vec();
+    let mut l = encode(&Message::ListPage {
+        more: false,
+        entries: vec![],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
     l[1..3].copy_from_slice(&(MAX_LIST_PAGE as u16 + 1).to_le_bytes());
     assert!(protocol(decode_body(MessageKind::ListPage, &l)).contains("entries"));
     // Encoding refuses what decoding would.
-    assert!(encode(&Message::ListPage { more: false, entries: (0..101).map(info).collect() }).is_err());
-    assert!(encode(&Message::Attach { name: "a".repeat(70_000) }).is_err());
+    assert!(encode(&Message::ListPage {
+        more: false,
+        entries: (0..101).map(info).collect()
+    })
+    .is_err());
+    assert!(encode(&Message::Attach {
+        name: "a".repeat(70_000)
+    })
+    .is_err());
 }
 
 #[test]
@@ -191,18 +222,49 @@ fn refusals_travel_as_the_same_error() {
     let errors = vec![
         Error::NameTaken { name: "a".into() },
         Error::UnknownName { name: "b".into() },
-        Error::BadName { name: "/x".into(), rule: "a name must not start with '/'" },
+        Error::BadName {
+            name: "/x".into(),
+            rule: "a name must not start with '/'",
+        },
         Error::BadTag { len: 300, max: 256 },
-        Error::QuotaExceeded { scope: QuotaScope::Uid(7), kind: QuotaKind::Bytes, limit: 1, in_use: 2, requested: 3 },
-        Error::QuotaExceeded { scope: QuotaScope::Total, kind: QuotaKind::Buffers, limit: 4, in_use: 4, requested: 1 },
-        Error::NotPermitted { uid: 9, what: "delete".into() },
-        Error::WrongState { name: "c".into(), state: BufferState::Creating, op: "attach" },
-        Error::WrongState { name: "c".into(), state: BufferState::Published, op: "publish" },
+        Error::QuotaExceeded {
+            scope: QuotaScope::Uid(7),
+            kind: QuotaKind::Bytes,
+            limit: 1,
+            in_use: 2,
+            requested: 3,
+        },
+        Error::QuotaExceeded {
+            scope: QuotaScope::Total,
+            kind: QuotaKind::Buffers,
+            limit: 4,
+            in_use: 4,
+            requested: 1,
+        },
+        Error::NotPermitted {
+            uid: 9,
+            what: "delete".into(),
+        },
+        Error::WrongState {
+            name: "c".into(),
+            state: BufferState::Creating,
+            op: "attach",
+        },
+        Error::WrongState {
+            name: "c".into(),
+            state: BufferState::Published,
+            op: "publish",
+        },
         Error::NotCreator { name: "d".into() },
-        Error::BadSize { size: 0, reason: "empty".into() },
+        Error::BadSize {
+            size: 0,
+            reason: "empty".into(),
+        },
         Error::DeviceNotServed { device: "GPU-1".into() },
         Error::Busy { reason: "full".into() },
-        Error::ServerGpu { message: "out of memory".into() },
+        Error::ServerGpu {
+            message: "out of memory".into(),
+        },
     ];
     for e in errors {
         let wire = refusal_of(&e);
@@ -212,17 +274,29 @@ fn refusals_travel_as_the_same_error() {
     }
     // Other errors travel as the server's failure, with their message.
     let e = error_of(refusal_of(&Error::InvalidArgument("z".into())));
-    assert!(matches!(&e, Error::ServerGpu { message } if message.contains('z')), "{e}");
+    assert!(
+        matches!(&e, Error::ServerGpu { message } if message.contains('z')),
+        "{e}"
+    );
     // An unknown code is a protocol error, not a panic.
-    assert!(matches!(error_of(Refusal { code: 999, ..Refusal::default() }), Error::Protocol { .. }));
+    assert!(matches!(
+        error_of(Refusal {
+            code: 999,
+            ..Refusal::default()
+        }),
+        Error::Protocol { .. }
+    ));
     // Long names and texts are cut to fit.
-    let long = refusal_of(&Error::UnknownName { name: "é".repeat(1000) });
+    let long = refusal_of(&Error::UnknownName {
+        name: "é".repeat(1000)
+    });
     assert!(long.name.len() <= 512);
     assert!(encode(&Message::Refused(long)).is_ok());
 }
 
 fn arb_string(max: usize) -> impl Strategy<Value = String> {
-    proptest::collection::vec(any::<char>(), 0..max).prop_map(|c| c.into_iter().collect::<String>())
+    proptest::collection::vec(any::<char>(), 0..max)
+        .prop_map(|c| c.into_iter().collect::<String>())
         .prop_filter("fits a string field", |s| s.len() <= 400)
 }
 
@@ -235,9 +309,20 @@ fn arb_message() -> impl Strategy<Value = Message> {
         Just(Message::Hello),
         Just(Message::Stats),
         Just(Message::Done),
-        (any::<[u8; 16]>(), any::<u64>(), any::<u64>(), arb_string(40), arb_string(40)).prop_map(
-            |(d, size, ttl_ms, name, tag)| Message::Create { device: DeviceUuid(d), size, ttl_ms, name, tag }
-        ),
+        (
+            any::<[u8; 16]>(),
+            any::<u64>(),
+            any::<u64>(),
+            arb_string(40),
+            arb_string(40)
+        )
+            .prop_map(|(d, size, ttl_ms, name, tag)| Message::Create {
+                device: DeviceUuid(d),
+                size,
+                ttl_ms,
+                name,
+                tag
+            }),
         (arb_string(40), arb_event()).prop_map(|(name, event)| Message::Publish { name, event }),
         arb_string(40).prop_map(|name| Message::Attach { name }),
         arb_string(40).prop_map(|name| Message::Delete { name }),
@@ -245,15 +330,41 @@ fn arb_message() -> impl Strategy<Value = Message> {
         any::<u64>().prop_map(|attachment| Message::Detach { attachment }),
         (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()).prop_map(|(a, units, shift, d, event)| {
             let granularity = 1u64 << shift;
-            Message::Granted { attachment: a, size: u64::from(units + 1) * granularity, granularity, device: DeviceUuid(d), event }
+            Message::Granted {
+                attachment: a,
+                size: u64::from(units + 1) * granularity,
+                granularity,
+                device: DeviceUuid(d),
+                event,
+            }
         }),
-        (any::<bool>(), proptest::collection::vec(any::<u32>(), 0..20))
-            .prop_map(|(more, ids)| Message::ListPage { more, entries: ids.into_iter().map(info).collect() }),
+        (any::<bool>(), proptest::collection::vec(any::<u32>(), 0..20)).prop_map(|(more, ids)| Message::ListPage {
+            more,
+            entries: ids.into_iter().map(info).collect()
+        }),
         any::<[u64; 7]>().prop_map(|numbers| Message::StatsReply { numbers }),
-        (any::<u16>(), any::<u32>(), any::<u8>(), any::<u8>(), any::<u8>(), any::<[u64; 3]>(), arb_string(30), arb_string(30))
-            .prop_map(|(code, uid, scope, kind, state, numbers, name, text)| Message::Refused(Refusal {
-                code, uid, scope, kind, state, numbers, name, text
-            })),
+        (
+            any::<u16>(),
+            any::<u32>(),
+            any::<u8>(),
+            any::<u8>(),
+            any::<u8>(),
+            any::<[u64; 3]>(),
+            arb_string(30),
+            arb_string(30)
+        )
+            .prop_map(
+                |(code, uid, scope, kind, state, numbers, name, text)| Message::Refused(Refusal {
+                    code,
+                    uid,
+                    scope,
+                    kind,
+                    state,
+                    numbers,
+                    name,
+                    text
+                })
+            ),
     ]
 }
 

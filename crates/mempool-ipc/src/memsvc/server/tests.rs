@@ -84,7 +84,11 @@ fn server_sockets(path: &Path) -> usize {
     let inodes: std::collections::HashSet<String> = table
         .lines()
         .skip(1)
-        .filter(|l| l.split_whitespace().nth(7).is_some_and(|p| p.starts_with(&prefix) && p.ends_with(".tmp/s")))
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(7)
+                .is_some_and(|p| p.starts_with(&prefix) && p.ends_with(".tmp/s"))
+        })
         .filter_map(|l| l.split_whitespace().nth(6).map(str::to_owned))
         .collect();
     std::fs::read_dir("/proc/self/fd")
@@ -113,27 +117,55 @@ fn create_publish_attach_list_delete_over_the_socket() {
     assert!(matches!(create(&b, "m/w", G), Err(Error::NameTaken { .. })));
     assert!(matches!(
         b.call_granted(&Message::Attach { name: "m/w".into() }),
-        Err(Error::WrongState { state: BufferState::Creating, .. })
+        Err(Error::WrongState {
+            state: BufferState::Creating,
+            ..
+        })
     ));
-    done(&a, Message::Publish { name: "m/w".into(), event: Some([3; 64]) }).unwrap();
+    done(
+        &a,
+        Message::Publish {
+            name: "m/w".into(),
+            event: Some([3; 64]),
+        },
+    )
+    .unwrap();
     let at = b.call_granted(&Message::Attach { name: "m/w".into() }).unwrap();
     assert!(at.event.is_some());
     assert_eq!(rustix::fs::fstat(&at.fd).unwrap().st_size as u64, 2 * G);
     let list = b.list().unwrap();
     assert_eq!(list.len(), 1);
-    assert_eq!((list[0].name.as_str(), list[0].tag.as_str(), list[0].attachments), ("m/w", "t", 2));
+    assert_eq!(
+        (list[0].name.as_str(), list[0].tag.as_str(), list[0].attachments),
+        ("m/w", "t", 2)
+    );
     assert_eq!(list[0].owner_uid, rustix::process::geteuid().as_raw());
     b.delete("m/w").unwrap();
     assert!(matches!(b.delete("m/w"), Err(Error::UnknownName { .. })));
     assert!(matches!(b.delete("../x"), Err(Error::BadName { .. })));
     assert_eq!(live.load(Ordering::SeqCst), 1, "still attached");
-    done(&a, Message::Detach { attachment: g.attachment }).unwrap();
-    done(&b, Message::Detach { attachment: at.attachment }).unwrap();
+    done(
+        &a,
+        Message::Detach {
+            attachment: g.attachment,
+        },
+    )
+    .unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: at.attachment,
+        },
+    )
+    .unwrap();
     assert_eq!(live.load(Ordering::SeqCst), 0);
     let stats = a.stats().unwrap();
     assert_eq!((stats.buffers, stats.freed, stats.connections), (0, 1, 2));
     // A detach of an attachment this connection does not hold ends the connection.
-    assert!(matches!(done(&a, Message::Detach { attachment: 12345 }), Err(Error::Protocol { .. })));
+    assert!(matches!(
+        done(&a, Message::Detach { attachment: 12345 }),
+        Err(Error::Protocol { .. })
+    ));
     assert!(matches!(a.list(), Err(Error::PeerGone { .. })));
     assert!(b.list().is_ok());
     // Many buffers list across pages.
@@ -195,7 +227,9 @@ fn read_to_close(mut s: &UnixStream) -> Vec<u8> {
 fn refused_with(bytes: &[u8]) -> String {
     assert!(bytes.len() >= HEADER_LEN, "the server closed without a Refused frame");
     match codec::decode_body(
-        codec::decode_header(bytes[..HEADER_LEN].try_into().unwrap()).unwrap().kind,
+        codec::decode_header(bytes[..HEADER_LEN].try_into().unwrap())
+            .unwrap()
+            .kind,
         &bytes[HEADER_LEN..],
     )
     .unwrap()
@@ -276,12 +310,16 @@ fn hostile_clients_are_cut_off_and_a_good_client_is_served() {
     drop(idle);
 
     assert_eq!(good.list().unwrap().len(), 1);
-    wait_until("the server closed every hostile connection", || server_sockets(&path) == 3);
+    wait_until("the server closed every hostile connection", || {
+        server_sockets(&path) == 3
+    });
     assert_eq!(good.stats().unwrap().connections, 1);
     assert!(server.stats().rejected >= 49, "{:?}", server.stats());
     assert_eq!(live.load(Ordering::SeqCst), 1);
     drop(good);
-    wait_until("the good client's connection is gone", || server.stats().connections == 0);
+    wait_until("the good client's connection is gone", || {
+        server.stats().connections == 0
+    });
     assert_eq!(server_sockets(&path), 1, "only the listener is left");
     server.shutdown();
 }
@@ -323,8 +361,19 @@ fn host_child_role() {
     let client = Client::connect(&path).unwrap();
     let g = create(&client, "child/creating", G).unwrap();
     create(&client, "child/published", G).unwrap();
-    done(&client, Message::Publish { name: "child/published".into(), event: None }).unwrap();
-    let _a = client.call_granted(&Message::Attach { name: "child/published".into() }).unwrap();
+    done(
+        &client,
+        Message::Publish {
+            name: "child/published".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    let _a = client
+        .call_granted(&Message::Attach {
+            name: "child/published".into(),
+        })
+        .unwrap();
     println!("READY");
     std::io::stdout().flush().unwrap();
     let _keep = g;
@@ -336,7 +385,12 @@ fn a_killed_clients_holdings_are_reclaimed() {
     let path = path("killed");
     let (server, live) = serve(&path, quick_limits());
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "memsvc::server::tests::host_child_role", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "memsvc::server::tests::host_child_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ROLE, &path)
         .stdout(Stdio::piped())
         .spawn()
@@ -350,12 +404,22 @@ fn a_killed_clients_holdings_are_reclaimed() {
     assert_eq!(server.stats().attachments, 3);
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    wait_until("the dead client's attachments are reclaimed", || server.stats().attachments == 0);
+    wait_until("the dead client's attachments are reclaimed", || {
+        server.stats().attachments == 0
+    });
     let observer = Client::connect(&path).unwrap();
     let names: Vec<String> = observer.list().unwrap().into_iter().map(|b| b.name).collect();
-    assert_eq!(names, ["child/published"], "the unpublished buffer is gone, the published one stays");
+    assert_eq!(
+        names,
+        ["child/published"],
+        "the unpublished buffer is gone, the published one stays"
+    );
     assert_eq!(live.load(Ordering::SeqCst), 1);
     // A restarted client finds it by name.
-    assert!(observer.call_granted(&Message::Attach { name: "child/published".into() }).is_ok());
+    assert!(observer
+        .call_granted(&Message::Attach {
+            name: "child/published".into()
+        })
+        .is_ok());
     server.shutdown();
 }

@@ -50,13 +50,21 @@ fn create_publish_attach_delete_detach() {
     // Not attachable while being created, and only its creator publishes it.
     assert!(matches!(
         s.attach(2, "w/a", now),
-        Err(Error::WrongState { state: BufferState::Creating, op: "attach", .. })
+        Err(Error::WrongState {
+            state: BufferState::Creating,
+            op: "attach",
+            ..
+        })
     ));
     assert!(matches!(s.publish(2, "w/a", None, now), Err(Error::NotCreator { .. })));
     s.publish(1, "w/a", Some(&[7; 64]), now).unwrap();
     assert!(matches!(
         s.publish(1, "w/a", None, now),
-        Err(Error::WrongState { state: BufferState::Published, op: "publish", .. })
+        Err(Error::WrongState {
+            state: BufferState::Published,
+            op: "publish",
+            ..
+        })
     ));
     let a = s.attach(2, "w/a", now).unwrap();
     let mut relayed = [7u8; 64];
@@ -66,7 +74,10 @@ fn create_publish_attach_delete_detach() {
     let (list, more) = s.list("", now);
     assert!(!more);
     assert_eq!(list.len(), 1);
-    assert_eq!((list[0].attachments, list[0].state, list[0].owner_pid), (2, BufferState::Published, 42));
+    assert_eq!(
+        (list[0].attachments, list[0].state, list[0].owner_pid),
+        (2, BufferState::Published, 42)
+    );
     // Delete: the name goes now, the memory with the last attachment.
     s.delete(2, "w/a", now).unwrap();
     assert!(matches!(s.attach(2, "w/a", now), Err(Error::UnknownName { .. })));
@@ -105,7 +116,10 @@ fn racing_creators_one_wins() {
     }
     let wins = (1..=8).filter(|&c| create(&mut s, c, "race", G, now).is_ok()).count();
     assert_eq!(wins, 1);
-    assert!(matches!(create(&mut s, 3, "race", G, now), Err(Error::NameTaken { .. })));
+    assert!(matches!(
+        create(&mut s, 3, "race", G, now),
+        Err(Error::NameTaken { .. })
+    ));
     assert_eq!(live(&s), 1);
 }
 
@@ -174,10 +188,19 @@ fn ttl_takes_the_name_away() {
     s.create(1, 1, DEV, G, 0, "default", "", now).unwrap();
     s.publish(1, "default", None, now).unwrap();
     let list = s.list("", now + Duration::from_millis(500)).0;
-    assert_eq!(list.iter().find(|b| b.name == "short").unwrap().expires_in, Some(Duration::from_millis(500)));
-    assert_eq!(list.iter().find(|b| b.name == "default").unwrap().expires_in, Some(Duration::from_secs(60) - Duration::from_millis(500)));
+    assert_eq!(
+        list.iter().find(|b| b.name == "short").unwrap().expires_in,
+        Some(Duration::from_millis(500))
+    );
+    assert_eq!(
+        list.iter().find(|b| b.name == "default").unwrap().expires_in,
+        Some(Duration::from_secs(60) - Duration::from_millis(500))
+    );
     s.expire(now + Duration::from_secs(1));
-    assert!(matches!(s.attach(1, "short", now + Duration::from_secs(1)), Err(Error::UnknownName { .. })));
+    assert!(matches!(
+        s.attach(1, "short", now + Duration::from_secs(1)),
+        Err(Error::UnknownName { .. })
+    ));
     assert!(s.attach(1, "default", now + Duration::from_secs(1)).is_ok());
     // Expired but still attached (the creator): memory stays until detach.
     assert_eq!(live(&s), 2);
@@ -217,14 +240,21 @@ fn quotas_and_access() {
     create(&mut s, 2, "c", 3 * G, now).unwrap();
     assert!(matches!(
         create(&mut s, 2, "d", G, now),
-        Err(Error::QuotaExceeded { scope: QuotaScope::Total, kind: QuotaKind::Bytes, .. })
+        Err(Error::QuotaExceeded {
+            scope: QuotaScope::Total,
+            kind: QuotaKind::Bytes,
+            ..
+        })
     ));
     // Only the owner (or the server's uid) deletes.
     s.publish(1, "a", None, now).unwrap();
-    assert!(matches!(s.delete(2, "a", now), Err(Error::NotPermitted { uid: 2000, .. })));
+    assert!(matches!(
+        s.delete(2, "a", now),
+        Err(Error::NotPermitted { uid: 2000, .. })
+    ));
     s.publish(2, "c", None, now).unwrap();
     s.delete(1, "c", now).unwrap(); // uid 1000 is the server's
-    // Credit comes back only when the memory goes.
+                                    // Credit comes back only when the memory goes.
     s.delete(1, "a", now).unwrap();
     assert!(create(&mut s, 1, "e", 2 * G, now).is_err());
     s.detach(1, a.attachment).unwrap();
@@ -237,8 +267,14 @@ fn bad_requests_name_their_cause() {
     let mut s = state();
     s.connect(1, UID).unwrap();
     assert!(matches!(create(&mut s, 1, "../x", G, now), Err(Error::BadName { .. })));
-    assert!(matches!(create(&mut s, 1, "x", 0, now), Err(Error::BadSize { size: 0, .. })));
-    assert!(matches!(create(&mut s, 1, "x", u64::MAX, now), Err(Error::BadSize { .. })));
+    assert!(matches!(
+        create(&mut s, 1, "x", 0, now),
+        Err(Error::BadSize { size: 0, .. })
+    ));
+    assert!(matches!(
+        create(&mut s, 1, "x", u64::MAX, now),
+        Err(Error::BadSize { .. })
+    ));
     assert!(matches!(
         s.create(1, 1, DeviceUuid([9; 16]), G, 0, "x", "", now),
         Err(Error::DeviceNotServed { .. })
@@ -248,7 +284,10 @@ fn bad_requests_name_their_cause() {
         Err(Error::BadTag { len: 300, .. })
     ));
     assert!(matches!(s.attach(1, "nope", now), Err(Error::UnknownName { .. })));
-    assert!(matches!(s.publish(1, "nope", None, now), Err(Error::UnknownName { .. })));
+    assert!(matches!(
+        s.publish(1, "nope", None, now),
+        Err(Error::UnknownName { .. })
+    ));
     // The second device is served too.
     let g = s.create(1, 1, DeviceUuid([2; 16]), G, 0, "x", "", now).unwrap();
     assert_eq!(g.device, DeviceUuid([2; 16]));
@@ -286,5 +325,11 @@ fn clear_releases_everything() {
     s.publish(1, "b", None, now).unwrap();
     s.clear();
     assert_eq!(live(&s), 0);
-    assert_eq!(s.stats(), ServerStats { freed: 2, ..ServerStats::default() });
+    assert_eq!(
+        s.stats(),
+        ServerStats {
+            freed: 2,
+            ..ServerStats::default()
+        }
+    );
 }
