@@ -339,6 +339,14 @@ fn admit(inner: &Shared, stream: UnixStream) {
     };
     let creds = match cred::peer_credentials(&stream) {
         Ok(c) => c,
+        Err(crate::error::Error::ForeignPidNamespace { uid }) => {
+            return refused(Error::NotPermitted {
+                uid,
+                what: "connect from another pid namespace (SO_PEERCRED reports pid 0, so the server could \
+                       not tell when the process exits and reclaim what it holds)"
+                    .into(),
+            })
+        }
         Err(e) => return refused(e.into()),
     };
     {
