@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 use super::*;
 use crate::memsvc::backend::HostBackend;
 use crate::memsvc::client::Client;
+use crate::memsvc::policy::Quotas;
 use crate::memsvc::proto::messages::{HEADER_LEN, MAX_BODY_LEN};
 use crate::memsvc::types::BufferState;
 use crate::test_util::unique_name;
@@ -421,5 +422,71 @@ fn a_killed_clients_holdings_are_reclaimed() {
             name: "child/published".into()
         })
         .is_ok());
+    server.shutdown();
+}
+
+#[test]
+fn quotas_and_time_to_live_over_the_socket() {
+    let path = path("quota");
+    let backend = HostBackend::new(1, G);
+    let live = backend.live.clone();
+    let config = ServerConfig::new(&path).limits(quick_limits()).quotas(Quotas {
+        per_uid_buffers: Some(2),
+        ..Quotas::default()
+    });
+    let server = Server::serve_with(config, Box::new(backend)).unwrap();
+    let client = Client::connect(&path).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    let a = client
+        .call_granted(&Message::Create {
+            device: DEV,
+            size: G,
+            ttl_ms: 200,
+            name: "short".into(),
+            tag: String::new(),
+        })
+        .unwrap();
+    done(
+        &client,
+        Message::Publish {
+            name: "short".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    create(&client, "long", G).unwrap();
+    match create(&client, "third", G) {
+        Err(e @ Error::QuotaExceeded { .. }) => {
+            assert!(e.is_refusal());
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("uid {uid}")) && text.contains("limit 2"),
+                "{text}"
+            );
+        }
+        other => panic!("{:?}", other.map(|g| g.size)),
+    }
+    let listed = client.list().unwrap();
+    assert!(listed.iter().find(|b| b.name == "short").unwrap().expires_in.is_some());
+    assert!(listed.iter().find(|b| b.name == "long").unwrap().expires_in.is_none());
+    // The time-to-live runs out: the name goes (the server's housekeeping or the next call).
+    wait_until("the short-lived buffer expires", || {
+        client.list().unwrap().iter().all(|b| b.name != "short")
+    });
+    assert!(matches!(
+        client.call_granted(&Message::Attach { name: "short".into() }),
+        Err(Error::UnknownName { .. })
+    ));
+    // Still charged while attached; credited once detached.
+    assert!(matches!(create(&client, "third", G), Err(Error::QuotaExceeded { .. })));
+    done(
+        &client,
+        Message::Detach {
+            attachment: a.attachment,
+        },
+    )
+    .unwrap();
+    create(&client, "third", G).unwrap();
+    assert_eq!(live.load(Ordering::SeqCst), 2);
     server.shutdown();
 }
