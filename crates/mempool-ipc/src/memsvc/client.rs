@@ -246,7 +246,6 @@ impl Client {
         // From here on the server holds the buffer for us: dropping `created` deletes it.
         let mut created = Created {
             held: Held::new(self.clone(), name, g.attachment, device)?,
-            abort: true,
         };
         created.held.mapping = Some(gpu::import(device, g.fd, g.size, g.granularity)?);
         Ok(created)
@@ -393,8 +392,9 @@ impl Held {
             .expect("a buffer holds its mapping until released")
     }
 
-    /// Unmaps (after the device's work), then detaches; `abort` deletes the name first.
-    fn release(&mut self, abort: bool) -> Result<()> {
+    /// Unmaps (after the device's work), then detaches (which abandons a buffer not yet
+    /// published: the server deletes it, by its attachment, never by a name someone may reuse).
+    fn release(&mut self) -> Result<()> {
         let mut first: Option<Error> = None;
         if let Some(mapping) = self.mapping.take() {
             // Unmapping is not stream-ordered: wait for the work that may use the memory.
@@ -406,13 +406,6 @@ impl Held {
         self.publish_event = None;
         if self.attached {
             self.attached = false;
-            if abort {
-                if let Err(e) = self.client.delete(&self.name) {
-                    if !matches!(e, Error::UnknownName { .. }) {
-                        first.get_or_insert(e);
-                    }
-                }
-            }
             if let Err(e) = self.client.call_done(&Message::Detach {
                 attachment: self.attachment,
             }) {
@@ -426,8 +419,8 @@ impl Held {
         }
     }
 
-    fn drop_release(&mut self, abort: bool) {
-        if let Err(e) = self.release(abort) {
+    fn drop_release(&mut self) {
+        if let Err(e) = self.release() {
             crate::error::record_drop_error(crate::error::Error::Io(std::io::Error::other(format!(
                 "releasing memory service buffer {:?}: {e}",
                 self.name
@@ -442,7 +435,6 @@ impl Held {
 /// process's death: the server frees it once the process has exited).
 pub struct Created {
     held: Held,
-    abort: bool,
 }
 
 /// A published buffer mapped into this process ([`Client::attach`], [`Created::publish`]).
@@ -529,7 +521,6 @@ impl Created {
             name: self.held.name.clone(),
             event: Some(handle),
         })?;
-        self.abort = false;
         self.held.publish_event = Some(event);
         // `self` is dropped after this with a husk that holds nothing (not attached, not mapped).
         let husk = Held {
@@ -548,28 +539,26 @@ impl Created {
 
     /// Unmaps and deletes the unpublished buffer (what dropping does), reporting errors.
     pub fn discard(mut self) -> Result<()> {
-        let abort = self.abort;
-        self.held.release(abort)
+        self.held.release()
     }
 }
 
 impl Drop for Created {
     fn drop(&mut self) {
-        let abort = self.abort;
-        self.held.drop_release(abort);
+        self.held.drop_release();
     }
 }
 
 impl Attached {
     /// Unmaps and detaches (what dropping does), reporting errors instead of recording them.
     pub fn release(mut self) -> Result<()> {
-        self.held.release(false)
+        self.held.release()
     }
 }
 
 impl Drop for Attached {
     fn drop(&mut self) {
-        self.held.drop_release(false);
+        self.held.drop_release();
     }
 }
 

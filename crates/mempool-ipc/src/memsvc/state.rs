@@ -302,7 +302,8 @@ impl<B: Backend> State<B> {
         Ok(Grant { attachment, ..grant })
     }
 
-    /// `detach`: ends one of the connection's attachments.
+    /// `detach`: ends one of the connection's attachments. The creator detaching a buffer it has
+    /// not published abandons it: its name goes and its memory is freed.
     pub(crate) fn detach(&mut self, conn: ConnId, attachment: u64) -> Result<()> {
         self.conn(conn)?;
         match self.attachments.get(&attachment) {
@@ -328,8 +329,13 @@ impl<B: Backend> State<B> {
             return;
         };
         buffer.attachments -= 1;
-        if buffer.attachments == 0 && buffer.state == BufferState::Deleting {
-            self.free(id);
+        if buffer.attachments == 0 {
+            match buffer.state {
+                BufferState::Deleting => self.free(id),
+                // Only its creator attaches a buffer being created: it let go without publishing.
+                BufferState::Creating => self.unname(id),
+                BufferState::Published => {}
+            }
         }
     }
 

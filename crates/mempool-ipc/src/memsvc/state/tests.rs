@@ -108,6 +108,25 @@ fn detach_of_anothers_attachment_is_a_protocol_error() {
 }
 
 #[test]
+fn a_creator_letting_go_unpublished_abandons_the_buffer() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let g = create(&mut s, 1, "gone", G, now).unwrap();
+    s.detach(1, g.attachment).unwrap();
+    assert!(matches!(s.attach(2, "gone", now), Err(Error::UnknownName { .. })));
+    assert_eq!(live(&s), 0);
+    // The abandoning is by attachment: a buffer another client made under a reused name stays.
+    let g = create(&mut s, 1, "reused", G, now).unwrap();
+    s.delete(1, "reused", now).unwrap();
+    create(&mut s, 2, "reused", G, now).unwrap();
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(s.list("", now).0.len(), 1);
+    assert_eq!(live(&s), 1);
+}
+
+#[test]
 fn racing_creators_one_wins() {
     let now = Instant::now();
     let mut s = state();
