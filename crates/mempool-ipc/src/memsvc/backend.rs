@@ -28,8 +28,9 @@ pub(crate) trait Backend: Send {
     fn devices(&self) -> &[(DeviceUuid, u64)];
     /// Allocates `size` bytes (a multiple of the device's granularity) on device `index`.
     fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>>;
-    /// Opens the creator's event `creator` on device `index`, makes the server's stream wait on
-    /// it and records an event of the server's own after it.
+    /// Opens the creator's event `creator` on device `index`, makes a stream of the server's wait
+    /// on it and records an event of the server's own after it (a stream per relay, so that one
+    /// creator's unfinished work holds up only its own buffer's attachers).
     fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>>;
 }
 

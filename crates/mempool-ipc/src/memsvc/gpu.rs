@@ -26,8 +26,6 @@ type EventPool = Arc<Mutex<Vec<(Event, EventBytes)>>>;
 struct Gpu {
     props: AllocationProps,
     ctx: Arc<Context>,
-    /// The server's stream: waits on creators' events, records the server's own.
-    stream: Stream,
     idle_events: EventPool,
 }
 
@@ -65,12 +63,10 @@ impl GpuBackend {
             let props = props(device);
             let granularity = device.vmm_granularity(&props, Granularity::Minimum)? as u64;
             let ctx = device.context()?;
-            let stream = Stream::new(&ctx)?;
             devices.push((uuid, granularity));
             gpus.push(Gpu {
                 props,
                 ctx,
-                stream,
                 idle_events: EventPool::default(),
             });
         }
@@ -127,7 +123,11 @@ impl Backend for GpuBackend {
     fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
         let gpu = &self.gpus[index];
         let opened = Event::open_ipc(&gpu.ctx, &IpcEventHandle(*creator))?;
-        gpu.stream.wait(&opened)?;
+        // A stream of its own for each relay: on one shared stream, a creator whose work never
+        // finishes would hold up every buffer published after it. Destroying it does not wait: the
+        // driver releases it once its work is done.
+        let stream = Stream::new(&gpu.ctx)?;
+        stream.wait(&opened)?;
         let recycled = gpu.idle_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let (own, handle) = match recycled {
             Some(pair) => pair,
@@ -142,8 +142,10 @@ impl Backend for GpuBackend {
             handle,
             pool: gpu.idle_events.clone(),
         };
-        relayed.event.as_ref().expect("just set").record(gpu.stream.as_ref())?;
-        // The wait is queued: the creator's event may go (the driver defers its release).
+        relayed.event.as_ref().expect("just set").record(stream.as_ref())?;
+        // The wait is queued: the creator's event and the stream may go (the driver defers their
+        // release until the work queued on them is done).
+        drop(stream);
         drop(opened);
         Ok(Box::new(relayed))
     }
