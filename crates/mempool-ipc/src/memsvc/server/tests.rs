@@ -345,7 +345,9 @@ fn connection_limits_and_idle_clients() {
     }
     // A client that holds something is never closed for idleness; one that holds nothing is.
     create(&a, "held", G).unwrap();
-    std::thread::sleep(Duration::from_millis(600));
+    wait_until("the idle connection that holds nothing is closed", || {
+        server.stats().connections == 1
+    });
     assert!(matches!(b.list(), Err(Error::PeerGone { .. })));
     assert!(a.list().is_ok());
     let c = Client::connect(&path).unwrap();
@@ -441,7 +443,7 @@ fn quotas_and_time_to_live_over_the_socket() {
         .call_granted(&Message::Create {
             device: DEV,
             size: G,
-            ttl_ms: 200,
+            ttl_ms: 2000,
             name: "short".into(),
             tag: String::new(),
         })
