@@ -59,6 +59,7 @@ mod fdpass;
 mod importer;
 mod lease;
 mod listener;
+pub mod memsvc;
 mod server;
 mod session;
 #[cfg(test)]

@@ -1,0 +1,300 @@
+//! Benchmark: attaching GPU memory held by the memory service (`mempool_ipc::memsvc`) after a
+//! client restart, against copying the same bytes from pinned host memory in the same run.
+//!
+//! The program runs the server in its own process, starts a creator process that creates the
+//! buffers (one buffer of `--size` bytes, or `--size` split into N buffers), fills them on the GPU,
+//! publishes them and exits; then, `--reps` times, a fresh attacher process (the restarted
+//! client) that connects, attaches every buffer by name, and waits for its stream (the data is
+//! usable from here on). In the same attacher process, after its attachments are dropped, the
+//! baseline: one host-to-device copy of the same number of bytes from pinned host memory
+//! (`cuMemcpyHtoDAsync` and a stream synchronize; the pinned and device allocations are not
+//! timed). CUDA's initialization is outside both timings.
+//!
+//! Run on a GPU: `cargo run --release -p mempool-bench --bin memsvc_attach -- [--size 16GiB]
+//! [--buffers 1 --buffers 1000] [--reps 3]`. Needs `--size` of free device memory twice over
+//! (the service's buffers and the copy's destination) and `--size` of pinned host memory. Without a
+//! GPU it says why and exits with status 2.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use mempool_core::{memory, Device, Stream};
+use mempool_ipc::memsvc::{Client, CreateOptions, Server, ServerConfig};
+
+/// Attach after a client restart, against a copy from pinned host memory.
+#[derive(Parser, Debug)]
+#[command(name = "memsvc_attach")]
+struct Args {
+    /// Bytes in all (e.g. 16GiB, 512MiB).
+    #[arg(long, default_value = "16GiB", value_parser = parse_bytes)]
+    size: u64,
+    /// How many buffers the bytes are split into; repeat for several rows. Default: 1 and 1000.
+    #[arg(long = "buffers")]
+    buffers: Vec<usize>,
+    /// Attacher processes per row (each a fresh process).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// (internal) The part this process plays: creator or attacher.
+    #[arg(long, hide = true)]
+    role: Option<String>,
+    /// (internal) The server's socket.
+    #[arg(long, hide = true)]
+    socket: Option<PathBuf>,
+    /// (internal) Bytes per buffer.
+    #[arg(long, hide = true)]
+    per: Option<u64>,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a number of bytes"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?} (B, KiB, MiB, GiB)")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("{s:?} overflows 64 bits"))
+}
+
+type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn name(count: usize, i: usize) -> String {
+    format!("bench/{count}/{i}")
+}
+
+/// Creates `count` buffers of `per` bytes, fills buffer `i` with the u32 `i + 1`, publishes them.
+fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
+    let device = Device::get(0)?;
+    let ctx = device.context()?;
+    let stream = Stream::new(&ctx)?;
+    let client = Client::connect(socket)?;
+    for i in 0..count {
+        let created = client.create(
+            &name(count, i),
+            per as usize,
+            device,
+            &CreateOptions::new().tag("bench"),
+        )?;
+        // SAFETY: 1. `created` maps `per` bytes (a multiple of 4) read-write for the device until it
+        // is released below, after a synchronize of the context.
+        unsafe { memory::fill_u32_async(&ctx, created.ptr(), i as u32 + 1, created.len() / 4, stream.as_ref()) }?;
+        created.publish(stream.as_ref())?.release()?;
+    }
+    println!("PUBLISHED");
+    Ok(())
+}
+
+/// Attaches every buffer (timed), checks their first words, then copies as many bytes from pinned
+/// host memory (timed). Prints `RESULT <attach seconds> <copy seconds>`.
+fn attacher(socket: &Path, count: usize, per: u64) -> Fallible<()> {
+    let device = Device::get(0)?;
+    let ctx = device.context()?;
+    let stream = Stream::new(&ctx)?;
+    let total = per as usize * count;
+
+    let start = Instant::now();
+    let client = Client::connect(socket)?;
+    let mut attached = Vec::with_capacity(count);
+    for i in 0..count {
+        attached.push(client.attach(&name(count, i), stream.as_ref())?);
+    }
+    stream.synchronize()?;
+    let attach = start.elapsed();
+    for i in [0, count - 1] {
+        let mut word = [0u8; 4];
+        // SAFETY: 1. buffer `i` maps at least 4 readable bytes until `attached` is dropped below.
+        unsafe { memory::copy_to_host(&ctx, &mut word, attached[i].ptr(), stream.as_ref()) }?;
+        let got = u32::from_le_bytes(word);
+        if got != i as u32 + 1 {
+            return Err(format!("buffer {i} starts with {got}, expected {}", i + 1).into());
+        }
+    }
+    drop(attached);
+    drop(client);
+
+    let host = memory::pinned_host_alloc(&ctx, total)?;
+    // SAFETY: `host` is a fresh pinned allocation of `total` bytes that nothing else uses.
+    unsafe { std::ptr::write_bytes(host, 0x5a, total) };
+    // SAFETY: `host..host+total` is that allocation, initialized just above, and lives until freed
+    // below; nothing writes it meanwhile.
+    let src = unsafe { std::slice::from_raw_parts(host, total) };
+    let dst = memory::device_alloc(&ctx, total)?;
+    let start = Instant::now();
+    // SAFETY: 1. `dst` is `total` bytes of device memory of `ctx`, written only by this copy.
+    unsafe { memory::copy_to_device(&ctx, dst, src, stream.as_ref()) }?;
+    let copy = start.elapsed();
+    // SAFETY: 1. `dst` came from `device_alloc` in `ctx` and the copy (synchronized) is its last use.
+    unsafe { memory::device_free(&ctx, dst) }?;
+    // SAFETY: `host` came from `pinned_host_alloc` in `ctx`; `src` (its last use) is not used again.
+    unsafe { memory::pinned_host_free(&ctx, host) }?;
+    println!("RESULT {} {}", attach.as_secs_f64(), copy.as_secs_f64());
+    Ok(())
+}
+
+fn run_child(role: &str, socket: &Path, count: usize, per: u64) -> Fallible<Option<(f64, f64)>> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--role", role, "--socket"])
+        .arg(socket)
+        .args(["--buffers", &count.to_string(), "--per", &per.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut result = None;
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line?;
+        if let Some(rest) = line.strip_prefix("RESULT ") {
+            let mut it = rest.split_whitespace().map(str::parse::<f64>);
+            match (it.next(), it.next()) {
+                (Some(Ok(a)), Some(Ok(c))) => result = Some((a, c)),
+                _ => return Err(format!("a malformed result line {line:?}").into()),
+            }
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        return Err(format!("the {role} process failed: {status}").into());
+    }
+    Ok(result)
+}
+
+fn host_cpu() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn ms(d: f64) -> String {
+    format!("{:.2} ms", d * 1e3)
+}
+
+fn main_process(args: &Args) -> Fallible<()> {
+    let rows = if args.buffers.is_empty() {
+        vec![1, 1000]
+    } else {
+        args.buffers.clone()
+    };
+    if args.reps == 0 || rows.contains(&0) {
+        return Err("--reps and --buffers must be at least 1".into());
+    }
+    let device = Device::get(0)?;
+    let socket = std::env::temp_dir().join(format!("memsvc-attach-{}.sock", std::process::id()));
+    let server = Server::serve(ServerConfig::new(&socket).devices([0]))?;
+    let admin = Client::connect(&socket)?;
+    let granularity = admin.devices()[0].1;
+    println!("memsvc_attach: attach after a client restart vs a copy from pinned host memory");
+    println!(
+        "device: {} ({}), host CPU: {}, {} attacher processes per row, median shown",
+        device.name()?,
+        device.uuid()?,
+        host_cpu(),
+        args.reps
+    );
+    println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
+    println!();
+    println!(
+        "{:<22} {:>11} {:>14} {:>14} {:>11} {:>15}",
+        "layout", "bytes", "attach", "copy", "copy GB/s", "attach speedup"
+    );
+    for &count in &rows {
+        let per = (args.size / count as u64) / granularity * granularity;
+        if per == 0 {
+            return Err(format!(
+                "{} split into {count} buffers is less than the granularity, {granularity} bytes",
+                human(args.size)
+            )
+            .into());
+        }
+        run_child("creator", &socket, count, per)?;
+        let mut attach = Vec::new();
+        let mut copy = Vec::new();
+        for _ in 0..args.reps {
+            let (a, c) = run_child("attacher", &socket, count, per)?.ok_or("the attacher printed no result")?;
+            attach.push(a);
+            copy.push(c);
+        }
+        let total = per * count as u64;
+        let (a, c) = (median(attach), median(copy));
+        println!(
+            "{:<22} {:>11} {:>14} {:>14} {:>11.1} {:>14.1}x",
+            format!("{count} x {}", human(per)),
+            human(total),
+            ms(a),
+            ms(c),
+            total as f64 / c / 1e9,
+            c / a
+        );
+        for i in 0..count {
+            admin.delete(&name(count, i))?;
+        }
+    }
+    drop(admin);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.stats().buffers > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.shutdown();
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Err(missing) = mempool_core::require_gpus(1) {
+        return missing.exit("memsvc_attach");
+    }
+    let result = match (args.role.as_deref(), &args.socket, args.per, args.buffers.first()) {
+        (None, _, _, _) => main_process(&args),
+        (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
+        (Some("attacher"), Some(socket), Some(per), Some(&count)) => attacher(socket, count, per),
+        (Some(role), ..) => Err(format!("unknown role {role:?} or missing --socket/--per/--buffers").into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("memsvc_attach: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("16GiB"), Ok(16 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert!(parse_bytes("16GB").is_err());
+        let args =
+            Args::try_parse_from(["memsvc_attach", "--size", "1GiB", "--buffers", "1", "--buffers", "10"]).unwrap();
+        assert_eq!((args.size, args.buffers, args.reps), (1 << 30, vec![1, 10], 3));
+    }
+}

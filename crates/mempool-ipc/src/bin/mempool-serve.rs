@@ -1,0 +1,182 @@
+//! `mempool-serve`: runs a memory service (`mempool_ipc::memsvc::Server`) until SIGTERM or SIGINT.
+//! `docs/memory-service.md` is the guide.
+//!
+//! ```text
+//! mempool-serve --socket /run/user/1000/mempool.sock --device 0 --device 1 \
+//!     --uid-bytes 64GiB --total-bytes 120GiB --allow-uid 1001 --ttl 3600
+//! ```
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use mempool_ipc::memsvc::{Limits, Quotas, Server, ServerConfig};
+
+/// Serve named GPU buffers that outlive the processes that made them.
+#[derive(Parser, Debug)]
+#[command(name = "mempool-serve", version)]
+struct Args {
+    /// The Unix socket to listen on (a stale socket file there is replaced; a live one is not).
+    #[arg(long, short = 's')]
+    socket: std::path::PathBuf,
+    /// A GPU to serve (ordinal as this process sees it); repeat for several. Default: 0.
+    #[arg(long = "device", short = 'd')]
+    devices: Vec<usize>,
+    /// Bytes one uid may hold (e.g. 64GiB, 512MiB, 1000000).
+    #[arg(long, value_parser = parse_bytes)]
+    uid_bytes: Option<u64>,
+    /// Buffers one uid may hold.
+    #[arg(long)]
+    uid_buffers: Option<u64>,
+    /// Bytes all buffers together may hold.
+    #[arg(long, value_parser = parse_bytes)]
+    total_bytes: Option<u64>,
+    /// Buffers all together.
+    #[arg(long)]
+    total_buffers: Option<u64>,
+    /// Another uid allowed to connect (besides this process's own); repeat for several. Widen
+    /// --mode too.
+    #[arg(long = "allow-uid")]
+    allow_uids: Vec<u32>,
+    /// The socket file's permission bits, in octal.
+    #[arg(long, default_value = "600", value_parser = parse_mode)]
+    mode: u32,
+    /// Default time-to-live of buffers created without one, in seconds (none: until deleted).
+    #[arg(long)]
+    ttl: Option<u64>,
+    /// Open connections at most.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+    /// Open connections of one uid at most.
+    #[arg(long, default_value_t = Limits::default().max_connections_per_uid)]
+    max_connections_per_uid: usize,
+    /// Seconds after which a connection that holds nothing and sends nothing is closed.
+    #[arg(long, default_value_t = Limits::default().idle_timeout.as_secs())]
+    idle_timeout: u64,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a number of bytes"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        "TiB" | "T" => 1 << 40,
+        other => return Err(format!("unknown unit {other:?} (B, KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("{s:?} overflows 64 bits"))
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| m & !0o777 == 0)
+        .ok_or_else(|| format!("{s:?} is not an octal mode of permission bits (e.g. 600, 660)"))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Err(e) = signal_hook::flag::register(signal, stop.clone()) {
+            eprintln!("mempool-serve: cannot handle signal {signal}: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let devices = if args.devices.is_empty() {
+        vec![0]
+    } else {
+        args.devices.clone()
+    };
+    let config = ServerConfig::new(&args.socket)
+        .devices(devices.clone())
+        .quotas(Quotas {
+            per_uid_bytes: args.uid_bytes,
+            per_uid_buffers: args.uid_buffers,
+            total_bytes: args.total_bytes,
+            total_buffers: args.total_buffers,
+        })
+        .allow_uids(args.allow_uids.clone())
+        .socket_mode(args.mode)
+        .default_ttl(args.ttl.map(Duration::from_secs))
+        .limits(Limits {
+            max_connections: args.max_connections,
+            max_connections_per_uid: args.max_connections_per_uid,
+            idle_timeout: Duration::from_secs(args.idle_timeout),
+            ..Limits::default()
+        });
+    let server = match Server::serve(config) {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("mempool-serve: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "mempool-serve: listening on {} (pid {}, devices {devices:?})",
+        server.path().display(),
+        std::process::id()
+    );
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stats = server.stats();
+    server.shutdown();
+    println!(
+        "mempool-serve: stopped ({} buffers, {} bytes released; {} freed before)",
+        stats.buffers, stats.bytes, stats.freed
+    );
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_and_modes_parse() {
+        assert_eq!(parse_bytes("64GiB"), Ok(64 << 30));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert!(parse_bytes("1PiB").is_err());
+        assert!(parse_bytes("x").is_err());
+        assert!(parse_bytes("99999999999TiB").is_err());
+        assert_eq!(parse_mode("660"), Ok(0o660));
+        assert!(parse_mode("1777").is_err());
+        assert!(parse_mode("9").is_err());
+    }
+
+    #[test]
+    fn flags_parse() {
+        let args = Args::try_parse_from([
+            "mempool-serve",
+            "--socket",
+            "/tmp/s",
+            "-d",
+            "0",
+            "-d",
+            "1",
+            "--uid-bytes",
+            "1GiB",
+            "--allow-uid",
+            "7",
+            "--ttl",
+            "60",
+        ])
+        .unwrap();
+        assert_eq!(args.devices, [0, 1]);
+        assert_eq!(args.uid_bytes, Some(1 << 30));
+        assert_eq!(args.allow_uids, [7]);
+        assert_eq!(args.mode, 0o600);
+        assert!(
+            Args::try_parse_from(["mempool-serve"]).is_err(),
+            "the socket is required"
+        );
+    }
+}

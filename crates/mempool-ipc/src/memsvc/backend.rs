@@ -1,0 +1,145 @@
+//! What the server's state machine needs of the GPU, as a trait: allocate exportable physical
+//! memory on a served device, export it as a file descriptor, and relay a creator's interprocess
+//! event into an event of the server's own. The GPU implementation is `gpu::GpuBackend`; the
+//! host double here (`HostBackend`, tests only) allocates `memfd`s, so the state machine and a
+//! running server are tested without a GPU, with real descriptors passed and counted.
+
+use std::os::fd::OwnedFd;
+
+use super::error::Result;
+use super::proto::messages::EventBytes;
+use crate::wire::DeviceUuid;
+
+/// Memory the server holds for one buffer; released when dropped.
+pub(crate) trait Allocation: Send {
+    /// A new descriptor for the memory (the client imports it; the server keeps its own).
+    fn export_fd(&self) -> Result<OwnedFd>;
+}
+
+/// The server's own event, recorded after the creator's work; attachers wait on it.
+pub(crate) trait RelayedEvent: Send {
+    /// Its interprocess handle.
+    fn handle(&self) -> EventBytes;
+}
+
+/// The GPU side of the server.
+pub(crate) trait Backend: Send {
+    /// The served devices: UUID and VMM granularity, in the order the state machine indexes them.
+    fn devices(&self) -> &[(DeviceUuid, u64)];
+    /// Allocates `size` bytes (a multiple of the device's granularity) on device `index`.
+    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>>;
+    /// Opens the creator's event `creator` on device `index`, makes a stream of the server's wait
+    /// on it and records an event of the server's own after it (a stream per relay, so that one
+    /// creator's unfinished work holds up only its own buffer's attachers).
+    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>>;
+}
+
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn devices(&self) -> &[(DeviceUuid, u64)] {
+        (**self).devices()
+    }
+    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+        (**self).allocate(index, size)
+    }
+    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+        (**self).relay_event(index, creator)
+    }
+}
+
+#[cfg(test)]
+pub(crate) use host::HostBackend;
+
+#[cfg(test)]
+mod host {
+    use std::os::fd::OwnedFd;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use super::{Allocation, Backend, RelayedEvent};
+    use crate::memsvc::error::{Error, Result};
+    use crate::memsvc::proto::messages::EventBytes;
+    use crate::wire::DeviceUuid;
+
+    /// A host double: "device memory" is a `memfd` of the size asked for; events are handles
+    /// derived from the creator's. Counts what is live, and can be told to fail allocations.
+    #[derive(Debug)]
+    pub(crate) struct HostBackend {
+        devices: Vec<(DeviceUuid, u64)>,
+        pub(crate) live: Arc<AtomicU64>,
+        pub(crate) live_bytes: Arc<AtomicU64>,
+        /// Allocations past this many bytes in all fail (a full GPU).
+        pub(crate) capacity: u64,
+    }
+
+    impl HostBackend {
+        pub(crate) fn new(devices: usize, granularity: u64) -> HostBackend {
+            HostBackend {
+                devices: (0..devices)
+                    .map(|i| (DeviceUuid([i as u8 + 1; 16]), granularity))
+                    .collect(),
+                live: Arc::default(),
+                live_bytes: Arc::default(),
+                capacity: u64::MAX,
+            }
+        }
+    }
+
+    struct MemFd {
+        fd: OwnedFd,
+        size: u64,
+        live: Arc<AtomicU64>,
+        live_bytes: Arc<AtomicU64>,
+    }
+
+    impl Allocation for MemFd {
+        fn export_fd(&self) -> Result<OwnedFd> {
+            Ok(self.fd.try_clone()?)
+        }
+    }
+
+    impl Drop for MemFd {
+        fn drop(&mut self) {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+            self.live_bytes.fetch_sub(self.size, Ordering::SeqCst);
+        }
+    }
+
+    struct HostEvent(EventBytes);
+
+    impl RelayedEvent for HostEvent {
+        fn handle(&self) -> EventBytes {
+            self.0
+        }
+    }
+
+    impl Backend for HostBackend {
+        fn devices(&self) -> &[(DeviceUuid, u64)] {
+            &self.devices
+        }
+
+        fn allocate(&mut self, _index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+            let used = self.live_bytes.load(Ordering::SeqCst);
+            if used.saturating_add(size) > self.capacity {
+                return Err(Error::ServerGpu {
+                    message: format!("out of memory: {used} of {} bytes in use, {size} asked", self.capacity),
+                });
+            }
+            let fd = rustix::fs::memfd_create("memsvc-test", rustix::fs::MemfdFlags::CLOEXEC)?;
+            rustix::fs::ftruncate(&fd, size)?;
+            self.live.fetch_add(1, Ordering::SeqCst);
+            self.live_bytes.fetch_add(size, Ordering::SeqCst);
+            Ok(Box::new(MemFd {
+                fd,
+                size,
+                live: self.live.clone(),
+                live_bytes: self.live_bytes.clone(),
+            }))
+        }
+
+        fn relay_event(&mut self, _index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+            let mut own = *creator;
+            own[0] ^= 0xff;
+            Ok(Box::new(HostEvent(own)))
+        }
+    }
+}

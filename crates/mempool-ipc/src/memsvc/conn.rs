@@ -1,0 +1,209 @@
+//! Whole memory-service frames over a Unix stream socket, with their descriptors, under time
+//! limits: the first byte of a frame may be waited for as long as the caller says, the rest must
+//! come within the frame limit (a client that trickles bytes is cut off). Descriptors are counted
+//! against what the frame's type carries; any extra are closed at once and the frame refused.
+//! Used by both the server and the client.
+
+use std::io::ErrorKind;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::net::{RecvFlags, SendFlags};
+
+use super::error::{Error, Result};
+use super::proto::codec;
+use super::proto::messages::{Message, HEADER_LEN};
+use crate::fdpass;
+
+/// One end of a memory-service connection.
+#[derive(Debug)]
+pub(crate) struct Framed {
+    stream: UnixStream,
+    /// Which side reads here: a server reads only client messages, a client only server ones.
+    server_side: bool,
+}
+
+fn is_timeout(errno: Errno) -> bool {
+    errno == Errno::AGAIN || errno == Errno::WOULDBLOCK || errno == Errno::TIMEDOUT
+}
+
+fn is_gone(errno: Errno) -> bool {
+    matches!(errno, Errno::PIPE | Errno::CONNRESET | Errno::NOTCONN)
+}
+
+impl Framed {
+    /// Wraps a connected socket; `write_timeout` bounds every send.
+    pub(crate) fn new(stream: UnixStream, server_side: bool, write_timeout: Duration) -> Result<Framed> {
+        stream.set_write_timeout(Some(write_timeout.max(Duration::from_millis(1))))?;
+        Ok(Framed { stream, server_side })
+    }
+
+    pub(crate) fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// Sends one message, with `fd` attached to its first byte.
+    pub(crate) fn send(&self, message: &Message, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+        let frame = codec::encode(message)?;
+        let mut sent = 0;
+        while sent < frame.len() {
+            let fds: Vec<BorrowedFd<'_>> = if sent == 0 {
+                fd.into_iter().collect()
+            } else {
+                Vec::new()
+            };
+            match fdpass::send_raw(self.stream.as_fd(), &frame[sent..], &fds, SendFlags::empty()) {
+                Ok(n) => sent += n,
+                Err(Errno::INTR) => {}
+                Err(e) if is_timeout(e) => {
+                    return Err(Error::Timeout {
+                        during: "writing a frame",
+                    })
+                }
+                Err(e) if is_gone(e) => {
+                    return Err(Error::PeerGone {
+                        during: "writing a frame",
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
+        // A zero timeout means "none" to the kernel: never pass one.
+        Ok(self
+            .stream
+            .set_read_timeout(timeout.map(|t| t.max(Duration::from_millis(1))))?)
+    }
+
+    /// Reads into `buf` until full. `deadline` None: wait for the first byte as long as
+    /// `first` allows (None: forever), then set the frame's deadline from `frame_timeout`.
+    fn fill(
+        &self,
+        buf: &mut [u8],
+        deadline: &mut Option<Instant>,
+        first: Option<Duration>,
+        frame_timeout: Duration,
+        fds: &mut Vec<OwnedFd>,
+        fd_limit: &mut usize,
+    ) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            match *deadline {
+                None => self.set_timeout(first)?,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::Timeout {
+                            during: "reading a frame",
+                        });
+                    }
+                    self.set_timeout(Some(left))?;
+                }
+            }
+            match fdpass::recv_raw(self.stream.as_fd(), &mut buf[got..], RecvFlags::empty()) {
+                Ok(r) => {
+                    let count = r.fds.len();
+                    if r.control_truncated || count > *fd_limit {
+                        return Err(Error::protocol(format!(
+                            "{} file descriptors arrived where at most {} may",
+                            count.max(*fd_limit + 1),
+                            *fd_limit
+                        )));
+                    }
+                    *fd_limit -= count;
+                    fds.extend(r.fds);
+                    if r.bytes == 0 {
+                        return Err(Error::PeerGone {
+                            during: if deadline.is_none() {
+                                "waiting for a frame"
+                            } else {
+                                "reading a frame"
+                            },
+                        });
+                    }
+                    if deadline.is_none() {
+                        *deadline = Some(Instant::now() + frame_timeout);
+                    }
+                    got += r.bytes;
+                }
+                Err(Errno::INTR) => {}
+                Err(e) if is_timeout(e) => {
+                    return Err(Error::Timeout {
+                        during: if deadline.is_none() {
+                            "waiting for a frame"
+                        } else {
+                            "reading a frame"
+                        },
+                    })
+                }
+                Err(e) if is_gone(e) => {
+                    return Err(Error::PeerGone {
+                        during: "reading a frame",
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives one message and its descriptors. Waits up to `first` for its first byte (None:
+    /// forever); the whole frame must then arrive within `frame_timeout`.
+    pub(crate) fn recv(&self, first: Option<Duration>, frame_timeout: Duration) -> Result<(Message, Vec<OwnedFd>)> {
+        let mut deadline = None;
+        let mut fds = Vec::new();
+        // Before the header is in, at most one descriptor (what any message carries) is kept.
+        let mut fd_limit = 1;
+        let mut header = [0u8; HEADER_LEN];
+        self.fill(
+            &mut header,
+            &mut deadline,
+            first,
+            frame_timeout,
+            &mut fds,
+            &mut fd_limit,
+        )?;
+        let h = codec::decode_header(&header)?;
+        if h.kind.is_from_client() != self.server_side {
+            return Err(Error::protocol(format!(
+                "{:?} is not a message this side receives",
+                h.kind
+            )));
+        }
+        let expected = h.kind.fds();
+        if fds.len() > expected {
+            return Err(Error::protocol(format!(
+                "{:?} carries {expected} file descriptors, {} arrived",
+                h.kind,
+                fds.len()
+            )));
+        }
+        fd_limit = expected - fds.len();
+        let mut body = vec![0u8; h.body_len];
+        self.fill(&mut body, &mut deadline, first, frame_timeout, &mut fds, &mut fd_limit)?;
+        if fds.len() != expected {
+            return Err(Error::protocol(format!(
+                "{:?} carries {expected} file descriptors, {} arrived",
+                h.kind,
+                fds.len()
+            )));
+        }
+        let message = codec::decode_body(h.kind, &body)?;
+        Ok((message, fds))
+    }
+
+    /// Shuts the socket down both ways (wakes a thread blocked reading it).
+    pub(crate) fn shutdown(stream: &UnixStream) {
+        if let Err(e) = stream.shutdown(std::net::Shutdown::Both) {
+            debug_assert!(e.kind() == ErrorKind::NotConnected, "{e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,217 @@
+//! The GPU under the memory service: the server's [`GpuBackend`] (VMM physical allocations with
+//! the POSIX file-descriptor handle type, and the relay of a creator's interprocess event onto a
+//! stream of the server's own), and the client's import of a granted descriptor (the
+//! memMapIPCDrv sample's pattern, as the importer's `vmm` does: import, reserve addresses of this
+//! process's own, map, grant this device read-write access).
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use mempool_core::{
+    Access, AllocationProps, Context, Device, Event, EventFlags, Granularity, HandleTypes, IpcEventHandle, Mapping,
+    PhysicalAllocation, Reservation, Stream, StreamRef,
+};
+
+use super::backend::{Allocation, Backend, RelayedEvent};
+use super::error::{Error, Result};
+use super::proto::messages::EventBytes;
+use crate::wire::DeviceUuid;
+
+/// The server's interprocess events not in use, with their handles. Events are recycled, never
+/// destroyed while the server runs, so a handle a client opened once stays valid for its
+/// connection's life and clients cache opened events per handle (as the exporter's importers do).
+type EventPool = Arc<Mutex<Vec<(Event, EventBytes)>>>;
+
+struct Gpu {
+    props: AllocationProps,
+    ctx: Arc<Context>,
+    idle_events: EventPool,
+}
+
+/// The server's GPU side, on the devices it serves.
+pub(crate) struct GpuBackend {
+    devices: Vec<(DeviceUuid, u64)>,
+    gpus: Vec<Gpu>,
+}
+
+/// The allocation properties both sides use: device memory of `device`, exportable as a POSIX
+/// file descriptor.
+fn props(device: Device) -> AllocationProps {
+    AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)
+}
+
+impl GpuBackend {
+    /// Opens the devices `ordinals` (their primary contexts) and a stream on each.
+    pub(crate) fn new(ordinals: &[usize]) -> Result<GpuBackend> {
+        if ordinals.is_empty() {
+            return Err(Error::InvalidArgument("a server needs at least one device".into()));
+        }
+        let mut devices = Vec::new();
+        let mut gpus: Vec<Gpu> = Vec::new();
+        for &ordinal in ordinals {
+            let device = Device::get(ordinal)?;
+            let uuid = DeviceUuid(device.uuid()?.0);
+            if devices.iter().any(|(u, _)| *u == uuid) {
+                return Err(Error::InvalidArgument(format!("device {ordinal} is listed twice")));
+            }
+            if !device.supports_vmm()? {
+                return Err(Error::InvalidArgument(format!(
+                    "device {ordinal} does not support virtual memory management"
+                )));
+            }
+            let props = props(device);
+            let granularity = device.vmm_granularity(&props, Granularity::Minimum)? as u64;
+            let ctx = device.context()?;
+            devices.push((uuid, granularity));
+            gpus.push(Gpu {
+                props,
+                ctx,
+                idle_events: EventPool::default(),
+            });
+        }
+        Ok(GpuBackend { devices, gpus })
+    }
+}
+
+struct GpuAllocation(PhysicalAllocation);
+
+impl Allocation for GpuAllocation {
+    fn export_fd(&self) -> Result<OwnedFd> {
+        Ok(self.0.export_fd()?)
+    }
+}
+
+/// A buffer's relayed event; back to its device's pool when the buffer is freed.
+struct GpuEvent {
+    event: Option<Event>,
+    handle: EventBytes,
+    pool: EventPool,
+}
+
+impl RelayedEvent for GpuEvent {
+    fn handle(&self) -> EventBytes {
+        self.handle
+    }
+}
+
+impl Drop for GpuEvent {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            self.pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((event, self.handle));
+        }
+    }
+}
+
+impl Backend for GpuBackend {
+    fn devices(&self) -> &[(DeviceUuid, u64)] {
+        &self.devices
+    }
+
+    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+        let size = usize::try_from(size)
+            .map_err(|_| Error::InvalidArgument(format!("{size} bytes do not fit this machine's addresses")))?;
+        Ok(Box::new(GpuAllocation(PhysicalAllocation::new(
+            &self.gpus[index].props,
+            size,
+        )?)))
+    }
+
+    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+        let gpu = &self.gpus[index];
+        let opened = Event::open_ipc(&gpu.ctx, &IpcEventHandle(*creator))?;
+        // A stream of its own for each relay: on one shared stream, a creator whose work never
+        // finishes would hold up every buffer published after it. Destroying it does not wait: the
+        // driver releases it once its work is done.
+        let stream = Stream::new(&gpu.ctx)?;
+        stream.wait(&opened)?;
+        let recycled = gpu.idle_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let (own, handle) = match recycled {
+            Some(pair) => pair,
+            None => {
+                let own = Event::new(&gpu.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+                let handle = own.ipc_handle()?.0;
+                (own, handle)
+            }
+        };
+        let relayed = GpuEvent {
+            event: Some(own),
+            handle,
+            pool: gpu.idle_events.clone(),
+        };
+        relayed.event.as_ref().expect("just set").record(stream.as_ref())?;
+        // The wait is queued: the creator's event and the stream may go (the driver defers their
+        // release until the work queued on them is done).
+        drop(stream);
+        drop(opened);
+        Ok(Box::new(relayed))
+    }
+}
+
+/// The device of this process whose UUID is `uuid`.
+pub(crate) fn local_device(uuid: DeviceUuid) -> Result<Device> {
+    for device in Device::all()? {
+        if device.uuid()?.0 == uuid.0 {
+            return Ok(device);
+        }
+    }
+    Err(Error::DeviceNotVisible {
+        device: uuid.to_string(),
+    })
+}
+
+/// Imports a granted allocation of `size` bytes on `device`, maps it into a fresh reservation of
+/// this process and grants `device` read-write access. Refuses a granularity that is not this
+/// process's own for the device (the server and this process would disagree about the layout).
+pub(crate) fn import(device: Device, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
+    let own = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
+    if granularity != own {
+        return Err(Error::protocol(format!(
+            "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
+        )));
+    }
+    // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
+    let size = size as usize;
+    let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
+    drop(fd); // imported: the handle holds the memory now
+    let reservation = Reservation::new(device, size, 0, None)?;
+    let mapping = Mapping::without_access(&reservation, 0, Arc::new(physical))?;
+    mapping.set_access(&[(device, Access::ReadWrite)])?;
+    Ok(mapping)
+}
+
+/// The server's events this client opened, by handle: each is opened once for the connection's
+/// life (the server recycles its events and never destroys one while it runs).
+pub(crate) type OpenedEvents = Mutex<HashMap<EventBytes, Arc<Event>>>;
+
+/// Makes `stream` wait on the server's interprocess event `handle` (no host wait), opening it
+/// in `ctx` on first use.
+pub(crate) fn wait_event(
+    opened: &OpenedEvents,
+    ctx: &Arc<Context>,
+    handle: &EventBytes,
+    stream: StreamRef<'_>,
+) -> Result<()> {
+    let event = {
+        let mut opened = opened.lock().unwrap_or_else(|p| p.into_inner());
+        match opened.entry(*handle) {
+            std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
+            std::collections::hash_map::Entry::Vacant(e) => e
+                .insert(Arc::new(Event::open_ipc(ctx, &IpcEventHandle(*handle))?))
+                .clone(),
+        }
+    };
+    stream.wait(&event)?;
+    Ok(())
+}
+
+/// Records an interprocess event on `stream`, for `publish`.
+pub(crate) fn record_event(ctx: &Arc<Context>, stream: StreamRef<'_>) -> Result<(Event, EventBytes)> {
+    let event = Event::new(ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
+    event.record(stream)?;
+    let handle = event.ipc_handle()?.0;
+    Ok((event, handle))
+}

@@ -1,0 +1,511 @@
+//! The bytes of the memory service's messages: [`encode`], [`decode_header`] and [`decode_body`],
+//! and the refusals' translation between [`Error`] and the wire ([`refusal_of`], [`error_of`]).
+//! Decoding checks every length against the bytes present and every field against its range, and
+//! refuses trailing bytes: a hostile frame is an [`Error::Protocol`], never a panic.
+
+use std::time::Duration;
+
+use super::messages::{
+    EventBytes, Message, MessageKind, Refusal, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DEVICES, MAX_LIST_PAGE, VERSION,
+};
+use crate::memsvc::error::{Error, QuotaKind, QuotaScope, Result};
+use crate::memsvc::names;
+use crate::memsvc::types::{BufferInfo, BufferState};
+use crate::wire::DeviceUuid;
+
+/// A decoded header: the message type and the body's length.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Header {
+    pub(crate) kind: MessageKind,
+    pub(crate) body_len: usize,
+}
+
+/// Checks a frame's header: magic, version, a known type, a body length within the limit.
+pub(crate) fn decode_header(bytes: &[u8; HEADER_LEN]) -> Result<Header> {
+    if bytes[0..4] != MAGIC {
+        return Err(Error::protocol(format!(
+            "bad magic {:02x?} (expected \"MPMS\": is this a memory service socket?)",
+            &bytes[0..4]
+        )));
+    }
+    let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    if version != VERSION {
+        return Err(Error::protocol(format!(
+            "protocol version {version}, this side speaks version {VERSION}"
+        )));
+    }
+    let code = u16::from_le_bytes([bytes[6], bytes[7]]);
+    let kind = MessageKind::from_code(code).ok_or_else(|| Error::protocol(format!("unknown message type {code}")))?;
+    let body_len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+    if body_len > MAX_BODY_LEN {
+        return Err(Error::protocol(format!(
+            "{kind:?} body of {body_len} bytes is longer than the limit of {MAX_BODY_LEN}"
+        )));
+    }
+    Ok(Header { kind, body_len })
+}
+
+/// Encodes a whole frame (header and body).
+pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
+    let mut w = Writer(Vec::with_capacity(64));
+    w.0.extend_from_slice(&MAGIC);
+    w.u16(VERSION);
+    w.u16(message.kind() as u16);
+    w.u32(0);
+    match message {
+        Message::Hello | Message::Stats | Message::Done => {}
+        Message::Create {
+            device,
+            size,
+            ttl_ms,
+            name,
+            tag,
+        } => {
+            w.bytes(&device.0);
+            w.u64(*size);
+            w.u64(*ttl_ms);
+            w.str(name)?;
+            w.str(tag)?;
+        }
+        Message::Publish { name, event } => {
+            w.event(event);
+            w.str(name)?;
+        }
+        Message::Attach { name } | Message::Delete { name } => w.str(name)?,
+        Message::List { after } => w.str(after)?,
+        Message::Detach { attachment } => w.u64(*attachment),
+        Message::Welcome { pid, devices } => {
+            if devices.len() > MAX_DEVICES {
+                return Err(Error::protocol(format!(
+                    "{} devices (at most {MAX_DEVICES})",
+                    devices.len()
+                )));
+            }
+            w.u32(*pid);
+            w.u16(devices.len() as u16);
+            for (uuid, granularity) in devices {
+                w.bytes(&uuid.0);
+                w.u64(*granularity);
+            }
+        }
+        Message::Granted {
+            attachment,
+            size,
+            granularity,
+            device,
+            event,
+        } => {
+            w.u64(*attachment);
+            w.u64(*size);
+            w.u64(*granularity);
+            w.bytes(&device.0);
+            w.event(event);
+        }
+        Message::ListPage { more, entries } => {
+            if entries.len() > MAX_LIST_PAGE {
+                return Err(Error::protocol(format!(
+                    "{} entries (at most {MAX_LIST_PAGE})",
+                    entries.len()
+                )));
+            }
+            w.u8(u8::from(*more));
+            w.u16(entries.len() as u16);
+            for e in entries {
+                w.str(&e.name)?;
+                w.u64(e.size);
+                w.bytes(&e.device.0);
+                w.str(&e.tag)?;
+                w.u8(e.state.code());
+                w.u32(e.owner_uid);
+                w.u32(e.owner_pid as u32);
+                w.u32(e.attachments);
+                w.u8(u8::from(e.expires_in.is_some()));
+                w.u64(
+                    e.expires_in
+                        .map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64),
+                );
+            }
+        }
+        Message::StatsReply { numbers } => numbers.iter().for_each(|n| w.u64(*n)),
+        Message::Refused(r) => {
+            w.u16(r.code);
+            w.u32(r.uid);
+            w.u8(r.scope);
+            w.u8(r.kind);
+            w.u8(r.state);
+            r.numbers.iter().for_each(|n| w.u64(*n));
+            w.str(&r.name)?;
+            w.str(&r.text)?;
+        }
+    }
+    let body_len = w.0.len() - HEADER_LEN;
+    if body_len > MAX_BODY_LEN {
+        return Err(Error::protocol(format!(
+            "{:?} body of {body_len} bytes is longer than the limit of {MAX_BODY_LEN}",
+            message.kind()
+        )));
+    }
+    w.0[8..12].copy_from_slice(&(body_len as u32).to_le_bytes());
+    Ok(w.0)
+}
+
+/// Decodes a body of the type its header named.
+pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
+    let mut r = Reader { bytes: body, kind };
+    let message = match kind {
+        MessageKind::Hello => Message::Hello,
+        MessageKind::Stats => Message::Stats,
+        MessageKind::Done => Message::Done,
+        MessageKind::Create => Message::Create {
+            device: DeviceUuid(r.array()?),
+            size: r.u64()?,
+            ttl_ms: r.u64()?,
+            name: r.str()?,
+            tag: r.str()?,
+        },
+        MessageKind::Publish => {
+            let event = r.event()?;
+            Message::Publish { name: r.str()?, event }
+        }
+        MessageKind::Attach => Message::Attach { name: r.str()? },
+        MessageKind::Delete => Message::Delete { name: r.str()? },
+        MessageKind::List => Message::List { after: r.str()? },
+        MessageKind::Detach => Message::Detach { attachment: r.u64()? },
+        MessageKind::Welcome => {
+            let pid = r.u32()?;
+            let count = usize::from(r.u16()?);
+            if count > MAX_DEVICES {
+                return Err(r.error(format!("{count} devices (at most {MAX_DEVICES})")));
+            }
+            let mut devices = Vec::with_capacity(count);
+            for _ in 0..count {
+                let uuid = DeviceUuid(r.array()?);
+                let granularity = r.u64()?;
+                if granularity == 0 || !granularity.is_power_of_two() {
+                    return Err(r.error(format!("granularity {granularity} is not a power of two")));
+                }
+                devices.push((uuid, granularity));
+            }
+            Message::Welcome { pid, devices }
+        }
+        MessageKind::Granted => {
+            let attachment = r.u64()?;
+            let size = r.u64()?;
+            let granularity = r.u64()?;
+            let device = DeviceUuid(r.array()?);
+            let event = r.event()?;
+            // The descriptor checks of wire/vmm.rs: what the client maps relies on them.
+            if granularity == 0 || !granularity.is_power_of_two() {
+                return Err(r.error(format!("granularity {granularity} is not a power of two")));
+            }
+            if size == 0 || !size.is_multiple_of(granularity) {
+                return Err(r.error(format!(
+                    "size {size} is not a non-zero multiple of the granularity {granularity}"
+                )));
+            }
+            if usize::try_from(size).is_err() || size > i64::MAX as u64 {
+                return Err(r.error(format!("size {size} does not fit this machine's addresses")));
+            }
+            Message::Granted {
+                attachment,
+                size,
+                granularity,
+                device,
+                event,
+            }
+        }
+        MessageKind::ListPage => {
+            let more = r.flag()?;
+            let count = usize::from(r.u16()?);
+            if count > MAX_LIST_PAGE {
+                return Err(r.error(format!("{count} entries (at most {MAX_LIST_PAGE})")));
+            }
+            let mut entries = Vec::with_capacity(count);
+            for _ in 0..count {
+                let name = r.str()?;
+                let size = r.u64()?;
+                let device = DeviceUuid(r.array()?);
+                let tag = r.str()?;
+                let code = r.u8()?;
+                let state = BufferState::from_code(code).ok_or_else(|| r.error(format!("unknown state {code}")))?;
+                let owner_uid = r.u32()?;
+                let owner_pid = r.u32()? as i32;
+                let attachments = r.u32()?;
+                let has_expiry = r.flag()?;
+                let ms = r.u64()?;
+                entries.push(BufferInfo {
+                    name,
+                    size,
+                    device,
+                    tag,
+                    state,
+                    owner_uid,
+                    owner_pid,
+                    attachments,
+                    expires_in: has_expiry.then(|| Duration::from_millis(ms)),
+                });
+            }
+            Message::ListPage { more, entries }
+        }
+        MessageKind::StatsReply => {
+            let mut numbers = [0u64; 7];
+            for n in &mut numbers {
+                *n = r.u64()?;
+            }
+            Message::StatsReply { numbers }
+        }
+        MessageKind::Refused => Message::Refused(Refusal {
+            code: r.u16()?,
+            uid: r.u32()?,
+            scope: r.u8()?,
+            kind: r.u8()?,
+            state: r.u8()?,
+            numbers: [r.u64()?, r.u64()?, r.u64()?],
+            name: r.str()?,
+            text: r.str()?,
+        }),
+    };
+    if !r.bytes.is_empty() {
+        return Err(r.error(format!("{} bytes after the end of the message", r.bytes.len())));
+    }
+    Ok(message)
+}
+
+/// Decodes a whole frame (tests and the property tests).
+#[cfg(test)]
+pub(crate) fn decode(frame: &[u8]) -> Result<Message> {
+    let header: &[u8; HEADER_LEN] = frame
+        .get(..HEADER_LEN)
+        .and_then(|h| h.try_into().ok())
+        .ok_or_else(|| Error::protocol(format!("a frame of {} bytes has no whole header", frame.len())))?;
+    let h = decode_header(header)?;
+    let body = &frame[HEADER_LEN..];
+    if body.len() != h.body_len {
+        return Err(Error::protocol(format!(
+            "{:?}: the header says {} body bytes, {} follow",
+            h.kind,
+            h.body_len,
+            body.len()
+        )));
+    }
+    decode_body(h.kind, body)
+}
+
+// Refusal codes.
+const NAME_TAKEN: u16 = 1;
+const UNKNOWN_NAME: u16 = 2;
+const BAD_NAME: u16 = 3;
+const BAD_TAG: u16 = 4;
+const QUOTA: u16 = 5;
+const NOT_PERMITTED: u16 = 6;
+const WRONG_STATE: u16 = 7;
+const NOT_CREATOR: u16 = 8;
+const BAD_SIZE: u16 = 9;
+const DEVICE_NOT_SERVED: u16 = 10;
+const BUSY: u16 = 11;
+const SERVER_GPU: u16 = 12;
+const PROTOCOL: u16 = 13;
+const TIMEOUT: u16 = 14;
+
+/// The operations a WrongState refusal names, by their code in `kind`.
+const OPS: [&str; 4] = ["publish", "attach", "delete", "detach"];
+
+/// The wire form of a refusal or of the reason a connection is closed.
+pub(crate) fn refusal_of(err: &Error) -> Refusal {
+    let mut r = Refusal::default();
+    match err {
+        Error::NameTaken { name } => (r.code, r.name) = (NAME_TAKEN, name.clone()),
+        Error::UnknownName { name } => (r.code, r.name) = (UNKNOWN_NAME, name.clone()),
+        Error::BadName { name, .. } => (r.code, r.name) = (BAD_NAME, name.clone()),
+        Error::BadTag { len, max } => (r.code, r.numbers) = (BAD_TAG, [*len as u64, *max as u64, 0]),
+        Error::QuotaExceeded {
+            scope,
+            kind,
+            limit,
+            in_use,
+            requested,
+        } => {
+            r.code = QUOTA;
+            match scope {
+                QuotaScope::Uid(uid) => r.uid = *uid,
+                QuotaScope::Total => r.scope = 1,
+            }
+            r.kind = u8::from(*kind == QuotaKind::Buffers);
+            r.numbers = [*limit, *in_use, *requested];
+        }
+        Error::NotPermitted { uid, what } => (r.code, r.uid, r.text) = (NOT_PERMITTED, *uid, what.clone()),
+        Error::WrongState { name, state, op } => {
+            r.code = WRONG_STATE;
+            r.name = name.clone();
+            r.state = state.code();
+            r.kind = OPS.iter().position(|o| o == op).unwrap_or(0) as u8;
+        }
+        Error::NotCreator { name } => (r.code, r.name) = (NOT_CREATOR, name.clone()),
+        Error::BadSize { size, reason } => (r.code, r.numbers[0], r.text) = (BAD_SIZE, *size, reason.clone()),
+        Error::DeviceNotServed { device } => (r.code, r.text) = (DEVICE_NOT_SERVED, device.clone()),
+        Error::Busy { reason } => (r.code, r.text) = (BUSY, reason.clone()),
+        Error::Timeout { during } => (r.code, r.text) = (TIMEOUT, (*during).to_owned()),
+        Error::Protocol { reason } => (r.code, r.text) = (PROTOCOL, reason.clone()),
+        Error::ServerGpu { message } => (r.code, r.text) = (SERVER_GPU, message.clone()),
+        other => (r.code, r.text) = (SERVER_GPU, other.to_string()),
+    }
+    // Bounded so that any refusal encodes: a name is at most 128 bytes once validated, but a
+    // refused one may be longer (up to what a string field holds); texts are the server's own.
+    truncate(&mut r.name, 512);
+    truncate(&mut r.text, 1024);
+    r
+}
+
+fn truncate(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+}
+
+/// The error a refusal from the server stands for.
+pub(crate) fn error_of(r: Refusal) -> Error {
+    match r.code {
+        NAME_TAKEN => Error::NameTaken { name: r.name },
+        UNKNOWN_NAME => Error::UnknownName { name: r.name },
+        BAD_NAME => {
+            let rule = match names::check_name_bytes(r.name.as_bytes()) {
+                Err(Error::BadName { rule, .. }) => rule,
+                _ => "refused by the server's naming rule",
+            };
+            Error::BadName { name: r.name, rule }
+        }
+        BAD_TAG => Error::BadTag {
+            len: r.numbers[0] as usize,
+            max: r.numbers[1] as usize,
+        },
+        QUOTA => Error::QuotaExceeded {
+            scope: if r.scope == 1 {
+                QuotaScope::Total
+            } else {
+                QuotaScope::Uid(r.uid)
+            },
+            kind: if r.kind == 1 {
+                QuotaKind::Buffers
+            } else {
+                QuotaKind::Bytes
+            },
+            limit: r.numbers[0],
+            in_use: r.numbers[1],
+            requested: r.numbers[2],
+        },
+        NOT_PERMITTED => Error::NotPermitted {
+            uid: r.uid,
+            what: r.text,
+        },
+        WRONG_STATE => match BufferState::from_code(r.state) {
+            Some(state) => Error::WrongState {
+                name: r.name,
+                state,
+                op: OPS.get(usize::from(r.kind)).copied().unwrap_or("do that"),
+            },
+            None => Error::protocol(format!("a WrongState refusal with unknown state {}", r.state)),
+        },
+        NOT_CREATOR => Error::NotCreator { name: r.name },
+        BAD_SIZE => Error::BadSize {
+            size: r.numbers[0],
+            reason: r.text,
+        },
+        DEVICE_NOT_SERVED => Error::DeviceNotServed { device: r.text },
+        BUSY => Error::Busy { reason: r.text },
+        SERVER_GPU => Error::ServerGpu { message: r.text },
+        PROTOCOL => Error::protocol(format!("the server refused our message: {}", r.text)),
+        TIMEOUT => Error::protocol(format!("the server timed out waiting for us: {}", r.text)),
+        code => Error::protocol(format!("a refusal with unknown code {code}: {}", r.text)),
+    }
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(b);
+    }
+    fn str(&mut self, s: &str) -> Result<()> {
+        let len = u16::try_from(s.len())
+            .map_err(|_| Error::protocol(format!("a string of {} bytes is longer than 65535", s.len())))?;
+        self.u16(len);
+        self.bytes(s.as_bytes());
+        Ok(())
+    }
+    fn event(&mut self, event: &Option<EventBytes>) {
+        self.u8(u8::from(event.is_some()));
+        self.bytes(&event.unwrap_or([0; 64]));
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    kind: MessageKind,
+}
+
+impl<'a> Reader<'a> {
+    fn error(&self, what: String) -> Error {
+        Error::protocol(format!("{:?}: {what}", self.kind))
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.bytes.len() < n {
+            return Err(self.error(format!("cut short: {n} bytes needed, {} left", self.bytes.len())));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn flag(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(self.error(format!("a flag byte of {v} (must be 0 or 1)"))),
+        }
+    }
+    fn str(&mut self) -> Result<String> {
+        let len = usize::from(self.u16()?);
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.error("a string is not UTF-8".into()))
+    }
+    fn event(&mut self) -> Result<Option<EventBytes>> {
+        let has = self.flag()?;
+        let event: EventBytes = self.array()?;
+        if !has && event != [0; 64] {
+            return Err(self.error("an absent event handle must be all zeros".into()));
+        }
+        Ok(has.then_some(event))
+    }
+}

@@ -1,0 +1,189 @@
+//! The memory service's messages. One request at a time: the client sends a request and reads
+//! one reply (a `Refused` for any refusal) before it sends the next.
+//!
+//! ```text
+//! frame: header (12 bytes) + body (at most MAX_BODY_LEN bytes)
+//! offset size field
+//!      0    4 magic     "MPMS"
+//!      4    2 version   u16 little-endian, 1
+//!      6    2 type      u16, a MessageKind
+//!      8    4 body len  u32
+//! strings: u16 length + UTF-8 bytes; GPU UUIDs: 16 bytes; event handles: 64 bytes
+//! ```
+//!
+//! | type | message | direction | body | descriptors |
+//! |---|---|---|---|---|
+//! | 1 | Hello | client | empty | 0 |
+//! | 2 | Create | client | uuid, size u64, ttl_ms u64 (0: none), name, tag | 0 |
+//! | 3 | Publish | client | has_event u8, event 64, name | 0 |
+//! | 4 | Attach | client | name | 0 |
+//! | 5 | Detach | client | attachment u64 | 0 |
+//! | 6 | Delete | client | name | 0 |
+//! | 7 | List | client | after (a name, or empty to start) | 0 |
+//! | 8 | Stats | client | empty | 0 |
+//! | 64 | Welcome | server | pid u32, count u16, count x (uuid, granularity u64) | 0 |
+//! | 65 | Granted | server | attachment u64, size u64, granularity u64, uuid, has_event u8, event 64 | 1 |
+//! | 66 | Done | server | empty | 0 |
+//! | 67 | ListPage | server | more u8, count u16, entries | 0 |
+//! | 68 | StatsReply | server | 7 x u64 | 0 |
+//! | 69 | Refused | server | code u16, uid u32, scope u8, kind u8, state u8, 3 x u64, name, text | 0 |
+
+use crate::wire::DeviceUuid;
+
+use super::super::types::BufferInfo;
+
+/// The protocol's magic bytes.
+pub(crate) const MAGIC: [u8; 4] = *b"MPMS";
+/// The one version this build speaks.
+pub(crate) const VERSION: u16 = 1;
+/// Header length.
+pub(crate) const HEADER_LEN: usize = 12;
+/// The longest body: 64 KiB.
+pub(crate) const MAX_BODY_LEN: usize = 64 * 1024;
+/// The most devices a Welcome names.
+pub(crate) const MAX_DEVICES: usize = 64;
+/// The most entries one ListPage carries (each at most 16+8+128+256+... bytes: 100 fit 64 KiB).
+pub(crate) const MAX_LIST_PAGE: usize = 100;
+/// An interprocess event handle.
+pub(crate) type EventBytes = [u8; 64];
+
+/// A message's type code.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum MessageKind {
+    Hello = 1,
+    Create = 2,
+    Publish = 3,
+    Attach = 4,
+    Detach = 5,
+    Delete = 6,
+    List = 7,
+    Stats = 8,
+    Welcome = 64,
+    Granted = 65,
+    Done = 66,
+    ListPage = 67,
+    StatsReply = 68,
+    Refused = 69,
+}
+
+impl MessageKind {
+    pub(crate) fn from_code(code: u16) -> Option<MessageKind> {
+        use MessageKind::*;
+        Some(match code {
+            1 => Hello,
+            2 => Create,
+            3 => Publish,
+            4 => Attach,
+            5 => Detach,
+            6 => Delete,
+            7 => List,
+            8 => Stats,
+            64 => Welcome,
+            65 => Granted,
+            66 => Done,
+            67 => ListPage,
+            68 => StatsReply,
+            69 => Refused,
+            _ => return None,
+        })
+    }
+
+    /// How many descriptors a message of this type carries.
+    pub(crate) fn fds(self) -> usize {
+        usize::from(self == MessageKind::Granted)
+    }
+
+    /// Whether the client sends it (else the server does).
+    pub(crate) fn is_from_client(self) -> bool {
+        (self as u16) < 64
+    }
+}
+
+/// A refusal as it travels: the code names the [`Error`](super::super::error::Error) variant,
+/// the other fields are that variant's (unused ones zero or empty).
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub(crate) struct Refusal {
+    pub(crate) code: u16,
+    pub(crate) uid: u32,
+    /// 0: a uid's quota, 1: the total.
+    pub(crate) scope: u8,
+    /// 0: bytes, 1: buffers; for WrongState, the operation (see `codec`).
+    pub(crate) kind: u8,
+    /// A buffer state's code.
+    pub(crate) state: u8,
+    pub(crate) numbers: [u64; 3],
+    pub(crate) name: String,
+    pub(crate) text: String,
+}
+
+/// A message of the memory service.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub(crate) enum Message {
+    Hello,
+    Create {
+        device: DeviceUuid,
+        size: u64,
+        ttl_ms: u64,
+        name: String,
+        tag: String,
+    },
+    Publish {
+        name: String,
+        event: Option<EventBytes>,
+    },
+    Attach {
+        name: String,
+    },
+    Detach {
+        attachment: u64,
+    },
+    Delete {
+        name: String,
+    },
+    List {
+        after: String,
+    },
+    Stats,
+    Welcome {
+        pid: u32,
+        devices: Vec<(DeviceUuid, u64)>,
+    },
+    /// The reply to Create and Attach; the allocation's descriptor travels with it.
+    Granted {
+        attachment: u64,
+        size: u64,
+        granularity: u64,
+        device: DeviceUuid,
+        event: Option<EventBytes>,
+    },
+    Done,
+    ListPage {
+        more: bool,
+        entries: Vec<BufferInfo>,
+    },
+    StatsReply {
+        numbers: [u64; 7],
+    },
+    Refused(Refusal),
+}
+
+impl Message {
+    pub(crate) fn kind(&self) -> MessageKind {
+        match self {
+            Message::Hello => MessageKind::Hello,
+            Message::Create { .. } => MessageKind::Create,
+            Message::Publish { .. } => MessageKind::Publish,
+            Message::Attach { .. } => MessageKind::Attach,
+            Message::Detach { .. } => MessageKind::Detach,
+            Message::Delete { .. } => MessageKind::Delete,
+            Message::List { .. } => MessageKind::List,
+            Message::Stats => MessageKind::Stats,
+            Message::Welcome { .. } => MessageKind::Welcome,
+            Message::Granted { .. } => MessageKind::Granted,
+            Message::Done => MessageKind::Done,
+            Message::ListPage { .. } => MessageKind::ListPage,
+            Message::StatsReply { .. } => MessageKind::StatsReply,
+            Message::Refused(_) => MessageKind::Refused,
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! The codec: every message round-trips, property tests over arbitrary messages and arbitrary
+//! bytes, and hostile frames (bad magic, version, type, oversized, cut short, trailing bytes,
+//! fields out of range) refused with a protocol error.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::codec::{decode, decode_body, decode_header, encode, error_of, refusal_of};
+use super::messages::*;
+use crate::memsvc::error::{Error, QuotaKind, QuotaScope};
+use crate::memsvc::types::{BufferInfo, BufferState};
+use crate::wire::DeviceUuid;
+
+fn info(i: u32) -> BufferInfo {
+    BufferInfo {
+        name: format!("n{i}"),
+        size: 2 << 20,
+        device: DeviceUuid([i as u8; 16]),
+        tag: "tag".into(),
+        state: if i.is_multiple_of(2) {
+            BufferState::Published
+        } else {
+            BufferState::Creating
+        },
+        owner_uid: 1000 + i,
+        owner_pid: -1,
+        attachments: i,
+        expires_in: i.is_multiple_of(3).then(|| Duration::from_millis(u64::from(i) * 7)),
+    }
+}
+
+fn samples() -> Vec<Message> {
+    vec![
+        Message::Hello,
+        Message::Create {
+            device: DeviceUuid([3; 16]),
+            size: 1 << 34,
+            ttl_ms: 9,
+            name: "model/w.0".into(),
+            tag: "é".into(),
+        },
+        Message::Publish {
+            name: "a".into(),
+            event: Some([5; 64]),
+        },
+        Message::Publish {
+            name: "a".into(),
+            event: None,
+        },
+        Message::Attach { name: "a".into() },
+        Message::Detach { attachment: u64::MAX },
+        Message::Delete { name: "a".into() },
+        Message::List { after: String::new() },
+        Message::Stats,
+        Message::Welcome {
+            pid: 77,
+            devices: vec![(DeviceUuid([1; 16]), 2 << 20), (DeviceUuid([2; 16]), 1 << 21)],
+        },
+        Message::Granted {
+            attachment: 4,
+            size: 6 << 20,
+            granularity: 2 << 20,
+            device: DeviceUuid([1; 16]),
+            event: Some([9; 64]),
+        },
+        Message::Done,
+        Message::ListPage {
+            more: true,
+            entries: (0..MAX_LIST_PAGE as u32).map(info).collect(),
+        },
+        Message::StatsReply {
+            numbers: [1, 2, 3, 4, 5, 6, 7],
+        },
+        Message::Refused(Refusal {
+            code: 5,
+            uid: 3,
+            scope: 0,
+            kind: 1,
+            state: 0,
+            numbers: [1, 2, 3],
+            name: "x".into(),
+            text: "y".into(),
+        }),
+    ]
+}
+
+#[test]
+fn every_message_round_trips() {
+    for m in samples() {
+        let frame = encode(&m).unwrap();
+        assert!(frame.len() - HEADER_LEN <= MAX_BODY_LEN, "{:?}", m.kind());
+        assert_eq!(decode(&frame).unwrap(), m);
+    }
+}
+
+#[test]
+fn the_longest_list_page_fits() {
+    let big = |i: u32| BufferInfo {
+        name: format!("{i:0>128}"),
+        tag: "t".repeat(256),
+        ..info(i)
+    };
+    let m = Message::ListPage {
+        more: false,
+        entries: (0..MAX_LIST_PAGE as u32).map(big).collect(),
+    };
+    assert_eq!(decode(&encode(&m).unwrap()).unwrap(), m);
+}
+
+fn protocol(result: crate::memsvc::error::Result<Message>) -> String {
+    match result {
+        Err(Error::Protocol { reason }) => reason,
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+}
+
+#[test]
+fn hostile_headers_are_refused() {
+    let frame = encode(&Message::Hello).unwrap();
+    let header = |f: &dyn Fn(&mut [u8; HEADER_LEN])| {
+        let mut h: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
+        f(&mut h);
+        decode_header(&h).map(|_| Message::Done)
+    };
+    assert!(protocol(header(&|h| h[0] = b'X')).contains("magic"));
+    assert!(protocol(header(&|h| h[..4].copy_from_slice(b"MPIP"))).contains("magic"));
+    assert!(protocol(header(&|h| h[4] = 2)).contains("version 2"));
+    assert!(protocol(header(&|h| h[6] = 200)).contains("unknown message type 200"));
+    assert!(protocol(header(
+        &|h| h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 + 1).to_le_bytes())
+    ))
+    .contains("limit"));
+    assert!(protocol(header(&|h| h[8..12].copy_from_slice(&u32::MAX.to_le_bytes()))).contains("limit"));
+    assert!(protocol(decode(&frame[..5])).contains("header"));
+}
+
+#[test]
+fn hostile_bodies_are_refused() {
+    for m in samples() {
+        let frame = encode(&m).unwrap();
+        let body = &frame[HEADER_LEN..];
+        // Every truncation is refused (or, for an empty body, there is none).
+        for cut in 0..body.len() {
+            protocol(decode_body(m.kind(), &body[..cut]));
+        }
+        // Trailing bytes are refused.
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(protocol(decode_body(m.kind(), &long)).contains("after the end"));
+    }
+    // A string that is not UTF-8.
+    let mut body = encode(&Message::Attach { name: "ab".into() }).unwrap()[HEADER_LEN..].to_vec();
+    body[2] = 0xff;
+    assert!(protocol(decode_body(MessageKind::Attach, &body)).contains("UTF-8"));
+    // A string length past the body.
+    let body = [0xff, 0xff, b'a'];
+    assert!(protocol(decode_body(MessageKind::Attach, &body)).contains("cut short"));
+    // A flag that is not 0 or 1, and an absent event that is not zeros.
+    let mut body = encode(&Message::Publish {
+        name: "a".into(),
+        event: None,
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    body[0] = 2;
+    assert!(protocol(decode_body(MessageKind::Publish, &body)).contains("flag"));
+    body[0] = 0;
+    body[5] = 1;
+    assert!(protocol(decode_body(MessageKind::Publish, &body)).contains("zeros"));
+}
+
+#[test]
+fn hostile_grants_are_refused() {
+    let granted = |size: u64, granularity: u64| {
+        let m = Message::Granted {
+            attachment: 1,
+            size,
+            granularity,
+            device: DeviceUuid([1; 16]),
+            event: None,
+        };
+        decode(&encode(&m).unwrap())
+    };
+    assert!(granted(4096, 4096).is_ok());
+    assert!(protocol(granted(4096, 3000)).contains("power of two"));
+    assert!(protocol(granted(4096, 0)).contains("power of two"));
+    assert!(protocol(granted(0, 4096)).contains("multiple"));
+    assert!(protocol(granted(6000, 4096)).contains("multiple"));
+    assert!(protocol(granted(1 << 63, 4096)).contains("addresses"));
+    // Counts past the limits.
+    let mut w = encode(&Message::Welcome {
+        pid: 1,
+        devices: vec![],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    w[4..6].copy_from_slice(&(MAX_DEVICES as u16 + 1).to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::Welcome, &w)).contains("devices"));
+    let mut l = encode(&Message::ListPage {
+        more: false,
+        entries: vec![],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    l[1..3].copy_from_slice(&(MAX_LIST_PAGE as u16 + 1).to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::ListPage, &l)).contains("entries"));
+    // Encoding refuses what decoding would.
+    assert!(encode(&Message::ListPage {
+        more: false,
+        entries: (0..101).map(info).collect()
+    })
+    .is_err());
+    assert!(encode(&Message::Attach {
+        name: "a".repeat(70_000)
+    })
+    .is_err());
+}
+
+#[test]
+fn refusals_travel_as_the_same_error() {
+    let errors = vec![
+        Error::NameTaken { name: "a".into() },
+        Error::UnknownName { name: "b".into() },
+        Error::BadName {
+            name: "/x".into(),
+            rule: "a name must not start with '/'",
+        },
+        Error::BadTag { len: 300, max: 256 },
+        Error::QuotaExceeded {
+            scope: QuotaScope::Uid(7),
+            kind: QuotaKind::Bytes,
+            limit: 1,
+            in_use: 2,
+            requested: 3,
+        },
+        Error::QuotaExceeded {
+            scope: QuotaScope::Total,
+            kind: QuotaKind::Buffers,
+            limit: 4,
+            in_use: 4,
+            requested: 1,
+        },
+        Error::NotPermitted {
+            uid: 9,
+            what: "delete".into(),
+        },
+        Error::WrongState {
+            name: "c".into(),
+            state: BufferState::Creating,
+            op: "attach",
+        },
+        Error::WrongState {
+            name: "c".into(),
+            state: BufferState::Published,
+            op: "publish",
+        },
+        Error::NotCreator { name: "d".into() },
+        Error::BadSize {
+            size: 0,
+            reason: "empty".into(),
+        },
+        Error::DeviceNotServed { device: "GPU-1".into() },
+        Error::Busy { reason: "full".into() },
+        Error::ServerGpu {
+            message: "out of memory".into(),
+        },
+    ];
+    for e in errors {
+        let wire = refusal_of(&e);
+        let back = decode(&encode(&Message::Refused(wire.clone())).unwrap()).unwrap();
+        assert_eq!(back, Message::Refused(wire.clone()));
+        assert_eq!(error_of(wire).to_string(), e.to_string());
+    }
+    // Other errors travel as the server's failure, with their message.
+    let e = error_of(refusal_of(&Error::InvalidArgument("z".into())));
+    assert!(
+        matches!(&e, Error::ServerGpu { message } if message.contains('z')),
+        "{e}"
+    );
+    // An unknown code is a protocol error, not a panic.
+    assert!(matches!(
+        error_of(Refusal {
+            code: 999,
+            ..Refusal::default()
+        }),
+        Error::Protocol { .. }
+    ));
+    // Long names and texts are cut to fit.
+    let long = refusal_of(&Error::UnknownName {
+        name: "é".repeat(1000)
+    });
+    assert!(long.name.len() <= 512);
+    assert!(encode(&Message::Refused(long)).is_ok());
+}
+
+fn arb_string(max: usize) -> impl Strategy<Value = String> {
+    proptest::collection::vec(any::<char>(), 0..max)
+        .prop_map(|c| c.into_iter().collect::<String>())
+        .prop_filter("fits a string field", |s| s.len() <= 400)
+}
+
+fn arb_event() -> impl Strategy<Value = Option<EventBytes>> {
+    proptest::option::of(proptest::collection::vec(any::<u8>(), 64).prop_map(|v| <[u8; 64]>::try_from(v).unwrap()))
+}
+
+fn arb_message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        Just(Message::Hello),
+        Just(Message::Stats),
+        Just(Message::Done),
+        (
+            any::<[u8; 16]>(),
+            any::<u64>(),
+            any::<u64>(),
+            arb_string(40),
+            arb_string(40)
+        )
+            .prop_map(|(d, size, ttl_ms, name, tag)| Message::Create {
+                device: DeviceUuid(d),
+                size,
+                ttl_ms,
+                name,
+                tag
+            }),
+        (arb_string(40), arb_event()).prop_map(|(name, event)| Message::Publish { name, event }),
+        arb_string(40).prop_map(|name| Message::Attach { name }),
+        arb_string(40).prop_map(|name| Message::Delete { name }),
+        arb_string(40).prop_map(|after| Message::List { after }),
+        any::<u64>().prop_map(|attachment| Message::Detach { attachment }),
+        (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()).prop_map(|(a, units, shift, d, event)| {
+            let granularity = 1u64 << shift;
+            Message::Granted {
+                attachment: a,
+                size: u64::from(units + 1) * granularity,
+                granularity,
+                device: DeviceUuid(d),
+                event,
+            }
+        }),
+        (any::<bool>(), proptest::collection::vec(any::<u32>(), 0..20)).prop_map(|(more, ids)| Message::ListPage {
+            more,
+            entries: ids.into_iter().map(info).collect()
+        }),
+        any::<[u64; 7]>().prop_map(|numbers| Message::StatsReply { numbers }),
+        (
+            any::<u16>(),
+            any::<u32>(),
+            any::<u8>(),
+            any::<u8>(),
+            any::<u8>(),
+            any::<[u64; 3]>(),
+            arb_string(30),
+            arb_string(30)
+        )
+            .prop_map(
+                |(code, uid, scope, kind, state, numbers, name, text)| Message::Refused(Refusal {
+                    code,
+                    uid,
+                    scope,
+                    kind,
+                    state,
+                    numbers,
+                    name,
+                    text
+                })
+            ),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_messages_round_trip(m in arb_message()) {
+        let frame = encode(&m).unwrap();
+        prop_assert_eq!(decode(&frame).unwrap(), m);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(kind in 0u16..80, body in proptest::collection::vec(any::<u8>(), 0..300)) {
+        if let Some(kind) = MessageKind::from_code(kind) {
+            // Whatever it decodes to encodes back to the same bytes.
+            if let Ok(m) = decode_body(kind, &body) {
+                prop_assert_eq!(&encode(&m).unwrap()[HEADER_LEN..], &body[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn flipped_bytes_never_panic(m in arb_message(), at in any::<prop::sample::Index>(), bit in 0u8..8) {
+        let mut frame = encode(&m).unwrap();
+        let i = at.index(frame.len());
+        frame[i] ^= 1 << bit;
+        let _ = decode(&frame);
+    }
+}

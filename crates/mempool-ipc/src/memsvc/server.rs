@@ -1,0 +1,545 @@
+//! The memory service's server: [`ServerConfig`] and [`Server`]. One thread accepts connections
+//! (and, every 100 ms, expires buffers whose time-to-live ran out and reclaims what dead clients'
+//! exited processes held); each admitted connection is served by a thread of its own, within the
+//! [`Limits`]: at most so many connections (in all and per uid), a handshake and every frame
+//! within their time limits, idle connections that hold nothing closed, descriptors counted.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+
+use super::backend::Backend;
+use super::conn::Framed;
+use super::error::{Error, Result};
+use super::gpu::GpuBackend;
+use super::policy::{Access, Limits, Quotas};
+use super::proto::codec;
+use super::proto::messages::Message;
+use super::state::{ConnId, Grant, Rules, State};
+use super::types::ServerStats;
+use crate::cred::{self, AccessPolicy, PeerCredentials};
+use crate::listener::{Listener, ListenerOptions};
+
+/// How a [`Server`] is set up. Build with [`ServerConfig::new`] and the setters.
+///
+/// ```
+/// use std::time::Duration;
+/// use mempool_ipc::memsvc::{Quotas, ServerConfig};
+/// let config = ServerConfig::new("/tmp/mempool.sock")
+///     .devices([0])
+///     .quotas(Quotas { per_uid_bytes: Some(64 << 30), ..Quotas::default() })
+///     .allow_uids([1001])
+///     .default_ttl(Some(Duration::from_secs(3600)));
+/// assert_eq!(config.path(), std::path::Path::new("/tmp/mempool.sock"));
+/// ```
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    path: PathBuf,
+    devices: Vec<usize>,
+    quotas: Quotas,
+    access: Access,
+    limits: Limits,
+    default_ttl: Option<Duration>,
+    socket_mode: u32,
+    max_buffer_bytes: u64,
+}
+
+impl ServerConfig {
+    /// Serves on the Unix socket `path`, on GPU 0, same uid only, no quotas, no time-to-live,
+    /// default [`Limits`], socket mode 0600.
+    pub fn new(path: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            path: path.into(),
+            devices: vec![0],
+            quotas: Quotas::default(),
+            access: Access::default(),
+            limits: Limits::default(),
+            default_ttl: None,
+            socket_mode: 0o600,
+            max_buffer_bytes: 1 << 46,
+        }
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The GPUs (ordinals as this process sees them) the server allocates on; clients name them
+    /// by UUID, so their own numbering may differ.
+    pub fn devices(mut self, ordinals: impl IntoIterator<Item = usize>) -> ServerConfig {
+        self.devices = ordinals.into_iter().collect();
+        self
+    }
+
+    /// The quotas.
+    pub fn quotas(mut self, quotas: Quotas) -> ServerConfig {
+        self.quotas = quotas;
+        self
+    }
+
+    /// More uids allowed to connect besides the server's own (widen
+    /// [`socket_mode`](Self::socket_mode) too).
+    pub fn allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> ServerConfig {
+        self.access.allow_uids = uids.into_iter().collect();
+        self
+    }
+
+    /// The connection limits and time limits.
+    pub fn limits(mut self, limits: Limits) -> ServerConfig {
+        self.limits = limits;
+        self
+    }
+
+    /// The time-to-live of buffers created without one (`None`: they live until deleted).
+    pub fn default_ttl(mut self, ttl: Option<Duration>) -> ServerConfig {
+        self.default_ttl = ttl;
+        self
+    }
+
+    /// The socket file's permission bits (default `0o600`).
+    pub fn socket_mode(mut self, mode: u32) -> ServerConfig {
+        self.socket_mode = mode;
+        self
+    }
+
+    /// The largest buffer in bytes, after rounding (default 64 TiB).
+    pub fn max_buffer_bytes(mut self, bytes: u64) -> ServerConfig {
+        self.max_buffer_bytes = bytes;
+        self
+    }
+}
+
+type Shared = Arc<Inner>;
+
+struct ConnEntry {
+    uid: u32,
+    stream: UnixStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Inner {
+    state: Mutex<State<Box<dyn Backend>>>,
+    limits: Limits,
+    stop: AtomicBool,
+    conns: Mutex<HashMap<ConnId, ConnEntry>>,
+    /// Ended connections that held attachments, with their process's pidfd.
+    reaper: Mutex<Vec<(ConnId, OwnedFd)>>,
+    next_conn: AtomicU64,
+    pid: u32,
+}
+
+impl Inner {
+    fn state(&self) -> MutexGuard<'_, State<Box<dyn Backend>>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn conns(&self) -> MutexGuard<'_, HashMap<ConnId, ConnEntry>> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn reaper(&self) -> MutexGuard<'_, Vec<(ConnId, OwnedFd)>> {
+        self.reaper.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running memory service. See the [module documentation](self) and `docs/memory-service.md`.
+///
+/// [`Server::serve`] binds the socket and starts the threads; [`Server::shutdown`] (or dropping
+/// it) stops them, closes every connection, releases every buffer the server holds and removes
+/// the socket file. Clients' mappings stay valid after that (each holds its own imported handle)
+/// until they drop them; their next call returns [`Error::PeerGone`].
+pub struct Server {
+    inner: Shared,
+    path: PathBuf,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server").field("path", &self.path).finish()
+    }
+}
+
+impl Server {
+    /// Starts serving GPU memory on `config`'s devices at its socket path.
+    ///
+    /// A stale socket file at the path (one nobody answers on: a crashed server's) is replaced;
+    /// a live one is never stolen ([`Error::SocketPath`]), nor any other kind of file.
+    pub fn serve(config: ServerConfig) -> Result<Server> {
+        let backend = GpuBackend::new(&config.devices)?;
+        Server::serve_with(config, Box::new(backend))
+    }
+
+    /// [`Server::serve`] over any backend (the tests' host double).
+    pub(crate) fn serve_with(config: ServerConfig, backend: Box<dyn Backend>) -> Result<Server> {
+        if config.limits.max_connections == 0 || config.limits.max_connections_per_uid == 0 {
+            return Err(Error::InvalidArgument("connection limits must be at least 1".into()));
+        }
+        let server_uid = rustix::process::geteuid().as_raw();
+        let mut uids = vec![server_uid];
+        uids.extend(&config.access.allow_uids);
+        let listener = Listener::bind_with(
+            &config.path,
+            ListenerOptions {
+                mode: config.socket_mode,
+                policy: AccessPolicy::AllowUids(uids),
+                replace_stale: true,
+                ..ListenerOptions::default()
+            },
+        )
+        .map_err(|e| match e {
+            crate::error::Error::SocketPath { path, reason } => Error::SocketPath {
+                path: path.display().to_string(),
+                reason,
+            },
+            other => other.into(),
+        })?;
+        listener.set_nonblocking()?;
+        let rules = Rules {
+            server_uid,
+            access: config.access.clone(),
+            quotas: config.quotas,
+            default_ttl: config.default_ttl,
+            max_buffer_bytes: config.max_buffer_bytes,
+        };
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State::new(backend, rules)),
+            limits: config.limits,
+            stop: AtomicBool::new(false),
+            conns: Mutex::default(),
+            reaper: Mutex::default(),
+            next_conn: AtomicU64::new(1),
+            pid: std::process::id(),
+        });
+        let for_thread = inner.clone();
+        let accept = std::thread::Builder::new()
+            .name("memsvc-accept".into())
+            .spawn(move || accept_loop(&for_thread, listener))?;
+        Ok(Server {
+            inner,
+            path: config.path,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> ServerStats {
+        self.inner.state().stats()
+    }
+
+    /// Stops serving: closes every connection, releases every buffer, removes the socket file.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+        let threads: Vec<JoinHandle<()>> = {
+            let mut conns = self.inner.conns();
+            conns
+                .values_mut()
+                .filter_map(|c| {
+                    Framed::shutdown(&c.stream);
+                    c.thread.take()
+                })
+                .collect()
+        };
+        for t in threads {
+            let _ = t.join();
+        }
+        self.inner.reaper().clear();
+        self.inner.state().clear();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(inner: &Shared, listener: Listener) {
+    while !inner.stop.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+        let tick = Timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000_000,
+        };
+        let ready = rustix::event::poll(&mut fds, Some(&tick)).unwrap_or(0);
+        housekeeping(inner);
+        if ready == 0 {
+            continue;
+        }
+        // Until WouldBlock: none waits (or a transient accept error; the next tick retries).
+        while let Ok(stream) = listener.accept_stream() {
+            admit(inner, stream);
+        }
+    }
+    // The listener drops here: the socket file goes.
+}
+
+/// Expires buffers; ends the attachments of ended connections whose process exited.
+fn housekeeping(inner: &Shared) {
+    inner.state().expire(Instant::now());
+    let exited: Vec<ConnId> = {
+        let mut reaper = inner.reaper();
+        let mut exited = Vec::new();
+        reaper.retain(|(conn, pidfd)| {
+            let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+            let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
+            let gone = matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0);
+            if gone {
+                exited.push(*conn);
+            }
+            !gone
+        });
+        exited
+    };
+    if !exited.is_empty() {
+        let mut state = inner.state();
+        for conn in exited {
+            state.process_exited(conn);
+        }
+    }
+}
+
+/// Refuses a connection with `err` (best effort: a short frame into an empty socket buffer).
+fn refuse(stream: &UnixStream, err: &Error) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+    if let Ok(frame) = codec::encode(&Message::Refused(codec::refusal_of(err))) {
+        let _ = rustix::net::send(
+            stream.as_fd(),
+            &frame,
+            rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT,
+        );
+    }
+}
+
+fn admit(inner: &Shared, stream: UnixStream) {
+    let _ = stream.set_nonblocking(false);
+    let refused = |err: Error| {
+        refuse(&stream, &err);
+        inner.state().count_rejected();
+    };
+    let creds = match cred::peer_credentials(&stream) {
+        Ok(c) => c,
+        Err(crate::error::Error::ForeignPidNamespace { uid }) => {
+            return refused(Error::NotPermitted {
+                uid,
+                what: "connect from another pid namespace (SO_PEERCRED reports pid 0, so the server could \
+                       not tell when the process exits and reclaim what it holds)"
+                    .into(),
+            })
+        }
+        Err(e) => return refused(e.into()),
+    };
+    {
+        let conns = inner.conns();
+        let limits = inner.limits;
+        if conns.len() >= limits.max_connections {
+            return refused(Error::Busy {
+                reason: format!("it has {} connections, its limit", limits.max_connections),
+            });
+        }
+        let mine = conns.values().filter(|c| c.uid == creds.uid).count();
+        if mine >= limits.max_connections_per_uid {
+            return refused(Error::Busy {
+                reason: format!("uid {} has {mine} connections, the limit per uid", creds.uid),
+            });
+        }
+    }
+    let conn = inner.next_conn.fetch_add(1, Ordering::SeqCst);
+    if let Err(e) = inner.state().connect(conn, creds.uid) {
+        return refused(e);
+    }
+    // The process's identity, fixed now: its pid may be reused after it exits.
+    // None: already gone, so nothing it holds can outlive it.
+    let pidfd = rustix::process::Pid::from_raw(creds.pid)
+        .ok_or(rustix::io::Errno::SRCH)
+        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+        .ok();
+    let (clone, framed) = match stream
+        .try_clone()
+        .map_err(Error::from)
+        .and_then(|c| Ok((c, Framed::new(stream, true, inner.limits.write_timeout)?)))
+    {
+        Ok(pair) => pair,
+        Err(_) => {
+            inner.state().disconnect(conn);
+            return;
+        }
+    };
+    let mut conns = inner.conns();
+    let for_thread = inner.clone();
+    let thread = std::thread::Builder::new()
+        .name(format!("memsvc-conn-{conn}"))
+        .spawn(move || serve_connection(&for_thread, conn, framed, creds, pidfd));
+    match thread {
+        Ok(thread) => {
+            conns.insert(
+                conn,
+                ConnEntry {
+                    uid: creds.uid,
+                    stream: clone,
+                    thread: Some(thread),
+                },
+            );
+        }
+        Err(_) => {
+            drop(conns);
+            refuse(
+                &clone,
+                &Error::Busy {
+                    reason: "it could not start a thread".into(),
+                },
+            );
+            inner.state().disconnect(conn);
+        }
+    }
+}
+
+fn serve_connection(inner: &Shared, conn: ConnId, framed: Framed, creds: PeerCredentials, pidfd: Option<OwnedFd>) {
+    let outcome = converse(inner, conn, &framed, &creds);
+    if let Err(e) = outcome {
+        if !matches!(e, Error::PeerGone { .. }) {
+            if !inner.stop.load(Ordering::SeqCst) {
+                inner.state().count_rejected();
+            }
+            refuse(framed.stream(), &e);
+        }
+    }
+    let holds = inner.state().disconnect(conn);
+    if holds {
+        match pidfd {
+            Some(pidfd) => inner.reaper().push((conn, pidfd)),
+            None => inner.state().process_exited(conn),
+        }
+    }
+    // Dropping the entry also drops its JoinHandle (detaching this thread) unless `stop` took it.
+    inner.conns().remove(&conn);
+}
+
+fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentials) -> Result<()> {
+    let limits = inner.limits;
+    match framed.recv(Some(limits.handshake_timeout), limits.frame_timeout) {
+        Ok((Message::Hello, _)) => {}
+        Ok((other, _)) => return Err(Error::protocol(format!("expected Hello, got {:?}", other.kind()))),
+        Err(Error::Timeout { .. }) => {
+            return Err(Error::Timeout {
+                during: "waiting for Hello",
+            })
+        }
+        Err(e) => return Err(e),
+    }
+    let devices = inner.state().devices();
+    framed.send(
+        &Message::Welcome {
+            pid: inner.pid,
+            devices,
+        },
+        None,
+    )?;
+    loop {
+        if inner.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let first = if inner.state().holds_anything(conn) {
+            None
+        } else {
+            Some(limits.idle_timeout)
+        };
+        let (request, _) = match framed.recv(first, limits.frame_timeout) {
+            Ok(r) => r,
+            Err(Error::Timeout {
+                during: "waiting for a frame",
+            }) => {
+                return Err(Error::Timeout {
+                    during: "an idle connection that holds nothing",
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        let now = Instant::now();
+        let reply: Result<(Message, Option<OwnedFd>)> = match request {
+            Message::Create {
+                device,
+                size,
+                ttl_ms,
+                name,
+                tag,
+            } => inner
+                .state()
+                .create(conn, creds.pid, device, size, ttl_ms, &name, &tag, now)
+                .map(granted),
+            Message::Publish { name, event } => inner
+                .state()
+                .publish(conn, &name, event.as_ref(), now)
+                .map(|()| (Message::Done, None)),
+            Message::Attach { name } => inner.state().attach(conn, &name, now).map(granted),
+            Message::Detach { attachment } => inner.state().detach(conn, attachment).map(|()| (Message::Done, None)),
+            Message::Delete { name } => inner.state().delete(conn, &name, now).map(|()| (Message::Done, None)),
+            Message::List { after } => {
+                let (entries, more) = inner.state().list(&after, now);
+                Ok((Message::ListPage { more, entries }, None))
+            }
+            Message::Stats => {
+                let s = inner.state().stats();
+                Ok((
+                    Message::StatsReply {
+                        numbers: [
+                            s.buffers,
+                            s.bytes,
+                            s.named,
+                            s.attachments,
+                            s.connections,
+                            s.freed,
+                            s.rejected,
+                        ],
+                    },
+                    None,
+                ))
+            }
+            other => Err(Error::protocol(format!("{:?} after the handshake", other.kind()))),
+        };
+        match reply {
+            Ok((message, fd)) => framed.send(&message, fd.as_ref().map(|f| f.as_fd()))?,
+            // A message that breaks the protocol (a detach of an attachment it does not hold)
+            // ends the connection; anything else the state machine says is a refusal, a
+            // failure of the server's GPU included (`ServerGpu`).
+            Err(e @ Error::Protocol { .. }) => return Err(e),
+            Err(e) => framed.send(&Message::Refused(codec::refusal_of(&e)), None)?,
+        }
+    }
+}
+
+fn granted(g: Grant) -> (Message, Option<OwnedFd>) {
+    (
+        Message::Granted {
+            attachment: g.attachment,
+            size: g.size,
+            granularity: g.granularity,
+            device: g.device,
+            event: g.event,
+        },
+        Some(g.fd),
+    )
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,494 @@
+//! A running server over the host double: the protocol end to end with real descriptors, the
+//! refusals, stale and live socket files, and clients that misbehave (garbage, oversized frames,
+//! slowloris, descriptors where none belong, many idle connections, connection limits) while a
+//! well-behaved client is served; afterwards the server holds no connection socket beyond its
+//! listener. A dead client's holdings are reclaimed once its process (a child of this test
+//! binary, killed with SIGKILL) has exited.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+
+use super::*;
+use crate::memsvc::backend::HostBackend;
+use crate::memsvc::client::Client;
+use crate::memsvc::policy::Quotas;
+use crate::memsvc::proto::messages::{HEADER_LEN, MAX_BODY_LEN};
+use crate::memsvc::types::BufferState;
+use crate::test_util::unique_name;
+use crate::wire::DeviceUuid;
+
+const G: u64 = 4096;
+const DEV: DeviceUuid = DeviceUuid([1; 16]);
+const WAIT: Duration = Duration::from_secs(20);
+const CHILD_ROLE: &str = "MEMPOOL_MEMSVC_HOST_CHILD";
+
+fn path(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("{}.sock", unique_name(tag)))
+}
+
+fn quick_limits() -> Limits {
+    Limits {
+        max_connections: 64,
+        max_connections_per_uid: 64,
+        handshake_timeout: Duration::from_millis(300),
+        frame_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(30),
+        write_timeout: Duration::from_millis(500),
+    }
+}
+
+fn serve(path: &Path, limits: Limits) -> (Server, Arc<AtomicU64>) {
+    let backend = HostBackend::new(1, G);
+    let live = backend.live.clone();
+    let config = ServerConfig::new(path).limits(limits);
+    (Server::serve_with(config, Box::new(backend)).unwrap(), live)
+}
+
+fn create(client: &Client, name: &str, size: u64) -> crate::memsvc::error::Result<crate::memsvc::client::Granted> {
+    client.call_granted(&Message::Create {
+        device: DEV,
+        size,
+        ttl_ms: 0,
+        name: name.into(),
+        tag: "t".into(),
+    })
+}
+
+fn done(client: &Client, m: Message) -> crate::memsvc::error::Result<()> {
+    match client.call(&m)? {
+        (Message::Done, _) => Ok(()),
+        (other, _) => panic!("expected Done, got {other:?}"),
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// How many descriptors of this process are sockets of the server at `path` (the listener and
+/// the server's side of accepted connections: `/proc/net/unix` names the address the listener
+/// was bound to for both, the listener's private directory next to `path`, see `listener`).
+fn server_sockets(path: &Path) -> usize {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let prefix = path
+        .parent()
+        .unwrap()
+        .join(format!(".{}.", path.file_name().unwrap().to_str().unwrap()));
+    let prefix = prefix.to_str().unwrap().to_owned();
+    let inodes: std::collections::HashSet<String> = table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(7)
+                .is_some_and(|p| p.starts_with(&prefix) && p.ends_with(".tmp/s"))
+        })
+        .filter_map(|l| l.split_whitespace().nth(6).map(str::to_owned))
+        .collect();
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|target| {
+            let t = target.to_str()?.to_owned();
+            t.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_owned)
+        })
+        .filter(|inode| inodes.contains(inode))
+        .count()
+}
+
+#[test]
+fn create_publish_attach_list_delete_over_the_socket() {
+    let path = path("e2e");
+    let (server, live) = serve(&path, quick_limits());
+    let a = Client::connect(&path).unwrap();
+    let b = Client::connect(&path).unwrap();
+    assert_eq!(a.server_pid(), std::process::id());
+    assert_eq!(a.devices(), &[(DEV, G)]);
+    let g = create(&a, "m/w", 5000).unwrap();
+    assert_eq!(g.size, 2 * G);
+    // The descriptor is the server's memory (a memfd of the rounded size here).
+    assert_eq!(rustix::fs::fstat(&g.fd).unwrap().st_size as u64, 2 * G);
+    assert!(matches!(create(&b, "m/w", G), Err(Error::NameTaken { .. })));
+    assert!(matches!(
+        b.call_granted(&Message::Attach { name: "m/w".into() }),
+        Err(Error::WrongState {
+            state: BufferState::Creating,
+            ..
+        })
+    ));
+    done(
+        &a,
+        Message::Publish {
+            name: "m/w".into(),
+            event: Some([3; 64]),
+        },
+    )
+    .unwrap();
+    let at = b.call_granted(&Message::Attach { name: "m/w".into() }).unwrap();
+    assert!(at.event.is_some());
+    assert_eq!(rustix::fs::fstat(&at.fd).unwrap().st_size as u64, 2 * G);
+    let list = b.list().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(
+        (list[0].name.as_str(), list[0].tag.as_str(), list[0].attachments),
+        ("m/w", "t", 2)
+    );
+    assert_eq!(list[0].owner_uid, rustix::process::geteuid().as_raw());
+    b.delete("m/w").unwrap();
+    assert!(matches!(b.delete("m/w"), Err(Error::UnknownName { .. })));
+    assert!(matches!(b.delete("../x"), Err(Error::BadName { .. })));
+    assert_eq!(live.load(Ordering::SeqCst), 1, "still attached");
+    done(
+        &a,
+        Message::Detach {
+            attachment: g.attachment,
+        },
+    )
+    .unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: at.attachment,
+        },
+    )
+    .unwrap();
+    assert_eq!(live.load(Ordering::SeqCst), 0);
+    let stats = a.stats().unwrap();
+    assert_eq!((stats.buffers, stats.freed, stats.connections), (0, 1, 2));
+    // A detach of an attachment this connection does not hold ends the connection.
+    assert!(matches!(
+        done(&a, Message::Detach { attachment: 12345 }),
+        Err(Error::Protocol { .. })
+    ));
+    assert!(matches!(a.list(), Err(Error::PeerGone { .. })));
+    assert!(b.list().is_ok());
+    // Many buffers list across pages.
+    for i in 0..230 {
+        create(&b, &format!("p{i:03}"), G).unwrap();
+    }
+    let names: Vec<String> = b.list().unwrap().into_iter().map(|i| i.name).collect();
+    assert_eq!(names, (0..230).map(|i| format!("p{i:03}")).collect::<Vec<_>>());
+    drop((a, b));
+    server.shutdown();
+    assert_eq!(live.load(Ordering::SeqCst), 0, "shutdown releases everything");
+    assert!(!path.exists(), "shutdown removes the socket file");
+}
+
+#[test]
+fn server_gone_is_peer_gone_and_a_restart_serves_the_path_again() {
+    let path = path("gone");
+    let (server, _) = serve(&path, quick_limits());
+    let client = Client::connect(&path).unwrap();
+    create(&client, "x", G).unwrap();
+    // A second server never steals a live socket.
+    match Server::serve_with(ServerConfig::new(&path), Box::new(HostBackend::new(1, G))) {
+        Err(Error::SocketPath { reason, .. }) => assert!(reason.contains("listening"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    server.shutdown();
+    assert!(matches!(client.list(), Err(Error::PeerGone { .. })));
+    assert!(matches!(client.stats(), Err(Error::PeerGone { .. })));
+    assert!(matches!(Client::connect(&path), Err(Error::PeerGone { .. })));
+    // A crashed server leaves its socket file: a stale one, replaced by the next server.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let (server, _) = serve(&path, quick_limits());
+    let client = Client::connect(&path).unwrap();
+    assert!(client.list().unwrap().is_empty(), "a restarted server starts empty");
+    server.shutdown();
+    // Something that is not a socket is never removed.
+    std::fs::write(&path, b"not a socket").unwrap();
+    assert!(matches!(
+        Server::serve_with(ServerConfig::new(&path), Box::new(HostBackend::new(1, G))),
+        Err(Error::SocketPath { .. })
+    ));
+    std::fs::remove_file(&path).unwrap();
+}
+
+fn raw_connect(path: &Path) -> UnixStream {
+    let s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s
+}
+
+/// Reads until the server closes the connection; returns what it sent.
+fn read_to_close(mut s: &UnixStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut out);
+    out
+}
+
+fn refused_with(bytes: &[u8]) -> String {
+    assert!(bytes.len() >= HEADER_LEN, "the server closed without a Refused frame");
+    match codec::decode_body(
+        codec::decode_header(bytes[..HEADER_LEN].try_into().unwrap())
+            .unwrap()
+            .kind,
+        &bytes[HEADER_LEN..],
+    )
+    .unwrap()
+    {
+        Message::Refused(r) => codec::error_of(r).to_string(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn hostile_clients_are_cut_off_and_a_good_client_is_served() {
+    let path = path("hostile");
+    let (server, live) = serve(&path, quick_limits());
+    let good = Client::connect(&path).unwrap();
+    create(&good, "keep", G).unwrap();
+    // The listener, and the good connection's socket with the clone that shutdown uses.
+    assert_eq!(server_sockets(&path), 3);
+
+    // Garbage instead of a header.
+    let s = raw_connect(&path);
+    (&s).write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("magic"));
+    // The exporter's protocol on this socket.
+    let s = raw_connect(&path);
+    (&s).write_all(b"MPIP\x02\x00\x01\x00\x00\x00\x00\x00").unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("magic"));
+    // An oversized frame.
+    let s = raw_connect(&path);
+    let mut h = codec::encode(&Message::Hello).unwrap();
+    h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 * 4).to_le_bytes());
+    (&s).write_all(&h).unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("limit"));
+    // Slowloris: half a header, then nothing.
+    let s = raw_connect(&path);
+    (&s).write_all(&codec::encode(&Message::Hello).unwrap()[..5]).unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("timed out"));
+    // Silence: no Hello within the handshake limit.
+    let s = raw_connect(&path);
+    assert!(refused_with(&read_to_close(&s)).contains("timed out"));
+    // A server message from a client.
+    let s = raw_connect(&path);
+    (&s).write_all(&codec::encode(&Message::Done).unwrap()).unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("not a message"));
+    // A request before Hello.
+    let s = raw_connect(&path);
+    (&s).write_all(&codec::encode(&Message::Stats).unwrap()).unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("Hello"));
+    // Descriptors where none belong: closed, and the connection refused.
+    let s = raw_connect(&path);
+    let memfd = crate::test_util::memfd_with(&unique_name("stray"), b"x");
+    let hello = codec::encode(&Message::Hello).unwrap();
+    crate::fdpass::send_raw(
+        std::os::fd::AsFd::as_fd(&s),
+        &hello,
+        &[std::os::fd::AsFd::as_fd(&memfd), std::os::fd::AsFd::as_fd(&memfd)],
+        rustix::net::SendFlags::empty(),
+    )
+    .unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("descriptors"));
+    // A hostile body after a good handshake.
+    let s = raw_connect(&path);
+    (&s).write_all(&hello).unwrap();
+    let mut welcome = vec![0u8; HEADER_LEN];
+    std::io::Read::read_exact(&mut &s, &mut welcome).unwrap();
+    let body_len = u32::from_le_bytes(welcome[8..12].try_into().unwrap()) as usize;
+    let mut body = vec![0u8; body_len];
+    std::io::Read::read_exact(&mut &s, &mut body).unwrap();
+    let mut attach = codec::encode(&Message::Attach { name: "ab".into() }).unwrap();
+    attach[HEADER_LEN] = 0xff; // a string length past the body
+    (&s).write_all(&attach).unwrap();
+    assert!(refused_with(&read_to_close(&s)).contains("cut short"));
+    // Many idle clients, all cut off at the handshake limit.
+    let idle: Vec<UnixStream> = (0..40).map(|_| raw_connect(&path)).collect();
+    assert!(good.list().is_ok(), "served while idle clients wait");
+    for s in &idle {
+        assert!(refused_with(&read_to_close(s)).contains("timed out"));
+    }
+    drop(idle);
+
+    assert_eq!(good.list().unwrap().len(), 1);
+    wait_until("the server closed every hostile connection", || {
+        server_sockets(&path) == 3
+    });
+    assert_eq!(good.stats().unwrap().connections, 1);
+    assert!(server.stats().rejected >= 49, "{:?}", server.stats());
+    assert_eq!(live.load(Ordering::SeqCst), 1);
+    drop(good);
+    wait_until("the good client's connection is gone", || {
+        server.stats().connections == 0
+    });
+    assert_eq!(server_sockets(&path), 1, "only the listener is left");
+    server.shutdown();
+}
+
+#[test]
+fn connection_limits_and_idle_clients() {
+    let path = path("limits");
+    let (server, _) = serve(
+        &path,
+        Limits {
+            max_connections: 3,
+            max_connections_per_uid: 2,
+            idle_timeout: Duration::from_millis(300),
+            ..quick_limits()
+        },
+    );
+    let a = Client::connect(&path).unwrap();
+    let b = Client::connect(&path).unwrap();
+    match Client::connect(&path) {
+        Err(Error::Busy { reason }) => assert!(reason.contains("per uid"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // A client that holds something is never closed for idleness; one that holds nothing is.
+    create(&a, "held", G).unwrap();
+    wait_until("the idle connection that holds nothing is closed", || {
+        server.stats().connections == 1
+    });
+    assert!(matches!(b.list(), Err(Error::PeerGone { .. })));
+    assert!(a.list().is_ok());
+    let c = Client::connect(&path).unwrap();
+    assert!(c.list().is_ok());
+    server.shutdown();
+}
+
+/// Not a test of its own: the child process of `a_killed_clients_holdings_are_reclaimed`.
+#[test]
+fn host_child_role() {
+    let Ok(path) = std::env::var(CHILD_ROLE) else {
+        return;
+    };
+    let client = Client::connect(&path).unwrap();
+    let g = create(&client, "child/creating", G).unwrap();
+    create(&client, "child/published", G).unwrap();
+    done(
+        &client,
+        Message::Publish {
+            name: "child/published".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    let _a = client
+        .call_granted(&Message::Attach {
+            name: "child/published".into(),
+        })
+        .unwrap();
+    println!("READY");
+    std::io::stdout().flush().unwrap();
+    let _keep = g;
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_killed_clients_holdings_are_reclaimed() {
+    let path = path("killed");
+    let (server, live) = serve(&path, quick_limits());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "memsvc::server::tests::host_child_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ROLE, &path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    while !line.contains("READY") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before READY");
+    }
+    assert_eq!(server.stats().attachments, 3);
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    wait_until("the dead client's attachments are reclaimed", || {
+        server.stats().attachments == 0
+    });
+    let observer = Client::connect(&path).unwrap();
+    let names: Vec<String> = observer.list().unwrap().into_iter().map(|b| b.name).collect();
+    assert_eq!(
+        names,
+        ["child/published"],
+        "the unpublished buffer is gone, the published one stays"
+    );
+    assert_eq!(live.load(Ordering::SeqCst), 1);
+    // A restarted client finds it by name.
+    assert!(observer
+        .call_granted(&Message::Attach {
+            name: "child/published".into()
+        })
+        .is_ok());
+    server.shutdown();
+}
+
+#[test]
+fn quotas_and_time_to_live_over_the_socket() {
+    let path = path("quota");
+    let backend = HostBackend::new(1, G);
+    let live = backend.live.clone();
+    let config = ServerConfig::new(&path).limits(quick_limits()).quotas(Quotas {
+        per_uid_buffers: Some(2),
+        ..Quotas::default()
+    });
+    let server = Server::serve_with(config, Box::new(backend)).unwrap();
+    let client = Client::connect(&path).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    let a = client
+        .call_granted(&Message::Create {
+            device: DEV,
+            size: G,
+            ttl_ms: 2000,
+            name: "short".into(),
+            tag: String::new(),
+        })
+        .unwrap();
+    done(
+        &client,
+        Message::Publish {
+            name: "short".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    create(&client, "long", G).unwrap();
+    match create(&client, "third", G) {
+        Err(e @ Error::QuotaExceeded { .. }) => {
+            assert!(e.is_refusal());
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("uid {uid}")) && text.contains("limit 2"),
+                "{text}"
+            );
+        }
+        other => panic!("{:?}", other.map(|g| g.size)),
+    }
+    let listed = client.list().unwrap();
+    assert!(listed.iter().find(|b| b.name == "short").unwrap().expires_in.is_some());
+    assert!(listed.iter().find(|b| b.name == "long").unwrap().expires_in.is_none());
+    // The time-to-live runs out: the name goes (the server's housekeeping or the next call).
+    wait_until("the short-lived buffer expires", || {
+        client.list().unwrap().iter().all(|b| b.name != "short")
+    });
+    assert!(matches!(
+        client.call_granted(&Message::Attach { name: "short".into() }),
+        Err(Error::UnknownName { .. })
+    ));
+    // Still charged while attached; credited once detached.
+    assert!(matches!(create(&client, "third", G), Err(Error::QuotaExceeded { .. })));
+    done(
+        &client,
+        Message::Detach {
+            attachment: a.attachment,
+        },
+    )
+    .unwrap();
+    create(&client, "third", G).unwrap();
+    assert_eq!(live.load(Ordering::SeqCst), 2);
+    server.shutdown();
+}

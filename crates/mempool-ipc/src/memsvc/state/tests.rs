@@ -1,0 +1,354 @@
+//! The state machine driven with the host double and an explicit clock: create, publish,
+//! attach, delete, dead clients, time-to-live, quotas, races for a name.
+
+use std::sync::atomic::Ordering;
+
+use super::*;
+use crate::memsvc::backend::HostBackend;
+use crate::memsvc::error::{QuotaKind, QuotaScope};
+
+const G: u64 = 4096;
+const UID: u32 = 1000;
+const DEV: DeviceUuid = DeviceUuid([1; 16]);
+
+fn rules() -> Rules {
+    Rules {
+        server_uid: UID,
+        access: Access { allow_uids: vec![2000] },
+        quotas: Quotas::default(),
+        default_ttl: None,
+        max_buffer_bytes: 1 << 40,
+    }
+}
+
+fn state_with(rules: Rules) -> State<HostBackend> {
+    State::new(HostBackend::new(2, G), rules)
+}
+
+fn state() -> State<HostBackend> {
+    state_with(rules())
+}
+
+fn live(s: &State<HostBackend>) -> u64 {
+    s.backend().live.load(Ordering::SeqCst)
+}
+
+fn create(s: &mut State<HostBackend>, conn: ConnId, name: &str, size: u64, now: Instant) -> Result<Grant> {
+    s.create(conn, 42, DEV, size, 0, name, "", now)
+}
+
+#[test]
+fn create_publish_attach_delete_detach() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let g = create(&mut s, 1, "w/a", 5000, now).unwrap();
+    assert_eq!((g.size, g.granularity, g.device), (2 * G, G, DEV));
+    assert!(g.event.is_none());
+    assert_eq!(live(&s), 1);
+    // Not attachable while being created, and only its creator publishes it.
+    assert!(matches!(
+        s.attach(2, "w/a", now),
+        Err(Error::WrongState {
+            state: BufferState::Creating,
+            op: "attach",
+            ..
+        })
+    ));
+    assert!(matches!(s.publish(2, "w/a", None, now), Err(Error::NotCreator { .. })));
+    s.publish(1, "w/a", Some(&[7; 64]), now).unwrap();
+    assert!(matches!(
+        s.publish(1, "w/a", None, now),
+        Err(Error::WrongState {
+            state: BufferState::Published,
+            op: "publish",
+            ..
+        })
+    ));
+    let a = s.attach(2, "w/a", now).unwrap();
+    let mut relayed = [7u8; 64];
+    relayed[0] ^= 0xff;
+    assert_eq!(a.event, Some(relayed), "attachers wait on the server's own event");
+    assert_ne!(a.attachment, g.attachment);
+    let (list, more) = s.list("", now);
+    assert!(!more);
+    assert_eq!(list.len(), 1);
+    assert_eq!(
+        (list[0].attachments, list[0].state, list[0].owner_pid),
+        (2, BufferState::Published, 42)
+    );
+    // Delete: the name goes now, the memory with the last attachment.
+    s.delete(2, "w/a", now).unwrap();
+    assert!(matches!(s.attach(2, "w/a", now), Err(Error::UnknownName { .. })));
+    assert!(s.list("", now).0.is_empty());
+    assert_eq!(live(&s), 1);
+    assert_eq!(s.stats().buffers, 1);
+    // The name can be reused at once.
+    create(&mut s, 2, "w/a", G, now).unwrap();
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(live(&s), 2);
+    s.detach(2, a.attachment).unwrap();
+    assert_eq!(live(&s), 1);
+    assert_eq!(s.stats().freed, 1);
+}
+
+#[test]
+fn detach_of_anothers_attachment_is_a_protocol_error() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let g = create(&mut s, 1, "x", G, now).unwrap();
+    assert!(matches!(s.detach(2, g.attachment), Err(Error::Protocol { .. })));
+    assert!(matches!(s.detach(1, 999), Err(Error::Protocol { .. })));
+    s.detach(1, g.attachment).unwrap();
+    // Detaching twice is refused too.
+    assert!(matches!(s.detach(1, g.attachment), Err(Error::Protocol { .. })));
+}
+
+#[test]
+fn a_creator_letting_go_unpublished_abandons_the_buffer() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let g = create(&mut s, 1, "gone", G, now).unwrap();
+    s.detach(1, g.attachment).unwrap();
+    assert!(matches!(s.attach(2, "gone", now), Err(Error::UnknownName { .. })));
+    assert_eq!(live(&s), 0);
+    // The abandoning is by attachment: a buffer another client made under a reused name stays.
+    let g = create(&mut s, 1, "reused", G, now).unwrap();
+    s.delete(1, "reused", now).unwrap();
+    create(&mut s, 2, "reused", G, now).unwrap();
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(s.list("", now).0.len(), 1);
+    assert_eq!(live(&s), 1);
+}
+
+#[test]
+fn racing_creators_one_wins() {
+    let now = Instant::now();
+    let mut s = state();
+    for conn in 1..=8 {
+        s.connect(conn, UID).unwrap();
+    }
+    let wins = (1..=8).filter(|&c| create(&mut s, c, "race", G, now).is_ok()).count();
+    assert_eq!(wins, 1);
+    assert!(matches!(
+        create(&mut s, 3, "race", G, now),
+        Err(Error::NameTaken { .. })
+    ));
+    assert_eq!(live(&s), 1);
+}
+
+#[test]
+fn a_dead_creator_frees_its_unpublished_buffer_once_its_process_exits() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    create(&mut s, 1, "half", G, now).unwrap();
+    create(&mut s, 1, "done", G, now).unwrap();
+    s.publish(1, "done", None, now).unwrap();
+    assert!(s.holds_anything(1));
+    assert!(s.disconnect(1), "it held attachments: wait for its process");
+    // The unpublished name is gone now; the published one stays.
+    assert!(matches!(s.attach(2, "half", now), Err(Error::UnknownName { .. })));
+    let names: Vec<String> = s.list("", now).0.into_iter().map(|b| b.name).collect();
+    assert_eq!(names, ["done"]);
+    assert_eq!(live(&s), 2, "the process may still map both");
+    // A call on the dead connection is refused.
+    assert!(s.attach(1, "done", now).is_err());
+    s.process_exited(1);
+    assert_eq!(live(&s), 1, "the unpublished buffer is freed");
+    let a = s.attach(2, "done", now).unwrap();
+    assert_eq!(s.list("", now).0[0].attachments, 1);
+    // A client dying while attached: its attachment ends when its process exits.
+    assert!(s.disconnect(2));
+    s.process_exited(2);
+    assert_eq!(s.stats().attachments, 0);
+    assert_eq!(live(&s), 1, "published buffers stay until deleted");
+    let _ = a;
+    // process_exited on an open connection does nothing.
+    s.connect(3, UID).unwrap();
+    s.process_exited(3);
+    assert_eq!(s.stats().connections, 1);
+    // A clean disconnect holds nothing.
+    assert!(!s.disconnect(3));
+    assert_eq!(s.stats().connections, 0);
+}
+
+#[test]
+fn attaching_a_name_being_deleted_fails_but_holders_keep_it() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    let g = create(&mut s, 1, "d", G, now).unwrap();
+    s.publish(1, "d", None, now).unwrap();
+    s.delete(1, "d", now).unwrap();
+    assert!(matches!(s.attach(1, "d", now), Err(Error::UnknownName { .. })));
+    assert!(matches!(s.delete(1, "d", now), Err(Error::UnknownName { .. })));
+    assert_eq!(live(&s), 1);
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(live(&s), 0);
+}
+
+#[test]
+fn ttl_takes_the_name_away() {
+    let now = Instant::now();
+    let mut s = state_with(Rules {
+        default_ttl: Some(Duration::from_secs(60)),
+        ..rules()
+    });
+    s.connect(1, UID).unwrap();
+    let g = s.create(1, 1, DEV, G, 1000, "short", "t", now).unwrap();
+    s.publish(1, "short", None, now).unwrap();
+    s.create(1, 1, DEV, G, 0, "default", "", now).unwrap();
+    s.publish(1, "default", None, now).unwrap();
+    let list = s.list("", now + Duration::from_millis(500)).0;
+    assert_eq!(
+        list.iter().find(|b| b.name == "short").unwrap().expires_in,
+        Some(Duration::from_millis(500))
+    );
+    assert_eq!(
+        list.iter().find(|b| b.name == "default").unwrap().expires_in,
+        Some(Duration::from_secs(60) - Duration::from_millis(500))
+    );
+    s.expire(now + Duration::from_secs(1));
+    assert!(matches!(
+        s.attach(1, "short", now + Duration::from_secs(1)),
+        Err(Error::UnknownName { .. })
+    ));
+    assert!(s.attach(1, "default", now + Duration::from_secs(1)).is_ok());
+    // Expired but still attached (the creator): memory stays until detach.
+    assert_eq!(live(&s), 2);
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(live(&s), 1);
+    s.expire(now + Duration::from_secs(61));
+    assert!(s.list("", now + Duration::from_secs(61)).0.is_empty());
+}
+
+#[test]
+fn quotas_and_access() {
+    let now = Instant::now();
+    let mut s = state_with(Rules {
+        quotas: Quotas {
+            per_uid_bytes: Some(4 * G),
+            per_uid_buffers: Some(3),
+            total_bytes: Some(6 * G),
+            total_buffers: None,
+        },
+        ..rules()
+    });
+    assert!(matches!(s.connect(9, 3000), Err(Error::NotPermitted { uid: 3000, .. })));
+    s.connect(1, UID).unwrap();
+    s.connect(2, 2000).unwrap();
+    let a = create(&mut s, 1, "a", 3 * G, now).unwrap();
+    match create(&mut s, 1, "b", 2 * G, now) {
+        Err(Error::QuotaExceeded {
+            scope: QuotaScope::Uid(UID),
+            kind: QuotaKind::Bytes,
+            limit,
+            in_use,
+            requested,
+        }) => assert_eq!((limit, in_use, requested), (4 * G, 3 * G, 2 * G)),
+        other => panic!("{:?}", other.map(|g| g.size)),
+    }
+    assert_eq!(live(&s), 1, "a refused create allocates nothing");
+    create(&mut s, 2, "c", 3 * G, now).unwrap();
+    assert!(matches!(
+        create(&mut s, 2, "d", G, now),
+        Err(Error::QuotaExceeded {
+            scope: QuotaScope::Total,
+            kind: QuotaKind::Bytes,
+            ..
+        })
+    ));
+    // Only the owner (or the server's uid) deletes.
+    s.publish(1, "a", None, now).unwrap();
+    assert!(matches!(
+        s.delete(2, "a", now),
+        Err(Error::NotPermitted { uid: 2000, .. })
+    ));
+    s.publish(2, "c", None, now).unwrap();
+    s.delete(1, "c", now).unwrap(); // uid 1000 is the server's
+                                    // Credit comes back only when the memory goes.
+    s.delete(1, "a", now).unwrap();
+    assert!(create(&mut s, 1, "e", 2 * G, now).is_err());
+    s.detach(1, a.attachment).unwrap();
+    create(&mut s, 1, "e", 2 * G, now).unwrap();
+}
+
+#[test]
+fn bad_requests_name_their_cause() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    assert!(matches!(create(&mut s, 1, "../x", G, now), Err(Error::BadName { .. })));
+    assert!(matches!(
+        create(&mut s, 1, "x", 0, now),
+        Err(Error::BadSize { size: 0, .. })
+    ));
+    assert!(matches!(
+        create(&mut s, 1, "x", u64::MAX, now),
+        Err(Error::BadSize { .. })
+    ));
+    assert!(matches!(
+        s.create(1, 1, DeviceUuid([9; 16]), G, 0, "x", "", now),
+        Err(Error::DeviceNotServed { .. })
+    ));
+    assert!(matches!(
+        s.create(1, 1, DEV, G, 0, "x", &"t".repeat(300), now),
+        Err(Error::BadTag { len: 300, .. })
+    ));
+    assert!(matches!(s.attach(1, "nope", now), Err(Error::UnknownName { .. })));
+    assert!(matches!(
+        s.publish(1, "nope", None, now),
+        Err(Error::UnknownName { .. })
+    ));
+    // The second device is served too.
+    let g = s.create(1, 1, DeviceUuid([2; 16]), G, 0, "x", "", now).unwrap();
+    assert_eq!(g.device, DeviceUuid([2; 16]));
+    // A backend failure is the server's GPU failure, and nothing is charged.
+    s.backend.capacity = G;
+    assert!(matches!(create(&mut s, 1, "y", G, now), Err(Error::ServerGpu { .. })));
+    assert_eq!(s.stats().named, 1);
+}
+
+#[test]
+fn list_pages_in_name_order() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    for i in 0..250 {
+        create(&mut s, 1, &format!("b{i:03}"), G, now).unwrap();
+    }
+    let (first, more) = s.list("", now);
+    assert!(more);
+    assert_eq!(first.len(), MAX_LIST_PAGE);
+    let (second, _) = s.list(&first.last().unwrap().name, now);
+    assert_eq!(second[0].name, format!("b{:03}", MAX_LIST_PAGE));
+    let (last, more) = s.list("b199", now);
+    assert!(!more);
+    assert_eq!(last.len(), 50);
+}
+
+#[test]
+fn clear_releases_everything() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    create(&mut s, 1, "a", G, now).unwrap();
+    create(&mut s, 1, "b", G, now).unwrap();
+    s.publish(1, "b", None, now).unwrap();
+    s.clear();
+    assert_eq!(live(&s), 0);
+    assert_eq!(
+        s.stats(),
+        ServerStats {
+            freed: 2,
+            ..ServerStats::default()
+        }
+    );
+}

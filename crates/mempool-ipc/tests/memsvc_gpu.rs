@@ -1,0 +1,639 @@
+//! GPU tests of the memory service (`mempool_ipc::memsvc`): a server and clients in separate
+//! processes. They need a GPU and fail without one (never skip). Run:
+//! `cargo test -p mempool-ipc --features gpu --test memsvc_gpu -- --test-threads=1`.
+//!
+//! Each test that needs more processes re-executes this binary, filtered to the same test
+//! (`--exact`), with `MEMSVC_TEST_ROLE` naming the child's part (CUDA does not survive `fork`).
+//! Children print marker lines; the parent waits for them and writes lines to their stdin. The
+//! server runs in the test's own process unless the test kills it; clients always run in children
+//! (an interprocess event is opened in another process than the one that made it). No test
+//! asserts how long something took: deadlines are only a safety net against hangs.
+#![cfg(feature = "gpu")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use mempool_core::kernels::{u32s, CheckKernels};
+use mempool_core::{memory, Context, Device, Stream};
+use mempool_ipc::memsvc::{Attached, Client, CreateOptions, Error, Server, ServerConfig, ServerStats};
+
+const ROLE: &str = "MEMSVC_TEST_ROLE";
+const SOCK: &str = "MEMSVC_TEST_SOCK";
+const MARK: &str = "MEMSVC-TEST";
+const WAIT: Duration = Duration::from_secs(60);
+const MIB: usize = 1 << 20;
+/// Every test buffer: large enough that a leak shows in `cuMemGetInfo` beyond its noise.
+const SIZE: usize = 256 * MIB;
+/// What `cuMemGetInfo` may differ by without a leak (driver bookkeeping).
+const SLACK: usize = 48 * MIB;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The libtest name of the test function this is written in.
+macro_rules! this_test {
+    () => {{
+        fn here() {}
+        let name = std::any::type_name_of_val(&here);
+        let name = name.strip_suffix("::here").expect("a function's path");
+        name.split_once("::").map_or(name, |(_, path)| path)
+    }};
+}
+
+fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+fn child_socket() -> PathBuf {
+    PathBuf::from(std::env::var(SOCK).expect("the parent passes the socket path"))
+}
+
+fn socket_path(tag: &str) -> PathBuf {
+    let short: String = tag.chars().rev().take(24).collect::<String>().chars().rev().collect();
+    std::env::temp_dir().join(format!(
+        "memsvc-gpu-{}-{}.sock",
+        std::process::id(),
+        short.replace("::", "-")
+    ))
+}
+
+fn gpu() -> (Device, Arc<Context>) {
+    let dev = Device::get(0).expect("GPU tests need a CUDA device: run them on a GPU machine");
+    let ctx = dev.context().expect("primary context");
+    (dev, ctx)
+}
+
+fn free_memory(ctx: &Context) -> usize {
+    ctx.memory_info().unwrap().free
+}
+
+/// Waits (bounded) until free device memory is back within [`SLACK`] of `baseline` (a dead
+/// process's context is torn down asynchronously).
+fn wait_free(ctx: &Context, baseline: usize, what: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let free = free_memory(ctx);
+        if free + SLACK >= baseline {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: free device memory stays at {free} bytes, {} MiB below the baseline {baseline}",
+            (baseline - free) / MIB
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_stats(server: &Server, what: &str, f: impl Fn(&ServerStats) -> bool) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let stats = server.stats();
+        if f(&stats) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}: {stats:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn no_drop_errors(what: &str) {
+    let ipc = mempool_ipc::take_drop_errors();
+    let core = mempool_core::take_drop_errors();
+    assert!(
+        ipc.is_empty() && core.is_empty(),
+        "{what}: errors in drops: {ipc:?} {core:?}"
+    );
+}
+
+/// A child process running `test` in role `role`, killed if the test fails first.
+struct ChildProc {
+    child: Child,
+    stdout: BufReader<ChildStdout>,
+    stdin: Option<ChildStdin>,
+    name: String,
+}
+
+impl ChildProc {
+    fn spawn(test: &str, role: &str, sock: &Path) -> ChildProc {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--list", "--exact", test])
+            .env_remove(ROLE)
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|l| l == format!("{test}: test")),
+            "this test binary has no test named {test:?}"
+        );
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env(SOCK, sock)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the child process");
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stdin = child.stdin.take();
+        ChildProc {
+            child,
+            stdout,
+            stdin,
+            name: format!("{test}/{role}"),
+        }
+    }
+
+    /// Waits for the child to print `MARK word`; returns the rest of that line.
+    fn expect(&mut self, word: &str) -> String {
+        let want = format!("{MARK} {word}");
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "{} exited before printing {want:?}", self.name);
+            if let Some(at) = line.find(&want) {
+                return line[at + want.len()..].trim().to_owned();
+            }
+        }
+    }
+
+    fn say(&mut self, word: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{word}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn kill(&mut self) {
+        self.child.kill().unwrap(); // SIGKILL
+        let status = self.child.wait().unwrap();
+        assert!(!status.success());
+    }
+
+    fn succeeds(mut self) {
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "child {} failed: {status}", self.name);
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn tell_parent(word: &str) {
+    println!("{MARK} {word}");
+    std::io::stdout().flush().unwrap();
+}
+
+fn hear_parent(word: &str) {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    assert_eq!(line.trim_end(), word);
+}
+
+/// A client child's GPU: device 0, a stream, the check kernels.
+fn client_gpu() -> (Device, Arc<Context>, Stream, CheckKernels) {
+    let (dev, ctx) = gpu();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    (dev, ctx, stream, kernels)
+}
+
+/// Creates `name` (SIZE bytes), fills it with `base + i` by a kernel and publishes it on `stream`.
+fn create_iota(
+    client: &Client,
+    dev: Device,
+    name: &str,
+    base: u32,
+    stream: &Stream,
+    kernels: &CheckKernels,
+) -> Attached {
+    let created = client
+        .create(name, SIZE, dev, &CreateOptions::new().tag("gpu-test"))
+        .unwrap();
+    assert_eq!(created.len(), SIZE);
+    // SAFETY: 1. `created` maps SIZE bytes (SIZE / 4 u32s, aligned) read-write for `dev`, and stays
+    // mapped until it is dropped, which synchronizes the context first.
+    unsafe { kernels.iota(created.ptr(), SIZE / 4, base, stream.as_ref()) }.unwrap();
+    created.publish(stream.as_ref()).unwrap()
+}
+
+/// Checks on the GPU that `buf` holds `base + i` (copied to the host on `stream`, ordered after
+/// the attach's wait on the creator's event: no host synchronization before it).
+fn check_iota(ctx: &Context, buf: &Attached, base: u32, stream: &Stream) {
+    let n = buf.len() / 4;
+    let mut host = vec![0u8; buf.len()];
+    // SAFETY: 1. `buf` maps `len` bytes readable by `stream`'s device until it is dropped, after this.
+    unsafe { memory::copy_to_host(ctx, &mut host, buf.ptr(), stream.as_ref()) }.unwrap();
+    let got = u32s(&host);
+    assert_eq!(got.len(), n);
+    if let Some((i, &v)) = got.iter().enumerate().find(|&(i, &v)| v != base.wrapping_add(i as u32)) {
+        panic!(
+            "{}: element {i} is {v}, expected {}",
+            buf.name(),
+            base.wrapping_add(i as u32)
+        );
+    }
+}
+
+fn serve(path: &Path) -> Server {
+    Server::serve(ServerConfig::new(path).devices([0])).expect("start the memory server on GPU 0")
+}
+
+#[test]
+fn create_write_publish_attach_across_processes_and_after_a_restart() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let mine = create_iota(&client, dev, "e2e/w", 7, &stream, &kernels);
+            tell_parent("PUBLISHED");
+            hear_parent("END");
+            mine.release().unwrap();
+            no_drop_errors("creator");
+            return;
+        }
+        Some("attacher") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let buf = client.attach("e2e/w", stream.as_ref()).unwrap();
+            assert_eq!(buf.len(), SIZE);
+            check_iota(&ctx, &buf, 7, &stream);
+            let info = client.list().unwrap();
+            assert_eq!(info.len(), 1);
+            assert_eq!((info[0].name.as_str(), info[0].tag.as_str()), ("e2e/w", "gpu-test"));
+            drop(buf);
+            no_drop_errors("attacher");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    // Attached while its creator lives, in another process.
+    let mut attacher = ChildProc::spawn(this_test!(), "attacher", &path);
+    attacher.expect("OK");
+    attacher.succeeds();
+    creator.say("END");
+    creator.succeeds();
+    wait_stats(&server, "the children's attachments end", |s| s.attachments == 0);
+    assert_eq!(server.stats().buffers, 1, "a published buffer outlives its creator");
+    // A restarted client attaches by name and finds the same bytes, its creator gone.
+    let mut again = ChildProc::spawn(this_test!(), "attacher", &path);
+    again.expect("OK");
+    again.succeeds();
+    let admin = Client::connect(&path).unwrap();
+    admin.delete("e2e/w").unwrap();
+    wait_stats(&server, "the deleted buffer is freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
+    drop(admin);
+    server.shutdown();
+    wait_free(&ctx, baseline, "after delete and shutdown");
+    no_drop_errors("server");
+}
+
+#[test]
+fn a_client_killed_mid_write_leaves_nothing() {
+    if let Some(role) = role() {
+        assert_eq!(role, "writer");
+        let (dev, _ctx, stream, kernels) = client_gpu();
+        let client = Client::connect(child_socket()).unwrap();
+        let created = client.create("kill/w", SIZE, dev, &CreateOptions::new()).unwrap();
+        for i in 0..1000u32 {
+            // SAFETY: 1. `created` maps SIZE bytes read-write for `dev` until this process dies.
+            unsafe { kernels.iota(created.ptr(), SIZE / 4, i, stream.as_ref()) }.unwrap();
+        }
+        tell_parent("WRITING");
+        std::thread::sleep(Duration::from_secs(600));
+        drop(created);
+        return;
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut writer = ChildProc::spawn(this_test!(), "writer", &path);
+    writer.expect("WRITING");
+    assert_eq!(server.stats().buffers, 1);
+    writer.kill();
+    wait_stats(&server, "the dead writer's buffer is freed", |s| {
+        s.buffers == 0 && s.attachments == 0 && s.connections == 0
+    });
+    let admin = Client::connect(&path).unwrap();
+    assert!(
+        admin.list().unwrap().is_empty(),
+        "an unpublished buffer dies with its creator"
+    );
+    drop(admin);
+    wait_free(&ctx, baseline, "after the writer died (server still up)");
+    server.shutdown();
+    no_drop_errors("server");
+}
+
+#[test]
+fn clients_killed_mid_attach_and_holding_an_attachment_are_reclaimed() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let mine = create_iota(&client, dev, "kill/a", 3, &stream, &kernels);
+            mine.release().unwrap();
+            tell_parent("PUBLISHED");
+            return;
+        }
+        Some("looper") => {
+            // Attaches and lets go in a loop until killed: the kill lands somewhere in an attach.
+            let (_dev, _ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let first = client.attach("kill/a", stream.as_ref()).unwrap();
+            drop(first);
+            tell_parent("LOOPING");
+            loop {
+                let buf = client.attach("kill/a", stream.as_ref()).unwrap();
+                drop(buf);
+            }
+        }
+        Some("holder") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let buf = client.attach("kill/a", stream.as_ref()).unwrap();
+            check_iota(&ctx, &buf, 3, &stream);
+            tell_parent("HOLDING");
+            std::thread::sleep(Duration::from_secs(600));
+            drop(buf);
+            return;
+        }
+        Some("checker") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let buf = client.attach("kill/a", stream.as_ref()).unwrap();
+            check_iota(&ctx, &buf, 3, &stream);
+            drop(buf);
+            no_drop_errors("checker");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    creator.succeeds();
+    wait_stats(&server, "the creator let go", |s| s.attachments == 0);
+
+    let mut looper = ChildProc::spawn(this_test!(), "looper", &path);
+    looper.expect("LOOPING");
+    std::thread::sleep(Duration::from_millis(200));
+    looper.kill();
+    let mut holder = ChildProc::spawn(this_test!(), "holder", &path);
+    holder.expect("HOLDING");
+    assert!(server.stats().attachments >= 1);
+    holder.kill();
+    wait_stats(&server, "the killed clients' attachments are reclaimed", |s| {
+        s.attachments == 0 && s.connections == 0
+    });
+    // The buffer is intact for the next client.
+    let mut checker = ChildProc::spawn(this_test!(), "checker", &path);
+    checker.expect("OK");
+    checker.succeeds();
+    let admin = Client::connect(&path).unwrap();
+    admin.delete("kill/a").unwrap();
+    drop(admin);
+    wait_stats(&server, "the buffer is freed", |s| s.buffers == 0 && s.attachments == 0);
+    wait_free(&ctx, baseline, "after the killed clients and the delete");
+    server.shutdown();
+    no_drop_errors("server");
+}
+
+#[test]
+fn racing_creators_exactly_one_wins() {
+    if let Some(role) = role() {
+        assert_eq!(role, "racer");
+        let (dev, _ctx) = gpu();
+        let client = Client::connect(child_socket()).unwrap();
+        tell_parent("READY");
+        hear_parent("GO");
+        match client.create("race/x", SIZE, dev, &CreateOptions::new()) {
+            Ok(created) => {
+                tell_parent("RESULT WON");
+                hear_parent("END");
+                created.discard().unwrap();
+            }
+            Err(Error::NameTaken { name }) => {
+                assert_eq!(name, "race/x");
+                tell_parent("RESULT LOST");
+                hear_parent("END");
+            }
+            Err(e) => panic!("{e}"),
+        }
+        no_drop_errors("racer");
+        return;
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut racers: Vec<ChildProc> = (0..4).map(|_| ChildProc::spawn(this_test!(), "racer", &path)).collect();
+    for r in &mut racers {
+        r.expect("READY");
+    }
+    for r in &mut racers {
+        r.say("GO");
+    }
+    let results: Vec<String> = racers.iter_mut().map(|r| r.expect("RESULT")).collect();
+    assert_eq!(results.iter().filter(|r| *r == "WON").count(), 1, "{results:?}");
+    assert_eq!(results.iter().filter(|r| *r == "LOST").count(), 3, "{results:?}");
+    assert_eq!(server.stats().buffers, 1);
+    for mut r in racers {
+        r.say("END");
+        r.succeeds();
+    }
+    wait_stats(&server, "the winner's discarded buffer is freed", |s| s.buffers == 0);
+    wait_free(&ctx, baseline, "after the race");
+    server.shutdown();
+    no_drop_errors("server");
+}
+
+#[test]
+fn attaching_a_name_being_deleted_fails_while_holders_keep_their_bytes() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            create_iota(&client, dev, "del/x", 11, &stream, &kernels)
+                .release()
+                .unwrap();
+            tell_parent("PUBLISHED");
+            return;
+        }
+        Some("holder") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let buf = client.attach("del/x", stream.as_ref()).unwrap();
+            tell_parent("HOLDING");
+            hear_parent("CHECK");
+            // Deleted meanwhile: the name is gone, the memory is not.
+            check_iota(&ctx, &buf, 11, &stream);
+            assert!(matches!(
+                client.attach("del/x", stream.as_ref()),
+                Err(Error::UnknownName { .. })
+            ));
+            drop(buf);
+            no_drop_errors("holder");
+            tell_parent("OK");
+            return;
+        }
+        Some("late") => {
+            let (_dev, _ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            match client.attach("del/x", stream.as_ref()) {
+                Err(Error::UnknownName { name }) => assert_eq!(name, "del/x"),
+                other => panic!("attaching a deleted name: {other:?}"),
+            }
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    creator.succeeds();
+    let mut holder = ChildProc::spawn(this_test!(), "holder", &path);
+    holder.expect("HOLDING");
+    let admin = Client::connect(&path).unwrap();
+    admin.delete("del/x").unwrap();
+    assert!(admin.list().unwrap().is_empty());
+    assert_eq!(server.stats().buffers, 1, "the holder keeps it alive");
+    let mut late = ChildProc::spawn(this_test!(), "late", &path);
+    late.expect("OK");
+    late.succeeds();
+    holder.say("CHECK");
+    holder.expect("OK");
+    holder.succeeds();
+    wait_stats(&server, "the last holder let go", |s| s.buffers == 0);
+    drop(admin);
+    wait_free(&ctx, baseline, "after the delete");
+    server.shutdown();
+    no_drop_errors("server");
+}
+
+#[test]
+fn a_killed_server_gives_peer_gone_mappings_stay_valid_and_a_restart_serves_the_path() {
+    match role().as_deref() {
+        Some("server") => {
+            let server = serve(&child_socket());
+            tell_parent("LISTENING");
+            std::thread::sleep(Duration::from_secs(600));
+            drop(server);
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (dev, ctx) = gpu();
+    let stream = Stream::new(&ctx).unwrap();
+    let kernels = CheckKernels::load(&ctx).unwrap();
+    let path = socket_path(this_test!());
+    let mut server = ChildProc::spawn(this_test!(), "server", &path);
+    server.expect("LISTENING");
+    let client = Client::connect(&path).unwrap();
+    let mine = create_iota(&client, dev, "srv/x", 5, &stream, &kernels);
+    stream.synchronize().unwrap();
+    server.kill();
+    // The next call says the server is gone, and so does every later one.
+    assert!(
+        matches!(client.list(), Err(Error::PeerGone { .. })),
+        "after the server died"
+    );
+    assert!(matches!(client.stats(), Err(Error::PeerGone { .. })));
+    assert!(matches!(Client::connect(&path), Err(Error::PeerGone { .. })));
+    // This process holds its own imported handle: its mapping stays valid until it drops it.
+    check_iota(&ctx, &mine, 5, &stream);
+    // SAFETY: 1. `mine` maps SIZE bytes read-write for `dev` until it is dropped below.
+    unsafe { kernels.add(mine.ptr(), SIZE / 4, 1, stream.as_ref()) }.unwrap();
+    check_iota(&ctx, &mine, 6, &stream);
+    // Letting go after the server died reports nothing (there is nobody to tell).
+    mine.release().unwrap();
+    no_drop_errors("client after the server died");
+    // The dead server's socket file is stale: a new server replaces it and starts empty.
+    let mut restarted = ChildProc::spawn(this_test!(), "server", &path);
+    restarted.expect("LISTENING");
+    let client = Client::connect(&path).unwrap();
+    assert!(client.list().unwrap().is_empty());
+    let again = create_iota(&client, dev, "srv/x", 9, &stream, &kernels);
+    check_iota(&ctx, &again, 9, &stream);
+    again.release().unwrap();
+    drop(client);
+    restarted.kill();
+    no_drop_errors("client");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn mempool_serve_listens_and_stops_on_sigterm() {
+    let _s = serial();
+    let _ = gpu();
+    let path = socket_path(this_test!());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mempool-serve"))
+        .args([
+            "--socket",
+            path.to_str().unwrap(),
+            "--device",
+            "0",
+            "--uid-buffers",
+            "4",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(
+        line.contains("listening on") && line.contains(path.to_str().unwrap()),
+        "{line:?}"
+    );
+    let client = Client::connect(&path).unwrap();
+    assert!(client.list().unwrap().is_empty());
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "mempool-serve exits 0 on SIGTERM: {status}");
+    assert!(!path.exists(), "mempool-serve removes its socket file");
+    assert!(matches!(client.list(), Err(Error::PeerGone { .. })));
+}
