@@ -87,7 +87,9 @@ unsafe fn current_stream(param: &CupyParam) -> Result<usize> {
     // SAFETY: point 1.
     let s = unsafe { get() };
     usize::try_from(s).map_err(|_| {
-        Error::InvalidArgument(format!("CuPy's current stream could not be read (its getter returned {s})"))
+        Error::InvalidArgument(format!(
+            "CuPy's current stream could not be read (its getter returned {s})"
+        ))
     })
 }
 
@@ -159,7 +161,9 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
 #[allow(unsafe_code)]
 pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
     // SAFETY: point 1: null or a live `CupyParam`.
-    let p = unsafe { (param as *const CupyParam).as_ref() }.copied().unwrap_or_default();
+    let p = unsafe { (param as *const CupyParam).as_ref() }
+        .copied()
+        .unwrap_or_default();
     let failed = |e: &Error| {
         ALLOC_FAILURES.fetch_add(1, Ordering::Relaxed);
         let status = error::record_with_prefix(
@@ -177,16 +181,20 @@ pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, de
         }
     };
     // SAFETY: points 2 and 3.
-    let r = catch_unwind(AssertUnwindSafe(|| match unsafe { alloc(&p, param as usize, size, device) } {
-        Ok(ptr) => {
-            error::clear();
-            ptr
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        match unsafe { alloc(&p, param as usize, size, device) } {
+            Ok(ptr) => {
+                error::clear();
+                ptr
+            }
+            Err(e) => failed(&e),
         }
-        Err(e) => failed(&e),
     }));
     r.unwrap_or_else(|panic| {
-        catch_unwind(AssertUnwindSafe(|| failed(&Error::Panic(error::panic_message(&*panic)))))
-            .unwrap_or(std::ptr::null_mut())
+        catch_unwind(AssertUnwindSafe(|| {
+            failed(&Error::Panic(error::panic_message(&*panic)))
+        }))
+        .unwrap_or(std::ptr::null_mut())
     })
 }
 

@@ -16,7 +16,9 @@ static RAISED: Mutex<Option<(c_int, String)>> = Mutex::new(None);
 #[allow(unsafe_code)]
 unsafe extern "C" fn raise(status: c_int, message: *const c_char) {
     // SAFETY: the entry point passes a NUL-terminated message, live for the call.
-    let m = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned();
+    let m = unsafe { std::ffi::CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned();
     if let Ok(mut r) = RAISED.lock() {
         *r = Some((status, m));
     }
@@ -50,7 +52,11 @@ fn a_pointer_mempool_did_not_hand_out_is_refused_and_counted() {
     // SAFETY: the table does not hold this address, so nothing is freed and no callback is called.
     unsafe { mempool_cupy_free(std::ptr::null_mut(), 0x7abc_0000_0100 as *mut c_void, 0) };
     assert_eq!(state().2, before + 1);
-    assert!(error::last_error().contains("did not hand out"), "{}", error::last_error());
+    assert!(
+        error::last_error().contains("did not hand out"),
+        "{}",
+        error::last_error()
+    );
     // SAFETY: a null pointer frees nothing.
     unsafe { mempool_cupy_free(std::ptr::null_mut(), std::ptr::null_mut(), 0) };
     assert_eq!(state().2, before + 1, "null is not a failure");

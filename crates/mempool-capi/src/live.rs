@@ -64,9 +64,7 @@ impl<V> LiveTable<V> {
     /// Records `addr` with `value` (an address handed out again after its free replaces the old entry,
     /// which its free removed already).
     pub fn insert(&self, addr: u64, value: V) {
-        self.shard(addr)
-            .get_or_insert_with(Map::default)
-            .insert(addr, value);
+        self.shard(addr).get_or_insert_with(Map::default).insert(addr, value);
     }
 
     /// Removes `addr`'s entry if `accept` accepts it; `None` when the table does not hold `addr`,
@@ -89,12 +87,7 @@ impl<V> LiveTable<V> {
     pub fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| {
-                s.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .as_ref()
-                    .map_or(0, Map::len)
-            })
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, Map::len))
             .sum()
     }
 

@@ -259,6 +259,27 @@ def test_extension_exports_the_c_abi(no_driver):
     assert b"did not hand out" in so.mempool_last_error()
 
 
+def test_extension_exports_cupys_c_allocator():
+    """CuPy's C entry points are exported, their addresses are the ones ``_cupy_c_allocator`` hands CuPy, a
+    free of a pointer they never handed out is refused and counted, and a failed allocation without a
+    ``raise`` callback (a NULL param) returns NULL with the cause in the last error. No driver is needed:
+    every call here fails before one is."""
+    so = ctypes.CDLL(lib._shared_object_path())
+    so.mempool_last_error.restype = ctypes.c_char_p
+    so.mempool_cupy_malloc.restype = ctypes.c_void_p
+    so.mempool_cupy_malloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    so.mempool_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    live, failed_allocs, failed_frees = lib._cupy_allocator_state()
+    so.mempool_cupy_free(None, 0x200000, 0)
+    assert lib._cupy_allocator_state() == (live, failed_allocs, failed_frees + 1)
+    assert b"did not hand out" in so.mempool_last_error()
+    assert lib._cupy_allocation(0x200000) is None
+    assert so.mempool_cupy_malloc(None, 4096, -1) is None
+    assert lib._cupy_allocator_state() == (live, failed_allocs + 1, failed_frees + 1)
+    message = so.mempool_last_error()
+    assert b"4096 bytes on device -1 for CuPy" in message and b"negative" in message, message
+
+
 def test_buffer_classes_share_one_surface():
     """DeviceBuffer, ExportedBuffer and ImportedBuffer get their getters, CUDA array interface and DLPack from
     one definition (src/view.rs): the same names, the same signatures and the same documentation."""
