@@ -212,7 +212,7 @@ def test_rmm_names_are_there():
         assert hasattr(mr, name), name
     assert issubclass(mr.PoolMemoryResource, mr.DeviceMemoryResource)
     params = inspect.signature(mempool.reinitialize).parameters
-    assert list(params) == [
+    rmm = [
         "pool_allocator",
         "managed_memory",
         "initial_pool_size",
@@ -221,6 +221,11 @@ def test_rmm_names_are_there():
         "logging",
         "log_file_name",
     ]
+    # RMM's parameters, in RMM's order; mempool's additions (``stack``) are keyword-only after them.
+    assert list(params)[: len(rmm)] == rmm
+    extra = list(params.values())[len(rmm):]
+    assert [p.name for p in extra] == ["stack"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False for p in extra)
 
 
 @pytest.mark.parametrize(

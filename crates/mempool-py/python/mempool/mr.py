@@ -133,6 +133,7 @@ def reinitialize(
     devices: int | Iterable[int] = 0,
     logging: bool = False,
     log_file_name: str | None = None,
+    *,
     stack: bool = False,
 ) -> None:
     """Sets each of ``devices`` (an ordinal or several) to a new resource, as RMM's ``reinitialize``:
