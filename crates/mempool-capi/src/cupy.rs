@@ -180,9 +180,10 @@ pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, de
             None => std::ptr::null_mut(),
         }
     };
-    // SAFETY: points 2 and 3.
     let r = catch_unwind(AssertUnwindSafe(|| {
-        match unsafe { alloc(&p, param as usize, size, device) } {
+        // SAFETY: points 2 and 3.
+        let allocated = unsafe { alloc(&p, param as usize, size, device) };
+        match allocated {
             Ok(ptr) => {
                 error::clear();
                 ptr

@@ -112,7 +112,9 @@ def default_stack(
 
     Sizes up to 1 MiB come from power-of-two bins (``FixedSizeMemoryResource``), each carving fixed blocks
     from chunks it takes from the pool; larger sizes go straight to the pool. Everything is taken from
-    the pool, so ``maximum_pool_size`` bounds the whole stack. ``upstream_mr`` defaults to a new
+    the pool, so ``maximum_pool_size`` bounds the whole stack; ``initial_pool_size`` defaults as
+    ``PoolMemoryResource``'s does (half the device's free memory, reserved at the first allocation).
+    ``upstream_mr`` defaults to a new
     ``CudaAsyncMemoryResource`` of ``device`` (default: the current device). The bins keep the chunks
     they took until the stack is destroyed: a process whose small allocations peak high and then stop
     keeps that peak in the bins.
