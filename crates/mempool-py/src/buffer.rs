@@ -58,7 +58,7 @@ unsafe fn stream_in(s: &StreamArg, ctx: &'static Arc<Context>) -> StreamRef<'sta
 /// `stream`. The allocation and the free run with the interpreter released while a
 /// `FailureCallbackResourceAdaptor` exists (they can wait on a pool's lock held by a thread whose failure
 /// callback needs the interpreter); otherwise no lock of a resource is held by a thread waiting for the
-/// interpreter, and they keep it (releasing it costs more than a pool's allocation).
+/// interpreter, and they keep it (releasing and retaking it costs about as much as a pool's allocation).
 #[pyclass(module = "mempool", name = "DeviceBuffer", frozen, weakref)]
 pub struct DeviceBuffer {
     // Always `Some` until `drop` takes it to free it with the interpreter released.
@@ -74,7 +74,7 @@ impl Drop for DeviceBuffer {
         if let Some(buf) = self.buf.take() {
             // The free can wait on the resource's lock, held by a thread that may need the interpreter
             // (a failure callback): release the interpreter for it while such a callback exists (releasing
-            // and taking it back costs more than a pool's free). `Python::attach` is re-entrant here (the
+            // and taking it back costs about as much as a pool's free). `Python::attach` is re-entrant here (the
             // object is being deallocated by the interpreter on this thread).
             if calls_python() {
                 Python::attach(|py| py.detach(move || drop(buf)));

@@ -718,8 +718,9 @@ def main(argv=None) -> int:
     if args.child:
         return _child_main(args)
     if args.list:
+        width = max(len(c.name) for c in CONFIGS)
         for c in CONFIGS:
-            print(f"{c.name:24} {c.what}")
+            print(f"{c.name:{width}} {c.what}")
         return 0
     shape = {}
     for i, p in enumerate(STANDARD_POINTS):
