@@ -93,6 +93,13 @@ enum Command {
         /// Each thread's point defaults to 50k ops, sizes to 64KiB, 256MiB live.
         #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count_arg)]
         threads: Vec<usize>,
+        /// Interleave the timed runs: build every resource of a point first, then run each once per round
+        /// (reversed order on odd rounds), and report each one's per-round ratio to the raw pool baseline
+        /// (or the first resource). A spec may be listed twice (`-r 'cuMemAllocFromPoolAsync,async,
+        /// cuMemAllocFromPoolAsync'`): its rows are numbered. Every resource holds its memory until the
+        /// point ends.
+        #[arg(long)]
+        interleave: bool,
     },
     /// Several streams allocating, computing on and freeing small buffers at once; sweeps the stream count.
     MultiStream {
@@ -394,6 +401,7 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             log,
             threads,
+            interleave,
         } => {
             let specs = specs(&args, HOST_RESOURCES)?;
             if !threads.is_empty() {
@@ -413,6 +421,12 @@ fn run(cli: Cli) -> Result<()> {
                 if log.is_some() {
                     return Err(Error::Usage(
                         "--log records one thread's run; it does not go with --threads".into(),
+                    ));
+                }
+                if interleave {
+                    return Err(Error::Usage(
+                        "--interleave interleaves the resources of the one-stream workload; it does not go with --threads"
+                            .into(),
                     ));
                 }
                 let device = device("random", &args, &specs)?;
@@ -451,6 +465,7 @@ fn run(cli: Cli) -> Result<()> {
                 repeats,
                 seed,
                 log,
+                interleave,
             };
             finish(random::bench(&common(specs, device, &args), &params)?, &args.output)
         }

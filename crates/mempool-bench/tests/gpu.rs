@@ -318,6 +318,7 @@ fn the_random_workload_runs_on_every_resource() {
         repeats: 1,
         seed: 42,
         log: None,
+        interleave: false,
     };
     let report = random::bench(
         &common("cuda,async,pool(async),binning(async),arena(async),service,service(watermark=10)"),
@@ -325,6 +326,49 @@ fn the_random_workload_runs_on_every_resource() {
     )
     .unwrap();
     assert_eq!(report.rows.len(), 9);
+}
+
+#[test]
+fn interleaved_runs_keep_a_repeated_spec_apart_and_report_each_rounds_ratio() {
+    let params = random::RandomParams {
+        points: vec![random::Point {
+            n: 2000,
+            max_size: 64 << 10,
+            max_usage: 64 << 20,
+        }],
+        repeats: 3,
+        seed: 42,
+        log: None,
+        interleave: true,
+    };
+    let specs = parse_list("cuMemAllocFromPoolAsync,async(threshold=max),cuMemAllocFromPoolAsync").unwrap();
+    let c = Common {
+        specs: with_baselines(specs, false),
+        device: Some(device()),
+        quiet: true,
+    };
+    let report = random::bench(&c, &params).unwrap();
+    let text = report.render_text();
+    println!("{text}");
+    assert_eq!(report.rows.len(), 3, "one row per listed spec, the repeated one twice");
+    let async_label = parse("async(threshold=max)").unwrap().to_string();
+    for label in [
+        "cuMemAllocFromPoolAsync #1",
+        "cuMemAllocFromPoolAsync #2",
+        async_label.as_str(),
+    ] {
+        assert!(text.contains(label), "{label} is missing:\n{text}");
+    }
+    let ratios: Vec<&String> = report.notes.iter().filter(|n| n.contains("per-round ratio")).collect();
+    assert_eq!(
+        ratios.len(),
+        2,
+        "a ratio note for each spec but the reference: {:?}",
+        report.notes
+    );
+    assert!(ratios
+        .iter()
+        .all(|n| n.contains("to cuMemAllocFromPoolAsync #1") && n.contains("of 3 rounds")));
 }
 
 #[test]

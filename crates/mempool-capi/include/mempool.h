@@ -170,6 +170,20 @@ void* mempool_torch_alloc(size_t size, int device, void* stream);
 void* mempool_torch_alloc_nullable(size_t size, int device, void* stream);
 void mempool_torch_free(void* ptr, size_t size, int device, void* stream);
 
+/* CuPy's C allocator (cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)): allocate from the
+ * device's current resource on the stream param's current_stream returns (the legacy default stream when
+ * param or the function is NULL), and free on the stream of the allocation (an unknown pointer is refused,
+ * not freed). param points to a mempool_cupy_param_t that lives for the rest of the process. On failure,
+ * malloc calls param's raise (status, message) and returns (void*)-1, or returns NULL without a raise. */
+typedef struct mempool_cupy_param {
+  intptr_t (*current_stream)(void);       /* the calling thread's stream; negative: could not be read */
+  void* (*hold)(intptr_t stream);         /* keeps a non-default stream alive; NULL: failed */
+  void (*release)(void* token);           /* ends a hold */
+  void (*raise)(int status, const char* message); /* reports a failed allocation */
+} mempool_cupy_param_t;
+void* mempool_cupy_malloc(void* param, size_t size, int device);
+void mempool_cupy_free(void* param, void* ptr, int device);
+
 #ifdef __cplusplus
 }
 #endif

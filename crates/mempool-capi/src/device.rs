@@ -59,9 +59,10 @@ pub fn context(ordinal: usize) -> Result<Arc<Context>> {
 /// no context is current (what the CUDA runtime's `cudaGetDevice` reports on a fresh thread).
 pub fn current() -> Result<usize> {
     let d = devices()?;
-    // A failed query reads as no current context, as before: the runtime's answer on a fresh thread.
-    let current = mempool_core::Device::of_current_context().ok().flatten();
+    // A failed query reads as no current context, as before: the runtime's answer on a fresh thread. The
+    // device is found in the list read once (no enumeration per call: this is on every allocation path).
+    let current = mempool_core::Device::raw_of_current_context().ok().flatten();
     Ok(current
-        .and_then(|c| d.devices.iter().position(|dev| *dev == c))
+        .and_then(|raw| d.devices.iter().position(|dev| dev.as_raw() == raw))
         .unwrap_or(0))
 }

@@ -2,8 +2,9 @@
 //!
 //! The C ABI of mempool (`include/mempool.h`): resources (create, compose, destroy), allocation and
 //! deallocation on a stream, the per-device current resource, statistics, the service resource (tags,
-//! sleep and wake, trim, per-tag statistics: `mempool_service_*`), the calling thread's last error, and
-//! the two entry points PyTorch's pluggable allocator calls. Built as `libmempool_capi.so` for
+//! sleep and wake, trim, per-tag statistics: `mempool_service_*`), the calling thread's last error, the
+//! entry points PyTorch's pluggable allocator calls ([`torch`]) and those CuPy's `CFunctionAllocator` calls
+//! ([`cupy`], with the callbacks of [`cupy_param`]). Built as `libmempool_capi.so` for
 //! C and C++ programs, and linked into the Python extension (crates/mempool-py), which exports the same
 //! symbols, so that PyTorch, C code and Python in one process share one registry.
 //!
@@ -21,9 +22,14 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod cupy;
+pub mod cupy_param;
+#[cfg(test)]
+mod cupy_tests;
 pub mod device;
 pub mod error;
 pub mod ffi;
+pub mod live;
 pub mod registry;
 pub mod service;
 pub mod torch;

@@ -22,20 +22,24 @@
 //! Counters per device ([`counters`], [`reset_peaks`]): bytes and allocations PyTorch holds through these
 //! entry points now and at their peak, allocations and frees made, failed allocations. They are atomics
 //! updated beside the live table, so reading them takes no lock.
+//!
+//! The path of one call is kept short: the device's current resource comes from the calling thread's cache
+//! ([`registry::current`]: no process-wide lock while the registry is unchanged), the live table hashes an
+//! address with one multiplication ([`crate::live`]), and an allocation updates three counters (a peak
+//! only when it is passed); frees are counted as allocations made minus allocations live.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 #[cfg(mempool_cxx_shim)]
 use std::ffi::c_char;
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::SharedResource;
 
 use crate::error::{self, Error, Result};
+use crate::live::LiveTable;
 use crate::registry;
 
 /// Whether [`mempool_torch_alloc`] reports a failure as a C++ exception (the C++ shim was compiled in);
@@ -43,13 +47,8 @@ use crate::registry;
 /// unwinding through `mempool_torch_alloc`'s frame would abort the process there.
 pub const RAISES: bool = cfg!(mempool_cxx_shim);
 
-const SHARDS: usize = 16;
-
-/// One shard of the live allocations: address -> (size, device, resource). Every live allocation PyTorch
-/// holds is in one; sharded by address so that threads allocating at once rarely meet on one lock.
-type Shard = Mutex<Option<HashMap<u64, (usize, usize, SharedResource)>>>;
-
-static LIVE: [Shard; SHARDS] = [const { Mutex::new(None) }; SHARDS];
+/// The live allocations: address -> (size, device, resource). Every allocation PyTorch holds is in it.
+static LIVE: LiveTable<(usize, usize, SharedResource)> = LiveTable::new();
 
 /// Frees that failed (an unknown pointer, a size that does not match, a driver error); see
 /// [`free_failures`].
@@ -65,8 +64,8 @@ struct DeviceCounters {
     peak_bytes: AtomicU64,
     count: AtomicU64,
     peak_count: AtomicU64,
+    /// Allocations made; frees made are `allocations - count`.
     allocations: AtomicU64,
-    frees: AtomicU64,
     failures: AtomicU64,
 }
 
@@ -78,23 +77,27 @@ impl DeviceCounters {
             count: AtomicU64::new(0),
             peak_count: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
-            frees: AtomicU64::new(0),
             failures: AtomicU64::new(0),
         }
     }
 
     fn allocated(&self, size: usize) {
-        let bytes = self.bytes.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
-        self.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
-        let count = self.count.fetch_add(1, Ordering::Relaxed) + 1;
-        self.peak_count.fetch_max(count, Ordering::Relaxed);
+        // `count` is raised after `allocations`, so a reader never sees more live than made.
         self.allocations.fetch_add(1, Ordering::Relaxed);
+        let bytes = self.bytes.fetch_add(size as u64, Ordering::Relaxed) + size as u64;
+        let count = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        // A peak is written only when passed (a load, not a read-modify-write, on most calls).
+        if bytes > self.peak_bytes.load(Ordering::Relaxed) {
+            self.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
+        }
+        if count > self.peak_count.load(Ordering::Relaxed) {
+            self.peak_count.fetch_max(count, Ordering::Relaxed);
+        }
     }
 
     fn freed(&self, size: usize) {
         self.bytes.fetch_sub(size as u64, Ordering::Relaxed);
         self.count.fetch_sub(1, Ordering::Relaxed);
-        self.frees.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -126,14 +129,19 @@ pub struct Counters {
 /// The counters of `device`; all zero for a device at or past [`MAX_COUNTED_DEVICES`]. Each field is read
 /// on its own: while other threads allocate, they may be from slightly different moments.
 pub fn counters(device: usize) -> Counters {
-    device_counters(device).map_or_else(Counters::default, |c| Counters {
-        bytes: c.bytes.load(Ordering::Relaxed),
-        peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
-        count: c.count.load(Ordering::Relaxed),
-        peak_count: c.peak_count.load(Ordering::Relaxed),
-        allocations: c.allocations.load(Ordering::Relaxed),
-        frees: c.frees.load(Ordering::Relaxed),
-        failures: c.failures.load(Ordering::Relaxed),
+    device_counters(device).map_or_else(Counters::default, |c| {
+        // `count` before `allocations` (the reverse of `allocated`'s order): frees never read negative.
+        let count = c.count.load(Ordering::Relaxed);
+        let allocations = c.allocations.load(Ordering::Relaxed);
+        Counters {
+            bytes: c.bytes.load(Ordering::Relaxed),
+            peak_bytes: c.peak_bytes.load(Ordering::Relaxed),
+            count,
+            peak_count: c.peak_count.load(Ordering::Relaxed),
+            allocations,
+            frees: allocations.saturating_sub(count),
+            failures: c.failures.load(Ordering::Relaxed),
+        }
     })
 }
 
@@ -178,11 +186,6 @@ fn record_failure(device: c_int, message: String) {
     });
 }
 
-fn shard(addr: u64) -> &'static Shard {
-    // Allocations are 256-byte aligned: the bits above the alignment spread them.
-    &LIVE[((addr >> 8) as usize) % SHARDS]
-}
-
 /// How many frees PyTorch asked for that mempool refused or that failed, since the process started.
 pub fn free_failures() -> u64 {
     FREE_FAILURES.load(Ordering::Relaxed)
@@ -190,14 +193,7 @@ pub fn free_failures() -> u64 {
 
 /// The number of allocations PyTorch holds now.
 pub fn live_allocations() -> usize {
-    LIVE.iter()
-        .map(|s| {
-            s.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .map_or(0, |m| m.len())
-        })
-        .sum()
+    LIVE.len()
 }
 
 /// `size` bytes from `device`'s current resource on `stream`, recorded in the live table.
@@ -217,11 +213,7 @@ unsafe fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut 
     #[allow(unsafe_code)]
     let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     let addr = mr.allocate(size, s)?;
-    shard(addr.as_raw())
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get_or_insert_with(HashMap::new)
-        .insert(addr.as_raw(), (size, ordinal, mr));
+    LIVE.insert(addr.as_raw(), (size, ordinal, mr));
     if let Some(c) = device_counters(ordinal) {
         c.allocated(size);
     }
@@ -324,20 +316,16 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
         return Ok(());
     }
     let addr = ptr as u64;
-    let entry = {
-        let mut g = shard(addr).lock().unwrap_or_else(|p| p.into_inner());
-        let map = g.get_or_insert_with(HashMap::new);
-        match map.get(&addr) {
-            Some((n, _, _)) if *n == size => map.remove(&addr),
-            Some((n, _, _)) => {
-                return Err(Error::InvalidArgument(format!(
-                    "free of {addr:#x} with {size} bytes, but mempool allocated {n} bytes there; not freed"
-                )))
-            }
-            None => None,
+    let entry = LIVE.remove_if(addr, |(n, _, _)| {
+        if *n == size {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "free of {addr:#x} with {size} bytes, but mempool allocated {n} bytes there; not freed"
+            )))
         }
-    };
-    let Some((_, device, mr)) = entry else {
+    });
+    let Some((_, device, mr)) = entry.transpose()? else {
         return Err(Error::InvalidArgument(format!(
             "free of {addr:#x}, which mempool's PyTorch allocator did not hand out (or freed already); not freed"
         )));

@@ -1,6 +1,7 @@
 //! `include/mempool.h` against the Rust definitions it declares, so that neither can drift from the other:
 //! - the status enum against [`Status`] (names, codes, and each code's one-line summary);
-//! - the function prototypes against the `#[no_mangle]` entry points of `src/ffi.rs` and `src/torch.rs`
+//! - the function prototypes against the `#[no_mangle]` entry points of `src/ffi.rs`, `src/torch.rs` and
+//!   `src/cupy.rs`
 //!   (names, parameter names and C types, return types), both ways;
 //! - its structs (`mempool_statistics_t`, the service resource's) against the `#[repr(C)]` structs of
 //!   `src/ffi.rs`, and `mempool_sleep_mode_t` against mempool-capi's sleep mode codes;
@@ -17,9 +18,10 @@ use mempool_capi::error::PythonException;
 use mempool_capi::Status;
 
 const HEADER: &str = include_str!("../include/mempool.h");
-const SOURCES: [(&str, &str); 2] = [
+const SOURCES: [(&str, &str); 3] = [
     ("src/ffi.rs", include_str!("../src/ffi.rs")),
     ("src/torch.rs", include_str!("../src/torch.rs")),
+    ("src/cupy.rs", include_str!("../src/cupy.rs")),
 ];
 const PY_ERRORS: &str = include_str!("../../mempool-py/python/mempool/_errors.py");
 
@@ -337,7 +339,7 @@ fn every_entry_point_is_declared_in_mempool_h_with_the_same_parameters_and_vice_
     for name in header.keys() {
         if !rust.contains_key(name) {
             problems.push(format!(
-                "{name} is declared in mempool.h but not defined in src/ffi.rs or src/torch.rs"
+                "{name} is declared in mempool.h but not defined in src/ffi.rs, src/torch.rs or src/cupy.rs"
             ));
         }
     }

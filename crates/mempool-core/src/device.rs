@@ -33,16 +33,25 @@ impl Device {
         (0..Device::count()?).map(Device::get).collect()
     }
 
+    /// The driver's handle of the device of the calling thread's current CUDA context (`cuCtxGetCurrent`,
+    /// `cuCtxGetDevice`), `None` when no context is current: what [`Device::of_current_context`] looks up,
+    /// for a caller that keeps its own list of devices (two driver calls, no enumeration).
+    pub fn raw_of_current_context() -> Result<Option<crate::types::RawDevice>> {
+        raw::init()?;
+        if raw::context::current()?.is_null() {
+            return Ok(None);
+        }
+        Ok(Some(raw::context::device()?))
+    }
+
     /// The device of the calling thread's current CUDA context (`cuCtxGetCurrent`, `cuCtxGetDevice`):
     /// what the CUDA runtime's `cudaGetDevice` reports on a thread that has used a device. `None` when
     /// no context is current on the thread. mempool's own calls bind their context only for their
     /// duration, so this is the context the application (or another library) made current.
     pub fn of_current_context() -> Result<Option<Device>> {
-        raw::init()?;
-        if raw::context::current()?.is_null() {
+        let Some(raw) = Device::raw_of_current_context()? else {
             return Ok(None);
-        }
-        let raw = raw::context::device()?;
+        };
         let count = Device::count()?;
         for ordinal in 0..count {
             let device = Device::get(ordinal)?;

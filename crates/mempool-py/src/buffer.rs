@@ -14,7 +14,7 @@ use mempool_core::{BufferView, Context, StreamRef};
 use mempool_rmm::containers::DeviceBuffer as RmmBuffer;
 
 use crate::errors::IntoPy;
-use crate::mr::PyResource;
+use crate::mr::{calls_python, PyResource};
 use crate::stream::{self, StreamArg};
 use crate::surface::device_view_pymethods;
 use crate::view::{DeviceView, RawView};
@@ -55,8 +55,10 @@ unsafe fn stream_in(s: &StreamArg, ctx: &'static Arc<Context>) -> StreamRef<'sta
 }
 
 /// Device memory of `size` bytes (uninitialised), from `mr` or the current device's resource, ordered on
-/// `stream`. The allocation and the free run with the interpreter released (they can wait on a pool's
-/// lock, or on a failure callback that needs the interpreter on another thread).
+/// `stream`. The allocation and the free run with the interpreter released while a
+/// `FailureCallbackResourceAdaptor` exists (they can wait on a pool's lock held by a thread whose failure
+/// callback needs the interpreter); otherwise no lock of a resource is held by a thread waiting for the
+/// interpreter, and they keep it (releasing and retaking it costs about as much as a pool's allocation).
 #[pyclass(module = "mempool", name = "DeviceBuffer", frozen, weakref)]
 pub struct DeviceBuffer {
     // Always `Some` until `drop` takes it to free it with the interpreter released.
@@ -71,9 +73,14 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             // The free can wait on the resource's lock, held by a thread that may need the interpreter
-            // (a failure callback): release the interpreter for it. `Python::attach` is re-entrant here (the
+            // (a failure callback): release the interpreter for it while such a callback exists (releasing
+            // and taking it back costs about as much as a pool's free). `Python::attach` is re-entrant here (the
             // object is being deallocated by the interpreter on this thread).
-            Python::attach(|py| py.detach(move || drop(buf)));
+            if calls_python() {
+                Python::attach(|py| py.detach(move || drop(buf)));
+            } else {
+                drop(buf);
+            }
         }
     }
 }
@@ -104,13 +111,14 @@ impl DeviceBuffer {
         // `device` is one of its primary context's (the documented contract, as RMM's).
         #[allow(unsafe_code)]
         let stream = unsafe { stream_in(&s, ctx) };
-        // Released: the allocation can wait on a pool's lock held by a thread that needs the interpreter.
-        let buf = py
-            .detach(move || match init {
-                Some(data) => RmmBuffer::from_host(data, stream, shared),
-                None => RmmBuffer::new(size, stream, shared),
-            })
-            .py()?;
+        // Released when the allocation can wait on a pool's lock held by a thread that needs the interpreter
+        // (while a failure callback exists), and for the copy of `init`, which waits for the device.
+        let buf = match init {
+            Some(data) => py.detach(move || RmmBuffer::from_host(data, stream, shared)),
+            None if calls_python() => py.detach(move || RmmBuffer::new(size, stream, shared)),
+            None => RmmBuffer::new(size, stream, shared),
+        }
+        .py()?;
         Ok(DeviceBuffer {
             buf: Some(buf),
             device,

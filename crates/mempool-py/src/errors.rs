@@ -26,7 +26,7 @@ fn class(py: Python<'_>, status: Status) -> PyResult<&Bound<'_, PyType>> {
 }
 
 /// An exception of `status`'s class carrying `message`.
-fn of_status(status: Status, message: String) -> PyErr {
+pub(crate) fn of_status(status: Status, message: String) -> PyErr {
     Python::attach(|py| match class(py, status) {
         Ok(cls) => PyErr::from_type(cls.clone(), message),
         Err(import_failure) => import_failure,

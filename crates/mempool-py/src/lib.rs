@@ -9,6 +9,7 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+mod cupy;
 mod dlpack;
 mod errors;
 mod ipc;
@@ -126,6 +127,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_torch_last_failure, m)?)?;
     m.add_function(wrap_pyfunction!(_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(mr::_flush_logs, m)?)?;
+    cupy::register(m)?;
     errors::register(m)?;
     Ok(())
 }

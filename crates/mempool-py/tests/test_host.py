@@ -212,7 +212,7 @@ def test_rmm_names_are_there():
         assert hasattr(mr, name), name
     assert issubclass(mr.PoolMemoryResource, mr.DeviceMemoryResource)
     params = inspect.signature(mempool.reinitialize).parameters
-    assert list(params) == [
+    rmm = [
         "pool_allocator",
         "managed_memory",
         "initial_pool_size",
@@ -221,6 +221,11 @@ def test_rmm_names_are_there():
         "logging",
         "log_file_name",
     ]
+    # RMM's parameters, in RMM's order; mempool's additions (``stack``) are keyword-only after them.
+    assert list(params)[: len(rmm)] == rmm
+    extra = list(params.values())[len(rmm):]
+    assert [p.name for p in extra] == ["stack"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False for p in extra)
 
 
 @pytest.mark.parametrize(
@@ -257,6 +262,27 @@ def test_extension_exports_the_c_abi(no_driver):
     so.mempool_torch_free(0x100000, 256, 0, None)
     assert lib._torch_allocator_state()[1] == before + 1
     assert b"did not hand out" in so.mempool_last_error()
+
+
+def test_extension_exports_cupys_c_allocator():
+    """CuPy's C entry points are exported, their addresses are the ones ``_cupy_c_allocator`` hands CuPy, a
+    free of a pointer they never handed out is refused and counted, and a failed allocation without a
+    ``raise`` callback (a NULL param) returns NULL with the cause in the last error. No driver is needed:
+    every call here fails before one is."""
+    so = ctypes.CDLL(lib._shared_object_path())
+    so.mempool_last_error.restype = ctypes.c_char_p
+    so.mempool_cupy_malloc.restype = ctypes.c_void_p
+    so.mempool_cupy_malloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    so.mempool_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    live, failed_allocs, failed_frees = lib._cupy_allocator_state()
+    so.mempool_cupy_free(None, 0x200000, 0)
+    assert lib._cupy_allocator_state() == (live, failed_allocs, failed_frees + 1)
+    assert b"did not hand out" in so.mempool_last_error()
+    assert lib._cupy_allocation(0x200000) is None
+    assert so.mempool_cupy_malloc(None, 4096, -1) is None
+    assert lib._cupy_allocator_state() == (live, failed_allocs + 1, failed_frees + 1)
+    message = so.mempool_last_error()
+    assert b"4096 bytes on device -1 for CuPy" in message and b"negative" in message, message
 
 
 def test_buffer_classes_share_one_surface():

@@ -5,6 +5,7 @@
 //! `cuMemAlloc`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mempool_core::Device;
@@ -15,9 +16,20 @@ use crate::resources::AsyncResource;
 
 static REGISTRY: Mutex<Option<HashMap<usize, SharedResource>>> = Mutex::new(None);
 
+/// Bumped (under the registry's lock) by every change of any device's current resource.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
 fn with<T>(f: impl FnOnce(&mut HashMap<usize, SharedResource>) -> T) -> T {
     let mut g = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     f(g.get_or_insert_with(HashMap::new))
+}
+
+/// A number that changes whenever any device's current resource is set or reset (never when the default
+/// is first made: that changes no resource a caller saw). A cache of [`current_device_resource`]'s answer
+/// read after loading the generation stays right for as long as the generation does not change: read it
+/// first, then the resource, and compare it again on every later use.
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Acquire)
 }
 
 /// The current resource of `device`, creating the default (an [`AsyncResource`] on the device's default
@@ -34,11 +46,19 @@ pub fn current_device_resource(device: &Device) -> Result<SharedResource> {
 /// made yet). Memory allocated from the previous resource must still be freed through it: keep the
 /// returned value while any of its allocations live.
 pub fn set_current_device_resource(device: &Device, resource: SharedResource) -> Option<SharedResource> {
-    with(|m| m.insert(device.ordinal(), resource))
+    with(|m| {
+        let previous = m.insert(device.ordinal(), resource);
+        GENERATION.fetch_add(1, Ordering::AcqRel);
+        previous
+    })
 }
 
 /// Drops the registry's reference to `device`'s current resource, so the next
 /// [`current_device_resource`] makes the default again. Returns what was current.
 pub fn reset_current_device_resource(device: &Device) -> Option<SharedResource> {
-    with(|m| m.remove(&device.ordinal()))
+    with(|m| {
+        let previous = m.remove(&device.ordinal());
+        GENERATION.fetch_add(1, Ordering::AcqRel);
+        previous
+    })
 }

@@ -175,6 +175,75 @@ pub struct RandomParams {
     /// Log the first resource's warm-up run of the first point here, through mempool-rmm's
     /// `LoggingAdaptor` (RMM's CSV format), for `replay`.
     pub log: Option<std::path::PathBuf>,
+    /// Interleave the timed runs: every resource of a point is built first, then each round runs every
+    /// resource once (in the listed order on even rounds, reversed on odd ones), so drift over the run
+    /// (clocks, the host's other load) falls on all of them alike; the report adds each resource's
+    /// per-round ratio to the raw pool baseline (or the first resource), lowest, median and highest.
+    pub interleave: bool,
+}
+
+/// Labels of `specs` for the report, with a repeated spec numbered by its occurrence (`async #2`), so that
+/// the rows and ratios of a spec listed twice stay apart.
+pub fn unique_labels(specs: &[ResourceSpec]) -> Vec<String> {
+    let plain: Vec<String> = specs.iter().map(ToString::to_string).collect();
+    plain
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let total = plain.iter().filter(|o| *o == l).count();
+            if total == 1 {
+                l.clone()
+            } else {
+                let nth = plain[..=i].iter().filter(|o| *o == l).count();
+                format!("{l} #{nth}")
+            }
+        })
+        .collect()
+}
+
+/// Lowest, median and highest of `v` (not empty).
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, median(v).unwrap_or(f64::NAN), hi)
+}
+
+/// The interleaved runs of one point (see [`RandomParams::interleave`]): each spec's [`RunStats`] (median
+/// ns/op), and its per-round ns/op.
+fn run_interleaved(
+    ops: &[Op],
+    specs: &[ResourceSpec],
+    common: &Common,
+    stream: Option<&Stream>,
+    repeats: usize,
+) -> Result<Vec<(RunStats, Vec<f64>)>> {
+    let built = specs
+        .iter()
+        .map(|spec| build(spec, common.device.as_ref()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut firsts = Vec::with_capacity(built.len());
+    for b in &built {
+        firsts.push(run(ops, b.resource.as_ref(), stream)?); // warm-up, in order
+    }
+    let mut per_round: Vec<Vec<f64>> = vec![Vec::with_capacity(repeats); built.len()];
+    for round in 0..repeats {
+        let order: Vec<usize> = if round % 2 == 0 {
+            (0..built.len()).collect()
+        } else {
+            (0..built.len()).rev().collect()
+        };
+        for i in order {
+            per_round[i].push(run(ops, built[i].resource.as_ref(), stream)?.ns_per_op);
+        }
+    }
+    Ok(firsts
+        .into_iter()
+        .zip(per_round)
+        .map(|(mut st, ns)| {
+            st.ns_per_op = median(&ns).unwrap_or(f64::NAN);
+            (st, ns)
+        })
+        .collect())
 }
 
 /// Runs the workload over every resource of `common` and reports ns/op and the ratio to the raw pool
@@ -229,10 +298,43 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
     let mut results: Vec<Vec<Option<f64>>> = vec![vec![None; params.points.len()]; common.specs.len()];
     let pool_async = crate::spec::parse("pool(async)")?;
     let mut service_vs_pool: Vec<String> = Vec::new();
+    let labels = unique_labels(&common.specs);
+    // The reference of the interleaved ratios: the raw pool baseline if in the run, else the first spec.
+    let reference = common
+        .specs
+        .iter()
+        .position(|s| *s == ResourceSpec::RawPool)
+        .unwrap_or(0);
+    let mut interleaved_notes: Vec<String> = Vec::new();
     for (pi, p) in params.points.iter().enumerate() {
         let ops = generate(p, params.seed + pi as u64);
         let mut rows: Vec<(String, RunStats)> = Vec::new();
+        if params.interleave {
+            progress.set_label(format!("{} resources interleaved on {}", common.specs.len(), p.label()));
+            let measured = run_interleaved(&ops, &common.specs, common, stream.as_ref(), params.repeats.max(1))?;
+            let base_rounds = measured[reference].1.clone();
+            for (si, (st, rounds)) in measured.into_iter().enumerate() {
+                results[si][pi] = Some(st.ns_per_op);
+                if si != reference {
+                    let ratios: Vec<f64> = rounds.iter().zip(&base_rounds).map(|(a, b)| a / b).collect();
+                    let (lo, mid, hi) = spread(&ratios);
+                    interleaved_notes.push(format!(
+                        "{} at {}: per-round ratio to {} {lo:.3} / {mid:.3} / {hi:.3} (lowest / median / highest of \
+                         {} rounds)",
+                        labels[si],
+                        p.label(),
+                        labels[reference],
+                        ratios.len()
+                    ));
+                }
+                rows.push((labels[si].clone(), st));
+                progress.inc();
+            }
+        }
         for (si, spec) in common.specs.iter().enumerate() {
+            if params.interleave {
+                break;
+            }
             progress.set_label(format!("{} on {}", spec, p.label()));
             let built = build(spec, common.device.as_ref())?;
             let mr = built.resource.as_ref();
@@ -253,13 +355,17 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
             let mut st = stats[0];
             st.ns_per_op = median(&ns).unwrap_or(f64::NAN);
             results[si][pi] = Some(st.ns_per_op);
-            rows.push((built.label.clone(), st));
+            rows.push((labels[si].clone(), st));
             drop(built);
             progress.inc();
         }
+        // A baseline's row: its first occurrence in the run (rows are in spec order).
         let base = |spec: &ResourceSpec| {
-            rows.iter()
-                .find(|(l, _)| *l == spec.to_string())
+            common
+                .specs
+                .iter()
+                .position(|s| s == spec)
+                .and_then(|i| rows.get(i))
                 .map(|(_, s)| s.ns_per_op)
         };
         let bases: Vec<Option<f64>> = baselines.iter().map(base).collect();
@@ -303,6 +409,15 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
             format!(" ({}: one timed run)", single.join(" and "))
         }
     ));
+    if params.interleave {
+        report.notes.push(format!(
+            "interleaved: every resource of a point built first; one warm-up run each, then {} rounds, each \
+             running every resource once (listed order on even rounds, reversed on odd ones); ns/op is the \
+             median of a resource's rounds.",
+            params.repeats.max(1)
+        ));
+        report.notes.extend(interleaved_notes);
+    }
     if !service_vs_pool.is_empty() {
         report.notes.push(format!(
             "target (issue 23): `service` per operation within {SERVICE_VS_POOL_TARGET}x of `pool(async)` in the \
@@ -320,8 +435,9 @@ pub fn bench(common: &Common, params: &RandomParams) -> Result<Report> {
             .specs
             .iter()
             .zip(results)
-            .map(|(s, values)| Series {
-                name: s.to_string(),
+            .enumerate()
+            .map(|(i, (_, values))| Series {
+                name: labels[i].clone(),
                 values,
             })
             .collect(),
@@ -496,4 +612,28 @@ pub fn bench_threads(common: &Common, params: &ThreadsParams) -> Result<Report> 
         log_y: false,
     });
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repeated_spec_is_numbered_and_a_single_one_is_not() {
+        let specs =
+            crate::spec::parse_list("cuMemAllocFromPoolAsync,async(threshold=0),cuMemAllocFromPoolAsync").unwrap();
+        assert_eq!(
+            unique_labels(&specs),
+            vec![
+                "cuMemAllocFromPoolAsync #1".to_string(),
+                specs[1].to_string(),
+                "cuMemAllocFromPoolAsync #2".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn spread_is_lowest_median_highest() {
+        assert_eq!(spread(&[1.2, 0.9, 1.0]), (0.9, 1.0, 1.2));
+    }
 }

@@ -55,6 +55,7 @@ __all__ = [
     "TaggedMemoryResource",
     "TrackingResourceAdaptor",
     "VmmMemoryResource",
+    "default_stack",
     "device_count",
     "get_current_device",
     "get_current_device_resource",
@@ -94,6 +95,38 @@ def is_initialized() -> bool:
     return _initialized
 
 
+#: The sizes the default stack serves from bins: powers of two from ``2**8`` (256 B) to ``2**20`` (1 MiB).
+DEFAULT_STACK_BINS = (8, 20)
+
+
+def default_stack(
+    upstream_mr: DeviceMemoryResource | None = None,
+    initial_pool_size: int | None = None,
+    maximum_pool_size: int | None = None,
+    *,
+    device: int | None = None,
+) -> BinningMemoryResource:
+    """The recommended resource for allocations of every size, chosen by measuring the standard random
+    workload (docs/resources.md, "The default stack"):
+    ``BinningMemoryResource(PoolMemoryResource(upstream_mr, initial_pool_size, maximum_pool_size), 8, 20)``.
+
+    Sizes up to 1 MiB come from power-of-two bins (``FixedSizeMemoryResource``), each carving fixed blocks
+    from chunks it takes from the pool; larger sizes go straight to the pool. Everything is taken from
+    the pool, so ``maximum_pool_size`` bounds the whole stack; ``initial_pool_size`` defaults as
+    ``PoolMemoryResource``'s does (half the device's free memory, reserved at the first allocation).
+    ``upstream_mr`` defaults to a new
+    ``CudaAsyncMemoryResource`` of ``device`` (default: the current device). The bins keep the chunks
+    they took until the stack is destroyed: a process whose small allocations peak high and then stop
+    keeps that peak in the bins.
+    """
+    if upstream_mr is None:
+        upstream_mr = CudaAsyncMemoryResource(device=device)
+    elif device is not None and upstream_mr.device != device:
+        raise ValueError(f"default_stack: upstream_mr is a resource of device {upstream_mr.device}, not {device}")
+    pool = PoolMemoryResource(upstream_mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
+    return BinningMemoryResource(pool, *DEFAULT_STACK_BINS)
+
+
 def reinitialize(
     pool_allocator: bool = False,
     managed_memory: bool = False,
@@ -102,11 +135,17 @@ def reinitialize(
     devices: int | Iterable[int] = 0,
     logging: bool = False,
     log_file_name: str | None = None,
+    *,
+    stack: bool = False,
 ) -> None:
     """Sets each of ``devices`` (an ordinal or several) to a new resource, as RMM's ``reinitialize``:
 
     - ``CudaMemoryResource``, or ``ManagedMemoryResource`` with ``managed_memory``;
     - under a ``PoolMemoryResource(initial_pool_size, maximum_pool_size)`` with ``pool_allocator``;
+    - with ``stack`` (whether or not ``pool_allocator`` is given): the recommended stack,
+      ``default_stack`` over that resource (bins up to 1 MiB over the pool, larger sizes to the pool),
+      the fastest at every point of the standard random workload. Not the default: RMM's arguments
+      promise a ``PoolMemoryResource`` (or the plain resource), and code checks for those types;
     - under a ``LoggingResourceAdaptor`` with ``logging``, writing to ``log_file_name`` (else the environment
       variable ``RMM_LOG_FILE``), which inserts ``.dev<N>`` before the extension (one log per device), as
       RMM names them.
@@ -130,7 +169,9 @@ def reinitialize(
     for dev in devices:
         base = ManagedMemoryResource(device=dev) if managed_memory else CudaMemoryResource(device=dev)
         mr: DeviceMemoryResource = base
-        if pool_allocator:
+        if stack:
+            mr = default_stack(mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
+        elif pool_allocator:
             mr = PoolMemoryResource(mr, initial_pool_size=initial_pool_size, maximum_pool_size=maximum_pool_size)
         if logging:
             mr = LoggingResourceAdaptor(mr, log_file_name=log_file_name)

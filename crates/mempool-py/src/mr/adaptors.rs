@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io::BufWriter;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyValueError;
@@ -232,6 +233,34 @@ impl LimitingResourceAdaptor {
     }
 }
 
+/// Live failure-callback adaptors (on the Rust side): the only resources that run Python code, which they
+/// do while their upstream may hold its lock. See [`calls_python`].
+static PYTHON_CALLBACKS: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any resource of the process can run Python code during an allocation or a free (a
+/// `FailureCallbackResourceAdaptor` is alive). While none can, an allocating thread may keep the
+/// interpreter: no lock a resource holds is ever held by a thread waiting for the interpreter.
+pub(crate) fn calls_python() -> bool {
+    PYTHON_CALLBACKS.load(Ordering::Acquire) != 0
+}
+
+/// Counts one live failure-callback adaptor in [`PYTHON_CALLBACKS`] for as long as it lives (its callback
+/// closure owns it).
+struct CountsAsPython;
+
+impl CountsAsPython {
+    fn new() -> CountsAsPython {
+        PYTHON_CALLBACKS.fetch_add(1, Ordering::AcqRel);
+        CountsAsPython
+    }
+}
+
+impl Drop for CountsAsPython {
+    fn drop(&mut self) {
+        PYTHON_CALLBACKS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// On out-of-memory calls `callback(nbytes)`; a true result retries the allocation: RMM's
 /// `FailureCallbackResourceAdaptor`. An exception in the callback is reported as unraisable and counts as
 /// false.
@@ -255,9 +284,13 @@ impl FailureCallbackResourceAdaptor {
         }
         let slot = Arc::new(Mutex::new(Some(callback.unbind())));
         let cb = slot.clone();
-        // The closure takes the GIL to call the callback (allocations run with the GIL released, so an
-        // allocating Python thread does not hold it here); the slot's lock is not held during the call.
+        // Counted before the adaptor can be used: from now on allocations release the interpreter.
+        let counted = CountsAsPython::new();
+        // The closure takes the GIL to call the callback (allocations run with the GIL released while such
+        // an adaptor lives, so an allocating Python thread does not hold it here); the slot's lock is not
+        // held during the call.
         let f = move |bytes: usize, _attempt: u32| {
+            let _counted = &counted;
             Python::attach(|py| {
                 let callback = cb
                     .lock()

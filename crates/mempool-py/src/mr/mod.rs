@@ -14,8 +14,8 @@ pub(crate) mod service;
 mod suballoc;
 
 pub(crate) use adaptors::{
-    _flush_logs, FailureCallbackResourceAdaptor, LimitingResourceAdaptor, LoggingResourceAdaptor, Statistics,
-    StatisticsResourceAdaptor, TrackingResourceAdaptor,
+    _flush_logs, calls_python, FailureCallbackResourceAdaptor, LimitingResourceAdaptor, LoggingResourceAdaptor,
+    Statistics, StatisticsResourceAdaptor, TrackingResourceAdaptor,
 };
 pub(crate) use base::PyResource;
 pub(crate) use registry::{get_per_device_resource, set_per_device_resource};

@@ -215,6 +215,11 @@ def _mempool_resource(kind: str):
         # Power-of-two bins from 256 B to 1 MiB, larger requests upstream: mempool-bench's binning(async).
         return (mr.BinningMemoryResource(mr.CudaAsyncMemoryResource(), 8, 20),
                 "BinningMemoryResource(CudaAsyncMemoryResource(), 8, 20)")
+    if kind == "stack":
+        # The recommended stack: bins up to 1 MiB over a pool, larger sizes to the pool.
+        return (mr.default_stack(),
+                "mempool.mr.default_stack() = BinningMemoryResource(PoolMemoryResource(CudaAsyncMemoryResource()), "
+                "8, 20)")
     raise ValueError(kind)
 
 
@@ -230,7 +235,39 @@ def _setup_python_floor():
 
 def _setup_torch(kind: str):
     def setup():
-        if kind in ("pool", "binning"):
+        if kind.startswith("mempool-"):
+            # torch.cuda.MemPool over mempool (PyTorch's caching allocator carving blocks from segments
+            # mempool allocates), entered for the rest of the process.
+            mempool = _need("mempool")
+            torch_hook = _need("mempool.allocators.torch")
+            res, label = _mempool_resource(kind.split("-", 1)[1])
+            torch = _need("torch")
+            dev = torch.device("cuda", 0)
+            torch.empty(1, dtype=torch.uint8, device=dev)  # initialise CUDA outside the timed runs
+            pool = torch.cuda.MemPool(torch_hook.mempool_torch_pool_allocator.allocator())
+            scope = torch_hook.use(pool, res, device=0)
+            scope.__enter__()
+            torch.empty(1, dtype=torch.uint8, device=dev)
+            return ("torch.empty(n, dtype=u8, device=dev)",
+                    {"torch": torch, "u8": torch.uint8, "dev": dev, "_keep": (pool, scope, res)},
+                    {"mempool": _version(mempool), "torch": _version(torch)},
+                    f"torch.cuda.MemPool(mempool_torch_pool_allocator.allocator()) over {label}, entered with "
+                    "mempool.allocators.torch.use")
+        if kind == "native-mempool":
+            # PyTorch's own private pool, no mempool: what the MemPool path costs inside PyTorch.
+            torch = _need("torch")
+            dev = torch.device("cuda", 0)
+            torch.empty(1, dtype=torch.uint8, device=dev)
+            pool = torch.cuda.MemPool()
+            scope = torch.cuda.use_mem_pool(pool, device=dev)
+            scope.__enter__()
+            torch.empty(1, dtype=torch.uint8, device=dev)
+            return ("torch.empty(n, dtype=u8, device=dev)",
+                    {"torch": torch, "u8": torch.uint8, "dev": dev, "_keep": (pool, scope)},
+                    {"torch": _version(torch)},
+                    "torch.cuda.MemPool() without an allocator, entered with torch.cuda.use_mem_pool: PyTorch's "
+                    "private-pool path, no mempool")
+        if kind in ("pool", "binning", "stack"):
             mempool = _need("mempool")
             torch_hook = _need("mempool.allocators.torch")
             res, label = _mempool_resource(kind)
@@ -256,14 +293,20 @@ def _setup_torch(kind: str):
 
 def _setup_cupy(kind: str):
     def setup():
-        if kind in ("mempool-pool", "mempool-binning"):
+        if kind.startswith("mempool-"):
+            # mempool-<resource> (the Python hook) or mempool-c-<resource> (the C allocator).
             mempool = _need("mempool")
             cupy_hook = _need("mempool.allocators.cupy")
-            res, label = _mempool_resource(kind.split("-", 1)[1])
+            c = kind.startswith("mempool-c-")
+            res, label = _mempool_resource(kind.rsplit("-", 1)[1])
             cupy = _need("cupy")
             mempool.mr.set_current_device_resource(res)
-            cupy.cuda.set_allocator(cupy_hook.mempool_cupy_allocator)
-            note = f"mempool_cupy_allocator over {label}"
+            if c:
+                cupy.cuda.set_allocator(cupy_hook.mempool_cupy_c_allocator)
+                note = f"mempool_cupy_c_allocator (CFunctionAllocator, no Python per allocation) over {label}"
+            else:
+                cupy.cuda.set_allocator(cupy_hook.mempool_cupy_allocator)
+                note = f"mempool_cupy_allocator (a Python function per allocation) over {label}"
             versions = {"mempool": _version(mempool)}
         else:
             cupy = _need("cupy")
@@ -362,13 +405,25 @@ CONFIGS = (
            ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("pool")),
     Config("torch-mempool-binning", "`torch.empty` through mempool's BinningMemoryResource",
            ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("binning")),
+    Config("torch-mempool-stack", "`torch.empty` through mempool's default stack",
+           ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("stack")),
+    Config("torch-mempool-mempool-pool", "`torch.empty` in a `torch.cuda.MemPool` over mempool's PoolMemoryResource",
+           ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("mempool-pool")),
+    Config("torch-mempool-mempool-async", "`torch.empty` in a `torch.cuda.MemPool` over mempool's "
+           "CudaAsyncMemoryResource", ("torch", "mempool", "mempool.allocators.torch"), _setup_torch("mempool-async")),
+    Config("torch-native-mempool", "`torch.empty` in a `torch.cuda.MemPool()` of PyTorch's own (no mempool)",
+           ("torch",), _setup_torch("native-mempool")),
     Config("torch-rmm-pool", "`torch.empty` through RMM's PoolMemoryResource (baseline)",
            ("torch", "rmm", "rmm.allocators.torch"), _setup_torch_rmm),
     Config("cupy-pool", "`cupy.cuda.alloc`, CuPy's MemoryPool", ("cupy",), _setup_cupy("pool")),
     Config("cupy-async", "`cupy.cuda.alloc`, CuPy's MemoryAsyncPool", ("cupy",), _setup_cupy("async")),
-    Config("cupy-mempool-pool", "`cupy.cuda.alloc` through mempool's PoolMemoryResource",
+    Config("cupy-mempool-c-pool", "`cupy.cuda.alloc` through mempool's C allocator, PoolMemoryResource",
+           ("cupy", "mempool", "mempool.allocators.cupy"), _setup_cupy("mempool-c-pool")),
+    Config("cupy-mempool-c-stack", "`cupy.cuda.alloc` through mempool's C allocator, the default stack",
+           ("cupy", "mempool", "mempool.allocators.cupy"), _setup_cupy("mempool-c-stack")),
+    Config("cupy-mempool-pool", "`cupy.cuda.alloc` through mempool's Python hook, PoolMemoryResource",
            ("cupy", "mempool", "mempool.allocators.cupy"), _setup_cupy("mempool-pool")),
-    Config("cupy-mempool-binning", "`cupy.cuda.alloc` through mempool's BinningMemoryResource",
+    Config("cupy-mempool-binning", "`cupy.cuda.alloc` through mempool's Python hook, BinningMemoryResource",
            ("cupy", "mempool", "mempool.allocators.cupy"), _setup_cupy("mempool-binning")),
     Config("cupy-runtime-async", "`cupy.cuda.runtime.mallocAsync` / `freeAsync` (baseline)", ("cupy",),
            _setup_cupy_runtime),
@@ -377,6 +432,10 @@ CONFIGS = (
     Config("mempool-async", "`mempool.DeviceBuffer`, CudaAsyncMemoryResource", ("mempool",),
            _setup_buffer("async")),
     Config("mempool-pool", "`mempool.DeviceBuffer`, PoolMemoryResource", ("mempool",), _setup_buffer("pool")),
+    Config("mempool-binning", "`mempool.DeviceBuffer`, BinningMemoryResource", ("mempool",),
+           _setup_buffer("binning")),
+    Config("mempool-stack", "`mempool.DeviceBuffer`, the default stack (`mempool.mr.default_stack()`)", ("mempool",),
+           _setup_buffer("stack")),
     Config("rmm-async", "`rmm.DeviceBuffer`, RMM's CudaAsyncMemoryResource", ("rmm",), _setup_rmm),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
@@ -659,8 +718,9 @@ def main(argv=None) -> int:
     if args.child:
         return _child_main(args)
     if args.list:
+        width = max(len(c.name) for c in CONFIGS)
         for c in CONFIGS:
-            print(f"{c.name:24} {c.what}")
+            print(f"{c.name:{width}} {c.what}")
         return 0
     shape = {}
     for i, p in enumerate(STANDARD_POINTS):

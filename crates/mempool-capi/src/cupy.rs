@@ -1,0 +1,259 @@
+//! CuPy's allocator in C: the two functions `cupy.cuda.memory.CFunctionAllocator(param, malloc_func,
+//! free_func, owner)` calls, `void* malloc(void* param, size_t size, int device)` and
+//! `void free(void* param, void* ptr, int device)`, so that a CuPy allocation reaches mempool without
+//! running Python code (`mempool.allocators.cupy.mempool_cupy_c_allocator` builds one).
+//!
+//! `param` points to a [`CupyParam`] that lives for the rest of the process (CuPy keeps only the address,
+//! in every memory object it made, past the allocator's own life); the Python package builds one over
+//! CuPy's C function for its current stream (`cupy_backends.cuda.stream.get_current_stream_ptr`, which
+//! CuPy exports to other Cython modules), so no Python is entered per allocation on the default streams.
+//!
+//! - An allocation comes from the current resource of the device CuPy names, on CuPy's current stream
+//!   of the calling thread (read through `param`'s `current_stream`; the legacy default stream without
+//!   one), and is recorded with its size, stream and resource, so its free goes back to that resource on
+//!   that stream even after the current resource or stream changed. A stream other than the default ones
+//!   (0, 1: legacy; 2: per-thread) is kept alive through `param`'s `hold` until the free.
+//! - A free (CuPy passes no size and no stream) returns the memory to the resource that allocated it, on
+//!   the stream it was allocated on: ordered after the work queued there, as CuPy's own pools order it.
+//!   A pointer mempool did not hand out (or freed already) is refused, nothing is freed.
+//! - A failure: the message (naming the size, the device and the cause) is left in `mempool_last_error()`
+//!   and passed to `param`'s `raise` (the Python package sets a Python exception there), and the function
+//!   returns `(void*)-1`; without `raise` it returns null. CuPy's `_call_malloc` is a Cython function
+//!   returning `intptr_t`: built with Cython 3, which checks for a pending Python exception when such a
+//!   function returns -1, it raises that exception from `cupy.cuda.alloc`. (Null would not be checked,
+//!   and CuPy would build an array over address 0.)
+//!
+//! The functions call `param`'s callbacks, which need what their caller needs: the Python package's need
+//! the GIL, which CuPy holds when it allocates and frees. Neither lets a Rust panic cross the boundary.
+
+use std::ffi::{c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mempool_core::{DeviceAddr, StreamRef};
+use mempool_rmm::SharedResource;
+
+use crate::cupy_param::CupyParam;
+use crate::error::{self, Error, Result};
+use crate::live::LiveTable;
+use crate::registry;
+
+/// What a failed allocation returns when `param` has a `raise`: `(void*)-1`, which CuPy (built with
+/// Cython 3) checks for a pending exception.
+pub const FAILED: usize = usize::MAX;
+
+/// The highest special stream handle: 0 is NULL, 1 `CU_STREAM_LEGACY`, 2 `CU_STREAM_PER_THREAD`; none is
+/// ever destroyed, so none is held.
+const LAST_SPECIAL_STREAM: usize = 2;
+
+/// One live allocation.
+struct Entry {
+    size: usize,
+    stream: usize,
+    /// What `hold` returned (null when nothing is held).
+    token: usize,
+    /// The `release` to call with `token`.
+    param: usize,
+    mr: SharedResource,
+}
+
+static LIVE: LiveTable<Entry> = LiveTable::new();
+static ALLOC_FAILURES: AtomicU64 = AtomicU64::new(0);
+static FREE_FAILURES: AtomicU64 = AtomicU64::new(0);
+
+/// `(live allocations, failed allocations, refused or failed frees)` of these entry points in this process.
+pub fn state() -> (usize, u64, u64) {
+    (
+        LIVE.len(),
+        ALLOC_FAILURES.load(Ordering::Relaxed),
+        FREE_FAILURES.load(Ordering::Relaxed),
+    )
+}
+
+/// The stream and size `addr` was allocated with, while it is live.
+pub fn allocation(addr: u64) -> Option<(usize, usize)> {
+    LIVE.with(addr, |e| (e.stream, e.size))
+}
+
+/// The calling thread's current stream, through `param`.
+///
+/// # Safety
+/// 1. `param`'s callbacks may be called now (for the Python package's: the GIL is held).
+#[allow(unsafe_code)]
+unsafe fn current_stream(param: &CupyParam) -> Result<usize> {
+    let Some(get) = param.current_stream else {
+        return Ok(0);
+    };
+    // SAFETY: point 1.
+    let s = unsafe { get() };
+    usize::try_from(s).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "CuPy's current stream could not be read (its getter returned {s})"
+        ))
+    })
+}
+
+/// `size` bytes from `device`'s current resource on `param`'s current stream, recorded in the live table.
+///
+/// # Safety
+/// 1. `param`'s callbacks may be called now.
+/// 2. The stream they name is a live stream of `device` (or a special handle) for the duration of the
+///    call; `hold` keeps any other alive until its `release`.
+#[allow(unsafe_code)]
+unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int) -> Result<*mut c_void> {
+    if size == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    let ordinal =
+        usize::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device} is negative")))?;
+    // SAFETY: point 1.
+    let stream = unsafe { current_stream(param) }?;
+    let mr = registry::current(ordinal)?;
+    let token = match param.hold {
+        Some(hold) if stream > LAST_SPECIAL_STREAM => {
+            // SAFETY: point 1.
+            let t = unsafe { hold(stream as isize) };
+            if t.is_null() {
+                return Err(Error::InvalidArgument(format!(
+                    "CuPy's current stream {stream:#x} could not be kept alive for the allocation"
+                )));
+            }
+            t as usize
+        }
+        _ => 0,
+    };
+    // SAFETY: point 2: the stream is live for this call (and held until the free, when not special).
+    let s = unsafe { StreamRef::from_raw(stream as *mut c_void as mempool_core::RawStream) };
+    match mr.allocate(size, s) {
+        Ok(addr) => {
+            LIVE.insert(
+                addr.as_raw(),
+                Entry {
+                    size,
+                    stream,
+                    token,
+                    param: param_addr,
+                    mr,
+                },
+            );
+            Ok(addr.as_raw() as *mut c_void)
+        }
+        Err(e) => {
+            if let (Some(release), true) = (param.release, token != 0) {
+                // SAFETY: point 1; `token` came from this param's `hold` and is released once.
+                unsafe { release(token as *mut c_void) };
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// CuPy's `malloc`: `size` bytes on `device`'s current mempool resource, on CuPy's current stream (see
+/// the module documentation). A failure returns `(void*)-1` after calling `param`'s `raise`, or null
+/// without one; its message is in `mempool_last_error()`. Never unwinds.
+///
+/// # Safety
+/// 1. `param` is null or points to a [`CupyParam`] that lives for the rest of the process.
+/// 2. Its callbacks may be called now (the Python package's need the GIL: CuPy holds it).
+/// 3. The stream `current_stream` names is a live stream of `device` (or a special handle), kept alive by
+///    `hold` when `hold` is given, else for as long as memory allocated on it lives.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
+    // SAFETY: point 1: null or a live `CupyParam`.
+    let p = unsafe { (param as *const CupyParam).as_ref() }
+        .copied()
+        .unwrap_or_default();
+    let failed = |e: &Error| {
+        ALLOC_FAILURES.fetch_add(1, Ordering::Relaxed);
+        let status = error::record_with_prefix(
+            e,
+            &format!("mempool could not allocate {size} bytes on device {device} for CuPy"),
+        );
+        match p.raise {
+            Some(raise) => {
+                // SAFETY: point 2; the message is this thread's last-error string, live until its next call
+                // into mempool, after `raise` copied it.
+                unsafe { raise(status as c_int, error::last_error_ptr()) };
+                FAILED as *mut c_void
+            }
+            None => std::ptr::null_mut(),
+        }
+    };
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: points 2 and 3.
+        let allocated = unsafe { alloc(&p, param as usize, size, device) };
+        match allocated {
+            Ok(ptr) => {
+                error::clear();
+                ptr
+            }
+            Err(e) => failed(&e),
+        }
+    }));
+    r.unwrap_or_else(|panic| {
+        catch_unwind(AssertUnwindSafe(|| {
+            failed(&Error::Panic(error::panic_message(&*panic)))
+        }))
+        .unwrap_or(std::ptr::null_mut())
+    })
+}
+
+/// Returns `addr` to the resource that allocated it, on the stream it was allocated on, and ends the hold
+/// of that stream.
+///
+/// # Safety
+/// 1. No work uses the memory at `addr` after the work queued so far on the stream it was allocated on.
+/// 2. The `release` of the param it was allocated with may be called now.
+#[allow(unsafe_code)]
+unsafe fn free(addr: u64) -> Result<()> {
+    let Some(Ok(e)) = LIVE.remove_if(addr, |_| Ok::<(), ()>(())) else {
+        return Err(Error::InvalidArgument(format!(
+            "free of {addr:#x}, which mempool's CuPy allocator did not hand out (or freed already); not freed"
+        )));
+    };
+    // SAFETY: the stream was live at the allocation and is held (or special) until the release below.
+    let s = unsafe { StreamRef::from_raw(e.stream as *mut c_void as mempool_core::RawStream) };
+    // SAFETY: the table held `addr` with this size as returned by `e.mr.allocate` and not freed since (the
+    // entry was removed above, so this is its only free); point 1 orders its uses before the free.
+    let r = unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
+    if e.token != 0 {
+        // SAFETY: the entry's `param` is the live `CupyParam` (point 1 of `mempool_cupy_malloc`) whose
+        // `hold` returned the token; it is released once (the entry is gone). Point 2.
+        if let Some(release) = unsafe { (e.param as *const CupyParam).as_ref() }.and_then(|p| p.release) {
+            // SAFETY: as above.
+            unsafe { release(e.token as *mut c_void) };
+        }
+    }
+    Ok(r?)
+}
+
+/// CuPy's `free`: returns `ptr` (from [`mempool_cupy_malloc`]) to the resource that allocated it, ordered
+/// on the stream it was allocated on. A pointer mempool did not hand out is refused (nothing is freed; the
+/// failure is counted and left in `mempool_last_error()`). `param` and `device` are not needed: the live
+/// table knows the allocation. Never unwinds.
+///
+/// # Safety
+/// 1. No work uses the memory after the work queued so far on the stream it was allocated on (CuPy frees an
+///    array's memory when the last reference goes; work on other streams is the user's to order, as with
+///    CuPy's own pools).
+/// 2. The callbacks of the param it was allocated with may be called now (CuPy holds the GIL).
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_cupy_free(_param: *mut c_void, ptr: *mut c_void, _device: c_int) {
+    if ptr.is_null() {
+        return;
+    }
+    let failed = |e: &Error| {
+        FREE_FAILURES.fetch_add(1, Ordering::Relaxed);
+        error::record(e);
+    };
+    // SAFETY: points 1 and 2.
+    let r = catch_unwind(AssertUnwindSafe(|| match unsafe { free(ptr as u64) } {
+        Ok(()) => error::clear(),
+        Err(e) => failed(&e),
+    }));
+    if let Err(p) = r {
+        let _ = catch_unwind(AssertUnwindSafe(|| failed(&Error::Panic(error::panic_message(&*p)))));
+    }
+}
