@@ -23,6 +23,7 @@ mod event_loop;
 mod exits;
 mod outbox;
 mod peer;
+mod ring_peer;
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};

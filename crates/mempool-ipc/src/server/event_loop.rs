@@ -22,6 +22,7 @@ use super::admission::{Admission, Backoff, Limits, Pending};
 use super::exits::{Liveness, ProcessKey, ProcessRef, Watch};
 use super::outbox::{Outboxes, Outgoing};
 use super::peer::{Flushed, Peer, Read};
+use super::ring_peer::RingPeer;
 use crate::cred::{self, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::fdpass;
@@ -218,12 +219,25 @@ impl Loop {
         let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
         loop {
             let now = Instant::now();
-            let timeout = self.next_deadline(now).map(|d| {
-                let left = d.saturating_duration_since(now) + Duration::from_micros(100);
-                Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 })
-            });
+            let rings_busy = self.rings(now);
+            let timeout = if rings_busy {
+                Some(Timespec { tv_sec: 0, tv_nsec: 0 })
+            } else {
+                self.next_deadline(now).map(|d| {
+                    let left = d.saturating_duration_since(now) + Duration::from_micros(100);
+                    Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 })
+                })
+            };
             events.clear();
-            match epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref()) {
+            let waited = epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref());
+            if !rings_busy {
+                for peer in self.peers.values() {
+                    if let Some(ring) = &peer.ring {
+                        ring.sleep_end();
+                    }
+                }
+            }
+            match waited {
                 Ok(_) | Err(Errno::INTR) => {}
                 Err(e) => {
                     // Nothing sensible is left to do but wait a little and try again.
@@ -350,7 +364,11 @@ impl Loop {
         self.next_id += 1;
         let token = self.next_token;
         self.next_token += 1;
-        let handshake = ExporterHandshake::new(self.announcement);
+        let offered = match self.limits.ring {
+            Some(_) => wire::KNOWN_CAPABILITIES,
+            None => wire::KNOWN_CAPABILITIES & !wire::CAP_RING,
+        };
+        let handshake = ExporterHandshake::offering(self.announcement, offered);
         let peer = match Peer::new(id, stream, credentials, handshake, now) {
             Ok(peer) => peer,
             Err(e) => return record_drop_error(e.into()),
@@ -416,6 +434,10 @@ impl Loop {
                 Ok(Read::Closed(m)) => (m, true),
                 Err(e) => return self.end(token, false, Some(e)),
             };
+            if !messages.is_empty() {
+                // Releases the importer put in its ring before these frames come first.
+                self.drain_ring(token, now);
+            }
             for message in messages {
                 if !self.peers.contains_key(&token) {
                     return;
@@ -448,6 +470,23 @@ impl Loop {
                         }),
                         Err(e) => return self.end_handshake(token, Some(e.into())),
                     }
+                    if done && peer.capabilities & wire::CAP_RING != 0 {
+                        let geometry = self.limits.ring.unwrap_or_default();
+                        let ring = RingPeer::new(geometry).and_then(|ring| Ok((ring.setup()?, ring)));
+                        match ring {
+                            Ok((setup, ring)) => {
+                                peer.local.push_back(setup);
+                                peer.ring = Some(ring);
+                            }
+                            Err(e) => {
+                                record_drop_error(Error::Io(std::io::Error::other(format!(
+                                    "the shared-memory rings of importer {}: {e}",
+                                    peer.id
+                                ))));
+                                return self.end_handshake(token, Some(e));
+                            }
+                        }
+                    }
                     if done {
                         self.connect(token, now);
                     }
@@ -473,6 +512,8 @@ impl Loop {
                 }
             }
             Ok(ImporterEvent::Goodbye) => self.end(token, true, None),
+            // Drained before the socket's frames are handled (`on_peer`).
+            Ok(ImporterEvent::RingBell) => {}
             Err(e) => self.end(token, false, Some(e)),
         }
     }
@@ -507,6 +548,14 @@ impl Loop {
         let Some(peer) = self.peers.get_mut(&token) else { return };
         let id = peer.id;
         let connected = peer.handshake.is_none();
+        if let (true, Some(ring)) = (connected && !peer.write_closed, peer.ring.as_mut()) {
+            // `Buffer` frames go into the ring while it has room; the socket takes the rest, and
+            // every frame with a descriptor, in order after them.
+            if let Err(e) = fill_ring(ring, &shared, id) {
+                return self.end(token, false, Some(e));
+            }
+        }
+        let Some(peer) = self.peers.get_mut(&token) else { return };
         let result = peer.flush(self.pool_fd.as_fd(), now, || {
             if connected {
                 lock(&shared.outboxes).pop(id)
@@ -514,6 +563,10 @@ impl Loop {
                 None
             }
         });
+        if let Some(ring) = peer.ring.as_mut() {
+            // A sleeping importer wakes to read the ring, or the socket's frames.
+            ring.publish_and_wake();
+        }
         match result {
             Ok(flushed) => {
                 let want = flushed == Flushed::Blocked;
@@ -525,6 +578,51 @@ impl Loop {
                     if epoll::modify(&self.epoll, &peer.stream, epoll::EventData::new_u64(token), flags).is_ok() {
                         peer.wants_out = want;
                     }
+                }
+            }
+            Err(e) => self.end(token, false, Some(e)),
+        }
+    }
+
+    /// Drains every connection's ring to the exporter, then sets the exporter's waiting flags
+    /// before the loop sleeps. Returns whether a ring had entries when its flag was set (then the
+    /// loop must not sleep).
+    fn rings(&mut self, now: Instant) -> bool {
+        let tokens: Vec<u64> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.ring.is_some() && p.handshake.is_none())
+            .map(|(t, _)| *t)
+            .collect();
+        let mut busy = false;
+        for token in tokens {
+            self.drain_ring(token, now);
+            let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
+                continue;
+            };
+            match ring.sleep_begin() {
+                Ok(true) => {}
+                Ok(false) => busy = true,
+                Err(e) => self.end(token, false, Some(e)),
+            }
+        }
+        busy
+    }
+
+    /// Handles what waits in the ring of `token` (at most one ring's worth per call, so a peer
+    /// that keeps writing cannot hold the loop).
+    fn drain_ring(&mut self, token: u64, now: Instant) {
+        let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
+            return;
+        };
+        let max = self.limits.ring.unwrap_or_default().capacity() as usize;
+        match ring.drain(max) {
+            Ok(messages) => {
+                for message in messages {
+                    if !self.peers.contains_key(&token) {
+                        return;
+                    }
+                    self.on_message(token, message, now);
                 }
             }
             Err(e) => self.end(token, false, Some(e)),
@@ -862,3 +960,22 @@ fn tell_and_close(stream: &UnixStream, err: &Error, code: Option<ErrorCode>) {
     }
     let _ = rustix::net::shutdown(stream, Shutdown::Both);
 }
+
+/// Moves the `Buffer` frames at the front of `id`'s outbox into its ring while it has room.
+fn fill_ring(ring: &mut RingPeer, shared: &Shared, id: ImporterId) -> Result<()> {
+    let mut free = ring.free()?;
+    while free > 0 {
+        let Some(item) = lock(&shared.outboxes).pop_if(id, |item| ring.fits(item)) else {
+            break;
+        };
+        if !ring.push(&item.frame)? {
+            break; // counted free above: cannot happen, and the frame would be lost; see `free`
+        }
+        if let Some(buffer) = item.buffer {
+            crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+        }
+        free -= 1;
+    }
+    Ok(())
+}
+

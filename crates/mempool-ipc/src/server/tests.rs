@@ -41,6 +41,7 @@ fn limits() -> Limits {
         idle_timeout: None,
         handshake_timeout: Duration::from_secs(5),
         io_timeout: Duration::from_secs(5),
+        ring: Some(crate::ring::Geometry::default()),
     }
 }
 
@@ -310,6 +311,7 @@ fn limits_for_sockets() -> Limits {
         idle_timeout: None,
         handshake_timeout: Duration::from_secs(30),
         io_timeout: Duration::from_secs(30),
+        ring: Some(crate::ring::Geometry::default()),
     }
 }
 
