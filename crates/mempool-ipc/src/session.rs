@@ -484,6 +484,12 @@ impl ImporterSession {
         self.capabilities
     }
 
+    /// The rings' region (for tests that write it as a hostile peer would).
+    #[cfg(test)]
+    pub(crate) fn ring_region(&self) -> Option<std::sync::Arc<crate::ring::Region>> {
+        self.ring.as_ref().map(|r| r.region())
+    }
+
     /// Whether the connection uses the shared-memory rings (protocol version 3).
     pub(crate) fn rings(&self) -> bool {
         self.ring.is_some()
@@ -586,7 +592,7 @@ impl ImporterSession {
             }
             if self.socket_readable() {
                 let received = self.conn.recv_until(deadline, "receive")?;
-                if ring.ready().map_err(|e| self.reject(e.into()))? {
+                if ring.ready().map_err(|e| self.reject(e))? {
                     *lock_stash(ring) = Some(received);
                     continue;
                 }

@@ -263,6 +263,12 @@ impl Consumer {
         Ok(head - self.tail)
     }
 
+    /// The region (for tests that write it as a hostile peer would).
+    #[cfg(test)]
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
     /// Entries ready to [`pop`](Self::pop) (reads the producer's head).
     pub fn ready(&mut self) -> RingResult<u64> {
         self.refresh()

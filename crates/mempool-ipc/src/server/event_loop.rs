@@ -217,9 +217,10 @@ impl Ready {
 impl Loop {
     fn serve(&mut self) {
         let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
+        // Whether a ring had entries when the loop last set its waiting flags: then it must not sleep.
+        let mut rings_busy = false;
         loop {
             let now = Instant::now();
-            let rings_busy = self.rings(now);
             let timeout = if rings_busy {
                 Some(Timespec { tv_sec: 0, tv_nsec: 0 })
             } else {
@@ -274,6 +275,9 @@ impl Loop {
                 self.start_closing(now);
             }
             self.timers(Instant::now());
+            // The rings to the exporter are drained last, right before the waiting flags are set,
+            // and before the counters are published (a peer cut off here is counted this round).
+            rings_busy = self.rings(Instant::now());
             self.publish();
             if control.finish {
                 return;
@@ -548,24 +552,42 @@ impl Loop {
         let Some(peer) = self.peers.get_mut(&token) else { return };
         let id = peer.id;
         let connected = peer.handshake.is_none();
-        if let (true, Some(ring)) = (connected && !peer.write_closed, peer.ring.as_mut()) {
-            // `Buffer` frames go into the ring while it has room; the socket takes the rest, and
-            // every frame with a descriptor, in order after them.
-            if let Err(e) = fill_ring(ring, &shared, id) {
-                return self.end(token, false, Some(e));
-            }
-        }
-        let Some(peer) = self.peers.get_mut(&token) else { return };
+        // `Buffer` frames go into the ring while it has room; the socket takes the rest, and every
+        // frame with a descriptor.
+        let mut ring = peer.ring.take();
+        let mut ring_error = None;
         let result = peer.flush(self.pool_fd.as_fd(), now, || {
-            if connected {
-                lock(&shared.outboxes).pop(id)
-            } else {
-                None
+            if !connected {
+                return None;
+            }
+            loop {
+                let item = lock(&shared.outboxes).pop(id)?;
+                let Some(r) = ring.as_mut().filter(|r| r.fits(&item)) else {
+                    return Some(item);
+                };
+                match r.push(&item.frame) {
+                    Ok(true) => {
+                        if let Some(buffer) = item.buffer {
+                            crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+                        }
+                    }
+                    Ok(false) => return Some(item),
+                    Err(e) => {
+                        // The connection ends below; the buffer stays leased until the importer's
+                        // process is gone, as for every buffer it may have seen.
+                        ring_error = Some(e);
+                        return None;
+                    }
+                }
             }
         });
-        if let Some(ring) = peer.ring.as_mut() {
+        if let Some(r) = ring.as_mut() {
             // A sleeping importer wakes to read the ring, or the socket's frames.
-            ring.publish_and_wake();
+            r.publish_and_wake();
+        }
+        peer.ring = ring;
+        if let Some(e) = ring_error {
+            return self.end(token, false, Some(e));
         }
         match result {
             Ok(flushed) => {
@@ -959,23 +981,5 @@ fn tell_and_close(stream: &UnixStream, err: &Error, code: Option<ErrorCode>) {
         let _ = fdpass::send_raw(stream.as_fd(), &frame, &[], SendFlags::DONTWAIT);
     }
     let _ = rustix::net::shutdown(stream, Shutdown::Both);
-}
-
-/// Moves the `Buffer` frames at the front of `id`'s outbox into its ring while it has room.
-fn fill_ring(ring: &mut RingPeer, shared: &Shared, id: ImporterId) -> Result<()> {
-    let mut free = ring.free()?;
-    while free > 0 {
-        let Some(item) = lock(&shared.outboxes).pop_if(id, |item| ring.fits(item)) else {
-            break;
-        };
-        if !ring.push(&item.frame)? {
-            break; // counted free above: cannot happen, and the frame would be lost; see `free`
-        }
-        if let Some(buffer) = item.buffer {
-            crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
-        }
-        free -= 1;
-    }
-    Ok(())
 }
 

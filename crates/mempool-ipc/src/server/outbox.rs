@@ -138,16 +138,6 @@ impl Outboxes {
     }
 
     /// The importers with frames the event loop has not looked at yet (it looks now).
-    /// Takes `id`'s next item if `take` accepts it.
-    pub(crate) fn pop_if(&mut self, id: ImporterId, take: impl FnOnce(&Outgoing) -> bool) -> Option<Outgoing> {
-        let items = &mut self.queues.get_mut(&id)?.items;
-        if take(items.front()?) {
-            items.pop_front()
-        } else {
-            None
-        }
-    }
-
     pub(crate) fn take_ready(&mut self) -> Vec<ImporterId> {
         std::mem::take(&mut self.ready).into_iter().collect()
     }

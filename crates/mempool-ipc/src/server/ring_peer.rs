@@ -56,11 +56,6 @@ impl RingPeer {
             && wire::decode_header(&item.frame).is_ok_and(|h| h.message_type == MessageType::Buffer)
     }
 
-    /// Slots free in the ring to the importer.
-    pub(crate) fn free(&mut self) -> Result<u64> {
-        Ok(self.tx.free()?)
-    }
-
     /// Writes a frame into the ring to the importer; `false` when it is full.
     pub(crate) fn push(&mut self, frame: &[u8]) -> Result<bool> {
         Ok(self.tx.push(frame)?)

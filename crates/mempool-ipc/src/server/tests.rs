@@ -993,3 +993,5 @@ fn the_server_sends_vmm_chunks_with_one_descriptor_per_chunk_in_order_and_refuse
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+mod rings;

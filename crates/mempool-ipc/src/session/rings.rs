@@ -64,6 +64,12 @@ impl ImporterRing {
         }
     }
 
+    /// The region (for tests that write it as a hostile peer would).
+    #[cfg(test)]
+    pub(crate) fn region(&self) -> Arc<Region> {
+        lock(&self.rx).0.region().clone()
+    }
+
     /// Whether buffers wait in the ring.
     pub(crate) fn ready(&self) -> Result<bool> {
         Ok(lock(&self.rx).0.ready()? > 0)
