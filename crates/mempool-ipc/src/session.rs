@@ -604,7 +604,8 @@ impl ImporterSession {
                 Some(d) => (d - now).min(rings::SOCKET_CHECK),
                 None => rings::SOCKET_CHECK,
             };
-            ring.sleep(wait).map_err(|e| self.reject(e))?;
+            ring.sleep(wait, || self.socket_readable())
+                .map_err(|e| self.reject(e))?;
         }
     }
 

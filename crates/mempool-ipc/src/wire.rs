@@ -51,11 +51,10 @@ pub use ids::{BlockId, BufferId, DeviceUuid, MessageType, PoolId, MAX_VMM_CHUNKS
 pub(crate) use ids::{EventHandle, PointerDescriptor};
 pub use messages::ErrorCode;
 pub(crate) use messages::{
-    BufferDescriptor, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE, CAP_RING, CAP_VMM,
-    CAP_VMM_CHUNKS, KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
+    BufferDescriptor, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE, CAP_RING,
+    CAP_VMM, CAP_VMM_CHUNKS, KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
 };
 pub(crate) use vmm::{check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor};
-
 
 #[cfg(test)]
 pub(crate) mod testing;

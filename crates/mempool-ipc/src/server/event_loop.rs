@@ -982,4 +982,3 @@ fn tell_and_close(stream: &UnixStream, err: &Error, code: Option<ErrorCode>) {
     }
     let _ = rustix::net::shutdown(stream, Shutdown::Both);
 }
-

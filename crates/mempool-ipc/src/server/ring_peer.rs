@@ -72,7 +72,9 @@ impl RingPeer {
     pub(crate) fn drain(&mut self, max: usize) -> Result<Vec<Message>> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some(len) = self.rx.pop(&mut self.scratch)? else { break };
+            let Some(len) = self.rx.pop(&mut self.scratch)? else {
+                break;
+            };
             let message = wire::decode(&self.scratch[..len])?;
             match message {
                 Message::Release { .. } | Message::ReleaseBatch(_) => out.push(message),

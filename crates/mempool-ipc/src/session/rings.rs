@@ -41,7 +41,10 @@ impl ImporterRing {
         let region = Arc::new(Region::open(fd)?);
         let max_payload = region.geometry().max_payload();
         Ok(ImporterRing {
-            rx: Mutex::new((Consumer::new(region.clone(), Direction::ToImporter), vec![0; max_payload])),
+            rx: Mutex::new((
+                Consumer::new(region.clone(), Direction::ToImporter),
+                vec![0; max_payload],
+            )),
             tx: Mutex::new(Producer::new(region, Direction::ToExporter)),
             stash: Mutex::new(None),
             max_payload,
@@ -75,11 +78,16 @@ impl ImporterRing {
         Ok(lock(&self.rx).0.ready()? > 0)
     }
 
-    /// Sleeps until the exporter rings (or `timeout` passes) if the ring is still empty once the
-    /// waiting flag is set.
-    pub(crate) fn sleep(&self, timeout: Duration) -> Result<()> {
+    /// Sleeps until the exporter rings (or `timeout` passes) if, once the waiting flag is set,
+    /// the ring is still empty and `socket_ready` says nothing waits on the socket either (the
+    /// exporter rings after socket frames too, but only once it sees the flag).
+    pub(crate) fn sleep(&self, timeout: Duration, socket_ready: impl FnOnce() -> bool) -> Result<()> {
         let mut guard = lock(&self.rx);
         if guard.0.sleep_begin()? {
+            if socket_ready() {
+                guard.0.sleep_end();
+                return Ok(());
+            }
             guard.0.wait(timeout)?;
         }
         Ok(())

@@ -122,7 +122,9 @@ impl PyImporter {
     #[pyo3(signature = (max = 64, timeout = None))]
     fn recv_many(&self, py: Python<'_>, max: usize, timeout: Option<f64>) -> PyResult<Vec<Py<PyAny>>> {
         if max == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err("recv_many: max must be at least 1"));
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "recv_many: max must be at least 1",
+            ));
         }
         let deadline = match timeout {
             Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),

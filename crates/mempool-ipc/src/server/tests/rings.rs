@@ -49,7 +49,11 @@ fn a_version_3_importer_gets_buffers_and_gives_releases_through_the_rings() {
     assert_eq!(granted, V3);
     assert!(session.rings());
     let region = session.ring_region().unwrap();
-    let head = |dir| region.word(region.geometry().head(dir)).load(std::sync::atomic::Ordering::SeqCst);
+    let head = |dir| {
+        region
+            .word(region.geometry().head(dir))
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
     // More buffers than the ring holds, queued at once: the ring takes what fits, the socket the
     // rest; every one arrives, once.
     const N: u64 = 100;
@@ -68,8 +72,9 @@ fn a_version_3_importer_gets_buffers_and_gives_releases_through_the_rings() {
     for id in &ids[60..] {
         session.release(*id).unwrap();
     }
-    f.handler
-        .wait_for("every release", |r| r.released.iter().filter(|(i, _)| *i == id).count() == N as usize);
+    f.handler.wait_for("every release", |r| {
+        r.released.iter().filter(|(i, _)| *i == id).count() == N as usize
+    });
     assert_eq!(released_by(&f, id), (1..=N).collect());
     assert!(head(Direction::ToExporter) >= 4, "the ring carried releases");
     assert_eq!(f.server.stats().peer_errors, 0);
@@ -90,7 +95,8 @@ fn releases_written_while_the_exporter_sleeps_ring_its_doorbell() {
     for n in 1..=3 {
         std::thread::sleep(Duration::from_millis(20));
         session.release(BufferId(n)).unwrap();
-        f.handler.wait_for("the release", |r| r.released.contains(&(id, BufferId(n))));
+        f.handler
+            .wait_for("the release", |r| r.released.contains(&(id, BufferId(n))));
     }
     assert_eq!(f.server.stats().peer_errors, 0);
 }
@@ -146,7 +152,11 @@ fn an_importer_that_never_reads_its_ring_gets_the_rest_on_the_socket() {
         std::thread::sleep(Duration::from_millis(1));
     }
     wait_stats(&f, "everything written", |s| s.queued == 0);
-    assert_eq!(head.load(std::sync::atomic::Ordering::SeqCst), 4, "no more than the ring holds");
+    assert_eq!(
+        head.load(std::sync::atomic::Ordering::SeqCst),
+        4,
+        "no more than the ring holds"
+    );
     let got: BTreeSet<u64> = (1..=20).map(|_| recv_buffer(&session).0).collect();
     assert_eq!(got, (1..=20).collect());
 }
@@ -165,9 +175,13 @@ fn cut_off_after(says: &str, scribble: impl FnOnce(&ImporterSession, &Region)) {
     scribble(&session, &region);
     // Wake the loop (whatever it was doing): it drains the rings at every round.
     let _ = f.server.send(id, &buffer_message(3), Some(BufferId(3)));
-    f.handler.wait_for("the importer cut off", |r| r.ended.iter().any(|e| e.0 == id));
+    f.handler
+        .wait_for("the importer cut off", |r| r.ended.iter().any(|e| e.0 == id));
     let (clean, _) = f.handler.ended(id).unwrap();
-    assert!(!clean, "a hostile importer's end is unclean (its buffers wait for its process)");
+    assert!(
+        !clean,
+        "a hostile importer's end is unclean (its buffers wait for its process)"
+    );
     wait_stats(&f, "the peer error counted", |s| s.peer_errors == 1 && s.importers == 0);
     // What the importer was told: drain what arrived until the error.
     let told = loop {
@@ -177,7 +191,10 @@ fn cut_off_after(says: &str, scribble: impl FnOnce(&ImporterSession, &Region)) {
             Err(e) => break e,
         }
     };
-    assert!(told.to_string().contains(says), "told {told}, expected it to say {says:?}");
+    assert!(
+        told.to_string().contains(says),
+        "told {told}, expected it to say {says:?}"
+    );
 }
 
 fn put(region: &Region, word: usize, value: u64) {
