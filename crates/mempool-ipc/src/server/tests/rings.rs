@@ -293,3 +293,32 @@ fn a_region_that_is_not_a_ring_region_is_refused_by_the_importer() {
     let e = Region::open(unsealed).unwrap_err();
     assert!(e.to_string().contains("sealed"), "{e}");
 }
+
+#[test]
+fn buffers_in_the_ring_come_before_the_exporters_goodbye_and_releases_in_the_ring_before_the_importers() {
+    let f = serve(limits_with_ring(Some(Geometry::new(64, 256).unwrap())));
+    let (session, id, _) = connected_asking(&f, V3);
+    for n in 1..=40 {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+    }
+    // Goodbye goes on the socket, after the buffers went into the ring: the importer hands out every
+    // buffer first, whenever it happens to look at its socket.
+    f.server.begin_shutdown();
+    let mut got = Vec::new();
+    loop {
+        match session.recv_until(Some(Instant::now() + SOON)).unwrap() {
+            ExporterEvent::Buffer(b) => got.push(b.buffer_id.0),
+            ExporterEvent::Goodbye => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, (1..=40).collect::<Vec<_>>());
+    // Releases written into the ring just before the importer's Goodbye are handled before it.
+    for n in 1..=40 {
+        session.release(BufferId(n)).unwrap();
+    }
+    session.goodbye().unwrap();
+    f.handler.wait_for("the end", |r| r.ended.iter().any(|e| e.0 == id));
+    assert_eq!(released_by(&f, id), (1..=40).collect());
+    assert_eq!(f.handler.ended(id), Some((true, vec![])));
+}
