@@ -476,11 +476,15 @@ impl Loop {
                     }
                     if done && peer.capabilities & wire::CAP_RING != 0 {
                         let geometry = self.limits.ring.unwrap_or_default();
-                        let ring = RingPeer::new(geometry).and_then(|ring| Ok((ring.setup()?, ring)));
+                        let ring = RingPeer::new(geometry).and_then(|(ring, sender)| Ok((ring.setup()?, ring, sender)));
                         match ring {
-                            Ok((setup, ring)) => {
-                                peer.local.push_back(setup);
+                            Ok(((frame, fd), ring, sender)) => {
+                                peer.local.push_back(Outgoing {
+                                    fds: vec![fd],
+                                    ..Outgoing::plain(frame)
+                                });
                                 peer.ring = Some(ring);
+                                peer.ring_sender = Some(sender);
                             }
                             Err(e) => {
                                 record_drop_error(Error::Io(std::io::Error::other(format!(
@@ -542,7 +546,8 @@ impl Loop {
         peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
         let (id, credentials, capabilities) = (peer.id, peer.credentials, peer.capabilities);
         self.tokens.insert(id, token);
-        lock(&self.shared.outboxes).open(id);
+        let sender = peer.ring_sender.take();
+        lock(&self.shared.outboxes).open(id, sender);
         self.handler.connected(id, credentials, capabilities);
     }
 
@@ -552,43 +557,23 @@ impl Loop {
         let Some(peer) = self.peers.get_mut(&token) else { return };
         let id = peer.id;
         let connected = peer.handshake.is_none();
-        // `Buffer` frames go into the ring while it has room; the socket takes the rest, and every
-        // frame with a descriptor.
-        let mut ring = peer.ring.take();
-        let mut ring_error = None;
+        // `Buffer` frames go into the ring while it has room (`pop_for_socket`); the socket takes the
+        // rest, and every frame with a descriptor.
         let result = peer.flush(self.pool_fd.as_fd(), now, || {
-            if !connected {
-                return None;
-            }
-            loop {
-                let item = lock(&shared.outboxes).pop(id)?;
-                let Some(r) = ring.as_mut().filter(|r| r.fits(&item)) else {
-                    return Some(item);
-                };
-                match r.push(&item.frame) {
-                    Ok(true) => {
-                        if let Some(buffer) = item.buffer {
-                            crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
-                        }
-                    }
-                    Ok(false) => return Some(item),
-                    Err(e) => {
-                        // The connection ends below; the buffer stays leased until the importer's
-                        // process is gone, as for every buffer it may have seen.
-                        ring_error = Some(e);
-                        return None;
-                    }
-                }
+            if connected {
+                lock(&shared.outboxes).pop_for_socket(id)
+            } else {
+                None
             }
         });
-        if let Some(r) = ring.as_mut() {
+        let broken = if peer.ring.is_some() && connected {
+            let mut outboxes = lock(&shared.outboxes);
             // A sleeping importer wakes to read the ring, or the socket's frames.
-            r.publish_and_wake();
-        }
-        peer.ring = ring;
-        if let Some(e) = ring_error {
-            return self.end(token, false, Some(e));
-        }
+            outboxes.publish(id);
+            outboxes.take_broken()
+        } else {
+            Vec::new()
+        };
         match result {
             Ok(flushed) => {
                 let want = flushed == Flushed::Blocked;
@@ -604,6 +589,7 @@ impl Loop {
             }
             Err(e) => self.end(token, false, Some(e)),
         }
+        self.end_broken(broken);
     }
 
     /// Drains every connection's ring to the exporter, then sets the exporter's waiting flags
@@ -640,6 +626,11 @@ impl Loop {
         let max = self.limits.ring.unwrap_or_default().capacity() as usize;
         match ring.drain(max) {
             Ok(messages) => {
+                if !messages.is_empty() {
+                    if let Some(peer) = self.peers.get_mut(&token) {
+                        peer.last_traffic = now;
+                    }
+                }
                 for message in messages {
                     if !self.peers.contains_key(&token) {
                         return;
@@ -768,11 +759,28 @@ impl Loop {
 
     // ---- the queues, the shutdown, the clocks ----
 
+    /// When anything last went either way to or from `peer`: its socket, or its ring to the
+    /// importer (its ring to the exporter counts in `last_traffic` when drained).
+    fn last_traffic(&self, peer: &Peer) -> Instant {
+        let pushed = lock(&self.shared.outboxes).ring_pushed(peer.id);
+        pushed.map_or(peer.last_traffic, |p| p.max(peer.last_traffic))
+    }
+
+    /// Ends the connections whose ring broke its rules (found by a push into it).
+    fn end_broken(&mut self, broken: Vec<(ImporterId, crate::ring::RingError)>) {
+        for (id, e) in broken {
+            if let Some(&token) = self.tokens.get(&id) {
+                self.end(token, false, Some(e.into()));
+            }
+        }
+    }
+
     fn mailbox(&mut self, now: Instant) {
-        let (ready, doomed) = {
+        let (ready, doomed, broken) = {
             let mut outboxes = lock(&self.shared.outboxes);
-            (outboxes.take_ready(), outboxes.take_doomed())
+            (outboxes.take_ready(), outboxes.take_doomed(), outboxes.take_broken())
         };
+        self.end_broken(broken);
         for id in doomed {
             if let Some(&token) = self.tokens.get(&id) {
                 self.stats.stalled += 1;
@@ -834,7 +842,7 @@ impl Loop {
                 })
             } else if peer.handshake.is_none()
                 && !peer.writing()
-                && limits.idle_timeout.is_some_and(|t| now >= peer.last_traffic + t)
+                && limits.idle_timeout.is_some_and(|t| now >= self.last_traffic(peer) + t)
                 && lock(&self.shared.outboxes).len(peer.id) == 0
             {
                 Some(Error::Timeout { during: "idle" })
@@ -909,7 +917,11 @@ impl Loop {
             // that `timers` would not act on would make the loop spin.
             if let (None, false, Some(idle)) = (&peer.handshake, peer.writing(), limits.idle_timeout) {
                 if outboxes.len(peer.id) == 0 {
-                    at(peer.last_traffic + idle);
+                    // `outboxes` is locked here: not `self.last_traffic`, which locks it.
+                    let last = outboxes
+                        .ring_pushed(peer.id)
+                        .map_or(peer.last_traffic, |p| p.max(peer.last_traffic));
+                    at(last + idle);
                 }
             }
         }

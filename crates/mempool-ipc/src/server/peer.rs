@@ -59,6 +59,8 @@ pub(crate) struct Peer {
     pub(crate) capabilities: u64,
     /// The connection's shared-memory rings (granted `CAP_RING`), from the handshake's end on.
     pub(crate) ring: Option<super::ring_peer::RingPeer>,
+    /// The ring to the importer, from the handshake's end until its outbox opens with it.
+    pub(crate) ring_sender: Option<super::ring_peer::RingSender>,
     reader: Reader,
     writing: Option<Writing>,
 }
@@ -124,6 +126,7 @@ impl Peer {
             write_closed: false,
             capabilities: 0,
             ring: None,
+            ring_sender: None,
             reader: Reader::default(),
             writing: None,
         })

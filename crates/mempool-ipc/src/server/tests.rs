@@ -118,8 +118,8 @@ fn outbox_bounds_each_queue_and_marks_the_full_one_for_disconnection() {
         ..Outgoing::plain(vec![buffer as u8])
     };
     assert_eq!(o.push(a, frame(1)).unwrap_err(), PushError::Unknown);
-    o.open(a);
-    o.open(b);
+    o.open(a, None);
+    o.open(b, None);
     // The first frame wakes the loop; later ones ride on the same wake-up.
     assert_eq!(o.push(a, frame(1)), Ok(true));
     assert_eq!(o.push(b, frame(1)), Ok(false));

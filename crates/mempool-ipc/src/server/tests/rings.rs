@@ -173,8 +173,11 @@ fn cut_off_after(says: &str, scribble: impl FnOnce(&ImporterSession, &Region)) {
     }
     let region = session.ring_region().unwrap();
     scribble(&session, &region);
-    // Wake the loop (whatever it was doing): it drains the rings at every round.
+    // A hostile importer need not ring the doorbell: whatever it wrote is found at the loop's next
+    // round, whatever wakes it. Share a buffer (a push into the ring to the importer, which checks
+    // its tail), then wake the loop.
     let _ = f.server.send(id, &buffer_message(3), Some(BufferId(3)));
+    f.server.wake();
     f.handler
         .wait_for("the importer cut off", |r| r.ended.iter().any(|e| e.0 == id));
     let (clean, _) = f.handler.ended(id).unwrap();
@@ -321,4 +324,34 @@ fn buffers_in_the_ring_come_before_the_exporters_goodbye_and_releases_in_the_rin
     f.handler.wait_for("the end", |r| r.ended.iter().any(|e| e.0 == id));
     assert_eq!(released_by(&f, id), (1..=40).collect());
     assert_eq!(f.handler.ended(id), Some((true, vec![])));
+}
+
+#[test]
+fn traffic_through_the_rings_counts_against_the_idle_timeout() {
+    let f = serve(Limits {
+        idle_timeout: Some(Duration::from_secs(2)),
+        ..limits_with_ring(Some(Geometry::default()))
+    });
+    let (session, id, _) = connected_asking(&f, V3);
+    // Buffers only through the ring for more than twice the idle timeout: no byte on the socket.
+    let start = Instant::now();
+    let mut n = 0;
+    while start.elapsed() < Duration::from_millis(4500) {
+        n += 1;
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(n));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        f.handler.ended(id).is_none(),
+        "cut off as idle while buffers flowed through its ring"
+    );
+    // Then nothing either way: cut off as idle.
+    f.handler
+        .wait_for("the idle end", |r| r.ended.iter().any(|e| e.0 == id));
+    let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Remote { code: ErrorCode::Timeout, text } if text.contains("idle")),
+        "{err}"
+    );
 }
