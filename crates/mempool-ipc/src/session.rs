@@ -604,6 +604,9 @@ impl ImporterSession {
                 Some(d) => (d - now).min(rings::SOCKET_CHECK),
                 None => rings::SOCKET_CHECK,
             };
+            if ring.spin(rings::SPIN.min(wait)) {
+                continue;
+            }
             ring.sleep(wait, || self.socket_readable())
                 .map_err(|e| self.reject(e))?;
         }

@@ -19,6 +19,11 @@ use crate::wire::{self, BufferDescriptor, Message};
 /// exporter that died is noticed).
 pub(crate) const SOCKET_CHECK: Duration = Duration::from_millis(20);
 
+/// How long the importer looks at its ring before it sets its waiting flag and sleeps: a buffer that
+/// arrives within it costs no doorbell and no wake-up (the producer of a round trip answers a release
+/// within microseconds).
+pub(crate) const SPIN: Duration = Duration::from_micros(20);
+
 /// The importer's ends of the rings.
 #[derive(Debug)]
 pub(crate) struct ImporterRing {
@@ -71,6 +76,23 @@ impl ImporterRing {
     #[cfg(test)]
     pub(crate) fn region(&self) -> Arc<Region> {
         lock(&self.rx).0.region().clone()
+    }
+
+    /// Looks at the ring for up to `limit` without sleeping; returns whether a buffer arrived (or the
+    /// ring broke: the next pop says how).
+    pub(crate) fn spin(&self, limit: Duration) -> bool {
+        let start = std::time::Instant::now();
+        loop {
+            for _ in 0..64 {
+                if self.ready().unwrap_or(true) {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= limit {
+                return false;
+            }
+        }
     }
 
     /// Whether buffers wait in the ring.
