@@ -12,6 +12,11 @@
 # nvidia-cuda-mps-control`), also when the run fails or the script is interrupted. It changes no GPU
 # setting (no compute mode, no nvidia-smi -c). Outputs go to $OUT (default /tmp/ipc-mps-bench): one file per
 # run, plus machine.txt (GPU, driver, CPU, commit), and everything is printed as it comes.
+#
+# To fit a 10-minute command: each run is cut at RUN_TIMEOUT seconds (default 140; four runs), the Python
+# benchmark's arguments default to `--iterations 300 --sustained-buffers 1000` (pass others after --), and
+# MODES=no-mps or MODES=mps (default "no-mps mps") and ONLY=rust or ONLY=python split the work over several
+# commands (the daemon is started and stopped within whichever command runs the mps mode).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/ipc-mps-bench}
@@ -24,6 +29,10 @@ if [ -z "$bin" ]; then
   if [ -x .gpu/bin/ipc_handoff ]; then bin=.gpu/bin/ipc_handoff; else bin=target/release/ipc_handoff; fi
 fi
 python=${PYTHON:-python3}
+run_timeout=${RUN_TIMEOUT:-140}
+modes=${MODES:-no-mps mps}
+only=${ONLY:-}
+if [ "$#" -eq 0 ]; then set -- --iterations 300 --sustained-buffers 1000; fi
 {
   nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader
   lscpu | grep -E '^(Model name|CPU\(s\)):'
@@ -66,29 +75,37 @@ start_mps() {
 run() { # label command...
   local label=$1; shift
   echo "== $label: $*"
-  timeout 580 "$@" > "$out/$label.txt" 2>&1
+  timeout "$run_timeout" "$@" > "$out/$label.txt" 2>&1
   echo "rc=$?" | tee -a "$out/$label.txt"
   cat "$out/$label.txt"
 }
 
 benches() { # suffix [python benchmark args...]
   local suffix=$1; shift
-  if [ -x "$bin" ]; then
+  if [ "$only" = python ]; then :
+  elif [ -x "$bin" ]; then
     run "ipc-handoff-$suffix" "$bin" 4 --no-trace
   else
     echo "== $bin missing: build it (cargo build --release -p mempool-bench --bin ipc_handoff) or pack .gpu"
   fi
-  if [ "$have_python" = 1 ]; then
+  if [ "$only" = rust ]; then :
+  elif [ "$have_python" = 1 ]; then
     run "python-ipc-handoff-$suffix" "$python" -m mempool.benchmarks.ipc_handoff --json "$out/python-$suffix.json" "$@"
   else
     echo "== $python cannot import mempool and torch: the Python benchmark is skipped"
   fi
 }
 
-benches no-mps "$@"
-if start_mps; then
-  benches mps "$@"
-  stop_mps
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-fi
+for mode in $modes; do
+  case $mode in
+    no-mps) benches no-mps "$@" ;;
+    mps)
+      if start_mps; then
+        benches mps "$@"
+        stop_mps
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      fi ;;
+    *) echo "== unknown mode $mode (no-mps, mps)" ;;
+  esac
+done
 echo "== outputs in $out"
