@@ -47,7 +47,7 @@ fn a_command_line_it_cannot_run_is_refused_with_the_reason_on_every_machine() {
         ),
         (
             &["consumer", "/tmp/x.sock", "--v3"],
-            "ipc_handoff: consumer: unknown flag `--v3` (--v1, --host-ready)",
+            "ipc_handoff: consumer: unknown flag `--v3` (--v1, --v2, --host-ready)",
         ),
     ] {
         let out = run(args);
@@ -79,7 +79,10 @@ fn without_a_gpu_it_says_so_and_with_one_it_runs() {
         Ok(_) => {
             assert!(out.status.success(), "{:?}: {stderr}\n{stdout}", out.status);
             for line in [
-                "(2 consumer processes: 1 version-1, 1 with the fast release path)",
+                "(3 consumer processes: 1 version-1, 1 with the fast release path over the socket (version 2), 1 with the shared-memory rings (version 3))",
+                "host CPU: ",
+                "CUDA MPS: ",
+                "Targets (issue 25",
                 "Round trip, 1 consumer: producer -> consumer -> producer",
                 "Sustained, 1 consumers, 4 buffers in flight per consumer",
                 "exporter: ",

@@ -104,6 +104,13 @@ pub enum Error {
         reason: String,
     },
 
+    /// The connection's shared-memory rings (protocol version 3): the peer wrote them against
+    /// their rules (an index out of range or moving backwards, a ring that claims more entries
+    /// than it holds, a garbled slot), its region is not a valid ring region, or a system call on
+    /// them failed. The connection ends; an importer's buffers are reclaimed as for one that died.
+    #[error(transparent)]
+    Ring(#[from] crate::ring::RingError),
+
     /// The peer did not complete a step in time.
     #[error("timed out during {during}")]
     Timeout {
@@ -244,6 +251,7 @@ impl Error {
             Error::Lease(LeaseError::UnknownBuffer { .. }) => ErrorCode::UnknownBuffer,
             Error::Lease(LeaseError::NotLeased { .. }) => ErrorCode::NotLeased,
             Error::Io(_) | Error::SocketPath { .. } | Error::Core(_) | Error::Free { .. } => ErrorCode::Internal,
+            Error::Ring(e) if !e.is_peer_fault() => ErrorCode::Internal,
             _ => ErrorCode::Protocol,
         }
     }

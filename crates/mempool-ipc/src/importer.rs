@@ -26,7 +26,7 @@ use crate::session::{ExporterEvent, ImporterSession};
 use crate::trace::{self, Point};
 use crate::wire::{
     BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
-    CAP_VMM, CAP_VMM_CHUNKS,
+    CAP_RING, CAP_VMM, CAP_VMM_CHUNKS,
 };
 
 mod vmm;
@@ -86,6 +86,15 @@ pub struct ImporterOptions {
     /// import per buffer and free). With [`wait_ready_on_host`](Self::wait_ready_on_host) too, the
     /// two processes never meet on the GPU.
     pub release_on_host: bool,
+    /// Asks for the shared-memory rings (protocol version 3; default `true`; needs
+    /// [`fast_release`](Self::fast_release)): after the handshake the exporter passes a sealed
+    /// memfd holding one ring each way, and buffers arrive, and releases go back, through shared
+    /// memory, with a doorbell only when the other side sleeps. On this path a release goes out as
+    /// soon as the buffer is let go (no [`max_release_delay`](Self::max_release_delay)): writing it
+    /// costs no system call while the exporter is awake. An exporter that does not offer the rings
+    /// ([`ExporterOptions::rings`](crate::ExporterOptions::rings) `None`, or an older version)
+    /// leaves the connection on the socket. [`Importer::rings`] says which it got.
+    pub rings: bool,
 }
 
 /// What [`Importer::recv_any`] received: a pool buffer or a VMM physical allocation.
@@ -110,6 +119,7 @@ impl Default for ImporterOptions {
             accept_vmm: false,
             wait_ready_on_host: false,
             release_on_host: false,
+            rings: true,
         }
     }
 }
@@ -212,6 +222,9 @@ impl Importer {
         if options.accept_vmm {
             capabilities |= CAP_VMM | CAP_VMM_CHUNKS;
         }
+        if options.fast_release && options.rings {
+            capabilities |= CAP_RING;
+        }
         let (session, imported) =
             ImporterSession::connect(path, options.connection, &options.policy, capabilities, find_device)?;
         let device = imported.device;
@@ -266,6 +279,44 @@ impl Importer {
     /// exporter speaks protocol version 2).
     pub fn fast_release(&self) -> bool {
         self.inner.pending.is_some()
+    }
+
+    /// Whether buffers and releases travel through the shared-memory rings (protocol version 3:
+    /// [`ImporterOptions::rings`], and an exporter that offers them).
+    pub fn rings(&self) -> bool {
+        self.inner.session.capabilities() & CAP_RING != 0
+    }
+
+    /// Waits for the next buffer, then takes every buffer that has already arrived behind it,
+    /// up to `max` in all (at least one; `max` 0 counts as 1), without waiting again: one wake-up
+    /// for a batch the exporter shared together ([`Exporter::share_many`](crate::Exporter::share_many)).
+    /// `timeout` bounds the wait for the first ([`Error::Timeout`]; `None`: no limit). Ordering as for
+    /// [`Importer::recv`]: work queued on `stream` after this returns runs after the exporter's
+    /// work on every buffer returned.
+    ///
+    /// Errors: those of [`Importer::recv`], for the first buffer. A failure after the first (a
+    /// buffer that could not be imported, the exporter gone) ends the batch early; it is kept for
+    /// [`take_drop_errors`](crate::take_drop_errors) unless it is [`Error::ExporterGone`], which the
+    /// next call reports.
+    pub fn recv_many<'s>(
+        &self,
+        stream: StreamRef<'s>,
+        max: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<SharedBuffer<'s>>> {
+        let first = self.recv_until(stream, timeout.map(|t| Instant::now() + t))?;
+        let mut out = vec![first];
+        while out.len() < max && self.inner.session.readable() {
+            match self.recv_until(stream, Some(Instant::now())) {
+                Ok(buffer) => out.push(buffer),
+                Err(Error::ExporterGone { .. } | Error::Timeout { .. }) => break,
+                Err(e) => {
+                    record_drop_error(e);
+                    break;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Sends the releases waiting to go out now (fast release path; nothing otherwise). They go
@@ -648,7 +699,9 @@ impl Inner {
                 }
                 send
             };
-            if !send {
+            // On the rings a release goes out at once: writing it costs no system call while the
+            // exporter is awake, and releases of buffers let go together share a doorbell.
+            if !send && !self.session.rings() {
                 trace::mark(Point::ImporterQueued, id.0);
                 return Ok(());
             }

@@ -39,10 +39,12 @@
 //!   importers keep imported (protocol version 2);
 //! - `batch`: the importer's releases waiting to go out together (protocol version 2);
 //! - `error`: the error types above, and the sink of [`take_drop_errors`];
-//! - [`trace`] (public): opt-in timestamps along a buffer's hand-off and release, for diagnosis.
+//! - [`trace`] (public): opt-in timestamps along a buffer's hand-off and release, for diagnosis;
+//! - [`ring`] (public): single-producer single-consumer rings in a sealed memfd shared by two
+//!   processes, with a futex doorbell, every shared word checked as written by a hostile peer.
 //!
 //! Each module imports only modules below it: `wire` imports none, `lease` and `batch` import `wire`,
-//! `error` imports both, `trace` imports none (every layer records into it), and nothing imports the
+//! `error` imports both, `trace` and `ring` import none (every layer records into it), and nothing imports the
 //! crate root.
 //!
 //! Linux only (`SCM_RIGHTS` with `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`), like CUDA's pool IPC.
@@ -60,6 +62,7 @@ mod importer;
 mod lease;
 mod listener;
 pub mod memsvc;
+pub mod ring;
 mod server;
 mod session;
 #[cfg(test)]

@@ -23,6 +23,7 @@ mod event_loop;
 mod exits;
 mod outbox;
 mod peer;
+mod ring_peer;
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
@@ -126,6 +127,12 @@ impl Server {
                     reason: format!("its send queue of {capacity} messages is full"),
                 })
             }
+            Err(PushError::RingBroken) => {
+                self.shared.wake();
+                Err(Error::Refused {
+                    reason: format!("importer {id}'s shared-memory ring broke its rules; it is being disconnected"),
+                })
+            }
             Err(PushError::Closing) => Err(Error::Refused {
                 reason: format!("importer {id} is being disconnected, or the exporter is shutting down"),
             }),
@@ -135,6 +142,13 @@ impl Server {
     /// The loop's counters, as of its last round.
     pub(crate) fn stats(&self) -> ServerStats {
         *lock(&self.shared.stats)
+    }
+
+    /// Wakes the serving thread for a round (the tests of hostile rings: what an importer writes
+    /// into its ring without ringing the doorbell is found at the loop's next round).
+    #[cfg(test)]
+    pub(crate) fn wake(&self) {
+        self.shared.wake();
     }
 
     /// Stops accepting (the socket file is removed), closes the handshakes in flight and queues

@@ -40,12 +40,14 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::Instant;
 
+use self::rings::ImporterRing;
 use crate::conn::{Connection, ConnectionOptions, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
 use crate::wire::{
     BufferDescriptor, BufferId, DeviceUuid, EventHandle, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
-    ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor, Welcome, CAP_VMM, CAP_VMM_CHUNKS, KNOWN_CAPABILITIES,
+    ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor, Welcome, CAP_FAST_RELEASE, CAP_RING, CAP_VMM,
+    CAP_VMM_CHUNKS, KNOWN_CAPABILITIES,
 };
 
 /// What an exporter tells each importer in the handshake.
@@ -68,6 +70,9 @@ pub(crate) enum ImporterEvent {
     /// The importer is done: it freed every import and closes the connection. Every buffer it
     /// still held counts as released.
     Goodbye,
+    /// The importer published releases in its ring while the exporter's waiting flag was set
+    /// (only from an importer granted the ring capability): drain the ring.
+    RingBell,
 }
 
 /// What an importer's session may receive after the handshake.
@@ -112,6 +117,7 @@ pub(crate) struct ExporterHandshake {
 
 impl ExporterHandshake {
     /// A handshake that waits for `Hello`.
+    #[cfg(test)]
     pub(crate) fn new(announcement: PoolAnnouncement) -> ExporterHandshake {
         ExporterHandshake::offering(announcement, KNOWN_CAPABILITIES)
     }
@@ -155,6 +161,10 @@ impl ExporterHandshake {
             (HandshakeStep::AwaitHello, Message::Hello2 { capabilities }) => {
                 self.step = HandshakeStep::AwaitReady;
                 self.granted = capabilities & self.offered;
+                if self.granted & CAP_FAST_RELEASE == 0 {
+                    // The rings carry the fast release path's frames: not without it.
+                    self.granted &= !CAP_RING;
+                }
                 Ok(Message::Welcome2 {
                     welcome: Welcome {
                         device_uuid: a.device_uuid,
@@ -192,6 +202,7 @@ pub(crate) fn importer_event(message: Message, capabilities: u64) -> Result<Impo
             Ok(ImporterEvent::ReleaseBatch(batch))
         }
         Message::Goodbye => Ok(ImporterEvent::Goodbye),
+        Message::RingBell if capabilities & crate::wire::CAP_RING != 0 => Ok(ImporterEvent::RingBell),
         other => Err(unexpected("Release or Goodbye", &other)),
     }
 }
@@ -224,7 +235,8 @@ impl ExporterSession {
         pool_fd: BorrowedFd<'_>,
     ) -> Result<ExporterSession> {
         let deadline = Instant::now() + conn.options().handshake_timeout;
-        let mut machine = ExporterHandshake::new(announcement);
+        // The rings are the event loop's (`server`): this blocking peer does not offer them.
+        let mut machine = ExporterHandshake::offering(announcement, KNOWN_CAPABILITIES & !CAP_RING);
         let mut steps = || -> Result<()> {
             while machine.step() != HandshakeStep::Done {
                 let received = recv_in_handshake(&conn, deadline)?;
@@ -305,6 +317,8 @@ pub(crate) struct ImporterSession {
     welcome: Welcome,
     /// The capabilities the exporter granted (0 after a version-1 handshake).
     capabilities: u64,
+    /// The shared-memory rings, when [`CAP_RING`] was granted.
+    ring: Option<ImporterRing>,
 }
 
 impl ImporterSession {
@@ -360,7 +374,7 @@ impl ImporterSession {
         find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>,
     ) -> Result<(ImporterSession, ImportedPool<D>)> {
         let deadline = Instant::now() + conn.options().handshake_timeout;
-        let mut steps = || -> Result<(Welcome, u64, ImportedPool<D>)> {
+        let mut steps = || -> Result<(Welcome, u64, ImportedPool<D>, Option<ImporterRing>)> {
             let hello = if capabilities == 0 {
                 Message::Hello
             } else {
@@ -413,14 +427,32 @@ impl ImporterSession {
             }
             // The connection checked that exactly one descriptor came with the message.
             let pool_fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
-            Ok((welcome, granted, ImportedPool { device, pool_fd }))
+            if granted & CAP_RING != 0 && granted & CAP_FAST_RELEASE == 0 {
+                return Err(ProtocolError::Violation {
+                    reason: format!("the exporter granted the rings without the fast release path ({granted:#x})"),
+                }
+                .into());
+            }
+            let ring = if granted & CAP_RING != 0 {
+                let Received { message, mut fds } = recv_in_handshake(&conn, deadline)?;
+                match message {
+                    Message::RingSetup => {}
+                    other => return Err(unexpected("RingSetup", &other)),
+                }
+                let fd = fds.pop().ok_or(Error::DescriptorCount { expected: 1, got: 0 })?;
+                Some(ImporterRing::open(fd)?)
+            } else {
+                None
+            };
+            Ok((welcome, granted, ImportedPool { device, pool_fd }, ring))
         };
         match steps() {
-            Ok((welcome, capabilities, imported)) => Ok((
+            Ok((welcome, capabilities, imported, ring)) => Ok((
                 ImporterSession {
                     conn,
                     welcome,
                     capabilities,
+                    ring,
                 },
                 imported,
             )),
@@ -452,8 +484,29 @@ impl ImporterSession {
         self.capabilities
     }
 
-    /// Whether a frame (or the end of the connection) is waiting to be read, without waiting.
+    /// The rings' region (for tests that write it as a hostile peer would).
+    #[cfg(test)]
+    pub(crate) fn ring_region(&self) -> Option<std::sync::Arc<crate::ring::Region>> {
+        self.ring.as_ref().map(|r| r.region())
+    }
+
+    /// Whether the connection uses the shared-memory rings (protocol version 3).
+    pub(crate) fn rings(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// Whether a buffer waits in the ring, or a frame (or the end of the connection) on the
+    /// socket, without waiting.
     pub(crate) fn readable(&self) -> bool {
+        if let Some(ring) = &self.ring {
+            if ring.ready().unwrap_or(true) || lock_stash(ring).is_some() {
+                return true;
+            }
+        }
+        self.socket_readable()
+    }
+
+    fn socket_readable(&self) -> bool {
         let mut fds = [rustix::event::PollFd::from_borrowed_fd(
             std::os::fd::AsFd::as_fd(&self.conn),
             rustix::event::PollFlags::IN,
@@ -466,8 +519,38 @@ impl ImporterSession {
     /// ordered before `event` (the importer's interprocess event, recorded after that use), or
     /// complete when `event` is `None`. Only with the fast release capability.
     pub(crate) fn release_batch(&self, event: Option<EventHandle>, buffers: Vec<BufferId>) -> Result<()> {
-        self.conn
-            .send(&Message::ReleaseBatch(ReleaseBatch { event, buffers }), &[])
+        let Some(ring) = &self.ring else {
+            return self
+                .conn
+                .send(&Message::ReleaseBatch(ReleaseBatch { event, buffers }), &[]);
+        };
+        for chunk in buffers.chunks(ring.batch_max()) {
+            let message = Message::ReleaseBatch(ReleaseBatch {
+                event,
+                buffers: chunk.to_vec(),
+            });
+            self.ring_send(ring, &message)?;
+        }
+        self.ring_publish(ring)
+    }
+
+    /// Writes a release into the ring, or sends it on the socket when the ring is full (after
+    /// publishing what the ring holds).
+    fn ring_send(&self, ring: &ImporterRing, message: &Message) -> Result<()> {
+        if ring.push(message)? {
+            return Ok(());
+        }
+        self.ring_publish(ring)?;
+        self.conn.send(message, &[])
+    }
+
+    /// Publishes the releases written into the ring, and rings the exporter's doorbell (a
+    /// `RingBell` frame) if it sleeps.
+    fn ring_publish(&self, ring: &ImporterRing) -> Result<()> {
+        if ring.publish() {
+            self.conn.send(&Message::RingBell, &[])?;
+        }
+        Ok(())
     }
 
     /// The exporter's pool.
@@ -492,7 +575,45 @@ impl ImporterSession {
     /// begun to arrive by `deadline` (`None`: wait as long as it takes). A timeout before the
     /// first byte leaves the connection usable.
     pub(crate) fn recv_until(&self, deadline: Option<Instant>) -> Result<ExporterEvent> {
-        let Received { message, mut fds } = self.conn.recv_until(deadline, "receive")?;
+        let Some(ring) = &self.ring else {
+            let received = self.conn.recv_until(deadline, "receive")?;
+            return self.exporter_event(received);
+        };
+        loop {
+            // Buffers in the ring were published before any frame read from the socket after
+            // this look: they come first.
+            match ring.pop() {
+                Ok(Some(buffer)) => return Ok(ExporterEvent::Buffer(buffer)),
+                Ok(None) => {}
+                Err(e) => return Err(self.reject(e)),
+            }
+            if let Some(received) = lock_stash(ring).take() {
+                return self.exporter_event(received);
+            }
+            if self.socket_readable() {
+                let received = self.conn.recv_until(deadline, "receive")?;
+                if ring.ready().map_err(|e| self.reject(e))? {
+                    *lock_stash(ring) = Some(received);
+                    continue;
+                }
+                return self.exporter_event(received);
+            }
+            let now = Instant::now();
+            let wait = match deadline {
+                Some(d) if d <= now => return Err(Error::Timeout { during: "receive" }),
+                Some(d) => (d - now).min(rings::SOCKET_CHECK),
+                None => rings::SOCKET_CHECK,
+            };
+            if ring.spin(rings::SPIN.min(wait)) {
+                continue;
+            }
+            ring.sleep(wait, || self.socket_readable())
+                .map_err(|e| self.reject(e))?;
+        }
+    }
+
+    fn exporter_event(&self, received: Received) -> Result<ExporterEvent> {
+        let Received { message, mut fds } = received;
         match message {
             Message::Buffer(buffer) => Ok(ExporterEvent::Buffer(buffer)),
             Message::Goodbye => Ok(ExporterEvent::Goodbye),
@@ -512,7 +633,14 @@ impl ImporterSession {
     /// Tells the exporter this importer is done with `buffer`. Free the import first (and let
     /// the work that used it finish): the exporter may free the memory as soon as this arrives.
     pub(crate) fn release(&self, buffer: BufferId) -> Result<()> {
-        self.conn.send(&Message::Release { buffer_id: buffer }, &[])
+        let message = Message::Release { buffer_id: buffer };
+        match &self.ring {
+            Some(ring) => {
+                self.ring_send(ring, &message)?;
+                self.ring_publish(ring)
+            }
+            None => self.conn.send(&message, &[]),
+        }
     }
 
     /// Says `Goodbye` (every import is freed), then waits (until `deadline`) for the exporter to
@@ -541,6 +669,10 @@ impl ImporterSession {
         self.conn.close_with_error(&err);
         err
     }
+}
+
+fn lock_stash(ring: &ImporterRing) -> std::sync::MutexGuard<'_, Option<Received>> {
+    ring.stash.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A send failed because the peer closed its side (an exporter that turned this importer away
@@ -581,6 +713,7 @@ fn unexpected(expected: &'static str, got: &Message) -> Error {
     }
 }
 
+mod rings;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

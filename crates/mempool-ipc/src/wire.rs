@@ -45,19 +45,16 @@ mod ids;
 mod messages;
 mod vmm;
 
-pub(crate) use codec::{decode_body, decode_header, encode, Header, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+pub(crate) use codec::{decode, decode_body, decode_header, encode, Header, HEADER_LEN, MAX_FDS_PER_MESSAGE};
 pub use error::ProtocolError;
 pub use ids::{BlockId, BufferId, DeviceUuid, MessageType, PoolId, MAX_VMM_CHUNKS};
 pub(crate) use ids::{EventHandle, PointerDescriptor};
 pub use messages::ErrorCode;
 pub(crate) use messages::{
-    BufferDescriptor, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE, CAP_VMM,
-    CAP_VMM_CHUNKS, KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
+    BufferDescriptor, ErrorMessage, Message, PoolDescriptor, Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE, CAP_RING,
+    CAP_VMM, CAP_VMM_CHUNKS, KNOWN_CAPABILITIES, MAX_RELEASE_BATCH,
 };
 pub(crate) use vmm::{check_vmm_chunks, VmmBufferDescriptor, VmmChunksDescriptor};
-
-#[cfg(test)]
-pub(crate) use codec::decode;
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -175,3 +175,54 @@ def view_range_and_hang(path, queue):
         return "not killed"
 
     _report(queue, run)
+
+
+def recv_many_add_one(path, rings, count, queue):
+    """Receives `count` buffers with recv_many (rings as asked), checks on the GPU (torch) that every byte
+    of each equals its first, adds 1 to every byte on the GPU, synchronizes and lets go of them; reports
+    the first bytes in arrival order, how many calls it took and whether the rings were used."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=TIMEOUT, rings=rings)
+        firsts, uniform, calls = [], [], 0
+        while len(firsts) < count:
+            bufs = importer.recv_many(max=count - len(firsts), timeout=TIMEOUT)
+            calls += 1
+            for b in bufs:
+                t = torch.from_dlpack(b)
+                firsts.append(int(t[0].item()))
+                uniform.append(bool(torch.all(t == t[0]).item()))
+                t.add_(1)
+                del t
+            torch.cuda.synchronize()
+            del bufs, b
+            gc.collect()
+        return {"firsts": firsts, "uniform": uniform, "calls": calls, "rings": importer.rings,
+                "held": importer.held}
+
+    _report(queue, run)
+
+
+def recv_part_of_a_batch_and_hang(path, queue):
+    """Receives part of a batch (recv_many with max=2), writes it with torch, reports, then sleeps until
+    killed."""
+
+    def run():
+        import torch
+
+        from mempool import ipc
+
+        importer = ipc.Importer(path, timeout=TIMEOUT)
+        bufs = importer.recv_many(max=2, timeout=TIMEOUT)
+        for b in bufs:
+            torch.from_dlpack(b).fill_(7)
+        torch.cuda.synchronize()
+        queue.put(("ok", {"ids": [b.id for b in bufs], "rings": importer.rings}))
+        time.sleep(600)
+        return "not killed"
+
+    _report(queue, run)

@@ -38,10 +38,11 @@ def _socket_path(name):
 def test_module_shape():
     for name in ("Exporter", "Importer", "ExportedBuffer", "ImportedBuffer", "ImportedRange"):
         assert getattr(ipc, name) is getattr(mempool._lib, name)
-    for name in ("alloc", "share", "share_range", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "shutdown",
+    for name in ("alloc", "share", "share_many", "share_range", "importers", "wait_for_importers", "wait_idle", "stats", "pool_usage", "shutdown",
                  "__enter__", "__exit__"):
         assert hasattr(ipc.Exporter, name), name
-    for name in ("recv", "close", "held", "imported_blocks", "device", "path", "__enter__", "__exit__"):
+    for name in ("recv", "recv_many", "rings", "close", "held", "imported_blocks", "device", "path", "__enter__",
+                 "__exit__"):
         assert hasattr(ipc.Importer, name), name
     # One verb in Rust and Python: mempool-ipc's Importer::recv.
     assert not hasattr(ipc.Importer, "receive")
@@ -446,3 +447,72 @@ def test_service_range_held_by_a_killed_consumer_lets_its_tag_sleep_again():
             if child.is_alive():
                 child.kill()
     del buf, small
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exporter_rings,importer_rings", [(True, True), (True, False), (False, True)])
+def test_share_many_and_recv_many_hand_over_every_byte(exporter_rings, importer_rings):
+    count, size = 16, 64 << 10
+    path = _socket_path(f"many-{int(exporter_rings)}{int(importer_rings)}.sock")
+    with ipc.Exporter(path, rings=exporter_rings) as exporter:
+        child, queue = _spawn(_ipc_child.recv_many_add_one, path, importer_rings, count)
+        try:
+            exporter.wait_for_importers(1, timeout=TIMEOUT)
+            bufs = []
+            for i in range(count):
+                b = exporter.alloc(size)
+                b.copy_from_host(bytes([i + 1]) * size)
+                bufs.append(b)
+            shared = exporter.share_many(bufs)
+            assert [s.id for s in shared] == [b.id for b in bufs]
+            got = _result(queue, child, "receive many, check and add one")
+            print({k: v for k, v in got.items() if k != "firsts"})
+            assert got["rings"] == (exporter_rings and importer_rings), got
+            assert sorted(got["firsts"]) == list(range(1, count + 1)), got
+            assert all(got["uniform"]), got
+            assert got["held"] == 0, got
+            for i, b in enumerate(bufs):
+                b.wait_released(timeout=TIMEOUT)
+                assert b.tobytes() == bytes([i + 2]) * size, f"buffer {i}: the consumer's writes"
+            child.join(timeout=TIMEOUT)
+            assert child.exitcode == 0, child.exitcode
+            del bufs, shared, b
+            exporter.wait_idle(timeout=TIMEOUT)
+            stats = exporter.stats()
+            assert stats["live_buffers"] == 0 and stats["reclaimed_buffers"] == 0, stats
+        finally:
+            if child.is_alive():
+                child.kill()
+
+
+@pytest.mark.gpu
+def test_a_consumer_killed_mid_batch_leaves_the_producer_at_its_baseline():
+    count, size = 8, 8 << 20
+    path = _socket_path("many-kill.sock")
+    with ipc.Exporter(path) as exporter:
+        baseline = exporter.pool_usage()["used_current"]
+        child, queue = _spawn(_ipc_child.recv_part_of_a_batch_and_hang, path)
+        try:
+            exporter.wait_for_importers(1, timeout=TIMEOUT)
+            bufs = exporter.share_many([size] * count)
+            ids = [b.id for b in bufs]
+            got = _result(queue, child, "receive part of the batch")
+            assert got["rings"] is True, got
+            assert 1 <= len(got["ids"]) <= 2 and set(got["ids"]) <= set(ids), (got, ids)
+            assert exporter.pool_usage()["used_current"] >= baseline + count * size, exporter.pool_usage()
+            del bufs
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(timeout=TIMEOUT)
+            assert child.exitcode == -signal.SIGKILL, child.exitcode
+            exporter.wait_idle(timeout=TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            while exporter.pool_usage()["used_current"] != baseline and time.monotonic() < deadline:
+                time.sleep(0.05)
+            usage, stats = exporter.pool_usage(), exporter.stats()
+            print(usage, stats)
+            assert usage["used_current"] == baseline, (baseline, usage, stats)
+            assert stats["live_buffers"] == 0 and stats["importers"] == 0, stats
+            assert stats["reclaimed_buffers"] >= len(got["ids"]), stats
+        finally:
+            if child.is_alive():
+                child.kill()

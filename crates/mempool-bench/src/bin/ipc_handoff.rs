@@ -3,16 +3,22 @@
 //! against a baseline measured in the same run: copying the same bytes through the host
 //! (device -> pinned host -> Unix socket -> pinned host -> device, acknowledged).
 //!
-//! Three ways through mempool-ipc, measured in the same run with separate consumer processes:
+//! Ways through mempool-ipc, measured in the same run with separate consumer processes:
 //!
 //! - `v1 alloc`: protocol version 1 (`ImporterOptions::fast_release = false`), a whole pool
 //!   allocation per buffer: the importer imports each buffer, and its release frees the import
 //!   and synchronizes its stream (the path measured before the fast release path existed);
 //! - `v2 alloc`: the fast release path, a whole pool allocation per buffer (still one import per
 //!   buffer, but releases are ordered by the importer's event and batched);
-//! - `v2 sub`: the fast release path with buffers suballocated (a `PoolResource` over the
-//!   exporter's pool, `Exporter::adopt`) from blocks the importer keeps imported: after the
-//!   first buffer, no import, no synchronize, and releases ordered by an event.
+//! - `v2 sub`: the fast release path over the socket (`ImporterOptions::rings = false`: the path
+//!   before protocol version 3) with buffers suballocated (a `PoolResource` over the exporter's
+//!   pool, `Exporter::adopt`) from blocks the importer keeps imported: after the first buffer, no
+//!   import, no synchronize, and releases ordered by an event;
+//! - `v3 alloc` and `v3 sub`: the same through the connection's shared-memory rings (protocol
+//!   version 3, the default): buffers and releases cost no system call while both sides are
+//!   awake, and a release goes out as soon as the buffer is let go;
+//! - `v3 sub x8` (sustained only): `v3 sub` with the producer sharing 8 buffers per
+//!   `Exporter::share_many` and the consumer taking them with `Importer::recv_many`.
 //!
 //! - Round trip, one consumer: the producer makes a buffer, shares it, and waits until the
 //!   consumer has received it (waiting on the producer's event) and released it.
@@ -35,9 +41,12 @@
 //! (`ImporterOptions::release_on_host`), so that no stream waits for another process's event.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-bench --bin ipc_handoff -- [consumers]
-//! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's v2 sub column
-//! before its v1 and v2 alloc columns). The producer re-executes this program for each consumer
-//! (twice: a version-1 and a version-2 set). Without a GPU it says why and exits with status 2.
+//! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's sub columns
+//! before its alloc columns). The producer re-executes this program for each consumer (a
+//! version-1, a version-2 and a version-3 set, and the diagnosis' set). It prints the device, the
+//! host CPU, whether CUDA MPS is in use (`CUDA_MPS_PIPE_DIRECTORY`; `scripts/ipc-mps-bench.sh`
+//! runs it with and without), every baseline and the ratios the targets of issue 25 name.
+//! Without a GPU it says why and exits with status 2.
 //!
 //! One of mempool-bench's workloads, as its own binary rather than a `mempool-bench` subcommand: it
 //! runs several processes (the producer re-executes itself as each consumer) and prints its own
@@ -61,11 +70,15 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const WAIT: Duration = Duration::from_secs(60);
 const WINDOW: usize = 4;
+/// Buffers per `share_many` in the batched sustained column.
+const MANY: usize = 8;
 
 /// Control messages from the producer to a consumer: an op byte and a little-endian u64.
 const OP_EXIT: u8 = 0;
 /// Receive and release this many buffers through mempool-ipc, then answer one byte.
 const OP_IPC: u8 = 1;
+/// Receive and release this many buffers with `Importer::recv_many`, then answer one byte.
+const OP_IPC_MANY: u8 = 4;
 /// Receive this many bytes, copy them to the device, answer one byte.
 const OP_COPY: u8 = 2;
 /// 1: start recording `mempool_ipc::trace`; 0: stop, and answer the records (a little-endian u64
@@ -82,10 +95,12 @@ enum Role {
         diagnose: bool,
         sub_first: bool,
     },
-    /// `consumer SOCKET [--v1 | --host-ready]`: one consumer, started by the producer.
+    /// `consumer SOCKET [--v1 | --v2 | --host-ready]`: one consumer, started by the producer.
     Consumer {
         socket: PathBuf,
         v1: bool,
+        /// `--v2`: the fast release path over the socket (no rings).
+        socket_only: bool,
         host_ready: bool,
     },
 }
@@ -99,12 +114,13 @@ fn parse_args(args: &[String]) -> Result<Role, String> {
             return Err(format!("consumer: unexpected argument `{extra}`"));
         }
         return match flag {
-            None | Some("--v1") | Some("--host-ready") => Ok(Role::Consumer {
+            None | Some("--v1") | Some("--v2") | Some("--host-ready") => Ok(Role::Consumer {
                 socket: PathBuf::from(socket),
                 v1: flag == Some("--v1"),
+                socket_only: flag == Some("--v2"),
                 host_ready: flag == Some("--host-ready"),
             }),
-            Some(other) => Err(format!("consumer: unknown flag `{other}` (--v1, --host-ready)")),
+            Some(other) => Err(format!("consumer: unknown flag `{other}` (--v1, --v2, --host-ready)")),
         };
     }
     let (mut consumers, mut diagnose, mut sub_first) = (None, true, false);
@@ -144,7 +160,12 @@ fn main() -> ExitCode {
         return missing.exit("ipc_handoff");
     }
     let result = match role {
-        Role::Consumer { socket, v1, host_ready } => consumer(&socket, v1, host_ready),
+        Role::Consumer {
+            socket,
+            v1,
+            socket_only,
+            host_ready,
+        } => consumer(&socket, v1, socket_only, host_ready),
         Role::Producer {
             consumers,
             diagnose,
@@ -213,19 +234,22 @@ fn ack(ctl: &mut UnixStream) -> AnyResult<()> {
 
 // ---------------------------------------------------------------- consumer
 
-fn consumer(socket: &Path, v1: bool, host_ready: bool) -> AnyResult<()> {
+fn consumer(socket: &Path, v1: bool, socket_only: bool, host_ready: bool) -> AnyResult<()> {
     let options = ImporterOptions {
         fast_release: !v1,
+        rings: !socket_only,
         wait_ready_on_host: host_ready,
         release_on_host: host_ready,
         ..ImporterOptions::default()
     };
     let importer = Importer::connect(socket, options)?;
-    if importer.fast_release() == v1 {
+    if importer.fast_release() == v1 || importer.rings() != (!v1 && !socket_only) {
         return Err(format!(
-            "asked for the fast release path: {}, got it: {}",
+            "asked for the fast release path: {}, got it: {}; asked for the rings: {}, got them: {}",
             !v1,
-            importer.fast_release()
+            importer.fast_release(),
+            !v1 && !socket_only,
+            importer.rings()
         )
         .into());
     }
@@ -246,6 +270,21 @@ fn consumer(socket: &Path, v1: bool, host_ready: bool) -> AnyResult<()> {
                         Err(e) => return Err(e.into()),
                     };
                     buf.release()?;
+                }
+                ctl.write_all(&[1])?;
+            }
+            OP_IPC_MANY => {
+                let mut left = arg as usize;
+                while left > 0 {
+                    let bufs = match importer.recv_many(stream.as_ref(), left.min(64), Some(WAIT)) {
+                        Ok(bufs) => bufs,
+                        Err(Error::ExporterGone { .. }) => return Ok(()),
+                        Err(e) => return Err(e.into()),
+                    };
+                    left -= bufs.len();
+                    for buf in bufs {
+                        buf.release()?;
+                    }
                 }
                 ctl.write_all(&[1])?;
             }
@@ -398,24 +437,26 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
     let _ = std::fs::remove_file(ctl_path(&socket));
     let ctl_listener = UnixListener::bind(ctl_path(&socket))?;
     // `spawn_consumers` counts the importers connected so far by the length of the list.
-    let mut v2 = Vec::new();
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, None, &mut v2)?;
-    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v1"), &mut v2)?;
+    let mut v3 = Vec::new();
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, None, &mut v3)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v1"), &mut v3)?;
+    spawn_consumers(&exporter, &ctl_listener, &socket, consumers, Some("--v2"), &mut v3)?;
     if diagnose {
         // Fast-path consumers that wait for pending ready events, and for their own work before each
-        // release, on the host (the diagnosis).
+        // release, on the host (the diagnosis, and the sustained column `v3 sub host`).
         spawn_consumers(
             &exporter,
             &ctl_listener,
             &socket,
             consumers,
             Some("--host-ready"),
-            &mut v2,
+            &mut v3,
         )?;
     }
-    let mut host_ready = v2.split_off(2 * consumers);
-    let mut v1 = v2.split_off(consumers);
-    let all_ids = v1.len() + v2.len() + host_ready.len();
+    let mut host_ready = v3.split_off(3 * consumers);
+    let mut v2 = v3.split_off(2 * consumers);
+    let mut v1 = v3.split_off(consumers);
+    let all_ids = v1.len() + v2.len() + v3.len() + host_ready.len();
     let _ = std::fs::remove_file(ctl_path(&socket));
     let producer = Producer { exporter, sub };
 
@@ -425,41 +466,45 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         dev.uuid()?,
         mempool_core::driver_version()?
     );
+    println!("host CPU: {}", host_cpu());
     println!(
-        "({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path{})",
+        "CUDA MPS: {}",
+        match std::env::var("CUDA_MPS_PIPE_DIRECTORY") {
+            Ok(dir) => format!("CUDA_MPS_PIPE_DIRECTORY={dir} (the run of scripts/ipc-mps-bench.sh with the daemon)"),
+            Err(_) =>
+                "CUDA_MPS_PIPE_DIRECTORY not set (the default pipe directory is used if a daemon runs there)".into(),
+        }
+    );
+    println!(
+        "({all_ids} consumer processes: {consumers} version-1, {consumers} with the fast release path over the socket (version 2), {consumers} with the shared-memory rings (version 3){})",
         if host_ready.is_empty() {
             String::new()
         } else {
-            format!(", {consumers} with it waiting for ready and release events on the host (the diagnosis)")
+            format!(", {consumers} with the rings waiting for ready and release events on the host (the diagnosis)")
         }
     );
     println!();
     let stream = Stream::new(&ctx)?;
     if diagnose {
-        // Before anything else: the v2 sub rows measured first were the slow ones.
-        traced_round_trip(&producer, &mut v2, &stream, 4 * KIB, false, "early, before the tables")?;
+        // Before anything else: the sub rows measured first were the slow ones.
+        traced_round_trip(&producer, &mut v3, &stream, 4 * KIB, false, "early, before the tables")?;
         println!();
     }
     println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer, median / mean)");
-    println!("| size | iterations | v1 alloc | v2 alloc | v2 sub | host copy | v1 alloc / v2 sub (median) |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| size | iterations | v1 alloc | v2 sub | v3 alloc | v3 sub | host copy | v2 sub / v3 sub | host copy / v3 sub (median) |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut round_v3_sub = Vec::new();
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
-        // `--sub-first`: the v2 sub column is measured before the others of its row, to see whether what
-        // the rows before it leave behind (1,010 whole-allocation hand-offs to the same consumer) slows it.
-        let early = if sub_first {
-            Some(round_trip_ipc(
-                &producer,
-                Make::Sub,
-                &mut v2[0],
-                &stream,
-                size,
-                iters,
-                &mut Probe::Off,
-            )?)
-        } else {
-            None
-        };
+        // `--sub-first`: the sub columns are measured before the others of their row, to see whether what
+        // the rows before them leave behind (whole-allocation hand-offs to the same consumer) slows them.
+        let mut early = None;
+        if sub_first {
+            early = Some((
+                round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?,
+                round_trip_ipc(&producer, Make::Sub, &mut v3[0], &stream, size, iters, &mut Probe::Off)?,
+            ));
+        }
         let old = round_trip_ipc(
             &producer,
             Make::Alloc,
@@ -472,51 +517,106 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         let alloc = round_trip_ipc(
             &producer,
             Make::Alloc,
-            &mut v2[0],
+            &mut v3[0],
             &stream,
             size,
             iters,
             &mut Probe::Off,
         )?;
-        let sub = match early {
-            Some(sub) => sub,
-            None => round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?,
+        let (sub2, sub3) = match early {
+            Some(subs) => subs,
+            None => (
+                round_trip_ipc(&producer, Make::Sub, &mut v2[0], &stream, size, iters, &mut Probe::Off)?,
+                round_trip_ipc(&producer, Make::Sub, &mut v3[0], &stream, size, iters, &mut Probe::Off)?,
+            ),
         };
-        let copy = round_trip_copy(&producer.exporter, &ctx, &mut v2[0], &stream, size, iters)?;
+        let copy = round_trip_copy(&producer.exporter, &ctx, &mut v3[0], &stream, size, iters)?;
         println!(
-            "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x |",
+            "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x | {:.1}x |",
             human(size),
             median(&old),
             mean(&old),
+            median(&sub2),
+            mean(&sub2),
             median(&alloc),
             mean(&alloc),
-            median(&sub),
-            mean(&sub),
+            median(&sub3),
+            mean(&sub3),
             median(&copy),
             mean(&copy),
-            median(&old) / median(&sub)
+            median(&sub2) / median(&sub3),
+            median(&copy) / median(&sub3),
         );
+        round_v3_sub.push((size, median(&sub3), median(&copy)));
     }
 
     println!();
     println!("Sustained, {consumers} consumers, {WINDOW} buffers in flight per consumer, fresh buffer filled on the GPU each time (buffers per second)");
-    println!("| size | buffers | v1 alloc | v2 alloc | v2 sub | host copy | v2 sub / v1 alloc |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| size | buffers | v1 alloc | v2 sub | v3 sub | v3 sub x{MANY} | v3 sub host | host copy | v3 sub / v2 sub | best v3 / host copy |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut sustained_best = Vec::new();
     for size in [64 * KIB, MIB, 16 * MIB] {
         let per_consumer = (1024 * MIB / size / consumers).clamp(50, 2000);
-        let old = sustained_ipc(&producer, Make::Alloc, &mut v1, size, per_consumer)?;
-        let alloc = sustained_ipc(&producer, Make::Alloc, &mut v2, size, per_consumer)?;
-        let sub = sustained_ipc(&producer, Make::Sub, &mut v2, size, per_consumer)?;
-        let copy = sustained_copy(&producer.exporter, &ctx, &mut v2, size, per_consumer)?;
+        let old = sustained_ipc(&producer, Make::Alloc, &mut v1, size, per_consumer, false)?;
+        let sub2 = sustained_ipc(&producer, Make::Sub, &mut v2, size, per_consumer, false)?;
+        let sub3 = sustained_ipc(&producer, Make::Sub, &mut v3, size, per_consumer, false)?;
+        let many = sustained_ipc(&producer, Make::Sub, &mut v3, size, per_consumer, true)?;
+        let host = if host_ready.is_empty() {
+            f64::NAN
+        } else {
+            sustained_ipc(&producer, Make::Sub, &mut host_ready, size, per_consumer, false)?
+        };
+        let copy = sustained_copy(&producer.exporter, &ctx, &mut v3, size, per_consumer)?;
+        let best = [sub3, many, host]
+            .into_iter()
+            .filter(|r| r.is_finite())
+            .fold(0.0, f64::max);
         println!(
-            "| {} | {} | {old:.0} | {alloc:.0} | {sub:.0} | {copy:.0} | {:.1}x |",
+            "| {} | {} | {old:.0} | {sub2:.0} | {sub3:.0} | {many:.0} | {host:.0} | {copy:.0} | {:.1}x | {:.1}x |",
             human(size),
             per_consumer * consumers,
-            sub / old
+            sub3 / sub2,
+            best / copy
         );
+        sustained_best.push((size, best, copy));
+    }
+    println!();
+    println!("Targets (issue 25; one run, baselines above):");
+    for (size, sub3, copy) in &round_v3_sub {
+        if *size <= 64 * KIB {
+            println!(
+                "- round trip of a kept block at {}: {sub3:.1} us median (target <= 20 us): {}",
+                human(*size),
+                verdict(*sub3 <= 20.0)
+            );
+        } else {
+            println!(
+                "- round trip at {}: v3 sub {sub3:.1} us, host copy {copy:.1} us: {}",
+                human(*size),
+                verdict(sub3 < copy)
+            );
+        }
+    }
+    for (size, best, copy) in &sustained_best {
+        if *size == 64 * KIB {
+            println!(
+                "- sustained 64 KiB to {consumers} consumers: best v3 {best:.0} buffers/s (target >= 100,000): {}; {:.2}x the host copy (target >= 1.5x): {}",
+                verdict(*best >= 100_000.0),
+                best / copy,
+                verdict(*best >= 1.5 * copy)
+            );
+        } else {
+            println!(
+                "- sustained {}: best v3 {best:.0} buffers/s, host copy {copy:.0}: {}",
+                human(*size),
+                verdict(best > copy)
+            );
+        }
     }
     if diagnose {
-        diagnosis(&producer, &mut v2, &mut host_ready, &stream)?;
+        diagnosis(&producer, &mut v3, &mut host_ready, &stream)?;
     }
     let stats = producer.exporter.stats();
     println!();
@@ -525,7 +625,12 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         stats.freed_buffers, stats.kept_blocks, stats.parked_buffers
     );
 
-    for c in v1.iter_mut().chain(v2.iter_mut()).chain(host_ready.iter_mut()) {
+    for c in v1
+        .iter_mut()
+        .chain(v2.iter_mut())
+        .chain(v3.iter_mut())
+        .chain(host_ready.iter_mut())
+    {
         send_op(&mut c.ctl, OP_EXIT, 0)?;
     }
     let Producer { exporter, sub } = producer;
@@ -534,7 +639,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         return Err(format!("the exporter met errors: {errors:?}").into());
     }
     drop(sub);
-    for mut c in v1.into_iter().chain(v2).chain(host_ready) {
+    for mut c in v1.into_iter().chain(v2).chain(v3).chain(host_ready) {
         let status = c.child.wait()?;
         if !status.success() {
             return Err(format!("a consumer failed: {status}").into());
@@ -656,16 +761,28 @@ fn round_trip_copy(
     Ok(times)
 }
 
-/// Buffers per second with one producer thread per consumer.
+/// Buffers per second with one producer thread per consumer. `batched`: each thread shares
+/// [`MANY`] buffers at a time with `Exporter::share_many` (up to two batches in flight), and the
+/// consumer takes them with `Importer::recv_many`.
 fn sustained_ipc(
     producer: &Producer,
     make: Make,
     all: &mut [Consumer],
     size: usize,
     per_consumer: usize,
+    batched: bool,
 ) -> AnyResult<f64> {
+    let per_consumer = if batched {
+        per_consumer.div_ceil(MANY) * MANY
+    } else {
+        per_consumer
+    };
     for c in all.iter_mut() {
-        send_op(&mut c.ctl, OP_IPC, per_consumer as u64)?;
+        send_op(
+            &mut c.ctl,
+            if batched { OP_IPC_MANY } else { OP_IPC },
+            per_consumer as u64,
+        )?;
     }
     let ctx = producer.exporter.pool().context().clone();
     let t0 = Instant::now();
@@ -678,6 +795,32 @@ fn sustained_ipc(
                 scope.spawn(move || -> AnyResult<()> {
                     let stream = Stream::new(&ctx)?;
                     let mut in_flight = VecDeque::new();
+                    if batched {
+                        let mut batches: VecDeque<Vec<ExportedBuffer<'_>>> = VecDeque::new();
+                        for _ in 0..per_consumer / MANY {
+                            let mut batch = Vec::with_capacity(MANY);
+                            for _ in 0..MANY {
+                                let buf = producer.make(make, size, stream.as_ref())?;
+                                buf.fill(0)?; // real GPU work on the buffer before the hand-off
+                                batch.push(buf);
+                            }
+                            let refs: Vec<&ExportedBuffer<'_>> = batch.iter().collect();
+                            producer.exporter.share_many(&refs, &[importer])?;
+                            batches.push_back(batch);
+                            if batches.len() >= 2 {
+                                for done in batches.pop_front().expect("two batches in flight") {
+                                    done.wait_released(WAIT)?;
+                                    done.release()?;
+                                }
+                            }
+                        }
+                        for done in batches.into_iter().flatten() {
+                            done.wait_released(WAIT)?;
+                            done.release()?;
+                        }
+                        stream.synchronize()?;
+                        return Ok(());
+                    }
                     for _ in 0..per_consumer {
                         let buf = producer.make(make, size, stream.as_ref())?;
                         buf.fill(0)?; // real GPU work on the buffer before the hand-off
@@ -755,6 +898,29 @@ fn sustained_copy(
         Ok(())
     })?;
     Ok((per_consumer * all.len()) as f64 / t0.elapsed().as_secs_f64())
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+/// The host's CPU model and count (`/proc/cpuinfo`).
+fn host_cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .and_then(|r| r.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{model}, {cpus} CPUs available to this process")
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -959,9 +1125,9 @@ fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consume
         }
         let size = 64 * KIB;
         let per_consumer = 1000;
-        let plain = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        let plain = sustained_ipc(producer, Make::Sub, set, size, per_consumer, false)?;
         trace_on(set)?;
-        let rate = sustained_ipc(producer, Make::Sub, set, size, per_consumer)?;
+        let rate = sustained_ipc(producer, Make::Sub, set, size, per_consumer, false)?;
         let records = trace_off(set)?;
         let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
         println!();

@@ -82,6 +82,14 @@ pub struct ExporterOptions {
     /// then reclaimed as for one that died). Default: `None`, no limit (an importer may hold
     /// buffers for as long as it likes).
     pub idle_timeout: Option<Duration>,
+    /// The shared-memory rings offered to importers that ask for them (protocol version 3,
+    /// [`ImporterOptions::rings`](crate::ImporterOptions::rings)): one ring each way of this
+    /// geometry per connection, in a sealed memfd passed at the handshake; `Buffer` frames then
+    /// travel to the importer through shared memory and its releases come back the same way.
+    /// Default: `Some` of [`Geometry::default`](crate::ring::Geometry) (256 slots of 256 bytes
+    /// each way, about 130 KiB per connection). `None`: not offered; such importers use the
+    /// socket (version 2).
+    pub rings: Option<crate::ring::Geometry>,
 }
 
 impl Default for ExporterOptions {
@@ -93,6 +101,7 @@ impl Default for ExporterOptions {
             max_handshakes: 64,
             send_queue_len: 1024,
             idle_timeout: None,
+            rings: Some(crate::ring::Geometry::default()),
         }
     }
 }
@@ -264,6 +273,7 @@ impl Exporter {
             idle_timeout: options.idle_timeout,
             handshake_timeout: connection.handshake_timeout,
             io_timeout: connection.io_timeout,
+            ring: options.rings,
         };
         let inner = Arc::new(Inner {
             server: OnceLock::new(),
@@ -385,6 +395,22 @@ impl Exporter {
     /// or it is being disconnected.
     pub fn share(&self, buffer: &ExportedBuffer<'_>, to: &[ImporterId]) -> Result<()> {
         buffers::share(&self.inner, buffer, to)
+    }
+
+    /// Shares every buffer of `buffers` with each importer in `to`, in order, as [`Exporter::share`]
+    /// does for one: each buffer's ready event (from the exporter's pool of interprocess events)
+    /// is recorded on its stream, and the buffers are queued together, so the serving thread
+    /// writes them in one go (into an importer's ring while it has room, protocol version 3) and an
+    /// importer sleeping on [`Importer::recv_many`](crate::Importer::recv_many) is woken once for
+    /// the lot.
+    ///
+    /// Errors: those of [`Exporter::share`], for the first buffer that fails; the buffers before it
+    /// were shared, those after it were not.
+    pub fn share_many(&self, buffers: &[&ExportedBuffer<'_>], to: &[ImporterId]) -> Result<()> {
+        for buffer in buffers {
+            buffers::share(&self.inner, buffer, to)?;
+        }
+        Ok(())
     }
 
     /// Allocates VMM physical memory for sharing as a file descriptor: `bytes` rounded up to the

@@ -23,6 +23,8 @@ pub(crate) struct Limits {
     pub(crate) handshake_timeout: Duration,
     /// One frame once begun; a send that makes no progress.
     pub(crate) io_timeout: Duration,
+    /// The rings offered to importers that ask for them (`CAP_RING`); `None`: not offered.
+    pub(crate) ring: Option<crate::ring::Geometry>,
 }
 
 /// What to do with a connection just accepted (its credentials passed).

@@ -22,6 +22,7 @@ use super::admission::{Admission, Backoff, Limits, Pending};
 use super::exits::{Liveness, ProcessKey, ProcessRef, Watch};
 use super::outbox::{Outboxes, Outgoing};
 use super::peer::{Flushed, Peer, Read};
+use super::ring_peer::RingPeer;
 use crate::cred::{self, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::fdpass;
@@ -216,14 +217,28 @@ impl Ready {
 impl Loop {
     fn serve(&mut self) {
         let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
+        // Whether a ring had entries when the loop last set its waiting flags: then it must not sleep.
+        let mut rings_busy = false;
         loop {
             let now = Instant::now();
-            let timeout = self.next_deadline(now).map(|d| {
-                let left = d.saturating_duration_since(now) + Duration::from_micros(100);
-                Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 })
-            });
+            let timeout = if rings_busy {
+                Some(Timespec { tv_sec: 0, tv_nsec: 0 })
+            } else {
+                self.next_deadline(now).map(|d| {
+                    let left = d.saturating_duration_since(now) + Duration::from_micros(100);
+                    Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 })
+                })
+            };
             events.clear();
-            match epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref()) {
+            let waited = epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref());
+            if !rings_busy {
+                for peer in self.peers.values() {
+                    if let Some(ring) = &peer.ring {
+                        ring.sleep_end();
+                    }
+                }
+            }
+            match waited {
                 Ok(_) | Err(Errno::INTR) => {}
                 Err(e) => {
                     // Nothing sensible is left to do but wait a little and try again.
@@ -260,6 +275,9 @@ impl Loop {
                 self.start_closing(now);
             }
             self.timers(Instant::now());
+            // The rings to the exporter are drained last, right before the waiting flags are set,
+            // and before the counters are published (a peer cut off here is counted this round).
+            rings_busy = self.rings(Instant::now());
             self.publish();
             if control.finish {
                 return;
@@ -350,7 +368,11 @@ impl Loop {
         self.next_id += 1;
         let token = self.next_token;
         self.next_token += 1;
-        let handshake = ExporterHandshake::new(self.announcement);
+        let offered = match self.limits.ring {
+            Some(_) => wire::KNOWN_CAPABILITIES,
+            None => wire::KNOWN_CAPABILITIES & !wire::CAP_RING,
+        };
+        let handshake = ExporterHandshake::offering(self.announcement, offered);
         let peer = match Peer::new(id, stream, credentials, handshake, now) {
             Ok(peer) => peer,
             Err(e) => return record_drop_error(e.into()),
@@ -416,6 +438,10 @@ impl Loop {
                 Ok(Read::Closed(m)) => (m, true),
                 Err(e) => return self.end(token, false, Some(e)),
             };
+            if !messages.is_empty() {
+                // Releases the importer put in its ring before these frames come first.
+                self.drain_ring(token, now);
+            }
             for message in messages {
                 if !self.peers.contains_key(&token) {
                     return;
@@ -448,6 +474,27 @@ impl Loop {
                         }),
                         Err(e) => return self.end_handshake(token, Some(e.into())),
                     }
+                    if done && peer.capabilities & wire::CAP_RING != 0 {
+                        let geometry = self.limits.ring.unwrap_or_default();
+                        let ring = RingPeer::new(geometry).and_then(|(ring, sender)| Ok((ring.setup()?, ring, sender)));
+                        match ring {
+                            Ok(((frame, fd), ring, sender)) => {
+                                peer.local.push_back(Outgoing {
+                                    fds: vec![fd],
+                                    ..Outgoing::plain(frame)
+                                });
+                                peer.ring = Some(ring);
+                                peer.ring_sender = Some(sender);
+                            }
+                            Err(e) => {
+                                record_drop_error(Error::Io(std::io::Error::other(format!(
+                                    "the shared-memory rings of importer {}: {e}",
+                                    peer.id
+                                ))));
+                                return self.end_handshake(token, Some(e));
+                            }
+                        }
+                    }
                     if done {
                         self.connect(token, now);
                     }
@@ -473,6 +520,8 @@ impl Loop {
                 }
             }
             Ok(ImporterEvent::Goodbye) => self.end(token, true, None),
+            // Drained before the socket's frames are handled (`on_peer`).
+            Ok(ImporterEvent::RingBell) => {}
             Err(e) => self.end(token, false, Some(e)),
         }
     }
@@ -497,7 +546,8 @@ impl Loop {
         peer.process = Some(ProcessRef::remember(peer.credentials.pid, peer.credentials.uid));
         let (id, credentials, capabilities) = (peer.id, peer.credentials, peer.capabilities);
         self.tokens.insert(id, token);
-        lock(&self.shared.outboxes).open(id);
+        let sender = peer.ring_sender.take();
+        lock(&self.shared.outboxes).open(id, sender);
         self.handler.connected(id, credentials, capabilities);
     }
 
@@ -507,13 +557,23 @@ impl Loop {
         let Some(peer) = self.peers.get_mut(&token) else { return };
         let id = peer.id;
         let connected = peer.handshake.is_none();
+        // `Buffer` frames go into the ring while it has room (`pop_for_socket`); the socket takes the
+        // rest, and every frame with a descriptor.
         let result = peer.flush(self.pool_fd.as_fd(), now, || {
             if connected {
-                lock(&shared.outboxes).pop(id)
+                lock(&shared.outboxes).pop_for_socket(id)
             } else {
                 None
             }
         });
+        let broken = if peer.ring.is_some() && connected {
+            let mut outboxes = lock(&shared.outboxes);
+            // A sleeping importer wakes to read the ring, or the socket's frames.
+            outboxes.publish(id);
+            outboxes.take_broken()
+        } else {
+            Vec::new()
+        };
         match result {
             Ok(flushed) => {
                 let want = flushed == Flushed::Blocked;
@@ -525,6 +585,57 @@ impl Loop {
                     if epoll::modify(&self.epoll, &peer.stream, epoll::EventData::new_u64(token), flags).is_ok() {
                         peer.wants_out = want;
                     }
+                }
+            }
+            Err(e) => self.end(token, false, Some(e)),
+        }
+        self.end_broken(broken);
+    }
+
+    /// Drains every connection's ring to the exporter, then sets the exporter's waiting flags
+    /// before the loop sleeps. Returns whether a ring had entries when its flag was set (then the
+    /// loop must not sleep).
+    fn rings(&mut self, now: Instant) -> bool {
+        let tokens: Vec<u64> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.ring.is_some() && p.handshake.is_none())
+            .map(|(t, _)| *t)
+            .collect();
+        let mut busy = false;
+        for token in tokens {
+            self.drain_ring(token, now);
+            let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
+                continue;
+            };
+            match ring.sleep_begin() {
+                Ok(true) => {}
+                Ok(false) => busy = true,
+                Err(e) => self.end(token, false, Some(e)),
+            }
+        }
+        busy
+    }
+
+    /// Handles what waits in the ring of `token` (at most one ring's worth per call, so a peer
+    /// that keeps writing cannot hold the loop).
+    fn drain_ring(&mut self, token: u64, now: Instant) {
+        let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
+            return;
+        };
+        let max = self.limits.ring.unwrap_or_default().capacity() as usize;
+        match ring.drain(max) {
+            Ok(messages) => {
+                if !messages.is_empty() {
+                    if let Some(peer) = self.peers.get_mut(&token) {
+                        peer.last_traffic = now;
+                    }
+                }
+                for message in messages {
+                    if !self.peers.contains_key(&token) {
+                        return;
+                    }
+                    self.on_message(token, message, now);
                 }
             }
             Err(e) => self.end(token, false, Some(e)),
@@ -648,11 +759,28 @@ impl Loop {
 
     // ---- the queues, the shutdown, the clocks ----
 
+    /// When anything last went either way to or from `peer`: its socket, or its ring to the
+    /// importer (its ring to the exporter counts in `last_traffic` when drained).
+    fn last_traffic(&self, peer: &Peer) -> Instant {
+        let pushed = lock(&self.shared.outboxes).ring_pushed(peer.id);
+        pushed.map_or(peer.last_traffic, |p| p.max(peer.last_traffic))
+    }
+
+    /// Ends the connections whose ring broke its rules (found by a push into it).
+    fn end_broken(&mut self, broken: Vec<(ImporterId, crate::ring::RingError)>) {
+        for (id, e) in broken {
+            if let Some(&token) = self.tokens.get(&id) {
+                self.end(token, false, Some(e.into()));
+            }
+        }
+    }
+
     fn mailbox(&mut self, now: Instant) {
-        let (ready, doomed) = {
+        let (ready, doomed, broken) = {
             let mut outboxes = lock(&self.shared.outboxes);
-            (outboxes.take_ready(), outboxes.take_doomed())
+            (outboxes.take_ready(), outboxes.take_doomed(), outboxes.take_broken())
         };
+        self.end_broken(broken);
         for id in doomed {
             if let Some(&token) = self.tokens.get(&id) {
                 self.stats.stalled += 1;
@@ -714,7 +842,7 @@ impl Loop {
                 })
             } else if peer.handshake.is_none()
                 && !peer.writing()
-                && limits.idle_timeout.is_some_and(|t| now >= peer.last_traffic + t)
+                && limits.idle_timeout.is_some_and(|t| now >= self.last_traffic(peer) + t)
                 && lock(&self.shared.outboxes).len(peer.id) == 0
             {
                 Some(Error::Timeout { during: "idle" })
@@ -789,7 +917,11 @@ impl Loop {
             // that `timers` would not act on would make the loop spin.
             if let (None, false, Some(idle)) = (&peer.handshake, peer.writing(), limits.idle_timeout) {
                 if outboxes.len(peer.id) == 0 {
-                    at(peer.last_traffic + idle);
+                    // `outboxes` is locked here: not `self.last_traffic`, which locks it.
+                    let last = outboxes
+                        .ring_pushed(peer.id)
+                        .map_or(peer.last_traffic, |p| p.max(peer.last_traffic));
+                    at(last + idle);
                 }
             }
         }

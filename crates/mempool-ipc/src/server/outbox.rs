@@ -2,11 +2,19 @@
 //! [`Exporter::share`](crate::Exporter::share) fills from any thread and the event loop drains
 //! as the importer's socket takes it. Pure bookkeeping under one mutex (`Shared::outboxes`); the
 //! tests (`server/tests.rs`) drive it directly.
+//!
+//! An importer with the shared-memory rings (protocol version 3) also has its ring here, under the
+//! same lock: a `Buffer` frame pushed while nothing waits in its queue goes straight into the ring
+//! (the sharing thread publishes it and wakes the importer if it sleeps; the event loop is not
+//! woken), and the loop moves queued `Buffer` frames into the ring as it drains the queue. Once a
+//! queue is closed, nothing more goes into its ring either.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 
+use super::ring_peer::RingSender;
 use crate::lease::ImporterId;
+use crate::ring::RingError;
 use crate::wire::BufferId;
 
 /// One frame waiting to go out.
@@ -47,12 +55,29 @@ pub(crate) enum PushError {
     Full(usize),
     /// It is being disconnected, or the exporter shuts down and says `Goodbye`.
     Closing,
+    /// Its ring broke the ring's rules: it is marked to be disconnected.
+    RingBroken,
 }
 
 #[derive(Debug)]
 struct Queue {
     items: VecDeque<Outgoing>,
     closing: bool,
+    /// The ring to the importer (protocol version 3).
+    ring: Option<RingSender>,
+    /// When a frame last went into the ring (traffic, for the idle timeout).
+    ring_pushed: Option<std::time::Instant>,
+}
+
+impl Queue {
+    /// Whether `item` may go into the ring now: nothing rides on it, it is a `Buffer` frame that fits.
+    fn ring_takes(&self, item: &Outgoing) -> bool {
+        item.buffer.is_some()
+            && item.fds.is_empty()
+            && !item.with_pool_fd
+            && !item.fin
+            && self.ring.as_ref().is_some_and(|r| r.fits(&item.frame))
+    }
 }
 
 /// Every connected importer's queue.
@@ -64,6 +89,8 @@ pub(crate) struct Outboxes {
     ready: BTreeSet<ImporterId>,
     /// Importers whose queue overflowed: the event loop disconnects them.
     doomed: BTreeSet<ImporterId>,
+    /// Importers whose ring broke its rules, and how: the event loop disconnects them.
+    broken: Vec<(ImporterId, RingError)>,
 }
 
 impl Outboxes {
@@ -76,12 +103,14 @@ impl Outboxes {
     }
 
     /// Opens the queue of an importer whose handshake completed.
-    pub(crate) fn open(&mut self, id: ImporterId) {
+    pub(crate) fn open(&mut self, id: ImporterId, ring: Option<RingSender>) {
         self.queues.insert(
             id,
             Queue {
                 items: VecDeque::new(),
                 closing: false,
+                ring,
+                ring_pushed: None,
             },
         );
     }
@@ -91,6 +120,7 @@ impl Outboxes {
     pub(crate) fn close(&mut self, id: ImporterId) -> Vec<BufferId> {
         self.ready.remove(&id);
         self.doomed.remove(&id);
+        self.broken.retain(|(i, _)| *i != id);
         self.queues
             .remove(&id)
             .map(|q| q.items.into_iter().filter_map(|o| o.buffer).collect())
@@ -111,6 +141,25 @@ impl Outboxes {
             queue.closing = true;
             self.doomed.insert(id);
             return Err(PushError::Full(self.capacity));
+        }
+        if queue.items.is_empty() && queue.ring_takes(&item) {
+            let ring = queue.ring.as_mut().expect("ring_takes checked it");
+            match ring.push(&item.frame) {
+                Ok(true) => {
+                    ring.publish_and_wake();
+                    queue.ring_pushed = Some(std::time::Instant::now());
+                    if let Some(buffer) = item.buffer {
+                        crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+                    }
+                    return Ok(false);
+                }
+                Ok(false) => {} // full: queued, the loop sends it
+                Err(e) => {
+                    queue.closing = true;
+                    self.broken.push((id, e));
+                    return Err(PushError::RingBroken);
+                }
+            }
         }
         queue.items.push_back(item);
         // The loop takes the whole set when woken: one wake per batch is enough.
@@ -133,8 +182,54 @@ impl Outboxes {
     }
 
     /// The next frame for `id`.
+    #[cfg(test)]
     pub(crate) fn pop(&mut self, id: ImporterId) -> Option<Outgoing> {
         self.queues.get_mut(&id)?.items.pop_front()
+    }
+
+    /// The next frame for `id`'s socket: first moves the `Buffer` frames at the front of its queue
+    /// into its ring while the ring has room (unpublished: [`Outboxes::publish`]). A ring that breaks
+    /// its rules marks the importer to be disconnected ([`Outboxes::take_broken`]) and gives nothing.
+    pub(crate) fn pop_for_socket(&mut self, id: ImporterId) -> Option<Outgoing> {
+        let queue = self.queues.get_mut(&id)?;
+        while queue.items.front().is_some_and(|item| queue.ring_takes(item)) {
+            let ring = queue.ring.as_mut().expect("ring_takes checked it");
+            let front = queue.items.front().expect("checked above");
+            match ring.push(&front.frame) {
+                Ok(true) => {
+                    queue.ring_pushed = Some(std::time::Instant::now());
+                    let item = queue.items.pop_front().expect("checked above");
+                    if let Some(buffer) = item.buffer {
+                        crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+                    }
+                }
+                Ok(false) => break, // full: the socket takes it
+                Err(e) => {
+                    queue.closing = true;
+                    self.broken.push((id, e));
+                    return None;
+                }
+            }
+        }
+        queue.items.pop_front()
+    }
+
+    /// Publishes what went into `id`'s ring and wakes the importer if it sleeps (also after its
+    /// socket took frames: a sleeping importer then looks at its socket).
+    pub(crate) fn publish(&mut self, id: ImporterId) {
+        if let Some(ring) = self.queues.get_mut(&id).and_then(|q| q.ring.as_mut()) {
+            ring.publish_and_wake();
+        }
+    }
+
+    /// When a frame last went into `id`'s ring.
+    pub(crate) fn ring_pushed(&self, id: ImporterId) -> Option<std::time::Instant> {
+        self.queues.get(&id)?.ring_pushed
+    }
+
+    /// The importers whose ring broke its rules, and how (the event loop disconnects them now).
+    pub(crate) fn take_broken(&mut self) -> Vec<(ImporterId, RingError)> {
+        std::mem::take(&mut self.broken)
     }
 
     /// The importers with frames the event loop has not looked at yet (it looks now).

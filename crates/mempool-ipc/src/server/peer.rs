@@ -57,6 +57,10 @@ pub(crate) struct Peer {
     pub(crate) write_closed: bool,
     /// The capabilities its handshake granted (`wire::CAP_*`; 0 for a version-1 importer).
     pub(crate) capabilities: u64,
+    /// The connection's shared-memory rings (granted `CAP_RING`), from the handshake's end on.
+    pub(crate) ring: Option<super::ring_peer::RingPeer>,
+    /// The ring to the importer, from the handshake's end until its outbox opens with it.
+    pub(crate) ring_sender: Option<super::ring_peer::RingSender>,
     reader: Reader,
     writing: Option<Writing>,
 }
@@ -121,6 +125,8 @@ impl Peer {
             wants_out: false,
             write_closed: false,
             capabilities: 0,
+            ring: None,
+            ring_sender: None,
             reader: Reader::default(),
             writing: None,
         })

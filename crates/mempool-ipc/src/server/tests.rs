@@ -41,6 +41,7 @@ fn limits() -> Limits {
         idle_timeout: None,
         handshake_timeout: Duration::from_secs(5),
         io_timeout: Duration::from_secs(5),
+        ring: Some(crate::ring::Geometry::default()),
     }
 }
 
@@ -117,8 +118,8 @@ fn outbox_bounds_each_queue_and_marks_the_full_one_for_disconnection() {
         ..Outgoing::plain(vec![buffer as u8])
     };
     assert_eq!(o.push(a, frame(1)).unwrap_err(), PushError::Unknown);
-    o.open(a);
-    o.open(b);
+    o.open(a, None);
+    o.open(b, None);
     // The first frame wakes the loop; later ones ride on the same wake-up.
     assert_eq!(o.push(a, frame(1)), Ok(true));
     assert_eq!(o.push(b, frame(1)), Ok(false));
@@ -310,6 +311,7 @@ fn limits_for_sockets() -> Limits {
         idle_timeout: None,
         handshake_timeout: Duration::from_secs(30),
         io_timeout: Duration::from_secs(30),
+        ring: Some(crate::ring::Geometry::default()),
     }
 }
 
@@ -991,3 +993,5 @@ fn the_server_sends_vmm_chunks_with_one_descriptor_per_chunk_in_order_and_refuse
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+mod rings;

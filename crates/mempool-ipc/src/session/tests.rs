@@ -373,6 +373,7 @@ fn serve_importer(
                 free(disconnect(&leases, id));
                 return Error::Closed;
             }
+            Ok(ImporterEvent::RingBell) => unreachable!("this exporter does not grant the rings"),
             Err(err) => {
                 free(disconnect(&leases, id));
                 return err;

@@ -68,7 +68,7 @@ const RELEASE_BATCH_FIXED_LEN: usize = 4 + 4 + 64;
 pub(crate) fn body_len_bounds(t: MessageType) -> (usize, usize) {
     let exact = |n| (n, n);
     match t {
-        MessageType::Hello | MessageType::Goodbye => exact(0),
+        MessageType::Hello | MessageType::Goodbye | MessageType::RingSetup | MessageType::RingBell => exact(0),
         MessageType::Welcome => exact(WELCOME_LEN),
         MessageType::Ready => exact(READY_LEN),
         MessageType::PoolDescriptor => exact(POOL_DESCRIPTOR_LEN),
@@ -161,6 +161,8 @@ pub(crate) fn decode_body(message_type: MessageType, body: &[u8]) -> Result<Mess
     let message = match message_type {
         MessageType::Hello => Message::Hello,
         MessageType::Goodbye => Message::Goodbye,
+        MessageType::RingSetup => Message::RingSetup,
+        MessageType::RingBell => Message::RingBell,
         MessageType::Welcome => Message::Welcome(Welcome {
             device_uuid: DeviceUuid(r.array()?),
             pool_id: PoolId(r.array()?),
@@ -280,7 +282,6 @@ fn check_reserved(value: u32, message: &str) -> Result<()> {
 }
 
 /// Decodes exactly one frame: `frame` must hold a whole frame and nothing after it.
-#[cfg(test)]
 pub(crate) fn decode(frame: &[u8]) -> Result<Message> {
     let header = decode_header(frame)?;
     let total = HEADER_LEN + header.body_len;
@@ -316,7 +317,7 @@ pub(crate) fn encode_into(message: &Message, out: &mut Vec<u8>) -> Result<()> {
     out.extend_from_slice(&[0; 4]);
     let body_start = out.len();
     match message {
-        Message::Hello | Message::Goodbye => {}
+        Message::Hello | Message::Goodbye | Message::RingSetup | Message::RingBell => {}
         Message::Welcome(w) => {
             out.extend_from_slice(&w.device_uuid.0);
             out.extend_from_slice(&w.pool_id.0);

@@ -167,11 +167,19 @@ pub enum MessageType {
     /// gives it, mapped back to back (one descriptor per chunk attached, as many as the body's count
     /// says).
     VmmChunks = 33,
+    /// Exporter -> importer (version 2, only to an importer granted the capability `CAP_RING`),
+    /// right after `PoolDescriptor`: the connection's shared-memory rings (one descriptor
+    /// attached: the sealed memfd, see `mempool_ipc::ring`). Codes 48 to 63 are kept for ring
+    /// messages.
+    RingSetup = 48,
+    /// Importer -> exporter (version 2, `CAP_RING`): the importer published releases in its ring
+    /// while the exporter's waiting flag was set: the exporter's doorbell.
+    RingBell = 49,
 }
 
 impl MessageType {
     /// Every message type, in wire order.
-    pub(crate) const ALL: [MessageType; 13] = [
+    pub(crate) const ALL: [MessageType; 15] = [
         MessageType::Hello,
         MessageType::Welcome,
         MessageType::Ready,
@@ -185,6 +193,8 @@ impl MessageType {
         MessageType::ReleaseBatch,
         MessageType::VmmBuffer,
         MessageType::VmmChunks,
+        MessageType::RingSetup,
+        MessageType::RingBell,
     ];
 
     /// The type with this wire code, if the protocol defines one.
@@ -213,6 +223,8 @@ impl MessageType {
             MessageType::ReleaseBatch => "ReleaseBatch",
             MessageType::VmmBuffer => "VmmBuffer",
             MessageType::VmmChunks => "VmmChunks",
+            MessageType::RingSetup => "RingSetup",
+            MessageType::RingBell => "RingBell",
         }
     }
 
@@ -224,7 +236,9 @@ impl MessageType {
             | MessageType::Welcome2
             | MessageType::ReleaseBatch
             | MessageType::VmmBuffer
-            | MessageType::VmmChunks => 2,
+            | MessageType::VmmChunks
+            | MessageType::RingSetup
+            | MessageType::RingBell => 2,
             _ => 1,
         }
     }
@@ -236,7 +250,7 @@ impl MessageType {
     /// [`Message::descriptor_count`]: super::messages::Message::descriptor_count
     pub(crate) fn max_descriptors(self) -> usize {
         match self {
-            MessageType::PoolDescriptor | MessageType::VmmBuffer => 1,
+            MessageType::PoolDescriptor | MessageType::VmmBuffer | MessageType::RingSetup => 1,
             MessageType::VmmChunks => MAX_VMM_CHUNKS,
             _ => 0,
         }

@@ -27,8 +27,15 @@ pub(crate) const CAP_VMM: u64 = 1 << 1;
 /// only to an importer granted this bit.
 pub(crate) const CAP_VMM_CHUNKS: u64 = 1 << 2;
 
+/// Capability bit (in `Hello2` and `Welcome2`), "protocol version 3": after the handshake the
+/// exporter sends [`MessageType::RingSetup`] with a sealed memfd holding one shared-memory ring
+/// each way (`mempool_ipc::ring`), and from then on `Buffer` frames may travel in the ring to
+/// the importer and `Release`/`ReleaseBatch` frames in the ring to the exporter, the socket
+/// keeping everything else. Granted only with [`CAP_FAST_RELEASE`].
+pub(crate) const CAP_RING: u64 = 1 << 3;
+
 /// Every capability bit this crate knows.
-pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE | CAP_VMM | CAP_VMM_CHUNKS;
+pub(crate) const KNOWN_CAPABILITIES: u64 = CAP_FAST_RELEASE | CAP_VMM | CAP_VMM_CHUNKS | CAP_RING;
 
 /// The most buffers one `ReleaseBatch` names.
 pub(crate) const MAX_RELEASE_BATCH: usize = 64;
@@ -241,6 +248,10 @@ pub(crate) enum Message {
     /// Exporter -> importer (version 2, [`CAP_VMM_CHUNKS`]): a range over several VMM physical
     /// allocations of the sizes it gives; carries one file descriptor per chunk.
     VmmChunks(VmmChunksDescriptor),
+    /// Exporter -> importer (version 2, [`CAP_RING`]): the rings; carries their memfd.
+    RingSetup,
+    /// Importer -> exporter (version 2, [`CAP_RING`]): the doorbell of the exporter's ring.
+    RingBell,
 }
 
 /// Several releases in one message: 1 to [`MAX_RELEASE_BATCH`] buffers, and the interprocess
@@ -270,6 +281,8 @@ impl Message {
             Message::ReleaseBatch(_) => MessageType::ReleaseBatch,
             Message::VmmBuffer(_) => MessageType::VmmBuffer,
             Message::VmmChunks(_) => MessageType::VmmChunks,
+            Message::RingSetup => MessageType::RingSetup,
+            Message::RingBell => MessageType::RingBell,
         }
     }
 
@@ -286,7 +299,12 @@ impl Message {
     /// Checks every field against the rules of the protocol, the same checks decoding makes.
     pub(crate) fn validate(&self) -> Result<()> {
         match self {
-            Message::Hello | Message::Goodbye | Message::Release { .. } | Message::Hello2 { .. } => Ok(()),
+            Message::Hello
+            | Message::Goodbye
+            | Message::Release { .. }
+            | Message::Hello2 { .. }
+            | Message::RingSetup
+            | Message::RingBell => Ok(()),
             Message::Welcome(w) | Message::Welcome2 { welcome: w, .. } => {
                 check_uuid(&w.device_uuid)?;
                 check_pool_id(&w.pool_id)

@@ -83,6 +83,8 @@ pub(crate) fn every_message() -> Vec<Message> {
             ..buffer(7)
         }),
         Message::Hello2 { capabilities: u64::MAX },
+        Message::RingSetup,
+        Message::RingBell,
         Message::Welcome2 {
             welcome: Welcome {
                 device_uuid: GPU,

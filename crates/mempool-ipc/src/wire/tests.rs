@@ -78,11 +78,11 @@ fn header_layout_is_as_specified() {
 #[test]
 fn message_types_have_stable_codes_and_descriptor_counts() {
     let codes: Vec<u16> = MessageType::ALL.iter().map(|t| t.to_wire()).collect();
-    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 32, 33]);
+    assert_eq!(codes, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 32, 33, 48, 49]);
     for t in MessageType::ALL {
         assert_eq!(MessageType::from_wire(t.to_wire()), Some(t));
         let fds = match t {
-            MessageType::PoolDescriptor | MessageType::VmmBuffer => 1,
+            MessageType::PoolDescriptor | MessageType::VmmBuffer | MessageType::RingSetup => 1,
             MessageType::VmmChunks => MAX_VMM_CHUNKS,
             _ => 0,
         };
@@ -172,7 +172,9 @@ fn every_type_travels_in_the_version_that_defines_it_and_only_there() {
             | MessageType::Welcome2
             | MessageType::ReleaseBatch
             | MessageType::VmmBuffer
-            | MessageType::VmmChunks => 2,
+            | MessageType::VmmChunks
+            | MessageType::RingSetup
+            | MessageType::RingBell => 2,
             _ => 1,
         };
         assert_eq!(version, expected, "{message:?}");

@@ -121,7 +121,11 @@ fn vmm_buffer_layout_is_as_specified_in_a_version_2_frame() {
 #[test]
 fn the_vmm_capability_is_bit_1_of_hello2_and_welcome2_and_version_1_frames_keep_their_lengths() {
     assert_eq!(CAP_VMM, 2);
-    assert_eq!(KNOWN_CAPABILITIES, CAP_FAST_RELEASE | CAP_VMM | CAP_VMM_CHUNKS);
+    assert_eq!(
+        KNOWN_CAPABILITIES,
+        CAP_FAST_RELEASE | CAP_VMM | CAP_VMM_CHUNKS | crate::wire::CAP_RING
+    );
+    assert_eq!(crate::wire::CAP_RING, 8);
     assert_eq!(CAP_FAST_RELEASE & CAP_VMM, 0);
     let hello = encode(&Message::Hello2 { capabilities: CAP_VMM }).unwrap();
     assert_eq!(&hello[HEADER_LEN..], &2u64.to_le_bytes());

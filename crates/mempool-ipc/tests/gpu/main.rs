@@ -17,6 +17,7 @@ mod floods;
 mod hostile;
 mod many_importers;
 mod pools;
+mod rings;
 mod service;
 mod suballocated;
 mod vmm;

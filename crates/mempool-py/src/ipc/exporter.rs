@@ -108,6 +108,42 @@ impl PyExporter {
             exporter: self.serial,
         })
     }
+
+    /// What `share` and `share_many` take, as an `ExportedBuffer` of this exporter: one from `alloc`, a new
+    /// one of an int's size, or a new one holding a copy of a bytes-like object; `verb` names the caller in
+    /// errors.
+    fn to_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        buffer: &Bound<'py, PyAny>,
+        verb: &str,
+    ) -> PyResult<Bound<'py, PyExportedBuffer>> {
+        if let Ok(b) = buffer.cast::<PyExportedBuffer>() {
+            if b.get().exporter != self.serial {
+                return Err(PyValueError::new_err(format!(
+                    "{verb}: the buffer belongs to another Exporter (allocate it with this one's alloc())"
+                )));
+            }
+            Ok(b.clone())
+        } else if buffer.is_instance_of::<PyInt>() {
+            Bound::new(py, self.make_buffer(buffer.extract()?)?)
+        } else if buffer.is_instance_of::<DeviceBuffer>() {
+            Err(PyTypeError::new_err(format!(
+                "{verb}: a mempool.DeviceBuffer cannot be shared (its memory is not from the exporter's pool); \
+                 allocate with Exporter.alloc(size) and fill that buffer"
+            )))
+        } else {
+            let data = host_bytes(buffer).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "{verb}: expected an ExportedBuffer, an int or a bytes-like object, got {}",
+                    buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                ))
+            })?;
+            let b = Bound::new(py, self.make_buffer(data.as_bytes().len())?)?;
+            b.get().write(py, 0, data.as_bytes())?;
+            Ok(b)
+        }
+    }
 }
 
 /// The value of an `ExporterStats` as a dict.
@@ -191,7 +227,7 @@ impl PyExporter {
     #[pyo3(signature = (
         path, mr = None, *, device = None, max_importers = 256, max_handshakes = 64, send_queue_len = 1024,
         idle_timeout = None, shutdown_timeout = 10.0, io_timeout = 10.0, handshake_timeout = 5.0, mode = 0o600,
-        allow_uids = None, replace_stale = true
+        allow_uids = None, replace_stale = true, rings = true
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -209,6 +245,7 @@ impl PyExporter {
         mode: u32,
         allow_uids: Option<Vec<u32>>,
         replace_stale: bool,
+        rings: bool,
     ) -> PyResult<Self> {
         if mode & !0o777 != 0 {
             return Err(PyValueError::new_err(format!(
@@ -230,6 +267,7 @@ impl PyExporter {
             max_handshakes: at_least_one("max_handshakes", max_handshakes)?,
             send_queue_len: at_least_one("send_queue_len", send_queue_len)?,
             idle_timeout: idle_timeout.map(|t| seconds("idle_timeout", t, false)).transpose()?,
+            rings: rings.then(mempool_ipc::ring::Geometry::default),
         };
         let serving = format!("serving a pool at {}", path.display());
         let (exporter, source, device, stream) = match mr {
@@ -331,31 +369,7 @@ impl PyExporter {
         let py = slf.py();
         let this = slf.get();
         let user_stream = stream::extract(stream)?;
-        let buf: Bound<'py, PyExportedBuffer> = if let Ok(b) = buffer.cast::<PyExportedBuffer>() {
-            if b.get().exporter != this.serial {
-                return Err(PyValueError::new_err(
-                    "share: the buffer belongs to another Exporter (allocate it with this one's alloc())",
-                ));
-            }
-            b.clone()
-        } else if buffer.is_instance_of::<PyInt>() {
-            Bound::new(py, this.make_buffer(buffer.extract()?)?)?
-        } else if buffer.is_instance_of::<DeviceBuffer>() {
-            return Err(PyTypeError::new_err(
-                "share: a mempool.DeviceBuffer cannot be shared (its memory is not from the exporter's pool); \
-                 allocate with Exporter.alloc(size) and fill that buffer",
-            ));
-        } else {
-            let data = host_bytes(buffer).map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "share: expected an ExportedBuffer, an int or a bytes-like object, got {}",
-                    buffer.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-                ))
-            })?;
-            let b = Bound::new(py, this.make_buffer(data.as_bytes().len())?)?;
-            b.get().write(py, 0, data.as_bytes())?;
-            b
-        };
+        let buf = this.to_buffer(py, buffer, "share")?;
         order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
         let exporter = this.handle()?;
         let ids: Vec<ImporterId> = match to {
@@ -368,6 +382,42 @@ impl PyExporter {
         Ok(buf)
     }
 
+    /// Shares several buffers with importers at once and returns them, in order: each item as `share`
+    /// takes it (an `ExportedBuffer`, an int or a bytes-like object). The buffers go out together (in one
+    /// go through each importer's shared-memory ring, where the importer has one), so an importer waiting
+    /// in `recv_many` wakes once for the lot. `to` and `stream` as for `share`: every buffer's use by the
+    /// importers is ordered after the work queued on `stream` before this call. A failure names the buffer;
+    /// those before it were shared.
+    #[pyo3(signature = (buffers, to = None, *, stream = None))]
+    fn share_many<'py>(
+        slf: &Bound<'py, Self>,
+        buffers: Vec<Bound<'py, PyAny>>,
+        to: Option<Vec<u64>>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyExportedBuffer>>> {
+        let py = slf.py();
+        let this = slf.get();
+        let user_stream = stream::extract(stream)?;
+        let bufs = buffers
+            .iter()
+            .map(|b| this.to_buffer(py, b, "share_many"))
+            .collect::<PyResult<Vec<_>>>()?;
+        order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
+        let exporter = this.handle()?;
+        let ids: Vec<ImporterId> = match to {
+            Some(ids) => ids.into_iter().map(ImporterId).collect(),
+            None => exporter.importers().iter().map(|i| i.id).collect(),
+        };
+        {
+            let refs: Vec<_> = bufs.iter().map(|b| b.get()).collect();
+            let shared: Vec<&mempool_ipc::ExportedBuffer<'static>> = refs.iter().map(|b| &b.buf).collect();
+            py.detach(|| exporter.share_many(&shared, &ids))
+                .ipc(&format!("sharing {} buffers", shared.len()))?;
+        }
+        Ok(bufs)
+    }
+
+    /// Shares the memory of `buffer` (a `mempool.DeviceBuffer`
     /// Shares the memory of `buffer` (a `mempool.DeviceBuffer`, or any object with `ptr` and `size`)
     /// allocated from `mr`, a `mempool.mr.ServiceMemoryResource` (or a `TaggedMemoryResource` of one) on
     /// this exporter's device, with importers that passed `accept_ranges=True`: they receive an

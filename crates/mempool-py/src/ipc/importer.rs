@@ -28,6 +28,24 @@ pub struct PyImporter {
 }
 
 impl PyImporter {
+    /// The Python object of a received pool buffer.
+    fn wrap(&self, py: Python<'_>, buf: mempool_ipc::SharedBuffer<'static>) -> PyResult<Py<PyAny>> {
+        let view = RawView {
+            addr: buf.ptr().as_raw(),
+            size: buf.len(),
+            device: self.device,
+            stream: self.stream.as_raw() as usize,
+        };
+        let buffer = PyImportedBuffer {
+            id: buf.id().0,
+            buf: Mutex::new(Some(buf)),
+            _stream: self.stream.clone(),
+            ctx: self.ctx.clone(),
+            view,
+        };
+        Ok(Py::new(py, buffer)?.into_any())
+    }
+
     fn handle(&self) -> PyResult<mempool_ipc::Importer> {
         self.importer
             .lock()
@@ -40,7 +58,9 @@ impl PyImporter {
 #[pymethods]
 impl PyImporter {
     #[new]
-    #[pyo3(signature = (path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None, accept_ranges = false))]
+    #[pyo3(signature = (
+        path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None, accept_ranges = false, rings = true
+    ))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -48,6 +68,7 @@ impl PyImporter {
         io_timeout: f64,
         allow_uids: Option<Vec<u32>>,
         accept_ranges: bool,
+        rings: bool,
     ) -> PyResult<Self> {
         let options = ImporterOptions {
             connection: ConnectionOptions {
@@ -56,6 +77,7 @@ impl PyImporter {
             },
             policy: policy(allow_uids),
             accept_vmm: accept_ranges,
+            rings,
             ..ImporterOptions::default()
         };
         let importer = py
@@ -84,6 +106,46 @@ impl PyImporter {
     #[getter]
     fn device(&self) -> usize {
         self.device
+    }
+
+    /// Whether buffers and releases travel through shared-memory rings (protocol version 3: asked for with
+    /// `rings=True`, the default, and offered by the exporter); False: over the socket.
+    #[getter]
+    fn rings(&self) -> PyResult<bool> {
+        Ok(self.handle()?.rings())
+    }
+
+    /// Waits for the next buffer (at most `timeout` seconds; None: as long as it takes, interruptible by
+    /// Ctrl-C), then takes every buffer that has already arrived behind it, up to `max` in all, without
+    /// waiting again: a list of `ImportedBuffer`s, in the order they arrived (one wake-up for a batch the
+    /// exporter shared with `share_many`). Pool buffers only. Errors as for `recv`, for the first buffer.
+    #[pyo3(signature = (max = 64, timeout = None))]
+    fn recv_many(&self, py: Python<'_>, max: usize, timeout: Option<f64>) -> PyResult<Vec<Py<PyAny>>> {
+        if max == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "recv_many: max must be at least 1",
+            ));
+        }
+        let deadline = match timeout {
+            Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),
+            None => None,
+        };
+        let importer = self.handle()?;
+        // SAFETY: every buffer received below holds `self.stream` (dropped after it), and its view is used
+        // only through it.
+        #[allow(unsafe_code)]
+        let s = unsafe { static_ref(&self.stream) };
+        const SLICE: Duration = Duration::from_millis(200);
+        loop {
+            let wait = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
+            match py.detach(|| importer.recv_many(s, max, Some(wait))) {
+                Ok(bufs) => return bufs.into_iter().map(|b| self.wrap(py, b)).collect(),
+                Err(mempool_ipc::Error::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {
+                    py.check_signals()?;
+                }
+                Err(e) => return Err(ipc_to_py("receiving buffers", e)),
+            }
+        }
     }
 
     /// How many buffers this importer holds now.
@@ -128,22 +190,7 @@ impl PyImporter {
                 py.detach(|| importer.recv_timeout(s, wait)).map(Received::Buffer)
             };
             match received {
-                Ok(Received::Buffer(buf)) => {
-                    let view = RawView {
-                        addr: buf.ptr().as_raw(),
-                        size: buf.len(),
-                        device: self.device,
-                        stream: self.stream.as_raw() as usize,
-                    };
-                    let buffer = PyImportedBuffer {
-                        id: buf.id().0,
-                        buf: Mutex::new(Some(buf)),
-                        _stream: self.stream.clone(),
-                        ctx: self.ctx.clone(),
-                        view,
-                    };
-                    return Ok(Py::new(py, buffer)?.into_any());
-                }
+                Ok(Received::Buffer(buf)) => return self.wrap(py, buf),
                 Ok(Received::VmmRange(range)) => {
                     let view = RawView {
                         addr: range.ptr().as_raw(),

@@ -1,0 +1,383 @@
+//! One single-producer single-consumer ring of a region: the [`Producer`] and [`Consumer`] ends.
+//!
+//! Each end keeps its own index privately and only publishes it (a `Release` store): the
+//! producer its head, the consumer its tail. It never reads its own index back from the shared
+//! pages, and it checks every index of the peer's it reads (`Acquire`) against what it knows:
+//!
+//! - the consumer refuses a head that moves backwards, lies behind its tail, or claims more
+//!   entries than the ring holds (a ring that "wraps forever");
+//! - the producer refuses a tail that moves backwards or runs past its head;
+//! - the consumer refuses a slot whose sequence word is not the entry's index (garbage, or an
+//!   entry written out of turn) or whose length is more than a slot holds.
+//!
+//! An end that found the ring corrupt stays broken: every later call returns the same error.
+//! Entries are copied out of the shared pages before the caller sees them, so the peer cannot
+//! change an entry after it was checked. Ids and other contents of a payload are the caller's to
+//! check.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::error::{RingError, RingResult};
+use super::futex;
+use super::layout::Direction;
+use super::region::Region;
+
+/// The producing end of one ring: writes entries and publishes them.
+#[derive(Debug)]
+pub struct Producer {
+    region: Arc<Region>,
+    dir: Direction,
+    /// The next entry's index (published as the head by [`Producer::publish`]).
+    head: u64,
+    /// The head last published.
+    published: u64,
+    /// The consumer's tail, as last read and checked.
+    seen_tail: u64,
+    /// Since when a push found the ring full, none succeeding since.
+    full_since: Option<Instant>,
+    broken: Option<String>,
+}
+
+/// The consuming end of one ring: reads entries and publishes that their slots are free.
+#[derive(Debug)]
+pub struct Consumer {
+    region: Arc<Region>,
+    dir: Direction,
+    /// The next entry's index (published as the tail by [`Consumer::publish`]).
+    tail: u64,
+    /// The tail last published.
+    published: u64,
+    /// The producer's head, as last read and checked.
+    seen_head: u64,
+    broken: Option<String>,
+}
+
+impl Producer {
+    /// The producing end of `dir`'s ring of `region`. One process holds it, once: two producers
+    /// of one ring would overwrite each other's entries.
+    pub fn new(region: Arc<Region>, dir: Direction) -> Producer {
+        Producer {
+            region,
+            dir,
+            head: 0,
+            published: 0,
+            seen_tail: 0,
+            full_since: None,
+            broken: None,
+        }
+    }
+
+    fn corrupt(&mut self, reason: String) -> RingError {
+        self.broken = Some(reason.clone());
+        RingError::Corrupt {
+            ring: self.dir.name(),
+            reason,
+        }
+    }
+
+    /// Reads and checks the consumer's tail; returns the free slots.
+    fn refresh(&mut self) -> RingResult<u64> {
+        if let Some(reason) = &self.broken {
+            return Err(RingError::Corrupt {
+                ring: self.dir.name(),
+                reason: reason.clone(),
+            });
+        }
+        let g = self.region.geometry();
+        let tail = self.region.word(g.tail(self.dir)).load(Ordering::Acquire);
+        if tail < self.seen_tail {
+            return Err(self.corrupt(format!("the tail moved backwards from {} to {tail}", self.seen_tail)));
+        }
+        if tail > self.head {
+            return Err(self.corrupt(format!("the tail {tail} is past the head {}", self.head)));
+        }
+        self.seen_tail = tail;
+        // `tail >= seen_tail >= head - capacity`: at most `capacity` entries are in the ring.
+        Ok(u64::from(g.capacity()) - (self.head - tail))
+    }
+
+    /// Slots free for [`push`](Self::push) now (reads the consumer's tail).
+    pub fn free(&mut self) -> RingResult<u64> {
+        self.refresh()
+    }
+
+    /// Entries written and not yet taken by the consumer, as far as this end knows.
+    pub fn in_flight(&self) -> u64 {
+        self.head - self.seen_tail
+    }
+
+    /// Writes one entry; `Ok(false)` when the ring is full (nothing written). The consumer sees
+    /// it after the next [`publish`](Self::publish).
+    ///
+    /// Errors: [`RingError::PayloadTooLarge`] (nothing written); [`RingError::Corrupt`] when
+    /// the consumer's tail breaks the rules.
+    pub fn push(&mut self, payload: &[u8]) -> RingResult<bool> {
+        let g = self.region.geometry();
+        if payload.len() > g.max_payload() {
+            return Err(RingError::PayloadTooLarge {
+                len: payload.len(),
+                max: g.max_payload(),
+            });
+        }
+        if self.refresh()? == 0 {
+            self.full_since.get_or_insert_with(Instant::now);
+            return Ok(false);
+        }
+        let slot = g.slot(self.dir, self.head);
+        let region = &self.region;
+        region.word(slot).store(self.head, Ordering::Relaxed);
+        region.word(slot + 1).store(payload.len() as u64, Ordering::Relaxed);
+        for (i, chunk) in payload.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            region
+                .word(slot + 2 + i)
+                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        }
+        self.head += 1;
+        self.full_since = None;
+        Ok(true)
+    }
+
+    /// Makes the entries written so far visible to the consumer (one `Release` store of the
+    /// head), and returns whether the consumer is asleep waiting for them: then wake it
+    /// ([`wake_consumer`](Self::wake_consumer), or however the connection rings). Clears the
+    /// consumer's waiting flag when it returns `true`, so one publish wakes one sleep.
+    pub fn publish(&mut self) -> bool {
+        let g = self.region.geometry();
+        if self.head != self.published {
+            self.region.word(g.head(self.dir)).store(self.head, Ordering::Release);
+            self.published = self.head;
+        }
+        // Pairs with the fence in `Consumer::sleep_begin`: either the consumer sees the new head
+        // when it re-checks, or this sees its flag.
+        fence(Ordering::SeqCst);
+        self.region.flag(g.consumer_waiting(self.dir)).swap(0, Ordering::SeqCst) != 0
+    }
+
+    /// Wakes the consumer sleeping in [`Consumer::wait`] (a futex wake; never blocks).
+    pub fn wake_consumer(&self) {
+        futex::wake(self.region.flag(self.region.geometry().consumer_waiting(self.dir)));
+    }
+
+    /// Publishes, and wakes the consumer if it sleeps.
+    pub fn publish_and_wake(&mut self) {
+        if self.publish() {
+            self.wake_consumer();
+        }
+    }
+
+    /// Announces that this end is about to wait for space; returns `Ok(true)` if the ring is
+    /// still full after that (wait with [`wait_for_space`](Self::wait_for_space)), `Ok(false)`
+    /// if space appeared meanwhile (the flag is cleared again).
+    pub fn sleep_begin(&mut self) -> RingResult<bool> {
+        self.region
+            .flag(self.region.geometry().producer_waiting(self.dir))
+            .store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if self.refresh()? > 0 {
+            self.region
+                .flag(self.region.geometry().producer_waiting(self.dir))
+                .store(0, Ordering::SeqCst);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Sleeps until the consumer frees a slot and wakes this end, or `timeout` passes (after
+    /// [`sleep_begin`](Self::sleep_begin) returned `true`). Returns the free slots.
+    pub fn wait_for_space(&mut self, timeout: Duration) -> RingResult<u64> {
+        let flag = self.region.flag(self.region.geometry().producer_waiting(self.dir));
+        futex::wait(flag, 1, timeout);
+        flag.store(0, Ordering::SeqCst);
+        self.refresh()
+    }
+
+    /// Fails with [`RingError::Stalled`] when pushes have found the ring full, none succeeding,
+    /// for longer than `limit` (the consumer stopped taking entries). Counts from the first push
+    /// that found it full.
+    pub fn check_stall(&mut self, now: Instant, limit: Duration) -> RingResult<()> {
+        if let Some(since) = self.full_since {
+            if self.refresh()? > 0 {
+                self.full_since = None;
+                return Ok(());
+            }
+            let waited = now.saturating_duration_since(since);
+            if waited > limit {
+                return Err(RingError::Stalled {
+                    ring: self.dir.name(),
+                    waited,
+                    limit,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Consumer {
+    /// The consuming end of `dir`'s ring of `region`. One process holds it, once.
+    pub fn new(region: Arc<Region>, dir: Direction) -> Consumer {
+        Consumer {
+            region,
+            dir,
+            tail: 0,
+            published: 0,
+            seen_head: 0,
+            broken: None,
+        }
+    }
+
+    fn corrupt(&mut self, reason: String) -> RingError {
+        self.broken = Some(reason.clone());
+        RingError::Corrupt {
+            ring: self.dir.name(),
+            reason,
+        }
+    }
+
+    /// Reads and checks the producer's head; returns the entries ready.
+    fn refresh(&mut self) -> RingResult<u64> {
+        if let Some(reason) = &self.broken {
+            return Err(RingError::Corrupt {
+                ring: self.dir.name(),
+                reason: reason.clone(),
+            });
+        }
+        let g = self.region.geometry();
+        let head = self.region.word(g.head(self.dir)).load(Ordering::Acquire);
+        if head < self.seen_head {
+            return Err(self.corrupt(format!("the head moved backwards from {} to {head}", self.seen_head)));
+        }
+        if head - self.tail > u64::from(g.capacity()) {
+            return Err(self.corrupt(format!(
+                "the head {head} claims {} entries past the tail {}; the ring holds {}",
+                head - self.tail,
+                self.tail,
+                g.capacity()
+            )));
+        }
+        self.seen_head = head;
+        Ok(head - self.tail)
+    }
+
+    /// The region (for tests that write it as a hostile peer would).
+    #[cfg(test)]
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// Entries ready to [`pop`](Self::pop) (reads the producer's head).
+    pub fn ready(&mut self) -> RingResult<u64> {
+        self.refresh()
+    }
+
+    /// Copies the next entry into `buf` (at least [`Geometry::max_payload`](super::Geometry::max_payload)
+    /// bytes) and returns its length, or `None` when the ring is empty. Its slot is given back to
+    /// the producer at the next [`publish`](Self::publish).
+    ///
+    /// Errors: [`RingError::Corrupt`] when the producer's head or the slot breaks the rules.
+    /// Panics if `buf` is shorter than a slot's payload.
+    pub fn pop(&mut self, buf: &mut [u8]) -> RingResult<Option<usize>> {
+        let g = self.region.geometry();
+        assert!(
+            buf.len() >= g.max_payload(),
+            "pop into {} bytes, a slot holds {}",
+            buf.len(),
+            g.max_payload()
+        );
+        // Read the head only when the entries seen are used up: one `Acquire` per batch.
+        if self.seen_head == self.tail && self.refresh()? == 0 {
+            return Ok(None);
+        }
+        if let Some(reason) = &self.broken {
+            return Err(RingError::Corrupt {
+                ring: self.dir.name(),
+                reason: reason.clone(),
+            });
+        }
+        let slot = g.slot(self.dir, self.tail);
+        let seq = self.region.word(slot).load(Ordering::Relaxed);
+        if seq != self.tail {
+            return Err(self.corrupt(format!("the slot of entry {} holds sequence {seq}", self.tail)));
+        }
+        let len = self.region.word(slot + 1).load(Ordering::Relaxed);
+        if len > g.max_payload() as u64 {
+            return Err(self.corrupt(format!(
+                "entry {} is {len} bytes long; a slot holds {}",
+                self.tail,
+                g.max_payload()
+            )));
+        }
+        let len = len as usize;
+        for (i, chunk) in buf[..len].chunks_mut(8).enumerate() {
+            let word = self.region.word(slot + 2 + i).load(Ordering::Relaxed).to_le_bytes();
+            chunk.copy_from_slice(&word[..chunk.len()]);
+        }
+        self.tail += 1;
+        Ok(Some(len))
+    }
+
+    /// Gives the slots of the entries popped so far back to the producer (one `Release` store of
+    /// the tail), and returns whether the producer is asleep waiting for space: then wake it
+    /// ([`wake_producer`](Self::wake_producer)). Clears the producer's flag when it returns `true`.
+    pub fn publish(&mut self) -> bool {
+        let g = self.region.geometry();
+        if self.tail != self.published {
+            self.region.word(g.tail(self.dir)).store(self.tail, Ordering::Release);
+            self.published = self.tail;
+        }
+        fence(Ordering::SeqCst);
+        self.region.flag(g.producer_waiting(self.dir)).swap(0, Ordering::SeqCst) != 0
+    }
+
+    /// Wakes the producer sleeping in [`Producer::wait_for_space`] (a futex wake; never blocks).
+    pub fn wake_producer(&self) {
+        futex::wake(self.region.flag(self.region.geometry().producer_waiting(self.dir)));
+    }
+
+    /// Publishes, and wakes the producer if it sleeps.
+    pub fn publish_and_wake(&mut self) {
+        if self.publish() {
+            self.wake_producer();
+        }
+    }
+
+    /// Announces that this end is about to sleep waiting for entries (sets its waiting flag, so
+    /// the producer's next [`Producer::publish`] says to wake it); returns `Ok(true)` if the ring
+    /// is still empty after that (sleep: [`wait`](Self::wait), or the connection's own doorbell),
+    /// `Ok(false)` if entries arrived meanwhile (the flag is cleared again).
+    pub fn sleep_begin(&mut self) -> RingResult<bool> {
+        self.region
+            .flag(self.region.geometry().consumer_waiting(self.dir))
+            .store(1, Ordering::SeqCst);
+        // Pairs with the fence in `Producer::publish`.
+        fence(Ordering::SeqCst);
+        if self.refresh()? > 0 {
+            self.sleep_end();
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Clears this end's waiting flag (after a sleep that ended some other way).
+    pub fn sleep_end(&self) {
+        self.region
+            .flag(self.region.geometry().consumer_waiting(self.dir))
+            .store(0, Ordering::SeqCst);
+    }
+
+    /// Sleeps until the producer publishes and wakes this end, or `timeout` passes (after
+    /// [`sleep_begin`](Self::sleep_begin) returned `true`). Returns the entries ready.
+    pub fn wait(&mut self, timeout: Duration) -> RingResult<u64> {
+        futex::wait(
+            self.region.flag(self.region.geometry().consumer_waiting(self.dir)),
+            1,
+            timeout,
+        );
+        self.sleep_end();
+        self.refresh()
+    }
+}

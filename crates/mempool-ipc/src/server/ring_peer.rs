@@ -1,0 +1,117 @@
+//! The exporter's ends of one connection's shared-memory rings (protocol version 3, `CAP_RING`).
+//!
+//! The exporter creates the region when the handshake completes and sends its memfd with
+//! `RingSetup`. The ring to the importer's end, a [`RingSender`], lives in the importer's outbox
+//! (`outbox.rs`), under the outbox's lock: `Buffer` frames that carry no descriptor go into the
+//! ring while it has room, straight from the thread that shares them when nothing waits in the
+//! outbox, else as the serving thread drains the outbox; the socket takes the rest. The ring from
+//! the importer, a [`RingPeer`], stays with the connection in the event loop, which drains it at
+//! every round: the importer's `Release` and `ReleaseBatch` frames. Every frame read from the ring
+//! is decoded and validated like one read from the socket, and only those two types are accepted
+//! there. Nothing here blocks: a full ring falls back to the socket, an empty one is left for the
+//! next round, and waking the importer is a futex wake.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::ring::{Consumer, Direction, Geometry, Producer, Region, RingResult};
+use crate::wire::{self, Message, MessageType};
+
+/// The exporter's end of the ring from the importer, and the region.
+#[derive(Debug)]
+pub(crate) struct RingPeer {
+    region: Arc<Region>,
+    /// `Release` / `ReleaseBatch` frames from the importer.
+    rx: Consumer,
+    scratch: Vec<u8>,
+}
+
+/// The exporter's end of the ring to the importer: `Buffer` frames.
+#[derive(Debug)]
+pub(crate) struct RingSender {
+    tx: Producer,
+    max_payload: usize,
+}
+
+impl RingPeer {
+    /// Fresh rings of `geometry`: the loop's end and the outbox's end.
+    pub(crate) fn new(geometry: Geometry) -> Result<(RingPeer, RingSender)> {
+        let region = Arc::new(Region::create(geometry)?);
+        let sender = RingSender {
+            tx: Producer::new(region.clone(), Direction::ToImporter),
+            max_payload: geometry.max_payload(),
+        };
+        let peer = RingPeer {
+            rx: Consumer::new(region.clone(), Direction::ToExporter),
+            scratch: vec![0; geometry.max_payload()],
+            region,
+        };
+        Ok((peer, sender))
+    }
+
+    /// The `RingSetup` frame and a copy of the region's memfd to send with it.
+    pub(crate) fn setup(&self) -> Result<(Vec<u8>, OwnedFd)> {
+        Ok((
+            wire::encode(&Message::RingSetup)?,
+            self.region.fd().try_clone_to_owned()?,
+        ))
+    }
+
+    /// Reads up to `max` frames from the importer's ring, decoded and checked; gives their slots
+    /// back. Only `Release` and `ReleaseBatch` are allowed there.
+    pub(crate) fn drain(&mut self, max: usize) -> Result<Vec<Message>> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(len) = self.rx.pop(&mut self.scratch)? else {
+                break;
+            };
+            let message = wire::decode(&self.scratch[..len])?;
+            match message {
+                Message::Release { .. } | Message::ReleaseBatch(_) => out.push(message),
+                other => {
+                    return Err(Error::UnexpectedMessage {
+                        expected: "Release or ReleaseBatch in the importer's ring",
+                        got: other.message_type(),
+                    })
+                }
+            }
+        }
+        if !out.is_empty() {
+            self.rx.publish_and_wake();
+        }
+        Ok(out)
+    }
+
+    /// Sets the exporter's waiting flag before the loop sleeps; `false` if entries arrived
+    /// meanwhile (do not sleep).
+    pub(crate) fn sleep_begin(&mut self) -> Result<bool> {
+        Ok(self.rx.sleep_begin()?)
+    }
+
+    /// Clears the waiting flag after the loop woke.
+    pub(crate) fn sleep_end(&self) {
+        self.rx.sleep_end();
+    }
+}
+
+impl RingSender {
+    /// Whether `frame` may travel in the ring: a `Buffer` frame that fits a slot (the caller checks
+    /// that nothing rides on it).
+    pub(crate) fn fits(&self, frame: &[u8]) -> bool {
+        frame.len() <= self.max_payload
+            && wire::decode_header(frame).is_ok_and(|h| h.message_type == MessageType::Buffer)
+    }
+
+    /// Writes a frame into the ring to the importer, unpublished; `false` when it is full.
+    /// Errors: the importer's tail broke the ring's rules ([`RingError::Corrupt`](crate::ring::RingError)).
+    pub(crate) fn push(&mut self, frame: &[u8]) -> RingResult<bool> {
+        self.tx.push(frame)
+    }
+
+    /// Publishes what was pushed and wakes the importer if it sleeps (also after frames went out
+    /// on the socket: a sleeping importer then looks at its socket).
+    pub(crate) fn publish_and_wake(&mut self) {
+        self.tx.publish_and_wake();
+    }
+}

@@ -1,0 +1,357 @@
+//! The rings (protocol version 3) through the whole server, over real sockets and a real ring
+//! region: negotiation with every kind of peer, buffers and releases through shared memory, a
+//! full ring falling back to the socket, and importers that write their ring as a hostile peer
+//! would, each cut off with a named error and reported as an unclean end (its leases reclaimed by
+//! the exporter as for one that died).
+
+use super::*;
+use crate::ring::{Direction, Geometry, Region};
+use crate::wire::{CAP_FAST_RELEASE, CAP_RING};
+
+const V3: u64 = CAP_FAST_RELEASE | CAP_RING;
+
+fn importer_asking(path: &Path, capabilities: u64) -> Result<ImporterSession> {
+    let (session, imported) =
+        ImporterSession::connect(path, client_options(), &AccessPolicy::SameUser, capabilities, |uuid| {
+            assert_eq!(*uuid, GPU);
+            Ok(())
+        })?;
+    assert_eq!(read_all(imported.pool_fd), b"the pool");
+    Ok(session)
+}
+
+/// Connects asking for `capabilities`; returns the session, its id and what the server granted.
+fn connected_asking(f: &Fixture, capabilities: u64) -> (ImporterSession, ImporterId, u64) {
+    let before = f.handler.connected().len();
+    let session = importer_asking(&f.path, capabilities).unwrap();
+    f.handler
+        .wait_for("the importer to be reported", |r| r.connected.len() > before);
+    let r = f.handler.record.lock().unwrap();
+    (session, r.connected[before], r.capabilities[before])
+}
+
+fn limits_with_ring(ring: Option<Geometry>) -> Limits {
+    Limits {
+        ring,
+        ..limits_for_sockets()
+    }
+}
+
+fn released_by(f: &Fixture, id: ImporterId) -> BTreeSet<u64> {
+    let r = f.handler.record.lock().unwrap();
+    r.released.iter().filter(|(i, _)| *i == id).map(|(_, b)| b.0).collect()
+}
+
+#[test]
+fn a_version_3_importer_gets_buffers_and_gives_releases_through_the_rings() {
+    let f = serve(limits_with_ring(Some(Geometry::new(16, 256).unwrap())));
+    let (session, id, granted) = connected_asking(&f, V3);
+    assert_eq!(granted, V3);
+    assert!(session.rings());
+    let region = session.ring_region().unwrap();
+    let head = |dir| {
+        region
+            .word(region.geometry().head(dir))
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    // More buffers than the ring holds, queued at once: the ring takes what fits, the socket the
+    // rest; every one arrives, once.
+    const N: u64 = 100;
+    for n in 1..=N {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+    }
+    let mut got = BTreeSet::new();
+    for _ in 1..=N {
+        assert!(got.insert(recv_buffer(&session).0));
+    }
+    assert_eq!(got, (1..=N).collect());
+    assert!(head(Direction::ToImporter) >= 16, "the ring carried buffers");
+    // Releases go back through the ring, in batches of what a slot holds.
+    let ids: Vec<BufferId> = (1..=N).map(BufferId).collect();
+    session.release_batch(None, ids[..60].to_vec()).unwrap();
+    for id in &ids[60..] {
+        session.release(*id).unwrap();
+    }
+    f.handler.wait_for("every release", |r| {
+        r.released.iter().filter(|(i, _)| *i == id).count() == N as usize
+    });
+    assert_eq!(released_by(&f, id), (1..=N).collect());
+    assert!(head(Direction::ToExporter) >= 4, "the ring carried releases");
+    assert_eq!(f.server.stats().peer_errors, 0);
+    session.goodbye().unwrap();
+    f.handler.wait_for("the end", |r| r.ended.iter().any(|e| e.0 == id));
+    assert_eq!(f.handler.ended(id), Some((true, vec![])));
+}
+
+#[test]
+fn releases_written_while_the_exporter_sleeps_ring_its_doorbell() {
+    let f = serve(limits_with_ring(Some(Geometry::default())));
+    let (session, id, _) = connected_asking(&f, V3);
+    for n in 1..=3 {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(n));
+    }
+    // One at a time, with the loop idle in between: each release needs the doorbell to be seen.
+    for n in 1..=3 {
+        std::thread::sleep(Duration::from_millis(20));
+        session.release(BufferId(n)).unwrap();
+        f.handler
+            .wait_for("the release", |r| r.released.contains(&(id, BufferId(n))));
+    }
+    assert_eq!(f.server.stats().peer_errors, 0);
+}
+
+#[test]
+fn every_pairing_of_versions_interoperates() {
+    // Exporter offering the rings: version 1, version 2 and version 3 importers.
+    let f = serve(limits_with_ring(Some(Geometry::default())));
+    // Exporter without them: a version-3 importer stays on the socket (version 2).
+    let g = serve(limits_with_ring(None));
+    let cases: [(&Fixture, u64, u64); 5] = [
+        (&f, 0, 0),
+        (&f, CAP_FAST_RELEASE, CAP_FAST_RELEASE),
+        (&f, V3, V3),
+        (&g, V3, CAP_FAST_RELEASE),
+        // The rings carry the fast release path's frames: not granted alone.
+        (&f, CAP_RING, 0),
+    ];
+    for (i, (fx, asked, want)) in cases.into_iter().enumerate() {
+        let (session, id, granted) = connected_asking(fx, asked);
+        assert_eq!(granted, want, "case {i}");
+        assert_eq!(session.rings(), want & CAP_RING != 0, "case {i}");
+        let n = 10 + i as u64;
+        fx.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(n), "case {i}");
+        if want & CAP_FAST_RELEASE != 0 {
+            session.release_batch(None, vec![BufferId(n)]).unwrap();
+        } else {
+            session.release(BufferId(n)).unwrap();
+        }
+        fx.handler
+            .wait_for("the release", |r| r.released.contains(&(id, BufferId(n))));
+        session.goodbye().unwrap();
+        fx.handler.wait_for("the end", |r| r.ended.iter().any(|e| e.0 == id));
+        assert_eq!(fx.handler.ended(id), Some((true, vec![])), "case {i}");
+    }
+    assert_eq!(f.server.stats().peer_errors + g.server.stats().peer_errors, 0);
+}
+
+#[test]
+fn an_importer_that_never_reads_its_ring_gets_the_rest_on_the_socket() {
+    // The frozen consumer: the ring fills, the exporter never waits on it.
+    let f = serve(limits_with_ring(Some(Geometry::new(4, 256).unwrap())));
+    let (session, id, _) = connected_asking(&f, V3);
+    for n in 1..=20 {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+    }
+    let region = session.ring_region().unwrap();
+    let head = region.word(region.geometry().head(Direction::ToImporter));
+    let deadline = Instant::now() + SOON;
+    while head.load(std::sync::atomic::Ordering::SeqCst) < 4 {
+        assert!(Instant::now() < deadline, "the ring never filled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    wait_stats(&f, "everything written", |s| s.queued == 0);
+    assert_eq!(
+        head.load(std::sync::atomic::Ordering::SeqCst),
+        4,
+        "no more than the ring holds"
+    );
+    let got: BTreeSet<u64> = (1..=20).map(|_| recv_buffer(&session).0).collect();
+    assert_eq!(got, (1..=20).collect());
+}
+
+/// Connects a version-3 importer, shares buffers 1 and 2 with it (received), lets `scribble`
+/// write its region as a hostile importer would, wakes the loop, and checks the importer is cut
+/// off with an error whose text has `says`, reported as an unclean end.
+fn cut_off_after(says: &str, scribble: impl FnOnce(&ImporterSession, &Region)) {
+    let f = serve(limits_with_ring(Some(Geometry::new(8, 256).unwrap())));
+    let (session, id, _) = connected_asking(&f, V3);
+    for n in 1..=2 {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(n));
+    }
+    let region = session.ring_region().unwrap();
+    scribble(&session, &region);
+    // A hostile importer need not ring the doorbell: whatever it wrote is found at the loop's next
+    // round, whatever wakes it. Share a buffer (a push into the ring to the importer, which checks
+    // its tail), then wake the loop.
+    let _ = f.server.send(id, &buffer_message(3), Some(BufferId(3)));
+    f.server.wake();
+    f.handler
+        .wait_for("the importer cut off", |r| r.ended.iter().any(|e| e.0 == id));
+    let (clean, _) = f.handler.ended(id).unwrap();
+    assert!(
+        !clean,
+        "a hostile importer's end is unclean (its buffers wait for its process)"
+    );
+    wait_stats(&f, "the peer error counted", |s| s.peer_errors == 1 && s.importers == 0);
+    // What the importer was told: drain what arrived until the error.
+    let told = loop {
+        match session.recv_until(Some(Instant::now() + SOON)) {
+            Ok(ExporterEvent::Buffer(_)) => continue,
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        told.to_string().contains(says),
+        "told {told}, expected it to say {says:?}"
+    );
+}
+
+fn put(region: &Region, word: usize, value: u64) {
+    region.word(word).store(value, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[test]
+fn a_head_claiming_more_than_the_ring_holds_cuts_the_importer_off() {
+    cut_off_after("the ring holds 8", |_, r| {
+        put(r, r.geometry().head(Direction::ToExporter), 1 << 40);
+    });
+}
+
+#[test]
+fn a_head_that_moves_backwards_cuts_the_importer_off() {
+    cut_off_after("backwards", |s, r| {
+        s.release(BufferId(1)).unwrap();
+        s.release(BufferId(2)).unwrap();
+        // Wait until the exporter took both (its tail moved), then move the head back.
+        let tail = r.geometry().tail(Direction::ToExporter);
+        while r.word(tail).load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            std::thread::yield_now();
+        }
+        put(r, r.geometry().head(Direction::ToExporter), 1);
+    });
+}
+
+#[test]
+fn garbage_in_a_slot_cuts_the_importer_off() {
+    cut_off_after("holds sequence", |_, r| {
+        let g = r.geometry();
+        for i in 0..g.slot_words() {
+            put(r, g.slot(Direction::ToExporter, 0) + i, 0xdead_beef_0bad_f00d);
+        }
+        put(r, g.head(Direction::ToExporter), 1);
+    });
+}
+
+#[test]
+fn a_slot_length_beyond_the_slot_cuts_the_importer_off() {
+    cut_off_after("bytes long", |_, r| {
+        let g = r.geometry();
+        put(r, g.slot(Direction::ToExporter, 0), 0);
+        put(r, g.slot(Direction::ToExporter, 0) + 1, 1 << 20);
+        put(r, g.head(Direction::ToExporter), 1);
+    });
+}
+
+#[test]
+fn a_well_formed_slot_holding_no_valid_frame_cuts_the_importer_off() {
+    cut_off_after("magic", |_, r| {
+        let g = r.geometry();
+        put(r, g.slot(Direction::ToExporter, 0), 0);
+        put(r, g.slot(Direction::ToExporter, 0) + 1, 20);
+        put(r, g.slot(Direction::ToExporter, 0) + 2, 0x4141_4141_4141_4141);
+        put(r, g.head(Direction::ToExporter), 1);
+    });
+}
+
+#[test]
+fn a_frame_other_than_a_release_in_the_ring_cuts_the_importer_off() {
+    cut_off_after("in the importer's ring", |_, r| {
+        let g = r.geometry();
+        let frame = wire::encode(&buffer_message(7)).unwrap();
+        put(r, g.slot(Direction::ToExporter, 0), 0);
+        put(r, g.slot(Direction::ToExporter, 0) + 1, frame.len() as u64);
+        for (i, chunk) in frame.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            put(r, g.slot(Direction::ToExporter, 0) + 2 + i, u64::from_le_bytes(word));
+        }
+        put(r, g.head(Direction::ToExporter), 1);
+    });
+}
+
+#[test]
+fn a_release_the_exporter_refuses_in_the_ring_cuts_the_importer_off() {
+    // The recorder refuses buffer 666 (as the lease table refuses one not held).
+    cut_off_after("666", |s, _| {
+        s.release(BufferId(666)).unwrap();
+    });
+}
+
+#[test]
+fn a_tail_past_the_head_of_the_exporters_ring_cuts_the_importer_off() {
+    cut_off_after("past the head", |_, r| {
+        put(r, r.geometry().tail(Direction::ToImporter), 1 << 30);
+    });
+}
+
+#[test]
+fn a_region_that_is_not_a_ring_region_is_refused_by_the_importer() {
+    // The importer checks what the exporter sends too: an unsealed memfd is refused at the
+    // handshake (`Region::open`), with the reason.
+    let unsealed = memfd_with(&unique_name("not-a-ring"), &[0u8; 8192]);
+    let e = Region::open(unsealed).unwrap_err();
+    assert!(e.to_string().contains("sealed"), "{e}");
+}
+
+#[test]
+fn buffers_in_the_ring_come_before_the_exporters_goodbye_and_releases_in_the_ring_before_the_importers() {
+    let f = serve(limits_with_ring(Some(Geometry::new(64, 256).unwrap())));
+    let (session, id, _) = connected_asking(&f, V3);
+    for n in 1..=40 {
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+    }
+    // Goodbye goes on the socket, after the buffers went into the ring: the importer hands out every
+    // buffer first, whenever it happens to look at its socket.
+    f.server.begin_shutdown();
+    let mut got = Vec::new();
+    loop {
+        match session.recv_until(Some(Instant::now() + SOON)).unwrap() {
+            ExporterEvent::Buffer(b) => got.push(b.buffer_id.0),
+            ExporterEvent::Goodbye => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, (1..=40).collect::<Vec<_>>());
+    // Releases written into the ring just before the importer's Goodbye are handled before it.
+    for n in 1..=40 {
+        session.release(BufferId(n)).unwrap();
+    }
+    session.goodbye().unwrap();
+    f.handler.wait_for("the end", |r| r.ended.iter().any(|e| e.0 == id));
+    assert_eq!(released_by(&f, id), (1..=40).collect());
+    assert_eq!(f.handler.ended(id), Some((true, vec![])));
+}
+
+#[test]
+fn traffic_through_the_rings_counts_against_the_idle_timeout() {
+    let f = serve(Limits {
+        idle_timeout: Some(Duration::from_secs(2)),
+        ..limits_with_ring(Some(Geometry::default()))
+    });
+    let (session, id, _) = connected_asking(&f, V3);
+    // Buffers only through the ring for more than twice the idle timeout: no byte on the socket.
+    let start = Instant::now();
+    let mut n = 0;
+    while start.elapsed() < Duration::from_millis(4500) {
+        n += 1;
+        f.server.send(id, &buffer_message(n), Some(BufferId(n))).unwrap();
+        assert_eq!(recv_buffer(&session), BufferId(n));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        f.handler.ended(id).is_none(),
+        "cut off as idle while buffers flowed through its ring"
+    );
+    // Then nothing either way: cut off as idle.
+    f.handler
+        .wait_for("the idle end", |r| r.ended.iter().any(|e| e.0 == id));
+    let err = session.recv_until(Some(Instant::now() + SOON)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Remote { code: ErrorCode::Timeout, text } if text.contains("idle")),
+        "{err}"
+    );
+}
