@@ -772,15 +772,17 @@ impl ServiceResource {
     /// The out-of-memory error for `bytes` under region `ri`, with what the resource holds.
     fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
         let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
-        Error::OutOfMemoryHeld {
-            resource: self.name,
-            requested: bytes,
-            tag: st.regions[ri].name.clone(),
-            held: st.mapped_chunks() * self.chunk as u64,
-            live: st.used,
-            largest_free: largest_free_mapped(&st.regions[ri]),
-            device_free,
-        }
+        let held = st.mapped_chunks() * self.chunk as u64;
+        let mut r = crate::error::OutOfMemoryReport::new(bytes, self.name);
+        r.stack = vec![self.name];
+        r.tag = Some(st.regions[ri].name.clone());
+        r.holder = Some(self.name);
+        r.held = Some(held);
+        r.live = Some(st.used);
+        r.free = Some(held.saturating_sub(st.used));
+        r.largest_free = Some(largest_free_mapped(&st.regions[ri]));
+        r.device_free = Some(device_free);
+        Error::OutOfMemoryReport(Box::new(r))
     }
 
     /// Frees an allocation (of any tag) on `stream`.
@@ -1266,6 +1268,24 @@ unsafe impl MemoryResource for ServiceResource {
     fn name(&self) -> &'static str {
         self.name
     }
+
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let st = self.stats();
+        let mut i = crate::observe::inspect::Inspection::default();
+        i.held_bytes = Some(st.mapped_bytes);
+        i.peak_held_bytes = Some(st.peak_mapped_bytes);
+        i.live_bytes = Some(st.used_bytes);
+        i.peak_live_bytes = Some(st.peak_used_bytes);
+        i.live_count = Some(st.tags.iter().map(|t| t.live_allocations as u64).sum());
+        i.allocations = Some(st.tags.iter().map(|t| t.allocations).sum());
+        i.device_free = self.ctx.memory_info().ok().map(|m| m.free as u64);
+        i
+    }
+
+    /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the device.
+    fn trim_unused(&self, _stream: StreamRef<'_>) -> Result<()> {
+        self.trim().map(drop)
+    }
 }
 
 impl Drop for ServiceResource {
@@ -1333,6 +1353,14 @@ unsafe impl MemoryResource for TaggedResource {
 
     fn name(&self) -> &'static str {
         self.inner.name
+    }
+
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        self.inner.inspect()
+    }
+
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        self.inner.trim_unused(stream)
     }
 }
 
