@@ -145,7 +145,9 @@ impl OutOfMemoryReport {
     /// unknown or nothing is free.
     pub fn fragmentation_percent(&self) -> Option<u64> {
         match (self.free, self.largest_free) {
-            (Some(free), Some(largest)) if free > 0 => Some(100 - (largest.min(free) as u128 * 100 / free as u128) as u64),
+            (Some(free), Some(largest)) if free > 0 => {
+                Some(100 - (largest.min(free) as u128 * 100 / free as u128) as u64)
+            }
             _ => None,
         }
     }

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use mempool_core::Device;
 
 use crate::error::Result;
+use crate::observe::{History, HistoryResource, DEFAULT_CAPACITY};
 use crate::resource::SharedResource;
-use crate::observe::{HistoryResource, History, DEFAULT_CAPACITY};
 use crate::resources::AsyncResource;
 
 static REGISTRY: Mutex<Option<HashMap<usize, SharedResource>>> = Mutex::new(None);

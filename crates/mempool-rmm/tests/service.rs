@@ -1059,10 +1059,7 @@ fn service_out_of_memory_names_the_size_and_leaves_everything_as_it_was() {
     // A request larger than the region: the same error, naming the size.
     let small = ServiceResource::new(&g.dev, options(64 * MIB, 1)).unwrap();
     let e = small.allocate(128 * MIB, s).unwrap_err();
-    assert!(
-        e.report().is_some_and(|r| r.requested == 128 * MIB),
-        "{e:?}"
-    );
+    assert!(e.report().is_some_and(|r| r.requested == 128 * MIB), "{e:?}");
     assert!(e.to_string().contains(&(128 * MIB).to_string()), "{e}");
     assert_eq!(small.stats().mapped_bytes, 0);
     let c = small.allocate(64 * MIB, s).unwrap();

@@ -54,21 +54,24 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             return self.upstream.allocate(bytes, stream).map_err(|e| explain(e, self));
         }
         let upstream_bytes = bytes + self.alignment - ALIGNMENT as usize;
-        let raw = self.upstream.allocate(upstream_bytes, stream).map_err(|e| match e {
-            // Report the size the caller asked for, not the padded one.
-            Error::OutOfMemory { resource, .. } => Error::OutOfMemory {
-                resource,
-                requested: bytes,
-            },
-            other => other,
-        })
-        .map_err(|e| match explain(e, self) {
-            Error::OutOfMemoryReport(mut r) => {
-                r.requested = bytes;
-                Error::OutOfMemoryReport(r)
-            }
-            other => other,
-        })?;
+        let raw = self
+            .upstream
+            .allocate(upstream_bytes, stream)
+            .map_err(|e| match e {
+                // Report the size the caller asked for, not the padded one.
+                Error::OutOfMemory { resource, .. } => Error::OutOfMemory {
+                    resource,
+                    requested: bytes,
+                },
+                other => other,
+            })
+            .map_err(|e| match explain(e, self) {
+                Error::OutOfMemoryReport(mut r) => {
+                    r.requested = bytes;
+                    Error::OutOfMemoryReport(r)
+                }
+                other => other,
+            })?;
         let aligned = DeviceAddr(raw.0.next_multiple_of(self.alignment as u64));
         // Keep the upstream address and size (also when no shift was needed) so deallocate frees exactly
         // what was allocated.

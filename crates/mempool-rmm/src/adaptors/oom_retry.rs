@@ -59,13 +59,15 @@ unsafe impl<U: MemoryResource> MemoryResource for OomRetryAdaptor<U> {
             Err(e) if e.is_out_of_memory() => {
                 self.upstream.trim_unused(stream)?;
                 synchronize(stream)?;
-                self.upstream.allocate(bytes, stream).map_err(|e| match explain(e, self) {
-                    Error::OutOfMemoryReport(mut r) => {
-                        r.retried = true;
-                        Error::OutOfMemoryReport(r)
-                    }
-                    other => other,
-                })
+                self.upstream
+                    .allocate(bytes, stream)
+                    .map_err(|e| match explain(e, self) {
+                        Error::OutOfMemoryReport(mut r) => {
+                            r.retried = true;
+                            Error::OutOfMemoryReport(r)
+                        }
+                        other => other,
+                    })
             }
             other => other,
         }
@@ -141,7 +143,11 @@ mod tests {
         let mr = OomRetryAdaptor::new(crate::adaptors::StatisticsAdaptor::new(cache));
         let p = mr.allocate(2048, StreamRef::LEGACY).unwrap();
         let cache = mr.upstream().upstream();
-        assert_eq!(cache.trims.load(Ordering::SeqCst), 1, "trimmed through the statistics adaptor");
+        assert_eq!(
+            cache.trims.load(Ordering::SeqCst),
+            1,
+            "trimmed through the statistics adaptor"
+        );
         assert_eq!(cache.sim.failed_allocations(), 1);
         // A second failure after the trim is reported, marked as retried, naming the stack.
         let e = mr.allocate(4096, StreamRef::LEGACY).unwrap_err();
@@ -149,7 +155,11 @@ mod tests {
         assert!(r.retried);
         assert_eq!(r.stack, ["OomRetryAdaptor", "StatisticsAdaptor", "Cache"]);
         assert_eq!(cache.trims.load(Ordering::SeqCst), 2);
-        assert!(e.to_string().contains("failed again after trimming, synchronizing and retrying once"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("failed again after trimming, synchronizing and retrying once"),
+            "{e}"
+        );
         // SAFETY: `p` came from `mr.allocate` with this size and is freed once.
         unsafe { mr.deallocate(p, 2048, StreamRef::LEGACY) }.unwrap();
     }

@@ -150,12 +150,13 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
 
     fn inspect(&self) -> crate::observe::inspect::Inspection {
         let c = self.counters();
-        let mut i = crate::observe::inspect::Inspection::default();
-        i.live_bytes = Some(c.bytes.current.max(0) as u64);
-        i.peak_live_bytes = Some(c.bytes.peak.max(0) as u64);
-        i.live_count = Some(c.allocations.current.max(0) as u64);
-        i.allocations = Some(c.allocations.total.max(0) as u64);
-        i
+        crate::observe::inspect::Inspection {
+            live_bytes: Some(c.bytes.current.max(0) as u64),
+            peak_live_bytes: Some(c.bytes.peak.max(0) as u64),
+            live_count: Some(c.allocations.current.max(0) as u64),
+            allocations: Some(c.allocations.total.max(0) as u64),
+            ..crate::observe::inspect::Inspection::default()
+        }
     }
 }
 

@@ -89,7 +89,8 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryResource<U> {
         // the caller's obligations 1-3 for this adaptor are the same obligations for the upstream.
         unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         if !ptr.is_null() {
-            self.history.record(Op::Free, 0, ptr.0, bytes as u64, stream.id() as u64);
+            self.history
+                .record(Op::Free, 0, ptr.0, bytes as u64, stream.id() as u64);
         }
         Ok(())
     }

@@ -165,7 +165,9 @@ static LABEL_COUNT: AtomicU16 = AtomicU16::new(1);
 /// Every label by number: index 0 is `default`.
 pub fn label_names() -> Vec<String> {
     let l = LABELS.lock().unwrap_or_else(|p| p.into_inner());
-    std::iter::once("default".to_string()).chain(l.iter().cloned()).collect()
+    std::iter::once("default".to_string())
+        .chain(l.iter().cloned())
+        .collect()
 }
 
 /// A label for the allocations a thread makes while it is set: the `tag` of their events.
@@ -277,7 +279,10 @@ impl History {
         if cfg!(not(target_arch = "x86_64")) {
             return 1.0;
         }
-        let (ns, ticks) = (self.start_instant.elapsed().as_nanos() as f64, ticks() - self.start_ticks);
+        let (ns, ticks) = (
+            self.start_instant.elapsed().as_nanos() as f64,
+            ticks() - self.start_ticks,
+        );
         if ticks == 0 || ns < 1.0 {
             1.0
         } else {
@@ -355,7 +360,10 @@ mod tests {
         let sizes: Vec<u64> = e.events.iter().map(|e| e.size).collect();
         assert_eq!(sizes, (37..=100).collect::<Vec<_>>(), "the newest 64, oldest first");
         assert!(e.events.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
-        assert!(e.events.iter().all(|e| e.stream == 7 && e.op == Op::Allocate && e.thread == thread_number()));
+        assert!(e
+            .events
+            .iter()
+            .all(|e| e.stream == 7 && e.op == Op::Allocate && e.thread == thread_number()));
     }
 
     #[test]
@@ -424,10 +432,21 @@ mod tests {
         }
         h.record(Op::Free, 0, 5, 5, 0);
         let names = label_names();
-        let tags: Vec<&str> = h.events().events.iter().map(|e| names[e.tag as usize].as_str()).collect();
+        let tags: Vec<&str> = h
+            .events()
+            .events
+            .iter()
+            .map(|e| names[e.tag as usize].as_str())
+            .collect();
         assert_eq!(
             tags,
-            ["default", "observe-test-weights", "observe-test-kv", "observe-test-weights", "default"]
+            [
+                "default",
+                "observe-test-weights",
+                "observe-test-kv",
+                "observe-test-weights",
+                "default"
+            ]
         );
         let ops: Vec<Op> = h.events().events.iter().map(|e| e.op).collect();
         assert_eq!(ops, [Op::Allocate, Op::Allocate, Op::Free, Op::Failed, Op::Free]);

@@ -122,8 +122,14 @@ mod tests {
         assert!(r.fragmented());
         assert_eq!(r.fragmentation_percent(), Some(75));
         let msg = r.to_string();
-        assert!(msg.contains("A holds 10000 bytes, 8000 bytes live, 2000 bytes free in 4 blocks"), "{msg}");
-        assert!(msg.contains("its largest free block is 500 bytes (free memory 75% fragmented)"), "{msg}");
+        assert!(
+            msg.contains("A holds 10000 bytes, 8000 bytes live, 2000 bytes free in 4 blocks"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("its largest free block is 500 bytes (free memory 75% fragmented)"),
+            "{msg}"
+        );
         assert!(msg.contains("no free block is large enough"), "{msg}");
     }
 }

@@ -410,7 +410,16 @@ mod tests {
             assert!(h[key].is_u64(), "{key}");
         }
         let r = &v["resources"][0];
-        for key in ["id", "parent", "name", "kind", "device", "stats", "per_stream", "chunks"] {
+        for key in [
+            "id",
+            "parent",
+            "name",
+            "kind",
+            "device",
+            "stats",
+            "per_stream",
+            "chunks",
+        ] {
             assert!(r.get(key).is_some(), "resource key {key}");
         }
         for key in [
@@ -450,7 +459,9 @@ mod tests {
         assert!(!html.contains(MARKER));
         assert!(!html.contains("</script><script>alert"));
         assert!(!html.contains("<!-- a tag"));
-        let start = html.find(r#"<script id="mempool-snapshot" type="application/json">"#).unwrap();
+        let start = html
+            .find(r#"<script id="mempool-snapshot" type="application/json">"#)
+            .unwrap();
         let body = &html[start..];
         let open = body.find('>').unwrap() + 1;
         let close = body.find("</script>").unwrap();
@@ -476,7 +487,10 @@ mod tests {
         assert_eq!(snap.history.op, [0, 0, 1, 2, 0]);
         assert_eq!(snap.history.t_ns, [0, 10_000, 20_000, 30_000, 40_000]);
         assert_eq!(snap.history.thread, [1, 1, 2, 2, 1]);
-        assert_eq!((snap.history.capacity, snap.history.recorded, snap.history.dropped), (5, 5, 0));
+        assert_eq!(
+            (snap.history.capacity, snap.history.recorded, snap.history.dropped),
+            (5, 5, 0)
+        );
         let st = &snap.resources[0].stats;
         assert_eq!(st.live_bytes, Some(500));
         assert_eq!(st.peak_live_bytes, Some(500));

@@ -13,8 +13,8 @@ use crate::observe::inspect::Inspection;
 use crate::observe::oom::fill_from_stack;
 use crate::resource::MemoryResource;
 use mempool_suballoc::{
-    self as suballoc, ArenaOptions, ChunkMap, MapRange, BinningOptions, Engine, EngineOptions, EngineStats, EventPolicy, FixedSizeOptions,
-    PoolOptions, Sharded, StreamOrder, Upstream,
+    self as suballoc, ArenaOptions, BinningOptions, ChunkMap, Engine, EngineOptions, EngineStats, EventPolicy,
+    FixedSizeOptions, MapRange, PoolOptions, Sharded, StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
@@ -423,31 +423,32 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
     /// The engines' statistics and memory map (every block, under each engine's lock in turn).
     fn inspect(&self) -> Inspection {
         let st = self.stats();
-        let mut i = Inspection::default();
-        i.held_bytes = Some(st.reserved_bytes);
-        i.live_bytes = Some(st.used_bytes);
-        i.live_count = Some(st.live_allocations as u64);
-        i.chunks = self
-            .engines
-            .memory_map()
-            .into_iter()
-            .map(|c| ChunkMap {
-                addr: c.addr,
-                size: c.size,
-                ranges: c
-                    .ranges
-                    .into_iter()
-                    .map(|r| MapRange {
-                        addr: r.addr,
-                        size: r.size,
-                        used: r.used,
-                        stream: r.stream.map(|s| s.0),
-                    })
-                    .collect(),
-            })
-            .collect();
-        i.has_chunks = true;
-        i
+        Inspection {
+            held_bytes: Some(st.reserved_bytes),
+            live_bytes: Some(st.used_bytes),
+            live_count: Some(st.live_allocations as u64),
+            chunks: self
+                .engines
+                .memory_map()
+                .into_iter()
+                .map(|c| ChunkMap {
+                    addr: c.addr,
+                    size: c.size,
+                    ranges: c
+                        .ranges
+                        .into_iter()
+                        .map(|r| MapRange {
+                            addr: r.addr,
+                            size: r.size,
+                            used: r.used,
+                            stream: r.stream.map(|s| s.0),
+                        })
+                        .collect(),
+                })
+                .collect(),
+            has_chunks: true,
+            ..Inspection::default()
+        }
     }
 
     /// [`release_unused`](SuballocatingResource::release_unused), then the upstream's trim.

@@ -332,11 +332,12 @@ unsafe impl MemoryResource for VmmResource {
     /// The bytes and number of its live mappings (each is its own physical allocation).
     fn inspect(&self) -> crate::observe::inspect::Inspection {
         let (bytes, count) = self.allocated();
-        let mut i = crate::observe::inspect::Inspection::default();
-        i.held_bytes = Some(bytes as u64);
-        i.live_bytes = Some(bytes as u64);
-        i.live_count = Some(count as u64);
-        i
+        crate::observe::inspect::Inspection {
+            held_bytes: Some(bytes as u64),
+            live_bytes: Some(bytes as u64),
+            live_count: Some(count as u64),
+            ..crate::observe::inspect::Inspection::default()
+        }
     }
 }
 

@@ -1271,15 +1271,16 @@ unsafe impl MemoryResource for ServiceResource {
 
     fn inspect(&self) -> crate::observe::inspect::Inspection {
         let st = self.stats();
-        let mut i = crate::observe::inspect::Inspection::default();
-        i.held_bytes = Some(st.mapped_bytes);
-        i.peak_held_bytes = Some(st.peak_mapped_bytes);
-        i.live_bytes = Some(st.used_bytes);
-        i.peak_live_bytes = Some(st.peak_used_bytes);
-        i.live_count = Some(st.tags.iter().map(|t| t.live_allocations as u64).sum());
-        i.allocations = Some(st.tags.iter().map(|t| t.allocations).sum());
-        i.device_free = self.ctx.memory_info().ok().map(|m| m.free as u64);
-        i
+        crate::observe::inspect::Inspection {
+            held_bytes: Some(st.mapped_bytes),
+            peak_held_bytes: Some(st.peak_mapped_bytes),
+            live_bytes: Some(st.used_bytes),
+            peak_live_bytes: Some(st.peak_used_bytes),
+            live_count: Some(st.tags.iter().map(|t| t.live_allocations).sum()),
+            allocations: Some(st.tags.iter().map(|t| t.allocations).sum()),
+            device_free: self.ctx.memory_info().ok().map(|m| m.free as u64),
+            ..crate::observe::inspect::Inspection::default()
+        }
     }
 
     /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the device.
