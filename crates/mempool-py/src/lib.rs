@@ -12,6 +12,7 @@ mod buffer;
 mod dlpack;
 mod errors;
 mod ipc;
+mod memory;
 mod mr;
 mod stream;
 mod surface;
@@ -126,6 +127,10 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_torch_last_failure, m)?)?;
     m.add_function(wrap_pyfunction!(_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(mr::_flush_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_snapshot_json, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_page, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_record, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_oom_retry, m)?)?;
     errors::register(m)?;
     Ok(())
 }
