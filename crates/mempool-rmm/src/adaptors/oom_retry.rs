@@ -8,8 +8,8 @@ use crate::resource::MemoryResource;
 
 /// On out of memory, trims the whole stack under it ([`MemoryResource::trim_unused`]: suballocators return
 /// their unused chunks, a driver pool its unused reserve), synchronizes the stream of the request
-/// (so that memory freed on it, and the frees the trim queued, have happened), and retries the
-/// allocation once. RMM's failure-callback idea as a setting, for any stack; the C ABI
+/// (so that memory freed on it, and the frees the trim queued, have happened; see below for a stream
+/// without a known context), and retries the allocation once. RMM's failure-callback idea as a setting, for any stack; the C ABI
 /// (`mempool_oom_retry_adaptor_create`) and Python (`mempool.mr.oom_retry(mr)`) make it too.
 ///
 /// A second failure is returned as the out-of-memory report of the retry, marked as retried. Other
@@ -42,10 +42,14 @@ impl<U: MemoryResource> OomRetryAdaptor<U> {
     }
 }
 
-/// Waits for the stream. Without a CUDA driver (the host test doubles) there is no work to wait for.
+/// Waits for the stream. A stream whose context the view does not know (a raw handle, the legacy
+/// stream as C and Python pass it) is synchronized in the calling thread's current context; where the
+/// thread has none (or there is no driver: the host test doubles) nothing is waited for, and the retry
+/// relies on the ordering the trim itself applied.
 fn synchronize(stream: StreamRef<'_>) -> Result<()> {
     match stream.synchronize() {
-        Ok(()) | Err(mempool_core::Error::DriverNotFound) => Ok(()),
+        Ok(()) => Ok(()),
+        Err(_) if stream.context().is_none() => Ok(()),
         Err(e) => Err(Error::from(e)),
     }
 }

@@ -451,9 +451,11 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         }
     }
 
-    /// [`release_unused`](SuballocatingResource::release_unused), then the upstream's trim.
+    /// [`release_unused`](SuballocatingResource::release_unused), a synchronize of the context (so that
+    /// the chunks' frees, queued on the legacy stream, have happened), then the upstream's trim.
     fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
         self.release_unused()?;
+        self.adapter.ctx.synchronize()?;
         self.adapter.upstream.trim_unused(stream)
     }
 }
