@@ -72,6 +72,10 @@ mod docs_ipc {}
 mod docs_ipc_protocol {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/observe.md")]
+mod docs_observe {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/resources.md")]
 mod docs_resources {}
 

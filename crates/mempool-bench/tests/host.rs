@@ -1045,8 +1045,14 @@ fn gpu_workloads_need_their_gpus_or_run() {
 
 #[test]
 fn history_specs_wrap_any_upstream_and_print_their_capacity() {
-    assert_eq!(parse("history(pool(async))").unwrap().to_string(), "history(pool(async))");
-    assert_eq!(parse("history(sim, capacity=1000)").unwrap().to_string(), "history(sim,capacity=1000)");
+    assert_eq!(
+        parse("history(pool(async))").unwrap().to_string(),
+        "history(pool(async))"
+    );
+    assert_eq!(
+        parse("history(sim, capacity=1000)").unwrap().to_string(),
+        "history(sim,capacity=1000)"
+    );
     assert_eq!(
         parse("history(async,capacity=65536)").unwrap().to_string(),
         "history(async)",
@@ -1103,6 +1109,9 @@ fn replay_writes_the_snapshot_and_the_page_of_a_small_log() {
     let live: Vec<(u64, u64)> = snap.live.iter().map(|l| (l.address, l.size)).collect();
     assert_eq!(live, [(0x7f0000100000, 4096)]);
     let page = std::fs::read_to_string(&html).unwrap();
-    assert!(page.contains(&text.replace('<', "\\u003c")), "the page embeds the snapshot");
+    assert!(
+        page.contains(&text.replace('<', "\\u003c")),
+        "the page embeds the snapshot"
+    );
     assert!(!page.contains(mempool_rmm::observe::MARKER));
 }

@@ -352,7 +352,9 @@ pub unsafe extern "C" fn mempool_history_adaptor_create(
         // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(upstream, "upstream") }?;
         if capacity == 0 {
-            return Err(Error::InvalidArgument("capacity is 0: a history keeps at least one event".into()));
+            return Err(Error::InvalidArgument(
+                "capacity is 0: a history keeps at least one event".into(),
+            ));
         }
         let history = Arc::new(mempool_rmm::observe::History::new(capacity));
         let mr: SharedResource = Arc::new(mempool_rmm::observe::HistoryResource::with_history(

@@ -26,7 +26,11 @@ pub fn _memory_snapshot_json(py: Python<'_>, mr: Option<&Bound<'_, PyResource>>,
             r.device = Some(device as u32);
         }
         if let Ok(dev) = mempool_capi::device::device(device) {
-            let free = dev.context().ok().and_then(|c| c.memory_info().ok()).map_or(0, |m| m.free as u64);
+            let free = dev
+                .context()
+                .ok()
+                .and_then(|c| c.memory_info().ok())
+                .map_or(0, |m| m.free as u64);
             snap.devices.push(DeviceInfo {
                 ordinal: device as u32,
                 name: dev.name().unwrap_or_default(),

@@ -332,7 +332,10 @@ impl fmt::Display for ResourceSpec {
                 f,
                 "history",
                 Some(upstream),
-                &[("capacity", (*capacity != HISTORY_CAPACITY).then(|| capacity.to_string()))],
+                &[(
+                    "capacity",
+                    (*capacity != HISTORY_CAPACITY).then(|| capacity.to_string()),
+                )],
             ),
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,

@@ -108,7 +108,9 @@ pub fn write_snapshot(path: &Path, json: Option<&Path>, html: Option<&Path>) -> 
     };
     let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
     let events = parse_log(text.as_bytes()).map_err(|e| log_err(&name, e.line, e.reason))?;
-    let file_name = path.file_name().map_or(name.clone(), |f| f.to_string_lossy().into_owned());
+    let file_name = path
+        .file_name()
+        .map_or(name.clone(), |f| f.to_string_lossy().into_owned());
     let snapshot = mempool_rmm::observe::from_log(&events, &file_name);
     if let Some(p) = json {
         std::fs::write(p, mempool_rmm::observe::to_json(&snapshot)).map_err(|e| io(p, e))?;

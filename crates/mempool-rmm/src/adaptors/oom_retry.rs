@@ -144,7 +144,7 @@ mod tests {
             hog: std::sync::Mutex::new(Some(hog)),
             trims: AtomicUsize::new(0),
         };
-        let mr = OomRetryAdaptor::new(crate::adaptors::StatisticsAdaptor::new(cache));
+        let mr = OomRetryAdaptor::new(super::super::statistics::StatisticsAdaptor::new(cache));
         let p = mr.allocate(2048, StreamRef::LEGACY).unwrap();
         let cache = mr.upstream().upstream();
         assert_eq!(

@@ -10,6 +10,8 @@ pub(crate) mod history;
 pub(crate) mod inspect;
 mod model;
 pub(crate) mod oom;
+#[cfg(test)]
+mod oom_tests;
 mod page;
 mod snapshot;
 
