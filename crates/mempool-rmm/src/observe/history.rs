@@ -1,15 +1,20 @@
 //! [`History`]: a bounded ring of allocate, free and failed-allocation events, cheap enough to stay on.
 //!
-//! Writers never lock and never allocate: the ring is split into shards (a thread writes to the shard
-//! of its thread number), each shard a power-of-two array of slots with one atomic index; a writer
-//! takes a slot with one `fetch_add` and fills it with relaxed stores between two writes of the slot's
-//! stamp (a per-slot sequence lock), so a reader copies only slots whose stamp did not change while it
-//! read them. Time is the CPU's time-stamp counter on x86-64 (converted to nanoseconds when the
-//! history is read), a monotonic clock elsewhere. When a shard wraps, its oldest events are
-//! overwritten and counted as dropped. Imports nothing of the crate.
+//! Writers never lock and never allocate. The ring is a power-of-two array of slots with one atomic
+//! index; a thread claims [`CLAIM`] consecutive slots at a time with one `fetch_add` and keeps the rest of
+//! its claim in a thread-local cache, so most events cost no atomic read-modify-write at all (a thread
+//! holds one claim: while it holds an unused claim of one history, its events in another take one slot
+//! at a time, so no claim is given up half-used). The slots left of a claim when its thread stops
+//! recording are not events; once the ring overwrites them they count as dropped (at most
+//! `CLAIM - 1` per thread). A slot is
+//! filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a reader
+//! copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
+//! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere. When the
+//! ring wraps, its oldest events are overwritten and counted as dropped; slots a thread claimed and has
+//! not written yet are neither events nor dropped. Imports nothing of the crate.
 
 use std::cell::Cell;
-use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -72,13 +77,12 @@ pub struct Events {
 /// The default number of events a history keeps.
 pub const DEFAULT_CAPACITY: usize = 1 << 16;
 
-/// Shards: a thread writes to shard `thread_number % SHARDS`.
-const SHARDS: usize = 8;
+/// Slots a thread claims at once.
+pub const CLAIM: u64 = 16;
 
-/// One event's storage. `stamp` is `seq + 1` once event number `seq` of the shard is complete in it,
-/// and `u64::MAX` while a writer fills it.
+/// One event's storage. `stamp` is `seq + 1` once event number `seq` is complete in it, and `u64::MAX`
+/// while a writer fills it.
 #[derive(Default)]
-#[repr(align(64))]
 struct Slot {
     stamp: AtomicU64,
     t: AtomicU64,
@@ -89,26 +93,25 @@ struct Slot {
     meta: AtomicU64,
 }
 
-#[repr(align(64))]
-struct Shard {
-    /// Events this shard has handed out slots for.
+/// A bounded, lock-free history of allocation events (see the module docs for how it is written).
+pub struct History {
+    /// Unique in the process: what a thread's cached claim names.
+    id: u64,
+    /// Slots claimed so far (the next claim starts here).
     next: AtomicU64,
     slots: Box<[Slot]>,
     mask: u64,
-}
-
-/// A bounded, lock-free history of allocation events (see the module docs for how it is written).
-pub struct History {
-    shards: Box<[Shard]>,
     start_instant: Instant,
     start_ticks: u64,
 }
+
+static NEXT_HISTORY: AtomicU64 = AtomicU64::new(1);
 
 impl std::fmt::Debug for History {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("History")
             .field("capacity", &self.capacity())
-            .field("recorded", &self.recorded())
+            .field("claimed", &self.next.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -139,28 +142,51 @@ fn ticks() -> u64 {
 
 static NEXT_THREAD: AtomicU32 = AtomicU32::new(1);
 
+/// What a thread keeps: its number and label, and the rest of its last claim of slots.
+struct Local {
+    /// 0 until the thread is first numbered.
+    thread: Cell<u32>,
+    label: Cell<u16>,
+    /// The [`History::id`] of the claim (0: none).
+    history: Cell<u64>,
+    /// The next slot of the claim, and one past its last.
+    next: Cell<u64>,
+    end: Cell<u64>,
+}
+
 thread_local! {
-    static THREAD: Cell<u32> = const { Cell::new(0) };
-    static LABEL: Cell<u16> = const { Cell::new(0) };
+    static LOCAL: Local = const {
+        Local {
+            thread: Cell::new(0),
+            label: Cell::new(0),
+            history: Cell::new(0),
+            next: Cell::new(0),
+            end: Cell::new(0),
+        }
+    };
+}
+
+impl Local {
+    #[inline]
+    fn thread(&self) -> u32 {
+        let n = self.thread.get();
+        if n != 0 {
+            return n;
+        }
+        let n = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        self.thread.set(n);
+        n
+    }
 }
 
 /// This thread's small per-process number (1, 2, ... in the order threads first record or ask).
 #[inline]
 pub fn thread_number() -> u32 {
-    THREAD.with(|t| {
-        let n = t.get();
-        if n != 0 {
-            return n;
-        }
-        let n = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
-        t.set(n);
-        n
-    })
+    LOCAL.with(Local::thread)
 }
 
 /// Label names by number; 0 is `default`. At most 65535 labels in a process.
 static LABELS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-static LABEL_COUNT: AtomicU16 = AtomicU16::new(1);
 
 /// Every label by number: index 0 is `default`.
 pub fn label_names() -> Vec<String> {
@@ -184,11 +210,11 @@ pub struct Label {
 
 impl Label {
     /// Labels this thread's events `name` until the guard drops (then the previous label is back).
-    /// Names are interned once; past 65535 distinct names, new ones share the last number.
+    /// Names are interned once; past 65534 distinct names, new ones share the last one's number.
     pub fn set(name: &str) -> Label {
         let n = Self::number(name);
         Label {
-            previous: LABEL.with(|l| l.replace(n)),
+            previous: LOCAL.with(|l| l.label.replace(n)),
         }
     }
 
@@ -201,40 +227,35 @@ impl Label {
             return (i + 1) as u16;
         }
         if l.len() + 1 >= u16::MAX as usize {
-            return u16::MAX - 1;
+            // Full: the newest name's number.
+            return l.len() as u16;
         }
         l.push(name.to_string());
-        LABEL_COUNT.store((l.len() + 1) as u16, Ordering::Relaxed);
         l.len() as u16
     }
 
     /// The number of this thread's current label (0: `default`).
     #[inline]
     pub fn current() -> u16 {
-        LABEL.with(Cell::get)
+        LOCAL.with(|l| l.label.get())
     }
 }
 
 impl Drop for Label {
     fn drop(&mut self) {
-        LABEL.with(|l| l.set(self.previous));
+        LOCAL.with(|l| l.label.set(self.previous));
     }
 }
 
 impl History {
-    /// A history that keeps about the last `capacity` events (rounded up so that each of its shards
-    /// is a power of two, at least 64 events per shard).
+    /// A history that keeps the last `capacity` events (rounded up to a power of two, at least 64).
     pub fn new(capacity: usize) -> History {
-        let per_shard = capacity.div_ceil(SHARDS).max(64).next_power_of_two();
-        let shards = (0..SHARDS)
-            .map(|_| Shard {
-                next: AtomicU64::new(0),
-                slots: (0..per_shard).map(|_| Slot::default()).collect(),
-                mask: per_shard as u64 - 1,
-            })
-            .collect();
+        let size = capacity.max(64).next_power_of_two();
         History {
-            shards,
+            id: NEXT_HISTORY.fetch_add(1, Ordering::Relaxed),
+            next: AtomicU64::new(0),
+            slots: (0..size).map(|_| Slot::default()).collect(),
+            mask: size as u64 - 1,
             start_instant: Instant::now(),
             start_ticks: ticks(),
         }
@@ -242,23 +263,33 @@ impl History {
 
     /// How many events the ring holds at most.
     pub fn capacity(&self) -> u64 {
-        self.shards.iter().map(|s| s.mask + 1).sum()
-    }
-
-    /// Events recorded so far.
-    pub fn recorded(&self) -> u64 {
-        self.shards.iter().map(|s| s.next.load(Ordering::Relaxed)).sum()
+        self.mask + 1
     }
 
     /// Records an event of this thread, with its current [`Label`].
     #[inline]
     pub fn record(&self, op: Op, resource: u8, address: u64, size: u64, stream: u64) {
-        let thread = thread_number();
-        let tag = Label::current();
         let t = ticks();
-        let shard = &self.shards[thread as usize % SHARDS];
-        let seq = shard.next.fetch_add(1, Ordering::Relaxed);
-        let slot = &shard.slots[(seq & shard.mask) as usize];
+        let (thread, tag, seq) = LOCAL.with(|l| {
+            let (next, end) = (l.next.get(), l.end.get());
+            let seq = if l.history.get() == self.id && next < end {
+                l.next.set(next + 1);
+                next
+            } else if l.history.get() == self.id || next == end {
+                // This history's claim is used up, or the thread's claim (of another history) is: claim
+                // anew for this one.
+                let seq = self.next.fetch_add(CLAIM, Ordering::Relaxed);
+                l.history.set(self.id);
+                l.next.set(seq + 1);
+                l.end.set(seq + CLAIM);
+                seq
+            } else {
+                // The thread holds an unused claim of another history: one slot here, wasting nothing.
+                self.next.fetch_add(1, Ordering::Relaxed)
+            };
+            (l.thread(), l.label.get(), seq)
+        });
+        let slot = &self.slots[(seq & self.mask) as usize];
         slot.stamp.store(u64::MAX, Ordering::Relaxed);
         // Orders the stamp's "being written" before the fields (a reader that sees a new field also
         // sees the stamp change).
@@ -290,50 +321,55 @@ impl History {
         }
     }
 
-    /// A copy of the events the ring holds now, oldest first. Writers go on meanwhile; a slot
-    /// overwritten while it was read is left out and counted as dropped.
+    /// A copy of the events the ring holds now, oldest first. Writers go on meanwhile: a slot
+    /// overwritten while it was read is left out and counted as dropped; a slot claimed but not yet
+    /// written is left out and not counted as recorded.
     pub fn events(&self) -> Events {
         let scale = self.ns_per_tick();
+        let end = self.next.load(Ordering::Acquire);
+        let first = end.saturating_sub(self.capacity());
         let mut out = Events {
             capacity: self.capacity(),
-            ..Events::default()
+            recorded: end,
+            dropped: first,
+            events: Vec::with_capacity((end - first) as usize),
         };
-        for shard in self.shards.iter() {
-            let end = shard.next.load(Ordering::Acquire);
-            let size = shard.mask + 1;
-            let first = end.saturating_sub(size);
-            out.recorded += end;
-            out.dropped += first;
-            for seq in first..end {
-                let slot = &shard.slots[(seq & shard.mask) as usize];
-                let before = slot.stamp.load(Ordering::Acquire);
-                let (t, address, bytes, stream, meta) = (
-                    slot.t.load(Ordering::Relaxed),
-                    slot.address.load(Ordering::Relaxed),
-                    slot.size.load(Ordering::Relaxed),
-                    slot.stream.load(Ordering::Relaxed),
-                    slot.meta.load(Ordering::Relaxed),
-                );
-                fence(Ordering::Acquire);
-                let after = slot.stamp.load(Ordering::Relaxed);
-                if before != seq + 1 || after != seq + 1 {
-                    // Not yet complete, or overwritten while read.
+        for seq in first..end {
+            let slot = &self.slots[(seq & self.mask) as usize];
+            let before = slot.stamp.load(Ordering::Acquire);
+            let (t, address, bytes, stream, meta) = (
+                slot.t.load(Ordering::Relaxed),
+                slot.address.load(Ordering::Relaxed),
+                slot.size.load(Ordering::Relaxed),
+                slot.stream.load(Ordering::Relaxed),
+                slot.meta.load(Ordering::Relaxed),
+            );
+            fence(Ordering::Acquire);
+            let after = slot.stamp.load(Ordering::Relaxed);
+            if before != seq + 1 || after != seq + 1 {
+                let newer = |s: u64| s != u64::MAX && s > seq + 1;
+                if newer(before) || newer(after) {
+                    // Overwritten by a later event (before or while it was read).
                     out.dropped += 1;
-                    continue;
+                } else {
+                    // Claimed and not written yet, or being written (or never written: the rest of a
+                    // claim whose thread moved on to another history or ended).
+                    out.recorded -= 1;
                 }
-                out.events.push(Event {
-                    t_ns: (t.wrapping_sub(self.start_ticks) as f64 * scale) as u64,
-                    op: Op::from_bits(meta),
-                    resource: (meta >> 8) as u8,
-                    tag: (meta >> 16) as u16,
-                    thread: (meta >> 32) as u32,
-                    address,
-                    size: bytes,
-                    stream,
-                });
+                continue;
             }
+            out.events.push(Event {
+                t_ns: (t.wrapping_sub(self.start_ticks) as f64 * scale) as u64,
+                op: Op::from_bits(meta),
+                resource: (meta >> 8) as u8,
+                tag: (meta >> 16) as u16,
+                thread: (meta >> 32) as u32,
+                address,
+                size: bytes,
+                stream,
+            });
         }
-        // Ticks of one thread never go backwards; across shards, sort (stable: a shard's order stays).
+        // A thread's events are in its claims' order; across threads, sort by time (stable).
         out.events.sort_by_key(|e| e.t_ns);
         out
     }
@@ -346,24 +382,47 @@ mod tests {
 
     #[test]
     fn keeps_the_last_events_and_counts_the_dropped() {
-        let h = History::new(64 * SHARDS);
-        let per_shard = 64;
-        // One thread writes to one shard: 100 events wrap its 64 slots.
+        let h = History::new(64);
+        assert_eq!(h.capacity(), 64);
+        // One thread: 100 events, claimed 16 at a time (112 slots), wrap the 64 slots.
         for i in 0..100u64 {
             h.record(Op::Allocate, 0, 0x1000 + i * 256, i + 1, 7);
         }
         let e = h.events();
-        assert_eq!(e.recorded, 100);
-        assert_eq!(e.dropped, 100 - per_shard);
-        assert_eq!(e.events.len() as u64, per_shard);
-        assert_eq!(e.capacity, (64 * SHARDS) as u64);
+        assert_eq!(e.recorded, 100, "the rest of the last claim is not an event");
+        assert_eq!(e.dropped, 112 - 64, "the slots before the window were overwritten");
+        assert_eq!(e.events.len() as u64, e.recorded - e.dropped);
         let sizes: Vec<u64> = e.events.iter().map(|e| e.size).collect();
-        assert_eq!(sizes, (37..=100).collect::<Vec<_>>(), "the newest 64, oldest first");
+        assert_eq!(sizes, (49..=100).collect::<Vec<_>>(), "the newest, oldest first");
         assert!(e.events.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
         assert!(e
             .events
             .iter()
             .all(|e| e.stream == 7 && e.op == Op::Allocate && e.thread == thread_number()));
+        // Within capacity, a single thread loses nothing.
+        let h = History::new(1024);
+        for i in 0..1000u64 {
+            h.record(Op::Free, 0, i, i, 0);
+        }
+        let e = h.events();
+        assert_eq!((e.recorded, e.dropped, e.events.len()), (1000, 0, 1000));
+    }
+
+    #[test]
+    fn a_thread_recording_into_two_histories_keeps_both_in_order() {
+        let (a, b) = (History::new(256), History::new(256));
+        for i in 0..50u64 {
+            a.record(Op::Allocate, 0, i, i, 0);
+            b.record(Op::Free, 1, i, i, 0);
+        }
+        for h in [&a, &b] {
+            let e = h.events();
+            assert_eq!((e.recorded, e.dropped), (50, 0));
+            assert_eq!(
+                e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+                (0..50).collect::<Vec<_>>()
+            );
+        }
     }
 
     #[test]
@@ -397,24 +456,28 @@ mod tests {
 
     #[test]
     fn concurrent_readers_see_only_complete_events() {
-        let h = Arc::new(History::new(64 * SHARDS));
-        let w = {
-            let h = h.clone();
-            std::thread::spawn(move || {
-                for i in 0..200_000u64 {
-                    // size == address == stream: a torn read would break the equality.
-                    h.record(Op::Allocate, 0, i, i, i);
-                }
+        let h = Arc::new(History::new(64));
+        let writers: Vec<_> = (0..2)
+            .map(|_| {
+                let h = h.clone();
+                std::thread::spawn(move || {
+                    for i in 0..100_000u64 {
+                        // size == address == stream: a torn read would break the equality.
+                        h.record(Op::Allocate, 0, i, i, i);
+                    }
+                })
             })
-        };
+            .collect();
         let mut reads = 0;
-        while !w.is_finished() || reads == 0 {
+        while writers.iter().any(|w| !w.is_finished()) || reads == 0 {
             let e = h.events();
             assert!(e.events.iter().all(|e| e.address == e.size && e.size == e.stream));
             assert_eq!(e.events.len() as u64 + e.dropped, e.recorded);
             reads += 1;
         }
-        w.join().unwrap();
+        for w in writers {
+            w.join().unwrap();
+        }
     }
 
     #[test]

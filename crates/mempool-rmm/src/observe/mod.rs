@@ -16,7 +16,7 @@ mod page;
 mod snapshot;
 
 pub use adaptor::HistoryResource;
-pub use history::{label_names, thread_number, Event, Events, History, Label, Op, DEFAULT_CAPACITY};
+pub use history::{label_names, thread_number, Event, Events, History, Label, Op, CLAIM, DEFAULT_CAPACITY};
 pub use inspect::Inspection;
 pub use model::{
     Chunk, DeviceInfo, HistoryColumns, LiveAllocation, Range, ResourceInfo, ResourceStats, Snapshot, StreamInfo,
