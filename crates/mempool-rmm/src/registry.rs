@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex};
 use mempool_core::Device;
 
 use crate::error::Result;
-use crate::observe::{History, HistoryResource, DEFAULT_CAPACITY};
+use crate::observe::adaptor::HistoryResource;
+use crate::observe::history::{History, DEFAULT_CAPACITY};
 use crate::resource::SharedResource;
 use crate::resources::AsyncResource;
 

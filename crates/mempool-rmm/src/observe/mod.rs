@@ -5,7 +5,7 @@
 //! ([`write_html`]), and out-of-memory errors that explain themselves ([`explain`]). docs/observe.md
 //! is the guide.
 
-mod adaptor;
+pub(crate) mod adaptor;
 pub(crate) mod history;
 pub(crate) mod inspect;
 mod model;
