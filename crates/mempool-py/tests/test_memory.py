@@ -135,30 +135,30 @@ def test_out_of_memory_explains_itself_and_retry_retries():
 TORCH_STEP = """
 import json, sys
 import torch
-import mempool
 from mempool import memory, mr
-from mempool.allocators import torch as mt
-from mempool.allocators.torch import mempool_torch_pool_allocator
+from mempool.allocators.torch import mempool_torch_allocator
 
 out = sys.argv[1]
-rec = memory.record(mr.PoolMemoryResource(mr.CudaAsyncMemoryResource()))
-pool = torch.cuda.MemPool(mempool_torch_pool_allocator.allocator())
+rec = memory.record(mr.PoolMemoryResource(mr.CudaAsyncMemoryResource(), initial_pool_size=2**27))
+mr.set_current_device_resource(rec)
+# Every PyTorch allocation of the process, the autograd threads' too, goes through `rec`.
+torch.cuda.memory.change_current_allocator(mempool_torch_allocator)
 torch.manual_seed(0)
-with mt.use(pool, rec):
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(256, 1024, device="cuda")
-    y = torch.randint(0, 10, (256,), device="cuda")
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    torch.cuda.synchronize()
-    snap = memory.snapshot()  # the current resource: `rec`, during the step (gradients live)
-    opt.step()
-    memory.write_html(snap, out + ".html")
-    with open(out + ".json", "w") as f:
-        json.dump(snap, f)
-    ptrs = [p.data_ptr() for p in model.parameters()] + [p.grad.data_ptr() for p in model.parameters()]
-    print(json.dumps({"ptrs": ptrs}))
+model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(256, 1024, device="cuda")
+y = torch.randint(0, 10, (256,), device="cuda")
+loss = torch.nn.functional.cross_entropy(model(x), y)
+loss.backward()
+torch.cuda.synchronize()
+snap = memory.snapshot()  # the current resource, `rec`, in the middle of the step: gradients live
+opt.step()
+torch.cuda.synchronize()
+memory.write_html(snap, out + ".html")
+with open(out + ".json", "w") as f:
+    json.dump(snap, f)
+ptrs = [p.data_ptr() for p in model.parameters()] + [p.grad.data_ptr() for p in model.parameters()]
+print(json.dumps({"ptrs": ptrs, "x": x.data_ptr()}))
 """
 
 
@@ -169,13 +169,13 @@ def test_a_snapshot_taken_during_a_torch_training_step_opens_in_the_page(tmp_pat
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(TORCH_STEP), out], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ))
     assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
-    ptrs = json.loads(p.stdout.strip().splitlines()[-1])["ptrs"]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    ptrs = seen["ptrs"] + [seen["x"]]
     with open(out + ".json") as f:
         s = json.load(f)
     pool, made = _check_pool_snapshot(s)
     assert s["source"] == "python"
-    # PyTorch asks mempool for segments and carves its tensors from them: every parameter and gradient
-    # lies in a live allocation the history saw.
+    # Every parameter, gradient and the input lie in a live allocation the history saw.
     for ptr in ptrs:
         assert any(a <= ptr < a + n for a, n in made.items()), (hex(ptr), {hex(a): n for a, n in made.items()})
     # The weights and gradients (2 x (1024*2048 + 2048 + 2048*10 + 10) floats) are live.
