@@ -4,7 +4,7 @@
 
 use pyo3::prelude::*;
 
-use mempool_rmm::observe::{self, DeviceInfo, History, HistoryResource};
+use mempool_rmm::observe::{self, History, HistoryResource};
 use mempool_rmm::{adaptors::OomRetryAdaptor, SharedResource};
 use std::sync::Arc;
 
@@ -20,26 +20,8 @@ pub fn _memory_snapshot_json(py: Python<'_>, mr: Option<&Bound<'_, PyResource>>,
         Some(r) => (r.get().inner.clone(), r.get().device),
         None => (mempool_capi::registry::current(device).py()?, device),
     };
-    let snap = py.detach(|| {
-        let mut snap = observe::snapshot(&*shared, "python");
-        for r in &mut snap.resources {
-            r.device = Some(device as u32);
-        }
-        if let Ok(dev) = mempool_capi::device::device(device) {
-            let free = dev
-                .context()
-                .ok()
-                .and_then(|c| c.memory_info().ok())
-                .map_or(0, |m| m.free as u64);
-            snap.devices.push(DeviceInfo {
-                ordinal: device as u32,
-                name: dev.name().unwrap_or_default(),
-                total_bytes: dev.total_memory().map_or(0, |t| t as u64),
-                free_bytes: free,
-            });
-        }
-        snap
-    });
+    let dev = mempool_capi::device::device(device).py()?;
+    let snap = py.detach(|| observe::snapshot_on(&*shared, &dev, "python"));
     Ok(observe::to_json(&snap))
 }
 

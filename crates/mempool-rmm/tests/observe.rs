@@ -252,7 +252,13 @@ fn the_registry_default_records_its_history() {
     let mr = mempool_rmm::registry::current_device_resource(&dev).unwrap();
     assert_eq!(mr.name(), "HistoryResource");
     let p = mr.allocate(4242, stream.as_ref()).unwrap();
-    let snap = snapshot(&*mr, "rust");
+    let snap = mempool_rmm::observe::snapshot_current(&dev).unwrap();
+    assert_eq!(snap.devices.len(), 1);
+    assert_eq!(snap.devices[0].ordinal, dev.ordinal() as u32);
+    assert_eq!(snap.devices[0].total_bytes, dev.total_memory().unwrap() as u64);
+    assert!(snap.resources.iter().all(|r| r.device == Some(dev.ordinal() as u32)));
+    let names: Vec<&str> = snap.resources.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["HistoryResource", "AsyncResource"]);
     let i = (0..snap.history.len())
         .rev()
         .find(|&i| snap.history.address[i] == p.0)

@@ -26,4 +26,4 @@ pub use oom::{explain, stack_of};
 pub use page::{
     escape_for_script, page, page_from_json, read_json, to_json, write_html, write_json, MARKER, VIEWER_HTML,
 };
-pub use snapshot::{from_log, snapshot};
+pub use snapshot::{from_log, snapshot, snapshot_current, snapshot_on};

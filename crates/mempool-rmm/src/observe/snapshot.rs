@@ -3,14 +3,18 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use mempool_core::Device;
+
 use crate::adaptors::{Action, LogEvent};
+use crate::error::Result;
 use crate::observe::history::{label_names, Events, Op};
 use crate::observe::inspect::Inspection;
 use crate::observe::model::{
-    Chunk, HistoryColumns, LiveAllocation, Range, ResourceInfo, ResourceStats, Snapshot, StreamInfo, StreamStats,
-    SCHEMA, VERSION,
+    Chunk, DeviceInfo, HistoryColumns, LiveAllocation, Range, ResourceInfo, ResourceStats, Snapshot, StreamInfo,
+    StreamStats, SCHEMA, VERSION,
 };
 use crate::observe::oom::stack_of;
+use crate::registry::current_device_resource;
 use crate::resource::MemoryResource;
 
 fn now_unix_ns() -> u64 {
@@ -209,6 +213,34 @@ pub fn snapshot(top: &dyn MemoryResource, source: &str) -> Snapshot {
     }
     snap.streams = streams.list;
     snap
+}
+
+/// [`snapshot`] of `top`, a stack whose memory lives on `device`: every resource names the device and
+/// `devices` lists it with its name, total and free memory (as the driver reports them when asked).
+pub fn snapshot_on(top: &dyn MemoryResource, device: &Device, source: &str) -> Snapshot {
+    let mut snap = snapshot(top, source);
+    let ordinal = device.ordinal() as u32;
+    for r in &mut snap.resources {
+        r.device = Some(ordinal);
+    }
+    snap.devices.push(DeviceInfo {
+        ordinal,
+        name: device.name().unwrap_or_default(),
+        total_bytes: device.total_memory().map_or(0, |t| t as u64),
+        free_bytes: device
+            .context()
+            .ok()
+            .and_then(|c| c.memory_info().ok())
+            .map_or(0, |m| m.free as u64),
+    });
+    snap
+}
+
+/// The snapshot of `device`'s current resource ([`crate::registry::current_device_resource`]: by
+/// default a recorded driver pool), with the device ([`snapshot_on`]).
+pub fn snapshot_current(device: &Device) -> Result<Snapshot> {
+    let top = current_device_resource(device)?;
+    Ok(snapshot_on(&*top, device, "rust"))
 }
 
 /// A snapshot of what an RMM-format CSV log ([`crate::adaptors::parse_log`]) describes: one resource
