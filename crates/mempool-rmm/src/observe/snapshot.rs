@@ -208,7 +208,8 @@ pub fn snapshot(top: &dyn MemoryResource, source: &str) -> Snapshot {
             chunks,
         });
     }
-    if any_chunks && snap.history.dropped == 0 && snap.history.capacity > 0 {
+    // A suballocator lists every allocation it holds (those older than the history's window too).
+    if any_chunks {
         snap.live_truncated = false;
     }
     snap.streams = streams.list;
