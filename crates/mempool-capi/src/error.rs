@@ -456,6 +456,7 @@ mod tests {
         r.tag = Some("kv-cache".into());
         r.holder = Some("ServiceResource");
         r.held = Some(7 << 30);
+        r.held_as = Some("mapped");
         r.live = Some(6 << 30);
         r.free = Some(1 << 30);
         r.largest_free = Some(1 << 29);
@@ -468,7 +469,7 @@ mod tests {
             "3221225472 bytes",
             "`kv-cache`",
             "HistoryResource > ServiceResource could not allocate",
-            "ServiceResource holds 7516192768 bytes",
+            "ServiceResource holds 7516192768 bytes mapped",
             "6442450944 bytes live",
             "its largest free block is 536870912 bytes",
             "50% fragmented",

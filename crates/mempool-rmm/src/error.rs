@@ -115,6 +115,8 @@ pub struct OutOfMemoryReport {
     pub holder: Option<&'static str>,
     /// Bytes `holder` holds (reserved from its upstream, or mapped).
     pub held: Option<u64>,
+    /// How it holds them, where the message should say (`mapped`: the service resource's chunks).
+    pub held_as: Option<&'static str>,
     /// Bytes of its live allocations.
     pub live: Option<u64>,
     /// Bytes it holds that no live allocation uses.
@@ -177,6 +179,9 @@ impl std::fmt::Display for OutOfMemoryReport {
         }
         if let Some(holder) = self.holder {
             write!(f, "; {holder} holds {} bytes", opt(self.held))?;
+            if let Some(how) = self.held_as {
+                write!(f, " {how}")?;
+            }
             write!(f, ", {} bytes live", opt(self.live))?;
             if let Some(free) = self.free {
                 write!(f, ", {free} bytes free")?;

@@ -778,6 +778,7 @@ impl ServiceResource {
         r.tag = Some(st.regions[ri].name.clone());
         r.holder = Some(self.name);
         r.held = Some(held);
+        r.held_as = Some("mapped");
         r.live = Some(st.used);
         r.free = Some(held.saturating_sub(st.used));
         r.largest_free = Some(largest_free_mapped(&st.regions[ri]));
