@@ -57,6 +57,9 @@ pub enum Error {
     /// An I/O error of the logging adaptor.
     #[error("log I/O failed: {0}")]
     Log(String),
+    /// A file of `observe` (a snapshot, a page) that could not be written, naming the file and the cause.
+    #[error("{0}")]
+    Io(String),
     /// A failure of the CUDA layer (driver missing or too old, a driver call that failed, ...).
     #[error(transparent)]
     Core(mempool_core::Error),

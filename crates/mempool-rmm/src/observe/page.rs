@@ -42,7 +42,7 @@ pub fn page(snapshot: &Snapshot) -> Result<String> {
 }
 
 fn io(path: &Path, e: std::io::Error) -> Error {
-    Error::Log(format!("writing {}: {e}", path.display()))
+    Error::Io(format!("could not write {}: {e}", path.display()))
 }
 
 /// Writes the snapshot's JSON to `path`.

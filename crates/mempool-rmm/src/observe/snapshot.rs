@@ -506,6 +506,13 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_cannot_be_written_is_named() {
+        let snap = from_log(&[], "x.csv");
+        let e = crate::observe::page::write_json(&snap, "/nonexistent-dir-26a/s.json").unwrap_err();
+        assert!(e.to_string().starts_with("could not write /nonexistent-dir-26a/s.json: "), "{e}");
+    }
+
+    #[test]
     fn a_log_becomes_a_snapshot_of_its_events() {
         let csv = "Thread,Time,Action,Pointer,Size,Stream\n\
                    7,10:00:00.000000,allocate,0x1000,100,0x0\n\
