@@ -509,7 +509,11 @@ mod tests {
     fn a_file_that_cannot_be_written_is_named() {
         let snap = from_log(&[], "x.csv");
         let e = crate::observe::page::write_json(&snap, "/nonexistent-dir-26a/s.json").unwrap_err();
-        assert!(e.to_string().starts_with("could not write /nonexistent-dir-26a/s.json: "), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("could not write /nonexistent-dir-26a/s.json: "),
+            "{e}"
+        );
     }
 
     #[test]
