@@ -236,7 +236,22 @@ fn a_service_snapshot_reports_what_it_maps() {
     assert_eq!(r.stats.held_bytes, Some(st.mapped_bytes));
     assert_eq!(r.stats.live_bytes, Some(st.used_bytes));
     assert_eq!(r.stats.live_count, Some(2));
-    assert_eq!(snap.live.len(), 2);
+    // Its chunks are the mapped runs, each with the region's used and free ranges in it.
+    assert!(!r.chunks.is_empty());
+    check_suballocator(
+        &snap,
+        "ServiceResource",
+        st.mapped_bytes,
+        st.used_bytes,
+        2,
+        st.mapped_bytes - st.used_bytes,
+    );
+    assert_eq!(
+        snap.live.len(),
+        2,
+        "the history's allocations are the used ranges: {:?}",
+        snap.live
+    );
     // SAFETY: `p` and `q` came from `mr.allocate` with these sizes, are freed once, and no work uses them.
     unsafe {
         mr.deallocate(p, 5 * MIB, stream.as_ref()).unwrap();

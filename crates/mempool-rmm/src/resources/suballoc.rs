@@ -26,6 +26,11 @@ impl StreamKey {
         StreamKey(stream.id())
     }
 
+    /// The raw handle's value.
+    pub(crate) fn id(self) -> usize {
+        self.0
+    }
+
     /// The stream behind the key, for a driver call made during the engine call that passed it in.
     #[allow(unsafe_code)]
     fn stream(self) -> StreamRef<'static> {
@@ -441,7 +446,7 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
                             addr: r.addr,
                             size: r.size,
                             used: r.used,
-                            stream: r.stream.map(|s| s.0),
+                            stream: r.stream.map(StreamKey::id),
                         })
                         .collect(),
                 })

@@ -769,6 +769,47 @@ impl ServiceResource {
         result
     }
 
+    /// The mapped runs of the awake tags (adjacent mappings joined), each with its region engine's ranges
+    /// clipped to it: what a snapshot shows as this resource's chunks. A live allocation lies in mapped
+    /// memory, so no used range is cut; free ranges end where the mapping does.
+    fn mapped_runs(&self) -> Vec<suballoc::ChunkMap<usize>> {
+        let st = self.state();
+        let mut out = Vec::new();
+        for r in st.regions.iter().filter(|r| r.asleep.is_none()) {
+            let ranges: Vec<suballoc::MapRange<StreamKey>> =
+                r.engine.memory_map().into_iter().flat_map(|m| m.ranges).collect();
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for m in r.mappings.values() {
+                let (a, e) = (m.addr().0, m.addr().0 + m.len() as u64);
+                match runs.last_mut() {
+                    Some(last) if last.1 == a => last.1 = e,
+                    _ => runs.push((a, e)),
+                }
+            }
+            for (a, e) in runs {
+                let clipped = ranges
+                    .iter()
+                    .filter(|g| g.addr < e && g.addr + g.size > a)
+                    .map(|g| {
+                        let (s, t) = (g.addr.max(a), (g.addr + g.size).min(e));
+                        suballoc::MapRange {
+                            addr: s,
+                            size: t - s,
+                            used: g.used,
+                            stream: g.stream.map(StreamKey::id),
+                        }
+                    })
+                    .collect();
+                out.push(suballoc::ChunkMap {
+                    addr: a,
+                    size: e - a,
+                    ranges: clipped,
+                });
+            }
+        }
+        out
+    }
+
     /// The out-of-memory error for `bytes` under region `ri`, with what the resource holds.
     fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
         let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
@@ -1270,7 +1311,10 @@ unsafe impl MemoryResource for ServiceResource {
         self.name
     }
 
+    /// Its mapped and live bytes with their peaks, and as chunks the mapped runs of the awake tags (adjacent
+    /// mappings as one run), each with the used and free ranges of its region's engine.
     fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let chunks = self.mapped_runs();
         let st = self.stats();
         crate::observe::inspect::Inspection {
             held_bytes: Some(st.mapped_bytes),
@@ -1280,6 +1324,8 @@ unsafe impl MemoryResource for ServiceResource {
             live_count: Some(st.tags.iter().map(|t| t.live_allocations).sum()),
             allocations: Some(st.tags.iter().map(|t| t.allocations).sum()),
             device_free: self.ctx.memory_info().ok().map(|m| m.free as u64),
+            chunks,
+            has_chunks: true,
             ..crate::observe::inspect::Inspection::default()
         }
     }
