@@ -68,9 +68,9 @@ pub struct Events {
     pub events: Vec<Event>,
     /// How many events the ring holds at most.
     pub capacity: u64,
-    /// Events ever recorded.
+    /// Events ever recorded (slots claimed and not written yet are not events).
     pub recorded: u64,
-    /// Events overwritten (or being written while read).
+    /// Events no longer held: overwritten by later ones (before or while the ring was read).
     pub dropped: u64,
 }
 
