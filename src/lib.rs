@@ -76,6 +76,10 @@ mod docs_ipc_protocol {}
 mod docs_memory_service {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/observe.md")]
+mod docs_observe {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/resources.md")]
 mod docs_resources {}
 

@@ -130,6 +130,13 @@ enum Command {
         /// Timed replays per resource (median), after one warm-up replay.
         #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = count_arg)]
         repeats: usize,
+        /// Write the log's snapshot (docs/observe.md, "Schema") to FILE. With --snapshot or --html and
+        /// no -r, nothing is replayed (no GPU needed).
+        #[arg(long, value_name = "FILE")]
+        snapshot: Option<PathBuf>,
+        /// Write the viewer page showing the log's snapshot to FILE.
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
     },
     /// gpu-bdb-style queries (filter, join, group-by, sort) on several workers; speed-up over cuMemAlloc.
     Query {
@@ -496,7 +503,15 @@ fn run(cli: Cli) -> Result<()> {
             common: args,
             file,
             repeats,
+            snapshot,
+            html,
         } => {
+            if snapshot.is_some() || html.is_some() {
+                replay::write_snapshot(&file, snapshot.as_deref(), html.as_deref())?;
+                if args.resources.is_empty() {
+                    return Ok(());
+                }
+            }
             let specs = specs(&args, HOST_RESOURCES)?;
             // The file is an argument: it is read (and refused) before the driver is loaded.
             let plan = replay::load(&file).map_err(|e| Error::Usage(e.to_string()))?;

@@ -1042,3 +1042,76 @@ fn gpu_workloads_need_their_gpus_or_run() {
         }
     }
 }
+
+#[test]
+fn history_specs_wrap_any_upstream_and_print_their_capacity() {
+    assert_eq!(
+        parse("history(pool(async))").unwrap().to_string(),
+        "history(pool(async))"
+    );
+    assert_eq!(
+        parse("history(sim, capacity=1000)").unwrap().to_string(),
+        "history(sim,capacity=1000)"
+    );
+    assert_eq!(
+        parse("history(async,capacity=65536)").unwrap().to_string(),
+        "history(async)",
+        "the default capacity is left out"
+    );
+    assert!(parse("history(sim)").unwrap().is_host_only());
+    assert!(!parse("history(async)").unwrap().is_host_only());
+    let e = parse("history").unwrap_err().to_string();
+    assert!(e.contains("`history` needs an upstream resource"), "{e}");
+    let e = parse("history(async,size=3)").unwrap_err().to_string();
+    assert!(e.contains("`history` has no option `size`"), "{e}");
+    let built = build(&parse("history(sim)").unwrap(), None).unwrap();
+    assert_eq!(built.resource.name(), "HistoryResource");
+    let p = built.resource.allocate(1000, mempool_core::StreamRef::LEGACY).unwrap();
+    // SAFETY: `p` came from this resource with this size and is freed once; `sim` addresses are never
+    // dereferenced.
+    #[allow(unsafe_code)]
+    unsafe { built.resource.deallocate(p, 1000, mempool_core::StreamRef::LEGACY) }.unwrap();
+    let snap = mempool_rmm::observe::snapshot(&*built.resource, "rust");
+    assert_eq!(snap.history.op, [0, 1]);
+}
+
+#[test]
+fn replay_writes_the_snapshot_and_the_page_of_a_small_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("small.csv");
+    std::fs::write(
+        &log,
+        "Thread,Time,Action,Pointer,Size,Stream\n\
+         1,10:00:00.000000,allocate,0x7f0000000000,1024,0x0\n\
+         1,10:00:00.000100,allocate,0x7f0000100000,4096,0x0\n\
+         2,10:00:00.000200,free,0x7f0000000000,1024,0x0\n\
+         2,10:00:00.000300,allocate failure,0x0,1073741824,0x0\n",
+    )
+    .unwrap();
+    let (json, html) = (dir.path().join("s.json"), dir.path().join("s.html"));
+    let out = bench()
+        .arg("replay")
+        .arg(&log)
+        .arg("--snapshot")
+        .arg(&json)
+        .arg("--html")
+        .arg(&html)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&json).unwrap();
+    let snap = mempool_rmm::observe::read_json(&text).unwrap();
+    assert_eq!(snap.source, "replay:small.csv");
+    assert_eq!(snap.history.op, [0, 0, 1, 2]);
+    assert_eq!(snap.history.t_ns, [0, 100_000, 200_000, 300_000]);
+    assert_eq!(snap.resources[0].stats.live_bytes, Some(4096));
+    assert_eq!(snap.resources[0].stats.peak_live_bytes, Some(5120));
+    let live: Vec<(u64, u64)> = snap.live.iter().map(|l| (l.address, l.size)).collect();
+    assert_eq!(live, [(0x7f0000100000, 4096)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains(&text.replace('<', "\\u003c")),
+        "the page embeds the snapshot"
+    );
+    assert!(!page.contains(mempool_rmm::observe::MARKER));
+}

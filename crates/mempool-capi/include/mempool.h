@@ -81,6 +81,10 @@ int mempool_pool_resource_create(const mempool_resource_t* upstream, int device,
                                  size_t maximum_pool_size, mempool_resource_t** out);
 int mempool_statistics_adaptor_create(const mempool_resource_t* upstream, mempool_resource_t** out);
 int mempool_limiting_adaptor_create(const mempool_resource_t* upstream, size_t limit, mempool_resource_t** out);
+/* On out of memory: trim the stack under it, synchronize the stream, retry once (docs/observe.md). */
+int mempool_oom_retry_adaptor_create(const mempool_resource_t* upstream, mempool_resource_t** out);
+/* Records allocations and frees in a ring of capacity events (capacity 0: MEMPOOL_ERROR_INVALID_ARGUMENT). */
+int mempool_history_adaptor_create(const mempool_resource_t* upstream, size_t capacity, mempool_resource_t** out);
 /* MEMPOOL_ERROR_INVALID_ARGUMENT unless resource is a statistics adaptor */
 int mempool_statistics_get(const mempool_resource_t* resource, mempool_statistics_t* out);
 void mempool_resource_destroy(mempool_resource_t* resource); /* NULL is a no-op */

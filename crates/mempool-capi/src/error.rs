@@ -168,7 +168,7 @@ impl Status {
         match e {
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::Panic(_) => Status::Panic,
-            Error::Rmm(R::OutOfMemory { .. } | R::OutOfMemoryHeld { .. } | R::LimitExceeded { .. }) => {
+            Error::Rmm(R::OutOfMemory { .. } | R::OutOfMemoryReport(_) | R::LimitExceeded { .. }) => {
                 Status::OutOfMemory
             }
             Error::Rmm(R::Unsupported { .. }) => Status::Unsupported,
@@ -451,24 +451,28 @@ mod tests {
 
     #[test]
     fn a_service_out_of_memory_is_out_of_memory_and_says_what_is_held() {
-        let e = Error::from(mempool_rmm::Error::OutOfMemoryHeld {
-            resource: "ServiceResource",
-            requested: 3 << 30,
-            tag: "kv-cache".into(),
-            held: 7 << 30,
-            live: 6 << 30,
-            largest_free: 1 << 29,
-            device_free: 1 << 20,
-        });
+        let mut r = mempool_rmm::OutOfMemoryReport::new(3 << 30, "ServiceResource");
+        r.stack = vec!["HistoryResource", "ServiceResource"];
+        r.tag = Some("kv-cache".into());
+        r.holder = Some("ServiceResource");
+        r.held = Some(7 << 30);
+        r.held_as = Some("mapped");
+        r.live = Some(6 << 30);
+        r.free = Some(1 << 30);
+        r.largest_free = Some(1 << 29);
+        r.device_free = Some(1 << 20);
+        let e = Error::from(mempool_rmm::Error::OutOfMemoryReport(Box::new(r)));
         assert_eq!(record(&e), Status::OutOfMemory);
         let text = last_error();
         for name in [
             "out of memory",
             "3221225472 bytes",
             "`kv-cache`",
-            "holds 7516192768 bytes mapped",
+            "HistoryResource > ServiceResource could not allocate",
+            "ServiceResource holds 7516192768 bytes mapped",
             "6442450944 bytes live",
-            "largest free block in mapped memory is 536870912 bytes",
+            "its largest free block is 536870912 bytes",
+            "50% fragmented",
             "device has 1048576 bytes free",
         ] {
             assert!(text.contains(name), "{text:?} does not name {name:?}");

@@ -316,6 +316,56 @@ pub unsafe extern "C" fn mempool_limiting_adaptor_create(
     })
 }
 
+/// On out of memory, trims the stack under it, synchronizes the request's stream and retries once
+/// (`mempool_rmm::adaptors::OomRetryAdaptor`; docs/observe.md, "Out of memory").
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_oom_retry_adaptor_create(
+    upstream: *const ResourceHandle,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        let mr: SharedResource = Arc::new(mempool_rmm::adaptors::OomRetryAdaptor::new(h.shared.clone()));
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
+    })
+}
+
+/// Records the allocations and frees through it in a history of `capacity` events
+/// (`mempool_rmm::observe::HistoryResource`; 0 is refused).
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_history_adaptor_create(
+    upstream: *const ResourceHandle,
+    capacity: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        if capacity == 0 {
+            return Err(Error::InvalidArgument(
+                "capacity is 0: a history keeps at least one event".into(),
+            ));
+        }
+        let history = Arc::new(mempool_rmm::observe::History::new(capacity));
+        let mr: SharedResource = Arc::new(mempool_rmm::observe::HistoryResource::with_history(
+            h.shared.clone(),
+            history,
+        ));
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
+    })
+}
+
 /// Reads a statistics adaptor's counters (`MEMPOOL_ERROR_INVALID_ARGUMENT` for another resource).
 ///
 /// # Safety

@@ -13,6 +13,7 @@ mod cupy;
 mod dlpack;
 mod errors;
 mod ipc;
+mod memory;
 mod mr;
 mod stream;
 mod surface;
@@ -128,6 +129,10 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(mr::_flush_logs, m)?)?;
     cupy::register(m)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_snapshot_json, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_page, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_record, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_oom_retry, m)?)?;
     errors::register(m)?;
     Ok(())
 }

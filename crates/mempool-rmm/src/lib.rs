@@ -13,6 +13,8 @@
 //! - [`adaptors`]: statistics, tracking, logging (RMM's CSV format), limiting, aligned,
 //!   failure-callback, prefetch.
 //! - [`registry`]: the per-device current resource.
+//! - [`observe`]: the allocation history, snapshots of a resource stack and the viewer page they open
+//!   in, out-of-memory reports (docs/observe.md).
 //! - The suballocating resources ([`PoolResource`], [`FixedSizeResource`], [`BinningResource`],
 //!   [`ArenaResource`]: one generic [`SuballocatingResource`]), which run the engines of
 //!   [`suballoc`] (the `mempool-suballoc` crate: pool, fixed-size, binning, arena, host-testable over
@@ -31,6 +33,7 @@
 pub mod adaptors;
 pub mod containers;
 mod error;
+pub mod observe;
 pub mod registry;
 mod resource;
 pub mod resources;
@@ -42,7 +45,7 @@ pub use mempool_suballoc as suballoc;
 /// The standard random workload and its generator (`mempool_suballoc::workload`).
 pub use mempool_suballoc::workload;
 
-pub use error::{Error, Result};
+pub use error::{Error, OutOfMemoryReport, Result};
 pub use resource::{align_up, MemoryResource, SharedResource, ALIGNMENT};
 pub use resources::{
     ArenaResource, AsyncManagedOptions, AsyncManagedResource, AsyncOptions, AsyncResource, BinningResource,

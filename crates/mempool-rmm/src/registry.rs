@@ -2,7 +2,11 @@
 //!
 //! Process-wide, like RMM's: libraries that allocate "on the current device resource" all see the same
 //! one. The default, made on first use, is an [`AsyncResource`] on the device's default pool, not plain
-//! `cuMemAlloc`.
+//! `cuMemAlloc`, under a [`HistoryResource`] that records its recent allocations (the history is on by
+//! default here: docs/observe.md, "History", has its cost). The environment variable
+//! `MEMPOOL_HISTORY` sets the history's capacity in events (`0` leaves the default resource without
+//! one). A resource set with [`set_current_device_resource`] is used as it is: wrap it in a
+//! [`HistoryResource`] to record it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +15,8 @@ use std::sync::{Arc, Mutex};
 use mempool_core::Device;
 
 use crate::error::Result;
+use crate::observe::adaptor::HistoryResource;
+use crate::observe::history::{History, DEFAULT_CAPACITY};
 use crate::resource::SharedResource;
 use crate::resources::AsyncResource;
 
@@ -32,13 +38,26 @@ pub fn generation() -> u64 {
     GENERATION.load(Ordering::Acquire)
 }
 
-/// The current resource of `device`, creating the default (an [`AsyncResource`] on the device's default
-/// pool) on first use.
+/// The history capacity of the default resource: `MEMPOOL_HISTORY` if set to a number, else
+/// [`DEFAULT_CAPACITY`]; 0 means no history.
+pub fn default_history_capacity() -> usize {
+    std::env::var("MEMPOOL_HISTORY")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_CAPACITY)
+}
+
+/// The current resource of `device`, creating the default on first use: an [`AsyncResource`] on the
+/// device's default pool, under a [`HistoryResource`] (see the module docs).
 pub fn current_device_resource(device: &Device) -> Result<SharedResource> {
     if let Some(r) = with(|m| m.get(&device.ordinal()).cloned()) {
         return Ok(r);
     }
-    let default: SharedResource = Arc::new(AsyncResource::default_pool(device)?);
+    let pool = AsyncResource::default_pool(device)?;
+    let default: SharedResource = match default_history_capacity() {
+        0 => Arc::new(pool),
+        n => Arc::new(HistoryResource::with_history(pool, Arc::new(History::new(n)))),
+    };
     Ok(with(|m| m.entry(device.ordinal()).or_insert(default).clone()))
 }
 

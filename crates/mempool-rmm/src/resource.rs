@@ -6,6 +6,7 @@ use std::sync::Arc;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
+use crate::observe::inspect::Inspection;
 
 /// The one alignment of the workspace, defined by the suballocator engines: every allocation a
 /// resource in this crate returns is aligned to it (as RMM's `CUDA_ALLOCATION_ALIGNMENT`).
@@ -107,6 +108,29 @@ pub unsafe trait MemoryResource: Send + Sync + Debug {
 
     /// A short name for reports and errors, e.g. `PoolResource`.
     fn name(&self) -> &'static str;
+
+    /// The resource this one allocates from, for walking a stack from the top down (snapshots,
+    /// out-of-memory reports, [`trim_unused`](Self::trim_unused)). `None` (the default) for a resource at the bottom.
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        None
+    }
+
+    /// What the resource knows about the memory it holds, for snapshots and out-of-memory reports
+    /// (off the allocation path: a suballocator walks its blocks). The default knows nothing.
+    fn inspect(&self) -> Inspection {
+        Inspection::default()
+    }
+
+    /// Returns memory the resource holds but no allocation uses to where it came from, then asks its
+    /// upstream to do the same: what [`crate::adaptors::OomRetryAdaptor`] runs before it retries. The
+    /// default asks only the upstream. `stream` orders the returns (suballocators return chunks on the
+    /// legacy stream after ordering it after every free, as their `release_unused` does).
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        match self.upstream_resource() {
+            Some(u) => u.trim_unused(stream),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The type-erased, shareable form of a resource.
@@ -130,6 +154,15 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     fn name(&self) -> &'static str {
         (**self).name()
     }
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        (**self).upstream_resource()
+    }
+    fn inspect(&self) -> Inspection {
+        (**self).inspect()
+    }
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        (**self).trim_unused(stream)
+    }
 }
 
 // SAFETY: forwards every call to the borrowed resource unchanged.
@@ -149,5 +182,14 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for &R {
     }
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        (**self).upstream_resource()
+    }
+    fn inspect(&self) -> Inspection {
+        (**self).inspect()
+    }
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        (**self).trim_unused(stream)
     }
 }

@@ -77,13 +77,15 @@ fn vectors_and_scalars_hold_typed_data_kernels_can_write() {
 fn registry_defaults_to_the_async_pool_and_swaps() {
     let dev = device();
     let first = current_device_resource(&dev).unwrap();
-    assert_eq!(first.name(), "AsyncResource");
+    // The default records its history (issue 26) over the device's default pool.
+    assert_eq!(first.name(), "HistoryResource");
+    assert_eq!(first.upstream_resource().map(|u| u.name()), Some("AsyncResource"));
     let mine: SharedResource = Arc::new(StatisticsAdaptor::new(AsyncResource::default_pool(&dev).unwrap()));
     let previous = set_current_device_resource(&dev, mine.clone());
     assert!(previous.is_some_and(|p| Arc::ptr_eq(&p, &first)));
     assert!(Arc::ptr_eq(&current_device_resource(&dev).unwrap(), &mine));
     assert!(reset_current_device_resource(&dev).is_some_and(|p| Arc::ptr_eq(&p, &mine)));
-    assert_eq!(current_device_resource(&dev).unwrap().name(), "AsyncResource");
+    assert_eq!(current_device_resource(&dev).unwrap().name(), "HistoryResource");
 }
 
 #[test]

@@ -8,6 +8,7 @@ use super::chunks::check_balance;
 use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
+use crate::memory_map::{ChunkMap, MapRange};
 use crate::pool::{PoolEngine, PoolOptions};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
@@ -434,6 +435,44 @@ where
     /// existing arena (free ones in that arena's index, live ones tagged with it) and which they
     /// tile, that there are `superblocks_in_arenas()` of them, that the arenas' `empty` lists hold
     /// exactly their whole-superblock free blocks, and that free + used = reserved.
+    /// The global arena's chunks, each superblock an arena holds shown as its blocks (free ones with
+    /// the arena's stream).
+    fn memory_map(&self) -> Vec<ChunkMap<O::Stream>> {
+        let mut inner: HashMap<u64, Vec<MapRange<O::Stream>>> = HashMap::new();
+        let range = |b: Block, used, stream| MapRange {
+            addr: b.addr,
+            size: b.size,
+            used,
+            stream,
+        };
+        for arena in &self.arenas {
+            for b in self.blocks.free_blocks(&arena.free) {
+                inner
+                    .entry(b.chunk)
+                    .or_default()
+                    .push(range(b, false, Some(arena.stream)));
+            }
+        }
+        for b in self.blocks.live_blocks() {
+            inner.entry(b.chunk).or_default().push(range(b, true, None));
+        }
+        let mut maps = self.global.memory_map();
+        for m in &mut maps {
+            let mut ranges = Vec::with_capacity(m.ranges.len());
+            for r in m.ranges.drain(..) {
+                match inner.remove(&r.addr) {
+                    Some(mut blocks) if r.used => {
+                        blocks.sort_unstable_by_key(|b| b.addr);
+                        ranges.extend(blocks);
+                    }
+                    _ => ranges.push(r),
+                }
+            }
+            m.ranges = ranges;
+        }
+        maps
+    }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.global.check_invariants()?;
         let sb_size = self.superblock_size;

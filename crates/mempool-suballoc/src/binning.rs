@@ -4,6 +4,7 @@ use super::chunks::{check_balance, Chunks};
 use super::fixed_size::FixedCore;
 use crate::engine::Engine;
 use crate::error::{Error, InvariantViolation};
+use crate::memory_map::{ChunkMap, MapRange};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -245,6 +246,23 @@ where
     /// Checks every bin's invariants, that large allocations are aligned and disjoint from each
     /// other, and that free + used = reserved overall. (Bins and large allocations cannot overlap:
     /// each is a distinct upstream allocation.)
+    /// Every bin's chunks, then each allocation above the bins as a chunk of one used range.
+    fn memory_map(&self) -> Vec<ChunkMap<O::Stream>> {
+        let mut maps: Vec<ChunkMap<O::Stream>> = self.bins.iter().flat_map(|b| b.memory_map()).collect();
+        maps.extend(self.large.iter().map(|(addr, c)| ChunkMap {
+            addr,
+            size: c.size,
+            ranges: vec![MapRange {
+                addr,
+                size: c.size,
+                used: true,
+                stream: None,
+            }],
+        }));
+        maps.sort_unstable_by_key(|m| m.addr);
+        maps
+    }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         for bin in &self.bins {
             bin.check_invariants()?;

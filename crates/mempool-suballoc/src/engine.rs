@@ -6,6 +6,8 @@ use std::hash::Hash;
 
 use crate::error::{Error, InvariantViolation};
 
+use crate::memory_map::ChunkMap;
+
 use crate::stream_order::StreamOrder;
 
 use crate::types::{EngineStats, EventPolicy};
@@ -113,6 +115,11 @@ pub trait Engine {
 
     /// Bytes reserved, used and free, and block counts.
     fn stats(&self) -> EngineStats;
+
+    /// Each upstream chunk with its used and free ranges, in address order: a read-only picture
+    /// for snapshots and out-of-memory reports, built on each call (it walks every block: not for
+    /// the allocation path).
+    fn memory_map(&self) -> Vec<ChunkMap<Self::Stream>>;
 
     /// Checks the engine's bookkeeping: every invariant written next to its fields, and
     /// `free_bytes + used_bytes == reserved_bytes`.

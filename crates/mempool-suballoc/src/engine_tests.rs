@@ -74,3 +74,64 @@ fn a_large_binning_allocation_the_upstream_refuses_is_forgotten() {
     e.check_invariants().unwrap();
     up.set_fail_deallocations(false);
 }
+
+/// After a mixed workload on two streams, the memory map agrees with the engine's statistics: its
+/// chunks are the reserved bytes, its ranges cover each chunk exactly in address order, its used
+/// ranges are the live allocations (each at least the size asked for), and free ranges name a stream.
+fn memory_map_matches_the_stats<C: EngineOptions>(options: C) {
+    use crate::memory_map::summarize;
+    const B: SimStream = SimStream::new(1);
+    let mut e: C::Engine<SimUpstream, SimStreams> =
+        Engine::new(SimUpstream::new(), SimStreams::new(), options).unwrap();
+    let sizes = [1000u64, 300, 70_000, 256, 5000, 2_000_000, 4096, 100];
+    let mut live = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let s = if i % 2 == 0 { A } else { B };
+        live.push((e.allocate(n, s).unwrap(), n, s));
+    }
+    for (addr, n, s) in live.drain(..).step_by(2).collect::<Vec<_>>() {
+        e.deallocate(addr, n, s).unwrap();
+    }
+    let st = e.stats();
+    let maps = e.memory_map();
+    let sum = summarize(&maps);
+    assert_eq!(sum.reserved_bytes, st.reserved_bytes);
+    assert_eq!(sum.free_bytes, st.free_bytes);
+    assert_eq!(sum.chunks, maps.len());
+    let mut used = 0;
+    let mut used_ranges = 0;
+    for m in &maps {
+        let mut at = m.addr;
+        for r in &m.ranges {
+            assert_eq!(r.addr, at, "ranges cover the chunk {:#x} in order", m.addr);
+            at += r.size;
+            if r.used {
+                used += r.size;
+                used_ranges += 1;
+            } else {
+                assert!(r.stream == Some(A) || r.stream == Some(B), "{r:?}");
+            }
+        }
+        assert_eq!(at, m.addr + m.size);
+    }
+    assert_eq!(used, st.used_bytes);
+    assert_eq!(used_ranges, st.live_allocations);
+    assert_eq!(
+        used_ranges,
+        sizes.len() / 2,
+        "the allocations at odd positions are live"
+    );
+    assert!(sum.largest_free <= sum.free_bytes);
+}
+
+#[test]
+fn every_engine_draws_a_memory_map_that_matches_its_stats() {
+    memory_map_matches_the_stats(PoolOptions::default());
+    memory_map_matches_the_stats(FixedSizeOptions {
+        block_size: 4 << 20,
+        blocks_per_chunk: 4,
+        ..Default::default()
+    });
+    memory_map_matches_the_stats(BinningOptions::default());
+    memory_map_matches_the_stats(ArenaOptions::default());
+}

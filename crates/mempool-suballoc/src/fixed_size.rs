@@ -5,8 +5,10 @@ use std::collections::HashSet;
 use super::addr_map::{AddrMap, AddrTable};
 use super::chunks::{check_balance, Chunks};
 use super::stream_lists::StreamLists;
+use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation};
+use crate::memory_map::{self, ChunkMap};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -409,6 +411,37 @@ impl<O: StreamOrder> FixedCore<O> {
         }
     }
 
+    /// The chunks with their blocks: live ones used, free ones with the stream whose stack holds
+    /// them ([`Engine::memory_map`]).
+    pub(crate) fn memory_map(&self) -> Vec<ChunkMap<O::Stream>> {
+        let bs = self.block_size;
+        let block = |id: BlockId| {
+            let (slot, _) = self.split_id(id);
+            Block {
+                addr: self.address(id),
+                size: bs,
+                chunk: self.bases[slot as usize],
+            }
+        };
+        let mut ranges = Vec::with_capacity(self.lists.blocks() + self.live);
+        for (stream, list) in self.lists.iter() {
+            ranges.extend(list.iter().map(|&id| (block(id), false, Some(stream))));
+        }
+        for (slot, &base) in self.bases.iter().enumerate() {
+            if base == 0 {
+                continue;
+            }
+            for k in 0..self.blocks_per_chunk {
+                let id = self.block_id(slot as u32, k);
+                let (w, b) = Self::bit(id);
+                if self.live_bits[w] & b != 0 {
+                    ranges.push((block(id), true, None));
+                }
+            }
+        }
+        memory_map::build(self.chunks.iter().map(|(a, c)| (a, c.size)), ranges)
+    }
+
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.chunks.check("fixed-size")?;
         ensure!(
@@ -671,6 +704,10 @@ where
     /// aligned, and that free + used = reserved.
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.core.check_invariants()
+    }
+
+    fn memory_map(&self) -> Vec<ChunkMap<O::Stream>> {
+        self.core.memory_map()
     }
 
     fn upstream(&self) -> &U {

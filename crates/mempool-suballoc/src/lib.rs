@@ -92,6 +92,7 @@ mod engine;
 mod engine_tests;
 mod error;
 mod fixed_size;
+mod memory_map;
 mod pool;
 mod sharded;
 #[cfg(any(test, feature = "testing"))]
@@ -111,6 +112,7 @@ pub use block::Block;
 pub use engine::{Engine, EngineOptions};
 pub use error::{BoxError, Error, InvariantViolation, OutOfMemoryCause};
 pub use fixed_size::{FixedSizeEngine, FixedSizeOptions};
+pub use memory_map::{summarize, ChunkMap, MapRange, MapSummary};
 pub use pool::{PoolEngine, PoolOptions};
 pub use sharded::Sharded;
 #[cfg(any(test, feature = "testing"))]

@@ -6,6 +6,7 @@ use super::stream_lists::StreamLists;
 use crate::block::Block;
 use crate::engine::Engine;
 use crate::error::{ensure, Error, InvariantViolation, OutOfMemoryCause};
+use crate::memory_map::{self, ChunkMap};
 use crate::stream_order::StreamOrder;
 use crate::types::{align_up, EngineStats, EventPolicy, ALIGNMENT};
 use crate::upstream::Upstream;
@@ -395,6 +396,15 @@ where
     /// Checks every invariant written next to the pool's fields, in O(n log n): free lists intact,
     /// no two blocks (free or live) overlap, every block aligned and inside its upstream chunk,
     /// free + used = reserved, reserved within the maximum.
+    fn memory_map(&self) -> Vec<ChunkMap<O::Stream>> {
+        let mut ranges = Vec::with_capacity(self.blocks.live_len() + self.lists.blocks());
+        for (stream, list) in self.lists.iter() {
+            ranges.extend(self.blocks.free_blocks(list).map(|b| (b, false, Some(stream))));
+        }
+        ranges.extend(self.live().map(|b| (b, true, None)));
+        memory_map::build(self.chunks.iter().map(|(a, c)| (a, c.size)), ranges)
+    }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.chunks.check("pool")?;
         self.blocks.check(

@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::engine::Engine;
 use crate::error::{Error, InvariantViolation};
+use crate::memory_map::ChunkMap;
 use crate::types::EngineStats;
 
 /// Numbers handed to threads on their first allocation, so that the threads of a process spread
@@ -255,6 +256,14 @@ impl<E: Engine> Sharded<E> {
             total.upstream_chunks += s.upstream_chunks;
         }
         total
+    }
+
+    /// Every shard's [`Engine::memory_map`], chunks in address order.
+    pub fn memory_map(&self) -> Vec<ChunkMap<E::Stream>> {
+        let mut maps: Vec<ChunkMap<E::Stream>> =
+            (0..self.shards.len()).flat_map(|i| self.lock(i).memory_map()).collect();
+        maps.sort_unstable_by_key(|m| m.addr);
+        maps
     }
 
     /// Every shard's [`Engine::check_invariants`].

@@ -136,6 +136,45 @@ impl<C: EngineOptions> World<C> {
         shadow.freed.insert(addr, (addr + bytes, used_until));
     }
 
+    /// The engine's memory map against its statistics and the shadow: its chunks are the reserved bytes,
+    /// each chunk's ranges cover it in address order, the used ranges are exactly the live allocations
+    /// (same start, at least the size asked for) and add up to the used bytes, free ranges name a stream.
+    fn check_map(&self) {
+        let guard = self.lock();
+        let (engine, shadow) = &*guard;
+        let name = &self.name;
+        let st = engine.stats();
+        let maps = engine.memory_map();
+        let sum = mempool_suballoc::summarize(&maps);
+        assert_eq!(
+            (sum.reserved_bytes, sum.free_bytes),
+            (st.reserved_bytes, st.free_bytes),
+            "{name}"
+        );
+        let mut used: BTreeMap<u64, u64> = BTreeMap::new();
+        for m in &maps {
+            let mut at = m.addr;
+            for r in &m.ranges {
+                assert_eq!(r.addr, at, "{name}: chunk {:#x} not covered in order", m.addr);
+                at += r.size;
+                if r.used {
+                    used.insert(r.addr, r.size);
+                } else {
+                    assert!(r.stream.is_some(), "{name}: free range {r:?} names no stream");
+                }
+            }
+            assert_eq!(at, m.addr + m.size, "{name}: chunk {:#x}", m.addr);
+        }
+        assert_eq!(used.values().sum::<u64>(), st.used_bytes, "{name}");
+        assert_eq!(used.len(), shadow.live.len(), "{name}: used ranges vs live allocations");
+        for (&p, &(bytes, _)) in &shadow.live {
+            assert!(
+                used.get(&p).is_some_and(|&n| n >= bytes),
+                "{name}: live [{p:#x}, +{bytes}) is no used range"
+            );
+        }
+    }
+
     /// After a check has freed everything: the engine's books balance, nothing is used, and
     /// `release_unused` returns every chunk to the upstream.
     fn finish(self) {
@@ -326,9 +365,11 @@ fn mixed_allocate_and_free<C: EngineOptions>(w: &World<C>) {
             w.deallocate(p, size, s);
         }
     }
+    w.check_map();
     for (p, size) in live {
         w.deallocate(p, size, s);
     }
+    w.check_map();
 }
 
 /// Four threads, each on a stream of its own: memory moves between them only through the engine.
@@ -425,6 +466,7 @@ fn release_unused_keeps_live_allocations<C: EngineOptions>(w: &World<C>) {
             }
         }
         live = kept;
+        w.check_map();
         let mut guard = w.lock();
         let (engine, shadow) = &mut *guard;
         let before = engine.stats();

@@ -48,6 +48,9 @@ accepted resource specs (they compose: an UPSTREAM is itself a spec):
                                 two from 256B to 1TiB; defaults 256B and 1MiB), blocks=N (per chunk, default 128)
   arena(UPSTREAM[,OPTIONS])     ArenaResource; options: superblock=SIZE (default 1MiB), initial=SIZE, max=SIZE|max
   fixed(UPSTREAM[,OPTIONS])     FixedSizeResource; options: block=SIZE (default 1MiB), blocks=N (default 128)
+  history(UPSTREAM[,capacity=N]) HistoryResource (issue 26): records every allocation and free of UPSTREAM
+                                in a bounded ring of N events (default 65536), as the registry's default
+                                resource does; `random -r 'pool(async),history(pool(async))'` measures its cost
   cuMemAlloc                    baseline: raw cuMemAlloc/cuMemFree, as RMM's cuda_memory_resource (alias raw-cuda)
   cuMemAllocFromPoolAsync       baseline: raw cuMemAllocFromPoolAsync/cuMemFreeAsync on a pool of its own that
                                 keeps its memory (alias raw-pool)
@@ -179,6 +182,13 @@ pub enum ResourceSpec {
         /// Blocks per upstream chunk.
         blocks: u64,
     },
+    /// `history(UPSTREAM, capacity=N)`: [`HistoryResource`](mempool_rmm::observe::HistoryResource).
+    History {
+        /// The upstream.
+        upstream: Box<ResourceSpec>,
+        /// Events kept.
+        capacity: u64,
+    },
     /// `cuMemAlloc`: the raw baseline.
     RawCuda,
     /// `cuMemAllocFromPoolAsync`: the raw pool baseline.
@@ -186,6 +196,9 @@ pub enum ResourceSpec {
     /// `sim`: host simulation.
     Sim,
 }
+
+/// The default capacity of a `history` spec, as `mempool_rmm::observe::DEFAULT_CAPACITY`.
+const HISTORY_CAPACITY: u64 = mempool_rmm::observe::DEFAULT_CAPACITY as u64;
 
 // The defaults of mempool-rmm's `BinningOptions`, spelled out so specs print them the same way.
 const BIN_MIN: u64 = 256;
@@ -205,7 +218,11 @@ impl ResourceSpec {
 
     /// Whether it can run without a GPU.
     pub fn is_host_only(&self) -> bool {
-        matches!(self, ResourceSpec::Sim)
+        match self {
+            ResourceSpec::Sim => true,
+            ResourceSpec::History { upstream, .. } => upstream.is_host_only(),
+            _ => false,
+        }
     }
 }
 
@@ -311,6 +328,15 @@ impl fmt::Display for ResourceSpec {
             ResourceSpec::Vmm { owner_only } => {
                 args(f, "vmm", None, &[("peers", owner_only.then(|| "none".to_owned()))])
             }
+            ResourceSpec::History { upstream, capacity } => args(
+                f,
+                "history",
+                Some(upstream),
+                &[(
+                    "capacity",
+                    (*capacity != HISTORY_CAPACITY).then(|| capacity.to_string()),
+                )],
+            ),
             ResourceSpec::Pool { upstream, initial, max } => args(
                 f,
                 "pool",
@@ -868,6 +894,35 @@ impl Checker<'_> {
                     max,
                 }
             }
+            "history" => {
+                // An adaptor, not a suballocator: `sim` is a fine upstream (the host can measure it).
+                let mut upstream = None;
+                let mut capacity = HISTORY_CAPACITY;
+                for (i, item) in node.items.iter().enumerate() {
+                    match item {
+                        Item::Resource(r) if i == 0 => upstream = Some(self.resource(r)?),
+                        Item::Resource(r) => {
+                            return Err(self.err(r.pos, "`history` takes one upstream resource, as its first argument"))
+                        }
+                        Item::Option { key, value, pos } if key == "capacity" => {
+                            capacity = self.count(value, *pos, key)?
+                        }
+                        Item::Option { key, pos, .. } => {
+                            return Err(self.err(*pos, format!("`history` has no option `{key}` (its options: capacity)")))
+                        }
+                    }
+                }
+                let upstream = upstream.ok_or_else(|| {
+                    self.err(
+                        node.pos,
+                        "`history` needs an upstream resource as its first argument, e.g. `history(pool(async))`",
+                    )
+                })?;
+                ResourceSpec::History {
+                    upstream: Box::new(upstream),
+                    capacity,
+                }
+            }
             "binning" => {
                 let (upstream, opts) = self.upstream_and_options(node, &["min", "max", "blocks"])?;
                 let (mut min, mut max, mut blocks) = (BIN_MIN, BIN_MAX, BIN_BLOCKS);
@@ -925,7 +980,7 @@ impl Checker<'_> {
                     node.pos,
                     format!(
                         "unknown resource `{other}` (known: cuda, managed, async, async_managed, system, \
-                         sam_headroom, expandable, service, vmm, pool, binning, arena, fixed, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
+                         sam_headroom, expandable, service, vmm, pool, binning, arena, fixed, history, cuMemAlloc, cuMemAllocFromPoolAsync, sim)"
                     ),
                 ))
             }

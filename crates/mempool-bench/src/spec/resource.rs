@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use mempool_core::{Device, DeviceAddr, MemPool, StreamRef};
+use mempool_rmm::observe::{History, HistoryResource};
 use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
 use mempool_rmm::testing::SimResource;
 use mempool_rmm::{
@@ -42,9 +43,14 @@ fn build_resource(spec: &ResourceSpec, device: Option<&Device>) -> Result<Shared
         #[allow(unsafe_code)]
         return Ok(Arc::new(unsafe { SimResource::new() }));
     }
+    if let ResourceSpec::History { upstream, capacity } = spec {
+        let up = build_resource(upstream, device)?;
+        let history = Arc::new(History::new(usize::try_from(*capacity).unwrap_or(usize::MAX)));
+        return Ok(Arc::new(HistoryResource::with_history(up, history)));
+    }
     let dev = device.ok_or_else(|| Error::Usage(format!("`{spec}` needs a GPU; only `sim` runs without one")))?;
     let r: SharedResource = match spec {
-        ResourceSpec::Sim => unreachable!("handled above"),
+        ResourceSpec::Sim | ResourceSpec::History { .. } => unreachable!("handled above"),
         ResourceSpec::Cuda => Arc::new(CudaResource::new(dev)?),
         ResourceSpec::Managed => Arc::new(ManagedResource::new(dev)?),
         ResourceSpec::RawCuda => Arc::new(RawCudaResource::new(dev)?),

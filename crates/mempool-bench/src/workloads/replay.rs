@@ -97,6 +97,32 @@ pub fn parse(name: &str, reader: impl BufRead) -> Result<Plan> {
     plan(name, &events, &lines)
 }
 
+/// Writes the snapshot of the log at `path` (`mempool_rmm::observe::from_log`) as JSON to `json`
+/// and as the viewer page to `html`, whichever are given, and says so on stderr. The log need not be
+/// replayable (failed allocations and frees of unknown addresses are kept in the history).
+pub fn write_snapshot(path: &Path, json: Option<&Path>, html: Option<&Path>) -> Result<()> {
+    let name = path.display().to_string();
+    let io = |p: &Path, source| Error::Io {
+        path: p.display().to_string(),
+        source,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    let events = parse_log(text.as_bytes()).map_err(|e| log_err(&name, e.line, e.reason))?;
+    let file_name = path
+        .file_name()
+        .map_or(name.clone(), |f| f.to_string_lossy().into_owned());
+    let snapshot = mempool_rmm::observe::from_log(&events, &file_name);
+    if let Some(p) = json {
+        std::fs::write(p, mempool_rmm::observe::to_json(&snapshot)).map_err(|e| io(p, e))?;
+        eprintln!("wrote snapshot: {} ({} events)", p.display(), snapshot.history.len());
+    }
+    if let Some(p) = html {
+        std::fs::write(p, mempool_rmm::observe::page(&snapshot)?).map_err(|e| io(p, e))?;
+        eprintln!("wrote page: {}", p.display());
+    }
+    Ok(())
+}
+
 /// Reads and parses the log at `path`.
 pub fn load(path: &Path) -> Result<Plan> {
     let name = path.display().to_string();

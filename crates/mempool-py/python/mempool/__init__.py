@@ -5,12 +5,13 @@
 - ``mempool.allocators``: hooks that route CuPy, Numba and PyTorch allocations through mempool.
 - ``mempool.reinitialize``: set up every device's resource in one call.
 - ``mempool.ipc``: share buffers between processes (``Exporter``, ``Importer``).
+- ``mempool.memory``: snapshots of a resource stack, the viewer page, out-of-memory retry (docs/observe.md).
 
 The package imports without a GPU or a driver; the first call that needs the driver raises a
 ``mempool.MempoolError`` subclass naming the cause.
 """
 
-from . import ipc, mr
+from . import ipc, memory, mr
 from ._errors import (
     DriverError,
     DriverNotFoundError,
@@ -48,6 +49,7 @@ __all__ = [
     "UnsupportedError",
     "ipc",
     "is_initialized",
+    "memory",
     "mr",
     "reinitialize",
 ]

@@ -62,7 +62,11 @@ pub fn get_per_device_resource(py: Python<'_>, device: usize) -> PyResult<Py<PyA
         }
     }
     // Built with the lock released (making a Python object can run Python code).
-    let obj = if shared.name() == "AsyncResource" {
+    // The registry's default is an `AsyncResource`, under the `HistoryResource` that records it.
+    let is_async = |r: &dyn mempool_rmm::MemoryResource| r.name() == "AsyncResource";
+    let obj = if is_async(&*shared)
+        || (shared.name() == "HistoryResource" && shared.upstream_resource().is_some_and(is_async))
+    {
         Bound::new(py, CudaAsyncMemoryResource::wrap(shared, device))?
             .into_any()
             .unbind()

@@ -8,6 +8,7 @@ use mempool_core::{DeviceAddr, StreamRef};
 use mempool_suballoc::BinningOptions;
 
 use crate::error::{Error, Result};
+use crate::observe::oom::explain;
 use crate::resource::{align_up, MemoryResource, SharedResource};
 
 const NAME: &str = "AddedBinsAdaptor";
@@ -169,6 +170,7 @@ unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
             Some(r) => r.allocate(bytes, stream),
             None => self.upstream.allocate(bytes, stream),
         }
+        .map_err(|e| explain(e, self))
     }
 
     #[allow(unsafe_code)]
@@ -187,6 +189,10 @@ unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
 
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }
 

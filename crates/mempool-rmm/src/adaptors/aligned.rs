@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
+use crate::observe::oom::explain;
 use crate::resource::{MemoryResource, ALIGNMENT};
 
 /// Aligns allocations of at least `threshold` bytes to `alignment` (a power of two above 256), by
@@ -50,17 +51,27 @@ impl<U: MemoryResource> AlignedAdaptor<U> {
 unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if !self.applies(bytes) {
-            return self.upstream.allocate(bytes, stream);
+            return self.upstream.allocate(bytes, stream).map_err(|e| explain(e, self));
         }
         let upstream_bytes = bytes + self.alignment - ALIGNMENT as usize;
-        let raw = self.upstream.allocate(upstream_bytes, stream).map_err(|e| match e {
-            // Report the size the caller asked for, not the padded one.
-            Error::OutOfMemory { resource, .. } => Error::OutOfMemory {
-                resource,
-                requested: bytes,
-            },
-            other => other,
-        })?;
+        let raw = self
+            .upstream
+            .allocate(upstream_bytes, stream)
+            .map_err(|e| match e {
+                // Report the size the caller asked for, not the padded one.
+                Error::OutOfMemory { resource, .. } => Error::OutOfMemory {
+                    resource,
+                    requested: bytes,
+                },
+                other => other,
+            })
+            .map_err(|e| match explain(e, self) {
+                Error::OutOfMemoryReport(mut r) => {
+                    r.requested = bytes;
+                    Error::OutOfMemoryReport(r)
+                }
+                other => other,
+            })?;
         let aligned = DeviceAddr(raw.0.next_multiple_of(self.alignment as u64));
         // Keep the upstream address and size (also when no shift was needed) so deallocate frees exactly
         // what was allocated.
@@ -94,6 +105,10 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn name(&self) -> &'static str {
         "AlignedAdaptor"
     }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
+    }
 }
 
 #[cfg(test)]
@@ -109,13 +124,12 @@ mod tests {
         #[allow(unsafe_code)]
         let mr = AlignedAdaptor::new(unsafe { SimResource::with_capacity(1 << 20) }, 4096, 1024).unwrap();
         let e = mr.allocate(2 << 20, S).unwrap_err();
-        assert_eq!(
-            e,
-            Error::OutOfMemory {
-                resource: "SimResource",
-                requested: 2 << 20
-            }
-        );
+        // The report names the size the caller asked for, not the padded one, and the stack.
+        let r = e.report().expect("a report");
+        assert_eq!(r.requested, 2 << 20);
+        assert_eq!(r.failed_at, "SimResource");
+        assert_eq!(r.stack, ["AlignedAdaptor", "SimResource"]);
+        assert_eq!(e.requested(), Some(2 << 20));
     }
 
     #[test]

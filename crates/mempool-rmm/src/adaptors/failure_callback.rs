@@ -3,6 +3,7 @@
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
+use crate::observe::oom::explain;
 use crate::resource::MemoryResource;
 
 /// On out-of-memory, calls `callback(bytes, attempt)`; if it returns `true` the allocation is retried,
@@ -66,7 +67,7 @@ where
         loop {
             match self.upstream.allocate(bytes, stream) {
                 Err(e) if e.is_out_of_memory() && (self.callback)(bytes, attempt) => attempt += 1,
-                other => return other,
+                other => return other.map_err(|e| explain(e, self)),
             }
         }
     }
@@ -80,6 +81,10 @@ where
 
     fn name(&self) -> &'static str {
         "FailureCallbackAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
+use crate::observe::oom::explain;
 use crate::resource::{align_up, MemoryResource};
 
 /// Refuses allocations that would take the bytes allocated through it past a limit, RMM's
@@ -61,9 +62,12 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
                 limit: self.limit,
             });
         }
-        self.upstream.allocate(bytes, stream).inspect_err(|_| {
-            self.used.fetch_sub(need, Ordering::AcqRel);
-        })
+        self.upstream
+            .allocate(bytes, stream)
+            .inspect_err(|_| {
+                self.used.fetch_sub(need, Ordering::AcqRel);
+            })
+            .map_err(|e| explain(e, self))
     }
 
     #[allow(unsafe_code)]
@@ -81,6 +85,10 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
 
     fn name(&self) -> &'static str {
         "LimitingAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }
 

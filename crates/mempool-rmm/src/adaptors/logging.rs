@@ -25,6 +25,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
+use crate::observe::oom::explain;
 use crate::resource::MemoryResource;
 
 /// The header line RMM's `logging_resource_adaptor` writes (RMM 0.14.1 and later), and this adaptor too.
@@ -393,7 +394,7 @@ unsafe impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdapto
             }
             Err(e) => {
                 let _ = self.log(Action::AllocateFailure, DeviceAddr::NULL, bytes, stream);
-                Err(e)
+                Err(explain(e, self))
             }
         }
     }
@@ -411,6 +412,10 @@ unsafe impl<U: MemoryResource, W: Write + Send> MemoryResource for LoggingAdapto
 
     fn name(&self) -> &'static str {
         "LoggingAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }
 

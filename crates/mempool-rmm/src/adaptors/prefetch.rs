@@ -5,6 +5,7 @@ use std::sync::Arc;
 use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
 
 use crate::error::Result;
+use crate::observe::oom::explain;
 use crate::resource::MemoryResource;
 
 /// Prefetches every allocation to a device on the allocating stream (`cuMemPrefetchAsync`), RMM's
@@ -38,7 +39,7 @@ impl<U: MemoryResource> PrefetchAdaptor<U> {
 unsafe impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
     #[allow(unsafe_code)]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        let p = self.upstream.allocate(bytes, stream)?;
+        let p = self.upstream.allocate(bytes, stream).map_err(|e| explain(e, self))?;
         if p.is_null() {
             return Ok(p);
         }
@@ -63,5 +64,9 @@ unsafe impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
 
     fn name(&self) -> &'static str {
         "PrefetchAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::Result;
+use crate::observe::oom::explain;
 use crate::resource::MemoryResource;
 
 /// A current value with its peak and running total.
@@ -119,7 +120,7 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
 #[allow(unsafe_code)]
 unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        let p = self.upstream.allocate(bytes, stream)?;
+        let p = self.upstream.allocate(bytes, stream).map_err(|e| explain(e, self))?;
         let mut s = self.stack();
         let top = s.last_mut().expect("never empty");
         top.bytes.add(bytes as i64);
@@ -141,6 +142,21 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
 
     fn name(&self) -> &'static str {
         "StatisticsAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
+    }
+
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let c = self.counters();
+        crate::observe::inspect::Inspection {
+            live_bytes: Some(c.bytes.current.max(0) as u64),
+            peak_live_bytes: Some(c.bytes.peak.max(0) as u64),
+            live_count: Some(c.allocations.current.max(0) as u64),
+            allocations: Some(c.allocations.total.max(0) as u64),
+            ..crate::observe::inspect::Inspection::default()
+        }
     }
 }
 

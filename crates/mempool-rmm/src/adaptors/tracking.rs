@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use mempool_core::{DeviceAddr, StreamRef};
 
 use crate::error::{Error, Result};
+use crate::observe::oom::explain;
 use crate::resource::MemoryResource;
 
 /// One outstanding allocation.
@@ -92,7 +93,7 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     #[track_caller]
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let location = Location::caller();
-        let ptr = self.upstream.allocate(bytes, stream)?;
+        let ptr = self.upstream.allocate(bytes, stream).map_err(|e| explain(e, self))?;
         if !ptr.is_null() {
             let thread = std::thread::current().name().map(str::to_owned);
             self.live().insert(
@@ -146,6 +147,10 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
 
     fn name(&self) -> &'static str {
         "TrackingAdaptor"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
     }
 }
 

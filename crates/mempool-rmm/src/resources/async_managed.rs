@@ -102,7 +102,9 @@ impl AsyncManagedResource {
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for AsyncManagedResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.inner.allocate(bytes, stream)
+        self.inner
+            .allocate(bytes, stream)
+            .map_err(|e| crate::observe::oom::explain(e, self))
     }
 
     #[allow(unsafe_code)]
@@ -114,6 +116,10 @@ unsafe impl MemoryResource for AsyncManagedResource {
 
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.inner)
     }
 }
 

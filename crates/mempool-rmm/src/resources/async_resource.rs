@@ -149,7 +149,9 @@ pub(crate) fn prepare_new_pool(
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for AsyncResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        Ok(self.pool.allocate(bytes, stream)?)
+        self.pool
+            .allocate(bytes, stream)
+            .map_err(|e| crate::observe::oom::explain(e.into(), self))
     }
 
     #[allow(unsafe_code)]
@@ -164,6 +166,24 @@ unsafe impl MemoryResource for AsyncResource {
 
     fn name(&self) -> &'static str {
         "AsyncResource"
+    }
+
+    /// The pool's counters (reserved and used, with their peaks) and the device's free memory.
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let mut i = crate::observe::inspect::Inspection::default();
+        if let Ok(u) = self.pool.usage() {
+            i.held_bytes = Some(u.reserved_current);
+            i.peak_held_bytes = Some(u.reserved_high);
+            i.live_bytes = Some(u.used_current);
+            i.peak_live_bytes = Some(u.used_high);
+        }
+        i.device_free = self.pool.context().memory_info().ok().map(|m| m.free as u64);
+        i
+    }
+
+    /// Releases the pool's unused reserve (`cuMemPoolTrimTo(0)`).
+    fn trim_unused(&self, _stream: StreamRef<'_>) -> Result<()> {
+        Ok(self.pool.trim_to(0)?)
     }
 }
 

@@ -34,7 +34,7 @@ macro_rules! plain_resource {
         unsafe impl MemoryResource for $name {
             fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
                 let alloc: fn(&Context, usize) -> mempool_core::Result<DeviceAddr> = $alloc;
-                Ok(alloc(&self.ctx, bytes)?)
+                alloc(&self.ctx, bytes).map_err(|e| crate::observe::oom::explain(e.into(), self))
             }
 
             #[allow(unsafe_code)]

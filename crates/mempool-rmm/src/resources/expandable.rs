@@ -156,4 +156,12 @@ unsafe impl MemoryResource for ExpandableResource {
     fn name(&self) -> &'static str {
         NAME
     }
+
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        self.inner.inspect()
+    }
+
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        self.inner.trim_unused(stream)
+    }
 }

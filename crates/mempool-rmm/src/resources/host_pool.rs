@@ -99,7 +99,9 @@ impl HostPoolResource {
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for HostPoolResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.inner.allocate(bytes, stream)
+        self.inner
+            .allocate(bytes, stream)
+            .map_err(|e| crate::observe::oom::explain(e, self))
     }
 
     #[allow(unsafe_code)]
@@ -111,5 +113,9 @@ unsafe impl MemoryResource for HostPoolResource {
 
     fn name(&self) -> &'static str {
         "HostPoolResource"
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.inner)
     }
 }

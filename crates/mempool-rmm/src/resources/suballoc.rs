@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OutOfMemoryReport, Result};
+use crate::observe::inspect::Inspection;
+use crate::observe::oom::fill_from_stack;
 use crate::resource::MemoryResource;
 use mempool_suballoc::{
-    self as suballoc, ArenaOptions, BinningOptions, Engine, EngineOptions, EngineStats, EventPolicy, FixedSizeOptions,
-    PoolOptions, Sharded, StreamOrder, Upstream,
+    self as suballoc, ArenaOptions, BinningOptions, ChunkMap, Engine, EngineOptions, EngineStats, EventPolicy,
+    FixedSizeOptions, MapRange, PoolOptions, Sharded, StreamOrder, Upstream,
 };
 
 /// A stream as the engines key it: the raw handle's value.
@@ -22,6 +24,11 @@ pub(crate) struct StreamKey(usize);
 impl StreamKey {
     pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
         StreamKey(stream.id())
+    }
+
+    /// The raw handle's value.
+    pub(crate) fn id(self) -> usize {
+        self.0
     }
 
     /// The stream behind the key, for a driver call made during the engine call that passed it in.
@@ -349,6 +356,26 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         self.engines.stats()
     }
 
+    /// The engine's error as the resource reports it: out of memory as a report of the stack under
+    /// the resource, with its chunks' free bytes and largest free block (the error path only).
+    fn out_of_memory_report(&self, e: suballoc::Error) -> Error {
+        let failed_at = match &e {
+            suballoc::Error::OutOfMemory {
+                cause: suballoc::OutOfMemoryCause::Upstream,
+                ..
+            } => self.adapter.upstream.name(),
+            _ => C::RESOURCE_NAME,
+        };
+        match map_engine_error(C::RESOURCE_NAME, e) {
+            Error::OutOfMemory { requested, .. } => {
+                let mut r = OutOfMemoryReport::new(requested, failed_at);
+                fill_from_stack(&mut r, self);
+                Error::OutOfMemoryReport(Box::new(r))
+            }
+            other => other,
+        }
+    }
+
     /// Returns to the upstream every chunk that holds no live allocation; live allocations stay
     /// valid. The chunks are freed on the context's legacy default stream, which the engine first
     /// orders after every free into them (an event wait, or a context synchronize).
@@ -375,7 +402,7 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         self.engines
             .allocate(bytes as u64, StreamKey::of(stream))
             .map(DeviceAddr)
-            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
+            .map_err(|e| self.out_of_memory_report(e))
     }
 
     #[allow(unsafe_code)]
@@ -392,6 +419,49 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
 
     fn name(&self) -> &'static str {
         C::RESOURCE_NAME
+    }
+
+    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.adapter.upstream)
+    }
+
+    /// The engines' statistics and memory map (every block, under each engine's lock in turn).
+    fn inspect(&self) -> Inspection {
+        let st = self.stats();
+        Inspection {
+            held_bytes: Some(st.reserved_bytes),
+            live_bytes: Some(st.used_bytes),
+            live_count: Some(st.live_allocations as u64),
+            chunks: self
+                .engines
+                .memory_map()
+                .into_iter()
+                .map(|c| ChunkMap {
+                    addr: c.addr,
+                    size: c.size,
+                    ranges: c
+                        .ranges
+                        .into_iter()
+                        .map(|r| MapRange {
+                            addr: r.addr,
+                            size: r.size,
+                            used: r.used,
+                            stream: r.stream.map(StreamKey::id),
+                        })
+                        .collect(),
+                })
+                .collect(),
+            has_chunks: true,
+            ..Inspection::default()
+        }
+    }
+
+    /// [`release_unused`](SuballocatingResource::release_unused), a synchronize of the context (so that
+    /// the chunks' frees, queued on the legacy stream, have happened), then the upstream's trim.
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        self.release_unused()?;
+        self.adapter.ctx.synchronize()?;
+        self.adapter.upstream.trim_unused(stream)
     }
 }
 

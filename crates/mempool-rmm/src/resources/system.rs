@@ -155,7 +155,7 @@ unsafe fn system_deallocate(
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for SystemResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        host_allocate(SYSTEM, bytes)
+        host_allocate(SYSTEM, bytes).map_err(|e| crate::observe::oom::explain(e, self))
     }
 
     #[allow(unsafe_code)]
@@ -244,7 +244,7 @@ impl SamHeadroomResource {
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for SamHeadroomResource {
     fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        let ptr = host_allocate(SAM_HEADROOM, bytes)?;
+        let ptr = host_allocate(SAM_HEADROOM, bytes).map_err(|e| crate::observe::oom::explain(e, self))?;
         if ptr.is_null() {
             return Ok(ptr);
         }

@@ -256,9 +256,14 @@ unsafe impl MemoryResource for VmmResource {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
         }
-        let oom = || Error::OutOfMemory {
-            resource: NAME,
-            requested: bytes,
+        let oom = || {
+            crate::observe::oom::explain(
+                Error::OutOfMemory {
+                    resource: NAME,
+                    requested: bytes,
+                },
+                self,
+            )
         };
         let size = mempool_core::round_up(bytes, self.granularity)
             .filter(|&s| s <= self.total_memory)
@@ -322,6 +327,17 @@ unsafe impl MemoryResource for VmmResource {
 
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    /// The bytes and number of its live mappings (each is its own physical allocation).
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let (bytes, count) = self.allocated();
+        crate::observe::inspect::Inspection {
+            held_bytes: Some(bytes as u64),
+            live_bytes: Some(bytes as u64),
+            live_count: Some(count as u64),
+            ..crate::observe::inspect::Inspection::default()
+        }
     }
 }
 

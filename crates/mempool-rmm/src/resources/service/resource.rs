@@ -769,18 +769,62 @@ impl ServiceResource {
         result
     }
 
+    /// The mapped runs of the awake tags (adjacent mappings joined), each with its region engine's ranges
+    /// clipped to it: what a snapshot shows as this resource's chunks. A live allocation lies in mapped
+    /// memory, so no used range is cut; free ranges end where the mapping does.
+    fn mapped_runs(&self) -> Vec<suballoc::ChunkMap<usize>> {
+        let st = self.state();
+        let mut out = Vec::new();
+        for r in st.regions.iter().filter(|r| r.asleep.is_none()) {
+            let ranges: Vec<suballoc::MapRange<StreamKey>> =
+                r.engine.memory_map().into_iter().flat_map(|m| m.ranges).collect();
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for m in r.mappings.values() {
+                let (a, e) = (m.addr().0, m.addr().0 + m.len() as u64);
+                match runs.last_mut() {
+                    Some(last) if last.1 == a => last.1 = e,
+                    _ => runs.push((a, e)),
+                }
+            }
+            for (a, e) in runs {
+                let clipped = ranges
+                    .iter()
+                    .filter(|g| g.addr < e && g.addr + g.size > a)
+                    .map(|g| {
+                        let (s, t) = (g.addr.max(a), (g.addr + g.size).min(e));
+                        suballoc::MapRange {
+                            addr: s,
+                            size: t - s,
+                            used: g.used,
+                            stream: g.stream.map(StreamKey::id),
+                        }
+                    })
+                    .collect();
+                out.push(suballoc::ChunkMap {
+                    addr: a,
+                    size: e - a,
+                    ranges: clipped,
+                });
+            }
+        }
+        out
+    }
+
     /// The out-of-memory error for `bytes` under region `ri`, with what the resource holds.
     fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
         let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
-        Error::OutOfMemoryHeld {
-            resource: self.name,
-            requested: bytes,
-            tag: st.regions[ri].name.clone(),
-            held: st.mapped_chunks() * self.chunk as u64,
-            live: st.used,
-            largest_free: largest_free_mapped(&st.regions[ri]),
-            device_free,
-        }
+        let held = st.mapped_chunks() * self.chunk as u64;
+        let mut r = crate::error::OutOfMemoryReport::new(bytes, self.name);
+        r.stack = vec![self.name];
+        r.tag = Some(st.regions[ri].name.clone());
+        r.holder = Some(self.name);
+        r.held = Some(held);
+        r.held_as = Some("mapped");
+        r.live = Some(st.used);
+        r.free = Some(held.saturating_sub(st.used));
+        r.largest_free = Some(largest_free_mapped(&st.regions[ri]));
+        r.device_free = Some(device_free);
+        Error::OutOfMemoryReport(Box::new(r))
     }
 
     /// Frees an allocation (of any tag) on `stream`.
@@ -1266,6 +1310,30 @@ unsafe impl MemoryResource for ServiceResource {
     fn name(&self) -> &'static str {
         self.name
     }
+
+    /// Its mapped and live bytes with their peaks, and as chunks the mapped runs of the awake tags (adjacent
+    /// mappings as one run), each with the used and free ranges of its region's engine.
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        let chunks = self.mapped_runs();
+        let st = self.stats();
+        crate::observe::inspect::Inspection {
+            held_bytes: Some(st.mapped_bytes),
+            peak_held_bytes: Some(st.peak_mapped_bytes),
+            live_bytes: Some(st.used_bytes),
+            peak_live_bytes: Some(st.peak_used_bytes),
+            live_count: Some(st.tags.iter().map(|t| t.live_allocations).sum()),
+            allocations: Some(st.tags.iter().map(|t| t.allocations).sum()),
+            device_free: self.ctx.memory_info().ok().map(|m| m.free as u64),
+            chunks,
+            has_chunks: true,
+            ..crate::observe::inspect::Inspection::default()
+        }
+    }
+
+    /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the device.
+    fn trim_unused(&self, _stream: StreamRef<'_>) -> Result<()> {
+        self.trim().map(drop)
+    }
 }
 
 impl Drop for ServiceResource {
@@ -1333,6 +1401,14 @@ unsafe impl MemoryResource for TaggedResource {
 
     fn name(&self) -> &'static str {
         self.inner.name
+    }
+
+    fn inspect(&self) -> crate::observe::inspect::Inspection {
+        self.inner.inspect()
+    }
+
+    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
+        self.inner.trim_unused(stream)
     }
 }
 

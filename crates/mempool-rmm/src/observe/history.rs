@@ -1,0 +1,517 @@
+//! [`History`]: a bounded ring of allocate, free and failed-allocation events, cheap enough to stay on.
+//!
+//! Writers never lock and never allocate. The ring is a power-of-two array of slots with one atomic
+//! index; a thread claims [`CLAIM`] consecutive slots at a time with one `fetch_add` and keeps the rest of
+//! its claim in a thread-local cache, so most events cost no atomic read-modify-write at all (a thread
+//! holds one claim: while it holds an unused claim of one history, its events in another take one slot
+//! at a time, so no claim is given up half-used). The slots left of a claim when its thread stops
+//! recording are not events; once the ring overwrites them they count as dropped (at most
+//! `CLAIM - 1` per thread). A slot is
+//! filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a reader
+//! copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
+//! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere. When the
+//! ring wraps, its oldest events are overwritten and counted as dropped; slots a thread claimed and has
+//! not written yet are neither events nor dropped. Imports nothing of the crate.
+
+use std::cell::Cell;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// What happened.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    /// An allocation that succeeded.
+    Allocate = 0,
+    /// A free.
+    Free = 1,
+    /// An allocation that failed.
+    Failed = 2,
+}
+
+impl Op {
+    fn from_bits(b: u64) -> Op {
+        match b & 0xff {
+            0 => Op::Allocate,
+            1 => Op::Free,
+            _ => Op::Failed,
+        }
+    }
+}
+
+/// One recorded event.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Nanoseconds since the history began.
+    pub t_ns: u64,
+    /// What happened.
+    pub op: Op,
+    /// The address (0 for a failed allocation).
+    pub address: u64,
+    /// The bytes asked for.
+    pub size: u64,
+    /// The stream's raw handle value.
+    pub stream: u64,
+    /// The label that was current on the thread ([`Label`]), 0 for none.
+    pub tag: u16,
+    /// The thread's small per-process number ([`thread_number`]).
+    pub thread: u32,
+    /// The resource the event happened at (its number in the recording adaptor, 0 for the top).
+    pub resource: u8,
+}
+
+/// The events a [`History`] holds, oldest first, with what it saw in all.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Events {
+    /// The events still in the ring, sorted by time.
+    pub events: Vec<Event>,
+    /// How many events the ring holds at most.
+    pub capacity: u64,
+    /// Events ever recorded (slots claimed and not written yet are not events).
+    pub recorded: u64,
+    /// Events no longer held: overwritten by later ones (before or while the ring was read).
+    pub dropped: u64,
+}
+
+/// The default number of events a history keeps.
+pub const DEFAULT_CAPACITY: usize = 1 << 16;
+
+/// Slots a thread claims at once.
+pub const CLAIM: u64 = 16;
+
+/// One event's storage. `stamp` is `seq + 1` once event number `seq` is complete in it, and `u64::MAX`
+/// while a writer fills it.
+#[derive(Default)]
+struct Slot {
+    stamp: AtomicU64,
+    t: AtomicU64,
+    address: AtomicU64,
+    size: AtomicU64,
+    stream: AtomicU64,
+    /// op (bits 0-7), resource (8-15), tag (16-31), thread (32-63).
+    meta: AtomicU64,
+}
+
+/// A bounded, lock-free history of allocation events (see the module docs for how it is written).
+pub struct History {
+    /// Unique in the process: what a thread's cached claim names.
+    id: u64,
+    /// Slots claimed so far (the next claim starts here).
+    next: AtomicU64,
+    slots: Box<[Slot]>,
+    mask: u64,
+    start_instant: Instant,
+    start_ticks: u64,
+}
+
+static NEXT_HISTORY: AtomicU64 = AtomicU64::new(1);
+
+impl std::fmt::Debug for History {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("History")
+            .field("capacity", &self.capacity())
+            .field("claimed", &self.next.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History::new(DEFAULT_CAPACITY)
+    }
+}
+
+/// The raw clock: the time-stamp counter on x86-64, nanoseconds of a monotonic clock elsewhere.
+#[inline]
+fn ticks() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: RDTSC exists on every x86-64 CPU and only reads a counter (no memory is touched).
+        #[allow(unsafe_code)]
+        unsafe {
+            core::arch::x86_64::_rdtsc()
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+}
+
+static NEXT_THREAD: AtomicU32 = AtomicU32::new(1);
+
+/// What a thread keeps: its number and label, and the rest of its last claim of slots.
+struct Local {
+    /// 0 until the thread is first numbered.
+    thread: Cell<u32>,
+    label: Cell<u16>,
+    /// The [`History::id`] of the claim (0: none).
+    history: Cell<u64>,
+    /// The next slot of the claim, and one past its last.
+    next: Cell<u64>,
+    end: Cell<u64>,
+}
+
+thread_local! {
+    static LOCAL: Local = const {
+        Local {
+            thread: Cell::new(0),
+            label: Cell::new(0),
+            history: Cell::new(0),
+            next: Cell::new(0),
+            end: Cell::new(0),
+        }
+    };
+}
+
+impl Local {
+    #[inline]
+    fn thread(&self) -> u32 {
+        let n = self.thread.get();
+        if n != 0 {
+            return n;
+        }
+        let n = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        self.thread.set(n);
+        n
+    }
+}
+
+/// This thread's small per-process number (1, 2, ... in the order threads first record or ask).
+#[inline]
+pub fn thread_number() -> u32 {
+    LOCAL.with(Local::thread)
+}
+
+/// Label names by number; 0 is `default`. At most 65535 labels in a process.
+static LABELS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Every label by number: index 0 is `default`.
+pub fn label_names() -> Vec<String> {
+    let l = LABELS.lock().unwrap_or_else(|p| p.into_inner());
+    std::iter::once("default".to_string())
+        .chain(l.iter().cloned())
+        .collect()
+}
+
+/// A label for the allocations a thread makes while it is set: the `tag` of their events.
+///
+/// ```
+/// use mempool_rmm::observe::Label;
+/// let _weights = Label::set("weights"); // this thread's events carry `weights` until the guard drops
+/// ```
+#[derive(Debug)]
+#[must_use = "the label is unset when the guard drops"]
+pub struct Label {
+    previous: u16,
+}
+
+impl Label {
+    /// Labels this thread's events `name` until the guard drops (then the previous label is back).
+    /// Names are interned once; past 65534 distinct names, new ones share the last one's number.
+    pub fn set(name: &str) -> Label {
+        let n = Self::number(name);
+        Label {
+            previous: LOCAL.with(|l| l.label.replace(n)),
+        }
+    }
+
+    fn number(name: &str) -> u16 {
+        if name == "default" {
+            return 0;
+        }
+        let mut l = LABELS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = l.iter().position(|x| x == name) {
+            return (i + 1) as u16;
+        }
+        if l.len() + 1 >= u16::MAX as usize {
+            // Full: the newest name's number.
+            return l.len() as u16;
+        }
+        l.push(name.to_string());
+        l.len() as u16
+    }
+
+    /// The number of this thread's current label (0: `default`).
+    #[inline]
+    pub fn current() -> u16 {
+        LOCAL.with(|l| l.label.get())
+    }
+}
+
+impl Drop for Label {
+    fn drop(&mut self) {
+        LOCAL.with(|l| l.label.set(self.previous));
+    }
+}
+
+impl History {
+    /// A history that keeps the last `capacity` events (rounded up to a power of two, at least 64).
+    pub fn new(capacity: usize) -> History {
+        let size = capacity.max(64).next_power_of_two();
+        History {
+            id: NEXT_HISTORY.fetch_add(1, Ordering::Relaxed),
+            next: AtomicU64::new(0),
+            slots: (0..size).map(|_| Slot::default()).collect(),
+            mask: size as u64 - 1,
+            start_instant: Instant::now(),
+            start_ticks: ticks(),
+        }
+    }
+
+    /// How many events the ring holds at most.
+    pub fn capacity(&self) -> u64 {
+        self.mask + 1
+    }
+
+    /// Records an event of this thread, with its current [`Label`].
+    #[inline]
+    pub fn record(&self, op: Op, resource: u8, address: u64, size: u64, stream: u64) {
+        let t = ticks();
+        let (thread, tag, seq) = LOCAL.with(|l| {
+            let (next, end) = (l.next.get(), l.end.get());
+            let seq = if l.history.get() == self.id && next < end {
+                l.next.set(next + 1);
+                next
+            } else if l.history.get() == self.id || next == end {
+                // This history's claim is used up, or the thread's claim (of another history) is: claim
+                // anew for this one.
+                let seq = self.next.fetch_add(CLAIM, Ordering::Relaxed);
+                l.history.set(self.id);
+                l.next.set(seq + 1);
+                l.end.set(seq + CLAIM);
+                seq
+            } else {
+                // The thread holds an unused claim of another history: one slot here, wasting nothing.
+                self.next.fetch_add(1, Ordering::Relaxed)
+            };
+            (l.thread(), l.label.get(), seq)
+        });
+        let slot = &self.slots[(seq & self.mask) as usize];
+        slot.stamp.store(u64::MAX, Ordering::Relaxed);
+        // Orders the stamp's "being written" before the fields (a reader that sees a new field also
+        // sees the stamp change).
+        fence(Ordering::Release);
+        slot.t.store(t, Ordering::Relaxed);
+        slot.address.store(address, Ordering::Relaxed);
+        slot.size.store(size, Ordering::Relaxed);
+        slot.stream.store(stream, Ordering::Relaxed);
+        slot.meta.store(
+            op as u64 | u64::from(resource) << 8 | u64::from(tag) << 16 | u64::from(thread) << 32,
+            Ordering::Relaxed,
+        );
+        slot.stamp.store(seq + 1, Ordering::Release);
+    }
+
+    /// Nanoseconds per tick of the raw clock, measured over the history's life so far.
+    fn ns_per_tick(&self) -> f64 {
+        if cfg!(not(target_arch = "x86_64")) {
+            return 1.0;
+        }
+        let (ns, ticks) = (
+            self.start_instant.elapsed().as_nanos() as f64,
+            ticks() - self.start_ticks,
+        );
+        if ticks == 0 || ns < 1.0 {
+            1.0
+        } else {
+            ns / ticks as f64
+        }
+    }
+
+    /// A copy of the events the ring holds now, oldest first. Writers go on meanwhile: a slot
+    /// overwritten while it was read is left out and counted as dropped; a slot claimed but not yet
+    /// written is left out and not counted as recorded.
+    pub fn events(&self) -> Events {
+        let scale = self.ns_per_tick();
+        let end = self.next.load(Ordering::Acquire);
+        let first = end.saturating_sub(self.capacity());
+        let mut out = Events {
+            capacity: self.capacity(),
+            recorded: end,
+            dropped: first,
+            events: Vec::with_capacity((end - first) as usize),
+        };
+        for seq in first..end {
+            let slot = &self.slots[(seq & self.mask) as usize];
+            let before = slot.stamp.load(Ordering::Acquire);
+            let (t, address, bytes, stream, meta) = (
+                slot.t.load(Ordering::Relaxed),
+                slot.address.load(Ordering::Relaxed),
+                slot.size.load(Ordering::Relaxed),
+                slot.stream.load(Ordering::Relaxed),
+                slot.meta.load(Ordering::Relaxed),
+            );
+            fence(Ordering::Acquire);
+            let after = slot.stamp.load(Ordering::Relaxed);
+            if before != seq + 1 || after != seq + 1 {
+                let newer = |s: u64| s != u64::MAX && s > seq + 1;
+                if newer(before) || newer(after) {
+                    // Overwritten by a later event (before or while it was read).
+                    out.dropped += 1;
+                } else {
+                    // Claimed and not written yet, or being written (or never written: the rest of a
+                    // claim whose thread moved on to another history or ended).
+                    out.recorded -= 1;
+                }
+                continue;
+            }
+            out.events.push(Event {
+                t_ns: (t.wrapping_sub(self.start_ticks) as f64 * scale) as u64,
+                op: Op::from_bits(meta),
+                resource: (meta >> 8) as u8,
+                tag: (meta >> 16) as u16,
+                thread: (meta >> 32) as u32,
+                address,
+                size: bytes,
+                stream,
+            });
+        }
+        // A thread's events are in its claims' order; across threads, sort by time (stable).
+        out.events.sort_by_key(|e| e.t_ns);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn keeps_the_last_events_and_counts_the_dropped() {
+        let h = History::new(64);
+        assert_eq!(h.capacity(), 64);
+        // One thread: 100 events, claimed 16 at a time (112 slots), wrap the 64 slots.
+        for i in 0..100u64 {
+            h.record(Op::Allocate, 0, 0x1000 + i * 256, i + 1, 7);
+        }
+        let e = h.events();
+        assert_eq!(e.recorded, 100, "the rest of the last claim is not an event");
+        assert_eq!(e.dropped, 112 - 64, "the slots before the window were overwritten");
+        assert_eq!(e.events.len() as u64, e.recorded - e.dropped);
+        let sizes: Vec<u64> = e.events.iter().map(|e| e.size).collect();
+        assert_eq!(sizes, (49..=100).collect::<Vec<_>>(), "the newest, oldest first");
+        assert!(e.events.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
+        assert!(e
+            .events
+            .iter()
+            .all(|e| e.stream == 7 && e.op == Op::Allocate && e.thread == thread_number()));
+        // Within capacity, a single thread loses nothing.
+        let h = History::new(1024);
+        for i in 0..1000u64 {
+            h.record(Op::Free, 0, i, i, 0);
+        }
+        let e = h.events();
+        assert_eq!((e.recorded, e.dropped, e.events.len()), (1000, 0, 1000));
+    }
+
+    #[test]
+    fn a_thread_recording_into_two_histories_keeps_both_in_order() {
+        let (a, b) = (History::new(256), History::new(256));
+        for i in 0..50u64 {
+            a.record(Op::Allocate, 0, i, i, 0);
+            b.record(Op::Free, 1, i, i, 0);
+        }
+        for h in [&a, &b] {
+            let e = h.events();
+            assert_eq!((e.recorded, e.dropped), (50, 0));
+            assert_eq!(
+                e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+                (0..50).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn concurrent_writers_lose_nothing_within_capacity() {
+        let h = Arc::new(History::new(1 << 14));
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let h = h.clone();
+                std::thread::spawn(move || {
+                    for i in 0..500u64 {
+                        h.record(if i % 2 == 0 { Op::Allocate } else { Op::Free }, 0, t << 32 | i, i, t);
+                    }
+                    thread_number()
+                })
+            })
+            .collect();
+        let numbers: Vec<u32> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let e = h.events();
+        assert_eq!(e.recorded, 2000);
+        assert_eq!(e.dropped, 0);
+        assert_eq!(e.events.len(), 2000);
+        for (t, n) in numbers.iter().enumerate() {
+            let mine: Vec<&Event> = e.events.iter().filter(|e| e.thread == *n).collect();
+            assert_eq!(mine.len(), 500, "thread {t}");
+            // A thread's events keep their order (its clock does not go backwards).
+            let idx: Vec<u64> = mine.iter().map(|e| e.address & 0xffff_ffff).collect();
+            assert_eq!(idx, (0..500).collect::<Vec<_>>());
+            assert!(mine.iter().all(|e| e.stream == t as u64));
+        }
+    }
+
+    #[test]
+    fn concurrent_readers_see_only_complete_events() {
+        let h = Arc::new(History::new(64));
+        let writers: Vec<_> = (0..2)
+            .map(|_| {
+                let h = h.clone();
+                std::thread::spawn(move || {
+                    for i in 0..100_000u64 {
+                        // size == address == stream: a torn read would break the equality.
+                        h.record(Op::Allocate, 0, i, i, i);
+                    }
+                })
+            })
+            .collect();
+        let mut reads = 0;
+        while writers.iter().any(|w| !w.is_finished()) || reads == 0 {
+            let e = h.events();
+            assert!(e.events.iter().all(|e| e.address == e.size && e.size == e.stream));
+            assert_eq!(e.events.len() as u64 + e.dropped, e.recorded);
+            reads += 1;
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn labels_tag_this_threads_events_and_nest() {
+        let h = History::new(1024);
+        h.record(Op::Allocate, 0, 1, 1, 0);
+        {
+            let _a = Label::set("observe-test-weights");
+            h.record(Op::Allocate, 0, 2, 2, 0);
+            {
+                let _b = Label::set("observe-test-kv");
+                h.record(Op::Free, 0, 3, 3, 0);
+            }
+            h.record(Op::Failed, 0, 0, 4, 0);
+        }
+        h.record(Op::Free, 0, 5, 5, 0);
+        let names = label_names();
+        let tags: Vec<&str> = h
+            .events()
+            .events
+            .iter()
+            .map(|e| names[e.tag as usize].as_str())
+            .collect();
+        assert_eq!(
+            tags,
+            [
+                "default",
+                "observe-test-weights",
+                "observe-test-kv",
+                "observe-test-weights",
+                "default"
+            ]
+        );
+        let ops: Vec<Op> = h.events().events.iter().map(|e| e.op).collect();
+        assert_eq!(ops, [Op::Allocate, Op::Allocate, Op::Free, Op::Failed, Op::Free]);
+    }
+}
