@@ -11,6 +11,8 @@ The GPU tests are in ``test_memsvc_gpu.py``.
 import os
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -302,3 +304,25 @@ def test_objects_cannot_be_pickled(fake):
     client = ipc.Client(fake.path, timeout=10)
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(client)
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "mempool.benchmarks.memsvc", *args], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+
+
+def test_benchmark_help_and_argument_checks():
+    done = _bench("--help")
+    assert done.returncode == 0 and "--gib" in done.stdout and "--hidden" in done.stdout, done.stderr
+    done = _bench("--hidden", "0")
+    assert done.returncode == 2 and "--hidden" in done.stderr
+    probe = "import sys, mempool.benchmarks.memsvc as m; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd="/").returncode == 0
+
+
+def test_benchmark_without_a_driver_says_why(no_driver):
+    if not no_driver:
+        return
+    done = _bench("--gib", "0.01", "--hidden", "64", "--repeats", "1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "cannot start the memory server" in done.stderr
