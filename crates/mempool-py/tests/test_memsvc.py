@@ -326,3 +326,40 @@ def test_benchmark_without_a_driver_says_why(no_driver):
     done = _bench("--gib", "0.01", "--hidden", "64", "--repeats", "1")
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "cannot start the memory server" in done.stderr
+
+
+def memsvc_doc():
+    """docs/memory-service.md: next to the guide named by ``MEMPOOL_DOCS`` (an installed wheel's tests), else
+    relative to this file."""
+    from pathlib import Path
+
+    env = os.environ.get("MEMPOOL_DOCS")
+    if env:
+        return Path(env).with_name("memory-service.md")
+    return Path(__file__).resolve().parents[3] / "docs" / "memory-service.md"
+
+
+def python_blocks():
+    """The ```python blocks of the document's "## Python" section."""
+    import re
+
+    text = memsvc_doc().read_text()
+    section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
+
+
+def test_the_docs_python_block_compiles_and_names_what_the_module_has():
+    import ast
+
+    blocks = python_blocks()
+    assert len(blocks) == 1
+    tree = ast.parse(blocks[0])
+    used = {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "ipc"}
+    assert {"Client", "UnknownNameError"} <= used
+    for name in used:
+        assert hasattr(ipc, name), name
+    methods = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    for name in ("create", "publish", "attach", "list", "delete"):
+        assert name in methods, name
+        assert any(hasattr(c, name) for c in (ipc.Client, ipc.CreatedBuffer, ipc.AttachedBuffer)), name

@@ -181,3 +181,17 @@ def test_errors_and_buffer_methods(server):
     base = baseline(server)
     run_child(server, "misc", "t5", 55)
     back_to(server, base)
+
+
+def test_the_docs_python_block_runs():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_memsvc import python_blocks
+
+    [code] = python_blocks()
+    path = "/tmp/mempool-weights.sock"  # the block's path
+    with ipc.serve(path, devices=[0]) as server:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
+                              cwd=tempfile.mkdtemp())
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+        assert "demo/w" in done.stdout and 'no buffer is named "demo/nope"' in done.stdout, done.stdout
+        back_to(server, {"buffers": 0, "bytes": 0, "named": 0})

@@ -23,7 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 
 use mempool_core::{Context, Device, StreamRef};
-use mempool_ipc::memsvc::{self, Attached, BufferState, Created, CreateOptions, Quotas, ServerConfig};
+use mempool_ipc::memsvc::{self, Attached, BufferState, CreateOptions, Created, Quotas, ServerConfig};
 
 use super::common::{no_pickle, seconds};
 use crate::buffer::host_bytes;
@@ -140,11 +140,7 @@ impl Drop for Holder {
 impl Holder {
     /// Runs `f` on the mapping (with the interpreter released; the slot is locked only then, so that no
     /// thread waits for it holding the interpreter); `MemoryServiceError` once discarded.
-    fn with<R: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mempool_core::Mapping) -> R + Send,
-    ) -> PyResult<R> {
+    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mempool_core::Mapping) -> R + Send) -> PyResult<R> {
         let r = py.detach(|| {
             let guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
             match &*guard {
@@ -511,7 +507,10 @@ impl PyClient {
         let context = || format!("creating buffer {name:?}");
         memsvc::validate_name(name).svc(context)?;
         if size == 0 {
-            return Err(PyValueError::new_err(format!("{}: size must be at least 1 byte", context())));
+            return Err(PyValueError::new_err(format!(
+                "{}: size must be at least 1 byte",
+                context()
+            )));
         }
         let mut options = CreateOptions::new();
         if let Some(tag) = tag {
@@ -673,7 +672,12 @@ impl PyMemoryServer {
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .map(|s| s.stats())
-            .ok_or_else(|| ipc_class("MemoryServiceError", format!("the server of {} is shut down", self.path.display())))?;
+            .ok_or_else(|| {
+                ipc_class(
+                    "MemoryServiceError",
+                    format!("the server of {} is shut down", self.path.display()),
+                )
+            })?;
         stats_dict(py, &s)
     }
 
@@ -751,7 +755,9 @@ pub(crate) fn serve(
     }
     if let Some(m) = socket_mode {
         if m > 0o777 {
-            return Err(PyValueError::new_err(format!("serve: socket_mode {m:#o} is not a permission mode")));
+            return Err(PyValueError::new_err(format!(
+                "serve: socket_mode {m:#o} is not a permission mode"
+            )));
         }
         config = config.socket_mode(m);
     }

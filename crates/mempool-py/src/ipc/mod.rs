@@ -27,5 +27,7 @@ mod service;
 pub(crate) use buffers::{PyExportedBuffer, PyImportedBuffer};
 pub(crate) use exporter::PyExporter;
 pub(crate) use importer::PyImporter;
-pub(crate) use memsvc::{serve, validate_name, PyAttachedBuffer, PyBufferInfo, PyClient, PyCreatedBuffer, PyMemoryServer};
+pub(crate) use memsvc::{
+    serve, validate_name, PyAttachedBuffer, PyBufferInfo, PyClient, PyCreatedBuffer, PyMemoryServer,
+};
 pub(crate) use service::PyImportedRange;
