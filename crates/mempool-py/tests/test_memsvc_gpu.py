@@ -14,8 +14,9 @@ and attach named buffers through PyTorch and CuPy.
   ``UnknownNameError``), the holder still reads its bytes, and the memory is freed when it lets go.
 
 This process only serves and makes host calls (list, delete, stats): every mapping and event is in a
-child, never in the server's own process. Nothing here times anything; the waits for the server to notice a process's exit poll its counters (up to
-``TIMEOUT`` seconds).
+child, never in the server's own process. Nothing here times anything; the waits for the server to notice
+a process's exit poll its counters (up to ``TIMEOUT`` seconds). The last test runs docs/memory-service.md's
+Python block in a child against a server on the block's path.
 """
 
 import json
