@@ -117,6 +117,13 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ipc::PyImporter>()?;
     m.add_class::<ipc::PyImportedBuffer>()?;
     m.add_class::<ipc::PyImportedRange>()?;
+    m.add_class::<ipc::PyClient>()?;
+    m.add_class::<ipc::PyCreatedBuffer>()?;
+    m.add_class::<ipc::PyAttachedBuffer>()?;
+    m.add_class::<ipc::PyBufferInfo>()?;
+    m.add_class::<ipc::PyMemoryServer>()?;
+    m.add_function(wrap_pyfunction!(ipc::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(ipc::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(mr::set_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(mr::get_per_device_resource, m)?)?;
     m.add_function(wrap_pyfunction!(get_current_device, m)?)?;

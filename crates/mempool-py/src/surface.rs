@@ -49,6 +49,7 @@ macro_rules! device_view_pymethods {
                 &self,
                 py: Python<'py>,
             ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+                $crate::view::DeviceView::note_exported(self);
                 $crate::view::cuda_array_interface(py, $crate::view::DeviceView::raw_view(self))
             }
 
@@ -74,6 +75,7 @@ macro_rules! device_view_pymethods {
                 copy: Option<bool>,
             ) -> PyResult<Py<PyAny>> {
                 let view = $crate::view::DeviceView::raw_view(slf.get());
+                $crate::view::DeviceView::note_exported(slf.get());
                 $crate::dlpack::export_checked(
                     slf.py(),
                     <$ty as $crate::view::DeviceView>::PY_NAME,

@@ -27,6 +27,10 @@ pub(crate) trait DeviceView {
     const PY_NAME: &'static str;
     /// The memory, its device and its stream.
     fn raw_view(&self) -> RawView;
+    /// Called when a view of the memory is handed out (`__dlpack__`, `__cuda_array_interface__`): a class
+    /// that can let go of its memory before it is collected (`mempool.ipc.CreatedBuffer.discard`) stops
+    /// doing so. Nothing by default.
+    fn note_exported(&self) {}
 }
 
 /// Makes the stream `consumer` wait for the work queued on the stream `ours` so far (raw handles of streams

@@ -515,12 +515,25 @@ impl Created {
     ///
     /// On error the buffer stays unpublished and is deleted when `self` drops (it is returned
     /// in no case: the error says why).
-    pub fn publish(mut self, stream: StreamRef<'_>) -> Result<Attached> {
-        let (event, handle) = gpu::record_event(&self.held.ctx, stream)?;
-        self.held.client.call_done(&Message::Publish {
+    pub fn publish(self, stream: StreamRef<'_>) -> Result<Attached> {
+        self.try_publish(stream).map_err(|(e, _unpublished)| e)
+    }
+
+    /// [`Created::publish`], handing the buffer back on error, still mapped and unpublished, with
+    /// the error (for callers whose views of the memory may outlive the call, such as the Python
+    /// binding's DLPack tensors: the mapping must stay until they are gone).
+    #[allow(clippy::result_large_err)]
+    pub fn try_publish(mut self, stream: StreamRef<'_>) -> std::result::Result<Attached, (Error, Created)> {
+        let (event, handle) = match gpu::record_event(&self.held.ctx, stream) {
+            Ok(recorded) => recorded,
+            Err(e) => return Err((e, self)),
+        };
+        if let Err(e) = self.held.client.call_done(&Message::Publish {
             name: self.held.name.clone(),
             event: Some(handle),
-        })?;
+        }) {
+            return Err((e, self));
+        }
         self.held.publish_event = Some(event);
         // `self` is dropped after this with a husk that holds nothing (not attached, not mapped).
         let husk = Held {

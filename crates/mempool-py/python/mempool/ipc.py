@@ -19,6 +19,22 @@
   ``__cuda_array_interface__`` and DLPack, so ``torch.from_dlpack`` views it). While an importer holds it,
   the owner keeps the buffer alive and its tag cannot sleep; an importer that dies lets go of it.
 
+The memory service (``mempool_ipc::memsvc``; docs/memory-service.md): named GPU buffers held by a server
+process (the ``mempool-serve`` binary, or ``serve(path, ...)`` in this process), which outlive the processes
+that made them.
+
+- ``Client(path, timeout=None, trust_uids=())``: ``create(name, size, device=None, tag=None, ttl=None)``
+  returns a ``CreatedBuffer`` mapped for writing; ``publish(stream=None)`` makes it attachable by name and
+  returns an ``AttachedBuffer`` (``discard()`` drops it unpublished); ``attach(name, stream=None)`` maps a
+  published buffer with no copy, ordered after its creator's writes; ``delete(name)``; ``list()``
+  (``BufferInfo``s); ``stats()``. The buffers have ``ptr``, ``size``, ``name``, the CUDA array interface and
+  DLPack (``torch.from_dlpack(buf)``, ``cupy.from_dlpack(buf)``: no copy); a buffer's mapping goes when the
+  object and every view of it are gone, and the server keeps the buffer until it is deleted or expires.
+- ``serve(path, devices=None, per_uid_bytes=None, per_uid_buffers=None, total_bytes=None,
+  total_buffers=None, allow_uids=(), default_ttl=None, max_buffer_bytes=None, socket_mode=None)``: a
+  ``MemoryServer`` in this process (``path``, ``stats()``, ``shutdown()``, a context manager).
+- Errors: the ``MemoryServiceError`` classes below; ``ValueError`` for a bad size, tag or argument.
+
 The exporter frees a buffer only when it and every importer holding it have let go; an importer that dies
 counts as having let go once its process is gone. None of these objects can be pickled: send the socket
 path to the other process (for example as a ``multiprocessing`` argument, in spawn mode) and connect there.
@@ -26,8 +42,62 @@ path to the other process (for example as a ``multiprocessing`` argument, in spa
 
 from ._errors import IpcError, IpcProtocolError, IpcTimeoutError, PeerGoneError, RefusedError
 from ._lib import ExportedBuffer, Exporter, ImportedBuffer, ImportedRange, Importer
+from ._lib import AttachedBuffer, BufferInfo, Client, CreatedBuffer, MemoryServer, serve, validate_name
+
+
+class MemoryServiceError(IpcError):
+    """The memory service (``Client``, ``serve``) refused or failed a call; the base of the classes below, and
+    the class of the rest (the server's own GPU failure, a device it does not serve, a socket path it cannot
+    use)."""
+
+
+class NameTakenError(MemoryServiceError, FileExistsError):
+    """``create`` named a buffer that exists (published, or being created by someone)."""
+
+
+class UnknownNameError(MemoryServiceError, LookupError):
+    """No buffer has the name: never created, deleted, expired, or its creator died before publishing it."""
+
+
+class InvalidNameError(MemoryServiceError, ValueError):
+    """The name breaks the naming rule (the message names the rule; ``validate_name`` checks it)."""
+
+
+class QuotaExceededError(MemoryServiceError):
+    """Creating the buffer would pass a quota (the message says whose, of what, the limit and the use)."""
+
+
+class NotPermittedError(MemoryServiceError, PermissionError):
+    """The access rules refuse the call: a uid the server does not allow, a server uid this client does not
+    trust, or deleting another user's buffer."""
+
+
+class WrongStateError(MemoryServiceError):
+    """The buffer's state does not allow the call: attaching one still being created, publishing twice or
+    after a discard."""
+
+
+class ServerGoneError(MemoryServiceError, PeerGoneError, ConnectionError):
+    """The server is gone (nobody listens on the path, it closed the connection or died); every later call of
+    the same ``Client`` raises it too. Buffers already mapped stay valid until dropped."""
+
 
 __all__ = [
+    "AttachedBuffer",
+    "BufferInfo",
+    "Client",
+    "CreatedBuffer",
+    "InvalidNameError",
+    "MemoryServer",
+    "MemoryServiceError",
+    "NameTakenError",
+    "NotPermittedError",
+    "QuotaExceededError",
+    "ServerGoneError",
+    "UnknownNameError",
+    "WrongStateError",
+    "serve",
+    "validate_name",
     "ExportedBuffer",
     "Exporter",
     "ImportedBuffer",
