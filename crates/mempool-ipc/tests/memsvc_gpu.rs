@@ -461,7 +461,8 @@ fn racing_creators_exactly_one_wins() {
     let baseline = free_memory(&ctx);
     let path = socket_path(this_test!());
     let server = serve(&path);
-    let mut racers: Vec<ChildProc> = (0..4).map(|_| ChildProc::spawn(this_test!(), "racer", &path)).collect();
+    let test = this_test!();
+    let mut racers: Vec<ChildProc> = (0..4).map(|_| ChildProc::spawn(test, "racer", &path)).collect();
     for r in &mut racers {
         r.expect("READY");
     }
@@ -604,12 +605,27 @@ fn a_killed_server_gives_peer_gone_mappings_stay_valid_and_a_restart_serves_the_
     let _ = std::fs::remove_file(&path);
 }
 
+/// The `mempool-serve` Cargo built; where the test binaries were packed for a GPU machine
+/// (`.gpu/tests/`), the packed one beside them (`.gpu/bin/`).
+fn mempool_serve() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_mempool-serve"));
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let packed = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("bin/mempool-serve"));
+    packed.filter(|p| p.exists()).unwrap_or(built)
+}
+
 #[test]
 fn mempool_serve_listens_and_stops_on_sigterm() {
     let _s = serial();
     let _ = gpu();
     let path = socket_path(this_test!());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mempool-serve"))
+    let mut child = Command::new(mempool_serve())
         .args([
             "--socket",
             path.to_str().unwrap(),
