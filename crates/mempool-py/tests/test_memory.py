@@ -184,3 +184,20 @@ def test_a_snapshot_taken_during_a_torch_training_step_opens_in_the_page(tmp_pat
     page = (tmp_path / "step.html").read_text(encoding="utf-8")
     assert MARKER not in page
     assert json.loads(_embedded(page)) == s
+
+
+@pytest.mark.gpu
+def test_the_observe_training_example_writes_its_snapshot_and_page(tmp_path):
+    pytest.importorskip("torch")
+    example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "observe_training.py")
+    p = subprocess.run([sys.executable, example, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ))
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "training.json") as f:
+        s = json.load(f)
+    assert s["schema"] == "mempool.snapshot" and s["version"] == 1
+    assert summary["events"] == s["history"]["recorded"] > 0
+    assert summary["pool_chunks"] >= 1 and summary["live"] == len(s["live"]) > 0
+    page = (tmp_path / "training.html").read_text(encoding="utf-8")
+    assert json.loads(_embedded(page)) == s
