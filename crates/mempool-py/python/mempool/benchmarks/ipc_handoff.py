@@ -182,7 +182,7 @@ class Side:
             t.fill_(1)
             self.queues[i].put(t)
             return t
-        buf = self.mr.allocate(size)
+        buf = self.mr.allocate(size, stream=self.device.default_stream)  # cuda.core asks for a stream
         torch.from_dlpack(buf).fill_(1)
         self.stream.synchronize()  # nothing orders the consumer after this work: it must be done
         self.queues[i].put(buf)
