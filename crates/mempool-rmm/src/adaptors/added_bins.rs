@@ -1,8 +1,7 @@
 //! [`AddedBinsAdaptor`]: bins of any size, served by any resource, added in front of an upstream (RMM's
 //! `binning_memory_resource::add_bin`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::RwLock;
+use std::sync::{Mutex, OnceLock};
 
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_suballoc::BinningOptions;
@@ -54,9 +53,10 @@ pub struct AddedBinsAdaptor<U> {
     upstream_bins: Option<(u32, u32)>,
     // Invariant: sorted by size, sizes distinct multiples of the alignment, none equal to an upstream bin;
     // unchanged once `frozen` is set.
-    bins: RwLock<Vec<(usize, SharedResource)>>,
-    // Set (under the read lock) by the first allocation; `add_bin` checks it under the write lock.
-    frozen: AtomicBool,
+    bins: Mutex<Vec<(usize, SharedResource)>>,
+    /// A copy of `bins`, set (under `bins`' lock) by the first allocation; `add_bin` checks it under the
+    /// same lock. Allocations and frees read it without a lock.
+    frozen: OnceLock<Box<[(usize, SharedResource)]>>,
 }
 
 impl<U: MemoryResource> AddedBinsAdaptor<U> {
@@ -65,8 +65,8 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
         AddedBinsAdaptor {
             upstream,
             upstream_bins: None,
-            bins: RwLock::new(Vec::new()),
-            frozen: AtomicBool::new(false),
+            bins: Mutex::new(Vec::new()),
+            frozen: OnceLock::new(),
         }
     }
 
@@ -107,8 +107,8 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
                 "add_bin({allocation_size}): the upstream already has a bin of {size} bytes"
             )));
         }
-        let mut bins = self.bins.write().unwrap_or_else(|p| p.into_inner());
-        if self.frozen.load(Ordering::Acquire) {
+        let mut bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
+        if self.frozen.get().is_some() {
             return Err(refuse(format!(
                 "add_bin after the first allocation (a bin of {allocation_size} bytes): frees are routed by size, \
                  so a new bin would take frees of memory it never gave out; add every bin before allocating"
@@ -127,7 +127,7 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
 
     /// The block sizes of every bin, the upstream's and the added ones, ascending.
     pub fn bin_sizes(&self) -> Vec<usize> {
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
+        let bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
         let mut all: Vec<usize> = self.upstream_bin_sizes().chain(bins.iter().map(|(s, _)| *s)).collect();
         all.sort_unstable();
         all
@@ -143,6 +143,25 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
         let (min, max) = self.upstream_bins?;
         let size = bytes.max(1 << min).checked_next_power_of_two()?;
         (size <= 1usize << max).then_some(size)
+    }
+
+    /// The bins, fixed: the first call copies them (under the lock `add_bin` takes), later calls read the
+    /// copy without a lock.
+    #[inline]
+    fn fixed_bins(&self) -> &[(usize, SharedResource)] {
+        match self.frozen.get() {
+            Some(bins) => bins,
+            None => self.freeze(),
+        }
+    }
+
+    #[cold]
+    fn freeze(&self) -> &[(usize, SharedResource)] {
+        let bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
+        // Set while the lock is held, so an `add_bin` either finished before or sees `frozen` set.
+        let fixed = self.frozen.get_or_init(|| bins.clone().into_boxed_slice());
+        drop(bins);
+        fixed
     }
 
     /// The added bin that serves `bytes`, or `None` for the upstream.
@@ -162,11 +181,7 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
 unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let upstream_bin = self.upstream_bin(bytes);
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
-        if !self.frozen.load(Ordering::Relaxed) {
-            self.frozen.store(true, Ordering::Release);
-        }
-        match Self::route(&bins, upstream_bin, bytes) {
+        match Self::route(self.fixed_bins(), upstream_bin, bytes) {
             Some(r) => r.allocate(bytes, stream),
             None => self.upstream.allocate(bytes, stream),
         }
@@ -176,10 +191,9 @@ unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
     #[allow(unsafe_code)]
     unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         let upstream_bin = self.upstream_bin(bytes);
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
         // The bins were fixed before the allocation of `ptr` (the caller's obligations: it came from
         // `allocate` with `bytes`), so `bytes` routes to the resource that made it.
-        match Self::route(&bins, upstream_bin, bytes) {
+        match Self::route(self.fixed_bins(), upstream_bin, bytes) {
             // SAFETY: the caller's obligations, passed on to the resource that made the allocation.
             Some(r) => unsafe { r.deallocate(ptr, bytes, stream) },
             // SAFETY: as above.
