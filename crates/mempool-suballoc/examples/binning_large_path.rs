@@ -26,14 +26,14 @@ const LARGE: (usize, usize, usize) = (20_000, 64 << 20, 16 << 30);
 type Bins = Sharded<BinningEngine<SimUpstream, SimStreams>>;
 
 #[derive(Clone, Copy)]
-enum Path {
+enum Route {
     Upstream,
-    EnginePath,
-    SizeRouted,
+    Engine,
+    BySize,
 }
 
 /// Runs `ops` then frees what is left; returns nanoseconds per counted operation.
-fn run(path: Path, ops: &[RandomOp], options: BinningOptions) -> f64 {
+fn run(path: Route, ops: &[RandomOp], options: BinningOptions) -> f64 {
     let up = SimUpstream::new();
     let streams = SimStreams::new();
     let bins: Bins =
@@ -41,19 +41,19 @@ fn run(path: Path, ops: &[RandomOp], options: BinningOptions) -> f64 {
     let s = SimStream::new(0);
     let alloc = |n: u64| -> u64 {
         let r = match path {
-            Path::Upstream => up.allocate(n, s),
-            Path::EnginePath => bins.allocate(n, s),
-            Path::SizeRouted if options.goes_upstream(n) => up.allocate(n, s),
-            Path::SizeRouted => bins.allocate(n, s),
+            Route::Upstream => up.allocate(n, s),
+            Route::Engine => bins.allocate(n, s),
+            Route::BySize if options.goes_upstream(n) => up.allocate(n, s),
+            Route::BySize => bins.allocate(n, s),
         };
         r.unwrap_or_else(|e| panic!("allocating {n} bytes: {e}"))
     };
     let free = |a: u64, n: u64| {
         let r = match path {
-            Path::Upstream => up.deallocate(a, n, s),
-            Path::EnginePath => bins.deallocate(a, n, s),
-            Path::SizeRouted if options.goes_upstream(n) => up.deallocate(a, n, s),
-            Path::SizeRouted => bins.deallocate(a, n, s),
+            Route::Upstream => up.deallocate(a, n, s),
+            Route::Engine => bins.deallocate(a, n, s),
+            Route::BySize if options.goes_upstream(n) => up.deallocate(a, n, s),
+            Route::BySize => bins.deallocate(a, n, s),
         };
         r.unwrap_or_else(|e| panic!("freeing {a:#x} ({n} bytes): {e}"))
     };
@@ -92,9 +92,9 @@ fn main() {
         options.largest_bin()
     );
     let paths = [
-        ("upstream", Path::Upstream),
-        ("engine-path", Path::EnginePath),
-        ("size-routed", Path::SizeRouted),
+        ("upstream", Route::Upstream),
+        ("engine-path", Route::Engine),
+        ("size-routed", Route::BySize),
     ];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     for _ in 0..rounds {

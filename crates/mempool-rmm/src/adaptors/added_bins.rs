@@ -283,4 +283,104 @@ mod tests {
         assert_eq!((upstream.live_allocations(), bin.live_allocations()), (0, 0));
         assert_eq!((upstream.total_allocations(), bin.total_allocations()), (1, 1));
     }
+
+    #[test]
+    fn mixed_frees_in_any_order_go_where_their_allocations_went() {
+        let upstream = sim();
+        let options = BinningOptions {
+            min_size_exponent: 8,
+            max_size_exponent: 12,
+            ..BinningOptions::default()
+        };
+        let mr = AddedBinsAdaptor::over_binning(upstream.clone(), &options);
+        let (b3k, b64k) = (sim(), sim());
+        mr.add_bin(3000, b3k.clone()).unwrap(); // 3072, between the upstream's 2048 and 4096
+        mr.add_bin(65_536, b64k.clone()).unwrap(); // above the upstream's largest bin (4096)
+        let s = StreamRef::LEGACY;
+        // (size, which resource serves it: 0 the upstream, 1 the 3072-byte bin, 2 the 64 KiB bin)
+        let sizes = [
+            (100, 0),
+            (2049, 1),
+            (3072, 1),
+            (3073, 0), // the upstream's 4096 bin is smaller than 64 KiB
+            (4096, 0),
+            (4097, 2),
+            (65_536, 2),
+            (65_537, 0), // above every bin: the upstream, as a large allocation
+            (1 << 26, 0),
+        ];
+        let counts = || {
+            [
+                upstream.live_allocations(),
+                b3k.live_allocations(),
+                b64k.live_allocations(),
+            ]
+        };
+        let mut want = [0usize; 3];
+        let mut live = Vec::new();
+        for round in 0..3 {
+            for &(bytes, at) in &sizes {
+                live.push((mr.allocate(bytes, s).unwrap(), bytes, at));
+                want[at] += 1;
+                assert_eq!(counts(), want, "round {round}, after allocating {bytes} bytes");
+            }
+        }
+        // Free in an order unlike the allocations' (a fixed permutation: stride 7 over 27, coprime).
+        let n = live.len();
+        for i in 0..n {
+            let (p, bytes, at) = live[(i * 7) % n];
+            // SAFETY: each came from `mr.allocate` with this size and is freed once (the stride visits every
+            // index once); the addresses are fake.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(p, bytes, s).unwrap()
+            };
+            want[at] -= 1;
+            assert_eq!(counts(), want, "after freeing {bytes} bytes");
+        }
+        assert_eq!(counts(), [0, 0, 0]);
+        assert_eq!(
+            [
+                upstream.total_allocations(),
+                b3k.total_allocations(),
+                b64k.total_allocations()
+            ],
+            [15, 6, 6]
+        );
+    }
+
+    #[test]
+    fn a_bin_added_while_another_thread_allocates_is_used_or_refused() {
+        for _ in 0..20 {
+            let upstream = sim();
+            let mr = Arc::new(AddedBinsAdaptor::new(upstream.clone()));
+            let bins: Vec<Arc<SimResource>> = (0..64).map(|_| sim()).collect();
+            let adder = {
+                let (mr, bins) = (mr.clone(), bins.clone());
+                std::thread::spawn(move || {
+                    bins.iter()
+                        .enumerate()
+                        .filter(|(k, b)| mr.add_bin((k + 1) * 1024, (*b).clone() as SharedResource).is_ok())
+                        .count()
+                })
+            };
+            std::thread::yield_now();
+            let p = mr.allocate(64 * 1024, StreamRef::LEGACY).unwrap();
+            let added = adder.join().unwrap();
+            // Every bin that `add_bin` accepted is one the adaptor routes to, and no other.
+            assert_eq!(mr.fixed_bins().len(), added);
+            assert_eq!(mr.bin_sizes().len(), added);
+            assert_eq!(mr.bin_sizes(), (1..=added).map(|k| k * 1024).collect::<Vec<_>>());
+            // The 64 KiB request went to the 64th bin if it was added in time, else to the upstream.
+            let served_by_bin = bins[63].live_allocations();
+            assert_eq!(served_by_bin + upstream.live_allocations(), 1);
+            assert_eq!(served_by_bin == 1, added == 64);
+            // SAFETY: `p` came from `mr.allocate` with this size and is freed once; the address is fake.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(p, 64 * 1024, StreamRef::LEGACY).unwrap()
+            };
+            assert_eq!(bins[63].live_allocations() + upstream.live_allocations(), 0);
+        }
+    }
 }
