@@ -291,10 +291,11 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 ///   the upstream, unchanged, and so does its free, routed by its size alone (the size a free passes is
 ///   the size allocated, the [`MemoryResource`] contract): no engine lock, no record of the allocation,
 ///   as in RMM's `binning_memory_resource`. Such allocations are the upstream's: the resource's
-///   [`stats`](Self::stats) and memory map do not count them, and dropping the resource does not free
-///   them.
-/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's handle; a stream reuses its
-///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
+///   [`stats`](Self::stats) and memory map do not count them, dropping the resource does not free
+///   them, and their frees are checked only by the upstream (a pool refuses an address it did not hand
+///   out; the driver's pools check what the driver checks).
+/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's handle; a stream
+///   reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
 ///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
 ///   address.
 /// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
@@ -529,8 +530,8 @@ impl<C: SuballocOptions, U: MemoryResource> Drop for SuballocatingResource<C, U>
     /// Returns every chunk to the upstream, live allocations included, as RMM's resources do when
     /// destroyed: the engine synchronizes the context, then frees each chunk on the legacy default
     /// stream (the streams it stored may be gone). Allocations passed straight to the upstream (above
-    /// [`SuballocOptions::passes_through_above`]) are the upstream's and are not freed here. The error cannot be returned from `drop` and is
-    /// ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
+    /// [`SuballocOptions::passes_through_above`]) are the upstream's and are not freed here. The error
+    /// cannot be returned from `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
     /// still use them, and a chunk the upstream refuses is forgotten. Call
     /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
     fn drop(&mut self) {
