@@ -369,3 +369,68 @@ fn system_memory_serves_kernels_and_the_host_or_is_refused_by_attribute() {
         unsafe { mr.deallocate(p, N * 4, stream.as_ref()) }.unwrap();
     }
 }
+
+#[test]
+fn binning_passes_sizes_above_its_bins_straight_to_the_upstream_and_routes_frees_by_size() {
+    use mempool_rmm::suballoc::BinningOptions;
+    use mempool_rmm::BinningResource;
+    let dev = device();
+    let stream = Stream::new(&dev.context().unwrap()).unwrap();
+    let s = stream.as_ref();
+    let options = BinningOptions {
+        min_size_exponent: 8,
+        max_size_exponent: 12,
+        blocks_per_chunk: 4,
+        ..BinningOptions::default()
+    };
+    let mr = BinningResource::new(
+        StatisticsAdaptor::new(AsyncResource::default_pool(&dev).unwrap()),
+        &dev,
+        options,
+    )
+    .unwrap();
+    let up = || mr.upstream().counters();
+    assert!(!mr.passes_through(4096) && mr.passes_through(4097));
+    // Above the largest bin (4 KiB): the upstream gets the request unchanged, the engine keeps no record.
+    let large = mr.allocate(10_000, s).unwrap();
+    assert_eq!((up().allocations.current, up().bytes.current), (1, 10_000));
+    assert_eq!((mr.stats().live_allocations, mr.stats().reserved_bytes), (0, 0));
+    // In a bin: a chunk of four 512-byte blocks from the upstream, one block live in the engine.
+    let small = mr.allocate(300, s).unwrap();
+    assert_eq!((up().allocations.current, up().bytes.current), (2, 10_000 + 4 * 512));
+    assert_eq!((mr.stats().live_allocations, mr.stats().used_bytes), (1, 512));
+    // The largest bin's size is a bin; one byte more goes upstream.
+    let top = mr.allocate(4096, s).unwrap();
+    assert_eq!(up().allocations.current, 3);
+    let above = mr.allocate(4097, s).unwrap();
+    assert_eq!((up().allocations.current, mr.stats().live_allocations), (4, 2));
+    // Frees in another order than the allocations, one from another thread: each goes where its size says.
+    // SAFETY: `above` came from `mr.allocate(4097, s)`, is freed once, and no work uses it.
+    unsafe { mr.deallocate(above, 4097, s) }.unwrap();
+    assert_eq!((up().allocations.current, mr.stats().live_allocations), (3, 2));
+    // SAFETY: `small` came from `mr.allocate(300, s)`, is freed once, and no work uses it.
+    unsafe { mr.deallocate(small, 300, s) }.unwrap();
+    assert_eq!(
+        (up().allocations.current, mr.stats().live_allocations),
+        (3, 1),
+        "the chunk stays"
+    );
+    std::thread::scope(|t| {
+        t.spawn(|| {
+            // SAFETY: `large` came from `mr.allocate(10_000, s)`, is freed once, and no work uses it.
+            unsafe { mr.deallocate(large, 10_000, s) }.unwrap();
+        });
+    });
+    assert_eq!((up().allocations.current, up().bytes.current), (2, 4 * 512 + 4 * 4096));
+    // SAFETY: `top` came from `mr.allocate(4096, s)`, is freed once, and no work uses it.
+    unsafe { mr.deallocate(top, 4096, s) }.unwrap();
+    assert_eq!(mr.stats().live_allocations, 0);
+    assert_eq!(
+        up().allocations.total,
+        4,
+        "one upstream allocation per large request and per chunk"
+    );
+    mr.release_unused().unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(up().allocations.current, 0);
+}

@@ -23,6 +23,24 @@ pub struct BinningOptions {
     pub event_policy: EventPolicy,
 }
 
+impl BinningOptions {
+    /// The largest bin's block size, `2^max_size_exponent` bytes (`u64::MAX` for an exponent of 64
+    /// or more, which [`BinningEngine::new`] refuses).
+    #[inline]
+    pub fn largest_bin(&self) -> u64 {
+        1u64.checked_shl(self.max_size_exponent).unwrap_or(u64::MAX)
+    }
+
+    /// Whether a request of `bytes` is above the largest bin, so that the engine passes it straight to
+    /// its upstream (and keeps no block of any bin for it). Decided by the size alone: a free of `bytes`
+    /// goes where an allocation of `bytes` went, so a resource in front of the engine may send both
+    /// straight to the upstream without asking the engine (as mempool-rmm's `BinningResource` does).
+    #[inline]
+    pub fn goes_upstream(&self, bytes: u64) -> bool {
+        bytes > self.largest_bin()
+    }
+}
+
 impl Default for BinningOptions {
     /// Bins of 256 B to 1 MiB, 128 blocks per chunk (RMM's fixed-size default),
     /// [`EventPolicy::Adaptive`].
@@ -319,6 +337,36 @@ mod tests {
         for (bytes, bin) in cases {
             assert_eq!(b.bin_size(bytes), bin, "{bytes} bytes");
         }
+    }
+
+    #[test]
+    fn goes_upstream_exactly_when_no_bin_holds_the_request() {
+        for (min, max) in [(8, 8), (8, 12), (8, 20), (10, 40)] {
+            let o = options(min, max, 4);
+            let b = BinningEngine::new(SimUpstream::new(), SimStreams::new(), o).unwrap();
+            let top = 1u64 << max;
+            assert_eq!(o.largest_bin(), top);
+            for bytes in [
+                1,
+                255,
+                256,
+                257,
+                top / 2 + 1,
+                top - 1,
+                top,
+                top + 1,
+                top + 256,
+                3 * top,
+                u64::MAX,
+            ] {
+                assert_eq!(
+                    o.goes_upstream(bytes),
+                    b.bin_size(bytes).is_none(),
+                    "{bytes} bytes, bins 2^{min}..2^{max}"
+                );
+            }
+        }
+        assert_eq!(options(8, 64, 4).largest_bin(), u64::MAX);
     }
 
     #[test]

@@ -1,8 +1,7 @@
 //! [`AddedBinsAdaptor`]: bins of any size, served by any resource, added in front of an upstream (RMM's
 //! `binning_memory_resource::add_bin`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::RwLock;
+use std::sync::{Mutex, OnceLock};
 
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_suballoc::BinningOptions;
@@ -54,9 +53,10 @@ pub struct AddedBinsAdaptor<U> {
     upstream_bins: Option<(u32, u32)>,
     // Invariant: sorted by size, sizes distinct multiples of the alignment, none equal to an upstream bin;
     // unchanged once `frozen` is set.
-    bins: RwLock<Vec<(usize, SharedResource)>>,
-    // Set (under the read lock) by the first allocation; `add_bin` checks it under the write lock.
-    frozen: AtomicBool,
+    bins: Mutex<Vec<(usize, SharedResource)>>,
+    /// A copy of `bins`, set (under `bins`' lock) by the first allocation; `add_bin` checks it under the
+    /// same lock. Allocations and frees read it without a lock.
+    frozen: OnceLock<Box<[(usize, SharedResource)]>>,
 }
 
 impl<U: MemoryResource> AddedBinsAdaptor<U> {
@@ -65,8 +65,8 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
         AddedBinsAdaptor {
             upstream,
             upstream_bins: None,
-            bins: RwLock::new(Vec::new()),
-            frozen: AtomicBool::new(false),
+            bins: Mutex::new(Vec::new()),
+            frozen: OnceLock::new(),
         }
     }
 
@@ -107,8 +107,8 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
                 "add_bin({allocation_size}): the upstream already has a bin of {size} bytes"
             )));
         }
-        let mut bins = self.bins.write().unwrap_or_else(|p| p.into_inner());
-        if self.frozen.load(Ordering::Acquire) {
+        let mut bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
+        if self.frozen.get().is_some() {
             return Err(refuse(format!(
                 "add_bin after the first allocation (a bin of {allocation_size} bytes): frees are routed by size, \
                  so a new bin would take frees of memory it never gave out; add every bin before allocating"
@@ -127,7 +127,7 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
 
     /// The block sizes of every bin, the upstream's and the added ones, ascending.
     pub fn bin_sizes(&self) -> Vec<usize> {
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
+        let bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
         let mut all: Vec<usize> = self.upstream_bin_sizes().chain(bins.iter().map(|(s, _)| *s)).collect();
         all.sort_unstable();
         all
@@ -143,6 +143,25 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
         let (min, max) = self.upstream_bins?;
         let size = bytes.max(1 << min).checked_next_power_of_two()?;
         (size <= 1usize << max).then_some(size)
+    }
+
+    /// The bins, fixed: the first call copies them (under the lock `add_bin` takes), later calls read the
+    /// copy without a lock.
+    #[inline]
+    fn fixed_bins(&self) -> &[(usize, SharedResource)] {
+        match self.frozen.get() {
+            Some(bins) => bins,
+            None => self.freeze(),
+        }
+    }
+
+    #[cold]
+    fn freeze(&self) -> &[(usize, SharedResource)] {
+        let bins = self.bins.lock().unwrap_or_else(|p| p.into_inner());
+        // Set while the lock is held, so an `add_bin` either finished before or sees `frozen` set.
+        let fixed = self.frozen.get_or_init(|| bins.clone().into_boxed_slice());
+        drop(bins);
+        fixed
     }
 
     /// The added bin that serves `bytes`, or `None` for the upstream.
@@ -162,11 +181,7 @@ impl<U: MemoryResource> AddedBinsAdaptor<U> {
 unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         let upstream_bin = self.upstream_bin(bytes);
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
-        if !self.frozen.load(Ordering::Relaxed) {
-            self.frozen.store(true, Ordering::Release);
-        }
-        match Self::route(&bins, upstream_bin, bytes) {
+        match Self::route(self.fixed_bins(), upstream_bin, bytes) {
             Some(r) => r.allocate(bytes, stream),
             None => self.upstream.allocate(bytes, stream),
         }
@@ -176,10 +191,9 @@ unsafe impl<U: MemoryResource> MemoryResource for AddedBinsAdaptor<U> {
     #[allow(unsafe_code)]
     unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         let upstream_bin = self.upstream_bin(bytes);
-        let bins = self.bins.read().unwrap_or_else(|p| p.into_inner());
         // The bins were fixed before the allocation of `ptr` (the caller's obligations: it came from
         // `allocate` with `bytes`), so `bytes` routes to the resource that made it.
-        match Self::route(&bins, upstream_bin, bytes) {
+        match Self::route(self.fixed_bins(), upstream_bin, bytes) {
             // SAFETY: the caller's obligations, passed on to the resource that made the allocation.
             Some(r) => unsafe { r.deallocate(ptr, bytes, stream) },
             // SAFETY: as above.
@@ -268,5 +282,105 @@ mod tests {
         }
         assert_eq!((upstream.live_allocations(), bin.live_allocations()), (0, 0));
         assert_eq!((upstream.total_allocations(), bin.total_allocations()), (1, 1));
+    }
+
+    #[test]
+    fn mixed_frees_in_any_order_go_where_their_allocations_went() {
+        let upstream = sim();
+        let options = BinningOptions {
+            min_size_exponent: 8,
+            max_size_exponent: 12,
+            ..BinningOptions::default()
+        };
+        let mr = AddedBinsAdaptor::over_binning(upstream.clone(), &options);
+        let (b3k, b64k) = (sim(), sim());
+        mr.add_bin(3000, b3k.clone()).unwrap(); // 3072, between the upstream's 2048 and 4096
+        mr.add_bin(65_536, b64k.clone()).unwrap(); // above the upstream's largest bin (4096)
+        let s = StreamRef::LEGACY;
+        // (size, which resource serves it: 0 the upstream, 1 the 3072-byte bin, 2 the 64 KiB bin)
+        let sizes = [
+            (100, 0),
+            (2049, 1),
+            (3072, 1),
+            (3073, 0), // the upstream's 4096 bin is smaller than 64 KiB
+            (4096, 0),
+            (4097, 2),
+            (65_536, 2),
+            (65_537, 0), // above every bin: the upstream, as a large allocation
+            (1 << 26, 0),
+        ];
+        let counts = || {
+            [
+                upstream.live_allocations(),
+                b3k.live_allocations(),
+                b64k.live_allocations(),
+            ]
+        };
+        let mut want = [0usize; 3];
+        let mut live = Vec::new();
+        for round in 0..3 {
+            for &(bytes, at) in &sizes {
+                live.push((mr.allocate(bytes, s).unwrap(), bytes, at));
+                want[at] += 1;
+                assert_eq!(counts(), want, "round {round}, after allocating {bytes} bytes");
+            }
+        }
+        // Free in an order unlike the allocations' (a fixed permutation: stride 7 over 27, coprime).
+        let n = live.len();
+        for i in 0..n {
+            let (p, bytes, at) = live[(i * 7) % n];
+            // SAFETY: each came from `mr.allocate` with this size and is freed once (the stride visits every
+            // index once); the addresses are fake.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(p, bytes, s).unwrap()
+            };
+            want[at] -= 1;
+            assert_eq!(counts(), want, "after freeing {bytes} bytes");
+        }
+        assert_eq!(counts(), [0, 0, 0]);
+        assert_eq!(
+            [
+                upstream.total_allocations(),
+                b3k.total_allocations(),
+                b64k.total_allocations()
+            ],
+            [15, 6, 6]
+        );
+    }
+
+    #[test]
+    fn a_bin_added_while_another_thread_allocates_is_used_or_refused() {
+        for _ in 0..20 {
+            let upstream = sim();
+            let mr = Arc::new(AddedBinsAdaptor::new(upstream.clone()));
+            let bins: Vec<Arc<SimResource>> = (0..64).map(|_| sim()).collect();
+            let adder = {
+                let (mr, bins) = (mr.clone(), bins.clone());
+                std::thread::spawn(move || {
+                    bins.iter()
+                        .enumerate()
+                        .filter(|(k, b)| mr.add_bin((k + 1) * 1024, (*b).clone() as SharedResource).is_ok())
+                        .count()
+                })
+            };
+            std::thread::yield_now();
+            let p = mr.allocate(64 * 1024, StreamRef::LEGACY).unwrap();
+            let added = adder.join().unwrap();
+            // Every bin that `add_bin` accepted is one the adaptor routes to, and no other.
+            assert_eq!(mr.fixed_bins().len(), added);
+            assert_eq!(mr.bin_sizes().len(), added);
+            assert_eq!(mr.bin_sizes(), (1..=added).map(|k| k * 1024).collect::<Vec<_>>());
+            // The 64 KiB request went to the 64th bin if it was added in time, else to the upstream.
+            let served_by_bin = bins[63].live_allocations();
+            assert_eq!(served_by_bin + upstream.live_allocations(), 1);
+            assert_eq!(served_by_bin == 1, added == 64);
+            // SAFETY: `p` came from `mr.allocate` with this size and is freed once; the address is fake.
+            #[allow(unsafe_code)]
+            unsafe {
+                mr.deallocate(p, 64 * 1024, StreamRef::LEGACY).unwrap()
+            };
+            assert_eq!(bins[63].live_allocations() + upstream.live_allocations(), 0);
+        }
     }
 }

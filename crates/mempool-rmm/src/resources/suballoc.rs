@@ -220,6 +220,13 @@ pub trait SuballocOptions: EngineOptions {
     fn shardable(&self) -> bool {
         true
     }
+
+    /// The size above which every request goes straight to the upstream, by its size alone, so that the
+    /// resource sends it there without asking (or locking) an engine: binning's largest bin. `None`
+    /// (the default) when the engine serves every size itself.
+    fn passes_through_above(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl SuballocOptions for PoolOptions {
@@ -236,6 +243,12 @@ impl SuballocOptions for FixedSizeOptions {
 
 impl SuballocOptions for BinningOptions {
     const RESOURCE_NAME: &'static str = "BinningResource";
+
+    /// The largest bin: the engine would pass every larger request to the upstream anyway
+    /// ([`BinningOptions::goes_upstream`]).
+    fn passes_through_above(&self) -> Option<u64> {
+        Some(self.largest_bin())
+    }
 }
 
 impl SuballocOptions for ArenaOptions {
@@ -273,8 +286,16 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 ///   asked for is one block that serves every thread, as in RMM. Each engine grows on its own, so a
 ///   sharded resource may hold up to one engine's growth per thread more than a single engine would.
 ///
-/// - `allocate` and `deallocate` go to the engine, keyed by the stream's handle; a stream reuses its
-///   own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
+/// - A request above the size where the options pass everything to the upstream
+///   ([`SuballocOptions::passes_through_above`]: a [`BinningResource`]'s largest bin) goes straight to
+///   the upstream, unchanged, and so does its free, routed by its size alone (the size a free passes is
+///   the size allocated, the [`MemoryResource`] contract): no engine lock, no record of the allocation,
+///   as in RMM's `binning_memory_resource`. Such allocations are the upstream's: the resource's
+///   [`stats`](Self::stats) and memory map do not count them, dropping the resource does not free
+///   them, and their frees are checked only by the upstream (a pool refuses an address it did not hand
+///   out; the driver's pools check what the driver checks).
+/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's handle; a stream
+///   reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
 ///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
 ///   address.
 /// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
@@ -308,6 +329,9 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 pub struct SuballocatingResource<C: SuballocOptions, U: MemoryResource> {
     engines: Sharded<ResourceEngine<C, U>>,
     adapter: Arc<ResourceUpstream<U>>,
+    /// Requests of more bytes go straight to the upstream ([`SuballocOptions::passes_through_above`];
+    /// `u64::MAX`: none do).
+    direct_above: u64,
 }
 
 impl<C: SuballocOptions, U: MemoryResource> std::fmt::Debug for SuballocatingResource<C, U> {
@@ -337,7 +361,13 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
             ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, options.clone())
         })
         .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
-        Ok(SuballocatingResource { engines, adapter })
+        // After the engines accepted the options (binning's exponents are in range).
+        let direct_above = options.passes_through_above().unwrap_or(u64::MAX);
+        Ok(SuballocatingResource {
+            engines,
+            adapter,
+            direct_above,
+        })
     }
 
     /// The upstream resource.
@@ -376,6 +406,28 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         }
     }
 
+    /// Whether a request (or free) of `bytes` goes straight to the upstream (see the type's docs).
+    #[inline]
+    pub fn passes_through(&self, bytes: usize) -> bool {
+        bytes as u64 > self.direct_above
+    }
+
+    /// An allocation above the engines' sizes, straight from the upstream. Out of memory is reported as
+    /// the engine would have (a report of the stack from this resource down, naming the upstream).
+    #[inline]
+    fn allocate_direct(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
+        self.adapter.upstream.allocate(bytes, stream).map_err(|e| {
+            if e.is_out_of_memory() {
+                self.out_of_memory_report(suballoc::Error::OutOfMemory {
+                    requested: bytes as u64,
+                    cause: suballoc::OutOfMemoryCause::Upstream,
+                })
+            } else {
+                e
+            }
+        })
+    }
+
     /// Returns to the upstream every chunk that holds no live allocation; live allocations stay
     /// valid. The chunks are freed on the context's legacy default stream, which the engine first
     /// orders after every free into them (an event wait, or a context synchronize).
@@ -392,12 +444,15 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
     }
 }
 
-// SAFETY: the engine hands out disjoint, aligned ranges of blocks it took from the upstream (its invariants, tested on the host by mempool-suballoc's conformance and property tests), which the resource holds until it drops; a range is handed out again only after `deallocate` returned it. The upstream's `unsafe impl` guarantees 2 for those blocks.
+// SAFETY: the engine hands out disjoint, aligned ranges of blocks it took from the upstream (its invariants, tested on the host by mempool-suballoc's conformance and property tests), which the resource holds until it drops; a range is handed out again only after `deallocate` returned it. The upstream's `unsafe impl` guarantees 2 for those blocks, and for the allocations passed straight through (sizes above `direct_above`, freed to the upstream with the same size), which are disjoint from the engines' chunks since the one upstream hands out both.
 #[allow(unsafe_code)]
 unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for SuballocatingResource<C, U> {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
         if bytes == 0 {
             return Ok(DeviceAddr::NULL);
+        }
+        if self.passes_through(bytes) {
+            return self.allocate_direct(bytes, stream);
         }
         self.engines
             .allocate(bytes as u64, StreamKey::of(stream))
@@ -409,6 +464,12 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
     unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
+        }
+        if self.passes_through(bytes) {
+            // SAFETY: the caller's obligations (`ptr` came from `allocate` with `bytes`, freed once, no
+            // work after `stream` uses it) hold for the upstream: an allocation of `bytes` above
+            // `direct_above` was passed straight to the upstream with the same size (`allocate`).
+            return unsafe { self.adapter.upstream.deallocate(ptr, bytes, stream) };
         }
         // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
         // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
@@ -468,8 +529,9 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
 impl<C: SuballocOptions, U: MemoryResource> Drop for SuballocatingResource<C, U> {
     /// Returns every chunk to the upstream, live allocations included, as RMM's resources do when
     /// destroyed: the engine synchronizes the context, then frees each chunk on the legacy default
-    /// stream (the streams it stored may be gone). The error cannot be returned from `drop` and is
-    /// ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
+    /// stream (the streams it stored may be gone). Allocations passed straight to the upstream (above
+    /// [`SuballocOptions::passes_through_above`]) are the upstream's and are not freed here. The error
+    /// cannot be returned from `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
     /// still use them, and a chunk the upstream refuses is forgotten. Call
     /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
     fn drop(&mut self) {
@@ -505,8 +567,9 @@ pub type PoolResource<U> = SuballocatingResource<PoolOptions, U>;
 /// [`SuballocatingResource`].
 pub type FixedSizeResource<U> = SuballocatingResource<FixedSizeOptions, U>;
 
-/// Power-of-two bins of fixed-size blocks, larger requests straight to the upstream, RMM's
-/// `binning_memory_resource`: the fastest choice for many small allocations. See
+/// Power-of-two bins of fixed-size blocks, larger requests straight to the upstream (no lock, no record:
+/// [`SuballocatingResource::passes_through`]), RMM's `binning_memory_resource`: the fastest choice for
+/// many small allocations. See
 /// [`SuballocatingResource`].
 pub type BinningResource<U> = SuballocatingResource<BinningOptions, U>;
 
