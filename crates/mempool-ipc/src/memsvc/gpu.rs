@@ -93,6 +93,10 @@ impl RelayedEvent for GpuEvent {
     fn handle(&self) -> EventBytes {
         self.handle
     }
+
+    fn is_done(&self) -> Result<bool> {
+        Ok(self.event.as_ref().expect("held until dropped").is_complete()?)
+    }
 }
 
 impl Drop for GpuEvent {
@@ -163,16 +167,48 @@ pub(crate) fn local_device(uuid: DeviceUuid) -> Result<Device> {
     })
 }
 
-/// Imports a granted allocation of `size` bytes on `device`, maps it into a fresh reservation of
-/// this process and grants `device` read-write access. Refuses a granularity that is not this
-/// process's own for the device (the server and this process would disagree about the layout).
-pub(crate) fn import(device: Device, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
-    let own = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
-    if granularity != own {
-        return Err(Error::protocol(format!(
-            "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
-        )));
+/// This process's devices a client met, by the server's UUID, with their minimum VMM
+/// granularity: looked up once per connection, not once per buffer (a lookup enumerates the
+/// devices and asks each its UUID).
+#[derive(Default)]
+pub(crate) struct LocalDevices(Mutex<Vec<(DeviceUuid, Device, u64)>>);
+
+impl LocalDevices {
+    /// The device of this process whose UUID is `uuid` ([`Error::DeviceNotVisible`] if none).
+    pub(crate) fn device(&self, uuid: DeviceUuid) -> Result<Device> {
+        Ok(self.entry(uuid)?.0)
     }
+
+    fn entry(&self, uuid: DeviceUuid) -> Result<(Device, u64)> {
+        let mut known = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&(_, device, granularity)) = known.iter().find(|(u, _, _)| *u == uuid) {
+            return Ok((device, granularity));
+        }
+        let device = local_device(uuid)?;
+        let granularity = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
+        known.push((uuid, device, granularity));
+        Ok((device, granularity))
+    }
+
+    /// Imports a granted allocation of `size` bytes on the device `uuid` names ([`import`]),
+    /// refusing a granularity that is not this process's own for the device (the server and
+    /// this process would disagree about the layout).
+    pub(crate) fn import(&self, uuid: DeviceUuid, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
+        let (device, own) = self.entry(uuid)?;
+        if granularity != own {
+            return Err(Error::protocol(format!(
+                "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
+            )));
+        }
+        import(device, fd, size)
+    }
+}
+
+/// Imports a granted allocation of `size` bytes (a multiple of `device`'s granularity, checked
+/// by the caller) on `device`, maps it into a fresh reservation of this process (one per
+/// buffer: each buffer unmaps and frees only its own range) and grants `device` read-write
+/// access. No host synchronization: nothing is queued on the memory yet.
+fn import(device: Device, fd: OwnedFd, size: u64) -> Result<Mapping> {
     // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
     let size = size as usize;
     let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
