@@ -279,8 +279,10 @@ impl Client {
 
     /// Attaches every buffer of `names` ([`Client::attach`] for each), in few requests: one per
     /// [`MAX_ATTACH_MANY`](Self::MAX_ATTACH_MANY) names, each answered with all its descriptors
-    /// in one message. Returns one [`Attached`] per name, in order, each with its own mapping
-    /// (dropping one unmaps only its own range); the same name twice is attached twice.
+    /// in one message. The buffers of one request share one address reservation per GPU (mapped
+    /// back to back, access granted in one driver call). Returns one [`Attached`] per name, in
+    /// order, each with its own mapping (dropping one unmaps only its own range; the shared
+    /// addresses are freed with the last); the same name twice is attached twice.
     ///
     /// All or nothing: on any error (a bad name, an unknown or unpublished buffer, a failed
     /// import) nothing stays attached and the error names the buffer it is about.
@@ -357,12 +359,22 @@ impl Client {
                 )));
             }
         }
-        for ((h, g), fd) in held.iter_mut().zip(grants).zip(fds) {
-            let mapping = self
-                .shared
-                .local
-                .import(g.device, fd, g.size, g.granularity)
-                .map_err(|e| e.about_buffer(&h.name))?;
+        let imports = grants
+            .iter()
+            .zip(fds)
+            .map(|(g, fd)| gpu::ImportGrant {
+                device: g.device,
+                fd,
+                size: g.size,
+                granularity: g.granularity,
+            })
+            .collect();
+        let mappings = self
+            .shared
+            .local
+            .import_many(imports)
+            .map_err(|(i, e)| e.about_buffer(&held[i].name))?;
+        for (h, mapping) in held.iter_mut().zip(mappings) {
             h.mapping = Some(mapping);
         }
         let mut waited: Vec<EventBytes> = Vec::new();

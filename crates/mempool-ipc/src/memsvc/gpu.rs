@@ -202,6 +202,77 @@ impl LocalDevices {
         }
         import(device, fd, size)
     }
+
+    /// Imports many granted allocations (UUID, descriptor, size, granularity each, checked as
+    /// [`LocalDevices::import`] does) with fewer driver calls: one reservation per device for
+    /// all of its buffers, each mapped back to back at its own offset, and one `cuMemSetAccess`
+    /// over the whole range. Each returned mapping is still its buffer's own: dropping it unmaps
+    /// only its range (the reservation's addresses are freed with the last of them). On failure
+    /// returns the index of the buffer it is about; nothing stays mapped.
+    pub(crate) fn import_many(&self, grants: Vec<ImportGrant>) -> std::result::Result<Vec<Mapping>, (usize, Error)> {
+        let mut devices: Vec<Device> = Vec::new();
+        let mut of: Vec<usize> = Vec::with_capacity(grants.len());
+        for (i, g) in grants.iter().enumerate() {
+            let (device, own) = self.entry(g.device).map_err(|e| (i, e))?;
+            if g.granularity != own {
+                return Err((
+                    i,
+                    Error::protocol(format!(
+                        "the server's granularity {} is not this GPU's minimum granularity, {own} bytes",
+                        g.granularity
+                    )),
+                ));
+            }
+            let d = match devices.iter().position(|&d| d == device) {
+                Some(d) => d,
+                None => {
+                    devices.push(device);
+                    devices.len() - 1
+                }
+            };
+            of.push(d);
+        }
+        let mut out: Vec<Option<Mapping>> = grants.iter().map(|_| None).collect();
+        let mut fds: Vec<Option<OwnedFd>> = Vec::with_capacity(grants.len());
+        let mut sizes = Vec::with_capacity(grants.len());
+        for g in grants {
+            // The decoder checked that each size is a non-zero multiple of the granularity and fits.
+            sizes.push(g.size as usize);
+            fds.push(Some(g.fd));
+        }
+        for (d, &device) in devices.iter().enumerate() {
+            let mine: Vec<usize> = (0..of.len()).filter(|&i| of[i] == d).collect();
+            let total = mine
+                .iter()
+                .try_fold(0usize, |t, &i| t.checked_add(sizes[i]))
+                .ok_or_else(|| (mine[0], Error::protocol("the granted sizes overflow the address space")))?;
+            let reservation = Reservation::new(device, total, 0, None).map_err(|e| (mine[0], e.into()))?;
+            let mut offset = 0;
+            for &i in &mine {
+                let fd = fds[i].take().expect("each descriptor is imported once");
+                let physical = PhysicalAllocation::import_fd(fd.as_fd(), sizes[i]).map_err(|e| (i, e.into()))?;
+                drop(fd); // imported: the handle holds the memory now
+                let mapping = Mapping::without_access(&reservation, offset, Arc::new(physical)).map_err(|e| (i, e.into()))?;
+                offset += sizes[i];
+                out[i] = Some(mapping);
+            }
+            reservation
+                .set_access(0, total, &[(device, Access::ReadWrite)])
+                .map_err(|e| (mine[0], e.into()))?;
+        }
+        Ok(out
+            .into_iter()
+            .map(|m| m.expect("every buffer is on one of the devices"))
+            .collect())
+    }
+}
+
+/// One granted buffer for [`LocalDevices::import_many`].
+pub(crate) struct ImportGrant {
+    pub(crate) device: DeviceUuid,
+    pub(crate) fd: OwnedFd,
+    pub(crate) size: u64,
+    pub(crate) granularity: u64,
 }
 
 /// Imports a granted allocation of `size` bytes (a multiple of `device`'s granularity, checked
