@@ -87,6 +87,8 @@ struct GpuEvent {
     event: Option<Event>,
     handle: EventBytes,
     pool: EventPool,
+    /// Its context, made current for the query (the server's connection threads have none).
+    ctx: Arc<Context>,
 }
 
 impl RelayedEvent for GpuEvent {
@@ -95,6 +97,7 @@ impl RelayedEvent for GpuEvent {
     }
 
     fn is_done(&self) -> Result<bool> {
+        let _current = self.ctx.bind()?;
         Ok(self.event.as_ref().expect("held until dropped").is_complete()?)
     }
 }
@@ -145,6 +148,7 @@ impl Backend for GpuBackend {
             event: Some(own),
             handle,
             pool: gpu.idle_events.clone(),
+            ctx: gpu.ctx.clone(),
         };
         relayed.event.as_ref().expect("just set").record(stream.as_ref())?;
         // The wait is queued: the creator's event and the stream may go (the driver defers their
