@@ -719,9 +719,7 @@ fn a_buffer_published_with_gpu_work_pending_is_read_in_stream_order() {
         Some("creator") => {
             let (dev, _ctx, stream, kernels) = client_gpu();
             let client = Client::connect(child_socket()).unwrap();
-            let created = client
-                .create("pending/w", SIZE, dev, &CreateOptions::new())
-                .unwrap();
+            let created = client.create("pending/w", SIZE, dev, &CreateOptions::new()).unwrap();
             let n = SIZE / 4;
             // SAFETY: 1. `created` maps SIZE bytes (n aligned u32s) read-write for `dev`, and stays
             // mapped until it is dropped, which synchronizes the context first.
@@ -776,7 +774,9 @@ fn a_buffer_published_with_gpu_work_pending_is_read_in_stream_order() {
     wait_stats(&server, "the children's attachments end", |s| s.attachments == 0);
     let admin = Client::connect(&path).unwrap();
     admin.delete("pending/w").unwrap();
-    wait_stats(&server, "the deleted buffer is freed", |s| s.buffers == 0 && s.bytes == 0);
+    wait_stats(&server, "the deleted buffer is freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
     drop(admin);
     server.shutdown();
     wait_free(&ctx, baseline, "after delete and shutdown");

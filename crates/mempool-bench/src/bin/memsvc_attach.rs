@@ -152,10 +152,12 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool) -> Fallible<()> {
 
 fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool) -> Fallible<Option<(f64, f64)>> {
     let mut command = Command::new(std::env::current_exe()?);
-    command
-        .args(["--role", role, "--socket"])
-        .arg(socket)
-        .args(["--buffers", &count.to_string(), "--per", &per.to_string()]);
+    command.args(["--role", role, "--socket"]).arg(socket).args([
+        "--buffers",
+        &count.to_string(),
+        "--per",
+        &per.to_string(),
+    ]);
     if many {
         command.arg("--many");
     }
@@ -258,7 +260,8 @@ fn main_process(args: &Args) -> Fallible<()> {
             let mut attach = Vec::new();
             let mut copy = Vec::new();
             for _ in 0..args.reps {
-                let (a, c) = run_child("attacher", &socket, count, per, many)?.ok_or("the attacher printed no result")?;
+                let (a, c) =
+                    run_child("attacher", &socket, count, per, many)?.ok_or("the attacher printed no result")?;
                 attach.push(a);
                 copy.push(c);
             }

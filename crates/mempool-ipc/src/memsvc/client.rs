@@ -333,7 +333,8 @@ impl Client {
         stream: StreamRef<'_>,
     ) -> Result<Vec<Attached>> {
         debug_assert_eq!(grants.len(), fds.len());
-        let mut held: Vec<Held> = Vec::with_capacity(grants.len());
+        // Each as an `Attached` from the start: dropping one (on any error below) detaches it.
+        let mut held: Vec<Attached> = Vec::with_capacity(grants.len());
         for (i, (g, name)) in grants.iter().zip(names).enumerate() {
             let made = self
                 .shared
@@ -341,7 +342,7 @@ impl Client {
                 .device(g.device)
                 .and_then(|device| Held::adopt(self.clone(), name, g.attachment, device));
             match made {
-                Ok(h) => held.push(h),
+                Ok(h) => held.push(Attached { held: h }),
                 Err(e) => {
                     // `held` drops and detaches the earlier ones; these are not held yet.
                     self.detach_all(grants[i..].iter().map(|g| g.attachment));
@@ -350,7 +351,7 @@ impl Client {
             }
         }
         if let Some(ctx) = stream.context() {
-            if let Some(h) = held.iter().find(|h| h.device != ctx.device()) {
+            if let Some(h) = held.iter().map(|a| &a.held).find(|h| h.device != ctx.device()) {
                 return Err(Error::InvalidArgument(format!(
                     "buffer {:?} lives on GPU {}, the stream is of GPU {}",
                     h.name,
@@ -373,20 +374,21 @@ impl Client {
             .shared
             .local
             .import_many(imports)
-            .map_err(|(i, e)| e.about_buffer(&held[i].name))?;
-        for (h, mapping) in held.iter_mut().zip(mappings) {
-            h.mapping = Some(mapping);
+            .map_err(|(i, e)| e.about_buffer(&held[i].held.name))?;
+        for (a, mapping) in held.iter_mut().zip(mappings) {
+            a.held.mapping = Some(mapping);
         }
         let mut waited: Vec<EventBytes> = Vec::new();
-        for (h, g) in held.iter().zip(grants) {
+        for (h, g) in held.iter().map(|a| &a.held).zip(grants) {
             if let Some(handle) = g.event {
                 if !waited.contains(&handle) {
-                    gpu::wait_event(&self.shared.events, &h.ctx, &handle, stream).map_err(|e| e.about_buffer(&h.name))?;
+                    gpu::wait_event(&self.shared.events, &h.ctx, &handle, stream)
+                        .map_err(|e| e.about_buffer(&h.name))?;
                     waited.push(handle);
                 }
             }
         }
-        Ok(held.into_iter().map(|held| Attached { held }).collect())
+        Ok(held)
     }
 
     /// Deletes the buffer `name`: its name goes at once (a later `attach` finds nothing, a

@@ -256,7 +256,8 @@ impl LocalDevices {
                 let fd = fds[i].take().expect("each descriptor is imported once");
                 let physical = PhysicalAllocation::import_fd(fd.as_fd(), sizes[i]).map_err(|e| (i, e.into()))?;
                 drop(fd); // imported: the handle holds the memory now
-                let mapping = Mapping::without_access(&reservation, offset, Arc::new(physical)).map_err(|e| (i, e.into()))?;
+                let mapping =
+                    Mapping::without_access(&reservation, offset, Arc::new(physical)).map_err(|e| (i, e.into()))?;
                 offset += sizes[i];
                 out[i] = Some(mapping);
             }

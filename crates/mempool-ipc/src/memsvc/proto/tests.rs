@@ -416,20 +416,22 @@ fn arb_message() -> impl Strategy<Value = Message> {
             }
         }),
         proptest::collection::vec(arb_string(40), 1..10).prop_map(|names| Message::AttachMany { names }),
-        proptest::collection::vec((any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()), 1..10).prop_map(
-            |entries| Message::GrantedMany {
-                grants: entries
-                    .into_iter()
-                    .map(|(a, units, shift, d, event)| GrantEntry {
-                        attachment: a,
-                        size: u64::from(units + 1) << shift,
-                        granularity: 1 << shift,
-                        device: DeviceUuid(d),
-                        event,
-                    })
-                    .collect()
-            }
-        ),
+        proptest::collection::vec(
+            (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()),
+            1..10
+        )
+        .prop_map(|entries| Message::GrantedMany {
+            grants: entries
+                .into_iter()
+                .map(|(a, units, shift, d, event)| GrantEntry {
+                    attachment: a,
+                    size: u64::from(units + 1) << shift,
+                    granularity: 1 << shift,
+                    device: DeviceUuid(d),
+                    event,
+                })
+                .collect()
+        }),
         (any::<bool>(), proptest::collection::vec(any::<u32>(), 0..20)).prop_map(|(more, ids)| Message::ListPage {
             more,
             entries: ids.into_iter().map(info).collect()

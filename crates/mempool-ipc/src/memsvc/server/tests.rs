@@ -204,7 +204,13 @@ fn attach_many_over_the_socket_passes_every_descriptor_and_is_all_or_nothing() {
             },
         )
         .unwrap();
-        done(&a, Message::Detach { attachment: g.attachment }).unwrap();
+        done(
+            &a,
+            Message::Detach {
+                attachment: g.attachment,
+            },
+        )
+        .unwrap();
     }
     let attach_many = |c: &Client, names: Vec<String>| match c.call(&Message::AttachMany { names })? {
         (Message::GrantedMany { grants }, fds) => Ok((grants, fds)),
@@ -236,7 +242,12 @@ fn attach_many_over_the_socket_passes_every_descriptor_and_is_all_or_nothing() {
     let single = b.call_granted(&Message::Attach { name: names[7].clone() }).unwrap();
     assert!(single.event.is_none());
     // Each attachment detaches on its own; the memory goes with the last one after delete.
-    for g in grants.iter().chain(&ready).map(|g| g.attachment).chain([single.attachment]) {
+    for g in grants
+        .iter()
+        .chain(&ready)
+        .map(|g| g.attachment)
+        .chain([single.attachment])
+    {
         done(&b, Message::Detach { attachment: g }).unwrap();
     }
     assert_eq!(b.stats().unwrap().attachments, 0);
