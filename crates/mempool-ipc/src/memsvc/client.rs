@@ -262,6 +262,7 @@ impl Client {
     ///
     /// Errors: [`Error::BadName`], [`Error::UnknownName`] (also for a name being deleted),
     /// [`Error::WrongState`] (still being created), [`Error::DeviceNotVisible`],
+    /// [`Error::Attach`] (mapping it here, or ordering `stream` after it, failed),
     /// [`Error::PeerGone`].
     pub fn attach(&self, name: &str, stream: StreamRef<'_>) -> Result<Attached> {
         names::validate_name(name)?;
