@@ -607,6 +607,182 @@ fn a_killed_server_gives_peer_gone_mappings_stay_valid_and_a_restart_serves_the_
 
 /// The `mempool-serve` Cargo built; where the test binaries were packed for a GPU machine
 /// (`.gpu/tests/`), the packed one beside them (`.gpu/bin/`).
+/// Buffers of the attach_many test: more than one request carries (`Client::MAX_ATTACH_MANY`).
+const MANY: usize = 200;
+
+fn many_name(i: usize) -> String {
+    format!("many/{i:03}")
+}
+
+#[test]
+fn attach_many_across_processes_maps_every_buffer_all_or_nothing() {
+    const { assert!(MANY > Client::MAX_ATTACH_MANY, "the test spans two requests") };
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            let mut mine = Vec::with_capacity(MANY);
+            for i in 0..MANY {
+                // Sizes of 1, 2 and 3 granules, so that each buffer's own range shows.
+                let created = client
+                    .create(&many_name(i), g * (1 + i % 3), dev, &CreateOptions::new())
+                    .unwrap();
+                // SAFETY: 1. `created` maps `len` bytes (len / 4 u32s, aligned) read-write for `dev`, and
+                // stays mapped until it is dropped, which synchronizes the context first.
+                unsafe { kernels.iota(created.ptr(), created.len() / 4, (i as u32) << 20, stream.as_ref()) }.unwrap();
+                mine.push(created.publish(stream.as_ref()).unwrap());
+            }
+            tell_parent("PUBLISHED");
+            hear_parent("END");
+            drop(mine);
+            no_drop_errors("creator");
+            return;
+        }
+        Some("attacher") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            let names: Vec<String> = (0..MANY).map(many_name).collect();
+            // The creator holds one attachment of each.
+            assert_eq!(client.stats().unwrap().attachments, MANY as u64);
+            // All or nothing: a missing name in the second request refuses the call, names it, and
+            // the first request's buffers (already mapped here) are released.
+            let mut with_missing = names.clone();
+            with_missing.insert(150, "many/missing".into());
+            match client.attach_many(&with_missing, stream.as_ref()) {
+                Err(Error::UnknownName { name }) => assert_eq!(name, "many/missing"),
+                other => panic!("expected UnknownName for many/missing, got {other:?}"),
+            }
+            assert_eq!(client.stats().unwrap().attachments, MANY as u64);
+            let mut bufs = client.attach_many(&names, stream.as_ref()).unwrap();
+            assert_eq!(bufs.len(), MANY);
+            assert_eq!(client.stats().unwrap().attachments, 2 * MANY as u64);
+            for (i, b) in bufs.iter().enumerate() {
+                assert_eq!((b.name(), b.len()), (names[i].as_str(), g * (1 + i % 3)));
+                check_iota(&ctx, b, (i as u32) << 20, &stream);
+            }
+            // Each buffer unmaps only its own range: drop every other one, the rest read the same.
+            let mut kept = Vec::new();
+            for (i, b) in bufs.drain(..).enumerate() {
+                if i % 2 == 0 {
+                    kept.push((i, b));
+                }
+            }
+            for (i, b) in &kept {
+                check_iota(&ctx, b, (*i as u32) << 20, &stream);
+            }
+            assert_eq!(client.stats().unwrap().attachments, (MANY + MANY.div_ceil(2)) as u64);
+            drop(kept);
+            assert_eq!(client.stats().unwrap().attachments, MANY as u64);
+            no_drop_errors("attacher");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    let mut attacher = ChildProc::spawn(this_test!(), "attacher", &path);
+    attacher.expect("OK");
+    attacher.succeeds();
+    creator.say("END");
+    creator.succeeds();
+    wait_stats(&server, "the children's attachments end", |s| s.attachments == 0);
+    assert_eq!(server.stats().buffers, MANY as u64);
+    let admin = Client::connect(&path).unwrap();
+    for i in 0..MANY {
+        admin.delete(&many_name(i)).unwrap();
+    }
+    wait_stats(&server, "the deleted buffers are freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
+    drop(admin);
+    server.shutdown();
+    wait_free(&ctx, baseline, "after deleting every buffer and shutdown");
+    no_drop_errors("server");
+}
+
+/// Kernels the creator of the pending-work test queues after its first write: more than the
+/// driver's launch queue holds, so that many are still to run when it publishes.
+const PENDING_ADDS: u32 = 3000;
+
+#[test]
+fn a_buffer_published_with_gpu_work_pending_is_read_in_stream_order() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let created = client.create("pending/w", SIZE, dev, &CreateOptions::new()).unwrap();
+            let n = SIZE / 4;
+            // SAFETY: 1. `created` maps SIZE bytes (n aligned u32s) read-write for `dev`, and stays
+            // mapped until it is dropped, which synchronizes the context first.
+            unsafe { kernels.iota(created.ptr(), n, 5, stream.as_ref()) }.unwrap();
+            for _ in 0..PENDING_ADDS {
+                // SAFETY: 1. as above.
+                unsafe { kernels.add(created.ptr(), n, 1, stream.as_ref()) }.unwrap();
+            }
+            // Published at once, no synchronization: the final bytes are still being written.
+            let mine = created.publish(stream.as_ref()).unwrap();
+            tell_parent("PUBLISHED");
+            hear_parent("END");
+            mine.release().unwrap();
+            no_drop_errors("creator");
+            return;
+        }
+        Some("attacher") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            tell_parent("READY");
+            hear_parent("GO");
+            // The stream waits on the server's event (or nothing, if the work is done by now): the
+            // copy to the host, ordered after it, sees the final bytes either way.
+            let many = client.attach_many(&["pending/w"], stream.as_ref()).unwrap();
+            check_iota(&ctx, &many[0], 5 + PENDING_ADDS, &stream);
+            let one = client.attach("pending/w", stream.as_ref()).unwrap();
+            check_iota(&ctx, &one, 5 + PENDING_ADDS, &stream);
+            drop((many, one));
+            no_drop_errors("attacher");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    // The attacher is up (CUDA initialized, connected) before the creator publishes, so that it
+    // attaches while the creator's kernels still run.
+    let mut attacher = ChildProc::spawn(this_test!(), "attacher", &path);
+    attacher.expect("READY");
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    attacher.say("GO");
+    attacher.expect("OK");
+    attacher.succeeds();
+    creator.say("END");
+    creator.succeeds();
+    wait_stats(&server, "the children's attachments end", |s| s.attachments == 0);
+    let admin = Client::connect(&path).unwrap();
+    admin.delete("pending/w").unwrap();
+    wait_stats(&server, "the deleted buffer is freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
+    drop(admin);
+    server.shutdown();
+    wait_free(&ctx, baseline, "after delete and shutdown");
+    no_drop_errors("server");
+}
+
 fn mempool_serve() -> PathBuf {
     let built = PathBuf::from(env!("CARGO_BIN_EXE_mempool-serve"));
     if built.exists() {

@@ -13,6 +13,10 @@ Modes:
   still counts the attachment; drops the view and checks the attachment is gone. With ``--hold``: reports
   ready while holding a view, waits for a line on stdin, checks the bytes again, then exits.
 - ``cupy``: the same with ``cupy.from_dlpack`` (and ``cupy.asarray`` over the CUDA array interface).
+- ``torch-many``: ``attach_many`` of NAME0, NAME1, NAME2 (written with seeds SEED, SEED+1, SEED+2) on a
+  PyTorch stream: with a missing name among them it raises ``UnknownNameError`` naming it and attaches
+  nothing; then attaches all three, checks each ``torch.from_dlpack`` view (no copy) reads its pattern, and
+  that dropping them ends the attachments.
 - ``misc``: the errors and the buffer methods without a framework, under names NAME/x and NAME/y: attach
   of an unknown name, a name taken, ``copy_from_host``/``tobytes``, ``discard`` before and after a view,
   publishing after a discard; deletes what it made.
@@ -145,6 +149,38 @@ def attach_cupy(path, name, nbytes, seed, hold):
     report(ok=True, ptr=ptr)
 
 
+def attach_many_torch(path, prefix, nbytes, seed, count):
+    import torch
+
+    client = ipc.Client(path)
+    before = attachments(client)
+    stream = torch.cuda.Stream()
+    names = [f"{prefix}{i}" for i in range(count)]
+    assert client.attach_many([], stream=stream) == []
+    missing = prefix + "missing"
+    try:
+        client.attach_many(names[:1] + [missing] + names[1:], stream=stream)
+        raise AssertionError("attach_many of a missing name succeeded")
+    except ipc.UnknownNameError as e:
+        assert missing in str(e), str(e)
+    assert attachments(client) == before, (attachments(client), before)
+    bufs = client.attach_many(names, stream=stream)
+    assert [b.name for b in bufs] == names
+    assert all(b.stream == stream.cuda_stream and b.size >= nbytes for b in bufs)
+    assert len({b.ptr for b in bufs}) == count
+    assert attachments(client) == before + count
+    with torch.cuda.stream(stream):
+        views = [torch.from_dlpack(b) for b in bufs]
+        for i, (b, t) in enumerate(zip(bufs, views)):
+            assert t.data_ptr() == b.ptr, "torch.from_dlpack copied"
+            assert torch.equal(t[:nbytes], torch_pattern(torch, nbytes, seed + i)), f"buffer {b.name}"
+    stream.synchronize()
+    del bufs, views
+    gc.collect()
+    assert attachments(client) == before, (attachments(client), before)
+    report(ok=True)
+
+
 def misc(path, name, nbytes, seed):
     client = ipc.Client(path)
     try:
@@ -201,6 +237,8 @@ def main():
         attach_torch(path, name, nbytes, seed, hold)
     elif mode == "cupy":
         attach_cupy(path, name, nbytes, seed, hold)
+    elif mode == "torch-many":
+        attach_many_torch(path, name, nbytes, seed, 3)
     elif mode == "misc":
         misc(path, name, nbytes, seed)
     else:

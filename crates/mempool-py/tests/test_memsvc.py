@@ -131,7 +131,7 @@ def test_module_surface():
     for name in ("Client", "CreatedBuffer", "AttachedBuffer", "BufferInfo", "MemoryServer", "serve", "validate_name"):
         assert getattr(ipc, name) is getattr(mempool._lib, name), name
         assert name in ipc.__all__, name
-    for name in ("create", "attach", "delete", "list", "stats", "path", "server_pid", "devices"):
+    for name in ("create", "attach", "attach_many", "delete", "list", "stats", "path", "server_pid", "devices"):
         assert hasattr(ipc.Client, name), name
     for cls in (ipc.CreatedBuffer, ipc.AttachedBuffer):
         for name in ("ptr", "size", "device", "name", "stream", "tobytes", "copy_from_host",
@@ -269,12 +269,19 @@ def test_client_names_are_checked_before_anything_is_sent(fake):
     for call in (lambda: client.delete("bad name"), lambda: client.attach(""), lambda: client.create("/x", 4096)):
         with pytest.raises(ipc.InvalidNameError):
             call()
+    # attach_many checks every name before it sends anything; the error names the bad one.
+    with pytest.raises(ipc.InvalidNameError, match="bad name"):
+        client.attach_many(["ok", "bad name", "ok2"])
+    with pytest.raises(TypeError):
+        client.attach_many("ok")  # a str is not a list of names
     with pytest.raises(ValueError, match="size"):
         client.create("ok", 0)
     with pytest.raises(ValueError, match="ttl"):
         client.create("ok", 4096, ttl=-1)
     with pytest.raises(TypeError):
         client.attach("ok", stream="not a stream")
+    with pytest.raises(TypeError):
+        client.attach_many(["ok"], stream="not a stream")
     assert len(fake.requests) == sent
 
 

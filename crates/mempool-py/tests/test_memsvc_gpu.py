@@ -10,6 +10,8 @@ and attach named buffers through PyTorch and CuPy.
 - A client killed with SIGKILL while holding views, and one killed while writing an unpublished buffer:
   the server's counters return to their baseline, and the published buffer is still there, with the same
   bytes, for the next process.
+- ``Client.attach_many``: three buffers attached in one call in a fresh process, all or nothing (a missing
+  name raises ``UnknownNameError`` naming it and nothing stays attached), each viewed by PyTorch with no copy.
 - Deleting a buffer while a process holds it attached: the name goes at once (``attach`` raises
   ``UnknownNameError``), the holder still reads its bytes, and the memory is freed when it lets go.
 
@@ -181,6 +183,19 @@ def test_delete_while_attached(server):
 def test_errors_and_buffer_methods(server):
     base = baseline(server)
     run_child(server, "misc", "t5", 55)
+    back_to(server, base)
+
+
+def test_attach_many_in_a_fresh_process(server):
+    base = baseline(server)
+    for i in range(3):
+        run_child(server, "create", f"t6/w{i}", 60 + i)
+    wait_for(server, connections=0, attachments=0, named=base["named"] + 3)
+    run_child(server, "torch-many", "t6/w", 60)
+    client = ipc.Client(server.path)
+    for i in range(3):
+        client.delete(f"t6/w{i}")
+    del client
     back_to(server, base)
 
 

@@ -5,7 +5,9 @@
 //! buffers (one buffer of `--size` bytes, or `--size` split into N buffers), fills them on the GPU,
 //! publishes them and exits; then, `--reps` times, a fresh attacher process (the restarted
 //! client) that connects, attaches every buffer by name, and waits for its stream (the data is
-//! usable from here on). In the same attacher process, after its attachments are dropped, the
+//! usable from here on). Several buffers are attached two ways, each a row: with
+//! `Client::attach_many` (one request per 128 names, one address reservation per request) and
+//! with one `Client::attach` per buffer; the table shows the cost per buffer too. In the same attacher process, after its attachments are dropped, the
 //! baseline: one host-to-device copy of the same number of bytes from pinned host memory
 //! (`cuMemcpyHtoDAsync` and a stream synchronize; the pinned and device allocations are not
 //! timed). CUDA's initialization is outside both timings.
@@ -46,6 +48,9 @@ struct Args {
     /// (internal) Bytes per buffer.
     #[arg(long, hide = true)]
     per: Option<u64>,
+    /// (internal) Attach with one `attach_many` instead of one `attach` per buffer.
+    #[arg(long, hide = true)]
+    many: bool,
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -91,9 +96,10 @@ fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
     Ok(())
 }
 
-/// Attaches every buffer (timed), checks their first words, then copies as many bytes from pinned
-/// host memory (timed). Prints `RESULT <attach seconds> <copy seconds>`.
-fn attacher(socket: &Path, count: usize, per: u64) -> Fallible<()> {
+/// Attaches every buffer (timed; with one `attach_many` if `many`, else one `attach` each),
+/// checks their first words, then copies as many bytes from pinned host memory (timed). Prints
+/// `RESULT <attach seconds> <copy seconds>`.
+fn attacher(socket: &Path, count: usize, per: u64, many: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;
     let stream = Stream::new(&ctx)?;
@@ -101,10 +107,16 @@ fn attacher(socket: &Path, count: usize, per: u64) -> Fallible<()> {
 
     let start = Instant::now();
     let client = Client::connect(socket)?;
-    let mut attached = Vec::with_capacity(count);
-    for i in 0..count {
-        attached.push(client.attach(&name(count, i), stream.as_ref())?);
-    }
+    let attached = if many {
+        let names: Vec<String> = (0..count).map(|i| name(count, i)).collect();
+        client.attach_many(&names, stream.as_ref())?
+    } else {
+        let mut attached = Vec::with_capacity(count);
+        for i in 0..count {
+            attached.push(client.attach(&name(count, i), stream.as_ref())?);
+        }
+        attached
+    };
     stream.synchronize()?;
     let attach = start.elapsed();
     for i in [0, count - 1] {
@@ -138,13 +150,18 @@ fn attacher(socket: &Path, count: usize, per: u64) -> Fallible<()> {
     Ok(())
 }
 
-fn run_child(role: &str, socket: &Path, count: usize, per: u64) -> Fallible<Option<(f64, f64)>> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["--role", role, "--socket"])
-        .arg(socket)
-        .args(["--buffers", &count.to_string(), "--per", &per.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()?;
+fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool) -> Fallible<Option<(f64, f64)>> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command.args(["--role", role, "--socket"]).arg(socket).args([
+        "--buffers",
+        &count.to_string(),
+        "--per",
+        &per.to_string(),
+    ]);
+    if many {
+        command.arg("--many");
+    }
+    let mut child = command.stdout(Stdio::piped()).spawn()?;
     let mut result = None;
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
@@ -220,8 +237,8 @@ fn main_process(args: &Args) -> Fallible<()> {
     println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
     println!();
     println!(
-        "{:<22} {:>11} {:>14} {:>14} {:>11} {:>15}",
-        "layout", "bytes", "attach", "copy", "copy GB/s", "attach speedup"
+        "{:<36} {:>11} {:>14} {:>13} {:>14} {:>11} {:>15}",
+        "layout", "bytes", "attach", "per buffer", "copy", "copy GB/s", "attach speedup"
     );
     for &count in &rows {
         let per = (args.size / count as u64) / granularity * granularity;
@@ -232,25 +249,35 @@ fn main_process(args: &Args) -> Fallible<()> {
             )
             .into());
         }
-        run_child("creator", &socket, count, per)?;
-        let mut attach = Vec::new();
-        let mut copy = Vec::new();
-        for _ in 0..args.reps {
-            let (a, c) = run_child("attacher", &socket, count, per)?.ok_or("the attacher printed no result")?;
-            attach.push(a);
-            copy.push(c);
+        run_child("creator", &socket, count, per, false)?;
+        // One buffer: one attach. Several: attach_many, then one attach per buffer.
+        let ways: &[(bool, &str)] = if count == 1 {
+            &[(false, "")]
+        } else {
+            &[(true, ", attach_many"), (false, ", attach each")]
+        };
+        for &(many, how) in ways {
+            let mut attach = Vec::new();
+            let mut copy = Vec::new();
+            for _ in 0..args.reps {
+                let (a, c) =
+                    run_child("attacher", &socket, count, per, many)?.ok_or("the attacher printed no result")?;
+                attach.push(a);
+                copy.push(c);
+            }
+            let total = per * count as u64;
+            let (a, c) = (median(attach), median(copy));
+            println!(
+                "{:<36} {:>11} {:>14} {:>13} {:>14} {:>11.1} {:>14.1}x",
+                format!("{count} x {}{how}", human(per)),
+                human(total),
+                ms(a),
+                format!("{:.1} us", a / count as f64 * 1e6),
+                ms(c),
+                total as f64 / c / 1e9,
+                c / a
+            );
         }
-        let total = per * count as u64;
-        let (a, c) = (median(attach), median(copy));
-        println!(
-            "{:<22} {:>11} {:>14} {:>14} {:>11.1} {:>14.1}x",
-            format!("{count} x {}", human(per)),
-            human(total),
-            ms(a),
-            ms(c),
-            total as f64 / c / 1e9,
-            c / a
-        );
         for i in 0..count {
             admin.delete(&name(count, i))?;
         }
@@ -272,7 +299,7 @@ fn main() -> ExitCode {
     let result = match (args.role.as_deref(), &args.socket, args.per, args.buffers.first()) {
         (None, _, _, _) => main_process(&args),
         (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
-        (Some("attacher"), Some(socket), Some(per), Some(&count)) => attacher(socket, count, per),
+        (Some("attacher"), Some(socket), Some(per), Some(&count)) => attacher(socket, count, per, args.many),
         (Some(role), ..) => Err(format!("unknown role {role:?} or missing --socket/--per/--buffers").into()),
     };
     match result {

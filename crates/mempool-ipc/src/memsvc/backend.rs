@@ -20,6 +20,10 @@ pub(crate) trait Allocation: Send {
 pub(crate) trait RelayedEvent: Send {
     /// Its interprocess handle.
     fn handle(&self) -> EventBytes;
+    /// Whether the work it follows (the creator's, relayed) is done (`cuEventQuery`): then an
+    /// attacher has nothing to wait for. Once true it stays true (the event is not recorded
+    /// again while its buffer holds it).
+    fn is_done(&self) -> Result<bool>;
 }
 
 /// The GPU side of the server.
@@ -52,7 +56,7 @@ pub(crate) use host::HostBackend;
 #[cfg(test)]
 mod host {
     use std::os::fd::OwnedFd;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
     use super::{Allocation, Backend, RelayedEvent};
@@ -62,6 +66,7 @@ mod host {
 
     /// A host double: "device memory" is a `memfd` of the size asked for; events are handles
     /// derived from the creator's. Counts what is live, and can be told to fail allocations.
+    /// Relayed events are pending until `relays_done` is set (the GPU finished the creator's work).
     #[derive(Debug)]
     pub(crate) struct HostBackend {
         devices: Vec<(DeviceUuid, u64)>,
@@ -69,6 +74,8 @@ mod host {
         pub(crate) live_bytes: Arc<AtomicU64>,
         /// Allocations past this many bytes in all fail (a full GPU).
         pub(crate) capacity: u64,
+        /// What every relayed event's query answers (shared: set it to finish them all).
+        pub(crate) relays_done: Arc<AtomicBool>,
     }
 
     impl HostBackend {
@@ -80,6 +87,7 @@ mod host {
                 live: Arc::default(),
                 live_bytes: Arc::default(),
                 capacity: u64::MAX,
+                relays_done: Arc::default(),
             }
         }
     }
@@ -104,11 +112,14 @@ mod host {
         }
     }
 
-    struct HostEvent(EventBytes);
+    struct HostEvent(EventBytes, Arc<AtomicBool>);
 
     impl RelayedEvent for HostEvent {
         fn handle(&self) -> EventBytes {
             self.0
+        }
+        fn is_done(&self) -> Result<bool> {
+            Ok(self.1.load(Ordering::SeqCst))
         }
     }
 
@@ -139,7 +150,7 @@ mod host {
         fn relay_event(&mut self, _index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
             let mut own = *creator;
             own[0] ^= 0xff;
-            Ok(Box::new(HostEvent(own)))
+            Ok(Box::new(HostEvent(own, self.relays_done.clone())))
         }
     }
 }

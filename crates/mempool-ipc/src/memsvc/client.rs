@@ -16,7 +16,7 @@ use super::error::{Error, Result};
 use super::gpu;
 use super::names;
 use super::proto::codec;
-use super::proto::messages::{EventBytes, Message};
+use super::proto::messages::{EventBytes, GrantEntry, Message, MAX_ATTACH_MANY};
 use super::types::{BufferInfo, ServerStats};
 use crate::cred;
 use crate::wire::DeviceUuid;
@@ -76,6 +76,8 @@ struct Shared {
     devices: Vec<(DeviceUuid, u64)>,
     /// The server's events opened here, by handle.
     events: gpu::OpenedEvents,
+    /// This process's devices met so far, by the server's UUID.
+    local: gpu::LocalDevices,
 }
 
 /// A connection to a memory server. Cheap to clone (clones share the connection and take turns);
@@ -146,6 +148,7 @@ impl Client {
                 server_pid,
                 devices,
                 events: gpu::OpenedEvents::default(),
+                local: gpu::LocalDevices::default(),
             }),
         })
     }
@@ -247,45 +250,146 @@ impl Client {
         let mut created = Created {
             held: Held::new(self.clone(), name, g.attachment, device)?,
         };
-        created.held.mapping = Some(gpu::import(device, g.fd, g.size, g.granularity)?);
+        created.held.mapping = Some(self.shared.local.import(g.device, g.fd, g.size, g.granularity)?);
         Ok(created)
     }
 
     /// Attaches the published buffer `name`: maps the server's memory into this process (no copy)
     /// and makes `stream` (a stream of the buffer's GPU, or the legacy default stream) wait for
-    /// the creator's writes (no host wait). Dropping the result unmaps it.
+    /// the creator's writes (no host wait). When the server reports the creator's GPU work done
+    /// (its relayed event has completed), nothing is enqueued and no event is opened. Dropping
+    /// the result unmaps it.
     ///
     /// Errors: [`Error::BadName`], [`Error::UnknownName`] (also for a name being deleted),
     /// [`Error::WrongState`] (still being created), [`Error::DeviceNotVisible`],
+    /// [`Error::Attach`] (mapping it here, or ordering `stream` after it, failed),
     /// [`Error::PeerGone`].
     pub fn attach(&self, name: &str, stream: StreamRef<'_>) -> Result<Attached> {
         names::validate_name(name)?;
         let g = self.call_granted(&Message::Attach { name: name.to_owned() })?;
-        // The server counts the attachment from here on: dropping `held` detaches it.
-        let device = match gpu::local_device(g.device) {
-            Ok(d) => d,
-            Err(e) => {
-                let _ = self.call_done(&Message::Detach {
-                    attachment: g.attachment,
-                });
-                return Err(e);
-            }
+        let entry = GrantEntry {
+            attachment: g.attachment,
+            size: g.size,
+            granularity: g.granularity,
+            device: g.device,
+            event: g.event,
         };
-        let mut held = Held::new(self.clone(), name, g.attachment, device)?;
+        let mut attached = self.finish_attach(&[name], &[entry], vec![g.fd], stream)?;
+        Ok(attached.pop().expect("one grant, one buffer"))
+    }
+
+    /// Attaches every buffer of `names` ([`Client::attach`] for each), in few requests: one per
+    /// [`MAX_ATTACH_MANY`](Self::MAX_ATTACH_MANY) names, each answered with all its descriptors
+    /// in one message. The buffers of one request share one address reservation per GPU (mapped
+    /// back to back, access granted in one driver call). Returns one [`Attached`] per name, in
+    /// order, each with its own mapping (dropping one unmaps only its own range; the shared
+    /// addresses are freed with the last); the same name twice is attached twice.
+    ///
+    /// All or nothing: on any error (a bad name, an unknown or unpublished buffer, a failed
+    /// import) nothing stays attached and the error names the buffer it is about.
+    ///
+    /// Errors: those of [`Client::attach`].
+    pub fn attach_many<S: AsRef<str>>(&self, names: &[S], stream: StreamRef<'_>) -> Result<Vec<Attached>> {
+        for name in names {
+            names::validate_name(name.as_ref())?;
+        }
+        let mut all = Vec::with_capacity(names.len());
+        // On an error `all` drops: every attachment of the earlier requests ends.
+        for chunk in names.chunks(Client::MAX_ATTACH_MANY) {
+            let chunk: Vec<&str> = chunk.iter().map(AsRef::as_ref).collect();
+            let request = Message::AttachMany {
+                names: chunk.iter().map(|n| (*n).to_owned()).collect(),
+            };
+            let (grants, fds) = match self.call(&request)? {
+                (Message::GrantedMany { grants }, fds) if grants.len() == chunk.len() => (grants, fds),
+                (other, _) => return Err(self.unexpected("GrantedMany with one grant per name", &other)),
+            };
+            all.extend(self.finish_attach(&chunk, &grants, fds, stream)?);
+        }
+        Ok(all)
+    }
+
+    /// The most names one attach request carries.
+    pub const MAX_ATTACH_MANY: usize = MAX_ATTACH_MANY;
+
+    /// Tells the server to end `attachments` (best effort: on a failure the connection is closed,
+    /// and the server ends them when this process exits).
+    fn detach_all(&self, attachments: impl IntoIterator<Item = u64>) {
+        for attachment in attachments {
+            if self.call_done(&Message::Detach { attachment }).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The client's part of an attach, for grants the server made (one per name, a descriptor
+    /// each): owns every attachment at once (so that any error ends them all), checks devices and
+    /// the stream, imports and maps each buffer, then makes `stream` wait on each distinct event
+    /// of the grants that carry one (buffers whose creator's work may still run).
+    fn finish_attach(
+        &self,
+        names: &[&str],
+        grants: &[GrantEntry],
+        fds: Vec<OwnedFd>,
+        stream: StreamRef<'_>,
+    ) -> Result<Vec<Attached>> {
+        debug_assert_eq!(grants.len(), fds.len());
+        // Each as an `Attached` from the start: dropping one (on any error below) detaches it.
+        let mut held: Vec<Attached> = Vec::with_capacity(grants.len());
+        for (i, (g, name)) in grants.iter().zip(names).enumerate() {
+            let made = self
+                .shared
+                .local
+                .device(g.device)
+                .and_then(|device| Held::adopt(self.clone(), name, g.attachment, device));
+            match made {
+                Ok(h) => held.push(Attached { held: h }),
+                Err(e) => {
+                    // `held` drops and detaches the earlier ones; these are not held yet.
+                    self.detach_all(grants[i..].iter().map(|g| g.attachment));
+                    return Err(e);
+                }
+            }
+        }
         if let Some(ctx) = stream.context() {
-            if ctx.device() != device {
+            if let Some(h) = held.iter().map(|a| &a.held).find(|h| h.device != ctx.device()) {
                 return Err(Error::InvalidArgument(format!(
-                    "buffer {name:?} lives on GPU {}, the stream is of GPU {}",
-                    device.ordinal(),
+                    "buffer {:?} lives on GPU {}, the stream is of GPU {}",
+                    h.name,
+                    h.device.ordinal(),
                     ctx.device().ordinal()
                 )));
             }
         }
-        held.mapping = Some(gpu::import(device, g.fd, g.size, g.granularity)?);
-        if let Some(handle) = g.event {
-            gpu::wait_event(&self.shared.events, &held.ctx, &handle, stream)?;
+        let imports = grants
+            .iter()
+            .zip(fds)
+            .map(|(g, fd)| gpu::ImportGrant {
+                device: g.device,
+                fd,
+                size: g.size,
+                granularity: g.granularity,
+            })
+            .collect();
+        let mappings = self
+            .shared
+            .local
+            .import_many(imports)
+            .map_err(|(i, e)| e.about_buffer(&held[i].held.name))?;
+        for (a, mapping) in held.iter_mut().zip(mappings) {
+            a.held.mapping = Some(mapping);
         }
-        Ok(Attached { held })
+        let mut waited: Vec<EventBytes> = Vec::new();
+        for (h, g) in held.iter().map(|a| &a.held).zip(grants) {
+            if let Some(handle) = g.event {
+                if !waited.contains(&handle) {
+                    gpu::wait_event(&self.shared.events, &h.ctx, &handle, stream)
+                        .map_err(|e| e.about_buffer(&h.name))?;
+                    waited.push(handle);
+                }
+            }
+        }
+        Ok(held)
     }
 
     /// Deletes the buffer `name`: its name goes at once (a later `attach` finds nothing, a
@@ -366,15 +470,25 @@ struct Held {
 }
 
 impl Held {
+    /// Holds the server's `attachment` (detaching it if this fails).
     fn new(client: Client, name: &str, attachment: u64, device: Device) -> Result<Held> {
-        let ctx = match device.context() {
-            Ok(ctx) => ctx,
+        match device.context() {
+            Ok(ctx) => Ok(Held::with_context(client, name, attachment, device, ctx)),
             Err(e) => {
                 let _ = client.call_done(&Message::Detach { attachment });
-                return Err(e.into());
+                Err(e.into())
             }
-        };
-        Ok(Held {
+        }
+    }
+
+    /// [`Held::new`] that leaves the attachment to the caller if it fails.
+    fn adopt(client: Client, name: &str, attachment: u64, device: Device) -> Result<Held> {
+        let ctx = device.context()?;
+        Ok(Held::with_context(client, name, attachment, device, ctx))
+    }
+
+    fn with_context(client: Client, name: &str, attachment: u64, device: Device, ctx: Arc<Context>) -> Held {
+        Held {
             client,
             name: name.to_owned(),
             attachment,
@@ -383,7 +497,7 @@ impl Held {
             mapping: None,
             publish_event: None,
             attached: true,
-        })
+        }
     }
 
     fn mapping(&self) -> &Mapping {

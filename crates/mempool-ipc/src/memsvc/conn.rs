@@ -14,7 +14,7 @@ use rustix::net::{RecvFlags, SendFlags};
 
 use super::error::{Error, Result};
 use super::proto::codec;
-use super::proto::messages::{Message, HEADER_LEN};
+use super::proto::messages::{Message, HEADER_LEN, MAX_ATTACH_MANY};
 use crate::fdpass;
 
 /// One end of a memory-service connection.
@@ -46,15 +46,18 @@ impl Framed {
 
     /// Sends one message, with `fd` attached to its first byte.
     pub(crate) fn send(&self, message: &Message, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+        let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+        self.send_fds(message, &fds)
+    }
+
+    /// Sends one message, with `fds` (as many as the message carries: the receiver checks)
+    /// attached to its first byte, in one `SCM_RIGHTS` message.
+    pub(crate) fn send_fds(&self, message: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
         let frame = codec::encode(message)?;
         let mut sent = 0;
         while sent < frame.len() {
-            let fds: Vec<BorrowedFd<'_>> = if sent == 0 {
-                fd.into_iter().collect()
-            } else {
-                Vec::new()
-            };
-            match fdpass::send_raw(self.stream.as_fd(), &frame[sent..], &fds, SendFlags::empty()) {
+            let fds: &[BorrowedFd<'_>] = if sent == 0 { fds } else { &[] };
+            match fdpass::send_raw(self.stream.as_fd(), &frame[sent..], fds, SendFlags::empty()) {
                 Ok(n) => sent += n,
                 Err(Errno::INTR) => {}
                 Err(e) if is_timeout(e) => {
@@ -157,8 +160,9 @@ impl Framed {
     pub(crate) fn recv(&self, first: Option<Duration>, frame_timeout: Duration) -> Result<(Message, Vec<OwnedFd>)> {
         let mut deadline = None;
         let mut fds = Vec::new();
-        // Before the header is in, at most one descriptor (what any message carries) is kept.
-        let mut fd_limit = 1;
+        // Before the header is in, at most what any message this side receives carries is kept
+        // (a server receives none: one is let in to be refused with the header's reason).
+        let mut fd_limit = if self.server_side { 1 } else { MAX_ATTACH_MANY };
         let mut header = [0u8; HEADER_LEN];
         self.fill(
             &mut header,
@@ -175,17 +179,19 @@ impl Framed {
                 h.kind
             )));
         }
-        let expected = h.kind.fds();
-        if fds.len() > expected {
+        let most = h.kind.max_fds();
+        if fds.len() > most {
             return Err(Error::protocol(format!(
-                "{:?} carries {expected} file descriptors, {} arrived",
+                "{:?} carries at most {most} file descriptors, {} arrived",
                 h.kind,
                 fds.len()
             )));
         }
-        fd_limit = expected - fds.len();
+        fd_limit = most - fds.len();
         let mut body = vec![0u8; h.body_len];
         self.fill(&mut body, &mut deadline, first, frame_timeout, &mut fds, &mut fd_limit)?;
+        let message = codec::decode_body(h.kind, &body)?;
+        let expected = message.fd_count();
         if fds.len() != expected {
             return Err(Error::protocol(format!(
                 "{:?} carries {expected} file descriptors, {} arrived",
@@ -193,7 +199,6 @@ impl Framed {
                 fds.len()
             )));
         }
-        let message = codec::decode_body(h.kind, &body)?;
         Ok((message, fds))
     }
 

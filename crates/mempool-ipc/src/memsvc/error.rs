@@ -197,6 +197,17 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// Mapping a granted buffer into this process, or ordering the stream after it, failed (a
+    /// local driver failure, or a grant this process cannot map); `source` says how. The server's
+    /// attachments of that call were ended.
+    #[error("attaching buffer {name:?}: {source}")]
+    Attach {
+        /// The buffer.
+        name: String,
+        /// What failed.
+        source: Box<Error>,
+    },
+
     /// A wrong argument to a local call (a server configuration, a client option).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -218,6 +229,20 @@ pub enum Error {
 impl Error {
     pub(crate) fn protocol(reason: impl Into<String>) -> Error {
         Error::Protocol { reason: reason.into() }
+    }
+
+    /// `self` as an error about attaching the buffer `name` ([`Error::Attach`]), unless it
+    /// names that buffer already.
+    pub(crate) fn about_buffer(self, name: &str) -> Error {
+        match self {
+            Error::Core(_) | Error::Io(_) | Error::Ipc(_) | Error::Protocol { .. } | Error::InvalidArgument(_) => {
+                Error::Attach {
+                    name: name.to_owned(),
+                    source: Box::new(self),
+                }
+            }
+            other => other,
+        }
     }
 
     /// Whether this is one of the server's refusals, after which the connection stays usable.

@@ -87,11 +87,18 @@ struct GpuEvent {
     event: Option<Event>,
     handle: EventBytes,
     pool: EventPool,
+    /// Its context, made current for the query (the server's connection threads have none).
+    ctx: Arc<Context>,
 }
 
 impl RelayedEvent for GpuEvent {
     fn handle(&self) -> EventBytes {
         self.handle
+    }
+
+    fn is_done(&self) -> Result<bool> {
+        let _current = self.ctx.bind()?;
+        Ok(self.event.as_ref().expect("held until dropped").is_complete()?)
     }
 }
 
@@ -141,6 +148,7 @@ impl Backend for GpuBackend {
             event: Some(own),
             handle,
             pool: gpu.idle_events.clone(),
+            ctx: gpu.ctx.clone(),
         };
         relayed.event.as_ref().expect("just set").record(stream.as_ref())?;
         // The wait is queued: the creator's event and the stream may go (the driver defers their
@@ -163,16 +171,120 @@ pub(crate) fn local_device(uuid: DeviceUuid) -> Result<Device> {
     })
 }
 
-/// Imports a granted allocation of `size` bytes on `device`, maps it into a fresh reservation of
-/// this process and grants `device` read-write access. Refuses a granularity that is not this
-/// process's own for the device (the server and this process would disagree about the layout).
-pub(crate) fn import(device: Device, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
-    let own = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
-    if granularity != own {
-        return Err(Error::protocol(format!(
-            "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
-        )));
+/// This process's devices a client met, by the server's UUID, with their minimum VMM
+/// granularity: looked up once per connection, not once per buffer (a lookup enumerates the
+/// devices and asks each its UUID).
+#[derive(Default)]
+pub(crate) struct LocalDevices(Mutex<Vec<(DeviceUuid, Device, u64)>>);
+
+impl LocalDevices {
+    /// The device of this process whose UUID is `uuid` ([`Error::DeviceNotVisible`] if none).
+    pub(crate) fn device(&self, uuid: DeviceUuid) -> Result<Device> {
+        Ok(self.entry(uuid)?.0)
     }
+
+    fn entry(&self, uuid: DeviceUuid) -> Result<(Device, u64)> {
+        let mut known = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&(_, device, granularity)) = known.iter().find(|(u, _, _)| *u == uuid) {
+            return Ok((device, granularity));
+        }
+        let device = local_device(uuid)?;
+        let granularity = device.vmm_granularity(&props(device), Granularity::Minimum)? as u64;
+        known.push((uuid, device, granularity));
+        Ok((device, granularity))
+    }
+
+    /// Imports a granted allocation of `size` bytes on the device `uuid` names ([`import`]),
+    /// refusing a granularity that is not this process's own for the device (the server and
+    /// this process would disagree about the layout).
+    pub(crate) fn import(&self, uuid: DeviceUuid, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
+        let (device, own) = self.entry(uuid)?;
+        if granularity != own {
+            return Err(Error::protocol(format!(
+                "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
+            )));
+        }
+        import(device, fd, size)
+    }
+
+    /// Imports many granted allocations (UUID, descriptor, size, granularity each, checked as
+    /// [`LocalDevices::import`] does) with fewer driver calls: one reservation per device for
+    /// all of its buffers, each mapped back to back at its own offset, and one `cuMemSetAccess`
+    /// over the whole range. Each returned mapping is still its buffer's own: dropping it unmaps
+    /// only its range (the reservation's addresses are freed with the last of them). On failure
+    /// returns the index of the buffer it is about; nothing stays mapped.
+    pub(crate) fn import_many(&self, grants: Vec<ImportGrant>) -> std::result::Result<Vec<Mapping>, (usize, Error)> {
+        let mut devices: Vec<Device> = Vec::new();
+        let mut of: Vec<usize> = Vec::with_capacity(grants.len());
+        for (i, g) in grants.iter().enumerate() {
+            let (device, own) = self.entry(g.device).map_err(|e| (i, e))?;
+            if g.granularity != own {
+                return Err((
+                    i,
+                    Error::protocol(format!(
+                        "the server's granularity {} is not this GPU's minimum granularity, {own} bytes",
+                        g.granularity
+                    )),
+                ));
+            }
+            let d = match devices.iter().position(|&d| d == device) {
+                Some(d) => d,
+                None => {
+                    devices.push(device);
+                    devices.len() - 1
+                }
+            };
+            of.push(d);
+        }
+        let mut out: Vec<Option<Mapping>> = grants.iter().map(|_| None).collect();
+        let mut fds: Vec<Option<OwnedFd>> = Vec::with_capacity(grants.len());
+        let mut sizes = Vec::with_capacity(grants.len());
+        for g in grants {
+            // The decoder checked that each size is a non-zero multiple of the granularity and fits.
+            sizes.push(g.size as usize);
+            fds.push(Some(g.fd));
+        }
+        for (d, &device) in devices.iter().enumerate() {
+            let mine: Vec<usize> = (0..of.len()).filter(|&i| of[i] == d).collect();
+            let total = mine
+                .iter()
+                .try_fold(0usize, |t, &i| t.checked_add(sizes[i]))
+                .ok_or_else(|| (mine[0], Error::protocol("the granted sizes overflow the address space")))?;
+            let reservation = Reservation::new(device, total, 0, None).map_err(|e| (mine[0], e.into()))?;
+            let mut offset = 0;
+            for &i in &mine {
+                let fd = fds[i].take().expect("each descriptor is imported once");
+                let physical = PhysicalAllocation::import_fd(fd.as_fd(), sizes[i]).map_err(|e| (i, e.into()))?;
+                drop(fd); // imported: the handle holds the memory now
+                let mapping =
+                    Mapping::without_access(&reservation, offset, Arc::new(physical)).map_err(|e| (i, e.into()))?;
+                offset += sizes[i];
+                out[i] = Some(mapping);
+            }
+            reservation
+                .set_access(0, total, &[(device, Access::ReadWrite)])
+                .map_err(|e| (mine[0], e.into()))?;
+        }
+        Ok(out
+            .into_iter()
+            .map(|m| m.expect("every buffer is on one of the devices"))
+            .collect())
+    }
+}
+
+/// One granted buffer for [`LocalDevices::import_many`].
+pub(crate) struct ImportGrant {
+    pub(crate) device: DeviceUuid,
+    pub(crate) fd: OwnedFd,
+    pub(crate) size: u64,
+    pub(crate) granularity: u64,
+}
+
+/// Imports a granted allocation of `size` bytes (a multiple of `device`'s granularity, checked
+/// by the caller) on `device`, maps it into a fresh reservation of this process (one per
+/// buffer: each buffer unmaps and frees only its own range) and grants `device` read-write
+/// access. No host synchronization: nothing is queued on the memory yet.
+fn import(device: Device, fd: OwnedFd, size: u64) -> Result<Mapping> {
     // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
     let size = size as usize;
     let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;

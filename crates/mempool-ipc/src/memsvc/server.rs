@@ -21,7 +21,7 @@ use super::error::{Error, Result};
 use super::gpu::GpuBackend;
 use super::policy::{Access, Limits, Quotas};
 use super::proto::codec;
-use super::proto::messages::Message;
+use super::proto::messages::{GrantEntry, Message};
 use super::state::{ConnId, Grant, Rules, State};
 use super::types::ServerStats;
 use crate::cred::{self, AccessPolicy, PeerCredentials};
@@ -476,7 +476,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
             Err(e) => return Err(e),
         };
         let now = Instant::now();
-        let reply: Result<(Message, Option<OwnedFd>)> = match request {
+        let reply: Result<(Message, Vec<OwnedFd>)> = match request {
             Message::Create {
                 device,
                 size,
@@ -490,13 +490,20 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
             Message::Publish { name, event } => inner
                 .state()
                 .publish(conn, &name, event.as_ref(), now)
-                .map(|()| (Message::Done, None)),
+                .map(|()| (Message::Done, Vec::new())),
             Message::Attach { name } => inner.state().attach(conn, &name, now).map(granted),
-            Message::Detach { attachment } => inner.state().detach(conn, attachment).map(|()| (Message::Done, None)),
-            Message::Delete { name } => inner.state().delete(conn, &name, now).map(|()| (Message::Done, None)),
+            Message::AttachMany { names } => inner.state().attach_many(conn, &names, now).map(granted_many),
+            Message::Detach { attachment } => inner
+                .state()
+                .detach(conn, attachment)
+                .map(|()| (Message::Done, Vec::new())),
+            Message::Delete { name } => inner
+                .state()
+                .delete(conn, &name, now)
+                .map(|()| (Message::Done, Vec::new())),
             Message::List { after } => {
                 let (entries, more) = inner.state().list(&after, now);
-                Ok((Message::ListPage { more, entries }, None))
+                Ok((Message::ListPage { more, entries }, Vec::new()))
             }
             Message::Stats => {
                 let s = inner.state().stats();
@@ -512,13 +519,16 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                             s.rejected,
                         ],
                     },
-                    None,
+                    Vec::new(),
                 ))
             }
             other => Err(Error::protocol(format!("{:?} after the handshake", other.kind()))),
         };
         match reply {
-            Ok((message, fd)) => framed.send(&message, fd.as_ref().map(|f| f.as_fd()))?,
+            Ok((message, fds)) => {
+                let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+                framed.send_fds(&message, &fds)?
+            }
             // A message that breaks the protocol (a detach of an attachment it does not hold)
             // ends the connection; anything else the state machine says is a refusal, a
             // failure of the server's GPU included (`ServerGpu`).
@@ -528,7 +538,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
     }
 }
 
-fn granted(g: Grant) -> (Message, Option<OwnedFd>) {
+fn granted(g: Grant) -> (Message, Vec<OwnedFd>) {
     (
         Message::Granted {
             attachment: g.attachment,
@@ -537,8 +547,24 @@ fn granted(g: Grant) -> (Message, Option<OwnedFd>) {
             device: g.device,
             event: g.event,
         },
-        Some(g.fd),
+        vec![g.fd],
     )
+}
+
+fn granted_many(grants: Vec<Grant>) -> (Message, Vec<OwnedFd>) {
+    let mut entries = Vec::with_capacity(grants.len());
+    let mut fds = Vec::with_capacity(grants.len());
+    for g in grants {
+        entries.push(GrantEntry {
+            attachment: g.attachment,
+            size: g.size,
+            granularity: g.granularity,
+            device: g.device,
+            event: g.event,
+        });
+        fds.push(g.fd);
+    }
+    (Message::GrantedMany { grants: entries }, fds)
 }
 
 #[cfg(test)]

@@ -18,14 +18,16 @@ use super::backend::{Allocation, Backend, RelayedEvent};
 use super::error::{Error, Result};
 use super::names;
 use super::policy::{Access, Ledger, Quotas};
-use super::proto::messages::{EventBytes, MAX_LIST_PAGE};
+use super::proto::messages::{EventBytes, MAX_ATTACH_MANY, MAX_LIST_PAGE};
 use super::types::{BufferInfo, BufferState, ServerStats};
 use crate::wire::DeviceUuid;
 
 /// A connection's id, chosen by the server.
 pub(crate) type ConnId = u64;
 
-/// What `create` and `attach` hand to the client.
+/// What `create` and `attach` hand to the client. `event` is the server's event the client's
+/// stream must wait on, `None` when there is nothing to wait for (a buffer being created, one
+/// published without an event, or one whose relayed event has completed: the ready case).
 pub(crate) struct Grant {
     pub(crate) attachment: u64,
     pub(crate) size: u64,
@@ -57,6 +59,8 @@ struct Buffer {
     state: BufferState,
     expires_at: Option<Instant>,
     attachments: u32,
+    /// Whether `event` was seen complete (then attachers wait on nothing; it stays complete).
+    ready: bool,
     /// Dropped last: the event, then the memory.
     event: Option<Box<dyn RelayedEvent>>,
     memory: Box<dyn Allocation>,
@@ -217,6 +221,7 @@ impl<B: Backend> State<B> {
                 state: BufferState::Creating,
                 expires_at: ttl.and_then(|t| now.checked_add(t)),
                 attachments: 1,
+                ready: false,
                 event: None,
                 memory,
             },
@@ -269,13 +274,48 @@ impl<B: Backend> State<B> {
         Ok(())
     }
 
-    /// `attach`: a new attachment of a published buffer.
+    /// `attach`: a new attachment of a published buffer. The grant carries the server's event
+    /// while the creator's work may still run, and none once a query of it says it is done.
     pub(crate) fn attach(&mut self, conn: ConnId, name: &str, now: Instant) -> Result<Grant> {
         self.expire(now);
         self.conn(conn)?;
+        self.attach_one(conn, name)
+    }
+
+    /// `attach_many`: attaches every name of `names` (at most [`MAX_ATTACH_MANY`]), in order,
+    /// all or none: on the first refusal the attachments made so far end and the error (which
+    /// names the buffer) is returned.
+    pub(crate) fn attach_many(&mut self, conn: ConnId, names: &[String], now: Instant) -> Result<Vec<Grant>> {
+        self.expire(now);
+        self.conn(conn)?;
+        if names.is_empty() || names.len() > MAX_ATTACH_MANY {
+            return Err(Error::protocol(format!(
+                "attach_many of {} names (1 to {MAX_ATTACH_MANY})",
+                names.len()
+            )));
+        }
+        for name in names {
+            names::validate_name(name)?;
+        }
+        let mut grants: Vec<Grant> = Vec::with_capacity(names.len());
+        for name in names {
+            match self.attach_one(conn, name) {
+                Ok(g) => grants.push(g),
+                Err(e) => {
+                    for g in grants {
+                        self.end_attachment(g.attachment);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(grants)
+    }
+
+    fn attach_one(&mut self, conn: ConnId, name: &str) -> Result<Grant> {
         names::validate_name(name)?;
         let id = self.named(name)?;
-        let buffer = &self.buffers[&id];
+        let buffer = self.buffers.get_mut(&id).expect("named buffers exist");
         if buffer.state != BufferState::Published {
             return Err(Error::WrongState {
                 name: name.to_owned(),
@@ -283,23 +323,39 @@ impl<B: Backend> State<B> {
                 op: "attach",
             });
         }
-        let fd = buffer.memory.export_fd()?;
+        // A failed query counts as not done: the attacher then waits on the event, which is
+        // always correct, only slower.
+        if !buffer.ready {
+            buffer.ready = buffer.event.as_ref().is_none_or(|e| e.is_done().unwrap_or(false));
+        }
+        let fd = buffer.memory.export_fd().map_err(|e| match e {
+            Error::ServerGpu { message } => Error::ServerGpu {
+                message: format!("exporting buffer {name:?}: {message}"),
+            },
+            other => Error::ServerGpu {
+                message: format!("exporting buffer {name:?}: {other}"),
+            },
+        })?;
         let (uuid, granularity) = self.backend.devices()[buffer.device];
-        let grant = Grant {
-            attachment: 0,
-            size: buffer.size,
-            granularity,
-            device: uuid,
-            event: buffer.event.as_ref().map(|e| e.handle()),
-            fd,
+        let event = if buffer.ready {
+            None
+        } else {
+            buffer.event.as_ref().map(|e| e.handle())
         };
+        buffer.attachments += 1;
         let attachment = self.fresh_id();
-        self.buffers.get_mut(&id).expect("named buffers exist").attachments += 1;
         self.attachments.insert(attachment, (conn, id));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.attachments.insert(attachment);
         }
-        Ok(Grant { attachment, ..grant })
+        Ok(Grant {
+            attachment,
+            size: self.buffers[&id].size,
+            granularity,
+            device: uuid,
+            event,
+            fd,
+        })
     }
 
     /// `detach`: ends one of the connection's attachments. The creator detaching a buffer it has

@@ -26,7 +26,8 @@ that made them.
 - ``Client(path, timeout=None, trust_uids=())``: ``create(name, size, device=None, tag=None, ttl=None)``
   returns a ``CreatedBuffer`` mapped for writing; ``publish(stream=None)`` makes it attachable by name and
   returns an ``AttachedBuffer`` (``discard()`` drops it unpublished); ``attach(name, stream=None)`` maps a
-  published buffer with no copy, ordered after its creator's writes; ``delete(name)``; ``list()``
+  published buffer with no copy, ordered after its creator's writes; ``attach_many(names, stream=None)``
+  attaches many in few requests (a list, all or nothing); ``delete(name)``; ``list()``
   (``BufferInfo``s); ``stats()``. The buffers have ``ptr``, ``size``, ``name``, the CUDA array interface and
   DLPack (``torch.from_dlpack(buf)``, ``cupy.from_dlpack(buf)``: no copy); a buffer's mapping goes when the
   object and every view of it are gone, and the server keeps the buffer until it is deleted or expires.

@@ -582,6 +582,49 @@ impl PyClient {
         })
     }
 
+    /// Attaches every buffer of `names` (a list of str) as `attach` does each, in few requests to the
+    /// server (one per 128 names), and returns one `AttachedBuffer` per name, in order. All or nothing: on
+    /// any error nothing stays attached and the exception names the buffer.
+    #[pyo3(signature = (names, stream = None))]
+    fn attach_many(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<PyAttachedBuffer>> {
+        let s = stream::extract(stream)?;
+        // SAFETY: `s` (with its owner) lives until this call returns, and its owner is then kept by every
+        // buffer, whose view (`__dlpack__` ordering) uses the handle later.
+        #[allow(unsafe_code)]
+        let sref = unsafe { stream_ref(&s) };
+        let attached = py
+            .detach(|| self.client.attach_many(&names, sref))
+            .svc(|| format!("attaching {} buffers", names.len()))?;
+        let mut out = Vec::with_capacity(attached.len());
+        for (attached, name) in attached.into_iter().zip(names) {
+            let ordinal = attached.device().ordinal();
+            let ctx = mempool_capi::device::context(ordinal).py()?;
+            let view = RawView {
+                addr: attached.ptr().as_raw(),
+                size: attached.len(),
+                device: ordinal,
+                stream: s.handle,
+            };
+            out.push(PyAttachedBuffer {
+                holder: Arc::new(Holder {
+                    slot: Mutex::new(Slot::Attached(attached)),
+                    ctx,
+                    exported: AtomicBool::new(false),
+                    published: AtomicBool::new(true),
+                }),
+                view,
+                name,
+                _stream_owner: s.owner.as_ref().map(|o| o.clone_ref(py)),
+            });
+        }
+        Ok(out)
+    }
+
     /// Deletes the buffer `name`: the name goes at once; the memory when the last attachment lets go.
     fn delete(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         py.detach(|| self.client.delete(name))

@@ -86,3 +86,74 @@ fn closed_peer_and_cut_frames() {
         Err(Error::PeerGone { .. })
     ));
 }
+
+fn grants(n: usize) -> Message {
+    Message::GrantedMany {
+        grants: (0..n as u64)
+            .map(|i| crate::memsvc::proto::messages::GrantEntry {
+                attachment: i,
+                size: 4096,
+                granularity: 4096,
+                device: crate::wire::DeviceUuid([1; 16]),
+                event: None,
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn granted_many_carries_one_descriptor_per_grant_in_order() {
+    use crate::memsvc::proto::messages::MAX_ATTACH_MANY;
+    let (client, server) = pair();
+    let memfds: Vec<_> = (0..MAX_ATTACH_MANY)
+        .map(|i| crate::test_util::memfd_with(&crate::test_util::unique_name("many"), format!("fd{i}").as_bytes()))
+        .collect();
+    let borrowed: Vec<_> = memfds.iter().map(|f| f.as_fd()).collect();
+    let m = grants(MAX_ATTACH_MANY);
+    server.send_fds(&m, &borrowed).unwrap();
+    let (got, fds) = client
+        .recv(Some(Duration::from_secs(5)), Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(got, m);
+    assert_eq!(fds.len(), MAX_ATTACH_MANY);
+    for (i, fd) in fds.into_iter().enumerate() {
+        assert_eq!(crate::test_util::read_all(fd), format!("fd{i}").as_bytes());
+    }
+}
+
+#[test]
+fn granted_many_with_the_wrong_descriptor_count_is_refused() {
+    for (grant_count, fd_count) in [(3, 2), (2, 3), (1, 0)] {
+        let (client, server) = pair();
+        let memfds: Vec<_> = (0..fd_count)
+            .map(|_| crate::test_util::memfd_with(&crate::test_util::unique_name("few"), b"x"))
+            .collect();
+        let borrowed: Vec<_> = memfds.iter().map(|f| f.as_fd()).collect();
+        server.send_fds(&grants(grant_count), &borrowed).unwrap();
+        let err = client
+            .recv(Some(Duration::from_secs(5)), Duration::from_secs(5))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("file descriptors"),
+            "{grant_count} grants, {fd_count} descriptors: {err}"
+        );
+    }
+    // A server receives no descriptors: a client message with many is refused.
+    let (client, server) = pair();
+    let memfds: Vec<_> = (0..4)
+        .map(|_| crate::test_util::memfd_with(&crate::test_util::unique_name("tocli"), b"x"))
+        .collect();
+    let borrowed: Vec<_> = memfds.iter().map(|f| f.as_fd()).collect();
+    client
+        .send_fds(
+            &Message::AttachMany {
+                names: vec!["a".into()],
+            },
+            &borrowed,
+        )
+        .unwrap();
+    let err = server
+        .recv(Some(Duration::from_secs(5)), Duration::from_secs(5))
+        .unwrap_err();
+    assert!(err.to_string().contains("descriptors"), "{err}");
+}

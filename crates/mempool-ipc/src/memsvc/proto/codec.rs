@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use super::messages::{
-    EventBytes, Message, MessageKind, Refusal, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DEVICES, MAX_LIST_PAGE, VERSION,
+    EventBytes, GrantEntry, Message, MessageKind, Refusal, HEADER_LEN, MAGIC, MAX_ATTACH_MANY, MAX_BODY_LEN,
+    MAX_DEVICES, MAX_LIST_PAGE, VERSION,
 };
 use crate::memsvc::error::{Error, QuotaKind, QuotaScope, Result};
 use crate::memsvc::names;
@@ -73,6 +74,20 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
         }
         Message::Attach { name } | Message::Delete { name } => w.str(name)?,
         Message::List { after } => w.str(after)?,
+        Message::AttachMany { names } => {
+            check_count(names.len(), "names")?;
+            w.u16(names.len() as u16);
+            for name in names {
+                w.str(name)?;
+            }
+        }
+        Message::GrantedMany { grants } => {
+            check_count(grants.len(), "grants")?;
+            w.u16(grants.len() as u16);
+            for g in grants {
+                w.grant(g);
+            }
+        }
         Message::Detach { attachment } => w.u64(*attachment),
         Message::Welcome { pid, devices } => {
             if devices.len() > MAX_DEVICES {
@@ -171,6 +186,22 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
         MessageKind::Delete => Message::Delete { name: r.str()? },
         MessageKind::List => Message::List { after: r.str()? },
         MessageKind::Detach => Message::Detach { attachment: r.u64()? },
+        MessageKind::AttachMany => {
+            let count = r.count()?;
+            let mut names = Vec::with_capacity(count);
+            for _ in 0..count {
+                names.push(r.str()?);
+            }
+            Message::AttachMany { names }
+        }
+        MessageKind::GrantedMany => {
+            let count = r.count()?;
+            let mut grants = Vec::with_capacity(count);
+            for _ in 0..count {
+                grants.push(r.grant()?);
+            }
+            Message::GrantedMany { grants }
+        }
         MessageKind::Welcome => {
             let pid = r.u32()?;
             let count = usize::from(r.u16()?);
@@ -189,23 +220,13 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             Message::Welcome { pid, devices }
         }
         MessageKind::Granted => {
-            let attachment = r.u64()?;
-            let size = r.u64()?;
-            let granularity = r.u64()?;
-            let device = DeviceUuid(r.array()?);
-            let event = r.event()?;
-            // The descriptor checks of wire/vmm.rs: what the client maps relies on them.
-            if granularity == 0 || !granularity.is_power_of_two() {
-                return Err(r.error(format!("granularity {granularity} is not a power of two")));
-            }
-            if size == 0 || !size.is_multiple_of(granularity) {
-                return Err(r.error(format!(
-                    "size {size} is not a non-zero multiple of the granularity {granularity}"
-                )));
-            }
-            if usize::try_from(size).is_err() || size > i64::MAX as u64 {
-                return Err(r.error(format!("size {size} does not fit this machine's addresses")));
-            }
+            let GrantEntry {
+                attachment,
+                size,
+                granularity,
+                device,
+                event,
+            } = r.grant()?;
             Message::Granted {
                 attachment,
                 size,
@@ -423,6 +444,16 @@ pub(crate) fn error_of(r: Refusal) -> Error {
     }
 }
 
+/// Refuses a count of names or grants outside `1..=MAX_ATTACH_MANY`.
+fn check_count(count: usize, what: &str) -> Result<()> {
+    if count == 0 || count > MAX_ATTACH_MANY {
+        return Err(Error::protocol(format!(
+            "{count} {what} in one message (1 to {MAX_ATTACH_MANY})"
+        )));
+    }
+    Ok(())
+}
+
 struct Writer(Vec<u8>);
 
 impl Writer {
@@ -451,6 +482,13 @@ impl Writer {
     fn event(&mut self, event: &Option<EventBytes>) {
         self.u8(u8::from(event.is_some()));
         self.bytes(&event.unwrap_or([0; 64]));
+    }
+    fn grant(&mut self, g: &GrantEntry) {
+        self.u64(g.attachment);
+        self.u64(g.size);
+        self.u64(g.granularity);
+        self.bytes(&g.device.0);
+        self.event(&g.event);
     }
 }
 
@@ -507,5 +545,39 @@ impl<'a> Reader<'a> {
             return Err(self.error("an absent event handle must be all zeros".into()));
         }
         Ok(has.then_some(event))
+    }
+    /// A count of names or grants, within `1..=MAX_ATTACH_MANY`.
+    fn count(&mut self) -> Result<usize> {
+        let count = usize::from(self.u16()?);
+        if count == 0 || count > MAX_ATTACH_MANY {
+            return Err(self.error(format!("{count} entries (1 to {MAX_ATTACH_MANY})")));
+        }
+        Ok(count)
+    }
+    /// A grant, with the descriptor checks of wire/vmm.rs: what the client maps relies on them.
+    fn grant(&mut self) -> Result<GrantEntry> {
+        let attachment = self.u64()?;
+        let size = self.u64()?;
+        let granularity = self.u64()?;
+        let device = DeviceUuid(self.array()?);
+        let event = self.event()?;
+        if granularity == 0 || !granularity.is_power_of_two() {
+            return Err(self.error(format!("granularity {granularity} is not a power of two")));
+        }
+        if size == 0 || !size.is_multiple_of(granularity) {
+            return Err(self.error(format!(
+                "size {size} is not a non-zero multiple of the granularity {granularity}"
+            )));
+        }
+        if usize::try_from(size).is_err() || size > i64::MAX as u64 {
+            return Err(self.error(format!("size {size} does not fit this machine's addresses")));
+        }
+        Ok(GrantEntry {
+            attachment,
+            size,
+            granularity,
+            device,
+            event,
+        })
     }
 }

@@ -21,12 +21,20 @@
 //! | 6 | Delete | client | name | 0 |
 //! | 7 | List | client | after (a name, or empty to start) | 0 |
 //! | 8 | Stats | client | empty | 0 |
+//! | 9 | AttachMany | client | count u16 (1..=MAX_ATTACH_MANY), count x name | 0 |
 //! | 64 | Welcome | server | pid u32, count u16, count x (uuid, granularity u64) | 0 |
 //! | 65 | Granted | server | attachment u64, size u64, granularity u64, uuid, has_event u8, event 64 | 1 |
 //! | 66 | Done | server | empty | 0 |
 //! | 67 | ListPage | server | more u8, count u16, entries | 0 |
 //! | 68 | StatsReply | server | 7 x u64 | 0 |
 //! | 69 | Refused | server | code u16, uid u32, scope u8, kind u8, state u8, 3 x u64, name, text | 0 |
+//! | 70 | GrantedMany | server | count u16 (1..=MAX_ATTACH_MANY), count x (a Granted body) | count |
+//!
+//! A Granted's event is absent when there is nothing to wait for: the buffer was published
+//! without one, or the server's relay of the creator's event has completed (the creator's GPU
+//! work is done; the attacher then enqueues no wait and opens no event). A GrantedMany's
+//! descriptors travel in one `SCM_RIGHTS` message (at most `MAX_ATTACH_MANY`, under the
+//! kernel's `SCM_MAX_FD`), in the order of its entries.
 
 use crate::wire::DeviceUuid;
 
@@ -44,6 +52,11 @@ pub(crate) const MAX_BODY_LEN: usize = 64 * 1024;
 pub(crate) const MAX_DEVICES: usize = 64;
 /// The most entries one ListPage carries (each at most 16+8+128+256+... bytes: 100 fit 64 KiB).
 pub(crate) const MAX_LIST_PAGE: usize = 100;
+/// The most names one AttachMany carries (and descriptors one GrantedMany): its names (at most
+/// 130 bytes each) and its entries (105 bytes each) fit a body; its descriptors fit one
+/// `SCM_RIGHTS` message (`SCM_MAX_FD`, 253).
+pub(crate) const MAX_ATTACH_MANY: usize = 128;
+const _: () = assert!(MAX_ATTACH_MANY <= crate::fdpass::SCM_MAX_FD);
 /// An interprocess event handle.
 pub(crate) type EventBytes = [u8; 64];
 
@@ -58,12 +71,14 @@ pub(crate) enum MessageKind {
     Delete = 6,
     List = 7,
     Stats = 8,
+    AttachMany = 9,
     Welcome = 64,
     Granted = 65,
     Done = 66,
     ListPage = 67,
     StatsReply = 68,
     Refused = 69,
+    GrantedMany = 70,
 }
 
 impl MessageKind {
@@ -78,19 +93,26 @@ impl MessageKind {
             6 => Delete,
             7 => List,
             8 => Stats,
+            9 => AttachMany,
             64 => Welcome,
             65 => Granted,
             66 => Done,
             67 => ListPage,
             68 => StatsReply,
             69 => Refused,
+            70 => GrantedMany,
             _ => return None,
         })
     }
 
-    /// How many descriptors a message of this type carries.
-    pub(crate) fn fds(self) -> usize {
-        usize::from(self == MessageKind::Granted)
+    /// The most descriptors a message of this type carries (its body says how many exactly:
+    /// [`Message::fd_count`]).
+    pub(crate) fn max_fds(self) -> usize {
+        match self {
+            MessageKind::Granted => 1,
+            MessageKind::GrantedMany => MAX_ATTACH_MANY,
+            _ => 0,
+        }
     }
 
     /// Whether the client sends it (else the server does).
@@ -144,6 +166,10 @@ pub(crate) enum Message {
         after: String,
     },
     Stats,
+    /// Attaches every name, all or none.
+    AttachMany {
+        names: Vec<String>,
+    },
     Welcome {
         pid: u32,
         devices: Vec<(DeviceUuid, u64)>,
@@ -165,6 +191,20 @@ pub(crate) enum Message {
         numbers: [u64; 7],
     },
     Refused(Refusal),
+    /// The reply to AttachMany: one grant per name, in order; a descriptor each.
+    GrantedMany {
+        grants: Vec<GrantEntry>,
+    },
+}
+
+/// One grant of a GrantedMany (the fields of a Granted).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct GrantEntry {
+    pub(crate) attachment: u64,
+    pub(crate) size: u64,
+    pub(crate) granularity: u64,
+    pub(crate) device: DeviceUuid,
+    pub(crate) event: Option<EventBytes>,
 }
 
 impl Message {
@@ -178,12 +218,23 @@ impl Message {
             Message::Delete { .. } => MessageKind::Delete,
             Message::List { .. } => MessageKind::List,
             Message::Stats => MessageKind::Stats,
+            Message::AttachMany { .. } => MessageKind::AttachMany,
             Message::Welcome { .. } => MessageKind::Welcome,
             Message::Granted { .. } => MessageKind::Granted,
             Message::Done => MessageKind::Done,
             Message::ListPage { .. } => MessageKind::ListPage,
             Message::StatsReply { .. } => MessageKind::StatsReply,
             Message::Refused(_) => MessageKind::Refused,
+            Message::GrantedMany { .. } => MessageKind::GrantedMany,
+        }
+    }
+
+    /// How many descriptors this message carries.
+    pub(crate) fn fd_count(&self) -> usize {
+        match self {
+            Message::Granted { .. } => 1,
+            Message::GrantedMany { grants } => grants.len(),
+            _ => 0,
         }
     }
 }

@@ -30,6 +30,17 @@ fn info(i: u32) -> BufferInfo {
     }
 }
 
+fn grant_entry(i: u64) -> GrantEntry {
+    GrantEntry {
+        attachment: i,
+        size: (i + 1) << 21,
+        granularity: 2 << 20,
+        device: DeviceUuid([i as u8; 16]),
+        // Pending relays carry their event; ready ones none.
+        event: i.is_multiple_of(2).then_some([i as u8; 64]),
+    }
+}
+
 fn samples() -> Vec<Message> {
     vec![
         Message::Hello,
@@ -65,6 +76,15 @@ fn samples() -> Vec<Message> {
             event: Some([9; 64]),
         },
         Message::Done,
+        Message::AttachMany {
+            names: (0..MAX_ATTACH_MANY).map(|i| format!("{i:0>128}")).collect(),
+        },
+        Message::AttachMany {
+            names: vec!["one".into()],
+        },
+        Message::GrantedMany {
+            grants: (0..MAX_ATTACH_MANY as u64).map(grant_entry).collect(),
+        },
         Message::ListPage {
             more: true,
             entries: (0..MAX_LIST_PAGE as u32).map(info).collect(),
@@ -218,6 +238,63 @@ fn hostile_grants_are_refused() {
 }
 
 #[test]
+fn attach_many_counts_and_grants_are_checked() {
+    // Counts of 0 and past the limit: neither encoded nor decoded.
+    for count in [0, MAX_ATTACH_MANY + 1] {
+        let names = Message::AttachMany {
+            names: (0..count).map(|i| format!("n{i}")).collect(),
+        };
+        assert!(protocol(encode(&names).map(|_| Message::Done)).contains("names in one message"));
+        let grants = Message::GrantedMany {
+            grants: (0..count as u64).map(grant_entry).collect(),
+        };
+        assert!(protocol(encode(&grants).map(|_| Message::Done)).contains("grants in one message"));
+    }
+    let one = encode(&Message::AttachMany {
+        names: vec!["a".into()],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    for count in [0u16, MAX_ATTACH_MANY as u16 + 1, u16::MAX] {
+        let mut body = one.clone();
+        body[0..2].copy_from_slice(&count.to_le_bytes());
+        assert!(protocol(decode_body(MessageKind::AttachMany, &body)).contains("entries"));
+    }
+    // A count that claims more names than follow.
+    let mut body = one.clone();
+    body[0..2].copy_from_slice(&2u16.to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::AttachMany, &body)).contains("cut short"));
+    let many = encode(&Message::GrantedMany {
+        grants: vec![grant_entry(1)],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    for count in [0u16, MAX_ATTACH_MANY as u16 + 1] {
+        let mut body = many.clone();
+        body[0..2].copy_from_slice(&count.to_le_bytes());
+        assert!(protocol(decode_body(MessageKind::GrantedMany, &body)).contains("entries"));
+    }
+    // Every entry gets a Granted's descriptor checks.
+    let bad = GrantEntry {
+        size: 6000,
+        granularity: 4096,
+        ..grant_entry(3)
+    };
+    let frame = encode(&Message::GrantedMany {
+        grants: vec![grant_entry(1), bad],
+    })
+    .unwrap();
+    assert!(protocol(decode(&frame)).contains("multiple"));
+    // Descriptors: a GrantedMany carries one per entry, other messages none or one.
+    assert_eq!(MessageKind::GrantedMany.max_fds(), MAX_ATTACH_MANY);
+    assert_eq!(MessageKind::AttachMany.max_fds(), 0);
+    let m = Message::GrantedMany {
+        grants: (0..5).map(grant_entry).collect(),
+    };
+    assert_eq!(m.fd_count(), 5);
+}
+
+#[test]
 fn refusals_travel_as_the_same_error() {
     let errors = vec![
         Error::NameTaken { name: "a".into() },
@@ -337,6 +414,23 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 device: DeviceUuid(d),
                 event,
             }
+        }),
+        proptest::collection::vec(arb_string(40), 1..10).prop_map(|names| Message::AttachMany { names }),
+        proptest::collection::vec(
+            (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()),
+            1..10
+        )
+        .prop_map(|entries| Message::GrantedMany {
+            grants: entries
+                .into_iter()
+                .map(|(a, units, shift, d, event)| GrantEntry {
+                    attachment: a,
+                    size: u64::from(units + 1) << shift,
+                    granularity: 1 << shift,
+                    device: DeviceUuid(d),
+                    event,
+                })
+                .collect()
         }),
         (any::<bool>(), proptest::collection::vec(any::<u32>(), 0..20)).prop_map(|(more, ids)| Message::ListPage {
             more,

@@ -182,6 +182,107 @@ fn create_publish_attach_list_delete_over_the_socket() {
 }
 
 #[test]
+fn attach_many_over_the_socket_passes_every_descriptor_and_is_all_or_nothing() {
+    use crate::memsvc::proto::messages::MAX_ATTACH_MANY;
+    let path = path("many");
+    let backend = HostBackend::new(1, G);
+    let live = backend.live.clone();
+    let relays_done = backend.relays_done.clone();
+    let server = Server::serve_with(ServerConfig::new(&path).limits(quick_limits()), Box::new(backend)).unwrap();
+    let a = Client::connect(&path).unwrap();
+    let b = Client::connect(&path).unwrap();
+    let count = MAX_ATTACH_MANY;
+    let names: Vec<String> = (0..count).map(|i| format!("many/{i:03}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        // Sizes differ per buffer, so each descriptor shows which buffer it is.
+        let g = create(&a, name, (i as u64 + 1) * G).unwrap();
+        done(
+            &a,
+            Message::Publish {
+                name: name.clone(),
+                event: Some([1; 64]),
+            },
+        )
+        .unwrap();
+        done(
+            &a,
+            Message::Detach {
+                attachment: g.attachment,
+            },
+        )
+        .unwrap();
+    }
+    let attach_many = |c: &Client, names: Vec<String>| match c.call(&Message::AttachMany { names })? {
+        (Message::GrantedMany { grants }, fds) => Ok((grants, fds)),
+        (other, _) => panic!("expected GrantedMany, got {other:?}"),
+    };
+    // The relays are pending: every grant carries the server's event.
+    let (grants, fds) = attach_many(&b, names.clone()).unwrap();
+    assert_eq!((grants.len(), fds.len()), (count, count));
+    for (i, (g, fd)) in grants.iter().zip(&fds).enumerate() {
+        assert_eq!(g.size, (i as u64 + 1) * G, "grant {i}");
+        assert_eq!(rustix::fs::fstat(fd).unwrap().st_size as u64, g.size, "descriptor {i}");
+        assert!(g.event.is_some());
+    }
+    assert_eq!(b.stats().unwrap().attachments, count as u64);
+    // All or nothing: a missing name in the middle refuses the request, names it, attaches
+    // nothing, and leaves the connection usable.
+    let mut with_missing = names[..10].to_vec();
+    with_missing.insert(5, "many/missing".into());
+    match attach_many(&b, with_missing) {
+        Err(Error::UnknownName { name }) => assert_eq!(name, "many/missing"),
+        other => panic!("expected UnknownName, got {other:?}"),
+    }
+    assert_eq!(b.stats().unwrap().attachments, count as u64);
+    // Once the relays have completed, grants carry no event: attachers wait on nothing.
+    relays_done.store(true, Ordering::SeqCst);
+    let (ready, ready_fds) = attach_many(&b, names[..3].to_vec()).unwrap();
+    assert_eq!(ready_fds.len(), 3);
+    assert!(ready.iter().all(|g| g.event.is_none()));
+    let single = b.call_granted(&Message::Attach { name: names[7].clone() }).unwrap();
+    assert!(single.event.is_none());
+    // Each attachment detaches on its own; the memory goes with the last one after delete.
+    for g in grants
+        .iter()
+        .chain(&ready)
+        .map(|g| g.attachment)
+        .chain([single.attachment])
+    {
+        done(&b, Message::Detach { attachment: g }).unwrap();
+    }
+    assert_eq!(b.stats().unwrap().attachments, 0);
+    for name in &names {
+        b.delete(name).unwrap();
+    }
+    assert_eq!(live.load(Ordering::SeqCst), 0);
+    // Counts the protocol does not allow (this client refuses to send them; raw frames here):
+    // the server refuses and ends the connection, and serves the others.
+    let hello = codec::encode(&Message::Hello).unwrap();
+    let one = codec::encode(&Message::AttachMany {
+        names: vec!["many/000".into()],
+    })
+    .unwrap();
+    for count in [0u16, MAX_ATTACH_MANY as u16 + 1] {
+        let s = raw_connect(&path);
+        (&s).write_all(&hello).unwrap();
+        let mut frame = one.clone();
+        frame[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&count.to_le_bytes());
+        (&s).write_all(&frame).unwrap();
+        let got = read_to_close(&s);
+        // The Welcome, then the refusal.
+        let welcome_len = HEADER_LEN + u32::from_le_bytes(got[8..12].try_into().unwrap()) as usize;
+        assert!(
+            refused_with(&got[welcome_len..]).contains("entries"),
+            "a count of {count}"
+        );
+    }
+    assert!(a.list().is_ok());
+    assert_eq!(live.load(Ordering::SeqCst), 0);
+    drop((a, b, fds, ready_fds));
+    server.shutdown();
+}
+
+#[test]
 fn server_gone_is_peer_gone_and_a_restart_serves_the_path_again() {
     let path = path("gone");
     let (server, _) = serve(&path, quick_limits());

@@ -352,3 +352,94 @@ fn clear_releases_everything() {
         }
     );
 }
+
+#[test]
+fn a_completed_relay_is_granted_without_an_event() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    create(&mut s, 1, "r/pending", G, now).unwrap();
+    s.publish(1, "r/pending", Some(&[3; 64]), now).unwrap();
+    create(&mut s, 1, "r/none", G, now).unwrap();
+    s.publish(1, "r/none", None, now).unwrap();
+    // The creator's work may still run: the attacher is given the server's event to wait on.
+    let mut relayed = [3u8; 64];
+    relayed[0] ^= 0xff;
+    assert_eq!(s.attach(2, "r/pending", now).unwrap().event, Some(relayed));
+    assert_eq!(s.attach(2, "r/pending", now).unwrap().event, Some(relayed));
+    // Published without an event: nothing to wait for.
+    assert_eq!(s.attach(2, "r/none", now).unwrap().event, None);
+    // The backend's query says the relay completed: from now on no event is handed out.
+    s.backend().relays_done.store(true, Ordering::SeqCst);
+    assert_eq!(s.attach(2, "r/pending", now).unwrap().event, None);
+    // Seen complete once, it stays ready (the event is not recorded again for this buffer).
+    s.backend().relays_done.store(false, Ordering::SeqCst);
+    assert_eq!(s.attach(2, "r/pending", now).unwrap().event, None);
+    // A buffer published after that is pending again until its own query says done.
+    create(&mut s, 1, "r/later", G, now).unwrap();
+    s.publish(1, "r/later", Some(&[4; 64]), now).unwrap();
+    assert!(s.attach_many(2, &["r/later".into()], now).unwrap()[0].event.is_some());
+    s.backend().relays_done.store(true, Ordering::SeqCst);
+    let both = s.attach_many(2, &["r/later".into(), "r/pending".into()], now).unwrap();
+    assert!(both.iter().all(|g| g.event.is_none()));
+}
+
+#[test]
+fn attach_many_is_all_or_nothing() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    for name in ["m/a", "m/b", "m/c"] {
+        create(&mut s, 1, name, G, now).unwrap();
+        s.publish(1, name, Some(&[1; 64]), now).unwrap();
+    }
+    create(&mut s, 1, "m/creating", G, now).unwrap();
+    let attachments = |s: &State<HostBackend>| s.stats().attachments;
+    let before = attachments(&s);
+    // Every refusal names its buffer; nothing stays attached.
+    let names = |v: &[&str]| v.iter().map(|n| (*n).to_owned()).collect::<Vec<String>>();
+    match s.attach_many(2, &names(&["m/a", "m/missing", "m/b"]), now) {
+        Err(Error::UnknownName { name }) => assert_eq!(name, "m/missing"),
+        Err(other) => panic!("expected UnknownName, got {other:?}"),
+        Ok(_) => panic!("attach_many of a missing name succeeded"),
+    }
+    assert_eq!(attachments(&s), before);
+    match s.attach_many(2, &names(&["m/a", "m/b", "m/creating"]), now) {
+        Err(Error::WrongState { name, op: "attach", .. }) => assert_eq!(name, "m/creating"),
+        Err(other) => panic!("expected WrongState, got {other:?}"),
+        Ok(_) => panic!("attach_many of a buffer being created succeeded"),
+    }
+    assert_eq!(attachments(&s), before);
+    // A bad name is refused before anything is attached.
+    match s.attach_many(2, &names(&["m/a", "bad name!"]), now) {
+        Err(Error::BadName { name, .. }) => assert_eq!(name, "bad name!"),
+        Err(other) => panic!("expected BadName, got {other:?}"),
+        Ok(_) => panic!("attach_many of a bad name succeeded"),
+    }
+    assert_eq!(attachments(&s), before);
+    // Counts out of range break the protocol.
+    assert!(matches!(s.attach_many(2, &[], now), Err(Error::Protocol { .. })));
+    let too_many: Vec<String> = (0..=MAX_ATTACH_MANY).map(|_| "m/a".to_owned()).collect();
+    assert!(matches!(s.attach_many(2, &too_many, now), Err(Error::Protocol { .. })));
+    assert_eq!(attachments(&s), before);
+    // Success: one attachment per name, in order (a name twice: attached twice), each its own.
+    let grants = s.attach_many(2, &names(&["m/c", "m/a", "m/a"]), now).unwrap();
+    assert_eq!(grants.len(), 3);
+    assert_eq!(attachments(&s), before + 3);
+    let ids: HashSet<u64> = grants.iter().map(|g| g.attachment).collect();
+    assert_eq!(ids.len(), 3);
+    let (list, _) = s.list("", now);
+    let count = |n: &str| list.iter().find(|i| i.name == n).unwrap().attachments;
+    assert_eq!((count("m/a"), count("m/b"), count("m/c")), (3, 1, 2));
+    // Each detaches on its own.
+    s.detach(2, grants[1].attachment).unwrap();
+    assert_eq!(attachments(&s), before + 2);
+    s.delete(2, "m/a", now).unwrap();
+    assert_eq!(live(&s), 4, "m/a is still attached");
+    s.detach(2, grants[2].attachment).unwrap();
+    s.disconnect(1);
+    s.process_exited(1);
+    assert_eq!(live(&s), 2, "m/a's last attachment and m/creating's creator are gone");
+}
