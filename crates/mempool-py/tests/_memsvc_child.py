@@ -175,7 +175,7 @@ def attach_many_torch(path, prefix, nbytes, seed, count):
             assert t.data_ptr() == b.ptr, "torch.from_dlpack copied"
             assert torch.equal(t[:nbytes], torch_pattern(torch, nbytes, seed + i)), f"buffer {b.name}"
     stream.synchronize()
-    del bufs, views
+    del bufs, views, b, t  # the loop's own names hold the last buffer and view too
     gc.collect()
     assert attachments(client) == before, (attachments(client), before)
     report(ok=True)

@@ -286,6 +286,7 @@ impl History {
                 // anew for this one, and read the clock for it.
                 let seq = self.next.fetch_add(CLAIM, Ordering::Relaxed);
                 let t = ticks();
+                self.prefetch(seq);
                 l.history.set(self.id);
                 l.next.set(seq + 1);
                 l.end.set(seq + CLAIM);
@@ -311,6 +312,27 @@ impl History {
             Ordering::Relaxed,
         );
         slot.stamp.store(seq + 1, Ordering::Release);
+    }
+
+    /// Asks the CPU to bring the slots of a new claim, and of the claim after it (this thread's next one
+    /// when it records alone), into its cache for writing. Without it, each record's stores missed the
+    /// cache (the ring is 3 MiB, each slot last written an entire ring ago), and the next locked
+    /// instruction of the recorded resource (its mutex) waited for those misses: on one H200 machine the
+    /// history added 40-57 ns per operation to `pool(async)` (a record alone costs about 8 ns).
+    #[inline]
+    fn prefetch(&self, seq: u64) {
+        #[cfg(target_arch = "x86_64")]
+        for i in 0..2 * CLAIM {
+            let slot: *const Slot = &self.slots[((seq + i) & self.mask) as usize];
+            // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults; the address
+            // is a slot of this history's own array.
+            #[allow(unsafe_code)]
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_ET0 }>(slot.cast::<i8>())
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = seq;
     }
 
     /// Nanoseconds per tick of the raw clock, measured over the history's life so far.
