@@ -6,9 +6,11 @@
 //! holds one claim: while it holds an unused claim of one history, its events in another take one slot
 //! at a time, so no claim is given up half-used). The slots left of a claim when its thread stops
 //! recording are not events; once the ring overwrites them they count as dropped (at most
-//! `CLAIM - 1` per thread). A slot is
-//! filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a reader
-//! copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
+//! `CLAIM - 1` per thread). A writer takes its slot with a compare-and-swap of the slot's stamp, and only
+//! when the slot holds an older event: an event from a claim its thread kept while other threads went
+//! round the whole ring is dropped, never written over a newer one, and no two writers share a slot. A
+//! slot is filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a
+//! reader copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
 //! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere, read once
 //! per claim: the other events of a claim carry the time of the claim's first event (a thread's events
 //! stay in order; an event's time is at most [`CLAIM`]` - 1` of its thread's events late, which matters
@@ -299,7 +301,21 @@ impl History {
             (l.thread(), l.label.get(), seq, t)
         });
         let slot = &self.slots[(seq & self.mask) as usize];
-        slot.stamp.store(u64::MAX, Ordering::Relaxed);
+        // The slot is this writer's only if it holds an older event than this one: a claim a thread kept
+        // while other threads went round the whole ring is older than the slot's newest event (or than
+        // one being written), and its event is dropped rather than written over a newer one; the
+        // compare-and-swap also keeps two writers out of one slot, so a reader never accepts an event
+        // mixed from two.
+        let current = slot.stamp.load(Ordering::Relaxed);
+        if current == u64::MAX
+            || current > seq
+            || slot
+                .stamp
+                .compare_exchange(current, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
         // Orders the stamp's "being written" before the fields (a reader that sees a new field also
         // sees the stamp change).
         fence(Ordering::Release);
@@ -436,6 +452,44 @@ mod tests {
         }
         let e = h.events();
         assert_eq!((e.recorded, e.dropped, e.events.len()), (1000, 0, 1000));
+    }
+
+    #[test]
+    fn a_claim_older_than_the_ring_never_overwrites_a_newer_event() {
+        // A thread records once (claiming 16 slots) and keeps the rest of its claim while another
+        // thread goes round the ring; its next events belong before the window and are dropped, and
+        // every event the other thread recorded in the window stays.
+        let h = Arc::new(History::new(64));
+        h.record(Op::Allocate, 0, 1, 1, 0);
+        let other = Arc::clone(&h);
+        std::thread::spawn(move || {
+            for i in 0..200u64 {
+                other.record(Op::Allocate, 0, 0x1000 + i, 1000 + i, 1);
+            }
+        })
+        .join()
+        .unwrap();
+        let before = h.events();
+        for i in 0..3u64 {
+            h.record(Op::Free, 0, 2 + i, 2 + i, 0); // from the stale claim: seq 1, 2, 3
+        }
+        let after = h.events();
+        // (The times are converted with the clock rate measured at each read: compare the rest.)
+        let key = |e: &Event| (e.op, e.address, e.size, e.stream, e.thread);
+        assert_eq!(
+            after.events.iter().map(key).collect::<Vec<_>>(),
+            before.events.iter().map(key).collect::<Vec<_>>(),
+            "no newer event was overwritten"
+        );
+        assert!(after.events.iter().all(|e| e.stream == 1));
+        assert_eq!(after.events.len() as u64, after.recorded - after.dropped);
+        // Once the stale claim is used up the thread claims anew and its events are kept.
+        for i in 0..13u64 {
+            h.record(Op::Free, 0, 5 + i, 5 + i, 0);
+        }
+        h.record(Op::Free, 0, 99, 99, 0);
+        let last = h.events();
+        assert_eq!(last.events.last().map(|e| (e.size, e.stream)), Some((99, 0)));
     }
 
     #[test]
