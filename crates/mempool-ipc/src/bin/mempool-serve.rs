@@ -52,6 +52,13 @@ struct Args {
     /// Open connections of one uid at most.
     #[arg(long, default_value_t = Limits::default().max_connections_per_uid)]
     max_connections_per_uid: usize,
+    /// Ended connections of one uid whose processes still run (and so still hold their
+    /// attachments) at most; past it, that uid's new connections are turned away.
+    #[arg(long, default_value_t = Limits::default().max_ended_connections_per_uid)]
+    max_ended_connections_per_uid: usize,
+    /// Attachments one connection may hold at once.
+    #[arg(long, default_value_t = Limits::default().max_attachments_per_connection)]
+    max_attachments_per_connection: usize,
     /// Seconds after which a connection that holds nothing and sends nothing is closed.
     #[arg(long, default_value_t = Limits::default().idle_timeout.as_secs())]
     idle_timeout: u64,
@@ -108,6 +115,8 @@ fn main() -> ExitCode {
         .limits(Limits {
             max_connections: args.max_connections,
             max_connections_per_uid: args.max_connections_per_uid,
+            max_ended_connections_per_uid: args.max_ended_connections_per_uid,
+            max_attachments_per_connection: args.max_attachments_per_connection,
             idle_timeout: Duration::from_secs(args.idle_timeout),
             ..Limits::default()
         });

@@ -175,6 +175,13 @@ pub struct Limits {
     pub max_connections: usize,
     /// Open connections of one uid at most.
     pub max_connections_per_uid: usize,
+    /// Ended connections of one uid whose process still runs and so still holds their
+    /// attachments (reclaimed when it exits) at most; past it, that uid's new connections are
+    /// answered `Busy` until one of its processes exits.
+    pub max_ended_connections_per_uid: usize,
+    /// Attachments one connection may hold at once, its own creations' included; past it an
+    /// attach, attach_many or create is refused `Busy` (the connection stays usable).
+    pub max_attachments_per_connection: usize,
     /// The client's `Hello` must arrive within this after it connects.
     pub handshake_timeout: Duration,
     /// Once a frame's first byte arrived, all of it must arrive within this (slowloris).
@@ -191,6 +198,8 @@ impl Default for Limits {
         Limits {
             max_connections: 256,
             max_connections_per_uid: 128,
+            max_ended_connections_per_uid: 64,
+            max_attachments_per_connection: 4096,
             handshake_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),

@@ -1,8 +1,10 @@
 //! The memory service's server: [`ServerConfig`] and [`Server`]. One thread accepts connections
 //! (and, every 100 ms, expires buffers whose time-to-live ran out and reclaims what dead clients'
 //! exited processes held); each admitted connection is served by a thread of its own, within the
-//! [`Limits`]: at most so many connections (in all and per uid), a handshake and every frame
-//! within their time limits, idle connections that hold nothing closed, descriptors counted.
+//! [`Limits`]: at most so many connections (in all and per uid), and ended connections still
+//! holding attachments per uid (watched through one pidfd per client process), a handshake and
+//! every frame within their time limits, idle connections that hold nothing closed, descriptors
+//! counted, attachments per connection capped.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -125,13 +127,24 @@ struct ConnEntry {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A client process whose ended connections still hold attachments: one pidfd per process,
+/// whatever number of its connections ended (each with its uid).
+struct Watched {
+    pidfd: OwnedFd,
+    conns: Vec<(ConnId, u32)>,
+}
+
+/// How long the accept thread waits between housekeeping rounds (and after an accept error that
+/// leaves the listener readable, such as EMFILE).
+const TICK: Duration = Duration::from_millis(100);
+
 struct Inner {
     state: Mutex<State<Box<dyn Backend>>>,
     limits: Limits,
     stop: AtomicBool,
     conns: Mutex<HashMap<ConnId, ConnEntry>>,
-    /// Ended connections that held attachments, with their process's pidfd.
-    reaper: Mutex<Vec<(ConnId, OwnedFd)>>,
+    /// Ended connections that hold attachments, by their process's pid (one pidfd each).
+    reaper: Mutex<HashMap<i32, Watched>>,
     next_conn: AtomicU64,
     pid: u32,
 }
@@ -145,7 +158,7 @@ impl Inner {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn reaper(&self) -> MutexGuard<'_, Vec<(ConnId, OwnedFd)>> {
+    fn reaper(&self) -> MutexGuard<'_, HashMap<i32, Watched>> {
         self.reaper.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -180,8 +193,15 @@ impl Server {
 
     /// [`Server::serve`] over any backend (the tests' host double).
     pub(crate) fn serve_with(config: ServerConfig, backend: Box<dyn Backend>) -> Result<Server> {
-        if config.limits.max_connections == 0 || config.limits.max_connections_per_uid == 0 {
-            return Err(Error::InvalidArgument("connection limits must be at least 1".into()));
+        let l = &config.limits;
+        if l.max_connections == 0
+            || l.max_connections_per_uid == 0
+            || l.max_ended_connections_per_uid == 0
+            || l.max_attachments_per_connection == 0
+        {
+            return Err(Error::InvalidArgument(
+                "connection, ended-connection and attachment limits must be at least 1".into(),
+            ));
         }
         let server_uid = rustix::process::geteuid().as_raw();
         let mut uids = vec![server_uid];
@@ -209,6 +229,7 @@ impl Server {
             quotas: config.quotas,
             default_ttl: config.default_ttl,
             max_buffer_bytes: config.max_buffer_bytes,
+            max_attachments_per_connection: config.limits.max_attachments_per_connection,
         };
         let inner = Arc::new(Inner {
             state: Mutex::new(State::new(backend, rules)),
@@ -279,16 +300,31 @@ fn accept_loop(inner: &Shared, listener: Listener) {
         let mut fds = [PollFd::new(&listener, PollFlags::IN)];
         let tick = Timespec {
             tv_sec: 0,
-            tv_nsec: 100_000_000,
+            tv_nsec: TICK.as_nanos() as i64,
         };
         let ready = rustix::event::poll(&mut fds, Some(&tick)).unwrap_or(0);
         housekeeping(inner);
         if ready == 0 {
             continue;
         }
-        // Until WouldBlock: none waits (or a transient accept error; the next tick retries).
-        while let Ok(stream) = listener.accept_stream() {
-            admit(inner, stream);
+        // Until WouldBlock: none waits.
+        loop {
+            match listener.accept_stream() {
+                Ok(stream) => admit(inner, stream),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                // EMFILE, ENFILE, ENOBUFS, ...: the connection stays queued and the listener
+                // readable, so polling again at once would spin; wait a tick (housekeeping may
+                // free descriptors meanwhile) and retry.
+                Err(_) => {
+                    std::thread::sleep(TICK);
+                    break;
+                }
+            }
         }
     }
     // The listener drops here: the socket file goes.
@@ -300,12 +336,10 @@ fn housekeeping(inner: &Shared) {
     let exited: Vec<ConnId> = {
         let mut reaper = inner.reaper();
         let mut exited = Vec::new();
-        reaper.retain(|(conn, pidfd)| {
-            let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
-            let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
-            let gone = matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0);
+        reaper.retain(|_, watched| {
+            let gone = has_exited(&watched.pidfd);
             if gone {
-                exited.push(*conn);
+                exited.extend(watched.conns.iter().map(|&(conn, _)| conn));
             }
             !gone
         });
@@ -314,6 +348,50 @@ fn housekeeping(inner: &Shared) {
     if !exited.is_empty() {
         let mut state = inner.state();
         for conn in exited {
+            state.process_exited(conn);
+        }
+    }
+}
+
+/// Whether the process of `pidfd` has exited (a pidfd polls readable then).
+fn has_exited(pidfd: &OwnedFd) -> bool {
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
+    matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+}
+
+/// Puts the ended connection `conn` (of `uid`, whose process is `pid`, watched by `pidfd`), which
+/// still holds attachments, under its process's single watch: a live process already watched
+/// under `pid` is this process (a pid is reused only after its process exited), so `pidfd`
+/// closes; a watch whose process exited is reclaimed and replaced.
+fn watch_ended(inner: &Shared, conn: ConnId, uid: u32, pid: i32, pidfd: Option<OwnedFd>) {
+    let pidfd = match pidfd {
+        Some(fd) if !has_exited(&fd) => fd,
+        // Gone already: nothing it holds can outlive it.
+        _ => {
+            inner.state().process_exited(conn);
+            return;
+        }
+    };
+    let replaced = {
+        let mut reaper = inner.reaper();
+        match reaper.get_mut(&pid) {
+            Some(watched) if !has_exited(&watched.pidfd) => {
+                watched.conns.push((conn, uid));
+                None
+            }
+            _ => reaper.insert(
+                pid,
+                Watched {
+                    pidfd,
+                    conns: vec![(conn, uid)],
+                },
+            ),
+        }
+    };
+    if let Some(old) = replaced {
+        let mut state = inner.state();
+        for (conn, _) in old.conns {
             state.process_exited(conn);
         }
     }
@@ -361,6 +439,23 @@ fn admit(inner: &Shared, stream: UnixStream) {
         if mine >= limits.max_connections_per_uid {
             return refused(Error::Busy {
                 reason: format!("uid {} has {mine} connections, the limit per uid", creds.uid),
+            });
+        }
+    }
+    {
+        let ended: usize = inner
+            .reaper()
+            .values()
+            .map(|w| w.conns.iter().filter(|&&(_, uid)| uid == creds.uid).count())
+            .sum();
+        let limit = inner.limits.max_ended_connections_per_uid;
+        if ended >= limit {
+            return refused(Error::Busy {
+                reason: format!(
+                    "uid {} has {ended} ended connections whose processes still run and hold their \
+                     attachments, the limit per uid is {limit} (detach before closing, or end those processes)",
+                    creds.uid
+                ),
             });
         }
     }
@@ -426,10 +521,7 @@ fn serve_connection(inner: &Shared, conn: ConnId, framed: Framed, creds: PeerCre
     }
     let holds = inner.state().disconnect(conn);
     if holds {
-        match pidfd {
-            Some(pidfd) => inner.reaper().push((conn, pidfd)),
-            None => inner.state().process_exited(conn),
-        }
+        watch_ended(inner, conn, creds.uid, creds.pid, pidfd);
     }
     // Dropping the entry also drops its JoinHandle (detaching this thread) unless `stop` took it.
     inner.conns().remove(&conn);

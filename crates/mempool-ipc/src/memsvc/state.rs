@@ -46,6 +46,8 @@ pub(crate) struct Rules {
     pub(crate) default_ttl: Option<Duration>,
     /// The largest buffer, after rounding.
     pub(crate) max_buffer_bytes: u64,
+    /// Attachments one connection may hold at once (its creations' included).
+    pub(crate) max_attachments_per_connection: usize,
 }
 
 struct Buffer {
@@ -166,6 +168,7 @@ impl<B: Backend> State<B> {
     ) -> Result<Grant> {
         self.expire(now);
         let uid = self.conn(conn)?.uid;
+        self.room_for(conn, 1)?;
         names::validate_name(name)?;
         names::check_tag(tag)?;
         let index = self
@@ -278,7 +281,7 @@ impl<B: Backend> State<B> {
     /// while the creator's work may still run, and none once a query of it says it is done.
     pub(crate) fn attach(&mut self, conn: ConnId, name: &str, now: Instant) -> Result<Grant> {
         self.expire(now);
-        self.conn(conn)?;
+        self.room_for(conn, 1)?;
         self.attach_one(conn, name)
     }
 
@@ -297,6 +300,7 @@ impl<B: Backend> State<B> {
         for name in names {
             names::validate_name(name)?;
         }
+        self.room_for(conn, names.len())?;
         let mut grants: Vec<Grant> = Vec::with_capacity(names.len());
         for name in names {
             match self.attach_one(conn, name) {
@@ -312,6 +316,22 @@ impl<B: Backend> State<B> {
         Ok(grants)
     }
 
+    /// Whether the open connection `conn` may take `more` attachments within
+    /// `max_attachments_per_connection` (a `Busy` refusal with the numbers if not).
+    fn room_for(&self, conn: ConnId, more: usize) -> Result<()> {
+        let held = self.conn(conn)?.attachments.len();
+        let limit = self.rules.max_attachments_per_connection;
+        if held.saturating_add(more) > limit {
+            return Err(Error::Busy {
+                reason: format!(
+                    "this connection holds {held} attachments and asked for {more} more, past the limit of \
+                     {limit} per connection (detach some first)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn attach_one(&mut self, conn: ConnId, name: &str) -> Result<Grant> {
         names::validate_name(name)?;
         let id = self.named(name)?;
@@ -323,6 +343,11 @@ impl<B: Backend> State<B> {
                 op: "attach",
             });
         }
+        let Some(count) = buffer.attachments.checked_add(1) else {
+            return Err(Error::Busy {
+                reason: format!("buffer {name:?} has {} attachments, the most one buffer can count", u32::MAX),
+            });
+        };
         // A failed query counts as not done: the attacher then waits on the event, which is
         // always correct, only slower.
         if !buffer.ready {
@@ -342,7 +367,7 @@ impl<B: Backend> State<B> {
         } else {
             buffer.event.as_ref().map(|e| e.handle())
         };
-        buffer.attachments += 1;
+        buffer.attachments = count;
         let attachment = self.fresh_id();
         self.attachments.insert(attachment, (conn, id));
         if let Some(c) = self.conns.get_mut(&conn) {

@@ -33,6 +33,8 @@ fn quick_limits() -> Limits {
     Limits {
         max_connections: 64,
         max_connections_per_uid: 64,
+        max_ended_connections_per_uid: 64,
+        max_attachments_per_connection: 4096,
         handshake_timeout: Duration::from_millis(300),
         frame_timeout: Duration::from_millis(300),
         idle_timeout: Duration::from_secs(30),

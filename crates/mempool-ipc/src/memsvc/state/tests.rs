@@ -18,6 +18,7 @@ fn rules() -> Rules {
         quotas: Quotas::default(),
         default_ttl: None,
         max_buffer_bytes: 1 << 40,
+        max_attachments_per_connection: 4096,
     }
 }
 
