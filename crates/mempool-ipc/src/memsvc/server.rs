@@ -377,6 +377,8 @@ fn watch_ended(inner: &Shared, conn: ConnId, uid: u32, pid: i32, pidfd: Option<O
         let mut reaper = inner.reaper();
         match reaper.get_mut(&pid) {
             Some(watched) if !has_exited(&watched.pidfd) => {
+                // Closed before the connection shows as watched.
+                drop(pidfd);
                 watched.conns.push((conn, uid));
                 None
             }

@@ -595,3 +595,169 @@ fn quotas_and_time_to_live_over_the_socket() {
     assert_eq!(live.load(Ordering::SeqCst), 2);
     server.shutdown();
 }
+
+const PIDFD_CHILD: &str = "MEMPOOL_MEMSVC_PIDFD_CHILD";
+
+/// How many descriptors of this process are pidfds (`anon_inode:[pidfd]`, or `pidfd:[..]` on
+/// kernels with pidfs).
+fn pidfds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_str().is_some_and(|t| t.contains("pidfd")))
+        .count()
+}
+
+/// Not a test of its own: the body of `ended_connections_share_one_pidfd_and_are_capped_per_uid`,
+/// run in a child process of its own so that no other test's server holds pidfds while it counts.
+#[test]
+fn pidfd_child_role() {
+    let Ok(path) = std::env::var(PIDFD_CHILD) else {
+        return;
+    };
+    let path = PathBuf::from(path);
+    const CAP: usize = 5;
+    assert_eq!(pidfds(), 0, "no pidfd before the server starts");
+    let (server, _) = serve(
+        &path,
+        Limits {
+            max_ended_connections_per_uid: CAP,
+            ..quick_limits()
+        },
+    );
+    let owner = Client::connect(&path).unwrap();
+    let g = create(&owner, "ended/b", G).unwrap();
+    done(
+        &owner,
+        Message::Publish {
+            name: "ended/b".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    drop(g.fd);
+    let ended = |server: &Server| -> usize { server.inner.reaper().values().map(|w| w.conns.len()).sum() };
+    // The owner's live connection holds the one pidfd its connection thread keeps.
+    wait_until("the owner's connection holds its pidfd", || pidfds() == 1);
+    // A client that attaches and closes without detaching, CAP times: every ended connection keeps
+    // its attachment (this process still runs), all under this process's one pidfd.
+    for round in 1..=CAP {
+        let c = Client::connect(&path).unwrap();
+        let at = c.call_granted(&Message::Attach { name: "ended/b".into() }).unwrap();
+        drop(at.fd);
+        drop(c);
+        wait_until("the server saw the connection end", || ended(&server) == round);
+        assert_eq!(
+            pidfds(),
+            2,
+            "the owner's connection's pidfd plus one for this process's {round} ended connections"
+        );
+        assert_eq!(server.inner.reaper().len(), 1, "one watch per process");
+    }
+    assert_eq!(server.stats().attachments, 1 + CAP as u64);
+    // Past the cap, this uid's new connections are refused, naming the cause.
+    match Client::connect(&path) {
+        Err(Error::Busy { reason }) => assert!(
+            reason.contains(&format!("{CAP} ended connections")) && reason.contains("limit per uid is 5"),
+            "{reason}"
+        ),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    assert_eq!(pidfds(), 2, "a refused connection leaves no pidfd");
+    // The well-behaved live connection is still served.
+    assert_eq!(owner.list().unwrap().len(), 1);
+    let again = owner.call_granted(&Message::Attach { name: "ended/b".into() }).unwrap();
+    done(
+        &owner,
+        Message::Detach {
+            attachment: again.attachment,
+        },
+    )
+    .unwrap();
+    drop(owner);
+    wait_until("the owner's connection ended", || server.stats().connections == 0);
+    server.shutdown();
+    assert_eq!(pidfds(), 0, "shutdown closes the watch");
+    println!("PIDFD CHILD PASSED");
+}
+
+#[test]
+fn ended_connections_share_one_pidfd_and_are_capped_per_uid() {
+    let path = path("pidfd");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "memsvc::server::tests::pidfd_child_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(PIDFD_CHILD, &path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("PIDFD CHILD PASSED"),
+        "the child failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+}
+
+#[test]
+fn attachments_per_connection_are_capped_and_the_connection_stays_usable() {
+    let path = path("attcap");
+    let (server, _) = serve(
+        &path,
+        Limits {
+            max_attachments_per_connection: 3,
+            ..quick_limits()
+        },
+    );
+    let owner = Client::connect(&path).unwrap();
+    for name in ["cap/a", "cap/b"] {
+        let g = create(&owner, name, G).unwrap();
+        done(
+            &owner,
+            Message::Publish {
+                name: name.into(),
+                event: None,
+            },
+        )
+        .unwrap();
+        done(&owner, Message::Detach { attachment: g.attachment }).unwrap();
+    }
+    let c = Client::connect(&path).unwrap();
+    let attach = |name: &str| c.call_granted(&Message::Attach { name: name.into() });
+    let attach_many = |names: &[&str]| -> crate::memsvc::error::Result<Vec<GrantEntry>> {
+        match c.call(&Message::AttachMany {
+            names: names.iter().map(|n| n.to_string()).collect(),
+        })? {
+            (Message::GrantedMany { grants }, _) => Ok(grants),
+            (other, _) => panic!("expected GrantedMany, got {other:?}"),
+        }
+    };
+    let busy_with = |r: crate::memsvc::error::Result<()>, held: usize, more: usize| match r {
+        Err(Error::Busy { reason }) => assert!(
+            reason.contains(&format!("holds {held} attachments and asked for {more} more"))
+                && reason.contains("limit of 3 per connection"),
+            "{reason}"
+        ),
+        other => panic!("expected Busy, got {other:?}"),
+    };
+    let first = attach("cap/a").unwrap();
+    attach("cap/a").unwrap();
+    attach("cap/b").unwrap();
+    assert_eq!(server.stats().attachments, 3);
+    busy_with(attach("cap/b").map(drop), 3, 1);
+    busy_with(attach_many(&["cap/a"]).map(drop), 3, 1);
+    busy_with(create(&c, "cap/c", G).map(drop), 3, 1);
+    assert_eq!(server.stats().attachments, 3, "refusals grant nothing");
+    // The connection stays usable: detach one, and one more fits, but not two (all or nothing).
+    done(&c, Message::Detach { attachment: first.attachment }).unwrap();
+    busy_with(attach_many(&["cap/a", "cap/b"]).map(drop), 2, 2);
+    assert_eq!(server.stats().attachments, 2, "a refused attach_many grants none of its names");
+    assert_eq!(attach_many(&["cap/b"]).unwrap().len(), 1);
+    assert_eq!(server.stats().attachments, 3);
+    assert_eq!(c.list().unwrap().len(), 2);
+    server.shutdown();
+}
