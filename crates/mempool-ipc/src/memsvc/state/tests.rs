@@ -444,3 +444,61 @@ fn attach_many_is_all_or_nothing() {
     s.process_exited(1);
     assert_eq!(live(&s), 2, "m/a's last attachment and m/creating's creator are gone");
 }
+
+#[test]
+fn a_buffers_attachment_count_never_wraps() {
+    let now = Instant::now();
+    let mut s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let g = create(&mut s, 1, "w/full", G, now).unwrap();
+    s.publish(1, "w/full", None, now).unwrap();
+    let id = s.names["w/full"];
+    // As if 2^32 - 1 attachments were live (the creator's one among them).
+    s.buffers.get_mut(&id).unwrap().attachments = u32::MAX;
+    match s.attach(2, "w/full", now) {
+        Err(Error::Busy { reason }) => assert!(reason.contains("the most one buffer can count"), "{reason}"),
+        Err(other) => panic!("expected Busy, got {other:?}"),
+        Ok(_) => panic!("expected Busy, got a grant"),
+    }
+    assert!(matches!(
+        s.attach_many(2, &["w/full".to_owned()], now),
+        Err(Error::Busy { .. })
+    ));
+    assert_eq!(s.buffers[&id].attachments, u32::MAX, "a refusal counts nothing");
+    // The count goes down normally and the buffer stays.
+    s.detach(1, g.attachment).unwrap();
+    assert_eq!(s.buffers[&id].attachments, u32::MAX - 1);
+    assert!(s.attach(2, "w/full", now).is_ok());
+    assert_eq!(live(&s), 1);
+}
+
+#[test]
+fn attachments_per_connection_are_capped() {
+    let now = Instant::now();
+    let mut s = state_with(Rules {
+        max_attachments_per_connection: 2,
+        ..rules()
+    });
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    create(&mut s, 1, "w/a", G, now).unwrap();
+    s.publish(1, "w/a", None, now).unwrap();
+    create(&mut s, 1, "w/b", G, now).unwrap();
+    s.publish(1, "w/b", None, now).unwrap();
+    // The creator holds two (its creations'): a third create or attach is refused.
+    assert!(matches!(create(&mut s, 1, "w/c", G, now), Err(Error::Busy { .. })));
+    assert!(matches!(s.attach(1, "w/a", now), Err(Error::Busy { .. })));
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    match s.attach_many(2, &names(&["w/a", "w/b", "w/a"]), now) {
+        Err(Error::Busy { reason }) => assert!(
+            reason.contains("holds 0 attachments and asked for 3 more, past the limit of 2"),
+            "{reason}"
+        ),
+        Err(other) => panic!("expected Busy, got {other:?}"),
+        Ok(_) => panic!("expected Busy, got grants"),
+    }
+    assert_eq!(s.stats().attachments, 2, "all or nothing");
+    assert_eq!(s.attach_many(2, &names(&["w/a", "w/b"]), now).unwrap().len(), 2);
+    assert_eq!(s.stats().attachments, 4);
+}
