@@ -345,7 +345,10 @@ impl<B: Backend> State<B> {
         }
         let Some(count) = buffer.attachments.checked_add(1) else {
             return Err(Error::Busy {
-                reason: format!("buffer {name:?} has {} attachments, the most one buffer can count", u32::MAX),
+                reason: format!(
+                    "buffer {name:?} has {} attachments, the most one buffer can count",
+                    u32::MAX
+                ),
             });
         };
         // A failed query counts as not done: the attacher then waits on the event, which is

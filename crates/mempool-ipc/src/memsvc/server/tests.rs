@@ -724,7 +724,13 @@ fn attachments_per_connection_are_capped_and_the_connection_stays_usable() {
             },
         )
         .unwrap();
-        done(&owner, Message::Detach { attachment: g.attachment }).unwrap();
+        done(
+            &owner,
+            Message::Detach {
+                attachment: g.attachment,
+            },
+        )
+        .unwrap();
     }
     let c = Client::connect(&path).unwrap();
     let attach = |name: &str| c.call_granted(&Message::Attach { name: name.into() });
@@ -753,9 +759,19 @@ fn attachments_per_connection_are_capped_and_the_connection_stays_usable() {
     busy_with(create(&c, "cap/c", G).map(drop), 3, 1);
     assert_eq!(server.stats().attachments, 3, "refusals grant nothing");
     // The connection stays usable: detach one, and one more fits, but not two (all or nothing).
-    done(&c, Message::Detach { attachment: first.attachment }).unwrap();
+    done(
+        &c,
+        Message::Detach {
+            attachment: first.attachment,
+        },
+    )
+    .unwrap();
     busy_with(attach_many(&["cap/a", "cap/b"]).map(drop), 2, 2);
-    assert_eq!(server.stats().attachments, 2, "a refused attach_many grants none of its names");
+    assert_eq!(
+        server.stats().attachments,
+        2,
+        "a refused attach_many grants none of its names"
+    );
     assert_eq!(attach_many(&["cap/b"]).unwrap().len(), 1);
     assert_eq!(server.stats().attachments, 3);
     assert_eq!(c.list().unwrap().len(), 2);
