@@ -23,7 +23,13 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use mempool_core::{memory, Device, Stream};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use mempool_core::{
+    memory, Access, AllocationProps, Device, Event, EventFlags, Granularity, HandleTypes, Mapping, PhysicalAllocation,
+    Reservation, Stream,
+};
 use mempool_ipc::memsvc::{Client, CreateOptions, Server, ServerConfig};
 
 /// Attach after a client restart, against a copy from pinned host memory.
@@ -39,6 +45,11 @@ struct Args {
     /// Attacher processes per row (each a fresh process).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Instead of the table: time each driver step of attaching this many buffers of
+    /// `--size / N` bytes, in this one process (create, export, duplicate a descriptor, import,
+    /// reserve, map, grant access, unmap, interprocess events), to see which step bounds an attach.
+    #[arg(long)]
+    phases: Option<usize>,
     /// (internal) The part this process plays: creator or attacher.
     #[arg(long, hide = true)]
     role: Option<String>,
@@ -291,12 +302,117 @@ fn main_process(args: &Args) -> Fallible<()> {
     Ok(())
 }
 
+/// `--phases N`: each driver step of an attach of N buffers, timed over all N (one process: the
+/// import is of this process's own export, which the driver allows for POSIX descriptors).
+fn phases(total: u64, count: usize) -> Fallible<()> {
+    if count == 0 {
+        return Err("--phases needs at least 1 buffer".into());
+    }
+    let device = Device::get(0)?;
+    let ctx = device.context()?;
+    let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+    let granularity = device.vmm_granularity(&props, Granularity::Minimum)? as u64;
+    let per = (total / count as u64) / granularity * granularity;
+    if per == 0 {
+        return Err(format!("{} bytes split {count} ways is under the granularity", total).into());
+    }
+    let per = per as usize;
+    println!(
+        "memsvc_attach --phases: {count} x {} on {} (host CPU: {})",
+        human(per as u64),
+        device.name()?,
+        host_cpu()
+    );
+    let step = |what: &str, t: Duration, n: usize| {
+        println!(
+            "{what:<44} {:>10.2} ms {:>9.2} us each",
+            t.as_secs_f64() * 1e3,
+            t.as_secs_f64() * 1e6 / n as f64
+        );
+    };
+    let t = Instant::now();
+    let allocations: Vec<PhysicalAllocation> = (0..count)
+        .map(|_| PhysicalAllocation::new(&props, per))
+        .collect::<Result<_, _>>()?;
+    step("cuMemCreate", t.elapsed(), count);
+    let t = Instant::now();
+    let fds: Vec<std::os::fd::OwnedFd> = allocations.iter().map(|a| a.export_fd()).collect::<Result<_, _>>()?;
+    step("cuMemExportToShareableHandle", t.elapsed(), count);
+    let t = Instant::now();
+    let dups: Vec<std::os::fd::OwnedFd> = fds.iter().map(|f| f.try_clone()).collect::<Result<_, _>>()?;
+    step("dup of an exported descriptor", t.elapsed(), count);
+    drop(dups);
+    let t = Instant::now();
+    let imported: Vec<Arc<PhysicalAllocation>> = fds
+        .iter()
+        .map(|f| PhysicalAllocation::import_fd(f.as_fd(), per).map(Arc::new))
+        .collect::<Result<_, _>>()?;
+    step("cuMemImportFromShareableHandle", t.elapsed(), count);
+    drop(fds);
+    for chunk in [count, 128.min(count)] {
+        let t = Instant::now();
+        let reservations: Vec<Arc<Reservation>> = imported
+            .chunks(chunk)
+            .map(|c| Reservation::new(device, per * c.len(), 0, None))
+            .collect::<Result<_, _>>()?;
+        step(&format!("cuMemAddressReserve (per {chunk})"), t.elapsed(), count);
+        let t = Instant::now();
+        let mut mappings = Vec::with_capacity(count);
+        for (r, c) in reservations.iter().zip(imported.chunks(chunk)) {
+            for (i, p) in c.iter().enumerate() {
+                mappings.push(Mapping::without_access(r, i * per, p.clone())?);
+            }
+        }
+        step(&format!("cuMemMap (per {chunk})"), t.elapsed(), count);
+        let t = Instant::now();
+        for (r, c) in reservations.iter().zip(imported.chunks(chunk)) {
+            r.set_access(0, per * c.len(), &[(device, Access::ReadWrite)])?;
+        }
+        step(&format!("cuMemSetAccess, one per {chunk}"), t.elapsed(), count);
+        let t = Instant::now();
+        drop(mappings);
+        drop(reservations);
+        step(&format!("cuMemUnmap + address free (per {chunk})"), t.elapsed(), count);
+    }
+    let t = Instant::now();
+    let mut mappings = Vec::with_capacity(count);
+    for p in &imported {
+        let r = Reservation::new(device, per, 0, None)?;
+        let m = Mapping::without_access(&r, 0, p.clone())?;
+        m.set_access(&[(device, Access::ReadWrite)])?;
+        mappings.push(m);
+    }
+    step("reserve + map + access, each its own", t.elapsed(), count);
+    drop(mappings);
+    let t = Instant::now();
+    let events: Vec<Event> = (0..count)
+        .map(|_| Event::new(&ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS))
+        .collect::<Result<_, _>>()?;
+    step("interprocess event create", t.elapsed(), count);
+    let t = Instant::now();
+    for e in &events {
+        e.ipc_handle()?;
+    }
+    step("cuIpcGetEventHandle", t.elapsed(), count);
+    let t = Instant::now();
+    for e in &events {
+        e.is_complete()?;
+    }
+    step("cuEventQuery", t.elapsed(), count);
+    drop(imported);
+    let t = Instant::now();
+    drop(allocations);
+    step("cuMemRelease (the creator's handles)", t.elapsed(), count);
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Err(missing) = mempool_core::require_gpus(1) {
         return missing.exit("memsvc_attach");
     }
     let result = match (args.role.as_deref(), &args.socket, args.per, args.buffers.first()) {
+        (None, _, _, _) if args.phases.is_some() => phases(args.size, args.phases.unwrap_or(1)),
         (None, _, _, _) => main_process(&args),
         (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
         (Some("attacher"), Some(socket), Some(per), Some(&count)) => attacher(socket, count, per, args.many),
