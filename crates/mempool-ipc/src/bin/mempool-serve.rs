@@ -244,7 +244,12 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            (args.idle_timeout, args.handshake_timeout, args.frame_timeout, args.write_timeout),
+            (
+                args.idle_timeout,
+                args.handshake_timeout,
+                args.frame_timeout,
+                args.write_timeout
+            ),
             (
                 Some(Duration::from_secs(3)),
                 Some(Duration::from_secs(1)),

@@ -116,7 +116,11 @@ fn send_fds(s: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> rustix::io:
     let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MANY_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() {
-        assert!(control.push(SendAncillaryMessage::ScmRights(fds)), "room for {} fds", fds.len());
+        assert!(
+            control.push(SendAncillaryMessage::ScmRights(fds)),
+            "room for {} fds",
+            fds.len()
+        );
     }
     let mut sent = rustix::net::sendmsg(s, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
     while sent < bytes.len() {
@@ -152,7 +156,8 @@ fn hello(s: &UnixStream) -> (Vec<u8>, bool) {
     // refusal is there to read.
     let _ = send(s, &frame(HELLO, &[]));
     let reply = read_frame(s);
-    let welcomed = reply.len() >= HEADER_LEN && reply[0..4] == *b"MPMS" && u16::from_le_bytes([reply[6], reply[7]]) == WELCOME;
+    let welcomed =
+        reply.len() >= HEADER_LEN && reply[0..4] == *b"MPMS" && u16::from_le_bytes([reply[6], reply[7]]) == WELCOME;
     (reply, welcomed)
 }
 
@@ -161,9 +166,13 @@ fn frames(bytes: &[u8]) -> Result<Vec<(u16, &[u8])>, String> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < bytes.len() {
-        let h = bytes
-            .get(at..at + HEADER_LEN)
-            .ok_or_else(|| format!("{} bytes after the last whole frame: {:02x?}", bytes.len() - at, &bytes[at..]))?;
+        let h = bytes.get(at..at + HEADER_LEN).ok_or_else(|| {
+            format!(
+                "{} bytes after the last whole frame: {:02x?}",
+                bytes.len() - at,
+                &bytes[at..]
+            )
+        })?;
         if h[0..4] != *b"MPMS" {
             return Err(format!("a frame with bad magic from the server: {:02x?}", h));
         }
@@ -182,9 +191,13 @@ fn frames(bytes: &[u8]) -> Result<Vec<(u16, &[u8])>, String> {
 fn refusal(body: &[u8]) -> Result<(u16, String), String> {
     let short = || format!("a Refused body cut short: {body:02x?}");
     let code = u16::from_le_bytes(body.get(0..2).ok_or_else(short)?.try_into().unwrap());
-    let name_len = usize::from(u16::from_le_bytes(body.get(33..35).ok_or_else(short)?.try_into().unwrap()));
+    let name_len = usize::from(u16::from_le_bytes(
+        body.get(33..35).ok_or_else(short)?.try_into().unwrap(),
+    ));
     let at = 35 + name_len;
-    let text_len = usize::from(u16::from_le_bytes(body.get(at..at + 2).ok_or_else(short)?.try_into().unwrap()));
+    let text_len = usize::from(u16::from_le_bytes(
+        body.get(at..at + 2).ok_or_else(short)?.try_into().unwrap(),
+    ));
     let text = body.get(at + 2..at + 2 + text_len).ok_or_else(short)?;
     Ok((code, String::from_utf8_lossy(text).into_owned()))
 }
@@ -231,9 +244,7 @@ fn until_admitted(
             Some((BUSY, reason)) if !e.welcomed => {
                 busy += 1;
                 if Instant::now() > deadline {
-                    return Err(format!(
-                        "{what}: still turned away after {busy} tries: {reason}"
-                    ));
+                    return Err(format!("{what}: still turned away after {busy} tries: {reason}"));
                 }
                 std::thread::sleep(RETRY);
             }
@@ -386,13 +397,19 @@ pub(crate) fn attack(path: &Path, a: &Attack, during_full: impl FnOnce()) -> Rep
             })
         }),
         Box::new(|| {
-            until_admitted(path, "a body of the largest size cut short", TIMEOUT, "reading a frame", |s| {
-                after_hello(s, |s| {
-                    let mut f = header(LIST, MAX_BODY_LEN);
-                    f.extend_from_slice(&[0u8; 100]);
-                    send(s, &f);
-                })
-            })
+            until_admitted(
+                path,
+                "a body of the largest size cut short",
+                TIMEOUT,
+                "reading a frame",
+                |s| {
+                    after_hello(s, |s| {
+                        let mut f = header(LIST, MAX_BODY_LEN);
+                        f.extend_from_slice(&[0u8; 100]);
+                        send(s, &f);
+                    })
+                },
+            )
         }),
         Box::new(|| {
             until_admitted(path, "slowloris Hello", TIMEOUT, "waiting for Hello", |s| {
@@ -419,10 +436,16 @@ pub(crate) fn attack(path: &Path, a: &Attack, during_full: impl FnOnce()) -> Rep
             })
         }),
         Box::new(|| {
-            until_admitted(path, "a descriptor on half a header, then silence", TIMEOUT, "waiting for Hello", |s| {
-                let _ = send_fds(s, &hello_frame[..5], &[stray]);
-                Vec::new()
-            })
+            until_admitted(
+                path,
+                "a descriptor on half a header, then silence",
+                TIMEOUT,
+                "waiting for Hello",
+                |s| {
+                    let _ = send_fds(s, &hello_frame[..5], &[stray]);
+                    Vec::new()
+                },
+            )
         }),
         Box::new(|| {
             until_admitted(path, "a request with a descriptor", PROTOCOL, "descriptors", |s| {
@@ -487,7 +510,11 @@ pub(crate) fn attack(path: &Path, a: &Attack, during_full: impl FnOnce()) -> Rep
     });
     let (idle_admitted, busy_reason) = match flooded {
         Ok((held, reason)) => (held.len(), reason),
-        Err(e) => panic!("{e}\nthe other attackers:\n{}\n{}", outcomes.join("\n"), failures.join("\n")),
+        Err(e) => panic!(
+            "{e}\nthe other attackers:\n{}\n{}",
+            outcomes.join("\n"),
+            failures.join("\n")
+        ),
     };
     assert!(
         failures.is_empty(),

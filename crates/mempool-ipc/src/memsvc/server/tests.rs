@@ -1,7 +1,8 @@
 //! A running server over the host double: the protocol end to end with real descriptors, the
 //! refusals, stale and live socket files, and clients that misbehave (garbage, oversized frames,
-//! slowloris, descriptors where none belong, many idle connections, connection limits) while a
-//! well-behaved client is served; afterwards the server holds no connection socket beyond its
+//! slowloris, descriptors where none belong, many idle connections, connection limits, one at a
+//! time and all at once: the GPU test's attack, `tests/memsvc_attack/`) while a well-behaved client
+//! is served; afterwards the server holds no connection socket beyond its
 //! listener. A dead client's holdings are reclaimed once its process (a child of this test
 //! binary, killed with SIGKILL) has exited.
 
@@ -816,7 +817,10 @@ fn good_round(client: &Client, round: usize) {
         .unwrap_or_else(|e| step("attach", e));
     let mut back = vec![0u8; bytes.len()];
     assert_eq!(rustix::io::pread(&attached.fd, &mut back, 0).unwrap(), back.len());
-    assert!(back == bytes, "good client, round {round}: the attachment reads other bytes");
+    assert!(
+        back == bytes,
+        "good client, round {round}: the attachment reads other bytes"
+    );
     client.delete(&name).unwrap_or_else(|e| step("delete", e));
     for attachment in [created.attachment, attached.attachment] {
         done(client, Message::Detach { attachment }).unwrap_or_else(|e| step("detach", e));
