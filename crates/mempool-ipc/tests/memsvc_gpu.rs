@@ -5,10 +5,14 @@
 //! Each test that needs more processes re-executes this binary, filtered to the same test
 //! (`--exact`), with `MEMSVC_TEST_ROLE` naming the child's part (CUDA does not survive `fork`).
 //! Children print marker lines; the parent waits for them and writes lines to their stdin. The
-//! server runs in the test's own process unless the test kills it; clients always run in children
+//! server runs in the test's own process unless the test kills it or counts its descriptors and
+//! memory (then it is a `mempool-serve` process); clients always run in children
 //! (an interprocess event is opened in another process than the one that made it). No test
 //! asserts how long something took: deadlines are only a safety net against hangs.
 #![cfg(feature = "gpu")]
+
+/// Hostile clients over raw sockets, shared with the host test of the same shape.
+mod memsvc_attack;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -828,4 +832,347 @@ fn mempool_serve_listens_and_stops_on_sigterm() {
     assert!(status.success(), "mempool-serve exits 0 on SIGTERM: {status}");
     assert!(!path.exists(), "mempool-serve removes its socket file");
     assert!(matches!(client.list(), Err(Error::PeerGone { .. })));
+}
+
+/// The good client's round buffers in the hostile-clients test: a size the granularity rounds up.
+const ROUND_SIZE: usize = 64 * MIB + 1;
+/// The hostile-clients test's `mempool-serve` limits (short time limits, so that attackers are
+/// cut off soon; the idle flood meets the per-uid connection limit first).
+const MAX_CONNECTIONS: usize = 40;
+const MAX_CONNECTIONS_PER_UID: usize = 24;
+/// What the server's resident memory may exceed its pre-attack baseline by after an attack
+/// wave: the connection threads' stacks that glibc caches for reuse and the per-thread malloc
+/// arenas (each keeps its top chunk, up to 128 KiB, mapped) stay resident once touched.
+const RSS_SLACK: u64 = 64 << 20;
+/// What it may grow by from the first wave to the next (the caches are warm by then: a leak per
+/// attacking connection or per request shows here).
+const RSS_WAVE_SLACK: u64 = 16 << 20;
+
+/// What each descriptor of process `pid` links to, sorted.
+fn fds_of(pid: u32) -> Vec<String> {
+    let mut fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap_or_else(|e| panic!("cannot list /proc/{pid}/fd: {e}"))
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|t| t.to_string_lossy().into_owned())
+        .collect();
+    fds.sort();
+    fds
+}
+
+/// Process `pid`'s resident memory in bytes (`VmRSS` of `/proc/<pid>/status`).
+fn vm_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status:\n{status}"));
+    kib << 10
+}
+
+/// The entries of `a` that `b` lacks (as multisets).
+fn missing_from(a: &[String], b: &[String]) -> Vec<String> {
+    let mut b = b.to_vec();
+    a.iter()
+        .filter(|x| match b.iter().position(|y| y == *x) {
+            Some(i) => {
+                b.swap_remove(i);
+                false
+            }
+            None => true,
+        })
+        .cloned()
+        .collect()
+}
+
+/// Waits (bounded) until process `pid` holds no more descriptors than `baseline` lists.
+fn wait_fds(pid: u32, baseline: &[String], what: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let now = fds_of(pid);
+        if now.len() <= baseline.len() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: mempool-serve (pid {pid}) holds {} descriptors, {} at the baseline; new: {:?}; gone: {:?}",
+            now.len(),
+            baseline.len(),
+            missing_from(&now, baseline),
+            missing_from(baseline, &now)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `mempool-serve` process, killed if the test fails first.
+struct ServeProc {
+    child: Child,
+    path: PathBuf,
+}
+
+impl ServeProc {
+    /// Starts `mempool-serve` on `path` with `flags` and waits until it listens.
+    fn spawn(path: &Path, flags: &[&str]) -> ServeProc {
+        let mut child = Command::new(mempool_serve())
+            .args(["--socket", path.to_str().unwrap()])
+            .args(flags)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", mempool_serve().display()));
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("listening on"), "mempool-serve {flags:?} said {line:?}");
+        ServeProc {
+            child,
+            path: path.to_owned(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM; it must exit 0 and remove its socket file.
+    fn stop(mut self) {
+        let pid = rustix::process::Pid::from_raw(self.pid() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "mempool-serve exits 0 on SIGTERM: {status}");
+        assert!(!self.path.exists(), "mempool-serve removes its socket file");
+    }
+}
+
+impl Drop for ServeProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One round of the well-behaved client: creates a buffer (of a size the granularity `g` rounds
+/// up), writes it on the GPU, publishes it, attaches it and checks its bytes, deletes it and
+/// lets go of both mappings. Every step must succeed.
+fn good_round(
+    client: &Client,
+    (dev, ctx, stream, kernels): (Device, &Context, &Stream, &CheckKernels),
+    g: usize,
+    round: u32,
+) {
+    let name = format!("flt/round-{round}");
+    let step = |what: &str, e: Error| -> ! { panic!("good client, round {round}: {what}: {e}") };
+    let created = client
+        .create(&name, ROUND_SIZE, dev, &CreateOptions::new().tag("good"))
+        .unwrap_or_else(|e| step("create", e));
+    assert_eq!(
+        created.len(),
+        ROUND_SIZE.next_multiple_of(g),
+        "{ROUND_SIZE} bytes rounded up to the granularity {g}"
+    );
+    let base = round << 20;
+    // SAFETY: 1. `created` maps `len` bytes (a multiple of the granularity: len / 4 aligned u32s)
+    // read-write for `dev`; published, the mapping stays until `mine` is released below, which
+    // synchronizes the context first.
+    unsafe { kernels.iota(created.ptr(), created.len() / 4, base, stream.as_ref()) }.unwrap();
+    let mine = created.publish(stream.as_ref()).unwrap_or_else(|e| step("publish", e));
+    let attached = client
+        .attach(&name, stream.as_ref())
+        .unwrap_or_else(|e| step("attach", e));
+    assert_eq!(attached.len(), mine.len());
+    check_iota(ctx, &attached, base, stream);
+    client.delete(&name).unwrap_or_else(|e| step("delete", e));
+    drop(attached);
+    mine.release().unwrap_or_else(|e| step("release", e));
+    no_drop_errors(&format!("good client, round {round}"));
+}
+
+#[test]
+fn hostile_clients_all_at_once_leave_mempool_serve_at_its_baseline_and_a_good_client_is_served() {
+    match role().as_deref() {
+        Some("good") => {
+            // Holds a published buffer throughout (so that its connection is never closed as
+            // idle, and the buffer must survive the attack), and runs a round when told.
+            let (dev, ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            let on_gpu = (dev, &*ctx, &stream, &kernels);
+            let keep = client.create("flt/keep", g, dev, &CreateOptions::new()).unwrap();
+            // SAFETY: 1. `keep` maps `g` bytes (g / 4 aligned u32s) read-write for `dev`;
+            // published, the mapping stays until it is released at the end, which synchronizes
+            // the context first.
+            unsafe { kernels.iota(keep.ptr(), g / 4, 77, stream.as_ref()) }.unwrap();
+            let keep = keep.publish(stream.as_ref()).unwrap();
+            // Warm-up: the driver's and the server's caches (its recycled events, say) reach the
+            // state the rounds keep them in before the parent measures the baseline.
+            let mut round = 0;
+            for _ in 0..3 {
+                good_round(&client, on_gpu, g, round);
+                round += 1;
+            }
+            tell_parent("READY");
+            loop {
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line).unwrap();
+                match line.trim_end() {
+                    "ROUND" => {
+                        good_round(&client, on_gpu, g, round);
+                        tell_parent(&format!("DONE {round}"));
+                        round += 1;
+                    }
+                    "END" => break,
+                    other => panic!("unknown command {other:?}"),
+                }
+            }
+            let again = client.attach("flt/keep", stream.as_ref()).unwrap();
+            check_iota(&ctx, &again, 77, &stream);
+            drop(again);
+            client.delete("flt/keep").unwrap();
+            keep.release().unwrap();
+            no_drop_errors("good client");
+            tell_parent("ENDED");
+            return;
+        }
+        Some("fresh") => {
+            let (dev, ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            good_round(&client, (dev, &ctx, &stream, &kernels), g, 1000);
+            assert!(client.list().unwrap().is_empty());
+            tell_parent("DONE");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let before_server = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let max_connections = MAX_CONNECTIONS.to_string();
+    let per_uid = MAX_CONNECTIONS_PER_UID.to_string();
+    let frame_timeout = Duration::from_millis(500);
+    let server = ServeProc::spawn(
+        &path,
+        &[
+            "--device",
+            "0",
+            "--max-connections",
+            &max_connections,
+            "--max-connections-per-uid",
+            &per_uid,
+            "--handshake-timeout",
+            "500ms",
+            "--frame-timeout",
+            "500ms",
+            "--idle-timeout",
+            "2s",
+            "--write-timeout",
+            "500ms",
+        ],
+    );
+    let pid = server.pid();
+    let mut good = ChildProc::spawn(this_test!(), "good", &path);
+    good.expect("READY");
+    // The baseline, before any attack: the server's descriptors (its listener, the good client's
+    // connection, the driver's), its resident memory and the GPU's free memory (the good
+    // client's kept buffer included).
+    let fds = fds_of(pid);
+    let rss = vm_rss(pid);
+    let free = free_memory(&ctx);
+    println!(
+        "baseline: {} descriptors, VmRSS {} KiB, {} MiB free on the GPU",
+        fds.len(),
+        rss >> 10,
+        free / MIB
+    );
+    let plan = memsvc_attack::Attack {
+        frame_timeout,
+        max_connections: MAX_CONNECTIONS_PER_UID,
+        garbage: 20,
+        stray: format!("memsvc-gpu-stray-{}", std::process::id()),
+    };
+    let mut first_rss = None;
+    for wave in 0..2 {
+        let report = memsvc_attack::attack(&path, &plan, || {
+            // The server at its connection limit, every attacker at work: the good client is
+            // served.
+            for _ in 0..3 {
+                good.say("ROUND");
+                good.expect("DONE");
+            }
+        });
+        println!("wave {wave}: {}", report.summary());
+        assert!(
+            report.idle_admitted < MAX_CONNECTIONS_PER_UID,
+            "the good client's connection holds one of the uid's slots: {}",
+            report.summary()
+        );
+        good.say("ROUND");
+        good.expect("DONE");
+        // Every attacker is closed and the server's time limits have run out: back to the
+        // baseline (descriptors exactly, memory within the slack).
+        wait_fds(pid, &fds, &format!("after attack wave {wave}"));
+        wait_free(&ctx, free, &format!("after attack wave {wave}"));
+        let now = fds_of(pid);
+        assert!(
+            !now.iter().any(|t| t.contains(&plan.stray)),
+            "the server still holds a stray descriptor: {now:?}"
+        );
+        let wave_rss = vm_rss(pid);
+        println!(
+            "after wave {wave}: {} descriptors, VmRSS {} KiB ({:+} KiB), {} MiB free on the GPU",
+            now.len(),
+            wave_rss >> 10,
+            (wave_rss as i64 - rss as i64) >> 10,
+            free_memory(&ctx) / MIB
+        );
+        assert!(
+            wave_rss <= rss + RSS_SLACK,
+            "after wave {wave}: mempool-serve's VmRSS is {} KiB, {} KiB at the baseline (slack {} KiB)",
+            wave_rss >> 10,
+            rss >> 10,
+            RSS_SLACK >> 10
+        );
+        let first = *first_rss.get_or_insert(wave_rss);
+        assert!(
+            wave_rss <= first + RSS_WAVE_SLACK,
+            "after wave {wave}: mempool-serve's VmRSS is {} KiB, {} KiB after the first wave (slack {} KiB)",
+            wave_rss >> 10,
+            first >> 10,
+            RSS_WAVE_SLACK >> 10
+        );
+    }
+    good.say("END");
+    good.expect("ENDED");
+    good.succeeds();
+    // Still serving: a new client process runs a round, and the counters add up.
+    let mut fresh = ChildProc::spawn(this_test!(), "fresh", &path);
+    fresh.expect("DONE");
+    fresh.succeeds();
+    let admin = Client::connect(&path).unwrap();
+    assert!(admin.list().unwrap().is_empty());
+    // The children's connections end once the server has seen them close.
+    let deadline = Instant::now() + WAIT;
+    let stats = loop {
+        let stats = admin.stats().unwrap();
+        if (stats.buffers, stats.bytes, stats.attachments, stats.connections) == (0, 0, 0, 1) {
+            break stats;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the clients left, yet the server counts: {stats:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(stats.rejected >= 2 * 34, "every attacker was counted: {stats:?}");
+    drop(admin);
+    wait_fds(pid, &fds, "after the clients left");
+    server.stop();
+    wait_free(&ctx, before_server, "after mempool-serve exited");
+    no_drop_errors("test process");
 }

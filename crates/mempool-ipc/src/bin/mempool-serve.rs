@@ -59,9 +59,42 @@ struct Args {
     /// Attachments one connection may hold at once.
     #[arg(long, default_value_t = Limits::default().max_attachments_per_connection)]
     max_attachments_per_connection: usize,
-    /// Seconds after which a connection that holds nothing and sends nothing is closed.
-    #[arg(long, default_value_t = Limits::default().idle_timeout.as_secs())]
-    idle_timeout: u64,
+    /// How long a connection that holds nothing and sends nothing is kept (a duration: 300,
+    /// 300s, 5m, 1500ms; a bare number is seconds). Default: 300 s.
+    #[arg(long, value_parser = parse_duration)]
+    idle_timeout: Option<Duration>,
+    /// How long after connecting a client's Hello must have arrived. Default: 5 s.
+    #[arg(long, value_parser = parse_duration)]
+    handshake_timeout: Option<Duration>,
+    /// How long a frame may take to arrive once its first byte did (slowloris). Default: 5 s.
+    #[arg(long, value_parser = parse_duration)]
+    frame_timeout: Option<Duration>,
+    /// How long writing a reply may take (a client that does not read is dropped). Default: 5 s.
+    #[arg(long, value_parser = parse_duration)]
+    write_timeout: Option<Duration>,
+}
+
+/// A duration: a number with a unit (`ms`, `s`, `m`, `h`), or a bare number of seconds. Zero is
+/// refused: every time limit must let something through.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (e.g. 300, 300s, 5m, 1500ms)"))?;
+    let d = match unit.trim() {
+        "ms" => Some(Duration::from_millis(n)),
+        "" | "s" => Some(Duration::from_secs(n)),
+        "m" => n.checked_mul(60).map(Duration::from_secs),
+        "h" => n.checked_mul(3600).map(Duration::from_secs),
+        other => return Err(format!("unknown unit {other:?} in {s:?} (ms, s, m, h)")),
+    }
+    .ok_or_else(|| format!("{s:?} overflows"))?;
+    if d.is_zero() {
+        return Err(format!("{s:?}: a time limit must be longer than zero"));
+    }
+    Ok(d)
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -101,6 +134,7 @@ fn main() -> ExitCode {
     } else {
         args.devices.clone()
     };
+    let defaults = Limits::default();
     let config = ServerConfig::new(&args.socket)
         .devices(devices.clone())
         .quotas(Quotas {
@@ -117,8 +151,10 @@ fn main() -> ExitCode {
             max_connections_per_uid: args.max_connections_per_uid,
             max_ended_connections_per_uid: args.max_ended_connections_per_uid,
             max_attachments_per_connection: args.max_attachments_per_connection,
-            idle_timeout: Duration::from_secs(args.idle_timeout),
-            ..Limits::default()
+            idle_timeout: args.idle_timeout.unwrap_or(defaults.idle_timeout),
+            handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
+            frame_timeout: args.frame_timeout.unwrap_or(defaults.frame_timeout),
+            write_timeout: args.write_timeout.unwrap_or(defaults.write_timeout),
         });
     let server = match Server::serve(config) {
         Ok(server) => server,
@@ -159,6 +195,15 @@ mod tests {
         assert_eq!(parse_mode("660"), Ok(0o660));
         assert!(parse_mode("1777").is_err());
         assert!(parse_mode("9").is_err());
+        assert_eq!(parse_duration("300"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("0s").unwrap_err().contains("longer than zero"));
+        assert!(parse_duration("2d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("99999999999999999999h").is_err());
     }
 
     #[test]
@@ -183,6 +228,36 @@ mod tests {
         assert_eq!(args.uid_bytes, Some(1 << 30));
         assert_eq!(args.allow_uids, [7]);
         assert_eq!(args.mode, 0o600);
+        assert_eq!((args.idle_timeout, args.frame_timeout), (None, None));
+        let args = Args::try_parse_from([
+            "mempool-serve",
+            "--socket",
+            "/tmp/s",
+            "--idle-timeout",
+            "3",
+            "--handshake-timeout",
+            "1s",
+            "--frame-timeout",
+            "500ms",
+            "--write-timeout",
+            "2s",
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                args.idle_timeout,
+                args.handshake_timeout,
+                args.frame_timeout,
+                args.write_timeout
+            ),
+            (
+                Some(Duration::from_secs(3)),
+                Some(Duration::from_secs(1)),
+                Some(Duration::from_millis(500)),
+                Some(Duration::from_secs(2))
+            )
+        );
+        assert!(Args::try_parse_from(["mempool-serve", "--socket", "/tmp/s", "--frame-timeout", "0"]).is_err());
         assert!(
             Args::try_parse_from(["mempool-serve"]).is_err(),
             "the socket is required"

@@ -1,7 +1,8 @@
 //! A running server over the host double: the protocol end to end with real descriptors, the
 //! refusals, stale and live socket files, and clients that misbehave (garbage, oversized frames,
-//! slowloris, descriptors where none belong, many idle connections, connection limits) while a
-//! well-behaved client is served; afterwards the server holds no connection socket beyond its
+//! slowloris, descriptors where none belong, many idle connections, connection limits, one at a
+//! time and all at once: the GPU test's attack, `tests/memsvc_attack/`) while a well-behaved client
+//! is served; afterwards the server holds no connection socket beyond its
 //! listener. A dead client's holdings are reclaimed once its process (a child of this test
 //! binary, killed with SIGKILL) has exited.
 
@@ -776,4 +777,131 @@ fn attachments_per_connection_are_capped_and_the_connection_stays_usable() {
     assert_eq!(server.stats().attachments, 3);
     assert_eq!(c.list().unwrap().len(), 2);
     server.shutdown();
+}
+
+/// The hostile clients the GPU test (`tests/memsvc_gpu.rs`) also runs, against `mempool-serve`.
+#[path = "../../../tests/memsvc_attack/mod.rs"]
+mod attack;
+
+/// How many descriptors of this process are the memfd named `name`.
+fn memfds_named(name: &str) -> usize {
+    let target = format!("/memfd:{name} (deleted)");
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_str() == Some(target.as_str()))
+        .count()
+}
+
+/// A well-behaved client's round over the host double: creates a buffer (a size the granularity
+/// rounds up), writes it through its descriptor, publishes it, attaches it and reads the bytes
+/// back through the attachment's own descriptor, deletes it and ends both attachments; each step
+/// must succeed.
+fn good_round(client: &Client, round: usize) {
+    let name = format!("good/{round}");
+    let step = |what: &str, e: Error| -> ! { panic!("good client, round {round}: {what}: {e}") };
+    let created = create(client, &name, 3 * G - 1).unwrap_or_else(|e| step("create", e));
+    assert_eq!(created.size, 3 * G, "rounded up to the granularity");
+    let bytes: Vec<u8> = (0..3 * G as usize).map(|i| (i / 7 + round) as u8).collect();
+    assert_eq!(rustix::io::pwrite(&created.fd, &bytes, 0).unwrap(), bytes.len());
+    done(
+        client,
+        Message::Publish {
+            name: name.clone(),
+            event: Some([round as u8; 64]),
+        },
+    )
+    .unwrap_or_else(|e| step("publish", e));
+    let attached = client
+        .call_granted(&Message::Attach { name: name.clone() })
+        .unwrap_or_else(|e| step("attach", e));
+    let mut back = vec![0u8; bytes.len()];
+    assert_eq!(rustix::io::pread(&attached.fd, &mut back, 0).unwrap(), back.len());
+    assert!(
+        back == bytes,
+        "good client, round {round}: the attachment reads other bytes"
+    );
+    client.delete(&name).unwrap_or_else(|e| step("delete", e));
+    for attachment in [created.attachment, attached.attachment] {
+        done(client, Message::Detach { attachment }).unwrap_or_else(|e| step("detach", e));
+    }
+}
+
+#[test]
+fn hostile_clients_all_at_once_leave_the_server_at_its_baseline_and_a_good_client_is_served() {
+    let path = path("attack");
+    let limits = Limits {
+        max_connections: 40,
+        max_connections_per_uid: 24,
+        idle_timeout: Duration::from_secs(1),
+        ..quick_limits()
+    };
+    let (server, live) = serve(&path, limits);
+    let good = Client::connect(&path).unwrap();
+    // Held throughout: the good connection is never idle-closed, and its memory must survive.
+    let keep = create(&good, "good/keep", G).unwrap();
+    done(
+        &good,
+        Message::Publish {
+            name: "good/keep".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    good_round(&good, 0);
+    // The baseline: the listener, and the good connection's socket with its clone.
+    let sockets = server_sockets(&path);
+    assert_eq!(sockets, 3);
+    let stray = unique_name("stray");
+    let plan = attack::Attack {
+        frame_timeout: limits.frame_timeout,
+        max_connections: limits.max_connections_per_uid,
+        garbage: 20,
+        stray: stray.clone(),
+    };
+    let mut round = 1;
+    for wave in 0..2 {
+        let report = attack::attack(&path, &plan, || {
+            // The server at its connection limit, every attacker at work.
+            for _ in 0..3 {
+                good_round(&good, round);
+                round += 1;
+            }
+        });
+        println!("wave {wave}: {}", report.summary());
+        assert!(
+            report.idle_admitted < limits.max_connections_per_uid,
+            "the good connection holds one of the uid's slots: {}",
+            report.summary()
+        );
+        good_round(&good, round);
+        round += 1;
+        wait_until("the server closed every attacker's connection", || {
+            server_sockets(&path) == sockets
+        });
+        assert_eq!(memfds_named(&stray), 0, "the stray descriptors were all closed");
+        assert_eq!(live.load(Ordering::SeqCst), 1, "only the kept buffer holds memory");
+    }
+    let stats = good.stats().unwrap();
+    assert_eq!(
+        (stats.connections, stats.buffers, stats.named, stats.attachments),
+        (1, 1, 1, 1),
+        "{stats:?}"
+    );
+    assert!(stats.rejected >= 2 * 34, "every attacker was counted: {stats:?}");
+    // A new client is served, and the kept buffer reads as written.
+    let fresh = Client::connect(&path).unwrap();
+    good_round(&fresh, round);
+    assert_eq!(
+        fresh
+            .call_granted(&Message::Attach {
+                name: "good/keep".into()
+            })
+            .unwrap()
+            .size,
+        G
+    );
+    drop((fresh, keep));
+    server.shutdown();
+    assert_eq!(live.load(Ordering::SeqCst), 0);
 }
