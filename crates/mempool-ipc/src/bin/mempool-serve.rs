@@ -120,6 +120,20 @@ fn parse_mode(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("{s:?} is not an octal mode of permission bits (e.g. 600, 660)"))
 }
 
+/// Raises this process's soft limit of open files to the hard limit: the server keeps one
+/// exported descriptor per buffer (up to a quarter of the soft limit) to answer attaches with a
+/// `dup` instead of a driver export, and one descriptor per connection.
+fn raise_open_file_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            eprintln!("mempool-serve: cannot raise the open-file limit ({e}); keeping the current one");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let stop = Arc::new(AtomicBool::new(false));
@@ -129,6 +143,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    raise_open_file_limit();
     let devices = if args.devices.is_empty() {
         vec![0]
     } else {

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mempool_core::{
@@ -33,6 +34,41 @@ struct Gpu {
 pub(crate) struct GpuBackend {
     devices: Vec<(DeviceUuid, u64)>,
     gpus: Vec<Gpu>,
+    exports: Arc<ExportCache>,
+}
+
+/// How many buffers keep an exported descriptor, to hand out duplicates: exporting costs the
+/// driver tens of microseconds per call (`cuMemExportToShareableHandle`: 80 µs for 16 MiB on an
+/// H200), a `dup` well under one. Each kept descriptor counts against the process's open-file
+/// limit, so at most a quarter of the soft limit is kept; past it, buffers export per attach.
+struct ExportCache {
+    kept: AtomicUsize,
+    most: usize,
+}
+
+impl ExportCache {
+    fn new() -> ExportCache {
+        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        ExportCache {
+            kept: AtomicUsize::new(0),
+            most: usize::try_from(soft / 4).unwrap_or(usize::MAX),
+        }
+    }
+
+    /// Takes a place for one kept descriptor, if one is free.
+    fn take(&self) -> bool {
+        self.kept
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| {
+                (k < self.most).then_some(k + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self) {
+        self.kept.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The allocation properties both sides use: device memory of `device`, exportable as a POSIX
@@ -70,15 +106,36 @@ impl GpuBackend {
                 idle_events: EventPool::default(),
             });
         }
-        Ok(GpuBackend { devices, gpus })
+        Ok(GpuBackend {
+            devices,
+            gpus,
+            exports: Arc::new(ExportCache::new()),
+        })
     }
 }
 
-struct GpuAllocation(PhysicalAllocation);
+/// A buffer's memory, with its exported descriptor when the [`ExportCache`] had room.
+struct GpuAllocation {
+    physical: PhysicalAllocation,
+    /// Exported once; each grant gets a duplicate of it.
+    exported: Option<OwnedFd>,
+    cache: Arc<ExportCache>,
+}
 
 impl Allocation for GpuAllocation {
     fn export_fd(&self) -> Result<OwnedFd> {
-        Ok(self.0.export_fd()?)
+        match &self.exported {
+            Some(fd) => fd.try_clone().map_err(Error::from),
+            None => Ok(self.physical.export_fd()?),
+        }
+    }
+}
+
+impl Drop for GpuAllocation {
+    fn drop(&mut self) {
+        if self.exported.take().is_some() {
+            self.cache.give_back();
+        }
     }
 }
 
@@ -121,10 +178,23 @@ impl Backend for GpuBackend {
     fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("{size} bytes do not fit this machine's addresses")))?;
-        Ok(Box::new(GpuAllocation(PhysicalAllocation::new(
-            &self.gpus[index].props,
-            size,
-        )?)))
+        let physical = PhysicalAllocation::new(&self.gpus[index].props, size)?;
+        let exported = if self.exports.take() {
+            match physical.export_fd() {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    self.exports.give_back();
+                    return Err(e.into());
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Box::new(GpuAllocation {
+            physical,
+            exported,
+            cache: self.exports.clone(),
+        }))
     }
 
     fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
@@ -210,10 +280,17 @@ impl LocalDevices {
     /// Imports many granted allocations (UUID, descriptor, size, granularity each, checked as
     /// [`LocalDevices::import`] does) with fewer driver calls: one reservation per device for
     /// all of its buffers, each mapped back to back at its own offset, and one `cuMemSetAccess`
-    /// over the whole range. Each returned mapping is still its buffer's own: dropping it unmaps
-    /// only its range (the reservation's addresses are freed with the last of them). On failure
-    /// returns the index of the buffer it is about; nothing stays mapped.
-    pub(crate) fn import_many(&self, grants: Vec<ImportGrant>) -> std::result::Result<Vec<Mapping>, (usize, Error)> {
+    /// per run of buffers. The driver's import and access grant cost tens of microseconds per
+    /// allocation, so the buffers are split into up to `threads` runs imported, mapped and
+    /// granted side by side (a run of at least [`MIN_PER_THREAD`] buffers each; `threads` 1:
+    /// all on the calling thread). Each returned mapping is still its buffer's own: dropping it
+    /// unmaps only its range (the reservation's addresses are freed with the last of them). On
+    /// failure returns the index of the buffer it is about; nothing stays mapped.
+    pub(crate) fn import_many(
+        &self,
+        grants: Vec<ImportGrant>,
+        threads: usize,
+    ) -> std::result::Result<Vec<Mapping>, (usize, Error)> {
         let mut devices: Vec<Device> = Vec::new();
         let mut of: Vec<usize> = Vec::with_capacity(grants.len());
         for (i, g) in grants.iter().enumerate() {
@@ -252,24 +329,97 @@ impl LocalDevices {
                 .ok_or_else(|| (mine[0], Error::protocol("the granted sizes overflow the address space")))?;
             let reservation = Reservation::new(device, total, 0, None).map_err(|e| (mine[0], e.into()))?;
             let mut offset = 0;
+            let mut jobs: Vec<Job> = Vec::with_capacity(mine.len());
             for &i in &mine {
                 let fd = fds[i].take().expect("each descriptor is imported once");
-                let physical = PhysicalAllocation::import_fd(fd.as_fd(), sizes[i]).map_err(|e| (i, e.into()))?;
-                drop(fd); // imported: the handle holds the memory now
-                let mapping =
-                    Mapping::without_access(&reservation, offset, Arc::new(physical)).map_err(|e| (i, e.into()))?;
+                jobs.push(Job {
+                    index: i,
+                    fd,
+                    size: sizes[i],
+                    offset,
+                });
                 offset += sizes[i];
-                out[i] = Some(mapping);
             }
-            reservation
-                .set_access(0, total, &[(device, Access::ReadWrite)])
-                .map_err(|e| (mine[0], e.into()))?;
+            let runs = threads.clamp(1, (jobs.len() / MIN_PER_THREAD).max(1));
+            let per_run = jobs.len().div_ceil(runs);
+            let mut pieces: Vec<Vec<Job>> = Vec::with_capacity(runs);
+            let mut rest = jobs.into_iter();
+            loop {
+                let piece: Vec<Job> = rest.by_ref().take(per_run).collect();
+                if piece.is_empty() {
+                    break;
+                }
+                pieces.push(piece);
+            }
+            let results: Vec<RunResult> = if pieces.len() == 1 {
+                pieces.into_iter().map(|p| map_run(device, &reservation, p)).collect()
+            } else {
+                let first = pieces.remove(0);
+                std::thread::scope(|scope| {
+                    let others: Vec<_> = pieces
+                        .into_iter()
+                        .map(|p| {
+                            let reservation = &reservation;
+                            scope.spawn(move || map_run(device, reservation, p))
+                        })
+                        .collect();
+                    let mut results = vec![map_run(device, &reservation, first)];
+                    for handle in others {
+                        results.push(handle.join().unwrap_or_else(|_| {
+                            Err((mine[0], Error::protocol("a thread importing buffers panicked")))
+                        }));
+                    }
+                    results
+                })
+            };
+            // On an error every run's mappings drop here (each unmaps its own range).
+            for result in results {
+                for (i, mapping) in result? {
+                    out[i] = Some(mapping);
+                }
+            }
         }
         Ok(out
             .into_iter()
             .map(|m| m.expect("every buffer is on one of the devices"))
             .collect())
     }
+}
+
+/// The fewest buffers [`LocalDevices::import_many`] gives a thread of its own.
+pub(crate) const MIN_PER_THREAD: usize = 16;
+
+/// One buffer of [`LocalDevices::import_many`]: its index among the grants, its descriptor,
+/// size, and offset in its device's reservation.
+struct Job {
+    index: usize,
+    fd: OwnedFd,
+    size: usize,
+    offset: usize,
+}
+
+/// What a run of [`map_run`] mapped (index, mapping), or the failing buffer's index and error.
+type RunResult = std::result::Result<Vec<(usize, Mapping)>, (usize, Error)>;
+
+/// Imports and maps each buffer of `run` (consecutive offsets of `reservation`) and grants
+/// `device` read-write access over the run's range in one call. On an error the run's mappings
+/// drop (unmapped) and its remaining descriptors close.
+fn map_run(device: Device, reservation: &Arc<Reservation>, run: Vec<Job>) -> RunResult {
+    let (first, start) = (run[0].index, run[0].offset);
+    let mut end = start;
+    let mut done = Vec::with_capacity(run.len());
+    for job in run {
+        let physical = PhysicalAllocation::import_fd(job.fd.as_fd(), job.size).map_err(|e| (job.index, e.into()))?;
+        drop(job.fd); // imported: the handle holds the memory now
+        let mapping =
+            Mapping::without_access(reservation, job.offset, Arc::new(physical)).map_err(|e| (job.index, e.into()))?;
+        end = job.offset + job.size;
+        done.push((job.index, mapping));
+    }
+    reservation
+        .set_access(start, end - start, &[(device, Access::ReadWrite)])
+        .map_err(|e| (first, e.into()))?;
+    Ok(done)
 }
 
 /// One granted buffer for [`LocalDevices::import_many`].
