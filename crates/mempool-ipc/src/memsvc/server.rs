@@ -464,12 +464,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
     if let Err(e) = inner.service.connect(conn, creds.uid) {
         return refused(e);
     }
-    // The process's identity, fixed now: its pid may be reused after it exits.
-    // None: already gone, so nothing it holds can outlive it.
-    let pidfd = rustix::process::Pid::from_raw(creds.pid)
-        .ok_or(rustix::io::Errno::SRCH)
-        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
-        .ok();
+    let pidfd = client_pidfd(&stream, creds.pid);
     let (clone, framed) = match stream
         .try_clone()
         .map_err(Error::from)
@@ -507,6 +502,23 @@ fn admit(inner: &Shared, stream: UnixStream) {
             );
             inner.service.disconnect(conn);
         }
+    }
+}
+
+/// The identity of the client process of `stream`, fixed now (its pid may be reused after it
+/// exits): the kernel's pidfd of the process that connected (`SO_PEERPIDFD`), or on a kernel
+/// without it (before Linux 6.5) a pidfd of `pid` (`SO_PEERCRED`'s), which names another process
+/// if the client exited and its pid was reused since it connected. `None`: already gone, so
+/// nothing it holds can outlive it.
+fn client_pidfd(stream: &UnixStream, pid: i32) -> Option<OwnedFd> {
+    match cred::peer_pidfd(stream.as_fd()) {
+        Ok(Some(pidfd)) => Some(pidfd),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,
+        // No SO_PEERPIDFD here, or it failed otherwise (EMFILE...): the pid, as before it.
+        Ok(None) | Err(_) => rustix::process::Pid::from_raw(pid)
+            .ok_or(rustix::io::Errno::SRCH)
+            .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+            .ok(),
     }
 }
 
