@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mempool_core::{DeviceAddr, StreamRef};
 use mempool_rmm::SharedResource;
 
-use crate::cupy_param::CupyParam;
+use crate::cupy_param::{CupyParam, Release};
 use crate::error::{self, Error, Result};
 use crate::live::LiveTable;
 use crate::registry;
@@ -75,6 +75,53 @@ pub fn allocation(addr: u64) -> Option<(usize, usize)> {
     LIVE.with(addr, |e| (e.stream, e.size))
 }
 
+/// A stream hold: the token `param`'s `hold` returned (0: nothing held) and the `release` that ends it.
+/// Dropping it releases the token, so an allocation that fails or panics, and a free whose
+/// `deallocate` returns or panics, end the hold; [`StreamHold::into_token`] disarms it once a live
+/// entry owns the token. A leaked hold leaks only a reference to the stream.
+struct StreamHold {
+    token: usize,
+    release: Option<Release>,
+}
+
+impl StreamHold {
+    /// A hold of nothing.
+    fn none() -> StreamHold {
+        StreamHold {
+            token: 0,
+            release: None,
+        }
+    }
+
+    /// Takes charge of `token`.
+    ///
+    /// # Safety
+    /// 1. `token` is 0 or came from the `hold` of the param whose `release` this is, and nothing else
+    ///    releases it.
+    /// 2. `release` may be called whenever this value drops (within the entry point's call: its
+    ///    caller holds what the callbacks need).
+    #[allow(unsafe_code)]
+    unsafe fn new(token: usize, release: Option<Release>) -> StreamHold {
+        StreamHold { token, release }
+    }
+
+    /// The token, now owned by the caller (a live entry); nothing is released.
+    fn into_token(mut self) -> usize {
+        std::mem::replace(&mut self.token, 0)
+    }
+}
+
+impl Drop for StreamHold {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        if let (Some(release), true) = (self.release, self.token != 0) {
+            // SAFETY: points 1 and 2 of `StreamHold::new`; the token is released once (it is zeroed
+            // when handed on, and this value drops once).
+            unsafe { release(self.token as *mut c_void) };
+        }
+    }
+}
+
 /// The calling thread's current stream, through `param`.
 ///
 /// # Safety
@@ -109,7 +156,27 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
     // SAFETY: point 1.
     let stream = unsafe { current_stream(param) }?;
     let mr = registry::current(ordinal)?;
-    let token = match param.hold {
+    // SAFETY: points 1 and 2.
+    unsafe { alloc_on(param, param_addr, size, stream, mr) }
+}
+
+/// `size` bytes from `mr` on `stream`, held through `param` when not special, recorded in the live table.
+/// The hold ends if the allocation fails or panics.
+///
+/// # Safety
+/// 1. `param`'s callbacks may be called now; `param_addr` is the address of a [`CupyParam`] equal to
+///    `param` that lives for the rest of the process.
+/// 2. `stream` is a live stream of `mr`'s device (or a special handle) for the duration of the call;
+///    `hold` keeps any other alive until its `release`.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn alloc_on(
+    param: &CupyParam,
+    param_addr: usize,
+    size: usize,
+    stream: usize,
+    mr: SharedResource,
+) -> Result<*mut c_void> {
+    let hold = match param.hold {
         Some(hold) if stream > LAST_SPECIAL_STREAM => {
             // SAFETY: point 1.
             let t = unsafe { hold(stream as isize) };
@@ -118,34 +185,27 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
                     "CuPy's current stream {stream:#x} could not be kept alive for the allocation"
                 )));
             }
-            t as usize
+            // SAFETY: the token came from this param's `hold` and only this value releases it; its
+            // `release` may be called during this call (point 1), where the value drops or is disarmed.
+            unsafe { StreamHold::new(t as usize, param.release) }
         }
-        _ => 0,
+        _ => StreamHold::none(),
     };
     // SAFETY: point 2: the stream is live for this call (and held until the free, when not special).
     let s = unsafe { StreamRef::from_raw(stream as *mut c_void as mempool_core::RawStream) };
-    match mr.allocate(size, s) {
-        Ok(addr) => {
-            LIVE.insert(
-                addr.as_raw(),
-                Entry {
-                    size,
-                    stream,
-                    token,
-                    param: param_addr,
-                    mr,
-                },
-            );
-            Ok(addr.as_raw() as *mut c_void)
-        }
-        Err(e) => {
-            if let (Some(release), true) = (param.release, token != 0) {
-                // SAFETY: point 1; `token` came from this param's `hold` and is released once.
-                unsafe { release(token as *mut c_void) };
-            }
-            Err(e.into())
-        }
-    }
+    // A failure or a panic in `allocate` drops `hold`, which releases it.
+    let addr = mr.allocate(size, s)?;
+    LIVE.insert(
+        addr.as_raw(),
+        Entry {
+            size,
+            stream,
+            token: hold.into_token(),
+            param: param_addr,
+            mr,
+        },
+    );
+    Ok(addr.as_raw() as *mut c_void)
 }
 
 /// CuPy's `malloc`: `size` bytes on `device`'s current mempool resource, on CuPy's current stream (see
@@ -206,25 +266,28 @@ pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, de
 /// 1. No work uses the memory at `addr` after the work queued so far on the stream it was allocated on.
 /// 2. The `release` of the param it was allocated with may be called now.
 #[allow(unsafe_code)]
-unsafe fn free(addr: u64) -> Result<()> {
+pub(crate) unsafe fn free(addr: u64) -> Result<()> {
     let Some(Ok(e)) = LIVE.remove_if(addr, |_| Ok::<(), ()>(())) else {
         return Err(Error::InvalidArgument(format!(
             "free of {addr:#x}, which mempool's CuPy allocator did not hand out (or freed already); not freed"
         )));
     };
-    // SAFETY: the stream was live at the allocation and is held (or special) until the release below.
+    let release = if e.token != 0 {
+        // SAFETY: the entry's `param` is the live `CupyParam` (point 1 of `mempool_cupy_malloc`) whose
+        // `hold` returned the token.
+        unsafe { (e.param as *const CupyParam).as_ref() }.and_then(|p| p.release)
+    } else {
+        None
+    };
+    // Released when this drops: after `deallocate` returns, or while it unwinds from a panic.
+    // SAFETY: the token came from that param's `hold` and is released only here (the entry is gone);
+    // point 2.
+    let _hold = unsafe { StreamHold::new(e.token, release) };
+    // SAFETY: the stream was live at the allocation and is held (or special) until `_hold` drops.
     let s = unsafe { StreamRef::from_raw(e.stream as *mut c_void as mempool_core::RawStream) };
     // SAFETY: the table held `addr` with this size as returned by `e.mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); point 1 orders its uses before the free.
     let r = unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
-    if e.token != 0 {
-        // SAFETY: the entry's `param` is the live `CupyParam` (point 1 of `mempool_cupy_malloc`) whose
-        // `hold` returned the token; it is released once (the entry is gone). Point 2.
-        if let Some(release) = unsafe { (e.param as *const CupyParam).as_ref() }.and_then(|p| p.release) {
-            // SAFETY: as above.
-            unsafe { release(e.token as *mut c_void) };
-        }
-    }
     Ok(r?)
 }
 

@@ -1,9 +1,17 @@
 //! Tests of [`crate::cupy`]'s entry points without a GPU (failures and refusals), in a module of their own:
-//! their `raise` callback is a C function that is not an entry point.
+//! their callbacks are C functions that are not entry points. A resource that panics shows that the
+//! stream hold ends with the panic.
 
 use std::ffi::{c_int, c_void};
 
-use crate::cupy::{allocation, mempool_cupy_free, mempool_cupy_malloc, state, FAILED};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+
+use mempool_core::{DeviceAddr, StreamRef};
+use mempool_rmm::{MemoryResource, SharedResource};
+
+use crate::cupy::{alloc_on, allocation, free, mempool_cupy_free, mempool_cupy_malloc, state, FAILED};
 use crate::cupy_param::CupyParam;
 use crate::error::{self, Status};
 use std::ffi::c_char;
@@ -61,4 +69,94 @@ fn a_pointer_mempool_did_not_hand_out_is_refused_and_counted() {
     unsafe { mempool_cupy_free(std::ptr::null_mut(), std::ptr::null_mut(), 0) };
     assert_eq!(state().2, before + 1, "null is not a failure");
     assert_eq!(allocation(0x7abc_0000_0100), None);
+}
+
+/// Stream holds taken and not yet released by [`hold`] and [`release`].
+static HELD: AtomicIsize = AtomicIsize::new(0);
+
+/// A `hold` that counts (the token is a fresh non-null box's address).
+#[allow(unsafe_code)]
+unsafe extern "C" fn hold(_stream: isize) -> *mut c_void {
+    HELD.fetch_add(1, Ordering::SeqCst);
+    Box::into_raw(Box::new(0u8)).cast()
+}
+
+/// A `release` that counts and frees the token.
+#[allow(unsafe_code)]
+unsafe extern "C" fn release(token: *mut c_void) {
+    // SAFETY: `hold` made the token with `Box::into_raw`, and the entry points release it once.
+    drop(unsafe { Box::from_raw(token.cast::<u8>()) });
+    HELD.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// A resource that panics when asked for 1 byte, hands out a made-up address for 2 bytes and panics
+/// when that address is freed.
+#[derive(Debug)]
+struct Panics;
+
+/// The address [`Panics`] hands out; nothing ever reads or writes it.
+const MADE_UP: u64 = 0x7abc_0000_0200;
+
+// SAFETY: the one address it hands out is never accessed by anyone (these tests only record it in the
+// live table and free it through the entry point's `free`, which passes it back here), so no use of
+// memory depends on its promises.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for Panics {
+    fn allocate(&self, bytes: usize, _stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
+        assert_eq!(bytes, 2, "a test double that panics on 1 byte");
+        Ok(DeviceAddr(MADE_UP))
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn deallocate(&self, _p: DeviceAddr, _n: usize, _s: StreamRef<'_>) -> mempool_rmm::Result<()> {
+        panic!("a test double that panics on free");
+    }
+
+    fn name(&self) -> &'static str {
+        "Panics"
+    }
+}
+
+#[test]
+#[allow(unsafe_code)]
+fn a_panic_in_the_resource_ends_the_stream_hold() {
+    let param: &'static CupyParam = Box::leak(Box::new(CupyParam {
+        hold: Some(hold),
+        release: Some(release),
+        ..CupyParam::default()
+    }));
+    let addr = param as *const CupyParam as usize;
+    // Not a special stream, so it is held; the resource never uses it.
+    let stream = 0x1000;
+    let mr: SharedResource = Arc::new(Panics);
+    let held_before = HELD.load(Ordering::SeqCst);
+    // SAFETY: the param lives for the process and its callbacks may run now; the stream is never used
+    // (the resource panics, or records a made-up address, without touching it).
+    let r = catch_unwind(AssertUnwindSafe(|| unsafe {
+        alloc_on(param, addr, 1, stream, mr.clone())
+    }));
+    assert!(r.is_err(), "the resource panicked");
+    assert_eq!(
+        HELD.load(Ordering::SeqCst),
+        held_before,
+        "the hold ended with the panic"
+    );
+    // SAFETY: as above.
+    let p = unsafe { alloc_on(param, addr, 2, stream, mr) }.unwrap();
+    assert_eq!(p as u64, MADE_UP);
+    assert_eq!(
+        HELD.load(Ordering::SeqCst),
+        held_before + 1,
+        "the live entry holds the stream"
+    );
+    assert_eq!(allocation(MADE_UP), Some((stream, 2)));
+    // SAFETY: nothing uses the made-up address; the param's `release` may run now.
+    let r = catch_unwind(AssertUnwindSafe(|| unsafe { free(MADE_UP) }));
+    assert!(r.is_err(), "the resource panicked");
+    assert_eq!(
+        HELD.load(Ordering::SeqCst),
+        held_before,
+        "the hold ended with the panic"
+    );
+    assert_eq!(allocation(MADE_UP), None, "the entry is gone: no second free");
 }

@@ -82,6 +82,52 @@ fn raw_peercred(socket: std::os::fd::BorrowedFd<'_>) -> Result<libc::ucred> {
     Ok(cred)
 }
 
+/// `SO_PEERPIDFD`'s value (Linux 6.5+): 77 on every architecture Rust targets but SPARC.
+#[cfg(not(any(target_arch = "sparc", target_arch = "sparc64")))]
+const SO_PEERPIDFD: libc::c_int = 77;
+#[cfg(any(target_arch = "sparc", target_arch = "sparc64"))]
+const SO_PEERPIDFD: libc::c_int = 0x56;
+
+/// A pidfd of the process at the other end of a Unix socket, the one that connected (the process
+/// `SO_PEERCRED` names), with `SO_PEERPIDFD` (Linux 6.5+): unlike `pidfd_open` of that pid it
+/// cannot name another process that took the pid after the peer exited.
+///
+/// `Ok(None)` if the kernel does not know the option (`ENOPROTOOPT`, or `EINVAL` from some
+/// kernels): the caller falls back to the pid. `Err` with `ESRCH` when the kernel no longer
+/// finds the process; any other error as the kernel gave it.
+#[allow(unsafe_code)]
+pub(crate) fn peer_pidfd(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `socket` is an open descriptor (borrowed for the call); `fd` is a writable `int`
+    // of `len` bytes, which is what `SO_PEERPIDFD` writes, and `len` is a writable `socklen_t`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::ENOPROTOOPT | libc::EINVAL) => Ok(None),
+            _ => Err(err),
+        };
+    }
+    if len as usize != std::mem::size_of::<libc::c_int>() || fd < 0 {
+        return Err(std::io::Error::other(format!(
+            "SO_PEERPIDFD returned {len} bytes and descriptor {fd}, expected an int and a descriptor"
+        )));
+    }
+    // SAFETY: on success the kernel installed `fd` as a new descriptor of this process (a
+    // pidfd) and handed it to the caller: nothing else owns or closes it.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
 /// Which peers may connect.
 #[derive(Clone, PartialEq, Eq, Debug, Default)]
 pub enum AccessPolicy {
@@ -146,6 +192,37 @@ mod tests {
         assert_eq!(creds.uid, own_uid());
         assert_eq!(creds.gid, rustix::process::getegid().as_raw());
         assert_eq!(creds.pid, std::process::id() as i32);
+    }
+
+    /// The pid a pidfd refers to, from `/proc/self/fdinfo`.
+    fn pid_of_pidfd(fd: &std::os::fd::OwnedFd) -> i32 {
+        use std::os::fd::AsRawFd;
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("Pid:"))
+            .expect("a pidfd's fdinfo has a Pid line")
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Whether this kernel is at least `major.minor`.
+    fn kernel_at_least(major: u32, minor: u32) -> bool {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut parts = release
+            .split(|c: char| !c.is_ascii_digit())
+            .map(|p| p.parse::<u32>().unwrap_or(0));
+        (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (major, minor)
+    }
+
+    #[test]
+    fn peer_pidfd_names_the_connecting_process() {
+        use std::os::fd::AsFd;
+        let (a, _b) = UnixStream::pair().unwrap();
+        match peer_pidfd(a.as_fd()).unwrap() {
+            Some(fd) => assert_eq!(pid_of_pidfd(&fd), std::process::id() as i32),
+            None => assert!(!kernel_at_least(6, 5), "Linux 6.5 and later know SO_PEERPIDFD"),
+        }
     }
 
     #[test]

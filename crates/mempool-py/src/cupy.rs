@@ -15,6 +15,7 @@
 //!   `MemoryError`), unless one is pending already (the stream getter's or `hold`'s, kept as the cause).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -49,40 +50,64 @@ fn held_stream(py: Python<'_>, stream: isize) -> PyResult<Py<PyAny>> {
     Ok(s)
 }
 
+// The three callbacks are `extern "C"`: a panic may not leave them (it would abort the process), so each
+// body runs under `catch_unwind`, and a panic takes the callback's failure path instead.
+
 /// `hold`: a new reference to CuPy's current stream object (the token), or null with a Python exception set.
+/// Null also after a panic (the allocation then fails with mempool-capi's message, through `raise`).
 #[allow(unsafe_code)]
 unsafe extern "C" fn hold(stream: isize) -> *mut c_void {
-    Python::attach(|py| match held_stream(py, stream) {
-        Ok(s) => s.into_ptr() as *mut c_void,
-        Err(e) => {
-            e.restore(py);
-            std::ptr::null_mut()
-        }
+    catch_unwind(|| {
+        Python::attach(|py| match held_stream(py, stream) {
+            Ok(s) => s.into_ptr() as *mut c_void,
+            Err(e) => {
+                e.restore(py);
+                std::ptr::null_mut()
+            }
+        })
     })
+    .unwrap_or(std::ptr::null_mut())
 }
 
-/// `release`: drops the reference `hold` returned.
+/// `release`: drops the reference `hold` returned. After a panic before the drop the reference is leaked
+/// (the stream object lives on), which is all a panic there can cost.
 #[allow(unsafe_code)]
 unsafe extern "C" fn release(token: *mut c_void) {
-    Python::attach(|py| {
-        // SAFETY: `token` is the strong reference `hold` made with `into_ptr`, released once (mempool-capi
-        // drops the allocation's entry before calling this).
-        drop(unsafe { Bound::<PyAny>::from_owned_ptr(py, token as *mut pyo3::ffi::PyObject) });
-    });
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        Python::attach(|py| {
+            // SAFETY: `token` is the strong reference `hold` made with `into_ptr`, released once
+            // (mempool-capi drops the allocation's entry before calling this).
+            drop(unsafe { Bound::<PyAny>::from_owned_ptr(py, token as *mut pyo3::ffi::PyObject) });
+        })
+    }));
 }
 
-/// `raise`: sets the exception of `status` with `message`, unless one is pending.
+/// `raise`: sets the exception of `status` with `message`, unless one is pending. After a panic it sets a
+/// `RuntimeError` saying so, if none is pending (mempool-capi returns `(void*)-1`, which CuPy takes for a
+/// failure only with an exception pending), and nothing if that panics too.
 #[allow(unsafe_code)]
 unsafe extern "C" fn raise(status: c_int, message: *const c_char) {
-    Python::attach(|py| {
-        if PyErr::occurred(py) {
-            return;
-        }
-        // SAFETY: mempool-capi passes its NUL-terminated last-error message, live for this call.
-        let message = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
-        let status = Status::from_code(status).unwrap_or(Status::Driver);
-        errors::of_status(status, message).restore(py);
-    });
+    let raised = catch_unwind(AssertUnwindSafe(|| {
+        Python::attach(|py| {
+            if PyErr::occurred(py) {
+                return;
+            }
+            // SAFETY: mempool-capi passes its NUL-terminated last-error message, live for this call.
+            let message = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
+            let status = Status::from_code(status).unwrap_or(Status::Driver);
+            errors::of_status(status, message).restore(py);
+        })
+    }));
+    if raised.is_err() {
+        let _ = catch_unwind(|| {
+            Python::attach(|py| {
+                if !PyErr::occurred(py) {
+                    PyRuntimeError::new_err("mempool could not allocate for CuPy (and panicked reporting why)")
+                        .restore(py);
+                }
+            })
+        });
+    }
 }
 
 /// CuPy's `get_current_stream_ptr` from the `__pyx_capi__` of the first of [`STREAM_MODULES`] that has it.

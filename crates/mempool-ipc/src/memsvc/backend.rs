@@ -3,6 +3,10 @@
 //! event into an event of the server's own. The GPU implementation is `gpu::GpuBackend`; the
 //! host double here (`HostBackend`, tests only) allocates `memfd`s, so the state machine and a
 //! running server are tested without a GPU, with real descriptors passed and counted.
+//!
+//! Everything here is `Send + Sync` and takes `&self`: the server calls the backend, and queries
+//! and exports what it returned, with its state lock released (`state::Service`), so one
+//! client's large allocation does not hold up the others.
 
 use std::os::fd::OwnedFd;
 
@@ -11,13 +15,13 @@ use super::proto::messages::EventBytes;
 use crate::wire::DeviceUuid;
 
 /// Memory the server holds for one buffer; released when dropped.
-pub(crate) trait Allocation: Send {
+pub(crate) trait Allocation: Send + Sync {
     /// A new descriptor for the memory (the client imports it; the server keeps its own).
     fn export_fd(&self) -> Result<OwnedFd>;
 }
 
 /// The server's own event, recorded after the creator's work; attachers wait on it.
-pub(crate) trait RelayedEvent: Send {
+pub(crate) trait RelayedEvent: Send + Sync {
     /// Its interprocess handle.
     fn handle(&self) -> EventBytes;
     /// Whether the work it follows (the creator's, relayed) is done (`cuEventQuery`): then an
@@ -27,37 +31,37 @@ pub(crate) trait RelayedEvent: Send {
 }
 
 /// The GPU side of the server.
-pub(crate) trait Backend: Send {
+pub(crate) trait Backend: Send + Sync {
     /// The served devices: UUID and VMM granularity, in the order the state machine indexes them.
     fn devices(&self) -> &[(DeviceUuid, u64)];
     /// Allocates `size` bytes (a multiple of the device's granularity) on device `index`.
-    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>>;
+    fn allocate(&self, index: usize, size: u64) -> Result<Box<dyn Allocation>>;
     /// Opens the creator's event `creator` on device `index`, makes a stream of the server's wait
     /// on it and records an event of the server's own after it (a stream per relay, so that one
     /// creator's unfinished work holds up only its own buffer's attachers).
-    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>>;
+    fn relay_event(&self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>>;
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
     fn devices(&self) -> &[(DeviceUuid, u64)] {
         (**self).devices()
     }
-    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+    fn allocate(&self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
         (**self).allocate(index, size)
     }
-    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+    fn relay_event(&self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
         (**self).relay_event(index, creator)
     }
 }
 
 #[cfg(test)]
-pub(crate) use host::HostBackend;
+pub(crate) use host::{Gate, HostBackend};
 
 #[cfg(test)]
 mod host {
     use std::os::fd::OwnedFd;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::sync::Arc;
+    use std::sync::{Arc, Barrier, Mutex};
 
     use super::{Allocation, Backend, RelayedEvent};
     use crate::memsvc::error::{Error, Result};
@@ -67,15 +71,29 @@ mod host {
     /// A host double: "device memory" is a `memfd` of the size asked for; events are handles
     /// derived from the creator's. Counts what is live, and can be told to fail allocations.
     /// Relayed events are pending until `relays_done` is set (the GPU finished the creator's work).
-    #[derive(Debug)]
+    /// An allocation can be held inside the backend ([`HostBackend::block_next`]) to show what
+    /// the server does meanwhile. A clone shares everything (counters, capacity, gate) with the
+    /// original, so a test keeps one after handing the other to a server.
+    #[derive(Clone, Debug)]
     pub(crate) struct HostBackend {
         devices: Vec<(DeviceUuid, u64)>,
         pub(crate) live: Arc<AtomicU64>,
         pub(crate) live_bytes: Arc<AtomicU64>,
-        /// Allocations past this many bytes in all fail (a full GPU).
-        pub(crate) capacity: u64,
+        /// Allocations past this many bytes in all fail (a full GPU); read after a held
+        /// allocation is let go, so a test can make a held allocation fail.
+        pub(crate) capacity: Arc<AtomicU64>,
         /// What every relayed event's query answers (shared: set it to finish them all).
         pub(crate) relays_done: Arc<AtomicBool>,
+        /// The gate the next allocation stops at (taken by that allocation).
+        gate: Arc<Mutex<Option<Arc<Gate>>>>,
+    }
+
+    /// Where a held allocation stops: it meets the test at `entered` (it is inside the backend
+    /// now), then waits at `release` until the test lets it go.
+    #[derive(Debug)]
+    pub(crate) struct Gate {
+        pub(crate) entered: Barrier,
+        pub(crate) release: Barrier,
     }
 
     impl HostBackend {
@@ -86,9 +104,21 @@ mod host {
                     .collect(),
                 live: Arc::default(),
                 live_bytes: Arc::default(),
-                capacity: u64::MAX,
+                capacity: Arc::new(AtomicU64::new(u64::MAX)),
                 relays_done: Arc::default(),
+                gate: Arc::default(),
             }
+        }
+
+        /// Holds the next allocation at a gate: it waits at `entered` for the test, then at
+        /// `release` (each a two-party barrier), then allocates, or fails as `capacity` says.
+        pub(crate) fn block_next(&self) -> Arc<Gate> {
+            let gate = Arc::new(Gate {
+                entered: Barrier::new(2),
+                release: Barrier::new(2),
+            });
+            *self.gate.lock().unwrap() = Some(gate.clone());
+            gate
         }
     }
 
@@ -128,11 +158,17 @@ mod host {
             &self.devices
         }
 
-        fn allocate(&mut self, _index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+        fn allocate(&self, _index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+            let gate = self.gate.lock().unwrap().take();
+            if let Some(gate) = gate {
+                gate.entered.wait();
+                gate.release.wait();
+            }
             let used = self.live_bytes.load(Ordering::SeqCst);
-            if used.saturating_add(size) > self.capacity {
+            let capacity = self.capacity.load(Ordering::SeqCst);
+            if used.saturating_add(size) > capacity {
                 return Err(Error::ServerGpu {
-                    message: format!("out of memory: {used} of {} bytes in use, {size} asked", self.capacity),
+                    message: format!("out of memory: {used} of {capacity} bytes in use, {size} asked"),
                 });
             }
             let fd = rustix::fs::memfd_create("memsvc-test", rustix::fs::MemfdFlags::CLOEXEC)?;
@@ -147,7 +183,7 @@ mod host {
             }))
         }
 
-        fn relay_event(&mut self, _index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+        fn relay_event(&self, _index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
             let mut own = *creator;
             own[0] ^= 0xff;
             Ok(Box::new(HostEvent(own, self.relays_done.clone())))

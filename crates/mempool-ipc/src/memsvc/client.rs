@@ -89,6 +89,10 @@ struct Shared {
     local: gpu::LocalDevices,
 }
 
+/// The most buffers [`Client::list`] takes from a server (about ten thousand pages of the protocol's
+/// largest).
+pub const MAX_LIST_ENTRIES: usize = 1 << 20;
+
 /// A connection to a memory server. Cheap to clone (clones share the connection and take turns);
 /// [`Created`] and [`Attached`] buffers keep it open until they are dropped.
 ///
@@ -414,12 +418,28 @@ impl Client {
     }
 
     /// Every named buffer (being created or published), in name order.
+    ///
+    /// At most [`MAX_LIST_ENTRIES`]: a server that keeps saying more follow past that is taken
+    /// for broken or hostile ([`Error::Protocol`]), so the pages cannot grow without bound.
     pub fn list(&self) -> Result<Vec<BufferInfo>> {
-        let mut all = Vec::new();
+        self.list_at_most(MAX_LIST_ENTRIES)
+    }
+
+    /// [`Client::list`] with a bound of `limit` entries.
+    fn list_at_most(&self, limit: usize) -> Result<Vec<BufferInfo>> {
+        let mut all: Vec<BufferInfo> = Vec::new();
         let mut after = String::new();
         loop {
             match self.call(&Message::List { after: after.clone() })? {
                 (Message::ListPage { more, entries }, _) => {
+                    if all.len().saturating_add(entries.len()) > limit {
+                        // Nothing is wrong with this connection itself: the call's reply was
+                        // read whole, so later calls stay in step.
+                        return Err(Error::protocol(format!(
+                            "the server listed more than {limit} buffers (the most a list takes): \
+                             a broken or hostile server"
+                        )));
+                    }
                     if let Some(last) = entries.last() {
                         if last.name <= after && !after.is_empty() {
                             return Err(self.unexpected("names in order", &Message::ListPage { more, entries }));
@@ -706,3 +726,6 @@ const _: fn() = || {
     send_sync::<Created>();
     send_sync::<Attached>();
 };
+
+#[cfg(test)]
+mod tests;

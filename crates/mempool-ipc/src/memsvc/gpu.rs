@@ -175,7 +175,7 @@ impl Backend for GpuBackend {
         &self.devices
     }
 
-    fn allocate(&mut self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
+    fn allocate(&self, index: usize, size: u64) -> Result<Box<dyn Allocation>> {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("{size} bytes do not fit this machine's addresses")))?;
         let physical = PhysicalAllocation::new(&self.gpus[index].props, size)?;
@@ -197,7 +197,7 @@ impl Backend for GpuBackend {
         }))
     }
 
-    fn relay_event(&mut self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
+    fn relay_event(&self, index: usize, creator: &EventBytes) -> Result<Box<dyn RelayedEvent>> {
         let gpu = &self.gpus[index];
         let opened = Event::open_ipc(&gpu.ctx, &IpcEventHandle(*creator))?;
         // A stream of its own for each relay: on one shared stream, a creator whose work never

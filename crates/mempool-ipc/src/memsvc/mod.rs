@@ -26,7 +26,7 @@ mod server;
 mod state;
 mod types;
 
-pub use client::{Attached, Client, ClientOptions, CreateOptions, Created};
+pub use client::{Attached, Client, ClientOptions, CreateOptions, Created, MAX_LIST_ENTRIES};
 pub use error::{Error, QuotaKind, QuotaScope, Result};
 pub use names::{validate_name, MAX_NAME_LEN, MAX_TAG_LEN};
 pub use policy::{Access, Limits, Quotas};

@@ -24,7 +24,7 @@ use super::gpu::GpuBackend;
 use super::policy::{Access, Limits, Quotas};
 use super::proto::codec;
 use super::proto::messages::{GrantEntry, Message};
-use super::state::{ConnId, Grant, Rules, State};
+use super::state::{ConnId, Grant, Rules, Service};
 use super::types::ServerStats;
 use crate::cred::{self, AccessPolicy, PeerCredentials};
 use crate::listener::{Listener, ListenerOptions};
@@ -139,7 +139,8 @@ struct Watched {
 const TICK: Duration = Duration::from_millis(100);
 
 struct Inner {
-    state: Mutex<State<Box<dyn Backend>>>,
+    /// The state behind its lock, and the backend called with the lock released.
+    service: Service<Box<dyn Backend>>,
     limits: Limits,
     stop: AtomicBool,
     conns: Mutex<HashMap<ConnId, ConnEntry>>,
@@ -150,10 +151,6 @@ struct Inner {
 }
 
 impl Inner {
-    fn state(&self) -> MutexGuard<'_, State<Box<dyn Backend>>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn conns(&self) -> MutexGuard<'_, HashMap<ConnId, ConnEntry>> {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -232,7 +229,7 @@ impl Server {
             max_attachments_per_connection: config.limits.max_attachments_per_connection,
         };
         let inner = Arc::new(Inner {
-            state: Mutex::new(State::new(backend, rules)),
+            service: Service::new(backend, rules),
             limits: config.limits,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
@@ -258,7 +255,7 @@ impl Server {
 
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
-        self.inner.state().stats()
+        self.inner.service.stats()
     }
 
     /// Stops serving: closes every connection, releases every buffer, removes the socket file.
@@ -285,7 +282,7 @@ impl Server {
             let _ = t.join();
         }
         self.inner.reaper().clear();
-        self.inner.state().clear();
+        self.inner.service.clear();
     }
 }
 
@@ -332,7 +329,7 @@ fn accept_loop(inner: &Shared, listener: Listener) {
 
 /// Expires buffers; ends the attachments of ended connections whose process exited.
 fn housekeeping(inner: &Shared) {
-    inner.state().expire(Instant::now());
+    inner.service.expire(Instant::now());
     let exited: Vec<ConnId> = {
         let mut reaper = inner.reaper();
         let mut exited = Vec::new();
@@ -346,10 +343,11 @@ fn housekeeping(inner: &Shared) {
         exited
     };
     if !exited.is_empty() {
-        let mut state = inner.state();
-        for conn in exited {
-            state.process_exited(conn);
-        }
+        inner.service.with(|state| {
+            for conn in exited {
+                state.process_exited(conn);
+            }
+        });
     }
 }
 
@@ -369,7 +367,7 @@ fn watch_ended(inner: &Shared, conn: ConnId, uid: u32, pid: i32, pidfd: Option<O
         Some(fd) if !has_exited(&fd) => fd,
         // Gone already: nothing it holds can outlive it.
         _ => {
-            inner.state().process_exited(conn);
+            inner.service.process_exited(conn);
             return;
         }
     };
@@ -392,10 +390,11 @@ fn watch_ended(inner: &Shared, conn: ConnId, uid: u32, pid: i32, pidfd: Option<O
         }
     };
     if let Some(old) = replaced {
-        let mut state = inner.state();
-        for (conn, _) in old.conns {
-            state.process_exited(conn);
-        }
+        inner.service.with(|state| {
+            for (conn, _) in old.conns {
+                state.process_exited(conn);
+            }
+        });
     }
 }
 
@@ -415,7 +414,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
     let _ = stream.set_nonblocking(false);
     let refused = |err: Error| {
         refuse(&stream, &err);
-        inner.state().count_rejected();
+        inner.service.count_rejected();
     };
     let creds = match cred::peer_credentials(&stream) {
         Ok(c) => c,
@@ -462,15 +461,10 @@ fn admit(inner: &Shared, stream: UnixStream) {
         }
     }
     let conn = inner.next_conn.fetch_add(1, Ordering::SeqCst);
-    if let Err(e) = inner.state().connect(conn, creds.uid) {
+    if let Err(e) = inner.service.connect(conn, creds.uid) {
         return refused(e);
     }
-    // The process's identity, fixed now: its pid may be reused after it exits.
-    // None: already gone, so nothing it holds can outlive it.
-    let pidfd = rustix::process::Pid::from_raw(creds.pid)
-        .ok_or(rustix::io::Errno::SRCH)
-        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
-        .ok();
+    let pidfd = client_pidfd(&stream, creds.pid);
     let (clone, framed) = match stream
         .try_clone()
         .map_err(Error::from)
@@ -478,7 +472,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
     {
         Ok(pair) => pair,
         Err(_) => {
-            inner.state().disconnect(conn);
+            inner.service.disconnect(conn);
             return;
         }
     };
@@ -506,8 +500,25 @@ fn admit(inner: &Shared, stream: UnixStream) {
                     reason: "it could not start a thread".into(),
                 },
             );
-            inner.state().disconnect(conn);
+            inner.service.disconnect(conn);
         }
+    }
+}
+
+/// The identity of the client process of `stream`, fixed now (its pid may be reused after it
+/// exits): the kernel's pidfd of the process that connected (`SO_PEERPIDFD`), or on a kernel
+/// without it (before Linux 6.5) a pidfd of `pid` (`SO_PEERCRED`'s), which names another process
+/// if the client exited and its pid was reused since it connected. `None`: already gone, so
+/// nothing it holds can outlive it.
+fn client_pidfd(stream: &UnixStream, pid: i32) -> Option<OwnedFd> {
+    match cred::peer_pidfd(stream.as_fd()) {
+        Ok(Some(pidfd)) => Some(pidfd),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => None,
+        // No SO_PEERPIDFD here, or it failed otherwise (EMFILE...): the pid, as before it.
+        Ok(None) | Err(_) => rustix::process::Pid::from_raw(pid)
+            .ok_or(rustix::io::Errno::SRCH)
+            .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+            .ok(),
     }
 }
 
@@ -516,12 +527,12 @@ fn serve_connection(inner: &Shared, conn: ConnId, framed: Framed, creds: PeerCre
     if let Err(e) = outcome {
         if !matches!(e, Error::PeerGone { .. }) {
             if !inner.stop.load(Ordering::SeqCst) {
-                inner.state().count_rejected();
+                inner.service.count_rejected();
             }
             refuse(framed.stream(), &e);
         }
     }
-    let holds = inner.state().disconnect(conn);
+    let holds = inner.service.disconnect(conn);
     if holds {
         watch_ended(inner, conn, creds.uid, creds.pid, pidfd);
     }
@@ -541,7 +552,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
         }
         Err(e) => return Err(e),
     }
-    let devices = inner.state().devices();
+    let devices = inner.service.devices();
     framed.send(
         &Message::Welcome {
             pid: inner.pid,
@@ -553,7 +564,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
         if inner.stop.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let first = if inner.state().holds_anything(conn) {
+        let first = if inner.service.holds_anything(conn) {
             None
         } else {
             Some(limits.idle_timeout)
@@ -578,29 +589,29 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                 name,
                 tag,
             } => inner
-                .state()
+                .service
                 .create(conn, creds.pid, device, size, ttl_ms, &name, &tag, now)
                 .map(granted),
             Message::Publish { name, event } => inner
-                .state()
+                .service
                 .publish(conn, &name, event.as_ref(), now)
                 .map(|()| (Message::Done, Vec::new())),
-            Message::Attach { name } => inner.state().attach(conn, &name, now).map(granted),
-            Message::AttachMany { names } => inner.state().attach_many(conn, &names, now).map(granted_many),
+            Message::Attach { name } => inner.service.attach(conn, &name, now).map(granted),
+            Message::AttachMany { names } => inner.service.attach_many(conn, &names, now).map(granted_many),
             Message::Detach { attachment } => inner
-                .state()
+                .service
                 .detach(conn, attachment)
                 .map(|()| (Message::Done, Vec::new())),
             Message::Delete { name } => inner
-                .state()
+                .service
                 .delete(conn, &name, now)
                 .map(|()| (Message::Done, Vec::new())),
             Message::List { after } => {
-                let (entries, more) = inner.state().list(&after, now);
+                let (entries, more) = inner.service.list(&after, now);
                 Ok((Message::ListPage { more, entries }, Vec::new()))
             }
             Message::Stats => {
-                let s = inner.state().stats();
+                let s = inner.service.stats();
                 Ok((
                     Message::StatsReply {
                         numbers: [

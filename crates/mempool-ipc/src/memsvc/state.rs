@@ -1,6 +1,16 @@
-//! The server's state machine, without sockets or threads: names, buffers, attachments per
-//! connection, quotas and time-to-live, over a [`Backend`]. The server (`server`) calls it under
-//! one lock; the tests (`state/tests.rs`) drive it with the host double and an explicit clock.
+//! The server's state machine, without sockets: names, buffers, attachments per connection,
+//! quotas and time-to-live ([`State`]), and [`Service`], which keeps it behind one lock beside a
+//! [`Backend`]. The server (`server`) calls the service; the tests (`state/tests.rs`) drive it
+//! with the host double and an explicit clock.
+//!
+//! No GPU call runs under the lock. `create` reserves the name and the owner's quota under it
+//! (a buffer in state Creating with no memory yet, which `list` shows as being created, `attach`
+//! refuses and a racing `create` of its name finds taken), allocates and exports with it
+//! released, and retakes it to commit, or to roll back the reservation if the allocation failed,
+//! the connection ended or the buffer was deleted meanwhile. `publish` relays the creator's
+//! event, and `attach` queries the relayed event and exports the memory, the same way between a
+//! step that checks (and, for `attach`, counts the attachment) and one that commits. Buffers
+//! freed under the lock are dropped, their memory released, after it is released.
 //!
 //! A buffer's life: `create` allocates it (state Creating) and gives its creator an attachment
 //! and a descriptor; `publish` (creator only) relays the creator's event and makes it attachable
@@ -12,6 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::backend::{Allocation, Backend, RelayedEvent};
@@ -63,9 +74,12 @@ struct Buffer {
     attachments: u32,
     /// Whether `event` was seen complete (then attachers wait on nothing; it stays complete).
     ready: bool,
-    /// Dropped last: the event, then the memory.
-    event: Option<Box<dyn RelayedEvent>>,
-    memory: Box<dyn Allocation>,
+    /// Dropped last: the event, then the memory. `attach` clones them to query and export with
+    /// the lock released.
+    event: Option<Arc<dyn RelayedEvent>>,
+    /// `None` while the memory is being allocated (state Creating, no attachments: reserved by
+    /// [`State::begin_create`]).
+    memory: Option<Arc<dyn Allocation>>,
 }
 
 struct Conn {
@@ -75,9 +89,40 @@ struct Conn {
     attachments: HashSet<u64>,
 }
 
+/// A buffer [`State::begin_create`] reserved: its name and its owner's quota are held until
+/// [`State::finish_create`] or [`State::abort_create`].
+pub(crate) struct Reserved {
+    id: u64,
+    name: String,
+    index: usize,
+    size: u64,
+}
+
+/// An attachment [`State::begin_attach`] counted (the buffer cannot be freed under it), still
+/// without its descriptor, which is exported with the lock released.
+pub(crate) struct Pending {
+    attachment: u64,
+    buffer: u64,
+    name: String,
+    size: u64,
+    device: DeviceUuid,
+    granularity: u64,
+    memory: Arc<dyn Allocation>,
+    /// The relayed event, unless it was seen complete before.
+    event: Option<Arc<dyn RelayedEvent>>,
+}
+
+/// A [`Pending`] attachment after the steps run with the lock released: whether its event is
+/// complete and its descriptor.
+pub(crate) struct Exported {
+    pending: Pending,
+    done: bool,
+    fd: Result<OwnedFd>,
+}
+
 /// The server's state. See the [module documentation](self).
-pub(crate) struct State<B: Backend> {
-    backend: B,
+pub(crate) struct State {
+    devices: Vec<(DeviceUuid, u64)>,
     rules: Rules,
     ledger: Ledger,
     names: BTreeMap<String, u64>,
@@ -88,12 +133,14 @@ pub(crate) struct State<B: Backend> {
     next_id: u64,
     freed: u64,
     rejected: u64,
+    /// Buffers freed under the lock, dropped (their memory released) once [`Service`] released it.
+    dead: Vec<Buffer>,
 }
 
-impl<B: Backend> State<B> {
-    pub(crate) fn new(backend: B, rules: Rules) -> State<B> {
+impl State {
+    pub(crate) fn new(devices: Vec<(DeviceUuid, u64)>, rules: Rules) -> State {
         State {
-            backend,
+            devices,
             ledger: Ledger::new(rules.quotas),
             rules,
             names: BTreeMap::new(),
@@ -103,17 +150,13 @@ impl<B: Backend> State<B> {
             next_id: 1,
             freed: 0,
             rejected: 0,
+            dead: Vec::new(),
         }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn backend(&self) -> &B {
-        &self.backend
     }
 
     /// The served devices (UUID, granularity).
     pub(crate) fn devices(&self) -> Vec<(DeviceUuid, u64)> {
-        self.backend.devices().to_vec()
+        self.devices.clone()
     }
 
     fn fresh_id(&mut self) -> u64 {
@@ -153,9 +196,10 @@ impl<B: Backend> State<B> {
         self.conns.get(&conn).is_some_and(|c| !c.attachments.is_empty())
     }
 
-    /// `create`: allocates a buffer in state Creating and gives the creator an attachment.
+    /// `create`, first step: checks the request and reserves the name and the owner's quota for
+    /// a buffer in state Creating without memory (no attachment yet).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn create(
+    pub(crate) fn begin_create(
         &mut self,
         conn: ConnId,
         pid: i32,
@@ -165,21 +209,20 @@ impl<B: Backend> State<B> {
         name: &str,
         tag: &str,
         now: Instant,
-    ) -> Result<Grant> {
+    ) -> Result<Reserved> {
         self.expire(now);
         let uid = self.conn(conn)?.uid;
         self.room_for(conn, 1)?;
         names::validate_name(name)?;
         names::check_tag(tag)?;
         let index = self
-            .backend
-            .devices()
+            .devices
             .iter()
             .position(|(uuid, _)| *uuid == device)
             .ok_or_else(|| Error::DeviceNotServed {
                 device: device.to_string(),
             })?;
-        let granularity = self.backend.devices()[index].1;
+        let granularity = self.devices[index].1;
         if size == 0 {
             return Err(Error::BadSize {
                 size,
@@ -200,15 +243,12 @@ impl<B: Backend> State<B> {
             return Err(Error::NameTaken { name: name.to_owned() });
         }
         self.ledger.check(uid, rounded)?;
-        let memory = self.backend.allocate(index, rounded)?;
-        let fd = memory.export_fd()?;
         let ttl = if ttl_ms > 0 {
             Some(Duration::from_millis(ttl_ms))
         } else {
             self.rules.default_ttl
         };
         let id = self.fresh_id();
-        let attachment = self.fresh_id();
         self.ledger.charge(uid, rounded);
         self.names.insert(name.to_owned(), id);
         self.buffers.insert(
@@ -223,24 +263,69 @@ impl<B: Backend> State<B> {
                 creator: conn,
                 state: BufferState::Creating,
                 expires_at: ttl.and_then(|t| now.checked_add(t)),
-                attachments: 1,
+                attachments: 0,
                 ready: false,
                 event: None,
-                memory,
+                memory: None,
             },
         );
-        self.attachments.insert(attachment, (conn, id));
+        Ok(Reserved {
+            id,
+            name: name.to_owned(),
+            index,
+            size: rounded,
+        })
+    }
+
+    /// `create`, last step: the reserved buffer gets its memory and its creator an attachment
+    /// (with `fd`). Refused, the reservation rolled back, if the connection ended meanwhile; if
+    /// the buffer lost its name meanwhile (deleted, expired: a reservation holds no attachment,
+    /// so it was freed at once), refused as being deleted.
+    pub(crate) fn finish_create(
+        &mut self,
+        conn: ConnId,
+        reserved: &Reserved,
+        memory: &Arc<dyn Allocation>,
+        fd: OwnedFd,
+    ) -> Result<Grant> {
+        if let Err(e) = self.conn(conn) {
+            self.abort_create(reserved);
+            return Err(e);
+        }
+        let buffer = match self.buffers.get_mut(&reserved.id) {
+            Some(b) if b.memory.is_none() && b.state == BufferState::Creating => b,
+            _ => {
+                return Err(Error::WrongState {
+                    name: reserved.name.clone(),
+                    state: BufferState::Deleting,
+                    op: "finish creating it (it was deleted or expired while its memory was allocated)",
+                })
+            }
+        };
+        buffer.memory = Some(memory.clone());
+        buffer.attachments = 1;
+        let (device, granularity) = self.devices[reserved.index];
+        let attachment = self.fresh_id();
+        self.attachments.insert(attachment, (conn, reserved.id));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.attachments.insert(attachment);
         }
         Ok(Grant {
             attachment,
-            size: rounded,
+            size: reserved.size,
             granularity,
             device,
             event: None,
             fd,
         })
+    }
+
+    /// `create` failed (or its connection ended) between the steps: the reservation's name and
+    /// quota go back, unless [`State::finish_create`] committed it or it was freed already.
+    pub(crate) fn abort_create(&mut self, reserved: &Reserved) {
+        if self.buffers.get(&reserved.id).is_some_and(|b| b.memory.is_none()) {
+            self.unname(reserved.id);
+        }
     }
 
     fn named(&self, name: &str) -> Result<u64> {
@@ -250,8 +335,9 @@ impl<B: Backend> State<B> {
             .ok_or_else(|| Error::UnknownName { name: name.to_owned() })
     }
 
-    /// `publish`: the creator's buffer becomes attachable, ordered after the creator's event.
-    pub(crate) fn publish(&mut self, conn: ConnId, name: &str, event: Option<&EventBytes>, now: Instant) -> Result<()> {
+    /// `publish`, first step: checks that `conn` created the buffer `name` and it is being
+    /// created; returns its id and device index (for the relay of the creator's event).
+    pub(crate) fn begin_publish(&mut self, conn: ConnId, name: &str, now: Instant) -> Result<(u64, usize)> {
         self.expire(now);
         self.conn(conn)?;
         names::validate_name(name)?;
@@ -267,28 +353,47 @@ impl<B: Backend> State<B> {
         if buffer.creator != conn {
             return Err(Error::NotCreator { name: name.to_owned() });
         }
-        let relayed = match event {
-            Some(e) => Some(self.backend.relay_event(buffer.device, e)?),
-            None => None,
+        Ok((id, buffer.device))
+    }
+
+    /// `publish`, last step: the buffer `id` (named `name`) becomes attachable, ordered after
+    /// `relayed` (the creator's event relayed, if it sent one). Refused if it lost its name
+    /// meanwhile (deleted or expired while the event was relayed).
+    pub(crate) fn finish_publish(
+        &mut self,
+        conn: ConnId,
+        id: u64,
+        name: &str,
+        relayed: Option<&Arc<dyn RelayedEvent>>,
+    ) -> Result<()> {
+        self.conn(conn)?;
+        let buffer = match self.buffers.get_mut(&id) {
+            Some(b) if b.state == BufferState::Creating => b,
+            other => {
+                return Err(Error::WrongState {
+                    name: name.to_owned(),
+                    state: other.map_or(BufferState::Deleting, |b| b.state),
+                    op: "publish",
+                })
+            }
         };
-        let buffer = self.buffers.get_mut(&id).expect("named buffers exist");
-        buffer.event = relayed;
+        buffer.event = relayed.cloned();
         buffer.state = BufferState::Published;
         Ok(())
     }
 
-    /// `attach`: a new attachment of a published buffer. The grant carries the server's event
-    /// while the creator's work may still run, and none once a query of it says it is done.
-    pub(crate) fn attach(&mut self, conn: ConnId, name: &str, now: Instant) -> Result<Grant> {
+    /// `attach`, first step: a new attachment of a published buffer, counted now; its
+    /// descriptor and the query of its event come with the lock released.
+    pub(crate) fn begin_attach(&mut self, conn: ConnId, name: &str, now: Instant) -> Result<Pending> {
         self.expire(now);
         self.room_for(conn, 1)?;
         self.attach_one(conn, name)
     }
 
-    /// `attach_many`: attaches every name of `names` (at most [`MAX_ATTACH_MANY`]), in order,
-    /// all or none: on the first refusal the attachments made so far end and the error (which
-    /// names the buffer) is returned.
-    pub(crate) fn attach_many(&mut self, conn: ConnId, names: &[String], now: Instant) -> Result<Vec<Grant>> {
+    /// `attach_many`, first step: attaches every name of `names` (at most [`MAX_ATTACH_MANY`]),
+    /// in order, all or none: on the first refusal the attachments made so far end and the
+    /// error (which names the buffer) is returned.
+    pub(crate) fn begin_attach_many(&mut self, conn: ConnId, names: &[String], now: Instant) -> Result<Vec<Pending>> {
         self.expire(now);
         self.conn(conn)?;
         if names.is_empty() || names.len() > MAX_ATTACH_MANY {
@@ -301,17 +406,70 @@ impl<B: Backend> State<B> {
             names::validate_name(name)?;
         }
         self.room_for(conn, names.len())?;
-        let mut grants: Vec<Grant> = Vec::with_capacity(names.len());
+        let mut pending: Vec<Pending> = Vec::with_capacity(names.len());
         for name in names {
             match self.attach_one(conn, name) {
-                Ok(g) => grants.push(g),
+                Ok(p) => pending.push(p),
                 Err(e) => {
-                    for g in grants {
-                        self.end_attachment(g.attachment);
+                    for p in pending {
+                        self.end_attachment(p.attachment);
                     }
                     return Err(e);
                 }
             }
+        }
+        Ok(pending)
+    }
+
+    /// `attach` and `attach_many`, last step: the grants, with the server's event while the
+    /// creator's work may still run and none once a query of it said it is done. All or none: if
+    /// an export failed, or an attachment ended meanwhile (the server shutting down), every
+    /// attachment of `exported` ends and the first error is returned.
+    pub(crate) fn finish_attach(&mut self, conn: ConnId, exported: Vec<Exported>) -> Result<Vec<Grant>> {
+        let mut failure = None;
+        for e in &exported {
+            let held = self.attachments.get(&e.pending.attachment) == Some(&(conn, e.pending.buffer));
+            let problem = match &e.fd {
+                Err(err) => Some(export_error(&e.pending.name, err)),
+                Ok(_) if !held => Some(Error::Busy {
+                    reason: format!(
+                        "the attachment of buffer {:?} ended while it was granted (the server is shutting down)",
+                        e.pending.name
+                    ),
+                }),
+                Ok(_) => None,
+            };
+            if failure.is_none() {
+                failure = problem;
+            }
+        }
+        if let Some(err) = failure {
+            for e in exported {
+                if self.attachments.get(&e.pending.attachment) == Some(&(conn, e.pending.buffer)) {
+                    self.end_attachment(e.pending.attachment);
+                }
+            }
+            return Err(err);
+        }
+        let mut grants = Vec::with_capacity(exported.len());
+        for Exported { pending: p, done, fd } in exported {
+            if done {
+                if let Some(buffer) = self.buffers.get_mut(&p.buffer) {
+                    buffer.ready = true;
+                }
+            }
+            grants.push(Grant {
+                attachment: p.attachment,
+                size: p.size,
+                granularity: p.granularity,
+                device: p.device,
+                event: if done {
+                    None
+                } else {
+                    p.event.as_ref().map(|e| e.handle())
+                },
+                fd: fd.expect("checked above"),
+            });
         }
         Ok(grants)
     }
@@ -332,17 +490,21 @@ impl<B: Backend> State<B> {
         Ok(())
     }
 
-    fn attach_one(&mut self, conn: ConnId, name: &str) -> Result<Grant> {
+    fn attach_one(&mut self, conn: ConnId, name: &str) -> Result<Pending> {
         names::validate_name(name)?;
         let id = self.named(name)?;
         let buffer = self.buffers.get_mut(&id).expect("named buffers exist");
-        if buffer.state != BufferState::Published {
-            return Err(Error::WrongState {
-                name: name.to_owned(),
-                state: buffer.state,
-                op: "attach",
-            });
-        }
+        // Only a committed buffer is published (its creator publishes after `finish_create`).
+        let memory = match (&buffer.memory, buffer.state) {
+            (Some(memory), BufferState::Published) => memory.clone(),
+            (_, state) => {
+                return Err(Error::WrongState {
+                    name: name.to_owned(),
+                    state,
+                    op: "attach",
+                })
+            }
+        };
         let Some(count) = buffer.attachments.checked_add(1) else {
             return Err(Error::Busy {
                 reason: format!(
@@ -351,38 +513,24 @@ impl<B: Backend> State<B> {
                 ),
             });
         };
-        // A failed query counts as not done: the attacher then waits on the event, which is
-        // always correct, only slower.
-        if !buffer.ready {
-            buffer.ready = buffer.event.as_ref().is_none_or(|e| e.is_done().unwrap_or(false));
-        }
-        let fd = buffer.memory.export_fd().map_err(|e| match e {
-            Error::ServerGpu { message } => Error::ServerGpu {
-                message: format!("exporting buffer {name:?}: {message}"),
-            },
-            other => Error::ServerGpu {
-                message: format!("exporting buffer {name:?}: {other}"),
-            },
-        })?;
-        let (uuid, granularity) = self.backend.devices()[buffer.device];
-        let event = if buffer.ready {
-            None
-        } else {
-            buffer.event.as_ref().map(|e| e.handle())
-        };
+        let (device, granularity) = self.devices[buffer.device];
+        let event = if buffer.ready { None } else { buffer.event.clone() };
         buffer.attachments = count;
+        let size = buffer.size;
         let attachment = self.fresh_id();
         self.attachments.insert(attachment, (conn, id));
         if let Some(c) = self.conns.get_mut(&conn) {
             c.attachments.insert(attachment);
         }
-        Ok(Grant {
+        Ok(Pending {
             attachment,
-            size: self.buffers[&id].size,
+            buffer: id,
+            name: name.to_owned(),
+            size,
+            device,
             granularity,
-            device: uuid,
+            memory,
             event,
-            fd,
         })
     }
 
@@ -423,11 +571,16 @@ impl<B: Backend> State<B> {
         }
     }
 
+    /// Removes the buffer `id` and credits its owner's quota; its memory is released when
+    /// [`Service`] drops it after releasing the lock. A reservation whose allocation never came
+    /// is not counted as freed.
     fn free(&mut self, id: u64) {
         if let Some(buffer) = self.buffers.remove(&id) {
             self.ledger.credit(buffer.owner_uid, buffer.size);
-            self.freed += 1;
-            drop(buffer); // the event, then the memory
+            if buffer.memory.is_some() {
+                self.freed += 1;
+            }
+            self.dead.push(buffer);
         }
     }
 
@@ -528,7 +681,7 @@ impl<B: Backend> State<B> {
             entries.push(BufferInfo {
                 name: b.name.clone(),
                 size: b.size,
-                device: self.backend.devices()[b.device].0,
+                device: self.devices[b.device].0,
                 tag: b.tag.clone(),
                 state: b.state,
                 owner_uid: b.owner_uid,
@@ -563,6 +716,237 @@ impl<B: Backend> State<B> {
         for id in ids {
             self.free(id);
         }
+    }
+}
+
+/// The error of a failed export of buffer `name`'s memory (a copy: the export's own stays with
+/// its attachment until [`State::finish_attach`] drops it).
+fn export_error(name: &str, err: &Error) -> Error {
+    match err {
+        Error::ServerGpu { message } => Error::ServerGpu {
+            message: format!("exporting buffer {name:?}: {message}"),
+        },
+        other => Error::ServerGpu {
+            message: format!("exporting buffer {name:?}: {other}"),
+        },
+    }
+}
+
+/// The [`State`] behind its lock, with the [`Backend`] beside it, used outside the lock. See the
+/// [module documentation](self): `create`, `publish`, `attach` and `attach_many` run their GPU
+/// calls with the lock released; everything else runs under it.
+pub(crate) struct Service<B: Backend> {
+    state: Mutex<State>,
+    backend: B,
+}
+
+/// Rolls back what a [`Service`] call reserved if it does not reach its last step (a panic in
+/// the backend): a reservation of `create`, or the attachments `attach` counted.
+struct Undo<'a, B: Backend> {
+    service: &'a Service<B>,
+    reserved: Option<&'a Reserved>,
+    attachments: Vec<u64>,
+}
+
+impl<B: Backend> Undo<'_, B> {
+    fn disarm(mut self) {
+        self.reserved = None;
+        self.attachments.clear();
+    }
+}
+
+impl<B: Backend> Drop for Undo<'_, B> {
+    fn drop(&mut self) {
+        if self.reserved.is_none() && self.attachments.is_empty() {
+            return;
+        }
+        self.service.with(|s| {
+            if let Some(r) = self.reserved {
+                s.abort_create(r);
+            }
+            for &a in &self.attachments {
+                s.end_attachment(a);
+            }
+        });
+    }
+}
+
+impl<B: Backend> Service<B> {
+    pub(crate) fn new(backend: B, rules: Rules) -> Service<B> {
+        let devices = backend.devices().to_vec();
+        Service {
+            state: Mutex::new(State::new(devices, rules)),
+            backend,
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Whether another thread holds the state's lock now.
+    #[cfg(test)]
+    pub(crate) fn is_locked(&self) -> bool {
+        matches!(self.state.try_lock(), Err(std::sync::TryLockError::WouldBlock))
+    }
+
+    /// Runs `f` on the state under the lock (taken over a poisoned lock: every step leaves the
+    /// state consistent); the buffers it freed are dropped, their memory released, after the
+    /// lock is released.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let out = f(&mut state);
+        let dead = std::mem::take(&mut state.dead);
+        drop(state);
+        drop(dead);
+        out
+    }
+
+    /// `create`: reserves the name and quota ([`State::begin_create`]), allocates and exports
+    /// with the lock released, and commits ([`State::finish_create`]) or rolls back.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn create(
+        &self,
+        conn: ConnId,
+        pid: i32,
+        device: DeviceUuid,
+        size: u64,
+        ttl_ms: u64,
+        name: &str,
+        tag: &str,
+        now: Instant,
+    ) -> Result<Grant> {
+        let reserved = self.with(|s| s.begin_create(conn, pid, device, size, ttl_ms, name, tag, now))?;
+        let undo = Undo {
+            service: self,
+            reserved: Some(&reserved),
+            attachments: Vec::new(),
+        };
+        let made = self
+            .backend
+            .allocate(reserved.index, reserved.size)
+            .map(Arc::<dyn Allocation>::from)
+            .and_then(|memory| {
+                let fd = memory.export_fd()?;
+                Ok((memory, fd))
+            });
+        undo.disarm();
+        // On a refusal the memory is dropped, released, here, after the lock.
+        match made {
+            Ok((memory, fd)) => self.with(|s| s.finish_create(conn, &reserved, &memory, fd)),
+            Err(e) => {
+                self.with(|s| s.abort_create(&reserved));
+                Err(e)
+            }
+        }
+    }
+
+    /// `publish`: checks ([`State::begin_publish`]), relays the creator's event with the lock
+    /// released, and commits ([`State::finish_publish`]).
+    pub(crate) fn publish(&self, conn: ConnId, name: &str, event: Option<&EventBytes>, now: Instant) -> Result<()> {
+        let (id, index) = self.with(|s| s.begin_publish(conn, name, now))?;
+        let relayed: Option<Arc<dyn RelayedEvent>> = match event {
+            Some(e) => Some(Arc::from(self.backend.relay_event(index, e)?)),
+            None => None,
+        };
+        // On a refusal the relayed event is dropped here, after the lock.
+        self.with(|s| s.finish_publish(conn, id, name, relayed.as_ref()))
+    }
+
+    /// `attach`: a new attachment of a published buffer ([`State::begin_attach`], the export
+    /// with the lock released, [`State::finish_attach`]).
+    pub(crate) fn attach(&self, conn: ConnId, name: &str, now: Instant) -> Result<Grant> {
+        let pending = self.with(|s| s.begin_attach(conn, name, now))?;
+        let mut grants = self.grant(conn, vec![pending])?;
+        Ok(grants.pop().expect("one grant per attachment"))
+    }
+
+    /// `attach_many`: every name of `names`, all or none ([`State::begin_attach_many`]).
+    pub(crate) fn attach_many(&self, conn: ConnId, names: &[String], now: Instant) -> Result<Vec<Grant>> {
+        let pending = self.with(|s| s.begin_attach_many(conn, names, now))?;
+        self.grant(conn, pending)
+    }
+
+    /// Queries the events and exports the memory of counted attachments with the lock released
+    /// (a failed query counts as not done: the attacher then waits on the event, which is always
+    /// correct, only slower), then grants them or ends them all.
+    fn grant(&self, conn: ConnId, pending: Vec<Pending>) -> Result<Vec<Grant>> {
+        let undo = Undo {
+            service: self,
+            reserved: None,
+            attachments: pending.iter().map(|p| p.attachment).collect(),
+        };
+        let exported: Vec<Exported> = pending
+            .into_iter()
+            .map(|p| {
+                let done = p.event.as_ref().is_none_or(|e| e.is_done().unwrap_or(false));
+                let fd = p.memory.export_fd();
+                Exported { pending: p, done, fd }
+            })
+            .collect();
+        undo.disarm();
+        self.with(|s| s.finish_attach(conn, exported))
+    }
+
+    /// See [`State::connect`].
+    pub(crate) fn connect(&self, conn: ConnId, uid: u32) -> Result<()> {
+        self.with(|s| s.connect(conn, uid))
+    }
+
+    /// See [`State::count_rejected`].
+    pub(crate) fn count_rejected(&self) {
+        self.with(State::count_rejected)
+    }
+
+    /// See [`State::holds_anything`].
+    pub(crate) fn holds_anything(&self, conn: ConnId) -> bool {
+        self.with(|s| s.holds_anything(conn))
+    }
+
+    /// See [`State::detach`].
+    pub(crate) fn detach(&self, conn: ConnId, attachment: u64) -> Result<()> {
+        self.with(|s| s.detach(conn, attachment))
+    }
+
+    /// See [`State::delete`].
+    pub(crate) fn delete(&self, conn: ConnId, name: &str, now: Instant) -> Result<()> {
+        self.with(|s| s.delete(conn, name, now))
+    }
+
+    /// See [`State::expire`].
+    pub(crate) fn expire(&self, now: Instant) {
+        self.with(|s| s.expire(now))
+    }
+
+    /// See [`State::disconnect`].
+    pub(crate) fn disconnect(&self, conn: ConnId) -> bool {
+        self.with(|s| s.disconnect(conn))
+    }
+
+    /// See [`State::process_exited`].
+    pub(crate) fn process_exited(&self, conn: ConnId) {
+        self.with(|s| s.process_exited(conn))
+    }
+
+    /// See [`State::list`].
+    pub(crate) fn list(&self, after: &str, now: Instant) -> (Vec<BufferInfo>, bool) {
+        self.with(|s| s.list(after, now))
+    }
+
+    /// See [`State::stats`].
+    pub(crate) fn stats(&self) -> ServerStats {
+        self.with(|s| s.stats())
+    }
+
+    /// See [`State::clear`].
+    pub(crate) fn clear(&self) {
+        self.with(State::clear)
+    }
+
+    /// See [`State::devices`].
+    pub(crate) fn devices(&self) -> Vec<(DeviceUuid, u64)> {
+        self.with(|s| s.devices())
     }
 }
 

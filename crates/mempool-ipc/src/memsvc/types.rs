@@ -74,9 +74,10 @@ pub struct BufferInfo {
 /// [`Server::stats`](super::server::Server::stats)).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct ServerStats {
-    /// Buffers holding memory: named ones (creating or published) and deleted ones still attached.
+    /// Buffers holding memory: named ones (creating, including those whose memory is being
+    /// allocated, or published) and deleted ones still attached.
     pub buffers: u64,
-    /// Their bytes.
+    /// Their bytes (those being allocated included: their quota is reserved).
     pub bytes: u64,
     /// Buffers with a name (creating or published).
     pub named: u64,
@@ -84,7 +85,8 @@ pub struct ServerStats {
     pub attachments: u64,
     /// Open client connections.
     pub connections: u64,
-    /// Buffers freed so far (deleted, expired, or abandoned by a dead creator).
+    /// Buffers freed so far (deleted, expired, or abandoned by a dead creator; a `create` whose
+    /// allocation failed or was refused before it committed is not counted).
     pub freed: u64,
     /// Connections turned away or closed for breaking the rules (limits, garbage, timeouts).
     pub rejected: u64,

@@ -128,6 +128,19 @@ impl Default for History {
     }
 }
 
+/// Nanoseconds per tick from `ns` elapsed while the raw clock went from `start` to `now`; 1 while
+/// there is no scale yet (no tick or no nanosecond elapsed, or `now` behind `start`: the counter
+/// of the core `events()` runs on can be behind the one `History::new` read where the cores'
+/// time-stamp counters are not synchronized, seen on some VMs and multi-socket hosts).
+fn scale(ns: f64, start: u64, now: u64) -> f64 {
+    let ticks = now.saturating_sub(start);
+    if ticks == 0 || ns < 1.0 {
+        1.0
+    } else {
+        ns / ticks as f64
+    }
+}
+
 /// The raw clock: the time-stamp counter on x86-64, nanoseconds of a monotonic clock elsewhere.
 #[inline]
 fn ticks() -> u64 {
@@ -356,15 +369,11 @@ impl History {
         if cfg!(not(target_arch = "x86_64")) {
             return 1.0;
         }
-        let (ns, ticks) = (
+        scale(
             self.start_instant.elapsed().as_nanos() as f64,
-            ticks() - self.start_ticks,
-        );
-        if ticks == 0 || ns < 1.0 {
-            1.0
-        } else {
-            ns / ticks as f64
-        }
+            self.start_ticks,
+            ticks(),
+        )
     }
 
     /// A copy of the events the ring holds now, oldest first. Writers go on meanwhile: a slot
@@ -405,7 +414,8 @@ impl History {
                 continue;
             }
             out.events.push(Event {
-                t_ns: (t.wrapping_sub(self.start_ticks) as f64 * scale) as u64,
+                // An event stamped by a core whose counter is behind the start one: 0, not a wrap.
+                t_ns: (t.saturating_sub(self.start_ticks) as f64 * scale) as u64,
                 op: Op::from_bits(meta),
                 resource: (meta >> 8) as u8,
                 tag: (meta >> 16) as u16,
@@ -425,6 +435,20 @@ impl History {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_clock_behind_its_start_gives_no_scale_rather_than_underflowing() {
+        // `now` behind `start`: a core whose time-stamp counter lags the one read at the start.
+        assert_eq!(scale(5_000.0, 1_000_000, 999_000), 1.0);
+        assert_eq!(scale(5_000.0, 1_000_000, 1_000_000), 1.0, "no tick yet");
+        assert_eq!(scale(0.5, 1_000_000, 1_000_100), 1.0, "no nanosecond yet");
+        assert_eq!(scale(5_000.0, 1_000_000, 1_002_000), 2.5);
+        assert_eq!(
+            scale(5_000.0, u64::MAX - 10, 2),
+            1.0,
+            "a counter before the start, not a wrap"
+        );
+    }
 
     #[test]
     fn keeps_the_last_events_and_counts_the_dropped() {

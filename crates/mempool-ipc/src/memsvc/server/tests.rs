@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use super::*;
 use crate::memsvc::backend::HostBackend;
-use crate::memsvc::client::Client;
+use crate::memsvc::client::{Client, ClientOptions};
 use crate::memsvc::policy::Quotas;
 use crate::memsvc::proto::messages::{HEADER_LEN, MAX_BODY_LEN};
 use crate::memsvc::types::BufferState;
@@ -777,6 +777,65 @@ fn attachments_per_connection_are_capped_and_the_connection_stays_usable() {
     assert_eq!(server.stats().attachments, 3);
     assert_eq!(c.list().unwrap().len(), 2);
     server.shutdown();
+}
+
+#[test]
+fn a_large_allocation_does_not_hold_up_other_clients() {
+    let path = path("held");
+    let backend = HostBackend::new(1, G);
+    let handle = backend.clone();
+    let server = Server::serve_with(ServerConfig::new(&path).limits(quick_limits()), Box::new(backend)).unwrap();
+    // Replies the server holds back would time out (the test then fails) rather than hang.
+    let options = ClientOptions {
+        timeout: WAIT,
+        ..ClientOptions::default()
+    };
+    let a = Client::connect_with(&path, options.clone()).unwrap();
+    let b = Client::connect_with(&path, options).unwrap();
+    create(&b, "held/ready", G).unwrap();
+    done(
+        &b,
+        Message::Publish {
+            name: "held/ready".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    let gate = handle.block_next();
+    let creator = std::thread::spawn(move || {
+        let g = create(&a, "held/big", 8 * G);
+        (a, g)
+    });
+    gate.entered.wait();
+    // a's allocation is inside the backend: b is served meanwhile. The gate opens whatever these
+    // checks find (a failure must not leave the server's shutdown waiting on a's thread).
+    let checks = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let at = b
+            .call_granted(&Message::Attach {
+                name: "held/ready".into(),
+            })
+            .unwrap();
+        assert_eq!(rustix::fs::fstat(&at.fd).unwrap().st_size as u64, G);
+        let list = b.list().unwrap();
+        assert_eq!(list.len(), 2);
+        assert_eq!(
+            (list[0].name.as_str(), list[0].state, list[0].attachments),
+            ("held/big", BufferState::Creating, 0)
+        );
+        assert!(matches!(create(&b, "held/big", G), Err(Error::NameTaken { .. })));
+    }));
+    gate.release.wait();
+    if let Err(panic) = checks {
+        std::panic::resume_unwind(panic);
+    }
+    let (a, g) = creator.join().unwrap();
+    let g = g.unwrap();
+    assert_eq!(rustix::fs::fstat(&g.fd).unwrap().st_size as u64, 8 * G);
+    assert_eq!(handle.live.load(Ordering::SeqCst), 2);
+    assert_eq!(b.list().unwrap()[0].attachments, 1);
+    drop((a, b));
+    server.shutdown();
+    assert_eq!(handle.live.load(Ordering::SeqCst), 0);
 }
 
 /// The hostile clients the GPU test (`tests/memsvc_gpu.rs`) also runs, against `mempool-serve`.

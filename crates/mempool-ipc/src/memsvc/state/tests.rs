@@ -2,9 +2,10 @@
 //! attach, delete, dead clients, time-to-live, quotas, races for a name.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use super::*;
-use crate::memsvc::backend::HostBackend;
+use crate::memsvc::backend::{Gate, HostBackend};
 use crate::memsvc::error::{QuotaKind, QuotaScope};
 
 const G: u64 = 4096;
@@ -22,29 +23,29 @@ fn rules() -> Rules {
     }
 }
 
-fn state_with(rules: Rules) -> State<HostBackend> {
-    State::new(HostBackend::new(2, G), rules)
+fn state_with(rules: Rules) -> Service<HostBackend> {
+    Service::new(HostBackend::new(2, G), rules)
 }
 
-fn state() -> State<HostBackend> {
+fn state() -> Service<HostBackend> {
     state_with(rules())
 }
 
-fn live(s: &State<HostBackend>) -> u64 {
+fn live(s: &Service<HostBackend>) -> u64 {
     s.backend().live.load(Ordering::SeqCst)
 }
 
-fn create(s: &mut State<HostBackend>, conn: ConnId, name: &str, size: u64, now: Instant) -> Result<Grant> {
+fn create(s: &Service<HostBackend>, conn: ConnId, name: &str, size: u64, now: Instant) -> Result<Grant> {
     s.create(conn, 42, DEV, size, 0, name, "", now)
 }
 
 #[test]
 fn create_publish_attach_delete_detach() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    let g = create(&mut s, 1, "w/a", 5000, now).unwrap();
+    let g = create(&s, 1, "w/a", 5000, now).unwrap();
     assert_eq!((g.size, g.granularity, g.device), (2 * G, G, DEV));
     assert!(g.event.is_none());
     assert_eq!(live(&s), 1);
@@ -86,7 +87,7 @@ fn create_publish_attach_delete_detach() {
     assert_eq!(live(&s), 1);
     assert_eq!(s.stats().buffers, 1);
     // The name can be reused at once.
-    create(&mut s, 2, "w/a", G, now).unwrap();
+    create(&s, 2, "w/a", G, now).unwrap();
     s.detach(1, g.attachment).unwrap();
     assert_eq!(live(&s), 2);
     s.detach(2, a.attachment).unwrap();
@@ -97,10 +98,10 @@ fn create_publish_attach_delete_detach() {
 #[test]
 fn detach_of_anothers_attachment_is_a_protocol_error() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    let g = create(&mut s, 1, "x", G, now).unwrap();
+    let g = create(&s, 1, "x", G, now).unwrap();
     assert!(matches!(s.detach(2, g.attachment), Err(Error::Protocol { .. })));
     assert!(matches!(s.detach(1, 999), Err(Error::Protocol { .. })));
     s.detach(1, g.attachment).unwrap();
@@ -111,17 +112,17 @@ fn detach_of_anothers_attachment_is_a_protocol_error() {
 #[test]
 fn a_creator_letting_go_unpublished_abandons_the_buffer() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    let g = create(&mut s, 1, "gone", G, now).unwrap();
+    let g = create(&s, 1, "gone", G, now).unwrap();
     s.detach(1, g.attachment).unwrap();
     assert!(matches!(s.attach(2, "gone", now), Err(Error::UnknownName { .. })));
     assert_eq!(live(&s), 0);
     // The abandoning is by attachment: a buffer another client made under a reused name stays.
-    let g = create(&mut s, 1, "reused", G, now).unwrap();
+    let g = create(&s, 1, "reused", G, now).unwrap();
     s.delete(1, "reused", now).unwrap();
-    create(&mut s, 2, "reused", G, now).unwrap();
+    create(&s, 2, "reused", G, now).unwrap();
     s.detach(1, g.attachment).unwrap();
     assert_eq!(s.list("", now).0.len(), 1);
     assert_eq!(live(&s), 1);
@@ -130,27 +131,24 @@ fn a_creator_letting_go_unpublished_abandons_the_buffer() {
 #[test]
 fn racing_creators_one_wins() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     for conn in 1..=8 {
         s.connect(conn, UID).unwrap();
     }
-    let wins = (1..=8).filter(|&c| create(&mut s, c, "race", G, now).is_ok()).count();
+    let wins = (1..=8).filter(|&c| create(&s, c, "race", G, now).is_ok()).count();
     assert_eq!(wins, 1);
-    assert!(matches!(
-        create(&mut s, 3, "race", G, now),
-        Err(Error::NameTaken { .. })
-    ));
+    assert!(matches!(create(&s, 3, "race", G, now), Err(Error::NameTaken { .. })));
     assert_eq!(live(&s), 1);
 }
 
 #[test]
 fn a_dead_creator_frees_its_unpublished_buffer_once_its_process_exits() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    create(&mut s, 1, "half", G, now).unwrap();
-    create(&mut s, 1, "done", G, now).unwrap();
+    create(&s, 1, "half", G, now).unwrap();
+    create(&s, 1, "done", G, now).unwrap();
     s.publish(1, "done", None, now).unwrap();
     assert!(s.holds_anything(1));
     assert!(s.disconnect(1), "it held attachments: wait for its process");
@@ -183,9 +181,9 @@ fn a_dead_creator_frees_its_unpublished_buffer_once_its_process_exits() {
 #[test]
 fn attaching_a_name_being_deleted_fails_but_holders_keep_it() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
-    let g = create(&mut s, 1, "d", G, now).unwrap();
+    let g = create(&s, 1, "d", G, now).unwrap();
     s.publish(1, "d", None, now).unwrap();
     s.delete(1, "d", now).unwrap();
     assert!(matches!(s.attach(1, "d", now), Err(Error::UnknownName { .. })));
@@ -198,7 +196,7 @@ fn attaching_a_name_being_deleted_fails_but_holders_keep_it() {
 #[test]
 fn ttl_takes_the_name_away() {
     let now = Instant::now();
-    let mut s = state_with(Rules {
+    let s = state_with(Rules {
         default_ttl: Some(Duration::from_secs(60)),
         ..rules()
     });
@@ -233,7 +231,7 @@ fn ttl_takes_the_name_away() {
 #[test]
 fn quotas_and_access() {
     let now = Instant::now();
-    let mut s = state_with(Rules {
+    let s = state_with(Rules {
         quotas: Quotas {
             per_uid_bytes: Some(4 * G),
             per_uid_buffers: Some(3),
@@ -245,8 +243,8 @@ fn quotas_and_access() {
     assert!(matches!(s.connect(9, 3000), Err(Error::NotPermitted { uid: 3000, .. })));
     s.connect(1, UID).unwrap();
     s.connect(2, 2000).unwrap();
-    let a = create(&mut s, 1, "a", 3 * G, now).unwrap();
-    match create(&mut s, 1, "b", 2 * G, now) {
+    let a = create(&s, 1, "a", 3 * G, now).unwrap();
+    match create(&s, 1, "b", 2 * G, now) {
         Err(Error::QuotaExceeded {
             scope: QuotaScope::Uid(UID),
             kind: QuotaKind::Bytes,
@@ -257,9 +255,9 @@ fn quotas_and_access() {
         other => panic!("{:?}", other.map(|g| g.size)),
     }
     assert_eq!(live(&s), 1, "a refused create allocates nothing");
-    create(&mut s, 2, "c", 3 * G, now).unwrap();
+    create(&s, 2, "c", 3 * G, now).unwrap();
     assert!(matches!(
-        create(&mut s, 2, "d", G, now),
+        create(&s, 2, "d", G, now),
         Err(Error::QuotaExceeded {
             scope: QuotaScope::Total,
             kind: QuotaKind::Bytes,
@@ -276,25 +274,22 @@ fn quotas_and_access() {
     s.delete(1, "c", now).unwrap(); // uid 1000 is the server's
                                     // Credit comes back only when the memory goes.
     s.delete(1, "a", now).unwrap();
-    assert!(create(&mut s, 1, "e", 2 * G, now).is_err());
+    assert!(create(&s, 1, "e", 2 * G, now).is_err());
     s.detach(1, a.attachment).unwrap();
-    create(&mut s, 1, "e", 2 * G, now).unwrap();
+    create(&s, 1, "e", 2 * G, now).unwrap();
 }
 
 #[test]
 fn bad_requests_name_their_cause() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
-    assert!(matches!(create(&mut s, 1, "../x", G, now), Err(Error::BadName { .. })));
+    assert!(matches!(create(&s, 1, "../x", G, now), Err(Error::BadName { .. })));
     assert!(matches!(
-        create(&mut s, 1, "x", 0, now),
+        create(&s, 1, "x", 0, now),
         Err(Error::BadSize { size: 0, .. })
     ));
-    assert!(matches!(
-        create(&mut s, 1, "x", u64::MAX, now),
-        Err(Error::BadSize { .. })
-    ));
+    assert!(matches!(create(&s, 1, "x", u64::MAX, now), Err(Error::BadSize { .. })));
     assert!(matches!(
         s.create(1, 1, DeviceUuid([9; 16]), G, 0, "x", "", now),
         Err(Error::DeviceNotServed { .. })
@@ -312,18 +307,18 @@ fn bad_requests_name_their_cause() {
     let g = s.create(1, 1, DeviceUuid([2; 16]), G, 0, "x", "", now).unwrap();
     assert_eq!(g.device, DeviceUuid([2; 16]));
     // A backend failure is the server's GPU failure, and nothing is charged.
-    s.backend.capacity = G;
-    assert!(matches!(create(&mut s, 1, "y", G, now), Err(Error::ServerGpu { .. })));
+    s.backend().capacity.store(G, Ordering::SeqCst);
+    assert!(matches!(create(&s, 1, "y", G, now), Err(Error::ServerGpu { .. })));
     assert_eq!(s.stats().named, 1);
 }
 
 #[test]
 fn list_pages_in_name_order() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     for i in 0..250 {
-        create(&mut s, 1, &format!("b{i:03}"), G, now).unwrap();
+        create(&s, 1, &format!("b{i:03}"), G, now).unwrap();
     }
     let (first, more) = s.list("", now);
     assert!(more);
@@ -338,10 +333,10 @@ fn list_pages_in_name_order() {
 #[test]
 fn clear_releases_everything() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
-    create(&mut s, 1, "a", G, now).unwrap();
-    create(&mut s, 1, "b", G, now).unwrap();
+    create(&s, 1, "a", G, now).unwrap();
+    create(&s, 1, "b", G, now).unwrap();
     s.publish(1, "b", None, now).unwrap();
     s.clear();
     assert_eq!(live(&s), 0);
@@ -357,12 +352,12 @@ fn clear_releases_everything() {
 #[test]
 fn a_completed_relay_is_granted_without_an_event() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    create(&mut s, 1, "r/pending", G, now).unwrap();
+    create(&s, 1, "r/pending", G, now).unwrap();
     s.publish(1, "r/pending", Some(&[3; 64]), now).unwrap();
-    create(&mut s, 1, "r/none", G, now).unwrap();
+    create(&s, 1, "r/none", G, now).unwrap();
     s.publish(1, "r/none", None, now).unwrap();
     // The creator's work may still run: the attacher is given the server's event to wait on.
     let mut relayed = [3u8; 64];
@@ -378,7 +373,7 @@ fn a_completed_relay_is_granted_without_an_event() {
     s.backend().relays_done.store(false, Ordering::SeqCst);
     assert_eq!(s.attach(2, "r/pending", now).unwrap().event, None);
     // A buffer published after that is pending again until its own query says done.
-    create(&mut s, 1, "r/later", G, now).unwrap();
+    create(&s, 1, "r/later", G, now).unwrap();
     s.publish(1, "r/later", Some(&[4; 64]), now).unwrap();
     assert!(s.attach_many(2, &["r/later".into()], now).unwrap()[0].event.is_some());
     s.backend().relays_done.store(true, Ordering::SeqCst);
@@ -389,15 +384,15 @@ fn a_completed_relay_is_granted_without_an_event() {
 #[test]
 fn attach_many_is_all_or_nothing() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
     for name in ["m/a", "m/b", "m/c"] {
-        create(&mut s, 1, name, G, now).unwrap();
+        create(&s, 1, name, G, now).unwrap();
         s.publish(1, name, Some(&[1; 64]), now).unwrap();
     }
-    create(&mut s, 1, "m/creating", G, now).unwrap();
-    let attachments = |s: &State<HostBackend>| s.stats().attachments;
+    create(&s, 1, "m/creating", G, now).unwrap();
+    let attachments = |s: &Service<HostBackend>| s.stats().attachments;
     let before = attachments(&s);
     // Every refusal names its buffer; nothing stays attached.
     let names = |v: &[&str]| v.iter().map(|n| (*n).to_owned()).collect::<Vec<String>>();
@@ -448,14 +443,14 @@ fn attach_many_is_all_or_nothing() {
 #[test]
 fn a_buffers_attachment_count_never_wraps() {
     let now = Instant::now();
-    let mut s = state();
+    let s = state();
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    let g = create(&mut s, 1, "w/full", G, now).unwrap();
+    let g = create(&s, 1, "w/full", G, now).unwrap();
     s.publish(1, "w/full", None, now).unwrap();
-    let id = s.names["w/full"];
+    let id = s.with(|s| s.names["w/full"]);
     // As if 2^32 - 1 attachments were live (the creator's one among them).
-    s.buffers.get_mut(&id).unwrap().attachments = u32::MAX;
+    s.with(|s| s.buffers.get_mut(&id).unwrap().attachments = u32::MAX);
     match s.attach(2, "w/full", now) {
         Err(Error::Busy { reason }) => assert!(reason.contains("the most one buffer can count"), "{reason}"),
         Err(other) => panic!("expected Busy, got {other:?}"),
@@ -465,10 +460,14 @@ fn a_buffers_attachment_count_never_wraps() {
         s.attach_many(2, &["w/full".to_owned()], now),
         Err(Error::Busy { .. })
     ));
-    assert_eq!(s.buffers[&id].attachments, u32::MAX, "a refusal counts nothing");
+    assert_eq!(
+        s.with(|s| s.buffers[&id].attachments),
+        u32::MAX,
+        "a refusal counts nothing"
+    );
     // The count goes down normally and the buffer stays.
     s.detach(1, g.attachment).unwrap();
-    assert_eq!(s.buffers[&id].attachments, u32::MAX - 1);
+    assert_eq!(s.with(|s| s.buffers[&id].attachments), u32::MAX - 1);
     assert!(s.attach(2, "w/full", now).is_ok());
     assert_eq!(live(&s), 1);
 }
@@ -476,18 +475,18 @@ fn a_buffers_attachment_count_never_wraps() {
 #[test]
 fn attachments_per_connection_are_capped() {
     let now = Instant::now();
-    let mut s = state_with(Rules {
+    let s = state_with(Rules {
         max_attachments_per_connection: 2,
         ..rules()
     });
     s.connect(1, UID).unwrap();
     s.connect(2, UID).unwrap();
-    create(&mut s, 1, "w/a", G, now).unwrap();
+    create(&s, 1, "w/a", G, now).unwrap();
     s.publish(1, "w/a", None, now).unwrap();
-    create(&mut s, 1, "w/b", G, now).unwrap();
+    create(&s, 1, "w/b", G, now).unwrap();
     s.publish(1, "w/b", None, now).unwrap();
     // The creator holds two (its creations'): a third create or attach is refused.
-    assert!(matches!(create(&mut s, 1, "w/c", G, now), Err(Error::Busy { .. })));
+    assert!(matches!(create(&s, 1, "w/c", G, now), Err(Error::Busy { .. })));
     assert!(matches!(s.attach(1, "w/a", now), Err(Error::Busy { .. })));
     let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     match s.attach_many(2, &names(&["w/a", "w/b", "w/a"]), now) {
@@ -501,4 +500,131 @@ fn attachments_per_connection_are_capped() {
     assert_eq!(s.stats().attachments, 2, "all or nothing");
     assert_eq!(s.attach_many(2, &names(&["w/a", "w/b"]), now).unwrap().len(), 2);
     assert_eq!(s.stats().attachments, 4);
+}
+
+/// Starts `create(conn, name, size)` on a thread whose allocation stops at a gate of the host
+/// backend, and returns once the allocation is inside the backend (past the reservation).
+fn create_held(
+    s: &Arc<Service<HostBackend>>,
+    conn: ConnId,
+    name: &str,
+    size: u64,
+    now: Instant,
+) -> (Arc<Gate>, std::thread::JoinHandle<Result<Grant>>) {
+    let gate = s.backend().block_next();
+    let (s2, name) = (s.clone(), name.to_owned());
+    let thread = std::thread::spawn(move || create(&s2, conn, &name, size, now));
+    gate.entered.wait();
+    (gate, thread)
+}
+
+#[test]
+fn an_allocation_runs_with_the_lock_released_and_its_name_and_quota_reserved() {
+    let now = Instant::now();
+    let s = Arc::new(state_with(Rules {
+        quotas: Quotas {
+            per_uid_bytes: Some(8 * G),
+            ..Quotas::default()
+        },
+        ..rules()
+    }));
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    create(&s, 2, "w/ready", G, now).unwrap();
+    s.publish(2, "w/ready", None, now).unwrap();
+    let (gate, creator) = create_held(&s, 1, "w/big", 4 * G, now);
+    // The allocation is inside the backend now, and the lock is free: another client is served.
+    assert!(!s.is_locked(), "the lock is held across the allocation");
+    let other = s.attach(2, "w/ready", now).unwrap();
+    let (list, _) = s.list("", now);
+    let big = list
+        .iter()
+        .find(|b| b.name == "w/big")
+        .expect("a reserved buffer is listed");
+    assert_eq!(
+        (big.state, big.attachments, big.size),
+        (BufferState::Creating, 0, 4 * G)
+    );
+    // Its name is taken, it cannot be attached, and its bytes count against the quota.
+    assert!(matches!(create(&s, 2, "w/big", G, now), Err(Error::NameTaken { .. })));
+    assert!(matches!(
+        s.attach(2, "w/big", now),
+        Err(Error::WrongState {
+            state: BufferState::Creating,
+            ..
+        })
+    ));
+    match create(&s, 2, "w/over", 4 * G, now) {
+        Err(Error::QuotaExceeded { in_use, .. }) => assert_eq!(in_use, 5 * G),
+        other => panic!("expected QuotaExceeded, got {:?}", other.map(|g| g.size)),
+    }
+    assert_eq!(live(&s), 1, "only w/ready is allocated yet");
+    gate.release.wait();
+    let g = creator.join().unwrap().unwrap();
+    assert_eq!((g.size, g.event), (4 * G, None));
+    assert_eq!(live(&s), 2);
+    let (list, _) = s.list("", now);
+    assert_eq!(list.iter().find(|b| b.name == "w/big").unwrap().attachments, 1);
+    s.publish(1, "w/big", None, now).unwrap();
+    s.attach(2, "w/big", now).unwrap();
+    s.detach(2, other.attachment).unwrap();
+}
+
+#[test]
+fn a_failed_allocation_rolls_back_its_name_and_quota() {
+    let now = Instant::now();
+    let s = Arc::new(state_with(Rules {
+        quotas: Quotas {
+            per_uid_bytes: Some(4 * G),
+            per_uid_buffers: Some(1),
+            ..Quotas::default()
+        },
+        ..rules()
+    }));
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let (gate, creator) = create_held(&s, 1, "w/fail", 4 * G, now);
+    assert!(matches!(create(&s, 2, "w/fail", G, now), Err(Error::NameTaken { .. })));
+    assert_eq!(s.stats().buffers, 1, "the reservation is a buffer");
+    // The GPU is full by the time the allocation runs.
+    s.backend().capacity.store(G, Ordering::SeqCst);
+    gate.release.wait();
+    assert!(matches!(creator.join().unwrap(), Err(Error::ServerGpu { .. })));
+    let stats = s.stats();
+    assert_eq!((stats.buffers, stats.bytes, stats.named, stats.freed), (0, 0, 0, 0));
+    assert_eq!(s.list("", now).0.len(), 0);
+    // The name and the whole quota (bytes and the one buffer) are free again.
+    s.backend().capacity.store(u64::MAX, Ordering::SeqCst);
+    create(&s, 2, "w/fail", 4 * G, now).unwrap();
+    assert_eq!(live(&s), 1);
+}
+
+#[test]
+fn a_reservation_deleted_or_disconnected_while_allocating_is_refused_and_freed() {
+    let now = Instant::now();
+    let s = Arc::new(state());
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    // Deleted by another client of its uid while its memory is allocated: the name goes at once.
+    let (gate, creator) = create_held(&s, 1, "w/del", 2 * G, now);
+    s.delete(2, "w/del", now).unwrap();
+    assert_eq!(s.list("", now).0.len(), 0);
+    gate.release.wait();
+    match creator.join().unwrap() {
+        Err(Error::WrongState {
+            state: BufferState::Deleting,
+            ..
+        }) => {}
+        other => panic!("expected WrongState, got {:?}", other.map(|g| g.size)),
+    }
+    assert_eq!(live(&s), 0, "its memory is released");
+    assert_eq!((s.stats().buffers, s.stats().bytes), (0, 0));
+    // Its creator's connection ended meanwhile: the reservation goes and so does the memory.
+    let (gate, creator) = create_held(&s, 1, "w/gone", 2 * G, now);
+    assert!(!s.disconnect(1), "a reservation is no attachment");
+    gate.release.wait();
+    assert!(matches!(creator.join().unwrap(), Err(Error::Protocol { .. })));
+    assert_eq!(live(&s), 0);
+    assert_eq!((s.stats().buffers, s.stats().bytes, s.stats().named), (0, 0, 0));
+    create(&s, 2, "w/gone", G, now).unwrap();
 }
