@@ -56,11 +56,26 @@ pub enum Point {
     ExporterWaitDone = 38,
     /// Exporter: the buffer's free was queued (or the buffer parked for a kept block).
     ExporterFreed = 39,
+    /// Memory service client: a request is about to be sent (buffer 0: the memory service's
+    /// points are of requests, put in order by their times).
+    MemsvcClientSent = 64,
+    /// Memory service server: a request was read.
+    MemsvcServerRead = 65,
+    /// Memory service server: the request's reply is ready (an attach's descriptors exported).
+    MemsvcServerReplied = 66,
+    /// Memory service server: the reply was written to the socket.
+    MemsvcServerSent = 67,
+    /// Memory service client: the reply was read, with its descriptors.
+    MemsvcClientReply = 68,
+    /// Memory service client: an attach's buffers are imported, mapped and accessible.
+    MemsvcClientMapped = 69,
+    /// Memory service client: an attach returns (its stream ordered after the creators' work).
+    MemsvcClientDone = 70,
 }
 
 impl Point {
     /// Every point, in code order.
-    pub const ALL: [Point; 19] = [
+    pub const ALL: [Point; 26] = [
         Point::ImporterFrame,
         Point::ImporterReadyPending,
         Point::ImporterReceived,
@@ -80,6 +95,13 @@ impl Point {
         Point::ExporterWoke,
         Point::ExporterWaitDone,
         Point::ExporterFreed,
+        Point::MemsvcClientSent,
+        Point::MemsvcServerRead,
+        Point::MemsvcServerReplied,
+        Point::MemsvcServerSent,
+        Point::MemsvcClientReply,
+        Point::MemsvcClientMapped,
+        Point::MemsvcClientDone,
     ];
 
     /// The point's code (what [`Record::to_bytes`] writes).

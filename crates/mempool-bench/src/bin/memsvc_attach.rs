@@ -5,9 +5,13 @@
 //! buffers (one buffer of `--size` bytes, or `--size` split into N buffers), fills them on the GPU,
 //! publishes them and exits; then, `--reps` times, a fresh attacher process (the restarted
 //! client) that connects, attaches every buffer by name, and waits for its stream (the data is
-//! usable from here on). Several buffers are attached two ways, each a row: with
-//! `Client::attach_many` (one request per 128 names, one address reservation per request) and
-//! with one `Client::attach` per buffer; the table shows the cost per buffer too. In the same attacher process, after its attachments are dropped, the
+//! usable from here on). Several buffers are attached three ways, each a row: with
+//! `Client::attach_many` (one request per 128 names, one address reservation per request, the
+//! buffers imported on the client's default `import_threads`), the same on one thread, and with
+//! one `Client::attach` per buffer; the table shows the cost per buffer too. `--trace` prints,
+//! under each row, where its last attacher's time went (the memory service's trace points in
+//! the attacher and the server, mean microseconds per request between consecutive points).
+//! `--phases N` instead times each driver step of attaching N buffers in one process. In the same attacher process, after its attachments are dropped, the
 //! baseline: one host-to-device copy of the same number of bytes from pinned host memory
 //! (`cuMemcpyHtoDAsync` and a stream synchronize; the pinned and device allocations are not
 //! timed). CUDA's initialization is outside both timings.
@@ -30,7 +34,8 @@ use mempool_core::{
     memory, Access, AllocationProps, Device, Event, EventFlags, Granularity, HandleTypes, Mapping, PhysicalAllocation,
     Reservation, Stream,
 };
-use mempool_ipc::memsvc::{Client, CreateOptions, Server, ServerConfig};
+use mempool_ipc::memsvc::{Client, ClientOptions, CreateOptions, Server, ServerConfig};
+use mempool_ipc::trace::{self, Point, Record};
 
 /// Attach after a client restart, against a copy from pinned host memory.
 #[derive(Parser, Debug)]
@@ -50,6 +55,17 @@ struct Args {
     /// reserve, map, grant access, unmap, interprocess events), to see which step bounds an attach.
     #[arg(long)]
     phases: Option<usize>,
+    /// With `--phases`: also time the import and the map + access grant split over this many
+    /// threads (each a run of the buffers, one access grant per run).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Print where an attach's time goes (client and server points of `mempool_ipc::trace`,
+    /// mean microseconds per request between consecutive points) under each row.
+    #[arg(long)]
+    trace: bool,
+    /// (internal) `ClientOptions::import_threads` of the attacher (0: the default).
+    #[arg(long, hide = true, default_value_t = 0)]
+    import_threads: usize,
     /// (internal) The part this process plays: creator or attacher.
     #[arg(long, hide = true)]
     role: Option<String>,
@@ -110,14 +126,21 @@ fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
 /// Attaches every buffer (timed; with one `attach_many` if `many`, else one `attach` each),
 /// checks their first words, then copies as many bytes from pinned host memory (timed). Prints
 /// `RESULT <attach seconds> <copy seconds>`.
-fn attacher(socket: &Path, count: usize, per: u64, many: bool) -> Fallible<()> {
+fn attacher(socket: &Path, count: usize, per: u64, many: bool, import_threads: usize, traced: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;
     let stream = Stream::new(&ctx)?;
     let total = per as usize * count;
 
+    let mut options = ClientOptions::default();
+    if import_threads > 0 {
+        options.import_threads = import_threads;
+    }
+    if traced {
+        trace::enable();
+    }
     let start = Instant::now();
-    let client = Client::connect(socket)?;
+    let client = Client::connect_with(socket, options)?;
     let attached = if many {
         let names: Vec<String> = (0..count).map(|i| name(count, i)).collect();
         client.attach_many(&names, stream.as_ref())?
@@ -130,6 +153,12 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool) -> Fallible<()> {
     };
     stream.synchronize()?;
     let attach = start.elapsed();
+    if traced {
+        trace::disable();
+        for r in trace::take() {
+            println!("TRACE {} {}", r.point.code(), r.at_ns);
+        }
+    }
     for i in [0, count - 1] {
         let mut word = [0u8; 4];
         // SAFETY: 1. buffer `i` maps at least 4 readable bytes until `attached` is dropped below.
@@ -161,7 +190,18 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool) -> Fallible<()> {
     Ok(())
 }
 
-fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool) -> Fallible<Option<(f64, f64)>> {
+/// What an attacher process printed: its attach and copy times, and its trace records.
+type ChildResult = (Option<(f64, f64)>, Vec<Record>);
+
+fn run_child(
+    role: &str,
+    socket: &Path,
+    count: usize,
+    per: u64,
+    many: bool,
+    import_threads: usize,
+    traced: bool,
+) -> Fallible<ChildResult> {
     let mut command = Command::new(std::env::current_exe()?);
     command.args(["--role", role, "--socket"]).arg(socket).args([
         "--buffers",
@@ -172,10 +212,28 @@ fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool) -> F
     if many {
         command.arg("--many");
     }
+    if traced {
+        command.arg("--trace");
+    }
+    command.args(["--import-threads", &import_threads.to_string()]);
     let mut child = command.stdout(Stdio::piped()).spawn()?;
     let mut result = None;
+    let mut records = Vec::new();
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
+        if let Some(rest) = line.strip_prefix("TRACE ") {
+            let mut it = rest.split_whitespace().map(str::parse::<u64>);
+            if let (Some(Ok(code)), Some(Ok(at_ns))) = (it.next(), it.next()) {
+                if let Some(point) = u8::try_from(code).ok().and_then(Point::from_code) {
+                    records.push(Record {
+                        point,
+                        buffer: 0,
+                        at_ns,
+                    });
+                }
+            }
+            continue;
+        }
         if let Some(rest) = line.strip_prefix("RESULT ") {
             let mut it = rest.split_whitespace().map(str::parse::<f64>);
             match (it.next(), it.next()) {
@@ -188,7 +246,48 @@ fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool) -> F
     if !status.success() {
         return Err(format!("the {role} process failed: {status}").into());
     }
-    Ok(result)
+    Ok((result, records))
+}
+
+fn point_name(p: Point) -> &'static str {
+    match p {
+        Point::MemsvcClientSent => "client sent",
+        Point::MemsvcServerRead => "server read",
+        Point::MemsvcServerReplied => "server replied",
+        Point::MemsvcServerSent => "server sent",
+        Point::MemsvcClientReply => "client reply",
+        Point::MemsvcClientMapped => "client mapped",
+        Point::MemsvcClientDone => "client done",
+        _ => "other",
+    }
+}
+
+/// The attacher's and the server's records on one timeline: mean microseconds per request from
+/// each point to the next (the first request, the handshake's, left out).
+fn print_trace(mut records: Vec<Record>) {
+    records.retain(|r| r.point.code() >= Point::MemsvcClientSent.code());
+    records.sort_by_key(|r| r.at_ns);
+    let mut steps: Vec<((Point, Point), u64, u64)> = Vec::new();
+    for w in records.windows(2) {
+        let key = (w[0].point, w[1].point);
+        let d = w[1].at_ns.saturating_sub(w[0].at_ns);
+        match steps.iter_mut().find(|(k, _, _)| *k == key) {
+            Some((_, n, total)) => {
+                *n += 1;
+                *total += d;
+            }
+            None => steps.push((key, 1, d)),
+        }
+    }
+    for ((a, b), n, total) in steps {
+        println!(
+            "    {:>15} -> {:<15} {:>6} times {:>10.1} us mean",
+            point_name(a),
+            point_name(b),
+            n,
+            total as f64 / n as f64 / 1e3
+        );
+    }
 }
 
 fn host_cpu() -> String {
@@ -260,19 +359,34 @@ fn main_process(args: &Args) -> Fallible<()> {
             )
             .into());
         }
-        run_child("creator", &socket, count, per, false)?;
+        run_child("creator", &socket, count, per, false, 0, false)?;
         // One buffer: one attach. Several: attach_many, then one attach per buffer.
-        let ways: &[(bool, &str)] = if count == 1 {
-            &[(false, "")]
+        let ways: &[(bool, usize, &str)] = if count == 1 {
+            &[(false, 0, "")]
         } else {
-            &[(true, ", attach_many"), (false, ", attach each")]
+            &[
+                (true, 0, ", attach_many"),
+                (true, 1, ", attach_many, 1 thread"),
+                (false, 0, ", attach each"),
+            ]
         };
-        for &(many, how) in ways {
+        for &(many, threads, how) in ways {
             let mut attach = Vec::new();
             let mut copy = Vec::new();
-            for _ in 0..args.reps {
-                let (a, c) =
-                    run_child("attacher", &socket, count, per, many)?.ok_or("the attacher printed no result")?;
+            let mut records = Vec::new();
+            for rep in 0..args.reps {
+                // The last attacher of a row is traced, if asked (the others are not slowed).
+                let traced = args.trace && rep + 1 == args.reps;
+                if traced {
+                    trace::enable();
+                }
+                let (result, child) = run_child("attacher", &socket, count, per, many, threads, traced)?;
+                if traced {
+                    trace::disable();
+                    records = trace::take();
+                    records.extend(child);
+                }
+                let (a, c) = result.ok_or("the attacher printed no result")?;
                 attach.push(a);
                 copy.push(c);
             }
@@ -288,6 +402,9 @@ fn main_process(args: &Args) -> Fallible<()> {
                 total as f64 / c / 1e9,
                 c / a
             );
+            if args.trace {
+                print_trace(records);
+            }
         }
         for i in 0..count {
             admin.delete(&name(count, i))?;
@@ -304,7 +421,7 @@ fn main_process(args: &Args) -> Fallible<()> {
 
 /// `--phases N`: each driver step of an attach of N buffers, timed over all N (one process: the
 /// import is of this process's own export, which the driver allows for POSIX descriptors).
-fn phases(total: u64, count: usize) -> Fallible<()> {
+fn phases(total: u64, count: usize, threads: usize) -> Fallible<()> {
     if count == 0 {
         return Err("--phases needs at least 1 buffer".into());
     }
@@ -348,6 +465,67 @@ fn phases(total: u64, count: usize) -> Fallible<()> {
         .map(|f| PhysicalAllocation::import_fd(f.as_fd(), per).map(Arc::new))
         .collect::<Result<_, _>>()?;
     step("cuMemImportFromShareableHandle", t.elapsed(), count);
+    if threads > 1 {
+        let per_thread = count.div_ceil(threads);
+        let t = Instant::now();
+        let again: Vec<Arc<PhysicalAllocation>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = fds
+                .chunks(per_thread)
+                .map(|c| {
+                    scope.spawn(move || {
+                        c.iter()
+                            .map(|f| PhysicalAllocation::import_fd(f.as_fd(), per).map(Arc::new))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for h in handles {
+                all.extend(h.join().expect("no panic")?);
+            }
+            Ok::<_, mempool_core::Error>(all)
+        })?;
+        step(
+            &format!("cuMemImportFromShareableHandle, {threads} threads"),
+            t.elapsed(),
+            count,
+        );
+        let reservation = Reservation::new(device, per * count, 0, None)?;
+        let t = Instant::now();
+        let mappings = std::thread::scope(|scope| {
+            let handles: Vec<_> = again
+                .chunks(per_thread)
+                .enumerate()
+                .map(|(k, c)| {
+                    let reservation = &reservation;
+                    scope.spawn(move || {
+                        let base = k * per_thread * per;
+                        let mut out = Vec::with_capacity(c.len());
+                        for (i, p) in c.iter().enumerate() {
+                            out.push(Mapping::without_access(reservation, base + i * per, p.clone())?);
+                        }
+                        reservation.set_access(base, c.len() * per, &[(device, Access::ReadWrite)])?;
+                        Ok::<_, mempool_core::Error>(out)
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for h in handles {
+                all.extend(h.join().expect("no panic")?);
+            }
+            Ok::<_, mempool_core::Error>(all)
+        })?;
+        step(
+            &format!("cuMemMap + cuMemSetAccess, {threads} threads"),
+            t.elapsed(),
+            count,
+        );
+        let t = Instant::now();
+        drop(mappings);
+        drop(reservation);
+        drop(again);
+        step("unmap + release of those", t.elapsed(), count);
+    }
     drop(fds);
     for chunk in [count, 128.min(count)] {
         let t = Instant::now();
@@ -412,10 +590,12 @@ fn main() -> ExitCode {
         return missing.exit("memsvc_attach");
     }
     let result = match (args.role.as_deref(), &args.socket, args.per, args.buffers.first()) {
-        (None, _, _, _) if args.phases.is_some() => phases(args.size, args.phases.unwrap_or(1)),
+        (None, _, _, _) if args.phases.is_some() => phases(args.size, args.phases.unwrap_or(1), args.threads.max(1)),
         (None, _, _, _) => main_process(&args),
         (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
-        (Some("attacher"), Some(socket), Some(per), Some(&count)) => attacher(socket, count, per, args.many),
+        (Some("attacher"), Some(socket), Some(per), Some(&count)) => {
+            attacher(socket, count, per, args.many, args.import_threads, args.trace)
+        }
         (Some(role), ..) => Err(format!("unknown role {role:?} or missing --socket/--per/--buffers").into()),
     };
     match result {

@@ -19,6 +19,7 @@ use super::proto::codec;
 use super::proto::messages::{EventBytes, GrantEntry, Message, MAX_ATTACH_MANY};
 use super::types::{BufferInfo, ServerStats};
 use crate::cred;
+use crate::trace::{self, Point};
 use crate::wire::DeviceUuid;
 
 /// How a [`Client`] connects.
@@ -190,9 +191,11 @@ impl Client {
                 during: "a call on a connection an earlier failure closed",
             });
         };
+        trace::mark(Point::MemsvcClientSent, 0);
         let result = framed
             .send(request, None)
             .and_then(|()| framed.recv(Some(self.shared.timeout), self.shared.timeout));
+        trace::mark(Point::MemsvcClientReply, 0);
         match result {
             Ok((Message::Refused(r), _)) => Err(codec::error_of(r)),
             Ok(reply) => Ok(reply),
@@ -393,6 +396,7 @@ impl Client {
         for (a, mapping) in held.iter_mut().zip(mappings) {
             a.held.mapping = Some(mapping);
         }
+        trace::mark(Point::MemsvcClientMapped, 0);
         let mut waited: Vec<EventBytes> = Vec::new();
         for (h, g) in held.iter().map(|a| &a.held).zip(grants) {
             if let Some(handle) = g.event {
@@ -403,6 +407,7 @@ impl Client {
                 }
             }
         }
+        trace::mark(Point::MemsvcClientDone, 0);
         Ok(held)
     }
 

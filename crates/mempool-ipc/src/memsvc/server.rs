@@ -28,6 +28,7 @@ use super::state::{ConnId, Grant, Rules, Service};
 use super::types::ServerStats;
 use crate::cred::{self, AccessPolicy, PeerCredentials};
 use crate::listener::{Listener, ListenerOptions};
+use crate::trace::{self, Point};
 
 /// How a [`Server`] is set up. Build with [`ServerConfig::new`] and the setters.
 ///
@@ -580,6 +581,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
             }
             Err(e) => return Err(e),
         };
+        trace::mark(Point::MemsvcServerRead, 0);
         let now = Instant::now();
         let reply: Result<(Message, Vec<OwnedFd>)> = match request {
             Message::Create {
@@ -629,6 +631,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
             }
             other => Err(Error::protocol(format!("{:?} after the handshake", other.kind()))),
         };
+        trace::mark(Point::MemsvcServerReplied, 0);
         match reply {
             Ok((message, fds)) => {
                 let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
@@ -640,6 +643,7 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
             Err(e @ Error::Protocol { .. }) => return Err(e),
             Err(e) => framed.send(&Message::Refused(codec::refusal_of(&e)), None)?,
         }
+        trace::mark(Point::MemsvcServerSent, 0);
     }
 }
 
