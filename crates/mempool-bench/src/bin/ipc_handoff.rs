@@ -994,6 +994,14 @@ fn point_name(point: trace::Point) -> &'static str {
         P::ExporterWoke => "exporter: wait_released woke",
         P::ExporterWaitDone => "exporter: wait_released done",
         P::ExporterFreed => "exporter: free queued (or parked)",
+        // The memory service's points (memsvc_attach prints them).
+        P::MemsvcClientSent
+        | P::MemsvcServerRead
+        | P::MemsvcServerReplied
+        | P::MemsvcServerSent
+        | P::MemsvcClientReply
+        | P::MemsvcClientMapped
+        | P::MemsvcClientDone => "memory service",
     }
 }
 
