@@ -68,7 +68,7 @@ impl<'s> ExportedBuffer<'s> {
         let mut state = self.inner.lock();
         while state.leases.holders(self.id).next().is_some() {
             let id = self.id;
-            state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
+            state = self.inner.wait_release(state, id, deadline).ok_or_else(|| Error::WaitTimeout {
                 what: format!("importers to release buffer {id}"),
             })?;
         }
@@ -358,7 +358,12 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
             });
         }
     }
-    inner.changed.notify_all();
+    if first_error.is_some() {
+        // A share undone took holders away: a thread waiting for this buffer's release may be done.
+        inner.notify_all_waiters();
+    } else {
+        inner.notify();
+    }
     first_error.map_or(Ok(()), Err)
 }
 

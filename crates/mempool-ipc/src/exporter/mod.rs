@@ -279,6 +279,7 @@ impl Exporter {
             server: OnceLock::new(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            waiters: std::sync::atomic::AtomicUsize::new(0),
             free_stream,
             release_stream,
             shutting_down: AtomicBool::new(false),
@@ -487,6 +488,28 @@ impl Exporter {
         let to: Vec<ImporterId> = self.importers().iter().map(|i| i.id).collect();
         self.share(buffer, &to)?;
         Ok(to)
+    }
+
+    /// Sets how long the serving thread, after it drained releases from the shared-memory rings,
+    /// keeps looking at the rings (loads of each ring's head, no system call) before it sleeps in
+    /// `epoll` (default 50 µs; `Duration::ZERO`: it sleeps at once). While it looks, its waiting
+    /// flags stay clear, so an importer that publishes a release rings no doorbell (no `RingBell`
+    /// frame, no wake-up of the serving thread). It spins only within this time of the last ring
+    /// traffic, so an idle exporter costs no CPU; while it spins it still asks `epoll` (without
+    /// waiting) every few microseconds, so sockets and shares are not held up. Takes effect at the
+    /// serving thread's next round.
+    pub fn set_ring_spin(&self, spin: Duration) {
+        if let Some(server) = self.inner.server.get() {
+            server.set_ring_spin(spin);
+        }
+    }
+
+    /// What [`Exporter::set_ring_spin`] set.
+    pub fn ring_spin(&self) -> Duration {
+        self.inner
+            .server
+            .get()
+            .map_or(crate::server::DEFAULT_RING_SPIN, Server::ring_spin)
     }
 
     /// A snapshot of the bookkeeping.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use mempool_core::{Event, EventFlags, IpcEventHandle};
 
-use super::state::{Inner, Peer, MAX_RELEASE_EVENTS};
+use super::state::{wake, Inner, Peer, MAX_RELEASE_EVENTS};
 use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
@@ -28,7 +28,7 @@ impl Handler for Inner {
                 release_events: Vec::new(),
             },
         );
-        self.changed.notify_all();
+        self.notify();
     }
 
     fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
@@ -75,19 +75,25 @@ impl Handler for Inner {
                 }
             }
         }
+        let woken = Inner::released_waiters(&mut state);
         drop(state);
+        wake(woken);
         self.finish_deferred(freed);
-        self.changed.notify_all();
+        self.notify();
         result
     }
 
     fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()> {
         // A release of something it does not hold is an error: the importer is broken, the loop
         // cuts it off and it is treated as gone (it may still use what it holds: see `ended`).
-        let freed = self.lock().leases.release(buffer, id)?;
+        let mut state = self.lock();
+        let freed = state.leases.release(buffer, id)?;
         trace::mark(Point::ExporterReleased, buffer.0);
+        let woken = Inner::released_waiters(&mut state);
+        drop(state);
+        wake(woken);
         self.finish_deferred(freed.map(|s| (buffer, s)).into_iter().collect());
-        self.changed.notify_all();
+        self.notify();
         Ok(())
     }
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::{BlockPins, ImporterId, LeaseTable};
 use crate::server::Server;
 use crate::session::PoolAnnouncement;
+use crate::trace;
 use crate::wire::{BlockId, BufferId, EventHandle, PointerDescriptor};
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
@@ -130,6 +131,9 @@ pub(super) struct State {
     /// Blocks (by base address) that importers keep imported, and the last buffer of each,
     /// parked until they are gone.
     pub(super) pins: BlockPins<u64, (BufferId, Shared)>,
+    /// Threads in [`ExportedBuffer::wait_released`](crate::ExportedBuffer::wait_released), and the
+    /// buffer each waits for: woken one by one ([`Inner::wake_released`]), not all at every change.
+    pub(super) release_waiters: Vec<(BufferId, std::thread::Thread)>,
 }
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
@@ -141,7 +145,11 @@ pub(super) struct Inner {
     /// exporter's shutdown stops it, which breaks the cycle).
     pub(super) server: OnceLock<Server>,
     pub(super) state: Mutex<State>,
+    /// Signalled when the state changes ([`Inner::notify`]: not directly), for the threads in
+    /// [`Inner::wait`].
     pub(super) changed: Condvar,
+    /// Threads in [`Inner::wait`] now: a change with none costs no system call.
+    pub(super) waiters: AtomicUsize,
     pub(super) free_stream: Stream,
     /// Where the exporter waits on importers' release events as they arrive (so that it never
     /// touches an importer's event later, when that importer may have destroyed it), recording
@@ -161,17 +169,87 @@ impl Inner {
         lock_plain(&self.state)
     }
 
-    /// Waits for a change of the state until `deadline`; `None` once it has passed.
+    /// Waits for a change of the state ([`Inner::notify`]) until `deadline`; `None` once it has passed.
     pub(super) fn wait<'a>(&self, state: MutexGuard<'a, State>, deadline: Instant) -> Option<MutexGuard<'a, State>> {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return None;
         }
+        // Counted under the lock, before the wait releases it: a change made after this thread
+        // looked at the state is made under the lock too, so its `notify` sees the count.
+        self.waiters.fetch_add(1, Ordering::SeqCst);
         let (state, _) = self
             .changed
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
         Some(state)
+    }
+
+    /// Tells the threads in [`Inner::wait`] that the state changed (call it after the change,
+    /// with or without the lock). No system call when none waits.
+    pub(super) fn notify(&self) {
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            trace::count(trace::Counter::Notify);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Tells every thread waiting for the state to change, including those waiting for a buffer's
+    /// release: after changes that may take holders away from any buffer (an importer gone, a
+    /// share undone).
+    pub(super) fn notify_all_waiters(&self) {
+        self.notify();
+        let waiters = std::mem::take(&mut self.lock().release_waiters);
+        for (_, thread) in waiters {
+            trace::count(trace::Counter::ReleaseWake);
+            thread.unpark();
+        }
+    }
+
+    /// Waits until buffer `id` may have lost its last holder ([`Inner::wake_released`] or
+    /// [`Inner::notify_all_waiters`]), or `deadline`; `None` once it has passed. Only this thread
+    /// is woken for it: a release of another buffer wakes another thread.
+    pub(super) fn wait_release<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        id: BufferId,
+        deadline: Instant,
+    ) -> Option<MutexGuard<'a, State>> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let me = std::thread::current();
+        state.release_waiters.push((id, me.clone()));
+        drop(state);
+        // An unpark between the unlock and here is not lost: it makes this park return at once.
+        std::thread::park_timeout(left);
+        let mut state = self.lock();
+        if let Some(i) = state
+            .release_waiters
+            .iter()
+            .position(|(b, t)| *b == id && t.id() == me.id())
+        {
+            state.release_waiters.swap_remove(i);
+        }
+        Some(state)
+    }
+
+    /// Takes the waiters of buffers that no importer holds any more, to be woken
+    /// ([`wake`]) once the lock is released.
+    pub(super) fn released_waiters(state: &mut State) -> Vec<std::thread::Thread> {
+        let mut woken = Vec::new();
+        let mut i = 0;
+        while i < state.release_waiters.len() {
+            let id = state.release_waiters[i].0;
+            if state.leases.holders(id).next().is_none() {
+                woken.push(state.release_waiters.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        woken
     }
 
     /// The connections.
@@ -189,6 +267,14 @@ impl Inner {
         let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
         let handle = EventHandle(event.ipc_handle()?.0);
         Ok(IpcEvent { event, handle })
+    }
+}
+
+/// Wakes the threads [`Inner::released_waiters`] took.
+pub(super) fn wake(threads: Vec<std::thread::Thread>) {
+    for thread in threads {
+        trace::count(trace::Counter::ReleaseWake);
+        thread.unpark();
     }
 }
 
