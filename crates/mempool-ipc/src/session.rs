@@ -639,15 +639,18 @@ impl ImporterSession {
             if ring.spin(rings::SPIN.min(wait)) {
                 continue;
             }
-            if self.socket_readable() {
+            // One look at the socket, after the waiting flag is set (the exporter rings after
+            // socket frames too, but only once it sees the flag): a frame there is read, else sleep.
+            let asleep = trace::stamp();
+            let socket = ring
+                .sleep(wait, || self.socket_readable())
+                .map_err(|e| self.reject(e))?;
+            if socket {
                 if let Some(event) = self.recv_socket(ring, deadline)? {
                     return Ok(event);
                 }
                 continue;
             }
-            let asleep = trace::stamp();
-            ring.sleep(wait, || self.socket_readable())
-                .map_err(|e| self.reject(e))?;
             slept = Some((asleep, trace::stamp()));
         }
     }

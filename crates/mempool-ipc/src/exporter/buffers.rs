@@ -68,9 +68,12 @@ impl<'s> ExportedBuffer<'s> {
         let mut state = self.inner.lock();
         while state.leases.holders(self.id).next().is_some() {
             let id = self.id;
-            state = self.inner.wait_release(state, id, deadline).ok_or_else(|| Error::WaitTimeout {
-                what: format!("importers to release buffer {id}"),
-            })?;
+            state = self
+                .inner
+                .wait_release(state, id, deadline)
+                .ok_or_else(|| Error::WaitTimeout {
+                    what: format!("importers to release buffer {id}"),
+                })?;
         }
         trace::mark(Point::ExporterWoke, self.id.0);
         let waits = state

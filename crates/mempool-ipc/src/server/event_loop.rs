@@ -631,18 +631,14 @@ impl Loop {
             .filter(|(_, p)| p.ring.is_some() && p.handshake.is_none())
             .map(|(t, _)| *t)
             .collect();
-        let mut drained = false;
         for &token in &tokens {
-            drained |= self.drain_ring(token, now);
-        }
-        if drained {
-            self.ring_traffic = Some(now);
+            self.drain_ring(token, now);
         }
         // What the next round drains was found by the spin below, or by nobody in particular.
         self.round_start = RoundStart::Busy;
         let spin = Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
         if let Some(last) = self.ring_traffic {
-            if !spin.is_zero() && now < last + spin && self.spin(&tokens, last + spin) {
+            if !spin.is_zero() && now < last + spin && self.spin(&tokens, last) {
                 return true;
             }
         }
@@ -662,9 +658,11 @@ impl Loop {
 
     /// Looks at the rings of `tokens` (loads of their heads, no system call) until one has
     /// entries (`true`), `epoll` has something ready (`true`: asked every [`SPIN_EPOLL_EVERY`],
-    /// without waiting), or `until` passes (`false`).
-    fn spin(&mut self, tokens: &[u64], until: Instant) -> bool {
+    /// without waiting), or the spin time (read again at each ask, so a new setting takes effect
+    /// at once) has passed since `last` ring traffic (`false`).
+    fn spin(&mut self, tokens: &[u64], last: Instant) -> bool {
         let mut asked = Instant::now();
+        let mut until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
         loop {
             for token in tokens {
                 if let Some(ring) = self.peers.get_mut(token).and_then(|p| p.ring.as_mut()) {
@@ -679,6 +677,7 @@ impl Loop {
             let now = Instant::now();
             if now >= asked + SPIN_EPOLL_EVERY {
                 asked = now;
+                until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
                 let mut fds = [rustix::event::PollFd::new(&self.epoll, rustix::event::PollFlags::IN)];
                 let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
                 if matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
@@ -692,20 +691,22 @@ impl Loop {
     }
 
     /// Handles what waits in the ring of `token` (at most one ring's worth per call, so a peer
-    /// that keeps writing cannot hold the loop). Returns whether it found any.
-    fn drain_ring(&mut self, token: u64, now: Instant) -> bool {
+    /// that keeps writing cannot hold the loop).
+    fn drain_ring(&mut self, token: u64, now: Instant) {
         let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
-            return false;
+            return;
         };
         let max = self.limits.ring.unwrap_or_default().capacity() as usize;
         match ring.drain(max) {
             Ok(messages) => {
                 if messages.is_empty() {
-                    return false;
+                    return;
                 }
                 if let Some(peer) = self.peers.get_mut(&token) {
                     peer.last_traffic = now;
                 }
+                // Also when drained after a `RingBell` (`on_peer`): the spin follows any traffic.
+                self.ring_traffic = Some(now);
                 if crate::trace::is_enabled() {
                     self.mark_round_start(&messages);
                 }
@@ -715,12 +716,8 @@ impl Loop {
                     }
                     self.on_message(token, message, now);
                 }
-                true
             }
-            Err(e) => {
-                self.end(token, false, Some(e));
-                false
-            }
+            Err(e) => self.end(token, false, Some(e)),
         }
     }
 

@@ -128,8 +128,12 @@ impl RingSender {
     }
 
     /// Publishes what was pushed and wakes the importer if it sleeps (also after frames went out
-    /// on the socket: a sleeping importer then looks at its socket).
-    pub(crate) fn publish_and_wake(&mut self) {
-        self.tx.publish_and_wake();
+    /// on the socket: a sleeping importer then looks at its socket); returns whether it woke it.
+    pub(crate) fn publish_and_wake(&mut self) -> bool {
+        let asleep = self.tx.publish();
+        if asleep {
+            self.tx.wake_consumer();
+        }
+        asleep
     }
 }
