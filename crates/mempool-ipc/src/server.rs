@@ -146,11 +146,6 @@ impl Server {
         self.shared.ring_spin_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// What [`Server::set_ring_spin`] set (by default [`DEFAULT_RING_SPIN`]).
-    pub(crate) fn ring_spin(&self) -> std::time::Duration {
-        std::time::Duration::from_nanos(self.shared.ring_spin_ns.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
     /// The loop's counters, as of its last round.
     pub(crate) fn stats(&self) -> ServerStats {
         *lock(&self.shared.stats)

@@ -18,8 +18,8 @@
 //!   version 3, the default): buffers and releases cost no system call while both sides are
 //!   awake, and a release goes out as soon as the buffer is let go;
 //! - `v3 sub, no spin`: `v3 sub` with the exporter's serving thread sleeping as soon as the rings
-//!   are empty (`Exporter::set_ring_spin(0)`), so that every release that finds it asleep rings its
-//!   doorbell: the A/B of the spin, in the same run;
+//!   are empty and `wait_released` parking at once (`Exporter::set_spin(0)`), so that every release
+//!   that finds the serving thread asleep rings its doorbell: the A/B of the spin, in the same run;
 //! - `v3 sub x8` (sustained only): `v3 sub` with the producer sharing 8 buffers per
 //!   `Exporter::share_many` and the consumer taking them with `Importer::recv_many`.
 //!
@@ -702,13 +702,13 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
 }
 
 /// Runs `f` with the exporter's serving thread not spinning over the rings
-/// (`Exporter::set_ring_spin(0)`: it sleeps as soon as the rings are empty, so every release
-/// that finds it asleep rings its doorbell), then puts the spin back.
+/// and `wait_released` parking at once (`Exporter::set_spin(0)`: the loop sleeps as soon as the rings
+/// are empty, so every release that finds it asleep rings its doorbell), then puts the spin back.
 fn without_spin<T>(producer: &Producer, f: impl FnOnce() -> AnyResult<T>) -> AnyResult<T> {
-    let spin = producer.exporter.ring_spin();
-    producer.exporter.set_ring_spin(Duration::ZERO);
+    let spin = producer.exporter.spin();
+    producer.exporter.set_spin(Duration::ZERO);
     let result = f();
-    producer.exporter.set_ring_spin(spin);
+    producer.exporter.set_spin(spin);
     result
 }
 

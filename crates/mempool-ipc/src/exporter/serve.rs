@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
-use mempool_core::{Event, EventFlags, IpcEventHandle};
+use mempool_core::{Event, IpcEventHandle};
 
-use super::state::{wake, Inner, Peer, MAX_RELEASE_EVENTS};
+use super::state::{wake, AfterEvent, Inner, Peer, MAX_RELEASE_EVENTS};
 use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
@@ -75,7 +75,7 @@ impl Handler for Inner {
                 }
             }
         }
-        let woken = Inner::released_waiters(&mut state);
+        let woken = self.released_waiters(&mut state);
         drop(state);
         wake(woken);
         self.finish_deferred(freed);
@@ -89,7 +89,7 @@ impl Handler for Inner {
         let mut state = self.lock();
         let freed = state.leases.release(buffer, id)?;
         trace::mark(Point::ExporterReleased, buffer.0);
-        let woken = Inner::released_waiters(&mut state);
+        let woken = self.released_waiters(&mut state);
         drop(state);
         wake(woken);
         self.finish_deferred(freed.map(|s| (buffer, s)).into_iter().collect());
@@ -117,7 +117,7 @@ impl Inner {
     /// Returns `None` (nothing to wait for) if the importer's event is complete: its latest
     /// recording, which covers this batch's uses and every earlier one (the importer orders each
     /// recording after the previous), is done.
-    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Option<Arc<Event>>> {
+    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Option<Arc<AfterEvent>>> {
         let mut state = self.lock();
         let peer = state.importers.get_mut(&id).ok_or(ProtocolError::Violation {
             reason: format!("importer {id} is not connected"),
@@ -142,7 +142,7 @@ impl Inner {
         }
         let stream = self.release_stream.as_ref();
         stream.wait(event)?;
-        let after = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
+        let after = self.after_event()?;
         after.record(stream)?;
         Ok(Some(Arc::new(after)))
     }
