@@ -258,10 +258,12 @@ impl Loop {
             if !rings_busy {
                 crate::trace::count(crate::trace::Counter::LoopSleep);
                 self.round_start = RoundStart::Woke(crate::trace::stamp());
-                for peer in self.peers.values() {
-                    if let Some(ring) = &peer.ring {
-                        ring.sleep_end();
-                    }
+            }
+            // Awake: every flag clear, also those set before a ring further on kept the loop from
+            // sleeping (left set, they would make those importers ring for nothing).
+            for peer in self.peers.values() {
+                if let Some(ring) = &peer.ring {
+                    ring.sleep_end();
                 }
             }
             match waited {
