@@ -164,7 +164,7 @@ pub(super) struct State {
     /// parked until they are gone.
     pub(super) pins: BlockPins<u64, (BufferId, Shared)>,
     /// Threads in [`ExportedBuffer::wait_released`](crate::ExportedBuffer::wait_released), and the
-    /// buffer each waits for: woken one by one ([`Inner::wake_released`]), not all at every change.
+    /// buffer each waits for: woken one by one ([`Inner::released_waiters`]), not all at every change.
     pub(super) release_waiters: Vec<(BufferId, std::thread::Thread)>,
 }
 
@@ -250,7 +250,7 @@ impl Inner {
         }
     }
 
-    /// Waits until buffer `id` may have lost its last holder ([`Inner::wake_released`] or
+    /// Waits until buffer `id` may have lost its last holder ([`Inner::released_waiters`] or
     /// [`Inner::notify_all_waiters`]), or `deadline`; `None` once it has passed. Only this thread
     /// is woken for it: a release of another buffer wakes another thread.
     pub(super) fn wait_release<'a>(
