@@ -41,7 +41,8 @@
 //! its event wait, view and release, the release's push into the ring and any `RingBell`, the
 //! exporter's loop waking or its spin finding the release, the lease released, `wait_released`
 //! woken) is printed with its median, 90th percentile and count, joined across the processes by
-//! buffer id (steps fewer than a tenth of the buffers took are left out); also how often a ready or
+//! buffer id (steps fewer than a tenth of the buffers took are left out; step tables for the rings'
+//! runs and the socket's sustained run only, summaries for the rest); also how often a ready or
 //! release event was still pending on the GPU, how often the producer's stream was still busy when
 //! the release arrived, the round trip when the producer synchronizes its stream each time, and the
 //! system calls per buffer of the sustained run. The third set of consumers waits on the host for
@@ -514,6 +515,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
             &stream,
             4 * KIB,
             false,
+            true,
             "v3 sub",
             "early, before the tables",
         )?;
@@ -1174,13 +1176,15 @@ fn print_steps(title: &str, records: &[Record], own: &[(u64, &'static str, u64)]
 }
 
 /// One traced round trip of 300 suballocated buffers of `size` with the first consumer of `set`
-/// (`path` names it); prints its summary and (unless `sync`) its steps.
+/// (`path` names it); prints its summary and, with `steps` (and not `sync`), its steps.
+#[allow(clippy::too_many_arguments)]
 fn traced_round_trip(
     producer: &Producer,
     set: &mut [Consumer],
     stream: &Stream,
     size: usize,
     sync: bool,
+    steps: bool,
     path: &str,
     when: &str,
 ) -> AnyResult<()> {
@@ -1216,7 +1220,7 @@ fn traced_round_trip(
         count(trace::Point::ImporterReadyPending),
         count(trace::Point::ExporterReleasePending),
     );
-    if !sync {
+    if steps && !sync {
         print_steps(
             &format!("Steps of a round trip, {path} {} ({when})", human(size)),
             &records,
@@ -1241,16 +1245,32 @@ fn diagnosis(
 ) -> AnyResult<()> {
     println!();
     println!("Diagnosis (mempool_ipc::trace on in the producer and the consumers)");
-    let sets: [(&mut [Consumer], &str, &str); 3] = [
-        (v3, "v3 sub", "the rings, ready events waited for on the GPU"),
-        (v2, "v2 sub", "the socket, ready events waited for on the GPU"),
+    // Step tables (to keep the log short): every one for the rings, the sustained one for the socket,
+    // none for the host-waiting set (its summary lines only).
+    /// A consumer set, its column name, how it waits, and whether to print the round trips' and the
+    /// sustained run's step tables.
+    type Set<'a> = (&'a mut [Consumer], &'a str, &'a str, (bool, bool));
+    let sets: [Set<'_>; 3] = [
+        (
+            v3,
+            "v3 sub",
+            "the rings, ready events waited for on the GPU",
+            (true, true),
+        ),
+        (
+            v2,
+            "v2 sub",
+            "the socket, ready events waited for on the GPU",
+            (false, true),
+        ),
         (
             host_ready,
             "v3 sub host",
             "the rings, ready and release events waited for on the host",
+            (false, false),
         ),
     ];
-    for (set, path, how) in sets {
+    for (set, path, how, (round_steps, sustained_steps)) in sets {
         if set.is_empty() {
             continue;
         }
@@ -1266,7 +1286,7 @@ fn diagnosis(
                 mean(&plain)
             );
             for sync in [false, true] {
-                traced_round_trip(producer, set, stream, size, sync, path, "after the tables")?;
+                traced_round_trip(producer, set, stream, size, sync, round_steps, path, "after the tables")?;
             }
         }
         let size = 64 * KIB;
@@ -1302,7 +1322,9 @@ fn diagnosis(
             count(trace::Point::ImporterReadyPending),
             count(trace::Point::ExporterReleasePending),
         );
-        print_steps(&format!("Steps of a buffer, sustained {path} 64 KiB"), &records, &[]);
+        if sustained_steps {
+            print_steps(&format!("Steps of a buffer, sustained {path} 64 KiB"), &records, &[]);
+        }
     }
     Ok(())
 }
