@@ -16,7 +16,9 @@
 # To fit a 10-minute command: each run is cut at RUN_TIMEOUT seconds (default 140; four runs), the Python
 # benchmark's arguments default to `--iterations 300 --sustained-buffers 1000` (pass others after --), and
 # MODES=no-mps or MODES=mps (default "no-mps mps") and ONLY=rust or ONLY=python split the work over several
-# commands (the daemon is started and stopped within whichever command runs the mps mode).
+# commands (the daemon is started and stopped within whichever command runs the mps mode). RUST_ARGS are
+# ipc_handoff's arguments (default "4 --no-trace"; "4" adds the traced diagnosis of the rings, the socket
+# and the host-waiting consumers).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/ipc-mps-bench}
@@ -84,7 +86,8 @@ benches() { # suffix [python benchmark args...]
   local suffix=$1; shift
   if [ "$only" = python ]; then :
   elif [ -x "$bin" ]; then
-    run "ipc-handoff-$suffix" "$bin" 4 --no-trace
+    # shellcheck disable=SC2086 # RUST_ARGS is a list of words
+    run "ipc-handoff-$suffix" "$bin" ${RUST_ARGS:-4 --no-trace}
   else
     echo "== $bin missing: build it (cargo build --release -p mempool-bench --bin ipc_handoff) or pack .gpu"
   fi

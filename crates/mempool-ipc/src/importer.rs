@@ -434,9 +434,13 @@ impl Importer {
     fn recv_any_until<'s>(&self, stream: StreamRef<'s>, deadline: Option<Instant>) -> Result<Received<'s>> {
         let inner = &self.inner;
         // The exporter may be waiting for these releases before it sends more: send them unless
-        // a message is already here.
-        if inner.pending.is_some() && !inner.session.readable() {
-            inner.flush_releases(Point::ImporterSendOnRecv)?;
+        // a message is already here (on the rings none wait: each goes out as it is made). Asking
+        // the socket costs a system call: only when releases wait.
+        if let Some(pending) = &inner.pending {
+            let waiting = !lock_plain(&pending.batch).is_empty();
+            if waiting && !inner.session.readable() {
+                inner.flush_releases(Point::ImporterSendOnRecv)?;
+            }
         }
         let descriptor = match inner.session.recv_until(deadline) {
             Ok(ExporterEvent::Buffer(descriptor)) => descriptor,
@@ -677,7 +681,20 @@ impl Inner {
                 }
                 // The import was freed after `stream` was synchronized: complete, release it now.
                 Ok(None) => return ignore_gone(self.session.release(id)),
-                Ok(Some(_)) => trace::mark(Point::ImporterRecorded, id.0),
+                Ok(Some(handle)) => {
+                    trace::mark(Point::ImporterRecorded, id.0);
+                    if self.session.rings() && !self.release_on_host {
+                        // On the rings a release goes out at once, past the batcher (whose flusher
+                        // thread would be woken for each release, a system call and a wake-up for
+                        // nothing): writing it costs no system call while the exporter is awake.
+                        // Releases still in the batcher (none on the rings) would go out later
+                        // under the event's newer recording, which covers them too.
+                        trace::mark(Point::ImporterSendOnPush, id.0);
+                        let sent = ignore_gone(self.session.release_batch(Some(handle), vec![id]));
+                        trace::mark(Point::ImporterSent, id.0);
+                        return sent;
+                    }
+                }
             }
             if self.release_on_host {
                 // The event was recorded on `stream` (after any chained wait): once the stream is done,
@@ -699,8 +716,8 @@ impl Inner {
                 }
                 send
             };
-            // On the rings a release goes out at once: writing it costs no system call while the
-            // exporter is awake, and releases of buffers let go together share a doorbell.
+            // On the rings a release goes out at once (above; here only when `release_on_host`
+            // could not synchronize).
             if !send && !self.session.rings() {
                 trace::mark(Point::ImporterQueued, id.0);
                 return Ok(());

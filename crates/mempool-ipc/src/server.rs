@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 
 pub(crate) use self::admission::Limits;
 use self::event_loop::{lock, Setup, Shared};
-pub(crate) use self::event_loop::{Handler, ServerStats};
+pub(crate) use self::event_loop::{Handler, ServerStats, DEFAULT_RING_SPIN};
 use self::outbox::{Outgoing, PushError};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
@@ -137,6 +137,13 @@ impl Server {
                 reason: format!("importer {id} is being disconnected, or the exporter is shutting down"),
             }),
         }
+    }
+
+    /// How long the serving thread spins over the rings after ring traffic before it sleeps
+    /// (zero: never); read at every round.
+    pub(crate) fn set_ring_spin(&self, spin: std::time::Duration) {
+        let ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
+        self.shared.ring_spin_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The loop's counters, as of its last round.

@@ -44,6 +44,7 @@ use self::rings::ImporterRing;
 use crate::conn::{Connection, ConnectionOptions, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{Error, Result};
+use crate::trace;
 use crate::wire::{
     BufferDescriptor, BufferId, DeviceUuid, EventHandle, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
     ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor, Welcome, CAP_FAST_RELEASE, CAP_RING, CAP_VMM,
@@ -507,6 +508,7 @@ impl ImporterSession {
     }
 
     fn socket_readable(&self) -> bool {
+        trace::count(trace::Counter::SocketPoll);
         let mut fds = [rustix::event::PollFd::from_borrowed_fd(
             std::os::fd::AsFd::as_fd(&self.conn),
             rustix::event::PollFlags::IN,
@@ -531,7 +533,16 @@ impl ImporterSession {
             });
             self.ring_send(ring, &message)?;
         }
-        self.ring_publish(ring)
+        let rang = self.ring_publish(ring)?;
+        if trace::is_enabled() {
+            for id in &buffers {
+                trace::mark(trace::Point::ImporterReleasePushed, id.0);
+                if rang {
+                    trace::mark(trace::Point::ImporterBellSent, id.0);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Writes a release into the ring, or sends it on the socket when the ring is full (after
@@ -545,12 +556,14 @@ impl ImporterSession {
     }
 
     /// Publishes the releases written into the ring, and rings the exporter's doorbell (a
-    /// `RingBell` frame) if it sleeps.
-    fn ring_publish(&self, ring: &ImporterRing) -> Result<()> {
+    /// `RingBell` frame) if it sleeps; returns whether it rang.
+    fn ring_publish(&self, ring: &ImporterRing) -> Result<bool> {
         if ring.publish() {
+            trace::count(trace::Counter::BellSent);
             self.conn.send(&Message::RingBell, &[])?;
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// The exporter's pool.
@@ -579,37 +592,78 @@ impl ImporterSession {
             let received = self.conn.recv_until(deadline, "receive")?;
             return self.exporter_event(received);
         };
+        // When the wait for this buffer began, when it slept on the doorbell and woke (for `trace`).
+        let mut waited: Option<u64> = None;
+        let mut slept: Option<(u64, u64)> = None;
         loop {
             // Buffers in the ring were published before any frame read from the socket after
             // this look: they come first.
             match ring.pop() {
-                Ok(Some(buffer)) => return Ok(ExporterEvent::Buffer(buffer)),
+                Ok(Some(buffer)) => {
+                    if let Some(at) = waited {
+                        trace::mark_at(trace::Point::ImporterRingWaitBegins, buffer.buffer_id.0, at);
+                    }
+                    if let Some((asleep, woke)) = slept {
+                        trace::mark_at(trace::Point::ImporterRingSleeps, buffer.buffer_id.0, asleep);
+                        trace::mark_at(trace::Point::ImporterRingWoke, buffer.buffer_id.0, woke);
+                    }
+                    return Ok(ExporterEvent::Buffer(buffer));
+                }
                 Ok(None) => {}
                 Err(e) => return Err(self.reject(e)),
             }
             if let Some(received) = lock_stash(ring).take() {
                 return self.exporter_event(received);
             }
-            if self.socket_readable() {
-                let received = self.conn.recv_until(deadline, "receive")?;
-                if ring.ready().map_err(|e| self.reject(e))? {
-                    *lock_stash(ring) = Some(received);
-                    continue;
-                }
-                return self.exporter_event(received);
-            }
             let now = Instant::now();
             let wait = match deadline {
-                Some(d) if d <= now => return Err(Error::Timeout { during: "receive" }),
+                Some(d) if d <= now => {
+                    // Out of time: the socket once more (`recv_many` asks with a deadline of now
+                    // when `readable` saw a frame there), then the timeout.
+                    if self.socket_readable() {
+                        if let Some(event) = self.recv_socket(ring, deadline)? {
+                            return Ok(event);
+                        }
+                        continue;
+                    }
+                    return Err(Error::Timeout { during: "receive" });
+                }
                 Some(d) => (d - now).min(rings::SOCKET_CHECK),
                 None => rings::SOCKET_CHECK,
             };
+            // The ring first, with no system call: a buffer that arrives within the spin costs no
+            // doorbell and no wake-up; a frame on the socket waits for the spin at most.
+            if waited.is_none() {
+                waited = Some(trace::stamp());
+            }
             if ring.spin(rings::SPIN.min(wait)) {
                 continue;
             }
-            ring.sleep(wait, || self.socket_readable())
+            // One look at the socket, after the waiting flag is set (the exporter rings after
+            // socket frames too, but only once it sees the flag): a frame there is read, else sleep.
+            let asleep = trace::stamp();
+            let socket = ring
+                .sleep(wait, || self.socket_readable())
                 .map_err(|e| self.reject(e))?;
+            if socket {
+                if let Some(event) = self.recv_socket(ring, deadline)? {
+                    return Ok(event);
+                }
+                continue;
+            }
+            slept = Some((asleep, trace::stamp()));
         }
+    }
+
+    /// Reads the frame waiting on the socket. If buffers arrived in the ring meanwhile (sent
+    /// before it), keeps the frame for after them and returns `None`.
+    fn recv_socket(&self, ring: &ImporterRing, deadline: Option<Instant>) -> Result<Option<ExporterEvent>> {
+        let received = self.conn.recv_until(deadline, "receive")?;
+        if ring.ready().map_err(|e| self.reject(e))? {
+            *lock_stash(ring) = Some(received);
+            return Ok(None);
+        }
+        self.exporter_event(received).map(Some)
     }
 
     fn exporter_event(&self, received: Received) -> Result<ExporterEvent> {
@@ -637,7 +691,7 @@ impl ImporterSession {
         match &self.ring {
             Some(ring) => {
                 self.ring_send(ring, &message)?;
-                self.ring_publish(ring)
+                self.ring_publish(ring).map(|_| ())
             }
             None => self.conn.send(&message, &[]),
         }

@@ -39,6 +39,20 @@ pub enum Point {
     ImporterSendOther = 9,
     /// Importer: the send of the batch with this release returned.
     ImporterSent = 10,
+    /// Importer (rings): `recv` found its ring empty and began to look at it without sleeping (the
+    /// spin); recorded for the buffer that ended the wait, at the time the wait began.
+    ImporterRingWaitBegins = 11,
+    /// Importer (rings): `recv` set its waiting flag and slept on its doorbell (a futex); recorded
+    /// for the buffer that ended the wait, at the time it went to sleep.
+    ImporterRingSleeps = 12,
+    /// Importer (rings): `recv`'s sleep on the doorbell ended (woken, or timed out); recorded for
+    /// the buffer that ended the wait, at the time it woke.
+    ImporterRingWoke = 13,
+    /// Importer (rings): the release was written into the ring to the exporter and published.
+    ImporterReleasePushed = 14,
+    /// Importer (rings): the exporter's loop slept, so this release's publish rang its doorbell (a
+    /// `RingBell` frame on the socket); recorded when the frame was sent.
+    ImporterBellSent = 15,
     /// Exporter: `share` queued the buffer's frames.
     ExporterShared = 32,
     /// Exporter: the serving thread wrote the buffer's `Buffer` frame completely to a socket.
@@ -56,6 +70,15 @@ pub enum Point {
     ExporterWaitDone = 38,
     /// Exporter: the buffer's free was queued (or the buffer parked for a kept block).
     ExporterFreed = 39,
+    /// Exporter (rings): the importer slept on its doorbell when this buffer was published, so
+    /// the sharing thread (or the serving thread) woke it (`FUTEX_WAKE`); recorded after the wake.
+    ExporterBellRang = 40,
+    /// Exporter (rings): the serving thread's `epoll` wait that ended before this release was
+    /// drained from the ring had slept (its waiting flags set); recorded at the time it woke.
+    ExporterLoopWoke = 41,
+    /// Exporter (rings): this release was found by the serving thread's spin over the rings (no
+    /// sleep, no doorbell); recorded at the time the spin found it.
+    ExporterSpinFound = 42,
     /// Memory service client: a request is about to be sent (buffer 0: the memory service's
     /// points are of requests, put in order by their times).
     MemsvcClientSent = 64,
@@ -75,7 +98,7 @@ pub enum Point {
 
 impl Point {
     /// Every point, in code order.
-    pub const ALL: [Point; 26] = [
+    pub const ALL: [Point; 34] = [
         Point::ImporterFrame,
         Point::ImporterReadyPending,
         Point::ImporterReceived,
@@ -87,6 +110,11 @@ impl Point {
         Point::ImporterSendOnTimer,
         Point::ImporterSendOther,
         Point::ImporterSent,
+        Point::ImporterRingWaitBegins,
+        Point::ImporterRingSleeps,
+        Point::ImporterRingWoke,
+        Point::ImporterReleasePushed,
+        Point::ImporterBellSent,
         Point::ExporterShared,
         Point::ExporterFrameOut,
         Point::ExporterReleaseRead,
@@ -95,6 +123,9 @@ impl Point {
         Point::ExporterWoke,
         Point::ExporterWaitDone,
         Point::ExporterFreed,
+        Point::ExporterBellRang,
+        Point::ExporterLoopWoke,
+        Point::ExporterSpinFound,
         Point::MemsvcClientSent,
         Point::MemsvcServerRead,
         Point::MemsvcServerReplied,
@@ -221,14 +252,134 @@ pub(crate) fn mark(point: Point, buffer: u64) {
     }
 }
 
+/// Records `point` for `buffer` at `at_ns` (a [`now_ns`] taken earlier), if recording is on: for
+/// waits whose buffer is known only once they end.
+#[inline]
+pub(crate) fn mark_at(point: Point, buffer: u64, at_ns: u64) {
+    if is_enabled() {
+        push_at(point, buffer, at_ns);
+    }
+}
+
+/// [`now_ns`] if recording is on, else 0 (no clock read when off).
+#[inline]
+pub(crate) fn stamp() -> u64 {
+    if is_enabled() {
+        now_ns()
+    } else {
+        0
+    }
+}
+
 #[cold]
 fn push(point: Point, buffer: u64) {
-    let at_ns = now_ns();
+    push_at(point, buffer, now_ns());
+}
+
+#[cold]
+fn push_at(point: Point, buffer: u64, at_ns: u64) {
     let mut log = log();
     if log.records.len() < CAPACITY {
         log.records.push(Record { point, buffer, at_ns });
     } else {
         log.dropped += 1;
+    }
+}
+
+/// What a process counts at each system call of the rings' data path, always (one relaxed atomic
+/// add next to a system call that costs far more). [`counters`] reads them, [`reset_counters`]
+/// zeroes them; divided by the buffers handed off between the two, they say how many system calls
+/// and wake-ups a buffer cost.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct Counters {
+    /// `FUTEX_WAKE` calls on a ring's waiting flag: a doorbell rung to a side that slept.
+    pub futex_wakes: u64,
+    /// `FUTEX_WAIT` calls on a ring's waiting flag: this process slept on its doorbell.
+    pub futex_waits: u64,
+    /// `RingBell` frames sent (importer): the exporter's loop slept when releases were published.
+    pub bells_sent: u64,
+    /// `poll` calls of the importer on its socket (is a frame there?).
+    pub socket_polls: u64,
+    /// Exporter: rounds of the serving thread that could sleep in `epoll` (its waiting flags set).
+    pub loop_sleeps: u64,
+    /// Exporter: rounds of the serving thread that found ring entries by spinning instead.
+    pub loop_spin_hits: u64,
+    /// Exporter: notifications of the exporter's waiters that made a system call (a thread waited).
+    pub notifies: u64,
+    /// Exporter: buffers a notification of `wait_released` woke a thread for.
+    pub release_wakes: u64,
+}
+
+impl Counters {
+    /// How many `u64`s [`Counters::to_words`] gives.
+    pub const WORDS: usize = 8;
+
+    /// The counters as words, in field order (to send them to another process).
+    pub fn to_words(&self) -> [u64; Counters::WORDS] {
+        [
+            self.futex_wakes,
+            self.futex_waits,
+            self.bells_sent,
+            self.socket_polls,
+            self.loop_sleeps,
+            self.loop_spin_hits,
+            self.notifies,
+            self.release_wakes,
+        ]
+    }
+
+    /// The counters [`Counters::to_words`] gave.
+    pub fn from_words(w: [u64; Counters::WORDS]) -> Counters {
+        Counters {
+            futex_wakes: w[0],
+            futex_waits: w[1],
+            bells_sent: w[2],
+            socket_polls: w[3],
+            loop_sleeps: w[4],
+            loop_spin_hits: w[5],
+            notifies: w[6],
+            release_wakes: w[7],
+        }
+    }
+
+    /// The sum of two processes' counters.
+    pub fn add(&self, other: &Counters) -> Counters {
+        let (a, b) = (self.to_words(), other.to_words());
+        Counters::from_words(std::array::from_fn(|i| a[i].saturating_add(b[i])))
+    }
+}
+
+/// Which counter of [`Counters`] to add to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Counter {
+    FutexWake = 0,
+    FutexWait = 1,
+    BellSent = 2,
+    SocketPoll = 3,
+    LoopSleep = 4,
+    LoopSpinHit = 5,
+    Notify = 6,
+    ReleaseWake = 7,
+}
+
+static COUNTERS: [std::sync::atomic::AtomicU64; Counters::WORDS] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; Counters::WORDS];
+
+/// Adds one to `counter`.
+#[inline]
+pub(crate) fn count(counter: Counter) {
+    COUNTERS[counter as usize].fetch_add(1, Ordering::Relaxed);
+}
+
+/// This process's counters since the last [`reset_counters`].
+pub fn counters() -> Counters {
+    Counters::from_words(std::array::from_fn(|i| COUNTERS[i].load(Ordering::Relaxed)))
+}
+
+/// Zeroes this process's counters.
+pub fn reset_counters() {
+    for c in &COUNTERS {
+        c.store(0, Ordering::Relaxed);
     }
 }
 

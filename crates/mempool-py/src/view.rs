@@ -43,7 +43,12 @@ pub(crate) fn order_streams(device: usize, ours: usize, consumer: usize) -> PyRe
     }
     let ctx = mempool_capi::device::context(device).py()?;
     let _bound = ctx.bind().py()?;
-    let event = Event::new(&ctx, EventFlags::DISABLE_TIMING).py()?;
+    // Pooled by context (the primary context of `device`; a context made anew after a reset is another).
+    let key = std::sync::Arc::as_ptr(&ctx) as usize;
+    let event = match take_order_event(key) {
+        Some(event) => event,
+        None => Event::new(&ctx, EventFlags::DISABLE_TIMING).py()?,
+    };
     let raw = |h: usize| if legacy(h) { 0 } else { h };
     // SAFETY: both handles are streams of `device`'s primary context (or the legacy stream), live during
     // this call: `ours` is owned by the object being exported, `consumer` was passed by the caller for it.
@@ -55,7 +60,32 @@ pub(crate) fn order_streams(device: usize, ours: usize, consumer: usize) -> PyRe
         )
     };
     event.record(o.in_context(&ctx)).py()?;
-    c.wait(&event).py()
+    c.wait(&event).py()?;
+    // The wait took the recording of this moment (`cuStreamWaitEvent`): the event may be recorded
+    // again for the next call, by any thread, without touching this wait.
+    give_back_order_event(key, event);
+    Ok(())
+}
+
+/// Events [`order_streams`] records and waits on, by context (its address: each event keeps its context
+/// alive, so no other context can have it meanwhile), kept for the next call: one
+/// `cuEventCreate` and `cuEventDestroy` less per call (a share, a DLPack export). Each is taken out while
+/// it is recorded and waited on, so two threads never record one event at once.
+static ORDER_EVENTS: std::sync::Mutex<Vec<(usize, Event)>> = std::sync::Mutex::new(Vec::new());
+/// The most events [`ORDER_EVENTS`] keeps.
+const MAX_ORDER_EVENTS: usize = 64;
+
+fn take_order_event(key: usize) -> Option<Event> {
+    let mut pool = ORDER_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    let i = pool.iter().position(|(k, _)| *k == key)?;
+    Some(pool.swap_remove(i).1)
+}
+
+fn give_back_order_event(key: usize, event: Event) {
+    let mut pool = ORDER_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    if pool.len() < MAX_ORDER_EVENTS {
+        pool.push((key, event));
+    }
 }
 
 /// Version 3 of CUDA's array interface of `view`: a 1-D `uint8` array over the memory, with its stream

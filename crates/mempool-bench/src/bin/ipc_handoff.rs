@@ -17,6 +17,9 @@
 //! - `v3 alloc` and `v3 sub`: the same through the connection's shared-memory rings (protocol
 //!   version 3, the default): buffers and releases cost no system call while both sides are
 //!   awake, and a release goes out as soon as the buffer is let go;
+//! - `v3 sub, no spin`: `v3 sub` with the exporter's serving thread sleeping as soon as the rings
+//!   are empty and `wait_released` parking at once (`Exporter::set_spin(0)`), so that every release
+//!   that finds the serving thread asleep rings its doorbell: the A/B of the spin, in the same run;
 //! - `v3 sub x8` (sustained only): `v3 sub` with the producer sharing 8 buffers per
 //!   `Exporter::share_many` and the consumer taking them with `Importer::recv_many`.
 //!
@@ -26,19 +29,25 @@
 //!   consumer, one byte back.
 //! - Sustained, several consumers: one producer thread per consumer keeps 4 buffers in flight,
 //!   each freshly made and filled on the GPU (the baseline fills and copies it out); buffers
-//!   per second over all consumers.
+//!   per second over all consumers. For 64 KiB it also prints the system calls and wake-ups per
+//!   buffer of `v2 sub`, `v3 sub` and `v3 sub, no spin` (`mempool_ipc::trace::counters`, added up
+//!   over the producer and the consumers).
 //!
-//! A diagnosis of the `v2 sub` path comes with it (skipped with `--no-trace`): a 4 KiB round trip
-//! before the tables, then after them the 4 KiB and 64 KiB round trips and the sustained 64 KiB
-//! run again, untraced and with `mempool_ipc::trace` recording in the producer and the consumers.
-//! Each step of a buffer's way (producer, exporter's serving thread, socket, consumer, release
-//! batch, back) is printed with its median, 90th percentile and count, joined across the processes
-//! by buffer id; also how often a ready or release event was still pending on the GPU, how often
-//! the producer's stream was still busy when the release arrived, and the round trip when the
-//! producer synchronizes its stream each time. All of it twice: with the fast-path consumers, and
-//! with a third set of consumers that wait on the host for pending ready events
-//! (`ImporterOptions::wait_ready_on_host`) and for their own work before each release
-//! (`ImporterOptions::release_on_host`), so that no stream waits for another process's event.
+//! A diagnosis comes with it (skipped with `--no-trace`): a 4 KiB `v3 sub` round trip before the
+//! tables, then after them, for `v3 sub` (the rings), `v2 sub` (the socket) and `v3 sub host`, the
+//! 4 KiB and 64 KiB round trips and the sustained 64 KiB run again, untraced and with
+//! `mempool_ipc::trace` recording in the producer and the consumers. Each step of a buffer's way
+//! (producer share, ring push or socket write, the consumer's spin, sleep on the doorbell and wake,
+//! its event wait, view and release, the release's push into the ring and any `RingBell`, the
+//! exporter's loop waking or its spin finding the release, the lease released, `wait_released`
+//! woken) is printed with its median, 90th percentile and count, joined across the processes by
+//! buffer id (steps fewer than a tenth of the buffers took are left out; step tables for the rings'
+//! runs and the socket's sustained run only, summaries for the rest); also how often a ready or
+//! release event was still pending on the GPU, how often the producer's stream was still busy when
+//! the release arrived, the round trip when the producer synchronizes its stream each time, and the
+//! system calls per buffer of the sustained run. The third set of consumers waits on the host for
+//! pending ready events (`ImporterOptions::wait_ready_on_host`) and for its own work before each
+//! release (`ImporterOptions::release_on_host`), so that no stream waits for another process's event.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-bench --bin ipc_handoff -- [consumers]
 //! [--no-trace] [--sub-first]` (default 4 consumers; `--sub-first` measures each row's sub columns
@@ -84,6 +93,8 @@ const OP_COPY: u8 = 2;
 /// 1: start recording `mempool_ipc::trace`; 0: stop, and answer the records (a little-endian u64
 /// count, then each record's bytes).
 const OP_TRACE: u8 = 3;
+/// 1: zero `mempool_ipc::trace`'s counters; 0: answer them (`Counters::WORDS` little-endian u64s).
+const OP_COUNTERS: u8 = 5;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -306,6 +317,17 @@ fn consumer(socket: &Path, v1: bool, socket_only: bool, host_ready: bool) -> Any
                 unsafe { memory::copy_to_device(&ctx, dptr, &host.bytes()[..len], stream.as_ref()) }?;
                 ctl.write_all(&[1])?;
             }
+            OP_COUNTERS if arg == 1 => {
+                trace::reset_counters();
+                ctl.write_all(&[1])?;
+            }
+            OP_COUNTERS => {
+                let mut out = Vec::with_capacity(8 * trace::Counters::WORDS);
+                for w in trace::counters().to_words() {
+                    out.extend_from_slice(&w.to_le_bytes());
+                }
+                ctl.write_all(&out)?;
+            }
             OP_TRACE if arg == 1 => {
                 trace::enable();
                 ctl.write_all(&[1])?;
@@ -487,12 +509,21 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
     let stream = Stream::new(&ctx)?;
     if diagnose {
         // Before anything else: the sub rows measured first were the slow ones.
-        traced_round_trip(&producer, &mut v3, &stream, 4 * KIB, false, "early, before the tables")?;
+        traced_round_trip(
+            &producer,
+            &mut v3,
+            &stream,
+            4 * KIB,
+            false,
+            true,
+            "v3 sub",
+            "early, before the tables",
+        )?;
         println!();
     }
     println!("Round trip, 1 consumer: producer -> consumer -> producer (microseconds per buffer, median / mean)");
-    println!("| size | iterations | v1 alloc | v2 sub | v3 alloc | v3 sub | host copy | v2 sub / v3 sub | host copy / v3 sub (median) |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| size | iterations | v1 alloc | v2 sub | v3 alloc | v3 sub | v3 sub, no spin | host copy | v2 sub / v3 sub | host copy / v3 sub (median) |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut round_v3_sub = Vec::new();
     for size in [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB] {
         let iters = (512 * MIB / size).clamp(30, 1000);
@@ -530,9 +561,12 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
                 round_trip_ipc(&producer, Make::Sub, &mut v3[0], &stream, size, iters, &mut Probe::Off)?,
             ),
         };
+        let no_spin = without_spin(&producer, || {
+            round_trip_ipc(&producer, Make::Sub, &mut v3[0], &stream, size, iters, &mut Probe::Off)
+        })?;
         let copy = round_trip_copy(&producer.exporter, &ctx, &mut v3[0], &stream, size, iters)?;
         println!(
-            "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x | {:.1}x |",
+            "| {} | {iters} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1}x | {:.1}x |",
             human(size),
             median(&old),
             mean(&old),
@@ -542,6 +576,8 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
             mean(&alloc),
             median(&sub3),
             mean(&sub3),
+            median(&no_spin),
+            mean(&no_spin),
             median(&copy),
             mean(&copy),
             median(&sub2) / median(&sub3),
@@ -553,15 +589,33 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
     println!();
     println!("Sustained, {consumers} consumers, {WINDOW} buffers in flight per consumer, fresh buffer filled on the GPU each time (buffers per second)");
     println!(
-        "| size | buffers | v1 alloc | v2 sub | v3 sub | v3 sub x{MANY} | v3 sub host | host copy | v3 sub / v2 sub | best v3 / host copy |"
+        "| size | buffers | v1 alloc | v2 sub | v3 sub | v3 sub, no spin | v3 sub x{MANY} | v3 sub host | host copy | v3 sub / v2 sub | best v3 / host copy |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut sustained_best = Vec::new();
+    let mut per_buffer = Vec::new();
     for size in [64 * KIB, MIB, 16 * MIB] {
         let per_consumer = (1024 * MIB / size / consumers).clamp(50, 2000);
+        let buffers = (per_consumer * consumers) as f64;
         let old = sustained_ipc(&producer, Make::Alloc, &mut v1, size, per_consumer, false)?;
-        let sub2 = sustained_ipc(&producer, Make::Sub, &mut v2, size, per_consumer, false)?;
-        let sub3 = sustained_ipc(&producer, Make::Sub, &mut v3, size, per_consumer, false)?;
+        let (sub2, c2) = counted(&mut v2, |set| {
+            sustained_ipc(&producer, Make::Sub, set, size, per_consumer, false)
+        })?;
+        let (sub3, c3) = counted(&mut v3, |set| {
+            sustained_ipc(&producer, Make::Sub, set, size, per_consumer, false)
+        })?;
+        let (no_spin, c3n) = counted(&mut v3, |set| {
+            without_spin(&producer, || {
+                sustained_ipc(&producer, Make::Sub, set, size, per_consumer, false)
+            })
+        })?;
+        if size == 64 * KIB {
+            per_buffer = vec![
+                ("v2 sub", c2, buffers),
+                ("v3 sub", c3, buffers),
+                ("v3 sub, no spin", c3n, buffers),
+            ];
+        }
         let many = sustained_ipc(&producer, Make::Sub, &mut v3, size, per_consumer, true)?;
         let host = if host_ready.is_empty() {
             f64::NAN
@@ -574,7 +628,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
             .filter(|r| r.is_finite())
             .fold(0.0, f64::max);
         println!(
-            "| {} | {} | {old:.0} | {sub2:.0} | {sub3:.0} | {many:.0} | {host:.0} | {copy:.0} | {:.1}x | {:.1}x |",
+            "| {} | {} | {old:.0} | {sub2:.0} | {sub3:.0} | {no_spin:.0} | {many:.0} | {host:.0} | {copy:.0} | {:.1}x | {:.1}x |",
             human(size),
             per_consumer * consumers,
             sub3 / sub2,
@@ -582,6 +636,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         );
         sustained_best.push((size, best, copy));
     }
+    print_per_buffer(&per_buffer);
     println!();
     println!("Targets (issue 25; one run, baselines above):");
     for (size, sub3, copy) in &round_v3_sub {
@@ -616,7 +671,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         }
     }
     if diagnose {
-        diagnosis(&producer, &mut v3, &mut host_ready, &stream)?;
+        diagnosis(&producer, &mut v3, &mut v2, &mut host_ready, &stream)?;
     }
     let stats = producer.exporter.stats();
     println!();
@@ -646,6 +701,70 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
         }
     }
     Ok(())
+}
+
+/// Runs `f` with the exporter's serving thread not spinning over the rings
+/// and `wait_released` parking at once (`Exporter::set_spin(0)`: the loop sleeps as soon as the rings
+/// are empty, so every release that finds it asleep rings its doorbell), then puts the spin back.
+fn without_spin<T>(producer: &Producer, f: impl FnOnce() -> AnyResult<T>) -> AnyResult<T> {
+    let spin = producer.exporter.spin();
+    producer.exporter.set_spin(Duration::ZERO);
+    let result = f();
+    producer.exporter.set_spin(spin);
+    result
+}
+
+/// Runs `f` over `set` with `mempool_ipc::trace`'s counters zeroed before in this process and in
+/// the consumers of `set`; returns its result and the counters of every process added up.
+fn counted<T>(
+    set: &mut [Consumer],
+    f: impl FnOnce(&mut [Consumer]) -> AnyResult<T>,
+) -> AnyResult<(T, trace::Counters)> {
+    for c in set.iter_mut() {
+        send_op(&mut c.ctl, OP_COUNTERS, 1)?;
+        ack(&mut c.ctl)?;
+    }
+    trace::reset_counters();
+    let result = f(set)?;
+    let mut all = trace::counters();
+    for c in set.iter_mut() {
+        send_op(&mut c.ctl, OP_COUNTERS, 0)?;
+        let mut words = [0u64; trace::Counters::WORDS];
+        for w in &mut words {
+            let mut bytes = [0u8; 8];
+            c.ctl.read_exact(&mut bytes)?;
+            *w = u64::from_le_bytes(bytes);
+        }
+        all = all.add(&trace::Counters::from_words(words));
+    }
+    Ok((result, all))
+}
+
+/// The system calls and wake-ups per buffer of sustained runs (all processes added up).
+fn print_per_buffer(rows: &[(&str, trace::Counters, f64)]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!();
+    println!("Per buffer, sustained 64 KiB (all processes; futex: ring doorbells; bell: RingBell frames; poll: the consumer's socket; loop: the exporter's serving thread; notify / wake: the exporter's waiters)");
+    println!(
+        "| column | futex wake | futex wait | bell | poll | loop sleeps | loop spin hits | notify | release wake |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, c, n) in rows {
+        let w = c.to_words();
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            w[0] as f64 / n,
+            w[1] as f64 / n,
+            w[2] as f64 / n,
+            w[3] as f64 / n,
+            w[4] as f64 / n,
+            w[5] as f64 / n,
+            w[6] as f64 / n,
+            w[7] as f64 / n
+        );
+    }
 }
 
 /// What a round trip records besides its times (the diagnosis).
@@ -986,6 +1105,11 @@ fn point_name(point: trace::Point) -> &'static str {
         P::ImporterSendOnTimer => "consumer: batch sent (flusher timer)",
         P::ImporterSendOther => "consumer: batch sent (other)",
         P::ImporterSent => "consumer: batch send returned",
+        P::ImporterRingWaitBegins => "consumer: ring empty, spin begins",
+        P::ImporterRingSleeps => "consumer: asleep on the doorbell",
+        P::ImporterRingWoke => "consumer: woke from the doorbell",
+        P::ImporterReleasePushed => "consumer: release pushed into the ring",
+        P::ImporterBellSent => "consumer: RingBell sent (exporter asleep)",
         P::ExporterShared => "exporter: share queued",
         P::ExporterFrameOut => "exporter: Buffer frame written",
         P::ExporterReleaseRead => "exporter: release read",
@@ -994,6 +1118,9 @@ fn point_name(point: trace::Point) -> &'static str {
         P::ExporterWoke => "exporter: wait_released woke",
         P::ExporterWaitDone => "exporter: wait_released done",
         P::ExporterFreed => "exporter: free queued (or parked)",
+        P::ExporterBellRang => "exporter: consumer's doorbell rung (futex wake)",
+        P::ExporterLoopWoke => "exporter: loop woke from epoll",
+        P::ExporterSpinFound => "exporter: loop's spin found the release",
         // The memory service's points (memsvc_attach prints them).
         P::MemsvcClientSent
         | P::MemsvcServerRead
@@ -1034,35 +1161,43 @@ fn print_steps(title: &str, records: &[Record], own: &[(u64, &'static str, u64)]
             entry.1.push(a.0.saturating_sub(start) as f64 / 1e3);
         }
     }
-    let mut rows: Vec<Step<'_>> = steps.into_iter().collect();
+    // Short: only the steps at least a tenth of the buffers took.
+    let floor = by_buffer.len().div_ceil(10);
+    let mut rows: Vec<Step<'_>> = steps.into_iter().filter(|(_, (d, _))| d.len() >= floor).collect();
     rows.sort_by(|x, y| median(&x.1 .1).total_cmp(&median(&y.1 .1)));
     println!();
-    println!("{title} ({} buffers traced; µs)", by_buffer.len());
-    println!("| step | count | median | p90 | mean | starts at (median) |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!(
+        "{title} ({} buffers traced; µs; steps taken by fewer than {floor} left out)",
+        by_buffer.len()
+    );
+    println!("| step | count | median | p90 | starts at |");
+    println!("|---|---:|---:|---:|---:|");
     for ((a, b), (durations, starts)) in rows {
         println!(
-            "| {a} → {b} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {a} → {b} | {} | {:.1} | {:.1} | {:.1} |",
             durations.len(),
             median(&durations),
             percentile(&durations, 0.9),
-            mean(&durations),
             median(&starts)
         );
     }
 }
 
-/// One traced `v2 sub` round trip of 300 buffers of `size` with the first fast-path consumer;
-/// prints its summary and (unless `sync`) its steps.
+/// One traced round trip of 300 suballocated buffers of `size` with the first consumer of `set`
+/// (`path` names it); prints its summary and, with `steps` (and not `sync`), its steps.
+#[allow(clippy::too_many_arguments)]
 fn traced_round_trip(
     producer: &Producer,
-    v2: &mut [Consumer],
+    set: &mut [Consumer],
     stream: &Stream,
     size: usize,
     sync: bool,
+    steps: bool,
+    path: &str,
     when: &str,
 ) -> AnyResult<()> {
     let iters = 300;
+    let v2 = set;
     trace_on(&mut v2[..1])?;
     let mut probe = Probe::On {
         points: Vec::new(),
@@ -1078,7 +1213,7 @@ fn traced_round_trip(
     let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
     println!();
     println!(
-        "traced round trip v2 sub {} ({when}){}: {:.1} / {:.1} µs median / mean over {iters}; producer stream still \
+        "traced round trip {path} {} ({when}){}: {:.1} / {:.1} µs median / mean over {iters}; producer stream still \
          busy after the release in {busy} of {} round trips; ready event pending at the consumer {} times, release \
          event pending at the exporter {} times; trace records dropped here: {dropped}",
         human(size),
@@ -1093,9 +1228,9 @@ fn traced_round_trip(
         count(trace::Point::ImporterReadyPending),
         count(trace::Point::ExporterReleasePending),
     );
-    if !sync {
+    if steps && !sync {
         print_steps(
-            &format!("Steps of a round trip, v2 sub {} ({when})", human(size)),
+            &format!("Steps of a round trip, {path} {} ({when})", human(size)),
             &records,
             &points,
         );
@@ -1103,60 +1238,101 @@ fn traced_round_trip(
     Ok(())
 }
 
-/// The `v2 sub` path again after the tables, with the fast-path consumers and then with those that
-/// wait for pending ready events and for their own work before releasing on the host
-/// (`ImporterOptions::wait_ready_on_host`, `release_on_host`): round trips
-/// at 4 KiB and 64 KiB untraced, traced, and traced with the producer's stream synchronized each
-/// time; sustained at 64 KiB untraced and traced.
-fn diagnosis(producer: &Producer, v2: &mut [Consumer], host_ready: &mut [Consumer], stream: &Stream) -> AnyResult<()> {
+/// The suballocated paths again after the tables, each with `mempool_ipc::trace` on in the
+/// producer and its consumers: the rings (`v3 sub`), the socket (`v2 sub`), and the rings with
+/// consumers that wait for pending ready events and for their own work before releasing on the host
+/// (`ImporterOptions::wait_ready_on_host`, `release_on_host`). For each: round trips at 4 KiB and
+/// 64 KiB untraced, traced, and traced with the producer's stream synchronized each time; sustained
+/// at 64 KiB untraced and traced, with the system calls per buffer.
+fn diagnosis(
+    producer: &Producer,
+    v3: &mut [Consumer],
+    v2: &mut [Consumer],
+    host_ready: &mut [Consumer],
+    stream: &Stream,
+) -> AnyResult<()> {
     println!();
-    println!("Diagnosis of v2 sub (mempool_ipc::trace on in the producer and the consumers)");
-    let sets: [(&mut [Consumer], &str); 2] = [
-        (v2, "ready events waited for on the GPU"),
-        (host_ready, "ready and release events waited for on the host"),
+    println!("Diagnosis (mempool_ipc::trace on in the producer and the consumers)");
+    // Step tables (to keep the log short): every one for the rings, the sustained one for the socket,
+    // none for the host-waiting set (its summary lines only).
+    /// A consumer set, its column name, how it waits, and whether to print the round trips' and the
+    /// sustained run's step tables.
+    type Set<'a> = (&'a mut [Consumer], &'a str, &'a str, (bool, bool));
+    let sets: [Set<'_>; 3] = [
+        (
+            v3,
+            "v3 sub",
+            "the rings, ready events waited for on the GPU",
+            (true, true),
+        ),
+        (
+            v2,
+            "v2 sub",
+            "the socket, ready events waited for on the GPU",
+            (false, true),
+        ),
+        (
+            host_ready,
+            "v3 sub host",
+            "the rings, ready and release events waited for on the host",
+            (false, false),
+        ),
     ];
-    for (set, how) in sets {
+    for (set, path, how, (round_steps, sustained_steps)) in sets {
+        if set.is_empty() {
+            continue;
+        }
         println!();
-        println!("### consumers with {how}");
+        println!("### {path}: {how}");
         for size in [4 * KIB, 64 * KIB] {
             let plain = round_trip_ipc(producer, Make::Sub, &mut set[0], stream, size, 300, &mut Probe::Off)?;
             println!();
             println!(
-                "round trip v2 sub {} after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
+                "round trip {path} {} after the tables, untraced: {:.1} / {:.1} µs median / mean over 300",
                 human(size),
                 median(&plain),
                 mean(&plain)
             );
             for sync in [false, true] {
-                traced_round_trip(producer, set, stream, size, sync, &format!("after the tables, {how}"))?;
+                traced_round_trip(producer, set, stream, size, sync, round_steps, path, "after the tables")?;
             }
         }
         let size = 64 * KIB;
         let per_consumer = 1000;
-        let plain = sustained_ipc(producer, Make::Sub, set, size, per_consumer, false)?;
+        let (plain, counters) = counted(set, |set| {
+            sustained_ipc(producer, Make::Sub, set, size, per_consumer, false)
+        })?;
         trace_on(set)?;
         let rate = sustained_ipc(producer, Make::Sub, set, size, per_consumer, false)?;
         let records = trace_off(set)?;
         let count = |p: trace::Point| records.iter().filter(|r| r.point == p).count();
+        let n = (per_consumer * set.len()) as f64;
+        let w = counters.to_words();
         println!();
         println!(
-            "sustained v2 sub 64 KiB, {} consumers, {how}: {plain:.0} buffers/s untraced, {rate:.0} traced; releases \
-             queued {} times, sent on push {}, on recv {}, on timer {}, other {}; ready events pending {}, release \
-             events pending {}",
+            "sustained {path} 64 KiB, {} consumers: {plain:.0} buffers/s untraced, {rate:.0} traced; per buffer \
+             (untraced run): futex wake {:.2}, futex wait {:.2}, RingBell {:.2}, socket poll {:.2}, loop sleep {:.2}, \
+             loop spin hit {:.2}, notify {:.2}, release wake {:.2}; traced run: releases queued {}, sent on push {}, \
+             on recv {}, on timer {}; ready events pending {}, release events pending {}",
             set.len(),
+            w[0] as f64 / n,
+            w[1] as f64 / n,
+            w[2] as f64 / n,
+            w[3] as f64 / n,
+            w[4] as f64 / n,
+            w[5] as f64 / n,
+            w[6] as f64 / n,
+            w[7] as f64 / n,
             count(trace::Point::ImporterQueued),
             count(trace::Point::ImporterSendOnPush),
             count(trace::Point::ImporterSendOnRecv),
             count(trace::Point::ImporterSendOnTimer),
-            count(trace::Point::ImporterSendOther),
             count(trace::Point::ImporterReadyPending),
             count(trace::Point::ExporterReleasePending),
         );
-        print_steps(
-            &format!("Steps of a buffer, sustained v2 sub 64 KiB, {how}"),
-            &records,
-            &[],
-        );
+        if sustained_steps {
+            print_steps(&format!("Steps of a buffer, sustained {path} 64 KiB"), &records, &[]);
+        }
     }
     Ok(())
 }

@@ -64,13 +64,26 @@ impl<'s> ExportedBuffer<'s> {
     /// this makes the buffer's stream wait on its release event. Host reads that synchronize
     /// the stream (`copy_to_host`) see their writes. [`Error::WaitTimeout`] after `timeout`.
     pub fn wait_released(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        // First a spin (`Exporter::set_spin`): a release that comes within it costs no wake-up.
+        let spin_until = start + self.inner.release_spin().min(timeout);
         let mut state = self.inner.lock();
         while state.leases.holders(self.id).next().is_some() {
             let id = self.id;
-            state = self.inner.wait(state, deadline).ok_or_else(|| Error::WaitTimeout {
-                what: format!("importers to release buffer {id}"),
-            })?;
+            if Instant::now() < spin_until {
+                let seen = self.inner.releases.load(std::sync::atomic::Ordering::Acquire);
+                drop(state);
+                self.inner.spin_for_release(seen, spin_until);
+                state = self.inner.lock();
+                continue;
+            }
+            state = self
+                .inner
+                .wait_release(state, id, deadline)
+                .ok_or_else(|| Error::WaitTimeout {
+                    what: format!("importers to release buffer {id}"),
+                })?;
         }
         trace::mark(Point::ExporterWoke, self.id.0);
         let waits = state
@@ -358,7 +371,12 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
             });
         }
     }
-    inner.changed.notify_all();
+    if first_error.is_some() {
+        // A share undone took holders away: a thread waiting for this buffer's release may be done.
+        inner.notify_all_waiters();
+    } else {
+        inner.notify();
+    }
     first_error.map_or(Ok(()), Err)
 }
 

@@ -279,6 +279,10 @@ impl Exporter {
             server: OnceLock::new(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            waiters: std::sync::atomic::AtomicUsize::new(0),
+            releases: std::sync::atomic::AtomicU64::new(0),
+            release_spin_ns: std::sync::atomic::AtomicU64::new(crate::server::DEFAULT_RING_SPIN.as_nanos() as u64),
+            after_events: Arc::new(Mutex::new(Vec::new())),
             free_stream,
             release_stream,
             shutting_down: AtomicBool::new(false),
@@ -487,6 +491,35 @@ impl Exporter {
         let to: Vec<ImporterId> = self.importers().iter().map(|i| i.id).collect();
         self.share(buffer, &to)?;
         Ok(to)
+    }
+
+    /// Sets how long the exporter's threads look for what they wait for before they sleep
+    /// (default 50 µs; `Duration::ZERO`: they sleep at once, the behaviour before this setting
+    /// existed). Two waits spin:
+    ///
+    /// - the serving thread, after it drained releases from the shared-memory rings, keeps looking
+    ///   at the rings (a load of each ring's head, no system call) before it sleeps in `epoll`.
+    ///   Meanwhile its waiting flags stay clear, so an importer that publishes a release rings no
+    ///   doorbell (no `RingBell` frame, no wake-up of the serving thread). It spins only within
+    ///   this time of the last ring traffic, so an idle exporter costs no CPU, and while it spins it
+    ///   still asks `epoll` (without waiting) every few microseconds, so sockets and shares are not
+    ///   held up;
+    /// - [`ExportedBuffer::wait_released`] looks for a release (a load of a counter the serving
+    ///   thread bumps) for up to this long before it parks its thread, so a release that comes
+    ///   within it costs no wake-up.
+    ///
+    /// Both are bounded by this time and fall back to sleeping; they cost a CPU while they spin.
+    /// Takes effect at the next wait.
+    pub fn set_spin(&self, spin: Duration) {
+        self.inner.set_release_spin(spin);
+        if let Some(server) = self.inner.server.get() {
+            server.set_ring_spin(spin);
+        }
+    }
+
+    /// What [`Exporter::set_spin`] set.
+    pub fn spin(&self) -> Duration {
+        self.inner.release_spin()
     }
 
     /// A snapshot of the bookkeeping.

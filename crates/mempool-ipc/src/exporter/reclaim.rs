@@ -57,7 +57,7 @@ impl Inner {
             let mut state = self.lock();
             state.deferred = state.deferred.saturating_sub(1);
             drop(state);
-            self.changed.notify_all();
+            self.notify();
         }
         result
     }
@@ -72,7 +72,7 @@ impl Inner {
                     // Parked: the block stays recorded (and allocated) with this buffer live.
                     drop(state);
                     trace::mark(Point::ExporterFreed, id.0);
-                    self.changed.notify_all();
+                    self.notify();
                     return Ok(());
                 }
                 Some((_, shared)) => shared,
@@ -126,7 +126,7 @@ impl Inner {
         // queued: they can order the next buffer.
         state.idle_events.append(&mut shared.events);
         drop(state);
-        self.changed.notify_all();
+        self.notify();
         result
     }
 
@@ -166,7 +166,7 @@ impl Inner {
         drop(state);
         self.finish_deferred(freed);
         self.free_unparked(unparked);
-        self.changed.notify_all();
+        self.notify_all_waiters();
         wait
     }
 
@@ -184,7 +184,7 @@ impl Inner {
         };
         self.finish_deferred(freed);
         self.free_unparked(unparked);
-        self.changed.notify_all();
+        self.notify_all_waiters();
     }
 
     /// The exporter shuts down while importer `id` (or its process) is still there: what only
@@ -200,7 +200,7 @@ impl Inner {
         state.abandoned += parked.len() as u64;
         state.leaked.extend(parked);
         drop(state);
-        self.changed.notify_all();
+        self.notify_all_waiters();
     }
 
     /// Frees the parked buffers of blocks that no importer keeps imported any more, on the
@@ -225,7 +225,7 @@ impl Inner {
             let mut state = self.lock();
             state.deferred = state.deferred.saturating_sub(1);
             drop(state);
-            self.changed.notify_all();
+            self.notify();
         }
     }
 }

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
-use mempool_core::{Event, EventFlags, IpcEventHandle};
+use mempool_core::{Event, IpcEventHandle};
 
-use super::state::{Inner, Peer, MAX_RELEASE_EVENTS};
+use super::state::{wake, AfterEvent, Inner, Peer, MAX_RELEASE_EVENTS};
 use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
@@ -28,7 +28,7 @@ impl Handler for Inner {
                 release_events: Vec::new(),
             },
         );
-        self.changed.notify_all();
+        self.notify();
     }
 
     fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
@@ -75,19 +75,25 @@ impl Handler for Inner {
                 }
             }
         }
+        let woken = self.released_waiters(&mut state);
         drop(state);
+        wake(woken);
         self.finish_deferred(freed);
-        self.changed.notify_all();
+        self.notify();
         result
     }
 
     fn released(&self, id: ImporterId, buffer: BufferId) -> Result<()> {
         // A release of something it does not hold is an error: the importer is broken, the loop
         // cuts it off and it is treated as gone (it may still use what it holds: see `ended`).
-        let freed = self.lock().leases.release(buffer, id)?;
+        let mut state = self.lock();
+        let freed = state.leases.release(buffer, id)?;
         trace::mark(Point::ExporterReleased, buffer.0);
+        let woken = self.released_waiters(&mut state);
+        drop(state);
+        wake(woken);
         self.finish_deferred(freed.map(|s| (buffer, s)).into_iter().collect());
-        self.changed.notify_all();
+        self.notify();
         Ok(())
     }
 
@@ -111,7 +117,7 @@ impl Inner {
     /// Returns `None` (nothing to wait for) if the importer's event is complete: its latest
     /// recording, which covers this batch's uses and every earlier one (the importer orders each
     /// recording after the previous), is done.
-    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Option<Arc<Event>>> {
+    fn after_release_event(&self, id: ImporterId, handle: EventHandle) -> Result<Option<Arc<AfterEvent>>> {
         let mut state = self.lock();
         let peer = state.importers.get_mut(&id).ok_or(ProtocolError::Violation {
             reason: format!("importer {id} is not connected"),
@@ -136,7 +142,7 @@ impl Inner {
         }
         let stream = self.release_stream.as_ref();
         stream.wait(event)?;
-        let after = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
+        let after = self.after_event()?;
         after.record(stream)?;
         Ok(Some(Arc::new(after)))
     }

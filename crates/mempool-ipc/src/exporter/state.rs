@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::{BlockPins, ImporterId, LeaseTable};
 use crate::server::Server;
 use crate::session::PoolAnnouncement;
+use crate::trace;
 use crate::wire::{BlockId, BufferId, EventHandle, PointerDescriptor};
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
@@ -81,7 +82,7 @@ pub(super) struct Shared {
     /// Events (the exporter's own, recorded on its release stream after it waited on the
     /// importers' release events) that importers' uses of the buffer are ordered before: frees
     /// and the owner's later work wait on them (fast release path).
-    pub(super) release_waits: Vec<Arc<Event>>,
+    pub(super) release_waits: Vec<Arc<AfterEvent>>,
 }
 
 impl Shared {
@@ -92,12 +93,44 @@ impl Shared {
     }
 
     /// Orders the buffer's free (and the owner's later waits) after `event` too.
-    pub(super) fn wait_also(&mut self, event: &Arc<Event>) {
+    pub(super) fn wait_also(&mut self, event: &Arc<AfterEvent>) {
         if !self.release_waits.iter().any(|e| Arc::ptr_eq(e, event)) {
             self.release_waits.push(event.clone());
         }
     }
 }
+
+/// An event of the exporter's own, recorded on its release stream after a wait on an importer's
+/// release event, that frees of the released buffers wait on. Made from [`Inner::after_event`]'s
+/// pool, and back there once the last buffer ordered by it let go of it: every wait on it was
+/// enqueued by then (`cuStreamWaitEvent` takes the recording of the moment), so its next
+/// recording orders nothing that waited on this one.
+pub(super) struct AfterEvent {
+    event: Option<Event>,
+    pool: Arc<Mutex<Vec<Event>>>,
+}
+
+impl std::ops::Deref for AfterEvent {
+    type Target = Event;
+
+    fn deref(&self) -> &Event {
+        self.event.as_ref().expect("taken only when dropped")
+    }
+}
+
+impl Drop for AfterEvent {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            let mut pool = lock_plain(&self.pool);
+            if pool.len() < MAX_POOLED_AFTER_EVENTS {
+                pool.push(event);
+            }
+        }
+    }
+}
+
+/// The most events [`AfterEvent`]s go back to; beyond, they are destroyed.
+const MAX_POOLED_AFTER_EVENTS: usize = 64;
 
 /// The most distinct release events one importer may use (it needs one).
 pub(super) const MAX_RELEASE_EVENTS: usize = 8;
@@ -130,6 +163,9 @@ pub(super) struct State {
     /// Blocks (by base address) that importers keep imported, and the last buffer of each,
     /// parked until they are gone.
     pub(super) pins: BlockPins<u64, (BufferId, Shared)>,
+    /// Threads in [`ExportedBuffer::wait_released`](crate::ExportedBuffer::wait_released), and the
+    /// buffer each waits for: woken one by one ([`Inner::released_waiters`]), not all at every change.
+    pub(super) release_waiters: Vec<(BufferId, std::thread::Thread)>,
 }
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
@@ -141,7 +177,18 @@ pub(super) struct Inner {
     /// exporter's shutdown stops it, which breaks the cycle).
     pub(super) server: OnceLock<Server>,
     pub(super) state: Mutex<State>,
+    /// Signalled when the state changes ([`Inner::notify`]: not directly), for the threads in
+    /// [`Inner::wait`].
     pub(super) changed: Condvar,
+    /// Threads in [`Inner::wait`] now: a change with none costs no system call.
+    pub(super) waiters: AtomicUsize,
+    /// Bumped whenever a buffer may have lost a holder (under the state's lock): what
+    /// [`Inner::spin_for_release`] looks at.
+    pub(super) releases: AtomicU64,
+    /// [`Exporter::set_spin`](crate::Exporter::set_spin) for `wait_released`, in nanoseconds.
+    pub(super) release_spin_ns: AtomicU64,
+    /// Events for [`AfterEvent`]s, to be recorded again (no `cuEventCreate` per release batch).
+    pub(super) after_events: Arc<Mutex<Vec<Event>>>,
     pub(super) free_stream: Stream,
     /// Where the exporter waits on importers' release events as they arrive (so that it never
     /// touches an importer's event later, when that importer may have destroyed it), recording
@@ -161,17 +208,132 @@ impl Inner {
         lock_plain(&self.state)
     }
 
-    /// Waits for a change of the state until `deadline`; `None` once it has passed.
+    /// Waits for a change of the state ([`Inner::notify`]) until `deadline`; `None` once it has passed.
     pub(super) fn wait<'a>(&self, state: MutexGuard<'a, State>, deadline: Instant) -> Option<MutexGuard<'a, State>> {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return None;
         }
+        // Counted under the lock, before the wait releases it: a change made after this thread
+        // looked at the state is made under the lock too, so its `notify` sees the count.
+        self.waiters.fetch_add(1, Ordering::SeqCst);
         let (state, _) = self
             .changed
             .wait_timeout(state, left)
             .unwrap_or_else(|p| p.into_inner());
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
         Some(state)
+    }
+
+    /// Tells the threads in [`Inner::wait`] that the state changed (call it after the change,
+    /// with or without the lock). No system call when none waits.
+    pub(super) fn notify(&self) {
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            trace::count(trace::Counter::Notify);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Tells every thread waiting for the state to change, including those waiting for a buffer's
+    /// release: after changes that may take holders away from any buffer (an importer gone, a
+    /// share undone).
+    pub(super) fn notify_all_waiters(&self) {
+        self.notify();
+        let waiters = {
+            let mut state = self.lock();
+            self.releases.fetch_add(1, Ordering::Release);
+            std::mem::take(&mut state.release_waiters)
+        };
+        for (_, thread) in waiters {
+            trace::count(trace::Counter::ReleaseWake);
+            thread.unpark();
+        }
+    }
+
+    /// Waits until buffer `id` may have lost its last holder ([`Inner::released_waiters`] or
+    /// [`Inner::notify_all_waiters`]), or `deadline`; `None` once it has passed. Only this thread
+    /// is woken for it: a release of another buffer wakes another thread.
+    pub(super) fn wait_release<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        id: BufferId,
+        deadline: Instant,
+    ) -> Option<MutexGuard<'a, State>> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let me = std::thread::current();
+        state.release_waiters.push((id, me.clone()));
+        drop(state);
+        // An unpark between the unlock and here is not lost: it makes this park return at once.
+        std::thread::park_timeout(left);
+        let mut state = self.lock();
+        if let Some(i) = state
+            .release_waiters
+            .iter()
+            .position(|(b, t)| *b == id && t.id() == me.id())
+        {
+            state.release_waiters.swap_remove(i);
+        }
+        Some(state)
+    }
+
+    /// An event for an [`AfterEvent`], from the pool (or made: `DISABLE_TIMING`), not recorded yet.
+    pub(super) fn after_event(&self) -> Result<AfterEvent> {
+        let pooled = lock_plain(&self.after_events).pop();
+        let event = match pooled {
+            Some(event) => event,
+            None => Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?,
+        };
+        Ok(AfterEvent {
+            event: Some(event),
+            pool: self.after_events.clone(),
+        })
+    }
+
+    /// How long `wait_released` spins before it parks.
+    pub(super) fn release_spin(&self) -> Duration {
+        Duration::from_nanos(self.release_spin_ns.load(Ordering::Relaxed))
+    }
+
+    /// Sets [`Inner::release_spin`].
+    pub(super) fn set_release_spin(&self, spin: Duration) {
+        let ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
+        self.release_spin_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// Spins (no lock, no system call) until [`Inner::releases`] moves past `seen` or `until`
+    /// passes; returns whether it moved.
+    pub(super) fn spin_for_release(&self, seen: u64, until: Instant) -> bool {
+        loop {
+            for _ in 0..64 {
+                if self.releases.load(Ordering::Acquire) != seen {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+        }
+    }
+
+    /// Takes the waiters of buffers that no importer holds any more, to be woken
+    /// ([`wake`]) once the lock is released; bumps [`Inner::releases`] for the spinning ones.
+    pub(super) fn released_waiters(&self, state: &mut State) -> Vec<std::thread::Thread> {
+        self.releases.fetch_add(1, Ordering::Release);
+        let mut woken = Vec::new();
+        let mut i = 0;
+        while i < state.release_waiters.len() {
+            let id = state.release_waiters[i].0;
+            if state.leases.holders(id).next().is_none() {
+                woken.push(state.release_waiters.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        woken
     }
 
     /// The connections.
@@ -189,6 +351,14 @@ impl Inner {
         let event = Event::new(&self.ctx, EventFlags::DISABLE_TIMING | EventFlags::INTERPROCESS)?;
         let handle = EventHandle(event.ipc_handle()?.0);
         Ok(IpcEvent { event, handle })
+    }
+}
+
+/// Wakes the threads [`Inner::released_waiters`] took.
+pub(super) fn wake(threads: Vec<std::thread::Thread>) {
+    for thread in threads {
+        trace::count(trace::Counter::ReleaseWake);
+        thread.unpark();
     }
 }
 

@@ -177,7 +177,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
             });
         }
     }
-    inner.changed.notify_all();
+    inner.notify_all_waiters();
     first_error.map_or(Ok(()), Err)
 }
 

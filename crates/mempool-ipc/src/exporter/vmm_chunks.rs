@@ -109,7 +109,7 @@ pub(super) fn share_vmm_chunks(
     }
     // From now on the importers hold it alone: the last to let go frees it.
     let released = inner.release_owner(id, stream);
-    inner.changed.notify_all();
+    inner.notify_all_waiters();
     match (first_error, released) {
         (Some(e), _) | (None, Err(e)) => Err(e),
         (None, Ok(())) => Ok(id),

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 /// Waits while `flag` holds `expected`, for at most `timeout` (or until woken, or spuriously).
 pub(crate) fn wait(flag: &AtomicU32, expected: u32, timeout: Duration) {
+    crate::trace::count(crate::trace::Counter::FutexWait);
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
@@ -32,6 +33,7 @@ pub(crate) fn wait(flag: &AtomicU32, expected: u32, timeout: Duration) {
 
 /// Wakes every waiter on `flag`. Never blocks.
 pub(crate) fn wake(flag: &AtomicU32) {
+    crate::trace::count(crate::trace::Counter::FutexWake);
     // SAFETY: `flag` is a live, aligned 32-bit word; FUTEX_WAKE does not touch memory.
     #[allow(unsafe_code)]
     unsafe {

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -89,6 +90,9 @@ pub(crate) struct Shared {
     pub(crate) outboxes: Mutex<Outboxes>,
     pub(crate) control: Mutex<Control>,
     pub(crate) stats: Mutex<ServerStats>,
+    /// How long the loop looks at the rings (no system call, waiting flags clear) before it sleeps,
+    /// after a round that found ring entries, in nanoseconds; 0: it never spins.
+    pub(crate) ring_spin_ns: AtomicU64,
     wake: OwnedFd,
 }
 
@@ -98,6 +102,7 @@ impl Shared {
             outboxes: Mutex::new(Outboxes::new(send_queue_len)),
             control: Mutex::new(Control::default()),
             stats: Mutex::new(ServerStats::default()),
+            ring_spin_ns: AtomicU64::new(DEFAULT_RING_SPIN.as_nanos() as u64),
             wake: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
     }
@@ -122,6 +127,20 @@ const POLL_EXIT: Duration = Duration::from_millis(100);
 const SHED_AFTER: Duration = Duration::from_millis(100);
 /// Connections accepted per round at most, so a flood cannot keep the loop from the others.
 const ACCEPTS_PER_ROUND: usize = 256;
+/// How long the loop spins over the rings after ring traffic, by default (see [`Shared::ring_spin_ns`]).
+pub(crate) const DEFAULT_RING_SPIN: Duration = Duration::from_micros(50);
+/// How often a spinning loop asks `epoll` (without waiting) whether a socket, the wake-up or a
+/// process needs it: the spin delays those by about this much at most.
+const SPIN_EPOLL_EVERY: Duration = Duration::from_micros(5);
+
+/// How the round that drains the rings began (for `trace`): after a sleep in `epoll` (its waiting
+/// flags set), or after a spin that found ring entries; the time in [`trace::now_ns`](crate::trace::now_ns).
+#[derive(Clone, Copy, Debug)]
+enum RoundStart {
+    Busy,
+    Woke(u64),
+    Spun(u64),
+}
 
 /// What the loop needs to start.
 pub(crate) struct Setup {
@@ -157,6 +176,9 @@ struct Loop {
     next_id: u64,
     closing: bool,
     stats: ServerStats,
+    /// When ring entries were last drained.
+    ring_traffic: Option<Instant>,
+    round_start: RoundStart,
 }
 
 /// The loop, set up (the epoll set made, the listener and the wake-up registered) in the
@@ -201,6 +223,8 @@ impl Ready {
             next_id: 0,
             closing: false,
             stats: ServerStats::default(),
+            ring_traffic: None,
+            round_start: RoundStart::Busy,
         }))
     }
 
@@ -232,10 +256,14 @@ impl Loop {
             events.clear();
             let waited = epoll::wait(&self.epoll, spare_capacity(&mut events), timeout.as_ref());
             if !rings_busy {
-                for peer in self.peers.values() {
-                    if let Some(ring) = &peer.ring {
-                        ring.sleep_end();
-                    }
+                crate::trace::count(crate::trace::Counter::LoopSleep);
+                self.round_start = RoundStart::Woke(crate::trace::stamp());
+            }
+            // Awake: every flag clear, also those set before a ring further on kept the loop from
+            // sleeping (left set, they would make those importers ring for nothing).
+            for peer in self.peers.values() {
+                if let Some(ring) = &peer.ring {
+                    ring.sleep_end();
                 }
             }
             match waited {
@@ -592,8 +620,11 @@ impl Loop {
         self.end_broken(broken);
     }
 
-    /// Drains every connection's ring to the exporter, then sets the exporter's waiting flags
-    /// before the loop sleeps. Returns whether a ring had entries when its flag was set (then the
+    /// Drains every connection's ring to the exporter; then, after ring traffic, spins over the
+    /// rings for up to the spin time ([`Shared::ring_spin_ns`]) while its waiting flags stay clear
+    /// (importers that publish meanwhile ring nobody: no `RingBell`, no wake-up of this thread);
+    /// then sets the exporter's waiting flags before the loop sleeps. Returns whether a ring had
+    /// entries when the spin ended or its flag was set, or a spin saw `epoll` ready (then the
     /// loop must not sleep).
     fn rings(&mut self, now: Instant) -> bool {
         let tokens: Vec<u64> = self
@@ -602,9 +633,19 @@ impl Loop {
             .filter(|(_, p)| p.ring.is_some() && p.handshake.is_none())
             .map(|(t, _)| *t)
             .collect();
+        for &token in &tokens {
+            self.drain_ring(token, now);
+        }
+        // What the next round drains was found by the spin below, or by nobody in particular.
+        self.round_start = RoundStart::Busy;
+        let spin = Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
+        if let Some(last) = self.ring_traffic {
+            if !spin.is_zero() && now < last + spin && self.spin(&tokens, last) {
+                return true;
+            }
+        }
         let mut busy = false;
         for token in tokens {
-            self.drain_ring(token, now);
             let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
                 continue;
             };
@@ -617,6 +658,40 @@ impl Loop {
         busy
     }
 
+    /// Looks at the rings of `tokens` (loads of their heads, no system call) until one has
+    /// entries (`true`), `epoll` has something ready (`true`: asked every [`SPIN_EPOLL_EVERY`],
+    /// without waiting), or the spin time (read again at each ask, so a new setting takes effect
+    /// at once) has passed since `last` ring traffic (`false`).
+    fn spin(&mut self, tokens: &[u64], last: Instant) -> bool {
+        let mut asked = Instant::now();
+        let mut until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
+        loop {
+            for token in tokens {
+                if let Some(ring) = self.peers.get_mut(token).and_then(|p| p.ring.as_mut()) {
+                    if ring.ready() {
+                        crate::trace::count(crate::trace::Counter::LoopSpinHit);
+                        self.round_start = RoundStart::Spun(crate::trace::stamp());
+                        return true;
+                    }
+                }
+            }
+            std::hint::spin_loop();
+            let now = Instant::now();
+            if now >= asked + SPIN_EPOLL_EVERY {
+                asked = now;
+                until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
+                let mut fds = [rustix::event::PollFd::new(&self.epoll, rustix::event::PollFlags::IN)];
+                let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
+                if matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
+                    return true;
+                }
+            }
+            if now >= until {
+                return false;
+            }
+        }
+    }
+
     /// Handles what waits in the ring of `token` (at most one ring's worth per call, so a peer
     /// that keeps writing cannot hold the loop).
     fn drain_ring(&mut self, token: u64, now: Instant) {
@@ -626,19 +701,45 @@ impl Loop {
         let max = self.limits.ring.unwrap_or_default().capacity() as usize;
         match ring.drain(max) {
             Ok(messages) => {
-                if !messages.is_empty() {
-                    if let Some(peer) = self.peers.get_mut(&token) {
-                        peer.last_traffic = now;
-                    }
+                if messages.is_empty() {
+                    return;
+                }
+                if let Some(peer) = self.peers.get_mut(&token) {
+                    peer.last_traffic = now;
+                }
+                // Also when drained after a `RingBell` (`on_peer`): the spin follows any traffic.
+                self.ring_traffic = Some(now);
+                if crate::trace::is_enabled() {
+                    self.mark_round_start(&messages);
                 }
                 for message in messages {
                     if !self.peers.contains_key(&token) {
-                        return;
+                        break;
                     }
                     self.on_message(token, message, now);
                 }
             }
             Err(e) => self.end(token, false, Some(e)),
+        }
+    }
+
+    /// Records how the round that drained these releases began (`trace`).
+    fn mark_round_start(&self, messages: &[Message]) {
+        let (point, at) = match self.round_start {
+            RoundStart::Busy => return,
+            RoundStart::Woke(at) => (crate::trace::Point::ExporterLoopWoke, at),
+            RoundStart::Spun(at) => (crate::trace::Point::ExporterSpinFound, at),
+        };
+        for message in messages {
+            match message {
+                Message::Release { buffer_id } => crate::trace::mark_at(point, buffer_id.0, at),
+                Message::ReleaseBatch(batch) => {
+                    for id in &batch.buffers {
+                        crate::trace::mark_at(point, id.0, at);
+                    }
+                }
+                _ => {}
+            }
         }
     }
 

@@ -146,10 +146,13 @@ impl Outboxes {
             let ring = queue.ring.as_mut().expect("ring_takes checked it");
             match ring.push(&item.frame) {
                 Ok(true) => {
-                    ring.publish_and_wake();
+                    let woke = ring.publish_and_wake();
                     queue.ring_pushed = Some(std::time::Instant::now());
                     if let Some(buffer) = item.buffer {
                         crate::trace::mark(crate::trace::Point::ExporterFrameOut, buffer.0);
+                        if woke {
+                            crate::trace::mark(crate::trace::Point::ExporterBellRang, buffer.0);
+                        }
                     }
                     return Ok(false);
                 }
@@ -218,7 +221,7 @@ impl Outboxes {
     /// socket took frames: a sleeping importer then looks at its socket).
     pub(crate) fn publish(&mut self, id: ImporterId) {
         if let Some(ring) = self.queues.get_mut(&id).and_then(|q| q.ring.as_mut()) {
-            ring.publish_and_wake();
+            let _ = ring.publish_and_wake();
         }
     }
 

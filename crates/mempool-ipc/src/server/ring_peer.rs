@@ -59,16 +59,28 @@ impl RingPeer {
     }
 
     /// Reads up to `max` frames from the importer's ring, decoded and checked; gives their slots
-    /// back. Only `Release` and `ReleaseBatch` are allowed there.
+    /// back. Only `Release` and `ReleaseBatch` are allowed there. Consecutive `ReleaseBatch` frames
+    /// that name the same release event come out as one batch (the importer's latest recording of
+    /// its event covers every release it sent before, so one look at the event, and at most one
+    /// GPU wait on it, serves them all): releases that piled up while the exporter was busy cost
+    /// it one handling, not one each.
     pub(crate) fn drain(&mut self, max: usize) -> Result<Vec<Message>> {
-        let mut out = Vec::new();
-        while out.len() < max {
+        let mut out: Vec<Message> = Vec::new();
+        let mut taken = 0;
+        while taken < max {
             let Some(len) = self.rx.pop(&mut self.scratch)? else {
                 break;
             };
+            taken += 1;
             let message = wire::decode(&self.scratch[..len])?;
             match message {
-                Message::Release { .. } | Message::ReleaseBatch(_) => out.push(message),
+                Message::ReleaseBatch(batch) => match out.last_mut() {
+                    Some(Message::ReleaseBatch(last)) if last.event == batch.event => {
+                        last.buffers.extend(batch.buffers);
+                    }
+                    _ => out.push(Message::ReleaseBatch(batch)),
+                },
+                Message::Release { .. } => out.push(message),
                 other => {
                     return Err(Error::UnexpectedMessage {
                         expected: "Release or ReleaseBatch in the importer's ring",
@@ -77,10 +89,16 @@ impl RingPeer {
                 }
             }
         }
-        if !out.is_empty() {
+        if taken > 0 {
             self.rx.publish_and_wake();
         }
         Ok(out)
+    }
+
+    /// Whether entries wait in the importer's ring (one load of its head, checked; a ring that
+    /// broke its rules says `true`: the next drain reports how).
+    pub(crate) fn ready(&mut self) -> bool {
+        self.rx.ready().map_or(true, |n| n > 0)
     }
 
     /// Sets the exporter's waiting flag before the loop sleeps; `false` if entries arrived
@@ -110,8 +128,12 @@ impl RingSender {
     }
 
     /// Publishes what was pushed and wakes the importer if it sleeps (also after frames went out
-    /// on the socket: a sleeping importer then looks at its socket).
-    pub(crate) fn publish_and_wake(&mut self) {
-        self.tx.publish_and_wake();
+    /// on the socket: a sleeping importer then looks at its socket); returns whether it woke it.
+    pub(crate) fn publish_and_wake(&mut self) -> bool {
+        let asleep = self.tx.publish();
+        if asleep {
+            self.tx.wake_consumer();
+        }
+        asleep
     }
 }

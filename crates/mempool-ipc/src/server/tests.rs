@@ -162,6 +162,8 @@ struct Record {
     /// The capabilities granted to each, in the order connected.
     capabilities: Vec<u64>,
     released: Vec<(ImporterId, BufferId)>,
+    /// The buffers of each `released_batch` call, in order.
+    batches: Vec<Vec<u64>>,
     ended: Vec<(ImporterId, bool, Vec<BufferId>)>,
     exited: Vec<ImporterId>,
     abandoned: Vec<ImporterId>,
@@ -216,6 +218,8 @@ impl Handler for Recorder {
     }
 
     fn released_batch(&self, id: ImporterId, batch: ReleaseBatch) -> Result<()> {
+        let ids = batch.buffers.iter().map(|b| b.0).collect();
+        self.record.lock().unwrap().batches.push(ids);
         for buffer in batch.buffers {
             self.released(id, buffer)?;
         }

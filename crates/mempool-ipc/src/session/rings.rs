@@ -102,17 +102,18 @@ impl ImporterRing {
 
     /// Sleeps until the exporter rings (or `timeout` passes) if, once the waiting flag is set,
     /// the ring is still empty and `socket_ready` says nothing waits on the socket either (the
-    /// exporter rings after socket frames too, but only once it sees the flag).
-    pub(crate) fn sleep(&self, timeout: Duration, socket_ready: impl FnOnce() -> bool) -> Result<()> {
+    /// exporter rings after socket frames too, but only once it sees the flag). Returns `true`
+    /// when it did not sleep because `socket_ready` said a frame waits (read it).
+    pub(crate) fn sleep(&self, timeout: Duration, socket_ready: impl FnOnce() -> bool) -> Result<bool> {
         let mut guard = lock(&self.rx);
         if guard.0.sleep_begin()? {
             if socket_ready() {
                 guard.0.sleep_end();
-                return Ok(());
+                return Ok(true);
             }
             guard.0.wait(timeout)?;
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Writes `message` (a release) into the ring to the exporter, unpublished; `false` if it

@@ -342,3 +342,120 @@ fn an_importer_killed_in_the_middle_of_a_batch_leaves_the_exporter_at_its_baseli
     assert!(exporter.shutdown().is_empty());
     no_drop_errors("exporter");
 }
+
+/// Threads of the waiting test, buffers each shares (one at a time) per phase, and their size.
+const WAITERS: usize = 4;
+const PER_WAITER: usize = 40;
+const WAITER_LEN: usize = 64 << 10;
+
+#[test]
+fn threads_waiting_for_their_own_buffers_are_each_woken_by_its_release_with_and_without_the_spin() {
+    let test = this_test!();
+    let total = 2 * WAITERS * PER_WAITER;
+    if role().is_some() {
+        let (importer, stream, kernels) = connect();
+        assert!(importer.rings(), "the default importer uses the rings");
+        for _ in 0..total {
+            let buf = importer.recv_timeout(stream.as_ref(), WAIT).expect("a buffer");
+            check_step(
+                &shared_u32s(&buf),
+                ADDS,
+                "the importer sees every kernel queued before the share",
+            );
+            for _ in 0..ADDS {
+                // SAFETY: the buffer holds len / 4 u32s, ordered on `stream`.
+                unsafe { kernels.add(buf.ptr(), buf.len() / 4, 1, stream.as_ref()) }.unwrap();
+            }
+            // Released while the kernels run: ordered by the release event.
+            drop(buf);
+        }
+        tell_parent("DONE");
+        hear_parent("BYE");
+        drop(importer);
+        no_drop_errors("importer");
+        return;
+    }
+    let _serial = serial();
+    let (_dev, ctx) = gpu();
+    let (upstream, sub, exporter) = suballocating_exporter("ring-waiters");
+    let mut child = ChildProc::spawn(test, "importer", exporter.path());
+    let id = exporter.wait_for_importers(1, WAIT).unwrap()[0].id;
+    let stream = Stream::new(&ctx).unwrap();
+    // An anchor keeps the chunk's block alive, so suballocated buffers are freed, not parked.
+    let anchor = adopt_from(&exporter, &sub, 4096, stream.as_ref());
+    let n = WAITER_LEN / 4;
+    for (phase, spin) in [Duration::from_micros(50), Duration::ZERO].into_iter().enumerate() {
+        exporter.set_spin(spin);
+        assert_eq!(exporter.spin(), spin);
+        mempool_ipc::trace::reset_counters();
+        std::thread::scope(|scope| {
+            for t in 0..WAITERS {
+                let (exporter, sub, ctx) = (&exporter, &sub, ctx.clone());
+                scope.spawn(move || {
+                    let stream = Stream::new(&ctx).unwrap();
+                    let kernels = CheckKernels::load(&ctx).unwrap();
+                    for i in 0..PER_WAITER {
+                        let index = ((phase * WAITERS + t) * PER_WAITER + i) as u32;
+                        let buf = adopt_from(exporter, sub, WAITER_LEN, stream.as_ref());
+                        // SAFETY: the buffer holds n u32s on `stream`.
+                        unsafe { kernels.iota(buf.ptr(), n, (index + 1) * STEP, stream.as_ref()) }.unwrap();
+                        for _ in 0..ADDS {
+                            // SAFETY: as above.
+                            unsafe { kernels.add(buf.ptr(), n, 1, stream.as_ref()) }.unwrap();
+                        }
+                        exporter.share(&buf, &[id]).unwrap();
+                        // Every other thread waits for a buffer of its own meanwhile: this one
+                        // must be woken for this buffer's release, whoever else is released.
+                        buf.wait_released(WAIT).unwrap();
+                        assert!(buf.holders().is_empty(), "wait_released returned with a holder left");
+                        // SAFETY: the buffer is live (held here) and holds n u32s; the importer's
+                        // kernels are ordered before work on `stream` after `wait_released`.
+                        let got = unsafe { read_u32s(&ctx, buf.ptr(), n, stream.as_ref()) };
+                        let base = check_step(
+                            &got,
+                            2 * ADDS,
+                            "after wait_released the exporter sees every kernel the importer queued",
+                        );
+                        assert_eq!(base, (index + 1) * STEP, "thread {t}, buffer {i}: its own bytes");
+                        drop(buf);
+                    }
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+        let c = mempool_ipc::trace::counters();
+        let per = |v: u64| v as f64 / (WAITERS * PER_WAITER) as f64;
+        println!(
+            "FINDING: spin {spin:?}: per buffer, in the exporter's process: release wakes {:.2}, notifies {:.2}, \
+             loop sleeps {:.2}, loop spin hits {:.2}, futex wakes {:.2}",
+            per(c.release_wakes),
+            per(c.notifies),
+            per(c.loop_sleeps),
+            per(c.loop_spin_hits),
+            per(c.futex_wakes)
+        );
+    }
+    child.expect("DONE");
+    child.say("BYE");
+    child.succeeds();
+    wait_no_importers(&exporter);
+    drop(anchor);
+    exporter.wait_idle(WAIT).unwrap();
+    let stats = exporter.stats();
+    assert_eq!(
+        (
+            stats.live_buffers,
+            stats.reclaimed_buffers,
+            stats.abandoned_buffers,
+            stats.peer_errors
+        ),
+        (0, 0, 0, 0),
+        "{stats:?}"
+    );
+    assert!(exporter.shutdown().is_empty());
+    stream.synchronize().unwrap();
+    sub.release_unused().unwrap();
+    drop(sub);
+    wait_used(upstream.pool(), &ctx, 0);
+    no_drop_errors("exporter");
+}

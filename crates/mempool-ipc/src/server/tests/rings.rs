@@ -355,3 +355,223 @@ fn traffic_through_the_rings_counts_against_the_idle_timeout() {
         "{err}"
     );
 }
+
+// ---- the loop's spin over the rings, and batches merged as they are drained ----
+
+/// Writes `messages` into the ring to the exporter as the importer would, and publishes them at
+/// once (one store of the head: the loop sees them together), ringing no doorbell.
+fn write_releases(region: &Arc<Region>, messages: &[Message]) {
+    let mut tx = crate::ring::Producer::new(region.clone(), Direction::ToExporter);
+    for m in messages {
+        assert!(tx.push(&wire::encode(m).unwrap()).unwrap(), "the ring has room");
+    }
+    let _ = tx.publish();
+}
+
+fn batch(event: Option<u8>, ids: &[u64]) -> Message {
+    Message::ReleaseBatch(ReleaseBatch {
+        event: event.map(|e| crate::wire::EventHandle([e; 64])),
+        buffers: ids.iter().copied().map(BufferId).collect(),
+    })
+}
+
+#[test]
+fn consecutive_release_batches_with_one_event_are_handled_as_one_batch() {
+    let f = serve(limits_with_ring(Some(Geometry::new(16, 256).unwrap())));
+    let (session, id, _) = connected_asking(&f, V3);
+    let region = session.ring_region().unwrap();
+    // The importer's own producer end never wrote: this one starts where it would.
+    write_releases(
+        &region,
+        &[
+            batch(None, &[1, 2]),
+            batch(None, &[3]),
+            batch(Some(7), &[4]),
+            batch(Some(7), &[5, 6]),
+            Message::Release { buffer_id: BufferId(9) },
+            batch(Some(7), &[10]),
+            batch(Some(8), &[11]),
+        ],
+    );
+    f.server.wake();
+    f.handler.wait_for("every release", |r| {
+        r.released.iter().filter(|(i, _)| *i == id).count() == 9
+    });
+    let batches = f.handler.record.lock().unwrap().batches.clone();
+    // Same event, one after the other: one handling each run; a plain Release or another event
+    // ends a run.
+    assert_eq!(
+        batches,
+        vec![vec![1, 2, 3], vec![4, 5, 6], vec![10], vec![11]],
+        "batches as the exporter handled them"
+    );
+    let order: Vec<u64> = f
+        .handler
+        .record
+        .lock()
+        .unwrap()
+        .released
+        .iter()
+        .filter(|(i, _)| *i == id)
+        .map(|(_, b)| b.0)
+        .collect();
+    assert_eq!(order, vec![1, 2, 3, 4, 5, 6, 9, 10, 11], "in the order written");
+    assert_eq!(f.server.stats().peer_errors, 0);
+}
+
+/// The exporter's waiting flag in the ring from the importer (1 while its loop may sleep).
+fn exporter_waiting(region: &Region) -> u32 {
+    region
+        .flag(region.geometry().consumer_waiting(Direction::ToExporter))
+        .load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[test]
+fn after_ring_traffic_the_loop_spins_with_its_flag_clear_and_sleeps_with_it_set_once_the_spin_is_off() {
+    let f = serve(limits_with_ring(Some(Geometry::default())));
+    // Long enough that the test's steps all fall inside it, however slow the machine.
+    f.server.set_ring_spin(Duration::from_secs(5));
+    let (session, id, _) = connected_asking(&f, V3);
+    let region = session.ring_region().unwrap();
+    f.server.send(id, &buffer_message(1), Some(BufferId(1))).unwrap();
+    assert_eq!(recv_buffer(&session), BufferId(1));
+    session.release(BufferId(1)).unwrap();
+    f.handler
+        .wait_for("the first release", |r| r.released.contains(&(id, BufferId(1))));
+    // Spinning after that traffic: the flag stays clear, so the next release rings no doorbell and
+    // is still found.
+    for _ in 0..20 {
+        assert_eq!(exporter_waiting(&region), 0, "the spinning loop set its waiting flag");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    f.server.send(id, &buffer_message(2), Some(BufferId(2))).unwrap();
+    assert_eq!(recv_buffer(&session), BufferId(2));
+    session.release(BufferId(2)).unwrap();
+    f.handler
+        .wait_for("the second release", |r| r.released.contains(&(id, BufferId(2))));
+    // Spin off: the loop stops spinning at once, sets its flag and sleeps; a release then rings.
+    f.server.set_ring_spin(Duration::ZERO);
+    let deadline = Instant::now() + SOON;
+    while exporter_waiting(&region) == 0 {
+        assert!(Instant::now() < deadline, "the loop never set its waiting flag");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    f.server.send(id, &buffer_message(3), Some(BufferId(3))).unwrap();
+    assert_eq!(recv_buffer(&session), BufferId(3));
+    session.release(BufferId(3)).unwrap();
+    f.handler.wait_for("the third release, by the doorbell", |r| {
+        r.released.contains(&(id, BufferId(3)))
+    });
+    assert_eq!(f.server.stats().peer_errors, 0);
+}
+
+#[test]
+fn a_spinning_loop_still_serves_sockets_and_new_importers() {
+    let f = serve(limits_with_ring(Some(Geometry::default())));
+    f.server.set_ring_spin(Duration::from_secs(5));
+    let (session, id, _) = connected_asking(&f, V3);
+    f.server.send(id, &buffer_message(1), Some(BufferId(1))).unwrap();
+    assert_eq!(recv_buffer(&session), BufferId(1));
+    session.release(BufferId(1)).unwrap();
+    f.handler
+        .wait_for("the release", |r| r.released.contains(&(id, BufferId(1))));
+    // The loop spins now: a new importer's handshake (socket traffic only) still completes, and a
+    // version-2 importer's socket releases are still read.
+    let (other, other_id, granted) = connected_asking(&f, CAP_FAST_RELEASE);
+    assert_eq!(granted, CAP_FAST_RELEASE);
+    f.server.send(other_id, &buffer_message(2), Some(BufferId(2))).unwrap();
+    assert_eq!(recv_buffer(&other), BufferId(2));
+    other.release_batch(None, vec![BufferId(2)]).unwrap();
+    f.handler
+        .wait_for("the socket release", |r| r.released.contains(&(other_id, BufferId(2))));
+    assert_eq!(f.server.stats().peer_errors, 0);
+}
+
+#[test]
+fn a_ring_scribbled_over_while_the_loop_spins_cuts_the_importer_off() {
+    let f = serve(limits_with_ring(Some(Geometry::new(8, 256).unwrap())));
+    f.server.set_ring_spin(Duration::from_secs(5));
+    let (session, id, _) = connected_asking(&f, V3);
+    f.server.send(id, &buffer_message(1), Some(BufferId(1))).unwrap();
+    assert_eq!(recv_buffer(&session), BufferId(1));
+    session.release(BufferId(1)).unwrap();
+    f.handler
+        .wait_for("the release", |r| r.released.contains(&(id, BufferId(1))));
+    // No doorbell, no wake-up: the spin itself finds the broken head.
+    let region = session.ring_region().unwrap();
+    put(&region, region.geometry().head(Direction::ToExporter), 1 << 40);
+    f.handler
+        .wait_for("the importer cut off", |r| r.ended.iter().any(|e| e.0 == id));
+    let (clean, _) = f.handler.ended(id).unwrap();
+    assert!(!clean);
+    wait_stats(&f, "the peer error counted", |s| s.peer_errors == 1);
+}
+
+/// Not a test: a host-only measurement of the ring path's system calls and wake-ups per buffer
+/// (the counters of `trace::counters`, this process being both sides), with the loop's spin and
+/// without. Four importers, each with a thread that shares with a window of 4 buffers and one that
+/// receives and releases each buffer as it comes (the sustained shape of `ipc_handoff`, without
+/// the GPU). Run alone, so no other test adds to the counters:
+/// `cargo test -p mempool-ipc --lib ring_handoff_counts -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn ring_handoff_counts() {
+    const IMPORTERS: usize = 4;
+    const PER: u64 = 5000;
+    const WINDOW: u64 = 4;
+    for spin in [Duration::ZERO, super::super::DEFAULT_RING_SPIN] {
+        let f = serve(limits_with_ring(Some(Geometry::default())));
+        f.server.set_ring_spin(spin);
+        let sessions: Vec<(ImporterSession, ImporterId)> = (0..IMPORTERS)
+            .map(|_| {
+                let (s, id, _) = connected_asking(&f, V3);
+                (s, id)
+            })
+            .collect();
+        crate::trace::reset_counters();
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for (k, (session, id)) in sessions.iter().enumerate() {
+                let base = (k as u64 + 1) << 32;
+                scope.spawn(move || {
+                    for _ in 0..PER {
+                        let b = recv_buffer(session);
+                        session.release_batch(None, vec![b]).unwrap();
+                    }
+                });
+                let f = &f;
+                let id = *id;
+                scope.spawn(move || {
+                    for n in 0..PER {
+                        if n >= WINDOW {
+                            let want = (n - WINDOW + 1) as usize;
+                            f.handler.wait_for("the window", |r| {
+                                r.released.iter().filter(|(i, _)| *i == id).count() >= want
+                            });
+                        }
+                        f.server
+                            .send(id, &buffer_message(base + n), Some(BufferId(base + n)))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        f.handler
+            .wait_for("every release", |r| r.released.len() == IMPORTERS * PER as usize);
+        let elapsed = start.elapsed();
+        let c = crate::trace::counters();
+        let n = (IMPORTERS as u64 * PER) as f64;
+        println!(
+            "spin {spin:?}: {:.0} buffers/s; per buffer: futex wake {:.2}, futex wait {:.2}, RingBell {:.2}, \
+             socket poll {:.2}, loop sleep {:.2}, loop spin hit {:.2}",
+            n / elapsed.as_secs_f64(),
+            c.futex_wakes as f64 / n,
+            c.futex_waits as f64 / n,
+            c.bells_sent as f64 / n,
+            c.socket_polls as f64 / n,
+            c.loop_sleeps as f64 / n,
+            c.loop_spin_hits as f64 / n,
+        );
+        assert_eq!(f.server.stats().peer_errors, 0);
+    }
+}

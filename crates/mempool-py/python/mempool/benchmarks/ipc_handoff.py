@@ -7,6 +7,8 @@
   no import per buffer);
 - ``mempool-socket``: the same over the socket (``rings=False``, protocol version 2: the path before the
   rings, for comparison in the same run);
+- ``mempool-acked``: ``mempool`` with the sustained part's per-buffer acknowledgement on the pipe as well (the
+  shape this benchmark had before; see below), for comparison in the same run;
 - ``torch``: ``torch.multiprocessing`` (a CUDA tensor put in a ``torch.multiprocessing`` queue);
 - ``cuda.core``: cuda.core's IPC-enabled ``DeviceMemoryResource`` (the resource passed to the child once,
   then ``Buffer`` objects through a ``multiprocessing`` queue).
@@ -16,7 +18,11 @@ is not a tensor), handed over, viewed in the consumer with no copy (``torch.from
 read on the GPU, let go, and acknowledged (one byte on a pipe). The producer's clock runs from the allocation
 to the acknowledgement (for ``mempool``, to ``wait_released``). Round trip: one consumer, the median and mean
 per size. Sustained: 1, 2 and up to ``--consumers`` consumers, four buffers in flight per consumer, buffers per
-second. The output names the device, the host CPU, whether CUDA MPS is in use, every framework's numbers, and
+second. In the sustained part of ``mempool`` and ``mempool-socket`` the release is the acknowledgement: the
+producer waits for the oldest buffer in flight with ``wait_released`` (which returns once the consumer let go of
+it, after its first byte was read and checked), and each consumer answers on its pipe once per run, after
+checking every buffer (a wrong byte is reported there, and fails the run); ``torch`` and ``cuda.core`` have no
+release to wait for and are acknowledged on the pipe per buffer, as is ``mempool-acked``. The output names the device, the host CPU, whether CUDA MPS is in use, every framework's numbers, and
 the ratios the targets of issue 25 name (round trip at most 100 us, sustained at least 10x
 ``torch.multiprocessing``). A framework that is not installed, or that fails, is reported as such and the run
 goes on.
@@ -38,7 +44,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-FRAMEWORKS = ("mempool", "mempool-socket", "torch", "cuda.core")
+FRAMEWORKS = ("mempool", "mempool-socket", "mempool-acked", "torch", "cuda.core")
 KIB, MIB = 1 << 10, 1 << 20
 ROUND_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB)
 SUSTAINED_SIZES = (64 * KIB, MIB, 16 * MIB)
@@ -69,7 +75,8 @@ def host_cpu() -> str:
 def _consumer(framework: str, setup, queue, conn) -> None:
     """One consumer process: connects (or registers) as `framework` says, then for each command
     ``n`` on `conn` receives ``n`` buffers, views each with torch, reads its first byte on the GPU, lets go
-    and acknowledges it with one byte; ``b"stop"`` ends it. Reports ``b"ready"`` once set up, or
+    and acknowledges it with one byte; for a command ``n:end``, acknowledges once, after the ``n``-th (the
+    producer waits for each release instead); ``b"stop"`` ends it. Reports ``b"ready"`` once set up, or
     ``b"error:..."`` with the traceback."""
     try:
         import torch
@@ -78,7 +85,7 @@ def _consumer(framework: str, setup, queue, conn) -> None:
         if framework.startswith("mempool"):
             from mempool import ipc
 
-            importer = ipc.Importer(setup, timeout=30.0, rings=(framework == "mempool"))
+            importer = ipc.Importer(setup, timeout=30.0, rings=(framework != "mempool-socket"))
 
             def take():
                 return importer.recv(timeout=TIMEOUT)
@@ -96,7 +103,9 @@ def _consumer(framework: str, setup, queue, conn) -> None:
             cmd = conn.recv_bytes()
             if cmd == b"stop":
                 break
-            for _ in range(int(cmd)):
+            count, _, mode = cmd.partition(b":")
+            each = mode != b"end"
+            for _ in range(int(count)):
                 obj = take()
                 t = obj if framework == "torch" else torch.from_dlpack(obj)
                 first = int(t[0].item())  # a read of the first byte on the GPU (and its value back)
@@ -106,6 +115,9 @@ def _consumer(framework: str, setup, queue, conn) -> None:
                 if framework == "cuda.core":
                     obj.close()
                 del obj
+                if each:
+                    conn.send_bytes(b"a")
+            if not each:
                 conn.send_bytes(b"a")
     except BaseException:  # noqa: BLE001 - reported to the producer
         try:
@@ -213,6 +225,8 @@ class Side:
         return times
 
     def sustained(self, size: int, consumers: int, per_consumer: int) -> float:
+        if self.framework in ("mempool", "mempool-socket"):
+            return self.sustained_by_release(size, consumers, per_consumer)
         for i in range(consumers):
             self.conns[i].send_bytes(str(per_consumer).encode())
         sent = [0] * consumers
@@ -233,6 +247,29 @@ class Side:
                 self.ack(i)
                 self.finish(flight[i].pop(0))
                 done += 1
+        self.torch.cuda.synchronize()
+        return total / (time.perf_counter() - t0)
+
+    def sustained_by_release(self, size: int, consumers: int, per_consumer: int) -> float:
+        """`sustained` with the release as the acknowledgement: the oldest buffer in flight to each consumer is
+        waited for with ``wait_released``; each consumer answers on its pipe once, after its last buffer."""
+        for i in range(consumers):
+            self.conns[i].send_bytes(f"{per_consumer}:end".encode())
+        sent = [0] * consumers
+        flight = [[] for _ in range(consumers)]
+        done = 0
+        total = per_consumer * consumers
+        t0 = time.perf_counter()
+        while done < total:
+            for i in range(consumers):
+                while sent[i] < per_consumer and len(flight[i]) < WINDOW:
+                    flight[i].append(self.make_and_send(i, size))
+                    sent[i] += 1
+                if flight[i]:
+                    self.finish(flight[i].pop(0))
+                    done += 1
+        for i in range(consumers):
+            self.ack(i)  # every buffer was checked
         self.torch.cuda.synchronize()
         return total / (time.perf_counter() - t0)
 
@@ -268,7 +305,8 @@ def run(frameworks, consumers: int, iterations: int, sustained_buffers: int) -> 
         side = None
         try:
             side = Side(fw, consumers)
-            for size in ROUND_SIZES:
+            # mempool-acked differs from mempool in the sustained part only.
+            for size in ROUND_SIZES if fw != "mempool-acked" else ():
                 n = max(20, min(iterations, (512 * MIB) // size))
                 side.round_trip(size, 5)  # warm-up
                 times = side.round_trip(size, n)
