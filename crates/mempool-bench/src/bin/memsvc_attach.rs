@@ -5,10 +5,9 @@
 //! buffers (one buffer of `--size` bytes, or `--size` split into N buffers), fills them on the GPU,
 //! publishes them and exits; then, `--reps` times, a fresh attacher process (the restarted
 //! client) that connects, attaches every buffer by name, and waits for its stream (the data is
-//! usable from here on). Several buffers are attached three ways, each a row: with
-//! `Client::attach_many` (one request per 128 names, one address reservation per request, the
-//! buffers imported on the client's default `import_threads`), the same on one thread, and with
-//! one `Client::attach` per buffer; the table shows the cost per buffer too. `--trace` prints,
+//! usable from here on). Several buffers are attached two ways, each a row: with
+//! `Client::attach_many` (one request per 128 names, one address reservation per request) and
+//! with one `Client::attach` per buffer; the table shows the cost per buffer too. `--trace` prints,
 //! under each row, where its last attacher's time went (the memory service's trace points in
 //! the attacher and the server, mean microseconds per request between consecutive points).
 //! `--phases N` instead times each driver step of attaching N buffers in one process. In the same attacher process, after its attachments are dropped, the
@@ -34,7 +33,7 @@ use mempool_core::{
     memory, Access, AllocationProps, Device, Event, EventFlags, Granularity, HandleTypes, Mapping, PhysicalAllocation,
     Reservation, Stream,
 };
-use mempool_ipc::memsvc::{Client, ClientOptions, CreateOptions, Server, ServerConfig};
+use mempool_ipc::memsvc::{Client, CreateOptions, Server, ServerConfig};
 use mempool_ipc::trace::{self, Point, Record};
 
 /// Attach after a client restart, against a copy from pinned host memory.
@@ -63,9 +62,6 @@ struct Args {
     /// mean microseconds per request between consecutive points) under each row.
     #[arg(long)]
     trace: bool,
-    /// (internal) `ClientOptions::import_threads` of the attacher (0: the default).
-    #[arg(long, hide = true, default_value_t = 0)]
-    import_threads: usize,
     /// (internal) The part this process plays: creator or attacher.
     #[arg(long, hide = true)]
     role: Option<String>,
@@ -126,21 +122,17 @@ fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
 /// Attaches every buffer (timed; with one `attach_many` if `many`, else one `attach` each),
 /// checks their first words, then copies as many bytes from pinned host memory (timed). Prints
 /// `RESULT <attach seconds> <copy seconds>`.
-fn attacher(socket: &Path, count: usize, per: u64, many: bool, import_threads: usize, traced: bool) -> Fallible<()> {
+fn attacher(socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;
     let stream = Stream::new(&ctx)?;
     let total = per as usize * count;
 
-    let mut options = ClientOptions::default();
-    if import_threads > 0 {
-        options.import_threads = import_threads;
-    }
     if traced {
         trace::enable();
     }
     let start = Instant::now();
-    let client = Client::connect_with(socket, options)?;
+    let client = Client::connect(socket)?;
     let attached = if many {
         let names: Vec<String> = (0..count).map(|i| name(count, i)).collect();
         client.attach_many(&names, stream.as_ref())?
@@ -193,15 +185,7 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool, import_threads: u
 /// What an attacher process printed: its attach and copy times, and its trace records.
 type ChildResult = (Option<(f64, f64)>, Vec<Record>);
 
-fn run_child(
-    role: &str,
-    socket: &Path,
-    count: usize,
-    per: u64,
-    many: bool,
-    import_threads: usize,
-    traced: bool,
-) -> Fallible<ChildResult> {
+fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> Fallible<ChildResult> {
     let mut command = Command::new(std::env::current_exe()?);
     command.args(["--role", role, "--socket"]).arg(socket).args([
         "--buffers",
@@ -215,7 +199,6 @@ fn run_child(
     if traced {
         command.arg("--trace");
     }
-    command.args(["--import-threads", &import_threads.to_string()]);
     let mut child = command.stdout(Stdio::piped()).spawn()?;
     let mut result = None;
     let mut records = Vec::new();
@@ -359,18 +342,14 @@ fn main_process(args: &Args) -> Fallible<()> {
             )
             .into());
         }
-        run_child("creator", &socket, count, per, false, 0, false)?;
+        run_child("creator", &socket, count, per, false, false)?;
         // One buffer: one attach. Several: attach_many, then one attach per buffer.
-        let ways: &[(bool, usize, &str)] = if count == 1 {
-            &[(false, 0, "")]
+        let ways: &[(bool, &str)] = if count == 1 {
+            &[(false, "")]
         } else {
-            &[
-                (true, 0, ", attach_many"),
-                (true, 1, ", attach_many, 1 thread"),
-                (false, 0, ", attach each"),
-            ]
+            &[(true, ", attach_many"), (false, ", attach each")]
         };
-        for &(many, threads, how) in ways {
+        for &(many, how) in ways {
             let mut attach = Vec::new();
             let mut copy = Vec::new();
             let mut records = Vec::new();
@@ -380,7 +359,7 @@ fn main_process(args: &Args) -> Fallible<()> {
                 if traced {
                     trace::enable();
                 }
-                let (result, child) = run_child("attacher", &socket, count, per, many, threads, traced)?;
+                let (result, child) = run_child("attacher", &socket, count, per, many, traced)?;
                 if traced {
                     trace::disable();
                     records = trace::take();
@@ -594,7 +573,7 @@ fn main() -> ExitCode {
         (None, _, _, _) => main_process(&args),
         (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
         (Some("attacher"), Some(socket), Some(per), Some(&count)) => {
-            attacher(socket, count, per, args.many, args.import_threads, args.trace)
+            attacher(socket, count, per, args.many, args.trace)
         }
         (Some(role), ..) => Err(format!("unknown role {role:?} or missing --socket/--per/--buffers").into()),
     };

@@ -134,6 +134,17 @@ fn raise_open_file_limit() {
     }
 }
 
+/// Writes a line to standard output, ignoring a closed or broken output: whoever started the
+/// server may have stopped reading it, and that must not make the server fail.
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out
+        .write_fmt(line)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let stop = Arc::new(AtomicBool::new(false));
@@ -178,20 +189,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!(
+    say(format_args!(
         "mempool-serve: listening on {} (pid {}, devices {devices:?})",
         server.path().display(),
         std::process::id()
-    );
+    ));
     while !stop.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }
     let stats = server.stats();
     server.shutdown();
-    println!(
+    say(format_args!(
         "mempool-serve: stopped ({} buffers, {} bytes released; {} freed before)",
         stats.buffers, stats.bytes, stats.freed
-    );
+    ));
     ExitCode::SUCCESS
 }
 

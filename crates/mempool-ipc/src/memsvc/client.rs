@@ -31,12 +31,6 @@ pub struct ClientOptions {
     /// Server uids trusted besides this process's own effective uid (the server's uid is read
     /// with `SO_PEERCRED` when connecting). Default: none.
     pub trust_uids: Vec<u32>,
-    /// How many threads import, map and grant access to the buffers of one
-    /// [`Client::attach_many`] request (the driver's import and access grant cost tens of
-    /// microseconds per buffer, and run side by side on separate threads); each thread takes a
-    /// run of at least 16 buffers. 1: all on the calling thread. Default: the machine's
-    /// available parallelism, at most 8.
-    pub import_threads: usize,
 }
 
 impl Default for ClientOptions {
@@ -44,7 +38,6 @@ impl Default for ClientOptions {
         ClientOptions {
             timeout: Duration::from_secs(60),
             trust_uids: Vec::new(),
-            import_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
         }
     }
 }
@@ -80,8 +73,6 @@ struct Shared {
     /// `None` once the connection failed.
     conn: Mutex<Option<Framed>>,
     timeout: Duration,
-    /// [`ClientOptions::import_threads`], at least 1.
-    import_threads: usize,
     server_pid: u32,
     devices: Vec<(DeviceUuid, u64)>,
     /// The server's events opened here, by handle.
@@ -159,7 +150,6 @@ impl Client {
             shared: Arc::new(Shared {
                 conn: Mutex::new(Some(framed)),
                 timeout: options.timeout,
-                import_threads: options.import_threads.max(1),
                 server_pid,
                 devices,
                 events: gpu::OpenedEvents::default(),
@@ -391,7 +381,7 @@ impl Client {
         let mappings = self
             .shared
             .local
-            .import_many(imports, self.shared.import_threads)
+            .import_many(imports)
             .map_err(|(i, e)| e.about_buffer(&held[i].held.name))?;
         for (a, mapping) in held.iter_mut().zip(mappings) {
             a.held.mapping = Some(mapping);

@@ -342,7 +342,9 @@ fn a_consumer_killed_with_kept_imports_keeps_the_block_allocated_until_its_proce
     }
     child.expect("KEEPING");
     let deadline = Instant::now() + WAIT;
-    while exporter.stats().live_buffers > 0 {
+    // A release ends the lease first, and the deferred free (or the parking) follows once the
+    // importer's release event is seen complete: wait for both.
+    while exporter.stats().live_buffers > 0 || exporter.stats().deferred_buffers > 0 {
         assert!(Instant::now() < deadline, "releases never came: {:?}", exporter.stats());
         std::thread::sleep(Duration::from_millis(5));
     }
