@@ -321,6 +321,37 @@ fn attach_many_counts_and_grants_are_checked() {
     })
     .unwrap();
     assert!(protocol(decode(&frame)).contains("multiple"));
+    // CreateMany: counts of 0 and past the limit, a count claiming more members than follow,
+    // trailing bytes.
+    for count in [0, MAX_ATTACH_MANY + 1] {
+        let create = Message::CreateMany {
+            device: DeviceUuid([1; 16]),
+            ttl_ms: 0,
+            tag: String::new(),
+            members: (0..count).map(|i| (format!("n{i}"), 4096)).collect(),
+        };
+        assert!(protocol(encode(&create).map(|_| Message::Done)).contains("members in one message"));
+    }
+    let one = encode(&Message::CreateMany {
+        device: DeviceUuid([1; 16]),
+        ttl_ms: 0,
+        tag: String::new(),
+        members: vec![("a".into(), 4096)],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    // uuid 16, ttl 8, tag 2: the count at 26.
+    for count in [0u16, MAX_ATTACH_MANY as u16 + 1, u16::MAX] {
+        let mut body = one.clone();
+        body[26..28].copy_from_slice(&count.to_le_bytes());
+        assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("entries"));
+    }
+    let mut body = one.clone();
+    body[26..28].copy_from_slice(&2u16.to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("cut short"));
+    let mut body = one.clone();
+    body.push(0);
+    assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("after the end"));
     // Descriptors: a GrantedMany carries one per entry, other messages none or one.
     assert_eq!(MessageKind::GrantedMany.max_fds(), MAX_ATTACH_MANY);
     assert_eq!(MessageKind::AttachMany.max_fds(), 0);
