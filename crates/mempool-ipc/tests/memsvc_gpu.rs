@@ -22,9 +22,7 @@ use std::time::{Duration, Instant};
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, Context, Device, Stream};
-use mempool_ipc::memsvc::{
-    Attached, BufferState, Client, CreateOptions, Error, Server, ServerConfig, ServerStats,
-};
+use mempool_ipc::memsvc::{Attached, BufferState, Client, CreateOptions, Error, Server, ServerConfig, ServerStats};
 
 const ROLE: &str = "MEMSVC_TEST_ROLE";
 const SOCK: &str = "MEMSVC_TEST_SOCK";
@@ -738,7 +736,10 @@ fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
             let base = created[0].mapping().addr();
             let mut offset = 0;
             for (i, c) in created.iter().enumerate() {
-                assert_eq!((c.name(), c.len(), c.offset()), (members[i].0.as_str(), members[i].1, offset));
+                assert_eq!(
+                    (c.name(), c.len(), c.offset()),
+                    (members[i].0.as_str(), members[i].1, offset)
+                );
                 assert_eq!(c.mapping().addr(), base);
                 assert_eq!(c.ptr(), base.offset(offset));
                 offset += c.len();
@@ -760,7 +761,11 @@ fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
             let half_a = half.next().unwrap().publish(stream.as_ref()).unwrap();
             let half_b = half.next().unwrap();
             // All or nothing: a taken name refuses the whole group.
-            match client.create_many(&[("fresh/a", g), (group_name(3).as_str(), g)], dev, &CreateOptions::new()) {
+            match client.create_many(
+                &[("fresh/a", g), (group_name(3).as_str(), g)],
+                dev,
+                &CreateOptions::new(),
+            ) {
                 Err(Error::NameTaken { name }) => assert_eq!(name, group_name(3)),
                 other => panic!("expected NameTaken, got {other:?}"),
             }
@@ -792,7 +797,10 @@ fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
             let mut offset = 0;
             for (i, b) in bufs.iter().enumerate() {
                 let b = b.as_ref().unwrap();
-                assert_eq!((b.name(), b.len(), b.offset()), (names[i].as_str(), g * (1 + i % 3), offset));
+                assert_eq!(
+                    (b.name(), b.len(), b.offset()),
+                    (names[i].as_str(), g * (1 + i % 3), offset)
+                );
                 assert_eq!(b.mapping().addr(), base, "one mapping for the group");
                 assert_eq!(b.ptr(), base.offset(offset));
                 offset += b.len();
@@ -818,10 +826,7 @@ fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
             assert_eq!(again.ptr(), base.offset(g));
             check_iota(&ctx, &again, 1 << 20, &stream);
             // The creator's (the group's and half's two) and this process's.
-            assert_eq!(
-                client.stats().unwrap().attachments,
-                (GROUP + 2 + GROUP - 2 + 1) as u64
-            );
+            assert_eq!(client.stats().unwrap().attachments, (GROUP + 2 + GROUP - 2 + 1) as u64);
             // Once every member is dropped the mapping goes; a later attach maps the group anew.
             drop(bufs);
             drop(again);
@@ -857,7 +862,9 @@ fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
         admin.delete(&group_name(i)).unwrap();
     }
     admin.delete("half/a").unwrap();
-    wait_stats(&server, "the deleted groups are freed", |s| s.buffers == 0 && s.bytes == 0);
+    wait_stats(&server, "the deleted groups are freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
     drop(admin);
     server.shutdown();
     wait_free(&ctx, baseline, "after deleting every group and shutdown");

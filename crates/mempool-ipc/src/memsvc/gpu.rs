@@ -373,10 +373,7 @@ impl LocalDevices {
         // The descriptors not imported (other members of a memory, memories mapped already)
         // close here.
         drop(fds);
-        Ok(grants
-            .iter()
-            .map(|g| found[&g.memory].clone())
-            .collect())
+        Ok(grants.iter().map(|g| found[&g.memory].clone()).collect())
     }
 }
 

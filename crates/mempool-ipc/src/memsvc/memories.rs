@@ -136,7 +136,11 @@ mod tests {
         assert_eq!(unmapped.load(Ordering::SeqCst), 0);
         assert_eq!(other.memory_size(), 4096);
         drop(other);
-        assert_eq!(unmapped.load(Ordering::SeqCst), 0, "the forgotten reference keeps it mapped");
+        assert_eq!(
+            unmapped.load(Ordering::SeqCst),
+            0,
+            "the forgotten reference keeps it mapped"
+        );
         assert!(memories.lock().get(1, 4096, [1; 16]).unwrap().is_some());
     }
 

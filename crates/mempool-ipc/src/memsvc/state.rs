@@ -298,13 +298,16 @@ impl State {
                     ),
                 })?;
             let offset = total;
-            total = total.checked_add(rounded).filter(|&t| t <= max).ok_or_else(|| Error::BadSize {
-                size: *size,
-                reason: format!(
-                    "buffer {name:?} takes its group past the largest allocation, {max} bytes (the members of \
+            total = total
+                .checked_add(rounded)
+                .filter(|&t| t <= max)
+                .ok_or_else(|| Error::BadSize {
+                    size: *size,
+                    reason: format!(
+                        "buffer {name:?} takes its group past the largest allocation, {max} bytes (the members of \
                      a group are allocated together)"
-                ),
-            })?;
+                    ),
+                })?;
             laid_out.push((name, offset, rounded));
         }
         for (i, (name, _)) in members.iter().enumerate() {
@@ -617,7 +620,10 @@ impl State {
                 })
             }
         };
-        let group = self.groups.get(&buffer.group).expect("a buffer's group lives while it does");
+        let group = self
+            .groups
+            .get(&buffer.group)
+            .expect("a buffer's group lives while it does");
         if group.published < group.count {
             let (state, op) = if group.lost {
                 (BufferState::Deleting, OP_ATTACH_GROUP_LOST)

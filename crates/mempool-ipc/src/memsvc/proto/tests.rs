@@ -472,7 +472,14 @@ fn arb_message() -> impl Strategy<Value = Message> {
         arb_string(40).prop_map(|name| Message::Delete { name }),
         arb_string(40).prop_map(|after| Message::List { after }),
         any::<u64>().prop_map(|attachment| Message::Detach { attachment }),
-        (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event(), (any::<u64>(), 0u32..40, 0u32..40))
+        (
+            any::<u64>(),
+            0u32..40,
+            12u32..30,
+            any::<[u8; 16]>(),
+            arb_event(),
+            (any::<u64>(), 0u32..40, 0u32..40)
+        )
             .prop_map(|(a, units, shift, d, event, (memory, before, after))| {
                 let granularity = 1u64 << shift;
                 Message::Granted(GrantEntry {

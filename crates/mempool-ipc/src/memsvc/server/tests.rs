@@ -1008,7 +1008,14 @@ fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() 
     assert!(fds.iter().all(|fd| inode(fd) == (inode(&fds[0]).0, 4 * G)));
     // Not attachable until every member is published.
     for name in ["grp/a", "grp/b"] {
-        done(&a, Message::Publish { name: name.into(), event: None }).unwrap();
+        done(
+            &a,
+            Message::Publish {
+                name: name.into(),
+                event: None,
+            },
+        )
+        .unwrap();
     }
     match b.call_granted(&Message::Attach { name: "grp/a".into() }) {
         Err(Error::WrongState { state, op, .. }) => {
@@ -1016,7 +1023,14 @@ fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() 
         }
         other => panic!("expected WrongState, got {:?}", other.map(|g| g.entry)),
     }
-    done(&a, Message::Publish { name: "grp/c".into(), event: None }).unwrap();
+    done(
+        &a,
+        Message::Publish {
+            name: "grp/c".into(),
+            event: None,
+        },
+    )
+    .unwrap();
     let (attached, attached_fds) = many(
         &b,
         Message::AttachMany {
@@ -1039,16 +1053,40 @@ fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() 
     assert_eq!(inode(&single.fd), inode(&fds[0]));
     // The creator lets go and deletes every member: the memory stays while b holds any.
     for g in &grants {
-        done(&a, Message::Detach { attachment: g.attachment }).unwrap();
+        done(
+            &a,
+            Message::Detach {
+                attachment: g.attachment,
+            },
+        )
+        .unwrap();
     }
     for name in ["grp/a", "grp/b", "grp/c"] {
         a.delete(name).unwrap();
     }
     drop((fds, attached_fds));
-    done(&b, Message::Detach { attachment: attached[0].attachment }).unwrap();
-    done(&b, Message::Detach { attachment: attached[1].attachment }).unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: attached[0].attachment,
+        },
+    )
+    .unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: attached[1].attachment,
+        },
+    )
+    .unwrap();
     assert_eq!(live.load(Ordering::SeqCst), 2, "grp/b is still attached");
-    done(&b, Message::Detach { attachment: single.attachment }).unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: single.attachment,
+        },
+    )
+    .unwrap();
     wait_until("the group's memory is released", || live.load(Ordering::SeqCst) == 1);
     drop((a, b));
     server.shutdown();

@@ -651,7 +651,9 @@ fn create_many_lays_members_out_in_one_allocation() {
     assert_eq!(bytes_of(&s), 4 * G);
     let placed: Vec<(u64, u64, u64)> = grants.iter().map(|g| (g.offset, g.size, g.memory_size)).collect();
     assert_eq!(placed, vec![(0, 2 * G, 4 * G), (2 * G, G, 4 * G), (3 * G, G, 4 * G)]);
-    assert!(grants.iter().all(|g| g.memory == grants[0].memory && g.granularity == G && g.device == DEV));
+    assert!(grants
+        .iter()
+        .all(|g| g.memory == grants[0].memory && g.granularity == G && g.device == DEV));
     let ids: HashSet<u64> = grants.iter().map(|g| g.attachment).collect();
     assert_eq!(ids.len(), 3, "an attachment per member");
     // A plain create is a group of one, in a memory of its own with a fresh id.
@@ -665,7 +667,10 @@ fn create_many_lays_members_out_in_one_allocation() {
     assert_eq!(list[0].size, 2 * G);
     assert_eq!(list[0].tag, "group");
     let stats = s.stats();
-    assert_eq!((stats.buffers, stats.named, stats.bytes, stats.attachments), (4, 4, 5 * G, 4));
+    assert_eq!(
+        (stats.buffers, stats.named, stats.bytes, stats.attachments),
+        (4, 4, 5 * G, 4)
+    );
 }
 
 #[test]
@@ -755,7 +760,10 @@ fn a_member_is_attachable_once_its_whole_group_is_published() {
     for name in ["p/a", "p/b"] {
         match s.attach(2, name, now) {
             Err(Error::WrongState { name: n, state, op }) => {
-                assert_eq!((n.as_str(), state, op), (name, BufferState::Creating, OP_ATTACH_GROUP_UNPUBLISHED));
+                assert_eq!(
+                    (n.as_str(), state, op),
+                    (name, BufferState::Creating, OP_ATTACH_GROUP_UNPUBLISHED)
+                );
             }
             other => panic!("expected WrongState, got {:?}", other.map(|g| g.attachment)),
         }
@@ -774,7 +782,10 @@ fn a_member_is_attachable_once_its_whole_group_is_published() {
     // Each member keeps its own event: p/b was published without one.
     assert!(grants[0].event.is_some() && grants[1].event.is_none() && grants[2].event.is_some());
     let single = s.attach(2, "p/b", now).unwrap();
-    assert_eq!((single.memory, single.offset, single.memory_size), (grants[0].memory, G, 3 * G));
+    assert_eq!(
+        (single.memory, single.offset, single.memory_size),
+        (grants[0].memory, G, 3 * G)
+    );
     // A member deleted after being published leaves the others attachable.
     s.delete(1, "p/a", now).unwrap();
     s.attach(2, "p/c", now).unwrap();
@@ -871,12 +882,17 @@ fn a_reservation_member_deleted_while_allocating_refuses_the_group() {
     s.delete(2, "r/b", now).unwrap();
     gate.release.wait();
     match creator.join().unwrap() {
-        Err(Error::WrongState { name, state, .. }) => assert_eq!((name.as_str(), state), ("r/b", BufferState::Deleting)),
+        Err(Error::WrongState { name, state, .. }) => {
+            assert_eq!((name.as_str(), state), ("r/b", BufferState::Deleting))
+        }
         other => panic!("expected WrongState, got {other:?}"),
     }
     assert_eq!(live(&s), 0);
     let stats = s.stats();
-    assert_eq!((stats.buffers, stats.named, stats.bytes, stats.attachments), (0, 0, 0, 0));
+    assert_eq!(
+        (stats.buffers, stats.named, stats.bytes, stats.attachments),
+        (0, 0, 0, 0)
+    );
     // Both names are free again, and the quota was credited.
     create_group(&s, 2, &[("r/a", G), ("r/b", G)], now).unwrap();
 }
