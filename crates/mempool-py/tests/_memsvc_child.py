@@ -205,7 +205,8 @@ def create_group(path, prefix, nbytes, seed, count):
             t.copy_(torch_pattern(torch, nbytes, seed + i))
     stream.synchronize()
     # A host copy reads the member's own bytes, not the group's from its start.
-    assert bufs[1].tobytes() == torch_pattern(torch, nbytes, seed + 1).cpu().numpy().tobytes()
+    host = torch.frombuffer(bytearray(bufs[1].tobytes()), dtype=torch.uint8)
+    assert torch.equal(host, torch_pattern(torch, nbytes, seed + 1).cpu())
     published = [b.publish(stream) for b in bufs]
     assert [p.ptr for p in published] == [b.ptr for b in bufs]
     del t, b, bufs, published
