@@ -28,7 +28,7 @@ UUID = bytes(range(16))
 
 
 def _frame(kind, body=b""):
-    return b"MPMS" + struct.pack("<HHI", 1, kind, len(body)) + body
+    return b"MPMS" + struct.pack("<HHI", 2, kind, len(body)) + body  # protocol version 2
 
 
 def _str(s):
