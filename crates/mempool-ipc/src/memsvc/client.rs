@@ -50,7 +50,7 @@ impl Default for ClientOptions {
     }
 }
 
-/// Options of [`Client::create`].
+/// Options of [`Client::create`] and [`Client::create_many`] (a group's members share them).
 #[derive(Clone, Debug, Default)]
 pub struct CreateOptions {
     tag: String,

@@ -399,6 +399,21 @@ fn refusals_travel_as_the_same_error() {
             state: BufferState::Published,
             op: "publish",
         },
+        Error::WrongState {
+            name: "g/a".into(),
+            state: BufferState::Creating,
+            op: crate::memsvc::proto::codec::OP_ATTACH_GROUP_UNPUBLISHED,
+        },
+        Error::WrongState {
+            name: "g/a".into(),
+            state: BufferState::Deleting,
+            op: crate::memsvc::proto::codec::OP_ATTACH_GROUP_LOST,
+        },
+        Error::WrongState {
+            name: "g/b".into(),
+            state: BufferState::Deleting,
+            op: crate::memsvc::proto::codec::OP_FINISH_CREATE,
+        },
         Error::NotCreator { name: "d".into() },
         Error::BadSize {
             size: 0,
