@@ -589,6 +589,16 @@ impl PyClient {
     ) -> PyResult<Vec<PyCreatedBuffer>> {
         let count = names.len();
         let context = || format!("creating a group of {count} buffers");
+        if names.is_empty() || names.len() > memsvc::Client::MAX_ATTACH_MANY {
+            return Err(PyValueError::new_err(format!(
+                "{}: a group has 1 to {} members",
+                context(),
+                memsvc::Client::MAX_ATTACH_MANY
+            )));
+        }
+        for name in &names {
+            memsvc::validate_name(name).svc(context)?;
+        }
         if names.len() != sizes.len() {
             return Err(PyValueError::new_err(format!(
                 "{}: {} names and {} sizes (one size per name)",
