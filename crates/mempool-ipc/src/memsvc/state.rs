@@ -294,7 +294,8 @@ impl State {
                 .ok_or_else(|| Error::BadSize {
                     size: *size,
                     reason: format!(
-                        "rounded up to the granularity of {granularity} bytes it passes the largest buffer, {max} bytes"
+                        "buffer {name:?} rounded up to the granularity of {granularity} bytes passes the largest \
+                         buffer, {max} bytes"
                     ),
                 })?;
             let offset = total;
