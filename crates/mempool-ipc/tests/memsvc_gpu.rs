@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, Context, Device, Stream};
-use mempool_ipc::memsvc::{Attached, Client, CreateOptions, Error, Server, ServerConfig, ServerStats};
+use mempool_ipc::memsvc::{Attached, BufferState, Client, CreateOptions, Error, Server, ServerConfig, ServerStats};
 
 const ROLE: &str = "MEMSVC_TEST_ROLE";
 const SOCK: &str = "MEMSVC_TEST_SOCK";
@@ -710,6 +710,164 @@ fn attach_many_across_processes_maps_every_buffer_all_or_nothing() {
     drop(admin);
     server.shutdown();
     wait_free(&ctx, baseline, "after deleting every buffer and shutdown");
+    no_drop_errors("server");
+}
+
+/// Members of the group the group test makes (sizes of 1, 2 and 3 granules, in turn).
+const GROUP: usize = 7;
+
+fn group_name(i: usize) -> String {
+    format!("group/{i}")
+}
+
+#[test]
+fn a_group_is_created_in_one_allocation_and_attached_through_one_mapping() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            let members: Vec<(String, usize)> = (0..GROUP).map(|i| (group_name(i), g * (1 + i % 3))).collect();
+            let created = client
+                .create_many(&members, dev, &CreateOptions::new().tag("gpu-test"))
+                .unwrap();
+            assert_eq!(created.len(), GROUP);
+            // Back to back in one mapping of the whole group, each with its own range.
+            let base = created[0].mapping().addr();
+            let mut offset = 0;
+            for (i, c) in created.iter().enumerate() {
+                assert_eq!(
+                    (c.name(), c.len(), c.offset()),
+                    (members[i].0.as_str(), members[i].1, offset)
+                );
+                assert_eq!(c.mapping().addr(), base);
+                assert_eq!(c.ptr(), base.offset(offset));
+                offset += c.len();
+            }
+            assert_eq!(created[0].mapping().len(), offset);
+            let mut published = Vec::with_capacity(GROUP);
+            for (i, c) in created.into_iter().enumerate() {
+                // SAFETY: 1. `c` maps `len` bytes (len / 4 u32s, aligned) at `ptr` read-write for `dev`
+                // (its own range of the group's mapping), mapped until the last member is dropped,
+                // which synchronizes the context first.
+                unsafe { kernels.iota(c.ptr(), c.len() / 4, (i as u32) << 20, stream.as_ref()) }.unwrap();
+                published.push(c.publish(stream.as_ref()).unwrap());
+            }
+            // A second group, one member left unpublished: the other is not attachable.
+            let half = client
+                .create_many(&[("half/a", g), ("half/b", g)], dev, &CreateOptions::new())
+                .unwrap();
+            let mut half = half.into_iter();
+            let half_a = half.next().unwrap().publish(stream.as_ref()).unwrap();
+            let half_b = half.next().unwrap();
+            // All or nothing: a taken name refuses the whole group.
+            match client.create_many(
+                &[("fresh/a", g), (group_name(3).as_str(), g)],
+                dev,
+                &CreateOptions::new(),
+            ) {
+                Err(Error::NameTaken { name }) => assert_eq!(name, group_name(3)),
+                other => panic!("expected NameTaken, got {other:?}"),
+            }
+            assert!(client.list().unwrap().iter().all(|b| b.name != "fresh/a"));
+            tell_parent("PUBLISHED");
+            hear_parent("END");
+            drop((published, half_a, half_b));
+            no_drop_errors("creator");
+            return;
+        }
+        Some("attacher") => {
+            let (_dev, ctx, stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let g = client.devices()[0].1 as usize;
+            match client.attach("half/a", stream.as_ref()) {
+                Err(Error::WrongState { name, state, .. }) => {
+                    assert_eq!((name.as_str(), state), ("half/a", BufferState::Creating));
+                }
+                other => panic!("expected WrongState for half/a, got {other:?}"),
+            }
+            let names: Vec<String> = (0..GROUP).map(group_name).collect();
+            let mut bufs: Vec<Option<Attached>> = client
+                .attach_many(&names, stream.as_ref())
+                .unwrap()
+                .into_iter()
+                .map(Some)
+                .collect();
+            let base = bufs[0].as_ref().unwrap().mapping().addr();
+            let mut offset = 0;
+            for (i, b) in bufs.iter().enumerate() {
+                let b = b.as_ref().unwrap();
+                assert_eq!(
+                    (b.name(), b.len(), b.offset()),
+                    (names[i].as_str(), g * (1 + i % 3), offset)
+                );
+                assert_eq!(b.mapping().addr(), base, "one mapping for the group");
+                assert_eq!(b.ptr(), base.offset(offset));
+                offset += b.len();
+                check_iota(&ctx, b, (i as u32) << 20, &stream);
+            }
+            // A view covers the member's own bytes only.
+            let third = bufs[2].as_ref().unwrap();
+            let host = third.view(stream.as_ref()).unwrap().to_host().unwrap();
+            assert_eq!(host.len(), third.len());
+            assert_eq!(u32s(&host)[..2], [2 << 20, (2 << 20) + 1]);
+            // Dropping members keeps the others' bytes mapped.
+            bufs[1] = None;
+            bufs[GROUP - 1] = None;
+            for (i, b) in bufs.iter().enumerate() {
+                if let Some(b) = b {
+                    check_iota(&ctx, b, (i as u32) << 20, &stream);
+                }
+            }
+            // A single attach of a member reuses the group's live mapping (no import): its range
+            // is at the same base address.
+            let again = client.attach(&names[1], stream.as_ref()).unwrap();
+            assert_eq!(again.mapping().addr(), base);
+            assert_eq!(again.ptr(), base.offset(g));
+            check_iota(&ctx, &again, 1 << 20, &stream);
+            // The creator's (the group's and half's two) and this process's.
+            assert_eq!(client.stats().unwrap().attachments, (GROUP + 2 + GROUP - 2 + 1) as u64);
+            // Once every member is dropped the mapping goes; a later attach maps the group anew.
+            drop(bufs);
+            drop(again);
+            let last = client.attach(&names[4], stream.as_ref()).unwrap();
+            // Offsets: 0, 1, 3, 6, 7, 9, 12 granules.
+            assert_eq!((last.len(), last.offset()), (2 * g, 7 * g));
+            check_iota(&ctx, &last, 4 << 20, &stream);
+            drop(last);
+            no_drop_errors("attacher");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = serve(&path);
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    let mut attacher = ChildProc::spawn(this_test!(), "attacher", &path);
+    attacher.expect("OK");
+    attacher.succeeds();
+    creator.say("END");
+    creator.succeeds();
+    wait_stats(&server, "the children's attachments end", |s| s.attachments == 0);
+    // The group's members and half/a (half/b was abandoned unpublished).
+    assert_eq!(server.stats().named, GROUP as u64 + 1);
+    let admin = Client::connect(&path).unwrap();
+    for i in 0..GROUP {
+        admin.delete(&group_name(i)).unwrap();
+    }
+    admin.delete("half/a").unwrap();
+    wait_stats(&server, "the deleted groups are freed", |s| {
+        s.buffers == 0 && s.bytes == 0
+    });
+    drop(admin);
+    server.shutdown();
+    wait_free(&ctx, baseline, "after deleting every group and shutdown");
     no_drop_errors("server");
 }
 

@@ -181,6 +181,40 @@ def attach_many_torch(path, prefix, nbytes, seed, count):
     report(ok=True)
 
 
+def create_group(path, prefix, nbytes, seed, count):
+    """Creates ``count`` buffers of ``nbytes`` as one group, writes member ``i`` with the pattern of
+    ``seed + i`` through PyTorch, checks the layout and a host copy of one member, and publishes them."""
+    import torch
+
+    client = ipc.Client(path)
+    stream = torch.cuda.Stream()
+    names = [f"{prefix}{i}" for i in range(count)]
+    try:
+        client.create_many(names, [nbytes] * (count - 1), device=0)
+        raise AssertionError("create_many with a size missing was accepted")
+    except ValueError:
+        pass
+    bufs = client.create_many(names, [nbytes] * count, device=0, tag="group")
+    assert [b.name for b in bufs] == names
+    # Back to back in the group's one mapping (nbytes is a multiple of the granularity).
+    assert [b.ptr - bufs[0].ptr for b in bufs] == [i * nbytes for i in range(count)]
+    with torch.cuda.stream(stream):
+        for i, b in enumerate(bufs):
+            t = torch.from_dlpack(b)
+            assert t.data_ptr() == b.ptr and t.numel() == b.size == nbytes, (t.data_ptr(), b.ptr, b.size)
+            t.copy_(torch_pattern(torch, nbytes, seed + i))
+    stream.synchronize()
+    # A host copy reads the member's own bytes, not the group's from its start.
+    host = torch.frombuffer(bytearray(bufs[1].tobytes()), dtype=torch.uint8)
+    assert torch.equal(host, torch_pattern(torch, nbytes, seed + 1).cpu())
+    published = [b.publish(stream) for b in bufs]
+    assert [p.ptr for p in published] == [b.ptr for b in bufs]
+    del t, b, bufs, published
+    gc.collect()
+    assert attachments(client) == 0, client.stats()
+    report(ok=True)
+
+
 def misc(path, name, nbytes, seed):
     client = ipc.Client(path)
     try:
@@ -239,6 +273,8 @@ def main():
         attach_cupy(path, name, nbytes, seed, hold)
     elif mode == "torch-many":
         attach_many_torch(path, name, nbytes, seed, 3)
+    elif mode == "group":
+        create_group(path, name, nbytes, seed, 3)
     elif mode == "misc":
         misc(path, name, nbytes, seed)
     else:

@@ -28,7 +28,7 @@ UUID = bytes(range(16))
 
 
 def _frame(kind, body=b""):
-    return b"MPMS" + struct.pack("<HHI", 1, kind, len(body)) + body
+    return b"MPMS" + struct.pack("<HHI", 2, kind, len(body)) + body  # protocol version 2
 
 
 def _str(s):
@@ -131,7 +131,8 @@ def test_module_surface():
     for name in ("Client", "CreatedBuffer", "AttachedBuffer", "BufferInfo", "MemoryServer", "serve", "validate_name"):
         assert getattr(ipc, name) is getattr(mempool._lib, name), name
         assert name in ipc.__all__, name
-    for name in ("create", "attach", "attach_many", "delete", "list", "stats", "path", "server_pid", "devices"):
+    for name in ("create", "create_many", "attach", "attach_many", "delete", "list", "stats", "path", "server_pid",
+                 "devices"):
         assert hasattr(ipc.Client, name), name
     for cls in (ipc.CreatedBuffer, ipc.AttachedBuffer):
         for name in ("ptr", "size", "device", "name", "stream", "tobytes", "copy_from_host",
@@ -278,6 +279,19 @@ def test_client_names_are_checked_before_anything_is_sent(fake):
         client.create("ok", 0)
     with pytest.raises(ValueError, match="ttl"):
         client.create("ok", 4096, ttl=-1)
+    # create_many checks its names, sizes and options before it sends anything (or asks the GPU).
+    with pytest.raises(ipc.InvalidNameError, match="bad name"):
+        client.create_many(["ok", "bad name"], [4096, 4096])
+    with pytest.raises(ValueError, match="one size per name"):
+        client.create_many(["ok", "ok2"], [4096])
+    with pytest.raises(ValueError, match="ok2"):
+        client.create_many(["ok", "ok2"], [4096, 0])
+    with pytest.raises(ValueError, match="1 to 128 members"):
+        client.create_many([], [])
+    with pytest.raises(ValueError, match="1 to 128 members"):
+        client.create_many([f"n{i}" for i in range(129)], [4096] * 129)
+    with pytest.raises(ValueError, match="ttl"):
+        client.create_many(["ok"], [4096], ttl=-1)
     with pytest.raises(TypeError):
         client.attach("ok", stream="not a stream")
     with pytest.raises(TypeError):

@@ -12,6 +12,8 @@ and attach named buffers through PyTorch and CuPy.
   bytes, for the next process.
 - ``Client.attach_many``: three buffers attached in one call in a fresh process, all or nothing (a missing
   name raises ``UnknownNameError`` naming it and nothing stays attached), each viewed by PyTorch with no copy.
+- ``Client.create_many``: a group of three buffers made in one process (back to back in one mapping, each
+  written through PyTorch at its own address), attached by ``attach_many`` in a fresh process.
 - Deleting a buffer while a process holds it attached: the name goes at once (``attach`` raises
   ``UnknownNameError``), the holder still reads its bytes, and the memory is freed when it lets go.
 
@@ -195,6 +197,21 @@ def test_attach_many_in_a_fresh_process(server):
     client = ipc.Client(server.path)
     for i in range(3):
         client.delete(f"t6/w{i}")
+    del client
+    back_to(server, base)
+
+
+def test_a_group_created_with_create_many_is_attached_in_a_fresh_process(server):
+    base = baseline(server)
+    run_child(server, "group", "t7/g", 70)
+    after = wait_for(server, connections=0, attachments=0, named=base["named"] + 3)
+    assert after["bytes"] == base["bytes"] + 3 * NBYTES
+    run_child(server, "torch-many", "t7/g", 70)
+    client = ipc.Client(server.path)
+    infos = {i.name: i for i in client.list()}
+    assert [infos[f"t7/g{i}"].tag for i in range(3)] == ["group"] * 3
+    for i in range(3):
+        client.delete(f"t7/g{i}")
     del client
     back_to(server, base)
 

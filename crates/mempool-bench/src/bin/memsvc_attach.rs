@@ -7,7 +7,10 @@
 //! client) that connects, attaches every buffer by name, and waits for its stream (the data is
 //! usable from here on). Several buffers are attached two ways, each a row: with
 //! `Client::attach_many` (one request per 128 names, one address reservation per request) and
-//! with one `Client::attach` per buffer; the table shows the cost per buffer too. `--trace` prints,
+//! with one `Client::attach` per buffer; the table shows the cost per buffer too. With
+//! `--grouped`, each layout of several buffers is also made with `Client::create_many` in groups
+//! of 125 (each group one physical allocation, which an attacher imports and maps once) and
+//! attached the same two ways, in rows of its own next to the separate buffers'. `--trace` prints,
 //! under each row, where its last attacher's time went (the memory service's trace points in
 //! the attacher and the server, mean microseconds per request between consecutive points).
 //! `--phases N` instead times each driver step of attaching N buffers in one process. In the same attacher process, after its attachments are dropped, the
@@ -16,7 +19,7 @@
 //! timed). CUDA's initialization is outside both timings.
 //!
 //! Run on a GPU: `cargo run --release -p mempool-bench --bin memsvc_attach -- [--size 16GiB]
-//! [--buffers 1 --buffers 1000] [--reps 3]`. Needs `--size` of free device memory twice over
+//! [--buffers 1 --buffers 1000] [--reps 3] [--grouped] [--trace]`. Needs `--size` of free device memory twice over
 //! (the service's buffers and the copy's destination) and `--size` of pinned host memory. Without a
 //! GPU it says why and exits with status 2.
 
@@ -62,6 +65,11 @@ struct Args {
     /// mean microseconds per request between consecutive points) under each row.
     #[arg(long)]
     trace: bool,
+    /// Also make each layout of several buffers as groups of 125 members
+    /// (`Client::create_many`: one physical allocation per group) and add rows for attaching
+    /// those (the creator process, internally: create the buffers that way).
+    #[arg(long)]
+    grouped: bool,
     /// (internal) The part this process plays: creator or attacher.
     #[arg(long, hide = true)]
     role: Option<String>,
@@ -97,23 +105,40 @@ fn name(count: usize, i: usize) -> String {
     format!("bench/{count}/{i}")
 }
 
-/// Creates `count` buffers of `per` bytes, fills buffer `i` with the u32 `i + 1`, publishes them.
-fn creator(socket: &Path, count: usize, per: u64) -> Fallible<()> {
+/// Members per group with `--grouped` (1,000 buffers: 8 groups).
+const GROUP: usize = 125;
+
+/// Creates `count` buffers of `per` bytes (each alone in its allocation, or, if `grouped`, in
+/// groups of [`GROUP`] made with `create_many`), fills buffer `i` with the u32 `i + 1`,
+/// publishes them.
+fn creator(socket: &Path, count: usize, per: u64, grouped: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;
     let stream = Stream::new(&ctx)?;
     let client = Client::connect(socket)?;
-    for i in 0..count {
-        let created = client.create(
-            &name(count, i),
-            per as usize,
-            device,
-            &CreateOptions::new().tag("bench"),
-        )?;
-        // SAFETY: 1. `created` maps `per` bytes (a multiple of 4) read-write for the device until it
-        // is released below, after a synchronize of the context.
-        unsafe { memory::fill_u32_async(&ctx, created.ptr(), i as u32 + 1, created.len() / 4, stream.as_ref()) }?;
-        created.publish(stream.as_ref())?.release()?;
+    let options = CreateOptions::new().tag("bench");
+    let chunk = if grouped { GROUP } else { 1 };
+    let indices: Vec<usize> = (0..count).collect();
+    for group in indices.chunks(chunk) {
+        let created = if grouped {
+            let members: Vec<(String, usize)> = group.iter().map(|&i| (name(count, i), per as usize)).collect();
+            client.create_many(&members, device, &options)?
+        } else {
+            vec![client.create(&name(count, group[0]), per as usize, device, &options)?]
+        };
+        for (&i, created) in group.iter().zip(&created) {
+            // SAFETY: 1. `created` maps `per` bytes (a multiple of 4) at `ptr` read-write for the
+            // device until it is released below, after a synchronize of the context.
+            unsafe { memory::fill_u32_async(&ctx, created.ptr(), i as u32 + 1, created.len() / 4, stream.as_ref()) }?;
+        }
+        // Published once all are written: a member is attachable once its whole group is.
+        let published = created
+            .into_iter()
+            .map(|c| c.publish(stream.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        for p in published {
+            p.release()?;
+        }
     }
     println!("PUBLISHED");
     Ok(())
@@ -185,7 +210,15 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> 
 /// What an attacher process printed: its attach and copy times, and its trace records.
 type ChildResult = (Option<(f64, f64)>, Vec<Record>);
 
-fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> Fallible<ChildResult> {
+fn run_child(
+    role: &str,
+    socket: &Path,
+    count: usize,
+    per: u64,
+    many: bool,
+    traced: bool,
+    grouped: bool,
+) -> Fallible<ChildResult> {
     let mut command = Command::new(std::env::current_exe()?);
     command.args(["--role", role, "--socket"]).arg(socket).args([
         "--buffers",
@@ -198,6 +231,9 @@ fn run_child(role: &str, socket: &Path, count: usize, per: u64, many: bool, trac
     }
     if traced {
         command.arg("--trace");
+    }
+    if grouped {
+        command.arg("--grouped");
     }
     let mut child = command.stdout(Stdio::piped()).spawn()?;
     let mut result = None;
@@ -330,7 +366,7 @@ fn main_process(args: &Args) -> Fallible<()> {
     println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
     println!();
     println!(
-        "{:<36} {:>11} {:>14} {:>13} {:>14} {:>11} {:>15}",
+        "{:<46} {:>11} {:>14} {:>13} {:>14} {:>11} {:>15}",
         "layout", "bytes", "attach", "per buffer", "copy", "copy GB/s", "attach speedup"
     );
     for &count in &rows {
@@ -342,51 +378,23 @@ fn main_process(args: &Args) -> Fallible<()> {
             )
             .into());
         }
-        run_child("creator", &socket, count, per, false, false)?;
-        // One buffer: one attach. Several: attach_many, then one attach per buffer.
-        let ways: &[(bool, &str)] = if count == 1 {
-            &[(false, "")]
+        // Separate buffers; with --grouped, then the same layout in groups.
+        let layouts: &[bool] = if args.grouped && count > 1 {
+            &[false, true]
         } else {
-            &[(true, ", attach_many"), (false, ", attach each")]
+            &[false]
         };
-        for &(many, how) in ways {
-            let mut attach = Vec::new();
-            let mut copy = Vec::new();
-            let mut records = Vec::new();
-            for rep in 0..args.reps {
-                // The last attacher of a row is traced, if asked (the others are not slowed).
-                let traced = args.trace && rep + 1 == args.reps;
-                if traced {
-                    trace::enable();
-                }
-                let (result, child) = run_child("attacher", &socket, count, per, many, traced)?;
-                if traced {
-                    trace::disable();
-                    records = trace::take();
-                    records.extend(child);
-                }
-                let (a, c) = result.ok_or("the attacher printed no result")?;
-                attach.push(a);
-                copy.push(c);
+        for &grouped in layouts {
+            run_child("creator", &socket, count, per, false, false, grouped)?;
+            row(args, &socket, count, per, grouped)?;
+            for i in 0..count {
+                admin.delete(&name(count, i))?;
             }
-            let total = per * count as u64;
-            let (a, c) = (median(attach), median(copy));
-            println!(
-                "{:<36} {:>11} {:>14} {:>13} {:>14} {:>11.1} {:>14.1}x",
-                format!("{count} x {}{how}", human(per)),
-                human(total),
-                ms(a),
-                format!("{:.1} us", a / count as f64 * 1e6),
-                ms(c),
-                total as f64 / c / 1e9,
-                c / a
-            );
-            if args.trace {
-                print_trace(records);
+            // The next layout reuses the names: wait until these buffers' memory is released.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while server.stats().buffers > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
             }
-        }
-        for i in 0..count {
-            admin.delete(&name(count, i))?;
         }
     }
     drop(admin);
@@ -395,6 +403,55 @@ fn main_process(args: &Args) -> Fallible<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     server.shutdown();
+    Ok(())
+}
+
+/// The rows of one layout: `count` buffers of `per` bytes, published (grouped or not); one
+/// buffer: one attach; several: attach_many, then one attach per buffer.
+fn row(args: &Args, socket: &Path, count: usize, per: u64, grouped: bool) -> Fallible<()> {
+    let ways: &[(bool, &str)] = if count == 1 {
+        &[(false, "")]
+    } else if grouped {
+        &[(true, ", grouped, attach_many"), (false, ", grouped, attach each")]
+    } else {
+        &[(true, ", attach_many"), (false, ", attach each")]
+    };
+    for &(many, how) in ways {
+        let mut attach = Vec::new();
+        let mut copy = Vec::new();
+        let mut records = Vec::new();
+        for rep in 0..args.reps {
+            // The last attacher of a row is traced, if asked (the others are not slowed).
+            let traced = args.trace && rep + 1 == args.reps;
+            if traced {
+                trace::enable();
+            }
+            let (result, child) = run_child("attacher", socket, count, per, many, traced, false)?;
+            if traced {
+                trace::disable();
+                records = trace::take();
+                records.extend(child);
+            }
+            let (a, c) = result.ok_or("the attacher printed no result")?;
+            attach.push(a);
+            copy.push(c);
+        }
+        let total = per * count as u64;
+        let (a, c) = (median(attach), median(copy));
+        println!(
+            "{:<46} {:>11} {:>14} {:>13} {:>14} {:>11.1} {:>14.1}x",
+            format!("{count} x {}{how}", human(per)),
+            human(total),
+            ms(a),
+            format!("{:.1} us", a / count as f64 * 1e6),
+            ms(c),
+            total as f64 / c / 1e9,
+            c / a
+        );
+        if args.trace {
+            print_trace(records);
+        }
+    }
     Ok(())
 }
 
@@ -571,7 +628,7 @@ fn main() -> ExitCode {
     let result = match (args.role.as_deref(), &args.socket, args.per, args.buffers.first()) {
         (None, _, _, _) if args.phases.is_some() => phases(args.size, args.phases.unwrap_or(1), args.threads.max(1)),
         (None, _, _, _) => main_process(&args),
-        (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per),
+        (Some("creator"), Some(socket), Some(per), Some(&count)) => creator(socket, count, per, args.grouped),
         (Some("attacher"), Some(socket), Some(per), Some(&count)) => {
             attacher(socket, count, per, args.many, args.trace)
         }

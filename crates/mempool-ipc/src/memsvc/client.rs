@@ -2,6 +2,14 @@
 //! buffer being written by its creator) and [`Attached`] (a published buffer mapped into this
 //! process). Each call is one request and one reply; a refusal is returned as the server made it
 //! and leaves the connection usable, anything else closes it.
+//!
+//! A buffer lies in one of the server's memories (physical allocations), alone or with the other
+//! members of its group ([`Client::create_many`]). The client maps each memory whole, once, and
+//! shares the mapping between the buffers it created or attached in it (an `Arc`; a cache of
+//! `Weak`s by memory id finds it for later attaches); each buffer's address and length are its
+//! own range of it. The mapping is unmapped when the last of its buffers is dropped; forgetting
+//! one (`mem::forget`) leaks that buffer's share, so the memory stays mapped, never unmapped
+//! under another.
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -42,7 +50,7 @@ impl Default for ClientOptions {
     }
 }
 
-/// Options of [`Client::create`].
+/// Options of [`Client::create`] and [`Client::create_many`] (a group's members share them).
 #[derive(Clone, Debug, Default)]
 pub struct CreateOptions {
     tag: String,
@@ -79,6 +87,8 @@ struct Shared {
     events: gpu::OpenedEvents,
     /// This process's devices met so far, by the server's UUID.
     local: gpu::LocalDevices,
+    /// The server's memories mapped here, by memory id.
+    memories: gpu::MappedMemories,
 }
 
 /// The most buffers [`Client::list`] takes from a server (about ten thousand pages of the protocol's
@@ -154,6 +164,7 @@ impl Client {
                 devices,
                 events: gpu::OpenedEvents::default(),
                 local: gpu::LocalDevices::default(),
+                memories: gpu::MappedMemories::default(),
             }),
         })
     }
@@ -212,21 +223,8 @@ impl Client {
     /// A call that expects `Granted` and its descriptor.
     pub(crate) fn call_granted(&self, request: &Message) -> Result<Granted> {
         match self.call(request)? {
-            (
-                Message::Granted {
-                    attachment,
-                    size,
-                    granularity,
-                    device,
-                    event,
-                },
-                mut fds,
-            ) => Ok(Granted {
-                attachment,
-                size,
-                granularity,
-                device,
-                event,
+            (Message::Granted(entry), mut fds) => Ok(Granted {
+                entry,
                 fd: fds.pop().expect("the connection checked the count"),
             }),
             (other, _) => Err(self.unexpected("Granted", &other)),
@@ -255,9 +253,90 @@ impl Client {
         })?;
         // From here on the server holds the buffer for us: dropping `created` deletes it.
         let mut created = Created {
-            held: Held::new(self.clone(), name, g.attachment, device)?,
+            held: Held::new(self.clone(), name, g.entry.attachment, device)?,
         };
-        created.held.mapping = Some(self.shared.local.import(g.device, g.fd, g.size, g.granularity)?);
+        let mapped = self
+            .shared
+            .local
+            .import_grants(&self.shared.memories, &[g.entry], vec![g.fd])
+            .map_err(|(_, e)| e)?;
+        created.held.map(&mapped[0], &g.entry);
+        Ok(created)
+    }
+
+    /// Creates the buffers `members` (name and size each, sizes rounded up to the GPU's
+    /// granularity) as one group: one physical allocation on the server, the members laid out
+    /// back to back in it, each an ordinary named buffer for [`Created::publish`],
+    /// [`Client::attach`], [`Client::delete`] and [`Client::list`], with these rules:
+    ///
+    /// - A member is attachable only once every member of its group is published (until then
+    ///   `attach` refuses with [`Error::WrongState`], naming the group's state).
+    /// - The group's memory is released only when every member is freed (deleted or expired,
+    ///   and no attachment left); a deleted member's bytes are never given to another buffer.
+    ///   The quota charged is the group's total, credited back with the memory.
+    /// - A process that may attach one member maps the whole group's memory (the driver maps
+    ///   whole allocations only): the members of a group share one access boundary.
+    ///
+    /// Attaching many members of one group costs one import and one mapping of the group's
+    /// memory, instead of one per buffer. At most [`MAX_ATTACH_MANY`](Self::MAX_ATTACH_MANY)
+    /// members, with distinct names; all or nothing: a bad or taken name, a bad size or a quota
+    /// refuses the whole group. Returns one [`Created`] per member, in order.
+    ///
+    /// Errors: those of [`Client::create`]; [`Error::InvalidArgument`] for no members or more
+    /// than `MAX_ATTACH_MANY`.
+    pub fn create_many<S: AsRef<str>>(
+        &self,
+        members: &[(S, usize)],
+        device: Device,
+        options: &CreateOptions,
+    ) -> Result<Vec<Created>> {
+        if members.is_empty() || members.len() > MAX_ATTACH_MANY {
+            return Err(Error::InvalidArgument(format!(
+                "create_many of {} buffers (1 to {MAX_ATTACH_MANY})",
+                members.len()
+            )));
+        }
+        for (name, _) in members {
+            names::validate_name(name.as_ref())?;
+        }
+        names::check_tag(&options.tag)?;
+        let uuid = DeviceUuid(device.uuid()?.0);
+        let ttl_ms = options
+            .ttl
+            .map_or(0, |t| t.as_millis().clamp(1, u128::from(u64::MAX)) as u64);
+        let request = Message::CreateMany {
+            device: uuid,
+            ttl_ms,
+            tag: options.tag.clone(),
+            members: members
+                .iter()
+                .map(|(name, size)| (name.as_ref().to_owned(), *size as u64))
+                .collect(),
+        };
+        let (grants, fds) = match self.call(&request)? {
+            (Message::GrantedMany { grants }, fds) if grants.len() == members.len() => (grants, fds),
+            (other, _) => return Err(self.unexpected("GrantedMany with one grant per member", &other)),
+        };
+        // From here on the server holds the buffers for us: dropping one deletes it.
+        let mut created: Vec<Created> = Vec::with_capacity(grants.len());
+        for (i, (g, (name, _))) in grants.iter().zip(members).enumerate() {
+            match Held::adopt(self.clone(), name.as_ref(), g.attachment, device) {
+                Ok(held) => created.push(Created { held }),
+                Err(e) => {
+                    // `created` drops and deletes the earlier ones; these are not held yet.
+                    self.detach_all(grants[i..].iter().map(|g| g.attachment));
+                    return Err(e);
+                }
+            }
+        }
+        let mapped = self
+            .shared
+            .local
+            .import_grants(&self.shared.memories, &grants, fds)
+            .map_err(|(i, e)| e.about_buffer(&created[i].held.name))?;
+        for ((c, m), g) in created.iter_mut().zip(&mapped).zip(&grants) {
+            c.held.map(m, g);
+        }
         Ok(created)
     }
 
@@ -274,23 +353,19 @@ impl Client {
     pub fn attach(&self, name: &str, stream: StreamRef<'_>) -> Result<Attached> {
         names::validate_name(name)?;
         let g = self.call_granted(&Message::Attach { name: name.to_owned() })?;
-        let entry = GrantEntry {
-            attachment: g.attachment,
-            size: g.size,
-            granularity: g.granularity,
-            device: g.device,
-            event: g.event,
-        };
-        let mut attached = self.finish_attach(&[name], &[entry], vec![g.fd], stream)?;
+        let mut attached = self.finish_attach(&[name], &[g.entry], vec![g.fd], stream)?;
         Ok(attached.pop().expect("one grant, one buffer"))
     }
 
     /// Attaches every buffer of `names` ([`Client::attach`] for each), in few requests: one per
     /// [`MAX_ATTACH_MANY`](Self::MAX_ATTACH_MANY) names, each answered with all its descriptors
-    /// in one message. The buffers of one request share one address reservation per GPU (mapped
-    /// back to back, access granted in one driver call). Returns one [`Attached`] per name, in
-    /// order, each with its own mapping (dropping one unmaps only its own range; the shared
-    /// addresses are freed with the last); the same name twice is attached twice.
+    /// in one message. Each memory is imported and mapped once, however many of its buffers
+    /// (members of one group, [`Client::create_many`]) are named, and not at all if this client
+    /// has it mapped already; the memories of one request share one address reservation per GPU
+    /// (mapped back to back, access granted in one driver call). Returns one [`Attached`] per
+    /// name, in order, each with its own range (dropping one unmaps its memory only if no other
+    /// buffer of this client still uses it; the shared addresses are freed with the last); the
+    /// same name twice is attached twice.
     ///
     /// All or nothing: on any error (a bad name, an unknown or unpublished buffer, a failed
     /// import) nothing stays attached and the error names the buffer it is about.
@@ -368,23 +443,13 @@ impl Client {
                 )));
             }
         }
-        let imports = grants
-            .iter()
-            .zip(fds)
-            .map(|(g, fd)| gpu::ImportGrant {
-                device: g.device,
-                fd,
-                size: g.size,
-                granularity: g.granularity,
-            })
-            .collect();
-        let mappings = self
+        let mapped = self
             .shared
             .local
-            .import_many(imports)
+            .import_grants(&self.shared.memories, grants, fds)
             .map_err(|(i, e)| e.about_buffer(&held[i].held.name))?;
-        for (a, mapping) in held.iter_mut().zip(mappings) {
-            a.held.mapping = Some(mapping);
+        for ((a, m), g) in held.iter_mut().zip(&mapped).zip(grants) {
+            a.held.map(m, g);
         }
         trace::mark(Point::MemsvcClientMapped, 0);
         let mut waited: Vec<EventBytes> = Vec::new();
@@ -469,14 +534,17 @@ impl Client {
     }
 }
 
-/// A `Granted` reply with its descriptor.
+/// A `Granted` reply with its descriptor (its grant's fields read through it).
 pub(crate) struct Granted {
-    pub(crate) attachment: u64,
-    pub(crate) size: u64,
-    pub(crate) granularity: u64,
-    pub(crate) device: DeviceUuid,
-    pub(crate) event: Option<EventBytes>,
+    pub(crate) entry: GrantEntry,
     pub(crate) fd: OwnedFd,
+}
+
+impl std::ops::Deref for Granted {
+    type Target = GrantEntry;
+    fn deref(&self) -> &GrantEntry {
+        &self.entry
+    }
 }
 
 /// What a created or attached buffer holds: the connection, the server's attachment, the mapping.
@@ -486,8 +554,12 @@ struct Held {
     attachment: u64,
     device: Device,
     ctx: Arc<Context>,
-    /// `None` until mapped, and once released.
-    mapping: Option<Mapping>,
+    /// The whole memory's mapping, shared with the other buffers of this client in it; `None`
+    /// until mapped, and once released.
+    mapping: Option<Arc<gpu::MemoryMap>>,
+    /// The buffer's range in it.
+    offset: usize,
+    len: usize,
     /// The creator's publish event, kept until the mapping goes.
     publish_event: Option<Event>,
     /// Whether the server still counts the attachment.
@@ -520,15 +592,43 @@ impl Held {
             device,
             ctx,
             mapping: None,
+            offset: 0,
+            len: 0,
             publish_event: None,
             attached: true,
         }
+    }
+
+    /// Takes its share of `mapped`, the mapping of the memory `grant` names, at the grant's
+    /// range (the decoder checked that it lies inside the memory, whose size the import
+    /// checked is the mapping's).
+    fn map(&mut self, mapped: &Arc<gpu::MemoryMap>, grant: &GrantEntry) {
+        debug_assert_eq!(mapped.mapping().len() as u64, grant.memory_size);
+        self.offset = grant.offset as usize;
+        self.len = grant.size as usize;
+        self.mapping = Some(mapped.clone());
     }
 
     fn mapping(&self) -> &Mapping {
         self.mapping
             .as_ref()
             .expect("a buffer holds its mapping until released")
+            .mapping()
+    }
+
+    /// A view of the buffer's own range, for host copies and fills ordered on `stream`.
+    fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
+        // The whole memory's view checks the access a view needs and finds its context.
+        let whole = self.mapping().view(stream)?;
+        let ctx = whole.context().clone();
+        // SAFETY: 1. `offset..offset + len` lies inside the mapping (the decoder checked the
+        // grant's range against the memory's size, which is the mapping's length), which stays
+        // mapped while `self.mapping` holds its share, and `self` is borrowed for the view's
+        // life; dropping a view frees nothing. 2. a mapping carries no stream order (the map and
+        // access grant are synchronous). 3. as `Mapping::view`: `stream` is the caller's stream
+        // of the device, or a special handle, live for `'a`. 4. the address is not null.
+        #[allow(unsafe_code)]
+        Ok(unsafe { BufferView::new(whole.ptr().offset(self.offset), self.len, stream, ctx) })
     }
 
     /// Unmaps (after the device's work), then detaches (which abandons a buffer not yet
@@ -594,14 +694,20 @@ macro_rules! buffer_accessors {
                 &self.held.name
             }
 
-            /// The first mapped address in this process.
+            /// The buffer's first address in this process.
             pub fn ptr(&self) -> DeviceAddr {
-                self.held.mapping().addr()
+                self.held.mapping().addr().offset(self.held.offset)
             }
 
-            /// The size in bytes: the whole allocation, a multiple of the granularity.
+            /// The buffer's size in bytes, a multiple of the granularity.
             pub fn len(&self) -> usize {
-                self.held.mapping().len()
+                self.held.len
+            }
+
+            /// The buffer's offset in [`mapping`](Self::mapping): 0 for a buffer alone in its
+            /// memory, its place in its group's memory for a member of a group.
+            pub fn offset(&self) -> usize {
+                self.held.offset
             }
 
             /// Never true: a buffer has at least one granule.
@@ -614,15 +720,17 @@ macro_rules! buffer_accessors {
                 self.held.device
             }
 
-            /// The mapping (physical allocation, reservation, access).
+            /// The mapping of the whole memory the buffer lies in (physical allocation,
+            /// reservation, access): the buffer's alone, or its group's, shared with the other
+            /// members this client holds; the buffer is [`offset`](Self::offset) bytes into it.
             pub fn mapping(&self) -> &Mapping {
                 self.held.mapping()
             }
 
-            /// A view for host copies and fills ordered on `stream` (of the buffer's GPU); it
-            /// borrows `self`, so it cannot outlive the mapping.
+            /// A view of the buffer's own bytes for host copies and fills ordered on `stream` (of
+            /// the buffer's GPU); it borrows `self`, so it cannot outlive the mapping.
             pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
-                Ok(self.held.mapping().view(stream)?)
+                self.held.view(stream)
             }
 
             /// The server's id of this process's attachment.
@@ -682,6 +790,8 @@ impl Created {
             device: self.held.device,
             ctx: self.held.ctx.clone(),
             mapping: None,
+            offset: 0,
+            len: 0,
             publish_event: None,
             attached: false,
         };

@@ -16,7 +16,8 @@ use mempool_core::{
 
 use super::backend::{Allocation, Backend, RelayedEvent};
 use super::error::{Error, Result};
-use super::proto::messages::EventBytes;
+use super::memories::{Mapped, Memories};
+use super::proto::messages::{EventBytes, GrantEntry};
 use crate::wire::DeviceUuid;
 
 /// The server's interprocess events not in use, with their handles. Events are recycled, never
@@ -264,26 +265,22 @@ impl LocalDevices {
         Ok((device, granularity))
     }
 
-    /// Imports a granted allocation of `size` bytes on the device `uuid` names ([`import`]),
-    /// refusing a granularity that is not this process's own for the device (the server and
-    /// this process would disagree about the layout).
-    pub(crate) fn import(&self, uuid: DeviceUuid, fd: OwnedFd, size: u64, granularity: u64) -> Result<Mapping> {
-        let (device, own) = self.entry(uuid)?;
-        if granularity != own {
-            return Err(Error::protocol(format!(
-                "the server's granularity {granularity} is not this GPU's minimum granularity, {own} bytes"
-            )));
-        }
-        import(device, fd, size)
-    }
-
-    /// Imports many granted allocations (UUID, descriptor, size, granularity each, checked as
-    /// [`LocalDevices::import`] does) with fewer driver calls: one reservation per device for
-    /// all of its buffers, each mapped back to back at its own offset, and one `cuMemSetAccess`
-    /// per device. Each returned mapping is still its buffer's own: dropping it
-    /// unmaps only its range (the reservation's addresses are freed with the last of them). On
-    /// failure returns the index of the buffer it is about; nothing stays mapped.
-    pub(crate) fn import_many(&self, grants: Vec<ImportGrant>) -> std::result::Result<Vec<Mapping>, (usize, Error)> {
+    /// Maps the memories `grants` name (a descriptor each, in `fds`), for a create or an attach:
+    /// returns, per grant, the mapping of its whole memory, which the caller's buffer shares
+    /// with every other buffer of that memory mapped through this client. A memory already
+    /// mapped here (in `memories`) is reused, its descriptors closed unused; each other memory
+    /// is imported once (from its first grant's descriptor) and mapped whole, all of a device's
+    /// new memories back to back in one reservation, with one `cuMemSetAccess` per device. The
+    /// grants of one memory must agree on its size and device, and a granularity that is not
+    /// this process's own for the device is refused (the two sides would disagree about the
+    /// layout). On failure returns the index of the grant it is about; nothing new stays mapped.
+    pub(crate) fn import_grants(
+        &self,
+        memories: &MappedMemories,
+        grants: &[GrantEntry],
+        fds: Vec<OwnedFd>,
+    ) -> std::result::Result<Vec<Arc<MemoryMap>>, (usize, Error)> {
+        debug_assert_eq!(grants.len(), fds.len());
         let mut devices: Vec<Device> = Vec::new();
         let mut of: Vec<usize> = Vec::with_capacity(grants.len());
         for (i, g) in grants.iter().enumerate() {
@@ -306,52 +303,108 @@ impl LocalDevices {
             };
             of.push(d);
         }
-        let mut out: Vec<Option<Mapping>> = grants.iter().map(|_| None).collect();
-        let mut fds: Vec<Option<OwnedFd>> = Vec::with_capacity(grants.len());
-        let mut sizes = Vec::with_capacity(grants.len());
-        for g in grants {
-            // The decoder checked that each size is a non-zero multiple of the granularity and fits.
-            sizes.push(g.size as usize);
-            fds.push(Some(g.fd));
+        let mut cache = memories.lock();
+        // Per memory id: the mapping found, or the first grant naming it (to import).
+        let mut found: HashMap<u64, Arc<MemoryMap>> = HashMap::new();
+        let mut first: HashMap<u64, usize> = HashMap::new();
+        let mut to_map: Vec<usize> = Vec::new();
+        for (i, g) in grants.iter().enumerate() {
+            if let Some(&f) = first.get(&g.memory) {
+                let e = &grants[f];
+                if e.memory_size != g.memory_size || e.device != g.device {
+                    return Err((
+                        i,
+                        Error::protocol(format!(
+                            "the server granted memory {} as {} bytes on GPU {} and as {} bytes on GPU {} in \
+                             one reply: a broken or hostile server",
+                            g.memory, e.memory_size, e.device, g.memory_size, g.device
+                        )),
+                    ));
+                }
+                continue;
+            }
+            first.insert(g.memory, i);
+            match cache.get(g.memory, g.memory_size, g.device.0).map_err(|e| (i, e))? {
+                Some(mapped) => {
+                    found.insert(g.memory, mapped);
+                }
+                None => to_map.push(i),
+            }
         }
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
         for (d, &device) in devices.iter().enumerate() {
-            let mine: Vec<usize> = (0..of.len()).filter(|&i| of[i] == d).collect();
+            let mine: Vec<usize> = to_map.iter().copied().filter(|&i| of[i] == d).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            // The decoder checked that each memory size is a non-zero multiple of the
+            // granularity and fits a usize.
             let total = mine
                 .iter()
-                .try_fold(0usize, |t, &i| t.checked_add(sizes[i]))
+                .try_fold(0usize, |t, &i| t.checked_add(grants[i].memory_size as usize))
                 .ok_or_else(|| (mine[0], Error::protocol("the granted sizes overflow the address space")))?;
             let reservation = Reservation::new(device, total, 0, None).map_err(|e| (mine[0], e.into()))?;
             let mut offset = 0;
             let mut jobs: Vec<Job> = Vec::with_capacity(mine.len());
             for &i in &mine {
-                let fd = fds[i].take().expect("each descriptor is imported once");
+                let size = grants[i].memory_size as usize;
                 jobs.push(Job {
                     index: i,
-                    fd,
-                    size: sizes[i],
+                    fd: fds[i].take().expect("each memory is imported once"),
+                    size,
                     offset,
                 });
-                offset += sizes[i];
+                offset += size;
             }
             // One run per device: imports side by side on several threads were measured slower
             // (the driver serializes them: 48 µs per import on 8 threads against 30 µs on one,
-            // H200, driver 580).
-            let results = [map_run(device, &reservation, jobs)];
-            // On an error every run's mappings drop here (each unmaps its own range).
-            for result in results {
-                for (i, mapping) in result? {
-                    out[i] = Some(mapping);
-                }
+            // H200, driver 580). On an error the mappings made so far drop here (unmapped).
+            for (i, mapping) in map_run(device, &reservation, jobs)? {
+                let g = &grants[i];
+                let mapped = Arc::new(MemoryMap {
+                    mapping,
+                    device: g.device,
+                    size: g.memory_size,
+                });
+                cache.insert(g.memory, &mapped);
+                found.insert(g.memory, mapped);
             }
         }
-        Ok(out
-            .into_iter()
-            .map(|m| m.expect("every buffer is on one of the devices"))
-            .collect())
+        // The descriptors not imported (other members of a memory, memories mapped already)
+        // close here.
+        drop(fds);
+        Ok(grants.iter().map(|g| found[&g.memory].clone()).collect())
     }
 }
 
-/// One buffer of [`LocalDevices::import_many`]: its index among the grants, its descriptor,
+/// A memory of the server mapped here whole (one reservation range, one physical allocation):
+/// shared by every buffer attached or created through it, unmapped when the last lets go.
+pub(crate) struct MemoryMap {
+    mapping: Mapping,
+    device: DeviceUuid,
+    size: u64,
+}
+
+impl MemoryMap {
+    /// The mapping of the whole memory.
+    pub(crate) fn mapping(&self) -> &Mapping {
+        &self.mapping
+    }
+}
+
+impl Mapped for MemoryMap {
+    fn memory_size(&self) -> u64 {
+        self.size
+    }
+    fn device_uuid(&self) -> [u8; 16] {
+        self.device.0
+    }
+}
+
+/// The memories a client has mapped, by the server's memory id.
+pub(crate) type MappedMemories = Memories<MemoryMap>;
+
+/// One memory of [`LocalDevices::import_grants`]: the index of its first grant, its descriptor,
 /// size, and offset in its device's reservation.
 struct Job {
     index: usize,
@@ -363,7 +416,7 @@ struct Job {
 /// What a run of [`map_run`] mapped (index, mapping), or the failing buffer's index and error.
 type RunResult = std::result::Result<Vec<(usize, Mapping)>, (usize, Error)>;
 
-/// Imports and maps each buffer of `run` (consecutive offsets of `reservation`) and grants
+/// Imports and maps each memory of `run` (consecutive offsets of `reservation`) and grants
 /// `device` read-write access over the run's range in one call. On an error the run's mappings
 /// drop (unmapped) and its remaining descriptors close.
 fn map_run(device: Device, reservation: &Arc<Reservation>, run: Vec<Job>) -> RunResult {
@@ -382,29 +435,6 @@ fn map_run(device: Device, reservation: &Arc<Reservation>, run: Vec<Job>) -> Run
         .set_access(start, end - start, &[(device, Access::ReadWrite)])
         .map_err(|e| (first, e.into()))?;
     Ok(done)
-}
-
-/// One granted buffer for [`LocalDevices::import_many`].
-pub(crate) struct ImportGrant {
-    pub(crate) device: DeviceUuid,
-    pub(crate) fd: OwnedFd,
-    pub(crate) size: u64,
-    pub(crate) granularity: u64,
-}
-
-/// Imports a granted allocation of `size` bytes (a multiple of `device`'s granularity, checked
-/// by the caller) on `device`, maps it into a fresh reservation of this process (one per
-/// buffer: each buffer unmaps and frees only its own range) and grants `device` read-write
-/// access. No host synchronization: nothing is queued on the memory yet.
-fn import(device: Device, fd: OwnedFd, size: u64) -> Result<Mapping> {
-    // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
-    let size = size as usize;
-    let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
-    drop(fd); // imported: the handle holds the memory now
-    let reservation = Reservation::new(device, size, 0, None)?;
-    let mapping = Mapping::without_access(&reservation, 0, Arc::new(physical))?;
-    mapping.set_access(&[(device, Access::ReadWrite)])?;
-    Ok(mapping)
 }
 
 /// The server's events this client opened, by handle: each is opened once for the connection's

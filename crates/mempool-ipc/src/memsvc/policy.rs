@@ -83,8 +83,8 @@ impl Ledger {
         }
     }
 
-    /// Checks that `uid` may hold one more buffer of `bytes`; changes nothing.
-    pub(crate) fn check(&self, uid: u32, bytes: u64) -> Result<()> {
+    /// Checks that `uid` may hold `buffers` more buffers of `bytes` in all; changes nothing.
+    pub(crate) fn check_many(&self, uid: u32, bytes: u64, buffers: u64) -> Result<()> {
         let mine = self.per_uid.get(&uid).copied().unwrap_or_default();
         let q = self.quotas;
         let checks = [
@@ -100,7 +100,7 @@ impl Ledger {
                 QuotaKind::Buffers,
                 q.per_uid_buffers,
                 mine.buffers,
-                1,
+                buffers,
             ),
             (
                 QuotaScope::Total,
@@ -114,7 +114,7 @@ impl Ledger {
                 QuotaKind::Buffers,
                 q.total_buffers,
                 self.total.buffers,
-                1,
+                buffers,
             ),
         ];
         for (scope, kind, limit, in_use, requested) in checks {
@@ -133,26 +133,26 @@ impl Ledger {
         Ok(())
     }
 
-    /// Charges one buffer of `bytes` to `uid` (after [`Ledger::check`]).
-    pub(crate) fn charge(&mut self, uid: u32, bytes: u64) {
+    /// Charges `buffers` buffers of `bytes` in all to `uid` (after [`Ledger::check_many`]).
+    pub(crate) fn charge_many(&mut self, uid: u32, bytes: u64, buffers: u64) {
         let mine = self.per_uid.entry(uid).or_default();
         mine.bytes += bytes;
-        mine.buffers += 1;
+        mine.buffers += buffers;
         self.total.bytes += bytes;
-        self.total.buffers += 1;
+        self.total.buffers += buffers;
     }
 
-    /// Credits back one buffer of `bytes` charged to `uid`.
-    pub(crate) fn credit(&mut self, uid: u32, bytes: u64) {
+    /// Credits back `buffers` buffers of `bytes` in all charged to `uid`.
+    pub(crate) fn credit_many(&mut self, uid: u32, bytes: u64, buffers: u64) {
         if let Some(mine) = self.per_uid.get_mut(&uid) {
             mine.bytes = mine.bytes.saturating_sub(bytes);
-            mine.buffers = mine.buffers.saturating_sub(1);
+            mine.buffers = mine.buffers.saturating_sub(buffers);
             if mine.buffers == 0 {
                 self.per_uid.remove(&uid);
             }
         }
         self.total.bytes = self.total.bytes.saturating_sub(bytes);
-        self.total.buffers = self.total.buffers.saturating_sub(1);
+        self.total.buffers = self.total.buffers.saturating_sub(buffers);
     }
 
     /// What `uid` holds now.
@@ -235,9 +235,9 @@ mod tests {
             total_bytes: Some(150),
             total_buffers: None,
         });
-        ledger.check(1, 60).unwrap();
-        ledger.charge(1, 60);
-        match ledger.check(1, 50) {
+        ledger.check_many(1, 60, 1).unwrap();
+        ledger.charge_many(1, 60, 1);
+        match ledger.check_many(1, 50, 1) {
             Err(Error::QuotaExceeded {
                 scope: QuotaScope::Uid(1),
                 kind: QuotaKind::Bytes,
@@ -247,9 +247,9 @@ mod tests {
             }) => {}
             other => panic!("{other:?}"),
         }
-        ledger.charge(1, 40);
+        ledger.charge_many(1, 40, 1);
         assert!(matches!(
-            ledger.check(1, 0),
+            ledger.check_many(1, 0, 1),
             Err(Error::QuotaExceeded {
                 kind: QuotaKind::Buffers,
                 limit: 2,
@@ -257,9 +257,9 @@ mod tests {
                 ..
             })
         ));
-        ledger.check(2, 50).unwrap();
+        ledger.check_many(2, 50, 1).unwrap();
         assert!(matches!(
-            ledger.check(2, 51),
+            ledger.check_many(2, 51, 1),
             Err(Error::QuotaExceeded {
                 scope: QuotaScope::Total,
                 kind: QuotaKind::Bytes,
@@ -267,9 +267,9 @@ mod tests {
                 ..
             })
         ));
-        ledger.credit(1, 60);
+        ledger.credit_many(1, 60, 1);
         assert_eq!(ledger.usage(1), Usage { bytes: 40, buffers: 1 });
-        ledger.credit(1, 40);
+        ledger.credit_many(1, 40, 1);
         assert_eq!(ledger.usage(1), Usage::default());
         assert_eq!(ledger.total(), Usage::default());
         // Overflow is a refusal, not a wrap.
@@ -278,7 +278,7 @@ mod tests {
             ..Quotas::default()
         });
         let mut ledger = ledger;
-        ledger.charge(3, u64::MAX);
-        assert!(ledger.check(3, 1).is_err());
+        ledger.charge_many(3, u64::MAX, 1);
+        assert!(ledger.check_many(3, 1, 1).is_err());
     }
 }

@@ -594,6 +594,15 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                 .service
                 .create(conn, creds.pid, device, size, ttl_ms, &name, &tag, now)
                 .map(granted),
+            Message::CreateMany {
+                device,
+                ttl_ms,
+                tag,
+                members,
+            } => inner
+                .service
+                .create_many(conn, creds.pid, device, ttl_ms, &tag, &members, now)
+                .map(granted_many),
             Message::Publish { name, event } => inner
                 .service
                 .publish(conn, &name, event.as_ref(), now)
@@ -647,32 +656,30 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
     }
 }
 
-fn granted(g: Grant) -> (Message, Vec<OwnedFd>) {
+/// A grant's wire form and its descriptor.
+fn entry(g: Grant) -> (GrantEntry, OwnedFd) {
     (
-        Message::Granted {
+        GrantEntry {
             attachment: g.attachment,
             size: g.size,
             granularity: g.granularity,
             device: g.device,
             event: g.event,
+            memory: g.memory,
+            offset: g.offset,
+            memory_size: g.memory_size,
         },
-        vec![g.fd],
+        g.fd,
     )
 }
 
+fn granted(g: Grant) -> (Message, Vec<OwnedFd>) {
+    let (e, fd) = entry(g);
+    (Message::Granted(e), vec![fd])
+}
+
 fn granted_many(grants: Vec<Grant>) -> (Message, Vec<OwnedFd>) {
-    let mut entries = Vec::with_capacity(grants.len());
-    let mut fds = Vec::with_capacity(grants.len());
-    for g in grants {
-        entries.push(GrantEntry {
-            attachment: g.attachment,
-            size: g.size,
-            granularity: g.granularity,
-            device: g.device,
-            event: g.event,
-        });
-        fds.push(g.fd);
-    }
+    let (entries, fds) = grants.into_iter().map(entry).unzip();
     (Message::GrantedMany { grants: entries }, fds)
 }
 

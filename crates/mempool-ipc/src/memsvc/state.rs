@@ -12,6 +12,15 @@
 //! step that checks (and, for `attach`, counts the attachment) and one that commits. Buffers
 //! freed under the lock are dropped, their memory released, after it is released.
 //!
+//! Groups: `create_many` makes several named buffers, its members, in one physical allocation
+//! (each member's size rounded up to the granularity, laid out back to back); a plain `create`
+//! makes a group of one. Each member is an ordinary buffer for `publish`, `attach`, `delete` and
+//! `list`, except that a member is attachable only once every member of its group is published,
+//! and that the group's memory is released, and its bytes credited back, only when its last
+//! member is freed (a freed member's range is never given to another buffer). Every grant names
+//! its group's memory id (the group's id: never reused while the server runs), the member's
+//! offset in it and the memory's size; its descriptor is the whole memory's.
+//!
 //! A buffer's life: `create` allocates it (state Creating) and gives its creator an attachment
 //! and a descriptor; `publish` (creator only) relays the creator's event and makes it attachable
 //! (Published); `delete`, its time-to-live or its creator's death before publishing take its
@@ -29,6 +38,7 @@ use super::backend::{Allocation, Backend, RelayedEvent};
 use super::error::{Error, Result};
 use super::names;
 use super::policy::{Access, Ledger, Quotas};
+use super::proto::codec::{OP_ATTACH_GROUP_LOST, OP_ATTACH_GROUP_UNPUBLISHED, OP_FINISH_CREATE};
 use super::proto::messages::{EventBytes, MAX_ATTACH_MANY, MAX_LIST_PAGE};
 use super::types::{BufferInfo, BufferState, ServerStats};
 use crate::wire::DeviceUuid;
@@ -41,10 +51,18 @@ pub(crate) type ConnId = u64;
 /// published without an event, or one whose relayed event has completed: the ready case).
 pub(crate) struct Grant {
     pub(crate) attachment: u64,
+    /// The buffer's size.
     pub(crate) size: u64,
     pub(crate) granularity: u64,
     pub(crate) device: DeviceUuid,
     pub(crate) event: Option<EventBytes>,
+    /// The id of the memory the buffer lies in (its group's).
+    pub(crate) memory: u64,
+    /// The buffer's offset in that memory.
+    pub(crate) offset: u64,
+    /// The memory's whole size.
+    pub(crate) memory_size: u64,
+    /// A descriptor of the whole memory.
     pub(crate) fd: OwnedFd,
 }
 
@@ -55,7 +73,7 @@ pub(crate) struct Rules {
     pub(crate) access: Access,
     pub(crate) quotas: Quotas,
     pub(crate) default_ttl: Option<Duration>,
-    /// The largest buffer, after rounding.
+    /// The largest buffer, after rounding (and the largest group, all its members together).
     pub(crate) max_buffer_bytes: u64,
     /// Attachments one connection may hold at once (its creations' included).
     pub(crate) max_attachments_per_connection: usize,
@@ -64,6 +82,9 @@ pub(crate) struct Rules {
 struct Buffer {
     name: String,
     size: u64,
+    /// Its group (the id of the memory it lies in) and its offset there.
+    group: u64,
+    offset: u64,
     device: usize,
     tag: String,
     owner_uid: u32,
@@ -78,8 +99,25 @@ struct Buffer {
     /// the lock released.
     event: Option<Arc<dyn RelayedEvent>>,
     /// `None` while the memory is being allocated (state Creating, no attachments: reserved by
-    /// [`State::begin_create`]).
+    /// [`State::begin_create_many`]). The group's: every member holds it, so the memory is
+    /// released with the last member.
     memory: Option<Arc<dyn Allocation>>,
+}
+
+/// The buffers made in one allocation (one for a plain `create`).
+struct Group {
+    /// The memory's size: its members', each rounded, together.
+    size: u64,
+    owner_uid: u32,
+    /// How many members it was made with (the buffers charged to the owner's quota).
+    count: usize,
+    /// Members not yet freed: the group goes, and its quota is credited, when none are left.
+    live: usize,
+    /// Members published.
+    published: usize,
+    /// Whether a member lost its name before it was published (the group then never becomes
+    /// attachable).
+    lost: bool,
 }
 
 struct Conn {
@@ -89,13 +127,15 @@ struct Conn {
     attachments: HashSet<u64>,
 }
 
-/// A buffer [`State::begin_create`] reserved: its name and its owner's quota are held until
-/// [`State::finish_create`] or [`State::abort_create`].
+/// A group [`State::begin_create_many`] reserved: its names and its owner's quota are held
+/// until [`State::finish_create`] or [`State::abort_create`].
 pub(crate) struct Reserved {
-    id: u64,
-    name: String,
+    group: u64,
     index: usize,
+    /// The memory's size, all members together.
     size: u64,
+    /// The members in order: id, name, offset, size.
+    members: Vec<(u64, String, u64, u64)>,
 }
 
 /// An attachment [`State::begin_attach`] counted (the buffer cannot be freed under it), still
@@ -107,6 +147,9 @@ pub(crate) struct Pending {
     size: u64,
     device: DeviceUuid,
     granularity: u64,
+    group: u64,
+    offset: u64,
+    memory_size: u64,
     memory: Arc<dyn Allocation>,
     /// The relayed event, unless it was seen complete before.
     event: Option<Arc<dyn RelayedEvent>>,
@@ -127,6 +170,8 @@ pub(crate) struct State {
     ledger: Ledger,
     names: BTreeMap<String, u64>,
     buffers: HashMap<u64, Buffer>,
+    /// Groups by id (their memory's id).
+    groups: HashMap<u64, Group>,
     /// Attachment id -> (connection, buffer id).
     attachments: HashMap<u64, (ConnId, u64)>,
     conns: HashMap<ConnId, Conn>,
@@ -145,6 +190,7 @@ impl State {
             rules,
             names: BTreeMap::new(),
             buffers: HashMap::new(),
+            groups: HashMap::new(),
             attachments: HashMap::new(),
             conns: HashMap::new(),
             next_id: 1,
@@ -196,24 +242,33 @@ impl State {
         self.conns.get(&conn).is_some_and(|c| !c.attachments.is_empty())
     }
 
-    /// `create`, first step: checks the request and reserves the name and the owner's quota for
-    /// a buffer in state Creating without memory (no attachment yet).
+    /// `create_many`, first step: checks the request (all or nothing: any bad or taken name, bad
+    /// size or quota refuses the whole group) and reserves the names and the owner's quota (the
+    /// group's total bytes, a buffer per member) for a group of buffers in state Creating
+    /// without memory (no attachment yet).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn begin_create(
+    pub(crate) fn begin_create_many(
         &mut self,
         conn: ConnId,
         pid: i32,
         device: DeviceUuid,
-        size: u64,
         ttl_ms: u64,
-        name: &str,
         tag: &str,
+        members: &[(String, u64)],
         now: Instant,
     ) -> Result<Reserved> {
         self.expire(now);
         let uid = self.conn(conn)?.uid;
-        self.room_for(conn, 1)?;
-        names::validate_name(name)?;
+        if members.is_empty() || members.len() > MAX_ATTACH_MANY {
+            return Err(Error::protocol(format!(
+                "create_many of {} buffers (1 to {MAX_ATTACH_MANY})",
+                members.len()
+            )));
+        }
+        self.room_for(conn, members.len())?;
+        for (name, _) in members {
+            names::validate_name(name)?;
+        }
         names::check_tag(tag)?;
         let index = self
             .devices
@@ -223,108 +278,162 @@ impl State {
                 device: device.to_string(),
             })?;
         let granularity = self.devices[index].1;
-        if size == 0 {
-            return Err(Error::BadSize {
-                size,
-                reason: "a buffer cannot be empty".into(),
-            });
+        let max = self.rules.max_buffer_bytes;
+        let mut total: u64 = 0;
+        let mut laid_out = Vec::with_capacity(members.len());
+        for (name, size) in members {
+            if *size == 0 {
+                return Err(Error::BadSize {
+                    size: *size,
+                    reason: format!("buffer {name:?} cannot be empty"),
+                });
+            }
+            let rounded = size
+                .checked_next_multiple_of(granularity)
+                .filter(|&r| r <= max)
+                .ok_or_else(|| Error::BadSize {
+                    size: *size,
+                    reason: format!(
+                        "buffer {name:?} rounded up to the granularity of {granularity} bytes passes the largest \
+                         buffer, {max} bytes"
+                    ),
+                })?;
+            let offset = total;
+            total = total
+                .checked_add(rounded)
+                .filter(|&t| t <= max)
+                .ok_or_else(|| Error::BadSize {
+                    size: *size,
+                    reason: format!(
+                        "buffer {name:?} takes its group past the largest allocation, {max} bytes (the members of \
+                     a group are allocated together)"
+                    ),
+                })?;
+            laid_out.push((name, offset, rounded));
         }
-        let rounded = size
-            .checked_next_multiple_of(granularity)
-            .filter(|&r| r <= self.rules.max_buffer_bytes)
-            .ok_or_else(|| Error::BadSize {
-                size,
-                reason: format!(
-                    "rounded up to the granularity of {granularity} bytes it passes the largest buffer, {} bytes",
-                    self.rules.max_buffer_bytes
-                ),
-            })?;
-        if self.names.contains_key(name) {
-            return Err(Error::NameTaken { name: name.to_owned() });
+        for (i, (name, _)) in members.iter().enumerate() {
+            if self.names.contains_key(name) || members[..i].iter().any(|(n, _)| n == name) {
+                return Err(Error::NameTaken { name: name.clone() });
+            }
         }
-        self.ledger.check(uid, rounded)?;
+        self.ledger.check_many(uid, total, members.len() as u64)?;
         let ttl = if ttl_ms > 0 {
             Some(Duration::from_millis(ttl_ms))
         } else {
             self.rules.default_ttl
         };
-        let id = self.fresh_id();
-        self.ledger.charge(uid, rounded);
-        self.names.insert(name.to_owned(), id);
-        self.buffers.insert(
-            id,
-            Buffer {
-                name: name.to_owned(),
-                size: rounded,
-                device: index,
-                tag: tag.to_owned(),
+        let group = self.fresh_id();
+        self.ledger.charge_many(uid, total, members.len() as u64);
+        self.groups.insert(
+            group,
+            Group {
+                size: total,
                 owner_uid: uid,
-                owner_pid: pid,
-                creator: conn,
-                state: BufferState::Creating,
-                expires_at: ttl.and_then(|t| now.checked_add(t)),
-                attachments: 0,
-                ready: false,
-                event: None,
-                memory: None,
+                count: members.len(),
+                live: members.len(),
+                published: 0,
+                lost: false,
             },
         );
-        Ok(Reserved {
-            id,
-            name: name.to_owned(),
+        let mut reserved = Reserved {
+            group,
             index,
-            size: rounded,
-        })
+            size: total,
+            members: Vec::with_capacity(members.len()),
+        };
+        for (name, offset, rounded) in laid_out {
+            let id = self.fresh_id();
+            self.names.insert(name.clone(), id);
+            self.buffers.insert(
+                id,
+                Buffer {
+                    name: name.clone(),
+                    size: rounded,
+                    group,
+                    offset,
+                    device: index,
+                    tag: tag.to_owned(),
+                    owner_uid: uid,
+                    owner_pid: pid,
+                    creator: conn,
+                    state: BufferState::Creating,
+                    expires_at: ttl.and_then(|t| now.checked_add(t)),
+                    attachments: 0,
+                    ready: false,
+                    event: None,
+                    memory: None,
+                },
+            );
+            reserved.members.push((id, name.clone(), offset, rounded));
+        }
+        Ok(reserved)
     }
 
-    /// `create`, last step: the reserved buffer gets its memory and its creator an attachment
-    /// (with `fd`). Refused, the reservation rolled back, if the connection ended meanwhile; if
-    /// the buffer lost its name meanwhile (deleted, expired: a reservation holds no attachment,
-    /// so it was freed at once), refused as being deleted.
+    /// `create` and `create_many`, last step: the reserved buffers get their memory and their
+    /// creator an attachment each (with a descriptor of `fds`, one per member). Refused, the
+    /// reservation rolled back, if the connection ended meanwhile; if a member lost its name
+    /// meanwhile (deleted, expired: a reservation holds no attachment, so it was freed at once),
+    /// refused as being deleted, the other members rolled back.
     pub(crate) fn finish_create(
         &mut self,
         conn: ConnId,
         reserved: &Reserved,
         memory: &Arc<dyn Allocation>,
-        fd: OwnedFd,
-    ) -> Result<Grant> {
+        fds: Vec<OwnedFd>,
+    ) -> Result<Vec<Grant>> {
+        debug_assert_eq!(fds.len(), reserved.members.len());
         if let Err(e) = self.conn(conn) {
             self.abort_create(reserved);
             return Err(e);
         }
-        let buffer = match self.buffers.get_mut(&reserved.id) {
-            Some(b) if b.memory.is_none() && b.state == BufferState::Creating => b,
-            _ => {
-                return Err(Error::WrongState {
-                    name: reserved.name.clone(),
-                    state: BufferState::Deleting,
-                    op: "finish creating it (it was deleted or expired while its memory was allocated)",
-                })
-            }
-        };
-        buffer.memory = Some(memory.clone());
-        buffer.attachments = 1;
-        let (device, granularity) = self.devices[reserved.index];
-        let attachment = self.fresh_id();
-        self.attachments.insert(attachment, (conn, reserved.id));
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.attachments.insert(attachment);
+        let lost = reserved.members.iter().find(|(id, ..)| {
+            !self
+                .buffers
+                .get(id)
+                .is_some_and(|b| b.memory.is_none() && b.state == BufferState::Creating)
+        });
+        if let Some((_, name, ..)) = lost {
+            let name = name.clone();
+            self.abort_create(reserved);
+            return Err(Error::WrongState {
+                name,
+                state: BufferState::Deleting,
+                op: OP_FINISH_CREATE,
+            });
         }
-        Ok(Grant {
-            attachment,
-            size: reserved.size,
-            granularity,
-            device,
-            event: None,
-            fd,
-        })
+        let (device, granularity) = self.devices[reserved.index];
+        let mut grants = Vec::with_capacity(fds.len());
+        for ((id, _, offset, size), fd) in reserved.members.iter().zip(fds) {
+            let buffer = self.buffers.get_mut(id).expect("checked above");
+            buffer.memory = Some(memory.clone());
+            buffer.attachments = 1;
+            let attachment = self.fresh_id();
+            self.attachments.insert(attachment, (conn, *id));
+            if let Some(c) = self.conns.get_mut(&conn) {
+                c.attachments.insert(attachment);
+            }
+            grants.push(Grant {
+                attachment,
+                size: *size,
+                granularity,
+                device,
+                event: None,
+                memory: reserved.group,
+                offset: *offset,
+                memory_size: reserved.size,
+                fd,
+            });
+        }
+        Ok(grants)
     }
 
-    /// `create` failed (or its connection ended) between the steps: the reservation's name and
-    /// quota go back, unless [`State::finish_create`] committed it or it was freed already.
+    /// `create` failed (or its connection ended) between the steps: the reservation's names and
+    /// quota go back, unless [`State::finish_create`] committed it or they were freed already.
     pub(crate) fn abort_create(&mut self, reserved: &Reserved) {
-        if self.buffers.get(&reserved.id).is_some_and(|b| b.memory.is_none()) {
-            self.unname(reserved.id);
+        for (id, ..) in &reserved.members {
+            if self.buffers.get(id).is_some_and(|b| b.memory.is_none()) {
+                self.unname(*id);
+            }
         }
     }
 
@@ -379,6 +488,10 @@ impl State {
         };
         buffer.event = relayed.cloned();
         buffer.state = BufferState::Published;
+        let group = buffer.group;
+        if let Some(g) = self.groups.get_mut(&group) {
+            g.published += 1;
+        }
         Ok(())
     }
 
@@ -468,6 +581,9 @@ impl State {
                 } else {
                     p.event.as_ref().map(|e| e.handle())
                 },
+                memory: p.group,
+                offset: p.offset,
+                memory_size: p.memory_size,
                 fd: fd.expect("checked above"),
             });
         }
@@ -505,6 +621,23 @@ impl State {
                 })
             }
         };
+        let group = self
+            .groups
+            .get(&buffer.group)
+            .expect("a buffer's group lives while it does");
+        if group.published < group.count {
+            let (state, op) = if group.lost {
+                (BufferState::Deleting, OP_ATTACH_GROUP_LOST)
+            } else {
+                (BufferState::Creating, OP_ATTACH_GROUP_UNPUBLISHED)
+            };
+            return Err(Error::WrongState {
+                name: name.to_owned(),
+                state,
+                op,
+            });
+        }
+        let (memory_id, memory_size) = (buffer.group, group.size);
         let Some(count) = buffer.attachments.checked_add(1) else {
             return Err(Error::Busy {
                 reason: format!(
@@ -516,7 +649,7 @@ impl State {
         let (device, granularity) = self.devices[buffer.device];
         let event = if buffer.ready { None } else { buffer.event.clone() };
         buffer.attachments = count;
-        let size = buffer.size;
+        let (size, offset) = (buffer.size, buffer.offset);
         let attachment = self.fresh_id();
         self.attachments.insert(attachment, (conn, id));
         if let Some(c) = self.conns.get_mut(&conn) {
@@ -529,6 +662,9 @@ impl State {
             size,
             device,
             granularity,
+            group: memory_id,
+            offset,
+            memory_size,
             memory,
             event,
         })
@@ -571,14 +707,22 @@ impl State {
         }
     }
 
-    /// Removes the buffer `id` and credits its owner's quota; its memory is released when
-    /// [`Service`] drops it after releasing the lock. A reservation whose allocation never came
-    /// is not counted as freed.
+    /// Removes the buffer `id`; the last member of its group takes the group with it and credits
+    /// the owner's quota. Its memory (the group's) is released when [`Service`] drops the last
+    /// member holding it after releasing the lock. A reservation whose allocation never came is
+    /// not counted as freed.
     fn free(&mut self, id: u64) {
         if let Some(buffer) = self.buffers.remove(&id) {
-            self.ledger.credit(buffer.owner_uid, buffer.size);
             if buffer.memory.is_some() {
                 self.freed += 1;
+            }
+            if let Some(group) = self.groups.get_mut(&buffer.group) {
+                group.live -= 1;
+                if group.live == 0 {
+                    let (uid, size, count) = (group.owner_uid, group.size, group.count as u64);
+                    self.groups.remove(&buffer.group);
+                    self.ledger.credit_many(uid, size, count);
+                }
             }
             self.dead.push(buffer);
         }
@@ -593,6 +737,11 @@ impl State {
             return;
         }
         self.names.remove(&buffer.name);
+        if buffer.state == BufferState::Creating {
+            if let Some(group) = self.groups.get_mut(&buffer.group) {
+                group.lost = true;
+            }
+        }
         buffer.state = BufferState::Deleting;
         if buffer.attachments == 0 {
             self.free(id);
@@ -697,7 +846,7 @@ impl State {
     pub(crate) fn stats(&self) -> ServerStats {
         ServerStats {
             buffers: self.buffers.len() as u64,
-            bytes: self.buffers.values().map(|b| b.size).sum(),
+            bytes: self.groups.values().map(|g| g.size).sum(),
             named: self.names.len() as u64,
             attachments: self.attachments.len() as u64,
             connections: self.conns.values().filter(|c| c.open).count() as u64,
@@ -803,8 +952,7 @@ impl<B: Backend> Service<B> {
         out
     }
 
-    /// `create`: reserves the name and quota ([`State::begin_create`]), allocates and exports
-    /// with the lock released, and commits ([`State::finish_create`]) or rolls back.
+    /// `create`: [`Service::create_many`] of one buffer.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn create(
         &self,
@@ -817,7 +965,25 @@ impl<B: Backend> Service<B> {
         tag: &str,
         now: Instant,
     ) -> Result<Grant> {
-        let reserved = self.with(|s| s.begin_create(conn, pid, device, size, ttl_ms, name, tag, now))?;
+        let mut grants = self.create_many(conn, pid, device, ttl_ms, tag, &[(name.to_owned(), size)], now)?;
+        Ok(grants.pop().expect("one grant per member"))
+    }
+
+    /// `create_many`: reserves the names and quota ([`State::begin_create_many`]), allocates the
+    /// group's memory and takes a descriptor per member with the lock released, and commits
+    /// ([`State::finish_create`]) or rolls back.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn create_many(
+        &self,
+        conn: ConnId,
+        pid: i32,
+        device: DeviceUuid,
+        ttl_ms: u64,
+        tag: &str,
+        members: &[(String, u64)],
+        now: Instant,
+    ) -> Result<Vec<Grant>> {
+        let reserved = self.with(|s| s.begin_create_many(conn, pid, device, ttl_ms, tag, members, now))?;
         let undo = Undo {
             service: self,
             reserved: Some(&reserved),
@@ -828,13 +994,15 @@ impl<B: Backend> Service<B> {
             .allocate(reserved.index, reserved.size)
             .map(Arc::<dyn Allocation>::from)
             .and_then(|memory| {
-                let fd = memory.export_fd()?;
-                Ok((memory, fd))
+                let fds = (0..reserved.members.len())
+                    .map(|_| memory.export_fd())
+                    .collect::<Result<Vec<OwnedFd>>>()?;
+                Ok((memory, fds))
             });
         undo.disarm();
         // On a refusal the memory is dropped, released, here, after the lock.
         match made {
-            Ok((memory, fd)) => self.with(|s| s.finish_create(conn, &reserved, &memory, fd)),
+            Ok((memory, fds)) => self.with(|s| s.finish_create(conn, &reserved, &memory, fds)),
             Err(e) => {
                 self.with(|s| s.abort_create(&reserved));
                 Err(e)

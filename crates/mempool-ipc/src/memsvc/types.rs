@@ -77,7 +77,8 @@ pub struct ServerStats {
     /// Buffers holding memory: named ones (creating, including those whose memory is being
     /// allocated, or published) and deleted ones still attached.
     pub buffers: u64,
-    /// Their bytes (those being allocated included: their quota is reserved).
+    /// The bytes of their memory (those being allocated included: their quota is reserved; a
+    /// group's whole allocation while any of its members holds it).
     pub bytes: u64,
     /// Buffers with a name (creating or published).
     pub named: u64,

@@ -84,7 +84,7 @@ impl Report {
 
 fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
     let mut f = b"MPMS".to_vec();
-    f.extend_from_slice(&1u16.to_le_bytes());
+    f.extend_from_slice(&2u16.to_le_bytes()); // the protocol's version
     f.extend_from_slice(&kind.to_le_bytes());
     f.extend_from_slice(&(body.len() as u32).to_le_bytes());
     f.extend_from_slice(body);
@@ -463,7 +463,7 @@ pub(crate) fn attack(path: &Path, a: &Attack, during_full: impl FnOnce()) -> Rep
                 |s| {
                     after_hello(s, |s| {
                         let mut body = 128u16.to_le_bytes().to_vec();
-                        body.resize(2 + 128 * 105, 0);
+                        body.resize(2 + 128 * 129, 0);
                         send(s, &frame(GRANTED_MANY, &body));
                     })
                 },
@@ -476,7 +476,7 @@ pub(crate) fn attack(path: &Path, a: &Attack, during_full: impl FnOnce()) -> Rep
                 PROTOCOL,
                 "not a message this side receives",
                 |s| {
-                    send(s, &frame(GRANTED, &[0u8; 105]));
+                    send(s, &frame(GRANTED, &[0u8; 129]));
                     Vec::new()
                 },
             )

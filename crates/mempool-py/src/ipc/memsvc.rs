@@ -138,32 +138,41 @@ impl Drop for Holder {
 }
 
 impl Holder {
-    /// Runs `f` on the mapping (with the interpreter released; the slot is locked only then, so that no
-    /// thread waits for it holding the interpreter); `MemoryServiceError` once discarded.
-    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mempool_core::Mapping) -> R + Send) -> PyResult<R> {
+    /// Runs `f` on a view of the buffer's own bytes, ordered on the legacy default stream of its
+    /// context, after the context's work (PyTorch's, CuPy's streams) is done (with the interpreter
+    /// released; the slot is locked only then, so that no thread waits for it holding the interpreter);
+    /// `MemoryServiceError` once discarded.
+    fn with_view<R: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mempool_core::BufferView<'_>) -> mempool_core::Result<R> + Send,
+    ) -> PyResult<R> {
+        let ctx = self.ctx.clone();
         let r = py.detach(|| {
             let guard = self.slot.lock().unwrap_or_else(|p| p.into_inner());
-            match &*guard {
-                Slot::Created(c) => Ok(f(c.mapping())),
-                Slot::Attached(a) => Ok(f(a.mapping())),
-                Slot::Publishing => Err("it is being published"),
-                Slot::Gone => Err("it was discarded"),
-            }
+            let stream = StreamRef::LEGACY.in_context(&ctx);
+            // A member of a group views its own range of the group's mapping.
+            let view = match &*guard {
+                Slot::Created(c) => c.view(stream),
+                Slot::Attached(a) => a.view(stream),
+                Slot::Publishing => return Err("it is being published"),
+                Slot::Gone => return Err("it was discarded"),
+            };
+            Ok(view.and_then(|v| {
+                // Work queued on any stream of this process (PyTorch's, CuPy's) comes first.
+                ctx.synchronize()?;
+                Ok(f(&v)?)
+            }))
         });
-        r.map_err(|why| ipc_class("MemoryServiceError", format!("using the buffer: {why}")))
+        r.map_err(|why| ipc_class("MemoryServiceError", format!("using the buffer: {why}")))?
+            .svc(|| format!("{what} the buffer"))
     }
 
     fn tobytes<'py>(&self, py: Python<'py>, size: usize) -> PyResult<Bound<'py, PyBytes>> {
         let mut result = Ok(());
-        let ctx = self.ctx.clone();
         let b = PyBytes::new_with(py, size, |dst| {
-            result = self
-                .with(py, |m| -> mempool_core::Result<()> {
-                    // Work queued on any stream of this process (PyTorch's, CuPy's) comes first.
-                    ctx.synchronize()?;
-                    m.view(StreamRef::LEGACY.in_context(&ctx))?.copy_to_host(0, dst)
-                })
-                .and_then(|r| r.py());
+            result = self.with_view(py, "copying from", |v| v.copy_to_host(0, dst));
             Ok(())
         })?;
         result.map(|()| b)
@@ -172,12 +181,52 @@ impl Holder {
     fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
         let src = host_bytes(data)?;
         let src = src.as_bytes();
-        let ctx = self.ctx.clone();
-        self.with(py, |m| -> mempool_core::Result<()> {
-            ctx.synchronize()?;
-            m.view(StreamRef::LEGACY.in_context(&ctx))?.copy_from_host(offset, src)
-        })?
-        .py()
+        self.with_view(py, "copying into", |v| v.copy_from_host(offset, src))
+    }
+}
+
+/// The options of `create` and `create_many`.
+fn create_options(tag: Option<String>, ttl: Option<f64>) -> PyResult<CreateOptions> {
+    let mut options = CreateOptions::new();
+    if let Some(tag) = tag {
+        options = options.tag(tag);
+    }
+    if let Some(t) = ttl {
+        let t: Duration = seconds("ttl", t, false)?;
+        options = options.ttl(t);
+    }
+    Ok(options)
+}
+
+/// A `device` argument (None: the current device): its ordinal, the device and its context.
+fn device_of(device: Option<usize>) -> PyResult<(usize, Device, Arc<Context>)> {
+    let ordinal = match device {
+        Some(d) => d,
+        None => mempool_capi::device::current().py()?,
+    };
+    let dev = Device::get(ordinal).py()?;
+    let ctx = mempool_capi::device::context(ordinal).py()?;
+    Ok((ordinal, dev, ctx))
+}
+
+/// The Python object of a buffer created on device `ordinal` (its view: the buffer's own range).
+fn created_buffer(created: Created, ordinal: usize, ctx: Arc<Context>) -> PyCreatedBuffer {
+    let view = RawView {
+        addr: created.ptr().as_raw(),
+        size: created.len(),
+        device: ordinal,
+        stream: 0,
+    };
+    let name = created.name().to_owned();
+    PyCreatedBuffer {
+        holder: Arc::new(Holder {
+            slot: Mutex::new(Slot::Created(created)),
+            ctx,
+            exported: AtomicBool::new(false),
+            published: AtomicBool::new(false),
+        }),
+        view,
+        name,
     }
 }
 
@@ -512,39 +561,69 @@ impl PyClient {
                 context()
             )));
         }
-        let mut options = CreateOptions::new();
-        if let Some(tag) = tag {
-            options = options.tag(tag);
-        }
-        if let Some(t) = ttl {
-            let t: Duration = seconds("ttl", t, false)?;
-            options = options.ttl(t);
-        }
-        let ordinal = match device {
-            Some(d) => d,
-            None => mempool_capi::device::current().py()?,
-        };
-        let dev = Device::get(ordinal).py()?;
-        let ctx = mempool_capi::device::context(ordinal).py()?;
+        let options = create_options(tag, ttl)?;
+        let (ordinal, dev, ctx) = device_of(device)?;
         let created = py
             .detach(|| self.client.create(name, size, dev, &options))
             .svc(context)?;
-        let view = RawView {
-            addr: created.ptr().as_raw(),
-            size: created.len(),
-            device: ordinal,
-            stream: 0,
-        };
-        Ok(PyCreatedBuffer {
-            holder: Arc::new(Holder {
-                slot: Mutex::new(Slot::Created(created)),
-                ctx,
-                exported: AtomicBool::new(false),
-                published: AtomicBool::new(false),
-            }),
-            view,
-            name: name.to_owned(),
-        })
+        Ok(created_buffer(created, ordinal, ctx))
+    }
+
+    /// Creates the buffers `names` (a list of str) of `sizes` (a list of int, one per name; each rounded
+    /// up to the GPU's granularity) as one group: one allocation on the server, the members back to back
+    /// in it, at most 128. Each is an ordinary buffer (publish, attach, delete, list), except that a member
+    /// is attachable only once every member of its group is published, that the group's memory is freed
+    /// only when every member is, and that whoever may attach one member maps the whole group's memory (the
+    /// members share one access boundary). Attaching many members of a group imports and maps its memory
+    /// once. All or nothing: a bad or taken name refuses the whole group. `device`, `tag`, `ttl`: as
+    /// `create`. Returns one `CreatedBuffer` per name, in order.
+    #[pyo3(signature = (names, sizes, device = None, tag = None, ttl = None))]
+    fn create_many(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        sizes: Vec<usize>,
+        device: Option<usize>,
+        tag: Option<String>,
+        ttl: Option<f64>,
+    ) -> PyResult<Vec<PyCreatedBuffer>> {
+        let count = names.len();
+        let context = || format!("creating a group of {count} buffers");
+        if names.is_empty() || names.len() > memsvc::Client::MAX_ATTACH_MANY {
+            return Err(PyValueError::new_err(format!(
+                "{}: a group has 1 to {} members",
+                context(),
+                memsvc::Client::MAX_ATTACH_MANY
+            )));
+        }
+        for name in &names {
+            memsvc::validate_name(name).svc(context)?;
+        }
+        if names.len() != sizes.len() {
+            return Err(PyValueError::new_err(format!(
+                "{}: {} names and {} sizes (one size per name)",
+                context(),
+                names.len(),
+                sizes.len()
+            )));
+        }
+        if let Some(i) = sizes.iter().position(|&s| s == 0) {
+            return Err(PyValueError::new_err(format!(
+                "{}: the size of {:?} must be at least 1 byte",
+                context(),
+                names[i]
+            )));
+        }
+        let options = create_options(tag, ttl)?;
+        let (ordinal, dev, ctx) = device_of(device)?;
+        let members: Vec<(String, usize)> = names.into_iter().zip(sizes).collect();
+        let created = py
+            .detach(|| self.client.create_many(&members, dev, &options))
+            .svc(context)?;
+        Ok(created
+            .into_iter()
+            .map(|c| created_buffer(c, ordinal, ctx.clone()))
+            .collect())
     }
 
     /// Attaches the published buffer `name`: maps the server's memory here (no copy) and makes `stream`

@@ -21,13 +21,16 @@ fn messages_and_descriptors_arrive_whole() {
     assert_eq!(m, Message::Attach { name: "a".into() });
     assert!(fds.is_empty());
     let memfd = crate::test_util::memfd_with(&crate::test_util::unique_name("conn"), b"abc");
-    let granted = Message::Granted {
+    let granted = Message::Granted(crate::memsvc::proto::messages::GrantEntry {
         attachment: 1,
         size: 4096,
         granularity: 4096,
         device: crate::wire::DeviceUuid([1; 16]),
         event: None,
-    };
+        memory: 1,
+        offset: 0,
+        memory_size: 4096,
+    });
     server.send(&granted, Some(memfd.as_fd())).unwrap();
     let (m, fds) = client
         .recv(Some(Duration::from_secs(5)), Duration::from_secs(5))
@@ -39,13 +42,16 @@ fn messages_and_descriptors_arrive_whole() {
 #[test]
 fn a_missing_descriptor_is_refused() {
     let (client, server) = pair();
-    let granted = Message::Granted {
+    let granted = Message::Granted(crate::memsvc::proto::messages::GrantEntry {
         attachment: 1,
         size: 4096,
         granularity: 4096,
         device: crate::wire::DeviceUuid([1; 16]),
         event: None,
-    };
+        memory: 1,
+        offset: 0,
+        memory_size: 4096,
+    });
     server.send(&granted, None).unwrap();
     let err = client
         .recv(Some(Duration::from_secs(5)), Duration::from_secs(5))
@@ -96,6 +102,9 @@ fn grants(n: usize) -> Message {
                 granularity: 4096,
                 device: crate::wire::DeviceUuid([1; 16]),
                 event: None,
+                memory: i,
+                offset: 0,
+                memory_size: 4096,
             })
             .collect(),
     }

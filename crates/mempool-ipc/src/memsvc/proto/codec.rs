@@ -81,6 +81,22 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
                 w.str(name)?;
             }
         }
+        Message::CreateMany {
+            device,
+            ttl_ms,
+            tag,
+            members,
+        } => {
+            check_count(members.len(), "members")?;
+            w.bytes(&device.0);
+            w.u64(*ttl_ms);
+            w.str(tag)?;
+            w.u16(members.len() as u16);
+            for (name, size) in members {
+                w.u64(*size);
+                w.str(name)?;
+            }
+        }
         Message::GrantedMany { grants } => {
             check_count(grants.len(), "grants")?;
             w.u16(grants.len() as u16);
@@ -103,19 +119,7 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
                 w.u64(*granularity);
             }
         }
-        Message::Granted {
-            attachment,
-            size,
-            granularity,
-            device,
-            event,
-        } => {
-            w.u64(*attachment);
-            w.u64(*size);
-            w.u64(*granularity);
-            w.bytes(&device.0);
-            w.event(event);
-        }
+        Message::Granted(g) => w.grant(g),
         Message::ListPage { more, entries } => {
             if entries.len() > MAX_LIST_PAGE {
                 return Err(Error::protocol(format!(
@@ -194,6 +198,23 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             }
             Message::AttachMany { names }
         }
+        MessageKind::CreateMany => {
+            let device = DeviceUuid(r.array()?);
+            let ttl_ms = r.u64()?;
+            let tag = r.str()?;
+            let count = r.count()?;
+            let mut members = Vec::with_capacity(count);
+            for _ in 0..count {
+                let size = r.u64()?;
+                members.push((r.str()?, size));
+            }
+            Message::CreateMany {
+                device,
+                ttl_ms,
+                tag,
+                members,
+            }
+        }
         MessageKind::GrantedMany => {
             let count = r.count()?;
             let mut grants = Vec::with_capacity(count);
@@ -219,22 +240,7 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             }
             Message::Welcome { pid, devices }
         }
-        MessageKind::Granted => {
-            let GrantEntry {
-                attachment,
-                size,
-                granularity,
-                device,
-                event,
-            } = r.grant()?;
-            Message::Granted {
-                attachment,
-                size,
-                granularity,
-                device,
-                event,
-            }
-        }
+        MessageKind::Granted => Message::Granted(r.grant()?),
         MessageKind::ListPage => {
             let more = r.flag()?;
             let count = usize::from(r.u16()?);
@@ -329,7 +335,29 @@ const PROTOCOL: u16 = 13;
 const TIMEOUT: u16 = 14;
 
 /// The operations a WrongState refusal names, by their code in `kind`.
-const OPS: [&str; 4] = ["publish", "attach", "delete", "detach"];
+const OPS: [&str; 7] = [
+    "publish",
+    "attach",
+    "delete",
+    "detach",
+    OP_ATTACH_GROUP_UNPUBLISHED,
+    OP_ATTACH_GROUP_LOST,
+    OP_FINISH_CREATE,
+];
+
+/// The operation of a WrongState refusal to attach a member of a group not wholly published
+/// (its state is the group's: being created).
+pub(crate) const OP_ATTACH_GROUP_UNPUBLISHED: &str =
+    "attach it before every member of its group is published (a member of a group is attachable \
+     once all of them are)";
+/// The operation of a WrongState refusal to attach a member of a group one of whose members was
+/// deleted (or abandoned) before it was published: the group never becomes attachable.
+pub(crate) const OP_ATTACH_GROUP_LOST: &str =
+    "attach it: a member of its group was deleted before it was published, so the group never \
+     becomes attachable";
+/// The operation of a WrongState refusal of a create whose buffer lost its name meanwhile.
+pub(crate) const OP_FINISH_CREATE: &str =
+    "finish creating it (it was deleted or expired while its memory was allocated)";
 
 /// The wire form of a refusal or of the reason a connection is closed.
 pub(crate) fn refusal_of(err: &Error) -> Refusal {
@@ -489,6 +517,9 @@ impl Writer {
         self.u64(g.granularity);
         self.bytes(&g.device.0);
         self.event(&g.event);
+        self.u64(g.memory);
+        self.u64(g.offset);
+        self.u64(g.memory_size);
     }
 }
 
@@ -561,6 +592,9 @@ impl<'a> Reader<'a> {
         let granularity = self.u64()?;
         let device = DeviceUuid(self.array()?);
         let event = self.event()?;
+        let memory = self.u64()?;
+        let offset = self.u64()?;
+        let memory_size = self.u64()?;
         if granularity == 0 || !granularity.is_power_of_two() {
             return Err(self.error(format!("granularity {granularity} is not a power of two")));
         }
@@ -569,8 +603,25 @@ impl<'a> Reader<'a> {
                 "size {size} is not a non-zero multiple of the granularity {granularity}"
             )));
         }
-        if usize::try_from(size).is_err() || size > i64::MAX as u64 {
-            return Err(self.error(format!("size {size} does not fit this machine's addresses")));
+        if !offset.is_multiple_of(granularity) {
+            return Err(self.error(format!(
+                "offset {offset} is not a multiple of the granularity {granularity}"
+            )));
+        }
+        if memory_size == 0 || !memory_size.is_multiple_of(granularity) {
+            return Err(self.error(format!(
+                "memory size {memory_size} is not a non-zero multiple of the granularity {granularity}"
+            )));
+        }
+        if usize::try_from(memory_size).is_err() || memory_size > i64::MAX as u64 {
+            return Err(self.error(format!(
+                "memory size {memory_size} does not fit this machine's addresses"
+            )));
+        }
+        if offset.checked_add(size).is_none_or(|end| end > memory_size) {
+            return Err(self.error(format!(
+                "a buffer of {size} bytes at offset {offset} passes the end of its memory of {memory_size} bytes"
+            )));
         }
         Ok(GrantEntry {
             attachment,
@@ -578,6 +629,9 @@ impl<'a> Reader<'a> {
             granularity,
             device,
             event,
+            memory,
+            offset,
+            memory_size,
         })
     }
 }

@@ -5,7 +5,7 @@
 //! frame: header (12 bytes) + body (at most MAX_BODY_LEN bytes)
 //! offset size field
 //!      0    4 magic     "MPMS"
-//!      4    2 version   u16 little-endian, 1
+//!      4    2 version   u16 little-endian, 2
 //!      6    2 type      u16, a MessageKind
 //!      8    4 body len  u32
 //! strings: u16 length + UTF-8 bytes; GPU UUIDs: 16 bytes; event handles: 64 bytes
@@ -22,19 +22,30 @@
 //! | 7 | List | client | after (a name, or empty to start) | 0 |
 //! | 8 | Stats | client | empty | 0 |
 //! | 9 | AttachMany | client | count u16 (1..=MAX_ATTACH_MANY), count x name | 0 |
+//! | 10 | CreateMany | client | uuid, ttl_ms u64, tag, count u16 (1..=MAX_ATTACH_MANY), count x (size u64, name) | 0 |
 //! | 64 | Welcome | server | pid u32, count u16, count x (uuid, granularity u64) | 0 |
-//! | 65 | Granted | server | attachment u64, size u64, granularity u64, uuid, has_event u8, event 64 | 1 |
+//! | 65 | Granted | server | a grant: attachment u64, size u64, granularity u64, uuid, has_event u8, event 64, memory u64, offset u64, memory_size u64 | 1 |
 //! | 66 | Done | server | empty | 0 |
 //! | 67 | ListPage | server | more u8, count u16, entries | 0 |
 //! | 68 | StatsReply | server | 7 x u64 | 0 |
 //! | 69 | Refused | server | code u16, uid u32, scope u8, kind u8, state u8, 3 x u64, name, text | 0 |
-//! | 70 | GrantedMany | server | count u16 (1..=MAX_ATTACH_MANY), count x (a Granted body) | count |
+//! | 70 | GrantedMany | server | count u16 (1..=MAX_ATTACH_MANY), count x (a grant) | count |
+//!
+//! A grant names the memory its buffer lies in: `memory` is the server's id of the physical
+//! allocation (assigned per allocation, never reused while the server runs), `offset` the
+//! buffer's place in it and `memory_size` its whole size. A buffer made by Create is alone in its
+//! memory (offset 0, `memory_size` its size); the members of a CreateMany share one. The
+//! descriptor is always the whole memory's: an importer maps all of it (the driver maps whole
+//! allocations only) and finds the buffer at its offset. The decoder checks that the size,
+//! offset and memory size are multiples of the granularity, the size non-zero, and
+//! `offset + size <= memory_size`.
 //!
 //! A Granted's event is absent when there is nothing to wait for: the buffer was published
 //! without one, or the server's relay of the creator's event has completed (the creator's GPU
 //! work is done; the attacher then enqueues no wait and opens no event). A GrantedMany's
 //! descriptors travel in one `SCM_RIGHTS` message (at most `MAX_ATTACH_MANY`, under the
-//! kernel's `SCM_MAX_FD`), in the order of its entries.
+//! kernel's `SCM_MAX_FD`), in the order of its entries. CreateMany is answered by a GrantedMany
+//! with one grant per member, in order.
 
 use crate::wire::DeviceUuid;
 
@@ -43,7 +54,7 @@ use super::super::types::BufferInfo;
 /// The protocol's magic bytes.
 pub(crate) const MAGIC: [u8; 4] = *b"MPMS";
 /// The one version this build speaks.
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 /// Header length.
 pub(crate) const HEADER_LEN: usize = 12;
 /// The longest body: 64 KiB.
@@ -52,9 +63,9 @@ pub(crate) const MAX_BODY_LEN: usize = 64 * 1024;
 pub(crate) const MAX_DEVICES: usize = 64;
 /// The most entries one ListPage carries (each at most 16+8+128+256+... bytes: 100 fit 64 KiB).
 pub(crate) const MAX_LIST_PAGE: usize = 100;
-/// The most names one AttachMany carries (and descriptors one GrantedMany): its names (at most
-/// 130 bytes each) and its entries (105 bytes each) fit a body; its descriptors fit one
-/// `SCM_RIGHTS` message (`SCM_MAX_FD`, 253).
+/// The most names one AttachMany or CreateMany carries (and descriptors one GrantedMany): its
+/// names (at most 130 bytes each, 138 with a CreateMany's size) and its entries (129 bytes each)
+/// fit a body; its descriptors fit one `SCM_RIGHTS` message (`SCM_MAX_FD`, 253).
 pub(crate) const MAX_ATTACH_MANY: usize = 128;
 const _: () = assert!(MAX_ATTACH_MANY <= crate::fdpass::SCM_MAX_FD);
 /// An interprocess event handle.
@@ -72,6 +83,7 @@ pub(crate) enum MessageKind {
     List = 7,
     Stats = 8,
     AttachMany = 9,
+    CreateMany = 10,
     Welcome = 64,
     Granted = 65,
     Done = 66,
@@ -94,6 +106,7 @@ impl MessageKind {
             7 => List,
             8 => Stats,
             9 => AttachMany,
+            10 => CreateMany,
             64 => Welcome,
             65 => Granted,
             66 => Done,
@@ -170,18 +183,19 @@ pub(crate) enum Message {
     AttachMany {
         names: Vec<String>,
     },
+    /// Creates the buffers `members` (name, size each) in one allocation, all or none.
+    CreateMany {
+        device: DeviceUuid,
+        ttl_ms: u64,
+        tag: String,
+        members: Vec<(String, u64)>,
+    },
     Welcome {
         pid: u32,
         devices: Vec<(DeviceUuid, u64)>,
     },
-    /// The reply to Create and Attach; the allocation's descriptor travels with it.
-    Granted {
-        attachment: u64,
-        size: u64,
-        granularity: u64,
-        device: DeviceUuid,
-        event: Option<EventBytes>,
-    },
+    /// The reply to Create and Attach; the memory's descriptor travels with it.
+    Granted(GrantEntry),
     Done,
     ListPage {
         more: bool,
@@ -191,20 +205,27 @@ pub(crate) enum Message {
         numbers: [u64; 7],
     },
     Refused(Refusal),
-    /// The reply to AttachMany: one grant per name, in order; a descriptor each.
+    /// The reply to AttachMany and CreateMany: one grant per name, in order; a descriptor each.
     GrantedMany {
         grants: Vec<GrantEntry>,
     },
 }
 
-/// One grant of a GrantedMany (the fields of a Granted).
+/// One grant: a Granted's body, an entry of a GrantedMany.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct GrantEntry {
     pub(crate) attachment: u64,
+    /// The buffer's size.
     pub(crate) size: u64,
     pub(crate) granularity: u64,
     pub(crate) device: DeviceUuid,
     pub(crate) event: Option<EventBytes>,
+    /// The server's id of the memory (physical allocation) the buffer lies in.
+    pub(crate) memory: u64,
+    /// The buffer's offset in that memory.
+    pub(crate) offset: u64,
+    /// The memory's whole size (what the descriptor's importer maps).
+    pub(crate) memory_size: u64,
 }
 
 impl Message {
@@ -219,8 +240,9 @@ impl Message {
             Message::List { .. } => MessageKind::List,
             Message::Stats => MessageKind::Stats,
             Message::AttachMany { .. } => MessageKind::AttachMany,
+            Message::CreateMany { .. } => MessageKind::CreateMany,
             Message::Welcome { .. } => MessageKind::Welcome,
-            Message::Granted { .. } => MessageKind::Granted,
+            Message::Granted(_) => MessageKind::Granted,
             Message::Done => MessageKind::Done,
             Message::ListPage { .. } => MessageKind::ListPage,
             Message::StatsReply { .. } => MessageKind::StatsReply,
@@ -232,7 +254,7 @@ impl Message {
     /// How many descriptors this message carries.
     pub(crate) fn fd_count(&self) -> usize {
         match self {
-            Message::Granted { .. } => 1,
+            Message::Granted(_) => 1,
             Message::GrantedMany { grants } => grants.len(),
             _ => 0,
         }

@@ -38,6 +38,10 @@ fn grant_entry(i: u64) -> GrantEntry {
         device: DeviceUuid([i as u8; 16]),
         // Pending relays carry their event; ready ones none.
         event: i.is_multiple_of(2).then_some([i as u8; 64]),
+        // Members of groups of three: this one's offset, the group's memory.
+        memory: i / 3,
+        offset: (i % 3) << 21,
+        memory_size: (i % 3 + i + 1) << 21,
     }
 }
 
@@ -68,14 +72,31 @@ fn samples() -> Vec<Message> {
             pid: 77,
             devices: vec![(DeviceUuid([1; 16]), 2 << 20), (DeviceUuid([2; 16]), 1 << 21)],
         },
-        Message::Granted {
+        Message::Granted(GrantEntry {
             attachment: 4,
             size: 6 << 20,
             granularity: 2 << 20,
             device: DeviceUuid([1; 16]),
             event: Some([9; 64]),
-        },
+            memory: u64::MAX,
+            offset: 2 << 20,
+            memory_size: 8 << 20,
+        }),
         Message::Done,
+        Message::CreateMany {
+            device: DeviceUuid([4; 16]),
+            ttl_ms: 0,
+            tag: "t".repeat(256),
+            members: (0..MAX_ATTACH_MANY)
+                .map(|i| (format!("{i:0>128}"), u64::MAX - i as u64))
+                .collect(),
+        },
+        Message::CreateMany {
+            device: DeviceUuid([4; 16]),
+            ttl_ms: 5,
+            tag: String::new(),
+            members: vec![("one".into(), 1)],
+        },
         Message::AttachMany {
             names: (0..MAX_ATTACH_MANY).map(|i| format!("{i:0>128}")).collect(),
         },
@@ -145,7 +166,8 @@ fn hostile_headers_are_refused() {
     };
     assert!(protocol(header(&|h| h[0] = b'X')).contains("magic"));
     assert!(protocol(header(&|h| h[..4].copy_from_slice(b"MPIP"))).contains("magic"));
-    assert!(protocol(header(&|h| h[4] = 2)).contains("version 2"));
+    assert!(protocol(header(&|h| h[4] = 1)).contains("version 1"));
+    assert!(protocol(header(&|h| h[4] = 3)).contains("version 3"));
     assert!(protocol(header(&|h| h[6] = 200)).contains("unknown message type 200"));
     assert!(protocol(header(
         &|h| h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 + 1).to_le_bytes())
@@ -192,22 +214,36 @@ fn hostile_bodies_are_refused() {
 
 #[test]
 fn hostile_grants_are_refused() {
-    let granted = |size: u64, granularity: u64| {
-        let m = Message::Granted {
+    let placed = |size: u64, granularity: u64, offset: u64, memory_size: u64| {
+        let m = Message::Granted(GrantEntry {
             attachment: 1,
             size,
             granularity,
             device: DeviceUuid([1; 16]),
             event: None,
-        };
+            memory: 1,
+            offset,
+            memory_size,
+        });
         decode(&encode(&m).unwrap())
     };
+    let granted = |size: u64, granularity: u64| placed(size, granularity, 0, size);
     assert!(granted(4096, 4096).is_ok());
     assert!(protocol(granted(4096, 3000)).contains("power of two"));
     assert!(protocol(granted(4096, 0)).contains("power of two"));
     assert!(protocol(granted(0, 4096)).contains("multiple"));
     assert!(protocol(granted(6000, 4096)).contains("multiple"));
     assert!(protocol(granted(1 << 63, 4096)).contains("addresses"));
+    // A member of a group: its range inside the memory, everything granular.
+    assert!(placed(4096, 4096, 8192, 3 * 4096).is_ok());
+    assert!(placed(4096, 4096, 0, 4096).is_ok());
+    assert!(protocol(placed(4096, 4096, 100, 3 * 4096)).contains("offset 100"));
+    assert!(protocol(placed(4096, 4096, 4096, 5000)).contains("memory size 5000"));
+    assert!(protocol(placed(4096, 4096, 0, 0)).contains("memory size 0"));
+    assert!(protocol(placed(4096, 4096, 0, 1 << 63)).contains("addresses"));
+    assert!(protocol(placed(4096, 4096, 8192, 8192)).contains("passes the end"));
+    assert!(protocol(placed(8192, 4096, 0, 4096)).contains("passes the end"));
+    assert!(protocol(placed(4096, 4096, u64::MAX - 4095, 8192)).contains("passes the end"));
     // Counts past the limits.
     let mut w = encode(&Message::Welcome {
         pid: 1,
@@ -285,6 +321,37 @@ fn attach_many_counts_and_grants_are_checked() {
     })
     .unwrap();
     assert!(protocol(decode(&frame)).contains("multiple"));
+    // CreateMany: counts of 0 and past the limit, a count claiming more members than follow,
+    // trailing bytes.
+    for count in [0, MAX_ATTACH_MANY + 1] {
+        let create = Message::CreateMany {
+            device: DeviceUuid([1; 16]),
+            ttl_ms: 0,
+            tag: String::new(),
+            members: (0..count).map(|i| (format!("n{i}"), 4096)).collect(),
+        };
+        assert!(protocol(encode(&create).map(|_| Message::Done)).contains("members in one message"));
+    }
+    let one = encode(&Message::CreateMany {
+        device: DeviceUuid([1; 16]),
+        ttl_ms: 0,
+        tag: String::new(),
+        members: vec![("a".into(), 4096)],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    // uuid 16, ttl 8, tag 2: the count at 26.
+    for count in [0u16, MAX_ATTACH_MANY as u16 + 1, u16::MAX] {
+        let mut body = one.clone();
+        body[26..28].copy_from_slice(&count.to_le_bytes());
+        assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("entries"));
+    }
+    let mut body = one.clone();
+    body[26..28].copy_from_slice(&2u16.to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("cut short"));
+    let mut body = one.clone();
+    body.push(0);
+    assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("after the end"));
     // Descriptors: a GrantedMany carries one per entry, other messages none or one.
     assert_eq!(MessageKind::GrantedMany.max_fds(), MAX_ATTACH_MANY);
     assert_eq!(MessageKind::AttachMany.max_fds(), 0);
@@ -331,6 +398,21 @@ fn refusals_travel_as_the_same_error() {
             name: "c".into(),
             state: BufferState::Published,
             op: "publish",
+        },
+        Error::WrongState {
+            name: "g/a".into(),
+            state: BufferState::Creating,
+            op: crate::memsvc::proto::codec::OP_ATTACH_GROUP_UNPUBLISHED,
+        },
+        Error::WrongState {
+            name: "g/a".into(),
+            state: BufferState::Deleting,
+            op: crate::memsvc::proto::codec::OP_ATTACH_GROUP_LOST,
+        },
+        Error::WrongState {
+            name: "g/b".into(),
+            state: BufferState::Deleting,
+            op: crate::memsvc::proto::codec::OP_FINISH_CREATE,
         },
         Error::NotCreator { name: "d".into() },
         Error::BadSize {
@@ -405,16 +487,39 @@ fn arb_message() -> impl Strategy<Value = Message> {
         arb_string(40).prop_map(|name| Message::Delete { name }),
         arb_string(40).prop_map(|after| Message::List { after }),
         any::<u64>().prop_map(|attachment| Message::Detach { attachment }),
-        (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()).prop_map(|(a, units, shift, d, event)| {
-            let granularity = 1u64 << shift;
-            Message::Granted {
-                attachment: a,
-                size: u64::from(units + 1) * granularity,
-                granularity,
+        (
+            any::<u64>(),
+            0u32..40,
+            12u32..30,
+            any::<[u8; 16]>(),
+            arb_event(),
+            (any::<u64>(), 0u32..40, 0u32..40)
+        )
+            .prop_map(|(a, units, shift, d, event, (memory, before, after))| {
+                let granularity = 1u64 << shift;
+                Message::Granted(GrantEntry {
+                    attachment: a,
+                    size: u64::from(units + 1) * granularity,
+                    granularity,
+                    device: DeviceUuid(d),
+                    event,
+                    memory,
+                    offset: u64::from(before) * granularity,
+                    memory_size: u64::from(before + units + 1 + after) * granularity,
+                })
+            }),
+        (
+            any::<[u8; 16]>(),
+            any::<u64>(),
+            arb_string(40),
+            proptest::collection::vec((arb_string(40), any::<u64>()), 1..10)
+        )
+            .prop_map(|(d, ttl_ms, tag, members)| Message::CreateMany {
                 device: DeviceUuid(d),
-                event,
-            }
-        }),
+                ttl_ms,
+                tag,
+                members
+            }),
         proptest::collection::vec(arb_string(40), 1..10).prop_map(|names| Message::AttachMany { names }),
         proptest::collection::vec(
             (any::<u64>(), 0u32..40, 12u32..30, any::<[u8; 16]>(), arb_event()),
@@ -429,6 +534,9 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     granularity: 1 << shift,
                     device: DeviceUuid(d),
                     event,
+                    memory: a ^ 1,
+                    offset: 0,
+                    memory_size: u64::from(units + 1) << shift,
                 })
                 .collect()
         }),

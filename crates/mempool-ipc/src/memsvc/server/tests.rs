@@ -964,3 +964,130 @@ fn hostile_clients_all_at_once_leave_the_server_at_its_baseline_and_a_good_clien
     server.shutdown();
     assert_eq!(live.load(Ordering::SeqCst), 0);
 }
+
+#[test]
+fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() {
+    use crate::memsvc::proto::codec::OP_ATTACH_GROUP_UNPUBLISHED;
+    use crate::memsvc::proto::messages::GrantEntry;
+    let path = path("group");
+    let (server, live) = serve(&path, quick_limits());
+    let a = Client::connect(&path).unwrap();
+    let b = Client::connect(&path).unwrap();
+    let many = |c: &Client, m: Message| match c.call(&m)? {
+        (Message::GrantedMany { grants }, fds) => Ok((grants, fds)),
+        (other, _) => panic!("expected GrantedMany, got {other:?}"),
+    };
+    let create_many = |c: &Client, members: &[(&str, u64)]| {
+        many(
+            c,
+            Message::CreateMany {
+                device: DEV,
+                ttl_ms: 0,
+                tag: "grp".into(),
+                members: members.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect(),
+            },
+        )
+    };
+    create(&a, "grp/taken", G).unwrap();
+    // All or nothing, and the connection stays usable.
+    match create_many(&a, &[("grp/a", G), ("grp/taken", G)]) {
+        Err(Error::NameTaken { name }) => assert_eq!(name, "grp/taken"),
+        other => panic!("expected NameTaken, got {:?}", other.map(|(g, _)| g)),
+    }
+    assert_eq!(live.load(Ordering::SeqCst), 1);
+    let (grants, fds) = create_many(&a, &[("grp/a", 3000), ("grp/b", 2 * G), ("grp/c", G)]).unwrap();
+    assert_eq!(live.load(Ordering::SeqCst), 2, "one allocation for the group");
+    let placed: Vec<(u64, u64, u64)> = grants.iter().map(|g| (g.offset, g.size, g.memory_size)).collect();
+    assert_eq!(placed, [(0, G, 4 * G), (G, 2 * G, 4 * G), (3 * G, G, 4 * G)]);
+    // One descriptor per grant, each of the whole memory (the same memfd).
+    let inode = |fd: &OwnedFd| {
+        let st = rustix::fs::fstat(fd).unwrap();
+        (st.st_ino, st.st_size as u64)
+    };
+    assert_eq!(fds.len(), 3);
+    assert!(fds.iter().all(|fd| inode(fd) == (inode(&fds[0]).0, 4 * G)));
+    // Not attachable until every member is published.
+    for name in ["grp/a", "grp/b"] {
+        done(
+            &a,
+            Message::Publish {
+                name: name.into(),
+                event: None,
+            },
+        )
+        .unwrap();
+    }
+    match b.call_granted(&Message::Attach { name: "grp/a".into() }) {
+        Err(Error::WrongState { state, op, .. }) => {
+            assert_eq!((state, op), (BufferState::Creating, OP_ATTACH_GROUP_UNPUBLISHED));
+        }
+        other => panic!("expected WrongState, got {:?}", other.map(|g| g.entry)),
+    }
+    done(
+        &a,
+        Message::Publish {
+            name: "grp/c".into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    let (attached, attached_fds) = many(
+        &b,
+        Message::AttachMany {
+            names: vec!["grp/c".into(), "grp/a".into()],
+        },
+    )
+    .unwrap();
+    let memory = grants[0].memory;
+    let at: Vec<(u64, u64, u64)> = attached.iter().map(|g| (g.memory, g.offset, g.size)).collect();
+    assert_eq!(at, [(memory, 3 * G, G), (memory, 0, G)]);
+    assert!(attached_fds.iter().all(|fd| inode(fd) == inode(&fds[0])));
+    let single = b.call_granted(&Message::Attach { name: "grp/b".into() }).unwrap();
+    let GrantEntry {
+        memory: m,
+        offset,
+        memory_size,
+        ..
+    } = single.entry;
+    assert_eq!((m, offset, memory_size), (memory, G, 4 * G));
+    assert_eq!(inode(&single.fd), inode(&fds[0]));
+    // The creator lets go and deletes every member: the memory stays while b holds any.
+    for g in &grants {
+        done(
+            &a,
+            Message::Detach {
+                attachment: g.attachment,
+            },
+        )
+        .unwrap();
+    }
+    for name in ["grp/a", "grp/b", "grp/c"] {
+        a.delete(name).unwrap();
+    }
+    drop((fds, attached_fds));
+    done(
+        &b,
+        Message::Detach {
+            attachment: attached[0].attachment,
+        },
+    )
+    .unwrap();
+    done(
+        &b,
+        Message::Detach {
+            attachment: attached[1].attachment,
+        },
+    )
+    .unwrap();
+    assert_eq!(live.load(Ordering::SeqCst), 2, "grp/b is still attached");
+    done(
+        &b,
+        Message::Detach {
+            attachment: single.attachment,
+        },
+    )
+    .unwrap();
+    wait_until("the group's memory is released", || live.load(Ordering::SeqCst) == 1);
+    drop((a, b));
+    server.shutdown();
+}

@@ -628,3 +628,271 @@ fn a_reservation_deleted_or_disconnected_while_allocating_is_refused_and_freed()
     assert_eq!((s.stats().buffers, s.stats().bytes, s.stats().named), (0, 0, 0));
     create(&s, 2, "w/gone", G, now).unwrap();
 }
+
+fn members(list: &[(&str, u64)]) -> Vec<(String, u64)> {
+    list.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect()
+}
+
+fn create_group(s: &Service<HostBackend>, conn: ConnId, list: &[(&str, u64)], now: Instant) -> Result<Vec<Grant>> {
+    s.create_many(conn, 42, DEV, 0, "group", &members(list), now)
+}
+
+fn bytes_of(s: &Service<HostBackend>) -> u64 {
+    s.backend().live_bytes.load(Ordering::SeqCst)
+}
+
+#[test]
+fn create_many_lays_members_out_in_one_allocation() {
+    let now = Instant::now();
+    let s = state();
+    s.connect(1, UID).unwrap();
+    let grants = create_group(&s, 1, &[("g/a", 5000), ("g/b", G), ("g/c", 1)], now).unwrap();
+    assert_eq!(live(&s), 1, "one allocation for the whole group");
+    assert_eq!(bytes_of(&s), 4 * G);
+    let placed: Vec<(u64, u64, u64)> = grants.iter().map(|g| (g.offset, g.size, g.memory_size)).collect();
+    assert_eq!(placed, vec![(0, 2 * G, 4 * G), (2 * G, G, 4 * G), (3 * G, G, 4 * G)]);
+    assert!(grants
+        .iter()
+        .all(|g| g.memory == grants[0].memory && g.granularity == G && g.device == DEV));
+    let ids: HashSet<u64> = grants.iter().map(|g| g.attachment).collect();
+    assert_eq!(ids.len(), 3, "an attachment per member");
+    // A plain create is a group of one, in a memory of its own with a fresh id.
+    let single = create(&s, 1, "g/single", G, now).unwrap();
+    assert_eq!((single.offset, single.memory_size), (0, G));
+    assert_ne!(single.memory, grants[0].memory);
+    // Each member is an ordinary named buffer.
+    let (list, _) = s.list("", now);
+    let names: Vec<&str> = list.iter().map(|i| i.name.as_str()).collect();
+    assert_eq!(names, ["g/a", "g/b", "g/c", "g/single"]);
+    assert_eq!(list[0].size, 2 * G);
+    assert_eq!(list[0].tag, "group");
+    let stats = s.stats();
+    assert_eq!(
+        (stats.buffers, stats.named, stats.bytes, stats.attachments),
+        (4, 4, 5 * G, 4)
+    );
+}
+
+#[test]
+fn create_many_is_all_or_nothing() {
+    let now = Instant::now();
+    let s = state_with(Rules {
+        quotas: Quotas {
+            per_uid_bytes: Some(10 * G),
+            per_uid_buffers: Some(5),
+            ..Quotas::default()
+        },
+        max_buffer_bytes: 12 * G,
+        ..rules()
+    });
+    s.connect(1, UID).unwrap();
+    create(&s, 1, "taken", G, now).unwrap();
+    let before = (s.stats(), live(&s));
+    let refused = |list: &[(&str, u64)]| create_group(&s, 1, list, now).err().expect("refused");
+    // A taken name, a name twice, a bad name, a bad size: the whole group is refused.
+    assert!(matches!(refused(&[("a", G), ("taken", G)]), Error::NameTaken { name } if name == "taken"));
+    assert!(matches!(refused(&[("a", G), ("b", G), ("a", G)]), Error::NameTaken { name } if name == "a"));
+    assert!(matches!(refused(&[("a", G), ("bad name!", G)]), Error::BadName { .. }));
+    assert!(matches!(refused(&[("a", G), ("b", 0)]), Error::BadSize { size: 0, .. }));
+    assert!(matches!(refused(&[("a", 13 * G)]), Error::BadSize { .. }));
+    // Each member fits the largest buffer, the group does not.
+    match refused(&[("a", 6 * G), ("b", 6 * G), ("c", G)]) {
+        Error::BadSize { reason, .. } => assert!(reason.contains("group"), "{reason}"),
+        other => panic!("expected BadSize, got {other:?}"),
+    }
+    // Quotas: the group's total bytes, and a buffer per member.
+    match refused(&[("a", 5 * G), ("b", 5 * G)]) {
+        Error::QuotaExceeded {
+            kind: QuotaKind::Bytes,
+            in_use,
+            requested,
+            ..
+        } => assert_eq!((in_use, requested), (G, 10 * G)),
+        other => panic!("expected a bytes quota, got {other:?}"),
+    }
+    match refused(&[("a", G), ("b", G), ("c", G), ("d", G), ("e", G)]) {
+        Error::QuotaExceeded {
+            kind: QuotaKind::Buffers,
+            in_use,
+            requested,
+            ..
+        } => assert_eq!((in_use, requested), (1, 5)),
+        other => panic!("expected a buffers quota, got {other:?}"),
+    }
+    // Counts out of range break the protocol.
+    assert!(matches!(refused(&[]), Error::Protocol { .. }));
+    let too_many: Vec<(String, u64)> = (0..=MAX_ATTACH_MANY).map(|i| (format!("n{i}"), 1)).collect();
+    assert!(matches!(
+        s.create_many(1, 42, DEV, 0, "", &too_many, now),
+        Err(Error::Protocol { .. })
+    ));
+    // Nothing was reserved or allocated by any refusal.
+    assert_eq!((s.stats(), live(&s)), before);
+    assert!(matches!(s.attach(1, "a", now), Err(Error::UnknownName { .. })));
+    // A failed allocation rolls every member back.
+    s.backend().capacity.store(2 * G, Ordering::SeqCst);
+    assert!(matches!(refused(&[("a", G), ("b", G)]), Error::ServerGpu { .. }));
+    assert_eq!((s.stats(), live(&s)), before);
+    s.backend().capacity.store(u64::MAX, Ordering::SeqCst);
+    // Within the quotas: charged the group's total.
+    let grants = create_group(&s, 1, &[("a", 4 * G), ("b", 4 * G)], now).unwrap();
+    assert_eq!(grants.len(), 2);
+    assert!(matches!(
+        create(&s, 1, "c", 2 * G, now),
+        Err(Error::QuotaExceeded {
+            kind: QuotaKind::Bytes,
+            in_use,
+            ..
+        }) if in_use == 9 * G
+    ));
+}
+
+#[test]
+fn a_member_is_attachable_once_its_whole_group_is_published() {
+    let now = Instant::now();
+    let s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    create_group(&s, 1, &[("p/a", G), ("p/b", G), ("p/c", G)], now).unwrap();
+    s.publish(1, "p/a", Some(&[1; 64]), now).unwrap();
+    s.publish(1, "p/b", None, now).unwrap();
+    // p/a is published, its group is not: refused with the group's state.
+    for name in ["p/a", "p/b"] {
+        match s.attach(2, name, now) {
+            Err(Error::WrongState { name: n, state, op }) => {
+                assert_eq!(
+                    (n.as_str(), state, op),
+                    (name, BufferState::Creating, OP_ATTACH_GROUP_UNPUBLISHED)
+                );
+            }
+            other => panic!("expected WrongState, got {:?}", other.map(|g| g.attachment)),
+        }
+    }
+    let names = |v: &[&str]| v.iter().map(|n| (*n).to_owned()).collect::<Vec<String>>();
+    assert!(matches!(
+        s.attach_many(2, &names(&["p/a", "p/b"]), now),
+        Err(Error::WrongState { .. })
+    ));
+    assert_eq!(s.stats().attachments, 3, "only the creator's");
+    s.publish(1, "p/c", Some(&[3; 64]), now).unwrap();
+    let grants = s.attach_many(2, &names(&["p/a", "p/b", "p/c"]), now).unwrap();
+    assert!(grants.iter().all(|g| g.memory == grants[0].memory));
+    let offsets: Vec<u64> = grants.iter().map(|g| g.offset).collect();
+    assert_eq!(offsets, [0, G, 2 * G]);
+    // Each member keeps its own event: p/b was published without one.
+    assert!(grants[0].event.is_some() && grants[1].event.is_none() && grants[2].event.is_some());
+    let single = s.attach(2, "p/b", now).unwrap();
+    assert_eq!(
+        (single.memory, single.offset, single.memory_size),
+        (grants[0].memory, G, 3 * G)
+    );
+    // A member deleted after being published leaves the others attachable.
+    s.delete(1, "p/a", now).unwrap();
+    s.attach(2, "p/c", now).unwrap();
+}
+
+#[test]
+fn a_group_that_lost_an_unpublished_member_never_becomes_attachable() {
+    let now = Instant::now();
+    let s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let grants = create_group(&s, 1, &[("l/a", G), ("l/b", G)], now).unwrap();
+    s.publish(1, "l/a", None, now).unwrap();
+    // The creator lets l/b go unpublished: it is abandoned, the group incomplete for good.
+    s.detach(1, grants[1].attachment).unwrap();
+    assert!(matches!(s.attach(2, "l/b", now), Err(Error::UnknownName { .. })));
+    match s.attach(2, "l/a", now) {
+        Err(Error::WrongState { state, op, .. }) => {
+            assert_eq!((state, op), (BufferState::Deleting, OP_ATTACH_GROUP_LOST));
+        }
+        other => panic!("expected WrongState, got {:?}", other.map(|g| g.attachment)),
+    }
+    assert_eq!(live(&s), 1, "l/a still holds the memory");
+    s.delete(1, "l/a", now).unwrap();
+    s.detach(1, grants[0].attachment).unwrap();
+    assert_eq!(live(&s), 0);
+    assert_eq!(
+        s.stats(),
+        ServerStats {
+            freed: 2,
+            connections: 2,
+            ..ServerStats::default()
+        }
+    );
+}
+
+#[test]
+fn a_groups_memory_goes_with_its_last_member_and_is_never_reused_meanwhile() {
+    let now = Instant::now();
+    let s = state_with(Rules {
+        quotas: Quotas {
+            per_uid_bytes: Some(4 * G),
+            ..Quotas::default()
+        },
+        ..rules()
+    });
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let grants = create_group(&s, 1, &[("t/a", G), ("t/b", G), ("t/c", G)], now).unwrap();
+    for name in ["t/a", "t/b", "t/c"] {
+        s.publish(1, name, None, now).unwrap();
+    }
+    let attached = s.attach(2, "t/b", now).unwrap();
+    for g in &grants {
+        s.detach(1, g.attachment).unwrap();
+    }
+    // Delete two members, one of them still attached: the memory stays whole, its bytes
+    // charged, and a new buffer gets memory of its own, not a freed member's range.
+    s.delete(1, "t/a", now).unwrap();
+    s.delete(1, "t/b", now).unwrap();
+    assert_eq!((live(&s), bytes_of(&s)), (1, 3 * G));
+    assert_eq!(s.stats().bytes, 3 * G);
+    let other = create(&s, 1, "t/new", G, now).unwrap();
+    assert_ne!(other.memory, grants[0].memory);
+    assert_eq!((other.offset, other.memory_size), (0, G));
+    assert_eq!((live(&s), bytes_of(&s)), (2, 4 * G));
+    assert!(matches!(
+        create(&s, 1, "t/more", G, now),
+        Err(Error::QuotaExceeded { in_use, .. }) if in_use == 4 * G
+    ));
+    // The last name goes; the attachment still holds the memory.
+    s.delete(1, "t/c", now).unwrap();
+    assert_eq!((live(&s), bytes_of(&s)), (2, 4 * G));
+    s.detach(2, attached.attachment).unwrap();
+    assert_eq!((live(&s), bytes_of(&s)), (1, G), "freed with its last member");
+    assert_eq!(s.stats().bytes, G);
+    create(&s, 1, "t/more", 3 * G, now).unwrap();
+}
+
+#[test]
+fn a_reservation_member_deleted_while_allocating_refuses_the_group() {
+    let now = Instant::now();
+    let s = Arc::new(state());
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let gate = s.backend().block_next();
+    let creator = {
+        let s = s.clone();
+        std::thread::spawn(move || create_group(&s, 1, &[("r/a", G), ("r/b", G)], now).map(|g| g.len()))
+    };
+    gate.entered.wait();
+    // Reserved: listed as being created, taken for a racing create.
+    assert!(matches!(create(&s, 2, "r/b", G, now), Err(Error::NameTaken { .. })));
+    s.delete(2, "r/b", now).unwrap();
+    gate.release.wait();
+    match creator.join().unwrap() {
+        Err(Error::WrongState { name, state, .. }) => {
+            assert_eq!((name.as_str(), state), ("r/b", BufferState::Deleting))
+        }
+        other => panic!("expected WrongState, got {other:?}"),
+    }
+    assert_eq!(live(&s), 0);
+    let stats = s.stats();
+    assert_eq!(
+        (stats.buffers, stats.named, stats.bytes, stats.attachments),
+        (0, 0, 0, 0)
+    );
+    // Both names are free again, and the quota was credited.
+    create_group(&s, 2, &[("r/a", G), ("r/b", G)], now).unwrap();
+}
