@@ -299,7 +299,9 @@ impl Exporter {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             waiters: std::sync::atomic::AtomicUsize::new(0),
-            wait_spin_ns: state::Padded(std::sync::atomic::AtomicU64::new(Exporter::DEFAULT_WAIT_SPIN.as_nanos() as u64)),
+            wait_spin_ns: state::Padded(std::sync::atomic::AtomicU64::new(
+                Exporter::DEFAULT_WAIT_SPIN.as_nanos() as u64,
+            )),
             after_events: Arc::new(Mutex::new(Vec::new())),
             free_stream,
             release_stream,

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 
+use super::release_wait::{ReleaseWaiters, Signals};
 use crate::cred::PeerCredentials;
 use crate::error::{Error, Result};
-use super::release_wait::{ReleaseWaiters, Signals};
 use crate::lease::{BlockPins, ImporterId, LeaseTable};
 use crate::server::Server;
 use crate::session::PoolAnnouncement;
@@ -271,7 +271,9 @@ impl Inner {
     /// ([`Signals::send`]) once the lock is released.
     pub(super) fn released_waiters(&self, state: &mut State) -> Signals {
         let State {
-            leases, release_waiters, ..
+            leases,
+            release_waiters,
+            ..
         } = state;
         release_waiters.take_released(|id| leases.holders(id).next().is_some())
     }

@@ -657,7 +657,11 @@ impl Loop {
         // What the next round drains was found by nobody in particular.
         self.round_start = RoundStart::Busy;
         let spin = self.shared.ring_spin_ns.get();
-        if self.ring_traffic.is_some_and(|last| !spin.is_zero() && now < last + spin) && self.spin(&tokens) {
+        if self
+            .ring_traffic
+            .is_some_and(|last| !spin.is_zero() && now < last + spin)
+            && self.spin(&tokens)
+        {
             return true;
         }
         let mut busy = false;

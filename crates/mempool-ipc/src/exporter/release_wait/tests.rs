@@ -72,7 +72,10 @@ fn a_wait_whose_spin_ran_out_parks_and_its_signal_unparks_it() {
     waiters.lock().unwrap().take_released(|_| false).send();
     let (waited, elapsed) = thread.join().unwrap();
     assert_eq!(waited, Waited::Parked);
-    assert!(elapsed >= Duration::from_millis(2), "it parked before its spin was over");
+    assert!(
+        elapsed >= Duration::from_millis(2),
+        "it parked before its spin was over"
+    );
 }
 
 #[test]
@@ -87,7 +90,10 @@ fn a_release_of_another_buffer_leaves_a_wait_alone() {
     signals.send();
     assert_eq!(first.join().unwrap().0, Waited::Spun);
     assert!(one.signalled());
-    assert!(!two.signalled(), "a release of buffer 1 signalled the wait for buffer 2");
+    assert!(
+        !two.signalled(),
+        "a release of buffer 1 signalled the wait for buffer 2"
+    );
     assert_eq!(waiters.lock().unwrap().len(), 1);
     // A change that may take holders from any buffer signals every wait.
     let signals = waiters.lock().unwrap().take_all();
