@@ -684,7 +684,7 @@ fn producer(consumers: usize, diagnose: bool, sub_first: bool) -> AnyResult<()> 
             println!(
                 "- sustained {}: best v3 {best:.0} buffers/s ({best_name}), host copy {copy:.0}: {}",
                 human(*size),
-                verdict(*best > copy)
+                verdict(*best > *copy)
             );
         }
     }

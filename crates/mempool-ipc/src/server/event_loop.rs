@@ -657,11 +657,9 @@ impl Loop {
         // What the next round drains was found by nobody in particular.
         self.round_start = RoundStart::Busy;
         let spin = self.shared.ring_spin_ns.get();
-        if self
-            .ring_traffic
-            .is_some_and(|last| !spin.is_zero() && now < last + spin)
-            && self.spin(&tokens)
-        {
+        // A spin too long to add to an instant never ends by itself.
+        let within = |last: Instant| last.checked_add(spin).is_none_or(|end| now < end);
+        if self.ring_traffic.is_some_and(|last| !spin.is_zero() && within(last)) && self.spin(&tokens) {
             return true;
         }
         let mut busy = false;
@@ -722,7 +720,7 @@ impl Loop {
                 }
             }
             let last = self.ring_traffic.unwrap_or(started);
-            if now >= last + spin {
+            if last.checked_add(spin).is_some_and(|end| now >= end) {
                 return false;
             }
         }
