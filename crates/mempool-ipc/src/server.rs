@@ -143,7 +143,15 @@ impl Server {
     /// (zero: never); read at every round.
     pub(crate) fn set_ring_spin(&self, spin: std::time::Duration) {
         let ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
-        self.shared.ring_spin_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
+        self.shared
+            .ring_spin_ns
+            .0
+            .store(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// What [`Server::set_ring_spin`] set.
+    pub(crate) fn ring_spin(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.shared.ring_spin_ns.0.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// The loop's counters, as of its last round.

@@ -66,24 +66,24 @@ impl<'s> ExportedBuffer<'s> {
     pub fn wait_released(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = start + timeout;
-        // First a spin (`Exporter::set_spin`): a release that comes within it costs no wake-up.
-        let spin_until = start + self.inner.release_spin().min(timeout);
+        // First a spin (`Exporter::set_wait_spin`) on a slot of this wait's own: a release that
+        // comes within it costs no wake-up, and other buffers' releases do not disturb it.
+        let spin_until = start + self.inner.wait_spin().min(timeout);
         let mut state = self.inner.lock();
         while state.leases.holders(self.id).next().is_some() {
             let id = self.id;
-            if Instant::now() < spin_until {
-                let seen = self.inner.releases.load(std::sync::atomic::Ordering::Acquire);
-                drop(state);
-                self.inner.spin_for_release(seen, spin_until);
-                state = self.inner.lock();
-                continue;
-            }
-            state = self
-                .inner
-                .wait_release(state, id, deadline)
-                .ok_or_else(|| Error::WaitTimeout {
+            if Instant::now() >= deadline {
+                return Err(Error::WaitTimeout {
                     what: format!("importers to release buffer {id}"),
-                })?;
+                });
+            }
+            let slot = state.release_waiters.register(id);
+            drop(state);
+            // Signalled or not, the lease table says whether the buffer is released.
+            let _ = slot.wait(spin_until, deadline);
+            state = self.inner.lock();
+            // Still registered if nobody signalled it (a signal takes the slot out first).
+            state.release_waiters.cancel(&slot);
         }
         trace::mark(Point::ExporterWoke, self.id.0);
         let waits = state

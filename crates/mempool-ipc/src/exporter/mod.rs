@@ -5,6 +5,8 @@
 //! [`ExportedBuffer`] are public; their documentation is the guide. Inside, by concern:
 //!
 //! - `state`: what the exporter, its buffers and its threads share ([`Inner`](state::Inner));
+//! - `release_wait`: how `wait_released` waits for its buffer's release (a slot of its own, spun
+//!   on, then parked on), and the registry of those waits that the state keeps;
 //! - `buffers`: [`ExportedBuffer`], and making (`alloc`, `adopt`) and sharing (`share`) buffers;
 //! - `serve`: what the serving thread (the crate's `server`, one event loop for every
 //!   connection) reports to the exporter, and the shutdown;
@@ -16,13 +18,15 @@
 //!   resource's chunks), sent as one descriptor per chunk (`share_vmm_chunks`), in the same lease
 //!   table with no owner's reference.
 //!
-//! This file holds the public types and calls into those. `buffers`, `serve` and `reclaim`
-//! import only `state` (`reclaim` adds the freeing methods to `Inner` that the other two call),
+//! This file holds the public types and calls into those. `release_wait` imports none of
+//! them; `buffers`, `serve` and `reclaim` import only `state` and `release_wait` (`reclaim` adds
+//! the freeing methods to `Inner` that the other two call),
 //! `vmm` imports `state` and `buffers`, `vmm_chunks` imports `state`, and none of them imports
 //! this module.
 
 mod buffers;
 mod reclaim;
+mod release_wait;
 mod serve;
 mod state;
 mod vmm;
@@ -227,6 +231,21 @@ impl fmt::Debug for Exporter {
 }
 
 impl Exporter {
+    /// The serving thread's spin over the rings after ring traffic, by default
+    /// ([`Exporter::set_spin`]): 50 µs, a few round trips' worth of a release's way back (about
+    /// 15 µs measured), so that releases that keep coming find the thread awake and ring no
+    /// doorbell, while an exporter whose traffic stopped goes to sleep within 50 µs.
+    pub const DEFAULT_SPIN: Duration = crate::server::DEFAULT_RING_SPIN;
+
+    /// [`ExportedBuffer::wait_released`]'s spin before it parks, by default
+    /// ([`Exporter::set_wait_spin`]): 50 µs. In a round trip the release comes 10-15 µs after the
+    /// share; with a window of buffers in flight per producer thread, the wait for the oldest lasts
+    /// about one buffer's period per consumer (40 µs at 100,000 buffers per second over 4
+    /// consumers). Within the spin a release costs the serving thread (which takes every
+    /// importer's releases) no `FUTEX_WAKE`, and the waiter no wake-up; a wait spins on a slot of
+    /// its own, so its cost is the waiting thread's CPU.
+    pub const DEFAULT_WAIT_SPIN: Duration = Duration::from_micros(50);
+
     /// Serves `pool` (created with `HandleTypes::POSIX_FILE_DESCRIPTOR`) at `path`.
     ///
     /// Errors: [`Error::Core`] if the pool cannot be exported (created without the handle type,
@@ -280,8 +299,9 @@ impl Exporter {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             waiters: std::sync::atomic::AtomicUsize::new(0),
-            releases: std::sync::atomic::AtomicU64::new(0),
-            release_spin_ns: std::sync::atomic::AtomicU64::new(crate::server::DEFAULT_RING_SPIN.as_nanos() as u64),
+            wait_spin_ns: state::Padded(std::sync::atomic::AtomicU64::new(
+                Exporter::DEFAULT_WAIT_SPIN.as_nanos() as u64,
+            )),
             after_events: Arc::new(Mutex::new(Vec::new())),
             free_stream,
             release_stream,
@@ -493,25 +513,19 @@ impl Exporter {
         Ok(to)
     }
 
-    /// Sets how long the exporter's threads look for what they wait for before they sleep
-    /// (default 50 µs; `Duration::ZERO`: they sleep at once, the behaviour before this setting
-    /// existed). Two waits spin:
+    /// Sets how long the exporter's serving thread keeps looking at the shared-memory rings after
+    /// it drained releases from them, before it sleeps in `epoll` (default 50 µs,
+    /// [`Exporter::DEFAULT_SPIN`]; `Duration::ZERO`: it sleeps at once, the behaviour before this setting
+    /// existed). While it spins it reads each ring's head (the line the importer writes when it
+    /// publishes: no lock, no system call), handles what it finds there, and keeps its waiting
+    /// flags clear, so an importer that publishes a release rings no doorbell (no `RingBell`
+    /// frame, no wake-up of the serving thread). It spins only within this time of the last ring
+    /// traffic, so an idle exporter costs no CPU; while it spins it still asks `epoll` (without
+    /// waiting) every few microseconds, so sockets and shares are not held up. It costs one CPU
+    /// while it spins. Takes effect at once.
     ///
-    /// - the serving thread, after it drained releases from the shared-memory rings, keeps looking
-    ///   at the rings (a load of each ring's head, no system call) before it sleeps in `epoll`.
-    ///   Meanwhile its waiting flags stay clear, so an importer that publishes a release rings no
-    ///   doorbell (no `RingBell` frame, no wake-up of the serving thread). It spins only within
-    ///   this time of the last ring traffic, so an idle exporter costs no CPU, and while it spins it
-    ///   still asks `epoll` (without waiting) every few microseconds, so sockets and shares are not
-    ///   held up;
-    /// - [`ExportedBuffer::wait_released`] looks for a release (a load of a counter the serving
-    ///   thread bumps) for up to this long before it parks its thread, so a release that comes
-    ///   within it costs no wake-up.
-    ///
-    /// Both are bounded by this time and fall back to sleeping; they cost a CPU while they spin.
-    /// Takes effect at the next wait.
+    /// [`ExportedBuffer::wait_released`]'s spin is set apart: [`Exporter::set_wait_spin`].
     pub fn set_spin(&self, spin: Duration) {
-        self.inner.set_release_spin(spin);
         if let Some(server) = self.inner.server.get() {
             server.set_ring_spin(spin);
         }
@@ -519,7 +533,25 @@ impl Exporter {
 
     /// What [`Exporter::set_spin`] set.
     pub fn spin(&self) -> Duration {
-        self.inner.release_spin()
+        self.inner.server.get().map_or(Duration::ZERO, Server::ring_spin)
+    }
+
+    /// Sets how long [`ExportedBuffer::wait_released`] looks for its buffer's release before it
+    /// parks its thread (default 50 µs,
+    /// [`Exporter::DEFAULT_WAIT_SPIN`]; `Duration::ZERO`: it parks at once).
+    /// Each wait spins on a slot of its own (a 128-byte line that only the thread taking the
+    /// release writes, once): no lock, no system call, and no line that other threads write at
+    /// every release, so threads waiting for different buffers do not disturb each other or the
+    /// serving thread. A release that comes within the spin costs no wake-up (no `FUTEX_WAKE` on
+    /// the serving thread, no thread woken); one that comes later unparks the waiter alone. Every
+    /// waiting thread costs a CPU while it spins. Takes effect at the next wait.
+    pub fn set_wait_spin(&self, spin: Duration) {
+        self.inner.set_wait_spin(spin);
+    }
+
+    /// What [`Exporter::set_wait_spin`] set.
+    pub fn wait_spin(&self) -> Duration {
+        self.inner.wait_spin()
     }
 
     /// A snapshot of the bookkeeping.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use mempool_core::{Event, IpcEventHandle};
 
-use super::state::{wake, AfterEvent, Inner, Peer, MAX_RELEASE_EVENTS};
+use super::state::{AfterEvent, Inner, Peer, MAX_RELEASE_EVENTS};
 use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
@@ -75,9 +75,9 @@ impl Handler for Inner {
                 }
             }
         }
-        let woken = self.released_waiters(&mut state);
+        let signals = self.released_waiters(&mut state);
         drop(state);
-        wake(woken);
+        signals.send();
         self.finish_deferred(freed);
         self.notify();
         result
@@ -89,9 +89,9 @@ impl Handler for Inner {
         let mut state = self.lock();
         let freed = state.leases.release(buffer, id)?;
         trace::mark(Point::ExporterReleased, buffer.0);
-        let woken = self.released_waiters(&mut state);
+        let signals = self.released_waiters(&mut state);
         drop(state);
-        wake(woken);
+        signals.send();
         self.finish_deferred(freed.map(|s| (buffer, s)).into_iter().collect());
         self.notify();
         Ok(())

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 
+use super::release_wait::{ReleaseWaiters, Signals};
 use crate::cred::PeerCredentials;
 use crate::error::{Error, Result};
 use crate::lease::{BlockPins, ImporterId, LeaseTable};
@@ -164,8 +165,9 @@ pub(super) struct State {
     /// parked until they are gone.
     pub(super) pins: BlockPins<u64, (BufferId, Shared)>,
     /// Threads in [`ExportedBuffer::wait_released`](crate::ExportedBuffer::wait_released), and the
-    /// buffer each waits for: woken one by one ([`Inner::released_waiters`]), not all at every change.
-    pub(super) release_waiters: Vec<(BufferId, std::thread::Thread)>,
+    /// buffer each waits for: signalled one by one ([`Inner::released_waiters`]), each through a
+    /// slot of its own, not all at every change.
+    pub(super) release_waiters: ReleaseWaiters,
 }
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
@@ -182,11 +184,9 @@ pub(super) struct Inner {
     pub(super) changed: Condvar,
     /// Threads in [`Inner::wait`] now: a change with none costs no system call.
     pub(super) waiters: AtomicUsize,
-    /// Bumped whenever a buffer may have lost a holder (under the state's lock): what
-    /// [`Inner::spin_for_release`] looks at.
-    pub(super) releases: AtomicU64,
-    /// [`Exporter::set_spin`](crate::Exporter::set_spin) for `wait_released`, in nanoseconds.
-    pub(super) release_spin_ns: AtomicU64,
+    /// [`Exporter::set_wait_spin`](crate::Exporter::set_wait_spin): how long `wait_released` spins
+    /// before it parks, in nanoseconds (read once per wait; a line of its own).
+    pub(super) wait_spin_ns: Padded<AtomicU64>,
     /// Events for [`AfterEvent`]s, to be recorded again (no `cuEventCreate` per release batch).
     pub(super) after_events: Arc<Mutex<Vec<Event>>>,
     pub(super) free_stream: Stream,
@@ -239,44 +239,8 @@ impl Inner {
     /// share undone).
     pub(super) fn notify_all_waiters(&self) {
         self.notify();
-        let waiters = {
-            let mut state = self.lock();
-            self.releases.fetch_add(1, Ordering::Release);
-            std::mem::take(&mut state.release_waiters)
-        };
-        for (_, thread) in waiters {
-            trace::count(trace::Counter::ReleaseWake);
-            thread.unpark();
-        }
-    }
-
-    /// Waits until buffer `id` may have lost its last holder ([`Inner::released_waiters`] or
-    /// [`Inner::notify_all_waiters`]), or `deadline`; `None` once it has passed. Only this thread
-    /// is woken for it: a release of another buffer wakes another thread.
-    pub(super) fn wait_release<'a>(
-        &'a self,
-        mut state: MutexGuard<'a, State>,
-        id: BufferId,
-        deadline: Instant,
-    ) -> Option<MutexGuard<'a, State>> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
-        }
-        let me = std::thread::current();
-        state.release_waiters.push((id, me.clone()));
-        drop(state);
-        // An unpark between the unlock and here is not lost: it makes this park return at once.
-        std::thread::park_timeout(left);
-        let mut state = self.lock();
-        if let Some(i) = state
-            .release_waiters
-            .iter()
-            .position(|(b, t)| *b == id && t.id() == me.id())
-        {
-            state.release_waiters.swap_remove(i);
-        }
-        Some(state)
+        let signals = self.lock().release_waiters.take_all();
+        signals.send();
     }
 
     /// An event for an [`AfterEvent`], from the pool (or made: `DISABLE_TIMING`), not recorded yet.
@@ -293,47 +257,25 @@ impl Inner {
     }
 
     /// How long `wait_released` spins before it parks.
-    pub(super) fn release_spin(&self) -> Duration {
-        Duration::from_nanos(self.release_spin_ns.load(Ordering::Relaxed))
+    pub(super) fn wait_spin(&self) -> Duration {
+        Duration::from_nanos(self.wait_spin_ns.0.load(Ordering::Relaxed))
     }
 
-    /// Sets [`Inner::release_spin`].
-    pub(super) fn set_release_spin(&self, spin: Duration) {
+    /// Sets [`Inner::wait_spin`].
+    pub(super) fn set_wait_spin(&self, spin: Duration) {
         let ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
-        self.release_spin_ns.store(ns, Ordering::Relaxed);
+        self.wait_spin_ns.0.store(ns, Ordering::Relaxed);
     }
 
-    /// Spins (no lock, no system call) until [`Inner::releases`] moves past `seen` or `until`
-    /// passes; returns whether it moved.
-    pub(super) fn spin_for_release(&self, seen: u64, until: Instant) -> bool {
-        loop {
-            for _ in 0..64 {
-                if self.releases.load(Ordering::Acquire) != seen {
-                    return true;
-                }
-                std::hint::spin_loop();
-            }
-            if Instant::now() >= until {
-                return false;
-            }
-        }
-    }
-
-    /// Takes the waiters of buffers that no importer holds any more, to be woken
-    /// ([`wake`]) once the lock is released; bumps [`Inner::releases`] for the spinning ones.
-    pub(super) fn released_waiters(&self, state: &mut State) -> Vec<std::thread::Thread> {
-        self.releases.fetch_add(1, Ordering::Release);
-        let mut woken = Vec::new();
-        let mut i = 0;
-        while i < state.release_waiters.len() {
-            let id = state.release_waiters[i].0;
-            if state.leases.holders(id).next().is_none() {
-                woken.push(state.release_waiters.swap_remove(i).1);
-            } else {
-                i += 1;
-            }
-        }
-        woken
+    /// Takes the waits for buffers that no importer holds any more, to be signalled
+    /// ([`Signals::send`]) once the lock is released.
+    pub(super) fn released_waiters(&self, state: &mut State) -> Signals {
+        let State {
+            leases,
+            release_waiters,
+            ..
+        } = state;
+        release_waiters.take_released(|id| leases.holders(id).next().is_some())
     }
 
     /// The connections.
@@ -354,13 +296,12 @@ impl Inner {
     }
 }
 
-/// Wakes the threads [`Inner::released_waiters`] took.
-pub(super) fn wake(threads: Vec<std::thread::Thread>) {
-    for thread in threads {
-        trace::count(trace::Counter::ReleaseWake);
-        thread.unpark();
-    }
-}
+/// A value on a 128-byte line of its own (two 64-byte lines, as the adjacent-line prefetcher pairs
+/// them): a setting read by spinning threads, kept away from the lines that locks and counters
+/// other threads write make hot.
+#[repr(align(128))]
+#[derive(Debug, Default)]
+pub(super) struct Padded<T>(pub(super) T);
 
 /// Locks `mutex`, whether or not a thread panicked while holding it.
 pub(super) fn lock_plain<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -152,9 +152,11 @@ impl Producer {
             self.published = self.head;
         }
         // Pairs with the fence in `Consumer::sleep_begin`: either the consumer sees the new head
-        // when it re-checks, or this sees its flag.
+        // when it re-checks, or this sees its flag. Looked at before it is cleared, so a publish
+        // while the consumer is awake writes nothing to the consumer's line.
         fence(Ordering::SeqCst);
-        self.region.flag(g.consumer_waiting(self.dir)).swap(0, Ordering::SeqCst) != 0
+        let flag = self.region.flag(g.consumer_waiting(self.dir));
+        flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0
     }
 
     /// Wakes the consumer sleeping in [`Consumer::wait`] (a futex wake; never blocks).
@@ -329,8 +331,10 @@ impl Consumer {
             self.region.word(g.tail(self.dir)).store(self.tail, Ordering::Release);
             self.published = self.tail;
         }
+        // As in `Producer::publish`: looked at before it is cleared.
         fence(Ordering::SeqCst);
-        self.region.flag(g.producer_waiting(self.dir)).swap(0, Ordering::SeqCst) != 0
+        let flag = self.region.flag(g.producer_waiting(self.dir));
+        flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0
     }
 
     /// Wakes the producer sleeping in [`Producer::wait_for_space`] (a futex wake; never blocks).
@@ -364,9 +368,12 @@ impl Consumer {
 
     /// Clears this end's waiting flag (after a sleep that ended some other way).
     pub fn sleep_end(&self) {
-        self.region
-            .flag(self.region.geometry().consumer_waiting(self.dir))
-            .store(0, Ordering::SeqCst);
+        // Looked at first: a clear flag stays unwritten, so the producer's reads of it (at each
+        // publish) keep their copy of the line.
+        let flag = self.region.flag(self.region.geometry().consumer_waiting(self.dir));
+        if flag.load(Ordering::Relaxed) != 0 {
+            flag.store(0, Ordering::SeqCst);
+        }
     }
 
     /// Sleeps until the producer publishes and wakes this end, or `timeout` passes (after

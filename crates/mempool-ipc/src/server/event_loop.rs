@@ -91,8 +91,10 @@ pub(crate) struct Shared {
     pub(crate) control: Mutex<Control>,
     pub(crate) stats: Mutex<ServerStats>,
     /// How long the loop looks at the rings (no system call, waiting flags clear) before it sleeps,
-    /// after a round that found ring entries, in nanoseconds; 0: it never spins.
-    pub(crate) ring_spin_ns: AtomicU64,
+    /// after a round that found ring entries, in nanoseconds; 0: it never spins. On a line of its
+    /// own: the spinning loop reads it every [`SPIN_EPOLL_EVERY`], and the locks beside it are
+    /// taken by every thread that shares.
+    pub(crate) ring_spin_ns: SpinSetting,
     wake: OwnedFd,
 }
 
@@ -102,7 +104,7 @@ impl Shared {
             outboxes: Mutex::new(Outboxes::new(send_queue_len)),
             control: Mutex::new(Control::default()),
             stats: Mutex::new(ServerStats::default()),
-            ring_spin_ns: AtomicU64::new(DEFAULT_RING_SPIN.as_nanos() as u64),
+            ring_spin_ns: SpinSetting(AtomicU64::new(DEFAULT_RING_SPIN.as_nanos() as u64)),
             wake: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
     }
@@ -111,6 +113,18 @@ impl Shared {
     pub(crate) fn wake(&self) {
         // A full counter (2^64 - 2 wake-ups unread) is still a pending wake-up.
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// A spin setting in nanoseconds, on a 128-byte line of its own (two 64-byte lines, as the
+/// adjacent-line prefetcher pairs them).
+#[repr(align(128))]
+#[derive(Debug)]
+pub(crate) struct SpinSetting(pub(crate) AtomicU64);
+
+impl SpinSetting {
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
     }
 }
 
@@ -132,6 +146,9 @@ pub(crate) const DEFAULT_RING_SPIN: Duration = Duration::from_micros(50);
 /// How often a spinning loop asks `epoll` (without waiting) whether a socket, the wake-up or a
 /// process needs it: the spin delays those by about this much at most.
 const SPIN_EPOLL_EVERY: Duration = Duration::from_micros(5);
+/// How long one spin handles ring traffic at most before the loop goes round (its timers, its
+/// counters), while releases keep coming.
+const SPIN_ROUND_EVERY: Duration = Duration::from_millis(1);
 
 /// How the round that drains the rings began (for `trace`): after a sleep in `epoll` (its waiting
 /// flags set), or after a spin that found ring entries; the time in [`trace::now_ns`](crate::trace::now_ns).
@@ -622,10 +639,11 @@ impl Loop {
 
     /// Drains every connection's ring to the exporter; then, after ring traffic, spins over the
     /// rings for up to the spin time ([`Shared::ring_spin_ns`]) while its waiting flags stay clear
-    /// (importers that publish meanwhile ring nobody: no `RingBell`, no wake-up of this thread);
-    /// then sets the exporter's waiting flags before the loop sleeps. Returns whether a ring had
-    /// entries when the spin ended or its flag was set, or a spin saw `epoll` ready (then the
-    /// loop must not sleep).
+    /// (importers that publish meanwhile ring nobody: no `RingBell`, no wake-up of this thread),
+    /// handling what it finds there as it finds it; then sets the exporter's waiting flags before
+    /// the loop sleeps. Returns whether a ring had entries when its flag was set, or the spin
+    /// ended early (`epoll` ready, a connection ended, [`SPIN_ROUND_EVERY`] passed: then the loop
+    /// must not sleep).
     fn rings(&mut self, now: Instant) -> bool {
         let tokens: Vec<u64> = self
             .peers
@@ -636,13 +654,13 @@ impl Loop {
         for &token in &tokens {
             self.drain_ring(token, now);
         }
-        // What the next round drains was found by the spin below, or by nobody in particular.
+        // What the next round drains was found by nobody in particular.
         self.round_start = RoundStart::Busy;
-        let spin = Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
-        if let Some(last) = self.ring_traffic {
-            if !spin.is_zero() && now < last + spin && self.spin(&tokens, last) {
-                return true;
-            }
+        let spin = self.shared.ring_spin_ns.get();
+        // A spin too long to add to an instant never ends by itself.
+        let within = |last: Instant| last.checked_add(spin).is_none_or(|end| now < end);
+        if self.ring_traffic.is_some_and(|last| !spin.is_zero() && within(last)) && self.spin(&tokens) {
+            return true;
         }
         let mut busy = false;
         for token in tokens {
@@ -658,35 +676,51 @@ impl Loop {
         busy
     }
 
-    /// Looks at the rings of `tokens` (loads of their heads, no system call) until one has
-    /// entries (`true`), `epoll` has something ready (`true`: asked every [`SPIN_EPOLL_EVERY`],
-    /// without waiting), or the spin time (read again at each ask, so a new setting takes effect
-    /// at once) has passed since `last` ring traffic (`false`).
-    fn spin(&mut self, tokens: &[u64], last: Instant) -> bool {
-        let mut asked = Instant::now();
-        let mut until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
+    /// Looks at the rings of `tokens` (a load of each one's head, no lock, no system call) and
+    /// drains each one that has entries, handling them at once, until the spin time (read again
+    /// at each look at `epoll`, so a new setting takes effect at once) has passed since the last
+    /// ring traffic (`false`: the loop may sleep), or the loop must go round: `epoll` has
+    /// something ready (asked every [`SPIN_EPOLL_EVERY`], without waiting), a connection ended
+    /// (its counters and peers are the round's to publish), or the spin has run for
+    /// [`SPIN_ROUND_EVERY`] (the round's timers are due) (`true`).
+    fn spin(&mut self, tokens: &[u64]) -> bool {
+        let started = Instant::now();
+        let mut asked = started;
+        let mut spin = self.shared.ring_spin_ns.get();
         loop {
-            for token in tokens {
-                if let Some(ring) = self.peers.get_mut(token).and_then(|p| p.ring.as_mut()) {
-                    if ring.ready() {
-                        crate::trace::count(crate::trace::Counter::LoopSpinHit);
-                        self.round_start = RoundStart::Spun(crate::trace::stamp());
-                        return true;
-                    }
+            let mut found = false;
+            for &token in tokens {
+                let Some(ring) = self.peers.get_mut(&token).and_then(|p| p.ring.as_mut()) else {
+                    // Ended during this spin.
+                    return true;
+                };
+                if ring.ready() {
+                    crate::trace::count(crate::trace::Counter::LoopSpinHit);
+                    self.round_start = RoundStart::Spun(crate::trace::stamp());
+                    self.drain_ring(token, Instant::now());
+                    self.round_start = RoundStart::Busy;
+                    found = true;
                 }
+            }
+            if found && tokens.iter().any(|t| !self.peers.contains_key(t)) {
+                return true;
             }
             std::hint::spin_loop();
             let now = Instant::now();
             if now >= asked + SPIN_EPOLL_EVERY {
                 asked = now;
-                until = last + Duration::from_nanos(self.shared.ring_spin_ns.load(Ordering::Relaxed));
+                spin = self.shared.ring_spin_ns.get();
                 let mut fds = [rustix::event::PollFd::new(&self.epoll, rustix::event::PollFlags::IN)];
                 let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
                 if matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
                     return true;
                 }
+                if now >= started + SPIN_ROUND_EVERY {
+                    return true;
+                }
             }
-            if now >= until {
+            let last = self.ring_traffic.unwrap_or(started);
+            if last.checked_add(spin).is_some_and(|end| now >= end) {
                 return false;
             }
         }

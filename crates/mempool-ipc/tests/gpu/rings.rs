@@ -343,15 +343,24 @@ fn an_importer_killed_in_the_middle_of_a_batch_leaves_the_exporter_at_its_baseli
     no_drop_errors("exporter");
 }
 
+/// The waiting test's phases: (`Exporter::set_spin`, `Exporter::set_wait_spin`), both on (the
+/// defaults), each alone, neither.
+const SPIN_PHASES: [(Duration, Duration); 4] = [
+    (Exporter::DEFAULT_SPIN, Exporter::DEFAULT_WAIT_SPIN),
+    (Exporter::DEFAULT_SPIN, Duration::ZERO),
+    (Duration::ZERO, Exporter::DEFAULT_WAIT_SPIN),
+    (Duration::ZERO, Duration::ZERO),
+];
+
 /// Threads of the waiting test, buffers each shares (one at a time) per phase, and their size.
 const WAITERS: usize = 4;
 const PER_WAITER: usize = 40;
 const WAITER_LEN: usize = 64 << 10;
 
 #[test]
-fn threads_waiting_for_their_own_buffers_are_each_woken_by_its_release_with_and_without_the_spin() {
+fn threads_waiting_for_their_own_buffers_are_each_woken_by_its_release_with_and_without_each_spin() {
     let test = this_test!();
-    let total = 2 * WAITERS * PER_WAITER;
+    let total = SPIN_PHASES.len() * WAITERS * PER_WAITER;
     if role().is_some() {
         let (importer, stream, kernels) = connect();
         assert!(importer.rings(), "the default importer uses the rings");
@@ -384,9 +393,11 @@ fn threads_waiting_for_their_own_buffers_are_each_woken_by_its_release_with_and_
     // An anchor keeps the chunk's block alive, so suballocated buffers are freed, not parked.
     let anchor = adopt_from(&exporter, &sub, 4096, stream.as_ref());
     let n = WAITER_LEN / 4;
-    for (phase, spin) in [Duration::from_micros(50), Duration::ZERO].into_iter().enumerate() {
+    for (phase, (spin, wait_spin)) in SPIN_PHASES.into_iter().enumerate() {
         exporter.set_spin(spin);
-        assert_eq!(exporter.spin(), spin);
+        exporter.set_wait_spin(wait_spin);
+        // Each setting is its own: neither moves the other.
+        assert_eq!((exporter.spin(), exporter.wait_spin()), (spin, wait_spin));
         mempool_ipc::trace::reset_counters();
         std::thread::scope(|scope| {
             for t in 0..WAITERS {
@@ -426,7 +437,7 @@ fn threads_waiting_for_their_own_buffers_are_each_woken_by_its_release_with_and_
         let c = mempool_ipc::trace::counters();
         let per = |v: u64| v as f64 / (WAITERS * PER_WAITER) as f64;
         println!(
-            "FINDING: spin {spin:?}: per buffer, in the exporter's process: release wakes {:.2}, notifies {:.2}, \
+            "FINDING: spin {spin:?}, wait spin {wait_spin:?}: per buffer, in the exporter's process: release wakes {:.2}, notifies {:.2}, \
              loop sleeps {:.2}, loop spin hits {:.2}, futex wakes {:.2}",
             per(c.release_wakes),
             per(c.notifies),

@@ -507,6 +507,73 @@ fn a_ring_scribbled_over_while_the_loop_spins_cuts_the_importer_off() {
     wait_stats(&f, "the peer error counted", |s| s.peer_errors == 1);
 }
 
+#[test]
+fn a_loop_spinning_through_a_stream_of_releases_handles_each_and_still_runs_its_timers() {
+    // Past the ids the test handler refuses.
+    const FIRST: u64 = 1 << 20;
+    let f = serve(Limits {
+        handshake_timeout: Duration::from_millis(500),
+        ..limits_with_ring(Some(Geometry::new(16, 256).unwrap()))
+    });
+    f.server.set_ring_spin(Duration::from_secs(5));
+    let (session, id, _) = connected_asking(&f, V3);
+    let region = session.ring_region().unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let written = std::thread::scope(|scope| {
+        // Releases keep coming (the importer's own producer end never wrote: this one starts where
+        // it would), ringing the doorbell only while the loop sleeps: the spin handles them as it
+        // finds them, and its window never closes.
+        let writer = scope.spawn(|| {
+            let mut tx = crate::ring::Producer::new(region.clone(), Direction::ToExporter);
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let frame = wire::encode(&batch(None, &[FIRST + n])).unwrap();
+                if tx.push(&frame).unwrap() {
+                    n += 1;
+                    if tx.publish() {
+                        // The loop sleeps (before the first release): the doorbell, as the
+                        // importer rings it.
+                        f.server.wake();
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            n
+        });
+        // Stops the writer however this thread leaves the scope (a failed wait included).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let _stop = Stop(&stop);
+        f.handler
+            .wait_for("releases handled by the spin", |r| r.released.len() >= 20);
+        // A connection that never speaks: only the loop's timers end it, so the spin must let the
+        // loop go round while the releases keep coming.
+        let silent = UnixStream::connect(&f.path).unwrap();
+        wait_stats(&f, "the silent handshake timed out", |s| s.timed_out == 1);
+        drop(silent);
+        drop(_stop);
+        writer.join().unwrap()
+    });
+    f.handler
+        .wait_for("every release", |r| r.released.len() as u64 == written);
+    let order: Vec<u64> = released_in_order(&f, id);
+    assert_eq!(
+        order,
+        (FIRST..FIRST + written).collect::<Vec<u64>>(),
+        "each release once, in the order written"
+    );
+    assert_eq!(f.server.stats().peer_errors, 0);
+}
+
+fn released_in_order(f: &Fixture, id: ImporterId) -> Vec<u64> {
+    let r = f.handler.record.lock().unwrap();
+    r.released.iter().filter(|(i, _)| *i == id).map(|(_, b)| b.0).collect()
+}
+
 /// Not a test: a host-only measurement of the ring path's system calls and wake-ups per buffer
 /// (the counters of `trace::counters`, this process being both sides), with the loop's spin and
 /// without. Four importers, each with a thread that shares with a window of 4 buffers and one that
