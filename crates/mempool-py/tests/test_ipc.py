@@ -516,3 +516,25 @@ def test_a_consumer_killed_mid_batch_leaves_the_producer_at_its_baseline():
         finally:
             if child.is_alive():
                 child.kill()
+
+
+@pytest.mark.gpu
+def test_the_exporters_spins_are_read_set_and_checked():
+    path = _socket_path("spin.sock")
+    with ipc.Exporter(path) as exporter:
+        assert exporter.spin == pytest.approx(50e-6)
+        assert exporter.wait_spin == pytest.approx(50e-6)
+        exporter.spin = 0.0
+        assert exporter.spin == 0.0
+        assert exporter.wait_spin == pytest.approx(50e-6), "the two spins are set apart"
+        exporter.wait_spin = 1e-5
+        assert exporter.wait_spin == pytest.approx(1e-5)
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="spin"):
+                exporter.spin = bad
+            with pytest.raises(ValueError, match="wait_spin"):
+                exporter.wait_spin = bad
+        assert exporter.spin == 0.0
+        exporter.shutdown()
+        with pytest.raises(ipc.IpcError):
+            exporter.spin = 1e-5

@@ -23,7 +23,7 @@ def test_the_module_imports_no_framework_and_not_mempool():
         "spec.loader.exec_module(mod)\n"
         "bad = [m for m in ('torch', 'cuda', 'mempool', 'mempool._lib') if m in sys.modules]\n"
         "assert not bad, bad\n"
-        "assert mod.FRAMEWORKS == ('mempool', 'mempool-socket', 'mempool-acked', 'torch', 'cuda.core')\n"
+        "assert mod.FRAMEWORKS == ('mempool', 'mempool-nospin', 'mempool-socket', 'mempool-acked', 'torch', 'cuda.core')\n"
         "assert mod.human(64 << 10) == '64 KiB' and mod.human(16 << 20) == '16 MiB'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")

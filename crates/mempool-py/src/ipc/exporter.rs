@@ -342,6 +342,35 @@ impl PyExporter {
         self.mr.as_ref().map(|m| m.clone_ref(py))
     }
 
+    /// Seconds the exporter's serving thread keeps looking at the importers' rings after traffic
+    /// before it sleeps (a release found meanwhile costs no wake-up; the thread uses a CPU while it
+    /// looks). Default 50 µs; 0 turns it off.
+    #[getter]
+    fn spin(&self) -> PyResult<f64> {
+        Ok(self.handle()?.spin().as_secs_f64())
+    }
+
+    #[setter]
+    fn set_spin(&self, seconds_: f64) -> PyResult<()> {
+        let spin = seconds("spin", seconds_, true)?;
+        self.handle()?.set_spin(spin);
+        Ok(())
+    }
+
+    /// Seconds `ExportedBuffer.wait_released` looks for its buffer's release before it sleeps.
+    /// Default 50 µs; 0 turns it off.
+    #[getter]
+    fn wait_spin(&self) -> PyResult<f64> {
+        Ok(self.handle()?.wait_spin().as_secs_f64())
+    }
+
+    #[setter]
+    fn set_wait_spin(&self, seconds_: f64) -> PyResult<()> {
+        let spin = seconds("wait_spin", seconds_, true)?;
+        self.handle()?.set_wait_spin(spin);
+        Ok(())
+    }
+
     /// Whether `shutdown()` was called.
     #[getter]
     fn closed(&self) -> bool {

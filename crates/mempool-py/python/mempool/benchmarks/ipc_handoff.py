@@ -5,6 +5,9 @@
 - ``mempool``: ``mempool.ipc`` with its shared-memory rings (protocol version 3, the default), buffers
   suballocated from a ``PoolMemoryResource`` over an IPC-enabled ``CudaAsyncMemoryResource`` (kept blocks:
   no import per buffer);
+- ``mempool-nospin``: ``mempool`` with the exporter's two spins off (``Exporter.spin`` and
+  ``Exporter.wait_spin`` set to 0: the serving thread and ``wait_released`` sleep at once), for comparison
+  in the same run;
 - ``mempool-socket``: the same over the socket (``rings=False``, protocol version 2: the path before the
   rings, for comparison in the same run);
 - ``mempool-acked``: ``mempool`` with the sustained part's per-buffer acknowledgement on the pipe as well (the
@@ -44,7 +47,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-FRAMEWORKS = ("mempool", "mempool-socket", "mempool-acked", "torch", "cuda.core")
+FRAMEWORKS = ("mempool", "mempool-nospin", "mempool-socket", "mempool-acked", "torch", "cuda.core")
 KIB, MIB = 1 << 10, 1 << 20
 ROUND_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB)
 SUSTAINED_SIZES = (64 * KIB, MIB, 16 * MIB)
@@ -148,6 +151,9 @@ class Side:
             self.pool = mr.PoolMemoryResource(upstream, initial_pool_size=1 << 30)
             path = os.path.join(tempfile.mkdtemp(prefix="mempool-ipc-bench-"), "handoff.sock")
             self.exporter = ipc.Exporter(path, self.pool)
+            if framework == "mempool-nospin":
+                self.exporter.spin = 0.0
+                self.exporter.wait_spin = 0.0
             setup = path
         elif framework == "cuda.core":
             try:
@@ -225,7 +231,7 @@ class Side:
         return times
 
     def sustained(self, size: int, consumers: int, per_consumer: int) -> float:
-        if self.framework in ("mempool", "mempool-socket"):
+        if self.framework in ("mempool", "mempool-nospin", "mempool-socket"):
             return self.sustained_by_release(size, consumers, per_consumer)
         for i in range(consumers):
             self.conns[i].send_bytes(str(per_consumer).encode())
@@ -359,17 +365,18 @@ def print_report(report: dict, frameworks) -> None:
             print(f"| {human(size)} | {k} | " + " | ".join(cells) + f" | {ratio} |")
     print()
     print("Targets (issue 25; one run, baselines above):")
-    mine = rt.get("mempool", {})
-    if mine:
-        worst = max(v[0] for v in mine.values())
-        print(f"- mempool round trip, worst median over the sizes: {worst:.1f} us (target <= 100 us): "
-              f"{'met' if worst <= 100 else 'MISSED'}")
     k = max(report["counts"]) if report["counts"] else 0
-    for size in SUSTAINED_SIZES:
-        a, b = st.get("mempool", {}).get((size, k)), st.get("torch", {}).get((size, k))
-        if a and b:
-            print(f"- sustained {human(size)} to {k} consumers: mempool {a:.0f}, torch {b:.0f}: {a / b:.1f}x "
-                  f"(target >= 10x): {'met' if a >= 10 * b else 'MISSED'}")
+    for fw in ("mempool", "mempool-nospin"):
+        mine = rt.get(fw, {})
+        if mine:
+            worst = max(v[0] for v in mine.values())
+            print(f"- {fw} round trip, worst median over the sizes: {worst:.1f} us (target <= 100 us): "
+                  f"{'met' if worst <= 100 else 'MISSED'}")
+        for size in SUSTAINED_SIZES:
+            a, b = st.get(fw, {}).get((size, k)), st.get("torch", {}).get((size, k))
+            if a and b:
+                print(f"- {fw} sustained {human(size)} to {k} consumers: {a:.0f}, torch {b:.0f}: {a / b:.1f}x "
+                      f"(target >= 10x): {'met' if a >= 10 * b else 'MISSED'}")
     for fw, err in report["errors"].items():
         print(f"\n{fw}: failed or not available:\n{err}")
 
