@@ -30,6 +30,15 @@ the ratios the targets of issue 25 name (round trip at most 100 us, sustained at
 ``torch.multiprocessing``). A framework that is not installed, or that fails, is reported as such and the run
 goes on.
 
+``--trace`` adds a phase of its own after those measurements (they are taken as without it): ``mempool``'s
+hand-off at 64 KiB, ``--iterations`` round trips and a sustained run to 4 consumers (``--sustained-buffers``
+each), with ``time.perf_counter_ns`` around each step of the producer (``alloc``, ``torch.from_dlpack``,
+``fill_``, ``share``, the acknowledgement, ``wait_released``) and of the consumers (``recv``, split at the
+moment the producer's ``share`` returned, ``torch.from_dlpack``, the first byte's read and host sync, the
+release, the acknowledgement), the consumers' timings sent back once after each run. It prints the median and
+90th percentile per step, the steps across processes (perf_counter is CLOCK_MONOTONIC on Linux: one clock for
+every process), and the producer's Python work per buffer (alloc to share) with the rate it alone allows.
+
 Importing this module imports no framework and not mempool's compiled extension.
 """
 
