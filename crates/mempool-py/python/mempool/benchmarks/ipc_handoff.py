@@ -530,7 +530,8 @@ def print_trace(trace: dict) -> None:
         for side, step, med, p90 in t["steps"]:
             print(f"| {side} | {step} | {med:.1f} | {p90:.1f} |")
         med, p90 = t["work_us"]
-        print(f"| producer | Python work per buffer (alloc + from_dlpack + fill_ + del + share) | {med:.1f} | {p90:.1f} |")
+        work = "Python work per buffer (alloc + from_dlpack + fill_ + del + share)"
+        print(f"| producer | {work} | {med:.1f} | {p90:.1f} |")
         print(f"The producer's Python work alone allows at most {t['work_rate']:.0f} buffers/s (1e6 / {med:.1f} us).")
         if not t["cross_process"]:
             print("(perf_counter is not CLOCK_MONOTONIC here: the steps across processes are left out)")
