@@ -33,8 +33,9 @@ def test_the_module_imports_no_framework_and_not_mempool():
 def test_help_lists_the_options():
     out = run("--help")
     assert out.returncode == 0, out.stderr
-    for option in ("--frameworks", "--consumers", "--iterations", "--sustained-buffers", "--json"):
+    for option in ("--frameworks", "--consumers", "--iterations", "--sustained-buffers", "--json", "--trace"):
         assert option in out.stdout, out.stdout
+    assert "trace mempool's hand-off" in out.stdout, out.stdout
 
 
 def test_bad_arguments_are_refused_with_the_reason():
@@ -44,3 +45,36 @@ def test_bad_arguments_are_refused_with_the_reason():
     out = run("--consumers", "0")
     assert out.returncode == 2
     assert "must be at least 1" in out.stderr, out.stderr
+
+
+def test_trace_parses_and_needs_mempool():
+    # --trace is a flag; without mempool among the frameworks it is refused with the reason, before anything
+    # is imported (so this runs without PyTorch or a GPU).
+    out = run("--frameworks", "torch", "--trace")
+    assert out.returncode == 2
+    assert "--trace traces the mempool framework" in out.stderr, out.stderr
+    out = run("--trace=1")
+    assert out.returncode == 2
+    assert "--trace: ignored explicit argument" in out.stderr, out.stderr
+    # With mempool, the arguments parse and reach `run` as trace=True (and trace=False without the flag): main
+    # runs here with `run` and `print_report` replaced and a stand-in torch that says a GPU is there.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('_ih', {str(SOURCE)!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "seen = {}\n"
+        "def fake_run(frameworks, consumers, iterations, sustained_buffers, trace=False):\n"
+        "    seen.update(frameworks=frameworks, trace=trace)\n"
+        "    return None\n"
+        "mod.run = fake_run\n"
+        "mod.print_report = lambda report, frameworks: None\n"
+        "sys.modules['torch'] = type(sys)('torch')\n"
+        "sys.modules['torch'].cuda = type('C', (), {'is_available': staticmethod(lambda: True)})\n"
+        "assert mod.main(['--frameworks', 'mempool,torch', '--trace']) == 0\n"
+        "assert seen == {'frameworks': ['mempool', 'torch'], 'trace': True}, seen\n"
+        "assert mod.main(['--frameworks', 'mempool']) == 0\n"
+        "assert seen['trace'] is False, seen\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
