@@ -92,9 +92,9 @@ const SO_PEERPIDFD: libc::c_int = 0x56;
 /// `SO_PEERCRED` names), with `SO_PEERPIDFD` (Linux 6.5+): unlike `pidfd_open` of that pid it
 /// cannot name another process that took the pid after the peer exited.
 ///
-/// `Ok(None)` if the kernel does not know the option (`ENOPROTOOPT`, or `EINVAL` from some
-/// kernels): the caller falls back to the pid. `Err` with `ESRCH` when the kernel no longer
-/// finds the process; any other error as the kernel gave it.
+/// `Ok(None)` if the kernel does not know the option (`ENOPROTOOPT`): the caller falls back to
+/// the pid. `Err` with `ESRCH` when the process is gone (the kernel's `ESRCH`, or `EINVAL`, which
+/// Linux 6.5+ returns for a peer already reaped); any other error as the kernel gave it.
 #[allow(unsafe_code)]
 pub(crate) fn peer_pidfd(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -114,7 +114,11 @@ pub(crate) fn peer_pidfd(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result
     if rc != 0 {
         let err = std::io::Error::last_os_error();
         return match err.raw_os_error() {
-            Some(libc::ENOPROTOOPT | libc::EINVAL) => Ok(None),
+            // Only a kernel without the option says ENOPROTOOPT; from Linux 6.5 on, EINVAL means
+            // the peer was already reaped: gone, as ESRCH (not a reason to look it up by a pid that
+            // may have been reused).
+            Some(libc::ENOPROTOOPT) => Ok(None),
+            Some(libc::EINVAL) => Err(std::io::Error::from_raw_os_error(libc::ESRCH)),
             _ => Err(err),
         };
     }
