@@ -66,13 +66,18 @@ struct Run {
 }
 
 /// The `cargo run` commands of `text`, each with the line it is on: Cargo's own arguments, up to the
-/// `--` that starts the program's, a comment or the end of the inline code span.
+/// `--` that starts the program's, a comment or the end of the inline code span. An inline span of
+/// `cargo run` alone is prose about the command and is passed over.
 fn runs(text: &str) -> Vec<(String, Run)> {
     let mut out = Vec::new();
     for line in text.lines() {
         let mut rest = line;
         while let Some(at) = rest.find("cargo run") {
             rest = &rest[at + "cargo run".len()..];
+            if rest.starts_with('`') {
+                // Prose naming the command (`cargo run`), not a command.
+                continue;
+            }
             let args = rest.split('`').next().unwrap_or("");
             let mut run = Run::default();
             let mut words = args.split_whitespace();
@@ -178,7 +183,7 @@ fn the_readme_runs_the_benchmark_harness_by_its_default_binary() {
 
 #[test]
 fn the_parser_reads_the_commands_as_cargo_does() {
-    let text = "x `cargo run --release -p a --bin b -- --bin c` y\n\
+    let text = "x `cargo run --release -p a --bin b -- --bin c` y, not `cargo run`\n\
                 cargo run --release --example e -- 1 2   # -p z\n\
                 cargo run -p q --config 'profile.dev.opt-level=3'";
     let r: Vec<Run> = runs(text).into_iter().map(|(_, r)| r).collect();
