@@ -27,7 +27,8 @@ except ModuleNotFoundError as _missing:
         + "    (cd crates/mempool-py && maturin build --release -o ../../target/wheels)\n"
         + "    python3 -m pip install target/wheels/mempool-*.whl\n"
         + "then import mempool with crates/mempool-py/python neither the current directory nor on PYTHONPATH "
-        + "(README.md, \"Python\").",
+        + "(README.md, \"Python\"; in a virtual environment, `maturin develop --release` in crates/mempool-py "
+        + "builds and installs it in one step).",
         name=__name__ + "._lib",
     ) from None
 
