@@ -35,7 +35,10 @@ const MANIFESTS: &[(&str, &str)] = &[
     ("mempool-nccl", include_str!("../crates/mempool-nccl/Cargo.toml")),
     ("mempool-py", include_str!("../crates/mempool-py/Cargo.toml")),
     ("mempool-rmm", include_str!("../crates/mempool-rmm/Cargo.toml")),
-    ("mempool-suballoc", include_str!("../crates/mempool-suballoc/Cargo.toml")),
+    (
+        "mempool-suballoc",
+        include_str!("../crates/mempool-suballoc/Cargo.toml"),
+    ),
 ];
 
 /// The examples a command may name, per package; `include_str!` makes a missing file a compile error.
