@@ -10,7 +10,6 @@
 //! The sample log in the new format and in the old one is checked in `host.rs`.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use mempool_bench::workloads::replay;
@@ -296,8 +295,10 @@ fn cross_thread_frees(events: &[rmm_parser::Event]) -> usize {
     n
 }
 
-mod common;
-use common::data;
+/// The committed logs, compiled in: the test binary reads no file of the source tree, so a packed copy
+/// (scripts/gpu-tests.sh) checks them on any machine, in any directory.
+const DERIVED_LOG: &str = include_str!("../data/rmm-26.10-format.csv");
+const RECORDED_LOG: &str = include_str!("../data/rmm-26.10.csv");
 
 #[test]
 #[allow(unsafe_code)] // frees what it allocates: `deallocate` is unsafe
@@ -422,12 +423,11 @@ fn rmms_parser_rules_reject_what_rmm_rejects() {
 /// The logs in RMM 26.10's format under `data/`: the derived one and the recorded one.
 #[test]
 fn rmm_26_10_logs_pass_rmms_parser_and_replay() {
-    let derived = std::fs::read_to_string(data("rmm-26.10-format.csv")).unwrap();
-    let rmm = check_rmm_log("rmm-26.10-format.csv", &derived);
-    let plan = replays("rmm-26.10-format.csv", &derived);
+    let rmm = check_rmm_log("rmm-26.10-format.csv", DERIVED_LOG);
+    let plan = replays("rmm-26.10-format.csv", DERIVED_LOG);
     assert_eq!((plan.threads.len(), plan.logged_failures), (3, 1));
     assert!(cross_thread_frees(&rmm) >= 4);
-    check_recorded_rmm_26_10_log(&data("rmm-26.10.csv"));
+    check_recorded_rmm_26_10_log("data/rmm-26.10.csv", RECORDED_LOG);
 }
 
 /// The log `data/rmm-log/make_rmm_log.cu` writes: the main thread's allocation and free on the default
@@ -437,15 +437,19 @@ fn rmm_26_10_logs_pass_rmms_parser_and_replay() {
 /// committed one (`data/rmm-26.10.csv`) is checked.
 #[test]
 fn recorded_rmm_log_from_env_matches_make_rmm_log() {
-    let path = std::env::var_os("MEMPOOL_RMM_LOG").map_or_else(|| data("rmm-26.10.csv"), PathBuf::from);
-    check_recorded_rmm_26_10_log(&path);
+    match std::env::var_os("MEMPOOL_RMM_LOG") {
+        Some(path) => {
+            let name = std::path::Path::new(&path).display().to_string();
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("MEMPOOL_RMM_LOG={name}: {e}"));
+            check_recorded_rmm_26_10_log(&name, &text);
+        }
+        None => check_recorded_rmm_26_10_log("data/rmm-26.10.csv", RECORDED_LOG),
+    }
 }
 
-fn check_recorded_rmm_26_10_log(path: &Path) {
-    let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).unwrap();
-    let rmm = check_rmm_log(&name, &text);
-    let plan = replays(&name, &text);
+fn check_recorded_rmm_26_10_log(name: &str, text: &str) {
+    let rmm = check_rmm_log(name, text);
+    let plan = replays(name, text);
     let count = |a| rmm.iter().filter(|e| e.act == a).count();
     assert_eq!(
         (

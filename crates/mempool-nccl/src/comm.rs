@@ -75,8 +75,9 @@ pub struct Comm {
 /// included), on the thread that calls it: an attached pool's registrations brought up to date, or an
 /// error naming why they cannot be.
 pub(crate) trait BeforeCollective: Send + Sync {
-    /// Runs before the collective `call` on `comm`.
-    fn before_collective(&self, call: &'static str, comm: &Comm) -> Result<()>;
+    /// Runs before the collective `call` on `comm`, which will run on `stream` (while it is being
+    /// captured into a CUDA graph, waiting for the device is forbidden).
+    fn before_collective(&self, call: &'static str, comm: &Comm, stream: StreamRef<'_>) -> Result<()>;
 }
 
 // SAFETY: an ncclComm_t may be used from any thread, one at a time (NCCL's documented rule); `Comm` is
@@ -456,7 +457,7 @@ impl Comm {
     ) -> Result<()> {
         let call = coll.name();
         if let Some(before) = &self.before {
-            before.before_collective(call, self)?;
+            before.before_collective(call, self, stream)?;
         }
         let dt = T::DATA_TYPE.to_raw();
         let (s, r) = (send.0 as usize as *const c_void, recv.0 as usize as *mut c_void);

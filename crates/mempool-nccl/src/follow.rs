@@ -15,13 +15,14 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::ThreadId;
 
-use mempool_core::{Device, DeviceAddr};
+use mempool_core::{Device, DeviceAddr, StreamRef};
 use mempool_rmm::{ChunkObserver, ChunkRange, ObserverId, ServiceResource, Tag};
 
 use crate::comm::{BeforeCollective, Comm};
 use crate::error::{Error, Result};
 use crate::ranges::{plan, RangeSet, Span};
 use crate::scope;
+use crate::sys::{CommDeregisterFn, CommRegisterFn};
 
 /// The most errors an attachment keeps; later ones are counted, not kept.
 const MAX_ERRORS: usize = 64;
@@ -109,6 +110,27 @@ struct Held {
     handle: Handle,
     /// `Book::collectives` when it was registered: while they are equal no collective can use it.
     since: u64,
+    /// Part of its memory was reported unmapping: it goes, even where the same addresses are mapped
+    /// again (another physical allocation, which NCCL's registration does not reach).
+    stale: bool,
+}
+
+/// Whether two spans share an address.
+fn overlaps(a: Span, b: Span) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+/// What bringing the registrations up to date does outside the book: wait for the device, register and
+/// deregister. Apart from NCCL and the driver, so that host tests drive [`Book::reconcile`].
+trait Registrar {
+    /// Waits until the device has finished the work queued so far (collectives that may use a
+    /// registration about to go). An error, also where waiting is forbidden now, leaves those
+    /// registrations in place.
+    fn wait(&mut self) -> Result<()>;
+    /// `ncclCommDeregister`.
+    fn deregister(&mut self, handle: Handle) -> Result<()>;
+    /// `ncclCommRegister` of a mapped run.
+    fn register(&mut self, span: Span) -> Result<Handle>;
 }
 
 /// What the attachment knows: what is mapped (from the resource's calls), what is registered, what
@@ -137,7 +159,51 @@ impl Book {
         }
     }
 
-    /// The plan of each tag that has anything to do.
+    /// The resource mapped `start..end` (one physical allocation) in `tag`'s region.
+    fn mapped(&mut self, tag: Tag, start: u64, end: u64) {
+        self.mapped.entry(tag).or_default().insert(start, end);
+    }
+
+    /// The resource is about to unmap `start..end` of `tag`'s region: every registration over any of it
+    /// is stale from now on, even if the addresses are mapped again before it can be deregistered, and a
+    /// failure there is forgotten (the run changed).
+    fn unmapping(&mut self, tag: Tag, start: u64, end: u64) {
+        if let Some(m) = self.mapped.get_mut(&tag) {
+            m.remove(start, end);
+            if m.is_empty() {
+                self.mapped.remove(&tag);
+            }
+        }
+        for h in self
+            .held
+            .iter_mut()
+            .filter(|h| h.tag == tag && overlaps(h.span, (start, end)))
+        {
+            h.stale = true;
+        }
+        self.failed.retain(|&(t, f)| t != tag || !overlaps(f, (start, end)));
+    }
+
+    /// Everything is to go (the attachment detaches).
+    fn unmap_all(&mut self) {
+        self.mapped.clear();
+        for h in &mut self.held {
+            h.stale = true;
+        }
+    }
+
+    /// Whether `h` is to go: stale, or no longer exactly one mapped run.
+    fn goes(&self, h: &Held) -> bool {
+        h.stale || !self.mapped.get(&h.tag).is_some_and(|m| m.spans().contains(&h.span))
+    }
+
+    /// Whether a collective may have used `h` (one was enqueued since it was registered).
+    fn in_use(&self, h: &Held) -> bool {
+        h.since != self.collectives
+    }
+
+    /// The plan of each tag that has anything to do (stale registrations are deregistered, and their
+    /// runs registered anew where mapped).
     fn plans(&self) -> Vec<(Tag, crate::ranges::Plan)> {
         let mut tags: Vec<Tag> = self.mapped.keys().copied().collect();
         tags.extend(self.held.iter().map(|h| h.tag));
@@ -146,12 +212,153 @@ impl Book {
         tags.into_iter()
             .filter_map(|t| {
                 let wanted = self.mapped.get(&t).map_or(&[][..], RangeSet::spans);
-                let held: Vec<Span> = self.held.iter().filter(|h| h.tag == t).map(|h| h.span).collect();
+                let live: Vec<Span> = self
+                    .held
+                    .iter()
+                    .filter(|h| h.tag == t && !h.stale)
+                    .map(|h| h.span)
+                    .collect();
                 let failed: Vec<Span> = self.failed.iter().filter(|f| f.0 == t).map(|f| f.1).collect();
-                let p = plan(wanted, &held, &failed);
+                let mut p = plan(wanted, &live, &failed);
+                p.deregister
+                    .extend(self.held.iter().filter(|h| h.tag == t && h.stale).map(|h| h.span));
+                p.deregister.sort_unstable();
                 (!p.is_empty()).then_some((t, p))
             })
             .collect()
+    }
+
+    /// Makes the registrations equal to the mapped allocations: deregisters what is to go (after
+    /// waiting for the device where a collective may still use it), then registers what is missing.
+    ///
+    /// Where the wait fails (or is forbidden: a stream being captured into a graph), the registrations
+    /// a collective may still use stay registered, and the runs they cover stay unregistered: the next
+    /// call tries again, and until one succeeds the plan is not empty, so collectives are refused
+    /// (`before_collective`). NCCL may still be reading or writing that memory; it is never deregistered
+    /// before a wait says the device is done with it. Every failure is recorded; the first is returned.
+    fn reconcile(&mut self, r: &mut impl Registrar) -> Result<()> {
+        let plans = self.plans();
+        if plans.is_empty() {
+            return Ok(());
+        }
+        let mut first: Option<Error> = None;
+        let mut fail = |book: &mut Book, e: Error| {
+            if first.is_none() {
+                first = Some(e.clone());
+            }
+            book.record(e);
+        };
+        // Deregistering unmaps the peers' mappings at once, on the host: work still queued on the
+        // ranges must finish first. A registration no collective was enqueued after cannot be in use:
+        // growth in batches (wake) does not wait.
+        let mut waited = true;
+        if self.held.iter().any(|h| self.goes(h) && self.in_use(h)) {
+            if let Err(e) = r.wait() {
+                waited = false;
+                fail(self, e);
+            }
+        }
+        let mut i = 0;
+        while i < self.held.len() {
+            let h = &self.held[i];
+            if !(self.goes(h) && (waited || !self.in_use(h))) {
+                i += 1;
+                continue;
+            }
+            let h = self.held.swap_remove(i);
+            if let Err(e) = r.deregister(h.handle) {
+                fail(self, e);
+            }
+        }
+        for (tag, p) in &plans {
+            for &span in &p.register {
+                // Not over a registration still waiting to go: NCCL would find either for a buffer there.
+                if self.held.iter().any(|h| overlaps(h.span, span)) {
+                    continue;
+                }
+                match r.register(span) {
+                    Ok(handle) => {
+                        let since = self.collectives;
+                        self.held.push(Held {
+                            tag: *tag,
+                            span,
+                            handle,
+                            since,
+                            stale: false,
+                        })
+                    }
+                    Err(e) => {
+                        self.failed.push((*tag, span));
+                        fail(self, e);
+                    }
+                }
+            }
+        }
+        // A failed run that changed (grew, shrank, went) is tried again in its new shape.
+        let Book { mapped, failed, .. } = self;
+        failed.retain(|(t, s)| mapped.get(t).is_some_and(|m| m.spans().contains(s)));
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The registrar of a live communicator: NCCL's calls, and a device synchronize for the wait.
+struct Nccl<'a, 's> {
+    comm: &'a Comm,
+    reg: CommRegisterFn,
+    dereg: CommDeregisterFn,
+    /// The stream of the collective about to be enqueued, where one is: while it is being captured into a
+    /// CUDA graph, synchronizing the device is forbidden (it would invalidate the capture).
+    stream: Option<StreamRef<'s>>,
+}
+
+impl Registrar for Nccl<'_, '_> {
+    fn wait(&mut self) -> Result<()> {
+        if let Some(s) = self.stream {
+            if s.is_capturing()? {
+                return Err(Error::InvalidArgument {
+                    call: "ncclCommDeregister",
+                    reason: "the collective's stream is being captured into a CUDA graph, where waiting for the \
+                             device is forbidden: the registrations of memory the attached pool unmapped stay \
+                             registered until a wait succeeds after the capture (collectives may still use \
+                             them), and collectives on this communicator are refused until then"
+                        .into(),
+                });
+            }
+        }
+        Ok(self.comm.ctx.synchronize()?)
+    }
+
+    fn deregister(&mut self, handle: Handle) -> Result<()> {
+        // SAFETY: `handle` came from ncclCommRegister on this live communicator and is given up once (the
+        // book let it go); the caller holds the communicator, so no other NCCL call on it runs meanwhile,
+        // and no group is open on this thread. The book deregisters a registration a collective may use
+        // only after a wait for the device succeeded.
+        #[allow(unsafe_code)]
+        let r = unsafe { (self.dereg)(self.comm.raw, handle.0) };
+        self.comm.lib.check("ncclCommDeregister", r, self.comm.raw)
+    }
+
+    fn register(&mut self, span: Span) -> Result<Handle> {
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `span` is a run of chunks the resource reported mapped (with read-write access for this
+        // device) and not since reported unmapping; it is deregistered before the resource unmaps any of it
+        // (the observer is told first), or, where that thread cannot or the wait before it fails, before any
+        // later collective on this communicator (`before_collective` refuses collectives while one waits).
+        // The caller holds the communicator and no group is open on this thread. NCCL writes one handle.
+        #[allow(unsafe_code)]
+        let r = unsafe {
+            (self.reg)(
+                self.comm.raw,
+                span.0 as usize as *mut c_void,
+                (span.1 - span.0) as usize,
+                &mut handle,
+            )
+        };
+        self.comm.lib.check("ncclCommRegister", r, self.comm.raw)?;
+        Ok(Handle(handle))
     }
 }
 
@@ -166,22 +373,13 @@ impl Follow {
         self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Makes the registrations equal to the mapped allocations: deregisters what is stale (after
-    /// waiting for the device: collectives may still use it), then registers what is missing. Every
-    /// failure is recorded; the first is returned. The caller holds the communicator (`lend`) and no
-    /// group is open on this thread.
-    fn reconcile(&self, comm: &Comm, book: &mut Book) -> Result<()> {
-        let plans = book.plans();
-        if plans.is_empty() {
+    /// Brings the registrations up to date ([`Book::reconcile`]) with `comm`, the context bound; `stream`
+    /// is the collective's about to be enqueued, where one is. The caller holds the communicator (`lend`)
+    /// and no group is open on this thread.
+    fn reconcile(&self, comm: &Comm, book: &mut Book, stream: Option<StreamRef<'_>>) -> Result<()> {
+        if book.plans().is_empty() {
             return Ok(());
         }
-        let mut first: Option<Error> = None;
-        let mut fail = |book: &mut Book, e: Error| {
-            if first.is_none() {
-                first = Some(e.clone());
-            }
-            book.record(e);
-        };
         let lib = comm.lib;
         let (reg, dereg) = match (lib.get(&lib.comm_register), lib.get(&lib.comm_deregister)) {
             (Ok(r), Ok(d)) => (r, d),
@@ -190,89 +388,27 @@ impl Follow {
                 return Err(e);
             }
         };
-        let bound = comm.ctx.bind();
-        if let Err(e) = bound {
-            let e = Error::from(e);
-            book.record(e.clone());
-            return Err(e);
-        }
-        let used = |tag: Tag, span: &Span| {
-            book.held
-                .iter()
-                .any(|h| h.tag == tag && h.span == *span && h.since != book.collectives)
+        let bound = match comm.ctx.bind() {
+            Ok(b) => b,
+            Err(e) => {
+                let e = Error::from(e);
+                book.record(e.clone());
+                return Err(e);
+            }
         };
-        if plans.iter().any(|(t, p)| p.deregister.iter().any(|s| used(*t, s))) {
-            // Deregistering unmaps the peers' mappings at once, on the host: work still queued on the
-            // ranges must finish first (an unmapping has waited already; a merge has not). A
-            // registration no collective was enqueued after cannot be in use: growth in batches (wake)
-            // does not wait.
-            if let Err(e) = comm.ctx.synchronize() {
-                fail(book, e.into());
-            }
-        }
-        for (tag, p) in &plans {
-            for span in &p.deregister {
-                let Some(i) = book.held.iter().position(|h| h.tag == *tag && h.span == *span) else {
-                    continue;
-                };
-                let h = book.held.swap_remove(i);
-                // SAFETY: `h.handle` came from ncclCommRegister on this live communicator and is given
-                // up once (it left `held` above); the caller holds the communicator, so no other NCCL
-                // call on it runs meanwhile, and no group is open on this thread.
-                #[allow(unsafe_code)]
-                let r = unsafe { dereg(comm.raw, h.handle.0) };
-                if let Err(e) = lib.check("ncclCommDeregister", r, comm.raw) {
-                    fail(book, e);
-                }
-            }
-        }
-        for (tag, p) in &plans {
-            for &span in &p.register {
-                let mut handle: *mut c_void = std::ptr::null_mut();
-                // SAFETY: `span` is a run of chunks the resource reported mapped (with read-write access
-                // for this device) and not since reported unmapping; it is deregistered above, before
-                // the resource unmaps any of it (the observer is told first), or, where it could not be,
-                // before any later collective on this communicator (`before_collective`). The caller
-                // holds the communicator and no group is open on this thread. NCCL writes one handle.
-                #[allow(unsafe_code)]
-                let r = unsafe {
-                    reg(
-                        comm.raw,
-                        span.0 as usize as *mut c_void,
-                        (span.1 - span.0) as usize,
-                        &mut handle,
-                    )
-                };
-                match lib.check("ncclCommRegister", r, comm.raw) {
-                    Ok(()) => {
-                        let since = book.collectives;
-                        book.held.push(Held {
-                            tag: *tag,
-                            span,
-                            handle: Handle(handle),
-                            since,
-                        })
-                    }
-                    Err(e) => {
-                        book.failed.push((*tag, span));
-                        fail(book, e);
-                    }
-                }
-            }
-        }
-        // A failed run that changed (grew, shrank, went) is tried again in its new shape.
-        let Book { mapped, failed, .. } = &mut *book;
-        failed.retain(|(t, s)| mapped.get(t).is_some_and(|m| m.spans().contains(s)));
+        let out = book.reconcile(&mut Nccl {
+            comm,
+            reg,
+            dereg,
+            stream,
+        });
         drop(bound);
-        match first {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        out
     }
 }
 
 impl BeforeCollective for Follow {
-    fn before_collective(&self, call: &'static str, comm: &Comm) -> Result<()> {
+    fn before_collective(&self, call: &'static str, comm: &Comm, stream: StreamRef<'_>) -> Result<()> {
         // The communicator of an attachment is reachable only through a `CommGuard` (not `Send`) or the
         // observer, both holding `lend` on this thread.
         let mut book = self.book();
@@ -287,7 +423,7 @@ impl BeforeCollective for Follow {
                     .into(),
             });
         } else {
-            self.reconcile(comm, &mut book)
+            self.reconcile(comm, &mut book, Some(stream))
         };
         // Counted after the registrations it may use were made: those are in use from now on.
         book.collectives += 1;
@@ -338,7 +474,7 @@ impl Shared {
         } else {
             let mut book = self.follow.book();
             // Failures are recorded in the book.
-            let _ = self.follow.reconcile(&self.comm, &mut book);
+            let _ = self.follow.reconcile(&self.comm, &mut book, None);
         }
         self.follow.lend.leave();
     }
@@ -354,13 +490,7 @@ impl ChunkObserver for Observer {
         if range.addr.0 == 0 || range.len == 0 {
             return;
         }
-        self.shared
-            .follow
-            .book()
-            .mapped
-            .entry(range.tag)
-            .or_default()
-            .insert(range.addr.0, range.end());
+        self.shared.follow.book().mapped(range.tag, range.addr.0, range.end());
         self.shared.sync_now();
     }
 
@@ -368,15 +498,10 @@ impl ChunkObserver for Observer {
         if range.len == 0 {
             return;
         }
-        {
-            let mut book = self.shared.follow.book();
-            if let Some(m) = book.mapped.get_mut(&range.tag) {
-                m.remove(range.addr.0, range.end());
-                if m.is_empty() {
-                    book.mapped.remove(&range.tag);
-                }
-            }
-        }
+        self.shared
+            .follow
+            .book()
+            .unmapping(range.tag, range.addr.0, range.end());
         self.shared.sync_now();
     }
 }
@@ -425,6 +550,12 @@ impl RegisteredRange {
 ///   it is made before that thread's next collective on the communicator, or when it lets the
 ///   communicator go. Memory unmapped meanwhile stays registered until then (NCCL keeps what it
 ///   imported alive), and no collective on the communicator runs before it is deregistered.
+/// - Where the device wait before a deregistration fails, or is forbidden (the collective's stream is
+///   being captured into a CUDA graph: the synchronize is not attempted), the registrations a collective
+///   may still use stay registered (the memory mapped again at their addresses is not registered over
+///   them) and every later bring-up-to-date waits again and deregisters them once a wait succeeds;
+///   until then the communicator's collectives are refused with the wait's error. Memory NCCL may still
+///   use is never deregistered.
 /// - A failed `ncclCommRegister` leaves the run unregistered (tried again when the run changes) and a
 ///   failed `ncclCommDeregister` drops the registration; both are recorded in
 ///   [`Attachment::errors`], never panic. The collective that triggered the work returns the failure.
@@ -522,7 +653,7 @@ impl Attachment {
         if f.lend.outermost() && !scope::is_open() {
             let mut book = f.book();
             // Recorded in the book; the next collective returns it if the work is still to do.
-            let _ = f.reconcile(&self.shared.comm, &mut book);
+            let _ = f.reconcile(&self.shared.comm, &mut book, None);
         }
         CommGuard {
             shared: &self.shared,
@@ -541,7 +672,7 @@ impl Attachment {
         }
         let f = &self.shared.follow;
         f.lend.enter();
-        let r = f.reconcile(&self.shared.comm, &mut f.book());
+        let r = f.reconcile(&self.shared.comm, &mut f.book(), None);
         f.lend.leave();
         r
     }
@@ -621,8 +752,7 @@ impl Attachment {
         if let Some(r) = self.resource.upgrade() {
             r.detach(self.id);
         }
-        let f = &self.shared.follow;
-        f.book().mapped.clear();
+        self.shared.follow.book().unmap_all();
         self.shared.sync_now();
     }
 
@@ -699,8 +829,157 @@ impl Drop for CommGuard<'_> {
         if f.lend.outermost() && !scope::is_open() {
             let mut book = f.book();
             // Recorded in the book.
-            let _ = f.reconcile(&self.shared.comm, &mut book);
+            let _ = f.reconcile(&self.shared.comm, &mut book, None);
         }
         f.lend.leave();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const C: u64 = 2 << 20;
+
+    /// A registrar without NCCL or a device: numbers its handles from 1, and its wait fails while
+    /// `wait_fails` is set.
+    #[derive(Default)]
+    struct Fake {
+        wait_fails: bool,
+        waits: usize,
+        registered: Vec<(Span, usize)>,
+        deregistered: Vec<usize>,
+    }
+
+    impl Registrar for Fake {
+        fn wait(&mut self) -> Result<()> {
+            self.waits += 1;
+            if self.wait_fails {
+                return Err(Error::InvalidArgument {
+                    call: "cuCtxSynchronize",
+                    reason: "the test's device wait failed".into(),
+                });
+            }
+            Ok(())
+        }
+
+        fn deregister(&mut self, handle: Handle) -> Result<()> {
+            self.deregistered.push(handle.0.addr());
+            Ok(())
+        }
+
+        fn register(&mut self, span: Span) -> Result<Handle> {
+            let id = self.registered.len() + 1;
+            self.registered.push((span, id));
+            Ok(Handle(std::ptr::without_provenance_mut(id)))
+        }
+    }
+
+    fn tag() -> Tag {
+        Tag::DEFAULT
+    }
+
+    /// The registrations held: (span, handle, stale), in address order.
+    fn held(book: &Book) -> Vec<(Span, usize, bool)> {
+        let mut v: Vec<_> = book.held.iter().map(|h| (h.span, h.handle.0.addr(), h.stale)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn a_failed_wait_keeps_what_a_collective_may_use_registered_until_a_wait_succeeds() {
+        let mut book = Book::default();
+        let mut nccl = Fake::default();
+        book.mapped(tag(), 0, 2 * C);
+        book.reconcile(&mut nccl).unwrap();
+        assert_eq!(held(&book), [((0, 2 * C), 1, false)]);
+        assert_eq!(nccl.waits, 0, "registering needs no wait");
+        // A collective was enqueued over it, then the pool unmaps it.
+        book.collectives += 1;
+        book.unmapping(tag(), 0, 2 * C);
+        nccl.wait_fails = true;
+        for attempt in 1..=2 {
+            let e = book.reconcile(&mut nccl).unwrap_err();
+            assert!(e.to_string().contains("the test's device wait failed"), "{e}");
+            assert_eq!(nccl.waits, attempt);
+            assert!(nccl.deregistered.is_empty(), "deregistered after a failed wait");
+            assert_eq!(held(&book), [((0, 2 * C), 1, true)], "kept, to go once a wait succeeds");
+            assert!(
+                !book.plans().is_empty(),
+                "the deregistration waits: collectives are refused"
+            );
+        }
+        assert_eq!(book.errors.len(), 2, "each failed wait is recorded");
+        nccl.wait_fails = false;
+        book.reconcile(&mut nccl).unwrap();
+        assert_eq!(nccl.waits, 3);
+        assert_eq!(nccl.deregistered, [1], "deregistered once the wait succeeded");
+        assert!(book.held.is_empty() && book.plans().is_empty());
+    }
+
+    #[test]
+    fn a_registration_no_collective_used_goes_without_a_wait() {
+        let mut book = Book::default();
+        let mut nccl = Fake {
+            wait_fails: true,
+            ..Fake::default()
+        };
+        book.mapped(tag(), 0, C);
+        book.reconcile(&mut nccl).unwrap();
+        book.unmapping(tag(), 0, C);
+        book.reconcile(&mut nccl).unwrap();
+        assert_eq!((nccl.waits, nccl.deregistered.as_slice()), (0, &[1][..]));
+        assert!(book.held.is_empty() && book.plans().is_empty());
+    }
+
+    #[test]
+    fn memory_mapped_again_under_a_waiting_registration_is_registered_after_it_goes() {
+        let mut book = Book::default();
+        let mut nccl = Fake::default();
+        book.mapped(tag(), 0, 2 * C);
+        book.reconcile(&mut nccl).unwrap();
+        book.collectives += 1;
+        // Unmapped and mapped again at the same addresses (another physical allocation, which the old
+        // registration does not reach) before the deregistration could be made; and a run elsewhere.
+        book.unmapping(tag(), 0, 2 * C);
+        book.mapped(tag(), 0, 2 * C);
+        book.mapped(tag(), 4 * C, 5 * C);
+        nccl.wait_fails = true;
+        assert!(book.reconcile(&mut nccl).is_err());
+        assert!(nccl.deregistered.is_empty());
+        assert_eq!(
+            held(&book),
+            [((0, 2 * C), 1, true), ((4 * C, 5 * C), 2, false)],
+            "the stale registration is kept, nothing is registered over it; the run elsewhere is registered"
+        );
+        assert!(!book.plans().is_empty());
+        nccl.wait_fails = false;
+        book.reconcile(&mut nccl).unwrap();
+        assert_eq!(nccl.deregistered, [1]);
+        assert_eq!(
+            held(&book),
+            [((0, 2 * C), 3, false), ((4 * C, 5 * C), 2, false)],
+            "the new allocation has a registration of its own"
+        );
+        assert!(book.plans().is_empty());
+    }
+
+    #[test]
+    fn detaching_deregisters_everything_after_one_wait() {
+        let mut book = Book::default();
+        let mut nccl = Fake::default();
+        book.mapped(tag(), 0, C);
+        book.mapped(tag(), C, 3 * C);
+        book.reconcile(&mut nccl).unwrap();
+        book.collectives += 1;
+        book.unmap_all();
+        nccl.wait_fails = true;
+        assert!(book.reconcile(&mut nccl).is_err());
+        assert_eq!(book.held.len(), 2, "nothing deregistered after a failed wait");
+        nccl.wait_fails = false;
+        book.reconcile(&mut nccl).unwrap();
+        nccl.deregistered.sort_unstable();
+        assert_eq!((nccl.waits, nccl.deregistered.as_slice()), (2, &[1, 2][..]));
+        assert!(book.held.is_empty());
     }
 }

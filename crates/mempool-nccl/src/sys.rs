@@ -67,8 +67,8 @@ type CommFn = unsafe extern "C" fn(RawComm) -> RawResult;
 pub(crate) type CommIntFn = unsafe extern "C" fn(RawComm, *mut c_int) -> RawResult;
 type GetErrorStringFn = unsafe extern "C" fn(RawResult) -> *const c_char;
 type GetLastErrorFn = unsafe extern "C" fn(RawComm) -> *const c_char;
-type CommRegisterFn = unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut *mut c_void) -> RawResult;
-type CommDeregisterFn = unsafe extern "C" fn(RawComm, *mut c_void) -> RawResult;
+pub(crate) type CommRegisterFn = unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut *mut c_void) -> RawResult;
+pub(crate) type CommDeregisterFn = unsafe extern "C" fn(RawComm, *mut c_void) -> RawResult;
 type GroupFn = unsafe extern "C" fn() -> RawResult;
 type AllReduceFn =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, RawDataType, RawRedOp, RawComm, RawStream) -> RawResult;

@@ -22,6 +22,35 @@ def test_imports_without_a_gpu():
     assert not mempool.is_initialized()
 
 
+def test_the_source_tree_says_to_build_the_wheel(tmp_path):
+    """`import mempool` from crates/mempool-py/python (no compiled extension there) raises an ImportError
+    that says to build the wheel with maturin, not "No module named 'mempool._lib'" alone. The package's
+    Python files are copied without any extension a `maturin develop` may have left beside them."""
+    import shutil
+    import subprocess
+
+    source = pathlib.Path(__file__).resolve().parents[1] / "python" / "mempool"
+    shutil.copytree(source, tmp_path / "mempool", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    r = subprocess.run(
+        [sys.executable, "-c", "import mempool"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1, r
+    lines = r.stderr.strip().splitlines()
+    assert any(l.startswith("ImportError: mempool's compiled extension mempool._lib is missing") for l in lines), r.stderr
+    for needle in (
+        str(tmp_path / "mempool"),
+        "maturin build --release -o ../../target/wheels",
+        "pip install target/wheels/mempool-*.whl",
+        'pip install "maturin>=1.9.4,<2"',
+    ):
+        assert needle in r.stderr, (needle, r.stderr)
+    assert "ModuleNotFoundError" not in r.stderr, r.stderr
+
+
 def test_exception_hierarchy():
     assert issubclass(mempool.OutOfMemoryError, MemoryError)
     assert issubclass(mempool.OutOfMemoryError, mempool.MempoolError)

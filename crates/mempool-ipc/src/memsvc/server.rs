@@ -161,7 +161,7 @@ impl Inner {
     }
 }
 
-/// A running memory service. See the [module documentation](self) and `docs/memory-service.md`.
+/// A running memory service. See the [module documentation](crate::memsvc) and `docs/memory-service.md`.
 ///
 /// [`Server::serve`] binds the socket and starts the threads; [`Server::shutdown`] (or dropping
 /// it) stops them, closes every connection, releases every buffer the server holds and removes
