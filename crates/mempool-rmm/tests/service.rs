@@ -1450,8 +1450,8 @@ fn service_sleep_and_trim_wait_for_a_free_in_flight_on_another_stream() {
 /// Issue 33: unmapping waits for what used the memory, not for the whole device. A kernel of someone
 /// else (on a stream of its own, touching none of the resource's memory) spins until the end of the
 /// test; `trim`, `sleep`, `wake` and the drop (with nothing live) must all return while it still runs.
-/// Before the change each of the first three began with `cuCtxSynchronize` (so did the drop), which
-/// waits for that kernel: they returned only when its 20 s limit ran out, and it was no longer running.
+/// Before the change `trim` and `sleep` began with `cuCtxSynchronize` (and the drop waited so too), which
+/// waits for that kernel: `trim` returned only when its 20 s limit ran out, and it was no longer running.
 #[test]
 #[allow(unsafe_code)]
 fn service_unmaps_without_waiting_for_unrelated_work() {
