@@ -33,7 +33,10 @@ const PRUNE_FROM: usize = 32;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum FenceKey {
     /// The legacy default stream (handle 0, or `CU_STREAM_LEGACY`): it lives as long as its context, so
-    /// it is recorded when the fences are waited for rather than at each free.
+    /// it is recorded when the fences are waited for rather than at each free (no driver call per free,
+    /// the common case of PyTorch's and Python's default stream). An event on the legacy stream also
+    /// stands for the work queued before it on the context's blocking streams (those made without
+    /// `NON_BLOCKING`), so that wait may cover more than the frees, never less.
     Legacy,
     /// The per-thread default stream (`CU_STREAM_PER_THREAD`) of one thread: the handle names the calling
     /// thread's own stream, so the thread is part of the name.
