@@ -29,7 +29,7 @@
 //! place until its process has exited ([`State::process_exited`]): until then the process may
 //! still map the memory through its own imported handle, so the quota stays charged.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -180,6 +180,12 @@ pub(crate) struct State {
     rejected: u64,
     /// Buffers freed under the lock, dropped (their memory released) once [`Service`] released it.
     dead: Vec<Buffer>,
+    /// The deadlines of named buffers with a time-to-live, earliest first: (deadline, buffer id).
+    /// An entry goes when its buffer loses its name, however it loses it, so [`State::expire`]
+    /// looks only at the deadlines that came and the first one that has not.
+    deadlines: BTreeSet<(Instant, u64)>,
+    /// Buffers [`State::expire`] looked at so far (what expiry costs; the tests read it).
+    expiry_visits: u64,
 }
 
 impl State {
@@ -197,6 +203,8 @@ impl State {
             freed: 0,
             rejected: 0,
             dead: Vec::new(),
+            deadlines: BTreeSet::new(),
+            expiry_visits: 0,
         }
     }
 
@@ -341,9 +349,13 @@ impl State {
             size: total,
             members: Vec::with_capacity(members.len()),
         };
+        let expires_at = ttl.and_then(|t| now.checked_add(t));
         for (name, offset, rounded) in laid_out {
             let id = self.fresh_id();
             self.names.insert(name.clone(), id);
+            if let Some(deadline) = expires_at {
+                self.deadlines.insert((deadline, id));
+            }
             self.buffers.insert(
                 id,
                 Buffer {
@@ -357,7 +369,7 @@ impl State {
                     owner_pid: pid,
                     creator: conn,
                     state: BufferState::Creating,
-                    expires_at: ttl.and_then(|t| now.checked_add(t)),
+                    expires_at,
                     attachments: 0,
                     ready: false,
                     event: None,
@@ -737,6 +749,9 @@ impl State {
             return;
         }
         self.names.remove(&buffer.name);
+        if let Some(deadline) = buffer.expires_at {
+            self.deadlines.remove(&(deadline, id));
+        }
         if buffer.state == BufferState::Creating {
             if let Some(group) = self.groups.get_mut(&buffer.group) {
                 group.lost = true;
@@ -760,15 +775,21 @@ impl State {
         Ok(())
     }
 
-    /// Takes away the names of buffers whose time-to-live ran out by `now`.
+    /// Takes away the names of buffers whose time-to-live ran out by `now` (a deadline is due at
+    /// its instant). Costs O(log n) per buffer expired, and one look at the first deadline not
+    /// due: the deadlines are kept in order (the `deadlines` index), not found by a scan.
     pub(crate) fn expire(&mut self, now: Instant) {
-        let expired: Vec<u64> = self
-            .buffers
-            .iter()
-            .filter(|(_, b)| b.state != BufferState::Deleting && b.expires_at.is_some_and(|t| t <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            self.expiry_visits += 1;
+            if deadline > now {
+                break;
+            }
+            // `unname` takes the entry out (every buffer with an entry is named, with this deadline).
+            debug_assert!(self
+                .buffers
+                .get(&id)
+                .is_some_and(|b| b.state != BufferState::Deleting && b.expires_at == Some(deadline)));
+            self.deadlines.pop_first();
             self.unname(id);
         }
     }
@@ -842,6 +863,18 @@ impl State {
         (entries, more)
     }
 
+    /// Buffers [`State::expire`] looked at so far.
+    #[cfg(test)]
+    pub(crate) fn expiry_visits(&self) -> u64 {
+        self.expiry_visits
+    }
+
+    /// How many deadlines the index holds.
+    #[cfg(test)]
+    pub(crate) fn deadlines_held(&self) -> usize {
+        self.deadlines.len()
+    }
+
     /// The counters.
     pub(crate) fn stats(&self) -> ServerStats {
         ServerStats {
@@ -859,6 +892,7 @@ impl State {
     /// keep their own imported handles, so their mappings stay valid).
     pub(crate) fn clear(&mut self) {
         self.names.clear();
+        self.deadlines.clear();
         self.attachments.clear();
         self.conns.clear();
         let ids: Vec<u64> = self.buffers.keys().copied().collect();

@@ -896,3 +896,109 @@ fn a_reservation_member_deleted_while_allocating_refuses_the_group() {
     // Both names are free again, and the quota was credited.
     create_group(&s, 2, &[("r/a", G), ("r/b", G)], now).unwrap();
 }
+
+fn named(s: &Service<HostBackend>, now: Instant) -> Vec<String> {
+    s.list("", now).0.into_iter().map(|b| b.name).collect()
+}
+
+#[test]
+fn expiry_takes_exactly_the_names_whose_deadline_came() {
+    let t0 = Instant::now();
+    let ms = Duration::from_millis;
+    let s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let ttl = |conn, name: &str, ttl_ms| s.create(conn, 42, DEV, G, ttl_ms, name, "", t0).unwrap();
+    ttl(1, "e/10", 10);
+    ttl(1, "e/20a", 20);
+    ttl(1, "e/20b", 20);
+    ttl(1, "e/none", 0);
+    // A group's members share their deadline.
+    s.create_many(1, 42, DEV, 30, "", &members(&[("e/g1", G), ("e/g2", G)]), t0)
+        .unwrap();
+    // Deleted before its deadline, its name reused at once with a later one: the old deadline
+    // must not take the new buffer's name, the new one must.
+    ttl(1, "e/reused", 15);
+    s.delete(1, "e/reused", t0).unwrap();
+    ttl(2, "e/reused", 50);
+    // One attached by another connection when it expires: the name goes, the memory stays.
+    ttl(1, "e/held", 25);
+    s.publish(1, "e/held", None, t0).unwrap();
+    let held = s.attach(2, "e/held", t0).unwrap();
+    let all = ["e/10", "e/20a", "e/20b", "e/g1", "e/g2", "e/held", "e/none", "e/reused"];
+    s.expire(t0 + ms(9));
+    assert_eq!(named(&s, t0 + ms(9)), all);
+    // A deadline is due at its instant, not a moment later.
+    s.expire(t0 + ms(10));
+    assert_eq!(named(&s, t0 + ms(10)), all[1..]);
+    s.expire(t0 + ms(19));
+    assert_eq!(named(&s, t0 + ms(19)), all[1..]);
+    s.expire(t0 + ms(20));
+    assert_eq!(named(&s, t0 + ms(20)), ["e/g1", "e/g2", "e/held", "e/none", "e/reused"]);
+    // (The reused name's old deadline, 15 ms, passed: the new buffer kept its name.)
+    s.expire(t0 + ms(25));
+    assert_eq!(named(&s, t0 + ms(25)), ["e/g1", "e/g2", "e/none", "e/reused"]);
+    assert!(matches!(
+        s.attach(2, "e/held", t0 + ms(25)),
+        Err(Error::UnknownName { .. })
+    ));
+    s.detach(2, held.attachment).unwrap();
+    s.expire(t0 + ms(30));
+    assert_eq!(named(&s, t0 + ms(30)), ["e/none", "e/reused"]);
+    s.expire(t0 + ms(49));
+    assert_eq!(named(&s, t0 + ms(49)), ["e/none", "e/reused"]);
+    s.expire(t0 + ms(50));
+    assert_eq!(named(&s, t0 + ms(50)), ["e/none"]);
+    // Every request expires first: a request at a later instant sees the names gone.
+    let late = ttl(1, "e/late", 5);
+    assert!(matches!(
+        s.attach(2, "e/late", t0 + ms(5)),
+        Err(Error::UnknownName { .. })
+    ));
+    s.detach(1, late.attachment).unwrap();
+    assert_eq!(s.with(|st| st.deadlines_held()), 0, "no deadline outlives its buffer");
+}
+
+#[test]
+fn expiry_visits_only_the_buffers_it_expires() {
+    let t0 = Instant::now();
+    let s = state();
+    s.connect(1, UID).unwrap();
+    const MANY: u64 = 2000;
+    for i in 0..MANY {
+        // Half with a distant deadline, half with none.
+        let ttl_ms = if i % 2 == 0 { 3_600_000 } else { 0 };
+        s.create(1, 42, DEV, G, ttl_ms, &format!("v/{i:05}"), "", t0).unwrap();
+    }
+    s.create(1, 42, DEV, G, 10, "v/soon", "", t0).unwrap();
+    let visits = || s.with(|st| st.expiry_visits());
+    let start = visits();
+    // A hundred requests with nothing due: each looks at one deadline at most, not every buffer.
+    for i in 0..100 {
+        assert!(matches!(
+            s.attach(1, "v/missing", t0 + Duration::from_millis(i % 10)),
+            Err(Error::UnknownName { .. })
+        ));
+    }
+    let idle = visits() - start;
+    assert!(
+        idle <= 100,
+        "100 requests with nothing due looked at {idle} buffers (of {MANY})"
+    );
+    // One due: it is looked at, and the next deadline, an hour away, is.
+    let start = visits();
+    s.expire(t0 + Duration::from_millis(10));
+    assert_eq!(s.stats().named, MANY);
+    let due = visits() - start;
+    assert!(due <= 3, "expiring one buffer looked at {due} buffers (of {MANY})");
+    // An hour on, the thousand with a deadline expire, and only they are looked at.
+    let start = visits();
+    s.expire(t0 + Duration::from_secs(3600));
+    let hour = visits() - start;
+    assert_eq!(s.stats().named, MANY / 2);
+    assert!(
+        hour <= MANY / 2 + 1,
+        "expiring {} buffers looked at {hour} buffers",
+        MANY / 2
+    );
+}
