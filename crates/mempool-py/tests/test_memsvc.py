@@ -21,6 +21,10 @@ import pytest
 import mempool
 from mempool import ipc
 
+# An exception in a thread of this file (the fake server's) fails the test it happened in, instead of
+# passing with a warning: a use of a closed socket is a bug of the test's own.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
 HELLO, CREATE, PUBLISH, ATTACH, DETACH, DELETE, LIST, STATS = 1, 2, 3, 4, 5, 6, 7, 8
 WELCOME, GRANTED, DONE, LIST_PAGE, STATS_REPLY, REFUSED = 64, 65, 66, 67, 68, 69
 
@@ -53,7 +57,12 @@ def _recv_exact(conn, n):
 class FakeServer:
     """A server on a temporary socket path that answers Hello with a Welcome (one GPU), then each request with
     ``self.reply(kind, body)`` (bytes to send, or None to close the connection). ``welcome=False``: it
-    accepts and never answers."""
+    accepts and never answers.
+
+    ``close()`` shuts the sockets down (which wakes the thread from a blocked ``accept`` or ``recv``), joins the
+    thread, and only then closes them: a socket closed under a thread that still uses it is a use of a closed
+    descriptor (``EBADF``, or worse, another file that took its number). A socket error in the thread before
+    ``close()`` is re-raised there, and this file turns thread exceptions into failures."""
 
     def __init__(self, welcome=True):
         self.dir = tempfile.mkdtemp(prefix="mempool-memsvc-test-")
@@ -64,33 +73,45 @@ class FakeServer:
         self.welcome = welcome
         self.requests = []
         self.conns = []
+        self.lock = threading.Lock()
+        self.closing = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         try:
-            conn, _ = self.sock.accept()
+            self._serve()
         except OSError:
-            return
-        self.conns.append(conn)
-        with conn:
-            while True:
-                header = _recv_exact(conn, 12)
-                if header is None:
-                    return
-                assert header[:4] == b"MPMS"
-                _, kind, length = struct.unpack("<HHI", header[4:])
-                body = _recv_exact(conn, length) if length else b""
-                self.requests.append((kind, body))
-                if kind == HELLO:
-                    if not self.welcome:
-                        continue
-                    out = _frame(WELCOME, struct.pack("<IH", 4242, 1) + UUID + struct.pack("<Q", 2 << 20))
-                else:
-                    out = self.reply(kind, body)
-                if out is None:
-                    return
-                conn.sendall(out)
+            # After close() shut the sockets down, an accept or a send fails: that is the end.
+            if not self.closing:
+                raise
+
+    def _serve(self):
+        conn, _ = self.sock.accept()
+        with self.lock:
+            if self.closing:
+                conn.close()
+                return
+            self.conns.append(conn)
+        while True:
+            header = _recv_exact(conn, 12)
+            if header is None:
+                return
+            assert header[:4] == b"MPMS"
+            _, kind, length = struct.unpack("<HHI", header[4:])
+            body = _recv_exact(conn, length) if length else b""
+            self.requests.append((kind, body))
+            if kind == HELLO:
+                if not self.welcome:
+                    continue
+                out = _frame(WELCOME, struct.pack("<IH", 4242, 1) + UUID + struct.pack("<Q", 2 << 20))
+            else:
+                out = self.reply(kind, body)
+            if out is None:
+                # The client sees the connection end now (the socket is closed by close(), after the join).
+                conn.shutdown(socket.SHUT_RDWR)
+                return
+            conn.sendall(out)
 
     def reply(self, kind, body):
         if kind == STATS:
@@ -108,12 +129,18 @@ class FakeServer:
         return None
 
     def close(self):
-        self.sock.close()
-        for c in self.conns:
+        with self.lock:
+            self.closing = True
+            conns = list(self.conns)
+        for s in (self.sock, *conns):
             try:
-                c.close()
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass
+                pass  # not connected: the client is gone already
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive(), "the fake server's thread did not end after its sockets were shut down"
+        for s in (self.sock, *conns):
+            s.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
