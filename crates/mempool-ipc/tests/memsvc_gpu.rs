@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use mempool_core::kernels::{u32s, CheckKernels};
 use mempool_core::{memory, Context, Device, Stream};
-use mempool_ipc::memsvc::{Attached, BufferState, Client, CreateOptions, Error, Server, ServerConfig, ServerStats};
+use mempool_ipc::memsvc::{
+    Attached, BufferState, Client, ClientOptions, CreateOptions, Error, Quotas, Server, ServerConfig, ServerStats,
+};
 
 const ROLE: &str = "MEMSVC_TEST_ROLE";
 const SOCK: &str = "MEMSVC_TEST_SOCK";
@@ -126,6 +128,12 @@ struct ChildProc {
 
 impl ChildProc {
     fn spawn(test: &str, role: &str, sock: &Path) -> ChildProc {
+        ChildProc::spawn_as(test, role, sock, None)
+    }
+
+    /// [`ChildProc::spawn`], running as `uid` (and its gid, without supplementary groups) when
+    /// given: this process must be root.
+    fn spawn_as(test: &str, role: &str, sock: &Path, uid: Option<u32>) -> ChildProc {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--list", "--exact", test])
             .env_remove(ROLE)
@@ -137,15 +145,33 @@ impl ChildProc {
                 .any(|l| l == format!("{test}: test")),
             "this test binary has no test named {test:?}"
         );
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
             .args(["--exact", test, "--nocapture", "--test-threads=1"])
             .env(ROLE, role)
             .env(SOCK, sock)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn the child process");
+            .stderr(Stdio::inherit());
+        if let Some(uid) = uid {
+            use std::os::unix::process::CommandExt;
+            // Another uid cannot write root's home (CUDA's JIT cache).
+            command
+                .uid(uid)
+                .gid(uid)
+                .env("HOME", std::env::temp_dir())
+                .env("CUDA_CACHE_DISABLE", "1");
+        }
+        let mut child = command.spawn().unwrap_or_else(|e| {
+            panic!(
+                "spawn the child process {role:?}{}: {e}",
+                uid.map(|u| format!(
+                    " as uid {u} (the test binary and every directory above it must be readable and \
+                     executable by that uid)"
+                ))
+                .unwrap_or_default()
+            )
+        });
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let stdin = child.stdin.take();
         ChildProc {
@@ -1333,4 +1359,157 @@ fn hostile_clients_all_at_once_leave_mempool_serve_at_its_baseline_and_a_good_cl
     server.stop();
     wait_free(&ctx, before_server, "after mempool-serve exited");
     no_drop_errors("test process");
+}
+
+/// The uid the listed attacher runs as (`nobody` on most systems), and one the list leaves out.
+const GUEST: u32 = 65534;
+const STRANGER: u32 = 65533;
+
+/// A client of another uid than the server's: it trusts the server's (root's) uid.
+fn guest_client() -> Client {
+    Client::connect_with(
+        child_socket(),
+        ClientOptions {
+            trust_uids: vec![0],
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn refused_to(uid: u32, result: Result<Attached, Error>, name: &str) {
+    match result {
+        Err(Error::NotPermitted { uid: u, what }) => {
+            assert_eq!(u, uid);
+            assert!(what.contains(&format!("attach buffer {name:?}")), "{what}");
+        }
+        Err(other) => panic!("uid {uid} attaching {name}: expected NotPermitted, got {other}"),
+        Ok(_) => panic!("uid {uid} attached {name}"),
+    }
+}
+
+/// Needs root: clients run as two other uids, both in the server's allow-list. A buffer is
+/// attachable by its owner's uid only unless its attach list names another; after its owner
+/// deletes a buffer another uid still holds, the owner's quota is free and the holder pays.
+#[test]
+fn an_attach_list_admits_only_its_uids_across_processes_and_the_holder_pays_after_delete() {
+    match role().as_deref() {
+        Some("creator") => {
+            let (dev, _ctx, stream, kernels) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            assert_eq!(client.protocol_version(), 3);
+            let listed = CreateOptions::new().attach_uids([GUEST]);
+            for (name, options, base) in [("acl/default", CreateOptions::new(), 5), ("acl/listed", listed, 7)] {
+                let created = client.create(name, SIZE, dev, &options).unwrap();
+                // SAFETY: 1. `created` maps SIZE bytes (SIZE / 4 u32s, aligned) read-write for `dev`,
+                // and stays mapped until it is dropped, which synchronizes the context first.
+                unsafe { kernels.iota(created.ptr(), SIZE / 4, base, stream.as_ref()) }.unwrap();
+                created.publish(stream.as_ref()).unwrap().release().unwrap();
+            }
+            tell_parent("PUBLISHED");
+            return;
+        }
+        Some("guest") => {
+            let (dev, ctx, stream, _) = client_gpu();
+            let client = guest_client();
+            refused_to(GUEST, client.attach("acl/default", stream.as_ref()), "acl/default");
+            let buf = client.attach("acl/listed", stream.as_ref()).unwrap();
+            check_iota(&ctx, &buf, 7, &stream);
+            tell_parent("HOLDING");
+            hear_parent("CHECK");
+            // Deleted by its owner meanwhile: the bytes are still here, and charged to this uid
+            // (its quota, 2 buffers' worth, has room for one more only).
+            check_iota(&ctx, &buf, 7, &stream);
+            match client.create("acl/guest", 2 * SIZE, dev, &CreateOptions::new()) {
+                Err(Error::QuotaExceeded { in_use, .. }) => assert_eq!(in_use, SIZE as u64),
+                other => panic!("expected this uid's quota to count what it holds, got {other:?}"),
+            }
+            drop(buf);
+            no_drop_errors("guest");
+            tell_parent("OK");
+            return;
+        }
+        Some("stranger") => {
+            let (_dev, _ctx, stream, _) = client_gpu();
+            let client = guest_client();
+            refused_to(STRANGER, client.attach("acl/listed", stream.as_ref()), "acl/listed");
+            match client.attach_many(&["acl/default", "acl/listed"], stream.as_ref()) {
+                Err(Error::NotPermitted { uid, .. }) => assert_eq!(uid, STRANGER),
+                other => panic!("attach_many by a uid no list names: {:?}", other.map(|v| v.len())),
+            }
+            tell_parent("OK");
+            return;
+        }
+        Some("again") => {
+            // The owner's quota (2 buffers' worth) holds acl/default and, since the delete, not
+            // acl/listed, which the guest still maps.
+            let (dev, _ctx, _stream, _) = client_gpu();
+            let client = Client::connect(child_socket()).unwrap();
+            let again = client.create("acl/again", SIZE, dev, &CreateOptions::new()).unwrap();
+            match client.create("acl/more", SIZE, dev, &CreateOptions::new()) {
+                Err(Error::QuotaExceeded { in_use, .. }) => assert_eq!(in_use, 2 * SIZE as u64),
+                other => panic!(
+                    "expected the owner's quota to be full, got {:?}",
+                    other.map(|c| c.len())
+                ),
+            }
+            again.discard().unwrap();
+            no_drop_errors("again");
+            tell_parent("OK");
+            return;
+        }
+        Some(other) => panic!("unknown role {other}"),
+        None => {}
+    }
+    assert_eq!(
+        rustix::process::geteuid().as_raw(),
+        0,
+        "this test runs clients as uids {GUEST} and {STRANGER}: run it as root"
+    );
+    let _s = serial();
+    let (_dev, ctx) = gpu();
+    let baseline = free_memory(&ctx);
+    let path = socket_path(this_test!());
+    let server = Server::serve(
+        ServerConfig::new(&path)
+            .devices([0])
+            .allow_uids([GUEST, STRANGER])
+            .socket_mode(0o666)
+            .quotas(Quotas {
+                per_uid_bytes: Some(2 * SIZE as u64),
+                ..Quotas::default()
+            }),
+    )
+    .expect("start the memory server on GPU 0");
+    let mut creator = ChildProc::spawn(this_test!(), "creator", &path);
+    creator.expect("PUBLISHED");
+    creator.succeeds();
+    let mut guest = ChildProc::spawn_as(this_test!(), "guest", &path, Some(GUEST));
+    guest.expect("HOLDING");
+    let mut stranger = ChildProc::spawn_as(this_test!(), "stranger", &path, Some(STRANGER));
+    stranger.expect("OK");
+    stranger.succeeds();
+    let admin = Client::connect(&path).unwrap();
+    admin.delete("acl/listed").unwrap();
+    let stats = server.stats();
+    assert_eq!(
+        (stats.lingering_buffers, stats.lingering_bytes),
+        (1, SIZE as u64),
+        "{stats:?}"
+    );
+    let mut again = ChildProc::spawn(this_test!(), "again", &path);
+    again.expect("OK");
+    again.succeeds();
+    guest.say("CHECK");
+    guest.expect("OK");
+    guest.succeeds();
+    wait_stats(&server, "the guest let go", |s| {
+        s.lingering_buffers == 0 && s.lingering_bytes == 0 && s.buffers == 1
+    });
+    admin.delete("acl/default").unwrap();
+    wait_stats(&server, "everything freed", |s| s.buffers == 0);
+    drop(admin);
+    wait_free(&ctx, baseline, "after the deletes");
+    server.shutdown();
+    no_drop_errors("server");
 }

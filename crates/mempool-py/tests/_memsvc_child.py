@@ -17,13 +17,14 @@ Modes:
   PyTorch stream: with a missing name among them it raises ``UnknownNameError`` naming it and attaches
   nothing; then attaches all three, checks each ``torch.from_dlpack`` view (no copy) reads its pattern, and
   that dropping them ends the attachments.
-- ``misc``: the errors and the buffer methods without a framework, under names NAME/x and NAME/y: attach
-  of an unknown name, a name taken, ``copy_from_host``/``tobytes``, ``discard`` before and after a view,
+- ``misc``: the errors and the buffer methods without a framework, under names NAME/x, NAME/y and NAME/z:
+  protocol version 3, a create with an attach list (discarded), attach of an unknown name, a name taken, ``copy_from_host``/``tobytes``, ``discard`` before and after a view,
   publishing after a discard; deletes what it made.
 """
 
 import gc
 import json
+import os
 import sys
 
 from mempool import ipc
@@ -217,6 +218,10 @@ def create_group(path, prefix, nbytes, seed, count):
 
 def misc(path, name, nbytes, seed):
     client = ipc.Client(path)
+    assert client.protocol_version == 3, client.protocol_version
+    # An attach list travels with create (who is in it is the server's to enforce: the host tests).
+    widened = client.create(name + "/z", 4096, device=0, attach_uids=[os.getuid() + 1, 65534])
+    widened.discard()
     try:
         client.attach(name + "/nobody")
         raise AssertionError("attached a name nobody created")

@@ -2,9 +2,11 @@
 
 The module's surface, the stubs, name validation, argument checks, connecting to a path nobody serves, and a
 ``Client`` against a fake server written here (a thread speaking the service's protocol, docs/memory-service.md
-"The protocol"): the Welcome handshake, ``stats()``, ``list()`` and its ``BufferInfo``s, every refusal the
-server can send mapped to its Python class (the connection staying usable after each), a server that closes
-the connection (``ServerGoneError`` then and for every later call) and one that never answers (a timeout).
+"The protocol"): the Welcome handshake in protocol version 3, and with a server of version 2 (which refuses
+a version-3 Hello: the client connects again in version 2), ``stats()``, ``list()`` and its ``BufferInfo``s,
+every refusal the server can send mapped to its Python class (the connection staying usable after each),
+attach lists checked before anything is sent, a server that closes the connection (``ServerGoneError`` then
+and for every later call) and one that never answers (a timeout).
 The GPU tests are in ``test_memsvc_gpu.py``.
 """
 
@@ -21,14 +23,18 @@ import pytest
 import mempool
 from mempool import ipc
 
+# An exception in a thread of this file (the fake server's) fails the test it happened in, instead of
+# passing with a warning: a use of a closed socket is a bug of the test's own.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
 HELLO, CREATE, PUBLISH, ATTACH, DETACH, DELETE, LIST, STATS = 1, 2, 3, 4, 5, 6, 7, 8
 WELCOME, GRANTED, DONE, LIST_PAGE, STATS_REPLY, REFUSED = 64, 65, 66, 67, 68, 69
 
 UUID = bytes(range(16))
 
 
-def _frame(kind, body=b""):
-    return b"MPMS" + struct.pack("<HHI", 2, kind, len(body)) + body  # protocol version 2
+def _frame(kind, body=b"", version=3):
+    return b"MPMS" + struct.pack("<HHI", version, kind, len(body)) + body
 
 
 def _str(s):
@@ -36,8 +42,9 @@ def _str(s):
     return struct.pack("<H", len(b)) + b
 
 
-def _refused(code, name="", uid=0, scope=0, kind=0, state=0, numbers=(0, 0, 0), text=""):
-    return _frame(REFUSED, struct.pack("<HIBBB3Q", code, uid, scope, kind, state, *numbers) + _str(name) + _str(text))
+def _refused(code, name="", uid=0, scope=0, kind=0, state=0, numbers=(0, 0, 0), text="", version=3):
+    body = struct.pack("<HIBBB3Q", code, uid, scope, kind, state, *numbers) + _str(name) + _str(text)
+    return _frame(REFUSED, body, version)
 
 
 def _recv_exact(conn, n):
@@ -52,68 +59,112 @@ def _recv_exact(conn, n):
 
 class FakeServer:
     """A server on a temporary socket path that answers Hello with a Welcome (one GPU), then each request with
-    ``self.reply(kind, body)`` (bytes to send, or None to close the connection). ``welcome=False``: it
-    accepts and never answers."""
+    ``self.reply(kind, body)`` (bytes to send, or None to close the connection), in frames of the Hello's
+    protocol version. ``welcome=False``: it accepts and never answers. ``version=2``: a server of protocol
+    version 2, which refuses a frame of any other version (``Protocol``, in a version-2 frame) and closes that
+    connection, as version 2's did. It serves its connections one after the other; ``hellos`` lists the
+    versions of the Hellos it got.
 
-    def __init__(self, welcome=True):
+    ``close()`` shuts the sockets down (which wakes the thread from a blocked ``accept`` or ``recv``), joins the
+    thread, and only then closes them: a socket closed under a thread that still uses it is a use of a closed
+    descriptor (``EBADF``, or worse, another file that took its number). A socket error in the thread before
+    ``close()`` is re-raised there, and this file turns thread exceptions into failures."""
+
+    def __init__(self, welcome=True, version=3):
         self.dir = tempfile.mkdtemp(prefix="mempool-memsvc-test-")
         self.path = os.path.join(self.dir, "svc.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         self.sock.listen(4)
         self.welcome = welcome
+        self.version = version
+        self.hellos = []
         self.requests = []
         self.conns = []
+        self.lock = threading.Lock()
+        self.closing = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         try:
-            conn, _ = self.sock.accept()
+            self._serve()
         except OSError:
-            return
-        self.conns.append(conn)
-        with conn:
-            while True:
-                header = _recv_exact(conn, 12)
-                if header is None:
-                    return
-                assert header[:4] == b"MPMS"
-                _, kind, length = struct.unpack("<HHI", header[4:])
-                body = _recv_exact(conn, length) if length else b""
-                self.requests.append((kind, body))
-                if kind == HELLO:
-                    if not self.welcome:
-                        continue
-                    out = _frame(WELCOME, struct.pack("<IH", 4242, 1) + UUID + struct.pack("<Q", 2 << 20))
-                else:
-                    out = self.reply(kind, body)
-                if out is None:
-                    return
-                conn.sendall(out)
+            # After close() shut the sockets down, an accept or a send fails: that is the end.
+            if not self.closing:
+                raise
 
-    def reply(self, kind, body):
+    def _serve(self):
+        while self._converse():
+            pass
+
+    def _converse(self):
+        """Serves one connection; returns whether to accept another."""
+        conn, _ = self.sock.accept()
+        with self.lock:
+            if self.closing:
+                conn.close()
+                return False
+            self.conns.append(conn)
+        spoken = None
+        while True:
+            header = _recv_exact(conn, 12)
+            if header is None:
+                return False
+            assert header[:4] == b"MPMS"
+            version, kind, length = struct.unpack("<HHI", header[4:])
+            if self.version == 2 and version != 2:
+                # What a server of version 2 does with a frame of another version.
+                conn.sendall(_refused(13, text=f"protocol version {version}, this side speaks version 2", version=2))
+                conn.shutdown(socket.SHUT_RDWR)
+                return True
+            body = _recv_exact(conn, length) if length else b""
+            self.requests.append((kind, body))
+            if kind == HELLO:
+                self.hellos.append(version)
+                spoken = version
+                if not self.welcome:
+                    continue
+                out = _frame(WELCOME, struct.pack("<IH", 4242, 1) + UUID + struct.pack("<Q", 2 << 20), spoken)
+            else:
+                assert version == spoken, f"a version-{version} frame on a version-{spoken} connection"
+                out = self.reply(kind, body, spoken)
+            if out is None:
+                # The client sees the connection end now (the socket is closed by close(), after the join).
+                conn.shutdown(socket.SHUT_RDWR)
+                return False
+            conn.sendall(out)
+
+    def reply(self, kind, body, version):
         if kind == STATS:
-            return _frame(STATS_REPLY, struct.pack("<7Q", 1, 2 << 20, 1, 3, 2, 5, 6))
+            numbers = (1, 2 << 20, 1, 3, 2, 5, 6, 8, 9)[: 9 if version >= 3 else 7]
+            return _frame(STATS_REPLY, struct.pack(f"<{len(numbers)}Q", *numbers), version)
         if kind == LIST:
             entry = (_str("weights/a") + struct.pack("<Q", 2 << 20) + UUID + _str("bf16")
                      + struct.pack("<BIIIBQ", 1, os.getuid(), 777, 2, 1, 1500))
             entry2 = (_str("weights/b") + struct.pack("<Q", 4 << 20) + UUID + _str("")
                       + struct.pack("<BIIIBQ", 0, os.getuid(), 778, 1, 0, 0))
-            return _frame(LIST_PAGE, struct.pack("<BH", 0, 2) + entry + entry2)
+            return _frame(LIST_PAGE, struct.pack("<BH", 0, 2) + entry + entry2, version)
         if kind == DELETE:
             name = body[2:].decode()
             code = int(name.split("-")[1])
-            return _refused(code, name=name, uid=os.getuid(), numbers=(10, 8, 4), text="delete a buffer of uid 0")
+            return _refused(code, name=name, uid=os.getuid(), numbers=(10, 8, 4), text="delete a buffer of uid 0",
+                            version=version)
         return None
 
     def close(self):
-        self.sock.close()
-        for c in self.conns:
+        with self.lock:
+            self.closing = True
+            conns = list(self.conns)
+        for s in (self.sock, *conns):
             try:
-                c.close()
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass
+                pass  # not connected: the client is gone already
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive(), "the fake server's thread did not end after its sockets were shut down"
+        for s in (self.sock, *conns):
+            s.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -132,7 +183,7 @@ def test_module_surface():
         assert getattr(ipc, name) is getattr(mempool._lib, name), name
         assert name in ipc.__all__, name
     for name in ("create", "create_many", "attach", "attach_many", "delete", "list", "stats", "path", "server_pid",
-                 "devices"):
+                 "devices", "protocol_version"):
         assert hasattr(ipc.Client, name), name
     for cls in (ipc.CreatedBuffer, ipc.AttachedBuffer):
         for name in ("ptr", "size", "device", "name", "stream", "tobytes", "copy_from_host",
@@ -222,12 +273,14 @@ def test_serve_argument_checks(no_driver):
 def test_client_against_a_fake_server(fake):
     client = ipc.Client(fake.path, timeout=10)
     assert fake.requests[0] == (HELLO, b"")
+    assert fake.hellos == [3] and client.protocol_version == 3
     assert client.path == fake.path
     assert client.server_pid == 4242
     assert client.devices == ["GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"]
     assert "4242" in repr(client)
     assert client.stats() == {
         "buffers": 1, "bytes": 2 << 20, "named": 1, "attachments": 3, "connections": 2, "freed": 5, "rejected": 6,
+        "lingering_buffers": 8, "lingering_bytes": 9,
     }
     infos = client.list()
     assert [i.name for i in infos] == ["weights/a", "weights/b"]
@@ -299,9 +352,49 @@ def test_client_names_are_checked_before_anything_is_sent(fake):
     assert len(fake.requests) == sent
 
 
+def test_a_version_2_server_is_spoken_to_in_version_2():
+    server = FakeServer(version=2)
+    try:
+        client = ipc.Client(server.path, timeout=10)
+        # Refused in version 3, then welcomed in version 2 on a second connection.
+        assert server.hellos == [2] and len(server.conns) == 2
+        assert client.protocol_version == 2
+        assert client.stats() == {
+            "buffers": 1, "bytes": 2 << 20, "named": 1, "attachments": 3, "connections": 2, "freed": 5,
+            "rejected": 6, "lingering_buffers": 0, "lingering_bytes": 0,
+        }
+        # Version 2 has no attach lists: asking for one is refused before anything is sent (or the GPU asked).
+        sent = len(server.requests)
+        for call in (lambda: client.create("x", 4096, attach_uids=[1234]),
+                     lambda: client.create_many(["x"], [4096], attach_uids=[1234])):
+            with pytest.raises(ValueError, match="protocol version 2, which has no attach lists"):
+                call()
+        assert len(server.requests) == sent
+    finally:
+        server.close()
+
+
+def test_attach_lists_are_checked_before_anything_is_sent(fake):
+    client = ipc.Client(fake.path, timeout=10)
+    sent = len(fake.requests)
+    for create in (lambda uids: client.create("x", 4096, attach_uids=uids),
+                   lambda uids: client.create_many(["x", "y"], [4096, 4096], attach_uids=uids)):
+        with pytest.raises(ValueError, match="no uid"):
+            create([2**32 - 1])
+        with pytest.raises(ValueError, match="at most 64"):
+            create(list(range(65)))
+        with pytest.raises(OverflowError):
+            create([-1])
+        with pytest.raises(TypeError):
+            create("1000")
+        with pytest.raises(TypeError):
+            create([1.5])
+    assert len(fake.requests) == sent
+
+
 def test_a_closed_connection_is_server_gone_for_every_later_call(fake):
     client = ipc.Client(fake.path, timeout=10)
-    fake.reply = lambda kind, body: None  # closes on the next request
+    fake.reply = lambda kind, body, version: None  # closes on the next request
     with pytest.raises(ipc.ServerGoneError):
         client.stats()
     for call in (client.stats, client.list, lambda: client.delete("x")):

@@ -15,7 +15,8 @@ and attach named buffers through PyTorch and CuPy.
 - ``Client.create_many``: a group of three buffers made in one process (back to back in one mapping, each
   written through PyTorch at its own address), attached by ``attach_many`` in a fresh process.
 - Deleting a buffer while a process holds it attached: the name goes at once (``attach`` raises
-  ``UnknownNameError``), the holder still reads its bytes, and the memory is freed when it lets go.
+  ``UnknownNameError``), the holder still reads its bytes, the server's counters show the buffer and its
+  bytes as lingering, and the memory is freed when it lets go.
 
 This process only serves and makes host calls (list, delete, stats): every mapping and event is in a
 child, never in the server's own process. Nothing here times anything; the waits for the server to notice
@@ -174,12 +175,16 @@ def test_delete_while_attached(server):
     assert "t4/w" not in [i.name for i in client.list()]
     with pytest.raises(ipc.UnknownNameError):
         client.attach("t4/w")
-    # The name is free again while the old memory is still held.
+    # The name is free again while the old memory is still held, and shows as lingering (charged to the
+    # holder's uid, not the owner's).
     stats = server.stats()
     assert stats["named"] == base["named"] and stats["buffers"] == base["buffers"] + 1
+    assert (stats["lingering_buffers"], stats["lingering_bytes"]) == (1, NBYTES), stats
     assert held.release()["ok"]  # it read the same bytes after the delete
     del client
     back_to(server, base)
+    stats = server.stats()
+    assert (stats["lingering_buffers"], stats["lingering_bytes"]) == (0, 0), stats
 
 
 def test_errors_and_buffer_methods(server):

@@ -24,7 +24,7 @@ use super::error::{Error, Result};
 use super::gpu;
 use super::names;
 use super::proto::codec;
-use super::proto::messages::{EventBytes, GrantEntry, Message, MAX_ATTACH_MANY};
+use super::proto::messages::{EventBytes, GrantEntry, Message, MAX_ATTACH_MANY, MAX_ATTACH_UIDS, MIN_VERSION, VERSION};
 use super::types::{BufferInfo, ServerStats};
 use crate::cred;
 use crate::trace::{self, Point};
@@ -55,12 +55,49 @@ impl Default for ClientOptions {
 pub struct CreateOptions {
     tag: String,
     ttl: Option<Duration>,
+    attach_uids: Vec<u32>,
 }
 
 impl CreateOptions {
-    /// No tag, the server's default time-to-live.
+    /// No tag, the server's default time-to-live, attachable by the owner's uid only.
     pub fn new() -> CreateOptions {
         CreateOptions::default()
+    }
+
+    /// The uids besides the creator's that may attach the buffer (at most
+    /// [`MAX_ATTACH_UIDS`](Self::MAX_ATTACH_UIDS), given twice or not; not `u32::MAX`). By default
+    /// only the creator's uid may: another uid the server lets connect gets
+    /// [`Error::NotPermitted`] from `attach`. A uid listed here that keeps an attachment after
+    /// the owner deleted the buffer is charged its bytes until it detaches (docs/memory-service.md,
+    /// "Who pays after a delete"). The members of a group share one list. A server of protocol
+    /// version 2 has no attach lists: there a non-empty one refuses the create
+    /// ([`Error::InvalidArgument`]).
+    pub fn attach_uids(mut self, uids: impl IntoIterator<Item = u32>) -> CreateOptions {
+        self.attach_uids = uids.into_iter().collect();
+        self
+    }
+
+    /// The most uids an attach list names.
+    pub const MAX_ATTACH_UIDS: usize = MAX_ATTACH_UIDS;
+
+    /// The attach list as the request carries it: each uid once, in the order given; refused
+    /// ([`Error::InvalidArgument`]) if too long, holding `u32::MAX`, or not empty on a connection
+    /// of protocol version 2.
+    pub(crate) fn attach_list(&self, version: u16) -> Result<Vec<u32>> {
+        let mut uids: Vec<u32> = Vec::with_capacity(self.attach_uids.len());
+        for &uid in &self.attach_uids {
+            if !uids.contains(&uid) {
+                uids.push(uid);
+            }
+        }
+        codec::check_attach_uids(&uids).map_err(Error::InvalidArgument)?;
+        if version < 3 && !uids.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "an attach list ({uids:?}): the server speaks protocol version {version}, which has no attach \
+                 lists (upgrade the server; there every uid it lets connect may attach every buffer)"
+            )));
+        }
+        Ok(uids)
     }
 
     /// A free-form tag, at most [`MAX_TAG_LEN`](super::names::MAX_TAG_LEN) bytes, shown by `list`.
@@ -80,6 +117,8 @@ impl CreateOptions {
 struct Shared {
     /// `None` once the connection failed.
     conn: Mutex<Option<Framed>>,
+    /// The protocol version the connection speaks.
+    version: u16,
     timeout: Duration,
     server_pid: u32,
     devices: Vec<(DeviceUuid, u64)>,
@@ -120,12 +159,41 @@ impl Client {
     }
 
     /// Connects to the server at `path`: checks the server's uid (`SO_PEERCRED`: this process's
-    /// own or one of `trust_uids`), says Hello and reads the served devices.
+    /// own or one of `trust_uids`), says Hello and reads the served devices. Hello is said in
+    /// the newest protocol version; a server of version 2 refuses it, and the client connects
+    /// again in version 2 ([`Client::protocol_version`] says which it got).
     ///
     /// Errors: [`Error::PeerGone`] if nobody listens there, [`Error::NotPermitted`] if the server
     /// runs as an untrusted uid or refuses this one, [`Error::Busy`] at its connection limit.
     pub fn connect_with(path: impl AsRef<Path>, options: ClientOptions) -> Result<Client> {
         let path = path.as_ref();
+        let (framed, server_pid, devices) = match Client::handshake(path, &options, VERSION)? {
+            Handshake::Welcome(framed, pid, devices) => (framed, pid, devices),
+            Handshake::Older(why) => match Client::handshake(path, &options, MIN_VERSION)? {
+                Handshake::Welcome(framed, pid, devices) => (framed, pid, devices),
+                Handshake::Older(again) => {
+                    return Err(Error::protocol(format!(
+                        "the server refused protocol version {VERSION} ({why}) and version {MIN_VERSION} ({again})"
+                    )))
+                }
+            },
+        };
+        Ok(Client {
+            shared: Arc::new(Shared {
+                version: framed.version().unwrap_or(MIN_VERSION),
+                conn: Mutex::new(Some(framed)),
+                timeout: options.timeout,
+                server_pid,
+                devices,
+                events: gpu::OpenedEvents::default(),
+                local: gpu::LocalDevices::default(),
+                memories: gpu::MappedMemories::default(),
+            }),
+        })
+    }
+
+    /// One connection and its Hello in protocol `version`.
+    fn handshake(path: &Path, options: &ClientOptions, version: u16) -> Result<Handshake> {
         let stream = UnixStream::connect(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => Error::PeerGone {
                 during: "connecting (no server listens on the path)",
@@ -143,30 +211,36 @@ impl Client {
                 ),
             });
         }
-        let framed = Framed::new(stream, false, options.timeout)?;
+        let framed = Framed::new(stream, false, Some(version), options.timeout)?;
         // A server at its connection limit writes `Refused` and closes at once: the Hello may
         // then fail to go out, but the refusal is still there to read and says why.
         let sent = framed.send(&Message::Hello, None);
-        let (server_pid, devices) = match (framed.recv(Some(options.timeout), options.timeout), sent) {
-            (Ok((Message::Refused(r), _)), _) => return Err(codec::error_of(r)),
-            (_, Err(e)) => return Err(e),
-            (Ok((Message::Welcome { pid, devices }, _)), Ok(())) => (pid, devices),
-            (Ok((other, _)), Ok(())) => {
-                return Err(Error::protocol(format!("expected Welcome, got {:?}", other.kind())))
+        match (framed.recv_versioned(Some(options.timeout), options.timeout), sent) {
+            // An older server cannot read our frames and says so in one of its own.
+            (Ok((Message::Refused(r), _, theirs)), _) if theirs < version && codec::is_protocol_refusal(&r) => {
+                Ok(Handshake::Older(r.text))
             }
-            (Err(e), Ok(())) => return Err(e),
-        };
-        Ok(Client {
-            shared: Arc::new(Shared {
-                conn: Mutex::new(Some(framed)),
-                timeout: options.timeout,
-                server_pid,
-                devices,
-                events: gpu::OpenedEvents::default(),
-                local: gpu::LocalDevices::default(),
-                memories: gpu::MappedMemories::default(),
-            }),
-        })
+            (Ok((Message::Refused(r), ..)), _) => Err(codec::error_of(r)),
+            (_, Err(e)) => Err(e),
+            (Ok((Message::Welcome { pid, devices }, ..)), Ok(())) => Ok(Handshake::Welcome(framed, pid, devices)),
+            (Ok((other, ..)), Ok(())) => Err(Error::protocol(format!("expected Welcome, got {:?}", other.kind()))),
+            (Err(e), Ok(())) => Err(e),
+        }
+    }
+
+    /// The protocol version the connection speaks: 3, or 2 with a server of version 2 (which has
+    /// no attach lists, and whose buffers every uid it lets connect may attach).
+    pub fn protocol_version(&self) -> u16 {
+        self.shared.version
+    }
+
+    /// What [`Client::create`] and [`Client::create_many`] check of `options` before they send
+    /// anything: the tag's length ([`Error::BadTag`]) and the attach list
+    /// ([`Error::InvalidArgument`]: too long, `u32::MAX`, or not empty with a server of
+    /// protocol version 2).
+    pub fn check_create_options(&self, options: &CreateOptions) -> Result<()> {
+        names::check_tag(&options.tag)?;
+        options.attach_list(self.shared.version).map(drop)
     }
 
     /// The server's process id (as it announced it).
@@ -233,13 +307,16 @@ impl Client {
 
     /// Creates a buffer of `size` bytes (rounded up to the GPU's granularity) named `name` on
     /// `device`, held by the server, and maps it here for writing. Publish it with
-    /// [`Created::publish`] once written; dropping it unpublished deletes it.
+    /// [`Created::publish`] once written; dropping it unpublished deletes it. Only this uid, and
+    /// those of `options`' attach list ([`CreateOptions::attach_uids`]), may attach it.
     ///
-    /// Errors: [`Error::BadName`], [`Error::NameTaken`], [`Error::QuotaExceeded`],
-    /// [`Error::DeviceNotServed`], [`Error::BadSize`], [`Error::ServerGpu`], [`Error::PeerGone`].
+    /// Errors: [`Error::BadName`], [`Error::BadTag`], [`Error::InvalidArgument`] (the attach
+    /// list), [`Error::NameTaken`], [`Error::QuotaExceeded`], [`Error::DeviceNotServed`],
+    /// [`Error::BadSize`], [`Error::ServerGpu`], [`Error::PeerGone`].
     pub fn create(&self, name: &str, size: usize, device: Device, options: &CreateOptions) -> Result<Created> {
         names::validate_name(name)?;
-        names::check_tag(&options.tag)?;
+        self.check_create_options(options)?;
+        let attach_uids = options.attach_list(self.shared.version)?;
         let uuid = DeviceUuid(device.uuid()?.0);
         let ttl_ms = options
             .ttl
@@ -250,6 +327,7 @@ impl Client {
             ttl_ms,
             name: name.to_owned(),
             tag: options.tag.clone(),
+            attach_uids,
         })?;
         // From here on the server holds the buffer for us: dropping `created` deletes it.
         let mut created = Created {
@@ -299,7 +377,8 @@ impl Client {
         for (name, _) in members {
             names::validate_name(name.as_ref())?;
         }
-        names::check_tag(&options.tag)?;
+        self.check_create_options(options)?;
+        let attach_uids = options.attach_list(self.shared.version)?;
         let uuid = DeviceUuid(device.uuid()?.0);
         let ttl_ms = options
             .ttl
@@ -308,6 +387,7 @@ impl Client {
             device: uuid,
             ttl_ms,
             tag: options.tag.clone(),
+            attach_uids,
             members: members
                 .iter()
                 .map(|(name, size)| (name.as_ref().to_owned(), *size as u64))
@@ -347,6 +427,7 @@ impl Client {
     /// the result unmaps it.
     ///
     /// Errors: [`Error::BadName`], [`Error::UnknownName`] (also for a name being deleted),
+    /// [`Error::NotPermitted`] (this uid is neither the buffer's owner's nor in its attach list),
     /// [`Error::WrongState`] (still being created), [`Error::DeviceNotVisible`],
     /// [`Error::Attach`] (mapping it here, or ordering `stream` after it, failed),
     /// [`Error::PeerGone`].
@@ -468,7 +549,8 @@ impl Client {
 
     /// Deletes the buffer `name`: its name goes at once (a later `attach` finds nothing, a
     /// `create` may reuse it); its memory is released when the last attachment lets go. Only its
-    /// owner's uid (or the server's) may delete it.
+    /// owner's uid (or the server's) may delete it. From then on the bytes are charged to the
+    /// uids still attached, not to the owner (docs/memory-service.md, "Who pays after a delete").
     ///
     /// Errors: [`Error::BadName`], [`Error::UnknownName`], [`Error::NotPermitted`],
     /// [`Error::PeerGone`].
@@ -517,7 +599,8 @@ impl Client {
         }
     }
 
-    /// The server's counters.
+    /// The server's counters (a server of protocol version 2 reports no lingering buffers or
+    /// bytes: 0).
     pub fn stats(&self) -> Result<ServerStats> {
         match self.call(&Message::Stats)? {
             (Message::StatsReply { numbers: n }, _) => Ok(ServerStats {
@@ -528,10 +611,19 @@ impl Client {
                 connections: n[4],
                 freed: n[5],
                 rejected: n[6],
+                lingering_buffers: n[7],
+                lingering_bytes: n[8],
             }),
             (other, _) => Err(self.unexpected("StatsReply", &other)),
         }
     }
+}
+
+/// How a Hello went: welcomed (the connection, the server's pid and devices), or refused by a
+/// server of an older protocol version (its reason).
+enum Handshake {
+    Welcome(Framed, u32, Vec<(DeviceUuid, u64)>),
+    Older(String),
 }
 
 /// A `Granted` reply with its descriptor (its grant's fields read through it).

@@ -2,7 +2,8 @@
 //! limits: the first byte of a frame may be waited for as long as the caller says, the rest must
 //! come within the frame limit (a client that trickles bytes is cut off). Descriptors are counted
 //! against what the frame's type carries; any extra are closed at once and the frame refused.
-//! Used by both the server and the client.
+//! Frames are of the connection's protocol version (a Refused of any version this build speaks
+//! is accepted: see `proto::messages`). Used by both the server and the client.
 
 use std::io::ErrorKind;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -14,7 +15,7 @@ use rustix::net::{RecvFlags, SendFlags};
 
 use super::error::{Error, Result};
 use super::proto::codec;
-use super::proto::messages::{Message, HEADER_LEN, MAX_ATTACH_MANY};
+use super::proto::messages::{Message, MessageKind, HEADER_LEN, MAX_ATTACH_MANY, MIN_VERSION};
 use crate::fdpass;
 
 /// One end of a memory-service connection.
@@ -23,6 +24,9 @@ pub(crate) struct Framed {
     stream: UnixStream,
     /// Which side reads here: a server reads only client messages, a client only server ones.
     server_side: bool,
+    /// The connection's protocol version: a client's from the start, a server's once the Hello
+    /// came (`None` before: frames of any version are read, and sent in [`MIN_VERSION`]).
+    version: Option<u16>,
 }
 
 fn is_timeout(errno: Errno) -> bool {
@@ -34,10 +38,31 @@ fn is_gone(errno: Errno) -> bool {
 }
 
 impl Framed {
-    /// Wraps a connected socket; `write_timeout` bounds every send.
-    pub(crate) fn new(stream: UnixStream, server_side: bool, write_timeout: Duration) -> Result<Framed> {
+    /// Wraps a connected socket; `write_timeout` bounds every send. `version`: the protocol
+    /// version the connection speaks (a client's), or `None` until [`Framed::set_version`] (a
+    /// server's, once it read the Hello).
+    pub(crate) fn new(
+        stream: UnixStream,
+        server_side: bool,
+        version: Option<u16>,
+        write_timeout: Duration,
+    ) -> Result<Framed> {
         stream.set_write_timeout(Some(write_timeout.max(Duration::from_millis(1))))?;
-        Ok(Framed { stream, server_side })
+        Ok(Framed {
+            stream,
+            server_side,
+            version,
+        })
+    }
+
+    /// The connection's protocol version, once known.
+    pub(crate) fn version(&self) -> Option<u16> {
+        self.version
+    }
+
+    /// The connection speaks `version` from now on (the server, after the Hello).
+    pub(crate) fn set_version(&mut self, version: u16) {
+        self.version = Some(version);
     }
 
     pub(crate) fn stream(&self) -> &UnixStream {
@@ -53,7 +78,7 @@ impl Framed {
     /// Sends one message, with `fds` (as many as the message carries: the receiver checks)
     /// attached to its first byte, in one `SCM_RIGHTS` message.
     pub(crate) fn send_fds(&self, message: &Message, fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let frame = codec::encode(message)?;
+        let frame = codec::encode_as(message, self.version.unwrap_or(MIN_VERSION))?;
         let mut sent = 0;
         while sent < frame.len() {
             let fds: &[BorrowedFd<'_>] = if sent == 0 { fds } else { &[] };
@@ -158,6 +183,17 @@ impl Framed {
     /// Receives one message and its descriptors. Waits up to `first` for its first byte (None:
     /// forever); the whole frame must then arrive within `frame_timeout`.
     pub(crate) fn recv(&self, first: Option<Duration>, frame_timeout: Duration) -> Result<(Message, Vec<OwnedFd>)> {
+        self.recv_versioned(first, frame_timeout)
+            .map(|(message, fds, _)| (message, fds))
+    }
+
+    /// [`Framed::recv`], with the protocol version of the frame: the connection's, or any this
+    /// build speaks for a Refused, or for anything before the connection's version is known.
+    pub(crate) fn recv_versioned(
+        &self,
+        first: Option<Duration>,
+        frame_timeout: Duration,
+    ) -> Result<(Message, Vec<OwnedFd>, u16)> {
         let mut deadline = None;
         let mut fds = Vec::new();
         // Before the header is in, at most what any message this side receives carries is kept
@@ -173,6 +209,14 @@ impl Framed {
             &mut fd_limit,
         )?;
         let h = codec::decode_header(&header)?;
+        if let Some(version) = self.version {
+            if h.version != version && h.kind != MessageKind::Refused {
+                return Err(Error::protocol(format!(
+                    "a {:?} frame of protocol version {} on a connection of version {version}",
+                    h.kind, h.version
+                )));
+            }
+        }
         if h.kind.is_from_client() != self.server_side {
             return Err(Error::protocol(format!(
                 "{:?} is not a message this side receives",
@@ -190,7 +234,7 @@ impl Framed {
         fd_limit = most - fds.len();
         let mut body = vec![0u8; h.body_len];
         self.fill(&mut body, &mut deadline, first, frame_timeout, &mut fds, &mut fd_limit)?;
-        let message = codec::decode_body(h.kind, &body)?;
+        let message = codec::decode_body_as(h.kind, h.version, &body)?;
         let expected = message.fd_count();
         if fds.len() != expected {
             return Err(Error::protocol(format!(
@@ -199,7 +243,7 @@ impl Framed {
                 fds.len()
             )));
         }
-        Ok((message, fds))
+        Ok((message, fds, h.version))
     }
 
     /// Shuts the socket down both ways (wakes a thread blocked reading it).

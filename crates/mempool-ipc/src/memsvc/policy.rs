@@ -133,24 +133,43 @@ impl Ledger {
         Ok(())
     }
 
-    /// Charges `buffers` buffers of `bytes` in all to `uid` (after [`Ledger::check_many`]).
+    /// Charges `buffers` buffers of `bytes` in all to `uid` and to the total (after
+    /// [`Ledger::check_many`]).
     pub(crate) fn charge_many(&mut self, uid: u32, bytes: u64, buffers: u64) {
-        let mine = self.per_uid.entry(uid).or_default();
-        mine.bytes += bytes;
-        mine.buffers += buffers;
-        self.total.bytes += bytes;
-        self.total.buffers += buffers;
+        self.charge_uid(uid, bytes, buffers);
+        self.total.bytes = self.total.bytes.saturating_add(bytes);
+        self.total.buffers = self.total.buffers.saturating_add(buffers);
     }
 
-    /// Credits back `buffers` buffers of `bytes` in all charged to `uid`.
+    /// Charges `uid` alone (memory charged to the total already changes hands, or gains a payer:
+    /// a lingering memory is charged to each uid holding it; it may take `uid` past its quota,
+    /// and then its creates are refused until it lets go).
+    pub(crate) fn charge_uid(&mut self, uid: u32, bytes: u64, buffers: u64) {
+        let mine = self.per_uid.entry(uid).or_default();
+        mine.bytes = mine.bytes.saturating_add(bytes);
+        mine.buffers = mine.buffers.saturating_add(buffers);
+    }
+
+    /// Credits back `buffers` buffers of `bytes` in all charged to `uid` and to the total.
+    #[cfg(test)]
     pub(crate) fn credit_many(&mut self, uid: u32, bytes: u64, buffers: u64) {
+        self.credit_uid(uid, bytes, buffers);
+        self.credit_total(bytes, buffers);
+    }
+
+    /// Credits back what [`Ledger::charge_uid`] charged `uid`.
+    pub(crate) fn credit_uid(&mut self, uid: u32, bytes: u64, buffers: u64) {
         if let Some(mine) = self.per_uid.get_mut(&uid) {
             mine.bytes = mine.bytes.saturating_sub(bytes);
             mine.buffers = mine.buffers.saturating_sub(buffers);
-            if mine.buffers == 0 {
+            if mine.buffers == 0 && mine.bytes == 0 {
                 self.per_uid.remove(&uid);
             }
         }
+    }
+
+    /// Credits back the total's share of a memory released.
+    pub(crate) fn credit_total(&mut self, bytes: u64, buffers: u64) {
         self.total.bytes = self.total.bytes.saturating_sub(bytes);
         self.total.buffers = self.total.buffers.saturating_sub(buffers);
     }

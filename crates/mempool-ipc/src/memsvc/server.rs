@@ -23,7 +23,7 @@ use super::error::{Error, Result};
 use super::gpu::GpuBackend;
 use super::policy::{Access, Limits, Quotas};
 use super::proto::codec;
-use super::proto::messages::{GrantEntry, Message};
+use super::proto::messages::{GrantEntry, Message, MIN_VERSION};
 use super::state::{ConnId, Grant, Rules, Service};
 use super::types::ServerStats;
 use crate::cred::{self, AccessPolicy, PeerCredentials};
@@ -399,10 +399,12 @@ fn watch_ended(inner: &Shared, conn: ConnId, uid: u32, pid: i32, pidfd: Option<O
     }
 }
 
-/// Refuses a connection with `err` (best effort: a short frame into an empty socket buffer).
-fn refuse(stream: &UnixStream, err: &Error) {
+/// Refuses a connection with `err` (best effort: a short frame into an empty socket buffer), in a
+/// frame of protocol `version` (the connection's, or before its Hello the oldest, which every
+/// client reads).
+fn refuse(stream: &UnixStream, err: &Error, version: u16) {
     let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-    if let Ok(frame) = codec::encode(&Message::Refused(codec::refusal_of(err))) {
+    if let Ok(frame) = codec::encode_as(&Message::Refused(codec::refusal_of(err)), version) {
         let _ = rustix::net::send(
             stream.as_fd(),
             &frame,
@@ -414,7 +416,7 @@ fn refuse(stream: &UnixStream, err: &Error) {
 fn admit(inner: &Shared, stream: UnixStream) {
     let _ = stream.set_nonblocking(false);
     let refused = |err: Error| {
-        refuse(&stream, &err);
+        refuse(&stream, &err, MIN_VERSION);
         inner.service.count_rejected();
     };
     let creds = match cred::peer_credentials(&stream) {
@@ -469,7 +471,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
     let (clone, framed) = match stream
         .try_clone()
         .map_err(Error::from)
-        .and_then(|c| Ok((c, Framed::new(stream, true, inner.limits.write_timeout)?)))
+        .and_then(|c| Ok((c, Framed::new(stream, true, None, inner.limits.write_timeout)?)))
     {
         Ok(pair) => pair,
         Err(_) => {
@@ -500,6 +502,7 @@ fn admit(inner: &Shared, stream: UnixStream) {
                 &Error::Busy {
                     reason: "it could not start a thread".into(),
                 },
+                MIN_VERSION,
             );
             inner.service.disconnect(conn);
         }
@@ -523,14 +526,14 @@ fn client_pidfd(stream: &UnixStream, pid: i32) -> Option<OwnedFd> {
     }
 }
 
-fn serve_connection(inner: &Shared, conn: ConnId, framed: Framed, creds: PeerCredentials, pidfd: Option<OwnedFd>) {
-    let outcome = converse(inner, conn, &framed, &creds);
+fn serve_connection(inner: &Shared, conn: ConnId, mut framed: Framed, creds: PeerCredentials, pidfd: Option<OwnedFd>) {
+    let outcome = converse(inner, conn, &mut framed, &creds);
     if let Err(e) = outcome {
         if !matches!(e, Error::PeerGone { .. }) {
             if !inner.stop.load(Ordering::SeqCst) {
                 inner.service.count_rejected();
             }
-            refuse(framed.stream(), &e);
+            refuse(framed.stream(), &e, framed.version().unwrap_or(MIN_VERSION));
         }
     }
     let holds = inner.service.disconnect(conn);
@@ -541,11 +544,13 @@ fn serve_connection(inner: &Shared, conn: ConnId, framed: Framed, creds: PeerCre
     inner.conns().remove(&conn);
 }
 
-fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentials) -> Result<()> {
+/// Serves one connection: the Hello (whose frame's version the connection speaks from then on:
+/// a client of version 2 is served as version 2 served it), then requests until it ends.
+fn converse(inner: &Shared, conn: ConnId, framed: &mut Framed, creds: &PeerCredentials) -> Result<()> {
     let limits = inner.limits;
-    match framed.recv(Some(limits.handshake_timeout), limits.frame_timeout) {
-        Ok((Message::Hello, _)) => {}
-        Ok((other, _)) => return Err(Error::protocol(format!("expected Hello, got {:?}", other.kind()))),
+    match framed.recv_versioned(Some(limits.handshake_timeout), limits.frame_timeout) {
+        Ok((Message::Hello, _, version)) => framed.set_version(version),
+        Ok((other, ..)) => return Err(Error::protocol(format!("expected Hello, got {:?}", other.kind()))),
         Err(Error::Timeout { .. }) => {
             return Err(Error::Timeout {
                 during: "waiting for Hello",
@@ -590,18 +595,20 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                 ttl_ms,
                 name,
                 tag,
+                attach_uids,
             } => inner
                 .service
-                .create(conn, creds.pid, device, size, ttl_ms, &name, &tag, now)
+                .create(conn, creds.pid, device, size, ttl_ms, &name, &tag, &attach_uids, now)
                 .map(granted),
             Message::CreateMany {
                 device,
                 ttl_ms,
                 tag,
+                attach_uids,
                 members,
             } => inner
                 .service
-                .create_many(conn, creds.pid, device, ttl_ms, &tag, &members, now)
+                .create_many(conn, creds.pid, device, ttl_ms, &tag, &attach_uids, &members, now)
                 .map(granted_many),
             Message::Publish { name, event } => inner
                 .service
@@ -633,6 +640,8 @@ fn converse(inner: &Shared, conn: ConnId, framed: &Framed, creds: &PeerCredentia
                             s.connections,
                             s.freed,
                             s.rejected,
+                            s.lingering_buffers,
+                            s.lingering_bytes,
                         ],
                     },
                     Vec::new(),

@@ -28,8 +28,16 @@
 //! owner's quota, when its last attachment ends. A connection that ends leaves its attachments in
 //! place until its process has exited ([`State::process_exited`]): until then the process may
 //! still map the memory through its own imported handle, so the quota stays charged.
+//!
+//! Who may attach: a group's owner's uid, and the uids of its attach list (given at creation;
+//! empty by default). Who pays: a group's memory is charged to its owner while any of its
+//! members has a name; once none has (deleted, expired, abandoned) and attachments still hold
+//! the memory, the charge moves to the uids holding them, each charged the whole memory (each
+//! alone keeps it alive) until its last attachment of it ends, and the total counts the memory
+//! once. So no attacher can pin its owner's quota: the owner stops paying when it deletes, unless
+//! it holds the memory itself, and a holder stops paying when it lets go.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,7 +46,7 @@ use super::backend::{Allocation, Backend, RelayedEvent};
 use super::error::{Error, Result};
 use super::names;
 use super::policy::{Access, Ledger, Quotas};
-use super::proto::codec::{OP_ATTACH_GROUP_LOST, OP_ATTACH_GROUP_UNPUBLISHED, OP_FINISH_CREATE};
+use super::proto::codec::{self, OP_ATTACH_GROUP_LOST, OP_ATTACH_GROUP_UNPUBLISHED, OP_FINISH_CREATE};
 use super::proto::messages::{EventBytes, MAX_ATTACH_MANY, MAX_LIST_PAGE};
 use super::types::{BufferInfo, BufferState, ServerStats};
 use crate::wire::DeviceUuid;
@@ -118,6 +126,32 @@ struct Group {
     /// Whether a member lost its name before it was published (the group then never becomes
     /// attachable).
     lost: bool,
+    /// The uids besides the owner's that may attach its members (sorted, each once, not the
+    /// owner's).
+    attach_uids: Vec<u32>,
+    /// Members with a name (being created or published).
+    named: usize,
+    /// Attachments of its members, per uid that holds any.
+    holders: HashMap<u32, u32>,
+    /// Whether its charge moved from its owner to its holders: no member has a name, and
+    /// attachments still hold the memory. Each uid in `holders` is then charged `size` bytes
+    /// and `count` buffers.
+    lingering: bool,
+}
+
+impl Group {
+    fn may_attach(&self, uid: u32) -> bool {
+        uid == self.owner_uid || self.attach_uids.binary_search(&uid).is_ok()
+    }
+}
+
+/// An attachment: the connection holding it, its buffer, and the uid charged for it if its
+/// memory lingers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Hold {
+    conn: ConnId,
+    buffer: u64,
+    uid: u32,
 }
 
 struct Conn {
@@ -172,14 +206,20 @@ pub(crate) struct State {
     buffers: HashMap<u64, Buffer>,
     /// Groups by id (their memory's id).
     groups: HashMap<u64, Group>,
-    /// Attachment id -> (connection, buffer id).
-    attachments: HashMap<u64, (ConnId, u64)>,
+    /// Attachment id -> who holds which buffer.
+    attachments: HashMap<u64, Hold>,
     conns: HashMap<ConnId, Conn>,
     next_id: u64,
     freed: u64,
     rejected: u64,
     /// Buffers freed under the lock, dropped (their memory released) once [`Service`] released it.
     dead: Vec<Buffer>,
+    /// The deadlines of named buffers with a time-to-live, earliest first: (deadline, buffer id).
+    /// An entry goes when its buffer loses its name, however it loses it, so [`State::expire`]
+    /// looks only at the deadlines that came and the first one that has not.
+    deadlines: BTreeSet<(Instant, u64)>,
+    /// Buffers [`State::expire`] looked at so far (what expiry costs; the tests read it).
+    expiry_visits: u64,
 }
 
 impl State {
@@ -197,6 +237,8 @@ impl State {
             freed: 0,
             rejected: 0,
             dead: Vec::new(),
+            deadlines: BTreeSet::new(),
+            expiry_visits: 0,
         }
     }
 
@@ -254,11 +296,16 @@ impl State {
         device: DeviceUuid,
         ttl_ms: u64,
         tag: &str,
+        attach_uids: &[u32],
         members: &[(String, u64)],
         now: Instant,
     ) -> Result<Reserved> {
         self.expire(now);
         let uid = self.conn(conn)?.uid;
+        // The decoder checked the list already; the state trusts no caller.
+        codec::check_attach_uids(attach_uids).map_err(Error::protocol)?;
+        let mut attach_uids: Vec<u32> = attach_uids.iter().copied().filter(|&u| u != uid).collect();
+        attach_uids.sort_unstable();
         if members.is_empty() || members.len() > MAX_ATTACH_MANY {
             return Err(Error::protocol(format!(
                 "create_many of {} buffers (1 to {MAX_ATTACH_MANY})",
@@ -333,6 +380,10 @@ impl State {
                 live: members.len(),
                 published: 0,
                 lost: false,
+                attach_uids,
+                named: members.len(),
+                holders: HashMap::new(),
+                lingering: false,
             },
         );
         let mut reserved = Reserved {
@@ -341,9 +392,13 @@ impl State {
             size: total,
             members: Vec::with_capacity(members.len()),
         };
+        let expires_at = ttl.and_then(|t| now.checked_add(t));
         for (name, offset, rounded) in laid_out {
             let id = self.fresh_id();
             self.names.insert(name.clone(), id);
+            if let Some(deadline) = expires_at {
+                self.deadlines.insert((deadline, id));
+            }
             self.buffers.insert(
                 id,
                 Buffer {
@@ -357,7 +412,7 @@ impl State {
                     owner_pid: pid,
                     creator: conn,
                     state: BufferState::Creating,
-                    expires_at: ttl.and_then(|t| now.checked_add(t)),
+                    expires_at,
                     attachments: 0,
                     ready: false,
                     event: None,
@@ -402,16 +457,14 @@ impl State {
             });
         }
         let (device, granularity) = self.devices[reserved.index];
+        let uid = self.conn(conn)?.uid;
         let mut grants = Vec::with_capacity(fds.len());
         for ((id, _, offset, size), fd) in reserved.members.iter().zip(fds) {
             let buffer = self.buffers.get_mut(id).expect("checked above");
             buffer.memory = Some(memory.clone());
             buffer.attachments = 1;
             let attachment = self.fresh_id();
-            self.attachments.insert(attachment, (conn, *id));
-            if let Some(c) = self.conns.get_mut(&conn) {
-                c.attachments.insert(attachment);
-            }
+            self.hold(attachment, conn, *id, uid, reserved.group);
             grants.push(Grant {
                 attachment,
                 size: *size,
@@ -541,7 +594,7 @@ impl State {
     pub(crate) fn finish_attach(&mut self, conn: ConnId, exported: Vec<Exported>) -> Result<Vec<Grant>> {
         let mut failure = None;
         for e in &exported {
-            let held = self.attachments.get(&e.pending.attachment) == Some(&(conn, e.pending.buffer));
+            let held = self.holds(e.pending.attachment, conn, e.pending.buffer);
             let problem = match &e.fd {
                 Err(err) => Some(export_error(&e.pending.name, err)),
                 Ok(_) if !held => Some(Error::Busy {
@@ -558,7 +611,7 @@ impl State {
         }
         if let Some(err) = failure {
             for e in exported {
-                if self.attachments.get(&e.pending.attachment) == Some(&(conn, e.pending.buffer)) {
+                if self.holds(e.pending.attachment, conn, e.pending.buffer) {
                     self.end_attachment(e.pending.attachment);
                 }
             }
@@ -608,8 +661,23 @@ impl State {
 
     fn attach_one(&mut self, conn: ConnId, name: &str) -> Result<Pending> {
         names::validate_name(name)?;
+        let uid = self.conn(conn)?.uid;
         let id = self.named(name)?;
         let buffer = self.buffers.get_mut(&id).expect("named buffers exist");
+        let group = self
+            .groups
+            .get(&buffer.group)
+            .expect("a buffer's group lives while it does");
+        if !group.may_attach(uid) {
+            return Err(Error::NotPermitted {
+                uid,
+                what: format!(
+                    "attach buffer {name:?} of uid {} (its attach list: uid {} and {:?}; its owner widens it at \
+                     creation)",
+                    group.owner_uid, group.owner_uid, group.attach_uids
+                ),
+            });
+        }
         // Only a committed buffer is published (its creator publishes after `finish_create`).
         let memory = match (&buffer.memory, buffer.state) {
             (Some(memory), BufferState::Published) => memory.clone(),
@@ -651,10 +719,7 @@ impl State {
         buffer.attachments = count;
         let (size, offset) = (buffer.size, buffer.offset);
         let attachment = self.fresh_id();
-        self.attachments.insert(attachment, (conn, id));
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.attachments.insert(attachment);
-        }
+        self.hold(attachment, conn, id, uid, memory_id);
         Ok(Pending {
             attachment,
             buffer: id,
@@ -675,7 +740,7 @@ impl State {
     pub(crate) fn detach(&mut self, conn: ConnId, attachment: u64) -> Result<()> {
         self.conn(conn)?;
         match self.attachments.get(&attachment) {
-            Some(&(owner, _)) if owner == conn => {}
+            Some(hold) if hold.conn == conn => {}
             _ => {
                 return Err(Error::protocol(format!(
                     "attachment {attachment} is not held by this connection"
@@ -686,8 +751,27 @@ impl State {
         Ok(())
     }
 
+    /// Records the attachment `attachment` of buffer `id` (of group `group`) held by `conn` of
+    /// `uid`.
+    fn hold(&mut self, attachment: u64, conn: ConnId, id: u64, uid: u32, group: u64) {
+        self.attachments.insert(attachment, Hold { conn, buffer: id, uid });
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.attachments.insert(attachment);
+        }
+        if let Some(g) = self.groups.get_mut(&group) {
+            *g.holders.entry(uid).or_insert(0) += 1;
+        }
+    }
+
+    /// Whether `conn` holds `attachment`, of buffer `id`.
+    fn holds(&self, attachment: u64, conn: ConnId, id: u64) -> bool {
+        self.attachments
+            .get(&attachment)
+            .is_some_and(|h| h.conn == conn && h.buffer == id)
+    }
+
     fn end_attachment(&mut self, attachment: u64) {
-        let Some((conn, id)) = self.attachments.remove(&attachment) else {
+        let Some(Hold { conn, buffer: id, uid }) = self.attachments.remove(&attachment) else {
             return;
         };
         if let Some(c) = self.conns.get_mut(&conn) {
@@ -697,6 +781,19 @@ impl State {
             return;
         };
         buffer.attachments -= 1;
+        // Its uid's last attachment of a lingering memory: that uid stops paying for it.
+        if let Some(group) = self.groups.get_mut(&buffer.group) {
+            if let Some(n) = group.holders.get_mut(&uid) {
+                *n -= 1;
+                if *n == 0 {
+                    group.holders.remove(&uid);
+                    if group.lingering {
+                        self.ledger.credit_uid(uid, group.size, group.count as u64);
+                    }
+                }
+            }
+        }
+        let buffer = self.buffers.get_mut(&id).expect("looked up above");
         if buffer.attachments == 0 {
             match buffer.state {
                 BufferState::Deleting => self.free(id),
@@ -708,7 +805,8 @@ impl State {
     }
 
     /// Removes the buffer `id`; the last member of its group takes the group with it and credits
-    /// the owner's quota. Its memory (the group's) is released when [`Service`] drops the last
+    /// whoever pays for it (its owner, or the holders of a lingering memory: none but at
+    /// [`State::clear`]). Its memory (the group's) is released when [`Service`] drops the last
     /// member holding it after releasing the lock. A reservation whose allocation never came is
     /// not counted as freed.
     fn free(&mut self, id: u64) {
@@ -719,12 +817,36 @@ impl State {
             if let Some(group) = self.groups.get_mut(&buffer.group) {
                 group.live -= 1;
                 if group.live == 0 {
-                    let (uid, size, count) = (group.owner_uid, group.size, group.count as u64);
-                    self.groups.remove(&buffer.group);
-                    self.ledger.credit_many(uid, size, count);
+                    let group = self.groups.remove(&buffer.group).expect("looked up above");
+                    let (size, count) = (group.size, group.count as u64);
+                    if group.lingering {
+                        for &uid in group.holders.keys() {
+                            self.ledger.credit_uid(uid, size, count);
+                        }
+                    } else {
+                        self.ledger.credit_uid(group.owner_uid, size, count);
+                    }
+                    self.ledger.credit_total(size, count);
                 }
             }
             self.dead.push(buffer);
+        }
+    }
+
+    /// The last name of group `group` went while attachments still hold its memory: its owner
+    /// stops paying for it and each uid holding it starts (see the [module documentation](self)).
+    fn linger(&mut self, group: u64) {
+        let Some(g) = self.groups.get_mut(&group) else {
+            return;
+        };
+        if g.lingering || g.named > 0 {
+            return;
+        }
+        g.lingering = true;
+        let (size, count) = (g.size, g.count as u64);
+        self.ledger.credit_uid(g.owner_uid, size, count);
+        for &uid in g.holders.keys() {
+            self.ledger.charge_uid(uid, size, count);
         }
     }
 
@@ -737,15 +859,21 @@ impl State {
             return;
         }
         self.names.remove(&buffer.name);
-        if buffer.state == BufferState::Creating {
-            if let Some(group) = self.groups.get_mut(&buffer.group) {
+        if let Some(deadline) = buffer.expires_at {
+            self.deadlines.remove(&(deadline, id));
+        }
+        if let Some(group) = self.groups.get_mut(&buffer.group) {
+            group.named -= 1;
+            if buffer.state == BufferState::Creating {
                 group.lost = true;
             }
         }
         buffer.state = BufferState::Deleting;
+        let group = buffer.group;
         if buffer.attachments == 0 {
             self.free(id);
         }
+        self.linger(group);
     }
 
     /// `delete`: the name disappears now; the memory goes with the last attachment.
@@ -760,15 +888,21 @@ impl State {
         Ok(())
     }
 
-    /// Takes away the names of buffers whose time-to-live ran out by `now`.
+    /// Takes away the names of buffers whose time-to-live ran out by `now` (a deadline is due at
+    /// its instant). Costs O(log n) per buffer expired, and one look at the first deadline not
+    /// due: the deadlines are kept in order (the `deadlines` index), not found by a scan.
     pub(crate) fn expire(&mut self, now: Instant) {
-        let expired: Vec<u64> = self
-            .buffers
-            .iter()
-            .filter(|(_, b)| b.state != BufferState::Deleting && b.expires_at.is_some_and(|t| t <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            self.expiry_visits += 1;
+            if deadline > now {
+                break;
+            }
+            // `unname` takes the entry out (every buffer with an entry is named, with this deadline).
+            debug_assert!(self
+                .buffers
+                .get(&id)
+                .is_some_and(|b| b.state != BufferState::Deleting && b.expires_at == Some(deadline)));
+            self.deadlines.pop_first();
             self.unname(id);
         }
     }
@@ -842,6 +976,37 @@ impl State {
         (entries, more)
     }
 
+    /// Buffers [`State::expire`] looked at so far.
+    #[cfg(test)]
+    pub(crate) fn expiry_visits(&self) -> u64 {
+        self.expiry_visits
+    }
+
+    /// What `uid` is charged now.
+    #[cfg(test)]
+    pub(crate) fn usage(&self, uid: u32) -> crate::memsvc::policy::Usage {
+        self.ledger.usage(uid)
+    }
+
+    /// What everyone is charged together.
+    #[cfg(test)]
+    pub(crate) fn total_usage(&self) -> crate::memsvc::policy::Usage {
+        self.ledger.total()
+    }
+
+    /// The attach list of the named buffer `name` (its group's, besides its owner's uid).
+    #[cfg(test)]
+    pub(crate) fn attach_uids_of(&self, name: &str) -> Option<Vec<u32>> {
+        let id = self.names.get(name)?;
+        Some(self.groups[&self.buffers[id].group].attach_uids.clone())
+    }
+
+    /// How many deadlines the index holds.
+    #[cfg(test)]
+    pub(crate) fn deadlines_held(&self) -> usize {
+        self.deadlines.len()
+    }
+
     /// The counters.
     pub(crate) fn stats(&self) -> ServerStats {
         ServerStats {
@@ -852,6 +1017,12 @@ impl State {
             connections: self.conns.values().filter(|c| c.open).count() as u64,
             freed: self.freed,
             rejected: self.rejected,
+            lingering_buffers: self
+                .buffers
+                .values()
+                .filter(|b| b.state == BufferState::Deleting)
+                .count() as u64,
+            lingering_bytes: self.groups.values().filter(|g| g.lingering).map(|g| g.size).sum(),
         }
     }
 
@@ -859,6 +1030,7 @@ impl State {
     /// keep their own imported handles, so their mappings stay valid).
     pub(crate) fn clear(&mut self) {
         self.names.clear();
+        self.deadlines.clear();
         self.attachments.clear();
         self.conns.clear();
         let ids: Vec<u64> = self.buffers.keys().copied().collect();
@@ -963,9 +1135,19 @@ impl<B: Backend> Service<B> {
         ttl_ms: u64,
         name: &str,
         tag: &str,
+        attach_uids: &[u32],
         now: Instant,
     ) -> Result<Grant> {
-        let mut grants = self.create_many(conn, pid, device, ttl_ms, tag, &[(name.to_owned(), size)], now)?;
+        let mut grants = self.create_many(
+            conn,
+            pid,
+            device,
+            ttl_ms,
+            tag,
+            attach_uids,
+            &[(name.to_owned(), size)],
+            now,
+        )?;
         Ok(grants.pop().expect("one grant per member"))
     }
 
@@ -980,10 +1162,11 @@ impl<B: Backend> Service<B> {
         device: DeviceUuid,
         ttl_ms: u64,
         tag: &str,
+        attach_uids: &[u32],
         members: &[(String, u64)],
         now: Instant,
     ) -> Result<Vec<Grant>> {
-        let reserved = self.with(|s| s.begin_create_many(conn, pid, device, ttl_ms, tag, members, now))?;
+        let reserved = self.with(|s| s.begin_create_many(conn, pid, device, ttl_ms, tag, attach_uids, members, now))?;
         let undo = Undo {
             service: self,
             reserved: Some(&reserved),

@@ -91,4 +91,11 @@ pub struct ServerStats {
     pub freed: u64,
     /// Connections turned away or closed for breaking the rules (limits, garbage, timeouts).
     pub rejected: u64,
+    /// Buffers without a name any more (deleted, expired, or abandoned by their creator) whose
+    /// memory attachments still hold. (0 from a server of protocol version 2, which does not say.)
+    pub lingering_buffers: u64,
+    /// The bytes of the memories none of whose buffers has a name any more, held only by
+    /// attachments: charged to the uids holding them, not to their owner (docs/memory-service.md,
+    /// "Who pays after a delete"). (0 from a server of protocol version 2.)
+    pub lingering_bytes: u64,
 }

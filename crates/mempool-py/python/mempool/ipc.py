@@ -23,15 +23,16 @@ The memory service (``mempool_ipc::memsvc``; docs/memory-service.md): named GPU 
 process (the ``mempool-serve`` binary, or ``serve(path, ...)`` in this process), which outlive the processes
 that made them.
 
-- ``Client(path, timeout=None, trust_uids=())``: ``create(name, size, device=None, tag=None, ttl=None)``
-  returns a ``CreatedBuffer`` mapped for writing; ``publish(stream=None)`` makes it attachable by name and
-  returns an ``AttachedBuffer`` (``discard()`` drops it unpublished); ``attach(name, stream=None)`` maps a
-  published buffer with no copy, ordered after its creator's writes; ``attach_many(names, stream=None)``
-  attaches many in few requests (a list, all or nothing); ``create_many(names, sizes, device=None,
-  tag=None, ttl=None)`` creates a group (one allocation, at most 128 members, all or nothing: a member is
+- ``Client(path, timeout=None, trust_uids=())``: ``create(name, size, device=None, tag=None, ttl=None,
+  attach_uids=None)`` returns a ``CreatedBuffer`` mapped for writing; ``publish(stream=None)`` makes it
+  attachable by name (by this uid, and the uids of ``attach_uids``) and returns an ``AttachedBuffer``
+  (``discard()`` drops it unpublished); ``attach(name, stream=None)`` maps a published buffer with no copy,
+  ordered after its creator's writes; ``attach_many(names, stream=None)`` attaches many in few requests (a
+  list, all or nothing); ``create_many(names, sizes, device=None, tag=None, ttl=None, attach_uids=None)``
+  creates a group (one allocation, at most 128 members, all or nothing: a member is
   attachable once every member is published, and whoever may attach one maps the whole group's memory;
   attaching members of a group maps its memory once); ``delete(name)``; ``list()``
-  (``BufferInfo``s); ``stats()``. The buffers have ``ptr``, ``size``, ``name``, the CUDA array interface and
+  (``BufferInfo``s); ``stats()``; ``protocol_version``. The buffers have ``ptr``, ``size``, ``name``, the CUDA array interface and
   DLPack (``torch.from_dlpack(buf)``, ``cupy.from_dlpack(buf)``: no copy); a buffer's mapping goes when the
   object and every view of it are gone, and the server keeps the buffer until it is deleted or expires.
 - ``serve(path, devices=None, per_uid_bytes=None, per_uid_buffers=None, total_bytes=None,

@@ -186,7 +186,7 @@ impl Holder {
 }
 
 /// The options of `create` and `create_many`.
-fn create_options(tag: Option<String>, ttl: Option<f64>) -> PyResult<CreateOptions> {
+fn create_options(tag: Option<String>, ttl: Option<f64>, attach_uids: Option<Vec<u32>>) -> PyResult<CreateOptions> {
     let mut options = CreateOptions::new();
     if let Some(tag) = tag {
         options = options.tag(tag);
@@ -194,6 +194,9 @@ fn create_options(tag: Option<String>, ttl: Option<f64>) -> PyResult<CreateOptio
     if let Some(t) = ttl {
         let t: Duration = seconds("ttl", t, false)?;
         options = options.ttl(t);
+    }
+    if let Some(uids) = attach_uids {
+        options = options.attach_uids(uids);
     }
     Ok(options)
 }
@@ -490,6 +493,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &memsvc::ServerStats) -> PyResult<Bound<'
     d.set_item("connections", s.connections)?;
     d.set_item("freed", s.freed)?;
     d.set_item("rejected", s.rejected)?;
+    d.set_item("lingering_buffers", s.lingering_buffers)?;
+    d.set_item("lingering_bytes", s.lingering_bytes)?;
     Ok(d)
 }
 
@@ -539,11 +544,20 @@ impl PyClient {
         self.client.devices().iter().map(|(u, _)| u.to_string()).collect()
     }
 
+    /// The protocol version the connection speaks: 3, or 2 with a server of version 2 (which has no
+    /// attach lists).
+    #[getter]
+    fn protocol_version(&self) -> u16 {
+        self.client.protocol_version()
+    }
+
     /// Creates a buffer of `size` bytes (rounded up to the GPU's granularity) named `name` on `device`
     /// (an ordinal of this process; None: the current device), held by the server, and maps it here for
     /// writing. `tag`: a free-form string `list()` shows; `ttl`: seconds until its name expires (None: the
-    /// server's default). Publish it once written.
-    #[pyo3(signature = (name, size, device = None, tag = None, ttl = None))]
+    /// server's default); `attach_uids`: the uids besides this one that may attach it (a list of at most 64;
+    /// None: this uid only). Publish it once written.
+    #[pyo3(signature = (name, size, device = None, tag = None, ttl = None, attach_uids = None))]
+    #[allow(clippy::too_many_arguments)]
     fn create(
         &self,
         py: Python<'_>,
@@ -552,6 +566,7 @@ impl PyClient {
         device: Option<usize>,
         tag: Option<String>,
         ttl: Option<f64>,
+        attach_uids: Option<Vec<u32>>,
     ) -> PyResult<PyCreatedBuffer> {
         let context = || format!("creating buffer {name:?}");
         memsvc::validate_name(name).svc(context)?;
@@ -561,7 +576,8 @@ impl PyClient {
                 context()
             )));
         }
-        let options = create_options(tag, ttl)?;
+        let options = create_options(tag, ttl, attach_uids)?;
+        self.client.check_create_options(&options).svc(context)?;
         let (ordinal, dev, ctx) = device_of(device)?;
         let created = py
             .detach(|| self.client.create(name, size, dev, &options))
@@ -575,9 +591,11 @@ impl PyClient {
     /// is attachable only once every member of its group is published, that the group's memory is freed
     /// only when every member is, and that whoever may attach one member maps the whole group's memory (the
     /// members share one access boundary). Attaching many members of a group imports and maps its memory
-    /// once. All or nothing: a bad or taken name refuses the whole group. `device`, `tag`, `ttl`: as
-    /// `create`. Returns one `CreatedBuffer` per name, in order.
-    #[pyo3(signature = (names, sizes, device = None, tag = None, ttl = None))]
+    /// once. All or nothing: a bad or taken name refuses the whole group. `device`, `tag`, `ttl`,
+    /// `attach_uids` (one list for the whole group): as `create`. Returns one `CreatedBuffer` per name, in
+    /// order.
+    #[pyo3(signature = (names, sizes, device = None, tag = None, ttl = None, attach_uids = None))]
+    #[allow(clippy::too_many_arguments)]
     fn create_many(
         &self,
         py: Python<'_>,
@@ -586,6 +604,7 @@ impl PyClient {
         device: Option<usize>,
         tag: Option<String>,
         ttl: Option<f64>,
+        attach_uids: Option<Vec<u32>>,
     ) -> PyResult<Vec<PyCreatedBuffer>> {
         let count = names.len();
         let context = || format!("creating a group of {count} buffers");
@@ -614,7 +633,8 @@ impl PyClient {
                 names[i]
             )));
         }
-        let options = create_options(tag, ttl)?;
+        let options = create_options(tag, ttl, attach_uids)?;
+        self.client.check_create_options(&options).svc(context)?;
         let (ordinal, dev, ctx) = device_of(device)?;
         let members: Vec<(String, usize)> = names.into_iter().zip(sizes).collect();
         let created = py
@@ -732,7 +752,9 @@ impl PyClient {
     }
 
     /// The server's counters: `buffers`, `bytes`, `named`, `attachments`, `connections`, `freed`,
-    /// `rejected` (a dict).
+    /// `rejected`, `lingering_buffers` and `lingering_bytes` (deleted buffers still attached, and the bytes
+    /// of memories no name holds any more, charged to the uids still attached; 0 from a server of protocol
+    /// version 2) (a dict).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = py
             .detach(|| self.client.stats())

@@ -37,9 +37,10 @@ fn endless_lister(pages: Arc<AtomicUsize>) -> (std::path::PathBuf, JoinHandle<()
     let listener = UnixListener::bind(&path).unwrap();
     let thread = std::thread::spawn(move || {
         let (stream, _) = listener.accept().unwrap();
-        let framed = Framed::new(stream, true, WAIT).unwrap();
-        let (hello, _) = framed.recv(Some(WAIT), WAIT).unwrap();
+        let mut framed = Framed::new(stream, true, None, WAIT).unwrap();
+        let (hello, _, version) = framed.recv_versioned(Some(WAIT), WAIT).unwrap();
         assert_eq!(hello, Message::Hello);
+        framed.set_version(version);
         framed
             .send(
                 &Message::Welcome {

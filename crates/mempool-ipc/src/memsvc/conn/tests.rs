@@ -8,7 +8,53 @@ use super::*;
 fn pair() -> (Framed, Framed) {
     let (a, b) = UnixStream::pair().unwrap();
     let w = Duration::from_secs(5);
-    (Framed::new(a, false, w).unwrap(), Framed::new(b, true, w).unwrap())
+    let v = Some(crate::memsvc::proto::messages::VERSION);
+    (
+        Framed::new(a, false, v, w).unwrap(),
+        Framed::new(b, true, v, w).unwrap(),
+    )
+}
+
+#[test]
+fn frames_are_of_the_connections_version_but_a_refusal_of_any() {
+    use crate::memsvc::proto::messages::{Refusal, MIN_VERSION, VERSION};
+    let wait = Duration::from_secs(5);
+    let (a, b) = UnixStream::pair().unwrap();
+    let client = Framed::new(a, false, Some(VERSION), wait).unwrap();
+    let mut server = Framed::new(b, true, None, wait).unwrap();
+    // Before its Hello, the server reads any version, and says which it was.
+    let hello2 = codec::encode_as(&Message::Hello, MIN_VERSION).unwrap();
+    rustix::net::send(client.stream(), &hello2, rustix::net::SendFlags::empty()).unwrap();
+    let (m, _, version) = server.recv_versioned(Some(wait), wait).unwrap();
+    assert_eq!((m, version), (Message::Hello, MIN_VERSION));
+    // Until it knows the peer's version it sends the oldest: a refusal every client reads.
+    let refused = Message::Refused(Refusal {
+        code: 11,
+        text: "busy".into(),
+        ..Refusal::default()
+    });
+    server.send(&refused, None).unwrap();
+    let (m, _, version) = client.recv_versioned(Some(wait), wait).unwrap();
+    assert_eq!((m, version), (refused.clone(), MIN_VERSION));
+    // Anything else of another version than the connection's is a protocol error.
+    server.send(&Message::Done, None).unwrap();
+    let err = client.recv(Some(wait), wait).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "Done frame of protocol version {MIN_VERSION} on a connection of version {VERSION}"
+        )),
+        "{err}"
+    );
+    server.set_version(VERSION);
+    assert_eq!(server.version(), Some(VERSION));
+    server.send(&Message::Done, None).unwrap();
+    assert_eq!(client.recv(Some(wait), wait).unwrap().0, Message::Done);
+    let (a, b) = UnixStream::pair().unwrap();
+    let client = Framed::new(a, false, Some(VERSION), wait).unwrap();
+    let server = Framed::new(b, true, Some(MIN_VERSION), wait).unwrap();
+    client.send(&Message::Stats, None).unwrap();
+    let err = server.recv(Some(wait), wait).unwrap_err();
+    assert!(err.to_string().contains("Stats frame of protocol version"), "{err}");
 }
 
 #[test]

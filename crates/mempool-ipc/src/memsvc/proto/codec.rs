@@ -1,27 +1,30 @@
-//! The bytes of the memory service's messages: [`encode`], [`decode_header`] and [`decode_body`],
-//! and the refusals' translation between [`Error`] and the wire ([`refusal_of`], [`error_of`]).
+//! The bytes of the memory service's messages in each version it speaks: [`encode_as`],
+//! [`decode_header`] and [`decode_body_as`], and the refusals' translation between [`Error`] and
+//! the wire ([`refusal_of`], [`error_of`]).
 //! Decoding checks every length against the bytes present and every field against its range, and
 //! refuses trailing bytes: a hostile frame is an [`Error::Protocol`], never a panic.
 
 use std::time::Duration;
 
 use super::messages::{
-    EventBytes, GrantEntry, Message, MessageKind, Refusal, HEADER_LEN, MAGIC, MAX_ATTACH_MANY, MAX_BODY_LEN,
-    MAX_DEVICES, MAX_LIST_PAGE, VERSION,
+    EventBytes, GrantEntry, Message, MessageKind, Refusal, HEADER_LEN, MAGIC, MAX_ATTACH_MANY, MAX_ATTACH_UIDS,
+    MAX_BODY_LEN, MAX_DEVICES, MAX_LIST_PAGE, MIN_VERSION, STATS_NUMBERS, STATS_NUMBERS_V2, VERSION,
 };
 use crate::memsvc::error::{Error, QuotaKind, QuotaScope, Result};
 use crate::memsvc::names;
 use crate::memsvc::types::{BufferInfo, BufferState};
 use crate::wire::DeviceUuid;
 
-/// A decoded header: the message type and the body's length.
+/// A decoded header: the protocol version of the frame, the message type and the body's length.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Header {
+    pub(crate) version: u16,
     pub(crate) kind: MessageKind,
     pub(crate) body_len: usize,
 }
 
-/// Checks a frame's header: magic, version, a known type, a body length within the limit.
+/// Checks a frame's header: magic, a version this build speaks ([`MIN_VERSION`] to [`VERSION`]),
+/// a known type, a body length within the limit.
 pub(crate) fn decode_header(bytes: &[u8; HEADER_LEN]) -> Result<Header> {
     if bytes[0..4] != MAGIC {
         return Err(Error::protocol(format!(
@@ -30,9 +33,9 @@ pub(crate) fn decode_header(bytes: &[u8; HEADER_LEN]) -> Result<Header> {
         )));
     }
     let version = u16::from_le_bytes([bytes[4], bytes[5]]);
-    if version != VERSION {
+    if !(MIN_VERSION..=VERSION).contains(&version) {
         return Err(Error::protocol(format!(
-            "protocol version {version}, this side speaks version {VERSION}"
+            "protocol version {version}, this side speaks versions {MIN_VERSION} to {VERSION}"
         )));
     }
     let code = u16::from_le_bytes([bytes[6], bytes[7]]);
@@ -43,14 +46,32 @@ pub(crate) fn decode_header(bytes: &[u8; HEADER_LEN]) -> Result<Header> {
             "{kind:?} body of {body_len} bytes is longer than the limit of {MAX_BODY_LEN}"
         )));
     }
-    Ok(Header { kind, body_len })
+    Ok(Header {
+        version,
+        kind,
+        body_len,
+    })
 }
 
-/// Encodes a whole frame (header and body).
+/// Encodes a whole frame (header and body) in the newest version (the tests).
+#[cfg(test)]
 pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
+    encode_as(message, VERSION)
+}
+
+/// Encodes a whole frame (header and body) of protocol `version` ([`MIN_VERSION`] to
+/// [`VERSION`]). A message that version cannot carry is refused ([`Error::Protocol`]): an attach
+/// list in version 2; a version-2 StatsReply drops the numbers version 3 added.
+pub(crate) fn encode_as(message: &Message, version: u16) -> Result<Vec<u8>> {
+    if !(MIN_VERSION..=VERSION).contains(&version) {
+        return Err(Error::protocol(format!(
+            "encoding in protocol version {version}, this side speaks versions {MIN_VERSION} to {VERSION}"
+        )));
+    }
+    let v3 = version >= 3;
     let mut w = Writer(Vec::with_capacity(64));
     w.0.extend_from_slice(&MAGIC);
-    w.u16(VERSION);
+    w.u16(version);
     w.u16(message.kind() as u16);
     w.u32(0);
     match message {
@@ -61,12 +82,14 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
             ttl_ms,
             name,
             tag,
+            attach_uids,
         } => {
             w.bytes(&device.0);
             w.u64(*size);
             w.u64(*ttl_ms);
             w.str(name)?;
             w.str(tag)?;
+            w.attach_uids(attach_uids, v3)?;
         }
         Message::Publish { name, event } => {
             w.event(event);
@@ -85,12 +108,14 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
             device,
             ttl_ms,
             tag,
+            attach_uids,
             members,
         } => {
             check_count(members.len(), "members")?;
             w.bytes(&device.0);
             w.u64(*ttl_ms);
             w.str(tag)?;
+            w.attach_uids(attach_uids, v3)?;
             w.u16(members.len() as u16);
             for (name, size) in members {
                 w.u64(*size);
@@ -145,7 +170,10 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
                 );
             }
         }
-        Message::StatsReply { numbers } => numbers.iter().for_each(|n| w.u64(*n)),
+        Message::StatsReply { numbers } => {
+            let count = if v3 { STATS_NUMBERS } else { STATS_NUMBERS_V2 };
+            numbers[..count].iter().for_each(|n| w.u64(*n));
+        }
         Message::Refused(r) => {
             w.u16(r.code);
             w.u32(r.uid);
@@ -168,8 +196,20 @@ pub(crate) fn encode(message: &Message) -> Result<Vec<u8>> {
     Ok(w.0)
 }
 
-/// Decodes a body of the type its header named.
+/// Decodes a body of the newest version (the tests).
+#[cfg(test)]
 pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
+    decode_body_as(kind, VERSION, body)
+}
+
+/// Decodes a body of the type and protocol version its header named.
+pub(crate) fn decode_body_as(kind: MessageKind, version: u16, body: &[u8]) -> Result<Message> {
+    if !(MIN_VERSION..=VERSION).contains(&version) {
+        return Err(Error::protocol(format!(
+            "decoding protocol version {version}, this side speaks versions {MIN_VERSION} to {VERSION}"
+        )));
+    }
+    let v3 = version >= 3;
     let mut r = Reader { bytes: body, kind };
     let message = match kind {
         MessageKind::Hello => Message::Hello,
@@ -181,6 +221,7 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             ttl_ms: r.u64()?,
             name: r.str()?,
             tag: r.str()?,
+            attach_uids: if v3 { r.attach_uids()? } else { Vec::new() },
         },
         MessageKind::Publish => {
             let event = r.event()?;
@@ -202,6 +243,7 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             let device = DeviceUuid(r.array()?);
             let ttl_ms = r.u64()?;
             let tag = r.str()?;
+            let attach_uids = if v3 { r.attach_uids()? } else { Vec::new() };
             let count = r.count()?;
             let mut members = Vec::with_capacity(count);
             for _ in 0..count {
@@ -212,6 +254,7 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
                 device,
                 ttl_ms,
                 tag,
+                attach_uids,
                 members,
             }
         }
@@ -275,8 +318,9 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
             Message::ListPage { more, entries }
         }
         MessageKind::StatsReply => {
-            let mut numbers = [0u64; 7];
-            for n in &mut numbers {
+            let count = if v3 { STATS_NUMBERS } else { STATS_NUMBERS_V2 };
+            let mut numbers = [0u64; STATS_NUMBERS];
+            for n in &mut numbers[..count] {
                 *n = r.u64()?;
             }
             Message::StatsReply { numbers }
@@ -315,7 +359,7 @@ pub(crate) fn decode(frame: &[u8]) -> Result<Message> {
             body.len()
         )));
     }
-    decode_body(h.kind, body)
+    decode_body_as(h.kind, h.version, body)
 }
 
 // Refusal codes.
@@ -415,6 +459,12 @@ fn truncate(s: &mut String, max: usize) {
     }
 }
 
+/// Whether `r` refuses a message as breaking the protocol (what a server of an older version says
+/// to a Hello of a newer one).
+pub(crate) fn is_protocol_refusal(r: &Refusal) -> bool {
+    r.code == PROTOCOL
+}
+
 /// The error a refusal from the server stands for.
 pub(crate) fn error_of(r: Refusal) -> Error {
     match r.code {
@@ -472,6 +522,26 @@ pub(crate) fn error_of(r: Refusal) -> Error {
     }
 }
 
+/// What is wrong with an attach list, if anything: more than [`MAX_ATTACH_UIDS`] uids, a uid
+/// twice, or `u32::MAX` (no uid: `(uid_t)-1` is what `setuid` and `chown` take for "unchanged").
+pub(crate) fn check_attach_uids(uids: &[u32]) -> std::result::Result<(), String> {
+    if uids.len() > MAX_ATTACH_UIDS {
+        return Err(format!(
+            "an attach list of {} uids (at most {MAX_ATTACH_UIDS})",
+            uids.len()
+        ));
+    }
+    for (i, &uid) in uids.iter().enumerate() {
+        if uid == u32::MAX {
+            return Err(format!("uid {uid} in an attach list is no uid ((uid_t)-1)"));
+        }
+        if uids[..i].contains(&uid) {
+            return Err(format!("uid {uid} twice in an attach list"));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a count of names or grants outside `1..=MAX_ATTACH_MANY`.
 fn check_count(count: usize, what: &str) -> Result<()> {
     if count == 0 || count > MAX_ATTACH_MANY {
@@ -505,6 +575,23 @@ impl Writer {
             .map_err(|_| Error::protocol(format!("a string of {} bytes is longer than 65535", s.len())))?;
         self.u16(len);
         self.bytes(s.as_bytes());
+        Ok(())
+    }
+    /// An attach list: version 3's count and uids; version 2 has none (refused if not empty).
+    fn attach_uids(&mut self, uids: &[u32], v3: bool) -> Result<()> {
+        if !v3 {
+            return if uids.is_empty() {
+                Ok(())
+            } else {
+                Err(Error::protocol(format!(
+                    "an attach list ({uids:?}) in protocol version 2, which has none (its buffers are attachable \
+                     by their owner's uid only)"
+                )))
+            };
+        }
+        check_attach_uids(uids).map_err(Error::protocol)?;
+        self.u16(uids.len() as u16);
+        uids.iter().for_each(|&uid| self.u32(uid));
         Ok(())
     }
     fn event(&mut self, event: &Option<EventBytes>) {
@@ -576,6 +663,20 @@ impl<'a> Reader<'a> {
             return Err(self.error("an absent event handle must be all zeros".into()));
         }
         Ok(has.then_some(event))
+    }
+    /// An attach list (version 3): a count within `0..=MAX_ATTACH_UIDS` and as many distinct
+    /// uids, none of them `u32::MAX`.
+    fn attach_uids(&mut self) -> Result<Vec<u32>> {
+        let count = usize::from(self.u16()?);
+        if count > MAX_ATTACH_UIDS {
+            return Err(self.error(format!("an attach list of {count} uids (at most {MAX_ATTACH_UIDS})")));
+        }
+        let mut uids = Vec::with_capacity(count);
+        for _ in 0..count {
+            uids.push(self.u32()?);
+        }
+        check_attach_uids(&uids).map_err(|why| self.error(why))?;
+        Ok(uids)
     }
     /// A count of names or grants, within `1..=MAX_ATTACH_MANY`.
     fn count(&mut self) -> Result<usize> {

@@ -5,7 +5,7 @@
 //! frame: header (12 bytes) + body (at most MAX_BODY_LEN bytes)
 //! offset size field
 //!      0    4 magic     "MPMS"
-//!      4    2 version   u16 little-endian, 2
+//!      4    2 version   u16 little-endian, 3 (or 2: see below)
 //!      6    2 type      u16, a MessageKind
 //!      8    4 body len  u32
 //! strings: u16 length + UTF-8 bytes; GPU UUIDs: 16 bytes; event handles: 64 bytes
@@ -14,7 +14,7 @@
 //! | type | message | direction | body | descriptors |
 //! |---|---|---|---|---|
 //! | 1 | Hello | client | empty | 0 |
-//! | 2 | Create | client | uuid, size u64, ttl_ms u64 (0: none), name, tag | 0 |
+//! | 2 | Create | client | uuid, size u64, ttl_ms u64 (0: none), name, tag, attach list (v3) | 0 |
 //! | 3 | Publish | client | has_event u8, event 64, name | 0 |
 //! | 4 | Attach | client | name | 0 |
 //! | 5 | Detach | client | attachment u64 | 0 |
@@ -22,12 +22,12 @@
 //! | 7 | List | client | after (a name, or empty to start) | 0 |
 //! | 8 | Stats | client | empty | 0 |
 //! | 9 | AttachMany | client | count u16 (1..=MAX_ATTACH_MANY), count x name | 0 |
-//! | 10 | CreateMany | client | uuid, ttl_ms u64, tag, count u16 (1..=MAX_ATTACH_MANY), count x (size u64, name) | 0 |
+//! | 10 | CreateMany | client | uuid, ttl_ms u64, tag, attach list (v3), count u16 (1..=MAX_ATTACH_MANY), count x (size u64, name) | 0 |
 //! | 64 | Welcome | server | pid u32, count u16, count x (uuid, granularity u64) | 0 |
 //! | 65 | Granted | server | a grant: attachment u64, size u64, granularity u64, uuid, has_event u8, event 64, memory u64, offset u64, memory_size u64 | 1 |
 //! | 66 | Done | server | empty | 0 |
 //! | 67 | ListPage | server | more u8, count u16, entries | 0 |
-//! | 68 | StatsReply | server | 7 x u64 | 0 |
+//! | 68 | StatsReply | server | 9 x u64 (v2: the first 7) | 0 |
 //! | 69 | Refused | server | code u16, uid u32, scope u8, kind u8, state u8, 3 x u64, name, text | 0 |
 //! | 70 | GrantedMany | server | count u16 (1..=MAX_ATTACH_MANY), count x (a grant) | count |
 //!
@@ -46,6 +46,18 @@
 //! descriptors travel in one `SCM_RIGHTS` message (at most `MAX_ATTACH_MANY`, under the
 //! kernel's `SCM_MAX_FD`), in the order of its entries. CreateMany is answered by a GrantedMany
 //! with one grant per member, in order.
+//!
+//! Versions: this build speaks 3 and 2. A connection speaks the version of its Hello's frame:
+//! the server answers in it, and every later frame of the connection is of that version, except
+//! Refused, whose body is the same in every version and which is accepted in any (a server
+//! refuses a connection before it read a Hello in a version-2 frame, which every client reads).
+//! Version 3 added the attach list to Create and CreateMany (count u16, at most
+//! `MAX_ATTACH_UIDS`, then count x uid u32: the uids besides the owner's that may attach the
+//! buffers; no uid twice, none `u32::MAX`) and two numbers to StatsReply (the buffers deleted but
+//! still attached, and the bytes of memories no name holds any more). A version-2 Create or
+//! CreateMany has no attach list: its buffers are attachable by their owner's uid only. A client
+//! that says Hello in version 3 to a server of version 2 is refused (Protocol, in a version-2
+//! frame) and connects again in version 2.
 
 use crate::wire::DeviceUuid;
 
@@ -53,8 +65,17 @@ use super::super::types::BufferInfo;
 
 /// The protocol's magic bytes.
 pub(crate) const MAGIC: [u8; 4] = *b"MPMS";
-/// The one version this build speaks.
-pub(crate) const VERSION: u16 = 2;
+/// The newest version this build speaks (and the one its client says Hello in).
+pub(crate) const VERSION: u16 = 3;
+/// The oldest version this build speaks: a connection whose Hello came in a frame of this version
+/// speaks it, and frames sent before the peer's version is known (a refusal at accept) are of it.
+pub(crate) const MIN_VERSION: u16 = 2;
+/// The most uids one attach list names (besides the owner's, always allowed).
+pub(crate) const MAX_ATTACH_UIDS: usize = 64;
+/// The numbers of a StatsReply (version 2 carries the first [`STATS_NUMBERS_V2`]).
+pub(crate) const STATS_NUMBERS: usize = 9;
+/// The numbers of a version-2 StatsReply.
+pub(crate) const STATS_NUMBERS_V2: usize = 7;
 /// Header length.
 pub(crate) const HEADER_LEN: usize = 12;
 /// The longest body: 64 KiB.
@@ -161,6 +182,8 @@ pub(crate) enum Message {
         ttl_ms: u64,
         name: String,
         tag: String,
+        /// Uids besides the owner's that may attach it (version 3; empty in version 2).
+        attach_uids: Vec<u32>,
     },
     Publish {
         name: String,
@@ -188,6 +211,8 @@ pub(crate) enum Message {
         device: DeviceUuid,
         ttl_ms: u64,
         tag: String,
+        /// Uids besides the owner's that may attach its members (version 3; empty in version 2).
+        attach_uids: Vec<u32>,
         members: Vec<(String, u64)>,
     },
     Welcome {
@@ -201,8 +226,10 @@ pub(crate) enum Message {
         more: bool,
         entries: Vec<BufferInfo>,
     },
+    /// The counters, in the order of [`ServerStats`](super::super::types::ServerStats)'s fields
+    /// (a version-2 reply carries the first 7; the others decode as 0).
     StatsReply {
-        numbers: [u64; 7],
+        numbers: [u64; STATS_NUMBERS],
     },
     Refused(Refusal),
     /// The reply to AttachMany and CreateMany: one grant per name, in order; a descriptor each.

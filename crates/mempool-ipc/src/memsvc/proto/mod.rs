@@ -1,6 +1,7 @@
 //! The memory service's wire protocol: its messages (`messages`) and their bytes (`codec`), pure
 //! functions over bytes, tested without sockets (`tests`). The framing is its own (magic `MPMS`,
-//! version 1), on its own socket: nothing of the exporter's protocol is shared.
+//! versions 2 and 3: `messages` says what each carries), on its own socket: nothing of the
+//! exporter's protocol is shared.
 
 pub(crate) mod codec;
 pub(crate) mod messages;

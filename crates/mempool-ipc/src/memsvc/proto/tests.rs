@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::codec::{decode, decode_body, decode_header, encode, error_of, refusal_of};
+use super::codec::{decode, decode_body, decode_body_as, decode_header, encode, encode_as, error_of, refusal_of};
 use super::messages::*;
 use crate::memsvc::error::{Error, QuotaKind, QuotaScope};
 use crate::memsvc::types::{BufferInfo, BufferState};
@@ -54,6 +54,15 @@ fn samples() -> Vec<Message> {
             ttl_ms: 9,
             name: "model/w.0".into(),
             tag: "é".into(),
+            attach_uids: vec![1001, 0, u32::MAX - 1],
+        },
+        Message::Create {
+            device: DeviceUuid([3; 16]),
+            size: 1,
+            ttl_ms: 0,
+            name: "m".into(),
+            tag: String::new(),
+            attach_uids: Vec::new(),
         },
         Message::Publish {
             name: "a".into(),
@@ -87,6 +96,7 @@ fn samples() -> Vec<Message> {
             device: DeviceUuid([4; 16]),
             ttl_ms: 0,
             tag: "t".repeat(256),
+            attach_uids: (0..MAX_ATTACH_UIDS as u32).map(|u| u * 1000).collect(),
             members: (0..MAX_ATTACH_MANY)
                 .map(|i| (format!("{i:0>128}"), u64::MAX - i as u64))
                 .collect(),
@@ -95,6 +105,7 @@ fn samples() -> Vec<Message> {
             device: DeviceUuid([4; 16]),
             ttl_ms: 5,
             tag: String::new(),
+            attach_uids: Vec::new(),
             members: vec![("one".into(), 1)],
         },
         Message::AttachMany {
@@ -111,7 +122,7 @@ fn samples() -> Vec<Message> {
             entries: (0..MAX_LIST_PAGE as u32).map(info).collect(),
         },
         Message::StatsReply {
-            numbers: [1, 2, 3, 4, 5, 6, 7],
+            numbers: [1, 2, 3, 4, 5, 6, 7, 8, u64::MAX],
         },
         Message::Refused(Refusal {
             code: 5,
@@ -166,8 +177,21 @@ fn hostile_headers_are_refused() {
     };
     assert!(protocol(header(&|h| h[0] = b'X')).contains("magic"));
     assert!(protocol(header(&|h| h[..4].copy_from_slice(b"MPIP"))).contains("magic"));
-    assert!(protocol(header(&|h| h[4] = 1)).contains("version 1"));
-    assert!(protocol(header(&|h| h[4] = 3)).contains("version 3"));
+    assert!(protocol(header(&|h| h[4] = 1)).contains("version 1, this side speaks versions 2 to 3"));
+    assert!(protocol(header(&|h| h[4] = 4)).contains("version 4"));
+    assert!(protocol(header(&|h| h[5] = 1)).contains("version 259"));
+    for version in [2u8, 3] {
+        assert_eq!(
+            decode_header(&{
+                let mut h: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
+                h[4] = version;
+                h
+            })
+            .unwrap()
+            .version,
+            u16::from(version)
+        );
+    }
     assert!(protocol(header(&|h| h[6] = 200)).contains("unknown message type 200"));
     assert!(protocol(header(
         &|h| h[8..12].copy_from_slice(&(MAX_BODY_LEN as u32 + 1).to_le_bytes())
@@ -328,6 +352,7 @@ fn attach_many_counts_and_grants_are_checked() {
             device: DeviceUuid([1; 16]),
             ttl_ms: 0,
             tag: String::new(),
+            attach_uids: Vec::new(),
             members: (0..count).map(|i| (format!("n{i}"), 4096)).collect(),
         };
         assert!(protocol(encode(&create).map(|_| Message::Done)).contains("members in one message"));
@@ -336,18 +361,19 @@ fn attach_many_counts_and_grants_are_checked() {
         device: DeviceUuid([1; 16]),
         ttl_ms: 0,
         tag: String::new(),
+        attach_uids: Vec::new(),
         members: vec![("a".into(), 4096)],
     })
     .unwrap()[HEADER_LEN..]
         .to_vec();
-    // uuid 16, ttl 8, tag 2: the count at 26.
+    // uuid 16, ttl 8, tag 2, an empty attach list 2: the count at 28.
     for count in [0u16, MAX_ATTACH_MANY as u16 + 1, u16::MAX] {
         let mut body = one.clone();
-        body[26..28].copy_from_slice(&count.to_le_bytes());
+        body[28..30].copy_from_slice(&count.to_le_bytes());
         assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("entries"));
     }
     let mut body = one.clone();
-    body[26..28].copy_from_slice(&2u16.to_le_bytes());
+    body[28..30].copy_from_slice(&2u16.to_le_bytes());
     assert!(protocol(decode_body(MessageKind::CreateMany, &body)).contains("cut short"));
     let mut body = one.clone();
     body.push(0);
@@ -463,6 +489,50 @@ fn arb_event() -> impl Strategy<Value = Option<EventBytes>> {
     proptest::option::of(proptest::collection::vec(any::<u8>(), 64).prop_map(|v| <[u8; 64]>::try_from(v).unwrap()))
 }
 
+/// An attach list: distinct uids, none `u32::MAX`.
+fn arb_uids() -> impl Strategy<Value = Vec<u32>> {
+    proptest::collection::btree_set(0..u32::MAX, 0..MAX_ATTACH_UIDS).prop_map(|s| s.into_iter().collect())
+}
+
+/// `m` as version 2 carries it: no attach list, the first 7 counters.
+fn as_v2(m: Message) -> Message {
+    match m {
+        Message::Create {
+            device,
+            size,
+            ttl_ms,
+            name,
+            tag,
+            ..
+        } => Message::Create {
+            device,
+            size,
+            ttl_ms,
+            name,
+            tag,
+            attach_uids: Vec::new(),
+        },
+        Message::CreateMany {
+            device,
+            ttl_ms,
+            tag,
+            members,
+            ..
+        } => Message::CreateMany {
+            device,
+            ttl_ms,
+            tag,
+            attach_uids: Vec::new(),
+            members,
+        },
+        Message::StatsReply { mut numbers } => {
+            numbers[STATS_NUMBERS_V2..].fill(0);
+            Message::StatsReply { numbers }
+        }
+        other => other,
+    }
+}
+
 fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         Just(Message::Hello),
@@ -473,14 +543,16 @@ fn arb_message() -> impl Strategy<Value = Message> {
             any::<u64>(),
             any::<u64>(),
             arb_string(40),
-            arb_string(40)
+            arb_string(40),
+            arb_uids()
         )
-            .prop_map(|(d, size, ttl_ms, name, tag)| Message::Create {
+            .prop_map(|(d, size, ttl_ms, name, tag, attach_uids)| Message::Create {
                 device: DeviceUuid(d),
                 size,
                 ttl_ms,
                 name,
-                tag
+                tag,
+                attach_uids
             }),
         (arb_string(40), arb_event()).prop_map(|(name, event)| Message::Publish { name, event }),
         arb_string(40).prop_map(|name| Message::Attach { name }),
@@ -512,12 +584,14 @@ fn arb_message() -> impl Strategy<Value = Message> {
             any::<[u8; 16]>(),
             any::<u64>(),
             arb_string(40),
+            arb_uids(),
             proptest::collection::vec((arb_string(40), any::<u64>()), 1..10)
         )
-            .prop_map(|(d, ttl_ms, tag, members)| Message::CreateMany {
+            .prop_map(|(d, ttl_ms, tag, attach_uids, members)| Message::CreateMany {
                 device: DeviceUuid(d),
                 ttl_ms,
                 tag,
+                attach_uids,
                 members
             }),
         proptest::collection::vec(arb_string(40), 1..10).prop_map(|names| Message::AttachMany { names }),
@@ -544,7 +618,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             more,
             entries: ids.into_iter().map(info).collect()
         }),
-        any::<[u64; 7]>().prop_map(|numbers| Message::StatsReply { numbers }),
+        any::<[u64; STATS_NUMBERS]>().prop_map(|numbers| Message::StatsReply { numbers }),
         (
             any::<u16>(),
             any::<u32>(),
@@ -578,11 +652,23 @@ proptest! {
     }
 
     #[test]
-    fn arbitrary_bytes_never_panic(kind in 0u16..80, body in proptest::collection::vec(any::<u8>(), 0..300)) {
+    fn arbitrary_messages_round_trip_in_version_2(m in arb_message()) {
+        let m = as_v2(m);
+        let frame = encode_as(&m, MIN_VERSION).unwrap();
+        prop_assert_eq!(decode_header(frame[..HEADER_LEN].try_into().unwrap()).unwrap().version, MIN_VERSION);
+        prop_assert_eq!(decode(&frame).unwrap(), m);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(
+        kind in 0u16..80,
+        version in MIN_VERSION..=VERSION,
+        body in proptest::collection::vec(any::<u8>(), 0..300),
+    ) {
         if let Some(kind) = MessageKind::from_code(kind) {
-            // Whatever it decodes to encodes back to the same bytes.
-            if let Ok(m) = decode_body(kind, &body) {
-                prop_assert_eq!(&encode(&m).unwrap()[HEADER_LEN..], &body[..]);
+            // Whatever it decodes to encodes back to the same bytes, in the same version.
+            if let Ok(m) = decode_body_as(kind, version, &body) {
+                prop_assert_eq!(&encode_as(&m, version).unwrap()[HEADER_LEN..], &body[..]);
             }
         }
     }
@@ -594,4 +680,100 @@ proptest! {
         frame[i] ^= 1 << bit;
         let _ = decode(&frame);
     }
+}
+
+#[test]
+fn version_2_carries_no_attach_list_and_seven_counters() {
+    for m in samples() {
+        let v2 = as_v2(m.clone());
+        let frame = encode_as(&v2, MIN_VERSION).unwrap();
+        assert_eq!(u16::from_le_bytes([frame[4], frame[5]]), MIN_VERSION);
+        assert_eq!(decode(&frame).unwrap(), v2);
+        // A message that needs version 3 is refused in version 2, naming why.
+        if v2 != m {
+            if let Message::StatsReply { .. } = m {
+                // The new counters are dropped: a version-2 client does not know them.
+                assert_eq!(encode_as(&m, MIN_VERSION).unwrap(), frame);
+            } else {
+                let err = protocol(encode_as(&m, MIN_VERSION).map(|_| Message::Done));
+                assert!(err.contains("attach list") && err.contains("version 2"), "{err}");
+            }
+        }
+    }
+    // Version 2's bodies, byte for byte: a Create ends with its tag, a StatsReply is 7 numbers.
+    let create = Message::Create {
+        device: DeviceUuid([1; 16]),
+        size: 4096,
+        ttl_ms: 0,
+        name: "a".into(),
+        tag: "t".into(),
+        attach_uids: Vec::new(),
+    };
+    assert_eq!(
+        encode_as(&create, MIN_VERSION).unwrap().len(),
+        HEADER_LEN + 16 + 8 + 8 + 3 + 3
+    );
+    assert_eq!(encode(&create).unwrap().len(), HEADER_LEN + 16 + 8 + 8 + 3 + 3 + 2);
+    let stats = Message::StatsReply {
+        numbers: [7; STATS_NUMBERS],
+    };
+    assert_eq!(encode_as(&stats, MIN_VERSION).unwrap().len(), HEADER_LEN + 7 * 8);
+    // A body of one version is not read as the other's.
+    let v2 = &encode_as(&create, MIN_VERSION).unwrap()[HEADER_LEN..];
+    assert!(protocol(decode_body_as(MessageKind::Create, VERSION, v2)).contains("cut short"));
+    let v3 = &encode(&create).unwrap()[HEADER_LEN..];
+    assert!(protocol(decode_body_as(MessageKind::Create, MIN_VERSION, v3)).contains("after the end"));
+    // Neither side encodes or decodes a version it does not speak.
+    for version in [0, 1, VERSION + 1] {
+        assert!(protocol(encode_as(&Message::Hello, version).map(|_| Message::Done)).contains("speaks versions"));
+        assert!(protocol(decode_body_as(MessageKind::Hello, version, &[])).contains("speaks versions"));
+    }
+}
+
+#[test]
+fn hostile_attach_lists_are_refused() {
+    let create = |uids: Vec<u32>| Message::Create {
+        device: DeviceUuid([1; 16]),
+        size: 4096,
+        ttl_ms: 0,
+        name: "a".into(),
+        tag: String::new(),
+        attach_uids: uids,
+    };
+    // The encoder refuses what the decoder would.
+    let too_long: Vec<u32> = (0..=MAX_ATTACH_UIDS as u32).collect();
+    assert!(protocol(encode(&create(too_long)).map(|_| Message::Done)).contains("at most 64"));
+    assert!(protocol(encode(&create(vec![5, 6, 5])).map(|_| Message::Done)).contains("uid 5 twice"));
+    assert!(protocol(encode(&create(vec![u32::MAX])).map(|_| Message::Done)).contains("no uid"));
+    // The decoder: uuid 16, size 8, ttl 8, name 3, tag 2, then the list's count and uids.
+    let body = encode(&create(vec![7, 8])).unwrap()[HEADER_LEN..].to_vec();
+    let at = 16 + 8 + 8 + 3 + 2;
+    assert_eq!(&body[at..], &[2, 0, 7, 0, 0, 0, 8, 0, 0, 0]);
+    let with = |f: &dyn Fn(&mut Vec<u8>)| {
+        let mut b = body.clone();
+        f(&mut b);
+        decode_body(MessageKind::Create, &b)
+    };
+    assert!(protocol(with(&|b| b[at..at + 2].copy_from_slice(&65u16.to_le_bytes()))).contains("at most 64"));
+    assert!(protocol(with(&|b| b[at..at + 2].copy_from_slice(&u16::MAX.to_le_bytes()))).contains("at most 64"));
+    assert!(protocol(with(&|b| b[at..at + 2].copy_from_slice(&3u16.to_le_bytes()))).contains("cut short"));
+    assert!(protocol(with(&|b| b[at + 6..at + 10].copy_from_slice(&7u32.to_le_bytes()))).contains("uid 7 twice"));
+    assert!(protocol(with(&|b| b[at + 2..at + 6].copy_from_slice(&u32::MAX.to_le_bytes()))).contains("no uid"));
+    assert!(protocol(with(&|b| b.push(0))).contains("after the end"));
+    // The same in a CreateMany: uuid 16, ttl 8, tag 2, then the list.
+    let many = encode(&Message::CreateMany {
+        device: DeviceUuid([1; 16]),
+        ttl_ms: 0,
+        tag: String::new(),
+        attach_uids: vec![9, 9 + 1],
+        members: vec![("a".into(), 4096)],
+    })
+    .unwrap()[HEADER_LEN..]
+        .to_vec();
+    let mut b = many.clone();
+    b[26 + 6..26 + 10].copy_from_slice(&9u32.to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::CreateMany, &b)).contains("uid 9 twice"));
+    let mut b = many;
+    b[26..28].copy_from_slice(&(MAX_ATTACH_UIDS as u16 + 1).to_le_bytes());
+    assert!(protocol(decode_body(MessageKind::CreateMany, &b)).contains("at most 64"));
 }

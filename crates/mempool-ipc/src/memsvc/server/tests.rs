@@ -57,6 +57,7 @@ fn create(client: &Client, name: &str, size: u64) -> crate::memsvc::error::Resul
         ttl_ms: 0,
         name: name.into(),
         tag: "t".into(),
+        attach_uids: Vec::new(),
     })
 }
 
@@ -331,14 +332,8 @@ fn read_to_close(mut s: &UnixStream) -> Vec<u8> {
 
 fn refused_with(bytes: &[u8]) -> String {
     assert!(bytes.len() >= HEADER_LEN, "the server closed without a Refused frame");
-    match codec::decode_body(
-        codec::decode_header(bytes[..HEADER_LEN].try_into().unwrap())
-            .unwrap()
-            .kind,
-        &bytes[HEADER_LEN..],
-    )
-    .unwrap()
-    {
+    let header = codec::decode_header(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
+    match codec::decode_body_as(header.kind, header.version, &bytes[HEADER_LEN..]).unwrap() {
         Message::Refused(r) => codec::error_of(r).to_string(),
         other => panic!("{other:?}"),
     }
@@ -550,6 +545,7 @@ fn quotas_and_time_to_live_over_the_socket() {
             ttl_ms: 2000,
             name: "short".into(),
             tag: String::new(),
+            attach_uids: Vec::new(),
         })
         .unwrap();
     done(
@@ -984,6 +980,7 @@ fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() 
                 device: DEV,
                 ttl_ms: 0,
                 tag: "grp".into(),
+                attach_uids: Vec::new(),
                 members: members.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect(),
             },
         )
@@ -1090,4 +1087,296 @@ fn a_group_over_the_socket_shares_one_memory_and_a_descriptor_of_it_per_grant() 
     wait_until("the group's memory is released", || live.load(Ordering::SeqCst) == 1);
     drop((a, b));
     server.shutdown();
+}
+
+/// A connection that speaks protocol `version` from its Hello on, as a client of that version
+/// does (a version-2 client is one built before version 3).
+fn speak(path: &Path, version: u16) -> Framed {
+    let framed = Framed::new(raw_connect(path), false, Some(version), WAIT).unwrap();
+    framed.send(&Message::Hello, None).unwrap();
+    match framed.recv_versioned(Some(WAIT), WAIT).unwrap() {
+        (Message::Welcome { devices, .. }, _, v) => assert_eq!((devices, v), (vec![(DEV, G)], version)),
+        (other, ..) => panic!("expected Welcome, got {other:?}"),
+    }
+    framed
+}
+
+fn ask(framed: &Framed, m: &Message) -> (Message, Vec<OwnedFd>) {
+    framed.send(m, None).unwrap();
+    framed.recv(Some(WAIT), WAIT).unwrap()
+}
+
+/// The attach list the server holds for the buffer `name`.
+fn attach_list(server: &Server, name: &str) -> Option<Vec<u32>> {
+    server.inner.service.with(|s| s.attach_uids_of(name))
+}
+
+#[test]
+fn a_version_2_client_is_served_as_version_2_served_it() {
+    use crate::memsvc::proto::messages::{MIN_VERSION, STATS_NUMBERS_V2};
+    let path = path("v2");
+    let (server, live) = serve(&path, quick_limits());
+    let old = speak(&path, MIN_VERSION);
+    let create = Message::Create {
+        device: DEV,
+        size: G,
+        ttl_ms: 0,
+        name: "v2/a".into(),
+        tag: String::new(),
+        attach_uids: Vec::new(),
+    };
+    let (granted, fds) = ask(&old, &create);
+    assert!(matches!(granted, Message::Granted(_)), "{granted:?}");
+    assert_eq!(rustix::fs::fstat(&fds[0]).unwrap().st_size as u64, G);
+    // Its buffers get the default attach list: their owner's uid only.
+    assert_eq!(attach_list(&server, "v2/a"), Some(Vec::new()));
+    let (done, _) = ask(
+        &old,
+        &Message::Publish {
+            name: "v2/a".into(),
+            event: None,
+        },
+    );
+    assert_eq!(done, Message::Done);
+    // A refusal, in its version.
+    let (refused, _) = ask(&old, &create);
+    match refused {
+        Message::Refused(r) => assert!(matches!(codec::error_of(r), Error::NameTaken { .. })),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    // Its counters: the seven version 2 has (its frame has no room for more).
+    match ask(&old, &Message::Stats).0 {
+        Message::StatsReply { numbers } => {
+            assert_eq!(numbers[..3], [1, G, 1]);
+            assert!(numbers[STATS_NUMBERS_V2..].iter().all(|&n| n == 0));
+        }
+        other => panic!("expected StatsReply, got {other:?}"),
+    }
+    // A client of version 3 attaches what a client of version 2 made, and the other way round.
+    let new = Client::connect(&path).unwrap();
+    assert_eq!(new.protocol_version(), crate::memsvc::proto::messages::VERSION);
+    new.call_granted(&Message::Attach { name: "v2/a".into() }).unwrap();
+    create_for(&new, "v3/b", &[]);
+    assert!(matches!(
+        ask(&old, &Message::Attach { name: "v3/b".into() }).0,
+        Message::Granted(_)
+    ));
+    // A frame of another version than the Hello's ends the connection, with the cause.
+    let wrong = codec::encode_as(&Message::Stats, crate::memsvc::proto::messages::VERSION).unwrap();
+    old.stream().write_all(&wrong).unwrap();
+    let got = read_to_close(old.stream());
+    assert_eq!(
+        u16::from_le_bytes([got[4], got[5]]),
+        MIN_VERSION,
+        "refused in its version"
+    );
+    assert!(refused_with(&got).contains("of protocol version 3 on a connection of version 2"));
+    drop((old, new));
+    server.shutdown();
+    assert_eq!(live.load(Ordering::SeqCst), 0);
+}
+
+fn create_for(client: &Client, name: &str, uids: &[u32]) -> crate::memsvc::client::Granted {
+    let g = client
+        .call_granted(&Message::Create {
+            device: DEV,
+            size: G,
+            ttl_ms: 0,
+            name: name.into(),
+            tag: String::new(),
+            attach_uids: uids.to_vec(),
+        })
+        .unwrap();
+    done(
+        client,
+        Message::Publish {
+            name: name.into(),
+            event: None,
+        },
+    )
+    .unwrap();
+    g
+}
+
+#[test]
+fn create_carries_its_attach_list_and_hostile_lists_are_refused() {
+    let path = path("attachlist");
+    let (server, _) = serve(&path, quick_limits());
+    let client = Client::connect(&path).unwrap();
+    let own = rustix::process::geteuid().as_raw();
+    create_for(&client, "l/default", &[]);
+    create_for(&client, "l/wide", &[7, own, 8]);
+    assert_eq!(attach_list(&server, "l/default"), Some(Vec::new()));
+    assert_eq!(
+        attach_list(&server, "l/wide"),
+        Some(vec![7, 8]),
+        "its owner's uid is implied"
+    );
+    let (grants, _) = match client
+        .call(&Message::CreateMany {
+            device: DEV,
+            ttl_ms: 0,
+            tag: String::new(),
+            attach_uids: vec![9],
+            members: vec![("l/g1".into(), G), ("l/g2".into(), G)],
+        })
+        .unwrap()
+    {
+        (Message::GrantedMany { grants }, fds) => (grants, fds),
+        (other, _) => panic!("expected GrantedMany, got {other:?}"),
+    };
+    assert_eq!(grants.len(), 2);
+    assert_eq!(attach_list(&server, "l/g1"), Some(vec![9]));
+    assert_eq!(attach_list(&server, "l/g2"), Some(vec![9]));
+    // Lists this client refuses to send, as raw frames: the server refuses them too, naming why,
+    // and ends the connection.
+    let valid = codec::encode(&Message::Create {
+        device: DEV,
+        size: G,
+        ttl_ms: 0,
+        name: "l/bad".into(),
+        tag: String::new(),
+        attach_uids: vec![5, 6],
+    })
+    .unwrap();
+    let at = HEADER_LEN + 16 + 8 + 8 + 2 + "l/bad".len() + 2;
+    assert_eq!(&valid[at..], &[2, 0, 5, 0, 0, 0, 6, 0, 0, 0]);
+    let hello = codec::encode(&Message::Hello).unwrap();
+    let patched = |f: &dyn Fn(&mut Vec<u8>)| {
+        let mut frame = valid.clone();
+        f(&mut frame);
+        frame
+    };
+    let cases: [(Vec<u8>, &str); 3] = [
+        (
+            patched(&|f| f[at + 6..at + 10].copy_from_slice(&5u32.to_le_bytes())),
+            "uid 5 twice",
+        ),
+        (
+            patched(&|f| f[at + 2..at + 6].copy_from_slice(&u32::MAX.to_le_bytes())),
+            "no uid",
+        ),
+        (
+            {
+                let mut f = valid[..at].to_vec();
+                f.extend_from_slice(&65u16.to_le_bytes());
+                f.extend((0..65u32).flat_map(u32::to_le_bytes));
+                let len = (f.len() - HEADER_LEN) as u32;
+                f[8..12].copy_from_slice(&len.to_le_bytes());
+                f
+            },
+            "at most 64",
+        ),
+    ];
+    for (frame, why) in cases {
+        let s = raw_connect(&path);
+        (&s).write_all(&hello).unwrap();
+        (&s).write_all(&frame).unwrap();
+        let got = read_to_close(&s);
+        let welcome_len = HEADER_LEN + u32::from_le_bytes(got[8..12].try_into().unwrap()) as usize;
+        let refusal = refused_with(&got[welcome_len..]);
+        assert!(refusal.contains(why), "{refusal}");
+    }
+    assert_eq!(attach_list(&server, "l/bad"), None, "nothing was created");
+    assert!(client.list().is_ok());
+    drop(client);
+    server.shutdown();
+}
+
+/// A server of protocol version 2, as one built before version 3 behaves: a frame of any other
+/// version is refused (Protocol, in a version-2 frame) and the connection closed; a version-2
+/// Hello is welcomed and a Stats answered with its seven numbers. `first` refuses every Hello
+/// of the first connection with it instead (a server at its connection limit). Returns the path
+/// and how many connections it accepted.
+fn version_2_server(first: Option<Error>) -> (PathBuf, Arc<AtomicU64>, std::thread::JoinHandle<()>) {
+    use crate::memsvc::proto::messages::MIN_VERSION;
+    let path = path("oldserver");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let count = accepted.clone();
+    let thread = std::thread::spawn(move || {
+        let mut first = first;
+        while let Ok((stream, _)) = listener.accept() {
+            count.fetch_add(1, Ordering::SeqCst);
+            let mut framed = Framed::new(stream, true, None, WAIT).unwrap();
+            if let Some(err) = first.take() {
+                framed.send(&Message::Refused(codec::refusal_of(&err)), None).unwrap();
+                continue;
+            }
+            let mut header = [0u8; HEADER_LEN];
+            std::io::Read::read_exact(&mut framed.stream(), &mut header).unwrap();
+            let version = u16::from_le_bytes([header[4], header[5]]);
+            if version != MIN_VERSION {
+                // What version 2's decode_header said.
+                let err = Error::protocol(format!("protocol version {version}, this side speaks version 2"));
+                framed.send(&Message::Refused(codec::refusal_of(&err)), None).unwrap();
+                continue;
+            }
+            framed.set_version(MIN_VERSION);
+            framed
+                .send(
+                    &Message::Welcome {
+                        pid: 4242,
+                        devices: vec![(DEV, G)],
+                    },
+                    None,
+                )
+                .unwrap();
+            while let Ok((Message::Stats, _)) = framed.recv(Some(WAIT), WAIT) {
+                let numbers = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+                if framed.send(&Message::StatsReply { numbers }, None).is_err() {
+                    break;
+                }
+            }
+            return;
+        }
+    });
+    (path, accepted, thread)
+}
+
+#[test]
+fn a_client_falls_back_to_version_2_with_a_version_2_server() {
+    use crate::memsvc::client::CreateOptions;
+    use crate::memsvc::proto::messages::MIN_VERSION;
+    let (path, accepted, thread) = version_2_server(None);
+    let client = Client::connect(&path).unwrap();
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "refused in version 3, welcomed in version 2"
+    );
+    assert_eq!(client.protocol_version(), MIN_VERSION);
+    assert_eq!(client.server_pid(), 4242);
+    // Version 2's seven counters; the two it does not have are 0.
+    let stats = client.stats().unwrap();
+    assert_eq!((stats.buffers, stats.rejected), (1, 7));
+    assert_eq!((stats.lingering_buffers, stats.lingering_bytes), (0, 0));
+    // An attach list cannot travel in version 2: refused here, before anything is sent.
+    match CreateOptions::new()
+        .attach_uids([5])
+        .attach_list(client.protocol_version())
+    {
+        Err(Error::InvalidArgument(why)) => assert!(why.contains("protocol version 2"), "{why}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert_eq!(
+        CreateOptions::new().attach_list(client.protocol_version()).unwrap(),
+        Vec::<u32>::new()
+    );
+    drop(client);
+    thread.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+    // Any other refusal of a version-2 server is returned as it is, without a second try.
+    let (path, accepted, thread) = version_2_server(Some(Error::Busy {
+        reason: "it has 1 connections, its limit".into(),
+    }));
+    match Client::connect(&path) {
+        Err(Error::Busy { reason }) => assert!(reason.contains("its limit"), "{reason}"),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    // (The thread waits for the next connection: give it one that says Hello in version 2.)
+    drop(speak(&path, MIN_VERSION));
+    thread.join().unwrap();
+    let _ = std::fs::remove_file(&path);
 }

@@ -36,7 +36,7 @@ fn live(s: &Service<HostBackend>) -> u64 {
 }
 
 fn create(s: &Service<HostBackend>, conn: ConnId, name: &str, size: u64, now: Instant) -> Result<Grant> {
-    s.create(conn, 42, DEV, size, 0, name, "", now)
+    s.create(conn, 42, DEV, size, 0, name, "", &[], now)
 }
 
 #[test]
@@ -201,9 +201,9 @@ fn ttl_takes_the_name_away() {
         ..rules()
     });
     s.connect(1, UID).unwrap();
-    let g = s.create(1, 1, DEV, G, 1000, "short", "t", now).unwrap();
+    let g = s.create(1, 1, DEV, G, 1000, "short", "t", &[], now).unwrap();
     s.publish(1, "short", None, now).unwrap();
-    s.create(1, 1, DEV, G, 0, "default", "", now).unwrap();
+    s.create(1, 1, DEV, G, 0, "default", "", &[], now).unwrap();
     s.publish(1, "default", None, now).unwrap();
     let list = s.list("", now + Duration::from_millis(500)).0;
     assert_eq!(
@@ -291,11 +291,11 @@ fn bad_requests_name_their_cause() {
     ));
     assert!(matches!(create(&s, 1, "x", u64::MAX, now), Err(Error::BadSize { .. })));
     assert!(matches!(
-        s.create(1, 1, DeviceUuid([9; 16]), G, 0, "x", "", now),
+        s.create(1, 1, DeviceUuid([9; 16]), G, 0, "x", "", &[], now),
         Err(Error::DeviceNotServed { .. })
     ));
     assert!(matches!(
-        s.create(1, 1, DEV, G, 0, "x", &"t".repeat(300), now),
+        s.create(1, 1, DEV, G, 0, "x", &"t".repeat(300), &[], now),
         Err(Error::BadTag { len: 300, .. })
     ));
     assert!(matches!(s.attach(1, "nope", now), Err(Error::UnknownName { .. })));
@@ -304,7 +304,7 @@ fn bad_requests_name_their_cause() {
         Err(Error::UnknownName { .. })
     ));
     // The second device is served too.
-    let g = s.create(1, 1, DeviceUuid([2; 16]), G, 0, "x", "", now).unwrap();
+    let g = s.create(1, 1, DeviceUuid([2; 16]), G, 0, "x", "", &[], now).unwrap();
     assert_eq!(g.device, DeviceUuid([2; 16]));
     // A backend failure is the server's GPU failure, and nothing is charged.
     s.backend().capacity.store(G, Ordering::SeqCst);
@@ -634,7 +634,7 @@ fn members(list: &[(&str, u64)]) -> Vec<(String, u64)> {
 }
 
 fn create_group(s: &Service<HostBackend>, conn: ConnId, list: &[(&str, u64)], now: Instant) -> Result<Vec<Grant>> {
-    s.create_many(conn, 42, DEV, 0, "group", &members(list), now)
+    s.create_many(conn, 42, DEV, 0, "group", &[], &members(list), now)
 }
 
 fn bytes_of(s: &Service<HostBackend>) -> u64 {
@@ -723,7 +723,7 @@ fn create_many_is_all_or_nothing() {
     assert!(matches!(refused(&[]), Error::Protocol { .. }));
     let too_many: Vec<(String, u64)> = (0..=MAX_ATTACH_MANY).map(|i| (format!("n{i}"), 1)).collect();
     assert!(matches!(
-        s.create_many(1, 42, DEV, 0, "", &too_many, now),
+        s.create_many(1, 42, DEV, 0, "", &[], &too_many, now),
         Err(Error::Protocol { .. })
     ));
     // Nothing was reserved or allocated by any refusal.
@@ -895,4 +895,331 @@ fn a_reservation_member_deleted_while_allocating_refuses_the_group() {
     );
     // Both names are free again, and the quota was credited.
     create_group(&s, 2, &[("r/a", G), ("r/b", G)], now).unwrap();
+}
+
+fn named(s: &Service<HostBackend>, now: Instant) -> Vec<String> {
+    s.list("", now).0.into_iter().map(|b| b.name).collect()
+}
+
+#[test]
+fn expiry_takes_exactly_the_names_whose_deadline_came() {
+    let t0 = Instant::now();
+    let ms = Duration::from_millis;
+    let s = state();
+    s.connect(1, UID).unwrap();
+    s.connect(2, UID).unwrap();
+    let ttl = |conn, name: &str, ttl_ms| s.create(conn, 42, DEV, G, ttl_ms, name, "", &[], t0).unwrap();
+    ttl(1, "e/10", 10);
+    ttl(1, "e/20a", 20);
+    ttl(1, "e/20b", 20);
+    ttl(1, "e/none", 0);
+    // A group's members share their deadline.
+    s.create_many(1, 42, DEV, 30, "", &[], &members(&[("e/g1", G), ("e/g2", G)]), t0)
+        .unwrap();
+    // Deleted before its deadline, its name reused at once with a later one: the old deadline
+    // must not take the new buffer's name, the new one must.
+    ttl(1, "e/reused", 15);
+    s.delete(1, "e/reused", t0).unwrap();
+    ttl(2, "e/reused", 50);
+    // One attached by another connection when it expires: the name goes, the memory stays.
+    ttl(1, "e/held", 25);
+    s.publish(1, "e/held", None, t0).unwrap();
+    let held = s.attach(2, "e/held", t0).unwrap();
+    let all = ["e/10", "e/20a", "e/20b", "e/g1", "e/g2", "e/held", "e/none", "e/reused"];
+    s.expire(t0 + ms(9));
+    assert_eq!(named(&s, t0 + ms(9)), all);
+    // A deadline is due at its instant, not a moment later.
+    s.expire(t0 + ms(10));
+    assert_eq!(named(&s, t0 + ms(10)), all[1..]);
+    s.expire(t0 + ms(19));
+    assert_eq!(named(&s, t0 + ms(19)), all[1..]);
+    s.expire(t0 + ms(20));
+    assert_eq!(named(&s, t0 + ms(20)), ["e/g1", "e/g2", "e/held", "e/none", "e/reused"]);
+    // (The reused name's old deadline, 15 ms, passed: the new buffer kept its name.)
+    s.expire(t0 + ms(25));
+    assert_eq!(named(&s, t0 + ms(25)), ["e/g1", "e/g2", "e/none", "e/reused"]);
+    assert!(matches!(
+        s.attach(2, "e/held", t0 + ms(25)),
+        Err(Error::UnknownName { .. })
+    ));
+    s.detach(2, held.attachment).unwrap();
+    s.expire(t0 + ms(30));
+    assert_eq!(named(&s, t0 + ms(30)), ["e/none", "e/reused"]);
+    s.expire(t0 + ms(49));
+    assert_eq!(named(&s, t0 + ms(49)), ["e/none", "e/reused"]);
+    s.expire(t0 + ms(50));
+    assert_eq!(named(&s, t0 + ms(50)), ["e/none"]);
+    // Every request expires first: a request at a later instant sees the names gone.
+    let late = ttl(1, "e/late", 5);
+    assert!(matches!(
+        s.attach(2, "e/late", t0 + ms(5)),
+        Err(Error::UnknownName { .. })
+    ));
+    s.detach(1, late.attachment).unwrap();
+    assert_eq!(s.with(|st| st.deadlines_held()), 0, "no deadline outlives its buffer");
+}
+
+#[test]
+fn expiry_visits_only_the_buffers_it_expires() {
+    let t0 = Instant::now();
+    let s = state();
+    s.connect(1, UID).unwrap();
+    const MANY: u64 = 2000;
+    for i in 0..MANY {
+        // Half with a distant deadline, half with none.
+        let ttl_ms = if i % 2 == 0 { 3_600_000 } else { 0 };
+        s.create(1, 42, DEV, G, ttl_ms, &format!("v/{i:05}"), "", &[], t0)
+            .unwrap();
+    }
+    s.create(1, 42, DEV, G, 10, "v/soon", "", &[], t0).unwrap();
+    let visits = || s.with(|st| st.expiry_visits());
+    let start = visits();
+    // A hundred requests with nothing due: each looks at one deadline at most, not every buffer.
+    for i in 0..100 {
+        assert!(matches!(
+            s.attach(1, "v/missing", t0 + Duration::from_millis(i % 10)),
+            Err(Error::UnknownName { .. })
+        ));
+    }
+    let idle = visits() - start;
+    assert!(
+        idle <= 100,
+        "100 requests with nothing due looked at {idle} buffers (of {MANY})"
+    );
+    // One due: it is looked at, and the next deadline, an hour away, is.
+    let start = visits();
+    s.expire(t0 + Duration::from_millis(10));
+    assert_eq!(s.stats().named, MANY);
+    let due = visits() - start;
+    assert!(due <= 3, "expiring one buffer looked at {due} buffers (of {MANY})");
+    // An hour on, the thousand with a deadline expire, and only they are looked at.
+    let start = visits();
+    s.expire(t0 + Duration::from_secs(3600));
+    let hour = visits() - start;
+    assert_eq!(s.stats().named, MANY / 2);
+    assert!(
+        hour <= MANY / 2 + 1,
+        "expiring {} buffers looked at {hour} buffers",
+        MANY / 2
+    );
+}
+
+const OWNER: u32 = 2000;
+const OTHER: u32 = 3000;
+const THIRD: u32 = 4000;
+
+/// The server runs as `UID`; `OWNER`, `OTHER` and `THIRD` are in its allow-list.
+fn shared_rules(quotas: Quotas) -> Rules {
+    Rules {
+        access: Access {
+            allow_uids: vec![OWNER, OTHER, THIRD],
+        },
+        quotas,
+        ..rules()
+    }
+}
+
+fn names_of(list: &[&str]) -> Vec<String> {
+    list.iter().map(|n| (*n).to_owned()).collect()
+}
+
+fn create_for(s: &Service<HostBackend>, conn: ConnId, name: &str, size: u64, uids: &[u32], now: Instant) -> Grant {
+    let g = s.create(conn, 42, DEV, size, 0, name, "", uids, now).unwrap();
+    s.publish(conn, name, None, now).unwrap();
+    g
+}
+
+fn usage(s: &Service<HostBackend>, uid: u32) -> (u64, u64) {
+    let u = s.with(|st| st.usage(uid));
+    (u.bytes, u.buffers)
+}
+
+fn not_permitted(result: Result<impl Sized>, uid: u32, name: &str) {
+    match result {
+        Err(Error::NotPermitted { uid: u, what }) => {
+            assert_eq!(u, uid);
+            assert!(what.contains(&format!("attach buffer {name:?}")), "{what}");
+            assert!(what.contains("attach list"), "{what}");
+        }
+        Err(other) => panic!("expected NotPermitted for uid {uid} attaching {name}, got {other}"),
+        Ok(_) => panic!("uid {uid} attached {name}"),
+    }
+}
+
+#[test]
+fn another_uid_cannot_attach_by_default_but_can_when_listed() {
+    let now = Instant::now();
+    let s = state_with(shared_rules(Quotas::default()));
+    s.connect(1, OWNER).unwrap();
+    s.connect(2, OTHER).unwrap();
+    s.connect(3, THIRD).unwrap();
+    s.connect(4, OWNER).unwrap();
+    s.connect(5, UID).unwrap();
+    create_for(&s, 1, "p/mine", G, &[], now);
+    // Every uid the server lets connect sees it listed, but only its owner's uid attaches it:
+    // not another uid of the allow-list, nor the server's own.
+    assert_eq!(named(&s, now), ["p/mine"]);
+    not_permitted(s.attach(2, "p/mine", now), OTHER, "p/mine");
+    not_permitted(s.attach(5, "p/mine", now), UID, "p/mine");
+    s.attach(4, "p/mine", now).unwrap();
+    // Listed: that uid attaches, and only it.
+    create_for(&s, 1, "p/listed", G, &[OTHER], now);
+    s.attach(2, "p/listed", now).unwrap();
+    not_permitted(s.attach(3, "p/listed", now), THIRD, "p/listed");
+    // attach_many is all or nothing: a name it may not attach refuses the whole request.
+    let before = s.stats().attachments;
+    not_permitted(
+        s.attach_many(2, &names_of(&["p/listed", "p/mine"]), now),
+        OTHER,
+        "p/mine",
+    );
+    assert_eq!(s.stats().attachments, before, "nothing stays attached");
+    // A group's members share one list; its owner's uid in the list changes nothing.
+    s.create_many(
+        1,
+        42,
+        DEV,
+        0,
+        "",
+        &[THIRD, OWNER],
+        &members(&[("p/g1", G), ("p/g2", G)]),
+        now,
+    )
+    .unwrap();
+    for name in ["p/g1", "p/g2"] {
+        s.publish(1, name, None, now).unwrap();
+    }
+    assert_eq!(s.attach_many(3, &names_of(&["p/g1", "p/g2"]), now).unwrap().len(), 2);
+    not_permitted(s.attach(2, "p/g2", now), OTHER, "p/g2");
+    s.attach(4, "p/g1", now).unwrap();
+    // A list the decoder would refuse is refused here too (the state trusts no caller).
+    for bad in [&[u32::MAX][..], &[OTHER, THIRD, OTHER]] {
+        assert!(matches!(
+            s.create(1, 42, DEV, G, 0, "p/bad", "", bad, now),
+            Err(Error::Protocol { .. })
+        ));
+    }
+    let long: Vec<u32> = (0..=crate::memsvc::proto::messages::MAX_ATTACH_UIDS as u32).collect();
+    assert!(matches!(
+        s.create(1, 42, DEV, G, 0, "p/bad", "", &long, now),
+        Err(Error::Protocol { .. })
+    ));
+    assert!(!named(&s, now).contains(&"p/bad".to_owned()));
+}
+
+#[test]
+fn after_the_owner_deletes_the_uids_still_attached_pay_not_the_owner() {
+    let now = Instant::now();
+    let s = state_with(shared_rules(Quotas {
+        per_uid_bytes: Some(4 * G),
+        per_uid_buffers: Some(2),
+        ..Quotas::default()
+    }));
+    s.connect(1, OWNER).unwrap();
+    s.connect(2, OTHER).unwrap();
+    s.connect(3, THIRD).unwrap();
+    let mine = create_for(&s, 1, "q/w", 4 * G, &[OTHER, THIRD], now);
+    s.detach(1, mine.attachment).unwrap();
+    let a = s.attach(2, "q/w", now).unwrap();
+    let b = s.attach(3, "q/w", now).unwrap();
+    assert_eq!(
+        usage(&s, OWNER),
+        (4 * G, 1),
+        "the owner pays while the buffer has its name"
+    );
+    assert_eq!((usage(&s, OTHER), usage(&s, THIRD)), ((0, 0), (0, 0)));
+    s.delete(1, "q/w", now).unwrap();
+    // The owner's quota is free at once: another uid's attachment does not pin it.
+    assert_eq!(usage(&s, OWNER), (0, 0));
+    let next = create_for(&s, 1, "q/next", 4 * G, &[], now);
+    // Each uid still attached pays the whole memory (each alone keeps it alive); the total
+    // counts it once.
+    assert_eq!((usage(&s, OTHER), usage(&s, THIRD)), ((4 * G, 1), (4 * G, 1)));
+    assert_eq!(s.with(|st| st.total_usage()).bytes, 8 * G);
+    match create(&s, 2, "q/other", G, now) {
+        Err(Error::QuotaExceeded {
+            scope: QuotaScope::Uid(OTHER),
+            kind: QuotaKind::Bytes,
+            in_use,
+            ..
+        }) => assert_eq!(in_use, 4 * G),
+        other => panic!(
+            "expected OTHER's quota to count the memory it keeps, got {:?}",
+            other.map(|g| g.size)
+        ),
+    }
+    // The deleted buffer's bytes show in the stats until the last holder lets go.
+    let st = s.stats();
+    assert_eq!((st.lingering_buffers, st.lingering_bytes, st.bytes), (1, 4 * G, 8 * G));
+    s.detach(2, a.attachment).unwrap();
+    assert_eq!((usage(&s, OTHER), usage(&s, THIRD)), ((0, 0), (4 * G, 1)));
+    create(&s, 2, "q/other", G, now).unwrap();
+    // A holder whose process exits stops paying too; the memory goes with it.
+    assert!(s.disconnect(3));
+    assert_eq!(usage(&s, THIRD), (4 * G, 1));
+    s.process_exited(3);
+    assert_eq!(usage(&s, THIRD), (0, 0));
+    let st = s.stats();
+    assert_eq!((st.lingering_buffers, st.lingering_bytes), (0, 0));
+    assert_eq!(live(&s), 2, "q/next and q/other");
+    assert_eq!(s.with(|st| st.total_usage()).bytes, 5 * G);
+    let _ = (next, b);
+}
+
+#[test]
+fn the_owner_pays_while_it_holds_the_memory_or_any_member_keeps_a_name() {
+    let now = Instant::now();
+    let s = state_with(shared_rules(Quotas::default()));
+    s.connect(1, OWNER).unwrap();
+    s.connect(2, OTHER).unwrap();
+    // The owner still attached after its delete: it keeps paying, beside the other holder.
+    let mine = create_for(&s, 1, "r/held", 2 * G, &[OTHER], now);
+    let theirs = s.attach(2, "r/held", now).unwrap();
+    s.delete(1, "r/held", now).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((2 * G, 1), (2 * G, 1)));
+    s.detach(1, mine.attachment).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((0, 0), (2 * G, 1)));
+    s.detach(2, theirs.attachment).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((0, 0), (0, 0)));
+    // A group: while any member keeps its name the owner pays the whole memory; with the last
+    // name gone the holders of any member pay it (every member counted, as the owner was).
+    let grants = s
+        .create_many(
+            1,
+            42,
+            DEV,
+            0,
+            "",
+            &[OTHER],
+            &members(&[("r/a", G), ("r/b", G), ("r/c", G)]),
+            now,
+        )
+        .unwrap();
+    for (g, name) in grants.iter().zip(["r/a", "r/b", "r/c"]) {
+        s.publish(1, name, None, now).unwrap();
+        s.detach(1, g.attachment).unwrap();
+    }
+    let held = s.attach(2, "r/b", now).unwrap();
+    s.delete(1, "r/a", now).unwrap();
+    s.delete(1, "r/b", now).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((3 * G, 3), (0, 0)));
+    assert_eq!((s.stats().lingering_buffers, s.stats().lingering_bytes), (1, 0));
+    // Expiry or delete, the last name going moves the charge.
+    s.delete(1, "r/c", now).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((0, 0), (3 * G, 3)));
+    assert_eq!((s.stats().lingering_buffers, s.stats().lingering_bytes), (1, 3 * G));
+    s.detach(2, held.attachment).unwrap();
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((0, 0), (0, 0)));
+    assert_eq!(s.with(|st| st.total_usage()).bytes, 0);
+    // Expiry moves it the same way.
+    s.create(1, 42, DEV, G, 10, "r/ttl", "", &[OTHER], now).unwrap();
+    s.publish(1, "r/ttl", None, now).unwrap();
+    let held = s.attach(2, "r/ttl", now).unwrap();
+    s.disconnect(1);
+    s.process_exited(1);
+    s.expire(now + Duration::from_millis(10));
+    assert_eq!((usage(&s, OWNER), usage(&s, OTHER)), ((0, 0), (G, 1)));
+    s.detach(2, held.attachment).unwrap();
+    assert_eq!(live(&s), 0);
+    assert_eq!(s.with(|st| st.total_usage()), crate::memsvc::policy::Usage::default());
 }
