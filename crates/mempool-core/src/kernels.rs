@@ -150,7 +150,14 @@ impl CheckKernels {
     /// # Safety
     /// 1. As for [`CheckKernels::iota`].
     #[allow(unsafe_code)]
-    pub unsafe fn late_fill(&self, buf: DeviceAddr, n: usize, value: u32, ns: u64, stream: StreamRef<'_>) -> Result<()> {
+    pub unsafe fn late_fill(
+        &self,
+        buf: DeviceAddr,
+        n: usize,
+        value: u32,
+        ns: u64,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
         let (mut p, mut v, mut len, mut t) = (buf.0, value, n as u64, ns);
         // SAFETY: 1. `mempool_late_fill_u32(u64 dst, u32 value, u64 n, u64 ns)`: four pointers to values of
         // those widths. 2. point 1 of this function.

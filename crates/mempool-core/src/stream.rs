@@ -673,7 +673,11 @@ mod tests {
         assert_ne!(legacy, StreamRef::PER_THREAD);
         let set: HashSet<StreamRef<'_>> = [legacy, StreamRef::LEGACY, StreamRef::PER_THREAD].into();
         assert_eq!(set.len(), 2);
-        assert_eq!((legacy.handle(), StreamRef::LEGACY.handle()), (1, 0), "the handle is kept as given");
+        assert_eq!(
+            (legacy.handle(), StreamRef::LEGACY.handle()),
+            (1, 0),
+            "the handle is kept as given"
+        );
     }
 
     #[test]

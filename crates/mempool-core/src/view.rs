@@ -328,7 +328,11 @@ mod tests {
         };
         let here = view(StreamRef::PER_THREAD);
         assert_eq!(here.stream(), StreamRef::PER_THREAD);
-        assert_eq!(freed_on(here), StreamRef::PER_THREAD, "freed by the thread that made it");
+        assert_eq!(
+            freed_on(here),
+            StreamRef::PER_THREAD,
+            "freed by the thread that made it"
+        );
         let moved = view(StreamRef::PER_THREAD);
         let legacy = view(StreamRef::LEGACY);
         let (on_other, stream_there, legacy_there) = std::thread::spawn(move || {
@@ -337,7 +341,10 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert!(stream_there.is_legacy() && on_other.is_legacy(), "{stream_there:?} {on_other:?}");
+        assert!(
+            stream_there.is_legacy() && on_other.is_legacy(),
+            "{stream_there:?} {on_other:?}"
+        );
         assert_eq!(legacy_there, StreamRef::LEGACY);
     }
 }

@@ -77,7 +77,8 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryResource<U> {
                 Ok(p)
             }
             Err(e) => {
-                self.history.record(Op::Failed, 0, 0, bytes as u64, stream.handle() as u64);
+                self.history
+                    .record(Op::Failed, 0, 0, bytes as u64, stream.handle() as u64);
                 Err(explain(e, self))
             }
         }

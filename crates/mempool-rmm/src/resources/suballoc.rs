@@ -636,7 +636,11 @@ mod tests {
         assert_eq!(l0, l1);
         let set: HashSet<StreamKey> = [a, b, l0, l1].into();
         assert_eq!(set.len(), 3);
-        assert_eq!((a.handle(), l1.handle()), (2, 1), "the handle is kept for driver calls and displays");
+        assert_eq!(
+            (a.handle(), l1.handle()),
+            (2, 1),
+            "the handle is kept for driver calls and displays"
+        );
     }
 
     /// Stream ordering that records what the engine asked of it.
@@ -695,10 +699,14 @@ mod tests {
         engine.deallocate(p, 4096, a).unwrap();
         order.ops.borrow_mut().clear();
         let q = engine.allocate(1 << 20, b).unwrap();
-        assert!(q <= p && p < q + (1 << 20), "the whole chunk, A's block among it: {q:#x}, {p:#x}");
+        assert!(
+            q <= p && p < q + (1 << 20),
+            "the whole chunk, A's block among it: {q:#x}, {p:#x}"
+        );
         let ops = order.ops.borrow().clone();
         assert!(
-            ops.iter().any(|(op, s)| (*op == "synchronize" && *s == a) || (*op == "wait" && *s == b)),
+            ops.iter()
+                .any(|(op, s)| (*op == "synchronize" && *s == a) || (*op == "wait" && *s == b)),
             "B got A's memory without being ordered after A: {ops:?}"
         );
     }
