@@ -407,6 +407,13 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         })
     }
 
+    /// How many engines the resource keeps: one per hardware thread up to 16, or one (see the type's
+    /// documentation). A thread allocates from engine `n % shards`, `n` being the number the thread took
+    /// on its first allocation from any such resource (threads take numbers in turn).
+    pub fn shards(&self) -> usize {
+        self.engines.shard_count()
+    }
+
     /// The upstream resource.
     pub fn upstream(&self) -> &U {
         &self.adapter.upstream
