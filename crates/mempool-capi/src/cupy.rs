@@ -53,6 +53,9 @@ const LAST_SPECIAL_STREAM: usize = 2;
 /// One live allocation.
 struct Entry {
     size: usize,
+    /// The device's ordinal (its context is synchronized before a free on another thread than the one
+    /// that allocated on its per-thread stream, once that thread has ended).
+    device: usize,
     /// The stream it was allocated on, kept: its free orders after that stream's work from any thread.
     stream: KeptStream<'static>,
     /// What `hold` returned (null when nothing is held).
@@ -162,7 +165,7 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
     let stream = unsafe { current_stream(param) }?;
     let mr = registry::current(ordinal)?;
     // SAFETY: points 1 and 2.
-    unsafe { alloc_on(param, param_addr, size, stream, mr) }
+    unsafe { alloc_on(param, param_addr, size, stream, ordinal, mr) }
 }
 
 /// `size` bytes from `mr` on `stream`, held through `param` when not special, recorded in the live table.
@@ -173,12 +176,14 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
 ///    `param` that lives for the rest of the process.
 /// 2. `stream` is a live stream of `mr`'s device (or a special handle) for the duration of the call;
 ///    `hold` keeps any other alive until its `release`.
+/// 3. `device` is the ordinal of `mr`'s device.
 #[allow(unsafe_code)]
 pub(crate) unsafe fn alloc_on(
     param: &CupyParam,
     param_addr: usize,
     size: usize,
     stream: usize,
+    device: usize,
     mr: SharedResource,
 ) -> Result<*mut c_void> {
     let hold = match param.hold {
@@ -204,6 +209,7 @@ pub(crate) unsafe fn alloc_on(
         addr.as_raw(),
         Entry {
             size,
+            device,
             stream: s.kept(),
             token: hold.into_token(),
             param: param_addr,
@@ -289,13 +295,15 @@ pub(crate) unsafe fn free(addr: u64) -> Result<()> {
     // point 2.
     let _hold = unsafe { StreamHold::new(e.token, release) };
     // The stream was live at the allocation and is held (or special) until `_hold` drops; on another thread
-    // than the allocating one, its per-thread stream is ordered after through the legacy stream.
-    let s = e.stream.here();
+    // than the allocating one, its per-thread stream is ordered after through the legacy stream
+    // (`KeptStream::order_here`).
+    let device = e.device;
+    let context = || mempool_core::Device::get(device).and_then(|d| d.context());
     // SAFETY: the table held `addr` with this size as returned by `e.mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); point 1 orders its uses before the point of the
     // allocation's stream where the free is made, and `s` is that stream or one ordered after it.
-    let r = unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
-    Ok(r?)
+    let free = |s| unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
+    Ok(e.stream.order_here(context, free)?)
 }
 
 /// CuPy's `free`: returns `ptr` (from [`mempool_cupy_malloc`]) to the resource that allocated it, ordered

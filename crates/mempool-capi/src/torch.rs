@@ -337,16 +337,18 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
     // PyTorch passes the stream it allocated on, as a handle: the per-thread default stream's names the
     // freeing thread's own stream, not the allocating thread's, so there the free goes on the legacy
     // stream, ordered after every thread's per-thread stream (`KeptStream::here`).
-    let s = if passed == allocated_on.as_kept() {
-        allocated_on.here()
+    let kept = if passed == allocated_on.as_kept() {
+        allocated_on
     } else {
-        passed
+        passed.kept()
     };
+    let context = || mempool_core::Device::get(device).and_then(|d| d.context());
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
     // uses it, ordered on `stream` (point 2), and `s` is that stream or, for another thread's per-thread
-    // stream, the legacy stream, ordered after it.
-    let r = unsafe { mr.deallocate(DeviceAddr(addr), size, s) };
+    // stream, the legacy stream, ordered after it (`KeptStream::order_here`).
+    let free = |s| unsafe { mr.deallocate(DeviceAddr(addr), size, s) };
+    let r = kept.order_here(context, free);
     // The entry left the table: PyTorch no longer holds the memory, whether or not the resource took it back.
     if let Some(c) = device_counters(device) {
         c.freed(size);

@@ -3,13 +3,14 @@
 //! <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use crate::context::Context;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::raw::{self, sys, DriverFailure, FailureKind};
 use crate::types::StreamId;
@@ -402,6 +403,12 @@ impl<'a> StreamRef<'a> {
 /// driver's "Stream synchronization behavior"). Nothing can name thread A's per-thread stream from thread
 /// B, so this is the one stream ordered after it there. Every other stream is the same stream on every
 /// thread, and is kept as it is.
+///
+/// What becomes of a per-thread stream's queued work for the legacy stream's ordering once its thread has
+/// ended is not documented: [`KeptStream::order_here`] (what the frees and copies of mempool's buffers and
+/// of the CuPy and PyTorch entry points use) therefore keeps the keeping thread from ending while it
+/// queues work on the legacy stream on that thread's behalf, and once the thread has ended, synchronizes
+/// the context first.
 #[derive(Copy, Clone, Debug)]
 pub struct KeptStream<'a> {
     stream: StreamRef<'a>,
@@ -419,7 +426,8 @@ impl<'a> KeptStream<'a> {
     /// Keeps `stream`, remembering the calling thread when it is the per-thread default stream.
     pub fn new(stream: StreamRef<'a>) -> KeptStream<'a> {
         let thread = if stream.is_per_thread() {
-            thread_serial().unwrap_or(UNKNOWN_THREAD)
+            // The thread is registered as a keeper (until it ends) the first time it keeps its stream.
+            KEEPER.try_with(|k| k.serial).unwrap_or(UNKNOWN_THREAD)
         } else {
             NO_THREAD
         };
@@ -453,6 +461,84 @@ impl<'a> KeptStream<'a> {
             }
         }
     }
+
+    /// Calls `f` with a stream on which the work `f` queues is ordered after the work queued so far on the
+    /// kept stream, and returns what `f` returns: the kept stream itself ([`KeptStream::is_here`]); for a
+    /// per-thread default stream kept by another thread that is still running, the legacy stream
+    /// ([`KeptStream::here`]), that thread being kept from ending until `f` returns; for one whose thread
+    /// has ended, the legacy stream after the context `ctx` gives is synchronized (the error of that, and
+    /// `f` not called, if it fails). `ctx` is asked only then.
+    ///
+    /// `f` must not itself call `order_here` for a stream kept by the same other thread.
+    pub fn order_here<R, E: From<Error>>(
+        &self,
+        ctx: impl FnOnce() -> Result<Arc<Context>>,
+        f: impl FnOnce(StreamRef<'a>) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        if self.is_here() {
+            return f(self.stream);
+        }
+        let keeper = KEEPERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&self.thread)
+            .cloned();
+        if let Some(keeper) = keeper {
+            let running = keeper.running.read().unwrap_or_else(PoisonError::into_inner);
+            if *running {
+                // The thread cannot end (its `Keeper` waits for this guard) until `f` has queued its work.
+                let r = f(self.here());
+                drop(running);
+                return r;
+            }
+        }
+        ctx()?.synchronize()?;
+        f(self.here())
+    }
+}
+
+/// A thread that kept its per-thread stream ([`KeptStream::new`]), while it runs.
+struct Keeper {
+    /// True until the thread ends. Read-held by other threads while they queue work on the legacy stream
+    /// on behalf of this thread's per-thread stream ([`KeptStream::order_here`]); the thread's end takes
+    /// it for writing, so its per-thread stream outlives what they queue.
+    running: RwLock<bool>,
+}
+
+/// The running keepers, by thread serial.
+static KEEPERS: Mutex<BTreeMap<u64, Arc<Keeper>>> = Mutex::new(BTreeMap::new());
+
+/// A thread's entry in [`KEEPERS`], made the first time it keeps its per-thread stream and dropped when
+/// the thread ends.
+struct KeeperEntry {
+    serial: u64,
+    keeper: Arc<Keeper>,
+}
+
+impl KeeperEntry {
+    fn register() -> KeeperEntry {
+        let serial = thread_serial().unwrap_or(UNKNOWN_THREAD);
+        let keeper = Arc::new(Keeper {
+            running: RwLock::new(true),
+        });
+        if serial != UNKNOWN_THREAD {
+            KEEPERS
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(serial, keeper.clone());
+        }
+        KeeperEntry { serial, keeper }
+    }
+}
+
+impl Drop for KeeperEntry {
+    fn drop(&mut self) {
+        *self.keeper.running.write().unwrap_or_else(PoisonError::into_inner) = false;
+        KEEPERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.serial);
+    }
 }
 
 /// The source of thread serials: 0 and `u64::MAX` are never handed out.
@@ -461,6 +547,8 @@ static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// This thread's serial, taken on first use: unlike the OS thread id, never reused in the process.
     static THREAD: u64 = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+    /// This thread as a keeper of its per-thread stream, once it kept it.
+    static KEEPER: KeeperEntry = KeeperEntry::register();
     /// The stream ids this thread resolved ([`resolve`]), newest last.
     static RESOLVED: RefCell<Vec<Resolved>> = const { RefCell::new(Vec::new()) };
 }
@@ -746,5 +834,52 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(cached(0x10, PER_THREAD_HANDLE), None, "per thread");
+    }
+
+    #[test]
+    fn ordering_after_another_threads_per_thread_stream_holds_it_running_or_waits_for_the_context() {
+        let asked = std::cell::Cell::new(0);
+        let ctx = || {
+            asked.set(asked.get() + 1);
+            Ok(Context::unretained_for_tests(0))
+        };
+        // Kept here: the stream itself, no context asked.
+        let mine = StreamRef::PER_THREAD.kept();
+        let got: Result<StreamRef<'_>> = mine.order_here(ctx, Ok);
+        assert_eq!(got.unwrap(), StreamRef::PER_THREAD);
+        // Kept by this (running) thread, used on another: the legacy stream, no context asked there.
+        let on_other = std::thread::scope(|s| {
+            s.spawn(|| {
+                let asked = std::cell::Cell::new(0);
+                let got: Result<StreamRef<'_>> = mine.order_here(
+                    || {
+                        asked.set(1);
+                        Ok(Context::unretained_for_tests(0))
+                    },
+                    Ok,
+                );
+                (got.unwrap(), asked.get())
+            })
+            .join()
+            .unwrap()
+        });
+        assert!(on_other.0.is_legacy() && on_other.1 == 0, "{on_other:?}");
+        // Kept by a thread that has ended: the context is synchronized first (which fails without a driver,
+        // and then `f` is not called).
+        let ended = std::thread::spawn(|| StreamRef::PER_THREAD.kept()).join().unwrap();
+        let mut called = false;
+        let r: Result<()> = ended.order_here(ctx, |s| {
+            called = true;
+            assert!(s.is_legacy());
+            Ok(())
+        });
+        assert_eq!(asked.get(), 1, "the context was asked for");
+        assert_eq!(r.is_ok(), called);
+        // Streams that are the same everywhere never ask.
+        let legacy = StreamRef::LEGACY.kept();
+        let r: Result<StreamRef<'_>> = std::thread::spawn(move || legacy.order_here(|| unreachable!(), Ok))
+            .join()
+            .unwrap();
+        assert_eq!(r.unwrap(), StreamRef::LEGACY);
     }
 }

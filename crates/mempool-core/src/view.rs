@@ -115,12 +115,11 @@ impl<'s> BufferView<'s> {
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: `offset..offset+src.len()` lies inside the view (checked), which is live memory of
-        // `ctx` ordered on `stream` (`new`'s contract); `copy_to_device` waits for the copy.
+        // SAFETY: `offset..offset+src.len()` lies inside the view (checked), which is live memory of `ctx`
+        // ordered on `stream` (`new`'s contract; `s` is ordered after it); `copy_to_device` waits for the copy.
         #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_device(&self.ctx, self.addr.offset(offset), src, self.stream())
-        }
+        let copy = |s| unsafe { memory::copy_to_device(&self.ctx, self.addr.offset(offset), src, s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), copy)
     }
 
     /// Copies `offset..offset+dst.len()` of the range into `dst`, ordered on the stream, and waits for the
@@ -132,9 +131,8 @@ impl<'s> BufferView<'s> {
         }
         // SAFETY: as in `copy_from_host`; `dst` is exclusively borrowed and `copy_to_host` waits.
         #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_host(&self.ctx, dst, self.addr.offset(offset), self.stream())
-        }
+        let copy = |s| unsafe { memory::copy_to_host(&self.ctx, dst, self.addr.offset(offset), s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), copy)
     }
 
     /// The whole range, copied to the host (waits for the copy).
@@ -149,11 +147,11 @@ impl<'s> BufferView<'s> {
         if self.len == 0 {
             return Ok(());
         }
-        // SAFETY: the whole view is live memory of `ctx`, written in `stream`'s order (`new`'s contract).
+        // SAFETY: the whole view is live memory of `ctx`, written in `stream`'s order (`new`'s contract; `s`
+        // is ordered after it).
         #[allow(unsafe_code)]
-        unsafe {
-            memory::fill_async(&self.ctx, self.addr, value, self.len, self.stream())
-        }
+        let fill = |s| unsafe { memory::fill_async(&self.ctx, self.addr, value, self.len, s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), fill)
     }
 
     /// Sets the length (for an owner that resizes within its allocation, like a vector's size within
@@ -184,7 +182,12 @@ impl<'s> BufferView<'s> {
     /// No context is bound for `free`: an owner whose free is a driver call binds [`context`](Self::context)
     /// itself (resources bind their own). The view is empty afterwards whatever the outcome: if `free`
     /// fails, the memory is leaked rather than risking a second free.
-    pub fn release_with<E>(
+    ///
+    /// The stream handed to `free` is the view's, or, on another thread than the one that made a view of
+    /// the per-thread default stream, one ordered after it ([`KeptStream::order_here`]: the legacy stream,
+    /// after a synchronize of the context if that thread has ended; a failed synchronize leaks the memory
+    /// and returns its error).
+    pub fn release_with<E: From<Error>>(
         &mut self,
         free: impl FnOnce(DeviceAddr, usize, StreamRef<'s>) -> Result<(), E>,
     ) -> Result<(), E> {
@@ -192,7 +195,8 @@ impl<'s> BufferView<'s> {
         if addr.is_null() {
             return Ok(());
         }
-        free(addr, len, self.stream())
+        let ctx = &self.ctx;
+        self.stream.order_here(|| Ok(ctx.clone()), |s| free(addr, len, s))
     }
 }
 
