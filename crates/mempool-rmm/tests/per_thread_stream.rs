@@ -4,7 +4,7 @@
 //!
 //! The scenario, for every resource: thread A allocates on its per-thread stream, launches a kernel that
 //! spins for a while and then writes a pattern into the memory, and frees it on its per-thread stream
-//! (or hands it to thread C, which drops it); thread B then allocates the same size on *its* per-thread
+//! (or hands it to thread C, which drops it while A runs or after A ended); thread B then allocates the same size on *its* per-thread
 //! stream and fills it. After everything is synchronized, B's data must be intact: had B been handed A's
 //! memory without waiting for A's kernel (the handle 2 keyed as one stream: the bug), the kernel's late
 //! write lands on B's data. A watchdog aborts the process, naming the test, if a case takes more than a
@@ -85,8 +85,11 @@ impl Drop for Watchdog {
 enum Free {
     /// `deallocate` on A's per-thread stream, on thread A.
     OnA,
-    /// A `DeviceBuffer` on A's per-thread stream, dropped by thread C.
+    /// A `DeviceBuffer` on A's per-thread stream, dropped by thread C while thread A still runs (the free
+    /// goes on the legacy stream, which waits for A's per-thread stream).
     OnAnotherThread,
+    /// The same after thread A has ended (the free synchronizes the context first).
+    AfterItsThreadEnded,
 }
 
 /// Runs the scenario (see the module documentation) `ROUNDS` times over `mr`; `shards` is how many engines
@@ -98,11 +101,14 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
     let kernels = Arc::new(CheckKernels::load(&ctx).unwrap());
     let mut reused = 0;
     for round in 0..ROUNDS {
-        // Thread A: allocate, launch the late writer, let go (or hand the buffer to C).
+        // Thread A: allocate, launch the late writer, let go (or hand the buffer to C, and wait until told
+        // to end, or end at once).
         let (a_ctx, a_mr, a_kernels) = (ctx.clone(), mr.clone(), kernels.clone());
-        let (p, handed) = std::thread::spawn(move || {
+        let (to_main, from_a) = mpsc::channel();
+        let (end_a, a_may_end) = mpsc::channel::<()>();
+        let mut a = Some(std::thread::spawn(move || {
             let s = StreamRef::PER_THREAD.in_context(&a_ctx);
-            match free {
+            let handed = match free {
                 Free::OnA => {
                     let p = a_mr.allocate(BYTES, s).unwrap();
                     // SAFETY: `p` holds BYTES bytes on `s` until the free below, which is ordered after the
@@ -113,7 +119,7 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
                     unsafe { a_mr.deallocate(p, BYTES, s) }.unwrap();
                     (p, None)
                 }
-                Free::OnAnotherThread => {
+                Free::OnAnotherThread | Free::AfterItsThreadEnded => {
                     let s = StreamRef::PER_THREAD.in_context(Box::leak(Box::new(a_ctx.clone())));
                     let buf = DeviceBuffer::new(BYTES, s, a_mr.clone()).unwrap();
                     // SAFETY: the buffer holds BYTES bytes on `s`; its free (when C drops it) is ordered after
@@ -121,10 +127,16 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
                     unsafe { a_kernels.late_fill(buf.ptr(), N, A_VALUE, LATE_NS, s) }.unwrap();
                     (buf.ptr(), Some(buf))
                 }
+            };
+            to_main.send(handed).unwrap();
+            if free == Free::OnAnotherThread {
+                let _ = a_may_end.recv();
             }
-        })
-        .join()
-        .unwrap();
+        }));
+        let (p, handed) = from_a.recv().unwrap();
+        if free != Free::OnAnotherThread {
+            a.take().unwrap().join().unwrap();
+        }
         // Threads that take shard numbers so that B's is A's again (thread C, which frees, is one of them).
         let mut others = shards - 1;
         if let Some(buf) = handed {
@@ -154,6 +166,10 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
         })
         .join()
         .unwrap();
+        if let Some(a) = a.take() {
+            end_a.send(()).unwrap();
+            a.join().unwrap();
+        }
         // A's kernel has written by now, wherever it wrote.
         ctx.synchronize().unwrap();
         let mut host = vec![0u8; BYTES];
@@ -283,6 +299,26 @@ mod freed_on_another_thread {
             Some((mr, 1))
         };
         per_thread_buffer_freed_on_another_thread_cuda: |dev| Some((Arc::new(CudaResource::new(dev).unwrap()), 1));
+    }
+}
+
+mod freed_after_its_thread_ended {
+    use super::*;
+
+    every_resource! {
+        Free::AfterItsThreadEnded,
+        per_thread_buffer_freed_after_its_thread_ended_async: |dev| {
+            let mr = AsyncResource::new(dev, AsyncOptions::default()).unwrap();
+            Some((Arc::new(mr), 1))
+        };
+        per_thread_buffer_freed_after_its_thread_ended_pool: |dev| {
+            Some(pool_over_async(dev, PoolOptions { initial_size: 64 << 20, ..Default::default() }))
+        };
+        per_thread_buffer_freed_after_its_thread_ended_service: |dev| {
+            let options = ServiceOptions { region_size: Some(256 << 20), max_tags: 2, ..Default::default() };
+            let mr: SharedResource = ServiceResource::new(dev, options).unwrap();
+            Some((mr, 1))
+        };
     }
 }
 
