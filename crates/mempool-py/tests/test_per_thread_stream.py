@@ -3,7 +3,8 @@ handle 2) is a different stream on every thread, so memory one thread's per-thre
 another thread's only after that thread is ordered after the first one's work.
 
 Thread A allocates an array on its per-thread stream, launches a kernel that spins for 200 ms and then writes
-into it, and lets it go (``del`` on A, or on a third thread C it was handed to); thread B then allocates the
+into it, and lets it go (``del`` on A; or on a third thread C it was handed to, while A still runs,
+``C_alive``, or after A ended, ``C``); thread B then allocates the
 same size on its own per-thread stream and fills it. After a device synchronize, B's data must be intact
 (the bug: mempool keyed both per-thread streams as the handle 2, so B got A's memory at once and A's late
 write overwrote B's data; over some resources B's allocation hung). CuPy runs with
@@ -96,18 +97,21 @@ CUPY_CASE = """
     reused = 0
     for round in range(3):
         handed = []
-        freed = threading.Event()
+        freed, ready, done = threading.Event(), threading.Event(), threading.Event()
 
         def thread_a():
             x = cupy.empty(N, dtype=cupy.uint32)
             assert mempool._lib._cupy_allocation(x.data.ptr)[0] == 2, "allocated on the per-thread stream"
             late_fill(grid, (256,), (x, cupy.uint32(A_VALUE), cupy.uint64(N), cupy.uint64(LATE_NS)))
             handed.append(x.data.ptr)
-            if FREE_ON == "C":
+            if FREE_ON != "A":
                 handed.append(x)
             del x
             if FREE_ON == "A":
                 freed.set()
+            if FREE_ON == "C_alive":
+                ready.set()
+                assert done.wait(120)  # thread A runs until B is done
 
         def thread_c():
             handed.pop()  # the last reference to A's array: CuPy frees it here, on thread C
@@ -122,10 +126,18 @@ CUPY_CASE = """
             cupy.cuda.get_current_stream().synchronize()
             got.append(y)
 
-        for target in [thread_a] + ([thread_c] if FREE_ON == "C" else []) + [thread_b]:
+        a = threading.Thread(target=thread_a)
+        a.start()
+        if FREE_ON == "C_alive":
+            assert ready.wait(60)
+        else:
+            a.join()
+        for target in ([thread_c] if FREE_ON != "A" else []) + [thread_b]:
             t = threading.Thread(target=target)
             t.start()
             t.join()
+        done.set()
+        a.join()
         cupy.cuda.runtime.deviceSynchronize()
         y = got[0]
         same = y.data.ptr == handed[0]
@@ -139,7 +151,7 @@ CUPY_CASE = """
 """
 
 
-@pytest.mark.parametrize("free_on", ["A", "C"])
+@pytest.mark.parametrize("free_on", ["A", "C_alive", "C"])
 @pytest.mark.parametrize("resource", sorted(RESOURCES))
 def test_cupy_per_thread_streams_never_share_memory_unordered(resource, free_on):
     out = run_child(
@@ -173,7 +185,7 @@ TORCH_CASE = """
     reused = 0
     for round in range(3):
         handed = []
-        freed = threading.Event()
+        freed, ready, done = threading.Event(), threading.Event(), threading.Event()
 
         def thread_a():
             with torch.cuda.stream(ptds):
@@ -181,11 +193,14 @@ TORCH_CASE = """
                 torch.cuda._sleep(CYCLES)
                 x.fill_(A_VALUE)  # the late write, after the spin on A's per-thread stream
                 handed.append(x.data_ptr())
-                if FREE_ON == "C":
+                if FREE_ON != "A":
                     handed.append(x)
                 del x
             if FREE_ON == "A":
                 freed.set()
+            if FREE_ON == "C_alive":
+                ready.set()
+                assert done.wait(120)  # thread A runs until B is done
 
         def thread_c():
             handed.pop()  # the last reference: PyTorch frees it here, naming stream 2 (thread C's own)
@@ -201,10 +216,18 @@ TORCH_CASE = """
                 torch.cuda.current_stream().synchronize()
             got.append(y)
 
-        for target in [thread_a] + ([thread_c] if FREE_ON == "C" else []) + [thread_b]:
+        a = threading.Thread(target=thread_a)
+        a.start()
+        if FREE_ON == "C_alive":
+            assert ready.wait(60)
+        else:
+            a.join()
+        for target in ([thread_c] if FREE_ON != "A" else []) + [thread_b]:
             t = threading.Thread(target=target)
             t.start()
             t.join()
+        done.set()
+        a.join()
         torch.cuda.synchronize()
         y = got[0]
         same = y.data_ptr() == handed[0]
@@ -217,7 +240,7 @@ TORCH_CASE = """
 """
 
 
-@pytest.mark.parametrize("free_on", ["A", "C"])
+@pytest.mark.parametrize("free_on", ["A", "C_alive", "C"])
 @pytest.mark.parametrize("resource", ["service", "pool", "cuda_async"])
 def test_torch_per_thread_streams_never_share_memory_unordered(resource, free_on):
     code = TORCH_CASE.replace("RESOURCE)", f"{RESOURCES[resource]})").replace(
