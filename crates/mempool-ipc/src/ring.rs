@@ -54,6 +54,7 @@ mod spsc;
 mod tests;
 
 pub use self::error::{RingError, RingResult};
+pub(crate) use self::layout::SLOT_HEADER_WORDS;
 pub use self::layout::{
     Direction, Geometry, LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_SLOT_BYTES, MIN_CAPACITY, MIN_SLOT_BYTES,
 };
