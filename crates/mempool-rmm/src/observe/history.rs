@@ -8,7 +8,9 @@
 //! recording are not events; once the ring overwrites them they count as dropped (at most
 //! `CLAIM - 1` per thread). A writer takes its slot with a compare-and-swap of the slot's stamp, and only
 //! when the slot holds an older event: an event from a claim its thread kept while other threads went
-//! round the whole ring is dropped, never written over a newer one, and no two writers share a slot. A
+//! round the whole ring is dropped, never written over a newer one, and no two writers share a slot: a
+//! writer that finds an older event still being written into its slot does not wait for it (that would be
+//! a lock) but drops its event and marks the stamp so, and readers count it as dropped. A
 //! slot is filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a
 //! reader copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
 //! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere, read once
@@ -76,7 +78,9 @@ pub struct Events {
     pub capacity: u64,
     /// Events ever recorded (slots claimed and not written yet are not events).
     pub recorded: u64,
-    /// Events no longer held: overwritten by later ones (before or while the ring was read).
+    /// Events no longer held: overwritten by later ones (before or while the ring was read), or never
+    /// written because an older event was still being written into their slot. `events.len() + dropped
+    /// == recorded`, always.
     pub dropped: u64,
 }
 
@@ -86,8 +90,18 @@ pub const DEFAULT_CAPACITY: usize = 1 << 16;
 /// Slots a thread claims at once.
 pub const CLAIM: u64 = 16;
 
-/// One event's storage. `stamp` is `seq + 1` once event number `seq` is complete in it, and `u64::MAX`
-/// while a writer fills it.
+/// A stamp's bit for "a writer is filling the slot".
+const STAMP_WRITING: u64 = 1 << 63;
+/// A stamp's bit for "the event of the stamp's number was dropped: an older event was being written
+/// into its slot".
+const STAMP_DROPPED: u64 = 1 << 62;
+/// A stamp's event number plus one (62 bits: events are numbered for 146 years at one a nanosecond).
+const STAMP_SEQ: u64 = STAMP_DROPPED - 1;
+
+/// One event's storage. Its `stamp` is `seq + 1` once event number `seq` is complete in it; with
+/// [`STAMP_WRITING`] while a writer fills it (with event `seq`, or, with [`STAMP_DROPPED`] too, while an
+/// older event is still written into it and event `seq` was dropped for it); with [`STAMP_DROPPED`] alone
+/// once that older writer is done. 0: never written.
 #[derive(Default)]
 struct Slot {
     stamp: AtomicU64,
@@ -97,6 +111,27 @@ struct Slot {
     stream: AtomicU64,
     /// op (bits 0-7), resource (8-15), tag (16-31), thread (32-63).
     meta: AtomicU64,
+}
+
+/// What a writer puts in a slot.
+struct Fields {
+    t: u64,
+    address: u64,
+    size: u64,
+    stream: u64,
+    meta: u64,
+}
+
+impl Slot {
+    /// Stores an event's fields (relaxed: the stamp around them orders them for readers).
+    #[inline]
+    fn fill(&self, f: &Fields) {
+        self.t.store(f.t, Ordering::Relaxed);
+        self.address.store(f.address, Ordering::Relaxed);
+        self.size.store(f.size, Ordering::Relaxed);
+        self.stream.store(f.stream, Ordering::Relaxed);
+        self.meta.store(f.meta, Ordering::Relaxed);
+    }
 }
 
 /// A bounded, lock-free history of allocation events (see the module docs for how it is written).
@@ -313,34 +348,82 @@ impl History {
             };
             (l.thread(), l.label.get(), seq, t)
         });
+        let meta = op as u64 | u64::from(resource) << 8 | u64::from(tag) << 16 | u64::from(thread) << 32;
+        self.write(
+            seq,
+            &Fields {
+                t,
+                address,
+                size,
+                stream,
+                meta,
+            },
+        );
+    }
+
+    /// Writes event `seq` into its slot, if the slot is this writer's (see [`History::begin`]).
+    #[inline]
+    fn write(&self, seq: u64, fields: &Fields) {
+        if let Some(slot) = self.begin(seq) {
+            slot.fill(fields);
+            History::finish(slot, seq);
+        }
+    }
+
+    /// Takes event `seq`'s slot for writing; `None` when the event is not to be written: the slot
+    /// holds a newer event (this one belongs before the window, counted dropped there), or an older
+    /// event is being written into it (this one is marked dropped in the stamp).
+    #[inline]
+    fn begin(&self, seq: u64) -> Option<&Slot> {
         let slot = &self.slots[(seq & self.mask) as usize];
-        // The slot is this writer's only if it holds an older event than this one: a claim a thread kept
-        // while other threads went round the whole ring is older than the slot's newest event (or than
-        // one being written), and its event is dropped rather than written over a newer one; the
-        // compare-and-swap also keeps two writers out of one slot, so a reader never accepts an event
-        // mixed from two.
-        let current = slot.stamp.load(Ordering::Relaxed);
-        if current == u64::MAX
-            || current > seq
-            || slot
+        let mine = seq + 1;
+        let mut current = slot.stamp.load(Ordering::Relaxed);
+        loop {
+            // The slot is this writer's only if it holds an older event than this one: a claim a thread
+            // kept while other threads went round the whole ring is older than the slot's newest event
+            // (or than one being written, or marked dropped), and its event is dropped rather than
+            // written over a newer one.
+            if current & STAMP_SEQ >= mine {
+                return None;
+            }
+            // An older event is being written: two writers must not share a slot (a reader could accept
+            // an event mixed from two), and waiting for the other would be a lock. This event is
+            // dropped, and says so in the stamp (still marked as being written: the older writer clears
+            // that when it is done), so that readers count it.
+            let next = if current & STAMP_WRITING != 0 {
+                STAMP_WRITING | STAMP_DROPPED | mine
+            } else {
+                STAMP_WRITING | mine
+            };
+            // Acquire: the fields the slot's last writer stored happen before this writer's, so they
+            // cannot land after them.
+            match slot
                 .stamp
-                .compare_exchange(current, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
-            return;
+                .compare_exchange_weak(current, next, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) if next & STAMP_DROPPED != 0 => return None,
+                Ok(_) => break,
+                Err(now) => current = now,
+            }
         }
         // Orders the stamp's "being written" before the fields (a reader that sees a new field also
         // sees the stamp change).
         fence(Ordering::Release);
-        slot.t.store(t, Ordering::Relaxed);
-        slot.address.store(address, Ordering::Relaxed);
-        slot.size.store(size, Ordering::Relaxed);
-        slot.stream.store(stream, Ordering::Relaxed);
-        slot.meta.store(
-            op as u64 | u64::from(resource) << 8 | u64::from(tag) << 16 | u64::from(thread) << 32,
-            Ordering::Relaxed,
-        );
-        slot.stamp.store(seq + 1, Ordering::Release);
+        Some(slot)
+    }
+
+    /// Publishes event `seq`, whose fields are in `slot` (taken by [`History::begin`]).
+    #[inline]
+    fn finish(slot: &Slot, seq: u64) {
+        if slot
+            .stamp
+            .compare_exchange(STAMP_WRITING | (seq + 1), seq + 1, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            // Newer events came while this one was written and were dropped; the newest one's mark
+            // stays (this event, older, is before the window now), and the slot is free for the next.
+            slot.stamp.fetch_and(!STAMP_WRITING, Ordering::Release);
+        }
     }
 
     /// Asks the CPU to bring the slots of a new claim, and of the claim after it (this thread's next one
@@ -402,9 +485,13 @@ impl History {
             fence(Ordering::Acquire);
             let after = slot.stamp.load(Ordering::Relaxed);
             if before != seq + 1 || after != seq + 1 {
-                let newer = |s: u64| s != u64::MAX && s > seq + 1;
+                let newer = |s: u64| s & STAMP_SEQ > seq + 1;
+                let lost = |s: u64| s & STAMP_SEQ == seq + 1 && s & STAMP_DROPPED != 0;
                 if newer(before) || newer(after) {
                     // Overwritten by a later event (before or while it was read).
+                    out.dropped += 1;
+                } else if lost(before) || lost(after) {
+                    // Dropped while an older event was written into its slot.
                     out.dropped += 1;
                 } else {
                     // Claimed and not written yet, or being written (or never written: the rest of a
@@ -514,6 +601,76 @@ mod tests {
         h.record(Op::Free, 0, 99, 99, 0);
         let last = h.events();
         assert_eq!(last.events.last().map(|e| (e.size, e.stream)), Some((99, 0)));
+    }
+
+    /// Event `seq`'s fields as the tests write them: its number in every field.
+    fn fields(seq: u64) -> Fields {
+        Fields {
+            t: seq,
+            address: seq,
+            size: seq,
+            stream: seq,
+            meta: 0,
+        }
+    }
+
+    #[test]
+    fn an_event_whose_slot_an_older_claim_is_writing_is_counted_as_dropped() {
+        // Issue 33, finding 8. Events 0 to 64 are claimed (the claims are played out by hand here, in
+        // the order threads could make them). Event 0's writer has taken slot 0 and not finished when
+        // event 64, whose slot is slot 0 too, is recorded: event 64 cannot be written (it would mix
+        // with event 0's fields), and must count as recorded and dropped.
+        let h = History::new(64);
+        h.next.store(65, Ordering::Relaxed);
+        let old = h.begin(0).expect("slot 0 holds no event yet");
+        h.write(64, &fields(64));
+        old.fill(&fields(0));
+        History::finish(old, 0);
+        for seq in 1..64 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!(e.recorded, 65, "event 64 was recorded");
+        assert_eq!(
+            e.dropped, 2,
+            "event 0 (before the window) and event 64 (lost) are dropped"
+        );
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (1..64).collect::<Vec<_>>()
+        );
+        // Two newer events of slot 1 (129 and 193) come while an older one (65) is written: both are
+        // dropped, and 193, the one in the window, counts as such.
+        h.next.store(194, Ordering::Relaxed);
+        let old = h.begin(65).expect("slot 1 holds an older event");
+        h.write(129, &fields(129));
+        h.write(193, &fields(193));
+        old.fill(&fields(65));
+        History::finish(old, 65);
+        for seq in 130..193 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!(
+            (e.recorded, e.dropped),
+            (194, 131),
+            "130 before the window, and event 193"
+        );
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (130..193).collect::<Vec<_>>()
+        );
+        // The slot is free again for the next event: it is written and kept.
+        h.next.store(258, Ordering::Relaxed);
+        for seq in 194..258 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!((e.recorded, e.dropped), (258, 194));
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (194..258).collect::<Vec<_>>()
+        );
     }
 
     #[test]
