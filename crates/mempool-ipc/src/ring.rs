@@ -48,8 +48,11 @@
 mod error;
 mod futex;
 mod layout;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod region;
 mod spsc;
+mod sync;
 #[cfg(test)]
 mod tests;
 

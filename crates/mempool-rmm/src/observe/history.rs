@@ -22,9 +22,21 @@
 //! not written yet are neither events nor dropped. Imports nothing of the crate.
 
 use std::cell::Cell;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
+
+use self::sync::{fence, AtomicU64};
+
+/// The ring's atomics: loom's under `cfg(loom)`, for the model checks of `loom_tests` (docs/testing.md,
+/// "Concurrency models and fuzzing"), std's otherwise. The process-wide counters (history and thread numbers) stay
+/// std's: they only hand out unique numbers.
+mod sync {
+    #[cfg(loom)]
+    pub(super) use loom::sync::atomic::{fence, AtomicU64};
+    #[cfg(not(loom))]
+    pub(super) use std::sync::atomic::{fence, AtomicU64};
+}
 
 /// What happened.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -146,7 +158,7 @@ pub struct History {
     start_ticks: u64,
 }
 
-static NEXT_HISTORY: AtomicU64 = AtomicU64::new(1);
+static NEXT_HISTORY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl std::fmt::Debug for History {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -210,8 +222,19 @@ struct Local {
     t: Cell<u64>,
 }
 
+#[cfg(not(loom))]
 thread_local! {
-    static LOCAL: Local = const {
+    static LOCAL: Local = const { Local::new() };
+}
+
+// Loom runs a model's threads on one OS thread: its own thread-locals keep each their claim.
+#[cfg(loom)]
+loom::thread_local! {
+    static LOCAL: Local = Local::new();
+}
+
+impl Local {
+    const fn new() -> Local {
         Local {
             thread: Cell::new(0),
             label: Cell::new(0),
@@ -220,10 +243,8 @@ thread_local! {
             end: Cell::new(0),
             t: Cell::new(0),
         }
-    };
-}
+    }
 
-impl Local {
     #[inline]
     fn thread(&self) -> u32 {
         let n = self.thread.get();
@@ -307,7 +328,12 @@ impl Drop for Label {
 impl History {
     /// A history that keeps the last `capacity` events (rounded up to a power of two, at least 64).
     pub fn new(capacity: usize) -> History {
-        let size = capacity.max(64).next_power_of_two();
+        History::with_slots(capacity.max(64).next_power_of_two())
+    }
+
+    /// A history of exactly `size` slots (a power of two); the tests' models use fewer than 64.
+    fn with_slots(size: usize) -> History {
+        debug_assert!(size.is_power_of_two());
         History {
             id: NEXT_HISTORY.fetch_add(1, Ordering::Relaxed),
             next: AtomicU64::new(0),
@@ -778,5 +804,144 @@ mod tests {
         );
         let ops: Vec<Op> = h.events().events.iter().map(|e| e.op).collect();
         assert_eq!(ops, [Op::Allocate, Op::Allocate, Op::Free, Op::Failed, Op::Free]);
+    }
+}
+
+/// Model checks of the claims (loom explores every interleaving of the threads, and every value a
+/// relaxed load may read): `RUSTFLAGS="--cfg loom" cargo test -p mempool-rmm --release --lib loom`
+/// (docs/testing.md, "Concurrency models and fuzzing").
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// Event `seq` as the models write it: its number in every field but the time.
+    fn fields(seq: u64) -> Fields {
+        Fields {
+            t: 0,
+            address: seq,
+            size: seq,
+            stream: seq,
+            meta: 0,
+        }
+    }
+
+    /// What holds for every read: only whole events, and each event recorded is held or dropped.
+    fn check(e: &Events) {
+        assert!(
+            e.events.iter().all(|e| e.address == e.size && e.size == e.stream),
+            "an event mixed from two writes: {:?}",
+            e.events
+        );
+        assert_eq!(e.events.len() as u64 + e.dropped, e.recorded, "{e:?}");
+    }
+
+    fn sizes(e: &Events) -> Vec<u64> {
+        e.events.iter().map(|e| e.size).collect()
+    }
+
+    /// Bounded models: every interleaving with at most this many preemptions (switches away from a
+    /// thread that could go on), which finds the usual ordering bugs and keeps each model to seconds.
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(f);
+    }
+
+    #[test]
+    fn loom_a_newer_event_is_kept_or_counted_while_an_older_one_is_written() {
+        // Two slots; events 0 and 2 share slot 0 and are written at once, while the ring is read.
+        model(|| {
+            let h = Arc::new(History::with_slots(2));
+            h.next.store(3, Ordering::Relaxed);
+            h.write(1, &fields(1));
+            let writers: Vec<_> = [0u64, 2]
+                .into_iter()
+                .map(|seq| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || h.write(seq, &fields(seq)))
+                })
+                .collect();
+            check(&h.events());
+            for w in writers {
+                w.join().unwrap();
+            }
+            let e = h.events();
+            check(&e);
+            assert_eq!(e.recorded, 3);
+            // Event 0 is before the window (dropped); event 2 is held, or was lost to event 0's write
+            // and is counted dropped.
+            match sizes(&e)[..] {
+                [1, 2] => assert_eq!(e.dropped, 1),
+                [1] => assert_eq!(e.dropped, 2),
+                _ => panic!("{e:?}"),
+            }
+        });
+    }
+
+    #[test]
+    fn loom_three_writers_of_one_slot_leave_it_free_and_the_newest_counted() {
+        model(|| {
+            let h = Arc::new(History::with_slots(2));
+            h.next.store(5, Ordering::Relaxed);
+            h.write(1, &fields(1));
+            h.write(3, &fields(3));
+            let writers: Vec<_> = [0u64, 2, 4]
+                .into_iter()
+                .map(|seq| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || h.write(seq, &fields(seq)))
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            let e = h.events();
+            check(&e);
+            assert_eq!(e.recorded, 5);
+            match sizes(&e)[..] {
+                [3, 4] => assert_eq!(e.dropped, 3),
+                [3] => assert_eq!(e.dropped, 4),
+                _ => panic!("{e:?}"),
+            }
+            // Whoever wrote last, the slot takes the next event.
+            h.next.store(7, Ordering::Relaxed);
+            h.write(5, &fields(5));
+            h.write(6, &fields(6));
+            let e = h.events();
+            assert_eq!((sizes(&e), e.recorded, e.dropped), (vec![5, 6], 7, 5));
+        });
+    }
+
+    #[test]
+    fn loom_two_threads_recording_claim_apart_and_lose_nothing_uncounted() {
+        // 16 slots: the two threads' claims (0..16 and 16..32) cover the same slots, so their first
+        // events race for slot 0 and their second for slot 1, through `record`'s own claims.
+        model(|| {
+            let h = Arc::new(History::with_slots(16));
+            let threads: Vec<_> = (0..2u64)
+                .map(|t| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || {
+                        for i in 0..2u64 {
+                            h.record(Op::Allocate, 0, t, 10 * t + i, t);
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            let e = h.events();
+            assert_eq!(e.events.len() as u64 + e.dropped, e.recorded, "{e:?}");
+            // 32 slots claimed, 4 events written: the window (16..32) holds the second claim's two,
+            // each kept or counted dropped, and 14 slots claimed and never written.
+            assert_eq!(e.recorded, 18, "{e:?}");
+            assert_eq!(e.dropped, 16 + (2 - e.events.len() as u64), "{e:?}");
+            // The events held are one thread's (the second claim's), in its order.
+            assert!(e.events.iter().all(|x| x.stream == e.events[0].stream), "{e:?}");
+            assert!(e.events.windows(2).all(|w| w[0].size < w[1].size), "{e:?}");
+        });
     }
 }
