@@ -260,6 +260,10 @@ pub(crate) fn decode_body(kind: MessageKind, body: &[u8]) -> Result<Message> {
                 let attachments = r.u32()?;
                 let has_expiry = r.flag()?;
                 let ms = r.u64()?;
+                if !has_expiry && ms != 0 {
+                    // One encoding per message, as for an absent event.
+                    return Err(r.error(format!("an entry without an expiry says {ms} ms (must be 0)")));
+                }
                 entries.push(BufferInfo {
                     name,
                     size,
