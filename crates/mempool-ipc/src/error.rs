@@ -111,6 +111,21 @@ pub enum Error {
     #[error(transparent)]
     Ring(#[from] crate::ring::RingError),
 
+    /// The shared-memory rings' slots are too small for the frames the protocol puts in them (a
+    /// `Buffer` frame and the slot's header): refused when the exporter starts with such
+    /// [`ExporterOptions::rings`](crate::ExporterOptions::rings), and by an importer whose
+    /// exporter offers such rings at the handshake (the exporter is told).
+    #[error(
+        "shared-memory rings of {slot_bytes}-byte slots: the protocol needs slots of at least {min} bytes (a \
+         Buffer frame and the slot's header)"
+    )]
+    RingSlotTooSmall {
+        /// The slot size of the rings, in bytes (header included).
+        slot_bytes: u32,
+        /// The smallest slot the protocol accepts, in bytes.
+        min: u32,
+    },
+
     /// The peer did not complete a step in time.
     #[error("timed out during {during}")]
     Timeout {

@@ -48,12 +48,16 @@
 mod error;
 mod futex;
 mod layout;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod region;
 mod spsc;
+mod sync;
 #[cfg(test)]
 mod tests;
 
 pub use self::error::{RingError, RingResult};
+pub(crate) use self::layout::SLOT_HEADER_WORDS;
 pub use self::layout::{
     Direction, Geometry, LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_SLOT_BYTES, MIN_CAPACITY, MIN_SLOT_BYTES,
 };

@@ -50,6 +50,9 @@ impl Server {
     /// Serves `listener`: every connection that passes its access policy and admission runs the
     /// handshake (announcing `announcement`, handing out `pool_fd`), then the importer is
     /// reported to `handler` and may be sent frames.
+    ///
+    /// Errors: [`Error::RingSlotTooSmall`] when `limits` offers rings whose slots cannot hold
+    /// every frame of the protocol; the event loop's setup failing.
     pub(crate) fn start(
         listener: Listener,
         announcement: PoolAnnouncement,
@@ -57,6 +60,9 @@ impl Server {
         limits: Limits,
         handler: Arc<dyn Handler>,
     ) -> Result<Server> {
+        if let Some(geometry) = limits.ring {
+            crate::session::check_ring_geometry(geometry)?;
+        }
         let shared = Arc::new(Shared::new(limits.send_queue_len)?);
         let setup = Setup {
             shared: shared.clone(),

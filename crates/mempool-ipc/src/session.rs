@@ -40,6 +40,7 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::Instant;
 
+pub(crate) use self::rings::check_ring_geometry;
 use self::rings::ImporterRing;
 use crate::conn::{Connection, ConnectionOptions, Received};
 use crate::cred::{AccessPolicy, PeerCredentials};

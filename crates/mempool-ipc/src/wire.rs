@@ -45,7 +45,10 @@ mod ids;
 mod messages;
 mod vmm;
 
-pub(crate) use codec::{decode, decode_body, decode_header, encode, Header, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+pub(crate) use codec::{
+    decode, decode_body, decode_header, encode, Header, BUFFER_FRAME_LEN, HEADER_LEN, MAX_FDS_PER_MESSAGE,
+    RELEASE_BATCH_FRAME_FIXED_LEN,
+};
 pub use error::ProtocolError;
 pub use ids::{BlockId, BufferId, DeviceUuid, MessageType, PoolId, MAX_VMM_CHUNKS};
 pub(crate) use ids::{EventHandle, PointerDescriptor};

@@ -91,8 +91,9 @@ pub struct ExporterOptions {
     /// geometry per connection, in a sealed memfd passed at the handshake; `Buffer` frames then
     /// travel to the importer through shared memory and its releases come back the same way.
     /// Default: `Some` of [`Geometry::default`](crate::ring::Geometry) (256 slots of 256 bytes
-    /// each way, about 130 KiB per connection). `None`: not offered; such importers use the
-    /// socket (version 2).
+    /// each way, about 130 KiB per connection). Slots must hold a `Buffer` frame: at least 208
+    /// bytes ([`Exporter::new`] refuses smaller ones with [`Error::RingSlotTooSmall`]). `None`:
+    /// not offered; such importers use the socket (version 2).
     pub rings: Option<crate::ring::Geometry>,
 }
 
@@ -250,7 +251,8 @@ impl Exporter {
     ///
     /// Errors: [`Error::Core`] if the pool cannot be exported (created without the handle type,
     /// imported or default pool); [`Error::SocketPath`] or [`Error::Io`] if the socket cannot be
-    /// bound (see [`ListenerOptions`]).
+    /// bound (see [`ListenerOptions`]); [`Error::RingSlotTooSmall`] if
+    /// [`ExporterOptions::rings`] has slots under 208 bytes.
     pub fn new(path: impl AsRef<Path>, pool: MemPool, options: ExporterOptions) -> Result<Exporter> {
         Exporter::start(path.as_ref(), Box::new(pool), options)
     }

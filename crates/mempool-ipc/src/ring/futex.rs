@@ -6,10 +6,12 @@
 //! limit, so neither side can be held by the other. The futexes are shared (no
 //! `FUTEX_PRIVATE_FLAG`): the word lives in pages mapped by two processes.
 
-use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
+use super::sync::AtomicU32;
+
 /// Waits while `flag` holds `expected`, for at most `timeout` (or until woken, or spuriously).
+#[cfg(not(loom))]
 pub(crate) fn wait(flag: &AtomicU32, expected: u32, timeout: Duration) {
     crate::trace::count(crate::trace::Counter::FutexWait);
     let ts = libc::timespec {
@@ -32,6 +34,7 @@ pub(crate) fn wait(flag: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 /// Wakes every waiter on `flag`. Never blocks.
+#[cfg(not(loom))]
 pub(crate) fn wake(flag: &AtomicU32) {
     crate::trace::count(crate::trace::Counter::FutexWake);
     // SAFETY: `flag` is a live, aligned 32-bit word; FUTEX_WAKE does not touch memory.
@@ -39,4 +42,18 @@ pub(crate) fn wake(flag: &AtomicU32) {
     unsafe {
         libc::syscall(libc::SYS_futex, flag.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
     }
+}
+
+/// Under loom there is no futex: a wait returns at once, as a timeout or a spurious wake-up may (every
+/// caller re-checks the ring after it), and lets the model run the other threads.
+#[cfg(loom)]
+pub(crate) fn wait(_flag: &AtomicU32, _expected: u32, _timeout: Duration) {
+    crate::trace::count(crate::trace::Counter::FutexWait);
+    loom::thread::yield_now();
+}
+
+/// Under loom a wake has nobody to wake: a waiter's wait returned at once.
+#[cfg(loom)]
+pub(crate) fn wake(_flag: &AtomicU32) {
+    crate::trace::count(crate::trace::Counter::FutexWake);
 }

@@ -10,12 +10,16 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 
 use super::error::{RingError, RingResult};
 use super::layout::{Geometry, LAYOUT_VERSION, MAGIC};
+use super::sync::{AtomicU32, AtomicU64, Ordering};
+
+/// A word of the mapping: always std's atomic (it lives in the shared pages), whatever `super::sync`
+/// hands the rings.
+type MappedWord = std::sync::atomic::AtomicU64;
 
 /// The seals every ring region carries.
 const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
@@ -23,10 +27,21 @@ const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlag
 /// A ring region mapped into this process.
 pub struct Region {
     /// The mapping: `len_words` words, page-aligned, shared with the peer.
-    words: NonNull<AtomicU64>,
+    words: NonNull<MappedWord>,
     len_words: usize,
     geometry: Geometry,
     fd: OwnedFd,
+    /// Under `cfg(loom)`, the words the rings use instead of the mapping's: loom's atomics live in the
+    /// model, not in shared pages. The mapping and the memfd stay (for `fd` and the header checks).
+    #[cfg(loom)]
+    model: Model,
+}
+
+/// The model's words and flags, as many as the mapping has (a flag word is only ever used as a flag).
+#[cfg(loom)]
+struct Model {
+    words: Box<[AtomicU64]>,
+    flags: Box<[AtomicU32]>,
 }
 
 // SAFETY: the mapping is plain shared memory accessed only through atomics; the pointer is owned
@@ -115,6 +130,11 @@ impl Region {
             len_words: raw.len_words,
             geometry,
             fd,
+            #[cfg(loom)]
+            model: Model {
+                words: (0..raw.len_words).map(|_| AtomicU64::new(0)).collect(),
+                flags: (0..raw.len_words).map(|_| AtomicU32::new(0)).collect(),
+            },
         };
         std::mem::forget(raw); // the region unmaps it now
         Ok(region)
@@ -139,7 +159,7 @@ impl Region {
         if ptr == libc::MAP_FAILED {
             return Err(RingError::io("mmap of the ring memfd", std::io::Error::last_os_error()));
         }
-        let ptr = NonNull::new(ptr.cast::<AtomicU64>())
+        let ptr = NonNull::new(ptr.cast::<MappedWord>())
             .ok_or_else(|| RingError::io("mmap of the ring memfd", std::io::Error::other("null mapping")))?;
         Ok(RawMap {
             ptr,
@@ -159,6 +179,7 @@ impl Region {
 
     /// Word `i` of the region. Panics if `i` is outside it (indices come from the geometry, never
     /// from the shared words).
+    #[cfg(not(loom))]
     pub(crate) fn word(&self, i: usize) -> &AtomicU64 {
         assert!(
             i < self.len_words,
@@ -175,6 +196,7 @@ impl Region {
 
     /// The 32-bit flag at the start of word `i` (the waiting flags, which are also futex words).
     /// Panics if `i` is outside the region.
+    #[cfg(not(loom))]
     pub(crate) fn flag(&self, i: usize) -> &AtomicU32 {
         assert!(
             i < self.len_words,
@@ -188,6 +210,18 @@ impl Region {
         unsafe {
             &*self.words.as_ptr().add(i).cast::<AtomicU32>()
         }
+    }
+
+    /// Word `i` of the model (under loom). Panics if `i` is outside the region.
+    #[cfg(loom)]
+    pub(crate) fn word(&self, i: usize) -> &AtomicU64 {
+        &self.model.words[i]
+    }
+
+    /// Flag `i` of the model (under loom). Panics if `i` is outside the region.
+    #[cfg(loom)]
+    pub(crate) fn flag(&self, i: usize) -> &AtomicU32 {
+        &self.model.flags[i]
     }
 
     /// Writes word `i` as the peer would: for the tests of hostile peers.
@@ -208,7 +242,7 @@ impl Drop for Region {
 
 /// A mapping that unmaps itself.
 struct RawMap {
-    ptr: NonNull<AtomicU64>,
+    ptr: NonNull<MappedWord>,
     len_words: usize,
 }
 
@@ -218,7 +252,7 @@ impl RawMap {
         // SAFETY: `i` is inside the mapping (checked above), aligned, accessed atomically only.
         #[allow(unsafe_code)]
         let word = unsafe { &*self.ptr.as_ptr().add(i) };
-        word.load(Ordering::Acquire)
+        word.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 

@@ -15,7 +15,6 @@
 //! change an entry after it was checked. Ids and other contents of a payload are the caller's to
 //! check.
 
-use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,6 +22,7 @@ use super::error::{RingError, RingResult};
 use super::futex;
 use super::layout::Direction;
 use super::region::Region;
+use super::sync::{fence, Ordering};
 
 /// The producing end of one ring: writes entries and publishes them.
 #[derive(Debug)]

@@ -11,8 +11,33 @@ use std::time::Duration;
 
 use crate::conn::Received;
 use crate::error::{Error, Result};
-use crate::ring::{Consumer, Direction, Producer, Region};
+use crate::ring::{Consumer, Direction, Geometry, Producer, Region, SLOT_HEADER_WORDS};
 use crate::wire::{self, BufferDescriptor, Message};
+
+/// The longest frame the rings carry: a `Buffer` (the shortest `ReleaseBatch`, of one id, is shorter).
+const LONGEST_RING_FRAME: usize = if wire::BUFFER_FRAME_LEN > wire::RELEASE_BATCH_FRAME_FIXED_LEN + 8 {
+    wire::BUFFER_FRAME_LEN
+} else {
+    wire::RELEASE_BATCH_FRAME_FIXED_LEN + 8
+};
+
+/// The smallest ring slot the protocol accepts, in bytes: the slot's header and the longest frame
+/// the rings carry, rounded up to a multiple of 8 (208 bytes). A smaller slot would carry no
+/// buffer, and under 104 bytes not even a `ReleaseBatch` of one id.
+pub(crate) const MIN_RING_SLOT_BYTES: u32 = ((8 * SLOT_HEADER_WORDS + LONGEST_RING_FRAME).div_ceil(8) * 8) as u32;
+
+/// Refuses rings whose slots cannot hold every frame the protocol puts in them
+/// ([`Error::RingSlotTooSmall`]): the exporter checks the geometry it offers when it starts, the
+/// importer the one it is offered at the handshake.
+pub(crate) fn check_ring_geometry(geometry: Geometry) -> Result<()> {
+    if geometry.slot_bytes() < MIN_RING_SLOT_BYTES {
+        return Err(Error::RingSlotTooSmall {
+            slot_bytes: geometry.slot_bytes(),
+            min: MIN_RING_SLOT_BYTES,
+        });
+    }
+    Ok(())
+}
 
 /// How long the importer sleeps on its doorbell before it looks at the socket by itself (the
 /// exporter rings the doorbell when it writes to the socket too; this bounds how late an
@@ -41,9 +66,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ImporterRing {
-    /// Maps the region the exporter sent (checked: seals, header, length).
+    /// Maps the region the exporter sent (checked: seals, header, length, and slots that hold
+    /// every frame of the protocol).
     pub(crate) fn open(fd: OwnedFd) -> Result<ImporterRing> {
         let region = Arc::new(Region::open(fd)?);
+        check_ring_geometry(region.geometry())?;
         let max_payload = region.geometry().max_payload();
         Ok(ImporterRing {
             rx: Mutex::new((
@@ -126,10 +153,11 @@ impl ImporterRing {
         Ok(lock(&self.tx).push(&frame)?)
     }
 
-    /// The most buffers one `ReleaseBatch` in a slot can name.
+    /// The most buffers one `ReleaseBatch` in a slot can name (at least one: `open` refused
+    /// slots too small for that).
     pub(crate) fn batch_max(&self) -> usize {
         // Header, count and flags, the event handle, then 8 bytes per id.
-        ((self.max_payload - wire::HEADER_LEN - 72) / 8).clamp(1, wire::MAX_RELEASE_BATCH)
+        (self.max_payload.saturating_sub(wire::RELEASE_BATCH_FRAME_FIXED_LEN) / 8).clamp(1, wire::MAX_RELEASE_BATCH)
     }
 
     /// Publishes the releases written; returns whether the exporter sleeps (send `RingBell`).

@@ -618,3 +618,63 @@ fn an_importer_refused_by_a_version_1_exporter_connects_again_the_version_1_way(
     assert_eq!(importer.capabilities(), 0);
     assert_eq!(read_all(imported.pool_fd), b"old");
 }
+
+#[test]
+fn an_importer_refuses_rings_whose_slots_cannot_hold_a_buffer_frame() {
+    // Issue 33, finding 6: an exporter that offers rings of 96-byte slots (a `ReleaseBatch` of one
+    // id does not fit; the importer's batch size underflowed) is refused at the handshake, the
+    // slot size and the minimum named, and told why.
+    use crate::ring::{Geometry, Region};
+    use crate::wire::CAP_RING;
+    let asked = CAP_FAST_RELEASE | CAP_RING;
+    let (i, mut raw) = UnixStream::pair().unwrap();
+    let importer = thread::spawn(move || {
+        ImporterSession::handshake_with(Connection::new(i, short_options()), asked, &mut find_gpu).map(|_| ())
+    });
+    assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello2 { capabilities: asked });
+    send_raw(
+        &mut raw,
+        &Message::Welcome2 {
+            welcome: Welcome {
+                device_uuid: GPU,
+                pool_id: POOL,
+            },
+            capabilities: asked,
+        },
+    );
+    assert_eq!(
+        read_frame(&mut raw).unwrap(),
+        Message::Ready(Ready { device_uuid: GPU })
+    );
+    let pool = memfd_with(&unique_name("small-slots"), b"x");
+    let descriptor = wire::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
+    fdpass::send_with_fds(&raw, &descriptor, &[pool.as_fd()]).unwrap();
+    let region = Region::create(Geometry::new(4, 96).unwrap()).unwrap();
+    let setup = wire::encode(&Message::RingSetup).unwrap();
+    fdpass::send_with_fds(&raw, &setup, &[region.fd()]).unwrap();
+    let err = match importer.join().unwrap() {
+        Ok(()) => panic!("the importer accepted rings of 96-byte slots"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(
+            err,
+            Error::RingSlotTooSmall {
+                slot_bytes: 96,
+                min: 208
+            }
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("96-byte slots") && text.contains("at least 208 bytes"),
+        "{text}"
+    );
+    let told = expect_error_then_eof(&mut raw);
+    assert!(
+        told.text.contains("96-byte slots") && told.text.contains("at least 208 bytes"),
+        "{}",
+        told.text
+    );
+}

@@ -64,6 +64,12 @@ const HELLO2_LEN: usize = 8;
 const WELCOME2_LEN: usize = WELCOME_LEN + 8;
 const RELEASE_BATCH_FIXED_LEN: usize = 4 + 4 + 64;
 
+/// A `Buffer` frame's length, header included: the longest frame the shared-memory rings carry.
+pub(crate) const BUFFER_FRAME_LEN: usize = HEADER_LEN + BUFFER_LEN;
+
+/// A `ReleaseBatch` frame's length, header included, before its ids (8 bytes each).
+pub(crate) const RELEASE_BATCH_FRAME_FIXED_LEN: usize = HEADER_LEN + RELEASE_BATCH_FIXED_LEN;
+
 /// The smallest and the largest body a message of type `t` may have.
 pub(crate) fn body_len_bounds(t: MessageType) -> (usize, usize) {
     let exact = |n| (n, n);

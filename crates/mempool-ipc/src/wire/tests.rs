@@ -6,6 +6,7 @@ use super::codec::{body_len_bounds, encode_into, MAGIC, MAX_FRAME_LEN};
 use super::messages::{MAX_BODY_LEN, MAX_ERROR_TEXT_LEN};
 use super::testing::{buffer, every_message, GPU, POOL};
 use super::*;
+use crate::test_util::{arb_mutation, mutate};
 use crate::wire;
 
 fn frame(message: &Message) -> Vec<u8> {
@@ -523,8 +524,25 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 ready_event: event.map(EventHandle),
             })
         });
+    let vmm = (
+        any::<u64>(),
+        0u32..=30,
+        1u64..=1 << 20,
+        proptest::option::of(any::<[u8; 64]>()),
+    )
+        .prop_map(|(id, g, units, event)| {
+            Message::VmmBuffer(VmmBufferDescriptor {
+                buffer_id: BufferId(id),
+                size: units << g,
+                granularity: 1 << g,
+                ready_event: event.map(EventHandle),
+            })
+        });
     prop_oneof![
         chunks,
+        vmm,
+        Just(Message::RingSetup),
+        Just(Message::RingBell),
         Just(Message::Hello),
         Just(Message::Goodbye),
         (uuid.clone(), pool.clone())
@@ -602,6 +620,96 @@ proptest! {
             prop_assert_eq!(wire::encode(&decoded).unwrap(), bytes);
         }
     }
+}
+
+/// The most one frame may make a decoder allocate, whatever its length and count fields claim:
+/// twice the longest frame (the largest allocations are a `VmmChunks`'s sizes and an `Error`'s
+/// text, each shorter than the frame, and the text of an error).
+const DECODE_ALLOCATION_BUDGET: usize = 2 * MAX_FRAME_LEN;
+
+/// Every decoder on `bytes` (as a frame, as a header, and as the body of every type): none panics
+/// (proptest reports a panic as a failure), none allocates more than the budget, and whatever is
+/// accepted is the one encoding of what it decoded to.
+fn decode_everything(bytes: &[u8]) -> Result<(), TestCaseError> {
+    let (header, allocated) = crate::test_util::allocated_by(|| wire::decode_header(bytes));
+    prop_assert!(
+        allocated <= DECODE_ALLOCATION_BUDGET,
+        "decode_header allocated {allocated} bytes"
+    );
+    if let Ok(header) = header {
+        prop_assert!(header.body_len <= MAX_BODY_LEN);
+    }
+    let (frame, allocated) = crate::test_util::allocated_by(|| wire::decode(bytes));
+    prop_assert!(
+        allocated <= DECODE_ALLOCATION_BUDGET,
+        "decode allocated {allocated} bytes"
+    );
+    if let Ok(message) = frame {
+        prop_assert_eq!(&wire::encode(&message).unwrap(), bytes);
+    }
+    let body = bytes.get(HEADER_LEN..).unwrap_or(bytes);
+    for t in MessageType::ALL {
+        let (decoded, allocated) = crate::test_util::allocated_by(|| wire::decode_body(t, body));
+        prop_assert!(
+            allocated <= DECODE_ALLOCATION_BUDGET,
+            "decode_body({t:?}) of {} bytes allocated {allocated} bytes",
+            body.len()
+        );
+        if let Ok(message) = decoded {
+            prop_assert_eq!(message.message_type(), t);
+            prop_assert_eq!(&wire::encode(&message).unwrap()[HEADER_LEN..], body);
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    /// Fuzzing every decoder with arbitrary bytes, raw or behind a valid header.
+    #[test]
+    fn fuzz_wire_decoders_with_arbitrary_bytes(
+        bytes in proptest::collection::vec(any::<u8>(), 0..1400),
+        t in proptest::sample::select(MessageType::ALL.to_vec()),
+    ) {
+        decode_everything(&bytes)?;
+        let len = bytes.len().min(MAX_BODY_LEN);
+        decode_everything(&raw_frame(t.to_wire(), &bytes[..len]))?;
+    }
+
+    /// Fuzzing every decoder with valid frames (which first round-trip, within the budget) damaged
+    /// by up to four mutations: flipped, cut, extended, inserted and removed bytes, and header fields
+    /// overwritten.
+    #[test]
+    fn fuzz_wire_decoders_with_mutated_valid_frames(
+        message in arb_message(),
+        mutations in proptest::collection::vec(arb_mutation(), 1..=4),
+    ) {
+        let mut bytes = wire::encode(&message).unwrap();
+        let (decoded, allocated) = crate::test_util::allocated_by(|| wire::decode(&bytes));
+        prop_assert_eq!(decoded.unwrap(), message);
+        prop_assert!(allocated <= DECODE_ALLOCATION_BUDGET, "decode allocated {allocated} bytes");
+        for m in &mutations {
+            mutate(&mut bytes, m);
+            decode_everything(&bytes)?;
+        }
+    }
+}
+
+#[test]
+fn the_allocation_budget_catches_a_decoder_that_trusts_a_length() {
+    // What the fuzz tests would see of a decoder that reserved what a length field claims before
+    // checking it against the bytes present (a `ReleaseBatch` claiming 2^20 ids).
+    let (_, allocated) = crate::test_util::allocated_by(|| Vec::<BufferId>::with_capacity(1 << 20));
+    assert!(allocated > DECODE_ALLOCATION_BUDGET, "{allocated}");
+    // A decode that allocates (an error's text) is counted, within the budget.
+    let bytes = frame(&Message::Error(ErrorMessage::new(
+        ErrorCode::Other(1),
+        "x".repeat(1000),
+    )));
+    let (decoded, allocated) = crate::test_util::allocated_by(|| wire::decode(&bytes));
+    assert!(decoded.is_ok());
+    assert!((1000..=DECODE_ALLOCATION_BUDGET).contains(&allocated), "{allocated}");
 }
 
 /// The module documentation's example (a doctest until the module became private): a message

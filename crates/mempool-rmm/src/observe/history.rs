@@ -8,7 +8,9 @@
 //! recording are not events; once the ring overwrites them they count as dropped (at most
 //! `CLAIM - 1` per thread). A writer takes its slot with a compare-and-swap of the slot's stamp, and only
 //! when the slot holds an older event: an event from a claim its thread kept while other threads went
-//! round the whole ring is dropped, never written over a newer one, and no two writers share a slot. A
+//! round the whole ring is dropped, never written over a newer one, and no two writers share a slot: a
+//! writer that finds an older event still being written into its slot does not wait for it (that would be
+//! a lock) but drops its event and marks the stamp so, and readers count it as dropped. A
 //! slot is filled with relaxed stores between two writes of its stamp (a per-slot sequence lock), so a
 //! reader copies only slots whose stamp did not change while it read them. Time is the CPU's time-stamp counter
 //! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere, read once
@@ -20,9 +22,21 @@
 //! not written yet are neither events nor dropped. Imports nothing of the crate.
 
 use std::cell::Cell;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
+
+use self::sync::{fence, AtomicU64};
+
+/// The ring's atomics: loom's under `cfg(loom)`, for the model checks of `loom_tests` (docs/testing.md,
+/// "Concurrency models and fuzzing"), std's otherwise. The process-wide counters (history and thread numbers) stay
+/// std's: they only hand out unique numbers.
+mod sync {
+    #[cfg(loom)]
+    pub(super) use loom::sync::atomic::{fence, AtomicU64};
+    #[cfg(not(loom))]
+    pub(super) use std::sync::atomic::{fence, AtomicU64};
+}
 
 /// What happened.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -76,7 +90,9 @@ pub struct Events {
     pub capacity: u64,
     /// Events ever recorded (slots claimed and not written yet are not events).
     pub recorded: u64,
-    /// Events no longer held: overwritten by later ones (before or while the ring was read).
+    /// Events no longer held: overwritten by later ones (before or while the ring was read), or never
+    /// written because an older event was still being written into their slot. `events.len() + dropped
+    /// == recorded`, always.
     pub dropped: u64,
 }
 
@@ -86,8 +102,18 @@ pub const DEFAULT_CAPACITY: usize = 1 << 16;
 /// Slots a thread claims at once.
 pub const CLAIM: u64 = 16;
 
-/// One event's storage. `stamp` is `seq + 1` once event number `seq` is complete in it, and `u64::MAX`
-/// while a writer fills it.
+/// A stamp's bit for "a writer is filling the slot".
+const STAMP_WRITING: u64 = 1 << 63;
+/// A stamp's bit for "the event of the stamp's number was dropped: an older event was being written
+/// into its slot".
+const STAMP_DROPPED: u64 = 1 << 62;
+/// A stamp's event number plus one (62 bits: events are numbered for 146 years at one a nanosecond).
+const STAMP_SEQ: u64 = STAMP_DROPPED - 1;
+
+/// One event's storage. Its `stamp` is `seq + 1` once event number `seq` is complete in it; with
+/// [`STAMP_WRITING`] while a writer fills it (with event `seq`, or, with [`STAMP_DROPPED`] too, while an
+/// older event is still written into it and event `seq` was dropped for it); with [`STAMP_DROPPED`] alone
+/// once that older writer is done. 0: never written.
 #[derive(Default)]
 struct Slot {
     stamp: AtomicU64,
@@ -97,6 +123,27 @@ struct Slot {
     stream: AtomicU64,
     /// op (bits 0-7), resource (8-15), tag (16-31), thread (32-63).
     meta: AtomicU64,
+}
+
+/// What a writer puts in a slot.
+struct Fields {
+    t: u64,
+    address: u64,
+    size: u64,
+    stream: u64,
+    meta: u64,
+}
+
+impl Slot {
+    /// Stores an event's fields (relaxed: the stamp around them orders them for readers).
+    #[inline]
+    fn fill(&self, f: &Fields) {
+        self.t.store(f.t, Ordering::Relaxed);
+        self.address.store(f.address, Ordering::Relaxed);
+        self.size.store(f.size, Ordering::Relaxed);
+        self.stream.store(f.stream, Ordering::Relaxed);
+        self.meta.store(f.meta, Ordering::Relaxed);
+    }
 }
 
 /// A bounded, lock-free history of allocation events (see the module docs for how it is written).
@@ -111,7 +158,7 @@ pub struct History {
     start_ticks: u64,
 }
 
-static NEXT_HISTORY: AtomicU64 = AtomicU64::new(1);
+static NEXT_HISTORY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl std::fmt::Debug for History {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -175,8 +222,19 @@ struct Local {
     t: Cell<u64>,
 }
 
+#[cfg(not(loom))]
 thread_local! {
-    static LOCAL: Local = const {
+    static LOCAL: Local = const { Local::new() };
+}
+
+// Loom runs a model's threads on one OS thread: its own thread-locals keep each their claim.
+#[cfg(loom)]
+loom::thread_local! {
+    static LOCAL: Local = Local::new();
+}
+
+impl Local {
+    const fn new() -> Local {
         Local {
             thread: Cell::new(0),
             label: Cell::new(0),
@@ -185,10 +243,8 @@ thread_local! {
             end: Cell::new(0),
             t: Cell::new(0),
         }
-    };
-}
+    }
 
-impl Local {
     #[inline]
     fn thread(&self) -> u32 {
         let n = self.thread.get();
@@ -272,7 +328,12 @@ impl Drop for Label {
 impl History {
     /// A history that keeps the last `capacity` events (rounded up to a power of two, at least 64).
     pub fn new(capacity: usize) -> History {
-        let size = capacity.max(64).next_power_of_two();
+        History::with_slots(capacity.max(64).next_power_of_two())
+    }
+
+    /// A history of exactly `size` slots (a power of two); the tests' models use fewer than 64.
+    fn with_slots(size: usize) -> History {
+        debug_assert!(size.is_power_of_two());
         History {
             id: NEXT_HISTORY.fetch_add(1, Ordering::Relaxed),
             next: AtomicU64::new(0),
@@ -313,34 +374,82 @@ impl History {
             };
             (l.thread(), l.label.get(), seq, t)
         });
+        let meta = op as u64 | u64::from(resource) << 8 | u64::from(tag) << 16 | u64::from(thread) << 32;
+        self.write(
+            seq,
+            &Fields {
+                t,
+                address,
+                size,
+                stream,
+                meta,
+            },
+        );
+    }
+
+    /// Writes event `seq` into its slot, if the slot is this writer's (see [`History::begin`]).
+    #[inline]
+    fn write(&self, seq: u64, fields: &Fields) {
+        if let Some(slot) = self.begin(seq) {
+            slot.fill(fields);
+            History::finish(slot, seq);
+        }
+    }
+
+    /// Takes event `seq`'s slot for writing; `None` when the event is not to be written: the slot
+    /// holds a newer event (this one belongs before the window, counted dropped there), or an older
+    /// event is being written into it (this one is marked dropped in the stamp).
+    #[inline]
+    fn begin(&self, seq: u64) -> Option<&Slot> {
         let slot = &self.slots[(seq & self.mask) as usize];
-        // The slot is this writer's only if it holds an older event than this one: a claim a thread kept
-        // while other threads went round the whole ring is older than the slot's newest event (or than
-        // one being written), and its event is dropped rather than written over a newer one; the
-        // compare-and-swap also keeps two writers out of one slot, so a reader never accepts an event
-        // mixed from two.
-        let current = slot.stamp.load(Ordering::Relaxed);
-        if current == u64::MAX
-            || current > seq
-            || slot
+        let mine = seq + 1;
+        let mut current = slot.stamp.load(Ordering::Relaxed);
+        loop {
+            // The slot is this writer's only if it holds an older event than this one: a claim a thread
+            // kept while other threads went round the whole ring is older than the slot's newest event
+            // (or than one being written, or marked dropped), and its event is dropped rather than
+            // written over a newer one.
+            if current & STAMP_SEQ >= mine {
+                return None;
+            }
+            // An older event is being written: two writers must not share a slot (a reader could accept
+            // an event mixed from two), and waiting for the other would be a lock. This event is
+            // dropped, and says so in the stamp (still marked as being written: the older writer clears
+            // that when it is done), so that readers count it.
+            let next = if current & STAMP_WRITING != 0 {
+                STAMP_WRITING | STAMP_DROPPED | mine
+            } else {
+                STAMP_WRITING | mine
+            };
+            // Acquire: the fields the slot's last writer stored happen before this writer's, so they
+            // cannot land after them.
+            match slot
                 .stamp
-                .compare_exchange(current, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
-            return;
+                .compare_exchange_weak(current, next, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) if next & STAMP_DROPPED != 0 => return None,
+                Ok(_) => break,
+                Err(now) => current = now,
+            }
         }
         // Orders the stamp's "being written" before the fields (a reader that sees a new field also
         // sees the stamp change).
         fence(Ordering::Release);
-        slot.t.store(t, Ordering::Relaxed);
-        slot.address.store(address, Ordering::Relaxed);
-        slot.size.store(size, Ordering::Relaxed);
-        slot.stream.store(stream, Ordering::Relaxed);
-        slot.meta.store(
-            op as u64 | u64::from(resource) << 8 | u64::from(tag) << 16 | u64::from(thread) << 32,
-            Ordering::Relaxed,
-        );
-        slot.stamp.store(seq + 1, Ordering::Release);
+        Some(slot)
+    }
+
+    /// Publishes event `seq`, whose fields are in `slot` (taken by [`History::begin`]).
+    #[inline]
+    fn finish(slot: &Slot, seq: u64) {
+        if slot
+            .stamp
+            .compare_exchange(STAMP_WRITING | (seq + 1), seq + 1, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            // Newer events came while this one was written and were dropped; the newest one's mark
+            // stays (this event, older, is before the window now), and the slot is free for the next.
+            slot.stamp.fetch_and(!STAMP_WRITING, Ordering::Release);
+        }
     }
 
     /// Asks the CPU to bring the slots of a new claim, and of the claim after it (this thread's next one
@@ -402,9 +511,13 @@ impl History {
             fence(Ordering::Acquire);
             let after = slot.stamp.load(Ordering::Relaxed);
             if before != seq + 1 || after != seq + 1 {
-                let newer = |s: u64| s != u64::MAX && s > seq + 1;
+                let newer = |s: u64| s & STAMP_SEQ > seq + 1;
+                let lost = |s: u64| s & STAMP_SEQ == seq + 1 && s & STAMP_DROPPED != 0;
                 if newer(before) || newer(after) {
                     // Overwritten by a later event (before or while it was read).
+                    out.dropped += 1;
+                } else if lost(before) || lost(after) {
+                    // Dropped while an older event was written into its slot.
                     out.dropped += 1;
                 } else {
                     // Claimed and not written yet, or being written (or never written: the rest of a
@@ -516,6 +629,76 @@ mod tests {
         assert_eq!(last.events.last().map(|e| (e.size, e.stream)), Some((99, 0)));
     }
 
+    /// Event `seq`'s fields as the tests write them: its number in every field.
+    fn fields(seq: u64) -> Fields {
+        Fields {
+            t: seq,
+            address: seq,
+            size: seq,
+            stream: seq,
+            meta: 0,
+        }
+    }
+
+    #[test]
+    fn an_event_whose_slot_an_older_claim_is_writing_is_counted_as_dropped() {
+        // Issue 33, finding 8. Events 0 to 64 are claimed (the claims are played out by hand here, in
+        // the order threads could make them). Event 0's writer has taken slot 0 and not finished when
+        // event 64, whose slot is slot 0 too, is recorded: event 64 cannot be written (it would mix
+        // with event 0's fields), and must count as recorded and dropped.
+        let h = History::new(64);
+        h.next.store(65, Ordering::Relaxed);
+        let old = h.begin(0).expect("slot 0 holds no event yet");
+        h.write(64, &fields(64));
+        old.fill(&fields(0));
+        History::finish(old, 0);
+        for seq in 1..64 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!(e.recorded, 65, "event 64 was recorded");
+        assert_eq!(
+            e.dropped, 2,
+            "event 0 (before the window) and event 64 (lost) are dropped"
+        );
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (1..64).collect::<Vec<_>>()
+        );
+        // Two newer events of slot 1 (129 and 193) come while an older one (65) is written: both are
+        // dropped, and 193, the one in the window, counts as such.
+        h.next.store(194, Ordering::Relaxed);
+        let old = h.begin(65).expect("slot 1 holds an older event");
+        h.write(129, &fields(129));
+        h.write(193, &fields(193));
+        old.fill(&fields(65));
+        History::finish(old, 65);
+        for seq in 130..193 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!(
+            (e.recorded, e.dropped),
+            (194, 131),
+            "130 before the window, and event 193"
+        );
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (130..193).collect::<Vec<_>>()
+        );
+        // The slot is free again for the next event: it is written and kept.
+        h.next.store(258, Ordering::Relaxed);
+        for seq in 194..258 {
+            h.write(seq, &fields(seq));
+        }
+        let e = h.events();
+        assert_eq!((e.recorded, e.dropped), (258, 194));
+        assert_eq!(
+            e.events.iter().map(|e| e.size).collect::<Vec<_>>(),
+            (194..258).collect::<Vec<_>>()
+        );
+    }
+
     #[test]
     fn a_thread_recording_into_two_histories_keeps_both_in_order() {
         let (a, b) = (History::new(256), History::new(256));
@@ -621,5 +804,144 @@ mod tests {
         );
         let ops: Vec<Op> = h.events().events.iter().map(|e| e.op).collect();
         assert_eq!(ops, [Op::Allocate, Op::Allocate, Op::Free, Op::Failed, Op::Free]);
+    }
+}
+
+/// Model checks of the claims (loom explores every interleaving of the threads, and every value a
+/// relaxed load may read): `RUSTFLAGS="--cfg loom" cargo test -p mempool-rmm --release --lib loom`
+/// (docs/testing.md, "Concurrency models and fuzzing").
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// Event `seq` as the models write it: its number in every field but the time.
+    fn fields(seq: u64) -> Fields {
+        Fields {
+            t: 0,
+            address: seq,
+            size: seq,
+            stream: seq,
+            meta: 0,
+        }
+    }
+
+    /// What holds for every read: only whole events, and each event recorded is held or dropped.
+    fn check(e: &Events) {
+        assert!(
+            e.events.iter().all(|e| e.address == e.size && e.size == e.stream),
+            "an event mixed from two writes: {:?}",
+            e.events
+        );
+        assert_eq!(e.events.len() as u64 + e.dropped, e.recorded, "{e:?}");
+    }
+
+    fn sizes(e: &Events) -> Vec<u64> {
+        e.events.iter().map(|e| e.size).collect()
+    }
+
+    /// Bounded models: every interleaving with at most this many preemptions (switches away from a
+    /// thread that could go on), which finds the usual ordering bugs and keeps each model to seconds.
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(f);
+    }
+
+    #[test]
+    fn loom_a_newer_event_is_kept_or_counted_while_an_older_one_is_written() {
+        // Two slots; events 0 and 2 share slot 0 and are written at once, while the ring is read.
+        model(|| {
+            let h = Arc::new(History::with_slots(2));
+            h.next.store(3, Ordering::Relaxed);
+            h.write(1, &fields(1));
+            let writers: Vec<_> = [0u64, 2]
+                .into_iter()
+                .map(|seq| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || h.write(seq, &fields(seq)))
+                })
+                .collect();
+            check(&h.events());
+            for w in writers {
+                w.join().unwrap();
+            }
+            let e = h.events();
+            check(&e);
+            assert_eq!(e.recorded, 3);
+            // Event 0 is before the window (dropped); event 2 is held, or was lost to event 0's write
+            // and is counted dropped.
+            match sizes(&e)[..] {
+                [1, 2] => assert_eq!(e.dropped, 1),
+                [1] => assert_eq!(e.dropped, 2),
+                _ => panic!("{e:?}"),
+            }
+        });
+    }
+
+    #[test]
+    fn loom_three_writers_of_one_slot_leave_it_free_and_the_newest_counted() {
+        model(|| {
+            let h = Arc::new(History::with_slots(2));
+            h.next.store(5, Ordering::Relaxed);
+            h.write(1, &fields(1));
+            h.write(3, &fields(3));
+            let writers: Vec<_> = [0u64, 2, 4]
+                .into_iter()
+                .map(|seq| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || h.write(seq, &fields(seq)))
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            let e = h.events();
+            check(&e);
+            assert_eq!(e.recorded, 5);
+            match sizes(&e)[..] {
+                [3, 4] => assert_eq!(e.dropped, 3),
+                [3] => assert_eq!(e.dropped, 4),
+                _ => panic!("{e:?}"),
+            }
+            // Whoever wrote last, the slot takes the next event.
+            h.next.store(7, Ordering::Relaxed);
+            h.write(5, &fields(5));
+            h.write(6, &fields(6));
+            let e = h.events();
+            assert_eq!((sizes(&e), e.recorded, e.dropped), (vec![5, 6], 7, 5));
+        });
+    }
+
+    #[test]
+    fn loom_two_threads_recording_claim_apart_and_lose_nothing_uncounted() {
+        // 16 slots: the two threads' claims (0..16 and 16..32) cover the same slots, so their first
+        // events race for slot 0 and their second for slot 1, through `record`'s own claims.
+        model(|| {
+            let h = Arc::new(History::with_slots(16));
+            let threads: Vec<_> = (0..2u64)
+                .map(|t| {
+                    let h = h.clone();
+                    loom::thread::spawn(move || {
+                        for i in 0..2u64 {
+                            h.record(Op::Allocate, 0, t, 10 * t + i, t);
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            let e = h.events();
+            assert_eq!(e.events.len() as u64 + e.dropped, e.recorded, "{e:?}");
+            // 32 slots claimed, 4 events written: the window (16..32) holds the second claim's two,
+            // each kept or counted dropped, and 14 slots claimed and never written.
+            assert_eq!(e.recorded, 18, "{e:?}");
+            assert_eq!(e.dropped, 16 + (2 - e.events.len() as u64), "{e:?}");
+            // The events held are one thread's (the second claim's), in its order.
+            assert!(e.events.iter().all(|x| x.stream == e.events[0].stream), "{e:?}");
+            assert!(e.events.windows(2).all(|w| w[0].size < w[1].size), "{e:?}");
+        });
     }
 }

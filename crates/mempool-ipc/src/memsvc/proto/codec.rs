@@ -303,6 +303,10 @@ pub(crate) fn decode_body_as(kind: MessageKind, version: u16, body: &[u8]) -> Re
                 let attachments = r.u32()?;
                 let has_expiry = r.flag()?;
                 let ms = r.u64()?;
+                if !has_expiry && ms != 0 {
+                    // One encoding per message, as for an absent event.
+                    return Err(r.error(format!("an entry without an expiry says {ms} ms (must be 0)")));
+                }
                 entries.push(BufferInfo {
                     name,
                     size,

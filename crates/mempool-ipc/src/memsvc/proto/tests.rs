@@ -237,6 +237,27 @@ fn hostile_bodies_are_refused() {
 }
 
 #[test]
+fn a_list_entry_without_an_expiry_must_say_zero_milliseconds() {
+    // Found by the fuzz tests: the decoder ignored the milliseconds of an entry whose expiry flag
+    // was clear, so two encodings decoded to the same entry (as an absent event must be zeros, an
+    // absent expiry must be 0).
+    let page = Message::ListPage {
+        more: false,
+        entries: vec![BufferInfo {
+            expires_in: None,
+            ..info(1)
+        }],
+    };
+    let mut body = encode(&page).unwrap()[HEADER_LEN..].to_vec();
+    assert_eq!(decode_body(MessageKind::ListPage, &body).unwrap(), page);
+    let ms = body.len() - 8;
+    assert_eq!(body[ms - 1], 0, "the expiry flag, clear");
+    body[ms] = 1;
+    let reason = protocol(decode_body(MessageKind::ListPage, &body));
+    assert!(reason.contains("expiry") && reason.contains("1 ms"), "{reason}");
+}
+
+#[test]
 fn hostile_grants_are_refused() {
     let placed = |size: u64, granularity: u64, offset: u64, memory_size: u64| {
         let m = Message::Granted(GrantEntry {
@@ -534,7 +555,19 @@ fn as_v2(m: Message) -> Message {
 }
 
 fn arb_message() -> impl Strategy<Value = Message> {
+    let welcome = (
+        any::<u32>(),
+        proptest::collection::vec((any::<[u8; 16]>(), 0u32..64), 0..=MAX_DEVICES),
+    )
+        .prop_map(|(pid, devices)| Message::Welcome {
+            pid,
+            devices: devices
+                .into_iter()
+                .map(|(uuid, shift)| (DeviceUuid(uuid), 1u64 << shift))
+                .collect(),
+        });
     prop_oneof![
+        welcome,
         Just(Message::Hello),
         Just(Message::Stats),
         Just(Message::Done),
@@ -776,4 +809,114 @@ fn hostile_attach_lists_are_refused() {
     let mut b = many;
     b[26..28].copy_from_slice(&(MAX_ATTACH_UIDS as u16 + 1).to_le_bytes());
     assert!(protocol(decode_body(MessageKind::CreateMany, &b)).contains("at most 64"));
+}
+
+/// The most one frame may make a decoder allocate, whatever its length and count fields claim:
+/// twice the longest frame (its strings are shorter than the frame; the vectors a count reserves
+/// hold at most `MAX_ATTACH_MANY` grants or `MAX_LIST_PAGE` entries).
+const DECODE_ALLOCATION_BUDGET: usize = 2 * (HEADER_LEN + MAX_BODY_LEN);
+
+/// Every decoder on `bytes` (as a frame, its header, and as the body of every type), and the
+/// translation of a decoded refusal into an error: none panics (proptest reports a panic as a
+/// failure), none allocates more than the budget, and whatever is accepted is the one encoding of
+/// what it decoded to.
+fn decode_everything(bytes: &[u8]) -> Result<(), TestCaseError> {
+    use crate::test_util::allocated_by;
+    if let Some(header) = bytes.get(..HEADER_LEN) {
+        let header: &[u8; HEADER_LEN] = header.try_into().unwrap();
+        let (decoded, allocated) = allocated_by(|| decode_header(header));
+        prop_assert!(
+            allocated <= DECODE_ALLOCATION_BUDGET,
+            "decode_header allocated {allocated} bytes"
+        );
+        if let Ok(h) = decoded {
+            prop_assert!(h.body_len <= MAX_BODY_LEN);
+        }
+    }
+    let (decoded, allocated) = allocated_by(|| decode(bytes));
+    prop_assert!(
+        allocated <= DECODE_ALLOCATION_BUDGET,
+        "decode allocated {allocated} bytes"
+    );
+    if let Ok(m) = decoded {
+        // Re-encoded in the frame's own version (a connection speaks version 2 or 3).
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        prop_assert_eq!(&encode_as(&m, version).unwrap(), bytes);
+    }
+    let body = bytes.get(HEADER_LEN..).unwrap_or(bytes);
+    for kind in (0..=80).filter_map(MessageKind::from_code) {
+        let (decoded, allocated) = allocated_by(|| decode_body(kind, body));
+        prop_assert!(
+            allocated <= DECODE_ALLOCATION_BUDGET,
+            "decode_body({kind:?}) of {} bytes allocated {allocated} bytes",
+            body.len()
+        );
+        if let Ok(m) = decoded {
+            prop_assert_eq!(&encode(&m).unwrap()[HEADER_LEN..], body);
+            if let Message::Refused(r) = m {
+                // A refusal from a hostile server becomes an error without a panic.
+                let _ = error_of(r).to_string();
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Fuzzing every decoder with arbitrary bytes, raw or behind a valid header of any type.
+    #[test]
+    fn fuzz_memsvc_decoders_with_arbitrary_bytes(
+        bytes in proptest::collection::vec(any::<u8>(), 0..1200),
+        code in 0u16..80,
+    ) {
+        decode_everything(&bytes)?;
+        let mut frame = MAGIC.to_vec();
+        frame.extend_from_slice(&VERSION.to_le_bytes());
+        frame.extend_from_slice(&code.to_le_bytes());
+        frame.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&bytes);
+        decode_everything(&frame)?;
+    }
+
+    /// Fuzzing every decoder with valid frames (which first round-trip, within the budget) damaged
+    /// by up to four mutations: flipped, cut, extended, inserted and removed bytes, and header fields
+    /// overwritten.
+    #[test]
+    fn fuzz_memsvc_decoders_with_mutated_valid_frames(
+        m in arb_message(),
+        mutations in proptest::collection::vec(crate::test_util::arb_mutation(), 1..=4),
+    ) {
+        let mut bytes = encode(&m).unwrap();
+        let (decoded, allocated) = crate::test_util::allocated_by(|| decode(&bytes));
+        prop_assert_eq!(decoded.unwrap(), m);
+        prop_assert!(allocated <= DECODE_ALLOCATION_BUDGET, "decode allocated {allocated} bytes");
+        for mutation in &mutations {
+            crate::test_util::mutate(&mut bytes, mutation);
+            decode_everything(&bytes)?;
+        }
+    }
+}
+
+#[test]
+fn fuzz_memsvc_decoders_with_the_largest_frames_mutated() {
+    // The samples hold the largest messages (a full list page, 128 names of 128 bytes, 128 grants):
+    // each damaged a few hundred ways, deterministically.
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = proptest::collection::vec(crate::test_util::arb_mutation(), 1..=3);
+    for m in samples() {
+        let frame = encode(&m).unwrap();
+        let (decoded, allocated) = crate::test_util::allocated_by(|| decode(&frame));
+        assert_eq!(decoded.unwrap(), m);
+        assert!(allocated <= DECODE_ALLOCATION_BUDGET, "{m:?}: {allocated} bytes");
+        for _ in 0..200 {
+            let mutations = proptest::strategy::ValueTree::current(&strategy.new_tree(&mut runner).unwrap());
+            let mut bytes = frame.clone();
+            for mutation in &mutations {
+                crate::test_util::mutate(&mut bytes, mutation);
+            }
+            decode_everything(&bytes).unwrap_or_else(|e| panic!("{m:?} after {mutations:?}: {e}"));
+        }
+    }
 }

@@ -642,3 +642,56 @@ fn ring_handoff_counts() {
         assert_eq!(f.server.stats().peer_errors, 0);
     }
 }
+
+#[test]
+fn the_server_refuses_rings_whose_slots_cannot_hold_a_buffer_frame() {
+    // Issue 33, finding 6: with slots under 104 bytes the importer's batch size underflowed (a
+    // panic in debug builds, releases silently on the socket in release builds), and slots under
+    // 208 bytes hold no `Buffer` frame at all. Such rings are refused when the server starts, with
+    // the slot size and the minimum named.
+    for slot in [32, 64, 96, 104, 200] {
+        let dir = TempDir::new("server-small-slots");
+        let listener = Listener::bind_with(dir.join("pool.sock"), ListenerOptions::default()).unwrap();
+        let handler: Arc<dyn Handler> = Arc::new(Recorder::default());
+        let limits = limits_with_ring(Some(Geometry::new(4, slot).unwrap()));
+        let pool = memfd_with(&unique_name("server-small-slots"), b"the pool");
+        let err = match Server::start(listener, ANNOUNCEMENT, pool, limits, handler) {
+            Ok(_) => panic!("the server accepted rings of {slot}-byte slots"),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(err, Error::RingSlotTooSmall { slot_bytes, min: 208 } if slot_bytes == slot),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("{slot}-byte slots")) && text.contains("at least 208 bytes"),
+            "{text}"
+        );
+    }
+    // The smallest slot that holds a `Buffer` frame serves buffers through the ring.
+    let f = serve(limits_with_ring(Some(Geometry::new(4, 208).unwrap())));
+    let (session, id, granted) = connected_asking(&f, V3);
+    assert_eq!(granted, V3);
+    f.server
+        .send(id, &Message::Buffer(buffer(7)), Some(BufferId(7)))
+        .unwrap();
+    match session.recv_until(Some(Instant::now() + SOON)).unwrap() {
+        ExporterEvent::Buffer(b) => assert_eq!(b.buffer_id, BufferId(7)),
+        other => panic!("expected the buffer, got {other:?}"),
+    }
+    let region = session.ring_region().unwrap();
+    assert_eq!(
+        region
+            .word(region.geometry().head(Direction::ToImporter))
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the buffer came through the ring"
+    );
+    // A batch longer than a 208-byte slot holds (13 ids) is split across slots.
+    session.release_batch(None, (1..=20).map(BufferId).collect()).unwrap();
+    f.handler.wait_for("the releases", |r| {
+        r.released.iter().filter(|(i, _)| *i == id).count() == 20
+    });
+    assert_eq!(released_by(&f, id), (1..=20).collect());
+}
