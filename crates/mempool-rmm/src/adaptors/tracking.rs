@@ -101,7 +101,7 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
                 AllocationRecord {
                     ptr,
                     bytes,
-                    stream: stream.handle(),
+                    stream: stream.id(),
                     location,
                     thread,
                 },

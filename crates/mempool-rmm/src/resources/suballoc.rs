@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, StreamId, StreamRef};
+use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::{Error, OutOfMemoryReport, Result};
 use crate::observe::inspect::Inspection;
@@ -17,53 +17,18 @@ use mempool_suballoc::{
     FixedSizeOptions, MapRange, PoolOptions, Sharded, StreamOrder, Upstream,
 };
 
-/// A stream as the engines key it: its identity, the driver's id of the stream ([`StreamRef::key`]: the
-/// per-thread default streams of two threads are two keys, the legacy stream's two handles one), with the
-/// handle it was named by, for the driver calls made during the engine call that passed it in (on the
-/// calling thread, where the handle names that stream). Equality and hashing look at the id only.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct StreamKey {
-    id: StreamId,
-    raw: usize,
-}
-
-impl PartialEq for StreamKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
-    }
-}
-
-impl Eq for StreamKey {}
-
-impl std::hash::Hash for StreamKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.id.hash(state);
-    }
-}
+/// A stream as the engines key it: the raw handle's value.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct StreamKey(usize);
 
 impl StreamKey {
-    /// The key of `stream` as the calling thread names it, for a resource of `ctx` (bound to resolve a
-    /// special or raw handle; a driver call unless the view is an owned stream's, or a special stream this
-    /// thread already resolved).
-    pub(crate) fn of(stream: StreamRef<'_>, ctx: &Context) -> mempool_core::Result<StreamKey> {
-        Ok(StreamKey {
-            id: stream.key_in(ctx)?,
-            raw: stream.handle(),
-        })
+    pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
+        StreamKey(stream.id())
     }
 
-    /// A key made of parts, for host tests (no driver).
-    #[cfg(test)]
-    pub(crate) fn from_parts(id: u64, raw: usize) -> StreamKey {
-        StreamKey {
-            id: StreamId::from_value(id),
-            raw,
-        }
-    }
-
-    /// The handle the stream was named by (what snapshots and memory maps show).
-    pub(crate) fn handle(self) -> usize {
-        self.raw
+    /// The raw handle's value.
+    pub(crate) fn id(self) -> usize {
+        self.0
     }
 
     /// The stream behind the key, for a driver call made during the engine call that passed it in.
@@ -77,10 +42,9 @@ impl StreamKey {
         // that is out of memory), which the caller keeps alive for the call, or the legacy default stream, which
         // `release_unused` passes and which is always valid. The two paths that replay stored keys never
         // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
-        // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). So the handle is used on
-        // the thread that named the stream by it, where a per-thread handle names the keyed stream. The
-        // `'static` lifetime does not escape: each use is a single driver call.
-        unsafe { StreamRef::from_raw(self.raw as mempool_core::RawStream) }
+        // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
+        // does not escape: each use is a single driver call.
+        unsafe { StreamRef::from_raw(self.0 as mempool_core::RawStream) }
     }
 }
 
@@ -343,9 +307,8 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 ///   [`stats`](Self::stats) and memory map do not count them, dropping the resource does not free
 ///   them, and their frees are checked only by the upstream (a pool refuses an address it did not hand
 ///   out; the driver's pools check what the driver checks).
-/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's id
-///   ([`StreamRef::key`], resolved on the calling thread: each thread's per-thread default stream is a
-///   stream of its own); a stream reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
+/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's handle; a stream
+///   reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
 ///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
 ///   address.
 /// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
@@ -424,13 +387,6 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         })
     }
 
-    /// How many engines the resource keeps: one per hardware thread up to 16, or one (see the type's
-    /// documentation). A thread allocates from engine `n % shards`, `n` being the number the thread took
-    /// on its first allocation from any such resource (threads take numbers in turn).
-    pub fn shards(&self) -> usize {
-        self.engines.shard_count()
-    }
-
     /// The upstream resource.
     pub fn upstream(&self) -> &U {
         &self.adapter.upstream
@@ -498,9 +454,8 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
     /// resource is how to see errors that `Drop` cannot report.
     pub fn release_unused(&self) -> Result<()> {
         let _bound = self.adapter.ctx.bind()?;
-        let legacy = StreamKey::of(StreamRef::LEGACY, &self.adapter.ctx)?;
         self.engines
-            .release_unused(legacy)
+            .release_unused(StreamKey::of(StreamRef::LEGACY))
             .map(drop)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
     }
@@ -516,9 +471,8 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         if self.passes_through(bytes) {
             return self.allocate_direct(bytes, stream);
         }
-        let key = StreamKey::of(stream, &self.adapter.ctx)?;
         self.engines
-            .allocate(bytes as u64, key)
+            .allocate(bytes as u64, StreamKey::of(stream))
             .map(DeviceAddr)
             .map_err(|e| self.out_of_memory_report(e))
     }
@@ -536,9 +490,8 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         }
         // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
         // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
-        let key = StreamKey::of(stream, &self.adapter.ctx)?;
         self.engines
-            .deallocate(ptr.0, bytes as u64, key)
+            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
     }
 
@@ -571,7 +524,7 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
                             addr: r.addr,
                             size: r.size,
                             used: r.used,
-                            stream: r.stream.map(StreamKey::handle),
+                            stream: r.stream.map(StreamKey::id),
                         })
                         .collect(),
                 })
@@ -646,97 +599,3 @@ pub type BinningResource<U> = SuballocatingResource<BinningOptions, U>;
 /// contention between streams, large allocations straight from the global arena. See
 /// [`SuballocatingResource`].
 pub type ArenaResource<U> = SuballocatingResource<ArenaOptions, U>;
-
-#[cfg(test)]
-mod tests {
-    use std::cell::RefCell;
-    use std::collections::HashSet;
-
-    use super::*;
-    use mempool_suballoc::PoolEngine;
-
-    #[test]
-    fn keys_are_equal_by_the_streams_id_not_its_handle() {
-        // Two threads' per-thread default streams: one handle, two streams.
-        let (a, b) = (StreamKey::from_parts(10, 2), StreamKey::from_parts(11, 2));
-        assert_ne!(a, b);
-        // The legacy stream's two handles: one stream.
-        let (l0, l1) = (StreamKey::from_parts(3, 0), StreamKey::from_parts(3, 1));
-        assert_eq!(l0, l1);
-        let set: HashSet<StreamKey> = [a, b, l0, l1].into();
-        assert_eq!(set.len(), 3);
-        assert_eq!(
-            (a.handle(), l1.handle()),
-            (2, 1),
-            "the handle is kept for driver calls and displays"
-        );
-    }
-
-    /// Stream ordering that records what the engine asked of it.
-    #[derive(Default)]
-    struct Recorded {
-        ops: RefCell<Vec<(&'static str, StreamKey)>>,
-    }
-
-    impl StreamOrder for &Recorded {
-        type Stream = StreamKey;
-        type Event = ();
-        fn create_event(&self) -> Result<(), suballoc::Error> {
-            Ok(())
-        }
-        fn record(&self, _: &mut (), stream: StreamKey) -> Result<(), suballoc::Error> {
-            self.ops.borrow_mut().push(("record", stream));
-            Ok(())
-        }
-        fn wait(&self, stream: StreamKey, _: &()) -> Result<(), suballoc::Error> {
-            self.ops.borrow_mut().push(("wait", stream));
-            Ok(())
-        }
-        fn synchronize(&self, stream: StreamKey) -> Result<(), suballoc::Error> {
-            self.ops.borrow_mut().push(("synchronize", stream));
-            Ok(())
-        }
-    }
-
-    /// One 1 MiB chunk at a made-up address.
-    struct OneChunk;
-
-    impl Upstream<StreamKey> for OneChunk {
-        fn allocate(&self, bytes: u64, _: StreamKey) -> Result<u64, suballoc::Error> {
-            assert!(bytes <= 1 << 20);
-            Ok(1 << 40)
-        }
-        fn deallocate(&self, _: u64, _: u64, _: StreamKey) -> Result<(), suballoc::Error> {
-            Ok(())
-        }
-    }
-
-    /// Issue 33's finding 2, as the engine sees it: thread A's per-thread stream frees a block that thread
-    /// B's per-thread stream then asks for. With keys by handle (both 2) B took the block from "its own"
-    /// list with no ordering; keyed by id, the block is another stream's, handed over only after B is
-    /// ordered after A (a synchronize of A's list, the first time under `Adaptive`).
-    #[test]
-    fn a_block_freed_on_one_threads_per_thread_stream_reaches_anothers_only_after_ordering() {
-        let order = Recorded::default();
-        let options = PoolOptions {
-            initial_size: 1 << 20,
-            ..PoolOptions::default()
-        };
-        let mut engine = PoolEngine::new(OneChunk, &order, options).unwrap();
-        let (a, b) = (StreamKey::from_parts(10, 2), StreamKey::from_parts(11, 2));
-        let p = engine.allocate(4096, a).unwrap();
-        engine.deallocate(p, 4096, a).unwrap();
-        order.ops.borrow_mut().clear();
-        let q = engine.allocate(1 << 20, b).unwrap();
-        assert!(
-            q <= p && p < q + (1 << 20),
-            "the whole chunk, A's block among it: {q:#x}, {p:#x}"
-        );
-        let ops = order.ops.borrow().clone();
-        assert!(
-            ops.iter()
-                .any(|(op, s)| (*op == "synchronize" && *s == a) || (*op == "wait" && *s == b)),
-            "B got A's memory without being ordered after A: {ops:?}"
-        );
-    }
-}

@@ -736,7 +736,7 @@ impl ServiceResource {
         if st.regions[ri].asleep.is_some() {
             return Err(asleep_error(self.name, &st.regions[ri].name, "allocate from"));
         }
-        let key = StreamKey::of(stream, &self.ctx)?;
+        let key = StreamKey::of(stream);
         let addr = match st.regions[ri].engine.allocate(bytes as u64, key) {
             Ok(a) => a,
             Err(e) => {
@@ -829,7 +829,7 @@ impl ServiceResource {
                             addr: s,
                             size: t - s,
                             used: g.used,
-                            stream: g.stream.map(StreamKey::handle),
+                            stream: g.stream.map(StreamKey::id),
                         }
                     })
                     .collect();
@@ -894,7 +894,7 @@ impl ServiceResource {
         r.fences.freed_on(stream);
         // The engine refuses an address or size that is not a live allocation, before the table changes.
         r.engine
-            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream, &self.ctx)?)
+            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
             .map_err(|e| map_engine_error(self.name, e))?;
         r.used -= rounded;
         r.frees += 1;
@@ -1524,7 +1524,7 @@ mod tests {
     #[test]
     fn the_engine_sees_one_segment_and_never_more() {
         let up = WholeRange::new(1 << 40, 64 * MIB);
-        let key = StreamKey::from_parts(1, 0);
+        let key = StreamKey::of(StreamRef::LEGACY);
         assert_eq!(up.allocate(64 * MIB, key).unwrap(), 1 << 40);
         assert!(
             matches!(up.allocate(MIB, key), Err(suballoc::Error::OutOfMemory { requested, .. }) if requested == MIB)
