@@ -193,7 +193,7 @@ impl MemPool {
         let device = ctx.device();
         MemPool {
             handle: Arc::new(PoolHandle {
-                _ctx: ctx.clone(),
+                ctx: ctx.clone(),
                 raw: Handle::new(raw),
                 destroy: false,
             }),
@@ -545,8 +545,7 @@ impl MemPool {
 /// owned or imported pool.
 #[derive(Debug)]
 struct PoolHandle {
-    /// Keeps the (retained primary) context alive until the pool is destroyed; never waited on.
-    _ctx: Arc<Context>,
+    ctx: Arc<Context>,
     raw: Handle<sys::CUmemPoolHandle_st>,
     /// False for a default pool, which is never destroyed.
     destroy: bool,
@@ -556,7 +555,7 @@ impl PoolHandle {
     /// The handle of a pool this process created or imported, destroyed when the last share drops.
     fn destroyed_on_drop(ctx: &Arc<Context>, raw: sys::CUmemoryPool) -> Arc<PoolHandle> {
         Arc::new(PoolHandle {
-            _ctx: ctx.clone(),
+            ctx: ctx.clone(),
             raw: Handle::new(raw),
             destroy: true,
         })
@@ -568,12 +567,12 @@ impl Drop for PoolHandle {
         if !self.destroy {
             return;
         }
-        // No wait first: the driver destroys a pool with allocations outstanding or frees still queued
-        // once they complete ("the resources associated with the pool will be released automatically
-        // once there are no more outstanding allocations"), so nothing here needs the GPU to be idle. A
-        // context-wide wait here stalled every other thread's work at each pool's drop and was one of
-        // the calls in the conformance suite's stalls (docs/testing.md, "The driver-lock stall");
-        // scripts/repro/pool_stall.c's mode `x` destroys pools with their frees queued from 32 threads.
+        // Let queued frees complete first. The driver allows destroying a pool with frees pending, but
+        // on H100/H200 with driver 580 doing so while other threads kept streams busy crashed or hung the
+        // driver (seen through mempool-rmm's conformance suite); a pool's drop is rare enough to wait.
+        if let Err(e) = self.ctx.synchronize() {
+            crate::drop_errors::record(e);
+        }
         // SAFETY: owned or imported pools are destroyed exactly once, here, when the last value sharing
         // the handle drops. None of them is a device's current pool through mempool: every activation
         // (`crate::current`) holds a share until another pool has been made current in its place.

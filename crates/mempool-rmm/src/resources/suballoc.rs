@@ -52,11 +52,6 @@ impl StreamKey {
 #[derive(Debug, Clone)]
 pub(crate) struct CudaStreams {
     ctx: Arc<Context>,
-    /// Set by a resource's drop once it has synchronized the context: every stream the engines stored is
-    /// idle, so their `synchronize` calls during the release that follows wait for nothing (one
-    /// context-wide wait per drop instead of one per stored stream). Shared by the clones of one
-    /// resource's engines.
-    idle: Arc<AtomicBool>,
 }
 
 fn stream_err(op: &'static str, e: mempool_core::Error) -> suballoc::Error {
@@ -69,10 +64,7 @@ fn stream_err(op: &'static str, e: mempool_core::Error) -> suballoc::Error {
 impl CudaStreams {
     /// Stream ordering by events in `ctx`.
     pub(crate) fn new(ctx: &Arc<Context>) -> CudaStreams {
-        CudaStreams {
-            ctx: ctx.clone(),
-            idle: Arc::new(AtomicBool::new(false)),
-        }
+        CudaStreams { ctx: ctx.clone() }
     }
 }
 
@@ -92,12 +84,7 @@ impl StreamOrder for CudaStreams {
     /// Synchronizes the whole context rather than the stream: the engines call this with streams they
     /// stored earlier, which may have been destroyed since; the context outlives them all, and waiting for
     /// all its work orders at least as much.
-    /// Once the owning resource's drop has synchronized the context (`idle`), this waits for nothing:
-    /// nothing can be queued on the resource's memory after its drop began.
     fn synchronize(&self, _stream: StreamKey) -> Result<(), suballoc::Error> {
-        if self.idle.load(Ordering::Acquire) {
-            return Ok(());
-        }
         self.ctx.synchronize().map_err(|e| stream_err("synchronize", e))
     }
 }
@@ -342,8 +329,6 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 pub struct SuballocatingResource<C: SuballocOptions, U: MemoryResource> {
     engines: Sharded<ResourceEngine<C, U>>,
     adapter: Arc<ResourceUpstream<U>>,
-    /// The engines' [`CudaStreams`] flag: set by `drop` after its one context-wide wait.
-    streams_idle: Arc<AtomicBool>,
     /// Requests of more bytes go straight to the upstream ([`SuballocOptions::passes_through_above`];
     /// `u64::MAX`: none do).
     direct_above: u64,
@@ -372,9 +357,8 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
         });
-        let streams = CudaStreams::new(ctx);
         let engines = Sharded::new(shard_count(&options), || {
-            ResourceEngine::<C, U>::new(adapter.clone(), streams.clone(), options.clone())
+            ResourceEngine::<C, U>::new(adapter.clone(), CudaStreams { ctx: ctx.clone() }, options.clone())
         })
         .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))?;
         // After the engines accepted the options (binning's exponents are in range).
@@ -382,7 +366,6 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         Ok(SuballocatingResource {
             engines,
             adapter,
-            streams_idle: streams.idle,
             direct_above,
         })
     }
@@ -534,11 +517,11 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         }
     }
 
-    /// [`release_unused`](SuballocatingResource::release_unused), a synchronize of the legacy stream (so
-    /// that the chunks' frees, queued on it, have happened), then the upstream's trim.
+    /// [`release_unused`](SuballocatingResource::release_unused), a synchronize of the context (so that
+    /// the chunks' frees, queued on the legacy stream, have happened), then the upstream's trim.
     fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
         self.release_unused()?;
-        StreamRef::LEGACY.in_context(&self.adapter.ctx).synchronize()?;
+        self.adapter.ctx.synchronize()?;
         self.adapter.upstream.trim_unused(stream)
     }
 }
@@ -552,11 +535,6 @@ impl<C: SuballocOptions, U: MemoryResource> Drop for SuballocatingResource<C, U>
     /// still use them, and a chunk the upstream refuses is forgotten. Call
     /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
     fn drop(&mut self) {
-        // One wait for the whole context, then the engines' per-stream waits are no-ops (they store
-        // stream handles that may be destroyed by now, so they could only wait on the context each time).
-        if self.adapter.ctx.synchronize().is_ok() {
-            self.streams_idle.store(true, Ordering::Release);
-        }
         self.adapter.releasing.store(true, Ordering::Release);
         let _ = self.engines.release();
         // The engines' own drops then find nothing left (or retry, still on the legacy stream).

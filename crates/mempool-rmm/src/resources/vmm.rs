@@ -343,9 +343,8 @@ unsafe impl MemoryResource for VmmResource {
 
 impl Drop for VmmResource {
     fn drop(&mut self) {
-        // Only allocations never freed are left: each mapping's drop waits for the devices granted
-        // access before it unmaps (mempool-core's teardown order), so no wait is added here. A resource
-        // whose allocations were all freed (each after its stream's work, in `deallocate`) waits for nothing.
+        // Whatever is still allocated: the mappings wait for the devices before they unmap.
+        let _ = self.ctx.synchronize();
         self.lock().clear();
     }
 }
