@@ -20,8 +20,15 @@ case "${1:-}" in
     runs=${2:-50} secs=${3:-600} lim=${4:-240}
     nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
     lscpu | grep 'Model name'
-    MEMPOOL_TORTURE_SECS=$secs setsid nohup .gpu/tests/mempool-rmm--test--torture --nocapture \
-      > /tmp/torture.log 2>&1 < /dev/null &
+    MEMPOOL_TORTURE_SECS=$secs MEMPOOL_TORTURE_STALL_WAIT_SECS=90 setsid nohup \
+      .gpu/tests/mempool-rmm--test--torture --nocapture > /tmp/torture.log 2>&1 < /dev/null &
+    echo $! > /tmp/torture.pid
+    # A stall of the torture test: every thread's stack, taken while it waits to abort.
+    setsid nohup bash -c 'while ! grep -q "^STALL: worker .* made no step" /tmp/torture.log; do
+        kill -0 "$(cat /tmp/torture.pid)" 2>/dev/null || exit 0; sleep 2; done
+      pid=$(sed -nE "s/.*\(pid ([0-9]+);.*/\1/p" /tmp/torture.log | head -1)
+      timeout 80 $(command -v cuda-gdb || command -v gdb) -p "$pid" -batch -ex "thread apply all bt 30" > /tmp/torture-stacks.txt 2>&1' \
+      > /dev/null 2>&1 < /dev/null &
     echo "torture: started for $secs s at $(date -u +%T)"
     mkdir -p /tmp/suite-logs; CUDA_VISIBLE_DEVICES=1 OUT=/tmp/suite-logs bash scripts/gpu-suite.sh "$lim" > "$out/suite-gpu1.txt" 2>&1 &
     suite=$!
@@ -36,8 +43,9 @@ case "${1:-}" in
       PYTHONUNBUFFERED=1 bash .gpu/run-pytest "$@" > "$out/pytest.txt" 2>&1
       tail -3 "$out/pytest.txt"
     fi
-    while pgrep -f mempool-rmm--test--torture > /dev/null; do sleep 2; done
+    while kill -0 "$(cat /tmp/torture.pid)" 2>/dev/null; do sleep 2; done
     cp /tmp/torture.log "$out/torture.log"
+    [ -s /tmp/torture-stacks.txt ] && cp /tmp/torture-stacks.txt "$out/torture-stacks.txt"
     grep -E '^torture:|^test result|STALL|panicked' /tmp/torture.log
     ;;
   *) sed -n '2,14p' "$0"; exit 2 ;;

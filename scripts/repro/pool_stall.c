@@ -22,6 +22,10 @@
 //      memory) and expect CUDA_ERROR_OUT_OF_MEMORY, as the conformance suite's out-of-memory test does
 //   M  load the fill kernel's module (cuModuleLoadData, PTX JIT) and unload it (cuModuleUnload) every
 //      iteration, launching from it in between, as the GPU tests' check kernels are loaded per test
+//   G  giant sizes: 4 KiB to 1 GiB (times four each step), as the suite's size test asks of every
+//      resource, so synchronizes have gigabytes to trim
+//   t  created pools keep a release threshold of 0 (the driver's default: every synchronize trims
+//      them), not everything
 //   k  fill by a kernel (fill.ptx, cuLaunchKernel) rather than cuMemsetD32Async
 //   h  copy 4 bytes back to the host (cuMemcpyDtoHAsync) and check them
 //   s  cuStreamSynchronize on the worker's stream
@@ -173,7 +177,8 @@ static void *work(void *arg) {
     double end = now() + seconds;
     unsigned value = (unsigned)w->id * 1000003u;
     while (!atomic_load(&stop) && now() < end) {
-        size_t bytes = (size_t)4096 << (value % (has('H') ? 15 : 10));  // 4 KiB .. 2 MiB (64 MiB with H)
+        // 4 KiB .. 2 MiB (64 MiB with H; 1 GiB with G, a factor of four a step)
+        size_t bytes = has('G') ? (size_t)4096 << (2 * (value % 10)) : (size_t)4096 << (value % (has('H') ? 15 : 10));
         value++;
         CUmodule module = NULL;
         if (has('M')) {
@@ -190,7 +195,7 @@ static void *work(void *arg) {
             props.location.id = (int)dev;
             CUmemoryPool pool;
             CHECK(w, k == 'p' ? "cuMemPoolCreate(pinned)" : "cuMemPoolCreate(managed)", cuMemPoolCreate(&pool, &props));
-            cuuint64_t keep = ~(cuuint64_t)0;
+            cuuint64_t keep = has('t') ? 0 : ~(cuuint64_t)0;
             CHECK(w, "cuMemPoolSetAttribute(threshold)",
                   cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep));
             if (!use_pool(w, pool, stream, bytes, value)) return NULL;

@@ -4,7 +4,9 @@
 //!
 //! GPU only: `cargo test -p mempool-rmm --features gpu --release --test torture`. It runs for
 //! `MEMPOOL_TORTURE_SECS` seconds (default 20; the release check runs it for 600 on two GPUs, see
-//! docs/testing.md), with `MEMPOOL_TORTURE_THREADS` workers per device (default 6).
+//! docs/testing.md), with `MEMPOOL_TORTURE_THREADS` workers per device (default 6). A worker that makes
+//! no step for `MEMPOOL_TORTURE_STALL_SECS` (default 120) aborts the run after naming where every worker
+//! is, `MEMPOOL_TORTURE_STALL_WAIT_SECS` later (default 0: time for a debugger to take the stacks).
 //!
 //! What each worker does, until the time is up, on the devices in turn:
 //! - takes a fresh resource of a kind picked at random (so pools, arenas, mappings and reservations are
@@ -355,6 +357,7 @@ fn every_resource_on_every_device_from_many_threads_with_every_byte_checked() {
     let secs = env_or("MEMPOOL_TORTURE_SECS", 20);
     let per_device = env_or("MEMPOOL_TORTURE_THREADS", 6).max(2) as usize;
     let stall = Duration::from_secs(env_or("MEMPOOL_TORTURE_STALL_SECS", 120));
+    let stall_wait = Duration::from_secs(env_or("MEMPOOL_TORTURE_STALL_WAIT_SECS", 0));
     let devices: Vec<Device> = (0..Device::count().expect("the torture test needs a CUDA driver"))
         .map(|i| Device::get(i).unwrap())
         .collect();
@@ -426,7 +429,14 @@ fn every_resource_on_every_device_from_many_threads_with_every_byte_checked() {
                     for (j, q) in progress.iter().enumerate() {
                         eprintln!("STALL: worker {j}: {}", q.doing.lock().unwrap());
                     }
-                    eprintln!("STALL: worker {i} made no step for {} s", stall.as_secs());
+                    eprintln!(
+                        "STALL: worker {i} made no step for {} s (pid {}; aborting in {} s)",
+                        stall.as_secs(),
+                        std::process::id(),
+                        stall_wait.as_secs()
+                    );
+                    // Time for a debugger to take every thread's stack (scripts/issue33-gpu.sh does).
+                    std::thread::sleep(stall_wait);
                     std::process::abort();
                 }
             }
