@@ -48,6 +48,20 @@ impl StreamKey {
     }
 }
 
+/// The engines key a stream by its handle, and `CU_STREAM_PER_THREAD` (0x2) is one handle for every
+/// thread's own per-thread stream: a block freed on it could be handed, with no wait, to another thread's
+/// per-thread stream while the freeing thread's work still used it (issue 33, finding 2: CuPy with
+/// per-thread default streams over the service resource saw another thread's late kernel overwrite its
+/// data). Until streams are keyed by the driver's stream id, a free on that handle first waits for the
+/// calling thread's per-thread stream (the one the handle names on this thread), so the block it returns
+/// is idle and any stream may take it. Frees on every other handle are untouched.
+pub(crate) fn settle_per_thread_free(ctx: &Arc<Context>, stream: StreamRef<'_>) -> Result<()> {
+    if stream.id() == StreamRef::PER_THREAD.id() {
+        stream.in_context(ctx).synchronize()?;
+    }
+    Ok(())
+}
+
 /// Real stream ordering for the engines: CUDA events in one context.
 #[derive(Debug, Clone)]
 pub(crate) struct CudaStreams {
@@ -471,6 +485,7 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
             // `direct_above` was passed straight to the upstream with the same size (`allocate`).
             return unsafe { self.adapter.upstream.deallocate(ptr, bytes, stream) };
         }
+        settle_per_thread_free(&self.adapter.ctx, stream)?;
         // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
         // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
         self.engines

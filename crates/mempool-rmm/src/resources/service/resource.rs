@@ -19,7 +19,7 @@ use crate::resources::service::types::{
     ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceOptions, ServiceStats, SleepMode, SleepReport, Tag,
     TagStats, WakeReport,
 };
-use crate::resources::suballoc::{map_engine_error, CudaStreams, StreamKey};
+use crate::resources::suballoc::{map_engine_error, settle_per_thread_free, CudaStreams, StreamKey};
 
 const NAME: &str = "ServiceResource";
 
@@ -829,6 +829,8 @@ impl ServiceResource {
 
     /// Frees an allocation (of any tag) on `stream`.
     fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
+        // Before the state lock: a free on the per-thread handle waits for this thread's stream.
+        settle_per_thread_free(&self.ctx, stream)?;
         let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
         let mut st = self.state();
         let invalid = |reason: String| Error::InvalidDeallocation {
