@@ -6,7 +6,7 @@
 #
 #   scripts/repro-stall.sh RUNS THREADS SECONDS MODE...
 #
-# Prints one line per run and, per mode, 'MODE: N runs, K stalls, F failures'.
+# Prints one line per run and, per mode, 'MODE: N runs, K stalls, F failures'. STACKS=none skips the stacks.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 runs=$1 threads=$2 secs=$3; shift 3
@@ -18,6 +18,7 @@ gcc -O2 -pthread -I"$cuda/include" scripts/repro/pool_stall.c -o "$work/pool_sta
   || "$cuda/bin/nvcc" -ptx scripts/repro/fill.cu -o "$work/fill.ptx" || exit 1
 export FILL_PTX="$work/fill.ptx" STALL_WAIT_S=600
 dbg=$(command -v cuda-gdb || command -v gdb || true)
+[ "${STACKS:-all}" = none ] && dbg=  # STACKS=none: no stacks (taking them costs up to 120 s a stall)
 total_stalls=0
 for mode in "$@"; do
   stalls=0 fails=0

@@ -89,7 +89,7 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is owned by `self`.
         #[allow(unsafe_code)]
-        let r = unsafe { raw::event::synchronize(self.raw.get()) };
+        let r = unsafe { raw::event::synchronize(self.raw.get(), self.ctx.as_raw() as _) };
         Ok(r?)
     }
 

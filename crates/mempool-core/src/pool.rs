@@ -578,7 +578,7 @@ impl Drop for PoolHandle {
         // (`crate::current`) holds a share until another pool has been made current in its place.
         // Outstanding allocations are allowed: the driver releases the pool once they are freed.
         #[allow(unsafe_code)]
-        if let Err(e) = unsafe { raw::pool::destroy(self.raw.get()) } {
+        if let Err(e) = unsafe { raw::pool::destroy(self.raw.get(), self.ctx.as_raw() as _) } {
             crate::drop_errors::record(e.into());
         }
     }

@@ -66,6 +66,18 @@ pub(crate) fn mem_info() -> Result<(usize, usize)> {
 
 /// Waits for all work of the current context.
 pub(crate) fn synchronize() -> Result<()> {
+    let _gate = super::gate::synchronize(current_key());
     // SAFETY: no arguments; without a current context this is an error code.
     unsafe { call!(cuCtxSynchronize()) }
+}
+
+/// The current context's address, the key of its [`super::gate`]; 0 when none is current or the
+/// driver cannot tell.
+pub(crate) fn current_key() -> usize {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: one handle is written; with no current context it stays null.
+    match unsafe { call!(cuCtxGetCurrent(&mut ctx)) } {
+        Ok(()) => ctx as usize,
+        Err(_) => 0,
+    }
 }

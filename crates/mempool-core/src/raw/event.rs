@@ -25,9 +25,12 @@ pub(crate) unsafe fn record(e: sys::CUevent, s: sys::CUstream) -> Result<()> {
     unsafe { call!(cuEventRecord(e, s)) }
 }
 
+/// `ctx` is the event's context (the key of its [`super::gate`]).
+///
 /// # Safety
 /// 1. `e` is a live event.
-pub(crate) unsafe fn synchronize(e: sys::CUevent) -> Result<()> {
+pub(crate) unsafe fn synchronize(e: sys::CUevent, ctx: sys::CUcontext) -> Result<()> {
+    let _gate = super::gate::synchronize(ctx as usize);
     // SAFETY: point 1.
     unsafe { call!(cuEventSynchronize(e)) }
 }

@@ -17,6 +17,7 @@
 pub(crate) mod context;
 pub(crate) mod device;
 pub(crate) mod event;
+pub(crate) mod gate;
 pub(crate) mod memory;
 pub(crate) mod module;
 pub(crate) mod pool;

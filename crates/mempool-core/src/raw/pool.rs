@@ -17,7 +17,11 @@ pub(crate) fn create(props: &sys::CUmemPoolProps) -> Result<sys::CUmemoryPool> {
 /// # Safety
 /// 1. `pool` came from [`create`] or [`import_fd`] and is destroyed once; nothing uses it afterwards.
 ///    (Outstanding allocations are fine: the driver releases the pool once they are freed.)
-pub(crate) unsafe fn destroy(pool: sys::CUmemoryPool) -> Result<()> {
+///
+/// Runs with no synchronize of this crate in the driver for `ctx`, the pool's context (see
+/// [`super::gate`]).
+pub(crate) unsafe fn destroy(pool: sys::CUmemoryPool, ctx: sys::CUcontext) -> Result<()> {
+    let _gate = super::gate::teardown(ctx as usize);
     // SAFETY: point 1.
     unsafe { call!(cuMemPoolDestroy(pool)) }
 }

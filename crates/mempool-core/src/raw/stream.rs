@@ -26,7 +26,26 @@ pub(crate) unsafe fn destroy(s: sys::CUstream) -> Result<()> {
 /// 1. `s` is a live stream or one of the special handles (legacy default, per-thread default).
 pub(crate) unsafe fn synchronize(s: sys::CUstream) -> Result<()> {
     // SAFETY: point 1.
+    let _gate = super::gate::synchronize(unsafe { context_key(s) });
+    // SAFETY: point 1.
     unsafe { call!(cuStreamSynchronize(s)) }
+}
+
+/// The address of the context `s` belongs to (a special handle: the current context), the key of its
+/// [`super::gate`]; 0 when the driver cannot tell.
+///
+/// # Safety
+/// 1. `s` is a live stream or one of the special handles.
+unsafe fn context_key(s: sys::CUstream) -> usize {
+    if (s as usize) <= 2 {
+        return super::context::current_key();
+    }
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: point 1; one handle is written.
+    match unsafe { call!(cuStreamGetCtx(s, &mut ctx)) } {
+        Ok(()) => ctx as usize,
+        Err(_) => 0,
+    }
 }
 
 /// Whether all work on `s` has completed.

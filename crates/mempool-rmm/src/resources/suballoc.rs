@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
+use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, Stream, StreamFlags, StreamRef};
 
 use crate::error::{Error, OutOfMemoryReport, Result};
 use crate::observe::inspect::Inspection;
@@ -106,6 +106,13 @@ impl StreamOrder for CudaStreams {
 /// An upstream [`MemoryResource`] as the engines see it.
 #[derive(Debug)]
 pub(crate) struct ResourceUpstream<U> {
+    /// The private stream that the release in `Drop` frees the chunks on. Declared before `upstream`
+    /// so that it is destroyed first: a free into a driver pool leaves a record tied to its stream,
+    /// and a pool destroyed while such a record sat on the shared legacy stream raced with other
+    /// threads' synchronizes inside the driver (issue 33; docs/architecture.md, "Pool teardown and
+    /// synchronizes"). Freed on a stream of its own, synchronized and destroyed before the pool, a
+    /// chunk leaves no record behind.
+    release_stream: std::sync::OnceLock<Stream>,
     upstream: U,
     ctx: Arc<Context>,
     /// Set when the resource is dropped: upstream frees then go on the legacy stream, after the
@@ -136,14 +143,15 @@ impl<U: MemoryResource> Upstream<StreamKey> for ResourceUpstream<U> {
     fn deallocate(&self, addr: u64, bytes: u64, stream: StreamKey) -> Result<(), suballoc::Error> {
         let r = if self.releasing.load(Ordering::Acquire) {
             // The engine synchronized the context before it began returning chunks, so nothing uses them.
+            let on = self.release_stream.get().map_or(StreamRef::LEGACY, Stream::as_ref);
             self.ctx.bind().map_err(Error::from).and_then(|_g| {
                 // SAFETY: the engine returns each chunk it got from `allocate` once, with its size; it
                 // synchronized the context before it began returning chunks, so no work uses the chunk,
-                // and it hands out nothing of it afterwards.
+                // and it hands out nothing of it afterwards. `on` is the private release stream (alive
+                // until this value drops) or the legacy stream.
                 #[allow(unsafe_code)]
                 unsafe {
-                    self.upstream
-                        .deallocate(DeviceAddr(addr), bytes as usize, StreamRef::LEGACY)
+                    self.upstream.deallocate(DeviceAddr(addr), bytes as usize, on)
                 }
             })
         } else {
@@ -367,6 +375,7 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         let mut options = options;
         options.set_event_policy(safe_policy(options.event_policy()));
         let adapter = Arc::new(ResourceUpstream {
+            release_stream: std::sync::OnceLock::new(),
             upstream,
             ctx: ctx.clone(),
             releasing: AtomicBool::new(false),
@@ -443,18 +452,24 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
     }
 
     /// Returns to the upstream every chunk that holds no live allocation; live allocations stay
-    /// valid. The chunks are freed on the context's legacy default stream, which the engine first
-    /// orders after every free into them (an event wait, or a context synchronize).
+    /// valid. The chunks are freed on a private stream, which the engine first orders after every
+    /// free into them (an event wait, or a context synchronize), and which is synchronized and
+    /// destroyed before this returns (so a driver pool upstream keeps no record of the frees on a
+    /// shared stream: see `ResourceUpstream::release_stream`).
     ///
     /// Reports the upstream's error when it fails to take a chunk back (the chunk is forgotten all
     /// the same). Once nothing is live this returns every chunk, so calling it before dropping the
     /// resource is how to see errors that `Drop` cannot report.
     pub fn release_unused(&self) -> Result<()> {
         let _bound = self.adapter.ctx.bind()?;
-        self.engines
-            .release_unused(StreamKey::of(StreamRef::LEGACY))
+        let stream = Stream::with_flags(&self.adapter.ctx, StreamFlags::NON_BLOCKING)?;
+        let released = self
+            .engines
+            .release_unused(StreamKey::of(stream.as_ref()))
             .map(drop)
-            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
+            .map_err(|e| map_engine_error(C::RESOURCE_NAME, e));
+        stream.synchronize()?;
+        released
     }
 }
 
@@ -543,16 +558,28 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
 
 impl<C: SuballocOptions, U: MemoryResource> Drop for SuballocatingResource<C, U> {
     /// Returns every chunk to the upstream, live allocations included, as RMM's resources do when
-    /// destroyed: the engine synchronizes the context, then frees each chunk on the legacy default
-    /// stream (the streams it stored may be gone). Allocations passed straight to the upstream (above
+    /// destroyed: the engine synchronizes the context, then frees each chunk on a private stream (the
+    /// streams it stored may be gone), which is synchronized and destroyed before the upstream drops
+    /// (the legacy default stream if the private one cannot be made). Allocations passed straight to the upstream (above
     /// [`SuballocOptions::passes_through_above`]) are the upstream's and are not freed here. The error
     /// cannot be returned from `drop` and is ignored: after a synchronize error the chunks are leaked rather than returned while the GPU may
     /// still use them, and a chunk the upstream refuses is forgotten. Call
     /// [`release_unused`](Self::release_unused) first, once nothing is live, to see those errors.
     fn drop(&mut self) {
+        if let Ok(_bound) = self.adapter.ctx.bind() {
+            if let Ok(stream) = Stream::with_flags(&self.adapter.ctx, StreamFlags::NON_BLOCKING) {
+                let _ = self.adapter.release_stream.set(stream);
+            }
+        }
         self.adapter.releasing.store(true, Ordering::Release);
         let _ = self.engines.release();
-        // The engines' own drops then find nothing left (or retry, still on the legacy stream).
+        // The frees complete before the stream, then the upstream, are dropped with the adapter. After
+        // an error here the stream's destroy still lets queued work finish; the error cannot be
+        // reported from `drop`.
+        if let Some(stream) = self.adapter.release_stream.get() {
+            let _ = stream.synchronize();
+        }
+        // The engines' own drops then find nothing left (or retry, on the same private stream).
     }
 }
 
