@@ -23,6 +23,8 @@
 //! (the service's buffers and the copy's destination) and `--size` of pinned host memory. Without a
 //! GPU it says why and exits with status 2.
 
+#![deny(unsafe_code)]
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -129,6 +131,7 @@ fn creator(socket: &Path, count: usize, per: u64, grouped: bool) -> Fallible<()>
         for (&i, created) in group.iter().zip(&created) {
             // SAFETY: 1. `created` maps `per` bytes (a multiple of 4) at `ptr` read-write for the
             // device until it is released below, after a synchronize of the context.
+            #[allow(unsafe_code)]
             unsafe { memory::fill_u32_async(&ctx, created.ptr(), i as u32 + 1, created.len() / 4, stream.as_ref()) }?;
         }
         // Published once all are written: a member is attachable once its whole group is.
@@ -179,6 +182,7 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> 
     for i in [0, count - 1] {
         let mut word = [0u8; 4];
         // SAFETY: 1. buffer `i` maps at least 4 readable bytes until `attached` is dropped below.
+        #[allow(unsafe_code)]
         unsafe { memory::copy_to_host(&ctx, &mut word, attached[i].ptr(), stream.as_ref()) }?;
         let got = u32::from_le_bytes(word);
         if got != i as u32 + 1 {
@@ -190,18 +194,25 @@ fn attacher(socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> 
 
     let host = memory::pinned_host_alloc(&ctx, total)?;
     // SAFETY: `host` is a fresh pinned allocation of `total` bytes that nothing else uses.
-    unsafe { std::ptr::write_bytes(host, 0x5a, total) };
+    #[allow(unsafe_code)]
+    unsafe {
+        std::ptr::write_bytes(host, 0x5a, total)
+    };
     // SAFETY: `host..host+total` is that allocation, initialized just above, and lives until freed
     // below; nothing writes it meanwhile.
+    #[allow(unsafe_code)]
     let src = unsafe { std::slice::from_raw_parts(host, total) };
     let dst = memory::device_alloc(&ctx, total)?;
     let start = Instant::now();
     // SAFETY: 1. `dst` is `total` bytes of device memory of `ctx`, written only by this copy.
+    #[allow(unsafe_code)]
     unsafe { memory::copy_to_device(&ctx, dst, src, stream.as_ref()) }?;
     let copy = start.elapsed();
     // SAFETY: 1. `dst` came from `device_alloc` in `ctx` and the copy (synchronized) is its last use.
+    #[allow(unsafe_code)]
     unsafe { memory::device_free(&ctx, dst) }?;
     // SAFETY: `host` came from `pinned_host_alloc` in `ctx`; `src` (its last use) is not used again.
+    #[allow(unsafe_code)]
     unsafe { memory::pinned_host_free(&ctx, host) }?;
     println!("RESULT {} {}", attach.as_secs_f64(), copy.as_secs_f64());
     Ok(())

@@ -308,14 +308,9 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
         state.idle_events.push(event);
         return Err(Error::UnknownImporter { importer: *importer });
     }
-    for (i, importer) in to.iter().enumerate() {
-        if let Err(e) = state.leases.grant(buffer.id, *importer) {
-            for granted in &to[..i] {
-                let _ = state.leases.revoke(buffer.id, *granted);
-            }
-            state.idle_events.push(event);
-            return Err(e.into());
-        }
+    if let Err(e) = state.grant_all(buffer.id, to) {
+        state.idle_events.push(event);
+        return Err(e);
     }
     let descriptor = match describe(inner, &mut state, buffer, handle) {
         Ok(descriptor) => descriptor,

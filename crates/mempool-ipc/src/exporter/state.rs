@@ -170,6 +170,22 @@ pub(super) struct State {
     pub(super) release_waiters: ReleaseWaiters,
 }
 
+impl State {
+    /// Grants `id` to every importer of `to`, or to none: when a grant fails, the grants made before
+    /// it are revoked and its error returned.
+    pub(super) fn grant_all(&mut self, id: BufferId, to: &[ImporterId]) -> Result<()> {
+        for (i, importer) in to.iter().enumerate() {
+            if let Err(e) = self.leases.grant(id, *importer) {
+                for granted in &to[..i] {
+                    let _ = self.leases.revoke(id, *granted);
+                }
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
 /// [`ExportedBuffer`](crate::ExportedBuffer) and the serving thread (through the
 /// [`Handler`](crate::server::Handler) it reports to) hold it.

@@ -5,6 +5,7 @@
 //! importers and abandoned at shutdown by the same rules.
 
 use std::fmt;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use super::buffers::{self, ExportedBuffer};
 use super::state::{FreeFn, Freer, Inner, State};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
+use crate::server::Server;
 use crate::wire::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
 
 /// A VMM physical allocation the exporter can share with importers that accepted VMM sharing,
@@ -128,7 +130,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         return Ok(());
     }
     let server = inner.server()?;
-    check_vmm_granted(&inner.lock(), to)?;
+    check_granted(&inner.lock(), to, CAP_VMM)?;
     let id = vmm.id();
     let fd = vmm.physical.export_fd()?;
     let event = inner.take_event()?;
@@ -136,18 +138,9 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
     let handle = event.handle;
     let mut state = inner.lock();
     // Checked again: an importer may have gone meanwhile.
-    if let Err(e) = check_vmm_granted(&state, to) {
+    if let Err(e) = check_granted(&state, to, CAP_VMM).and_then(|()| state.grant_all(id, to)) {
         state.idle_events.push(event);
         return Err(e);
-    }
-    for (i, importer) in to.iter().enumerate() {
-        if let Err(e) = state.leases.grant(id, *importer) {
-            for granted in &to[..i] {
-                let _ = state.leases.revoke(id, *granted);
-            }
-            state.idle_events.push(event);
-            return Err(e.into());
-        }
     }
     if let Some(shared) = state.leases.get_mut(id) {
         shared.events.push(event);
@@ -160,15 +153,49 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         granularity: vmm.granularity as u64,
         ready_event: Some(handle),
     });
+    // The owner still holds the buffer, so revoking frees nothing.
+    let first_error = send_to_each(inner, server, &message, id, &[fd], to);
+    inner.notify_all_waiters();
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Whether every importer of `to` is connected and was granted `capability` in its handshake
+/// (`Hello2`/`Welcome2`; a version-1 importer never is): [`CAP_VMM`] (bit 1) for a VMM allocation,
+/// [`CAP_VMM_CHUNKS`](crate::wire::CAP_VMM_CHUNKS) (bit 2) for a range over several.
+pub(super) fn check_granted(state: &State, to: &[ImporterId], capability: u64) -> Result<()> {
+    for importer in to {
+        match state.importers.get(importer) {
+            None => return Err(Error::UnknownImporter { importer: *importer }),
+            Some(peer) if peer.capabilities & capability == 0 => {
+                return Err(Error::VmmNotAccepted { importer: *importer })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Sends `message`, about the shared buffer or range `id`, to every importer of `to`, each frame
+/// with copies of its own of `fds` (closed once sent). An importer that could not take it loses its
+/// lease; the caller's own reference must still hold `id`, so that revoking frees nothing. Returns
+/// the first failure, as [`Error::Share`].
+pub(super) fn send_to_each(
+    inner: &Inner,
+    server: &Server,
+    message: &Message,
+    id: BufferId,
+    fds: &[OwnedFd],
+    to: &[ImporterId],
+) -> Option<Error> {
     let mut first_error = None;
     for importer in to {
-        // Each frame carries a descriptor of its own, closed once sent.
-        let sent = fd
-            .try_clone()
+        let sent = fds
+            .iter()
+            .map(|fd| fd.try_clone())
+            .collect::<std::io::Result<Vec<_>>>()
             .map_err(Error::from)
-            .and_then(|fd| server.send_with_fds(*importer, &message, Some(id), vec![fd]));
+            .and_then(|fds| server.send_with_fds(*importer, message, Some(id), fds));
         if let Err(e) = sent {
-            // The owner still holds the buffer, so revoking frees nothing.
             let _ = inner.lock().leases.revoke(id, *importer);
             first_error.get_or_insert(Error::Share {
                 buffer: id,
@@ -177,21 +204,5 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
             });
         }
     }
-    inner.notify_all_waiters();
-    first_error.map_or(Ok(()), Err)
-}
-
-/// Whether every importer of `to` is connected and was granted [`CAP_VMM`] in its handshake
-/// (bit 1 of `Hello2`/`Welcome2`; a version-1 importer never is).
-fn check_vmm_granted(state: &State, to: &[ImporterId]) -> Result<()> {
-    for importer in to {
-        match state.importers.get(importer) {
-            None => return Err(Error::UnknownImporter { importer: *importer }),
-            Some(peer) if peer.capabilities & CAP_VMM == 0 => {
-                return Err(Error::VmmNotAccepted { importer: *importer })
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
+    first_error
 }

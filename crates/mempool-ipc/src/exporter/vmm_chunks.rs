@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use mempool_core::{AllocationProps, DeviceAddr, Granularity, HandleTypes, PhysicalAllocation, StreamRef};
 
-use super::state::{FreeFn, Freer, Inner, Shared, State};
+use super::state::{FreeFn, Freer, Inner, Shared};
+use super::vmm::{check_granted, send_to_each};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
 use crate::wire::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
@@ -29,7 +30,7 @@ pub(super) fn share_vmm_chunks(
     }
     let descriptor = describe(inner, chunks, offset, len)?;
     let server = inner.server()?;
-    check_granted(&inner.lock(), to)?;
+    check_granted(&inner.lock(), to, CAP_VMM_CHUNKS)?;
     let fds = chunks
         .iter()
         .map(|c| c.export_fd())
@@ -38,7 +39,7 @@ pub(super) fn share_vmm_chunks(
     event.event.record(stream)?;
     let mut state = inner.lock();
     // Checked again: an importer may have gone meanwhile.
-    if let Err(e) = check_granted(&state, to) {
+    if let Err(e) = check_granted(&state, to, CAP_VMM_CHUNKS) {
         state.idle_events.push(event);
         return Err(e);
     }
@@ -70,16 +71,11 @@ pub(super) fn share_vmm_chunks(
     if let Err(e) = state.leases.insert(id, shared) {
         return Err(e.into());
     }
-    for (i, importer) in to.iter().enumerate() {
-        if let Err(e) = state.leases.grant(id, *importer) {
-            for granted in &to[..i] {
-                let _ = state.leases.revoke(id, *granted);
-            }
-            drop(state);
-            // Nobody holds it: this frees it (drops the hold) on `stream`.
-            let _ = inner.release_owner(id, stream);
-            return Err(e.into());
-        }
+    if let Err(e) = state.grant_all(id, to) {
+        drop(state);
+        // Nobody holds it: this frees it (drops the hold) on `stream`.
+        let _ = inner.release_owner(id, stream);
+        return Err(e);
     }
     drop(state);
 
@@ -88,25 +84,8 @@ pub(super) fn share_vmm_chunks(
         buffer_id: id,
         ..descriptor
     });
-    let mut first_error = None;
-    for importer in to {
-        // Each frame carries descriptors of its own, closed once sent.
-        let sent = fds
-            .iter()
-            .map(|fd| fd.try_clone())
-            .collect::<std::io::Result<Vec<_>>>()
-            .map_err(Error::from)
-            .and_then(|fds| server.send_with_fds(*importer, &message, Some(id), fds));
-        if let Err(e) = sent {
-            // The owner's reference still holds the range, so revoking frees nothing.
-            let _ = inner.lock().leases.revoke(id, *importer);
-            first_error.get_or_insert(Error::Share {
-                buffer: id,
-                importer: *importer,
-                source: Box::new(e),
-            });
-        }
-    }
+    // The owner's reference still holds the range, so revoking frees nothing.
+    let first_error = send_to_each(inner, server, &message, id, &fds, to);
     // From now on the importers hold it alone: the last to let go frees it.
     let released = inner.release_owner(id, stream);
     inner.notify_all_waiters();
@@ -219,19 +198,4 @@ fn gcd(a: usize, b: usize) -> usize {
     } else {
         gcd(b, a % b)
     }
-}
-
-/// Whether every importer of `to` is connected and was granted [`CAP_VMM_CHUNKS`] in its handshake
-/// (bit 2 of `Hello2`/`Welcome2`).
-fn check_granted(state: &State, to: &[ImporterId]) -> Result<()> {
-    for importer in to {
-        match state.importers.get(importer) {
-            None => return Err(Error::UnknownImporter { importer: *importer }),
-            Some(peer) if peer.capabilities & CAP_VMM_CHUNKS == 0 => {
-                return Err(Error::VmmNotAccepted { importer: *importer })
-            }
-            Some(_) => {}
-        }
-    }
-    Ok(())
 }

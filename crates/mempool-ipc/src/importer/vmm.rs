@@ -42,10 +42,7 @@ pub(super) trait VmmHost: Send + Sync {
 /// the reservation, and only then sends `Release`. After the exporter is gone, dropping it still
 /// unmaps and releases; the release then has nowhere to go and is skipped.
 pub struct SharedVmm {
-    host: Arc<dyn VmmHost>,
-    id: BufferId,
-    /// `None` once released.
-    mapping: Option<Mapping>,
+    held: Held<Mapping>,
     addr: DeviceAddr,
     len: usize,
 }
@@ -53,7 +50,7 @@ pub struct SharedVmm {
 impl fmt::Debug for SharedVmm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SharedVmm")
-            .field("id", &self.id)
+            .field("id", &self.held.id)
             .field("addr", &self.addr)
             .field("len", &self.len)
             .finish()
@@ -63,7 +60,7 @@ impl fmt::Debug for SharedVmm {
 impl SharedVmm {
     /// The exporter's id of the buffer.
     pub fn id(&self) -> BufferId {
-        self.id
+        self.held.id
     }
 
     /// The first mapped address in this process.
@@ -83,10 +80,7 @@ impl SharedVmm {
 
     /// The mapping in this process (its physical allocation, reservation and access).
     pub fn mapping(&self) -> &Mapping {
-        // Only `release_once` takes it, which consumes or drops `self`.
-        self.mapping
-            .as_ref()
-            .expect("a SharedVmm holds its mapping until released")
+        self.held.mapped()
     }
 
     /// A view of the bytes for host copies and fills ordered on `stream` (a stream of the
@@ -96,18 +90,56 @@ impl SharedVmm {
     }
 
     /// Releases the buffer (what dropping does), reporting errors instead of recording them.
-    pub fn release(mut self) -> Result<()> {
+    pub fn release(self) -> Result<()> {
+        self.held.release()
+    }
+}
+
+/// What a received VMM buffer or range holds from its receipt to its release: its id, held by the
+/// importer (`host`), and this process's mappings of the exporter's memory (`M`: one [`Mapping`] or
+/// several). Releasing it (or dropping it) waits for the device (unmapping is not stream-ordered),
+/// drops the mappings (unmapping, releasing this process's handles and what else `M` owns), forgets
+/// the id, and only then sends `Release`; after the exporter is gone, the release has nowhere to go
+/// and is skipped.
+pub(super) struct Held<M> {
+    host: Arc<dyn VmmHost>,
+    id: BufferId,
+    /// `None` once released.
+    mapped: Option<M>,
+}
+
+impl<M> Held<M> {
+    /// The exporter's id of the buffer or range.
+    pub(super) fn id(&self) -> BufferId {
+        self.id
+    }
+
+    /// The importer that holds it.
+    pub(super) fn host(&self) -> &dyn VmmHost {
+        &*self.host
+    }
+
+    /// The mappings.
+    pub(super) fn mapped(&self) -> &M {
+        // Only `release_once` takes them, which consumes or drops `self`.
+        self.mapped
+            .as_ref()
+            .expect("a received VMM buffer holds its mappings until released")
+    }
+
+    /// Releases it (what dropping does), reporting errors instead of recording them.
+    pub(super) fn release(mut self) -> Result<()> {
         self.release_once()
     }
 
     fn release_once(&mut self) -> Result<()> {
-        let Some(mapping) = self.mapping.take() else {
+        let Some(mapped) = self.mapped.take() else {
             return Ok(());
         };
         // Unmapping waits for the device too, but reports failures only as drop errors: wait
         // here first so that `release` returns them.
         let synced = self.host.synchronize();
-        drop(mapping); // unmaps, releases this process's handle and the reservation
+        drop(mapped); // unmaps, releases this process's handles (and a reservation it owns)
         self.host.forget(self.id);
         synced?;
         match self.host.send_release(self.id) {
@@ -119,7 +151,7 @@ impl SharedVmm {
     }
 }
 
-impl Drop for SharedVmm {
+impl<M> Drop for Held<M> {
     fn drop(&mut self) {
         if let Err(e) = self.release_once() {
             record_drop_error(e);
@@ -127,10 +159,57 @@ impl Drop for SharedVmm {
     }
 }
 
+/// Holds `id` for the importer `host` while `map` imports and maps what a `kind` message (named in
+/// errors) sent: a [`Held`] when it succeeds. An id already held ends the connection (releasing it
+/// would release the other); on any other failure the id is not held and `Release` is sent at once,
+/// so the exporter does not wait for it.
+pub(super) fn hold<M>(
+    host: Arc<dyn VmmHost>,
+    kind: &str,
+    id: BufferId,
+    map: impl FnOnce(&dyn VmmHost) -> Result<M>,
+) -> Result<Held<M>> {
+    if !host.hold(id) {
+        let err = ProtocolError::Violation {
+            reason: format!("{kind} {id}: this importer already holds a buffer with that id"),
+        };
+        return Err(host.reject(err.into()));
+    }
+    match map(&*host) {
+        Ok(mapped) => Ok(Held {
+            host,
+            id,
+            mapped: Some(mapped),
+        }),
+        Err(e) => {
+            host.forget(id);
+            // Not held: tell the exporter so it does not wait for this buffer.
+            let _ = host.send_release(id);
+            Err(e)
+        }
+    }
+}
+
+/// The importer's device, after checking that `claimed` (what the exporter's `what` says) is its
+/// minimum VMM granularity for allocations shared as POSIX file descriptors.
+pub(super) fn check_granularity(host: &dyn VmmHost, claimed: u64, what: fmt::Arguments<'_>) -> Result<Device> {
+    let device = host.device();
+    let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+    let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
+    if claimed != granularity as u64 {
+        return Err(ProtocolError::Violation {
+            reason: format!(
+                "{what}: granularity {claimed} is not the minimum granularity of this GPU, {granularity} bytes"
+            ),
+        }
+        .into());
+    }
+    Ok(device)
+}
+
 /// Imports the allocation `d` names from `fd`, maps it into a reservation of this process,
 /// grants the importer's device read-write access and makes `stream` wait on the exporter's
-/// event. On failure the buffer is not held: `Release` is sent at once (except for a buffer id
-/// already held, which ends the connection instead: releasing it would release the other).
+/// event. On failure the buffer is not held ([`hold`]).
 pub(super) fn receive(
     host: Arc<dyn VmmHost>,
     d: VmmBufferDescriptor,
@@ -138,25 +217,8 @@ pub(super) fn receive(
     stream: StreamRef<'_>,
 ) -> Result<SharedVmm> {
     let id = d.buffer_id;
-    if !host.hold(id) {
-        let err = ProtocolError::Violation {
-            reason: format!("VmmBuffer {id}: this importer already holds a buffer with that id"),
-        };
-        return Err(host.reject(err.into()));
-    }
-    let mapped = (|| -> Result<Mapping> {
-        let device = host.device();
-        let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
-        let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
-        if d.granularity != granularity as u64 {
-            return Err(ProtocolError::Violation {
-                reason: format!(
-                    "VmmBuffer {id}: granularity {} is not the minimum granularity of this GPU, {granularity} bytes",
-                    d.granularity
-                ),
-            }
-            .into());
-        }
+    let held = hold(host, "VmmBuffer", id, |host| {
+        let device = check_granularity(host, d.granularity, format_args!("VmmBuffer {id}"))?;
         // The decoder checked that the size is a non-zero multiple of the granularity and fits a usize.
         let size = d.size as usize;
         let physical = PhysicalAllocation::import_fd(fd.as_fd(), size)?;
@@ -168,20 +230,10 @@ pub(super) fn receive(
             host.wait_event(&handle, stream)?;
         }
         Ok(mapping)
-    })();
-    match mapped {
-        Ok(mapping) => Ok(SharedVmm {
-            host,
-            id,
-            addr: mapping.addr(),
-            len: mapping.len(),
-            mapping: Some(mapping),
-        }),
-        Err(e) => {
-            host.forget(id);
-            // Not held: tell the exporter so it does not wait for this buffer.
-            let _ = host.send_release(id);
-            Err(e)
-        }
-    }
+    })?;
+    Ok(SharedVmm {
+        addr: held.mapped().addr(),
+        len: held.mapped().len(),
+        held,
+    })
 }

@@ -7,13 +7,10 @@ use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use mempool_core::{
-    Access, AllocationProps, BufferView, DeviceAddr, Granularity, HandleTypes, Mapping, PhysicalAllocation,
-    Reservation, StreamRef,
-};
+use mempool_core::{Access, BufferView, DeviceAddr, Mapping, PhysicalAllocation, Reservation, StreamRef};
 
-use super::vmm::VmmHost;
-use crate::error::{record_drop_error, Error, Result};
+use super::vmm::{check_granularity, hold, Held, VmmHost};
+use crate::error::{Error, Result};
 use crate::wire::{BufferId, ProtocolError, VmmChunksDescriptor};
 
 /// A range of the exporter's memory that lies across several VMM physical allocations, each of its
@@ -31,11 +28,8 @@ use crate::wire::{BufferId, ProtocolError, VmmChunksDescriptor};
 /// then, for example, put the memory to sleep). After the exporter is gone, dropping it still
 /// unmaps and releases; the release then has nowhere to go and is skipped.
 pub struct SharedVmmRange {
-    host: Arc<dyn VmmHost>,
-    id: BufferId,
-    /// Empty once released.
-    mappings: Vec<Mapping>,
-    reservation: Arc<Reservation>,
+    /// The reservation and the chunks' mappings in it, in order.
+    held: Held<(Arc<Reservation>, Vec<Mapping>)>,
     /// Each chunk's size in bytes, in mapping order.
     chunk_sizes: Vec<usize>,
     offset: usize,
@@ -45,7 +39,7 @@ pub struct SharedVmmRange {
 impl fmt::Debug for SharedVmmRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SharedVmmRange")
-            .field("id", &self.id)
+            .field("id", &self.held.id())
             .field("ptr", &self.ptr())
             .field("len", &self.len)
             .field("chunk_sizes", &self.chunk_sizes)
@@ -56,12 +50,12 @@ impl fmt::Debug for SharedVmmRange {
 impl SharedVmmRange {
     /// The exporter's id of the range.
     pub fn id(&self) -> BufferId {
-        self.id
+        self.held.id()
     }
 
     /// The range's first address in this process.
     pub fn ptr(&self) -> DeviceAddr {
-        self.reservation.base().offset(self.offset)
+        self.reservation().base().offset(self.offset)
     }
 
     /// The range's length in bytes, as the exporter shared it.
@@ -94,13 +88,13 @@ impl SharedVmmRange {
     /// The reservation the chunks are mapped into, from its base, back to back: the first chunk
     /// starts there, and the reservation is exactly as long as the chunks' sizes together.
     pub fn reservation(&self) -> &Arc<Reservation> {
-        &self.reservation
+        &self.held.mapped().0
     }
 
     /// A view of the range's bytes for host copies and fills ordered on `stream` (a stream of the
     /// importer's device); it borrows `self`, so it cannot outlive the mappings.
     pub fn view<'a>(&'a self, stream: StreamRef<'a>) -> Result<BufferView<'a>> {
-        let ctx = self.host.device().context()?;
+        let ctx = self.held.host().device().context()?;
         // SAFETY: 1. `ptr..ptr+len` lies in the chunks mapped back to back from the reservation's base
         // (`receive` mapped every chunk, of the sizes the message gave, and the decoder checked
         // `offset + len` <= the sum of those sizes),
@@ -115,35 +109,8 @@ impl SharedVmmRange {
     }
 
     /// Releases the range (what dropping does), reporting errors instead of recording them.
-    pub fn release(mut self) -> Result<()> {
-        self.release_once()
-    }
-
-    fn release_once(&mut self) -> Result<()> {
-        if self.mappings.is_empty() {
-            return Ok(());
-        }
-        // Unmapping waits for the device too, but reports failures only as drop errors: wait
-        // here first so that `release` returns them.
-        let synced = self.host.synchronize();
-        // Each drop unmaps its chunk and releases this process's handle of it.
-        self.mappings.clear();
-        self.host.forget(self.id);
-        synced?;
-        match self.host.send_release(self.id) {
-            Ok(()) => Ok(()),
-            // The exporter is gone (or said Goodbye and closed): nobody to tell.
-            Err(Error::Closed | Error::ConnectionFailed | Error::WriteClosed) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-impl Drop for SharedVmmRange {
-    fn drop(&mut self) {
-        if let Err(e) = self.release_once() {
-            record_drop_error(e);
-        }
+    pub fn release(self) -> Result<()> {
+        self.held.release()
     }
 }
 
@@ -151,8 +118,7 @@ impl Drop for SharedVmmRange {
 /// back into one reservation of this process (chunk `i` at the sum of the sizes before it), grants
 /// the importer's device read-write access to all of it at once and makes `stream` wait on the
 /// exporter's event. On any failure what was mapped is unmapped, every handle and descriptor
-/// released, and the range is not held: `Release` is sent at once (except for a buffer id already
-/// held, which ends the connection instead: releasing it would release the other).
+/// released, and the range is not held ([`hold`](super::vmm::hold)).
 pub(super) fn receive(
     host: Arc<dyn VmmHost>,
     d: VmmChunksDescriptor,
@@ -160,13 +126,7 @@ pub(super) fn receive(
     stream: StreamRef<'_>,
 ) -> Result<SharedVmmRange> {
     let id = d.buffer_id;
-    if !host.hold(id) {
-        let err = ProtocolError::Violation {
-            reason: format!("VmmChunks {id}: this importer already holds a buffer with that id"),
-        };
-        return Err(host.reject(err.into()));
-    }
-    let mapped = (|| -> Result<(Arc<Reservation>, Vec<Mapping>)> {
+    let held = hold(host, "VmmChunks", id, |host| {
         let violation = |reason: String| -> Error { ProtocolError::Violation { reason }.into() };
         // The connection counted the descriptors against the body; a mismatch here is a bug, not
         // the peer's word, but nothing is mapped on it either way.
@@ -176,15 +136,7 @@ pub(super) fn receive(
                 got: fds.len(),
             });
         }
-        let device = host.device();
-        let props = AllocationProps::new(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
-        let granularity = device.vmm_granularity(&props, Granularity::Minimum)?;
-        if d.granularity != granularity as u64 {
-            return Err(violation(format!(
-                "VmmChunks {id}: granularity {} is not the minimum granularity of this GPU, {granularity} bytes",
-                d.granularity
-            )));
-        }
+        let device = check_granularity(host, d.granularity, format_args!("VmmChunks {id}"))?;
         // The decoder checked: the unit a non-zero multiple of the granularity (so is every size), no
         // size 0, their sum fits a usize, offset + len inside the chunks, the last chunk reached.
         let reservation = Reservation::new(device, d.mapped_len() as usize, 0, None)?;
@@ -210,22 +162,11 @@ pub(super) fn receive(
             host.wait_event(&handle, stream)?;
         }
         Ok((reservation, mappings))
-    })();
-    match mapped {
-        Ok((reservation, mappings)) => Ok(SharedVmmRange {
-            host,
-            id,
-            mappings,
-            reservation,
-            chunk_sizes: (0..d.count()).map(|i| d.chunk_bytes(i) as usize).collect(),
-            offset: d.offset as usize,
-            len: d.len as usize,
-        }),
-        Err(e) => {
-            host.forget(id);
-            // Not held: tell the exporter so it does not wait for this range.
-            let _ = host.send_release(id);
-            Err(e)
-        }
-    }
+    })?;
+    Ok(SharedVmmRange {
+        held,
+        chunk_sizes: (0..d.count()).map(|i| d.chunk_bytes(i) as usize).collect(),
+        offset: d.offset as usize,
+        len: d.len as usize,
+    })
 }

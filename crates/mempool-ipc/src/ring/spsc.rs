@@ -24,51 +24,38 @@ use super::layout::Direction;
 use super::region::Region;
 use super::sync::{fence, Ordering};
 
-/// The producing end of one ring: writes entries and publishes them.
+/// What both ends of a ring keep: the region, the ring, the index this end publishes with the
+/// doorbell's two flags around it, and whether the ring was found corrupt. The producer and the
+/// consumer differ only in which words these are and in how they check the peer's index.
 #[derive(Debug)]
-pub struct Producer {
+struct End {
     region: Arc<Region>,
     dir: Direction,
-    /// The next entry's index (published as the head by [`Producer::publish`]).
-    head: u64,
-    /// The head last published.
+    /// The word this end publishes its index in (the producer's head, the consumer's tail).
+    index_word: usize,
+    /// The index last published.
     published: u64,
-    /// The consumer's tail, as last read and checked.
-    seen_tail: u64,
-    /// Since when a push found the ring full, none succeeding since.
-    full_since: Option<Instant>,
+    /// This end's waiting flag: set before it sleeps, cleared by the peer's publish that sees it.
+    own_flag: usize,
+    /// The peer's waiting flag, looked at after every publish.
+    peer_flag: usize,
     broken: Option<String>,
 }
 
-/// The consuming end of one ring: reads entries and publishes that their slots are free.
-#[derive(Debug)]
-pub struct Consumer {
-    region: Arc<Region>,
-    dir: Direction,
-    /// The next entry's index (published as the tail by [`Consumer::publish`]).
-    tail: u64,
-    /// The tail last published.
-    published: u64,
-    /// The producer's head, as last read and checked.
-    seen_head: u64,
-    broken: Option<String>,
-}
-
-impl Producer {
-    /// The producing end of `dir`'s ring of `region`. One process holds it, once: two producers
-    /// of one ring would overwrite each other's entries.
-    pub fn new(region: Arc<Region>, dir: Direction) -> Producer {
-        Producer {
+impl End {
+    fn new(region: Arc<Region>, dir: Direction, index_word: usize, own_flag: usize, peer_flag: usize) -> End {
+        End {
             region,
             dir,
-            head: 0,
+            index_word,
             published: 0,
-            seen_tail: 0,
-            full_since: None,
+            own_flag,
+            peer_flag,
             broken: None,
         }
     }
 
+    /// Marks the ring broken for good; returns the error.
     fn corrupt(&mut self, reason: String) -> RingError {
         self.broken = Some(reason.clone());
         RingError::Corrupt {
@@ -77,21 +64,111 @@ impl Producer {
         }
     }
 
-    /// Reads and checks the consumer's tail; returns the free slots.
-    fn refresh(&mut self) -> RingResult<u64> {
-        if let Some(reason) = &self.broken {
-            return Err(RingError::Corrupt {
+    /// The error of a ring found corrupt before, again.
+    fn check_broken(&self) -> RingResult<()> {
+        match &self.broken {
+            Some(reason) => Err(RingError::Corrupt {
                 ring: self.dir.name(),
                 reason: reason.clone(),
-            });
+            }),
+            None => Ok(()),
         }
-        let g = self.region.geometry();
-        let tail = self.region.word(g.tail(self.dir)).load(Ordering::Acquire);
+    }
+
+    /// Publishes `index` (one `Release` store, only when it moved) and returns whether the peer is
+    /// asleep waiting for it, clearing the peer's flag when it is, so one publish wakes one sleep.
+    fn publish(&mut self, index: u64) -> bool {
+        if index != self.published {
+            self.region.word(self.index_word).store(index, Ordering::Release);
+            self.published = index;
+        }
+        // Pairs with the fence in `sleep_announce` of the peer: either the peer sees the new index
+        // when it re-checks, or this sees its flag. Looked at before it is cleared, so a publish
+        // while the peer is awake writes nothing to the peer's line.
+        fence(Ordering::SeqCst);
+        let flag = self.region.flag(self.peer_flag);
+        flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0
+    }
+
+    /// Wakes the peer sleeping on its flag (a futex wake; never blocks).
+    fn wake_peer(&self) {
+        futex::wake(self.region.flag(self.peer_flag));
+    }
+
+    /// Sets this end's waiting flag; the caller re-checks the ring after it.
+    fn sleep_announce(&self) {
+        self.region.flag(self.own_flag).store(1, Ordering::SeqCst);
+        // Pairs with the fence in the peer's `publish`.
+        fence(Ordering::SeqCst);
+    }
+
+    /// Clears this end's waiting flag (after a sleep, or one not needed after all).
+    fn sleep_end(&self) {
+        // Looked at first: a clear flag stays unwritten, so the peer's reads of it (at each
+        // publish) keep their copy of the line.
+        let flag = self.region.flag(self.own_flag);
+        if flag.load(Ordering::Relaxed) != 0 {
+            flag.store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Sleeps on this end's flag until the peer wakes it or `timeout` passes, then clears it.
+    fn sleep(&self, timeout: Duration) {
+        futex::wait(self.region.flag(self.own_flag), 1, timeout);
+        self.sleep_end();
+    }
+}
+
+/// The producing end of one ring: writes entries and publishes them.
+#[derive(Debug)]
+pub struct Producer {
+    end: End,
+    /// The next entry's index (published as the head by [`Producer::publish`]).
+    head: u64,
+    /// The consumer's tail, as last read and checked.
+    seen_tail: u64,
+    /// Since when a push found the ring full, none succeeding since.
+    full_since: Option<Instant>,
+}
+
+/// The consuming end of one ring: reads entries and publishes that their slots are free.
+#[derive(Debug)]
+pub struct Consumer {
+    end: End,
+    /// The next entry's index (published as the tail by [`Consumer::publish`]).
+    tail: u64,
+    /// The producer's head, as last read and checked.
+    seen_head: u64,
+}
+
+impl Producer {
+    /// The producing end of `dir`'s ring of `region`. One process holds it, once: two producers
+    /// of one ring would overwrite each other's entries.
+    pub fn new(region: Arc<Region>, dir: Direction) -> Producer {
+        let g = region.geometry();
+        let (head, own, peer) = (g.head(dir), g.producer_waiting(dir), g.consumer_waiting(dir));
+        Producer {
+            end: End::new(region, dir, head, own, peer),
+            head: 0,
+            seen_tail: 0,
+            full_since: None,
+        }
+    }
+
+    /// Reads and checks the consumer's tail; returns the free slots.
+    fn refresh(&mut self) -> RingResult<u64> {
+        self.end.check_broken()?;
+        let g = self.end.region.geometry();
+        let tail = self.end.region.word(g.tail(self.end.dir)).load(Ordering::Acquire);
         if tail < self.seen_tail {
-            return Err(self.corrupt(format!("the tail moved backwards from {} to {tail}", self.seen_tail)));
+            return Err(self
+                .end
+                .corrupt(format!("the tail moved backwards from {} to {tail}", self.seen_tail)));
         }
         if tail > self.head {
-            return Err(self.corrupt(format!("the tail {tail} is past the head {}", self.head)));
+            return Err(self
+                .end
+                .corrupt(format!("the tail {tail} is past the head {}", self.head)));
         }
         self.seen_tail = tail;
         // `tail >= seen_tail >= head - capacity`: at most `capacity` entries are in the ring.
@@ -114,7 +191,7 @@ impl Producer {
     /// Errors: [`RingError::PayloadTooLarge`] (nothing written); [`RingError::Corrupt`] when
     /// the consumer's tail breaks the rules.
     pub fn push(&mut self, payload: &[u8]) -> RingResult<bool> {
-        let g = self.region.geometry();
+        let g = self.end.region.geometry();
         if payload.len() > g.max_payload() {
             return Err(RingError::PayloadTooLarge {
                 len: payload.len(),
@@ -125,8 +202,8 @@ impl Producer {
             self.full_since.get_or_insert_with(Instant::now);
             return Ok(false);
         }
-        let slot = g.slot(self.dir, self.head);
-        let region = &self.region;
+        let slot = g.slot(self.end.dir, self.head);
+        let region = &self.end.region;
         region.word(slot).store(self.head, Ordering::Relaxed);
         region.word(slot + 1).store(payload.len() as u64, Ordering::Relaxed);
         for (i, chunk) in payload.chunks(8).enumerate() {
@@ -146,22 +223,12 @@ impl Producer {
     /// ([`wake_consumer`](Self::wake_consumer), or however the connection rings). Clears the
     /// consumer's waiting flag when it returns `true`, so one publish wakes one sleep.
     pub fn publish(&mut self) -> bool {
-        let g = self.region.geometry();
-        if self.head != self.published {
-            self.region.word(g.head(self.dir)).store(self.head, Ordering::Release);
-            self.published = self.head;
-        }
-        // Pairs with the fence in `Consumer::sleep_begin`: either the consumer sees the new head
-        // when it re-checks, or this sees its flag. Looked at before it is cleared, so a publish
-        // while the consumer is awake writes nothing to the consumer's line.
-        fence(Ordering::SeqCst);
-        let flag = self.region.flag(g.consumer_waiting(self.dir));
-        flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0
+        self.end.publish(self.head)
     }
 
     /// Wakes the consumer sleeping in [`Consumer::wait`] (a futex wake; never blocks).
     pub fn wake_consumer(&self) {
-        futex::wake(self.region.flag(self.region.geometry().consumer_waiting(self.dir)));
+        self.end.wake_peer();
     }
 
     /// Publishes, and wakes the consumer if it sleeps.
@@ -175,14 +242,9 @@ impl Producer {
     /// still full after that (wait with [`wait_for_space`](Self::wait_for_space)), `Ok(false)`
     /// if space appeared meanwhile (the flag is cleared again).
     pub fn sleep_begin(&mut self) -> RingResult<bool> {
-        self.region
-            .flag(self.region.geometry().producer_waiting(self.dir))
-            .store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        self.end.sleep_announce();
         if self.refresh()? > 0 {
-            self.region
-                .flag(self.region.geometry().producer_waiting(self.dir))
-                .store(0, Ordering::SeqCst);
+            self.end.sleep_end();
             return Ok(false);
         }
         Ok(true)
@@ -191,9 +253,7 @@ impl Producer {
     /// Sleeps until the consumer frees a slot and wakes this end, or `timeout` passes (after
     /// [`sleep_begin`](Self::sleep_begin) returned `true`). Returns the free slots.
     pub fn wait_for_space(&mut self, timeout: Duration) -> RingResult<u64> {
-        let flag = self.region.flag(self.region.geometry().producer_waiting(self.dir));
-        futex::wait(flag, 1, timeout);
-        flag.store(0, Ordering::SeqCst);
+        self.end.sleep(timeout);
         self.refresh()
     }
 
@@ -209,7 +269,7 @@ impl Producer {
             let waited = now.saturating_duration_since(since);
             if waited > limit {
                 return Err(RingError::Stalled {
-                    ring: self.dir.name(),
+                    ring: self.end.dir.name(),
                     waited,
                     limit,
                 });
@@ -222,39 +282,27 @@ impl Producer {
 impl Consumer {
     /// The consuming end of `dir`'s ring of `region`. One process holds it, once.
     pub fn new(region: Arc<Region>, dir: Direction) -> Consumer {
+        let g = region.geometry();
+        let (tail, own, peer) = (g.tail(dir), g.consumer_waiting(dir), g.producer_waiting(dir));
         Consumer {
-            region,
-            dir,
+            end: End::new(region, dir, tail, own, peer),
             tail: 0,
-            published: 0,
             seen_head: 0,
-            broken: None,
-        }
-    }
-
-    fn corrupt(&mut self, reason: String) -> RingError {
-        self.broken = Some(reason.clone());
-        RingError::Corrupt {
-            ring: self.dir.name(),
-            reason,
         }
     }
 
     /// Reads and checks the producer's head; returns the entries ready.
     fn refresh(&mut self) -> RingResult<u64> {
-        if let Some(reason) = &self.broken {
-            return Err(RingError::Corrupt {
-                ring: self.dir.name(),
-                reason: reason.clone(),
-            });
-        }
-        let g = self.region.geometry();
-        let head = self.region.word(g.head(self.dir)).load(Ordering::Acquire);
+        self.end.check_broken()?;
+        let g = self.end.region.geometry();
+        let head = self.end.region.word(g.head(self.end.dir)).load(Ordering::Acquire);
         if head < self.seen_head {
-            return Err(self.corrupt(format!("the head moved backwards from {} to {head}", self.seen_head)));
+            return Err(self
+                .end
+                .corrupt(format!("the head moved backwards from {} to {head}", self.seen_head)));
         }
         if head - self.tail > u64::from(g.capacity()) {
-            return Err(self.corrupt(format!(
+            return Err(self.end.corrupt(format!(
                 "the head {head} claims {} entries past the tail {}; the ring holds {}",
                 head - self.tail,
                 self.tail,
@@ -268,7 +316,7 @@ impl Consumer {
     /// The region (for tests that write it as a hostile peer would).
     #[cfg(test)]
     pub(crate) fn region(&self) -> &Arc<Region> {
-        &self.region
+        &self.end.region
     }
 
     /// Entries ready to [`pop`](Self::pop) (reads the producer's head).
@@ -283,7 +331,7 @@ impl Consumer {
     /// Errors: [`RingError::Corrupt`] when the producer's head or the slot breaks the rules.
     /// Panics if `buf` is shorter than a slot's payload.
     pub fn pop(&mut self, buf: &mut [u8]) -> RingResult<Option<usize>> {
-        let g = self.region.geometry();
+        let g = self.end.region.geometry();
         assert!(
             buf.len() >= g.max_payload(),
             "pop into {} bytes, a slot holds {}",
@@ -294,20 +342,17 @@ impl Consumer {
         if self.seen_head == self.tail && self.refresh()? == 0 {
             return Ok(None);
         }
-        if let Some(reason) = &self.broken {
-            return Err(RingError::Corrupt {
-                ring: self.dir.name(),
-                reason: reason.clone(),
-            });
-        }
-        let slot = g.slot(self.dir, self.tail);
-        let seq = self.region.word(slot).load(Ordering::Relaxed);
+        self.end.check_broken()?;
+        let slot = g.slot(self.end.dir, self.tail);
+        let seq = self.end.region.word(slot).load(Ordering::Relaxed);
         if seq != self.tail {
-            return Err(self.corrupt(format!("the slot of entry {} holds sequence {seq}", self.tail)));
+            return Err(self
+                .end
+                .corrupt(format!("the slot of entry {} holds sequence {seq}", self.tail)));
         }
-        let len = self.region.word(slot + 1).load(Ordering::Relaxed);
+        let len = self.end.region.word(slot + 1).load(Ordering::Relaxed);
         if len > g.max_payload() as u64 {
-            return Err(self.corrupt(format!(
+            return Err(self.end.corrupt(format!(
                 "entry {} is {len} bytes long; a slot holds {}",
                 self.tail,
                 g.max_payload()
@@ -315,7 +360,7 @@ impl Consumer {
         }
         let len = len as usize;
         for (i, chunk) in buf[..len].chunks_mut(8).enumerate() {
-            let word = self.region.word(slot + 2 + i).load(Ordering::Relaxed).to_le_bytes();
+            let word = self.end.region.word(slot + 2 + i).load(Ordering::Relaxed).to_le_bytes();
             chunk.copy_from_slice(&word[..chunk.len()]);
         }
         self.tail += 1;
@@ -326,20 +371,12 @@ impl Consumer {
     /// the tail), and returns whether the producer is asleep waiting for space: then wake it
     /// ([`wake_producer`](Self::wake_producer)). Clears the producer's flag when it returns `true`.
     pub fn publish(&mut self) -> bool {
-        let g = self.region.geometry();
-        if self.tail != self.published {
-            self.region.word(g.tail(self.dir)).store(self.tail, Ordering::Release);
-            self.published = self.tail;
-        }
-        // As in `Producer::publish`: looked at before it is cleared.
-        fence(Ordering::SeqCst);
-        let flag = self.region.flag(g.producer_waiting(self.dir));
-        flag.load(Ordering::SeqCst) != 0 && flag.swap(0, Ordering::SeqCst) != 0
+        self.end.publish(self.tail)
     }
 
     /// Wakes the producer sleeping in [`Producer::wait_for_space`] (a futex wake; never blocks).
     pub fn wake_producer(&self) {
-        futex::wake(self.region.flag(self.region.geometry().producer_waiting(self.dir)));
+        self.end.wake_peer();
     }
 
     /// Publishes, and wakes the producer if it sleeps.
@@ -354,13 +391,9 @@ impl Consumer {
     /// is still empty after that (sleep: [`wait`](Self::wait), or the connection's own doorbell),
     /// `Ok(false)` if entries arrived meanwhile (the flag is cleared again).
     pub fn sleep_begin(&mut self) -> RingResult<bool> {
-        self.region
-            .flag(self.region.geometry().consumer_waiting(self.dir))
-            .store(1, Ordering::SeqCst);
-        // Pairs with the fence in `Producer::publish`.
-        fence(Ordering::SeqCst);
+        self.end.sleep_announce();
         if self.refresh()? > 0 {
-            self.sleep_end();
+            self.end.sleep_end();
             return Ok(false);
         }
         Ok(true)
@@ -368,23 +401,13 @@ impl Consumer {
 
     /// Clears this end's waiting flag (after a sleep that ended some other way).
     pub fn sleep_end(&self) {
-        // Looked at first: a clear flag stays unwritten, so the producer's reads of it (at each
-        // publish) keep their copy of the line.
-        let flag = self.region.flag(self.region.geometry().consumer_waiting(self.dir));
-        if flag.load(Ordering::Relaxed) != 0 {
-            flag.store(0, Ordering::SeqCst);
-        }
+        self.end.sleep_end();
     }
 
     /// Sleeps until the producer publishes and wakes this end, or `timeout` passes (after
     /// [`sleep_begin`](Self::sleep_begin) returned `true`). Returns the entries ready.
     pub fn wait(&mut self, timeout: Duration) -> RingResult<u64> {
-        futex::wait(
-            self.region.flag(self.region.geometry().consumer_waiting(self.dir)),
-            1,
-            timeout,
-        );
-        self.sleep_end();
+        self.end.sleep(timeout);
         self.refresh()
     }
 }
