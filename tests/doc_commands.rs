@@ -15,7 +15,7 @@ const DOCS: &[(&str, &str)] = &[
     ("docs/distributed.md", include_str!("../docs/distributed.md")),
     ("docs/ipc.md", include_str!("../docs/ipc.md")),
     ("docs/ipc-protocol.md", include_str!("../docs/ipc-protocol.md")),
-    ("docs/memory-service.md", include_str!("../docs/memory-service.md")),
+    ("docs/memory-store.md", include_str!("../docs/memory-store.md")),
     ("docs/nccl.md", include_str!("../docs/nccl.md")),
     ("docs/observe.md", include_str!("../docs/observe.md")),
     ("docs/python.md", include_str!("../docs/python.md")),
@@ -180,7 +180,7 @@ fn the_readme_runs_the_benchmark_harness_by_its_default_binary() {
         }
     );
     let (names, default_run) = bins(MANIFESTS[1].1);
-    assert_eq!(names, ["mempool-bench", "ipc_handoff", "memsvc_attach"]);
+    assert_eq!(names, ["mempool-bench", "ipc_handoff", "store_attach"]);
     assert_eq!(default_run.as_deref(), Some("mempool-bench"));
 }
 

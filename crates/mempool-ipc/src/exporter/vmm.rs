@@ -17,7 +17,7 @@ use super::buffers::{self, ExportedBuffer};
 use super::state::{FreeFn, Freer, Inner, State};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
-use crate::wire::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
+use crate::protocol::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
 
 /// A VMM physical allocation the exporter can share with importers that accepted VMM sharing,
 /// mapped in the exporter with read-write access for its device. Made by
@@ -127,7 +127,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
     if to.is_empty() {
         return Ok(());
     }
-    let server = inner.server()?;
+    let reactor = inner.reactor()?;
     check_vmm_granted(&inner.lock(), to)?;
     let id = vmm.id();
     let fd = vmm.physical.export_fd()?;
@@ -166,7 +166,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         let sent = fd
             .try_clone()
             .map_err(Error::from)
-            .and_then(|fd| server.send_with_fds(*importer, &message, Some(id), vec![fd]));
+            .and_then(|fd| reactor.send_with_fds(*importer, &message, Some(id), vec![fd]));
         if let Err(e) = sent {
             // The owner still holds the buffer, so revoking frees nothing.
             let _ = inner.lock().leases.revoke(id, *importer);

@@ -11,7 +11,7 @@ use mempool_core::{AllocationProps, DeviceAddr, Granularity, HandleTypes, Physic
 use super::state::{FreeFn, Freer, Inner, Shared, State};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
-use crate::wire::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
+use crate::protocol::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
 
 /// [`Exporter::share_vmm_chunks`](crate::Exporter::share_vmm_chunks).
 pub(super) fn share_vmm_chunks(
@@ -28,7 +28,7 @@ pub(super) fn share_vmm_chunks(
         return Err(invalid("sharing VMM chunks needs at least one importer".into()));
     }
     let descriptor = describe(inner, chunks, offset, len)?;
-    let server = inner.server()?;
+    let reactor = inner.reactor()?;
     check_granted(&inner.lock(), to)?;
     let fds = chunks
         .iter()
@@ -96,7 +96,7 @@ pub(super) fn share_vmm_chunks(
             .map(|fd| fd.try_clone())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(Error::from)
-            .and_then(|fds| server.send_with_fds(*importer, &message, Some(id), fds));
+            .and_then(|fds| reactor.send_with_fds(*importer, &message, Some(id), fds));
         if let Err(e) = sent {
             // The owner's reference still holds the range, so revoking frees nothing.
             let _ = inner.lock().leases.revoke(id, *importer);
