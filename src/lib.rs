@@ -75,6 +75,10 @@ mod docs_ipc {}
 mod docs_ipc_protocol {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/measurements.md")]
+mod docs_measurements {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/memory-store.md")]
 mod docs_memory_store {}
 

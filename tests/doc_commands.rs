@@ -15,6 +15,7 @@ const DOCS: &[(&str, &str)] = &[
     ("docs/distributed.md", include_str!("../docs/distributed.md")),
     ("docs/ipc.md", include_str!("../docs/ipc.md")),
     ("docs/ipc-protocol.md", include_str!("../docs/ipc-protocol.md")),
+    ("docs/measurements.md", include_str!("../docs/measurements.md")),
     ("docs/memory-store.md", include_str!("../docs/memory-store.md")),
     ("docs/nccl.md", include_str!("../docs/nccl.md")),
     ("docs/observe.md", include_str!("../docs/observe.md")),
@@ -35,6 +36,12 @@ const MANIFESTS: &[(&str, &str)] = &[
     ("mempool-nccl", include_str!("../crates/mempool-nccl/Cargo.toml")),
     ("mempool-py", include_str!("../crates/mempool-py/Cargo.toml")),
     ("mempool-rmm", include_str!("../crates/mempool-rmm/Cargo.toml")),
+    ("mempool-socket", include_str!("../crates/mempool-socket/Cargo.toml")),
+    ("mempool-store", include_str!("../crates/mempool-store/Cargo.toml")),
+    (
+        "mempool-store-server",
+        include_str!("../crates/mempool-store-server/Cargo.toml"),
+    ),
     (
         "mempool-suballoc",
         include_str!("../crates/mempool-suballoc/Cargo.toml"),

@@ -39,8 +39,8 @@ pub(crate) struct GpuBackend {
 }
 
 /// How many buffers keep an exported descriptor, to hand out duplicates: exporting costs the
-/// driver tens of microseconds per call (`cuMemExportToShareableHandle`: 80 µs for 16 MiB on an
-/// H200), a `dup` well under one. Each kept descriptor counts against the process's open-file
+/// driver far more per call than a `dup` of a kept descriptor (docs/measurements.md, "Memory store:
+/// exporting a buffer's descriptor once"). Each kept descriptor counts against the process's open-file
 /// limit, so at most a quarter of the soft limit is kept; past it, buffers export per attach.
 struct ExportCache {
     kept: AtomicUsize,
@@ -357,8 +357,8 @@ impl LocalDevices {
                 offset += size;
             }
             // One run per device: imports side by side on several threads were measured slower
-            // (the driver serializes them: 48 µs per import on 8 threads against 30 µs on one,
-            // H200, driver 580). On an error the mappings made so far drop here (unmapped).
+            // (the driver serializes them; docs/measurements.md, "Memory store: imports on one
+            // thread"). On an error the mappings made so far drop here (unmapped).
             for (i, mapping) in map_run(device, &reservation, jobs)? {
                 let g = &grants[i];
                 let mapped = Arc::new(MemoryMap {

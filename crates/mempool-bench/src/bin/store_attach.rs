@@ -20,8 +20,10 @@
 //!
 //! Run on a GPU: `cargo run --release -p mempool-bench --bin store_attach -- [--size 16GiB]
 //! [--buffers 1 --buffers 1000] [--reps 3] [--grouped] [--trace]`. Needs `--size` of free device memory twice over
-//! (the service's buffers and the copy's destination) and `--size` of pinned host memory. Without a
+//! (the store's buffers and the copy's destination) and `--size` of pinned host memory. Without a
 //! GPU it says why and exits with status 2.
+
+#![deny(unsafe_code)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -111,6 +113,7 @@ const GROUP: usize = 125;
 /// Creates `count` buffers of `per` bytes (each alone in its allocation, or, if `grouped`, in
 /// groups of [`GROUP`] made with `create_many`), fills buffer `i` with the u32 `i + 1`,
 /// publishes them.
+#[allow(unsafe_code)] // device fills of its own buffers; each block says why it holds
 fn creator(socket: &Path, count: usize, per: u64, grouped: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;
@@ -147,6 +150,7 @@ fn creator(socket: &Path, count: usize, per: u64, grouped: bool) -> Fallible<()>
 /// Attaches every buffer (timed; with one `attach_many` if `many`, else one `attach` each),
 /// checks their first words, then copies as many bytes from pinned host memory (timed). Prints
 /// `RESULT <attach seconds> <copy seconds>`.
+#[allow(unsafe_code)] // reads of attached buffers and pinned host memory; each block says why it holds
 fn attacher(socket: &Path, count: usize, per: u64, many: bool, traced: bool) -> Fallible<()> {
     let device = Device::get(0)?;
     let ctx = device.context()?;

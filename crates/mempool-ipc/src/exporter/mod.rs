@@ -233,14 +233,14 @@ impl fmt::Debug for Exporter {
 
 impl Exporter {
     /// The serving thread's spin over the rings after ring traffic, by default
-    /// ([`Exporter::set_spin`]): 50 µs, a few round trips' worth of a release's way back (about
-    /// 15 µs measured), so that releases that keep coming find the thread awake and ring no
+    /// ([`Exporter::set_spin`]): 50 µs, a few round trips' worth of a release's way back
+    /// (docs/measurements.md, "IPC exporter: the default spins"), so that releases that keep coming find the thread awake and ring no
     /// doorbell, while an exporter whose traffic stopped goes to sleep within 50 µs.
     pub const DEFAULT_SPIN: Duration = crate::reactor::DEFAULT_RING_SPIN;
 
     /// [`ExportedBuffer::wait_released`]'s spin before it parks, by default
-    /// ([`Exporter::set_wait_spin`]): 50 µs. In a round trip the release comes 10-15 µs after the
-    /// share; with a window of buffers in flight per producer thread, the wait for the oldest lasts
+    /// ([`Exporter::set_wait_spin`]): 50 µs. In a round trip the release comes well within that after
+    /// the share (docs/measurements.md, "IPC exporter: the default spins"); with a window of buffers in flight per producer thread, the wait for the oldest lasts
     /// about one buffer's period per consumer (40 µs at 100,000 buffers per second over 4
     /// consumers). Within the spin a release costs the serving thread (which takes every
     /// importer's releases) no `FUTEX_WAKE`, and the waiter no wake-up; a wait spins on a slot of
