@@ -1180,7 +1180,7 @@ fn good_round(
 }
 
 #[test]
-fn hostile_clients_all_at_once_leave_mempool_serve_at_its_baseline_and_a_good_client_is_served() {
+fn hostile_clients_all_at_once_leave_the_store_server_at_its_baseline_and_a_good_client_is_served() {
     match role().as_deref() {
         Some("good") => {
             // Holds a published buffer throughout (so that its connection is never closed as

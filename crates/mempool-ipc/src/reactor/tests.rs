@@ -531,7 +531,7 @@ fn the_server_closes_every_descriptor_it_opened() {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "server::tests::the_server_closes_every_descriptor_it_opened",
+                "reactor::tests::the_server_closes_every_descriptor_it_opened",
                 "--test-threads=1",
                 "--nocapture",
             ])
@@ -636,7 +636,7 @@ fn an_importer_that_held_buffers_is_reported_gone_once_its_process_exits() {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "server::tests::child_importer_exits_without_goodbye",
+            "reactor::tests::child_importer_exits_without_goodbye",
             "--nocapture",
         ])
         .env(CHILD_SOCKET, &f.path)
@@ -792,7 +792,7 @@ fn out_of_descriptors_the_server_pauses_accepting_instead_of_spinning() {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "server::tests::child_server_runs_out_of_descriptors",
+            "reactor::tests::child_server_runs_out_of_descriptors",
             "--nocapture",
         ])
         .env(CHILD_DIR, &dir.0)
