@@ -8,6 +8,8 @@
 //!   [`rmm::suballoc`] is `mempool-suballoc`, the suballocator engines (no CUDA dependency).
 //! - [`ipc`] (`mempool-ipc`): sharing pools and buffers between processes ([`ipc::Exporter`],
 //!   [`ipc::Importer`]) over Unix sockets.
+//! - [`store`] (`mempool-store`): the memory store, named GPU buffers a server process holds for clients
+//!   that come and go ([`store::Server`], [`store::Client`]; docs/memory-store.md).
 //! - `nccl` (`mempool-nccl`, feature `nccl`): NCCL collectives over mempool memory, NCCL opened at run
 //!   time.
 //! - `cudarc` (feature `cudarc`): the cudarc crate the interop is built against; cudarc's streams and
@@ -25,6 +27,7 @@ pub use mempool_ipc as ipc;
 #[cfg(feature = "nccl")]
 pub use mempool_nccl as nccl;
 pub use mempool_rmm as rmm;
+pub use mempool_store as store;
 
 /// The cudarc crate mempool's interop is built against (feature `cudarc`; docs/cudarc.md).
 #[cfg(feature = "cudarc")]
@@ -72,8 +75,12 @@ mod docs_ipc {}
 mod docs_ipc_protocol {}
 
 #[cfg(doctest)]
-#[doc = include_str!("../docs/memory-service.md")]
-mod docs_memory_service {}
+#[doc = include_str!("../docs/measurements.md")]
+mod docs_measurements {}
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/memory-store.md")]
+mod docs_memory_store {}
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/observe.md")]

@@ -15,7 +15,8 @@ const DOCS: &[(&str, &str)] = &[
     ("docs/distributed.md", include_str!("../docs/distributed.md")),
     ("docs/ipc.md", include_str!("../docs/ipc.md")),
     ("docs/ipc-protocol.md", include_str!("../docs/ipc-protocol.md")),
-    ("docs/memory-service.md", include_str!("../docs/memory-service.md")),
+    ("docs/measurements.md", include_str!("../docs/measurements.md")),
+    ("docs/memory-store.md", include_str!("../docs/memory-store.md")),
     ("docs/nccl.md", include_str!("../docs/nccl.md")),
     ("docs/observe.md", include_str!("../docs/observe.md")),
     ("docs/python.md", include_str!("../docs/python.md")),
@@ -35,6 +36,12 @@ const MANIFESTS: &[(&str, &str)] = &[
     ("mempool-nccl", include_str!("../crates/mempool-nccl/Cargo.toml")),
     ("mempool-py", include_str!("../crates/mempool-py/Cargo.toml")),
     ("mempool-rmm", include_str!("../crates/mempool-rmm/Cargo.toml")),
+    ("mempool-socket", include_str!("../crates/mempool-socket/Cargo.toml")),
+    ("mempool-store", include_str!("../crates/mempool-store/Cargo.toml")),
+    (
+        "mempool-store-server",
+        include_str!("../crates/mempool-store-server/Cargo.toml"),
+    ),
     (
         "mempool-suballoc",
         include_str!("../crates/mempool-suballoc/Cargo.toml"),
@@ -180,7 +187,7 @@ fn the_readme_runs_the_benchmark_harness_by_its_default_binary() {
         }
     );
     let (names, default_run) = bins(MANIFESTS[1].1);
-    assert_eq!(names, ["mempool-bench", "ipc_handoff", "memsvc_attach"]);
+    assert_eq!(names, ["mempool-bench", "ipc_handoff", "store_attach"]);
     assert_eq!(default_run.as_deref(), Some("mempool-bench"));
 }
 

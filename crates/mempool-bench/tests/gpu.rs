@@ -433,8 +433,8 @@ fn sleep_and_wake_are_measured_and_the_restore_checked() {
         report.notes
     );
     // Sleep gives the chunks back: the device's free memory grows by most of the allocation. The driver's
-    // own bookkeeping moves `cuMemGetInfo` by several MiB between readings (an H200 read 244 MiB freed of
-    // 258 MiB once, and 182 MiB taken back by a wake of 258 MiB), so this 256 MiB run checks 90% for
+    // own bookkeeping moves `cuMemGetInfo` by several MiB between readings (docs/measurements.md,
+    // "ServiceResource: `cuMemGetInfo`'s noise"), so this 256 MiB run checks 90% for
     // sleep and the sign for wake; issue 23's 99% criterion is checked at sizes where the noise is small
     // (mempool-rmm's tests/service.rs, the PyTorch test).
     for (row, sign) in [(2, 1), (4, 1)] {

@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::wire::{BufferId, MAX_RELEASE_BATCH};
+use crate::protocol::{BufferId, MAX_RELEASE_BATCH};
 
 /// Releases waiting to be sent together. See the [module documentation](self).
 #[derive(Debug)]

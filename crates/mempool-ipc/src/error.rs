@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use crate::lease::{ImporterId, LeaseError};
-use crate::wire::{BufferId, DeviceUuid, ErrorCode, MessageType, ProtocolError};
+use crate::protocol::{BufferId, DeviceUuid, ErrorCode, MessageType, ProtocolError};
 
 /// A specialized [`Result`](std::result::Result) for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -251,6 +251,31 @@ impl From<rustix::io::Errno> for Error {
             Errno::PIPE | Errno::CONNRESET => Error::Closed,
             other => Error::Io(other.into()),
         }
+    }
+}
+
+impl From<mempool_socket::Error> for Error {
+    /// The socket layer's errors as this crate's variants of the same names (a rule of the
+    /// socket layer broken is a [`ProtocolError::Violation`]).
+    fn from(e: mempool_socket::Error) -> Self {
+        use mempool_socket::Error as S;
+        match e {
+            S::DescriptorCount { expected, got } => Error::DescriptorCount { expected, got },
+            S::PeerCredentials { uid, pid } => Error::PeerCredentials { uid, pid },
+            S::ForeignPidNamespace { uid } => Error::ForeignPidNamespace { uid },
+            S::Timeout { during } => Error::Timeout { during },
+            S::Closed => Error::Closed,
+            S::SocketPath { path, reason } => Error::SocketPath { path, reason },
+            S::Violation { reason } => Error::Protocol(ProtocolError::Violation { reason }),
+            S::Io(e) => Error::Io(e),
+            other => Error::Io(std::io::Error::other(other)),
+        }
+    }
+}
+
+impl From<mempool_socket::listener::Refused> for Error {
+    fn from(refused: mempool_socket::listener::Refused) -> Self {
+        refused.error.into()
     }
 }
 

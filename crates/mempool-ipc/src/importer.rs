@@ -18,16 +18,16 @@ use mempool_core::{
 };
 
 use crate::batch::ReleaseBatcher;
-use crate::conn::ConnectionOptions;
-use crate::cred::{AccessPolicy, PeerCredentials};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImportTable;
-use crate::session::{ExporterEvent, ImporterSession};
-use crate::trace::{self, Point};
-use crate::wire::{
+use crate::protocol::{
     BlockId, BufferDescriptor, BufferId, DeviceUuid, EventHandle, MessageType, PoolId, ProtocolError, CAP_FAST_RELEASE,
     CAP_RING, CAP_VMM, CAP_VMM_CHUNKS,
 };
+use crate::session::{ExporterEvent, ImporterSession};
+use crate::trace::{self, Point};
+use mempool_socket::cred::{AccessPolicy, PeerCredentials};
+use mempool_socket::ConnectionOptions;
 
 mod vmm;
 mod vmm_chunks;

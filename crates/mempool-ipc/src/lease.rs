@@ -24,7 +24,7 @@
 use std::collections::{btree_map, BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::wire::{BlockId, BufferDescriptor, BufferId};
+use crate::protocol::{BlockId, BufferDescriptor, BufferId};
 
 /// What the tables of this module return: a [`LeaseError`] names the rule an operation broke.
 type Result<T, E = LeaseError> = std::result::Result<T, E>;

@@ -24,15 +24,13 @@
 //!   [`take_drop_errors`].
 //!
 //! Below the exporter and the importer, host layers that need no GPU and are tested without
-//! one (private modules; `src/` holds them):
+//! one (private modules; `src/` holds them), over mempool-socket's descriptor passing
+//! (`fdpass`), peer credentials (`cred`), listener and framing (`frame`):
 //!
-//! - `fdpass`: file descriptors over Unix stream sockets (`SCM_RIGHTS`);
-//! - `wire`: the versioned, length-prefixed messages, as pure functions over bytes;
-//! - `conn`: whole messages with their descriptors over a socket, under timeouts;
-//! - `cred`: who is at the other end (`SO_PEERCRED`) and whether they may be;
-//! - `listener`: the exporter's socket file, created 0600 without a race;
+//! - `protocol`: the versioned, length-prefixed messages, as pure functions over bytes;
+//! - `connection`: whole messages with their descriptors over a socket, under timeouts;
 //! - `session`: the handshake and what each side may receive after it;
-//! - `server`: the exporter's connections without the GPU: admission within its limits, one
+//! - `reactor`: the exporter's connections without the GPU: admission within its limits, one
 //!   bounded send queue per importer, the wait for a dead importer's process, all served by one
 //!   `epoll` thread;
 //! - `lease`: which importer holds which buffer, and when a buffer may be freed; which blocks
@@ -43,7 +41,7 @@
 //! - [`ring`] (public): single-producer single-consumer rings in a sealed memfd shared by two
 //!   processes, with a futex doorbell, every shared word checked as written by a hostile peer.
 //!
-//! Each module imports only modules below it: `wire` imports none, `lease` and `batch` import `wire`,
+//! Each module imports only modules below it: `protocol` imports none of the crate, `lease` and `batch` import `protocol`,
 //! `error` imports both, `trace` and `ring` import none (every layer records into it), and nothing imports the
 //! crate root.
 //!
@@ -53,28 +51,22 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod batch;
-mod conn;
-mod cred;
+mod connection;
 mod error;
 mod exporter;
-mod fdpass;
 mod importer;
 mod lease;
-mod listener;
-pub mod memsvc;
+mod protocol;
+mod reactor;
 pub mod ring;
-mod server;
 mod session;
 #[cfg(test)]
 mod test_util;
 pub mod trace;
-mod wire;
 
-pub use conn::ConnectionOptions;
-pub use cred::{peer_credentials, AccessPolicy, PeerCredentials};
 pub use error::{take_drop_errors, Error, Result};
 pub use exporter::{ExportedBuffer, ExportedVmm, Exporter, ExporterOptions, ExporterStats, ImporterInfo};
 pub use importer::{Importer, ImporterOptions, Received, SharedBuffer, SharedVmm, SharedVmmRange};
 pub use lease::{ImporterId, LeaseError};
-pub use listener::ListenerOptions;
-pub use wire::{BlockId, BufferId, DeviceUuid, ErrorCode, MessageType, PoolId, ProtocolError, MAX_VMM_CHUNKS};
+pub use mempool_socket::{peer_credentials, AccessPolicy, ConnectionOptions, ListenerOptions, PeerCredentials};
+pub use protocol::{BlockId, BufferId, DeviceUuid, ErrorCode, MessageType, PoolId, ProtocolError, MAX_VMM_CHUNKS};

@@ -42,15 +42,16 @@ use std::time::Instant;
 
 pub(crate) use self::rings::check_ring_geometry;
 use self::rings::ImporterRing;
-use crate::conn::{Connection, ConnectionOptions, Received};
-use crate::cred::{AccessPolicy, PeerCredentials};
+use crate::connection::{Connection, Received};
 use crate::error::{Error, Result};
-use crate::trace;
-use crate::wire::{
+use crate::protocol::{
     BufferDescriptor, BufferId, DeviceUuid, EventHandle, Message, PoolDescriptor, PoolId, ProtocolError, Ready,
     ReleaseBatch, VmmBufferDescriptor, VmmChunksDescriptor, Welcome, CAP_FAST_RELEASE, CAP_RING, CAP_VMM,
     CAP_VMM_CHUNKS, KNOWN_CAPABILITIES,
 };
+use crate::trace;
+use mempool_socket::cred::{AccessPolicy, PeerCredentials};
+use mempool_socket::ConnectionOptions;
 
 /// What an exporter tells each importer in the handshake.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -200,11 +201,11 @@ impl ExporterHandshake {
 pub(crate) fn importer_event(message: Message, capabilities: u64) -> Result<ImporterEvent> {
     match message {
         Message::Release { buffer_id } => Ok(ImporterEvent::Release(buffer_id)),
-        Message::ReleaseBatch(batch) if capabilities & crate::wire::CAP_FAST_RELEASE != 0 => {
+        Message::ReleaseBatch(batch) if capabilities & crate::protocol::CAP_FAST_RELEASE != 0 => {
             Ok(ImporterEvent::ReleaseBatch(batch))
         }
         Message::Goodbye => Ok(ImporterEvent::Goodbye),
-        Message::RingBell if capabilities & crate::wire::CAP_RING != 0 => Ok(ImporterEvent::RingBell),
+        Message::RingBell if capabilities & crate::protocol::CAP_RING != 0 => Ok(ImporterEvent::RingBell),
         other => Err(unexpected("Release or Goodbye", &other)),
     }
 }
@@ -341,6 +342,7 @@ impl ImporterSession {
         let attempt = |capabilities: u64, find_device: &mut dyn FnMut(&DeviceUuid) -> Result<D>| {
             let conn = Connection::connect(path, options)?;
             if let Err(err) = policy.check_socket(&conn) {
+                let err = Error::from(err);
                 conn.close_with_error(&err);
                 return Err(err);
             }
@@ -348,7 +350,7 @@ impl ImporterSession {
         };
         match attempt(capabilities, &mut find_device) {
             Err(Error::Remote {
-                code: crate::wire::ErrorCode::UnsupportedVersion,
+                code: crate::protocol::ErrorCode::UnsupportedVersion,
                 ..
             }) if capabilities != 0 => attempt(0, &mut find_device),
             other => other,

@@ -79,21 +79,21 @@ pub enum Point {
     /// Exporter (rings): this release was found by the serving thread's spin over the rings (no
     /// sleep, no doorbell); recorded at the time the spin found it.
     ExporterSpinFound = 42,
-    /// Memory service client: a request is about to be sent (buffer 0: the memory service's
+    /// Memory store client: a request is about to be sent (buffer 0: the memory store's
     /// points are of requests, put in order by their times).
-    MemsvcClientSent = 64,
-    /// Memory service server: a request was read.
-    MemsvcServerRead = 65,
-    /// Memory service server: the request's reply is ready (an attach's descriptors exported).
-    MemsvcServerReplied = 66,
-    /// Memory service server: the reply was written to the socket.
-    MemsvcServerSent = 67,
-    /// Memory service client: the reply was read, with its descriptors.
-    MemsvcClientReply = 68,
-    /// Memory service client: an attach's buffers are imported, mapped and accessible.
-    MemsvcClientMapped = 69,
-    /// Memory service client: an attach returns (its stream ordered after the creators' work).
-    MemsvcClientDone = 70,
+    StoreClientSent = 64,
+    /// Memory store server: a request was read.
+    StoreServerRead = 65,
+    /// Memory store server: the request's reply is ready (an attach's descriptors exported).
+    StoreServerReplied = 66,
+    /// Memory store server: the reply was written to the socket.
+    StoreServerSent = 67,
+    /// Memory store client: the reply was read, with its descriptors.
+    StoreClientReply = 68,
+    /// Memory store client: an attach's buffers are imported, mapped and accessible.
+    StoreClientMapped = 69,
+    /// Memory store client: an attach returns (its stream ordered after the creators' work).
+    StoreClientDone = 70,
 }
 
 impl Point {
@@ -126,13 +126,13 @@ impl Point {
         Point::ExporterBellRang,
         Point::ExporterLoopWoke,
         Point::ExporterSpinFound,
-        Point::MemsvcClientSent,
-        Point::MemsvcServerRead,
-        Point::MemsvcServerReplied,
-        Point::MemsvcServerSent,
-        Point::MemsvcClientReply,
-        Point::MemsvcClientMapped,
-        Point::MemsvcClientDone,
+        Point::StoreClientSent,
+        Point::StoreServerRead,
+        Point::StoreServerReplied,
+        Point::StoreServerSent,
+        Point::StoreClientReply,
+        Point::StoreClientMapped,
+        Point::StoreClientDone,
     ];
 
     /// The point's code (what [`Record::to_bytes`] writes).
@@ -244,9 +244,10 @@ pub fn now_ns() -> u64 {
     start_ns.saturating_add(start.elapsed().as_nanos() as u64)
 }
 
-/// Records `point` for `buffer` now, if recording is on.
+/// Records `point` for `buffer` now, if recording is on (the memory store, mempool-store, records
+/// its points through this).
 #[inline]
-pub(crate) fn mark(point: Point, buffer: u64) {
+pub fn mark(point: Point, buffer: u64) {
     if is_enabled() {
         push(point, buffer);
     }

@@ -6,8 +6,8 @@
 //! (`ncclRegFind`, src/include/register_inline.h) and uses a registration only when one entry covers the
 //! whole buffer (`data + size <= reg->endAddr` of a single slot), and its registered transports are expected
 //! to need the buffer inside one `cuMemCreate` allocation: registrations merged over neighbouring allocations
-//! covered every buffer allocated after growth, and NCCL ran those all-reduces at unregistered speed on two
-//! H200s. The service pool maps the chunks an allocation needs as one physical allocation, so a buffer that
+//! covered every buffer allocated after growth, and NCCL ran those all-reduces at unregistered speed
+//! (docs/measurements.md, "NCCL registrations over the service pool"). The service pool maps the chunks an allocation needs as one physical allocation, so a buffer that
 //! grew the pool lies in one registration; one that lies across two allocations (part of its memory mapped
 //! earlier for a neighbour) is not covered and runs unregistered, with the right result.
 

@@ -1,4 +1,4 @@
-//! One GPU (runs on the H100): NCCL loads, a communicator of one rank is made, and an all-reduce over
+//! One GPU: NCCL loads, a communicator of one rank is made, and an all-reduce over
 //! mempool memory is a copy; a communicator attached to a `ServiceResource` has its registrations follow
 //! the pool. `cargo test -p mempool-nccl --features gpu --test one_gpu`.
 #![cfg(feature = "gpu")]

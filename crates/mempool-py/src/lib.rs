@@ -121,7 +121,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ipc::PyCreatedBuffer>()?;
     m.add_class::<ipc::PyAttachedBuffer>()?;
     m.add_class::<ipc::PyBufferInfo>()?;
-    m.add_class::<ipc::PyMemoryServer>()?;
+    m.add_class::<ipc::PyStoreServer>()?;
     m.add_function(wrap_pyfunction!(ipc::serve, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::validate_name, m)?)?;
     m.add_function(wrap_pyfunction!(mr::set_per_device_resource, m)?)?;

@@ -3,7 +3,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::ReleaseBatcher;
-use crate::wire::{BufferId, MAX_RELEASE_BATCH};
+use crate::protocol::{BufferId, MAX_RELEASE_BATCH};
 
 const MS: Duration = Duration::from_millis(1);
 

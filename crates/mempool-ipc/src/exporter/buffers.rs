@@ -11,8 +11,8 @@ use mempool_core::{memory, BufferView, DeviceAddr, StreamRef};
 use super::state::{BlockRecord, FreeFn, Freer, Inner, Shared, State};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::{ImporterId, LeaseError};
+use crate::protocol::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor, CAP_FAST_RELEASE};
 use crate::trace::{self, Point};
-use crate::wire::{BlockId, BufferDescriptor, BufferId, EventHandle, Message, PointerDescriptor, CAP_FAST_RELEASE};
 
 /// A buffer the exporter can share, ordered on a stream like a
 /// [`PoolBuffer`](mempool_core::PoolBuffer). Made by [`Exporter::alloc`](crate::Exporter::alloc)
@@ -299,7 +299,7 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
     if to.is_empty() {
         return Ok(());
     }
-    let server = inner.server()?;
+    let reactor = inner.reactor()?;
     let event = inner.take_event()?;
     event.event.record(buffer.view.stream())?;
     let handle = event.handle;
@@ -355,7 +355,7 @@ pub(super) fn share(inner: &Inner, buffer: &ExportedBuffer<'_>, to: &[ImporterId
     for importer in to {
         let message = if keepers.contains(importer) { &kept } else { &plain };
         trace::mark(Point::ExporterShared, buffer.id.0);
-        if let Err(e) = server.send(*importer, message, Some(buffer.id)) {
+        if let Err(e) = reactor.send(*importer, message, Some(buffer.id)) {
             // The owner still holds the buffer, so revoking frees nothing. The serving thread
             // may have counted the importer out already (NotLeased): nothing to undo.
             let _ = inner.lock().leases.revoke(buffer.id, *importer);

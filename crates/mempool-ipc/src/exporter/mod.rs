@@ -8,7 +8,7 @@
 //! - `release_wait`: how `wait_released` waits for its buffer's release (a slot of its own, spun
 //!   on, then parked on), and the registry of those waits that the state keeps;
 //! - `buffers`: [`ExportedBuffer`], and making (`alloc`, `adopt`) and sharing (`share`) buffers;
-//! - `serve`: what the serving thread (the crate's `server`, one event loop for every
+//! - `serve`: what the serving thread (the crate's `reactor`, one event loop for every
 //!   connection) reports to the exporter, and the shutdown;
 //! - `reclaim`: freeing, at once, deferred to the last release, or reclaimed from an importer
 //!   that is gone (the lease table decides when);
@@ -43,13 +43,13 @@ use mempool_core::{DeviceAddr, MemPool, PhysicalAllocation, Stream, StreamRef};
 pub use self::buffers::ExportedBuffer;
 use self::state::{Inner, PoolSource, Projected, State};
 pub use self::vmm::ExportedVmm;
-use crate::cred::PeerCredentials;
 use crate::error::{take_drop_errors, Error, Result};
 use crate::lease::ImporterId;
-use crate::listener::{Listener, ListenerOptions};
-use crate::server::{Handler, Limits, Server};
+use crate::protocol::{BufferId, DeviceUuid, PoolId};
+use crate::reactor::{Handler, Limits, Reactor};
 use crate::session::PoolAnnouncement;
-use crate::wire::{BufferId, DeviceUuid, PoolId};
+use mempool_socket::cred::PeerCredentials;
+use mempool_socket::listener::{Listener, ListenerOptions};
 
 /// How an [`Exporter`] listens, how many connections it serves, and how it shuts down.
 ///
@@ -233,14 +233,14 @@ impl fmt::Debug for Exporter {
 
 impl Exporter {
     /// The serving thread's spin over the rings after ring traffic, by default
-    /// ([`Exporter::set_spin`]): 50 µs, a few round trips' worth of a release's way back (about
-    /// 15 µs measured), so that releases that keep coming find the thread awake and ring no
+    /// ([`Exporter::set_spin`]): 50 µs, a few round trips' worth of a release's way back
+    /// (docs/measurements.md, "IPC exporter: the default spins"), so that releases that keep coming find the thread awake and ring no
     /// doorbell, while an exporter whose traffic stopped goes to sleep within 50 µs.
-    pub const DEFAULT_SPIN: Duration = crate::server::DEFAULT_RING_SPIN;
+    pub const DEFAULT_SPIN: Duration = crate::reactor::DEFAULT_RING_SPIN;
 
     /// [`ExportedBuffer::wait_released`]'s spin before it parks, by default
-    /// ([`Exporter::set_wait_spin`]): 50 µs. In a round trip the release comes 10-15 µs after the
-    /// share; with a window of buffers in flight per producer thread, the wait for the oldest lasts
+    /// ([`Exporter::set_wait_spin`]): 50 µs. In a round trip the release comes well within that after
+    /// the share (docs/measurements.md, "IPC exporter: the default spins"); with a window of buffers in flight per producer thread, the wait for the oldest lasts
     /// about one buffer's period per consumer (40 µs at 100,000 buffers per second over 4
     /// consumers). Within the spin a release costs the serving thread (which takes every
     /// importer's releases) no `FUTEX_WAKE`, and the waiter no wake-up; a wait spins on a slot of
@@ -297,7 +297,7 @@ impl Exporter {
             ring: options.rings,
         };
         let inner = Arc::new(Inner {
-            server: OnceLock::new(),
+            reactor: OnceLock::new(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             waiters: std::sync::atomic::AtomicUsize::new(0),
@@ -315,9 +315,9 @@ impl Exporter {
             source,
         });
         let handler: Arc<dyn Handler> = inner.clone();
-        let server = Server::start(listener, announcement, pool_fd, limits, handler)?;
+        let reactor = Reactor::start(listener, announcement, pool_fd, limits, handler)?;
         // Only this function sets it, once.
-        let _ = inner.server.set(server);
+        let _ = inner.reactor.set(reactor);
         Ok(Exporter { inner, shut: false })
     }
 
@@ -528,14 +528,14 @@ impl Exporter {
     ///
     /// [`ExportedBuffer::wait_released`]'s spin is set apart: [`Exporter::set_wait_spin`].
     pub fn set_spin(&self, spin: Duration) {
-        if let Some(server) = self.inner.server.get() {
-            server.set_ring_spin(spin);
+        if let Some(reactor) = self.inner.reactor.get() {
+            reactor.set_ring_spin(spin);
         }
     }
 
     /// What [`Exporter::set_spin`] set.
     pub fn spin(&self) -> Duration {
-        self.inner.server.get().map_or(Duration::ZERO, Server::ring_spin)
+        self.inner.reactor.get().map_or(Duration::ZERO, Reactor::ring_spin)
     }
 
     /// Sets how long [`ExportedBuffer::wait_released`] looks for its buffer's release before it
@@ -558,7 +558,7 @@ impl Exporter {
 
     /// A snapshot of the bookkeeping.
     pub fn stats(&self) -> ExporterStats {
-        let served = self.inner.server.get().map(Server::stats).unwrap_or_default();
+        let served = self.inner.reactor.get().map(Reactor::stats).unwrap_or_default();
         let state = self.inner.lock();
         ExporterStats {
             handshakes: served.handshakes,

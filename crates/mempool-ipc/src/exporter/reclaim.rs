@@ -13,8 +13,8 @@ use mempool_core::{Event, EventFlags, StreamRef};
 use super::state::{Freer, Inner, Shared};
 use crate::error::{record_drop_error, Error, Result};
 use crate::lease::ImporterId;
+use crate::protocol::BufferId;
 use crate::trace::{self, Point};
-use crate::wire::BufferId;
 
 impl Inner {
     /// The exporter lets go of buffer `id`, whose last use is on `stream`: frees it there if no

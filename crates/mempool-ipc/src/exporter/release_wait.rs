@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::thread::Thread;
 use std::time::Instant;
 
+use crate::protocol::BufferId;
 use crate::trace;
-use crate::wire::BufferId;
 
 /// Loads of the slot between two looks at the clock while spinning.
 const LOADS_PER_CLOCK: usize = 64;

@@ -1,6 +1,6 @@
 //! What the serving thread tells the exporter ([`Handler`]: an importer connected, released a
 //! buffer, left, or its process is gone), and the shutdown that says `Goodbye` to every
-//! importer and waits for their releases. The connections themselves are the crate's `server`,
+//! importer and waits for their releases. The connections themselves are the crate's `reactor`,
 //! one event loop for all of them.
 
 use std::sync::atomic::Ordering;
@@ -11,12 +11,12 @@ use std::sync::Arc;
 use mempool_core::{Event, IpcEventHandle};
 
 use super::state::{AfterEvent, Inner, Peer, MAX_RELEASE_EVENTS};
-use crate::cred::PeerCredentials;
 use crate::error::Result;
 use crate::lease::ImporterId;
-use crate::server::Handler;
+use crate::protocol::{BufferId, EventHandle, ProtocolError, ReleaseBatch};
+use crate::reactor::Handler;
 use crate::trace::{self, Point};
-use crate::wire::{BufferId, EventHandle, ProtocolError, ReleaseBatch};
+use mempool_socket::cred::PeerCredentials;
 
 impl Handler for Inner {
     fn connected(&self, id: ImporterId, credentials: PeerCredentials, capabilities: u64) {
@@ -154,10 +154,10 @@ impl Inner {
 /// release what they hold or for their processes to end, then every connection closes and the
 /// serving thread ends.
 pub(super) fn shut_down(inner: &Inner) {
-    let Some(server) = inner.server.get() else { return };
+    let Some(reactor) = inner.reactor.get() else { return };
     inner.shutting_down.store(true, Ordering::Release);
     let deadline = Instant::now() + inner.shutdown_timeout;
-    server.begin_shutdown();
+    reactor.begin_shutdown();
     {
         let mut state = inner.lock();
         // Importers that keep blocks imported say Goodbye (freeing those imports) once they hold
@@ -170,5 +170,5 @@ pub(super) fn shut_down(inner: &Inner) {
         }
     }
     // The serving thread takes the state's lock in its last reports: not held here.
-    server.finish();
+    reactor.finish();
 }

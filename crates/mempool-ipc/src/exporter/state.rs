@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use mempool_core::{Context, DeviceAddr, Event, EventFlags, MemPool, Stream, StreamRef};
 
 use super::release_wait::{ReleaseWaiters, Signals};
-use crate::cred::PeerCredentials;
 use crate::error::{Error, Result};
 use crate::lease::{BlockPins, ImporterId, LeaseTable};
-use crate::server::Server;
+use crate::protocol::{BlockId, BufferId, EventHandle, PointerDescriptor};
+use crate::reactor::Reactor;
 use crate::session::PoolAnnouncement;
 use crate::trace;
-use crate::wire::{BlockId, BufferId, EventHandle, PointerDescriptor};
+use mempool_socket::cred::PeerCredentials;
 
 /// Gives a buffer back: called once, with the buffer's address and length and the stream to order
 /// the free on.
@@ -139,7 +139,7 @@ pub(super) const MAX_RELEASE_EVENTS: usize = 8;
 /// A connected importer (handshake done).
 pub(super) struct Peer {
     pub(super) credentials: PeerCredentials,
-    /// The capabilities its handshake granted (`wire::CAP_*`).
+    /// The capabilities its handshake granted (`protocol::CAP_*`).
     pub(super) capabilities: u64,
     /// Its release events, opened (`cuIpcOpenEventHandle`) on first use, by handle.
     pub(super) release_events: Vec<(EventHandle, Event)>,
@@ -188,12 +188,12 @@ impl State {
 
 /// The exporter's shared core: the [`Exporter`](crate::Exporter), every
 /// [`ExportedBuffer`](crate::ExportedBuffer) and the serving thread (through the
-/// [`Handler`](crate::server::Handler) it reports to) hold it.
+/// [`Handler`](crate::reactor::Handler) it reports to) hold it.
 pub(super) struct Inner {
     // Field order is drop order: everything that frees into the pool or waits on it goes first.
     /// The connections; set once the serving thread runs (it holds this `Inner`, so the
     /// exporter's shutdown stops it, which breaks the cycle).
-    pub(super) server: OnceLock<Server>,
+    pub(super) reactor: OnceLock<Reactor>,
     pub(super) state: Mutex<State>,
     /// Signalled when the state changes ([`Inner::notify`]: not directly), for the threads in
     /// [`Inner::wait`].
@@ -295,8 +295,8 @@ impl Inner {
     }
 
     /// The connections.
-    pub(super) fn server(&self) -> Result<&Server> {
-        self.server.get().ok_or(Error::Refused {
+    pub(super) fn reactor(&self) -> Result<&Reactor> {
+        self.reactor.get().ok_or(Error::Refused {
             reason: "the exporter is not serving".into(),
         })
     }

@@ -18,8 +18,8 @@ use super::buffers::{self, ExportedBuffer};
 use super::state::{FreeFn, Freer, Inner, State};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
-use crate::server::Server;
-use crate::wire::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
+use crate::protocol::{BufferId, Message, VmmBufferDescriptor, CAP_VMM};
+use crate::reactor::Reactor;
 
 /// A VMM physical allocation the exporter can share with importers that accepted VMM sharing,
 /// mapped in the exporter with read-write access for its device. Made by
@@ -129,7 +129,7 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
     if to.is_empty() {
         return Ok(());
     }
-    let server = inner.server()?;
+    let reactor = inner.reactor()?;
     check_granted(&inner.lock(), to, CAP_VMM)?;
     let id = vmm.id();
     let fd = vmm.physical.export_fd()?;
@@ -154,14 +154,14 @@ pub(super) fn share_vmm(inner: &Inner, vmm: &ExportedVmm<'_>, to: &[ImporterId])
         ready_event: Some(handle),
     });
     // The owner still holds the buffer, so revoking frees nothing.
-    let first_error = send_to_each(inner, server, &message, id, &[fd], to);
+    let first_error = send_to_each(inner, reactor, &message, id, &[fd], to);
     inner.notify_all_waiters();
     first_error.map_or(Ok(()), Err)
 }
 
 /// Whether every importer of `to` is connected and was granted `capability` in its handshake
 /// (`Hello2`/`Welcome2`; a version-1 importer never is): [`CAP_VMM`] (bit 1) for a VMM allocation,
-/// [`CAP_VMM_CHUNKS`](crate::wire::CAP_VMM_CHUNKS) (bit 2) for a range over several.
+/// [`CAP_VMM_CHUNKS`](crate::protocol::CAP_VMM_CHUNKS) (bit 2) for a range over several.
 pub(super) fn check_granted(state: &State, to: &[ImporterId], capability: u64) -> Result<()> {
     for importer in to {
         match state.importers.get(importer) {
@@ -181,7 +181,7 @@ pub(super) fn check_granted(state: &State, to: &[ImporterId], capability: u64) -
 /// the first failure, as [`Error::Share`].
 pub(super) fn send_to_each(
     inner: &Inner,
-    server: &Server,
+    reactor: &Reactor,
     message: &Message,
     id: BufferId,
     fds: &[OwnedFd],
@@ -194,7 +194,7 @@ pub(super) fn send_to_each(
             .map(|fd| fd.try_clone())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(Error::from)
-            .and_then(|fds| server.send_with_fds(*importer, message, Some(id), fds));
+            .and_then(|fds| reactor.send_with_fds(*importer, message, Some(id), fds));
         if let Err(e) = sent {
             let _ = inner.lock().leases.revoke(id, *importer);
             first_error.get_or_insert(Error::Share {

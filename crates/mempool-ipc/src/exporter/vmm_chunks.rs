@@ -12,7 +12,7 @@ use super::state::{FreeFn, Freer, Inner, Shared};
 use super::vmm::{check_granted, send_to_each};
 use crate::error::{Error, Result};
 use crate::lease::ImporterId;
-use crate::wire::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
+use crate::protocol::{check_vmm_chunks, BufferId, Message, VmmChunksDescriptor, CAP_VMM_CHUNKS, MAX_VMM_CHUNKS};
 
 /// [`Exporter::share_vmm_chunks`](crate::Exporter::share_vmm_chunks).
 pub(super) fn share_vmm_chunks(
@@ -29,7 +29,7 @@ pub(super) fn share_vmm_chunks(
         return Err(invalid("sharing VMM chunks needs at least one importer".into()));
     }
     let descriptor = describe(inner, chunks, offset, len)?;
-    let server = inner.server()?;
+    let reactor = inner.reactor()?;
     check_granted(&inner.lock(), to, CAP_VMM_CHUNKS)?;
     let fds = chunks
         .iter()
@@ -85,7 +85,7 @@ pub(super) fn share_vmm_chunks(
         ..descriptor
     });
     // The owner's reference still holds the range, so revoking frees nothing.
-    let first_error = send_to_each(inner, server, &message, id, &fds, to);
+    let first_error = send_to_each(inner, reactor, &message, id, &fds, to);
     // From now on the importers hold it alone: the last to let go frees it.
     let released = inner.release_owner(id, stream);
     inner.notify_all_waiters();

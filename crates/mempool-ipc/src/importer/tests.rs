@@ -8,11 +8,11 @@ use mempool_core::DeviceAddr;
 
 use super::{check_block_in_allocation, Importer, ImporterOptions};
 use crate::error::Error;
-use crate::listener::Listener;
+use crate::protocol::testing::buffer;
+use crate::protocol::{BufferDescriptor, DeviceUuid, ErrorCode, PoolId, ProtocolError};
 use crate::session::{ExporterSession, PoolAnnouncement};
 use crate::test_util::{memfd_with, open_fds_named, unique_name};
-use crate::wire::testing::buffer;
-use crate::wire::{BufferDescriptor, DeviceUuid, ErrorCode, PoolId, ProtocolError};
+use mempool_socket::listener::Listener;
 
 /// A hostile exporter's block size: larger than the allocation the driver imported, or a pointer
 /// outside it. Refused, naming the sizes, before any view of the block exists.
@@ -66,7 +66,7 @@ fn an_importer_that_cannot_use_the_exporters_gpu_fails_clearly_on_both_sides() {
     let fd_name = unique_name("pool");
     let exporter = std::thread::spawn(move || {
         let pool_fd = memfd_with(&fd_name, b"pool");
-        let (conn, _) = listener.accept().unwrap();
+        let (conn, _) = crate::connection::accept(&listener).unwrap();
         // A GPU no machine has: all 0xee.
         let announcement = PoolAnnouncement {
             device_uuid: DeviceUuid([0xee; 16]),

@@ -12,7 +12,7 @@ use mempool_core::{
 };
 
 use crate::error::{record_drop_error, Error, Result};
-use crate::wire::{BufferId, EventHandle, ProtocolError, VmmBufferDescriptor};
+use crate::protocol::{BufferId, EventHandle, ProtocolError, VmmBufferDescriptor};
 
 /// What a [`SharedVmm`] needs of the importer that received it (the importer's `Inner`
 /// implements it; this module does not import the importer's).

@@ -11,7 +11,7 @@ use mempool_core::{Access, BufferView, DeviceAddr, Mapping, PhysicalAllocation, 
 
 use super::vmm::{check_granularity, hold, Held, VmmHost};
 use crate::error::{Error, Result};
-use crate::wire::{BufferId, ProtocolError, VmmChunksDescriptor};
+use crate::protocol::{BufferId, ProtocolError, VmmChunksDescriptor};
 
 /// A range of the exporter's memory that lies across several VMM physical allocations, each of its
 /// own size (the chunks of a growable reservation, such as a service resource's mappings of 1 to 32

@@ -3,7 +3,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 
 use super::*;
-use crate::wire::{EventHandle, PointerDescriptor};
+use crate::protocol::{EventHandle, PointerDescriptor};
 
 const A: ImporterId = ImporterId(1);
 const B: ImporterId = ImporterId(2);

@@ -513,12 +513,12 @@ fn a_process_that_maps_the_passed_descriptor_sees_the_entries() {
     // The descriptor crosses a Unix socket as it does at the handshake; the receiver maps it.
     let (left, right) = std::os::unix::net::UnixStream::pair().unwrap();
     let a = region(4, 64);
-    crate::fdpass::send_with_fds(&left, b"ring", &[a.fd().as_fd()]).unwrap();
+    mempool_socket::fdpass::send_with_fds(&left, b"ring", &[a.fd().as_fd()]).unwrap();
     let mut tx = Producer::new(a.clone(), Direction::ToImporter);
     tx.push(b"buffer 1").unwrap();
     tx.publish();
     let mut bytes = [0u8; 16];
-    let (n, mut fds) = crate::fdpass::recv_with_fds(&right, &mut bytes, 4).unwrap();
+    let (n, mut fds) = mempool_socket::fdpass::recv_with_fds(&right, &mut bytes, 4).unwrap();
     assert_eq!(&bytes[..n], b"ring");
     assert_eq!(fds.len(), 1);
     let b = Arc::new(Region::open(fds.remove(0)).unwrap());

@@ -9,16 +9,16 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::conn::Received;
+use crate::connection::Received;
 use crate::error::{Error, Result};
+use crate::protocol::{self, BufferDescriptor, Message};
 use crate::ring::{Consumer, Direction, Geometry, Producer, Region, SLOT_HEADER_WORDS};
-use crate::wire::{self, BufferDescriptor, Message};
 
 /// The longest frame the rings carry: a `Buffer` (the shortest `ReleaseBatch`, of one id, is shorter).
-const LONGEST_RING_FRAME: usize = if wire::BUFFER_FRAME_LEN > wire::RELEASE_BATCH_FRAME_FIXED_LEN + 8 {
-    wire::BUFFER_FRAME_LEN
+const LONGEST_RING_FRAME: usize = if protocol::BUFFER_FRAME_LEN > protocol::RELEASE_BATCH_FRAME_FIXED_LEN + 8 {
+    protocol::BUFFER_FRAME_LEN
 } else {
-    wire::RELEASE_BATCH_FRAME_FIXED_LEN + 8
+    protocol::RELEASE_BATCH_FRAME_FIXED_LEN + 8
 };
 
 /// The smallest ring slot the protocol accepts, in bytes: the slot's header and the longest frame
@@ -88,7 +88,7 @@ impl ImporterRing {
         let mut guard = lock(&self.rx);
         let (rx, scratch) = &mut *guard;
         let Some(len) = rx.pop(scratch)? else { return Ok(None) };
-        let message = wire::decode(&scratch[..len]);
+        let message = protocol::decode(&scratch[..len]);
         rx.publish_and_wake();
         match message? {
             Message::Buffer(b) => Ok(Some(b)),
@@ -146,7 +146,7 @@ impl ImporterRing {
     /// Writes `message` (a release) into the ring to the exporter, unpublished; `false` if it
     /// does not fit a slot or the ring is full (send it on the socket).
     pub(crate) fn push(&self, message: &Message) -> Result<bool> {
-        let frame = wire::encode(message)?;
+        let frame = protocol::encode(message)?;
         if frame.len() > self.max_payload {
             return Ok(false);
         }
@@ -157,7 +157,8 @@ impl ImporterRing {
     /// slots too small for that).
     pub(crate) fn batch_max(&self) -> usize {
         // Header, count and flags, the event handle, then 8 bytes per id.
-        (self.max_payload.saturating_sub(wire::RELEASE_BATCH_FRAME_FIXED_LEN) / 8).clamp(1, wire::MAX_RELEASE_BATCH)
+        (self.max_payload.saturating_sub(protocol::RELEASE_BATCH_FRAME_FIXED_LEN) / 8)
+            .clamp(1, protocol::MAX_RELEASE_BATCH)
     }
 
     /// Publishes the releases written; returns whether the exporter sleeps (send `RingBell`).

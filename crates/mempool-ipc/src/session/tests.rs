@@ -8,18 +8,19 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 
 use super::{ExporterEvent, ExporterSession, ImporterEvent, ImporterSession, PoolAnnouncement};
-use crate::conn::{short_options, Connection, ConnectionOptions};
-use crate::cred::AccessPolicy;
+use crate::connection::{short_options, Connection};
 use crate::error::{Error, Result};
-use crate::fdpass;
 use crate::lease::{ImportTable, ImporterId, LeaseError, LeaseTable};
-use crate::listener::Listener;
-use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
-use crate::wire::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
-use crate::wire::{
+use crate::protocol::testing::{buffer, expect_error_then_eof, read_frame, GPU, OTHER_GPU, POOL};
+use crate::protocol::{
     self, BufferId, DeviceUuid, ErrorCode, EventHandle, Message, MessageType, PoolDescriptor, PoolId, ProtocolError,
     Ready, ReleaseBatch, Welcome, CAP_FAST_RELEASE,
 };
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name, TempDir};
+use mempool_socket::cred::AccessPolicy;
+use mempool_socket::fdpass;
+use mempool_socket::listener::Listener;
+use mempool_socket::ConnectionOptions;
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
@@ -36,7 +37,7 @@ fn find_gpu(uuid: &DeviceUuid) -> Result<u32> {
 }
 
 fn send_raw(raw: &mut UnixStream, message: &Message) {
-    raw.write_all(&wire::encode(message).unwrap()).unwrap();
+    raw.write_all(&protocol::encode(message).unwrap()).unwrap();
 }
 
 /// Runs a successful handshake over a socket pair; the pool memfd holds `contents`.
@@ -72,7 +73,7 @@ fn handshake_over_a_listener() {
     let pool = memfd_with(&unique_name("listener-pool"), b"via the listener");
     let importer =
         thread::spawn(move || ImporterSession::connect(&path, short_options(), &AccessPolicy::SameUser, 0, find_gpu));
-    let (conn, peer) = listener.accept().unwrap();
+    let (conn, peer) = crate::connection::accept(&listener).unwrap();
     assert_eq!(peer.pid, std::process::id() as i32);
     let _exporter = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (_importer, imported) = importer.join().unwrap().unwrap();
@@ -94,7 +95,7 @@ fn importer_refuses_an_exporter_outside_its_policy() {
     )
     .unwrap_err();
     assert!(matches!(err, Error::PeerCredentials { .. }), "{err}");
-    let (conn, _) = listener.accept().unwrap();
+    let (conn, _) = crate::connection::accept(&listener).unwrap();
     let pool = memfd_with(&unique_name("unused"), b"");
     let err = ExporterSession::handshake(conn, ANNOUNCEMENT, pool.as_fd()).unwrap_err();
     assert!(
@@ -244,7 +245,7 @@ fn pool_descriptor_must_name_the_announced_pool() {
         read_frame(&mut raw).unwrap(),
         Message::Ready(Ready { device_uuid: GPU })
     );
-    let other = wire::encode(&Message::PoolDescriptor(PoolDescriptor {
+    let other = protocol::encode(&Message::PoolDescriptor(PoolDescriptor {
         pool_id: PoolId([0x77; 16]),
     }))
     .unwrap();
@@ -260,7 +261,7 @@ fn pool_descriptor_must_name_the_announced_pool() {
 fn importer_speaking_another_version_is_told() {
     let pool = memfd_with(&unique_name("version"), b"x");
     let (e, mut raw) = UnixStream::pair().unwrap();
-    let mut hello = wire::encode(&Message::Hello).unwrap();
+    let mut hello = protocol::encode(&Message::Hello).unwrap();
     hello[4..6].copy_from_slice(&7u16.to_le_bytes());
     raw.write_all(&hello).unwrap();
     let err = ExporterSession::handshake(Connection::new(e, short_options()), ANNOUNCEMENT, pool.as_fd()).unwrap_err();
@@ -601,10 +602,10 @@ fn an_importer_refused_by_a_version_1_exporter_connects_again_the_version_1_way(
     });
     // What a version-1 exporter does with `Hello2`: its header's version is refused.
     let mut raw = listener.accept_stream().unwrap();
-    let mut header = [0u8; wire::HEADER_LEN];
+    let mut header = [0u8; protocol::HEADER_LEN];
     std::io::Read::read_exact(&mut raw, &mut header).unwrap();
     assert_eq!(u16::from_le_bytes([header[4], header[5]]), 2);
-    let refusal = wire::encode(&Message::Error(wire::ErrorMessage::new(
+    let refusal = protocol::encode(&Message::Error(protocol::ErrorMessage::new(
         ErrorCode::UnsupportedVersion,
         "unsupported protocol version 2 (this side speaks version 1)",
     )))
@@ -612,7 +613,7 @@ fn an_importer_refused_by_a_version_1_exporter_connects_again_the_version_1_way(
     raw.write_all(&refusal).unwrap();
     drop(raw);
     // The second connection says `Hello`.
-    let (second, _) = listener.accept().unwrap();
+    let (second, _) = crate::connection::accept(&listener).unwrap();
     let _exporter = ExporterSession::handshake(second, ANNOUNCEMENT, pool.as_fd()).unwrap();
     let (importer, imported) = importer.join().unwrap().unwrap();
     assert_eq!(importer.capabilities(), 0);
@@ -624,8 +625,8 @@ fn an_importer_refuses_rings_whose_slots_cannot_hold_a_buffer_frame() {
     // Issue 33, finding 6: an exporter that offers rings of 96-byte slots (a `ReleaseBatch` of one
     // id does not fit; the importer's batch size underflowed) is refused at the handshake, the
     // slot size and the minimum named, and told why.
+    use crate::protocol::CAP_RING;
     use crate::ring::{Geometry, Region};
-    use crate::wire::CAP_RING;
     let asked = CAP_FAST_RELEASE | CAP_RING;
     let (i, mut raw) = UnixStream::pair().unwrap();
     let importer = thread::spawn(move || {
@@ -647,10 +648,10 @@ fn an_importer_refuses_rings_whose_slots_cannot_hold_a_buffer_frame() {
         Message::Ready(Ready { device_uuid: GPU })
     );
     let pool = memfd_with(&unique_name("small-slots"), b"x");
-    let descriptor = wire::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
+    let descriptor = protocol::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
     fdpass::send_with_fds(&raw, &descriptor, &[pool.as_fd()]).unwrap();
     let region = Region::create(Geometry::new(4, 96).unwrap()).unwrap();
-    let setup = wire::encode(&Message::RingSetup).unwrap();
+    let setup = protocol::encode(&Message::RingSetup).unwrap();
     fdpass::send_with_fds(&raw, &setup, &[region.fd()]).unwrap();
     let err = match importer.join().unwrap() {
         Ok(()) => panic!("the importer accepted rings of 96-byte slots"),

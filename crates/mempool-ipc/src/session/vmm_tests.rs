@@ -8,22 +8,22 @@ use std::os::unix::net::UnixStream;
 use std::thread;
 
 use super::{ExporterEvent, ExporterHandshake, ExporterSession, HandshakeStep, ImporterSession, PoolAnnouncement};
-use crate::conn::{short_options, Connection};
+use crate::connection::{short_options, Connection};
 use crate::error::{Error, Result};
-use crate::fdpass;
-use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
-use crate::wire::testing::{expect_error_then_eof, read_frame, vmm_buffer, vmm_chunks, GPU, POOL};
-use crate::wire::{
+use crate::protocol::testing::{expect_error_then_eof, read_frame, vmm_buffer, vmm_chunks, GPU, POOL};
+use crate::protocol::{
     self, ErrorCode, Message, MessageType, PoolDescriptor, ProtocolError, Ready, Welcome, CAP_FAST_RELEASE, CAP_VMM,
     CAP_VMM_CHUNKS,
 };
+use crate::test_util::{is_cloexec, memfd_with, open_fds_named, read_all, unique_name};
+use mempool_socket::fdpass;
 
 const ANNOUNCEMENT: PoolAnnouncement = PoolAnnouncement {
     device_uuid: GPU,
     pool_id: POOL,
 };
 
-fn find_gpu(uuid: &wire::DeviceUuid) -> Result<u32> {
+fn find_gpu(uuid: &protocol::DeviceUuid) -> Result<u32> {
     if *uuid == GPU {
         Ok(0)
     } else {
@@ -116,7 +116,7 @@ fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEven
         session.recv()
     });
     assert_eq!(read_frame(&mut raw).unwrap(), Message::Hello2 { capabilities: CAP_VMM });
-    let welcome = wire::encode(&Message::Welcome2 {
+    let welcome = protocol::encode(&Message::Welcome2 {
         welcome: Welcome {
             device_uuid: GPU,
             pool_id: POOL,
@@ -130,7 +130,7 @@ fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEven
         Message::Ready(Ready { device_uuid: GPU })
     );
     let pool = memfd_with(&unique_name("raw-pool"), b"pool");
-    let descriptor = wire::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
+    let descriptor = protocol::encode(&Message::PoolDescriptor(PoolDescriptor { pool_id: POOL })).unwrap();
     fdpass::send_with_fds(&raw, &descriptor, &[pool.as_fd()]).unwrap();
     let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
     fdpass::send_with_fds(&raw, frame, &borrowed).unwrap();
@@ -141,7 +141,7 @@ fn importer_receiving_raw(frame: &[u8], fds: &[&OwnedFd]) -> Result<ExporterEven
 
 #[test]
 fn a_vmm_buffer_without_its_descriptor_or_with_two_is_refused() {
-    let frame = wire::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
+    let frame = protocol::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
     let name = unique_name("vmm-count");
     let a = memfd_with(&name, b"a");
     let b = memfd_with(&name, b"b");
@@ -161,9 +161,9 @@ fn a_vmm_buffer_without_its_descriptor_or_with_two_is_refused() {
 fn a_malformed_vmm_buffer_is_refused_with_the_reason_and_its_descriptor_closed() {
     let name = unique_name("vmm-malformed");
     let alloc = memfd_with(&name, b"x");
-    let mut frame = wire::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
+    let mut frame = protocol::encode(&Message::VmmBuffer(vmm_buffer(2))).unwrap();
     // Size 3 MiB with a granularity of 2 MiB.
-    frame[wire::HEADER_LEN + 8..wire::HEADER_LEN + 16].copy_from_slice(&(3u64 << 20).to_le_bytes());
+    frame[protocol::HEADER_LEN + 8..protocol::HEADER_LEN + 16].copy_from_slice(&(3u64 << 20).to_le_bytes());
     let err = importer_receiving_raw(&frame, &[&alloc]).unwrap_err();
     match err {
         Error::Protocol(ProtocolError::Violation { reason }) => assert_eq!(
@@ -191,7 +191,7 @@ fn the_exporter_grants_vmm_only_to_a_hello2_that_asks_for_it() {
         assert_eq!(answer_caps.unwrap_or(0), machine.capabilities());
         answer_caps
     };
-    let all = wire::KNOWN_CAPABILITIES;
+    let all = protocol::KNOWN_CAPABILITIES;
     // A version-1 importer gets the version-1 Welcome and nothing else.
     assert_eq!(granted(Message::Hello, all), None);
     assert_eq!(granted(Message::Hello2 { capabilities: CAP_VMM }, all), Some(CAP_VMM));
@@ -245,7 +245,7 @@ fn an_importer_refuses_a_vmm_grant_it_did_not_ask_for() {
         },
         capabilities: CAP_FAST_RELEASE | CAP_VMM,
     };
-    raw.write_all(&wire::encode(&welcome).unwrap()).unwrap();
+    raw.write_all(&protocol::encode(&welcome).unwrap()).unwrap();
     let err = importer.join().unwrap().unwrap_err();
     assert!(err.to_string().contains("more than the"), "{err}");
     let told = expect_error_then_eof(&mut raw);

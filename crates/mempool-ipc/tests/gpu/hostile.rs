@@ -52,8 +52,9 @@ fn a_block_larger_than_the_allocation_its_pointer_names_is_refused_by_the_import
     let stream = Stream::new(&ctx).unwrap();
     let ptr = pool.allocate(MIB, stream.as_ref()).unwrap();
     stream.synchronize().unwrap();
-    // The pool is exported before its pointer, as the exporter does (and core's IPC test): on H200 with
-    // driver 580, `cuMemPoolExportPointer` on a pool not yet exported failed with CUDA_ERROR_INVALID_VALUE.
+    // The pool is exported before its pointer, as the exporter does (and core's IPC test): on a pool not
+    // yet exported, `cuMemPoolExportPointer` failed with CUDA_ERROR_INVALID_VALUE (docs/measurements.md,
+    // "Which machines ran which tests").
     // The range the driver reports may be more than the allocation (the pool's mapped chunk), so the claim
     // is twice that range, which no import of `ptr` can hold.
     let pool_fd = pool.export_fd().unwrap();

@@ -19,8 +19,8 @@
   ``__cuda_array_interface__`` and DLPack, so ``torch.from_dlpack`` views it). While an importer holds it,
   the owner keeps the buffer alive and its tag cannot sleep; an importer that dies lets go of it.
 
-The memory service (``mempool_ipc::memsvc``; docs/memory-service.md): named GPU buffers held by a server
-process (the ``mempool-serve`` binary, or ``serve(path, ...)`` in this process), which outlive the processes
+The memory store (``mempool_store``; docs/memory-store.md): named GPU buffers held by a server
+process (the ``mempool-store-server`` binary, or ``serve(path, ...)`` in this process), which outlive the processes
 that made them.
 
 - ``Client(path, timeout=None, trust_uids=())``: ``create(name, size, device=None, tag=None, ttl=None,
@@ -37,8 +37,8 @@ that made them.
   object and every view of it are gone, and the server keeps the buffer until it is deleted or expires.
 - ``serve(path, devices=None, per_uid_bytes=None, per_uid_buffers=None, total_bytes=None,
   total_buffers=None, allow_uids=(), default_ttl=None, max_buffer_bytes=None, socket_mode=None)``: a
-  ``MemoryServer`` in this process (``path``, ``stats()``, ``shutdown()``, a context manager).
-- Errors: the ``MemoryServiceError`` classes below; ``ValueError`` for a bad size, tag or argument.
+  ``MemoryStoreServer`` in this process (``path``, ``stats()``, ``shutdown()``, a context manager).
+- Errors: the ``MemoryStoreError`` classes below; ``ValueError`` for a bad size, tag or argument.
 
 The exporter frees a buffer only when it and every importer holding it have let go; an importer that dies
 counts as having let go once its process is gone. None of these objects can be pickled: send the socket
@@ -47,42 +47,42 @@ path to the other process (for example as a ``multiprocessing`` argument, in spa
 
 from ._errors import IpcError, IpcProtocolError, IpcTimeoutError, PeerGoneError, RefusedError
 from ._lib import ExportedBuffer, Exporter, ImportedBuffer, ImportedRange, Importer
-from ._lib import AttachedBuffer, BufferInfo, Client, CreatedBuffer, MemoryServer, serve, validate_name
+from ._lib import AttachedBuffer, BufferInfo, Client, CreatedBuffer, MemoryStoreServer, serve, validate_name
 
 
-class MemoryServiceError(IpcError):
-    """The memory service (``Client``, ``serve``) refused or failed a call; the base of the classes below, and
+class MemoryStoreError(IpcError):
+    """The memory store (``Client``, ``serve``) refused or failed a call; the base of the classes below, and
     the class of the rest (the server's own GPU failure, a device it does not serve, a socket path it cannot
     use)."""
 
 
-class NameTakenError(MemoryServiceError, FileExistsError):
+class NameTakenError(MemoryStoreError, FileExistsError):
     """``create`` named a buffer that exists (published, or being created by someone)."""
 
 
-class UnknownNameError(MemoryServiceError, LookupError):
+class UnknownNameError(MemoryStoreError, LookupError):
     """No buffer has the name: never created, deleted, expired, or its creator died before publishing it."""
 
 
-class InvalidNameError(MemoryServiceError, ValueError):
+class InvalidNameError(MemoryStoreError, ValueError):
     """The name breaks the naming rule (the message names the rule; ``validate_name`` checks it)."""
 
 
-class QuotaExceededError(MemoryServiceError):
+class QuotaExceededError(MemoryStoreError):
     """Creating the buffer would pass a quota (the message says whose, of what, the limit and the use)."""
 
 
-class NotPermittedError(MemoryServiceError, PermissionError):
+class NotPermittedError(MemoryStoreError, PermissionError):
     """The access rules refuse the call: a uid the server does not allow, a server uid this client does not
     trust, or deleting another user's buffer."""
 
 
-class WrongStateError(MemoryServiceError):
+class WrongStateError(MemoryStoreError):
     """The buffer's state does not allow the call: attaching one still being created, publishing twice or
     after a discard."""
 
 
-class ServerGoneError(MemoryServiceError, PeerGoneError, ConnectionError):
+class ServerGoneError(MemoryStoreError, PeerGoneError, ConnectionError):
     """The server is gone (nobody listens on the path, it closed the connection or died); every later call of
     the same ``Client`` raises it too. Buffers already mapped stay valid until dropped."""
 
@@ -93,8 +93,8 @@ __all__ = [
     "Client",
     "CreatedBuffer",
     "InvalidNameError",
-    "MemoryServer",
-    "MemoryServiceError",
+    "MemoryStoreServer",
+    "MemoryStoreError",
     "NameTakenError",
     "NotPermittedError",
     "QuotaExceededError",

@@ -13,21 +13,21 @@
 //! Files: `exporter.rs` (`Exporter`), `importer.rs` (`Importer`), `buffers.rs` (the two buffer classes,
 //! whose shared surface is [`crate::view`]'s), `service.rs` (`ImportedRange`, a service resource's range
 //! received from `Exporter.share_range`, and how the service resource behind a `mempool.mr` object is
-//! found), `memsvc.rs` (the memory service: `Client`, `CreatedBuffer`, `AttachedBuffer`, `BufferInfo`,
-//! `MemoryServer` and `serve`, over `mempool_ipc::memsvc`), `common.rs` (argument checks shared by all of
+//! found), `store.rs` (the memory store: `Client`, `CreatedBuffer`, `AttachedBuffer`, `BufferInfo`,
+//! `MemoryStoreServer` and `serve`, over `mempool_store`), `common.rs` (argument checks shared by all of
 //! them).
 
 mod buffers;
 mod common;
 mod exporter;
 mod importer;
-mod memsvc;
 mod service;
+mod store;
 
 pub(crate) use buffers::{PyExportedBuffer, PyImportedBuffer};
 pub(crate) use exporter::PyExporter;
 pub(crate) use importer::PyImporter;
-pub(crate) use memsvc::{
-    serve, validate_name, PyAttachedBuffer, PyBufferInfo, PyClient, PyCreatedBuffer, PyMemoryServer,
-};
 pub(crate) use service::PyImportedRange;
+pub(crate) use store::{
+    serve, validate_name, PyAttachedBuffer, PyBufferInfo, PyClient, PyCreatedBuffer, PyStoreServer,
+};

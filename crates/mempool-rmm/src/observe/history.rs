@@ -16,8 +16,8 @@
 //! on x86-64 (converted to nanoseconds when the history is read), a monotonic clock elsewhere, read once
 //! per claim: the other events of a claim carry the time of the claim's first event (a thread's events
 //! stay in order; an event's time is at most [`CLAIM`]` - 1` of its thread's events late, which matters
-//! only for a thread that records rarely; reading the clock for every event cost 22 ns on the H200
-//! machines' virtual CPUs, more than the rest of a record together). When the
+//! only for a thread that records rarely; reading the clock for every event cost more than the rest of a
+//! record together: docs/measurements.md, "mempool-rmm history"). When the
 //! ring wraps, its oldest events are overwritten and counted as dropped; slots a thread claimed and has
 //! not written yet are neither events nor dropped. Imports nothing of the crate.
 
@@ -455,8 +455,8 @@ impl History {
     /// Asks the CPU to bring the slots of a new claim, and of the claim after it (this thread's next one
     /// when it records alone), into its cache for writing. Without it, each record's stores missed the
     /// cache (the ring is 3 MiB, each slot last written an entire ring ago), and the next locked
-    /// instruction of the recorded resource (its mutex) waited for those misses: on one H200 machine the
-    /// history added 40-57 ns per operation to `pool(async)` (a record alone costs about 8 ns).
+    /// instruction of the recorded resource (its mutex) waited for those misses, several times what a
+    /// record alone costs (docs/measurements.md, "mempool-rmm history").
     #[inline]
     fn prefetch(&self, seq: u64) {
         #[cfg(target_arch = "x86_64")]

@@ -72,14 +72,14 @@ fn point_name(point: trace::Point) -> &'static str {
         P::ExporterBellRang => "exporter: consumer's doorbell rung (futex wake)",
         P::ExporterLoopWoke => "exporter: loop woke from epoll",
         P::ExporterSpinFound => "exporter: loop's spin found the release",
-        // The memory service's points (memsvc_attach prints them).
-        P::MemsvcClientSent
-        | P::MemsvcServerRead
-        | P::MemsvcServerReplied
-        | P::MemsvcServerSent
-        | P::MemsvcClientReply
-        | P::MemsvcClientMapped
-        | P::MemsvcClientDone => "memory service",
+        // The memory store's points (store_attach prints them).
+        P::StoreClientSent
+        | P::StoreServerRead
+        | P::StoreServerReplied
+        | P::StoreServerSent
+        | P::StoreClientReply
+        | P::StoreClientMapped
+        | P::StoreClientDone => "memory store",
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{ReleaseWaiters, Slot, Waited};
-use crate::wire::BufferId;
+use crate::protocol::BufferId;
 
 /// Long enough that a test's steps all fall inside it, however slow the machine.
 const LONG: Duration = Duration::from_secs(20);
