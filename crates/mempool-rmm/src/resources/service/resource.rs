@@ -14,12 +14,13 @@ use mempool_suballoc::{self as suballoc, Engine, EventPolicy, PoolEngine, PoolOp
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
-use crate::resources::service::table::{check_tag_name, over_watermark, runs, ChunkTable};
+use crate::resources::service::fences::{Fences, RegionStreams};
+use crate::resources::service::table::{check_tag_name, over_watermark, runs, wake_runs, ChunkTable};
 use crate::resources::service::types::{
     ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceOptions, ServiceStats, SleepMode, SleepReport, Tag,
     TagStats, WakeReport,
 };
-use crate::resources::suballoc::{map_engine_error, settle_per_thread_free, CudaStreams, StreamKey};
+use crate::resources::suballoc::{map_engine_error, settle_per_thread_free, StreamKey};
 
 const NAME: &str = "ServiceResource";
 
@@ -126,7 +127,10 @@ struct Sleeping {
 
 struct Region {
     name: String,
-    engine: PoolEngine<WholeRange, CudaStreams>,
+    engine: PoolEngine<WholeRange, RegionStreams>,
+    /// The frees into the tag still in flight: waited for before any of its chunks is unmapped (and by
+    /// the engine where it would block on a stream it stored).
+    fences: Arc<Fences>,
     table: ChunkTable,
     /// The mappings, by their first chunk, in address order; each spans `len / chunk` chunks, all marked
     /// mapped in `table` (the mapping a chunk belongs to is the last one starting at or before it).
@@ -168,8 +172,8 @@ impl State {
 ///   failure to map leaves everything as it was.
 /// - **Fragmentation is bounded** by the reclaim policy ([`ServiceOptions::reclaim`]); the default
 ///   watermark keeps the memory mapped within 15% above the most bytes ever live: when a growth would
-///   pass it, the resource first waits for the device and unmaps every idle chunk (mapped, touched by
-///   no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
+///   pass it, the resource first waits for the frees in flight and unmaps every idle chunk (mapped,
+///   touched by no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
 ///   the watermark nothing is unmapped, so a workload that reaches a steady state maps nothing more.
 /// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a [`TaggedResource`] per
 ///   tag; this resource's own `allocate` uses [`Tag::DEFAULT`]), with statistics per tag.
@@ -198,8 +202,8 @@ impl State {
 /// # Ok(()) }
 /// ```
 pub struct ServiceResource {
-    // Fields drop in order: the state (engines, then mappings, each unmapped after waiting for the device)
-    // before the reservation.
+    // `Drop` unmaps every mapping after waiting for the frees in flight; the fields then drop in order, the
+    // state before the reservation.
     state: Mutex<State>,
     reservation: Arc<Reservation>,
     props: AllocationProps,
@@ -368,9 +372,10 @@ impl ServiceResource {
     fn add_region(&self, st: &mut State, name: String) -> Result<Tag> {
         let index = st.regions.len();
         let base = self.reservation.base().0 + (index * self.region_size) as u64;
+        let fences = Arc::new(Fences::new(&self.ctx));
         let engine = PoolEngine::new(
             WholeRange::new(base, self.region_size as u64),
-            CudaStreams::new(&self.ctx),
+            RegionStreams::new(&self.ctx, fences.clone()),
             PoolOptions {
                 initial_size: self.region_size as u64,
                 maximum_size: Some(self.region_size as u64),
@@ -382,6 +387,7 @@ impl ServiceResource {
         st.regions.push(Region {
             name,
             engine,
+            fences,
             table,
             mappings: BTreeMap::new(),
             asleep: None,
@@ -550,15 +556,16 @@ impl ServiceResource {
         cache.iter().map(|h| h.len as u64).sum()
     }
 
-    /// Waits for the device, then unmaps and releases every chunk no live allocation touches (every tag
-    /// that is awake). Returns the bytes released.
+    /// Waits for the frees still in flight into the tags it unmaps from (the events their streams
+    /// recorded), then unmaps and releases every chunk no live allocation touches (every tag that is
+    /// awake). Returns the bytes released.
     pub fn trim(&self) -> Result<u64> {
         let mut st = self.state();
         self.unmap_idle(&mut st)
     }
 
     /// Unmaps every idle mapping of the awake tags (one no live allocation touches), after waiting for the
-    /// device.
+    /// frees in flight into those tags.
     fn unmap_idle(&self, st: &mut State) -> Result<u64> {
         let mut plan: Vec<(usize, Vec<usize>)> = Vec::new();
         for (ri, r) in st.regions.iter().enumerate() {
@@ -580,19 +587,30 @@ impl ServiceResource {
         if plan.is_empty() {
             return Ok(0);
         }
-        // Frees were stream-ordered; unmapping is not: wait until no work can touch the chunks.
-        self.ctx.synchronize()?;
+        // Frees were stream-ordered; unmapping is not: wait until no work can touch the chunks. An idle
+        // chunk lies wholly in free blocks, and every use of a free block was queued before its free, on
+        // the free's stream: the tag's fences. Not the whole context: other tags' work, and other users'
+        // of the device, go on.
+        for (ri, _) in &plan {
+            st.regions[*ri].fences.wait()?;
+        }
         let mut released = 0u64;
         for (ri, idle) in plan {
-            released += self.unmap_groups(st, ri, &idle);
+            // Waited: the fences above, and no live allocation touches an idle chunk.
+            released += self.unmap_groups(st, ri, &idle, true);
         }
         st.reclaimed_bytes += released;
         Ok(released)
     }
 
     /// Tells the observers, then unmaps and releases the mappings that start at `starts` (sorted) in
-    /// region `ri`. The device has been waited for. Returns the bytes released.
-    fn unmap_groups(&self, st: &mut State, ri: usize, starts: &[usize]) -> u64 {
+    /// region `ri`. Returns the bytes released.
+    ///
+    /// `waited`: the caller waited for every piece of work that may touch these mappings (the frees in
+    /// flight into the tag: its fences; and what the resource itself queued on them), so they are unmapped
+    /// at once; otherwise each mapping's drop waits for the whole device first (the fallback where such a
+    /// wait failed).
+    fn unmap_groups(&self, st: &mut State, ri: usize, starts: &[usize], waited: bool) -> u64 {
         for range in group_ranges(ri, &st.regions[ri], starts) {
             for (_, o) in &st.observers {
                 o.unmapping(range);
@@ -601,11 +619,23 @@ impl ServiceResource {
         let r = &mut st.regions[ri];
         let mut released = 0u64;
         for &g in starts {
-            // Unmaps (the mapping waits for the device again: cheap once idle) and releases.
             if let Some(m) = r.mappings.remove(&g) {
                 let n = m.len() / self.chunk;
                 released += m.len() as u64;
-                drop(m);
+                if waited {
+                    // SAFETY: 1. the caller waited for all work that touches the mapping (`waited`, this
+                    // function's contract: the tag's fences cover every use of freed memory, the
+                    // resource's own copies were waited for, and live allocations' work is their owners'
+                    // to have finished, which `sleep` states). 2. the range goes back to the resource:
+                    // nothing is handed it until it is mapped again.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        m.unmap_waited()
+                    };
+                } else {
+                    // Unmapping waits for the device first (the mapping's drop).
+                    drop(m);
+                }
                 for i in g..g + n {
                     r.table.set_mapped(i, false);
                 }
@@ -630,7 +660,8 @@ impl ServiceResource {
             Ok(())
         })();
         if let Err(e) = result {
-            self.undo_maps(st, ri, &mut done);
+            // Nothing used the new mappings: they were never handed out.
+            self.undo_maps(st, ri, &mut done, true);
             return Err(e);
         }
         Ok(())
@@ -678,14 +709,15 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Unmaps the mappings a failed call made (nothing used them; `done` holds their first chunks). The
-    /// observers see them unmapping (they may have been told of them).
-    fn undo_maps(&self, st: &mut State, ri: usize, done: &mut [usize]) {
+    /// Unmaps the mappings a failed call made (`done` holds their first chunks). The observers see them
+    /// unmapping (they may have been told of them). `waited`: as [`unmap_groups`](Self::unmap_groups)'s,
+    /// true when nothing used them or what did was waited for.
+    fn undo_maps(&self, st: &mut State, ri: usize, done: &mut [usize], waited: bool) {
         if done.is_empty() {
             return;
         }
         done.sort_unstable();
-        self.unmap_groups(st, ri, done);
+        self.unmap_groups(st, ri, done, waited);
     }
 
     /// Allocates `bytes` under `tag`, ordered on `stream`. Errors: a tag that is not this resource's, a
@@ -743,7 +775,8 @@ impl ServiceResource {
     fn grow(&self, st: &mut State, ri: usize, span: Range<usize>, rounded: u64, stream: StreamRef<'_>) -> Result<()> {
         let need = st.regions[ri].table.unmapped(span.clone());
         let new = (need.len() * self.chunk) as u64;
-        // Reclaiming waits for the device, which a stream being captured into a graph forbids (it would
+        // Reclaiming waits for the frees in flight (host-synchronizes events, and the whole context when
+        // one cannot be waited for), which a stream being captured into a graph forbids (it would
         // invalidate the capture): then the resource only maps, and an out-of-memory is not retried.
         let capturing = self.own_context(stream).is_capturing()?;
         let reclaim = !capturing
@@ -827,7 +860,9 @@ impl ServiceResource {
         Error::OutOfMemoryReport(Box::new(r))
     }
 
-    /// Frees an allocation (of any tag) on `stream`.
+    /// Frees an allocation (of any tag) on `stream`. A tag that sleeps takes the free too, as bookkeeping:
+    /// the block returns to its free list as address space, and the chunks only it touched are not
+    /// mapped back when the tag wakes.
     fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
         // Before the state lock: a free on the per-thread handle waits for this thread's stream.
         settle_per_thread_free(&self.ctx, stream)?;
@@ -854,10 +889,11 @@ impl ServiceResource {
                 st.regions[ri].name
             )));
         }
-        if st.regions[ri].asleep.is_some() {
-            return Err(asleep_error(self.name, &st.regions[ri].name, "free into"));
-        }
         let r = &mut st.regions[ri];
+        // Work queued on `stream` before this free may still use the block (the stream contract): the
+        // tag's fences wait for it before any of the tag's chunks is unmapped. Marked before the engine
+        // puts the block in a free list, so that whatever waits for the fences covers every free block.
+        r.fences.freed_on(stream);
         // The engine refuses an address or size that is not a live allocation, before the table changes.
         r.engine
             .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
@@ -871,15 +907,30 @@ impl ServiceResource {
     /// Releases the physical memory of `tags`, keeping their addresses (and their live allocations)
     /// reserved: with [`SleepMode::Offload`] the chunks live allocations touch are first copied to pinned
     /// host memory (a buffer kept from an earlier offload when one is large enough, else a new one), ordered
-    /// on `stream`; with [`SleepMode::Discard`] their contents are lost. The device
-    /// is waited for before anything is unmapped, and observers are told.
+    /// on `stream`; with [`SleepMode::Discard`] their contents are lost. Observers are told.
+    ///
+    /// Before it unmaps anything it waits for the frees into the tags still in flight, whatever stream
+    /// each was made on (the events the resource recorded at each free, host-synchronized: a block freed
+    /// on a stream whose kernel still runs is unmapped only once that kernel is done), and for its own
+    /// offload copies. It does not wait for the whole device: other tags', resources' and libraries' work
+    /// goes on.
+    ///
+    /// The work that uses the tags' live allocations is the caller's to have finished: the resource hands
+    /// out their addresses and never sees that work. `stream` must be idle (checked), and so must every
+    /// other stream that uses those allocations (synchronize them first). A kernel that still uses a live
+    /// allocation of a sleeping tag faults (the driver reports an illegal address) or, during an offload,
+    /// races the copy of that allocation's own bytes; it reaches no other memory: the addresses stay
+    /// reserved for the allocation, and only `wake` maps memory there again, for it.
     ///
     /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
-    /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending
-    /// (synchronize it first: sleeping memory a queued kernel still uses would fault it). Tags sleep one
-    /// after the other: when one fails later (out of pinned host memory for its offload, a copy the driver
-    /// refuses), the tags before it in `tags` are asleep, it and those after it are awake with their
-    /// memory as it was, and [`stats`](Self::stats) says which.
+    /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending.
+    /// Tags sleep one after the other: when one fails later (out of pinned host memory for its offload, a
+    /// copy the driver refuses), the tags before it in `tags` are asleep, it and those after it are awake
+    /// with their memory as it was, and [`stats`](Self::stats) says which.
+    ///
+    /// While a tag sleeps, allocating from it and exporting from it are refused; freeing into it is
+    /// taken as bookkeeping (the block returns to the tag's free list as address space, and its chunks
+    /// that no live allocation touches are not mapped back by `wake`).
     pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
         let stream = self.own_context(stream);
         let mut st = self.state();
@@ -908,7 +959,11 @@ impl ServiceResource {
             }
         }
         self.check_idle(stream)?;
-        self.ctx.synchronize()?;
+        // The frees in flight into these tags, on any stream (their fences): every use of their free
+        // blocks. Waited for before any tag changes, so a failure here leaves them all awake.
+        for &ri in &idx {
+            st.regions[ri].fences.wait()?;
+        }
         let mut report = SleepReport::default();
         for &ri in &idx {
             let free = free_chunks(&st.regions[ri]);
@@ -942,7 +997,9 @@ impl ServiceResource {
                 }
             };
             let groups = Self::all_groups(&st.regions[ri]);
-            report.released_bytes += self.unmap_groups(&mut st, ri, &groups);
+            // Waited: the fences (frees in flight), the offload's copies (`stream`, synchronized), and the
+            // live allocations' work, which the caller finished (this function's contract).
+            report.released_bytes += self.unmap_groups(&mut st, ri, &groups, true);
             st.regions[ri].asleep = Some(Sleeping {
                 mode,
                 chunks: touched,
@@ -952,8 +1009,9 @@ impl ServiceResource {
         Ok(report)
     }
 
-    /// Maps the memory of sleeping `tags` back at the same addresses (the chunks live allocations touched
-    /// when they fell asleep) and, for offloaded tags, copies the contents back, ordered on `stream`; waits
+    /// Maps the memory of sleeping `tags` back at the same addresses (the chunks live allocations touch:
+    /// those they touched when the tags fell asleep, less the ones only allocations freed since touched)
+    /// and, for offloaded tags, copies the contents back, ordered on `stream`; waits
     /// for `stream` before it returns. Observers are told. Tags that are awake are skipped. The pinned host
     /// buffers of offloaded tags are kept for the next offload
     /// ([`release_host_cache`](Self::release_host_cache) frees them).
@@ -972,11 +1030,15 @@ impl ServiceResource {
             let Some(sleeping) = st.regions[ri].asleep.take() else {
                 continue;
             };
-            match self.restore(&mut st, ri, &sleeping, stream) {
+            // Frees taken while asleep may have left saved chunks that no live allocation touches: those
+            // stay unmapped.
+            let plan = wake_runs(&sleeping.chunks, &free_chunks(&st.regions[ri]));
+            let bytes = (plan.iter().map(|(run, _)| run.len()).sum::<usize>() * self.chunk) as u64;
+            match self.restore(&mut st, ri, &plan, sleeping.host.as_ref(), stream) {
                 Ok(()) => {
-                    report.mapped_bytes += (sleeping.chunks.len() * self.chunk) as u64;
+                    report.mapped_bytes += bytes;
                     if let Some(host) = sleeping.host {
-                        report.restored_bytes += (sleeping.chunks.len() * self.chunk) as u64;
+                        report.restored_bytes += bytes;
                         // The copies were waited for: the buffer is free for the next offload.
                         st.host_cache.push(host);
                     }
@@ -990,22 +1052,29 @@ impl ServiceResource {
         Ok(report)
     }
 
-    /// Maps `sleeping`'s chunks of region `ri` back in batches, queuing each batch's copy before mapping
-    /// the next, then waits for `stream`.
-    fn restore(&self, st: &mut State, ri: usize, sleeping: &Sleeping, stream: StreamRef<'_>) -> Result<()> {
+    /// Maps the runs of `plan` (each with the index of its first chunk's saved copy in `host`, as
+    /// [`wake_runs`] gives them) of region `ri` back in batches, queuing each batch's copy from `host`
+    /// (an offload's) before mapping the next, then waits for `stream`.
+    fn restore(
+        &self,
+        st: &mut State,
+        ri: usize,
+        plan: &[(Range<usize>, usize)],
+        host: Option<&PinnedHost>,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
         let mut done: Vec<usize> = Vec::new();
         let result = (|| -> Result<()> {
-            let mut k = 0;
-            for run in runs(sleeping.chunks.iter().copied()) {
+            for (run, first) in plan {
                 let mut start = run.start;
                 while start < run.end {
                     let end = (start + WAKE_BATCH).min(run.end);
                     self.map_run(st, ri, start..end, GROUP_CHUNKS, &mut done)?;
-                    if let Some(host) = &sleeping.host {
+                    if let Some(host) = host {
                         let chunks: Vec<usize> = (start..end).collect();
+                        let k = first + (start - run.start);
                         self.copy_at(&st.regions[ri].table, &chunks, host, k, Direction::Restore, stream)?;
                     }
-                    k += end - start;
                     start = end;
                 }
             }
@@ -1013,10 +1082,13 @@ impl ServiceResource {
             Ok(())
         })();
         if let Err(e) = result {
-            // Copies already queued read the host memory and write chunks about to be unmapped: wait.
-            let _ = stream.synchronize();
-            let _ = self.ctx.synchronize();
-            self.undo_maps(st, ri, &mut done);
+            // Copies already queued read the host memory and write chunks about to be unmapped: wait for
+            // them. They are all on `stream` (the tag sleeps: nothing else uses its chunks). When the
+            // stream's wait fails it cannot tell that they ended; the context's wait can, and is kept as
+            // that fallback alone (and when it fails too, each mapping's drop waits and keeps what it
+            // cannot unmap).
+            let waited = stream.synchronize().is_ok() || self.ctx.synchronize().is_ok();
+            self.undo_maps(st, ri, &mut done, waited);
             return Err(e);
         }
         Ok(())
@@ -1289,12 +1361,17 @@ impl Drop for ServiceExport {
     }
 }
 
-// SAFETY: each region's engine hands out disjoint, aligned ranges of its region (its invariants, tested on
-// the host), and regions are disjoint; `allocate` maps every chunk of the range before returning it, and a
-// chunk a live allocation touches is unmapped only by `sleep`, which keeps the addresses reserved for
-// `wake` (the memory is not handed to anyone else: the same addresses come back mapped to the same
-// allocation); a range is handed out again only after `deallocate` returned it. The memory stays valid
-// while `self` lives, except while its tag sleeps, which its owner asks for.
+// SAFETY: 1. each region's engine hands out disjoint, aligned ranges of its region (its invariants, tested on
+// the host), and regions are disjoint; a range is handed out again only after `deallocate` returned it.
+// 2. `allocate` maps every chunk of the range before returning it. A chunk is unmapped only when no live
+// allocation touches it (trim, the watermark's reclaim), by `sleep`, or by the drop, and each of them first
+// waits for the frees in flight into its tag (the fences `deallocate` marks): no work ordered before a free
+// runs on memory unmapped under it, or mapped again for someone else. The drop also waits for the whole
+// context while allocations are live. `sleep` is the one way a live allocation's chunks are unmapped while
+// `self` lives, and only its owner asks for it: the addresses stay reserved for that allocation (nothing
+// else is mapped there, no other allocation is handed them), so work that still touches them, against
+// `sleep`'s documentation, fails with the driver's error instead of reaching other memory, and `wake` maps
+// them back for the same allocation. 3. `is_equal` is identity; the tagged views are equal to nothing else.
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for ServiceResource {
     fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
@@ -1332,7 +1409,7 @@ unsafe impl MemoryResource for ServiceResource {
         }
     }
 
-    /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the device.
+    /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the frees in flight.
     fn trim_unused(&self, _stream: StreamRef<'_>) -> Result<()> {
         self.trim().map(drop)
     }
@@ -1340,15 +1417,20 @@ unsafe impl MemoryResource for ServiceResource {
 
 impl Drop for ServiceResource {
     /// Returns everything, live allocations included, as RMM's resources do when destroyed: waits for the
-    /// device, tells the observers, unmaps and releases every chunk, then frees the range. Errors go to
-    /// `mempool_core::take_drop_errors`.
+    /// frees still in flight (each tag's fences), tells the observers, unmaps and releases every chunk,
+    /// then frees the range. Errors go to `mempool_core::take_drop_errors`.
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // Every use of freed memory is behind the fences. Allocations never freed are another matter: no
+        // fence covers the work their owners queued, and the range goes back to the driver below (to be
+        // handed to anyone after), so while any is live (awake or asleep) the whole context is waited
+        // for: the one case where a context-wide wait stays on this path.
+        let fenced = st.regions.iter().all(|r| r.fences.wait().is_ok());
+        let waited = fenced && (st.used == 0 || self.ctx.synchronize().is_ok());
         for r in &mut st.regions {
+            // Forgets the blocks; its wait for stored streams is the fences' (waited for above: a no-op).
             let _ = r.engine.release();
         }
-        let _ = self.ctx.synchronize();
-        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         for ri in 0..st.regions.len() {
             let groups = Self::all_groups(&st.regions[ri]);
             for range in group_ranges(ri, &st.regions[ri], &groups) {
@@ -1356,7 +1438,23 @@ impl Drop for ServiceResource {
                     o.unmapping(range);
                 }
             }
-            st.regions[ri].mappings.clear();
+            let mappings = std::mem::take(&mut st.regions[ri].mappings);
+            for (_, m) in mappings {
+                if waited {
+                    // SAFETY: 1. every use of freed memory was waited for (the fences), and with allocations
+                    // still live, all of the context's work too (above); the resource's own copies were
+                    // waited for by the calls that queued them. 2. the resource is going away: nothing is
+                    // handed these addresses again through it.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        m.unmap_waited()
+                    };
+                } else {
+                    // A wait failed: the mapping's drop waits for the device itself, and keeps (leaks) what
+                    // it cannot unmap.
+                    drop(m);
+                }
+            }
         }
     }
 }
