@@ -1448,8 +1448,10 @@ fn service_sleep_and_trim_wait_for_a_free_in_flight_on_another_stream() {
 }
 
 /// Issue 33: unmapping waits for what used the memory, not for the whole device. A kernel of someone
-/// else (on a stream of its own, touching none of the resource's memory) spins until the end of the
-/// test; `trim`, `sleep`, `wake` and the drop (with nothing live) must all return while it still runs.
+/// else (on a stream of its own, touching none of the resource's memory) spins; `trim`, `sleep` and `wake`
+/// of a tag with nothing live, and the drop (with nothing live) must all return while it still runs. A
+/// tag with a live allocation does wait for the device when it sleeps (its users' streams are unknown), so
+/// that part runs with nothing spinning.
 /// Before the change `trim` and `sleep` began with `cuCtxSynchronize` (and the drop waited so too), which
 /// waits for that kernel: `trim` returned only when its 20 s limit ran out, and it was no longer running.
 #[test]
@@ -1462,26 +1464,42 @@ fn service_unmaps_without_waiting_for_unrelated_work() {
     let mr = ServiceResource::new(&g.dev, options(256 * MIB, 2)).unwrap();
     let kv = mr.tag("kv").unwrap();
     let kvr = mr.tagged(kv);
+    let idle = mr.tag("idle").unwrap();
+    let idler = mr.tagged(idle);
     let a = kvr.allocate(8 * MIB, s).unwrap();
     let b = kvr.allocate(4 * MIB, s).unwrap();
-    // SAFETY: a and b are live allocations of these sizes.
+    let c = idler.allocate(2 * MIB, s).unwrap();
+    // SAFETY: a, b and c are live allocations of these sizes.
     unsafe {
         g.fill(a, 8 * MIB, 1);
         g.fill(b, 4 * MIB, 2);
+        g.fill(c, 2 * MIB, 4);
     }
     g.stream.synchronize().unwrap();
-    // SAFETY: `a` came from `kvr` with this size; freed once, after its kernel (on `s`, synchronized).
-    unsafe { kvr.deallocate(a, 8 * MIB, s) }.unwrap();
+    // SAFETY: `a` and `c` came from `kvr` and `idler` with these sizes; freed once, after their kernels (on
+    // `s`, synchronized).
+    unsafe {
+        kvr.deallocate(a, 8 * MIB, s).unwrap();
+        idler.deallocate(c, 2 * MIB, s).unwrap();
+    }
 
     spinner.spin(&other);
     let busy = || !other.as_ref().is_idle().unwrap();
     assert!(busy(), "the unrelated kernel spins");
     let trimmed = mr.trim().unwrap();
     let after_trim = busy();
-    let slept = mr.sleep(&[kv], SleepMode::Discard, s).unwrap();
+    // A tag with nothing live: sleep and wake wait for its frees alone, not for the device.
+    mr.sleep(&[idle], SleepMode::Discard, s).unwrap();
     let after_sleep = busy();
-    let woken = mr.wake(&[kv], s).unwrap();
+    mr.wake(&[idle], s).unwrap();
     let after_wake = busy();
+    spinner.release();
+    other.synchronize().unwrap();
+    spinner.reset();
+    // A tag with a live allocation: its users' streams are unknown, so sleep waits for the device (nothing
+    // spins now), and the live block is mapped back by wake.
+    let slept = mr.sleep(&[kv], SleepMode::Discard, s).unwrap();
+    let woken = mr.wake(&[kv], s).unwrap();
     // SAFETY: `b` is live and awake (its contents were discarded: write, then read).
     unsafe {
         g.fill(b, 4 * MIB, 3);
@@ -1490,7 +1508,9 @@ fn service_unmaps_without_waiting_for_unrelated_work() {
     // SAFETY: `b` came from `kvr` with this size; freed once, after its kernels (on `s`, synchronized by
     // the check).
     unsafe { kvr.deallocate(b, 4 * MIB, s) }.unwrap();
-    drop((kvr, mr)); // nothing live: the drop waits for the frees alone
+    spinner.spin(&other);
+    assert!(busy(), "the unrelated kernel spins again");
+    drop((kvr, idler, mr)); // nothing live: the drop waits for the frees alone
     let after_drop = busy();
     spinner.release();
     other.synchronize().unwrap();
@@ -1506,7 +1526,7 @@ fn service_unmaps_without_waiting_for_unrelated_work() {
     );
     assert!(
         after_sleep,
-        "sleep waited for work that touches none of the resource's memory"
+        "sleep of a tag with nothing live waited for work that touches none of the resource's memory"
     );
     assert!(
         after_wake,

@@ -149,9 +149,9 @@ impl ServiceMemoryResource {
     /// Releases the physical memory of `tags` (a name, a tag number, or an iterable of them), keeping their
     /// addresses and live buffers: `mode="offload"` copies the contents to pinned host memory first
     /// (ordered on `stream`), `mode="discard"` loses them. Returns `{"released_bytes", "offloaded_bytes"}`.
-    /// It waits for the frees into the tags still in flight (on any stream), not for the whole device: the
-    /// work that uses their live buffers is the caller's to have finished (synchronize the streams that use
-    /// them first). Refused with nothing changed (`UnsupportedError`): a tag already asleep or shared with
+    /// It waits for the frees into the tags still in flight (on any stream), and, where a tag still has
+    /// live buffers, for the whole device (their users' streams are unknown to it); a tag with nothing
+    /// live does not wait for the device. Refused with nothing changed (`UnsupportedError`): a tag already asleep or shared with
     /// another process, `stream` with work still queued. Until `wake`, allocating from a sleeping tag
     /// raises `UnsupportedError`; a buffer freed meanwhile goes back to the tag (its memory is not mapped
     /// back by `wake` unless a live buffer shares it). Runs with the interpreter released.

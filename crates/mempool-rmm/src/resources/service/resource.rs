@@ -912,15 +912,10 @@ impl ServiceResource {
     /// Before it unmaps anything it waits for the frees into the tags still in flight, whatever stream
     /// each was made on (the events the resource recorded at each free, host-synchronized: a block freed
     /// on a stream whose kernel still runs is unmapped only once that kernel is done), and for its own
-    /// offload copies. It does not wait for the whole device: other tags', resources' and libraries' work
-    /// goes on.
-    ///
-    /// The work that uses the tags' live allocations is the caller's to have finished: the resource hands
-    /// out their addresses and never sees that work. `stream` must be idle (checked), and so must every
-    /// other stream that uses those allocations (synchronize them first). A kernel that still uses a live
-    /// allocation of a sleeping tag faults (the driver reports an illegal address) or, during an offload,
-    /// races the copy of that allocation's own bytes; it reaches no other memory: the addresses stay
-    /// reserved for the allocation, and only `wake` maps memory there again, for it.
+    /// offload copies. Where a tag still has live allocations it also waits for the whole context: the
+    /// resource hands out their addresses and never sees the streams that use them, so that is the only
+    /// wait that covers work still using them. A sleep of tags with nothing live does not wait for the
+    /// whole device: other tags', resources' and libraries' work goes on. `stream` must be idle (checked).
     ///
     /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
     /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending.
@@ -964,6 +959,16 @@ impl ServiceResource {
         for &ri in &idx {
             st.regions[ri].fences.wait()?;
         }
+        // Live allocations of these tags may still be used by work on streams the resource never saw (an
+        // event recorded when they were allocated covers nothing queued after it): where any is live, the
+        // only wait that covers that work is the context's. A tag with nothing live needs none.
+        let live = idx.iter().any(|&ri| {
+            let free = free_chunks(&st.regions[ri]);
+            st.regions[ri].table.mapped_chunks().into_iter().any(|i| !free[i])
+        });
+        if live {
+            self.ctx.synchronize()?;
+        }
         let mut report = SleepReport::default();
         for &ri in &idx {
             let free = free_chunks(&st.regions[ri]);
@@ -998,7 +1003,7 @@ impl ServiceResource {
             };
             let groups = Self::all_groups(&st.regions[ri]);
             // Waited: the fences (frees in flight), the offload's copies (`stream`, synchronized), and the
-            // live allocations' work, which the caller finished (this function's contract).
+            // live allocations' work (the context, above, where anything is live).
             report.released_bytes += self.unmap_groups(&mut st, ri, &groups, true);
             st.regions[ri].asleep = Some(Sleeping {
                 mode,
