@@ -1461,7 +1461,8 @@ fn service_unmaps_without_waiting_for_unrelated_work() {
     let s = g.stream.as_ref();
     let other = Stream::new(&g.ctx).unwrap();
     let spinner = Spinner::new(&g.ctx);
-    let mr = ServiceResource::new(&g.dev, options(256 * MIB, 2)).unwrap();
+    // Three tags: "default", "kv" and "idle".
+    let mr = ServiceResource::new(&g.dev, options(256 * MIB, 3)).unwrap();
     let kv = mr.tag("kv").unwrap();
     let kvr = mr.tagged(kv);
     let idle = mr.tag("idle").unwrap();
