@@ -42,8 +42,15 @@ macro_rules! plain_resource {
                 if ptr.is_null() {
                     return Ok(());
                 }
-                // The free is immediate: wait for the stream, after which no ordered work uses `ptr`.
-                stream.synchronize()?;
+                // The free is immediate: wait for the stream, after which no ordered work uses `ptr`. For the
+                // legacy stream, the whole context: what is queued on the blocking streams before it is
+                // ordered before its next work, not before a synchronize of it (and a free on another thread
+                // of memory of a thread's per-thread stream comes here as the legacy stream: `KeptStream`).
+                if stream.is_legacy() {
+                    self.ctx.synchronize()?;
+                } else {
+                    stream.synchronize()?;
+                }
                 // SAFETY: by the trait's contract `ptr` came from this resource's `allocate` and is returned
                 // once; its uses were ordered before this point of `stream`, which has completed.
                 unsafe { ($free)(&self.ctx, ptr) }?;

@@ -20,7 +20,7 @@ use crate::resources::service::types::{
     ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceOptions, ServiceStats, SleepMode, SleepReport, Tag,
     TagStats, WakeReport,
 };
-use crate::resources::suballoc::{map_engine_error, settle_per_thread_free, StreamKey};
+use crate::resources::suballoc::{map_engine_error, StreamKey};
 
 const NAME: &str = "ServiceResource";
 
@@ -736,7 +736,7 @@ impl ServiceResource {
         if st.regions[ri].asleep.is_some() {
             return Err(asleep_error(self.name, &st.regions[ri].name, "allocate from"));
         }
-        let key = StreamKey::of(stream);
+        let key = StreamKey::of(stream, &self.ctx)?;
         let addr = match st.regions[ri].engine.allocate(bytes as u64, key) {
             Ok(a) => a,
             Err(e) => {
@@ -829,7 +829,7 @@ impl ServiceResource {
                             addr: s,
                             size: t - s,
                             used: g.used,
-                            stream: g.stream.map(StreamKey::id),
+                            stream: g.stream.map(StreamKey::handle),
                         }
                     })
                     .collect();
@@ -864,8 +864,6 @@ impl ServiceResource {
     /// the block returns to its free list as address space, and the chunks only it touched are not
     /// mapped back when the tag wakes.
     fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        // Before the state lock: a free on the per-thread handle waits for this thread's stream.
-        settle_per_thread_free(&self.ctx, stream)?;
         let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
         let mut st = self.state();
         let invalid = |reason: String| Error::InvalidDeallocation {
@@ -896,7 +894,7 @@ impl ServiceResource {
         r.fences.freed_on(stream);
         // The engine refuses an address or size that is not a live allocation, before the table changes.
         r.engine
-            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
+            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream, &self.ctx)?)
             .map_err(|e| map_engine_error(self.name, e))?;
         r.used -= rounded;
         r.frees += 1;
@@ -1526,7 +1524,7 @@ mod tests {
     #[test]
     fn the_engine_sees_one_segment_and_never_more() {
         let up = WholeRange::new(1 << 40, 64 * MIB);
-        let key = StreamKey::of(StreamRef::LEGACY);
+        let key = StreamKey::from_parts(1, 0);
         assert_eq!(up.allocate(64 * MIB, key).unwrap(), 1 << 40);
         assert!(
             matches!(up.allocate(MIB, key), Err(suballoc::Error::OutOfMemory { requested, .. }) if requested == MIB)
