@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
@@ -43,11 +43,16 @@ macro_rules! plain_resource {
                     return Ok(());
                 }
                 // The free is immediate: wait for the stream, after which no ordered work uses `ptr`. For the
-                // legacy stream, the whole context: what is queued on the blocking streams before it is
-                // ordered before its next work, not before a synchronize of it (and a free on another thread
-                // of memory of a thread's per-thread stream comes here as the legacy stream: `KeptStream`).
+                // legacy stream, an event recorded on it and waited for: work queued on the blocking streams
+                // (per-thread streams included) before it is ordered before the legacy stream's next work,
+                // the record, not documented to be before a synchronize of it; a free on another thread of
+                // memory of a thread's per-thread stream comes here as the legacy stream (`KeptStream`).
+                // No wait on the whole context: non-blocking streams' work was ordered before the free by
+                // the caller, through the legacy stream.
                 if stream.is_legacy() {
-                    self.ctx.synchronize()?;
+                    let done = Event::new(&self.ctx, EventFlags::DISABLE_TIMING)?;
+                    done.record(stream)?;
+                    done.synchronize()?;
                 } else {
                     stream.synchronize()?;
                 }
