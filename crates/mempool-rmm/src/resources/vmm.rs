@@ -11,6 +11,7 @@ use mempool_core::{
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
+use crate::resources::driver::wait_before_immediate_free;
 
 const NAME: &str = "VmmResource";
 
@@ -93,7 +94,7 @@ struct Live {
 ///   suballocator over it (`PoolResource::new(vmm, &dev, PoolOptions::default())`) for many small
 ///   buffers.
 /// - `deallocate` is synchronous: it waits for the stream (every use of the memory is ordered before the
-///   free on it, peers' work included), then unmaps, releases the physical memory and frees the address
+///   free on it, peers' work included; the legacy stream through an event recorded on it), then unmaps, releases the physical memory and frees the address
 ///   range; it does not wait for the whole device. Dropping the resource frees whatever is still
 ///   allocated, each mapping after a wait for every device granted access (nothing says which streams
 ///   use an allocation never freed).
@@ -308,17 +309,16 @@ unsafe impl MemoryResource for VmmResource {
             }
         };
         // Unmapping is not stream-ordered: wait until the work ordered before this free on `stream` is
-        // done. A stream without a known context is waited for in the resource's own context.
-        let waited = match stream.context() {
-            Some(_) => stream.synchronize(),
-            None => stream.in_context(&self.ctx).synchronize(),
-        };
+        // done. A stream without a known context is waited for in the resource's own context; the legacy
+        // stream through an event recorded on it (see `wait_before_immediate_free`): the unmap below no
+        // longer waits for the whole context, which covered that before.
+        let waited = wait_before_immediate_free(&self.ctx, stream);
         if let Err(e) = waited {
             // Not known to be idle: keep it mapped and allocated, so that it can be freed again later.
             if let Some(l) = live {
                 self.lock().insert(ptr.0, l);
             }
-            return Err(e.into());
+            return Err(e);
         }
         // Unmapping without the mapping's own wait for every device granted access (a context-wide wait
         // on each): `stream`, which every use is ordered before, was synchronized just above. Then the
