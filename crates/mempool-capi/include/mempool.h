@@ -151,9 +151,10 @@ int mempool_service_tag(const mempool_resource_t* service, const char* name, uin
 /* A new handle allocating under tag (destroy it with mempool_resource_destroy). */
 int mempool_service_tagged_resource(const mempool_resource_t* service, uint32_t tag, mempool_resource_t** out);
 /* Releases the tags' physical memory (mode: a mempool_sleep_mode_t), after waiting for the frees into them
- * still in flight (not for the whole device: the work using their live allocations is the caller's to have
- * finished). Refused, changing nothing, for an unknown tag, one asleep or shared with another process, and a
- * stream with work still queued. A free into a sleeping tag is taken; allocating from it is refused. */
+ * still in flight and, where a tag still has live allocations, for the whole device (a tag with nothing live
+ * does not wait for the device). Refused, changing nothing, for an unknown tag, one asleep or shared with
+ * another process, and a stream with work still queued. A free into a sleeping tag is taken; allocating from
+ * it is refused. */
 int mempool_service_sleep(const mempool_resource_t* service, const uint32_t* tags, size_t num_tags, int mode,
                           void* stream, mempool_service_sleep_report_t* out);
 /* Maps the sleeping tags back at the same addresses, restoring offloaded contents; awake tags are skipped;

@@ -764,9 +764,10 @@ pub unsafe extern "C" fn mempool_service_tagged_resource(
 /// Releases the physical memory of the `num_tags` tags at `tags`, keeping their addresses and live
 /// allocations: `MEMPOOL_SLEEP_OFFLOAD` copies the contents to pinned host memory first (ordered on
 /// `stream`), `MEMPOOL_SLEEP_DISCARD` loses them. It waits for the frees into the tags still in flight
-/// (on any stream), not for the whole device; the work that uses the live allocations is the caller's to
-/// have finished (synchronize the streams that use them first). Refused with nothing changed: an unknown
-/// tag, a tag already asleep or with ranges shared with another process, `stream` with work still queued.
+/// (on any stream) and, where a tag still has live allocations (whose users' streams it never sees), for
+/// the whole device; a tag with nothing live does not wait for the device. Refused with nothing changed:
+/// an unknown tag, a tag already asleep or with ranges shared with another process, `stream` with work
+/// still queued.
 /// Allocating from a sleeping tag is refused until `mempool_service_wake`; a free into it is taken (the
 /// block's chunks that nothing live touches are not mapped back).
 ///

@@ -112,8 +112,9 @@ pub trait ChunkObserver: Send + Sync {
     fn mapped(&self, range: ChunkRange);
     /// `range` is about to be unmapped, and the work that may still touch it has finished: every use of
     /// memory freed in it (the resource waited for the frees into its tag still in flight) and, when its
-    /// tag sleeps, the work on its live allocations (which `sleep`'s caller finished). Other work on the
-    /// device may still run: the resource does not wait for the whole device.
+    /// tag sleeps or the resource drops with allocations live, the work on its live allocations (the
+    /// resource waited for the whole context then). Otherwise other work on the device may still run: the
+    /// resource does not wait for the whole device.
     fn unmapping(&self, range: ChunkRange);
 }
 
