@@ -88,9 +88,9 @@ impl StreamKey {
         // `release_unused` creates and keeps alive until the call returns. The two paths that replay
         // stored keys never reach here: `CudaStreams::synchronize` synchronizes the whole context instead,
         // and the release in `Drop` frees upstream on the private release stream, or the legacy stream if
-        // none could be made (see `ResourceUpstream`). So the handle is used on
-        // the thread that named the stream by it, where a per-thread handle names the keyed stream. The
-        // `'static` lifetime does not escape: each use is a single driver call.
+        // none could be made (see `ResourceUpstream`). So the handle is used on the thread that named the
+        // stream by it, where a per-thread handle names the keyed stream. The `'static` lifetime does not
+        // escape: each use is a single driver call.
         unsafe { StreamRef::from_raw(self.raw as mempool_core::RawStream) }
     }
 }
@@ -351,9 +351,9 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 ///   out; the driver's pools check what the driver checks).
 /// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's id
 ///   ([`StreamRef::key`], resolved on the calling thread: each thread's per-thread default stream is a
-///   stream of its own); a stream reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
-///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
-///   address.
+///   stream of its own); a stream reuses its own freed memory at once, and memory moves to another
+///   stream after a CUDA event wait (or a context synchronize), as the [`crate::suballoc`] crate docs
+///   describe. 0 bytes is the null address.
 /// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
 ///   [`EventPolicy::RecordOnDemand`], which would record on streams that may have been destroyed
 ///   since.
