@@ -31,8 +31,9 @@ const NAME: &str = "ServiceResource";
 ///   pass it, the resource first waits for the frees in flight and unmaps every idle chunk (mapped,
 ///   touched by no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
 ///   the watermark nothing is unmapped, so a workload that reaches a steady state maps nothing more.
-/// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a [`TaggedResource`] per
-///   tag; this resource's own `allocate` uses [`Tag::DEFAULT`]), with statistics per tag.
+/// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a
+///   [`TaggedResource`](super::TaggedResource) per tag; this resource's own `allocate` uses
+///   [`Tag::DEFAULT`]), with statistics per tag.
 /// - **Sleep and wake**: [`sleep`](Self::sleep) releases a tag's physical memory, keeping its addresses
 ///   (and its live allocations) reserved, after offloading the contents to pinned host memory or
 ///   discarding them; [`wake`](Self::wake) maps memory back at the same addresses and restores them.

@@ -276,8 +276,8 @@ impl ServiceResource {
         Ok(())
     }
 
-    /// Frees the pinned host buffers kept from earlier offloads (see [`ServiceStats::host_cache_bytes`]).
-    /// Returns the bytes freed.
+    /// Frees the pinned host buffers kept from earlier offloads (see
+    /// [`ServiceStats::host_cache_bytes`](super::ServiceStats::host_cache_bytes)). Returns the bytes freed.
     pub fn release_host_cache(&self) -> u64 {
         let cache = std::mem::take(&mut self.state().host_cache);
         cache.iter().map(|h| h.len as u64).sum()
