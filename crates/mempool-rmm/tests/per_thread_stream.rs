@@ -65,6 +65,20 @@ impl Watchdog {
                 eprintln!(
                     "per_thread_stream: {what} did not finish within {limit:?} (a hang in the allocator?); aborting"
                 );
+                // What every thread is doing, as the kernel sees it (its last step is in the trace above:
+                // run with --nocapture).
+                if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+                    for t in tasks.flatten() {
+                        let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+                        eprintln!(
+                            "  thread {} {}: wchan {} syscall {}",
+                            t.file_name().to_string_lossy(),
+                            read("comm").trim(),
+                            read("wchan").trim(),
+                            read("syscall").split(' ').next().unwrap_or("").trim()
+                        );
+                    }
+                }
                 std::process::abort();
             }
         });
@@ -78,6 +92,11 @@ impl Drop for Watchdog {
             let _ = tx.send(());
         }
     }
+}
+
+/// One step of a case, to stderr (shown with `--nocapture`): the last one printed names where a hang is.
+fn step(what: &str, round: usize, msg: &str) {
+    eprintln!("{what} round {round}: {msg}");
 }
 
 /// How A lets go of its memory.
@@ -110,18 +129,24 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
             let s = StreamRef::PER_THREAD.in_context(&a_ctx);
             let handed = match free {
                 Free::OnA => {
+                    step(what, round, "A allocates");
                     let p = a_mr.allocate(BYTES, s).unwrap();
+                    step(what, round, "A launches the late writer");
                     // SAFETY: `p` holds BYTES bytes on `s` until the free below, which is ordered after the
                     // kernel on the same stream.
                     unsafe { a_kernels.late_fill(p, N, A_VALUE, LATE_NS, s) }.unwrap();
                     // SAFETY: `p` came from `allocate(BYTES)` on this resource; the only work on it (the kernel)
                     // is ordered before this point of `s`.
+                    step(what, round, "A frees");
                     unsafe { a_mr.deallocate(p, BYTES, s) }.unwrap();
+                    step(what, round, "A freed");
                     (p, None)
                 }
                 Free::OnAnotherThread | Free::AfterItsThreadEnded => {
                     let s = StreamRef::PER_THREAD.in_context(Box::leak(Box::new(a_ctx.clone())));
+                    step(what, round, "A allocates a buffer");
                     let buf = DeviceBuffer::new(BYTES, s, a_mr.clone()).unwrap();
+                    step(what, round, "A launches the late writer");
                     // SAFETY: the buffer holds BYTES bytes on `s`; its free (when C drops it) is ordered after
                     // the work queued on A's per-thread stream, the kernel among it.
                     unsafe { a_kernels.late_fill(buf.ptr(), N, A_VALUE, LATE_NS, s) }.unwrap();
@@ -132,15 +157,19 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
             if free == Free::OnAnotherThread {
                 let _ = a_may_end.recv();
             }
+            step(what, round, "A ends");
         }));
         let (p, handed) = from_a.recv().unwrap();
         if free != Free::OnAnotherThread {
             a.take().unwrap().join().unwrap();
+            step(what, round, "A has ended");
         }
         // Threads that take shard numbers so that B's is A's again (thread C, which frees, is one of them).
         let mut others = shards - 1;
         if let Some(buf) = handed {
+            step(what, round, "C drops the buffer");
             std::thread::spawn(move || drop(buf)).join().unwrap();
+            step(what, round, "C dropped it");
             others = others.saturating_sub(1);
         }
         for _ in 0..others {
@@ -158,7 +187,9 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
         let (b_ctx, b_mr, b_kernels) = (ctx.clone(), mr.clone(), kernels.clone());
         let q = std::thread::spawn(move || {
             let s = StreamRef::PER_THREAD.in_context(&b_ctx);
+            step(what, round, "B allocates");
             let q = b_mr.allocate(BYTES, s).unwrap();
+            step(what, round, "B fills and synchronizes");
             // SAFETY: `q` holds BYTES bytes on `s`, freed below after the context is synchronized.
             unsafe { b_kernels.iota(q, N, B_BASE, s) }.unwrap();
             s.synchronize().unwrap();
@@ -171,6 +202,7 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
             a.join().unwrap();
         }
         // A's kernel has written by now, wherever it wrote.
+        step(what, round, "main synchronizes the context");
         ctx.synchronize().unwrap();
         let mut host = vec![0u8; BYTES];
         // SAFETY: `q` is live memory of BYTES bytes; the copy on the legacy stream follows the synchronize.
