@@ -135,9 +135,9 @@ fn scenario(what: &'static str, dev: &Device, mr: SharedResource, shards: usize,
                     // SAFETY: `p` holds BYTES bytes on `s` until the free below, which is ordered after the
                     // kernel on the same stream.
                     unsafe { a_kernels.late_fill(p, N, A_VALUE, LATE_NS, s) }.unwrap();
+                    step(what, round, "A frees");
                     // SAFETY: `p` came from `allocate(BYTES)` on this resource; the only work on it (the kernel)
                     // is ordered before this point of `s`.
-                    step(what, round, "A frees");
                     unsafe { a_mr.deallocate(p, BYTES, s) }.unwrap();
                     step(what, round, "A freed");
                     (p, None)
