@@ -9,12 +9,15 @@
 //   MODE b: as a, but A frees on its own per-thread stream before it exits
 //   MODE c: as a, without the pool (cuMemAlloc / cuMemFree): the control
 //   MODE d: as a, with the device's default pool instead of a pool of its own
+//   An upper-case MODE (A, B, C, D): the same, each thread pushing the context around its calls and popping
+//   it before it ends (what mempool's calls do: `Context::bind`), instead of setting it current for good.
 //
 // Built and run by scripts/repro-per-thread.sh on the GPU machine.
 #include <cuda.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <ctype.h>
 #include <string.h>
 
 #define CK(x) do { CUresult r_ = (x); if (r_) { const char *s_ = "?"; cuGetErrorName(r_, &s_); \
@@ -33,6 +36,17 @@ static CUcontext ctx;
 static CUfunction fn;
 static CUmemoryPool pool;
 static char mode;
+static int push_pop;
+
+static void enter(void) {
+  if (push_pop) CK(cuCtxPushCurrent(ctx));
+  else CK(cuCtxSetCurrent(ctx));
+}
+
+static void leave(void) {
+  CUcontext c;
+  if (push_pop) CK(cuCtxPopCurrent(&c));
+}
 static CUdeviceptr a_ptr;
 static const size_t BYTES = 256 << 10;
 
@@ -48,33 +62,36 @@ static void free_on(const char *who, CUdeviceptr p, CUstream s) {
 
 static void *thread_a(void *arg) {
   (void)arg;
-  CK(cuCtxSetCurrent(ctx));
+  enter();
   alloc_on("A", &a_ptr, CU_STREAM_PER_THREAD);
   unsigned long long ns = 200000000ULL;
   void *args[] = {&ns};
   STEP("A", "launch the 200 ms spin", CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, args, NULL)));
   if (mode == 'b') free_on("A", a_ptr, CU_STREAM_PER_THREAD);
+  leave();
   printf("A: exiting\n"); fflush(stdout);
   return NULL;
 }
 
 static void *thread_c(void *arg) {
   (void)arg;
-  CK(cuCtxSetCurrent(ctx));
+  enter();
   STEP("C", "cuCtxSynchronize", CK(cuCtxSynchronize()));
   if (mode != 'b') free_on("C", a_ptr, CU_STREAM_LEGACY);
+  leave();
   return NULL;
 }
 
 static void *thread_b(void *arg) {
   (void)arg;
-  CK(cuCtxSetCurrent(ctx));
+  enter();
   CUdeviceptr q;
   alloc_on("B", &q, CU_STREAM_PER_THREAD);
   STEP("B", "cuMemsetD32Async", CK(cuMemsetD32Async(q, 7, BYTES / 4, CU_STREAM_PER_THREAD)));
   STEP("B", "cuStreamSynchronize(per-thread)", CK(cuStreamSynchronize(CU_STREAM_PER_THREAD)));
   free_on("B", q, CU_STREAM_PER_THREAD);
   STEP("B", "cuStreamSynchronize(per-thread)", CK(cuStreamSynchronize(CU_STREAM_PER_THREAD)));
+  leave();
   return NULL;
 }
 
@@ -86,6 +103,8 @@ static void run(void *(*f)(void *)) {
 
 int main(int argc, char **argv) {
   mode = argc > 1 ? argv[1][0] : 'a';
+  push_pop = isupper((unsigned char)mode);
+  mode = (char)tolower((unsigned char)mode);
   int rounds = argc > 2 ? atoi(argv[2]) : 3;
   CK(cuInit(0));
   CUdevice dev; CK(cuDeviceGet(&dev, 0));
@@ -102,7 +121,7 @@ int main(int argc, char **argv) {
     CK(cuMemPoolCreate(&pool, &props));
   }
   for (int r = 0; r < rounds; r++) {
-    printf("mode %c round %d\n", mode, r); fflush(stdout);
+    printf("mode %c%s round %d\n", mode, push_pop ? " (push/pop)" : "", r); fflush(stdout);
     run(thread_a);
     run(thread_c);
     run(thread_b);
