@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine: build scripts/repro/per_thread_pool.c (raw driver calls, no mempool code) and run each
-# MODE given (default: a b c d A B C D; upper case: contexts pushed and popped, as mempool does) for ROUNDS rounds with a LIMIT-second limit; a run past its limit prints its
+# MODE given (default: a b c d e A B C D E; upper case: contexts pushed and popped, as mempool does) for ROUNDS rounds with a LIMIT-second limit; a run past its limit prints its
 # last steps (the call that did not return) and the kernel's view of every thread.
 #
 #   scripts/repro-per-thread.sh [ROUNDS] [LIMIT] [MODE...]
 set -u
 cd "$(dirname "$0")/.." || exit 1
 rounds=${1:-3} limit=${2:-20}; shift 2 2>/dev/null || set --
-[ $# -gt 0 ] || set -- a b c d A B C D
+[ $# -gt 0 ] || set -- a b c d e A B C D E
 cuda=${CUDA_HOME:-/usr/local/cuda}
 work=${TMPDIR:-/tmp}/per_thread_pool.$$
 mkdir -p "$work"

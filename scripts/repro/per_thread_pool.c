@@ -9,6 +9,9 @@
 //   MODE b: as a, but A frees on its own per-thread stream before it exits
 //   MODE c: as a, without the pool (cuMemAlloc / cuMemFree): the control
 //   MODE d: as a, with the device's default pool instead of a pool of its own
+//   MODE e: as a, A querying its per-thread stream (cuStreamQuery, which submits what is queued) before it
+//           lets go of the context and ends: a candidate workaround, should A's queued work be lost with
+//           its thread
 //   An upper-case MODE (A, B, C, D): the same, each thread pushing the context around its calls and popping
 //   it before it ends (what mempool's calls do: `Context::bind`), instead of setting it current for good.
 //
@@ -37,6 +40,7 @@ static CUfunction fn;
 static CUmemoryPool pool;
 static char mode;
 static int push_pop;
+static int flush;
 
 static void enter(void) {
   if (push_pop) CK(cuCtxPushCurrent(ctx));
@@ -68,6 +72,11 @@ static void *thread_a(void *arg) {
   void *args[] = {&ns};
   STEP("A", "launch the 200 ms spin", CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, args, NULL)));
   if (mode == 'b') free_on("A", a_ptr, CU_STREAM_PER_THREAD);
+  if (flush) {
+    CUresult q = cuStreamQuery(CU_STREAM_PER_THREAD);
+    if (q != CUDA_ERROR_NOT_READY) CK(q);
+    printf("A: queried its per-thread stream\n"); fflush(stdout);
+  }
   leave();
   printf("A: exiting\n"); fflush(stdout);
   return NULL;
@@ -105,6 +114,10 @@ int main(int argc, char **argv) {
   mode = argc > 1 ? argv[1][0] : 'a';
   push_pop = isupper((unsigned char)mode);
   mode = (char)tolower((unsigned char)mode);
+  if (mode == 'e') {
+    flush = 1;
+    mode = 'a';
+  }
   int rounds = argc > 2 ? atoi(argv[2]) : 3;
   CK(cuInit(0));
   CUdevice dev; CK(cuDeviceGet(&dev, 0));
@@ -121,7 +134,8 @@ int main(int argc, char **argv) {
     CK(cuMemPoolCreate(&pool, &props));
   }
   for (int r = 0; r < rounds; r++) {
-    printf("mode %c%s round %d\n", mode, push_pop ? " (push/pop)" : "", r); fflush(stdout);
+    printf("mode %c%s%s round %d\n", mode, push_pop ? " (push/pop)" : "", flush ? " (A queries)" : "", r);
+    fflush(stdout);
     run(thread_a);
     run(thread_c);
     run(thread_b);
