@@ -478,7 +478,7 @@ def main(argv: Optional[list] = None) -> int:
     if a.gpus:
         if a.xp != "cupy":
             ap.error("--gpus needs --xp cupy")
-        from mempool.benchmarks.dask_runs import bdb_cluster_runs
+        from mempool.benchmarks.dask_gpu import bdb_cluster_runs
 
         report["runs"] = bdb_cluster_runs(a, queries)
     else:
