@@ -163,6 +163,8 @@ class HashTable:
     def __init__(self, keys: Any, xp: Any) -> None:
         self.xp = xp
         n = int(keys.size)
+        if int(xp.unique(keys).size) != n:
+            raise ValueError(f"hash table: the {n} build keys have duplicates; a join's build side has unique keys")
         self.bits = max(4, int(n * 2 - 1).bit_length())
         self.size = 1 << self.bits
         self.keys = keys
@@ -173,7 +175,7 @@ class HashTable:
         while pending.size:
             rounds += 1
             if rounds > self.size:
-                raise RuntimeError("hash table: could not place every key (duplicate keys?)")
+                raise RuntimeError("hash table: could not place every key")
             free = self.slots[slot] == _EMPTY
             cand, cslot = pending[free], slot[free]
             self.slots[cslot] = cand  # one of the keys aiming at a slot wins it

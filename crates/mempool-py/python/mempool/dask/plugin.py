@@ -241,7 +241,7 @@ class MempoolSetup(WorkerPlugin):
         spec: Union[ResourceSpec, Mapping[str, Any], str, None] = None,
         *,
         frameworks: Union[str, Iterable[str], None] = "auto",
-        device: int = 0,
+        device: Optional[int] = None,
         cupy_allocator: str = "c",
         ipc: bool = False,
         ipc_dir: Optional[str] = None,
@@ -249,11 +249,12 @@ class MempoolSetup(WorkerPlugin):
     ) -> None:
         self.spec = ResourceSpec.coerce(spec, **options)
         self.frameworks = parse_frameworks(frameworks)
-        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
             raise ValueError(f"device: expected a non-negative ordinal, got {device!r}")
-        if self.spec.device is not None and self.spec.device != device:
+        if self.spec.device is not None and device is not None and self.spec.device != device:
             raise ValueError(f"device: the spec names device {self.spec.device} and device={device}")
-        self.device = self.spec.device if self.spec.device is not None else device
+        # dask-cuda puts each worker's GPU first in its CUDA_VISIBLE_DEVICES: device 0 is the worker's.
+        self.device = self.spec.device if self.spec.device is not None else (device or 0)
         if cupy_allocator not in ("c", "python"):
             raise ValueError(f"cupy_allocator: expected 'c' or 'python', got {cupy_allocator!r}")
         self.cupy_allocator = cupy_allocator

@@ -22,13 +22,16 @@ GPU or a framework asked for and missing fails the worker's start with the messa
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import click
 
 from mempool.dask.plugin import PLUGIN_NAME, MempoolSetup
 
-__all__ = ["dask_setup", "plugin_from_options"]
+__all__ = ["SetupFailed", "dask_setup", "plugin_from_options"]
+
+logger = logging.getLogger("mempool.dask")
 
 _PARTS = (
     "kind", "initial_pool_size", "maximum_pool_size", "release_threshold", "upstream", "arena_size", "bins",
@@ -39,7 +42,7 @@ _PARTS = (
 def plugin_from_options(
     spec: Optional[str] = None,
     frameworks: str = "auto",
-    device: int = 0,
+    device: Optional[int] = None,
     cupy_allocator: str = "c",
     ipc: bool = False,
     no_statistics: bool = False,
@@ -84,20 +87,32 @@ def plugin_from_options(
 @click.option("--mempool-enable-ipc-pool", "enable_ipc_pool", is_flag=True, help="an exportable driver pool")
 @click.option("--mempool-no-statistics", "no_statistics", is_flag=True, help="no StatisticsResourceAdaptor on top")
 @click.option("--mempool-frameworks", "frameworks", default="auto", show_default=True)
-@click.option("--mempool-device", "device", default=0, type=int, show_default=True)
+@click.option("--mempool-device", "device", default=None, type=int, help="default 0: the worker's GPU under dask-cuda")
 @click.option("--mempool-cupy-allocator", "cupy_allocator", default="c", type=click.Choice(["c", "python"]))
 @click.option("--mempool-ipc", "ipc", is_flag=True, help="CUDA arrays between workers of one host by mempool-ipc handle")
 async def dask_setup(worker: Any, **options: Any) -> None:
-    """Sets the worker's mempool resource up as it starts (distributed's preload protocol)."""
-    plugin = plugin_from_options(**options)
+    """Sets the worker's mempool resource up as it starts (distributed's preload protocol). A failure
+    raises ``SetupFailed`` (a ``SystemExit``): distributed only logs a preload's ordinary exceptions and
+    starts the worker anyway, which would leave it on the wrong resource."""
     from distributed import Worker
 
-    if not isinstance(worker, Worker):
-        raise RuntimeError(
-            f"mempool.dask.preload sets up workers; it was preloaded into a {type(worker).__name__} (pass it to "
-            "dask worker or dask-cuda-worker, not the scheduler or the nanny)"
-        )
-    await worker.plugin_add(plugin=plugin, name=PLUGIN_NAME, catch_errors=False)
+    try:
+        if not isinstance(worker, Worker):
+            raise RuntimeError(
+                f"mempool.dask.preload sets up workers; it was preloaded into a {type(worker).__name__} (pass it "
+                "to dask worker or dask-cuda-worker, not the scheduler or the nanny)"
+            )
+        plugin = plugin_from_options(**options)
+        await worker.plugin_add(plugin=plugin, name=PLUGIN_NAME, catch_errors=False)
+    except Exception as e:
+        where = getattr(worker, "address", None) or type(worker).__name__
+        logger.error("mempool.dask.preload: %s cannot start: %s: %s", where, type(e).__name__, e)
+        raise SetupFailed(f"mempool.dask.preload: {where} cannot start: {type(e).__name__}: {e}") from e
+
+
+class SetupFailed(SystemExit):
+    """The preload could not set the worker up; the message says why. A ``SystemExit``, so that it stops the
+    worker's start (distributed logs and ignores a preload's ``Exception``\\ s) and its process."""
 
 
 if __name__ == "__main__":  # python -m mempool.dask.preload --help

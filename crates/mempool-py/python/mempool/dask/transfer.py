@@ -90,6 +90,7 @@ class Endpoint:
         out["importers_connected"] = len(self.exporter.importers())
         out["peers_imported"] = len(self._importers)
         out["stashed"] = len(self._stash)
+        out["exporter"] = dict(self.exporter.stats())
         return out
 
     def close(self) -> None:
@@ -443,8 +444,9 @@ def _wrap(ser: Any, deser: Any, typ: type, by_value: Any) -> None:
             ep.offer(offer)
         return original_loads(header, frames)
 
-    dumps.__wrapped__ = original_dumps  # type: ignore[attr-defined]
-    loads.__wrapped__ = original_loads  # type: ignore[attr-defined]
+    # Not __wrapped__: inspect.signature would follow it, and distributed would find no `context` keyword.
+    dumps._mempool_original = original_dumps  # type: ignore[attr-defined]
+    loads._mempool_original = original_loads  # type: ignore[attr-defined]
     ser.register(typ, dumps)
     deser.register(typ, loads)
 
