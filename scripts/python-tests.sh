@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the `mempool` wheel (crates/mempool-py) and runs its host pytest suite (`-m "not gpu"`).
-# Makes a virtual environment under target/python-venv, installs maturin and pytest from PyPI into it,
+# Makes a virtual environment under target/python-venv, installs maturin and pytest from PyPI into it (and
+# dask, distributed and NumPy, pinned in crates/mempool-py/tests/requirements-dask.txt, for mempool.dask's tests),
 # builds the wheel with maturin (debug profile: quicker to build; the tests time nothing) into target/wheels, installs it, and runs pytest from outside the source
 # tree, so the installed wheel is what gets imported. Extra arguments go to pytest.
 set -euo pipefail
@@ -11,6 +12,8 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9.4,<2" pytest
+# mempool.dask's host tests: dask, distributed and NumPy, pinned (the file says which and why).
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -r crates/mempool-py/tests/requirements-dask.txt
 rm -rf target/wheels
 (cd crates/mempool-py && "$root/$venv/bin/maturin" build --quiet -o "$root/target/wheels")
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/mempool-*.whl

@@ -106,8 +106,8 @@ _STATE = _State()
 
 def current_setup() -> dict:
     """What ``setup_worker`` made in this process: ``spec`` (a dict), ``device``, ``hooked`` (framework ->
-    allocator), ``ipc`` (the endpoint's socket path, or None) and ``setups`` (how many setups ran). Empty
-    spec (``None``) when none ran."""
+    allocator), ``ipc`` (the endpoint's socket path, or None), ``setups`` (how many setups ran) and
+    ``resource_id`` (which resource object). ``spec`` is ``None`` when none ran."""
     s = _STATE
     return {
         "spec": s.spec.to_dict() if s.spec else None,
@@ -115,6 +115,8 @@ def current_setup() -> dict:
         "hooked": dict(s.hooked),
         "ipc": s.ipc.path if s.ipc is not None else None,
         "setups": s.setups,
+        # Which resource object: equal across calls while the same resource is current.
+        "resource_id": id(s.resource) if s.resource is not None else None,
     }
 
 
@@ -300,7 +302,7 @@ def _statistics() -> dict:
         return out
     out["resource"] = res.name
     current = mr.get_per_device_resource(s.device)
-    out["is_current"] = current is res or _same(current, res)
+    out["is_current"] = current is res  # the registry hands back the object that was set
     if isinstance(res, mr.StatisticsResourceAdaptor):
         c = res.allocation_counts
         out["statistics"] = {
@@ -316,18 +318,12 @@ def _statistics() -> dict:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a == b
-    except Exception:
-        return False
-
-
-def worker_statistics(client: Any) -> dict:
-    """Every worker's mempool state: ``{worker address: dict}`` with the spec, the device, the hooks, the
-    resource's name, whether it is still the device's current resource, its statistics (bytes and counts:
-    current, peak, total; when the spec keeps ``statistics`` on) and the handle endpoint's counters."""
-    return client.run(_statistics)
+def worker_statistics(client: Any, workers: Optional[list] = None) -> dict:
+    """Every worker's (or those of ``workers``') mempool state: ``{worker address: dict}`` with the pid,
+    the spec, the device, the hooks, the resource's name, whether it is still the device's current
+    resource, its statistics (bytes and counts: current, peak, total; when the spec keeps ``statistics``
+    on) and the handle endpoint's counters (``ipc_stats``, with its exporter's)."""
+    return client.run(_statistics, workers=workers)
 
 
 def register(client: Any, plugin: Optional[MempoolSetup] = None, **kwargs: Any) -> dict:

@@ -119,7 +119,7 @@ class Endpoint:
             nbytes, dtype, device, flags = x.nbytes, x.dtype.str, x.device.id, 0
             stream = cupy.cuda.get_current_stream()
             buf = self.exporter.alloc(nbytes)
-            _after(stream, buf.stream)  # the buffer was allocated on the exporter's stream
+            _after(stream, buf.stream, buf.device)  # the buffer was allocated on the exporter's stream
             cupy.cuda.runtime.memcpyAsync(buf.ptr, x.data.ptr, nbytes, 4, stream.ptr)  # cudaMemcpyDefault
         else:
             import torch
@@ -233,7 +233,7 @@ class Endpoint:
 
                 out = cupy.empty(handle.shape, dtype=handle.dtype)
                 stream = cupy.cuda.get_current_stream()
-                _after(stream, buf.stream)  # recv ordered the sender's writes before the importer's stream
+                _after(stream, buf.stream, buf.device)  # recv ordered the sender's writes before the importer's stream
                 cupy.cuda.runtime.memcpyAsync(out.data.ptr, buf.ptr, handle.nbytes, 4, stream.ptr)
                 stream.synchronize()  # the copy is done before the lease goes
             else:
@@ -241,9 +241,11 @@ class Endpoint:
 
                 dev = torch.device("cuda", torch.cuda.current_device())
                 flat = torch.empty(handle.nbytes, dtype=torch.uint8, device=dev)
-                src = torch.from_dlpack(buf)
+                src = torch.from_dlpack(buf)  # on the sender's GPU, ordered after the importer's stream
                 flat.copy_(src)
+                # The copy is done on both devices' streams before the lease goes.
                 torch.cuda.current_stream(dev).synchronize()
+                torch.cuda.current_stream(src.device).synchronize()
                 del src
                 out = flat.view(_torch_dtype(handle.dtype)).reshape(handle.shape)
                 if handle.requires_grad:
@@ -255,14 +257,16 @@ class Endpoint:
         return out
 
 
-def _after(stream: Any, other: int) -> None:
-    """Makes CuPy ``stream`` wait for the work queued so far on the raw stream handle ``other``."""
+def _after(stream: Any, other: int, other_device: int) -> None:
+    """Makes CuPy ``stream`` wait for the work queued so far on the raw stream handle ``other`` of device
+    ``other_device`` (the event is made and recorded on that device, as the driver requires)."""
     import cupy
 
     if other == stream.ptr:
         return
-    ev = cupy.cuda.Event(disable_timing=True)
-    ev.record(cupy.cuda.ExternalStream(other))
+    with cupy.cuda.Device(other_device):
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(cupy.cuda.ExternalStream(other, other_device))
     stream.wait_event(ev)
 
 
