@@ -63,6 +63,10 @@ mod docs_core {}
 mod docs_cudarc {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/dask.md")]
+mod docs_dask {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/distributed.md")]
 mod docs_distributed {}
 

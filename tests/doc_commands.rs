@@ -12,6 +12,7 @@ const DOCS: &[(&str, &str)] = &[
     ("docs/benchmarks.md", include_str!("../docs/benchmarks.md")),
     ("docs/core.md", include_str!("../docs/core.md")),
     ("docs/cudarc.md", include_str!("../docs/cudarc.md")),
+    ("docs/dask.md", include_str!("../docs/dask.md")),
     ("docs/distributed.md", include_str!("../docs/distributed.md")),
     ("docs/ipc.md", include_str!("../docs/ipc.md")),
     ("docs/ipc-protocol.md", include_str!("../docs/ipc-protocol.md")),

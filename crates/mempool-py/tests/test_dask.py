@@ -14,8 +14,10 @@ import struct
 
 import pytest
 
-distributed = pytest.importorskip("distributed")  # scripts/python-tests.sh installs it: never skipped there
-np = pytest.importorskip("numpy")
+_WHY = ("mempool.dask's host tests need dask, distributed and NumPy: scripts/python-tests.sh installs them on "
+        "Python 3.11 or newer (crates/mempool-py/tests/requirements-dask.txt)")
+distributed = pytest.importorskip("distributed", reason=_WHY)
+np = pytest.importorskip("numpy", reason=_WHY)
 
 import mempool.dask as md  # noqa: E402
 from mempool.benchmarks import bdb  # noqa: E402

@@ -476,6 +476,10 @@ def main(argv: Optional[list] = None) -> int:
     for q in queries:
         if q not in QUERIES:
             ap.error(f"unknown query {q!r}; the queries are {', '.join(QUERIES)}")
+    # The tasks must name functions of the importable module, not of __main__ (python -m runs this file as
+    # __main__: its functions would travel by value to the workers).
+    from mempool.benchmarks import bdb as this
+
     report: dict = {"scale": a.scale, "partitions": a.partitions, "xp": a.xp, "runs": {}}
     if a.gpus:
         if a.xp != "cupy":
@@ -488,12 +492,14 @@ def main(argv: Optional[list] = None) -> int:
 
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
                 Client(cluster) as client:
-            report["runs"]["local"] = run_dask(client, a.scale, a.partitions, a.xp, queries, repeats=a.repeats)
+            report["runs"]["local"] = this.run_dask(client, a.scale, a.partitions, a.xp, queries, repeats=a.repeats)
     runs = list(report["runs"].values())
     for other in runs[1:]:
         check_equal(runs[0]["results"], other["results"], "two runs")
     if a.check_reference:
-        check_equal(runs[0]["results"], {q: reference(a.scale, a.partitions)[q] for q in queries}, "reference")
+        ref = reference(a.scale, a.partitions)
+        check_equal(runs[0]["results"], {q: ref[q] for q in queries}, "reference")
+        print("results equal to the naive reference")
     print(f"| run | {' | '.join(queries)} | peak bytes per worker |")
     print("|---|" + "---|" * (len(queries) + 1))
     for name, run in report["runs"].items():

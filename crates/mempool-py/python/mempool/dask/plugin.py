@@ -19,7 +19,16 @@ import sys
 import threading
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from distributed import WorkerPlugin
+try:
+    from distributed import WorkerPlugin
+
+    _NO_DISTRIBUTED = None
+except ImportError as _e:  # Ray or plain processes: setup_worker and the spec need no Dask
+    _NO_DISTRIBUTED = _e
+
+    class WorkerPlugin:  # type: ignore[no-redef]
+        """Stands in for distributed's, which is not installed: ``MempoolSetup`` refuses to be made."""
+
 
 from mempool.dask.spec import ResourceSpec, build, device_total_memory, format_size
 
@@ -249,6 +258,11 @@ class MempoolSetup(WorkerPlugin):
         ipc_dir: Optional[str] = None,
         **options: Any,
     ) -> None:
+        if _NO_DISTRIBUTED is not None:
+            raise ImportError(
+                f"MempoolSetup is a Dask worker plugin and needs distributed, which is not installed "
+                f"({_NO_DISTRIBUTED}); without Dask, call mempool.dask.setup_worker in each process"
+            )
         self.spec = ResourceSpec.coerce(spec, **options)
         self.frameworks = parse_frameworks(frameworks)
         if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
