@@ -114,6 +114,8 @@ class Endpoint:
         if kind == "cupy":
             import cupy
 
+            if x.dtype.str not in framing.DTYPES:
+                raise TypeError(f"dtype {x.dtype.str} does not travel by handle")
             if not x.flags.c_contiguous:
                 x = cupy.ascontiguousarray(x)
             nbytes, dtype, device, flags = x.nbytes, x.dtype.str, x.device.id, 0
@@ -129,6 +131,8 @@ class Endpoint:
                 t = t.contiguous()
             nbytes = t.numel() * t.element_size()
             dtype = _torch_dtype_str(t.dtype)
+            if dtype not in framing.DTYPES:
+                raise TypeError(f"dtype {t.dtype} does not travel by handle")
             device, flags = t.device.index or 0, framing.FLAG_REQUIRES_GRAD if x.requires_grad else 0
             stream = torch.cuda.current_stream(t.device)
             buf = self.exporter.alloc(nbytes)
@@ -413,6 +417,7 @@ def _torch_by_value(original: Any) -> Any:
     refuses: copy it to the host first; its deserializer puts it back on ``header["device"]``."""
 
     def dumps(t: Any) -> tuple:
+        # A CUDA tensor's .grad does not travel this way (distributed's path never carried one either).
         if getattr(t, "is_cuda", False):
             header, frames = original(t.detach().cpu().requires_grad_(t.requires_grad))
             header["device"] = "cuda"
