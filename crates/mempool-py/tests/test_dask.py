@@ -8,6 +8,7 @@ test_dask_gpu.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import random
 import struct
@@ -641,3 +642,141 @@ def test_bdb_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         bdb.main(["--gpus", "2", "--xp", "numpy"])
     assert "--gpus needs --xp cupy" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------------
+# The endpoint's receiving side over a fake importer: connecting on offers, taking the buffer a frame
+# names, stashing the others, releasing what waited too long.
+# -------------------------------------------------------------------------------------------------
+
+
+class FakeBuf:
+    def __init__(self, id_):
+        self.id = id_
+
+
+class FakeImporter:
+    made: list = []
+
+    def __init__(self, path, timeout=5.0):
+        if path.endswith("refused.sock"):
+            from mempool import ipc
+
+            raise ipc.PeerGoneError(f"nobody serves {path}")
+        self.path, self.queue, self.closed = path, [], False
+        FakeImporter.made.append(self)
+
+    def recv(self, timeout=None):
+        from mempool import ipc
+
+        if self.queue == "gone":
+            raise ipc.PeerGoneError("the exporter said Goodbye")
+        if not self.queue:
+            raise ipc.IpcTimeoutError(f"nothing within {timeout} s")
+        return self.queue.pop(0)
+
+
+class FakeExporter:
+    def __init__(self):
+        self.listed = []
+
+    def importers(self):
+        return self.listed
+
+    def stats(self):
+        return {"live_buffers": 0}
+
+
+@pytest.fixture
+def endpoint(monkeypatch):
+    from mempool import ipc
+
+    FakeImporter.made = []
+    monkeypatch.setattr(ipc, "Importer", FakeImporter)
+    ep = transfer.Endpoint(FakeExporter(), 0, "/tmp/mempool-dask-1-self.sock")
+    return ep
+
+
+def _connect_and_wait(ep, path):
+    import time
+
+    ep.offer({"v": 1, "host": ep.host, "pid": 9, "path": path})
+    deadline = time.monotonic() + 5
+    while (path in ep._connecting or path not in ep._importers) and time.monotonic() < deadline:
+        if path not in ep._connecting and ep.counters["connect_failures"]:
+            break
+        time.sleep(0.001)
+
+
+def test_offers_connect_once_and_again_after_a_close(endpoint):
+    ep, peer = endpoint, "/tmp/mempool-dask-9-peer.sock"
+    ep.offer({"v": 1, "host": "other-host/1", "pid": 9, "path": peer})  # another host: nothing
+    ep.offer({"v": 1, "host": ep.host, "pid": 9, "path": ep.path})  # itself: nothing
+    ep.offer({"v": 2, "host": ep.host, "pid": 9, "path": peer})  # not an advert: nothing
+    assert not FakeImporter.made
+    _connect_and_wait(ep, peer)
+    _connect_and_wait(ep, peer)
+    assert len(FakeImporter.made) == 1 and ep.counters["connects"] == 1
+    FakeImporter.made[0].closed = True
+    _connect_and_wait(ep, peer)
+    assert len(FakeImporter.made) == 2 and ep._importers[peer] is FakeImporter.made[1]
+    _connect_and_wait(ep, "/tmp/refused.sock")
+    assert ep.counters["connect_failures"] == 1 and "/tmp/refused.sock" not in ep._importers
+    assert ep.stats()["peers_imported"] == 1
+
+
+def test_take_returns_the_named_buffer_and_stashes_the_others(endpoint, monkeypatch):
+    from mempool import ipc
+
+    ep, peer = endpoint, "/tmp/mempool-dask-9-peer.sock"
+    _connect_and_wait(ep, peer)
+    imp = ep._importers[peer]
+    imp.queue = [FakeBuf(5), FakeBuf(6), FakeBuf(7)]
+    h = lambda i: _handle(path=peer, buffer_id=i, host=ep.host)  # noqa: E731
+    assert ep.take(h(7)).id == 7  # 5 and 6 arrived first: stashed
+    assert sorted(k[1] for k in ep._stash) == [5, 6]
+    assert ep.take(h(5)).id == 5 and imp.queue == []  # from the stash
+    with pytest.raises(ipc.IpcTimeoutError, match="buffer 8 from /tmp/mempool-dask-9-peer.sock did not arrive"):
+        ep.take(h(8), timeout=0.01)
+    monkeypatch.setattr(transfer, "STASH_TTL", 0.0)
+    import time
+
+    time.sleep(0.01)
+    imp.queue = [FakeBuf(9)]
+    assert ep.take(h(9)).id == 9
+    assert ep._stash == {} and ep.counters["stash_expired"] == 1  # buffer 6 waited too long: released
+    imp.queue = "gone"
+    with pytest.raises(ipc.PeerGoneError):
+        ep.take(h(10))
+    assert peer not in ep._importers
+    with pytest.raises(ipc.IpcError, match="has no connection to that endpoint"):
+        ep.take(h(11))
+
+
+def test_take_waits_for_a_connection_in_progress(endpoint):
+    import threading
+    import time
+
+    ep, peer = endpoint, "/tmp/mempool-dask-9-late.sock"
+    ep._connecting.add(peer)
+
+    def finish():
+        time.sleep(0.05)
+        imp = FakeImporter(peer)
+        imp.queue = [FakeBuf(3)]
+        with ep._lock:
+            ep._importers[peer] = imp
+            ep._recv_locks[peer] = threading.Lock()
+            ep._connecting.discard(peer)
+
+    threading.Thread(target=finish).start()
+    assert ep.take(_handle(path=peer, buffer_id=3, host=ep.host), timeout=5).id == 3
+
+
+def test_importer_ids_and_receive_refusing_another_host(endpoint):
+    ep = endpoint
+    ep.exporter.listed = [{"id": 3, "pid": 9}, {"id": 8, "pid": 9}, {"id": 4, "pid": 10}]
+    assert ep.importer_id(9) == 8 and ep.importer_id(10) == 4 and ep.importer_id(11) is None
+    with pytest.raises(ValueError, match="a handle from host 'elsewhere/1' reached host"):
+        ep.receive(_handle(host="elsewhere/1"))
+    assert ep.advert() == {"v": 1, "host": framing.host_id(), "pid": os.getpid(), "path": ep.path}

@@ -161,8 +161,12 @@ class Endpoint:
         if a is None or a["host"] != self.host or a["path"] == self.path:
             return
         with self._lock:
-            if a["path"] in self._importers or a["path"] in self._connecting:
+            if a["path"] in self._connecting:
                 return
+            imp = self._importers.get(a["path"])
+            if imp is not None and not imp.closed:
+                return  # connected: the sender sees it by the next transfer
+            self._importers.pop(a["path"], None)  # closed (the connection dropped): connect again
             self._connecting.add(a["path"])
         threading.Thread(target=self._connect, args=(a["path"],), name="mempool-dask-connect", daemon=True).start()
 
@@ -187,15 +191,21 @@ class Endpoint:
         """The ``ImportedBuffer`` ``handle`` names, from the importer of its sender."""
         from mempool import ipc
 
-        with self._lock:
-            imp = self._importers.get(handle.path)
-            lock = self._recv_locks.get(handle.path)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                imp = self._importers.get(handle.path)
+                lock = self._recv_locks.get(handle.path)
+                connecting = handle.path in self._connecting
+            # The sender may see this importer connected a moment before its constructor returned here.
+            if imp is not None or not connecting or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
         if imp is None:
             raise ipc.IpcError(
                 f"a handle from {handle.path} (pid {handle.sender_pid}) arrived, but this worker has no "
                 "connection to that endpoint"
             )
-        deadline = time.monotonic() + timeout
         with lock:
             self._expire()
             got = self._stash.pop((handle.path, handle.buffer_id), None)
@@ -209,6 +219,10 @@ class Endpoint:
                     )
                 try:
                     buf = imp.recv(timeout=left)
+                except ipc.IpcTimeoutError:
+                    raise ipc.IpcTimeoutError(
+                        f"buffer {handle.buffer_id} from {handle.path} did not arrive within {timeout} s"
+                    ) from None
                 except ipc.PeerGoneError:
                     with self._lock:
                         self._importers.pop(handle.path, None)
