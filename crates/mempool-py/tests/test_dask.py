@@ -196,6 +196,19 @@ def test_a_missing_framework_is_named_before_the_gpu_is_touched(monkeypatch):
     assert md.current_setup()["spec"] is None  # nothing was built
 
 
+def test_setup_worker_refuses_bad_arguments_before_the_gpu():
+    with pytest.raises(TypeError, match="setup_worker needs a ResourceSpec, got dict"):
+        md.setup_worker({"kind": "pool"})
+    with pytest.raises(ValueError, match="device: the spec names device 1 and device=0"):
+        md.setup_worker(ResourceSpec(kind="pool", device=1), device=0)
+    with pytest.raises(ValueError, match="device: expected a non-negative ordinal, got -2"):
+        md.setup_worker(ResourceSpec(kind="pool"), device=-2)
+    with pytest.raises(ValueError, match="cupy_allocator"):
+        md.setup_worker(ResourceSpec(kind="pool"), cupy_allocator="rust")
+    with pytest.raises(ValueError, match="unknown framework 'jax'"):
+        md.setup_worker(ResourceSpec(kind="pool"), frameworks="jax")
+
+
 def test_setup_without_a_driver_says_so(no_driver):
     if not no_driver:
         return

@@ -149,8 +149,8 @@ def _hook(framework: str, cupy_allocator: str) -> str:
         if torch.cuda.is_initialized():
             raise RuntimeError(
                 "mempool.dask: PyTorch has already started CUDA in this worker, so its allocator can no longer be "
-                "changed; set the plugin up before any task uses PyTorch on the GPU (pass it to the cluster, "
-                "LocalCUDACluster(plugins={MempoolSetup(...)}), or preload mempool.dask.preload)"
+                "changed; set the plugin up before any task uses PyTorch on the GPU (register it right after the "
+                "cluster starts, or preload mempool.dask.preload)"
             )
         torch.cuda.memory.change_current_allocator(hook.mempool_torch_allocator)
         return "pluggable"
@@ -167,14 +167,15 @@ def _hook(framework: str, cupy_allocator: str) -> str:
 def setup_worker(
     spec: ResourceSpec,
     *,
-    device: int = 0,
+    device: Optional[int] = None,
     frameworks: Union[str, tuple] = "auto",
     cupy_allocator: str = "c",
     ipc: bool = False,
     ipc_dir: Optional[str] = None,
     worker: Any = None,
 ) -> dict:
-    """Builds ``spec``'s resource on ``device``, makes it current, hooks ``frameworks``; with ``ipc``, starts
+    """Builds ``spec``'s resource on ``device`` (default: the spec's, else 0), makes it current, hooks
+    ``frameworks``; with ``ipc``, starts
     the process's handle endpoint (``mempool.dask.transfer``) and, given the ``worker``, advertises it in
     the worker's handshakes. Returns ``current_setup()``.
 
@@ -187,6 +188,11 @@ def setup_worker(
         raise TypeError(f"setup_worker needs a ResourceSpec, got {type(spec).__name__}")
     if cupy_allocator not in ("c", "python"):
         raise ValueError(f"cupy_allocator: expected 'c' or 'python', got {cupy_allocator!r}")
+    if device is not None and spec.device is not None and device != spec.device:
+        raise ValueError(f"device: the spec names device {spec.device} and device={device}")
+    device = device if device is not None else (spec.device if spec.device is not None else 0)
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device: expected a non-negative ordinal, got {device!r}")
     frameworks = parse_frameworks(frameworks) if not isinstance(frameworks, tuple) else frameworks
     if frameworks == "auto":
         wanted = tuple(f for f in _AUTO if _importable(_MODULES[f]))
