@@ -135,7 +135,9 @@ def _rmm_wrap_statistics() -> str:
 def _rmm_peak() -> int:
     import rmm
 
-    return int(rmm.mr.get_current_device_resource().allocation_counts.peak_bytes)
+    counts = rmm.mr.get_current_device_resource().allocation_counts
+    # A Statistics object in recent RMM releases, a dict in older ones.
+    return int(counts["peak_bytes"] if isinstance(counts, dict) else counts.peak_bytes)
 
 
 def bdb_cluster_runs(a: Any, queries: list) -> dict:
