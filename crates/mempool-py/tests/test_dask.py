@@ -29,6 +29,37 @@ from mempool.dask.spec import ResourceSpec, format_size, parse_size  # noqa: E40
 GiB = 1 << 30
 
 
+def test_the_gpu_tests_submit_only_functions_workers_can_import():
+    """A worker loads a task's function by reference (distributed pickles it so), and cannot import a test
+    file: every function test_dask_gpu.py submits or runs on workers comes from an importable module."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    src = Path(__file__).with_name("test_dask_gpu.py").read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    local_defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    imported = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("mempool"):
+            for a in n.names:
+                imported[a.asname or a.name] = (n.module, a.name)
+    submitted = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("submit", "run"):
+            if n.args and isinstance(n.args[0], ast.Name):
+                submitted.add(n.args[0].id)
+    assert submitted, "no submit/run calls found"
+    for name in submitted:
+        assert name not in local_defs, f"test_dask_gpu.py submits {name}, defined in the test file"
+        if name in imported:
+            module, attr = imported[name]
+            fn = getattr(importlib.import_module(module), attr)
+            assert callable(fn) and fn.__module__ == module, (name, module)
+        else:
+            pytest.fail(f"test_dask_gpu.py submits {name}, which is not imported from a mempool module")
+
+
 def test_the_package_does_not_shadow_dask():
     import dask
 

@@ -167,6 +167,80 @@ def bdb_cluster_runs(a: Any, queries: list) -> dict:
     return runs
 
 
+# -------------------------------------------------------------------------------------------------
+# Task functions that tests/test_dask_gpu.py submits (here, in an importable module, because a worker loads
+# a task's function by reference: it could not import the test file).
+# -------------------------------------------------------------------------------------------------
+
+def task_gpu_identity():
+    import cupy
+
+    return cupy.cuda.Device(0).pci_bus_id
+
+
+def task_cupy_alloc(n):
+    import cupy
+
+    a = cupy.ones(n // 4, dtype=cupy.float32)
+    return float(a.sum())
+
+
+def task_torch_alloc(n):
+    import torch
+
+    t = torch.ones(n // 4, dtype=torch.float32, device="cuda")
+    return float(t.sum().item())
+
+
+def task_sleep(s):
+    time.sleep(s)
+    return s
+
+
+def task_make_cupy(i, n, dtype):
+    import cupy
+
+    return cupy.arange(n, dtype=dtype).reshape(-1, 4) * (i + 1)
+
+
+def task_make_torch(i, n, dtype_name, grad):
+    import torch
+
+    t = (torch.arange(n, device="cuda", dtype=torch.float32).reshape(-1, 8) * (i + 1)).to(getattr(torch, dtype_name))
+    return t.requires_grad_(grad) if grad else t
+
+
+def task_describe(x):
+    """(type, dtype, shape, checksum, device ordinal, requires_grad) of what arrived."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        import cupy
+
+        return ("cupy", x.dtype.str, tuple(x.shape), float(x.astype(cupy.float64).sum()), x.device.id, False)
+    import torch
+
+    return ("torch", str(x.dtype), tuple(x.shape), float(x.detach().double().sum().item()), x.device.index,
+            x.requires_grad)
+
+
+def task_orphan_share(peer_pid):
+    """Shares a buffer with the peer's importer without a Dask message naming it (a lost message)."""
+    from mempool.dask.plugin import _STATE
+
+    ep = _STATE.ipc
+    import cupy
+
+    x = cupy.ones(1 << 20, dtype=cupy.uint8)
+    ep.send("cupy", x, ep.importer_id(peer_pid))
+    return ep.exporter.stats()["live_buffers"]
+
+
+def task_set_stash_ttl(seconds):
+    from mempool.dask import transfer
+
+    transfer.STASH_TTL = seconds
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mempool.benchmarks.dask_gpu")
     sub = ap.add_subparsers(dest="cmd", required=True)
