@@ -37,7 +37,7 @@ install)
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-index --find-links "$wheels" \
     --force-reinstall --no-deps "$(ls -t "$wheels"/mempool-*.whl | head -1)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-index --find-links "$wheels" \
-    dask-cuda==26.10.0 dask==2026.7.1 distributed==2026.7.1 pytest
+    dask-cuda==26.10.0 dask==2026.7.1 distributed==2026.7.1 pytest pytest-timeout
   "$venv/bin/python" - <<'PY'
 import importlib
 for m in ("mempool", "mempool.dask", "dask_cuda", "distributed", "cupy", "torch"):
@@ -52,9 +52,10 @@ tests)
   cd /tmp
   "$venv/bin/python" -m pytest -p no:cacheprovider --import-mode=importlib --rootdir "$root/crates/mempool-py" \
     "$root/crates/mempool-py/tests/test_dask_gpu.py" "$root/crates/mempool-py/tests/test_dask_docs.py" \
-    "$root/crates/mempool-py/tests/test_dask.py" -v "$@" 2>&1 | tee "$out/tests.log"
+    "$root/crates/mempool-py/tests/test_dask.py" -v --timeout 420 -o faulthandler_timeout=400 "$@" 2>&1 \
+    | tee "$out/tests.log"
   "$venv/bin/python" -m pytest -p no:cacheprovider --import-mode=importlib --rootdir "$root/crates/mempool-py" \
-    "$root/crates/mempool-py/tests/test_guide.py" -k "beyond-one-host" -v 2>&1 | tee "$out/ray-block.log"
+    "$root/crates/mempool-py/tests/test_guide.py" -k "beyond-one-host" -v --timeout 300 2>&1 | tee "$out/ray-block.log"
   ;;
 shuffle)
   need_venv

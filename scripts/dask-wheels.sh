@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the wheels of scripts/dask-wheels.lock (dask-cuda 26.10.0, dask and distributed 2026.7.1, what
-# they need, and pytest) for CPython 3.12 on x86-64 Linux into DIR (default .dask-wheels/, ignored by git),
+# they need, pytest and pytest-timeout) for CPython 3.12 on x86-64 Linux into DIR (default .dask-wheels/, ignored by git),
 # for the GPU machine, which has no network: carry DIR with the tree and run scripts/dask-gpu-tests.sh there.
 #
 #   scripts/dask-wheels.sh [DIR]
@@ -43,7 +43,7 @@ if [ -s "$scratch/skipped.txt" ]; then
 fi
 python3 -m pip install -q --disable-pip-version-check --dry-run --ignore-installed --ignore-requires-python --no-index \
   --find-links "$dir" --find-links "$scratch/skipped" "${platform[@]}" --target "$scratch/target" \
-  dask-cuda==26.10.0 dask==2026.7.1 distributed==2026.7.1 pytest \
+  dask-cuda==26.10.0 dask==2026.7.1 distributed==2026.7.1 pytest pytest-timeout \
   || { echo "dask-wheels.sh: the wheels in $dir do not install dask-cuda on CPython 3.12 (above)" >&2; exit 1; }
 n=$(ls "$dir"/*.whl | wc -l)
 size=$(du -sm "$dir" | cut -f1)

@@ -29,7 +29,7 @@ _spec = importlib.util.spec_from_file_location("_mempool_test_guide", HERE / "te
 guide = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(guide)
 
-TIMEOUT = 600
+TIMEOUT = 360  # inside dask-gpu-tests.sh's --timeout 420
 
 
 def dask_doc() -> Path:
