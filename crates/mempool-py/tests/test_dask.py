@@ -240,6 +240,33 @@ def test_setup_worker_refuses_bad_arguments_before_the_gpu():
         md.setup_worker(ResourceSpec(kind="pool"), frameworks="jax")
 
 
+def test_a_hook_that_fails_is_an_error_when_asked_for_and_a_note_under_auto(monkeypatch):
+    """What happens after the resource is built, with the build and the hooks replaced (no GPU here)."""
+    monkeypatch.setattr(plugin, "_importable", lambda module: True)
+    monkeypatch.setattr(plugin, "device_total_memory", lambda device: 80 * GiB)
+    import types
+
+    monkeypatch.setattr(plugin, "build", lambda spec, device, total: types.SimpleNamespace(name="FakeResource"))
+    import mempool.mr
+
+    monkeypatch.setattr(mempool.mr, "set_per_device_resource", lambda device, res: None)
+    monkeypatch.setattr(plugin, "_STATE", plugin._State())
+
+    def hook(f, cupy_allocator):
+        if f == "torch":
+            raise RuntimeError("PyTorch has already started CUDA in this worker")
+        return "c" if f == "cupy" else "emm"
+
+    monkeypatch.setattr(plugin, "_hook", hook)
+    with pytest.raises(RuntimeError, match="pointing torch at the resource failed: PyTorch has already started"):
+        md.setup_worker(ResourceSpec(kind="pool"), frameworks=["cupy", "torch"])
+    state = md.setup_worker(ResourceSpec(kind="pool"), frameworks="auto")
+    assert state["hooked"] == {"cupy": "c", "numba": "emm"}
+    assert "already started CUDA" in state["not_hooked"]["torch"]
+    again = md.setup_worker(ResourceSpec(kind="pool"), frameworks="auto")
+    assert again["resource_id"] == state["resource_id"] and again["setups"] == state["setups"] + 1
+
+
 def test_setup_without_a_driver_says_so(no_driver):
     if not no_driver:
         return

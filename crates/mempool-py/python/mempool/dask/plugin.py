@@ -106,6 +106,7 @@ class _State:
         self.device: Optional[int] = None
         self.resource: Any = None
         self.hooked: dict = {}  # framework -> what was set ("c", "python", "pluggable", "emm")
+        self.not_hooked: dict = {}  # framework -> why "auto" left it alone
         self.ipc: Any = None  # mempool.dask.transfer.Endpoint when handles are on
         self.setups = 0
 
@@ -115,13 +116,14 @@ _STATE = _State()
 
 def current_setup() -> dict:
     """What ``setup_worker`` made in this process: ``spec`` (a dict), ``device``, ``hooked`` (framework ->
-    allocator), ``ipc`` (the endpoint's socket path, or None), ``setups`` (how many setups ran) and
+    allocator), ``not_hooked`` (framework -> why ``"auto"`` left it alone), ``ipc`` (the endpoint's socket path, or None), ``setups`` (how many setups ran) and
     ``resource_id`` (which resource object). ``spec`` is ``None`` when none ran."""
     s = _STATE
     return {
         "spec": s.spec.to_dict() if s.spec else None,
         "device": s.device,
         "hooked": dict(s.hooked),
+        "not_hooked": dict(s.not_hooked),
         "ipc": s.ipc.path if s.ipc is not None else None,
         "setups": s.setups,
         # Which resource object: equal across calls while the same resource is current.
@@ -221,8 +223,17 @@ def setup_worker(
             s.spec, s.device, s.resource = spec, device, resource
             logger.info("mempool.dask: device %d now allocates from %s (%s)", device, resource.name, spec.to_dict())
         for f in wanted:
-            if f not in s.hooked:
+            if f in s.hooked:
+                continue
+            try:
                 s.hooked[f] = _hook(f, cupy_allocator)
+                s.not_hooked.pop(f, None)
+            except Exception as e:
+                if frameworks != "auto":
+                    raise RuntimeError(f"mempool.dask: pointing {f} at the resource failed: {e}") from e
+                # "auto": a framework that imports but cannot be hooked is left alone, and said so.
+                s.not_hooked[f] = f"{type(e).__name__}: {e}"
+                logger.warning("mempool.dask: %s is installed but was not hooked: %s", f, e)
         if ipc and s.ipc is None:
             from mempool.dask.transfer import Endpoint
 
