@@ -45,10 +45,10 @@ def _consume(x: Any) -> tuple:
     return _checksum(x), int(x.data.ptr), int(cupy.cuda.runtime.getDevice())
 
 
-def _cluster(**kw: Any) -> Any:
+def _cluster(n_workers: int = 2, **kw: Any) -> Any:
     from dask_cuda import LocalCUDACluster
 
-    return LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=None, **kw)
+    return LocalCUDACluster(n_workers=n_workers, threads_per_worker=1, dashboard_address=None, **kw)
 
 
 def _wait_connected(client: Any, workers: list, timeout: float = 30.0) -> None:
@@ -150,13 +150,13 @@ def bdb_cluster_runs(a: Any, queries: list) -> dict:
     pool = float(a.pool_size) if "." in a.pool_size else a.pool_size
     for name in [n for n in a.allocators.split(",") if n]:
         if name == "rmm-pool":
-            with _cluster(rmm_pool_size=pool) as cluster, Client(cluster) as client:
+            with _cluster(a.gpus, rmm_pool_size=pool) as cluster, Client(cluster) as client:
                 client.run(_rmm_wrap_statistics)
                 run = run_dask(client, a.scale, a.partitions, "cupy", queries, repeats=a.repeats)
                 run["peak_bytes"] = client.run(_rmm_peak)
         elif name in ("mempool-default", "mempool-pool"):
             kind = "default" if name == "mempool-default" else "pool"
-            with _cluster() as cluster, Client(cluster) as client:
+            with _cluster(a.gpus) as cluster, Client(cluster) as client:
                 client.register_plugin(MempoolSetup(kind=kind, initial_pool_size=pool, frameworks="cupy"))
                 run = run_dask(client, a.scale, a.partitions, "cupy", queries, repeats=a.repeats)
                 st = worker_statistics(client)
