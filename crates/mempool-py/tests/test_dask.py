@@ -793,6 +793,11 @@ def test_offers_connect_once_and_again_after_a_close(endpoint):
     assert len(FakeImporter.made) == 2 and ep._importers[peer] is FakeImporter.made[1]
     _connect_and_wait(ep, "/tmp/refused.sock")
     assert ep.counters["connect_failures"] == 1 and "/tmp/refused.sock" not in ep._importers
+    _connect_and_wait(ep, "/tmp/refused.sock")  # failed a moment ago: not tried again yet
+    assert ep.counters["connect_failures"] == 1
+    ep._failed["/tmp/refused.sock"] -= transfer.RETRY_AFTER + 1
+    _connect_and_wait(ep, "/tmp/refused.sock")
+    assert ep.counters["connect_failures"] == 2
     assert ep.stats()["peers_imported"] == 1
 
 

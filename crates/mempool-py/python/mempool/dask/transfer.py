@@ -52,6 +52,8 @@ FAMILY = "mempool-ipc"
 STASH_TTL = 60.0
 #: Seconds a receiver waits for a buffer its message names.
 RECV_TIMEOUT = 30.0
+#: Seconds before a receiver tries again to connect to an endpoint it could not connect to.
+RETRY_AFTER = 60.0
 
 
 class Endpoint:
@@ -65,6 +67,7 @@ class Endpoint:
         self.pid = os.getpid()
         self._importers: dict = {}  # peer socket path -> mempool.ipc.Importer
         self._connecting: set = set()
+        self._failed: dict = {}  # peer socket path -> when a connection to it last failed
         self._recv_locks: dict = {}
         self._stash: dict = {}  # (path, id) -> (ImportedBuffer, time received)
         self._lock = threading.Lock()
@@ -163,6 +166,9 @@ class Endpoint:
         with self._lock:
             if a["path"] in self._connecting:
                 return
+            failed = self._failed.get(a["path"])
+            if failed is not None and time.monotonic() - failed < RETRY_AFTER:
+                return  # it failed a moment ago: the default path meanwhile
             imp = self._importers.get(a["path"])
             if imp is not None and not imp.closed:
                 return  # connected: the sender sees it by the next transfer
@@ -180,6 +186,7 @@ class Endpoint:
             logger.warning("mempool.dask: cannot connect to the endpoint at %s: %s", path, e)
             with self._lock:
                 self._connecting.discard(path)
+                self._failed[path] = time.monotonic()
             return
         with self._lock:
             self._importers[path] = imp
