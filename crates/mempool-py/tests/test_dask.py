@@ -283,7 +283,7 @@ def test_registering_on_a_cluster_fails_at_registration_with_the_workers_error(n
     from distributed import Client, LocalCluster
 
     monkeypatch.setattr(plugin, "_importable", lambda module: module != "torch")
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         with pytest.raises(ImportError, match="torch asked for but not installed on worker "):
             md.register(client, kind="pool", frameworks=["torch"])
         if no_driver:
@@ -697,7 +697,7 @@ def test_group_sum_and_bounds():
 def test_bdb_over_a_dask_cluster_equals_the_local_run():
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
         run = bdb.run_dask(client, 0.01, 4, "numpy", repeats=2)
         with pytest.raises(ValueError, match="unknown query 'q9'"):
@@ -856,3 +856,74 @@ def test_importer_ids_and_receive_refusing_another_host(endpoint):
     with pytest.raises(ValueError, match="a handle from host 'elsewhere/1' reached host"):
         ep.receive(_handle(host="elsewhere/1"))
     assert ep.advert() == {"v": 1, "host": framing.host_id(), "pid": os.getpid(), "path": ep.path}
+
+
+# -------------------------------------------------------------------------------------------------
+# End to end over a real Dask cluster (TCP comms, workers in this process), with a fake array type and a
+# fake endpoint standing in for the GPU: a worker that fetches data gets a handle frame through the wrapped
+# `dask` serializer; the client, which advertises nothing, gets the value; an unconnected fetcher gets the
+# value with an offer, and acts on it.
+# -------------------------------------------------------------------------------------------------
+
+
+class WireArray:
+    """Stands for a CUDA array: its payload travels by value (bytes) or by handle (a registry here)."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self.nbytes = len(payload)
+
+
+_SENT: dict = {}
+
+
+class WireEndpoint(FakeEndpoint):
+    def send(self, kind, x, importer):
+        buffer_id = len(_SENT) + 1
+        _SENT[buffer_id] = x.payload
+        self.sent.append((kind, importer))
+        return framing.encode(_handle(path=self.path, sender_pid=self.pid, host=self.host, buffer_id=buffer_id))
+
+
+def _make_wire(n):
+    return WireArray(bytes(range(n % 256)) * 3)
+
+
+def _payload(x):
+    return x.payload
+
+
+def test_a_real_cluster_carries_handles_to_advertised_fetchers_and_values_to_others(monkeypatch):
+    from distributed import Client, LocalCluster
+    from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+    dask_serialize.register(WireArray, lambda x: ({}, [x.payload]))
+    dask_deserialize.register(WireArray, lambda header, frames: WireArray(bytes(frames[0])))
+    transfer._wrap(dask_serialize, dask_deserialize, WireArray, None)
+    ep = WireEndpoint()
+    monkeypatch.setattr(plugin._STATE, "ipc", ep)
+    monkeypatch.setattr(transfer, "_kind", lambda x: "cupy" if isinstance(x, WireArray) else None)
+
+    def receive(frame):
+        return WireArray(_SENT[framing.decode(frame).buffer_id])
+
+    monkeypatch.setattr(transfer, "receive_frame", receive)
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp",
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        fetcher = next(w for w in cluster.workers.values() if w.address == b)
+        advert = FakeEndpoint()
+        advert.pid = 222  # the fetcher's advert (a different process, as on a real cluster)
+        transfer.advertise(fetcher, advert)
+
+        x = client.submit(_make_wire, 5, workers=[a], pure=False)
+        assert client.submit(_payload, x, workers=[b], pure=False).result() == bytes(range(5)) * 3
+        assert ep.sent == [("cupy", 42)], "the fetcher's copy went by handle"
+        assert client.gather(x).payload == bytes(range(5)) * 3  # the client advertises nothing: by value
+        assert len(ep.sent) == 1 and ep.counters["fallbacks"] == 1
+
+        ep.connected = False  # a fetcher not connected yet: the value, with an offer it acts on
+        y = client.submit(_make_wire, 7, workers=[a], pure=False)
+        assert client.submit(_payload, y, workers=[b], pure=False).result() == bytes(range(7)) * 3
+        assert ep.offers == [ep.advert()] and ep.counters["offers_sent"] == 1

@@ -55,7 +55,7 @@ def cluster():
     from distributed import Client
 
     with LocalCUDACluster(n_workers=2, CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1,
-                          dashboard_address=None) as c, Client(c) as client:
+                          dashboard_address=":0") as c, Client(c) as client:
         yield client
 
 
@@ -164,7 +164,7 @@ PRELOAD_FAILS = """
 import sys
 from dask_cuda import LocalCUDACluster
 try:
-    with LocalCUDACluster(n_workers=1, CUDA_VISIBLE_DEVICES="0", dashboard_address=None,
+    with LocalCUDACluster(n_workers=1, CUDA_VISIBLE_DEVICES="0", dashboard_address=":0",
                           preload=["mempool.dask.preload"],
                           preload_argv=["--mempool-kind", "pool", "--mempool-initial-pool-size", "1TiB"]):
         print("STARTED")
@@ -196,7 +196,7 @@ def test_the_preload_module_sets_workers_up():
     from mempool.dask import worker_statistics
 
     argv = ["--mempool-kind", "default", "--mempool-initial-pool-size", "0.05", "--mempool-frameworks", "cupy"]
-    with LocalCUDACluster(n_workers=2, CUDA_VISIBLE_DEVICES="0,1", dashboard_address=None,
+    with LocalCUDACluster(n_workers=2, CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0",
                           preload=["mempool.dask.preload"], preload_argv=argv) as c, Client(c) as client:
         stats = worker_statistics(client)
         assert len(stats) == 2

@@ -490,7 +490,7 @@ def main(argv: Optional[list] = None) -> int:
     else:
         from distributed import Client, LocalCluster
 
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
                 Client(cluster) as client:
             report["runs"]["local"] = this.run_dask(client, a.scale, a.partitions, a.xp, queries, repeats=a.repeats)
     runs = list(report["runs"].values())

@@ -48,7 +48,7 @@ def _consume(x: Any) -> tuple:
 def _cluster(n_workers: int = 2, **kw: Any) -> Any:
     from dask_cuda import LocalCUDACluster
 
-    return LocalCUDACluster(n_workers=n_workers, threads_per_worker=1, dashboard_address=None, **kw)
+    return LocalCUDACluster(n_workers=n_workers, threads_per_worker=1, dashboard_address=":0", **kw)
 
 
 def _wait_connected(client: Any, workers: list, timeout: float = 30.0) -> None:
