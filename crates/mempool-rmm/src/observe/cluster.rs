@@ -219,8 +219,9 @@ fn cluster_from_value(mut v: serde_json::Value) -> std::result::Result<ClusterSn
 
 /// Reads a cluster document. Refuses, with a message that says why: text that is not JSON, a single
 /// snapshot, another schema or version (named), no `workers` array or an empty one, a worker without a
-/// name or snapshot, two workers of one name, and a worker whose snapshot [`read_json`]
-/// (crate::observe::read_json) would refuse (the message names the worker and gives that reason).
+/// name or snapshot, two workers of one name, and a worker whose snapshot
+/// [`read_json`](crate::observe::read_json) would refuse (the message names the worker and gives that
+/// reason).
 pub fn read_cluster_json(text: &str) -> Result<ClusterSnapshot> {
     let v: serde_json::Value =
         serde_json::from_str(text).map_err(|e| bad("observe::read_cluster_json", format!("not JSON: {e}")))?;
