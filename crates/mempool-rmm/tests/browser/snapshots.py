@@ -318,9 +318,13 @@ def cluster(workers, source="test"):
 
 def three_workers():
     """Three workers on two hosts: the small snapshot, the fragmented pool (which failed an allocation) and the
-    frees on another stream; the first named by its address, as Dask names workers."""
+    frees on another stream; the first named by its address, as Dask names workers. The first one's driver pool
+    (its lowest resource) holds 8 MiB, more than its pool's 2 MiB chunk, as a driver pool that reserved ahead does:
+    the worker's held bytes are the lowest resource's."""
+    first = small()
+    first["resources"][1]["stats"].update(held_bytes=8 * MIB, peak_held_bytes=8 * MIB)
     return cluster([
-        ("tcp://10.0.0.5:40123", small(), {"address": "tcp://10.0.0.5:40123", "host": "node-a", "pid": 4242,
+        ("tcp://10.0.0.5:40123", first, {"address": "tcp://10.0.0.5:40123", "host": "node-a", "pid": 4242,
                                           "device": 0, "device_name": "Simulated GPU"}),
         ("worker-b", fragmented(), {"host": "node-a", "pid": 4243, "device": 1}),
         ("worker-c", cross_stream(), {"host": "node-b"}),

@@ -90,7 +90,8 @@ def test_a_cluster_of_three_workers(tmp_path):
         assert row.one("td", "name").text() == w["name"]
     # the numbers that tell the workers apart, by hand: the small snapshot's pool, the fragmented pool's failures
     a, b, c = rows
-    assert a.value("live-bytes") == (5120, "5.00 KiB") and a.value("held-bytes") == (2 * S.MIB, "2.00 MiB")
+    assert a.value("live-bytes") == (5120, "5.00 KiB") and a.value("held-bytes") == (8 * S.MIB, "8.00 MiB")
+    assert a.value("peak-live-bytes")[0] == 7168 and a.value("peak-held-bytes")[0] == 8 * S.MIB
     assert a.one("td", "host").text() == "node-a" and a.one("td", "pid").text() == "4242"
     assert a.one("td", "device").text() == "0: Simulated GPU"
     assert b.one("td", "device").text() == "1", "the identity's ordinal, with no name given"
