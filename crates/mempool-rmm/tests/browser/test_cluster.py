@@ -227,3 +227,32 @@ def test_bare_viewer_opens_a_cluster_file(tmp_path):
     assert "shown" in dom.by_id("cluster").classes
     row = dom.by_id("workers").one("tr", data_worker="worker-c")
     assert row.value("live-bytes")[0] == summary(doc["workers"][2]["snapshot"])["live-bytes"]
+
+
+def test_a_worker_with_no_history_and_no_counters(tmp_path):
+    """A worker whose snapshot has no history, no device and a stack that counts nothing: its row falls back to
+    the sum of its live allocations and shows what it does not know as "—", its plot says it has no events, and
+    the other workers draw as usual."""
+    bare = {"schema": "mempool.snapshot", "version": 1, "created_unix_ns": 0, "source": "replay:empty.csv",
+            "resources": [{"id": 7, "parent": None, "name": "hist", "kind": "HistoryResource", "device": None,
+                           "stats": {"live_bytes": None, "peak_live_bytes": None, "held_bytes": None,
+                                     "peak_held_bytes": None, "allocations": None, "frees": None, "live_count": None},
+                           "per_stream": [], "chunks": []}],
+            "live": [{"resource": 7, "address": 4096, "size": 3000, "stream": None, "tag": 0, "t_ns": None},
+                     {"resource": 7, "address": 8192, "size": 96, "stream": None, "tag": 0, "t_ns": None}],
+            "history": {"t_ns": []}}
+    doc = S.cluster([("empty", bare, {}), ("small", S.small(), {})])
+    dom = open_page(tmp_path, "cluster-bare-worker", S.page(doc))
+    assert_ready(dom)
+    row = dom.by_id("workers").one("tr", data_worker="empty")
+    assert row.value("live-bytes") == (3096, "3.02 KiB")
+    assert row.value("live-count")[0] == 2 and row.value("largest-live")[0] == 3000
+    for cls in ("peak-live-bytes", "held-bytes", "peak-held-bytes", "free-bytes", "fragmentation"):
+        assert row.one("td", cls).text() == "—", cls
+    assert row.one("td", "device").text() == "—" and row.value("events")[0] == 0
+    plot = dom.by_id("worker-plots").one("div", "worker-plot", data_worker="empty")
+    assert plot.one("p", "note").text() == "No history events." and not plot.find_all("canvas")
+    other = dom.by_id("worker-plots").one("div", "worker-plot", data_worker="small")
+    assert int(float(other.one(cls="end-live").attrs["data-value"])) == 5120
+    assert html_attrs(dom)["data-worker"] == "empty"
+    assert dom.by_id("timeline-note").text() == "The snapshot has no history events."
