@@ -88,6 +88,14 @@ int mempool_history_adaptor_create(const mempool_resource_t* upstream, size_t ca
 /* MEMPOOL_ERROR_INVALID_ARGUMENT unless resource is a statistics adaptor */
 int mempool_statistics_get(const mempool_resource_t* resource, mempool_statistics_t* out);
 void mempool_resource_destroy(mempool_resource_t* resource); /* NULL is a no-op */
+/* A new handle to the same resource (a counted reference of its own, released with
+ * mempool_resource_destroy): how a wrapper keeps a handle it was lent (mempool/rmm.hpp). */
+int mempool_resource_retain(const mempool_resource_t* resource, mempool_resource_t** out);
+/* *out = 1 when memory allocated through a may be freed through b (the same resource, or resources that
+ * say they are equal, RMM's is_equal, on the same device), else 0. */
+int mempool_resource_is_equal(const mempool_resource_t* a, const mempool_resource_t* b, int* out);
+/* *out = the ordinal of the device the resource allocates on. */
+int mempool_resource_device(const mempool_resource_t* resource, int* out);
 
 /* Allocation, ordered on stream. 0 bytes gives NULL. deallocate's ptr must come from allocate of the same
  * resource with the same size, once, with no use ordered after the free on stream, while the resource is

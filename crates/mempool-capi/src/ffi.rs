@@ -421,6 +421,75 @@ pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle)
     }
 }
 
+/// Writes a new handle to the same resource as `resource` to `*out` (a counted reference of its own,
+/// released with `mempool_resource_destroy`; the two handles are equal by `mempool_resource_is_equal`). A
+/// wrapper that keeps a handle it was lent (mempool/rmm.hpp) takes one this way.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_retain(
+    resource: *const ResourceHandle,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(resource, "resource") }?;
+        let copy = ResourceHandle {
+            shared: h.shared.clone(),
+            stats: h.stats.clone(),
+            service: h.service.clone(),
+            device: h.device,
+        };
+        // SAFETY: point 1.
+        unsafe { put_handle(out, copy) }
+    })
+}
+
+/// Writes 1 to `*out` when memory allocated through `a` may be freed through `b` (the same resource, or
+/// resources that say they are equal: RMM's `is_equal`), else 0.
+///
+/// # Safety
+/// 1. `a` and `b` are null or live handles; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_is_equal(
+    a: *const ResourceHandle,
+    b: *const ResourceHandle,
+    out: *mut c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: live handles; the references do not outlive this call.
+        let a = unsafe { handle(a, "a") }?;
+        // SAFETY: point 1.
+        let b = unsafe { handle(b, "b") }?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        let same = Arc::ptr_eq(&a.shared, &b.shared) || a.shared.is_equal(&*b.shared);
+        *out = c_int::from(a.device == b.device && same);
+        Ok(())
+    })
+}
+
+/// Writes the ordinal of the device `resource` allocates on to `*out`.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_device(resource: *const ResourceHandle, out: *mut c_int) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(resource, "resource") }?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // Every handle's device came in as a `c_int` (an ordinal of a create call or the registry's).
+        *out = c_int::try_from(h.device).unwrap_or(c_int::MAX);
+        Ok(())
+    })
+}
+
 /// Allocates `bytes` from `resource`, ordered on `stream` (a `CUstream`/`cudaStream_t`; NULL is the legacy
 /// default stream), and writes the address to `*out` (NULL for 0 bytes).
 ///

@@ -39,6 +39,16 @@ static void common(void) {
   CHECK(mempool_get_current_device_resource(-3, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
   CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
   mempool_resource_destroy(NULL);
+  /* retain, is_equal and device refuse NULL handles and outputs, leaving the output untouched. */
+  CHECK(mempool_resource_retain(NULL, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
+  CHECK(strstr(mempool_last_error(), "resource is null") != NULL, "message names the argument");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+  int eq = 7, dev = 7;
+  CHECK(mempool_resource_is_equal(NULL, NULL, &eq) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null a");
+  CHECK(strstr(mempool_last_error(), "a is null") != NULL, "message names the argument");
+  CHECK(eq == 7, "out untouched on failure");
+  CHECK(mempool_resource_device(NULL, &dev) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
+  CHECK(dev == 7, "out untouched on failure");
   /* PyTorch's entry points: 0 bytes is NULL; an unknown pointer is refused, not freed. */
   CHECK(mempool_torch_alloc_nullable(0, 0, NULL) == NULL, "0 bytes");
   mempool_torch_free((void*)0x100000, 256, 0, NULL);
@@ -188,10 +198,27 @@ static int gpu(void) {
   CHECK(mempool_deallocate(stats, p, 1000, NULL) == MEMPOOL_SUCCESS, "deallocate");
   CHECK(mempool_allocate(stats, (size_t)1 << 30, NULL, &p) == MEMPOOL_ERROR_OUT_OF_MEMORY, "over the maximum");
   CHECK(strstr(mempool_last_error(), "1073741824") != NULL, "message names the size");
+  /* A retained handle is the same resource: equal, same device, and frees what the other allocated; a
+   * handle of another resource is not equal; NULL outputs are refused. */
+  mempool_resource_t* again = NULL;
+  int eq = -1, dev = -1;
+  CHECK(mempool_resource_retain(stats, &again) == MEMPOOL_SUCCESS && again != NULL && again != stats, "retain");
+  CHECK(mempool_resource_is_equal(stats, again, &eq) == MEMPOOL_SUCCESS && eq == 1, "retained is equal");
+  CHECK(mempool_resource_is_equal(stats, pool, &eq) == MEMPOOL_SUCCESS && eq == 0, "another is not");
+  CHECK(mempool_resource_is_equal(stats, again, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_resource_retain(stats, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_resource_device(again, &dev) == MEMPOOL_SUCCESS && dev == 0, "device %d", dev);
+  CHECK(mempool_resource_device(again, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_allocate(stats, 512, NULL, &p) == MEMPOOL_SUCCESS && p != NULL, "allocate");
+  mempool_resource_destroy(stats); /* the retained handle keeps the adaptor */
+  CHECK(mempool_statistics_get(again, &s) == MEMPOOL_SUCCESS && s.current_bytes == 512, "stats through retained");
+  CHECK(mempool_deallocate(again, p, 512, NULL) == MEMPOOL_SUCCESS, "freed through the retained handle");
+  stats = again;
   CHECK(mempool_set_current_device_resource(0, stats) == MEMPOOL_SUCCESS, "set current");
   CHECK(mempool_get_current_device_resource(0, &cur) == MEMPOOL_SUCCESS, "get current");
   /* The handle to the current resource reads the statistics adaptor set as current. */
-  CHECK(mempool_statistics_get(cur, &s) == MEMPOOL_SUCCESS && s.total_count == 1, "stats through current");
+  CHECK(mempool_statistics_get(cur, &s) == MEMPOOL_SUCCESS && s.total_count == 2, "stats through current");
+  CHECK(mempool_resource_is_equal(cur, stats, &eq) == MEMPOOL_SUCCESS && eq == 1, "current is the one set");
   /* Handles know their device: a resource of device 0 is refused for device 1 (whether or not it exists). */
   mempool_resource_t* wrong = (mempool_resource_t*)0x1;
   CHECK(mempool_set_current_device_resource(1, stats) == MEMPOOL_ERROR_INVALID_ARGUMENT, "other device");
@@ -211,7 +238,7 @@ static int gpu(void) {
   CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.current_bytes == 0, "freed");
   mempool_torch_free(t, 4096, 0, NULL);
   CHECK(strstr(mempool_last_error(), "did not hand out") != NULL, "double free refused");
-  CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.total_count == 2, "counts");
+  CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.total_count == 3, "counts");
   mempool_resource_destroy(cur);
   mempool_resource_destroy(stats);
   mempool_resource_destroy(pool);
