@@ -74,7 +74,10 @@ TEST_F(Bridge, DeviceBufferAllocatesFromMempoolAndRoundTrips)
     ASSERT_NE(buf.data(), nullptr);
     EXPECT_EQ(stats_of(mr).current_bytes, 1000);
     EXPECT_EQ(pointer_device(buf.data()), 0);
-    EXPECT_TRUE(rmm::mr::get_current_device_resource_ref() == rmm::device_async_resource_ref{mr});
+    auto current = rmm::mr::get_current_device_resource_ref();
+    void* p      = current.allocate(stream, 24, rmm::CUDA_ALLOCATION_ALIGNMENT);
+    EXPECT_EQ(stats_of(mr).current_bytes, 1024);  // the current resource is mr
+    current.deallocate(stream, p, 24, rmm::CUDA_ALLOCATION_ALIGNMENT);
     std::vector<std::uint8_t> in(1000), out(1000, 0);
     for (std::size_t i = 0; i < in.size(); ++i) { in[i] = static_cast<std::uint8_t>(i * 7); }
     CUDA_OK(cudaMemcpyAsync(buf.data(), in.data(), in.size(), cudaMemcpyHostToDevice, stream.value()));
@@ -88,7 +91,7 @@ TEST_F(Bridge, DeviceBufferAllocatesFromMempoolAndRoundTrips)
   }
   stream.synchronize();
   EXPECT_EQ(stats_of(mr).current_bytes, 0);
-  EXPECT_EQ(stats_of(mr).total_count, 3);
+  EXPECT_EQ(stats_of(mr).total_count, 4);
   rmm::mr::set_current_device_resource(std::move(previous));
 }
 
