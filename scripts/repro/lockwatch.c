@@ -113,23 +113,30 @@ static struct slot *self(void) {
   return me;
 }
 
-static struct entry *find(void *lock, int create) {
-  if (!table) return NULL;
+// The element of an open-addressed table (`n` elements of `size` bytes, each starting with its key
+// `void *volatile lock`) that holds `lock`, claimed for it when `create`; NULL when absent or full.
+static void *probe(void *base, size_t size, size_t n, void *lock, int create) {
+  if (!base) return NULL;
   uintptr_t h = ((uintptr_t)lock >> 3) * 0x9E3779B97F4A7C15ull;
   for (unsigned i = 0; i < 64; i++) {
-    struct entry *e = &table[(h + i) % TABLE];
-    void *cur = e->lock;
+    void *e = (char *)base + ((h + i) % n) * size;
+    void *volatile *key = (void *volatile *)e;
+    void *cur = *key;
     if (cur == lock) return e;
     if (cur == NULL) {
       if (!create) return NULL;
       void *expected = NULL;
-      if (__atomic_compare_exchange_n(&e->lock, &expected, lock, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return e;
+      if (__atomic_compare_exchange_n(key, &expected, lock, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return e;
       if (expected == lock) return e;
     }
   }
-  __atomic_fetch_add(&overflow, 1, __ATOMIC_RELAXED);
   return NULL;
+}
+
+static struct entry *find(void *lock, int create) {
+  struct entry *e = probe(table, sizeof *table, TABLE, lock, create);
+  if (!e && table && create) __atomic_fetch_add(&overflow, 1, __ATOMIC_RELAXED);
+  return e;
 }
 
 static void spin_lock(struct entry *e) {
@@ -250,23 +257,7 @@ int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const struct t
   return r;
 }
 
-static struct life *life_of(void *lock, int create) {
-  if (!lives) return NULL;
-  uintptr_t h = ((uintptr_t)lock >> 3) * 0x9E3779B97F4A7C15ull;
-  for (unsigned i = 0; i < 64; i++) {
-    struct life *e = &lives[(h + i) % LIFE];
-    void *cur = e->lock;
-    if (cur == lock) return e;
-    if (cur == NULL) {
-      if (!create) return NULL;
-      void *expected = NULL;
-      if (__atomic_compare_exchange_n(&e->lock, &expected, lock, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return e;
-      if (expected == lock) return e;
-    }
-  }
-  return NULL;
-}
+static struct life *life_of(void *lock, int create) { return probe(lives, sizeof *lives, LIFE, lock, create); }
 
 int pthread_mutex_init(pthread_mutex_t *m, const pthread_mutexattr_t *a) {
   RESOLVE(r_mutex_init, "pthread_mutex_init");

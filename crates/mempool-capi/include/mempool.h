@@ -158,15 +158,18 @@ int mempool_service_resource_create(int device, size_t max_tags, size_t chunk_si
 int mempool_service_tag(const mempool_resource_t* service, const char* name, uint32_t* out);
 /* A new handle allocating under tag (destroy it with mempool_resource_destroy). */
 int mempool_service_tagged_resource(const mempool_resource_t* service, uint32_t tag, mempool_resource_t** out);
-/* Releases the tags' physical memory (mode: a mempool_sleep_mode_t). Refused, changing nothing, for an
- * unknown tag, one asleep or shared with another process, and a stream with work still queued. */
+/* Releases the tags' physical memory (mode: a mempool_sleep_mode_t), after waiting for the frees into them
+ * still in flight and, where a tag still has live allocations, for the whole device (a tag with nothing live
+ * does not wait for the device). Refused, changing nothing, for an unknown tag, one asleep or shared with
+ * another process, and a stream with work still queued. A free into a sleeping tag is taken; allocating from
+ * it is refused. */
 int mempool_service_sleep(const mempool_resource_t* service, const uint32_t* tags, size_t num_tags, int mode,
                           void* stream, mempool_service_sleep_report_t* out);
 /* Maps the sleeping tags back at the same addresses, restoring offloaded contents; awake tags are skipped;
  * returns once stream is done. */
 int mempool_service_wake(const mempool_resource_t* service, const uint32_t* tags, size_t num_tags, void* stream,
                          mempool_service_wake_report_t* out);
-/* Unmaps every idle chunk of the awake tags (after waiting for the device); *out: the bytes released. */
+/* Unmaps every idle chunk of the awake tags (after waiting for the frees in flight); *out: the bytes released. */
 int mempool_service_trim(const mempool_resource_t* service, uint64_t* out);
 int mempool_service_reset_peaks(const mempool_resource_t* service);
 /* Totals to *out, and the first tags_capacity tags (in tag order) to tags (NULL when tags_capacity is 0). */

@@ -15,6 +15,10 @@
 //!   (0, 1: legacy; 2: per-thread) is kept alive through `param`'s `hold` until the free.
 //! - A free (CuPy passes no size and no stream) returns the memory to the resource that allocated it, on
 //!   the stream it was allocated on: ordered after the work queued there, as CuPy's own pools order it.
+//!   The per-thread default stream (`CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1`) is the allocating thread's:
+//!   a free on another thread (the garbage collector's, a thread the array was handed to) goes on the
+//!   legacy default stream, which waits for the work queued on every thread's per-thread stream
+//!   ([`mempool_core::KeptStream`]); the handle 2 there would name the freeing thread's own stream.
 //!   A pointer mempool did not hand out (or freed already) is refused, nothing is freed.
 //! - A failure: the message (naming the size, the device and the cause) is left in `mempool_last_error()`
 //!   and passed to `param`'s `raise` (the Python package sets a Python exception there), and the function
@@ -30,7 +34,7 @@ use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mempool_core::{DeviceAddr, StreamRef};
+use mempool_core::{DeviceAddr, KeptStream, StreamRef};
 use mempool_rmm::SharedResource;
 
 use crate::cupy_param::{CupyParam, Release};
@@ -49,7 +53,11 @@ const LAST_SPECIAL_STREAM: usize = 2;
 /// One live allocation.
 struct Entry {
     size: usize,
-    stream: usize,
+    /// The device's ordinal (its context is synchronized before a free on another thread than the one
+    /// that allocated on its per-thread stream, once that thread has ended).
+    device: usize,
+    /// The stream it was allocated on, kept: its free orders after that stream's work from any thread.
+    stream: KeptStream<'static>,
     /// What `hold` returned (null when nothing is held).
     token: usize,
     /// The `release` to call with `token`.
@@ -70,9 +78,9 @@ pub fn state() -> (usize, u64, u64) {
     )
 }
 
-/// The stream and size `addr` was allocated with, while it is live.
+/// The stream (its handle) and size `addr` was allocated with, while it is live.
 pub fn allocation(addr: u64) -> Option<(usize, usize)> {
-    LIVE.with(addr, |e| (e.stream, e.size))
+    LIVE.with(addr, |e| (e.stream.as_kept().handle(), e.size))
 }
 
 /// A stream hold: the token `param`'s `hold` returned (0: nothing held) and the `release` that ends it.
@@ -157,7 +165,7 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
     let stream = unsafe { current_stream(param) }?;
     let mr = registry::current(ordinal)?;
     // SAFETY: points 1 and 2.
-    unsafe { alloc_on(param, param_addr, size, stream, mr) }
+    unsafe { alloc_on(param, param_addr, size, stream, ordinal, mr) }
 }
 
 /// `size` bytes from `mr` on `stream`, held through `param` when not special, recorded in the live table.
@@ -168,12 +176,14 @@ unsafe fn alloc(param: &CupyParam, param_addr: usize, size: usize, device: c_int
 ///    `param` that lives for the rest of the process.
 /// 2. `stream` is a live stream of `mr`'s device (or a special handle) for the duration of the call;
 ///    `hold` keeps any other alive until its `release`.
+/// 3. `device` is the ordinal of `mr`'s device.
 #[allow(unsafe_code)]
 pub(crate) unsafe fn alloc_on(
     param: &CupyParam,
     param_addr: usize,
     size: usize,
     stream: usize,
+    device: usize,
     mr: SharedResource,
 ) -> Result<*mut c_void> {
     let hold = match param.hold {
@@ -199,7 +209,8 @@ pub(crate) unsafe fn alloc_on(
         addr.as_raw(),
         Entry {
             size,
-            stream,
+            device,
+            stream: s.kept(),
             token: hold.into_token(),
             param: param_addr,
             mr,
@@ -259,8 +270,8 @@ pub unsafe extern "C" fn mempool_cupy_malloc(param: *mut c_void, size: usize, de
     })
 }
 
-/// Returns `addr` to the resource that allocated it, on the stream it was allocated on, and ends the hold
-/// of that stream.
+/// Returns `addr` to the resource that allocated it, on the stream it was allocated on (for the per-thread
+/// stream of another thread, the legacy stream, ordered after it), and ends the hold of that stream.
 ///
 /// # Safety
 /// 1. No work uses the memory at `addr` after the work queued so far on the stream it was allocated on.
@@ -283,12 +294,16 @@ pub(crate) unsafe fn free(addr: u64) -> Result<()> {
     // SAFETY: the token came from that param's `hold` and is released only here (the entry is gone);
     // point 2.
     let _hold = unsafe { StreamHold::new(e.token, release) };
-    // SAFETY: the stream was live at the allocation and is held (or special) until `_hold` drops.
-    let s = unsafe { StreamRef::from_raw(e.stream as *mut c_void as mempool_core::RawStream) };
+    // The stream was live at the allocation and is held (or special) until `_hold` drops; on another thread
+    // than the allocating one, its per-thread stream is ordered after through the legacy stream
+    // (`KeptStream::order_here`).
+    let device = e.device;
+    let context = || mempool_core::Device::get(device).and_then(|d| d.context());
     // SAFETY: the table held `addr` with this size as returned by `e.mr.allocate` and not freed since (the
-    // entry was removed above, so this is its only free); point 1 orders its uses before the free.
-    let r = unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
-    Ok(r?)
+    // entry was removed above, so this is its only free); point 1 orders its uses before the point of the
+    // allocation's stream where the free is made, and `s` is that stream or one ordered after it.
+    let free = |s| unsafe { e.mr.deallocate(DeviceAddr(addr), e.size, s) };
+    Ok(e.stream.order_here(context, free)?)
 }
 
 /// CuPy's `free`: returns `ptr` (from [`mempool_cupy_malloc`]) to the resource that allocated it, ordered

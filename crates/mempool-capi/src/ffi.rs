@@ -832,10 +832,13 @@ pub unsafe extern "C" fn mempool_service_tagged_resource(
 
 /// Releases the physical memory of the `num_tags` tags at `tags`, keeping their addresses and live
 /// allocations: `MEMPOOL_SLEEP_OFFLOAD` copies the contents to pinned host memory first (ordered on
-/// `stream`), `MEMPOOL_SLEEP_DISCARD` loses them. Refused with nothing changed: an unknown tag, a tag
-/// already asleep or with ranges shared with another process, `stream` with work still queued
-/// (synchronize it first). Allocating from or freeing into a sleeping tag is refused until
-/// `mempool_service_wake`.
+/// `stream`), `MEMPOOL_SLEEP_DISCARD` loses them. It waits for the frees into the tags still in flight
+/// (on any stream) and, where a tag still has live allocations (whose users' streams it never sees), for
+/// the whole device; a tag with nothing live does not wait for the device. Refused with nothing changed:
+/// an unknown tag, a tag already asleep or with ranges shared with another process, `stream` with work
+/// still queued.
+/// Allocating from a sleeping tag is refused until `mempool_service_wake`; a free into it is taken (the
+/// block's chunks that nothing live touches are not mapped back).
 ///
 /// # Safety
 /// 1. `service` is null or a live handle; `tags` is null or valid for reads of `num_tags` values; `out` is
@@ -909,8 +912,8 @@ pub unsafe extern "C" fn mempool_service_wake(
     })
 }
 
-/// Waits for the device, unmaps every chunk of an awake tag that no live allocation touches, and writes
-/// the bytes released to `*out`.
+/// Waits for the frees still in flight, unmaps every chunk of an awake tag that no live allocation
+/// touches, and writes the bytes released to `*out`.
 ///
 /// # Safety
 /// 1. `service` is null or a live handle; `out` is null or valid for a write.

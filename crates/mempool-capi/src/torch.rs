@@ -35,7 +35,7 @@ use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mempool_core::{DeviceAddr, StreamRef};
+use mempool_core::{DeviceAddr, KeptStream, StreamRef};
 use mempool_rmm::SharedResource;
 
 use crate::error::{self, Error, Result};
@@ -47,8 +47,9 @@ use crate::registry;
 /// unwinding through `mempool_torch_alloc`'s frame would abort the process there.
 pub const RAISES: bool = cfg!(mempool_cxx_shim);
 
-/// The live allocations: address -> (size, device, resource). Every allocation PyTorch holds is in it.
-static LIVE: LiveTable<(usize, usize, SharedResource)> = LiveTable::new();
+/// The live allocations: address -> (size, device, resource, the stream it was allocated on). Every
+/// allocation PyTorch holds is in it.
+static LIVE: LiveTable<(usize, usize, SharedResource, KeptStream<'static>)> = LiveTable::new();
 
 /// Frees that failed (an unknown pointer, a size that does not match, a driver error); see
 /// [`free_failures`].
@@ -213,7 +214,7 @@ unsafe fn alloc(size: usize, device: c_int, stream: *mut c_void) -> Result<*mut 
     #[allow(unsafe_code)]
     let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
     let addr = mr.allocate(size, s)?;
-    LIVE.insert(addr.as_raw(), (size, ordinal, mr));
+    LIVE.insert(addr.as_raw(), (size, ordinal, mr, s.kept()));
     if let Some(c) = device_counters(ordinal) {
         c.allocated(size);
     }
@@ -316,7 +317,7 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
         return Ok(());
     }
     let addr = ptr as u64;
-    let entry = LIVE.remove_if(addr, |(n, _, _)| {
+    let entry = LIVE.remove_if(addr, |(n, _, _, _)| {
         if *n == size {
             Ok(())
         } else {
@@ -325,18 +326,29 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
             )))
         }
     });
-    let Some((_, device, mr)) = entry.transpose()? else {
+    let Some((_, device, mr, allocated_on)) = entry.transpose()? else {
         return Err(Error::InvalidArgument(format!(
             "free of {addr:#x}, which mempool's PyTorch allocator did not hand out (or freed already); not freed"
         )));
     };
     // SAFETY: point 1 of `mempool_torch_free`: the stream is live.
     #[allow(unsafe_code)]
-    let s = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
+    let passed = unsafe { StreamRef::from_raw(stream as mempool_core::RawStream) };
+    // PyTorch passes the stream it allocated on, as a handle: the per-thread default stream's names the
+    // freeing thread's own stream, not the allocating thread's, so there the free goes on the legacy
+    // stream, ordered after every thread's per-thread stream (`KeptStream::here`).
+    let kept = if passed == allocated_on.as_kept() {
+        allocated_on
+    } else {
+        passed.kept()
+    };
+    let context = || mempool_core::Device::get(device).and_then(|d| d.context());
     // SAFETY: the table held `addr` with this size as returned by `mr.allocate` and not freed since (the
     // entry was removed above, so this is its only free); PyTorch frees a block once no work it queued
-    // uses it, ordered on `stream` (point 2).
-    let r = unsafe { mr.deallocate(DeviceAddr(addr), size, s) };
+    // uses it, ordered on `stream` (point 2), and `s` is that stream or, for another thread's per-thread
+    // stream, the legacy stream, ordered after it (`KeptStream::order_here`).
+    let free = |s| unsafe { mr.deallocate(DeviceAddr(addr), size, s) };
+    let r = kept.order_here(context, free);
     // The entry left the table: PyTorch no longer holds the memory, whether or not the resource took it back.
     if let Some(c) = device_counters(device) {
         c.freed(size);
@@ -346,7 +358,9 @@ unsafe fn free(ptr: *mut c_void, size: usize, stream: *mut c_void) -> Result<()>
 }
 
 /// PyTorch's `free`: returns `ptr` (of `size` bytes, allocated by [`mempool_torch_alloc`] or
-/// [`mempool_torch_alloc_nullable`]) to the resource that allocated it, ordered on `stream`. A pointer
+/// [`mempool_torch_alloc_nullable`]) to the resource that allocated it, ordered on `stream` (the
+/// per-thread default stream, when the allocation was made on another thread's, through the legacy
+/// stream, which is ordered after it). A pointer
 /// mempool did not hand out, or a size that does not match, is refused (nothing is freed; the failure is
 /// counted and left in `mempool_last_error()`). Never unwinds.
 ///
@@ -414,5 +428,62 @@ mod tests {
         unsafe { mempool_torch_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut()) };
         assert_eq!(error::last_error(), "");
         assert_eq!(last_failure(), (n, message));
+    }
+
+    /// A resource that records the stream of each free of its made-up addresses.
+    #[derive(Debug)]
+    struct Records(std::sync::Mutex<Vec<(u64, usize)>>);
+
+    // SAFETY: it hands out nothing (the test puts made-up addresses in the live table itself), so no use of
+    // memory depends on its promises.
+    #[allow(unsafe_code)]
+    unsafe impl mempool_rmm::MemoryResource for Records {
+        fn allocate(&self, _bytes: usize, _stream: StreamRef<'_>) -> mempool_rmm::Result<DeviceAddr> {
+            Err(mempool_rmm::Error::Unsupported {
+                resource: "Records",
+                reason: "a test double that only records frees".into(),
+            })
+        }
+
+        #[allow(unsafe_code)]
+        unsafe fn deallocate(&self, p: DeviceAddr, _n: usize, s: StreamRef<'_>) -> mempool_rmm::Result<()> {
+            self.0.lock().unwrap().push((p.0, s.handle()));
+            Ok(())
+        }
+
+        fn name(&self) -> &'static str {
+            "Records"
+        }
+    }
+
+    /// Issue 33, finding 2: PyTorch frees with the handle it allocated on; for the per-thread default
+    /// stream (`torch.cuda.ExternalStream(2)`), a free on another thread (autograd's, a collector's) is
+    /// made on the legacy stream, ordered after the allocating thread's per-thread stream, not on the
+    /// freeing thread's own.
+    #[test]
+    #[allow(unsafe_code)]
+    fn a_per_thread_allocation_freed_on_another_thread_is_freed_on_the_legacy_stream() {
+        let records = std::sync::Arc::new(Records(std::sync::Mutex::new(Vec::new())));
+        let mr: SharedResource = records.clone();
+        let dev = MAX_COUNTED_DEVICES + 1; // uncounted: no other test's counters move
+        let (here, there, other) = (0x7abc_0002_0000u64, 0x7abc_0002_1000u64, 0x7abc_0002_2000u64);
+        for a in [here, there] {
+            LIVE.insert(a, (256, dev, mr.clone(), StreamRef::PER_THREAD.kept()));
+        }
+        // SAFETY: a made-up handle, never used by the recording resource.
+        let created = unsafe { StreamRef::from_raw(0x5000 as mempool_core::RawStream) };
+        LIVE.insert(other, (256, dev, mr.clone(), created.kept()));
+        // SAFETY: nothing uses the made-up addresses; the streams are only recorded.
+        unsafe { free(here as *mut c_void, 256, 2 as *mut c_void) }.unwrap();
+        std::thread::spawn(move || {
+            // SAFETY: as above.
+            unsafe { free(there as *mut c_void, 256, 2 as *mut c_void) }.unwrap();
+            // SAFETY: as above.
+            unsafe { free(other as *mut c_void, 256, 0x5000 as *mut c_void) }.unwrap();
+        })
+        .join()
+        .unwrap();
+        let freed = records.0.lock().unwrap().clone();
+        assert_eq!(freed, vec![(here, 2), (there, 0), (other, 0x5000)]);
     }
 }

@@ -144,6 +144,37 @@ static void service_gpu(void) {
         (unsigned long long)wr.mapped_bytes, (unsigned long long)wr.restored_bytes);
   CHECK(mempool_service_wake(svc, &weights, 1, NULL, &wr) == MEMPOOL_SUCCESS && wr.mapped_bytes == 0, "awake: no-op");
 
+  /* PyTorch's and CuPy's frees while their tag sleeps are taken (issue 33): both entry points drop their
+   * table entry before they free, so a refused free would lose the allocation for good. The wake then maps
+   * back only what p, still live, touches. */
+  mempool_resource_t* prev = NULL;
+  CHECK(mempool_get_current_device_resource(0, &prev) == MEMPOOL_SUCCESS, "current");
+  CHECK(mempool_set_current_device_resource(0, weights_mr) == MEMPOOL_SUCCESS, "weights as the current resource");
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS, "stats");
+  uint64_t p_mapped = ts[1].mapped_bytes, frees = ts[1].frees;
+  size_t big = (size_t)8 << 20;
+  void* tp = mempool_torch_alloc_nullable(big, 0, NULL);
+  void* cp = mempool_cupy_malloc(NULL, big, 0);
+  CHECK(tp != NULL && cp != NULL && cp != (void*)-1, "torch and cupy allocate under weights: %s", mempool_last_error());
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS && ts[1].live_allocations == 3 &&
+            ts[1].mapped_bytes > p_mapped,
+        "three live under weights");
+  CHECK(mempool_service_sleep(svc, &weights, 1, MEMPOOL_SLEEP_OFFLOAD, NULL, &sr) == MEMPOOL_SUCCESS, "sleep again");
+  mempool_torch_free(tp, big, 0, NULL);
+  CHECK(strcmp(mempool_last_error(), "") == 0, "torch free while asleep: %s", mempool_last_error());
+  mempool_cupy_free(NULL, cp, 0);
+  CHECK(strcmp(mempool_last_error(), "") == 0, "cupy free while asleep: %s", mempool_last_error());
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS && ts[1].live_allocations == 1 &&
+            ts[1].frees == frees + 2 && ts[1].asleep == MEMPOOL_SLEEP_OFFLOAD,
+        "the frees were taken while asleep: live %llu frees %llu",
+        (unsigned long long)ts[1].live_allocations, (unsigned long long)ts[1].frees);
+  CHECK(mempool_service_wake(svc, &weights, 1, NULL, &wr) == MEMPOOL_SUCCESS, "wake");
+  CHECK(wr.mapped_bytes == p_mapped && wr.restored_bytes == p_mapped, "wake mapped %llu (p's chunks: %llu)",
+        (unsigned long long)wr.mapped_bytes, (unsigned long long)p_mapped);
+  CHECK(mempool_service_stats(svc, &st, ts, 4) == MEMPOOL_SUCCESS && ts[1].mapped_bytes == p_mapped, "mapped");
+  CHECK(mempool_set_current_device_resource(0, prev) == MEMPOOL_SUCCESS, "the current resource restored");
+  mempool_resource_destroy(prev);
+
   CHECK(mempool_deallocate(weights_mr, p, n, NULL) == MEMPOOL_SUCCESS, "free under weights");
   CHECK(mempool_deallocate(svc, q, 1000, NULL) == MEMPOOL_SUCCESS, "free under default");
   CHECK(mempool_service_trim(svc, &released) == MEMPOOL_SUCCESS && released >= n, "trim released %llu",

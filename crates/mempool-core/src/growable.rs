@@ -101,8 +101,8 @@ pub(crate) fn remap_size(current: usize, needed: usize, chunk: usize) -> Option<
 #[derive(Debug)]
 pub struct GrowableBuffer {
     // Invariants: `chunks` map `reservation` back to back from offset 0, `mapped` bytes in all, each
-    // a multiple of `chunk`; `len <= mapped`. Fields drop in order: the mappings (unmapped, which
-    // waits for the device) before the reservation.
+    // a multiple of `chunk`; `len <= mapped`. The drop waits for the device once and unmaps the
+    // mappings; the reservation is freed after them (fields drop in order).
     chunks: Vec<Mapping>,
     mapped: usize,
     reservation: Arc<Reservation>,
@@ -272,10 +272,22 @@ impl GrowableBuffer {
         for m in &self.chunks {
             moved.push(Mapping::new(&fresh, m.offset(), m.physical().clone())?);
         }
-        // The old mappings drop here: each waits for the device's work, then unmaps; the memory stays,
-        // mapped in `fresh`.
-        self.chunks = moved;
+        // Work queued through the old range must end before it is unmapped (the memory stays, mapped in
+        // `fresh`): one wait for all the old mappings, where each mapping's drop would wait once more.
+        wait_for_users(&self.ctx)?;
+        let old = std::mem::replace(&mut self.chunks, moved);
         self.reservation = fresh;
+        for m in old {
+            // SAFETY: 1. every piece of work on the buffer's device was waited for just above, and the
+            // buffer's device is the only one granted access to its reservations. 2. nothing borrows the
+            // buffer (this takes it mutably, and views borrow it), and its address is now `fresh`'s: only
+            // code that kept a raw pointer of the old range could still queue work through it, which the
+            // remap's documentation rules out as it does for a `Vec` that reallocates.
+            #[allow(unsafe_code)]
+            unsafe {
+                m.unmap_waited()
+            };
+        }
         Ok(())
     }
 
@@ -284,8 +296,17 @@ impl GrowableBuffer {
     pub fn shrink_to_fit(&mut self) -> Result<()> {
         let keep = self.chunks.iter().take_while(|m| m.offset() < self.len).count();
         if keep < self.chunks.len() {
-            self.ctx.synchronize()?;
-            self.chunks.truncate(keep);
+            wait_for_users(&self.ctx)?;
+            for m in self.chunks.drain(keep..) {
+                // SAFETY: 1. every piece of work on the buffer's device was waited for just above (the only
+                // device granted access). 2. nothing borrows the buffer (views do; this takes it mutably),
+                // and the bytes past the length are not the buffer's any more: work queued through them
+                // after this call would be past the buffer's end.
+                #[allow(unsafe_code)]
+                unsafe {
+                    m.unmap_waited()
+                };
+            }
             self.mapped = self.chunks.last().map_or(0, |m| m.offset() + m.len());
         }
         Ok(())
@@ -301,6 +322,36 @@ impl GrowableBuffer {
         // one of the device's context, or taken as such. 4. a null address comes with length 0.
         #[allow(unsafe_code)]
         Ok(unsafe { BufferView::new(addr, self.len, stream, self.ctx.clone()) })
+    }
+}
+
+/// Waits for all work of the buffer's context before mappings are unmapped. A context-wide wait
+/// (`cuCtxSynchronize`), kept on purpose: the buffer records no streams, and what may still use its memory
+/// can be on any of them (a view's `fill` is asynchronous on the view's stream, and the raw address goes
+/// to kernels on streams the buffer never sees). It is one wait per shrink, remap or drop, where each
+/// mapping's own drop would wait again.
+fn wait_for_users(ctx: &Context) -> Result<()> {
+    ctx.synchronize()
+}
+
+impl Drop for GrowableBuffer {
+    fn drop(&mut self) {
+        if self.chunks.is_empty() {
+            return;
+        }
+        if wait_for_users(&self.ctx).is_err() {
+            // Each mapping's drop waits on its own, and keeps (leaks) what it could not unmap.
+            return;
+        }
+        for m in self.chunks.drain(..) {
+            // SAFETY: 1. every piece of work on the buffer's device (the only one granted access) was waited
+            // for just above. 2. the buffer is going away: nothing borrows it, and its addresses are not
+            // its own after this.
+            #[allow(unsafe_code)]
+            unsafe {
+                m.unmap_waited()
+            };
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! Built-in check kernels (hand-written PTX, JIT-compiled by the driver): fill, copy and add over
-//! 32-bit elements. Tests and examples use them to do real device work on pool memory without nvcc at
+//! 32-bit elements, and a late fill that spins first. Tests and examples use them to do real device work on pool memory without nvcc at
 //! build time. Behind the `testing` feature.
 
 use std::ffi::c_void;
@@ -136,6 +136,41 @@ impl CheckKernels {
                     &mut p as *mut u64 as *mut c_void,
                     &mut v as *mut u32 as *mut c_void,
                     &mut len as *mut u64 as *mut c_void,
+                ],
+            )
+        }
+    }
+
+    /// `buf[i] = value` for `i < n`, each element written only after its thread has spun for `ns`
+    /// nanoseconds of the GPU's global timer, ordered on `stream`: work that keeps the range in use (and
+    /// writes it last) long after the host queued it, to test that nothing else gets the memory meanwhile.
+    /// Each block spins once: keep `n` within one wave of 256-thread blocks (a few hundred thousand
+    /// elements on current GPUs), or the blocks that wait for a free multiprocessor spin after the first.
+    ///
+    /// # Safety
+    /// 1. As for [`CheckKernels::iota`].
+    #[allow(unsafe_code)]
+    pub unsafe fn late_fill(
+        &self,
+        buf: DeviceAddr,
+        n: usize,
+        value: u32,
+        ns: u64,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        let (mut p, mut v, mut len, mut t) = (buf.0, value, n as u64, ns);
+        // SAFETY: 1. `mempool_late_fill_u32(u64 dst, u32 value, u64 n, u64 ns)`: four pointers to values of
+        // those widths. 2. point 1 of this function.
+        unsafe {
+            self.launch(
+                "mempool_late_fill_u32",
+                n,
+                stream,
+                &mut [
+                    &mut p as *mut u64 as *mut c_void,
+                    &mut v as *mut u32 as *mut c_void,
+                    &mut len as *mut u64 as *mut c_void,
+                    &mut t as *mut u64 as *mut c_void,
                 ],
             )
         }

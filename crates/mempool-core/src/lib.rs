@@ -82,10 +82,10 @@ pub use mapping::{Mapping, Reservation};
 pub use module::{Function, LaunchConfig, Module};
 pub use pool::{ImportedPtr, MemPool};
 pub use require::{require_gpus, MissingGpus, NO_GPU_EXIT_STATUS};
-pub use stream::{Stream, StreamFlags, StreamRef};
+pub use stream::{KeptStream, Stream, StreamFlags, StreamRef};
 pub use types::{
     Access, AllocationType, Device, DeviceAddr, DriverError, DriverVersion, HandleTypes, MemoryInfo, PeerRefusal,
-    PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, Uuid,
+    PoolKind, PoolLocation, PoolProps, PoolUsage, PtrExportData, ReusePolicy, StreamId, Uuid,
 };
 pub use view::BufferView;
 pub use vmm::{round_up, AllocationProps, FabricHandle, Granularity, PhysicalAllocation, VmmSupport};

@@ -363,6 +363,13 @@ impl Reservation {
 
     /// Waits for all work of every device that was granted access to the reservation: before an
     /// unmap, nothing may still use the range.
+    ///
+    /// A context-wide wait (`cuCtxSynchronize` per device), kept on purpose for the two callers that
+    /// know nothing narrower: a mapping's safe drop and [`Reservation::set_access_unchecked`]. A
+    /// reservation records no streams, and its addresses reach code that records none either (views
+    /// whose `fill` is asynchronous, raw pointers passed to kernels, peers granted access), so the work
+    /// still touching a range can be on any stream of any device granted access. Owners that track the
+    /// streams that used a range wait for those and unmap with [`Mapping::unmap_waited`] instead.
     fn synchronize_accessors(&self) -> Result<()> {
         let devices = self.lock().accessors.clone();
         for d in devices {
@@ -409,6 +416,9 @@ impl Drop for Reservation {
 /// A physical allocation mapped at an offset of a reservation (`cuMemMap`), unmapped (`cuMemUnmap`) on
 /// drop after waiting for the work of every device granted access to the reservation. It holds both
 /// the allocation and the reservation, so they outlive it.
+///
+/// An owner that knows what used the range (it recorded an event on every stream that did, say) waits for
+/// that itself and unmaps with [`unmap_waited`](Self::unmap_waited), which skips the wait for whole devices.
 #[derive(Debug)]
 pub struct Mapping {
     // Invariant: `reservation.base + offset .. + physical.size()` is mapped to `physical`, recorded in the
@@ -416,6 +426,9 @@ pub struct Mapping {
     offset: usize,
     physical: Arc<PhysicalAllocation>,
     reservation: Arc<Reservation>,
+    /// Whether the drop waits for every device granted access before it unmaps: true but after
+    /// `unmap_waited`, whose caller waited for what used the range.
+    wait_on_drop: bool,
 }
 
 impl Mapping {
@@ -484,6 +497,7 @@ impl Mapping {
             offset,
             physical,
             reservation: reservation.clone(),
+            wait_on_drop: true,
         })
     }
 
@@ -571,16 +585,45 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// Unmaps the range now, without the wait for every device granted access that dropping a mapping
+    /// does (`cuCtxSynchronize` of each: it stalls every thread's work on those devices, and every other
+    /// thread's driver calls behind the driver's locks). For an owner that knows which streams used the
+    /// range and has waited for them (the events it recorded on each). Like a drop, a failure to unmap
+    /// keeps the range recorded and the physical allocation alive, and is reported through
+    /// [`crate::take_drop_errors`].
+    ///
+    /// # Safety
+    /// 1. No work that touches the range (a kernel, a copy, a memset, on any stream of any device) is
+    ///    still queued or running: the caller has waited for all of it.
+    /// 2. None will be queued after this call (nothing that was handed the range's addresses uses them
+    ///    until something is mapped there again).
+    #[allow(unsafe_code)]
+    pub unsafe fn unmap_waited(mut self) {
+        // The drop below unmaps at once: points 1 and 2 are the wait it skips.
+        self.wait_on_drop = false;
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         let res = &self.reservation;
         let len = self.physical.size();
-        let r = res.synchronize_accessors().and_then(|()| {
+        // The safe path knows nothing of what used the range (its address is handed out: views, raw
+        // pointers, peers granted access), so only a wait for everything on the devices that may reach
+        // it covers the work still touching it. `unmap_waited`'s caller did the narrower wait itself.
+        let waited = if self.wait_on_drop {
+            res.synchronize_accessors()
+        } else {
+            Ok(())
+        };
+        let r = waited.and_then(|()| {
             let mut st = res.lock();
             let _g = res.ctx.bind()?;
             // SAFETY: the type's invariant: this exact range was mapped by `new` and is unmapped once,
-            // here; every device granted access has finished its work (synchronized above), and the
-            // address is not handed out again by this value.
+            // here; every device granted access has finished its work (synchronized above), or, after
+            // `unmap_waited`, its caller waited for every piece of work that touches the range (its
+            // points 1 and 2); the address is not handed out again by this value.
             #[allow(unsafe_code)]
             unsafe { raw::vmm::unmap(res.base.0 + self.offset as u64, len) }?;
             // Only a range that is really unmapped leaves the record: the reservation frees its
@@ -712,6 +755,7 @@ mod tests {
             offset: 0,
             physical: physical.clone(),
             reservation: res.clone(),
+            wait_on_drop: true,
         };
         drop(m);
         assert!(res.is_mapped(0, 2 << 20), "a failed unmap leaves the range recorded");

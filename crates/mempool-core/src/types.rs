@@ -23,6 +23,38 @@ pub type RawDevice = cudarc::driver::sys::CUdevice;
 /// [`PhysicalAllocation::as_raw`](crate::PhysicalAllocation::as_raw) returns it.
 pub type RawAllocationHandle = cudarc::driver::sys::CUmemGenericAllocationHandle;
 
+/// A stream's identity: what per-stream bookkeeping is keyed by (a suballocator's free lists, the stream an
+/// allocation was made on), as [`StreamRef::key`](crate::StreamRef::key) resolves it. Two ids are equal
+/// exactly when they name the same stream.
+///
+/// It is the driver's id of the stream (`cuStreamGetId`, CUDA 12.0), unique for the life of the process,
+/// not the handle: the per-thread default stream has one handle (`CU_STREAM_PER_THREAD`, 2) that names a
+/// different stream on each thread, and a stream created after another was destroyed may get the dead
+/// one's handle. On a driver without `cuStreamGetId`, mempool makes its own ids (the values with the top
+/// bit set, which no driver id reaches): the handle of a created stream, one per thread for the per-thread
+/// default stream, one for the legacy default stream.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(u64);
+
+impl StreamId {
+    /// The id as a number (for logs and displays; compare ids, not numbers).
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// An id with this value: for tests and simulations that run without a driver. Equal values are the
+    /// same stream, so a value must stand for one stream only.
+    pub const fn from_value(value: u64) -> StreamId {
+        StreamId(value)
+    }
+}
+
+impl fmt::Debug for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StreamId({:#x})", self.0)
+    }
+}
+
 /// A device address (`CUdeviceptr`). Plain data: holding one grants nothing; the types that own memory
 /// ([`crate::PoolBuffer`], resources in mempool-rmm) decide when it is valid, and freeing one is `unsafe`.
 ///

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::memory;
-use crate::stream::StreamRef;
+use crate::stream::{KeptStream, StreamRef};
 use crate::types::DeviceAddr;
 
 /// A live device range ordered on a stream, in a context: what every owning buffer type embeds
@@ -35,10 +35,12 @@ use crate::types::DeviceAddr;
 pub struct BufferView<'s> {
     // Invariants (`new`'s contract): `addr..addr+len` is live memory, reachable from `ctx` by unified
     // addressing, until the owner releases it through `release_with` (which empties the view); work on it
-    // is ordered on `stream`, a stream of `ctx` (or a special handle); a null `addr` has `len == 0`.
+    // is ordered on `stream`, a stream of `ctx` (or a special handle); a null `addr` has `len == 0`. The
+    // stream is kept as given, with the thread that gave it when it is the per-thread default stream: on
+    // any other thread the view orders its work on the legacy stream (`KeptStream::here`).
     addr: DeviceAddr,
     len: usize,
-    stream: StreamRef<'s>,
+    stream: KeptStream<'s>,
     ctx: Arc<Context>,
 }
 
@@ -57,10 +59,20 @@ impl<'s> BufferView<'s> {
     /// 3. A `stream` that carries no context is a stream of `ctx` or a special handle
     ///    ([`StreamRef::LEGACY`], [`StreamRef::PER_THREAD`]); every `StreamRef` is live for `'s`.
     /// 4. A null `addr` comes with `len == 0` (the empty view, which has nothing to free).
+    ///
+    /// The per-thread default stream ([`StreamRef::PER_THREAD`]) is the calling thread's: used from
+    /// another thread (the view's copies and fills, [`BufferView::stream`], the free an owner makes
+    /// through [`BufferView::release_with`]), the view orders its work on the legacy default stream,
+    /// which waits for the work queued so far on the creating thread's per-thread stream ([`KeptStream`]).
     #[allow(unsafe_code)]
     pub unsafe fn new(addr: DeviceAddr, len: usize, stream: StreamRef<'s>, ctx: Arc<Context>) -> Self {
         let ctx = stream.context().cloned().unwrap_or(ctx);
-        BufferView { addr, len, stream, ctx }
+        BufferView {
+            addr,
+            len,
+            stream: stream.kept(),
+            ctx,
+        }
     }
 
     /// The device address (null for an empty view, and once released).
@@ -78,9 +90,11 @@ impl<'s> BufferView<'s> {
         self.len == 0
     }
 
-    /// The stream work on the range is ordered on.
+    /// The stream work on the range is ordered on, as the calling thread names it: the stream given, or
+    /// for the per-thread default stream of another thread than the one that made the view, the legacy
+    /// default stream (see [`BufferView::new`]).
     pub fn stream(&self) -> StreamRef<'s> {
-        self.stream
+        self.stream.here()
     }
 
     /// The context the memory belongs to (bound for every call the view makes).
@@ -101,12 +115,11 @@ impl<'s> BufferView<'s> {
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: `offset..offset+src.len()` lies inside the view (checked), which is live memory of
-        // `ctx` ordered on `stream` (`new`'s contract); `copy_to_device` waits for the copy.
+        // SAFETY: `offset..offset+src.len()` lies inside the view (checked), which is live memory of `ctx`
+        // ordered on `stream` (`new`'s contract; `s` is ordered after it); `copy_to_device` waits for the copy.
         #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_device(&self.ctx, self.addr.offset(offset), src, self.stream)
-        }
+        let copy = |s| unsafe { memory::copy_to_device(&self.ctx, self.addr.offset(offset), src, s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), copy)
     }
 
     /// Copies `offset..offset+dst.len()` of the range into `dst`, ordered on the stream, and waits for the
@@ -118,9 +131,8 @@ impl<'s> BufferView<'s> {
         }
         // SAFETY: as in `copy_from_host`; `dst` is exclusively borrowed and `copy_to_host` waits.
         #[allow(unsafe_code)]
-        unsafe {
-            memory::copy_to_host(&self.ctx, dst, self.addr.offset(offset), self.stream)
-        }
+        let copy = |s| unsafe { memory::copy_to_host(&self.ctx, dst, self.addr.offset(offset), s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), copy)
     }
 
     /// The whole range, copied to the host (waits for the copy).
@@ -135,11 +147,11 @@ impl<'s> BufferView<'s> {
         if self.len == 0 {
             return Ok(());
         }
-        // SAFETY: the whole view is live memory of `ctx`, written in `stream`'s order (`new`'s contract).
+        // SAFETY: the whole view is live memory of `ctx`, written in `stream`'s order (`new`'s contract; `s`
+        // is ordered after it).
         #[allow(unsafe_code)]
-        unsafe {
-            memory::fill_async(&self.ctx, self.addr, value, self.len, self.stream)
-        }
+        let fill = |s| unsafe { memory::fill_async(&self.ctx, self.addr, value, self.len, s) };
+        self.stream.order_here(|| Ok(self.ctx.clone()), fill)
     }
 
     /// Sets the length (for an owner that resizes within its allocation, like a vector's size within
@@ -170,7 +182,12 @@ impl<'s> BufferView<'s> {
     /// No context is bound for `free`: an owner whose free is a driver call binds [`context`](Self::context)
     /// itself (resources bind their own). The view is empty afterwards whatever the outcome: if `free`
     /// fails, the memory is leaked rather than risking a second free.
-    pub fn release_with<E>(
+    ///
+    /// The stream handed to `free` is the view's, or, on another thread than the one that made a view of
+    /// the per-thread default stream, one ordered after it ([`KeptStream::order_here`]: the legacy stream,
+    /// after a synchronize of the context if that thread has ended; a failed synchronize leaks the memory
+    /// and returns its error).
+    pub fn release_with<E: From<Error>>(
         &mut self,
         free: impl FnOnce(DeviceAddr, usize, StreamRef<'s>) -> Result<(), E>,
     ) -> Result<(), E> {
@@ -178,7 +195,8 @@ impl<'s> BufferView<'s> {
         if addr.is_null() {
             return Ok(());
         }
-        free(addr, len, self.stream)
+        let ctx = &self.ctx;
+        self.stream.order_here(|| Ok(ctx.clone()), |s| free(addr, len, s))
     }
 }
 
@@ -292,5 +310,45 @@ mod tests {
         };
         assert_eq!(view.len(), 32);
         assert!(view.check_range(0, 33).is_err());
+    }
+
+    #[test]
+    fn a_per_thread_view_released_on_another_thread_frees_on_the_legacy_stream() {
+        let ctx = Context::unretained_for_tests(0);
+        let view = |stream: StreamRef<'static>| {
+            // SAFETY: a made-up range, never touched: released through closures that only look at it.
+            #[allow(unsafe_code)]
+            unsafe {
+                BufferView::new(DeviceAddr(0x7000_0000), 64, stream, ctx.clone())
+            }
+        };
+        let freed_on = |mut v: BufferView<'static>| {
+            let mut seen = None;
+            let _ = v.release_with(|_, _, s| -> Result<()> {
+                seen = Some(s);
+                Ok(())
+            });
+            seen.unwrap()
+        };
+        let here = view(StreamRef::PER_THREAD);
+        assert_eq!(here.stream(), StreamRef::PER_THREAD);
+        assert_eq!(
+            freed_on(here),
+            StreamRef::PER_THREAD,
+            "freed by the thread that made it"
+        );
+        let moved = view(StreamRef::PER_THREAD);
+        let legacy = view(StreamRef::LEGACY);
+        let (on_other, stream_there, legacy_there) = std::thread::spawn(move || {
+            let s = moved.stream();
+            (freed_on(moved), s, freed_on(legacy))
+        })
+        .join()
+        .unwrap();
+        assert!(
+            stream_there.is_legacy() && on_other.is_legacy(),
+            "{stream_there:?} {on_other:?}"
+        );
+        assert_eq!(legacy_there, StreamRef::LEGACY);
     }
 }

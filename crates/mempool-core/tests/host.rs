@@ -83,7 +83,7 @@ fn errors_name_their_cause() {
     );
 }
 
-/// Stream views compare and hash by their raw handle; only views of owned streams (or ones given a
+/// Stream views compare and hash by their raw handle (the legacy stream's two handles as one); only views of owned streams (or ones given a
 /// context) know a context, which needs a GPU to make, so here every view knows none.
 #[test]
 fn stream_refs_compare_by_handle() {
@@ -98,7 +98,7 @@ fn stream_refs_compare_by_handle() {
     let c = unsafe { StreamRef::from_raw(0x20 as RawStream) };
     assert_eq!(a, b);
     assert_ne!(a, c);
-    assert_eq!((a.id(), c.id()), (0x10, 0x20));
+    assert_eq!((a.handle(), c.handle()), (0x10, 0x20));
     let set: HashSet<StreamRef<'_>> = [a, b, c, StreamRef::LEGACY, StreamRef::PER_THREAD].into();
     assert_eq!(set.len(), 4);
     for s in [a, c, StreamRef::LEGACY, StreamRef::PER_THREAD] {
@@ -106,5 +106,7 @@ fn stream_refs_compare_by_handle() {
     }
     // SAFETY: 0 is the legacy default stream's handle.
     assert_eq!(unsafe { StreamRef::from_raw(std::ptr::null_mut()) }, StreamRef::LEGACY);
+    // SAFETY: 1 is `CU_STREAM_LEGACY`, the same stream (the driver calls mempool makes read 0 as it).
+    assert_eq!(unsafe { StreamRef::from_raw(1 as RawStream) }, StreamRef::LEGACY);
     assert_eq!(format!("{a:?}"), "StreamRef { raw: 16 }");
 }

@@ -24,7 +24,9 @@
 //!
 //! Only [`ConnectionOptions`] is public (re-exported at the crate root): the exporter's
 //! [`ListenerOptions`](crate::ListenerOptions) and the [`ImporterOptions`](crate::ImporterOptions)
-//! take it. The tests (`conn/tests.rs`) play hostile peers over real sockets.
+//! take it. The socket I/O (a whole frame with its descriptors under a deadline) is mempool-socket's
+//! `frame_io`, shared with the memory store; this file keeps the protocol's rules and errors. The tests
+//! (`connection/tests.rs`) play hostile peers over real sockets.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -35,14 +37,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use std::time::Instant;
 
-use rustix::event::{PollFd, PollFlags, Timespec};
-use rustix::io::Errno;
-use rustix::net::{RecvFlags, SendFlags, Shutdown};
+use rustix::net::{SendFlags, Shutdown};
 
 use crate::error::{Error, Result};
-use crate::protocol::{self, ErrorMessage, Message, ProtocolError, HEADER_LEN, MAX_FDS_PER_MESSAGE};
+use crate::protocol::{self, ErrorMessage, Message, ProtocolError, MAX_FDS_PER_MESSAGE};
 use mempool_socket::cred::{self, PeerCredentials};
 use mempool_socket::fdpass;
+use mempool_socket::frame_io::{self, RecvErrorKind, SendErrorKind};
 use mempool_socket::ConnectionOptions;
 
 /// A message and the file descriptors that came with it (exactly
@@ -152,34 +153,24 @@ impl Connection {
         }
         let io_deadline = Instant::now() + self.options.io_timeout;
         let deadline = deadline.map_or(io_deadline, |d| d.min(io_deadline));
-        let mut sent = 0;
-        let result = (|| {
-            while sent < frame.len() {
-                // Tried first, polled only when the socket has no room: one system call per frame
-                // in the common case instead of two.
-                check_deadline(Some(deadline), during)?;
-                // The descriptors go with the frame's first byte, once.
-                let fds = if sent == 0 { fds } else { &[] };
-                match fdpass::retry_intr(|| {
-                    fdpass::send_raw(self.stream.as_fd(), &frame[sent..], fds, SendFlags::DONTWAIT)
-                }) {
-                    Ok(0) => return Err(Error::Closed),
-                    Ok(n) => sent += n,
-                    Err(Errno::AGAIN) => wait(self.stream.as_fd(), PollFlags::OUT, Some(deadline), during)?,
-                    Err(errno) => return Err(errno.into()),
+        let result = frame_io::send_frame(self.stream.as_fd(), &frame, fds, deadline);
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let err = match e.kind {
+                    SendErrorKind::Timeout => Error::Timeout { during },
+                    SendErrorKind::Closed => Error::Closed,
+                    SendErrorKind::Io(errno) => errno.into(),
+                };
+                // A frame cut short leaves the peer's reader out of step: nothing can follow it.
+                // Nothing sent (a timeout, or a peer that closed its side) leaves the stream in step:
+                // what the peer said before it closed can still be read.
+                if e.sent > 0 || !matches!(err, Error::Timeout { .. } | Error::Closed) {
+                    self.fail_locked_send(None);
                 }
-            }
-            Ok(())
-        })();
-        if let Err(err) = &result {
-            // A frame cut short leaves the peer's reader out of step: nothing can follow it.
-            // Nothing sent (a timeout, or a peer that closed its side) leaves the stream in step:
-            // what the peer said before it closed can still be read.
-            if sent > 0 || !matches!(err, Error::Timeout { .. } | Error::Closed) {
-                self.fail_locked_send(None);
+                Err(err)
             }
         }
-        result
     }
 
     /// Receives the next message, waiting as long as it takes for it to begin; once it has,
@@ -205,22 +196,56 @@ impl Connection {
     pub(crate) fn recv_until(&self, deadline: Option<Instant>, during: &'static str) -> Result<Received> {
         let _guard = lock(&self.recv_lock);
         self.check_usable()?;
-        let mut reader = FrameReader {
-            conn: self,
-            fds: fdpass::FdTally::default(),
-            expected: None,
-            deadline,
-            started: false,
-            during,
+        let deadlines = frame_io::Deadlines {
+            first_byte: deadline,
+            frame: self.options.io_timeout,
+            end: deadline,
         };
-        let result = reader.read_frame();
-        if let Err(err) = &result {
-            // Between messages, a timeout or the end of the peer's stream (it may have only
-            // closed its sending side, after a `Goodbye`) leaves the stream in step.
-            let between_messages = !reader.started && matches!(err, Error::Timeout { .. } | Error::Closed);
-            if !between_messages {
-                self.fail(Some(err));
+        // Before the header is in, at most the most any message carries; then the type's most (a
+        // `VmmChunks` says its exact count in its body, checked once it is decoded).
+        let read = frame_io::recv_frame(self.stream.as_fd(), deadlines, MAX_FDS_PER_MESSAGE, |header| {
+            let head = protocol::decode_header(header)?;
+            Ok::<_, Error>(frame_io::HeaderCheck {
+                max_fds: head.message_type.max_descriptors(),
+                body_len: head.body_len,
+                head,
+            })
+        });
+        let result = match read {
+            Ok(frame) => protocol::decode_body(frame.head.message_type, &frame.body)
+                .map_err(Error::from)
+                .and_then(|message| {
+                    let expected = message.descriptor_count();
+                    if frame.fds.len() != expected {
+                        return Err(Error::DescriptorCount {
+                            expected,
+                            got: frame.fds.len(),
+                        });
+                    }
+                    Ok(Received {
+                        message,
+                        fds: frame.fds,
+                    })
+                }),
+            Err(e) => {
+                let err = match e.kind {
+                    RecvErrorKind::Timeout => Error::Timeout { during },
+                    RecvErrorKind::Closed { got: 0, .. } => Error::Closed,
+                    RecvErrorKind::Closed { needed, got } => ProtocolError::Truncated { needed, got }.into(),
+                    RecvErrorKind::Descriptors { max, got, .. } => Error::DescriptorCount { expected: max, got },
+                    RecvErrorKind::Header(e) => e,
+                    RecvErrorKind::Io(errno) => errno.into(),
+                };
+                // Between messages, a timeout or the end of the peer's stream (it may have only
+                // closed its sending side, after a `Goodbye`) leaves the stream in step.
+                if e.started || !matches!(err, Error::Timeout { .. } | Error::Closed) {
+                    self.fail(Some(&err));
+                }
+                return Err(err);
             }
+        };
+        if let Err(err) = &result {
+            self.fail(Some(err));
         }
         result
     }
@@ -281,86 +306,6 @@ impl Connection {
     }
 }
 
-/// The state of one frame being received.
-struct FrameReader<'a> {
-    conn: &'a Connection,
-    /// Every descriptor that arrived while this frame was read; dropped (closed) on error.
-    fds: fdpass::FdTally,
-    /// The most descriptors the frame's type carries, once its header is in.
-    expected: Option<usize>,
-    /// The caller's deadline, tightened to `io_timeout` after the frame's first byte.
-    deadline: Option<Instant>,
-    /// Whether the frame's first byte has arrived.
-    started: bool,
-    during: &'static str,
-}
-
-impl FrameReader<'_> {
-    fn read_frame(&mut self) -> Result<Received> {
-        let mut header = [0u8; HEADER_LEN];
-        self.read_exact(&mut header, 0, HEADER_LEN)?;
-        let head = protocol::decode_header(&header)?;
-        // The most the type carries; a `VmmChunks` says its exact count in its body.
-        let most = head.message_type.max_descriptors();
-        self.expected = Some(most);
-        self.fds.check(most, false)?;
-        let mut body = vec![0u8; head.body_len];
-        self.read_exact(&mut body, HEADER_LEN, HEADER_LEN + head.body_len)?;
-        self.fds.check(most, false)?;
-        let message = protocol::decode_body(head.message_type, &body)?;
-        self.fds.check(message.descriptor_count(), true)?;
-        Ok(Received {
-            message,
-            fds: self.fds.take(),
-        })
-    }
-
-    /// Fills `buf` (bytes `done_before..` of a frame of `frame_len` bytes) without reading past
-    /// it, collecting descriptors. The frame's first byte starts its `io_timeout` clock.
-    fn read_exact(&mut self, buf: &mut [u8], done_before: usize, frame_len: usize) -> Result<()> {
-        let socket = self.conn.stream.as_fd();
-        let mut filled = 0;
-        while filled < buf.len() {
-            // Tried first, polled only when nothing is there yet: a frame that has arrived costs one
-            // system call per read instead of two.
-            check_deadline(self.deadline, self.during)?;
-            let received =
-                match fdpass::retry_intr(|| fdpass::recv_raw(socket, &mut buf[filled..], RecvFlags::DONTWAIT)) {
-                    Ok(received) => received,
-                    Err(Errno::AGAIN) => {
-                        wait(socket, PollFlags::IN, self.deadline, self.during)?;
-                        continue;
-                    }
-                    Err(errno) => return Err(errno.into()),
-                };
-            let n = received.bytes;
-            let limit = self.expected.unwrap_or(MAX_FDS_PER_MESSAGE);
-            self.fds.add(received.fds, received.control_truncated, limit);
-            if let Some(expected) = self.expected {
-                self.fds.check(expected, false)?;
-            }
-            if n == 0 {
-                return Err(if self.started {
-                    ProtocolError::Truncated {
-                        needed: frame_len,
-                        got: done_before + filled,
-                    }
-                    .into()
-                } else {
-                    Error::Closed
-                });
-            }
-            if !self.started {
-                self.started = true;
-                let frame_deadline = Instant::now() + self.conn.options.io_timeout;
-                self.deadline = Some(self.deadline.map_or(frame_deadline, |d| d.min(frame_deadline)));
-            }
-            filled += n;
-        }
-        Ok(())
-    }
-}
-
 impl AsFd for Connection {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.stream.as_fd()
@@ -377,42 +322,6 @@ fn lock(mutex: &Mutex<()>) -> MutexGuard<'_, ()> {
     // The mutex guards no data, only turn-taking: a panic while it was held leaves nothing
     // inconsistent behind.
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// [`Error::Timeout`] naming `during` if `deadline` has passed (what [`wait`] would say before
-/// polling), so that trying a system call before polling keeps the time limits as they were.
-fn check_deadline(deadline: Option<Instant>, during: &'static str) -> Result<()> {
-    match deadline {
-        Some(deadline) if Instant::now() >= deadline => Err(Error::Timeout { during }),
-        _ => Ok(()),
-    }
-}
-
-/// Waits until `fd` is ready for `events` or `deadline` passes ([`Error::Timeout`]).
-/// Hang-ups and errors count as ready: the following call reports them.
-fn wait(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>, during: &'static str) -> Result<()> {
-    loop {
-        let timeout = match deadline {
-            None => None,
-            Some(deadline) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Error::Timeout { during });
-                }
-                Some(Timespec::try_from(left).unwrap_or(Timespec {
-                    tv_sec: i64::MAX,
-                    tv_nsec: 0,
-                }))
-            }
-        };
-        let mut fds = [PollFd::from_borrowed_fd(fd, events)];
-        match rustix::event::poll(&mut fds, timeout.as_ref()) {
-            Ok(0) => continue,
-            Ok(_) => return Ok(()),
-            Err(Errno::INTR) => continue,
-            Err(errno) => return Err(errno.into()),
-        }
-    }
 }
 
 /// Short limits for the tests: a stalled peer costs a test 200 ms.

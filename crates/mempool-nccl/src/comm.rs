@@ -369,8 +369,8 @@ impl Comm {
                     "the {what} buffer is ordered on stream {:#x}, the collective was asked to run on {:#x}: it \
                      must run on the buffer's stream, so that the buffer's stream-ordered free follows it \
                      (use the unsafe all_reduce_raw for other streams)",
-                    view.stream().id(),
-                    stream.id()
+                    view.stream().handle(),
+                    stream.handle()
                 ),
             });
         }

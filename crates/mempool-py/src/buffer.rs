@@ -165,7 +165,7 @@ impl DeviceView for DeviceBuffer {
             addr: b.ptr().as_raw(),
             size: b.len(),
             device: self.device,
-            stream: b.stream().id(),
+            stream: b.stream().handle(),
         }
     }
 }

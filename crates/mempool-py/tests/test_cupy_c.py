@@ -121,6 +121,34 @@ def test_the_current_stream_is_used_and_a_non_default_stream_is_held_until_the_f
     assert hook.allocator_state()[0] == live and hook.allocator_state()[2] == failed_frees
 
 
+def test_arrays_freed_while_their_tag_sleeps_go_back_to_the_resource(cupy_c):
+    # Issue 33: CuPy's free drops mempool's table entry before it frees; a free refused because the tag
+    # slept lost the allocation for good. It is taken now, as bookkeeping.
+    cupy, hook = cupy_c
+    svc = mr.ServiceMemoryResource(0, region_size=1 << 30)
+    t = svc.tagged("t")
+    mr.set_current_device_resource(t)
+    keep = cupy.full(1 << 20, 5, dtype=cupy.uint8)
+    gone = cupy.empty(8 << 20, dtype=cupy.uint8)
+    cupy.cuda.get_current_stream().synchronize()
+    live, _, failed_frees = hook.allocator_state()
+    kept = svc.stats()["tags"]["t"]["mapped_bytes"]
+    svc.sleep("t", mode="offload")
+    del gone
+    gc.collect()
+    assert hook.allocator_state()[0] == live - 1, hook.allocator_state()
+    assert hook.allocator_state()[2] == failed_frees, "the free was refused while the tag slept"
+
+    row = svc.stats()["tags"]["t"]
+    assert row["live_allocations"] == 1 and row["frees"] == 1, row
+    woken = svc.wake("t")
+    assert woken["mapped_bytes"] == svc.stats()["tags"]["t"]["mapped_bytes"] < kept, (woken, kept)
+    assert int(keep.sum()) == 5 << 20
+    del keep
+    gc.collect()
+    assert svc.stats()["tags"]["t"]["live_allocations"] == 0
+
+
 def test_a_failed_allocation_raises_naming_the_size_and_later_ones_work(cupy_c):
     cupy, hook = cupy_c
     limited = mr.LimitingResourceAdaptor(mr.CudaAsyncMemoryResource(), 1 << 20)

@@ -6,6 +6,7 @@ never skip, without a GPU) allocate under tags, read the statistics, sleep and w
 the same address, device memory released), trim, and the errors of sleeping tags, unknown tags and modes.
 """
 
+import gc
 import inspect
 
 import pytest
@@ -176,6 +177,29 @@ def test_sleep_offload_and_wake_restore_the_bytes_at_the_same_address():
     svc.wake([weights.tag])
     assert buf.tobytes() == data
     del more, buf, other
+
+
+@pytest.mark.gpu
+def test_a_buffer_freed_while_its_tag_sleeps_goes_back_to_the_resource():
+    # Issue 33: a free into a sleeping tag is taken (bookkeeping); before, it was refused, and a buffer
+    # collected while its tag slept was lost to the resource for good.
+    svc = mr.ServiceMemoryResource(0, region_size=1 << 30)
+    t = svc.tagged("t")
+    keep = mempool.DeviceBuffer.to_device(_pattern(4 * MiB, 3), mr=t)
+    gone = mempool.DeviceBuffer(size=8 * MiB, mr=t)
+    kept_mapped = svc.stats()["tags"]["t"]["mapped_bytes"]
+    svc.sleep("t", mode="offload")
+    del gone
+    gc.collect()
+    row = svc.stats()["tags"]["t"]
+    assert row["asleep"] == "offload" and row["live_allocations"] == 1 and row["frees"] == 1, row
+    woken = svc.wake("t")
+    mapped = svc.stats()["tags"]["t"]["mapped_bytes"]
+    assert woken["mapped_bytes"] == mapped < kept_mapped, (woken, mapped, kept_mapped)
+    assert keep.tobytes() == _pattern(4 * MiB, 3)
+    again = mempool.DeviceBuffer.to_device(b"\x09" * (8 * MiB), mr=t)  # its address space, mapped anew
+    assert again.tobytes()[:4096] == b"\x09" * 4096
+    del again, keep
 
 
 @pytest.mark.gpu

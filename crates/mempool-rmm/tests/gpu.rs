@@ -108,7 +108,7 @@ fn failure_callback_frees_memory_and_retries() {
     let held = Arc::new(std::sync::Mutex::new(Some(hog)));
     let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let (p2, h2, c2) = (pool.clone(), held.clone(), calls.clone());
-    let s2 = stream.as_ref().id();
+    let s2 = stream.as_ref().handle();
     let mr = FailureCallbackAdaptor::new(pool.clone(), move |bytes, attempt| {
         assert_eq!(bytes, 100 << 20);
         c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -145,7 +145,7 @@ fn failure_callback_frees_memory_and_retries() {
 fn stream_pool_hands_out_streams_round_robin() {
     let ctx = device().context().unwrap();
     let pool = StreamPool::new(&ctx, 3).unwrap();
-    let ids: Vec<usize> = (0..6).map(|_| pool.get().as_ref().id()).collect();
+    let ids: Vec<usize> = (0..6).map(|_| pool.get().as_ref().handle()).collect();
     assert_eq!(ids[0], ids[3]);
     assert_ne!(ids[0], ids[1]);
     assert_ne!(ids[1], ids[2]);

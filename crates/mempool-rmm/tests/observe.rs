@@ -140,7 +140,7 @@ fn a_pool_stack_snapshot_matches_the_pools_stats() {
     assert_eq!(seen, want);
     // Both streams appear, by handle.
     for s in [&a, &b] {
-        let h = format!("{:#x}", s.as_ref().id());
+        let h = format!("{:#x}", s.as_ref().handle());
         assert!(snap.streams.iter().any(|x| x.handle == h), "{h} in {:?}", snap.streams);
     }
     // The AsyncResource reports its pool's counters: the pool's chunks are its live bytes.
@@ -189,7 +189,7 @@ fn an_arena_snapshot_shows_each_streams_superblocks() {
     );
     // Small blocks live in per-stream superblocks: each stream has free memory of its own there.
     for s in [&a, &b] {
-        let h = format!("{:#x}", s.as_ref().id());
+        let h = format!("{:#x}", s.as_ref().handle());
         let idx = snap
             .streams
             .iter()

@@ -11,6 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use mempool_core::kernels::CheckKernels;
 use mempool_core::{memory, take_drop_errors, Context, Device, DeviceAddr, LaunchConfig, Module, Stream};
@@ -594,16 +595,14 @@ fn service_sleep_offload_restores_the_bytes_at_the_same_addresses() {
     );
     assert_eq!(tag_stats(&mr, kv).mapped_bytes, kv_mapped, "the other tag is untouched");
 
-    // A sleeping tag refuses allocations, frees, a second sleep and exports, naming the tag.
+    // A sleeping tag refuses allocations, a second sleep and exports, naming the tag (a free is taken:
+    // `service_a_free_while_asleep_is_taken_and_wake_maps_back_only_what_is_live`).
     let msg = weights.allocate(MIB, s).unwrap_err().to_string();
     assert!(
         msg.contains("cannot allocate from tag `weights`: it is asleep"),
         "{msg}"
     );
     let (p0, n0, _) = blocks[0];
-    // SAFETY: `p0` is a live allocation of `n0` bytes; the call is refused (checked), so it stays live.
-    let msg = unsafe { weights.deallocate(p0, n0, s) }.unwrap_err().to_string();
-    assert!(msg.contains("cannot free into tag `weights`: it is asleep"), "{msg}");
     for mode in [SleepMode::Offload, SleepMode::Discard] {
         let msg = mr.sleep(&[w], mode, s).unwrap_err().to_string();
         assert!(msg.contains("tag `weights` is already asleep"), "{msg}");
@@ -769,7 +768,174 @@ SPIN:
 DONE:
     ret;
 }
+
+// As `mempool_test_spin_until_flag`, then `dst[i] = base + i` for `i < n` (one thread per element: every
+// thread spins, then writes its element).
+.visible .entry mempool_test_spin_then_fill(
+    .param .u64 flag,
+    .param .u64 limit,
+    .param .u64 dst,
+    .param .u32 base,
+    .param .u64 n
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<14>;
+    ld.param.u64 %rd1, [flag];
+    ld.param.u64 %rd2, [limit];
+    ld.param.u64 %rd7, [dst];
+    ld.param.u32 %r2, [base];
+    ld.param.u64 %rd8, [n];
+    cvta.to.global.u64 %rd3, %rd1;
+    mov.u64 %rd4, %globaltimer;
+SPIN:
+    ld.volatile.global.u32 %r1, [%rd3];
+    setp.ne.u32 %p1, %r1, 0;
+    @%p1 bra FILL;
+    mov.u64 %rd5, %globaltimer;
+    sub.u64 %rd6, %rd5, %rd4;
+    setp.lt.u64 %p2, %rd6, %rd2;
+    @%p2 bra SPIN;
+FILL:
+    mov.u32 %r3, %ctaid.x;
+    mov.u32 %r4, %ntid.x;
+    mov.u32 %r5, %tid.x;
+    mad.lo.u32 %r6, %r3, %r4, %r5;
+    cvt.u64.u32 %rd9, %r6;
+    setp.ge.u64 %p3, %rd9, %rd8;
+    @%p3 bra DONE;
+    cvta.to.global.u64 %rd10, %rd7;
+    shl.b64 %rd11, %rd9, 2;
+    add.s64 %rd12, %rd10, %rd11;
+    add.u32 %r7, %r2, %r6;
+    st.global.u32 [%rd12], %r7;
+DONE:
+    ret;
+}
 "#;
+
+/// Kernels of [`SPIN_PTX`] and their flag (a word of pinned host memory): work that stays on the device
+/// until the test lets it go, so that the resource can be called while it runs.
+struct Spinner {
+    ctx: Arc<Context>,
+    module: Module,
+    flag: *mut u8,
+}
+
+/// Twenty seconds: how long a spinning kernel waits for its flag at most, so that a failing test does not
+/// leave it spinning.
+const SPIN_LIMIT_NS: u64 = 20_000_000_000;
+
+impl Spinner {
+    fn new(ctx: &Arc<Context>) -> Spinner {
+        let module = Module::from_ptx(ctx, SPIN_PTX).unwrap();
+        let flag = memory::pinned_host_alloc(ctx, 4096).unwrap();
+        let sp = Spinner {
+            ctx: ctx.clone(),
+            module,
+            flag,
+        };
+        sp.set(0);
+        sp
+    }
+
+    fn set(&self, v: u32) {
+        // SAFETY: `flag` is 4096 bytes of pinned host memory, aligned, that only this value and its
+        // kernels (volatile loads) use.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::write_volatile(self.flag as *mut u32, v)
+        };
+    }
+
+    /// Lets every kernel spinning on the flag go on.
+    fn release(&self) {
+        self.set(1);
+    }
+
+    /// Clears the flag for the next kernels (after the last ones finished).
+    fn reset(&self) {
+        self.set(0);
+    }
+
+    /// Lets the kernels go on after `delay`, from another thread.
+    fn release_after(&self, delay: Duration) -> std::thread::JoinHandle<()> {
+        let flag = self.flag as usize;
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            // SAFETY: as in `set`: the flag outlives the thread (the test joins it before the spinner
+            // drops).
+            #[allow(unsafe_code)]
+            unsafe {
+                std::ptr::write_volatile(flag as *mut u32, 1)
+            };
+        })
+    }
+
+    /// Queues on `stream` one thread that spins until the flag is set, touching nothing else.
+    fn spin(&self, stream: &Stream) {
+        let f = self.module.function("mempool_test_spin_until_flag").unwrap();
+        let (mut flag, mut limit) = (self.flag as u64, SPIN_LIMIT_NS);
+        // SAFETY: 1. the kernel takes (u64 flag, u64 limit): two pointers to u64s. 2. it reads the u32 at
+        // `flag`, pinned host memory reachable at its host address (unified addressing) that lives until
+        // the spinner drops, after the test synchronized the stream. 3. `stream` is of the module's context.
+        #[allow(unsafe_code)]
+        unsafe {
+            f.launch(
+                LaunchConfig {
+                    grid: (1, 1, 1),
+                    block: (1, 1, 1),
+                    shared_mem: 0,
+                },
+                stream.as_ref(),
+                &mut [
+                    &mut flag as *mut u64 as *mut c_void,
+                    &mut limit as *mut u64 as *mut c_void,
+                ],
+            )
+        }
+        .unwrap();
+    }
+
+    /// Queues on `stream` a kernel that spins until the flag is set, then writes `base + i` into the `i`th
+    /// of the `n` `u32`s at `dst`.
+    ///
+    /// # Safety
+    /// 1. `dst..dst + 4 * n` is device memory that work on `stream` may write until the kernel completes.
+    #[allow(unsafe_code)]
+    unsafe fn spin_then_fill(&self, stream: &Stream, dst: DeviceAddr, n: usize, base: u32) {
+        let f = self.module.function("mempool_test_spin_then_fill").unwrap();
+        let (mut flag, mut limit, mut d, mut b, mut len) = (self.flag as u64, SPIN_LIMIT_NS, dst.0, base, n as u64);
+        // SAFETY: 1. (u64 flag, u64 limit, u64 dst, u32 base, u64 n): five pointers to values of those
+        // widths. 2. the flag as in `spin`; `dst` is point 1. 3. `stream` is of the module's context.
+        unsafe {
+            f.launch(
+                LaunchConfig::for_elements(n, 256),
+                stream.as_ref(),
+                &mut [
+                    &mut flag as *mut u64 as *mut c_void,
+                    &mut limit as *mut u64 as *mut c_void,
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut b as *mut u32 as *mut c_void,
+                    &mut len as *mut u64 as *mut c_void,
+                ],
+            )
+        }
+        .unwrap();
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.release();
+        // The kernels read the flag until they end: wait for them before it is freed.
+        let _ = self.ctx.synchronize();
+        // SAFETY: `flag` came from `pinned_host_alloc`, is freed once, and no kernel reads it any more.
+        #[allow(unsafe_code)]
+        let _ = unsafe { memory::pinned_host_free(&self.ctx, self.flag) };
+    }
+}
 
 #[test]
 #[allow(unsafe_code)]
@@ -1209,5 +1375,264 @@ fn service_two_resources_on_one_device_stay_apart() {
         two.deallocate(r, 4 * MIB, s).unwrap();
     }
     drop(two);
+    no_drop_errors();
+}
+
+/// Issue 33, finding 1: a block freed on one stream while a kernel queued there before the free still
+/// writes it. `sleep` given another (idle) stream, and `trim`, must not unmap it under that kernel: they
+/// return only once it is done, and it ends without a fault. The kernel spins until a thread sets its flag,
+/// 300 ms after the call began, then writes the block. Were the block unmapped under it, the write would
+/// fault (`CUDA_ERROR_ILLEGAL_ADDRESS` from the stream's synchronize, which also poisons the context for
+/// the tests after this one).
+#[test]
+#[allow(unsafe_code)]
+fn service_sleep_and_trim_wait_for_a_free_in_flight_on_another_stream() {
+    let g = gpu();
+    let s = g.stream.as_ref();
+    let s1 = Stream::new(&g.ctx).unwrap();
+    let spinner = Spinner::new(&g.ctx);
+    let mr = ServiceResource::new(&g.dev, options(256 * MIB, 2)).unwrap();
+    let kv = mr.tag("kv").unwrap();
+    let kvr = mr.tagged(kv);
+    // A block that stays live through the sleep, on chunks of its own (4 MiB at the region's start).
+    let keep = kvr.allocate(4 * MIB, s).unwrap();
+    // SAFETY: `keep` is a live allocation of 4 MiB.
+    unsafe { g.fill(keep, 4 * MIB, 11) };
+    g.stream.synchronize().unwrap();
+
+    for round in ["sleep", "trim"] {
+        let x = kvr.allocate(8 * MIB, s1.as_ref()).unwrap();
+        // SAFETY: `x` is a live allocation of 8 MiB, allocated on `s1`; the kernel is queued on `s1` before
+        // the free below, which the stream contract allows.
+        unsafe { spinner.spin_then_fill(&s1, x, 1 << 16, 7) };
+        // SAFETY: `x` came from `kvr` with this size and is freed once; its one use (the kernel) is queued on
+        // `s1` before the free, and nothing uses it after.
+        unsafe { kvr.deallocate(x, 8 * MIB, s1.as_ref()) }.unwrap();
+        assert!(!s1.as_ref().is_idle().unwrap(), "{round}: the kernel spins");
+        let release = spinner.release_after(Duration::from_millis(300));
+        // `s`, the stream the calls are given, is idle; `s1` is not.
+        let released = match round {
+            "sleep" => mr.sleep(&[kv], SleepMode::Discard, s).unwrap().released_bytes,
+            _ => mr.trim().unwrap(),
+        };
+        let waited = s1.as_ref().is_idle().unwrap();
+        release.join().unwrap();
+        let finished = s1.synchronize();
+        assert!(
+            finished.is_ok(),
+            "{round}: the kernel that writes the freed block failed: {finished:?} (it was unmapped under it)"
+        );
+        assert!(
+            waited,
+            "{round} returned before the work queued on another stream ahead of a free was done"
+        );
+        assert!(
+            released >= 8 * MIB as u64,
+            "{round}: the freed block's chunks went: {released}"
+        );
+        spinner.reset();
+        if round == "sleep" {
+            mr.wake(&[kv], s).unwrap();
+            // SAFETY: `keep` is live and awake again; its contents were discarded: write, then read.
+            unsafe {
+                g.fill(keep, 4 * MIB, 12);
+                g.check(keep, 4 * MIB, 12, "the live block after discard and wake");
+            }
+        }
+    }
+    // SAFETY: `keep` came from `kvr` with this size; freed once, after its kernels (on `s`).
+    unsafe { kvr.deallocate(keep, 4 * MIB, s) }.unwrap();
+    drop((kvr, mr));
+    drop(spinner);
+    no_drop_errors();
+}
+
+/// Issue 33: unmapping waits for what used the memory, not for the whole device. A kernel of someone
+/// else (on a stream of its own, touching none of the resource's memory) spins; `trim`, `sleep` and `wake`
+/// of a tag with nothing live, and the drop (with nothing live) must all return while it still runs. A
+/// tag with a live allocation does wait for the device when it sleeps (its users' streams are unknown), so
+/// that part runs with nothing spinning.
+/// Before the change `trim` and `sleep` began with `cuCtxSynchronize` (and the drop waited so too), which
+/// waits for that kernel: `trim` returned only when its 20 s limit ran out, and it was no longer running.
+#[test]
+#[allow(unsafe_code)]
+fn service_unmaps_without_waiting_for_unrelated_work() {
+    let g = gpu();
+    let s = g.stream.as_ref();
+    let other = Stream::new(&g.ctx).unwrap();
+    let spinner = Spinner::new(&g.ctx);
+    // Three tags: "default", "kv" and "idle".
+    let mr = ServiceResource::new(&g.dev, options(256 * MIB, 3)).unwrap();
+    let kv = mr.tag("kv").unwrap();
+    let kvr = mr.tagged(kv);
+    let idle = mr.tag("idle").unwrap();
+    let idler = mr.tagged(idle);
+    let a = kvr.allocate(8 * MIB, s).unwrap();
+    let b = kvr.allocate(4 * MIB, s).unwrap();
+    let c = idler.allocate(2 * MIB, s).unwrap();
+    // SAFETY: a, b and c are live allocations of these sizes.
+    unsafe {
+        g.fill(a, 8 * MIB, 1);
+        g.fill(b, 4 * MIB, 2);
+        g.fill(c, 2 * MIB, 4);
+    }
+    g.stream.synchronize().unwrap();
+    // SAFETY: `a` and `c` came from `kvr` and `idler` with these sizes; freed once, after their kernels (on
+    // `s`, synchronized).
+    unsafe {
+        kvr.deallocate(a, 8 * MIB, s).unwrap();
+        idler.deallocate(c, 2 * MIB, s).unwrap();
+    }
+
+    spinner.spin(&other);
+    let busy = || !other.as_ref().is_idle().unwrap();
+    assert!(busy(), "the unrelated kernel spins");
+    let trimmed = mr.trim().unwrap();
+    let after_trim = busy();
+    // A tag with nothing live: sleep and wake wait for its frees alone, not for the device.
+    mr.sleep(&[idle], SleepMode::Discard, s).unwrap();
+    let after_sleep = busy();
+    mr.wake(&[idle], s).unwrap();
+    let after_wake = busy();
+    spinner.release();
+    other.synchronize().unwrap();
+    spinner.reset();
+    // A tag with a live allocation: its users' streams are unknown, so sleep waits for the device (nothing
+    // spins now), and the live block is mapped back by wake.
+    let slept = mr.sleep(&[kv], SleepMode::Discard, s).unwrap();
+    let woken = mr.wake(&[kv], s).unwrap();
+    // SAFETY: `b` is live and awake (its contents were discarded: write, then read).
+    unsafe {
+        g.fill(b, 4 * MIB, 3);
+        g.check(b, 4 * MIB, 3, "the live block after discard and wake");
+    }
+    // SAFETY: `b` came from `kvr` with this size; freed once, after its kernels (on `s`, synchronized by
+    // the check).
+    unsafe { kvr.deallocate(b, 4 * MIB, s) }.unwrap();
+    spinner.spin(&other);
+    assert!(busy(), "the unrelated kernel spins again");
+    drop((kvr, idler, mr)); // nothing live: the drop waits for the frees alone
+    let after_drop = busy();
+    spinner.release();
+    other.synchronize().unwrap();
+    println!("trimmed {trimmed}, slept {slept:?}, woken {woken:?}");
+    assert!(
+        trimmed >= 8 * MIB as u64,
+        "trim released the freed block's chunks: {trimmed}"
+    );
+    assert!(slept.released_bytes >= 4 * MIB as u64 && woken.mapped_bytes >= 4 * MIB as u64);
+    assert!(
+        after_trim,
+        "trim waited for work that touches none of the resource's memory"
+    );
+    assert!(
+        after_sleep,
+        "sleep of a tag with nothing live waited for work that touches none of the resource's memory"
+    );
+    assert!(
+        after_wake,
+        "wake waited for work that touches none of the resource's memory"
+    );
+    assert!(
+        after_drop,
+        "the drop waited for work that touches none of the resource's memory"
+    );
+    drop(spinner);
+    no_drop_errors();
+}
+
+/// Issue 33, finding 4: a free into a sleeping tag is taken, as bookkeeping. PyTorch's and CuPy's entry
+/// points (mempool-capi) drop their table entry before they free, so a refused free lost the allocation
+/// for good. The block goes back to the tag's free list as address space; `wake` maps back only the chunks
+/// live allocations still touch, an offloaded tag's bytes restored from where they were saved.
+#[test]
+#[allow(unsafe_code)]
+fn service_a_free_while_asleep_is_taken_and_wake_maps_back_only_what_is_live() {
+    let g = gpu();
+    let s = g.stream.as_ref();
+    let mr = ServiceResource::new(&g.dev, options(256 * MIB, 2)).unwrap();
+    let w = mr.tag("w").unwrap();
+    let wr = mr.tagged(w);
+    let chunk = mr.chunk_size();
+    // a and b share a chunk; c has chunks of its own.
+    let (na, nb, nc) = (3 * MIB, 3 * MIB, 4 * MIB);
+    let a = wr.allocate(na, s).unwrap();
+    let b = wr.allocate(nb, s).unwrap();
+    let c = wr.allocate(nc, s).unwrap();
+    // SAFETY: a, b and c are live allocations of these sizes.
+    unsafe {
+        g.fill(a, na, 0x100);
+        g.fill(b, nb, 0x2000_0000);
+        g.fill(c, nc, 0x3000_0000);
+    }
+    g.stream.synchronize().unwrap();
+    let saved = touched_bytes(chunk, &[(a, na), (b, nb), (c, nc)]);
+    let only_b = touched_bytes(chunk, &[(b, nb)]);
+    assert!(only_b < saved, "b leaves chunks of a and c that only they touch");
+
+    // Offloaded: a and c are freed while the tag sleeps.
+    let report = mr.sleep(&[w], SleepMode::Offload, s).unwrap();
+    assert_eq!(report.offloaded_bytes, saved, "{report:?}");
+    // SAFETY: a and c came from `wr` with these sizes, are freed once, and nothing used them since the
+    // synchronize above.
+    unsafe {
+        wr.deallocate(a, na, s).unwrap();
+        wr.deallocate(c, nc, s).unwrap();
+    }
+    let st = tag_stats(&mr, w);
+    assert_eq!(
+        (st.asleep, st.live_allocations, st.frees, st.used_bytes),
+        (Some(SleepMode::Offload), 1, 2, nb as u64),
+        "the frees were taken while asleep: {st:?}"
+    );
+    assert_eq!(
+        (st.mapped_bytes, st.offloaded_bytes),
+        (0, saved),
+        "still asleep: {st:?}"
+    );
+    let woken = mr.wake(&[w], s).unwrap();
+    assert_eq!(
+        (woken.mapped_bytes, woken.restored_bytes),
+        (only_b, only_b),
+        "only the chunks b touches come back: {woken:?}"
+    );
+    assert_eq!(tag_stats(&mr, w).mapped_bytes, only_b);
+    // SAFETY: `b` is live and awake again: its bytes come from where the offload saved them.
+    unsafe { g.check(b, nb, 0x2000_0000, "b after its neighbours were freed while asleep") };
+    // The freed blocks' address space is allocated again (mapped anew).
+    let a2 = wr.allocate(na, s).unwrap();
+    let c2 = wr.allocate(nc, s).unwrap();
+    // SAFETY: a2 and c2 are live allocations of these sizes; b is live and awake.
+    unsafe {
+        g.fill(a2, na, 0x4000_0000);
+        g.fill(c2, nc, 0x5000_0000);
+        g.check(a2, na, 0x4000_0000, "a block allocated again after the wake");
+        g.check(c2, nc, 0x5000_0000, "another block allocated again after the wake");
+        g.check(b, nb, 0x2000_0000, "b beside them");
+    }
+
+    // Discarded: b is freed while the tag sleeps.
+    let both = touched_bytes(chunk, &[(a2, na), (c2, nc)]);
+    mr.sleep(&[w], SleepMode::Discard, s).unwrap();
+    // SAFETY: `b` came from `wr` with this size, freed once; its last use (the check) was waited for.
+    unsafe { wr.deallocate(b, nb, s) }.unwrap();
+    assert_eq!(tag_stats(&mr, w).live_allocations, 2);
+    let woken = mr.wake(&[w], s).unwrap();
+    assert_eq!((woken.mapped_bytes, woken.restored_bytes), (both, 0), "{woken:?}");
+    // SAFETY: a2 and c2 are live and awake (contents discarded: write, then read).
+    unsafe {
+        g.fill(a2, na, 6);
+        g.fill(c2, nc, 7);
+        g.check(a2, na, 6, "a2 after discard and wake");
+        g.check(c2, nc, 7, "c2 after discard and wake");
+    }
+    // SAFETY: each came from `wr` with its size, freed once, after its kernels (on `s`).
+    unsafe {
+        wr.deallocate(a2, na, s).unwrap();
+        wr.deallocate(c2, nc, s).unwrap();
+    }
+    let st = tag_stats(&mr, w);
+    assert_eq!((st.live_allocations, st.used_bytes, st.frees), (0, 0, 5), "{st:?}");
+    drop((wr, mr));
     no_drop_errors();
 }

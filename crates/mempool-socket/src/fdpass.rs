@@ -10,9 +10,9 @@
 //! - more descriptors than the caller allows: all of them are closed and the call fails with
 //!   [`Error::DescriptorCount`].
 //!
-//! A protocol's connection (mempool-ipc's and mempool-store's `connection`) uses the raw calls [`send_raw`] and [`recv_raw`] with its own
-//! policy; [`send_with_fds`] and [`recv_with_fds`] apply the one above (the tests' senders and
-//! receivers).
+//! [`frame_io`](crate::frame_io), the socket I/O of both protocols' connections, uses the raw calls
+//! [`send_raw`] and [`recv_raw`] with [`FdTally`]'s count; [`send_with_fds`] and [`recv_with_fds`]
+//! apply the policy above (the tests' senders and receivers).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;

@@ -8,10 +8,12 @@
 //!   checked before a byte is read ([`ListenerOptions`], [`ConnectionOptions`]);
 //! - [`frame`]: the 12-byte frame header both protocols share, and the bounds-checked
 //!   [`frame::Reader`] and [`frame::Writer`] their codecs are written with;
+//! - [`frame_io`]: one whole frame with its descriptors written or read under deadlines, the socket
+//!   I/O of both protocols' connections (each maps what it reports into its own errors);
 //! - `error`: the crate's [`Error`]; the protocols' errors convert from it;
 //! - `testing` (feature `testing`): helpers for the host tests of this crate and those above.
 //!
-//! Layers: `error` < `fdpass`, `cred`, `frame` < `listener`. Linux only (`SCM_RIGHTS` with
+//! Layers: `error` < `fdpass`, `cred`, `frame` < `listener`, `frame_io` (over `fdpass` and `frame`). Linux only (`SCM_RIGHTS` with
 //! `MSG_CMSG_CLOEXEC`, `SO_PEERCRED`).
 
 #![deny(unsafe_code)]
@@ -21,6 +23,7 @@ pub mod cred;
 mod error;
 pub mod fdpass;
 pub mod frame;
+pub mod frame_io;
 pub mod listener;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -175,6 +175,7 @@ pub(crate) fn first_driver_with(name: &str) -> Option<DriverVersion> {
     let v = match name {
         "cuMemGetDefaultMemPool" | "cuMemGetMemPool" | "cuMemSetMemPool" | "cuEventElapsedTime_v2" => 13000,
         "cuMemPrefetchAsync_v2" | "cuMemAdvise_v2" => 12020,
+        "cuStreamGetId" => 12000,
         "cuDeviceGetUuid_v2" => 11040,
         "cuMemCreate"
         | "cuMemRelease"

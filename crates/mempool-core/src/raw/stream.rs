@@ -61,6 +61,19 @@ pub(crate) unsafe fn query(s: sys::CUstream) -> Result<bool> {
     }
 }
 
+/// The driver's id of the stream `s` names on the calling thread (`cuStreamGetId`, CUDA 12.0): unique for the
+/// life of the process, so it tells apart the per-thread default streams of different threads (one handle,
+/// `CU_STREAM_PER_THREAD`) and a stream from one created later at the same address.
+///
+/// # Safety
+/// 1. `s` is a live stream or one of the special handles (then the current context's stream).
+pub(crate) unsafe fn id(s: sys::CUstream) -> Result<u64> {
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: point 1; one integer is written.
+    unsafe { call!(cuStreamGetId(s, &mut id)) }?;
+    Ok(id)
+}
+
 /// Makes future work on `s` wait for the work captured by `e`.
 ///
 /// # Safety

@@ -9,7 +9,7 @@ use pyo3::types::PyBytes;
 
 use mempool_core::{Context, Stream};
 
-use super::common::{no_pickle, seconds};
+use super::common::{bytes_filled, no_pickle, seconds};
 use crate::buffer::host_bytes;
 use crate::errors::{named, IntoPy, IpcIntoPy};
 use crate::surface::device_view_pymethods;
@@ -66,12 +66,7 @@ device_view_pymethods!(PyExportedBuffer {
     }
     /// The contents as `bytes` (waits for the work queued on the buffer's stream).
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let mut result = Ok(());
-        let b = PyBytes::new_with(py, self.view.size, |dst| {
-            result = py.detach(|| self.buf.copy_to_host(0, dst)).py();
-            Ok(())
-        })?;
-        result.map(|()| b)
+        bytes_filled(py, self.view.size, |dst| py.detach(|| self.buf.copy_to_host(0, dst)).py())
     }
     fn __reduce__(&self) -> PyResult<()> {
         Err(no_pickle("ExportedBuffer"))
@@ -147,12 +142,9 @@ device_view_pymethods!(PyImportedBuffer {
     }
     /// The contents as `bytes` (waits for the work queued on the buffer's stream).
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let mut result = Ok(());
-        let b = PyBytes::new_with(py, self.view.size, |dst| {
-            result = self.with_buf(py, |buf| buf.copy_to_host(0, dst)).and_then(|r| r.py());
-            Ok(())
-        })?;
-        result.map(|()| b)
+        bytes_filled(py, self.view.size, |dst| {
+            self.with_buf(py, |buf| buf.copy_to_host(0, dst)).and_then(|r| r.py())
+        })
     }
     /// Copies `data` (bytes-like) into the buffer at `offset` (the memory is the exporter's: it sees the
     /// write); waits for the copy.

@@ -1,6 +1,6 @@
 //! `mempool.ipc.Exporter`: serves an exportable pool and shares buffers of it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +13,7 @@ use mempool_ipc::{ConnectionOptions, ExporterOptions, ImporterId, ListenerOption
 use mempool_rmm::{AsyncResource, MemoryResource, SharedResource};
 
 use super::buffers::PyExportedBuffer;
-use super::common::{at_least_one, no_pickle, policy, seconds, static_ref};
+use super::common::{at_least_one, closable_pymethods, policy, seconds, static_ref, Closable};
 use super::service::service_of;
 use crate::buffer::{host_bytes, DeviceBuffer};
 use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
@@ -146,6 +146,14 @@ impl PyExporter {
     }
 }
 
+/// The importers a share goes to: those of `to`, or by default every importer connected now.
+fn recipients(exporter: &mempool_ipc::Exporter, to: Option<Vec<u64>>) -> Vec<ImporterId> {
+    match to {
+        Some(ids) => ids.into_iter().map(ImporterId).collect(),
+        None => exporter.importers().iter().map(|i| i.id).collect(),
+    }
+}
+
 /// The value of an `ExporterStats` as a dict.
 fn stats_dict<'py>(py: Python<'py>, s: &mempool_ipc::ExporterStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -216,8 +224,9 @@ fn exportable_pool(mr: &Bound<'_, PyResource>) -> PyResult<(Arc<AsyncResource>, 
     ))
 }
 
-#[pymethods]
-impl PyExporter {
+closable_pymethods!(PyExporter,
+    path = "The socket path importers connect to (what to send to another process).",
+    closed = "Whether `shutdown()` was called." {
     /// The garbage collector sees the resource the exporter keeps (fixed for its life).
     fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
         visit.call(&self.mr)
@@ -324,12 +333,6 @@ impl PyExporter {
         })
     }
 
-    /// The socket path importers connect to (what to send to another process).
-    #[getter]
-    fn path(&self) -> String {
-        self.path.to_string_lossy().into_owned()
-    }
-
     /// The ordinal of the device the pool is on.
     #[getter]
     fn device(&self) -> usize {
@@ -371,12 +374,6 @@ impl PyExporter {
         Ok(())
     }
 
-    /// Whether `shutdown()` was called.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.exporter.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-
     /// A new buffer of `size` bytes (uninitialised) that can be shared: fill it (through DLPack, the CUDA
     /// array interface or `copy_from_host`), then pass it to `share`.
     fn alloc(&self, size: usize) -> PyResult<PyExportedBuffer> {
@@ -401,10 +398,7 @@ impl PyExporter {
         let buf = this.to_buffer(py, buffer, "share")?;
         order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
         let exporter = this.handle()?;
-        let ids: Vec<ImporterId> = match to {
-            Some(ids) => ids.into_iter().map(ImporterId).collect(),
-            None => exporter.importers().iter().map(|i| i.id).collect(),
-        };
+        let ids = recipients(&exporter, to);
         let shared = buf.get();
         py.detach(|| exporter.share(&shared.buf, &ids))
             .ipc(&format!("sharing buffer {}", shared.buf.id()))?;
@@ -433,10 +427,7 @@ impl PyExporter {
             .collect::<PyResult<Vec<_>>>()?;
         order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
         let exporter = this.handle()?;
-        let ids: Vec<ImporterId> = match to {
-            Some(ids) => ids.into_iter().map(ImporterId).collect(),
-            None => exporter.importers().iter().map(|i| i.id).collect(),
-        };
+        let ids = recipients(&exporter, to);
         {
             let refs: Vec<_> = bufs.iter().map(|b| b.get()).collect();
             let shared: Vec<&mempool_ipc::ExportedBuffer<'static>> = refs.iter().map(|b| &b.buf).collect();
@@ -476,10 +467,7 @@ impl PyExporter {
         let export = service.export(DeviceAddr(ptr), size).py()?;
         order_streams(this.device, user_stream.handle, this.stream.as_raw() as usize)?;
         let exporter = this.handle()?;
-        let ids: Vec<ImporterId> = match to {
-            Some(ids) => ids.into_iter().map(ImporterId).collect(),
-            None => exporter.importers().iter().map(|i| i.id).collect(),
-        };
+        let ids = recipients(&exporter, to);
         let chunks = export.chunks().to_vec();
         let offset = export.offset();
         // The exporter keeps both until the last importer let go: the export keeps the tag awake, the
@@ -562,28 +550,25 @@ impl PyExporter {
             }
         })
     }
+});
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+impl Closable for PyExporter {
+    const PY_NAME: &'static str = "Exporter";
+
+    fn socket_path(&self) -> &Path {
+        &self.path
     }
 
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+    fn is_closed(&self) -> bool {
+        self.exporter.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    fn close_now(&self, py: Python<'_>) {
         self.shutdown(py);
-        false
     }
 
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("Exporter"))
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.Exporter path={:?} device={}{}>",
-            self.path.display().to_string(),
-            self.device,
-            if self.closed() { " closed" } else { "" }
-        )
+    fn repr_extra(&self) -> String {
+        format!(" device={}", self.device)
     }
 }
 

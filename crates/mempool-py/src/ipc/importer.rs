@@ -1,8 +1,7 @@
 //! `mempool.ipc.Importer`: a connection to an exporter, receiving buffers.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
@@ -10,9 +9,9 @@ use mempool_core::{Context, Stream};
 use mempool_ipc::{ConnectionOptions, ImporterOptions, Received};
 
 use super::buffers::PyImportedBuffer;
-use super::common::{no_pickle, policy, seconds, static_ref};
+use super::common::{closable_pymethods, policy, seconds, static_ref, wait_in_slices, Closable};
 use super::service::PyImportedRange;
-use crate::errors::{ipc_to_py, named, IntoPy, IpcIntoPy};
+use crate::errors::{named, IntoPy, IpcIntoPy};
 use crate::view::RawView;
 
 /// A connection to an exporter, with its pool imported.
@@ -46,6 +45,11 @@ impl PyImporter {
         Ok(Py::new(py, buffer)?.into_any())
     }
 
+    fn close_importer(&self) {
+        let taken = self.importer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(taken);
+    }
+
     fn handle(&self) -> PyResult<mempool_ipc::Importer> {
         self.importer
             .lock()
@@ -55,8 +59,7 @@ impl PyImporter {
     }
 }
 
-#[pymethods]
-impl PyImporter {
+closable_pymethods!(PyImporter, path = "The socket path connected to.", closed = "Whether `close()` was called." {
     #[new]
     #[pyo3(signature = (
         path, *, timeout = 5.0, io_timeout = 10.0, allow_uids = None, accept_ranges = false, rings = true
@@ -96,12 +99,6 @@ impl PyImporter {
         })
     }
 
-    /// The socket path connected to.
-    #[getter]
-    fn path(&self) -> String {
-        self.path.to_string_lossy().into_owned()
-    }
-
     /// The ordinal, in this process, of the device with the exporter's GPU.
     #[getter]
     fn device(&self) -> usize {
@@ -126,26 +123,15 @@ impl PyImporter {
                 "recv_many: max must be at least 1",
             ));
         }
-        let deadline = match timeout {
-            Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),
-            None => None,
-        };
         let importer = self.handle()?;
         // SAFETY: every buffer received below holds `self.stream` (dropped after it), and its view is used
         // only through it.
         #[allow(unsafe_code)]
         let s = unsafe { static_ref(&self.stream) };
-        const SLICE: Duration = Duration::from_millis(200);
-        loop {
-            let wait = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-            match py.detach(|| importer.recv_many(s, max, Some(wait))) {
-                Ok(bufs) => return bufs.into_iter().map(|b| self.wrap(py, b)).collect(),
-                Err(mempool_ipc::Error::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {
-                    py.check_signals()?;
-                }
-                Err(e) => return Err(ipc_to_py("receiving buffers", e)),
-            }
-        }
+        let bufs = wait_in_slices(py, timeout, "receiving buffers", |wait| {
+            importer.recv_many(s, max, Some(wait))
+        })?;
+        bufs.into_iter().map(|b| self.wrap(py, b)).collect()
     }
 
     /// How many buffers this importer holds now.
@@ -160,101 +146,82 @@ impl PyImporter {
         Ok(self.handle()?.imported_blocks())
     }
 
-    /// Whether `close()` was called.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.importer.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-
     /// Waits for the next buffer (at most `timeout` seconds; None: as long as it takes, interruptible by
     /// Ctrl-C): an `ImportedBuffer`, or, with `accept_ranges=True`, an `ImportedRange` when the exporter
     /// shared a service resource's range (`Exporter.share_range`). `PeerGoneError` once the exporter has
     /// said Goodbye, closed the connection or died; `IpcTimeoutError` after `timeout`.
     #[pyo3(signature = (timeout = None))]
     fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            Some(t) => Some(Instant::now() + seconds("timeout", t, true)?),
-            None => None,
-        };
         let importer = self.handle()?;
         // SAFETY: the buffer or range received below holds `self.stream` (dropped after it), and the view is
         // used only through it.
         #[allow(unsafe_code)]
         let s = unsafe { static_ref(&self.stream) };
-        const SLICE: Duration = Duration::from_millis(200);
-        loop {
-            let wait = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-            let received = if self.accept_ranges {
-                py.detach(|| importer.recv_any_timeout(s, wait))
+        let accept_ranges = self.accept_ranges;
+        let received = wait_in_slices(py, timeout, "receiving a buffer", |wait| {
+            if accept_ranges {
+                importer.recv_any_timeout(s, wait)
             } else {
-                py.detach(|| importer.recv_timeout(s, wait)).map(Received::Buffer)
-            };
-            match received {
-                Ok(Received::Buffer(buf)) => return self.wrap(py, buf),
-                Ok(Received::VmmRange(range)) => {
-                    let view = RawView {
-                        addr: range.ptr().as_raw(),
-                        size: range.len(),
-                        device: self.device,
-                        stream: self.stream.as_raw() as usize,
-                    };
-                    let imported = PyImportedRange {
-                        id: range.id().0,
-                        chunk_sizes: range.chunk_sizes().to_vec(),
-                        range: Mutex::new(Some(range)),
-                        _stream: self.stream.clone(),
-                        ctx: self.ctx.clone(),
-                        view,
-                    };
-                    return Ok(Py::new(py, imported)?.into_any());
-                }
-                Ok(Received::Vmm(v)) => {
-                    // Python has no class for a lone VMM allocation: released at once, and said so.
-                    let id = v.id();
-                    py.detach(|| v.release())
-                        .ipc("releasing an unexpected VMM allocation")?;
-                    return Err(named(
-                        "IpcProtocolError",
-                        format!(
-                            "the exporter sent VMM allocation {id} (Exporter::share_vmm), which mempool.ipc does \
-                             not receive; it was released"
-                        ),
-                    ));
-                }
-                Err(mempool_ipc::Error::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {
-                    py.check_signals()?;
-                }
-                Err(e) => return Err(ipc_to_py("receiving a buffer", e)),
+                importer.recv_timeout(s, wait).map(Received::Buffer)
+            }
+        })?;
+        match received {
+            Received::Buffer(buf) => self.wrap(py, buf),
+            Received::VmmRange(range) => {
+                let view = RawView {
+                    addr: range.ptr().as_raw(),
+                    size: range.len(),
+                    device: self.device,
+                    stream: self.stream.as_raw() as usize,
+                };
+                let imported = PyImportedRange {
+                    id: range.id().0,
+                    chunk_sizes: range.chunk_sizes().to_vec(),
+                    range: Mutex::new(Some(range)),
+                    _stream: self.stream.clone(),
+                    ctx: self.ctx.clone(),
+                    view,
+                };
+                Ok(Py::new(py, imported)?.into_any())
+            }
+            Received::Vmm(v) => {
+                // Python has no class for a lone VMM allocation: released at once, and said so.
+                let id = v.id();
+                py.detach(|| v.release())
+                    .ipc("releasing an unexpected VMM allocation")?;
+                Err(named(
+                    "IpcProtocolError",
+                    format!(
+                        "the exporter sent VMM allocation {id} (Exporter::share_vmm), which mempool.ipc does \
+                         not receive; it was released"
+                    ),
+                ))
             }
         }
     }
 
     /// Lets go of the connection: it says Goodbye once every buffer received from it is gone too.
     fn close(&self) {
-        let taken = self.importer.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(taken);
+        self.close_importer();
+    }
+});
+
+impl Closable for PyImporter {
+    const PY_NAME: &'static str = "Importer";
+
+    fn socket_path(&self) -> &Path {
+        &self.path
     }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+    fn is_closed(&self) -> bool {
+        self.importer.lock().unwrap_or_else(|p| p.into_inner()).is_none()
     }
 
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close();
-        false
+    fn close_now(&self, _py: Python<'_>) {
+        self.close_importer();
     }
 
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("Importer"))
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.Importer path={:?} device={}{}>",
-            self.path.display().to_string(),
-            self.device,
-            if self.closed() { " closed" } else { "" }
-        )
+    fn repr_extra(&self) -> String {
+        format!(" device={}", self.device)
     }
 }

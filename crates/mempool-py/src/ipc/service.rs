@@ -10,7 +10,7 @@ use pyo3::types::PyBytes;
 use mempool_core::{Context, Stream};
 use mempool_rmm::ServiceResource;
 
-use super::common::no_pickle;
+use super::common::{bytes_filled, no_pickle};
 use crate::errors::{named, IpcIntoPy};
 use crate::surface::device_view_pymethods;
 use crate::view::{DeviceView, RawView};
@@ -90,14 +90,10 @@ device_view_pymethods!(PyImportedRange {
             .as_ref()
             .ok_or_else(|| named("IpcError", "the range was released".into()))?;
         let stream = self.stream_ref();
-        let mut result = Ok(());
-        let b = PyBytes::new_with(py, self.view.size, |dst| {
-            result = py
-                .detach(|| range.view(stream).and_then(|v| v.copy_to_host(0, dst).map_err(Into::into)))
-                .ipc("copying an imported range to the host");
-            Ok(())
-        })?;
-        result.map(|()| b)
+        bytes_filled(py, self.view.size, |dst| {
+            py.detach(|| range.view(stream).and_then(|v| v.copy_to_host(0, dst).map_err(Into::into)))
+                .ipc("copying an imported range to the host")
+        })
     }
     fn __reduce__(&self) -> PyResult<()> {
         Err(no_pickle("ImportedRange"))

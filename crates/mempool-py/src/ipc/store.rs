@@ -13,7 +13,7 @@
 //! tensors, CUDA-array-interface consumers). Errors of the service are the `mempool.ipc` classes of
 //! [`store_to_py`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,7 +25,7 @@ use pyo3::types::{PyBytes, PyDict, PyType};
 use mempool_core::{Context, Device, StreamRef};
 use mempool_store::{self as store, Attached, BufferState, CreateOptions, Created, Quotas, ServerConfig};
 
-use super::common::{no_pickle, seconds};
+use super::common::{bytes_filled, closable_pymethods, no_pickle, seconds, Closable};
 use crate::buffer::host_bytes;
 use crate::errors::{ipc_to_py, named, to_py, IntoPy};
 use crate::stream::{self, StreamArg};
@@ -170,12 +170,9 @@ impl Holder {
     }
 
     fn tobytes<'py>(&self, py: Python<'py>, size: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let mut result = Ok(());
-        let b = PyBytes::new_with(py, size, |dst| {
-            result = self.with_view(py, "copying from", |v| v.copy_to_host(0, dst));
-            Ok(())
-        })?;
-        result.map(|()| b)
+        bytes_filled(py, size, |dst| {
+            self.with_view(py, "copying from", |v| v.copy_to_host(0, dst))
+        })
     }
 
     fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
@@ -233,6 +230,35 @@ fn created_buffer(created: Created, ordinal: usize, ctx: Arc<Context>) -> PyCrea
     }
 }
 
+/// The Python object of a buffer attached here, ordered on the stream `stream` (a raw handle) whose Python
+/// object is `stream_owner`.
+fn attached_buffer(
+    attached: Attached,
+    name: String,
+    stream: usize,
+    stream_owner: Option<Py<PyAny>>,
+) -> PyResult<PyAttachedBuffer> {
+    let ordinal = attached.device().ordinal();
+    let ctx = mempool_capi::device::context(ordinal).py()?;
+    let view = RawView {
+        addr: attached.ptr().as_raw(),
+        size: attached.len(),
+        device: ordinal,
+        stream,
+    };
+    Ok(PyAttachedBuffer {
+        holder: Arc::new(Holder {
+            slot: Mutex::new(Slot::Attached(attached)),
+            ctx,
+            exported: AtomicBool::new(false),
+            published: AtomicBool::new(true),
+        }),
+        view,
+        name,
+        _stream_owner: stream_owner,
+    })
+}
+
 /// A stream argument as a stream view.
 ///
 /// # Safety
@@ -242,6 +268,53 @@ fn created_buffer(created: Created, ordinal: usize, ctx: Arc<Context>) -> PyCrea
 unsafe fn stream_ref(s: &StreamArg) -> StreamRef<'static> {
     // SAFETY: point 1; the memory store binds the buffer's context itself (a context-less view).
     unsafe { StreamRef::from_raw(s.handle as mempool_core::RawStream) }
+}
+
+/// A buffer class of the memory store (a struct with `holder`, `view` and `name`): its
+/// [`DeviceView`], and `#[pymethods]` with the surface every buffer shares (`device_view_pymethods!`),
+/// `name`, `tobytes`, `copy_from_host` (documented as given), no pickling and `repr`, then the class's
+/// own methods.
+macro_rules! store_buffer_pymethods {
+    ($ty:ty, $class:literal, copy_from_host = $copy_doc:literal { $($own:tt)* }) => {
+        impl DeviceView for $ty {
+            const PY_NAME: &'static str = concat!("mempool.ipc.", $class);
+
+            fn raw_view(&self) -> RawView {
+                self.view
+            }
+
+            fn note_exported(&self) {
+                self.holder.exported.store(true, Ordering::SeqCst);
+            }
+        }
+
+        device_view_pymethods!($ty {
+            /// The buffer's name.
+            #[getter]
+            fn name(&self) -> &str {
+                &self.name
+            }
+            /// The contents as `bytes` (waits for the device).
+            fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+                self.holder.tobytes(py, self.view.size)
+            }
+            #[doc = $copy_doc]
+            #[pyo3(signature = (data, offset = 0))]
+            fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
+                self.holder.copy_from_host(py, data, offset)
+            }
+            fn __reduce__(&self) -> PyResult<()> {
+                Err(no_pickle($class))
+            }
+            fn __repr__(&self) -> String {
+                format!(
+                    concat!("<mempool.ipc.", $class, " name={:?} size={} ptr={:#x} device={}>"),
+                    self.name, self.view.size, self.view.addr, self.view.device
+                )
+            }
+            $($own)*
+        });
+    };
 }
 
 /// A buffer this process created with `Client.create`, mapped for writing, not yet attachable by others.
@@ -255,24 +328,8 @@ pub struct PyCreatedBuffer {
     name: String,
 }
 
-impl DeviceView for PyCreatedBuffer {
-    const PY_NAME: &'static str = "mempool.ipc.CreatedBuffer";
-
-    fn raw_view(&self) -> RawView {
-        self.view
-    }
-
-    fn note_exported(&self) {
-        self.holder.exported.store(true, Ordering::SeqCst);
-    }
-}
-
-device_view_pymethods!(PyCreatedBuffer {
-    /// The buffer's name.
-    #[getter]
-    fn name(&self) -> &str {
-        &self.name
-    }
+store_buffer_pymethods!(PyCreatedBuffer, "CreatedBuffer",
+    copy_from_host = "Copies `data` (bytes-like) into the buffer at `offset` (after the device's queued work); waits." {
     /// Publishes the buffer: an interprocess event recorded on `stream` (the stream the writes were queued
     /// on: None is the legacy default stream; a PyTorch, CuPy or Numba stream, an object with
     /// `__cuda_stream__`, or a raw handle) orders every later attacher after them, with no host wait. From
@@ -362,24 +419,6 @@ device_view_pymethods!(PyCreatedBuffer {
             }
         }
     }
-    /// The contents as `bytes` (waits for the device).
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.holder.tobytes(py, self.view.size)
-    }
-    /// Copies `data` (bytes-like) into the buffer at `offset` (after the device's queued work); waits.
-    #[pyo3(signature = (data, offset = 0))]
-    fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
-        self.holder.copy_from_host(py, data, offset)
-    }
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("CreatedBuffer"))
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.CreatedBuffer name={:?} size={} ptr={:#x} device={}>",
-            self.name, self.view.size, self.view.addr, self.view.device
-        )
-    }
 });
 
 /// A published buffer mapped into this process (`Client.attach`, `CreatedBuffer.publish`): the server's
@@ -394,43 +433,8 @@ pub struct PyAttachedBuffer {
     _stream_owner: Option<Py<PyAny>>,
 }
 
-impl DeviceView for PyAttachedBuffer {
-    const PY_NAME: &'static str = "mempool.ipc.AttachedBuffer";
-
-    fn raw_view(&self) -> RawView {
-        self.view
-    }
-
-    fn note_exported(&self) {
-        self.holder.exported.store(true, Ordering::SeqCst);
-    }
-}
-
-device_view_pymethods!(PyAttachedBuffer {
-    /// The buffer's name.
-    #[getter]
-    fn name(&self) -> &str {
-        &self.name
-    }
-    /// The contents as `bytes` (waits for the device).
-    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        self.holder.tobytes(py, self.view.size)
-    }
-    /// Copies `data` (bytes-like) into the buffer at `offset` (every attacher sees it); waits.
-    #[pyo3(signature = (data, offset = 0))]
-    fn copy_from_host(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
-        self.holder.copy_from_host(py, data, offset)
-    }
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("AttachedBuffer"))
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.AttachedBuffer name={:?} size={} ptr={:#x} device={}>",
-            self.name, self.view.size, self.view.addr, self.view.device
-        )
-    }
-});
+store_buffer_pymethods!(PyAttachedBuffer, "AttachedBuffer",
+    copy_from_host = "Copies `data` (bytes-like) into the buffer at `offset` (every attacher sees it); waits." {});
 
 // ------------------------------------------------------------------------------------------------ client
 
@@ -660,25 +664,7 @@ impl PyClient {
         let attached = py
             .detach(|| self.client.attach(name, sref))
             .or_raise(|| format!("attaching buffer {name:?}"))?;
-        let ordinal = attached.device().ordinal();
-        let ctx = mempool_capi::device::context(ordinal).py()?;
-        let view = RawView {
-            addr: attached.ptr().as_raw(),
-            size: attached.len(),
-            device: ordinal,
-            stream: s.handle,
-        };
-        Ok(PyAttachedBuffer {
-            holder: Arc::new(Holder {
-                slot: Mutex::new(Slot::Attached(attached)),
-                ctx,
-                exported: AtomicBool::new(false),
-                published: AtomicBool::new(true),
-            }),
-            view,
-            name: name.to_owned(),
-            _stream_owner: s.owner,
-        })
+        attached_buffer(attached, name.to_owned(), s.handle, s.owner)
     }
 
     /// Attaches every buffer of `names` (a list of str) as `attach` does each, in few requests to the
@@ -701,25 +687,8 @@ impl PyClient {
             .or_raise(|| format!("attaching {} buffers", names.len()))?;
         let mut out = Vec::with_capacity(attached.len());
         for (attached, name) in attached.into_iter().zip(names) {
-            let ordinal = attached.device().ordinal();
-            let ctx = mempool_capi::device::context(ordinal).py()?;
-            let view = RawView {
-                addr: attached.ptr().as_raw(),
-                size: attached.len(),
-                device: ordinal,
-                stream: s.handle,
-            };
-            out.push(PyAttachedBuffer {
-                holder: Arc::new(Holder {
-                    slot: Mutex::new(Slot::Attached(attached)),
-                    ctx,
-                    exported: AtomicBool::new(false),
-                    published: AtomicBool::new(true),
-                }),
-                view,
-                name,
-                _stream_owner: s.owner.as_ref().map(|o| o.clone_ref(py)),
-            });
+            let owner = s.owner.as_ref().map(|o| o.clone_ref(py));
+            out.push(attached_buffer(attached, name, s.handle, owner)?);
         }
         Ok(out)
     }
@@ -794,20 +763,7 @@ impl Drop for PyStoreServer {
     }
 }
 
-#[pymethods]
-impl PyStoreServer {
-    /// The socket path it serves.
-    #[getter]
-    fn path(&self) -> String {
-        self.path.to_string_lossy().into_owned()
-    }
-
-    /// Whether `shutdown()` was called.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.server.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-
+closable_pymethods!(PyStoreServer, path = "The socket path it serves.", closed = "Whether `shutdown()` was called." {
     /// The server's counters (as `Client.stats()`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self
@@ -832,27 +788,21 @@ impl PyStoreServer {
             py.detach(move || server.shutdown());
         }
     }
+});
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
+impl Closable for PyStoreServer {
+    const PY_NAME: &'static str = "MemoryStoreServer";
+
+    fn socket_path(&self) -> &Path {
+        &self.path
     }
 
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+    fn is_closed(&self) -> bool {
+        self.server.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    fn close_now(&self, py: Python<'_>) {
         self.shutdown(py);
-        false
-    }
-
-    fn __reduce__(&self) -> PyResult<()> {
-        Err(no_pickle("MemoryStoreServer"))
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<mempool.ipc.MemoryStoreServer path={:?}{}>",
-            self.path.display().to_string(),
-            if self.closed() { " closed" } else { "" }
-        )
     }
 }
 

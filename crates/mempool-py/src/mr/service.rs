@@ -149,10 +149,12 @@ impl ServiceMemoryResource {
     /// Releases the physical memory of `tags` (a name, a tag number, or an iterable of them), keeping their
     /// addresses and live buffers: `mode="offload"` copies the contents to pinned host memory first
     /// (ordered on `stream`), `mode="discard"` loses them. Returns `{"released_bytes", "offloaded_bytes"}`.
-    /// Refused with nothing changed (`UnsupportedError`): a tag already asleep or shared with another
-    /// process, `stream` with work still queued (synchronize it first). Until `wake`, allocating from or
-    /// freeing into a sleeping tag raises `UnsupportedError` (a buffer collected meanwhile cannot be freed:
-    /// free a tag's buffers before it sleeps, or after it wakes). Runs with the interpreter released.
+    /// It waits for the frees into the tags still in flight (on any stream), and, where a tag still has
+    /// live buffers, for the whole device (their users' streams are unknown to it); a tag with nothing
+    /// live does not wait for the device. Refused with nothing changed (`UnsupportedError`): a tag already asleep or shared with
+    /// another process, `stream` with work still queued. Until `wake`, allocating from a sleeping tag
+    /// raises `UnsupportedError`; a buffer freed meanwhile goes back to the tag (its memory is not mapped
+    /// back by `wake` unless a live buffer shares it). Runs with the interpreter released.
     #[pyo3(signature = (tags, mode = "offload", stream = None))]
     fn sleep<'py>(
         &self,
@@ -203,8 +205,8 @@ impl ServiceMemoryResource {
         Ok(d)
     }
 
-    /// Waits for the device, then unmaps every chunk of an awake tag that no live buffer touches. Returns
-    /// the bytes released. Runs with the interpreter released.
+    /// Waits for the frees still in flight, then unmaps every chunk of an awake tag that no live buffer
+    /// touches. Returns the bytes released. Runs with the interpreter released.
     fn trim(&self, py: Python<'_>) -> PyResult<u64> {
         let mr = &self.typed;
         py.detach(|| mr.trim()).py()

@@ -369,7 +369,7 @@ impl<U: MemoryResource, W: Write + Send> LoggingAdaptor<U, W> {
             now.subsec_micros(),
             action.as_str(),
             Pointer(ptr.0),
-            StreamHandle(stream.id())
+            StreamHandle(stream.handle())
         )
         .and_then(|()| if self.auto_flush { out.flush() } else { Ok(()) })
         .map_err(|e| Error::Log(e.to_string()))

@@ -101,7 +101,7 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
                 AllocationRecord {
                     ptr,
                     bytes,
-                    stream: stream.id(),
+                    stream: stream.handle(),
                     location,
                     thread,
                 },

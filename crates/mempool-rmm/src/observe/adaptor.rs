@@ -72,12 +72,13 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryResource<U> {
             Ok(p) => {
                 if !p.is_null() {
                     self.history
-                        .record(Op::Allocate, 0, p.0, bytes as u64, stream.id() as u64);
+                        .record(Op::Allocate, 0, p.0, bytes as u64, stream.handle() as u64);
                 }
                 Ok(p)
             }
             Err(e) => {
-                self.history.record(Op::Failed, 0, 0, bytes as u64, stream.id() as u64);
+                self.history
+                    .record(Op::Failed, 0, 0, bytes as u64, stream.handle() as u64);
                 Err(explain(e, self))
             }
         }
@@ -91,7 +92,7 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryResource<U> {
         unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         if !ptr.is_null() {
             self.history
-                .record(Op::Free, 0, ptr.0, bytes as u64, stream.id() as u64);
+                .record(Op::Free, 0, ptr.0, bytes as u64, stream.handle() as u64);
         }
         Ok(())
     }

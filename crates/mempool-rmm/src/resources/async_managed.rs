@@ -1,12 +1,9 @@
 //! [`AsyncManagedResource`]: managed memory from a stream-ordered pool (CUDA 13.0).
 
-use mempool_core::{AllocationType, Device, DeviceAddr, MemPool, PoolProps, StreamRef};
+use mempool_core::{AllocationType, Device, MemPool, PoolProps};
 
 use crate::error::{Error, Result};
-use crate::resource::MemoryResource;
-use crate::resources::async_resource::{prepare_new_pool, AsyncResource, ReleaseThreshold};
-
-const NAME: &str = "AsyncManagedResource";
+use crate::resources::async_resource::{over_async_resource, prepare_new_pool, AsyncResource, ReleaseThreshold};
 
 /// Options for a pool of managed memory that [`AsyncManagedResource::new`] creates.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -19,6 +16,7 @@ pub struct AsyncManagedOptions {
     pub release_threshold: ReleaseThreshold,
 }
 
+over_async_resource! {
 /// Allocates managed (unified) memory in stream order from a pool of managed memory
 /// (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a pool of `CU_MEM_ALLOCATION_TYPE_MANAGED`, CUDA
 /// 13.0), RMM's `cuda_async_managed_memory_resource`. The memory is usable by the host and by every
@@ -52,9 +50,7 @@ pub struct AsyncManagedOptions {
 /// unsafe { mr.deallocate(p, 1 << 20, stream.as_ref()) }?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
-pub struct AsyncManagedResource {
-    inner: AsyncResource,
+AsyncManagedResource
 }
 
 /// The resource's form of a capability the core layer found missing (managed pools, or pools at all):
@@ -64,7 +60,7 @@ fn unsupported(e: mempool_core::Error) -> Error {
     match e {
         e @ (mempool_core::Error::CapabilityMissing { .. } | mempool_core::Error::PoolsNotSupported { .. }) => {
             Error::Unsupported {
-                resource: NAME,
+                resource: "AsyncManagedResource",
                 reason: e.to_string(),
             }
         }
@@ -90,36 +86,6 @@ impl AsyncManagedResource {
         Ok(AsyncManagedResource {
             inner: AsyncResource::from_pool(pool)?,
         })
-    }
-
-    /// The pool, for its attributes, counters and trimming.
-    pub fn pool(&self) -> &MemPool {
-        self.inner.pool()
-    }
-}
-
-// SAFETY: each allocation is a fresh stream-ordered allocation from the pool `self` owns (aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
-#[allow(unsafe_code)]
-unsafe impl MemoryResource for AsyncManagedResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.inner
-            .allocate(bytes, stream)
-            .map_err(|e| crate::observe::oom::explain(e, self))
-    }
-
-    #[allow(unsafe_code)]
-    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        // SAFETY: an `AsyncManagedResource` is its inner `AsyncResource` (its `allocate` forwards unchanged),
-        // so the caller's obligations 1-3 for it are the same obligations for the inner resource.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
-        Some(&self.inner)
     }
 }
 

@@ -145,6 +145,63 @@ pub(crate) fn prepare_new_pool(
     Ok(())
 }
 
+/// A resource that is an [`AsyncResource`] over a pool of another kind (managed memory, host memory): the
+/// struct with the given documentation, holding the `AsyncResource` in `inner`, its `pool()` accessor, and
+/// the [`MemoryResource`] impl that forwards to it under its own `name` (so an out-of-memory report names
+/// the outer resource and its upstream). Each such resource writes only its constructors.
+macro_rules! over_async_resource {
+    ($(#[$meta:meta])* $name:ident) => {
+        $(#[$meta])*
+        #[derive(Debug)]
+        pub struct $name {
+            inner: $crate::resources::async_resource::AsyncResource,
+        }
+
+        impl $name {
+            /// The pool, for its attributes, counters and trimming.
+            pub fn pool(&self) -> &mempool_core::MemPool {
+                self.inner.pool()
+            }
+        }
+
+        // SAFETY: each allocation is a fresh stream-ordered allocation from the pool `self` holds (memory the driver reaches: device, managed or pinned host memory; aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
+        #[allow(unsafe_code)]
+        unsafe impl $crate::resource::MemoryResource for $name {
+            fn allocate(
+                &self,
+                bytes: usize,
+                stream: mempool_core::StreamRef<'_>,
+            ) -> $crate::error::Result<mempool_core::DeviceAddr> {
+                self.inner
+                    .allocate(bytes, stream)
+                    .map_err(|e| $crate::observe::oom::explain(e, self))
+            }
+
+            #[allow(unsafe_code)]
+            unsafe fn deallocate(
+                &self,
+                ptr: mempool_core::DeviceAddr,
+                bytes: usize,
+                stream: mempool_core::StreamRef<'_>,
+            ) -> $crate::error::Result<()> {
+                // SAFETY: the resource is its inner `AsyncResource` (its `allocate` forwards unchanged), so
+                // the caller's obligations 1-3 for it are the same obligations for the inner resource.
+                unsafe { self.inner.deallocate(ptr, bytes, stream) }
+            }
+
+            fn name(&self) -> &'static str {
+                stringify!($name)
+            }
+
+            fn upstream_resource(&self) -> Option<&dyn $crate::resource::MemoryResource> {
+                Some(&self.inner)
+            }
+        }
+    };
+}
+
+pub(crate) use over_async_resource;
+
 // SAFETY: each allocation is a fresh stream-ordered allocation from the pool `self` holds (aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
 #[allow(unsafe_code)]
 unsafe impl MemoryResource for AsyncResource {

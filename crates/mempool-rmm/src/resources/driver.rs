@@ -4,10 +4,32 @@
 
 use std::sync::Arc;
 
-use mempool_core::{memory, Context, Device, DeviceAddr, StreamRef};
+use mempool_core::{memory, Context, Device, DeviceAddr, Event, EventFlags, StreamRef};
 
 use crate::error::Result;
 use crate::resource::MemoryResource;
+
+/// Blocks until the work queued on `stream` so far is done, for a resource of `ctx` that frees at once
+/// (not stream-ordered) what was freed on `stream`: the plain driver resources, `VmmResource`. A stream
+/// that knows no context is taken as one of `ctx`.
+///
+/// For the legacy stream, an event recorded on it and waited for, not a synchronize of it: work queued on
+/// the blocking streams (per-thread streams included) before the record is ordered before it, which is
+/// not documented of a synchronize of the legacy stream; a free on another thread of memory of a thread's
+/// per-thread stream comes here as the legacy stream (`KeptStream`). No wait on the whole context:
+/// non-blocking streams' work was ordered before the free by the caller, through the stream it names.
+pub(crate) fn wait_before_immediate_free(ctx: &Arc<Context>, stream: StreamRef<'_>) -> Result<()> {
+    let ctx = stream.context().unwrap_or(ctx);
+    let stream = stream.in_context(ctx);
+    if stream.is_legacy() {
+        let done = Event::new(ctx, EventFlags::DISABLE_TIMING)?;
+        done.record(stream)?;
+        done.synchronize()?;
+    } else {
+        stream.synchronize()?;
+    }
+    Ok(())
+}
 
 macro_rules! plain_resource {
     ($(#[$doc:meta])* $name:ident, $alloc:expr, $free:expr) => {
@@ -43,7 +65,7 @@ macro_rules! plain_resource {
                     return Ok(());
                 }
                 // The free is immediate: wait for the stream, after which no ordered work uses `ptr`.
-                stream.synchronize()?;
+                wait_before_immediate_free(&self.ctx, stream)?;
                 // SAFETY: by the trait's contract `ptr` came from this resource's `allocate` and is returned
                 // once; its uses were ordered before this point of `stream`, which has completed.
                 unsafe { ($free)(&self.ctx, ptr) }?;

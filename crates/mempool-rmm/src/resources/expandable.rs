@@ -54,7 +54,7 @@ pub struct ExpandableStats {
 ///   event wait).
 /// - Because there is one segment, free neighbours always coalesce: there is no per-segment
 ///   fragmentation of the address space, as there is when a pool grows by separate allocations.
-/// - [`trim`](Self::trim) waits for the device, then unmaps and releases every physical allocation
+/// - [`trim`](Self::trim) waits for the frees still in flight, then unmaps and releases every physical allocation
 ///   none of whose chunks a live allocation touches: free chunks at the end of what is in use, and in holes.
 ///   The addresses stay reserved; an allocation that lands there maps a chunk again.
 /// - When a chunk cannot be created for lack of memory, the resource trims and tries once more before
@@ -133,8 +133,8 @@ impl ExpandableResource {
         }
     }
 
-    /// Waits for the device, then unmaps and releases every physical allocation no live allocation
-    /// touches. Returns the bytes released.
+    /// Waits for the frees still in flight (the events recorded on their streams), then unmaps and
+    /// releases every physical allocation no live allocation touches. Returns the bytes released.
     pub fn trim(&self) -> Result<u64> {
         self.inner.trim()
     }

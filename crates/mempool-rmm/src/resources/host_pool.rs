@@ -1,10 +1,9 @@
 //! [`HostPoolResource`]: a stream-ordered pool whose memory lives in host RAM.
 
-use mempool_core::{Device, DeviceAddr, MemPool, PoolLocation, PoolProps, StreamRef};
+use mempool_core::{Device, MemPool, PoolLocation, PoolProps};
 
 use crate::error::{Error, Result};
-use crate::resource::MemoryResource;
-use crate::resources::async_resource::{AsyncResource, ReleaseThreshold};
+use crate::resources::async_resource::{over_async_resource, AsyncResource, ReleaseThreshold};
 
 /// Options for [`HostPoolResource::new`].
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -20,6 +19,7 @@ pub struct HostPoolOptions {
     pub max_size: Option<usize>,
 }
 
+over_async_resource! {
 /// Allocates page-locked host memory from a stream-ordered pool (`cuMemPoolCreate` with a host
 /// location, then `cuMemAllocFromPoolAsync` / `cuMemFreeAsync`): staging buffers and spill space that
 /// get the driver pool's stream-ordered reuse, where [`PinnedHostResource`](crate::PinnedHostResource)
@@ -42,9 +42,7 @@ pub struct HostPoolOptions {
 /// unsafe { mr.deallocate(p, 1 << 20, stream.as_ref()) }?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
-pub struct HostPoolResource {
-    inner: AsyncResource,
+HostPoolResource
 }
 
 impl HostPoolResource {
@@ -87,35 +85,5 @@ impl HostPoolResource {
         Ok(HostPoolResource {
             inner: AsyncResource::from_pool(pool)?,
         })
-    }
-
-    /// The pool, for its attributes, counters and trimming.
-    pub fn pool(&self) -> &MemPool {
-        self.inner.pool()
-    }
-}
-
-// SAFETY: each allocation is a fresh stream-ordered allocation from the host pool `self` holds (pinned host memory the driver reaches, aligned to 256, null only for 0 bytes), which nothing else owns until `deallocate` frees it.
-#[allow(unsafe_code)]
-unsafe impl MemoryResource for HostPoolResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.inner
-            .allocate(bytes, stream)
-            .map_err(|e| crate::observe::oom::explain(e, self))
-    }
-
-    #[allow(unsafe_code)]
-    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        // SAFETY: a `HostPoolResource` is its inner `AsyncResource` (its `allocate` forwards unchanged), so the
-        // caller's obligations 1-3 for it are the same obligations for the inner resource.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-
-    fn name(&self) -> &'static str {
-        "HostPoolResource"
-    }
-
-    fn upstream_resource(&self) -> Option<&dyn MemoryResource> {
-        Some(&self.inner)
     }
 }

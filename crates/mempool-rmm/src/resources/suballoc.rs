@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, Stream, StreamFlags, StreamRef};
+use mempool_core::{Context, Device, DeviceAddr, Event, EventFlags, Stream, StreamFlags, StreamId, StreamRef};
 
 use crate::error::{Error, OutOfMemoryReport, Result};
 use crate::observe::inspect::Inspection;
@@ -17,18 +17,63 @@ use mempool_suballoc::{
     FixedSizeOptions, MapRange, PoolOptions, Sharded, StreamOrder, Upstream,
 };
 
-/// A stream as the engines key it: the raw handle's value.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct StreamKey(usize);
+/// A stream as the engines key it: its identity, the driver's id of the stream ([`StreamRef::key`]: the
+/// per-thread default streams of two threads are two keys, the legacy stream's two handles one), with the
+/// handle it was named by, for the driver calls made during the engine call that passed it in (on the
+/// calling thread, where the handle names that stream). Equality and hashing look at the id only.
+///
+/// Keyed so, a free on `CU_STREAM_PER_THREAD` (0x2, one handle for every thread's own stream) needs no
+/// wait of its own (issue 33, finding 2): the block goes to the free list of the freeing thread's stream,
+/// and another thread's per-thread stream, a key of its own, takes it only through the engine's hand-off
+/// between streams (an event wait, or a context synchronize), like any other stream. The stop-gap that
+/// synchronized the calling thread's per-thread stream at each such free while the engines keyed by
+/// handle (`settle_per_thread_free`, a7ed6aa) is therefore gone. A free on that handle from a thread
+/// other than the one whose stream used the memory stays outside the trait's contract (the handle names
+/// the freeing thread's stream); mempool's own buffers and the CuPy and PyTorch entry points free such
+/// memory on the legacy stream instead (`KeptStream`).
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct StreamKey {
+    id: StreamId,
+    raw: usize,
+}
+
+impl PartialEq for StreamKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Eq for StreamKey {}
+
+impl std::hash::Hash for StreamKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.id.hash(state);
+    }
+}
 
 impl StreamKey {
-    pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
-        StreamKey(stream.id())
+    /// The key of `stream` as the calling thread names it, for a resource of `ctx` (bound to resolve a
+    /// special or raw handle; a driver call unless the view is an owned stream's, or a special stream this
+    /// thread already resolved).
+    pub(crate) fn of(stream: StreamRef<'_>, ctx: &Context) -> mempool_core::Result<StreamKey> {
+        Ok(StreamKey {
+            id: stream.key_in(ctx)?,
+            raw: stream.handle(),
+        })
     }
 
-    /// The raw handle's value.
-    pub(crate) fn id(self) -> usize {
-        self.0
+    /// A key made of parts, for host tests (no driver).
+    #[cfg(test)]
+    pub(crate) fn from_parts(id: u64, raw: usize) -> StreamKey {
+        StreamKey {
+            id: StreamId::from_value(id),
+            raw,
+        }
+    }
+
+    /// The handle the stream was named by (what snapshots and memory maps show).
+    pub(crate) fn handle(self) -> usize {
+        self.raw
     }
 
     /// The stream behind the key, for a driver call made during the engine call that passed it in.
@@ -39,27 +84,15 @@ impl StreamKey {
         // (the suballoc crate's contract under `EventPolicy::Adaptive` and `RecordOnFree`, the only
         // policies these resources run with: see `safe_policy`): the stream of an `allocate` or
         // `deallocate` (also when `Sharded` runs the other engines' `release_unused` on it for an engine
-        // that is out of memory), which the caller keeps alive for the call, or the legacy default stream, which
-        // `release_unused` passes and which is always valid. The two paths that replay stored keys never
-        // reach here: `CudaStreams::synchronize` synchronizes the whole context instead, and the release
-        // in `Drop` frees upstream on the legacy stream (see `ResourceUpstream`). The `'static` lifetime
-        // does not escape: each use is a single driver call.
-        unsafe { StreamRef::from_raw(self.0 as mempool_core::RawStream) }
+        // that is out of memory), which the caller keeps alive for the call, or the private stream that
+        // `release_unused` creates and keeps alive until the call returns. The two paths that replay
+        // stored keys never reach here: `CudaStreams::synchronize` synchronizes the whole context instead,
+        // and the release in `Drop` frees upstream on the private release stream, or the legacy stream if
+        // none could be made (see `ResourceUpstream`). So the handle is used on the thread that named the
+        // stream by it, where a per-thread handle names the keyed stream. The `'static` lifetime does not
+        // escape: each use is a single driver call.
+        unsafe { StreamRef::from_raw(self.raw as mempool_core::RawStream) }
     }
-}
-
-/// The engines key a stream by its handle, and `CU_STREAM_PER_THREAD` (0x2) is one handle for every
-/// thread's own per-thread stream: a block freed on it could be handed, with no wait, to another thread's
-/// per-thread stream while the freeing thread's work still used it (issue 33, finding 2: CuPy with
-/// per-thread default streams over the service resource saw another thread's late kernel overwrite its
-/// data). Until streams are keyed by the driver's stream id, a free on that handle first waits for the
-/// calling thread's per-thread stream (the one the handle names on this thread), so the block it returns
-/// is idle and any stream may take it. Frees on every other handle are untouched.
-pub(crate) fn settle_per_thread_free(ctx: &Arc<Context>, stream: StreamRef<'_>) -> Result<()> {
-    if stream.id() == StreamRef::PER_THREAD.id() {
-        stream.in_context(ctx).synchronize()?;
-    }
-    Ok(())
 }
 
 /// Real stream ordering for the engines: CUDA events in one context.
@@ -115,9 +148,9 @@ pub(crate) struct ResourceUpstream<U> {
     release_stream: std::sync::OnceLock<Stream>,
     upstream: U,
     ctx: Arc<Context>,
-    /// Set when the resource is dropped: upstream frees then go on the legacy stream, after the
-    /// engine's release synchronized the context, since the streams the engine stored with its
-    /// chunks may be gone.
+    /// Set when the resource is dropped: upstream frees then go on `release_stream` (the legacy stream
+    /// if it could not be made), after the engine's release synchronized the context, since the streams
+    /// the engine stored with its chunks may be gone.
     releasing: AtomicBool,
 }
 
@@ -316,10 +349,11 @@ type ResourceEngine<C, U> = <C as EngineOptions>::Engine<Arc<ResourceUpstream<U>
 ///   [`stats`](Self::stats) and memory map do not count them, dropping the resource does not free
 ///   them, and their frees are checked only by the upstream (a pool refuses an address it did not hand
 ///   out; the driver's pools check what the driver checks).
-/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's handle; a stream
-///   reuses its own freed memory at once, and memory moves to another stream after a CUDA event wait (or a
-///   context synchronize), as the [`crate::suballoc`] crate docs describe. 0 bytes is the null
-///   address.
+/// - Other `allocate` and `deallocate` calls go to the engine, keyed by the stream's id
+///   ([`StreamRef::key`], resolved on the calling thread: each thread's per-thread default stream is a
+///   stream of its own); a stream reuses its own freed memory at once, and memory moves to another
+///   stream after a CUDA event wait (or a context synchronize), as the [`crate::suballoc`] crate docs
+///   describe. 0 bytes is the null address.
 /// - The engine runs with [`EventPolicy::Adaptive`] when the options ask for
 ///   [`EventPolicy::RecordOnDemand`], which would record on streams that may have been destroyed
 ///   since.
@@ -391,6 +425,13 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
             adapter,
             direct_above,
         })
+    }
+
+    /// How many engines the resource keeps: one per hardware thread up to 16, or one (see the type's
+    /// documentation). A thread allocates from engine `n % shards`, `n` being the number the thread took
+    /// on its first allocation from any such resource (threads take numbers in turn).
+    pub fn shards(&self) -> usize {
+        self.engines.shard_count()
     }
 
     /// The upstream resource.
@@ -465,7 +506,7 @@ impl<C: SuballocOptions, U: MemoryResource> SuballocatingResource<C, U> {
         let stream = Stream::with_flags(&self.adapter.ctx, StreamFlags::NON_BLOCKING)?;
         let released = self
             .engines
-            .release_unused(StreamKey::of(stream.as_ref()))
+            .release_unused(StreamKey::of(stream.as_ref(), &self.adapter.ctx)?)
             .map(drop)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e));
         stream.synchronize()?;
@@ -483,8 +524,9 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
         if self.passes_through(bytes) {
             return self.allocate_direct(bytes, stream);
         }
+        let key = StreamKey::of(stream, &self.adapter.ctx)?;
         self.engines
-            .allocate(bytes as u64, StreamKey::of(stream))
+            .allocate(bytes as u64, key)
             .map(DeviceAddr)
             .map_err(|e| self.out_of_memory_report(e))
     }
@@ -500,11 +542,11 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
             // `direct_above` was passed straight to the upstream with the same size (`allocate`).
             return unsafe { self.adapter.upstream.deallocate(ptr, bytes, stream) };
         }
-        settle_per_thread_free(&self.adapter.ctx, stream)?;
         // The engine checks `ptr` and `bytes` against its live allocations and refuses a mismatch; the
         // caller's obligation 3 is what lets it hand the memory to work ordered after `stream`.
+        let key = StreamKey::of(stream, &self.adapter.ctx)?;
         self.engines
-            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
+            .deallocate(ptr.0, bytes as u64, key)
             .map_err(|e| map_engine_error(C::RESOURCE_NAME, e))
     }
 
@@ -537,7 +579,7 @@ unsafe impl<C: SuballocOptions, U: MemoryResource> MemoryResource for Suballocat
                             addr: r.addr,
                             size: r.size,
                             used: r.used,
-                            stream: r.stream.map(StreamKey::id),
+                            stream: r.stream.map(StreamKey::handle),
                         })
                         .collect(),
                 })
@@ -619,3 +661,97 @@ pub type BinningResource<U> = SuballocatingResource<BinningOptions, U>;
 /// contention between streams, large allocations straight from the global arena. See
 /// [`SuballocatingResource`].
 pub type ArenaResource<U> = SuballocatingResource<ArenaOptions, U>;
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::collections::HashSet;
+
+    use super::*;
+    use mempool_suballoc::PoolEngine;
+
+    #[test]
+    fn keys_are_equal_by_the_streams_id_not_its_handle() {
+        // Two threads' per-thread default streams: one handle, two streams.
+        let (a, b) = (StreamKey::from_parts(10, 2), StreamKey::from_parts(11, 2));
+        assert_ne!(a, b);
+        // The legacy stream's two handles: one stream.
+        let (l0, l1) = (StreamKey::from_parts(3, 0), StreamKey::from_parts(3, 1));
+        assert_eq!(l0, l1);
+        let set: HashSet<StreamKey> = [a, b, l0, l1].into();
+        assert_eq!(set.len(), 3);
+        assert_eq!(
+            (a.handle(), l1.handle()),
+            (2, 1),
+            "the handle is kept for driver calls and displays"
+        );
+    }
+
+    /// Stream ordering that records what the engine asked of it.
+    #[derive(Default)]
+    struct Recorded {
+        ops: RefCell<Vec<(&'static str, StreamKey)>>,
+    }
+
+    impl StreamOrder for &Recorded {
+        type Stream = StreamKey;
+        type Event = ();
+        fn create_event(&self) -> Result<(), suballoc::Error> {
+            Ok(())
+        }
+        fn record(&self, _: &mut (), stream: StreamKey) -> Result<(), suballoc::Error> {
+            self.ops.borrow_mut().push(("record", stream));
+            Ok(())
+        }
+        fn wait(&self, stream: StreamKey, _: &()) -> Result<(), suballoc::Error> {
+            self.ops.borrow_mut().push(("wait", stream));
+            Ok(())
+        }
+        fn synchronize(&self, stream: StreamKey) -> Result<(), suballoc::Error> {
+            self.ops.borrow_mut().push(("synchronize", stream));
+            Ok(())
+        }
+    }
+
+    /// One 1 MiB chunk at a made-up address.
+    struct OneChunk;
+
+    impl Upstream<StreamKey> for OneChunk {
+        fn allocate(&self, bytes: u64, _: StreamKey) -> Result<u64, suballoc::Error> {
+            assert!(bytes <= 1 << 20);
+            Ok(1 << 40)
+        }
+        fn deallocate(&self, _: u64, _: u64, _: StreamKey) -> Result<(), suballoc::Error> {
+            Ok(())
+        }
+    }
+
+    /// Issue 33's finding 2, as the engine sees it: thread A's per-thread stream frees a block that thread
+    /// B's per-thread stream then asks for. With keys by handle (both 2) B took the block from "its own"
+    /// list with no ordering; keyed by id, the block is another stream's, handed over only after B is
+    /// ordered after A (a synchronize of A's list, the first time under `Adaptive`).
+    #[test]
+    fn a_block_freed_on_one_threads_per_thread_stream_reaches_anothers_only_after_ordering() {
+        let order = Recorded::default();
+        let options = PoolOptions {
+            initial_size: 1 << 20,
+            ..PoolOptions::default()
+        };
+        let mut engine = PoolEngine::new(OneChunk, &order, options).unwrap();
+        let (a, b) = (StreamKey::from_parts(10, 2), StreamKey::from_parts(11, 2));
+        let p = engine.allocate(4096, a).unwrap();
+        engine.deallocate(p, 4096, a).unwrap();
+        order.ops.borrow_mut().clear();
+        let q = engine.allocate(1 << 20, b).unwrap();
+        assert!(
+            q <= p && p < q + (1 << 20),
+            "the whole chunk, A's block among it: {q:#x}, {p:#x}"
+        );
+        let ops = order.ops.borrow().clone();
+        assert!(
+            ops.iter()
+                .any(|(op, s)| (*op == "synchronize" && *s == a) || (*op == "wait" && *s == b)),
+            "B got A's memory without being ordered after A: {ops:?}"
+        );
+    }
+}

@@ -11,6 +11,7 @@ use mempool_core::{
 
 use crate::error::{Error, Result};
 use crate::resource::MemoryResource;
+use crate::resources::driver::wait_before_immediate_free;
 
 const NAME: &str = "VmmResource";
 
@@ -92,9 +93,11 @@ struct Live {
 /// - Each allocation costs driver calls and at least one granule (2 MiB on current GPUs): put a
 ///   suballocator over it (`PoolResource::new(vmm, &dev, PoolOptions::default())`) for many small
 ///   buffers.
-/// - `deallocate` is synchronous: it waits for the stream (the memory may still be in use by work on
-///   it), then unmaps, which also waits for every device granted access, releases the physical memory
-///   and frees the address range. Dropping the resource frees whatever is still allocated the same way.
+/// - `deallocate` is synchronous: it waits for the stream (every use of the memory is ordered before the
+///   free on it, peers' work included; the legacy stream through an event recorded on it), then unmaps, releases the physical memory and frees the address
+///   range; it does not wait for the whole device. Dropping the resource frees whatever is still
+///   allocated, each mapping after a wait for every device granted access (nothing says which streams
+///   use an allocation never freed).
 /// - Never multicast: nothing here calls `cuMulticastCreate`.
 ///
 /// ```no_run
@@ -306,22 +309,31 @@ unsafe impl MemoryResource for VmmResource {
             }
         };
         // Unmapping is not stream-ordered: wait until the work ordered before this free on `stream` is
-        // done. A stream without a known context is waited for in the resource's own context.
-        let waited = match stream.context() {
-            Some(_) => stream.synchronize(),
-            None => stream.in_context(&self.ctx).synchronize(),
-        };
+        // done. A stream without a known context is waited for in the resource's own context; the legacy
+        // stream through an event recorded on it (see `wait_before_immediate_free`): the unmap below no
+        // longer waits for the whole context, which covered that before.
+        let waited = wait_before_immediate_free(&self.ctx, stream);
         if let Err(e) = waited {
             // Not known to be idle: keep it mapped and allocated, so that it can be freed again later.
             if let Some(l) = live {
                 self.lock().insert(ptr.0, l);
             }
-            return Err(e.into());
+            return Err(e);
         }
-        // Dropping the mapping waits for every device granted access, unmaps, releases the physical
-        // allocation and frees the reservation (mempool-core's teardown order). A failure there leaks the
-        // range on purpose and is recorded in mempool-core's `take_drop_errors`.
-        drop(live);
+        // Unmapping without the mapping's own wait for every device granted access (a context-wide wait
+        // on each): `stream`, which every use is ordered before, was synchronized just above. Then the
+        // physical allocation is released and the reservation freed (mempool-core's teardown order). A
+        // failure there leaks the range on purpose and is recorded in mempool-core's `take_drop_errors`.
+        if let Some(l) = live {
+            // SAFETY: 1. by this function's obligations every use of the allocation, on any stream of any
+            // device, is ordered before this point of `stream`, and `stream` has completed (synchronized
+            // above). 2. the allocation is returned once and its caller uses it no more (obligations 1-2);
+            // it left the table, so nothing here hands its addresses out again.
+            #[allow(unsafe_code)]
+            unsafe {
+                l.mapping.unmap_waited()
+            };
+        }
         Ok(())
     }
 

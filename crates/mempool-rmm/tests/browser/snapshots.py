@@ -91,6 +91,33 @@ def small():
     return base(resources, live, h.json(capacity=65536), tags, streams)
 
 
+def cross_stream():
+    """One resource; stream 1 ("copy") allocates three blocks, stream 0 frees two of them (the frees RMM's
+    log of 26.10 shows on another stream than their allocation's), stream 0 allocates and frees one of its
+    own, and a block allocated before the window is freed on stream 1."""
+    a = 0x7F0000000000
+    h = History()
+    h.add(100, ALLOC, 0, a, 1 * MIB, 1, 0)
+    h.add(200, ALLOC, 0, a + MIB, 2 * MIB, 1, 0)
+    h.add(300, ALLOC, 0, a + 3 * MIB, 4 * MIB, 1, 0)
+    h.add(400, FREE, 0, a, 1 * MIB, 0, 0)
+    h.add(500, FREE, 0, a + MIB, 2 * MIB, 0, 0)
+    h.add(600, ALLOC, 0, a + 8 * MIB, 512, 0, 0)
+    h.add(700, FREE, 0, a + 8 * MIB, 512, 0, 0)
+    h.add(800, FREE, 0, a - 64 * MIB, 8 * MIB, 1, 0)
+    resources = [
+        {"id": 0, "parent": None, "name": "pool", "kind": "PoolResource", "device": 0,
+         "stats": {"live_bytes": 4 * MIB, "peak_live_bytes": 15 * MIB, "held_bytes": 64 * MIB,
+                   "peak_held_bytes": 64 * MIB, "allocations": 4, "frees": 4, "live_count": 1},
+         "per_stream": [{"stream": 0, "live_bytes": 0, "free_bytes": 0},
+                        {"stream": 1, "live_bytes": 4 * MIB, "free_bytes": 0}],
+         "chunks": []},
+    ]
+    live = [{"resource": 0, "address": a + 3 * MIB, "size": 4 * MIB, "stream": 1, "tag": 0, "t_ns": 300}]
+    streams = [{"id": 0, "handle": "0x0", "label": "default"}, {"id": 1, "handle": "0x55d0c0", "label": "copy"}]
+    return base(resources, live, h.json(capacity=65536, recorded=9), ["default"], streams)
+
+
 class FirstFitPool:
     """A first-fit pool over 2 MiB chunks (larger requests get a chunk of their own, rounded to 2 MiB), with
     a limit on what it holds; frees merge with free neighbours. Records every event in `history`."""

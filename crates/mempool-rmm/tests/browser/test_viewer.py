@@ -219,6 +219,24 @@ def test_small_snapshot_numbers(tmp_path):
     assert not dom.by_id("pools").find_all("div", "pool", data_resource=1)
 
 
+def test_a_free_on_another_stream_counts_against_the_allocations_stream(tmp_path):
+    """Live bytes belong to the stream an allocation was made on: frees on another stream lower that stream's
+    line, never the freeing stream's below zero, and the legend counts them as frees on another stream."""
+    dom = open_page(tmp_path, "cross_stream", S.page(S.cross_stream()))
+    assert_ready(dom)
+    streams = dom.by_id("streams")
+    assert streams.attrs["data-cross-frees"] == "2"
+    default, copy = streams.one("tr", data_stream=0), streams.one("tr", data_stream=1)
+    assert default.value("end-live")[0] == 0, "stream 0 freed copy's blocks: its own line stays at zero"
+    assert default.value("peak-shown")[0] == 512
+    assert copy.value("end-live")[0] == 4 * S.MIB
+    # copy's line starts where the live bytes now put it (the block freed at 800 was allocated before the
+    # window, on a stream the history does not tell) and peaks with all three blocks live
+    assert copy.value("peak-shown")[0] == 7 * S.MIB
+    assert copy.value("cross-frees") == (2, "2 (3.00 MiB)")
+    assert default.value("cross-frees") == (0, "0")
+
+
 def test_markup_in_a_tag_is_text(tmp_path):
     snap = S.small()
     snap["live"][0]["tag"] = 2  # "kv</script><b>cache</b>"

@@ -207,7 +207,7 @@ def empty_cache(device: Any = None, resource: Any = None) -> int:
        that was entered through ``use`` on ``device``, for the PyTorch versions that empty the active pool
        only there. A segment a live tensor uses stays.
     2. ``resource`` (default: the device's current resource), when it can trim: a
-       ``ServiceMemoryResource`` (or a view of one) waits for the device and unmaps every chunk no live
+       ``ServiceMemoryResource`` (or a view of one) waits for the frees in flight and unmaps every chunk no live
        allocation touches. Other resources release nothing here (0).
 
     Pass the resource you entered with ``use`` after leaving it: outside ``use``, the current resource is

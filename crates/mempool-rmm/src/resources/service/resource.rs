@@ -1,163 +1,23 @@
 //! [`ServiceResource`]: one reservation per device, a region of it per tag, each region suballocated by
-//! the pool engine as one segment and backed by physical chunks mapped where allocations land.
+//! the pool engine as one segment and backed by physical chunks mapped where allocations land. This file
+//! holds the type, its construction, its tags and the lookups every other concern uses (a tag's region, the
+//! region an address lies in, a stream bound to the resource's context); allocation, growth and reclaim,
+//! sleep and wake, export and the observers are the other files of `service/`.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use mempool_core::{
-    Access, AllocationProps, Context, Device, DeviceAddr, Granularity, HandleTypes, Mapping, PhysicalAllocation,
-    Reservation, StreamRef,
-};
-use mempool_suballoc::{self as suballoc, Engine, EventPolicy, PoolEngine, PoolOptions, Upstream};
+use mempool_core::{AllocationProps, Context, Device, DeviceAddr, Granularity, HandleTypes, Reservation, StreamRef};
+use mempool_suballoc::{Engine, EventPolicy, PoolEngine, PoolOptions};
 
 use crate::error::{Error, Result};
-use crate::resource::MemoryResource;
-use crate::resources::service::table::{check_tag_name, over_watermark, runs, ChunkTable};
-use crate::resources::service::types::{
-    ChunkObserver, ChunkRange, ObserverId, Reclaim, ServiceOptions, ServiceStats, SleepMode, SleepReport, Tag,
-    TagStats, WakeReport,
-};
-use crate::resources::suballoc::{map_engine_error, settle_per_thread_free, CudaStreams, StreamKey};
+use crate::resources::service::fences::{Fences, RegionStreams};
+use crate::resources::service::state::{Region, State, WholeRange};
+use crate::resources::service::table::{check_tag_name, ChunkTable};
+use crate::resources::service::types::{Reclaim, ServiceOptions, Tag};
+use crate::resources::suballoc::map_engine_error;
 
 const NAME: &str = "ServiceResource";
-
-/// The most chunks one physical allocation (one mapping) spans when wake maps a tag back: the driver's
-/// cost is per call (create, map), not per byte, so 64 MiB is one call where 2 MiB chunks would be 32,
-/// and batches this size let the copy of one overlap the mapping of the next. Growth maps the chunks an
-/// allocation needs as one physical allocation, whatever their number: a buffer that grew the pool then
-/// lies in one `cuMemCreate` allocation, which NCCL's registered transports are expected to need
-/// (registrations merged across several ran at unregistered speed), and a mapping is unmapped only when
-/// no live allocation touches any of its chunks, which is true of the whole allocation's run once it is
-/// freed.
-const GROUP_CHUNKS: usize = 32;
-
-/// Chunks restored per batch on wake (map, grant access, queue the copy), so that mapping the next batch
-/// overlaps the copy of this one.
-const WAKE_BATCH: usize = 64;
-
-/// A region's engine upstream: the whole region, handed out once as a single chunk (the one segment).
-#[derive(Debug)]
-pub(crate) struct WholeRange {
-    base: u64,
-    size: u64,
-    taken: AtomicBool,
-}
-
-impl WholeRange {
-    pub(crate) fn new(base: u64, size: u64) -> WholeRange {
-        WholeRange {
-            base,
-            size,
-            taken: AtomicBool::new(false),
-        }
-    }
-}
-
-impl Upstream<StreamKey> for WholeRange {
-    fn allocate(&self, bytes: u64, _stream: StreamKey) -> Result<u64, suballoc::Error> {
-        if bytes <= self.size && !self.taken.swap(true, Ordering::AcqRel) {
-            Ok(self.base)
-        } else {
-            Err(suballoc::Error::OutOfMemory {
-                requested: bytes,
-                cause: suballoc::OutOfMemoryCause::Upstream,
-            })
-        }
-    }
-
-    fn deallocate(&self, _addr: u64, _bytes: u64, _stream: StreamKey) -> Result<(), suballoc::Error> {
-        // Chunks are unmapped by the resource, never by the engine; address space stays.
-        self.taken.store(false, Ordering::Release);
-        Ok(())
-    }
-}
-
-/// Page-locked host memory holding a sleeping tag's contents; freed on drop.
-struct PinnedHost {
-    ptr: *mut u8,
-    len: usize,
-    ctx: Arc<Context>,
-}
-
-// SAFETY: the pointer is owned memory that only this value frees; nothing in it is thread-bound.
-#[allow(unsafe_code)]
-unsafe impl Send for PinnedHost {}
-
-impl PinnedHost {
-    fn new(ctx: &Arc<Context>, len: usize) -> Result<PinnedHost> {
-        let ptr = mempool_core::memory::pinned_host_alloc(ctx, len)?;
-        Ok(PinnedHost {
-            ptr,
-            len,
-            ctx: ctx.clone(),
-        })
-    }
-
-    /// The unified address of byte `offset` (`offset <= len`): pinned memory is reachable by the copy
-    /// engines at its host address.
-    fn addr(&self, offset: usize) -> DeviceAddr {
-        debug_assert!(offset <= self.len);
-        DeviceAddr(self.ptr as u64 + offset as u64)
-    }
-}
-
-impl Drop for PinnedHost {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from `pinned_host_alloc` and is freed once, here; every copy into or out of it
-        // was waited for before its owner let it go (sleep and wake synchronize their stream).
-        #[allow(unsafe_code)]
-        let r = unsafe { mempool_core::memory::pinned_host_free(&self.ctx, self.ptr) };
-        if let Err(e) = r {
-            mempool_core::record_drop_error(e);
-        }
-    }
-}
-
-/// A sleeping tag: which chunks to map back, and where their contents wait.
-struct Sleeping {
-    mode: SleepMode,
-    /// The chunks live allocations touched when it fell asleep, in order; with `Offload`, chunk
-    /// `chunks[k]` is saved at `k * chunk` of `host`.
-    chunks: Vec<usize>,
-    host: Option<PinnedHost>,
-}
-
-struct Region {
-    name: String,
-    engine: PoolEngine<WholeRange, CudaStreams>,
-    table: ChunkTable,
-    /// The mappings, by their first chunk, in address order; each spans `len / chunk` chunks, all marked
-    /// mapped in `table` (the mapping a chunk belongs to is the last one starting at or before it).
-    mappings: BTreeMap<usize, Mapping>,
-    asleep: Option<Sleeping>,
-    used: u64,
-    peak_used: u64,
-    allocations: u64,
-    frees: u64,
-    exports: u64,
-}
-
-struct State {
-    regions: Vec<Region>,
-    used: u64,
-    peak_used: u64,
-    peak_mapped: u64,
-    reclaims: u64,
-    reclaimed_bytes: u64,
-    observers: Vec<(ObserverId, Arc<dyn ChunkObserver>)>,
-    next_observer: u64,
-    /// Pinned host buffers that held offloaded tags, kept for the next offload: pinning and unpinning
-    /// host memory costs far more than the copies (as PyTorch's pinned-memory cache keeps its blocks).
-    host_cache: Vec<PinnedHost>,
-}
-
-impl State {
-    fn mapped_chunks(&self) -> u64 {
-        self.regions.iter().map(|r| r.table.mapped_count() as u64).sum()
-    }
-}
 
 /// One pool for GPU services: a virtual reservation on one device, divided into a region per [`Tag`];
 /// each region is suballocated, stream-ordered, by the coalescing pool engine (that of
@@ -168,11 +28,12 @@ impl State {
 ///   failure to map leaves everything as it was.
 /// - **Fragmentation is bounded** by the reclaim policy ([`ServiceOptions::reclaim`]); the default
 ///   watermark keeps the memory mapped within 15% above the most bytes ever live: when a growth would
-///   pass it, the resource first waits for the device and unmaps every idle chunk (mapped, touched by
-///   no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
+///   pass it, the resource first waits for the frees in flight and unmaps every idle chunk (mapped,
+///   touched by no live allocation), so a request larger than any free hole reuses the memory of the holes. Under
 ///   the watermark nothing is unmapped, so a workload that reaches a steady state maps nothing more.
-/// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a [`TaggedResource`] per
-///   tag; this resource's own `allocate` uses [`Tag::DEFAULT`]), with statistics per tag.
+/// - **Tags**: every allocation belongs to a tag ([`tagged`](Self::tagged) gives a
+///   [`TaggedResource`](super::TaggedResource) per tag; this resource's own `allocate` uses
+///   [`Tag::DEFAULT`]), with statistics per tag.
 /// - **Sleep and wake**: [`sleep`](Self::sleep) releases a tag's physical memory, keeping its addresses
 ///   (and its live allocations) reserved, after offloading the contents to pinned host memory or
 ///   discarding them; [`wake`](Self::wake) maps memory back at the same addresses and restores them.
@@ -198,18 +59,18 @@ impl State {
 /// # Ok(()) }
 /// ```
 pub struct ServiceResource {
-    // Fields drop in order: the state (engines, then mappings, each unmapped after waiting for the device)
-    // before the reservation.
-    state: Mutex<State>,
-    reservation: Arc<Reservation>,
-    props: AllocationProps,
-    chunk: usize,
-    region_size: usize,
-    max_tags: usize,
-    reclaim: Reclaim,
-    ctx: Arc<Context>,
+    // `Drop` unmaps every mapping after waiting for the frees in flight; the fields then drop in order, the
+    // state before the reservation.
+    pub(super) state: Mutex<State>,
+    pub(super) reservation: Arc<Reservation>,
+    pub(super) props: AllocationProps,
+    pub(super) chunk: usize,
+    pub(super) region_size: usize,
+    pub(super) max_tags: usize,
+    pub(super) reclaim: Reclaim,
+    pub(super) ctx: Arc<Context>,
     /// Its name in errors and `MemoryResource::name`.
-    name: &'static str,
+    pub(super) name: &'static str,
 }
 
 impl std::fmt::Debug for ServiceResource {
@@ -361,16 +222,17 @@ impl ServiceResource {
         Ok(Arc::new(mr))
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn add_region(&self, st: &mut State, name: String) -> Result<Tag> {
         let index = st.regions.len();
         let base = self.reservation.base().0 + (index * self.region_size) as u64;
+        let fences = Arc::new(Fences::new(&self.ctx));
         let engine = PoolEngine::new(
             WholeRange::new(base, self.region_size as u64),
-            CudaStreams::new(&self.ctx),
+            RegionStreams::new(&self.ctx, fences.clone()),
             PoolOptions {
                 initial_size: self.region_size as u64,
                 maximum_size: Some(self.region_size as u64),
@@ -382,6 +244,7 @@ impl ServiceResource {
         st.regions.push(Region {
             name,
             engine,
+            fences,
             table,
             mappings: BTreeMap::new(),
             asleep: None,
@@ -434,14 +297,6 @@ impl ServiceResource {
         self.state().regions.get(tag.index()).map(|r| r.name.clone())
     }
 
-    /// A [`MemoryResource`] that allocates under `tag` (frees go to whichever tag the address is in).
-    pub fn tagged(self: &Arc<Self>, tag: Tag) -> TaggedResource {
-        TaggedResource {
-            inner: self.clone(),
-            tag,
-        }
-    }
-
     /// The device whose memory it hands out.
     pub fn device(&self) -> Device {
         self.props.device
@@ -469,14 +324,14 @@ impl ServiceResource {
     }
 
     /// Which region of the reservation holds `addr` (made into a tag or not), if the reservation does.
-    fn region_slot(&self, addr: DeviceAddr) -> Option<usize> {
+    pub(super) fn region_slot(&self, addr: DeviceAddr) -> Option<usize> {
         addr.0
             .checked_sub(self.reservation.base().0)
             .filter(|&off| off < self.reservation.size() as u64)
             .map(|off| (off / self.region_size as u64) as usize)
     }
 
-    fn region_index(&self, st: &State, tag: Tag) -> Result<usize> {
+    pub(super) fn region_index(&self, st: &State, tag: Tag) -> Result<usize> {
         if tag.index() < st.regions.len() {
             Ok(tag.index())
         } else {
@@ -491,945 +346,19 @@ impl ServiceResource {
         }
     }
 
-    /// What it holds now, in total and per tag.
-    pub fn stats(&self) -> ServiceStats {
-        let st = self.state();
-        let chunk = self.chunk as u64;
-        let tags = st
-            .regions
-            .iter()
-            .enumerate()
-            .map(|(i, r)| TagStats {
-                tag: Tag(i as u32),
-                name: r.name.clone(),
-                asleep: r.asleep.as_ref().map(|s| s.mode),
-                used_bytes: r.used,
-                peak_used_bytes: r.peak_used,
-                live_allocations: r.allocations - r.frees,
-                allocations: r.allocations,
-                frees: r.frees,
-                mapped_bytes: r.table.mapped_count() as u64 * chunk,
-                offloaded_bytes: r
-                    .asleep
-                    .as_ref()
-                    .filter(|s| s.host.is_some())
-                    .map_or(0, |s| (s.chunks.len() * self.chunk) as u64),
-                largest_free_mapped: largest_free_mapped(r),
-                exports: r.exports,
-            })
-            .collect();
-        ServiceStats {
-            mapped_bytes: st.mapped_chunks() * chunk,
-            peak_mapped_bytes: st.peak_mapped,
-            used_bytes: st.used,
-            peak_used_bytes: st.peak_used,
-            reservation_bytes: self.reservation.size() as u64,
-            chunk_size: chunk,
-            reclaims: st.reclaims,
-            reclaimed_bytes: st.reclaimed_bytes,
-            host_cache_bytes: st.host_cache.iter().map(|h| h.len as u64).sum(),
-            tags,
-        }
-    }
-
-    /// Sets every peak (the resource's and each tag's) to the current value. The watermark's reference is
-    /// the peak of live bytes, so this also lets the resource hold less from now on.
-    pub fn reset_peaks(&self) {
-        let mut st = self.state();
-        st.peak_used = st.used;
-        st.peak_mapped = st.mapped_chunks() * self.chunk as u64;
-        for r in &mut st.regions {
-            r.peak_used = r.used;
-        }
-    }
-
-    /// Frees the pinned host buffers kept from earlier offloads (see [`ServiceStats::host_cache_bytes`]).
-    /// Returns the bytes freed.
-    pub fn release_host_cache(&self) -> u64 {
-        let cache = std::mem::take(&mut self.state().host_cache);
-        cache.iter().map(|h| h.len as u64).sum()
-    }
-
-    /// Waits for the device, then unmaps and releases every chunk no live allocation touches (every tag
-    /// that is awake). Returns the bytes released.
-    pub fn trim(&self) -> Result<u64> {
-        let mut st = self.state();
-        self.unmap_idle(&mut st)
-    }
-
-    /// Unmaps every idle mapping of the awake tags (one no live allocation touches), after waiting for the
-    /// device.
-    fn unmap_idle(&self, st: &mut State) -> Result<u64> {
-        let mut plan: Vec<(usize, Vec<usize>)> = Vec::new();
-        for (ri, r) in st.regions.iter().enumerate() {
-            if r.asleep.is_some() || r.mappings.is_empty() {
-                continue;
-            }
-            let free = free_chunks(r);
-            let chunk = self.chunk;
-            let idle: Vec<usize> = r
-                .mappings
-                .iter()
-                .filter(|(&start, m)| (start..start + m.len() / chunk).all(|i| free[i]))
-                .map(|(&start, _)| start)
-                .collect();
-            if !idle.is_empty() {
-                plan.push((ri, idle));
-            }
-        }
-        if plan.is_empty() {
-            return Ok(0);
-        }
-        // Frees were stream-ordered; unmapping is not: wait until no work can touch the chunks.
-        self.ctx.synchronize()?;
-        let mut released = 0u64;
-        for (ri, idle) in plan {
-            released += self.unmap_groups(st, ri, &idle);
-        }
-        st.reclaimed_bytes += released;
-        Ok(released)
-    }
-
-    /// Tells the observers, then unmaps and releases the mappings that start at `starts` (sorted) in
-    /// region `ri`. The device has been waited for. Returns the bytes released.
-    fn unmap_groups(&self, st: &mut State, ri: usize, starts: &[usize]) -> u64 {
-        for range in group_ranges(ri, &st.regions[ri], starts) {
-            for (_, o) in &st.observers {
-                o.unmapping(range);
-            }
-        }
-        let r = &mut st.regions[ri];
-        let mut released = 0u64;
-        for &g in starts {
-            // Unmaps (the mapping waits for the device again: cheap once idle) and releases.
-            if let Some(m) = r.mappings.remove(&g) {
-                let n = m.len() / self.chunk;
-                released += m.len() as u64;
-                drop(m);
-                for i in g..g + n {
-                    r.table.set_mapped(i, false);
-                }
-            }
-        }
-        released
-    }
-
-    /// The first chunks of every mapping of region `ri`, sorted.
-    fn all_groups(r: &Region) -> Vec<usize> {
-        r.mappings.keys().copied().collect()
-    }
-
-    /// Maps `chunks` (sorted, unmapped) of region `ri`, a run at a time, one access grant per run, and
-    /// tells the observers. On failure, what this call mapped is unmapped again.
-    fn map_chunks(&self, st: &mut State, ri: usize, chunks: &[usize]) -> Result<()> {
-        let mut done: Vec<usize> = Vec::new();
-        let result = (|| -> Result<()> {
-            for run in runs(chunks.iter().copied()) {
-                self.map_run(st, ri, run, usize::MAX, &mut done)?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            self.undo_maps(st, ri, &mut done);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Maps one run of unmapped chunks of region `ri` as physical allocations of at most `max_group`
-    /// chunks, grants access once over the run, and tells the observers; `done` collects the first chunk
-    /// of every mapping recorded (for an undo).
-    fn map_run(
-        &self,
-        st: &mut State,
-        ri: usize,
-        run: Range<usize>,
-        max_group: usize,
-        done: &mut Vec<usize>,
-    ) -> Result<()> {
-        let first_done = done.len();
-        let mut start = run.start;
-        while start < run.end {
-            let n = (run.end - start).min(max_group);
-            let phys = Arc::new(PhysicalAllocation::new(&self.props, n * self.chunk)?);
-            let offset = ri * self.region_size + st.regions[ri].table.offset(start);
-            let m = Mapping::without_access(&self.reservation, offset, phys)?;
-            let r = &mut st.regions[ri];
-            r.mappings.insert(start, m);
-            for i in start..start + n {
-                r.table.set_mapped(i, true);
-            }
-            done.push(start);
-            start += n;
-        }
-        let offset = ri * self.region_size + st.regions[ri].table.offset(run.start);
-        self.reservation.set_access(
-            offset,
-            run.len() * self.chunk,
-            &[(self.props.device, Access::ReadWrite)],
-        )?;
-        for range in group_ranges(ri, &st.regions[ri], &done[first_done..]) {
-            for (_, o) in &st.observers {
-                o.mapped(range);
-            }
-        }
-        let mapped = st.mapped_chunks() * self.chunk as u64;
-        st.peak_mapped = st.peak_mapped.max(mapped);
-        Ok(())
-    }
-
-    /// Unmaps the mappings a failed call made (nothing used them; `done` holds their first chunks). The
-    /// observers see them unmapping (they may have been told of them).
-    fn undo_maps(&self, st: &mut State, ri: usize, done: &mut [usize]) {
-        if done.is_empty() {
-            return;
-        }
-        done.sort_unstable();
-        self.unmap_groups(st, ri, done);
-    }
-
-    /// Allocates `bytes` under `tag`, ordered on `stream`. Errors: a tag that is not this resource's, a
-    /// sleeping tag, out of memory (naming the size, what is held and live, the largest free block and the
-    /// device's free memory).
-    pub fn allocate_tagged(&self, bytes: usize, tag: Tag, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        if bytes == 0 {
-            return Ok(DeviceAddr::NULL);
-        }
-        let rounded = suballoc::align_up(bytes as u64).ok_or(Error::OutOfMemory {
-            resource: self.name,
-            requested: bytes,
-        })?;
-        let mut st = self.state();
-        let ri = self.region_index(&st, tag)?;
-        if st.regions[ri].asleep.is_some() {
-            return Err(asleep_error(self.name, &st.regions[ri].name, "allocate from"));
-        }
-        let key = StreamKey::of(stream);
-        let addr = match st.regions[ri].engine.allocate(bytes as u64, key) {
-            Ok(a) => a,
-            Err(e) => {
-                let e = map_engine_error(self.name, e);
-                return Err(if e.is_out_of_memory() {
-                    self.oom(&st, ri, bytes)
-                } else {
-                    e
-                });
-            }
-        };
-        let span = st.regions[ri].table.span(addr, rounded);
-        if !st.regions[ri].table.all_mapped(span.clone()) {
-            if let Err(e) = self.grow(&mut st, ri, span, rounded, stream) {
-                let r = &mut st.regions[ri];
-                // The block was never handed out: nothing used it, so it goes straight back.
-                let _ = r.engine.deallocate(addr, bytes as u64, key);
-                return Err(if e.is_out_of_memory() {
-                    self.oom(&st, ri, bytes)
-                } else {
-                    e
-                });
-            }
-        }
-        st.used += rounded;
-        st.peak_used = st.peak_used.max(st.used);
-        let r = &mut st.regions[ri];
-        r.used += rounded;
-        r.peak_used = r.peak_used.max(r.used);
-        r.allocations += 1;
-        Ok(DeviceAddr(addr))
-    }
-
-    /// Maps the unmapped chunks of `span` in region `ri` for an allocation of `rounded` bytes, reclaiming
-    /// idle chunks first when the policy says so, and once more after running out of memory.
-    fn grow(&self, st: &mut State, ri: usize, span: Range<usize>, rounded: u64, stream: StreamRef<'_>) -> Result<()> {
-        let need = st.regions[ri].table.unmapped(span.clone());
-        let new = (need.len() * self.chunk) as u64;
-        // Reclaiming waits for the device, which a stream being captured into a graph forbids (it would
-        // invalidate the capture): then the resource only maps, and an out-of-memory is not retried.
-        let capturing = self.own_context(stream).is_capturing()?;
-        let reclaim = !capturing
-            && match self.reclaim {
-                Reclaim::OnOutOfMemory => false,
-                Reclaim::BeforeGrowth => true,
-                Reclaim::Watermark { percent } => {
-                    let mapped = st.mapped_chunks() * self.chunk as u64;
-                    over_watermark(mapped, new, st.peak_used.max(st.used + rounded), percent)
-                }
-            };
-        if reclaim {
-            // The new block is live in the engine, so its chunks are not idle: only others are unmapped.
-            if self.unmap_idle(st)? > 0 {
-                st.reclaims += 1;
-            }
-        }
-        let mut result = self.map_chunks(st, ri, &need);
-        if !capturing && matches!(&result, Err(e) if e.is_out_of_memory()) {
-            // Give back what no live allocation touches, then try once more.
-            result = self.unmap_idle(st).and_then(|_| self.map_chunks(st, ri, &need));
-        }
-        result
-    }
-
-    /// The mapped runs of the awake tags (adjacent mappings joined), each with its region engine's ranges
-    /// clipped to it: what a snapshot shows as this resource's chunks. A live allocation lies in mapped
-    /// memory, so no used range is cut; free ranges end where the mapping does.
-    fn mapped_runs(&self) -> Vec<suballoc::ChunkMap<usize>> {
-        let st = self.state();
-        let mut out = Vec::new();
-        for r in st.regions.iter().filter(|r| r.asleep.is_none()) {
-            let ranges: Vec<suballoc::MapRange<StreamKey>> =
-                r.engine.memory_map().into_iter().flat_map(|m| m.ranges).collect();
-            let mut runs: Vec<(u64, u64)> = Vec::new();
-            for m in r.mappings.values() {
-                let (a, e) = (m.addr().0, m.addr().0 + m.len() as u64);
-                match runs.last_mut() {
-                    Some(last) if last.1 == a => last.1 = e,
-                    _ => runs.push((a, e)),
-                }
-            }
-            for (a, e) in runs {
-                let clipped = ranges
-                    .iter()
-                    .filter(|g| g.addr < e && g.addr + g.size > a)
-                    .map(|g| {
-                        let (s, t) = (g.addr.max(a), (g.addr + g.size).min(e));
-                        suballoc::MapRange {
-                            addr: s,
-                            size: t - s,
-                            used: g.used,
-                            stream: g.stream.map(StreamKey::id),
-                        }
-                    })
-                    .collect();
-                out.push(suballoc::ChunkMap {
-                    addr: a,
-                    size: e - a,
-                    ranges: clipped,
-                });
-            }
-        }
-        out
-    }
-
-    /// The out-of-memory error for `bytes` under region `ri`, with what the resource holds.
-    fn oom(&self, st: &State, ri: usize, bytes: usize) -> Error {
-        let device_free = self.ctx.memory_info().map(|m| m.free as u64).unwrap_or(0);
-        let held = st.mapped_chunks() * self.chunk as u64;
-        let mut r = crate::error::OutOfMemoryReport::new(bytes, self.name);
-        r.stack = vec![self.name];
-        r.tag = Some(st.regions[ri].name.clone());
-        r.holder = Some(self.name);
-        r.held = Some(held);
-        r.held_as = Some("mapped");
-        r.live = Some(st.used);
-        r.free = Some(held.saturating_sub(st.used));
-        r.largest_free = Some(largest_free_mapped(&st.regions[ri]));
-        r.device_free = Some(device_free);
-        Error::OutOfMemoryReport(Box::new(r))
-    }
-
-    /// Frees an allocation (of any tag) on `stream`.
-    fn deallocate_inner(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        // Before the state lock: a free on the per-thread handle waits for this thread's stream.
-        settle_per_thread_free(&self.ctx, stream)?;
-        let rounded = suballoc::align_up(bytes as u64).unwrap_or(bytes as u64);
-        let mut st = self.state();
-        let invalid = |reason: String| Error::InvalidDeallocation {
-            resource: self.name,
-            ptr: ptr.0,
-            bytes,
-            reason,
-        };
-        let ri = self
-            .region_slot(ptr)
-            .ok_or_else(|| invalid("the address is not in the resource's reservation".into()))?;
-        if ri >= st.regions.len() {
-            return Err(invalid(format!(
-                "the address lies in the region of tag {ri}, which the resource has not made (it has {} tags)",
-                st.regions.len()
-            )));
-        }
-        if !st.regions[ri].table.contains(ptr.0, rounded.max(1)) {
-            return Err(invalid(format!(
-                "the range runs past the end of tag `{}`'s region",
-                st.regions[ri].name
-            )));
-        }
-        if st.regions[ri].asleep.is_some() {
-            return Err(asleep_error(self.name, &st.regions[ri].name, "free into"));
-        }
-        let r = &mut st.regions[ri];
-        // The engine refuses an address or size that is not a live allocation, before the table changes.
-        r.engine
-            .deallocate(ptr.0, bytes as u64, StreamKey::of(stream))
-            .map_err(|e| map_engine_error(self.name, e))?;
-        r.used -= rounded;
-        r.frees += 1;
-        st.used -= rounded;
-        Ok(())
-    }
-
-    /// Releases the physical memory of `tags`, keeping their addresses (and their live allocations)
-    /// reserved: with [`SleepMode::Offload`] the chunks live allocations touch are first copied to pinned
-    /// host memory (a buffer kept from an earlier offload when one is large enough, else a new one), ordered
-    /// on `stream`; with [`SleepMode::Discard`] their contents are lost. The device
-    /// is waited for before anything is unmapped, and observers are told.
-    ///
-    /// Refused, with nothing changed: a tag that is not this resource's, or already sleeps; a tag with
-    /// ranges shared with another process ([`export`](Self::export)); `stream` with work still pending
-    /// (synchronize it first: sleeping memory a queued kernel still uses would fault it). Tags sleep one
-    /// after the other: when one fails later (out of pinned host memory for its offload, a copy the driver
-    /// refuses), the tags before it in `tags` are asleep, it and those after it are awake with their
-    /// memory as it was, and [`stats`](Self::stats) says which.
-    pub fn sleep(&self, tags: &[Tag], mode: SleepMode, stream: StreamRef<'_>) -> Result<SleepReport> {
-        let stream = self.own_context(stream);
-        let mut st = self.state();
-        let mut idx = Vec::with_capacity(tags.len());
-        for &t in tags {
-            let ri = self.region_index(&st, t)?;
-            let r = &st.regions[ri];
-            if r.asleep.is_some() {
-                return Err(Error::Unsupported {
-                    resource: self.name,
-                    reason: format!("tag `{}` is already asleep", r.name),
-                });
-            }
-            if r.exports > 0 {
-                return Err(Error::Unsupported {
-                    resource: self.name,
-                    reason: format!(
-                        "tag `{}` cannot sleep: {} of its ranges are shared with another process (each is \
-                         released when its importers let go)",
-                        r.name, r.exports
-                    ),
-                });
-            }
-            if !idx.contains(&ri) {
-                idx.push(ri);
-            }
-        }
-        self.check_idle(stream)?;
-        self.ctx.synchronize()?;
-        let mut report = SleepReport::default();
-        for &ri in &idx {
-            let free = free_chunks(&st.regions[ri]);
-            let touched: Vec<usize> = st.regions[ri]
-                .table
-                .mapped_chunks()
-                .into_iter()
-                .filter(|&i| !free[i])
-                .collect();
-            let host = match mode {
-                SleepMode::Discard => None,
-                SleepMode::Offload if touched.is_empty() => None,
-                SleepMode::Offload => {
-                    let want = touched.len() * self.chunk;
-                    // The smallest cached buffer that fits, else a new one.
-                    let fit = (0..st.host_cache.len())
-                        .filter(|&i| st.host_cache[i].len >= want)
-                        .min_by_key(|&i| st.host_cache[i].len);
-                    let host = match fit {
-                        Some(i) => st.host_cache.swap_remove(i),
-                        None => PinnedHost::new(&self.ctx, want)?,
-                    };
-                    let queued = self.copy_at(&st.regions[ri].table, &touched, &host, 0, Direction::Save, stream);
-                    // Wait even when a copy could not be queued: those queued before it write into `host`,
-                    // which the error return frees.
-                    let waited = stream.synchronize();
-                    queued?;
-                    waited?;
-                    report.offloaded_bytes += want as u64;
-                    Some(host)
-                }
-            };
-            let groups = Self::all_groups(&st.regions[ri]);
-            report.released_bytes += self.unmap_groups(&mut st, ri, &groups);
-            st.regions[ri].asleep = Some(Sleeping {
-                mode,
-                chunks: touched,
-                host,
-            });
-        }
-        Ok(report)
-    }
-
-    /// Maps the memory of sleeping `tags` back at the same addresses (the chunks live allocations touched
-    /// when they fell asleep) and, for offloaded tags, copies the contents back, ordered on `stream`; waits
-    /// for `stream` before it returns. Observers are told. Tags that are awake are skipped. The pinned host
-    /// buffers of offloaded tags are kept for the next offload
-    /// ([`release_host_cache`](Self::release_host_cache) frees them).
-    ///
-    /// On a failure (out of memory), what this call mapped for the failing tag is unmapped again and the
-    /// tag stays asleep with its saved contents: nothing is lost, and `wake` can be called again.
-    pub fn wake(&self, tags: &[Tag], stream: StreamRef<'_>) -> Result<WakeReport> {
-        let stream = self.own_context(stream);
-        let mut st = self.state();
-        for &t in tags {
-            self.region_index(&st, t)?;
-        }
-        let mut report = WakeReport::default();
-        for &t in tags {
-            let ri = t.index();
-            let Some(sleeping) = st.regions[ri].asleep.take() else {
-                continue;
-            };
-            match self.restore(&mut st, ri, &sleeping, stream) {
-                Ok(()) => {
-                    report.mapped_bytes += (sleeping.chunks.len() * self.chunk) as u64;
-                    if let Some(host) = sleeping.host {
-                        report.restored_bytes += (sleeping.chunks.len() * self.chunk) as u64;
-                        // The copies were waited for: the buffer is free for the next offload.
-                        st.host_cache.push(host);
-                    }
-                }
-                Err(e) => {
-                    st.regions[ri].asleep = Some(sleeping);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(report)
-    }
-
-    /// Maps `sleeping`'s chunks of region `ri` back in batches, queuing each batch's copy before mapping
-    /// the next, then waits for `stream`.
-    fn restore(&self, st: &mut State, ri: usize, sleeping: &Sleeping, stream: StreamRef<'_>) -> Result<()> {
-        let mut done: Vec<usize> = Vec::new();
-        let result = (|| -> Result<()> {
-            let mut k = 0;
-            for run in runs(sleeping.chunks.iter().copied()) {
-                let mut start = run.start;
-                while start < run.end {
-                    let end = (start + WAKE_BATCH).min(run.end);
-                    self.map_run(st, ri, start..end, GROUP_CHUNKS, &mut done)?;
-                    if let Some(host) = &sleeping.host {
-                        let chunks: Vec<usize> = (start..end).collect();
-                        self.copy_at(&st.regions[ri].table, &chunks, host, k, Direction::Restore, stream)?;
-                    }
-                    k += end - start;
-                    start = end;
-                }
-            }
-            stream.synchronize()?;
-            Ok(())
-        })();
-        if let Err(e) = result {
-            // Copies already queued read the host memory and write chunks about to be unmapped: wait.
-            let _ = stream.synchronize();
-            let _ = self.ctx.synchronize();
-            self.undo_maps(st, ri, &mut done);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Queues copies between `chunks` (sorted, mapped) and `host`, one per run of chunks: chunk `chunks[k]`
-    /// is saved at `(first + k) * chunk` of `host`.
-    fn copy_at(
-        &self,
-        table: &ChunkTable,
-        chunks: &[usize],
-        host: &PinnedHost,
-        first: usize,
-        dir: Direction,
-        stream: StreamRef<'_>,
-    ) -> Result<()> {
-        let mut k = first;
-        for run in runs(chunks.iter().copied()) {
-            let dev = DeviceAddr(table.addr(run.start));
-            let len = run.len() * self.chunk;
-            let at = host.addr(k * self.chunk);
-            if (k + run.len()) * self.chunk > host.len {
-                return Err(Error::Unsupported {
-                    resource: self.name,
-                    reason: "internal: a copy would run past the host buffer".into(),
-                });
-            }
-            let (dst, src) = match dir {
-                Direction::Save => (at, dev),
-                Direction::Restore => (dev, at),
-            };
-            // SAFETY: 1. `dev..dev+len` is mapped (the chunks are mapped, with read-write access for the
-            // device) and stays mapped until the copy completes: sleep and wake wait for `stream` before
-            // anything is unmapped or the host memory freed. `at..at+len` lies inside `host` (checked
-            // above), page-locked memory the copy engines reach at its unified address, alive until the
-            // same wait.
-            #[allow(unsafe_code)]
-            unsafe { mempool_core::memory::copy_device_async(&self.ctx, dst, src, len, stream) }?;
-            k += run.len();
-        }
-        Ok(())
-    }
-
     /// `stream` bound to the resource's context when it knows none (the legacy or per-thread stream, a raw
     /// handle): its synchronize and query then work from a thread with no current context.
-    fn own_context<'s>(&'s self, stream: StreamRef<'s>) -> StreamRef<'s> {
+    pub(super) fn own_context<'s>(&'s self, stream: StreamRef<'s>) -> StreamRef<'s> {
         match stream.context() {
             Some(_) => stream,
             None => stream.in_context(&self.ctx),
         }
     }
-
-    /// Refuses when `stream` has work still queued. `cuStreamQuery`, not an event recorded now: an event
-    /// recorded on an idle stream completes only once the device has processed the record, so a query right
-    /// after it can read "not ready" with nothing queued.
-    fn check_idle(&self, stream: StreamRef<'_>) -> Result<()> {
-        if !self.own_context(stream).is_idle()? {
-            return Err(Error::Unsupported {
-                resource: self.name,
-                reason: "cannot sleep while the stream given has work still queued (it may use the memory \
-                         being released): synchronize it first"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Attaches `observer`: it is told of every run mapped now, at once, and of every later map and unmap
-    /// until [`detach`](Self::detach).
-    pub fn attach(&self, observer: Arc<dyn ChunkObserver>) -> ObserverId {
-        let mut st = self.state();
-        for (ri, r) in st.regions.iter().enumerate() {
-            for range in group_ranges(ri, r, &Self::all_groups(r)) {
-                observer.mapped(range);
-            }
-        }
-        let id = ObserverId(st.next_observer);
-        st.next_observer += 1;
-        st.observers.push((id, observer));
-        id
-    }
-
-    /// Detaches an observer: it is told that every run mapped now is unmapping (so that it lets go of
-    /// what it holds), then never called again. Returns whether it was attached.
-    pub fn detach(&self, id: ObserverId) -> bool {
-        let mut st = self.state();
-        let Some(pos) = st.observers.iter().position(|(i, _)| *i == id) else {
-            return false;
-        };
-        let (_, observer) = st.observers.remove(pos);
-        for (ri, r) in st.regions.iter().enumerate() {
-            for range in group_ranges(ri, r, &Self::all_groups(r)) {
-                observer.unmapping(range);
-            }
-        }
-        true
-    }
-
-    /// The physical allocations behind `addr..addr+len` (inside one tag's region, every chunk touched by a
-    /// live allocation), for sharing with another process, and a hold that keeps the tag from sleeping
-    /// until it is dropped. Each allocation spans one or more chunks; the first starts
-    /// [`ServiceExport::offset`] bytes before `addr`.
-    ///
-    /// Errors: an empty range, a range outside the reservation or across two tags, a sleeping tag, a range
-    /// with a chunk no live allocation touches.
-    pub fn export(self: &Arc<Self>, addr: DeviceAddr, len: usize) -> Result<ServiceExport> {
-        let mut st = self.state();
-        let bad = |reason: String| Error::Unsupported {
-            resource: self.name,
-            reason,
-        };
-        if len == 0 {
-            return Err(bad("cannot export an empty range".into()));
-        }
-        let ri = self
-            .region_slot(addr)
-            .filter(|&i| i < st.regions.len())
-            .ok_or_else(|| bad(format!("{addr} is not in the resource's reservation")))?;
-        let r = &st.regions[ri];
-        if !r.table.contains(addr.0, len as u64) {
-            return Err(bad(format!(
-                "{len} bytes at {addr} run past the end of tag `{}`'s region",
-                r.name
-            )));
-        }
-        if r.asleep.is_some() {
-            return Err(asleep_error(self.name, &r.name, "export from"));
-        }
-        let span = r.table.span(addr.0, len as u64);
-        let free = free_chunks(r);
-        if let Some(i) = span.clone().find(|&i| free[i] || !r.table.is_mapped(i)) {
-            return Err(bad(format!(
-                "{len} bytes at {addr} include the chunk at {} that no live allocation of tag `{}` touches",
-                DeviceAddr(r.table.addr(i)),
-                r.name
-            )));
-        }
-        // Every chunk of the span is mapped (checked above): the mappings over it are the one holding its
-        // first chunk and those starting after that chunk inside it.
-        let first = r
-            .mappings
-            .range(..=span.start)
-            .next_back()
-            .map_or(span.start, |(&g, _)| g);
-        let chunks: Vec<Arc<PhysicalAllocation>> = r
-            .mappings
-            .range(first..span.end)
-            .map(|(_, m)| m.physical().clone())
-            .collect();
-        let first = r.table.addr(first);
-        st.regions[ri].exports += 1;
-        Ok(ServiceExport {
-            owner: self.clone(),
-            tag: Tag(ri as u32),
-            chunks,
-            offset: (addr.0 - first) as usize,
-            len,
-        })
-    }
-
-    fn end_export(&self, tag: Tag) {
-        let mut st = self.state();
-        if let Some(r) = st.regions.get_mut(tag.index()) {
-            r.exports = r.exports.saturating_sub(1);
-        }
-    }
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Direction {
-    Save,
-    Restore,
-}
-
-fn asleep_error(resource: &'static str, name: &str, what: &str) -> Error {
+pub(super) fn asleep_error(resource: &'static str, name: &str, what: &str) -> Error {
     Error::Unsupported {
         resource,
         reason: format!("cannot {what} tag `{name}`: it is asleep (wake it first)"),
-    }
-}
-
-/// The address ranges of region `ri`'s mappings that start at chunks `starts` (one physical allocation
-/// each), as observers are told of them.
-fn group_ranges(ri: usize, r: &Region, starts: &[usize]) -> Vec<ChunkRange> {
-    starts
-        .iter()
-        .filter_map(|&g| {
-            r.mappings.get(&g).map(|m| ChunkRange {
-                tag: Tag(ri as u32),
-                addr: DeviceAddr(r.table.addr(g)),
-                len: m.len(),
-            })
-        })
-        .collect()
-}
-
-/// Per chunk of region `r`: whether it lies wholly in free space (no live allocation touches it).
-fn free_chunks(r: &Region) -> Vec<bool> {
-    r.table
-        .free_chunks(r.engine.free_blocks().map(|(_, b)| (b.addr, b.addr + b.size)))
-}
-
-/// The largest free block of region `r`'s engine that lies in mapped memory.
-fn largest_free_mapped(r: &Region) -> u64 {
-    r.engine
-        .free_blocks()
-        .map(|(_, b)| r.table.largest_mapped_piece(b.addr, b.addr + b.size))
-        .max()
-        .unwrap_or(0)
-}
-
-/// Physical chunks of a [`ServiceResource`] handed out for sharing ([`ServiceResource::export`]): while it
-/// lives, the tag cannot sleep. It holds the chunks (so they outlive any unmapping here) and the resource.
-pub struct ServiceExport {
-    owner: Arc<ServiceResource>,
-    tag: Tag,
-    chunks: Vec<Arc<PhysicalAllocation>>,
-    offset: usize,
-    len: usize,
-}
-
-impl std::fmt::Debug for ServiceExport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServiceExport")
-            .field("tag", &self.tag)
-            .field("chunks", &self.chunks.len())
-            .field("offset", &self.offset)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl ServiceExport {
-    /// The physical allocations behind the range, in address order, contiguous: each spans one or more
-    /// chunks ([`PhysicalAllocation::size`] says how many bytes), the first starting [`offset`](Self::offset)
-    /// bytes before the range.
-    pub fn chunks(&self) -> &[Arc<PhysicalAllocation>] {
-        &self.chunks
-    }
-
-    /// Where the range starts in the first chunk.
-    pub fn offset(&self) -> usize {
-        self.offset
-    }
-
-    /// The range's length.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Never true: an export has at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// The tag it belongs to.
-    pub fn tag(&self) -> Tag {
-        self.tag
-    }
-
-    /// The resource it came from.
-    pub fn resource(&self) -> &Arc<ServiceResource> {
-        &self.owner
-    }
-}
-
-impl Drop for ServiceExport {
-    fn drop(&mut self) {
-        self.owner.end_export(self.tag);
-    }
-}
-
-// SAFETY: each region's engine hands out disjoint, aligned ranges of its region (its invariants, tested on
-// the host), and regions are disjoint; `allocate` maps every chunk of the range before returning it, and a
-// chunk a live allocation touches is unmapped only by `sleep`, which keeps the addresses reserved for
-// `wake` (the memory is not handed to anyone else: the same addresses come back mapped to the same
-// allocation); a range is handed out again only after `deallocate` returned it. The memory stays valid
-// while `self` lives, except while its tag sleeps, which its owner asks for.
-#[allow(unsafe_code)]
-unsafe impl MemoryResource for ServiceResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.allocate_tagged(bytes, Tag::DEFAULT, stream)
-    }
-
-    #[allow(unsafe_code)]
-    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        self.deallocate_inner(ptr, bytes, stream)
-    }
-
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    /// Its mapped and live bytes with their peaks, and as chunks the mapped runs of the awake tags (adjacent
-    /// mappings as one run), each with the used and free ranges of its region's engine.
-    fn inspect(&self) -> crate::observe::inspect::Inspection {
-        let chunks = self.mapped_runs();
-        let st = self.stats();
-        crate::observe::inspect::Inspection {
-            held_bytes: Some(st.mapped_bytes),
-            peak_held_bytes: Some(st.peak_mapped_bytes),
-            live_bytes: Some(st.used_bytes),
-            peak_live_bytes: Some(st.peak_used_bytes),
-            live_count: Some(st.tags.iter().map(|t| t.live_allocations).sum()),
-            allocations: Some(st.tags.iter().map(|t| t.allocations).sum()),
-            device_free: self.ctx.memory_info().ok().map(|m| m.free as u64),
-            chunks,
-            has_chunks: true,
-            ..crate::observe::inspect::Inspection::default()
-        }
-    }
-
-    /// [`ServiceResource::trim`]: unmaps every idle chunk after waiting for the device.
-    fn trim_unused(&self, _stream: StreamRef<'_>) -> Result<()> {
-        self.trim().map(drop)
-    }
-}
-
-impl Drop for ServiceResource {
-    /// Returns everything, live allocations included, as RMM's resources do when destroyed: waits for the
-    /// device, tells the observers, unmaps and releases every chunk, then frees the range. Errors go to
-    /// `mempool_core::take_drop_errors`.
-    fn drop(&mut self) {
-        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-        for r in &mut st.regions {
-            let _ = r.engine.release();
-        }
-        let _ = self.ctx.synchronize();
-        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-        for ri in 0..st.regions.len() {
-            let groups = Self::all_groups(&st.regions[ri]);
-            for range in group_ranges(ri, &st.regions[ri], &groups) {
-                for (_, o) in &st.observers {
-                    o.unmapping(range);
-                }
-            }
-            st.regions[ri].mappings.clear();
-        }
-    }
-}
-
-/// A [`ServiceResource`] seen as a [`MemoryResource`] that allocates under one tag
-/// ([`ServiceResource::tagged`]). Frees go to whichever tag the address lies in.
-#[derive(Clone, Debug)]
-pub struct TaggedResource {
-    inner: Arc<ServiceResource>,
-    tag: Tag,
-}
-
-impl TaggedResource {
-    /// Its tag.
-    pub fn tag(&self) -> Tag {
-        self.tag
-    }
-
-    /// The resource it allocates from.
-    pub fn resource(&self) -> &Arc<ServiceResource> {
-        &self.inner
-    }
-}
-
-// SAFETY: forwards to the `ServiceResource`, whose impl upholds the contract; `is_equal` holds only for
-// views of the same resource, which free each other's memory (a free finds the tag by address).
-#[allow(unsafe_code)]
-unsafe impl MemoryResource for TaggedResource {
-    fn allocate(&self, bytes: usize, stream: StreamRef<'_>) -> Result<DeviceAddr> {
-        self.inner.allocate_tagged(bytes, self.tag, stream)
-    }
-
-    #[allow(unsafe_code)]
-    unsafe fn deallocate(&self, ptr: DeviceAddr, bytes: usize, stream: StreamRef<'_>) -> Result<()> {
-        if ptr.is_null() {
-            return Ok(());
-        }
-        self.inner.deallocate_inner(ptr, bytes, stream)
-    }
-
-    fn is_equal(&self, other: &dyn MemoryResource) -> bool {
-        std::ptr::addr_eq(self as *const Self, other as *const dyn MemoryResource)
-    }
-
-    fn name(&self) -> &'static str {
-        self.inner.name
-    }
-
-    fn inspect(&self) -> crate::observe::inspect::Inspection {
-        self.inner.inspect()
-    }
-
-    fn trim_unused(&self, stream: StreamRef<'_>) -> Result<()> {
-        self.inner.trim_unused(stream)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    #[test]
-    fn the_engine_sees_one_segment_and_never_more() {
-        let up = WholeRange::new(1 << 40, 64 * MIB);
-        let key = StreamKey::of(StreamRef::LEGACY);
-        assert_eq!(up.allocate(64 * MIB, key).unwrap(), 1 << 40);
-        assert!(
-            matches!(up.allocate(MIB, key), Err(suballoc::Error::OutOfMemory { requested, .. }) if requested == MIB)
-        );
-        up.deallocate(1 << 40, 64 * MIB, key).unwrap();
-        assert!(up.allocate(65 * MIB, key).is_err(), "more than the range");
-        assert_eq!(up.allocate(MIB, key).unwrap(), 1 << 40);
     }
 }

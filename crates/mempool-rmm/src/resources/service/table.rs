@@ -1,6 +1,6 @@
 //! The service resource's bookkeeping, free of CUDA so that host tests check it: which chunks of a range
-//! live allocations touch and which are mapped ([`ChunkTable`], also the expandable resource's), tag
-//! names, and the reclaim policy's arithmetic.
+//! live allocations touch and which are mapped ([`ChunkTable`], also the expandable resource's), which of a
+//! sleeping tag's chunks its wake maps back ([`wake_runs`]), tag names, and the reclaim policy's arithmetic.
 
 use std::ops::Range;
 
@@ -195,6 +195,25 @@ pub(crate) fn runs(mut chunks: impl Iterator<Item = usize>) -> Vec<Range<usize>>
     out
 }
 
+/// The chunks to map back when a tag wakes, as runs, each with the index in `saved` of its first chunk
+/// (where an offload saved it: chunk `saved[k]` at `k` chunks into the host buffer). `saved` (sorted) are
+/// the chunks live allocations touched when the tag fell asleep; `free[i]` says whether chunk `i` lies
+/// wholly in free space now. A saved chunk that is free now held only allocations freed while the tag
+/// slept: it stays unmapped, and its bytes in the host buffer are not copied back.
+pub(crate) fn wake_runs(saved: &[usize], free: &[bool]) -> Vec<(Range<usize>, usize)> {
+    let mut out: Vec<(Range<usize>, usize)> = Vec::new();
+    for (k, &c) in saved.iter().enumerate() {
+        if free.get(c).copied().unwrap_or(false) {
+            continue;
+        }
+        match out.last_mut() {
+            Some((run, first)) if run.end == c && *first + run.len() == k => run.end += 1,
+            _ => out.push((c..c + 1, k)),
+        }
+    }
+    out
+}
+
 /// The longest tag name.
 pub const MAX_TAG_NAME: usize = 64;
 
@@ -341,6 +360,28 @@ mod tests {
         assert_eq!(t.largest_mapped_piece(MIB, 12 * MIB), 6 * MIB, "chunks 3-5");
         assert_eq!(t.largest_mapped_piece(4 * MIB, 6 * MIB), 0, "chunk 2 is not mapped");
         assert_eq!(t.largest_mapped_piece(5 * MIB, 5 * MIB), 0);
+    }
+
+    #[test]
+    fn wake_maps_back_the_saved_chunks_still_touched_with_their_saved_places() {
+        // Saved at sleep: chunks 1, 2, 3, 7, 8, 9 (host slots 0..6). Since then, the allocations on
+        // chunk 2 and on 8..10 were freed (bookkeeping while asleep): 2, 8 and 9 are free now.
+        let saved = [1, 2, 3, 7, 8, 9];
+        let mut free = vec![false; 12];
+        for c in [0, 2, 4, 5, 6, 8, 9, 10, 11] {
+            free[c] = true;
+        }
+        assert_eq!(wake_runs(&saved, &free), vec![(1..2, 0), (3..4, 2), (7..8, 3)]);
+        // Nothing freed: one run per run of saved chunks, at their slots.
+        assert_eq!(wake_runs(&saved, &[false; 12]), vec![(1..4, 0), (7..10, 3)]);
+        // Everything freed: nothing to map.
+        assert!(wake_runs(&saved, &[true; 12]).is_empty());
+        assert!(wake_runs(&[], &free).is_empty());
+        // The slots stay those of the saved list, whatever is skipped before them.
+        assert_eq!(
+            wake_runs(&[4, 5, 6], &[false, false, false, false, true, false, false]),
+            vec![(5..7, 1)]
+        );
     }
 
     #[test]

@@ -110,7 +110,11 @@ impl ChunkRange {
 pub trait ChunkObserver: Send + Sync {
     /// `range` was mapped, and its device has read-write access.
     fn mapped(&self, range: ChunkRange);
-    /// `range` is about to be unmapped; all work on the device has finished.
+    /// `range` is about to be unmapped, and the work that may still touch it has finished: every use of
+    /// memory freed in it (the resource waited for the frees into its tag still in flight) and, when its
+    /// tag sleeps or the resource drops with allocations live, the work on its live allocations (the
+    /// resource waited for the whole context then). Otherwise other work on the device may still run: the
+    /// resource does not wait for the whole device.
     fn unmapping(&self, range: ChunkRange);
 }
 
@@ -193,7 +197,8 @@ pub struct WakeReport {
 
 /// When an expandable or service resource ([`crate::ExpandableResource`], [`crate::ServiceResource`])
 /// unmaps idle chunks (mapped chunks no live allocation touches) on its own, besides its `trim`. Either
-/// way it first waits for the device.
+/// way it first waits for the frees into those chunks still in flight (the events it recorded on their
+/// streams), not for the whole device.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Reclaim {
     /// Only when creating a chunk runs out of memory, then once more (PyTorch's behaviour): idle chunks
