@@ -110,6 +110,20 @@ unsafe fn put_handle(out: *mut *mut ResourceHandle, h: ResourceHandle) -> Result
     Ok(())
 }
 
+/// A new C handle to `shared`, a resource of `device` made outside the C ABI (the Python package's
+/// resources, for the RMM bridge of docs/rmm.md): the caller owns it and releases it with
+/// `mempool_resource_destroy`. A statistics adaptor registered with [`register_statistics`] keeps its
+/// counters readable through the handle.
+pub fn new_handle(shared: SharedResource, device: usize) -> *mut ResourceHandle {
+    let stats = statistics_of(&shared);
+    Box::into_raw(Box::new(ResourceHandle {
+        shared,
+        stats,
+        service: None,
+        device,
+    }))
+}
+
 /// The handle `h` points to; a null `h` is refused, with `what` naming the argument.
 ///
 /// # Safety
