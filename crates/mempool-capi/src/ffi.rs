@@ -7,10 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, Weak};
 
 use mempool_core::{DeviceAddr, StreamRef};
-use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
-use mempool_rmm::suballoc::PoolOptions;
+use mempool_rmm::adaptors::{AddedBinsAdaptor, LimitingAdaptor, StatisticsAdaptor};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, PoolOptions};
 use mempool_rmm::{
-    AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, ServiceResource, SharedResource, Tag,
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, ManagedResource, PoolResource,
+    ServiceResource, SharedResource, Tag,
 };
 
 use crate::device;
@@ -274,6 +275,74 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
         let mr: SharedResource = Arc::new(PoolResource::new(up, &dev, options)?);
         // SAFETY: point 1.
         unsafe { put_handle(out, plain(mr, d)) }
+    })
+}
+
+/// Power-of-two bins of fixed-size blocks over `upstream` (RMM's `binning_memory_resource`): bins of
+/// `2^min_size_exponent` to `2^max_size_exponent` bytes (exponents under 8 give the 256-byte bin, as RMM
+/// rounds bin sizes up to 256); a larger request goes to `upstream`. `min_size_exponent <= max_size_exponent
+/// <= 40`, both non-negative, else `MEMPOOL_ERROR_INVALID_ARGUMENT`. mempool's default stack is bins 8 to 20
+/// over a pool over the driver's pool.
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_binning_resource_create(
+    upstream: *const ResourceHandle,
+    min_size_exponent: c_int,
+    max_size_exponent: c_int,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        if min_size_exponent < 0 || min_size_exponent > max_size_exponent || max_size_exponent > 40 {
+            return Err(Error::InvalidArgument(format!(
+                "bin exponents {min_size_exponent}..={max_size_exponent}: need 0 <= min <= max <= 40"
+            )));
+        }
+        let options = BinningOptions {
+            min_size_exponent: min_size_exponent.max(8) as u32,
+            max_size_exponent: max_size_exponent.max(8) as u32,
+            blocks_per_chunk: 128,
+            ..BinningOptions::default()
+        };
+        let dev = device::device(h.device)?;
+        let bins: SharedResource = Arc::new(BinningResource::new(h.shared.clone(), &dev, options)?);
+        let mr: SharedResource = Arc::new(AddedBinsAdaptor::over_binning(bins, &options));
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
+    })
+}
+
+/// A global arena of `arena_size` bytes taken from `upstream`, shared out through per-stream arenas (RMM's
+/// `arena_memory_resource`); it does not grow. `arena_size` 0 is `MEMPOOL_ERROR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_arena_resource_create(
+    upstream: *const ResourceHandle,
+    arena_size: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        if arena_size == 0 {
+            return Err(Error::InvalidArgument("arena_size is 0".into()));
+        }
+        let options = ArenaOptions {
+            initial_size: arena_size as u64,
+            maximum_size: Some(arena_size as u64),
+            ..ArenaOptions::default()
+        };
+        let dev = device::device(h.device)?;
+        let mr: SharedResource = Arc::new(ArenaResource::new(h.shared.clone(), &dev, options)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
     })
 }
 

@@ -38,6 +38,10 @@ static void common(void) {
   CHECK(strstr(mempool_last_error(), "out is null") != NULL, "message names the argument");
   CHECK(mempool_get_current_device_resource(-3, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
   CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+  CHECK(mempool_binning_resource_create(NULL, 8, 20, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null upstream");
+  CHECK(mempool_arena_resource_create(NULL, 1 << 20, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null upstream");
+  CHECK(strstr(mempool_last_error(), "upstream is null") != NULL, "message names the argument");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
   mempool_resource_destroy(NULL);
   /* retain, is_equal and device refuse NULL handles and outputs, leaving the output untouched. */
   CHECK(mempool_resource_retain(NULL, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
@@ -256,6 +260,28 @@ static int gpu(void) {
   CHECK(strstr(mempool_last_error(), "device 0, not on device 1") != NULL, "message names both devices");
   CHECK(mempool_pool_resource_create(base, 1, 0, 0, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "pool device");
   CHECK(wrong == (mempool_resource_t*)0x1, "no handle");
+  /* Binning (mempool's default stack: bins 8 to 20 over the pool) and arena; their refusals. */
+  mempool_resource_t *bins = NULL, *arena = NULL;
+  CHECK(mempool_binning_resource_create(pool, 8, 20, &bins) == MEMPOOL_SUCCESS, "binning");
+  CHECK(mempool_arena_resource_create(base, 8 << 20, &arena) == MEMPOOL_SUCCESS, "arena");
+  for (int i = 0; i < 2; i++) {
+    mempool_resource_t* each = i == 0 ? bins : arena;
+    void* a = NULL;
+    void* b = NULL;
+    CHECK(mempool_allocate(each, 100, NULL, &a) == MEMPOOL_SUCCESS && a != NULL, "small");
+    CHECK(mempool_allocate(each, 2 << 20, NULL, &b) == MEMPOOL_SUCCESS && b != NULL && b != a, "large");
+    CHECK(mempool_deallocate(each, a, 100, NULL) == MEMPOOL_SUCCESS, "free small");
+    CHECK(mempool_deallocate(each, b, 2 << 20, NULL) == MEMPOOL_SUCCESS, "free large");
+  }
+  CHECK(mempool_allocate(arena, 16 << 20, NULL, &p) == MEMPOOL_ERROR_OUT_OF_MEMORY, "over the arena");
+  CHECK(mempool_binning_resource_create(pool, 21, 20, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "min > max");
+  CHECK(strstr(mempool_last_error(), "21..=20") != NULL, "message names the exponents");
+  CHECK(mempool_binning_resource_create(pool, -1, 20, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative");
+  CHECK(mempool_binning_resource_create(pool, 8, 41, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "over 40");
+  CHECK(mempool_arena_resource_create(base, 0, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "arena of 0");
+  CHECK(wrong == (mempool_resource_t*)0x1, "no handle");
+  mempool_resource_destroy(bins);
+  mempool_resource_destroy(arena);
   void* t = mempool_torch_alloc_nullable(4096, 0, NULL);
   CHECK(t != NULL, "torch alloc");
   CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.current_bytes == 4096, "torch through stats");
