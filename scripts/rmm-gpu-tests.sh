@@ -8,6 +8,7 @@
 # DIR/run. On the GPU machine (g++, make and a CUDA 13 driver; no toolkit, no CMake, no network):
 #   bash DIR/run             builds bridge_tests and rmm_typed_tests there and runs them (one GPU: all but
 #                            TwoGpu.*; TWO_GPU=1: those too)
+#   bash DIR/run-bench [ARGS] the C++ benchmark (bench_device_buffer: RMM's resources against the bridge's)
 #   bash DIR/run-python      installs RMM's Python wheels, the bridge and mempool (.gpu/wheels of gpu-pack)
 #                            into a scratch site and runs the bridge's Python GPU tests, then RMM's own
 #                            Python tests with mempool current (TWO_GPU=1: the two-GPU test too)
@@ -133,6 +134,21 @@ echo "test binaries: $passed passed, $failed failed"
 [ "$failed" = 0 ]
 EOF
 chmod +x "$dir/run"
+cat >"$dir/run-bench" <<'EOF'
+#!/usr/bin/env bash
+# rmm::device_buffer on the standard random workload: RMM's pool, binning and async against mempool's through
+# the bridge, in one run (docs/rmm.md, "Measured"). Arguments go to bench_device_buffer (--points, --repeats,
+# --only).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cat "$here/BUILD-INFO"
+echo "host CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//') ($(nproc) cores)"
+make -s -C "$here/src" -j"$(nproc)" "$here/build/bench_device_buffer" SDK="$here/sdk" GTEST="$here/googletest" \
+  RMM_TESTS="$here/rmm-tests" MEMPOOL_LIB="$here/lib" MEMPOOL_INCLUDE="$here/include" OUT="$here/build" || exit 1
+echo "command: bench_device_buffer $*"
+"$here/build/bench_device_buffer" "$@"
+EOF
+chmod +x "$dir/run-bench"
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 du -sh "$dir" "$dir.tgz"
 echo "packed $dir (and $dir.tgz, to carry); on the GPU machine: bash $dir/run (C++; TWO_GPU=1 for the"
