@@ -105,6 +105,7 @@ if ! log=$(python3 -m pip download -q --disable-pip-version-check --no-deps --on
   exit 1
 fi
 cp crates/mempool-py/rmm-bridge/tests/*.py "$dir/python/tests/"
+cp docs/rmm.md "$dir/python/tests/rmm.md"
 mkdir -p "$dir/python/rmm-tests"
 cp crates/mempool-py/rmm-bridge/rmm-tests/conftest.py "$dir/python/rmm-tests/"
 cp crates/mempool-py/rmm-bridge/run-python "$dir/run-python"

@@ -171,3 +171,24 @@ def test_another_rmm_release_is_refused():
 def test_unknown_attributes_are_attribute_errors():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         mempool.rmm.Nope  # noqa: B018
+
+
+def rmm_doc_blocks() -> list[str]:
+    """The ```python blocks of docs/rmm.md (MEMPOOL_DOCS names docs/python.md's folder when the tests run
+    from an installed wheel elsewhere)."""
+    import os
+    import re
+    from pathlib import Path
+
+    env = os.environ.get("MEMPOOL_DOCS")
+    path = Path(env).with_name("rmm.md") if env else Path(__file__).resolve().parents[3] / "docs" / "rmm.md"
+    text = path.read_text()
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```$", text, re.S | re.M)]
+
+
+def test_the_docs_python_blocks_compile():
+    blocks = rmm_doc_blocks()
+    assert len(blocks) >= 2, "docs/rmm.md shows the Python bridge in a block or more"
+    for i, code in enumerate(blocks):
+        compile(code, f"docs/rmm.md python block {i + 1}", "exec")
+    assert any("MempoolResource" in b and "set_current_device_resource" in b for b in blocks)
