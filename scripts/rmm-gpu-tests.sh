@@ -80,6 +80,9 @@ done
 cargo build -q --release -p mempool-capi
 target_dir=${CARGO_TARGET_DIR:-$root/target}
 cp "$target_dir/release/libmempool_capi.so" "$dir/lib/"
+# Smaller to carry: no symbols in the library, no static CUDA libraries (nothing here links them).
+strip --strip-unneeded "$dir/lib/libmempool_capi.so"
+rm -f "$dir"/sdk/cuda/lib/*.a
 cp -a crates/mempool-capi/include "$dir/include"
 mkdir -p "$dir/src"
 cp crates/mempool-capi/tests/rmm/*.cpp crates/mempool-capi/tests/rmm/Makefile "$dir/src/"
@@ -91,14 +94,15 @@ cp crates/mempool-capi/tests/rmm/*.cpp crates/mempool-capi/tests/rmm/Makefile "$
   printf 'pinned: %s\n' "${RMM_WHEELS[@]}" "$RMM_GTEST_DEB"
 } >"$dir/BUILD-INFO"
 # The Python half: the bridge's wheel (abi3), RMM's Python wheels for the GPU machine's CPython 3.12 (and
-# what RMM needs that may be missing there), the project's tests and the fixture for RMM's tests.
+# cuda-pathfinder and the CUDA runtime, should the machine lack them; cuda-bindings it has, with cuda-core
+# and numba-cuda), the project's tests and the fixture for RMM's tests.
 mkdir -p "$dir/python/wheels" "$dir/python/tests"
 [ -x target/rmm-py/bin/python ] || python3 -m venv target/rmm-py
 scripts/build-rmm-bridge.sh target/rmm-py/bin/python "$dir/python/wheels" >/dev/null
 if ! log=$(python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir/python/wheels" \
-    rmm-cu13==26.10.0 librmm-cu13==26.10.0 rapids-logger==0.3.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 \
+    rmm-cu13==26.10.0 librmm-cu13==26.10.0 rapids-logger==0.3.0 cuda-pathfinder==1.9.1 \
     nvidia-cuda-runtime==13.0.96 2>&1); then
   echo "rmm-gpu-tests: could not download RMM's Python wheels:" >&2
   echo "$log" | tail -5 >&2
