@@ -33,6 +33,29 @@ inline mempool::rmm_resource make_mempool_pool()
     mempool_pool_resource_create(upstream.handle(), 0, 0, 0, &h), h, "mempool_pool_resource_create");
 }
 
+// mempool's default stack: bins of 2^8 to 2^20 bytes over the pool over the driver pool (RMM's
+// binning_memory_resource).
+inline mempool::rmm_resource make_mempool_binning()
+{
+  auto pool             = make_mempool_pool();
+  mempool_resource_t* h = nullptr;
+  return adopt_created(
+    mempool_binning_resource_create(pool.handle(), 8, 20, &h), h, "mempool_binning_resource_create");
+}
+
+// mempool's arena over its driver pool, half the free memory (RMM's arena_memory_resource's default).
+inline mempool::rmm_resource make_mempool_arena()
+{
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    throw rmm::cuda_error{"cudaMemGetInfo failed"};
+  }
+  auto upstream         = make_mempool_async();
+  mempool_resource_t* h = nullptr;
+  return adopt_created(mempool_arena_resource_create(upstream.handle(), (free_bytes / 2) & ~std::size_t{255}, &h),
+                       h, "mempool_arena_resource_create");
+}
+
 // The device's current mempool resource (the default stack when nothing was set).
 inline mempool::rmm_resource make_mempool_current() { return mempool::rmm_resource::current(0); }
 
@@ -59,6 +82,8 @@ struct MempoolFixture : public ::testing::Test {
 
 using MempoolAsyncFixture      = MempoolFixture<make_mempool_async>;
 using MempoolPoolFixture       = MempoolFixture<make_mempool_pool>;
+using MempoolBinningFixture    = MempoolFixture<make_mempool_binning>;
+using MempoolArenaFixture      = MempoolFixture<make_mempool_arena>;
 using MempoolCurrentFixture    = MempoolFixture<make_mempool_current>;
 using MempoolServiceTagFixture = MempoolFixture<make_mempool_service_tag>;
 
@@ -69,6 +94,14 @@ INSTANTIATE_TYPED_TEST_SUITE_P(MempoolAsync, CcclMrRefTestMT, MempoolAsyncFixtur
 INSTANTIATE_TYPED_TEST_SUITE_P(MempoolPool, CcclMrRefTest, MempoolPoolFixture);
 INSTANTIATE_TYPED_TEST_SUITE_P(MempoolPool, CcclMrRefAllocationTest, MempoolPoolFixture);
 INSTANTIATE_TYPED_TEST_SUITE_P(MempoolPool, CcclMrRefTestMT, MempoolPoolFixture);
+
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolBinning, CcclMrRefTest, MempoolBinningFixture);
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolBinning, CcclMrRefAllocationTest, MempoolBinningFixture);
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolBinning, CcclMrRefTestMT, MempoolBinningFixture);
+
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolArena, CcclMrRefTest, MempoolArenaFixture);
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolArena, CcclMrRefAllocationTest, MempoolArenaFixture);
+INSTANTIATE_TYPED_TEST_SUITE_P(MempoolArena, CcclMrRefTestMT, MempoolArenaFixture);
 
 INSTANTIATE_TYPED_TEST_SUITE_P(MempoolCurrent, CcclMrRefTest, MempoolCurrentFixture);
 INSTANTIATE_TYPED_TEST_SUITE_P(MempoolCurrent, CcclMrRefAllocationTest, MempoolCurrentFixture);
