@@ -289,6 +289,37 @@ TEST_F(Bridge, MempoolsCurrentResourceAndAPoolAndAServiceTag)
   EXPECT_GE(rows[tag].used_bytes, 3u << 20);
 }
 
+TEST_F(Bridge, BinningAndArenaServeDeviceBuffersOfEverySize)
+{
+  // mempool's default stack (bins of 2^8 to 2^20 bytes over a pool over mr) and an arena over mr.
+  mempool_resource_t* pool = nullptr;
+  ASSERT_EQ(mempool_pool_resource_create(mr.handle(), 0, 1 << 26, 0, &pool), MEMPOOL_SUCCESS)
+    << mempool_last_error();
+  auto pooled             = mempool::rmm_resource::adopt(pool);
+  mempool_resource_t* bin = nullptr;
+  ASSERT_EQ(mempool_binning_resource_create(pooled.handle(), 8, 20, &bin), MEMPOOL_SUCCESS)
+    << mempool_last_error();
+  auto bins                 = mempool::rmm_resource::adopt(bin);
+  mempool_resource_t* arena = nullptr;
+  ASSERT_EQ(mempool_arena_resource_create(mr.handle(), std::size_t{64} << 20, &arena), MEMPOOL_SUCCESS)
+    << mempool_last_error();
+  auto arenas = mempool::rmm_resource::adopt(arena);
+  for (auto const* each : {&bins, &arenas}) {
+    std::vector<rmm::device_buffer> bufs;
+    for (std::size_t size : {std::size_t{1}, std::size_t{256}, std::size_t{4097}, std::size_t{1} << 20,
+                             (std::size_t{3} << 20) + 5}) {
+      std::vector<std::uint8_t> host(size, static_cast<std::uint8_t>(size * 7));
+      bufs.emplace_back(host.data(), size, stream, *each);
+      std::vector<std::uint8_t> back(size);
+      CUDA_OK(cudaMemcpyAsync(back.data(), bufs.back().data(), size, cudaMemcpyDeviceToHost, stream.value()));
+      CUDA_OK(cudaStreamSynchronize(stream.value()));
+      EXPECT_EQ(back, host) << size << " bytes";
+    }
+  }
+  // The arena does not grow: more than it holds is rmm::out_of_memory.
+  EXPECT_THROW(rmm::device_buffer(std::size_t{128} << 20, stream, arenas), rmm::out_of_memory);
+}
+
 TEST(TwoGpu, EachDeviceAllocatesFromItsOwnResource)
 {
   int n = 0;
