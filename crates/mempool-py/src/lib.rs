@@ -94,10 +94,14 @@ fn _last_error() -> String {
 /// The C entry points the RMM bridge (`mempool_rmm_bridge`, docs/rmm.md) calls, by name, as addresses in this
 /// module's shared object: it calls them directly, never entering Python per allocation, and shares this
 /// module's registry. A bridge built for a later mempool names the entry point it misses.
+///
+/// The first pair is `("abi", N)`: N counts changes to these entry points' signatures or meaning (1: as
+/// `include/mempool.h` declares them now); a bridge built for another N refuses to load.
 #[pyfunction]
 fn _capi_functions() -> Vec<(&'static str, usize)> {
     use mempool_capi::ffi;
     vec![
+        ("abi", 1),
         ("mempool_allocate", ffi::mempool_allocate as *const () as usize),
         ("mempool_deallocate", ffi::mempool_deallocate as *const () as usize),
         (

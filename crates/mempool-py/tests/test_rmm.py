@@ -192,3 +192,17 @@ def test_the_docs_python_blocks_compile():
     for i, code in enumerate(blocks):
         compile(code, f"docs/rmm.md python block {i + 1}", "exec")
     assert any("MempoolResource" in b and "set_current_device_resource" in b for b in blocks)
+
+
+def test_a_bridge_for_other_entry_points_is_refused():
+    import mempool_rmm_bridge._bridge as bridge
+
+    good = mempool._lib._capi_functions()
+    assert good[0] == ("abi", bridge.CAPI_ABI)
+    with pytest.raises(ImportError, match="calls version 1 of mempool's C entry points.*gives version 2"):
+        bridge._set_functions([("abi", 2)] + good[1:])
+    with pytest.raises(ImportError, match="gives none"):
+        bridge._set_functions(good[1:])
+    with pytest.raises(ImportError, match="does not give the entry point mempool_deallocate"):
+        bridge._set_functions([p for p in good if p[0] != "mempool_deallocate"])
+    bridge._set_functions(good)  # back to the real table

@@ -31,11 +31,25 @@ cdef extern from *:
     optional[device_async_resource_ref] make_device_async_resource_ref(rmm_resource&) except +
 
 
+# The version of mempool's C entry points (their signatures and meaning) this bridge calls.
+CAPI_ABI = 1
+
+
 def _set_functions(functions):
-    """Takes the addresses of mempool's C entry points (``mempool._lib._capi_functions()``): raises
-    ImportError naming the first one the bridge needs and did not get (a mempool older than the bridge)."""
+    """Takes the addresses of mempool's C entry points (``mempool._lib._capi_functions()``, led by
+    ``("abi", N)``): raises ImportError for another N, or naming the first entry point the bridge needs and
+    did not get (a mempool older than the bridge)."""
+    functions = list(functions)
+    abi = dict(functions).get("abi")
+    if abi != CAPI_ABI:
+        raise ImportError(
+            f"mempool_rmm_bridge calls version {CAPI_ABI} of mempool's C entry points, and the installed mempool "
+            f"gives {'none' if abi is None else f'version {abi}'}: install the mempool this bridge was built with, "
+            "or rebuild the bridge (scripts/build-rmm-bridge.sh)"
+        )
     for name, address in functions:
-        set_function(name.encode(), <uintptr_t>address)
+        if name != "abi":
+            set_function(name.encode(), <uintptr_t>address)
     missing = missing_function().decode()
     if missing:
         raise ImportError(
