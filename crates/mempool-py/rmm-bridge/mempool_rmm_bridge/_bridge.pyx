@@ -22,8 +22,10 @@ cdef extern from "bridge.hpp" namespace "mempool" nogil:
         int device()
 
 cdef extern from "bridge.hpp" namespace "mempool_py" nogil:
+    void clear_staging()
     bool set_function(const char* name, uintptr_t address)
     const char* missing_function()
+    bool commit_functions()
     unique_ptr[rmm_resource] adopt(uintptr_t handle) except +
 
 # RMM's template (rmm/librmm/memory_resource.pxd) for this resource type.
@@ -47,11 +49,12 @@ def _set_functions(functions):
             f"gives {'none' if abi is None else f'version {abi}'}: install the mempool this bridge was built with, "
             "or rebuild the bridge (scripts/build-rmm-bridge.sh)"
         )
+    clear_staging()
     for name, address in functions:
         if name != "abi":
             set_function(name.encode(), <uintptr_t>address)
     missing = missing_function().decode()
-    if missing:
+    if missing or not commit_functions():
         raise ImportError(
             f"mempool_rmm_bridge: the installed mempool does not give the entry point {missing} "
             "(install the mempool this bridge was built with)"

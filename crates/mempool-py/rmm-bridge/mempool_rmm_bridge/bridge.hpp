@@ -28,17 +28,27 @@ struct capi_table {
   const char* (*last_error)(void);
 };
 
-/* Set once, before the first resource is made (the module's import), and only read after. */
+/* The entry points in use: set once, before the first resource is made (the module's import), from a
+ * complete staging table (commit_functions), and only read after. */
 inline capi_table& table() noexcept
 {
   static capi_table t{};
   return t;
 }
 
-/* Stores the address of the entry point `name`; false for a name the bridge does not use. */
+/* Where set_function puts the addresses until commit_functions finds them complete. */
+inline capi_table& staging() noexcept
+{
+  static capi_table t{};
+  return t;
+}
+
+inline void clear_staging() noexcept { staging() = capi_table{}; }
+
+/* Stages the address of the entry point `name`; false for a name the bridge does not use. */
 inline bool set_function(char const* name, std::uintptr_t address) noexcept
 {
-  auto& t = table();
+  auto& t = staging();
 #define MEMPOOL_PY_SET(field, entry)                            \
   if (std::strcmp(name, entry) == 0) {                          \
     t.field = reinterpret_cast<decltype(t.field)>(address);     \
@@ -57,10 +67,10 @@ inline bool set_function(char const* name, std::uintptr_t address) noexcept
   return false;
 }
 
-/* The first entry point not set yet ("" when all are). */
+/* The first entry point not staged yet ("" when all are). */
 inline char const* missing_function() noexcept
 {
-  auto const& t = table();
+  auto const& t = staging();
   if (t.allocate == nullptr) { return "mempool_allocate"; }
   if (t.deallocate == nullptr) { return "mempool_deallocate"; }
   if (t.resource_destroy == nullptr) { return "mempool_resource_destroy"; }
@@ -71,6 +81,14 @@ inline char const* missing_function() noexcept
   if (t.status_name == nullptr) { return "mempool_status_name"; }
   if (t.last_error == nullptr) { return "mempool_last_error"; }
   return "";
+}
+
+/* Makes the staged entry points the ones in use; false (nothing changed) while one is missing. */
+inline bool commit_functions() noexcept
+{
+  if (*missing_function() != '\0') { return false; }
+  table() = staging();
+  return true;
 }
 
 }  // namespace mempool_py
