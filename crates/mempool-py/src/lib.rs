@@ -177,6 +177,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cupy::register(m)?;
     m.add_function(wrap_pyfunction!(memory::_memory_snapshot_json, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_page, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_cluster_check, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_record, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_oom_retry, m)?)?;
     errors::register(m)?;
