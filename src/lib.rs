@@ -95,6 +95,10 @@ mod docs_observe {}
 mod docs_resources {}
 
 #[cfg(doctest)]
+#[doc = include_str!("../docs/rmm.md")]
+mod docs_rmm {}
+
+#[cfg(doctest)]
 #[doc = include_str!("../docs/services.md")]
 mod docs_services {}
 

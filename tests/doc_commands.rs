@@ -22,6 +22,7 @@ const DOCS: &[(&str, &str)] = &[
     ("docs/observe.md", include_str!("../docs/observe.md")),
     ("docs/python.md", include_str!("../docs/python.md")),
     ("docs/resources.md", include_str!("../docs/resources.md")),
+    ("docs/rmm.md", include_str!("../docs/rmm.md")),
     ("docs/services.md", include_str!("../docs/services.md")),
     ("docs/testing.md", include_str!("../docs/testing.md")),
     ("docs/vmm.md", include_str!("../docs/vmm.md")),

@@ -13,6 +13,7 @@
 //! - [`report`]: the aligned table, JSON, CSV and SVG chart every run writes, naming the device,
 //!   driver, date, command and parameters.
 //! - [`kernels`]: the CUDA C kernels under `kernels/`, committed as PTX and loaded through the driver.
+//! - [`cluster`]: several workers' snapshot files merged into one cluster document and its page.
 //!
 //! The binary is `mempool-bench`; `mempool-bench --help` lists the subcommands.
 
@@ -21,6 +22,7 @@
 
 pub(crate) mod baseline;
 pub(crate) mod chart;
+pub mod cluster;
 pub mod env;
 pub(crate) mod error;
 pub mod kernels;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use mempool_bench::cluster;
 use mempool_bench::report::Report;
 use mempool_bench::spec::{self, ResourceSpec};
 use mempool_bench::units::{parse_size, Size};
@@ -255,6 +256,19 @@ enum Command {
         #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = ordinal_arg)]
         device: usize,
     },
+    /// Merge the snapshot files of several workers (`replay --snapshot`, mempool.memory.dump_snapshot) into
+    /// one cluster document and its viewer page (docs/observe.md, "Cluster snapshots"). No GPU needed.
+    Cluster {
+        /// A worker: its name, `=`, its snapshot file (JSON). Once per worker, in the order to show them.
+        #[arg(long = "worker", value_name = "NAME=FILE", required = true, value_parser = cluster::parse_worker)]
+        workers: Vec<(String, PathBuf)>,
+        /// Write the cluster document (JSON) to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Write the viewer page showing the cluster to FILE.
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
+    },
     /// List the resource specs that -r accepts.
     Resources,
 }
@@ -399,6 +413,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", spec::ACCEPTED);
             Ok(())
         }
+        Command::Cluster { workers, json, html } => cluster::merge(&workers, json.as_deref(), html.as_deref()),
         Command::Random {
             common: args,
             n,

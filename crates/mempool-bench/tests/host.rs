@@ -1115,3 +1115,130 @@ fn replay_writes_the_snapshot_and_the_page_of_a_small_log() {
     );
     assert!(!page.contains(mempool_rmm::observe::MARKER));
 }
+
+/// A snapshot file of a small log, as `replay --snapshot` writes it.
+fn snapshot_file(dir: &std::path::Path, name: &str, csv: &str) -> std::path::PathBuf {
+    let log = dir.join(format!("{name}.csv"));
+    std::fs::write(&log, format!("Thread,Time,Action,Pointer,Size,Stream\n{csv}")).unwrap();
+    let json = dir.join(format!("{name}.json"));
+    let out = bench()
+        .arg("replay")
+        .arg(&log)
+        .arg("--snapshot")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    json
+}
+
+#[test]
+fn cluster_merges_snapshot_files_as_docs_observe_md_shows() {
+    // the command of docs/observe.md, "Cluster snapshots", run as it stands in a directory holding its files
+    let docs = include_str!("../../../docs/observe.md");
+    let line = docs
+        .lines()
+        .find(|l| l.starts_with("mempool-bench cluster "))
+        .expect("docs/observe.md shows a `mempool-bench cluster` command");
+    let dir = tempfile::tempdir().unwrap();
+    let w0 = snapshot_file(
+        dir.path(),
+        "worker-0",
+        "1,10:00:00.000000,allocate,0x7f0000000000,1024,0x0\n\
+         1,10:00:00.000100,allocate,0x7f0000100000,4096,0x0\n\
+         1,10:00:00.000200,free,0x7f0000000000,1024,0x0\n",
+    );
+    let w1 = snapshot_file(
+        dir.path(),
+        "worker-1",
+        "1,10:00:00.000000,allocate,0x7e0000000000,65536,0x0\n\
+         1,10:00:00.000100,allocate failure,0x0,1073741824,0x0\n",
+    );
+    let out = bench()
+        .args(line.split_whitespace().skip(1))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{line}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(dir.path().join("cluster.json")).unwrap();
+    let cluster = mempool_rmm::observe::read_cluster_json(&text).unwrap();
+    assert_eq!(cluster.source, "mempool-bench");
+    let names: Vec<&str> = cluster.workers.iter().map(|w| w.identity.name.as_str()).collect();
+    assert_eq!(names, ["worker-0", "worker-1"]);
+    // each worker's snapshot is its file's, unchanged
+    for (w, file) in cluster.workers.iter().zip([&w0, &w1]) {
+        let single = mempool_rmm::observe::read_json(&std::fs::read_to_string(file).unwrap()).unwrap();
+        assert_eq!(w.snapshot, single);
+    }
+    assert_eq!(cluster.workers[0].snapshot.resources[0].stats.live_bytes, Some(4096));
+    assert_eq!(cluster.workers[1].snapshot.history.op, [0, 2]);
+    let page = std::fs::read_to_string(dir.path().join("cluster.html")).unwrap();
+    assert!(
+        page.contains(&text.replace('<', "\\u003c")),
+        "the page embeds the cluster document"
+    );
+    assert!(!page.contains(mempool_rmm::observe::MARKER));
+}
+
+#[test]
+fn cluster_says_what_is_wrong_with_its_arguments() {
+    let dir = tempfile::tempdir().unwrap();
+    let w0 = snapshot_file(dir.path(), "w0", "1,10:00:00.000000,allocate,0x1000,64,0x0\n");
+    let log = dir.path().join("w0.csv");
+    let html = dir.path().join("c.html");
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = bench().arg("cluster").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(!html.exists(), "{args:?} wrote the page");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let os = |s: &str| std::ffi::OsString::from(s);
+    let worker = |name: &str, p: &std::path::Path| {
+        let mut s = os(&format!("--worker={name}="));
+        s.push(p);
+        s
+    };
+    let h = html.as_os_str().to_owned();
+    let cases: Vec<(Vec<std::ffi::OsString>, String)> = vec![
+        (
+            vec![worker("a", &w0), worker("a", &w0), os("--html"), h.clone()],
+            "--worker: workers[0] and workers[1] are both named `a`: worker names must be unique".into(),
+        ),
+        (
+            vec![worker("a", &w0), worker("b", &log), os("--html"), h.clone()],
+            format!("--worker b={}: not a mempool snapshot: not JSON: ", log.display()),
+        ),
+        (
+            vec![worker("a", &dir.path().join("missing.json")), os("--html"), h.clone()],
+            format!(
+                "{}: No such file or directory",
+                dir.path().join("missing.json").display()
+            ),
+        ),
+        (
+            vec![worker("a", &w0)],
+            "nothing to write: give --json FILE (the cluster document), --html FILE (its page), or both".into(),
+        ),
+        (
+            vec![os("--worker"), os("w0.json"), os("--html"), h.clone()],
+            "`w0.json` is not NAME=FILE".into(),
+        ),
+        (vec![os("--html"), h.clone()], "--worker <NAME=FILE>".into()),
+    ];
+    for (args, expected) in cases {
+        let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        let e = run(&refs);
+        assert!(e.contains(&expected), "{args:?}: expected `{expected}` in:\n{e}");
+    }
+    // a snapshot whose history columns differ in length is named with the reason
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&w0).unwrap()).unwrap();
+    v["history"]["size"] = serde_json::json!([]);
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, v.to_string()).unwrap();
+    let args = [worker("a", &w0), worker("b", &bad), os("--html"), h];
+    let e = run(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>());
+    assert!(
+        e.contains("history columns differ in length: `size` has 0 entries, `t_ns` has 1"),
+        "{e}"
+    );
+}

@@ -79,6 +79,13 @@ int mempool_async_resource_create(int device, size_t initial_pool_size, mempool_
  * (MEMPOOL_ERROR_INVALID_ARGUMENT otherwise) */
 int mempool_pool_resource_create(const mempool_resource_t* upstream, int device, size_t initial_pool_size,
                                  size_t maximum_pool_size, mempool_resource_t** out);
+/* binning_memory_resource over upstream: bins of 2^min_size_exponent to 2^max_size_exponent bytes (under 8:
+ * the 256-byte bin), larger requests to upstream; 0 <= min <= max <= 40 (MEMPOOL_ERROR_INVALID_ARGUMENT
+ * otherwise). mempool's default stack: bins 8 to 20 over a pool over the driver's pool. */
+int mempool_binning_resource_create(const mempool_resource_t* upstream, int min_size_exponent,
+                                    int max_size_exponent, mempool_resource_t** out);
+/* arena_memory_resource over upstream: a global arena of arena_size bytes (not 0), per-stream arenas. */
+int mempool_arena_resource_create(const mempool_resource_t* upstream, size_t arena_size, mempool_resource_t** out);
 int mempool_statistics_adaptor_create(const mempool_resource_t* upstream, mempool_resource_t** out);
 int mempool_limiting_adaptor_create(const mempool_resource_t* upstream, size_t limit, mempool_resource_t** out);
 /* On out of memory: trim the stack under it, synchronize the stream, retry once (docs/observe.md). */
@@ -88,6 +95,14 @@ int mempool_history_adaptor_create(const mempool_resource_t* upstream, size_t ca
 /* MEMPOOL_ERROR_INVALID_ARGUMENT unless resource is a statistics adaptor */
 int mempool_statistics_get(const mempool_resource_t* resource, mempool_statistics_t* out);
 void mempool_resource_destroy(mempool_resource_t* resource); /* NULL is a no-op */
+/* A new handle to the same resource (a counted reference of its own, released with
+ * mempool_resource_destroy): how a wrapper keeps a handle it was lent (mempool/rmm.hpp). */
+int mempool_resource_retain(const mempool_resource_t* resource, mempool_resource_t** out);
+/* *out = 1 when memory allocated through a may be freed through b (the same resource, or resources that
+ * say they are equal, RMM's is_equal, on the same device), else 0. */
+int mempool_resource_is_equal(const mempool_resource_t* a, const mempool_resource_t* b, int* out);
+/* *out = the ordinal of the device the resource allocates on. */
+int mempool_resource_device(const mempool_resource_t* resource, int* out);
 
 /* Allocation, ordered on stream. 0 bytes gives NULL. deallocate's ptr must come from allocate of the same
  * resource with the same size, once, with no use ordered after the free on stream, while the resource is

@@ -7,10 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, Weak};
 
 use mempool_core::{DeviceAddr, StreamRef};
-use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
-use mempool_rmm::suballoc::PoolOptions;
+use mempool_rmm::adaptors::{AddedBinsAdaptor, LimitingAdaptor, StatisticsAdaptor};
+use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, PoolOptions};
 use mempool_rmm::{
-    AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, ServiceResource, SharedResource, Tag,
+    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, ManagedResource, PoolResource,
+    ServiceResource, SharedResource, Tag,
 };
 
 use crate::device;
@@ -108,6 +109,20 @@ unsafe fn put_handle(out: *mut *mut ResourceHandle, h: ResourceHandle) -> Result
     let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
     *out = Box::into_raw(Box::new(h));
     Ok(())
+}
+
+/// A new C handle to `shared`, a resource of `device` made outside the C ABI (the Python package's
+/// resources, for the RMM bridge of docs/rmm.md): the caller owns it and releases it with
+/// `mempool_resource_destroy`. A statistics adaptor registered with [`register_statistics`] keeps its
+/// counters readable through the handle.
+pub fn new_handle(shared: SharedResource, device: usize) -> *mut ResourceHandle {
+    let stats = statistics_of(&shared);
+    Box::into_raw(Box::new(ResourceHandle {
+        shared,
+        stats,
+        service: None,
+        device,
+    }))
 }
 
 /// The handle `h` points to; a null `h` is refused, with `what` naming the argument.
@@ -260,6 +275,74 @@ pub unsafe extern "C" fn mempool_pool_resource_create(
         let mr: SharedResource = Arc::new(PoolResource::new(up, &dev, options)?);
         // SAFETY: point 1.
         unsafe { put_handle(out, plain(mr, d)) }
+    })
+}
+
+/// Power-of-two bins of fixed-size blocks over `upstream` (RMM's `binning_memory_resource`): bins of
+/// `2^min_size_exponent` to `2^max_size_exponent` bytes (exponents under 8 give the 256-byte bin, as RMM
+/// rounds bin sizes up to 256); a larger request goes to `upstream`. `min_size_exponent <= max_size_exponent
+/// <= 40`, both non-negative, else `MEMPOOL_ERROR_INVALID_ARGUMENT`. mempool's default stack is bins 8 to 20
+/// over a pool over the driver's pool.
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_binning_resource_create(
+    upstream: *const ResourceHandle,
+    min_size_exponent: c_int,
+    max_size_exponent: c_int,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        if min_size_exponent < 0 || min_size_exponent > max_size_exponent || max_size_exponent > 40 {
+            return Err(Error::InvalidArgument(format!(
+                "bin exponents {min_size_exponent}..={max_size_exponent}: need 0 <= min <= max <= 40"
+            )));
+        }
+        let options = BinningOptions {
+            min_size_exponent: min_size_exponent.max(8) as u32,
+            max_size_exponent: max_size_exponent.max(8) as u32,
+            blocks_per_chunk: 128,
+            ..BinningOptions::default()
+        };
+        let dev = device::device(h.device)?;
+        let bins: SharedResource = Arc::new(BinningResource::new(h.shared.clone(), &dev, options)?);
+        let mr: SharedResource = Arc::new(AddedBinsAdaptor::over_binning(bins, &options));
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
+    })
+}
+
+/// A global arena of `arena_size` bytes taken from `upstream`, shared out through per-stream arenas (RMM's
+/// `arena_memory_resource`); it does not grow. `arena_size` 0 is `MEMPOOL_ERROR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// 1. `upstream` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_arena_resource_create(
+    upstream: *const ResourceHandle,
+    arena_size: usize,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(upstream, "upstream") }?;
+        if arena_size == 0 {
+            return Err(Error::InvalidArgument("arena_size is 0".into()));
+        }
+        let options = ArenaOptions {
+            initial_size: arena_size as u64,
+            maximum_size: Some(arena_size as u64),
+            ..ArenaOptions::default()
+        };
+        let dev = device::device(h.device)?;
+        let mr: SharedResource = Arc::new(ArenaResource::new(h.shared.clone(), &dev, options)?);
+        // SAFETY: point 1.
+        unsafe { put_handle(out, plain(mr, h.device)) }
     })
 }
 
@@ -419,6 +502,75 @@ pub unsafe extern "C" fn mempool_resource_destroy(resource: *mut ResourceHandle)
             error::record(&Error::Panic(error::panic_message(&*p)));
         }));
     }
+}
+
+/// Writes a new handle to the same resource as `resource` to `*out` (a counted reference of its own,
+/// released with `mempool_resource_destroy`; the two handles are equal by `mempool_resource_is_equal`). A
+/// wrapper that keeps a handle it was lent (mempool/rmm.hpp) takes one this way.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_retain(
+    resource: *const ResourceHandle,
+    out: *mut *mut ResourceHandle,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(resource, "resource") }?;
+        let copy = ResourceHandle {
+            shared: h.shared.clone(),
+            stats: h.stats.clone(),
+            service: h.service.clone(),
+            device: h.device,
+        };
+        // SAFETY: point 1.
+        unsafe { put_handle(out, copy) }
+    })
+}
+
+/// Writes 1 to `*out` when memory allocated through `a` may be freed through `b` (the same resource, or
+/// resources that say they are equal: RMM's `is_equal`), else 0.
+///
+/// # Safety
+/// 1. `a` and `b` are null or live handles; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_is_equal(
+    a: *const ResourceHandle,
+    b: *const ResourceHandle,
+    out: *mut c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: live handles; the references do not outlive this call.
+        let a = unsafe { handle(a, "a") }?;
+        // SAFETY: point 1.
+        let b = unsafe { handle(b, "b") }?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        let same = Arc::ptr_eq(&a.shared, &b.shared) || a.shared.is_equal(&*b.shared);
+        *out = c_int::from(a.device == b.device && same);
+        Ok(())
+    })
+}
+
+/// Writes the ordinal of the device `resource` allocates on to `*out`.
+///
+/// # Safety
+/// 1. `resource` is null or a live handle; `out` is null or valid for a write.
+#[no_mangle]
+#[allow(unsafe_code)]
+pub unsafe extern "C" fn mempool_resource_device(resource: *const ResourceHandle, out: *mut c_int) -> c_int {
+    guard(|| {
+        // SAFETY: point 1: a live handle; the reference does not outlive this call.
+        let h = unsafe { handle(resource, "resource") }?;
+        // SAFETY: point 1 (checked for null).
+        let out = unsafe { out.as_mut() }.ok_or_else(|| Error::InvalidArgument("out is null".into()))?;
+        // Every handle's device came in as a `c_int` (an ordinal of a create call or the registry's).
+        *out = c_int::try_from(h.device).unwrap_or(c_int::MAX);
+        Ok(())
+    })
 }
 
 /// Allocates `bytes` from `resource`, ordered on `stream` (a `CUstream`/`cudaStream_t`; NULL is the legacy

@@ -38,7 +38,21 @@ static void common(void) {
   CHECK(strstr(mempool_last_error(), "out is null") != NULL, "message names the argument");
   CHECK(mempool_get_current_device_resource(-3, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative device");
   CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+  CHECK(mempool_binning_resource_create(NULL, 8, 20, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null upstream");
+  CHECK(mempool_arena_resource_create(NULL, 1 << 20, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null upstream");
+  CHECK(strstr(mempool_last_error(), "upstream is null") != NULL, "message names the argument");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
   mempool_resource_destroy(NULL);
+  /* retain, is_equal and device refuse NULL handles and outputs, leaving the output untouched. */
+  CHECK(mempool_resource_retain(NULL, &r) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
+  CHECK(strstr(mempool_last_error(), "resource is null") != NULL, "message names the argument");
+  CHECK(r == (mempool_resource_t*)0x1, "out untouched on failure");
+  int eq = 7, dev = 7;
+  CHECK(mempool_resource_is_equal(NULL, NULL, &eq) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null a");
+  CHECK(strstr(mempool_last_error(), "a is null") != NULL, "message names the argument");
+  CHECK(eq == 7, "out untouched on failure");
+  CHECK(mempool_resource_device(NULL, &dev) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null resource");
+  CHECK(dev == 7, "out untouched on failure");
   /* PyTorch's entry points: 0 bytes is NULL; an unknown pointer is refused, not freed. */
   CHECK(mempool_torch_alloc_nullable(0, 0, NULL) == NULL, "0 bytes");
   mempool_torch_free((void*)0x100000, 256, 0, NULL);
@@ -219,16 +233,55 @@ static int gpu(void) {
   CHECK(mempool_deallocate(stats, p, 1000, NULL) == MEMPOOL_SUCCESS, "deallocate");
   CHECK(mempool_allocate(stats, (size_t)1 << 30, NULL, &p) == MEMPOOL_ERROR_OUT_OF_MEMORY, "over the maximum");
   CHECK(strstr(mempool_last_error(), "1073741824") != NULL, "message names the size");
+  /* A retained handle is the same resource: equal, same device, and frees what the other allocated; a
+   * handle of another resource is not equal; NULL outputs are refused. */
+  mempool_resource_t* again = NULL;
+  int eq = -1, dev = -1;
+  CHECK(mempool_resource_retain(stats, &again) == MEMPOOL_SUCCESS && again != NULL && again != stats, "retain");
+  CHECK(mempool_resource_is_equal(stats, again, &eq) == MEMPOOL_SUCCESS && eq == 1, "retained is equal");
+  CHECK(mempool_resource_is_equal(stats, pool, &eq) == MEMPOOL_SUCCESS && eq == 0, "another is not");
+  CHECK(mempool_resource_is_equal(stats, again, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_resource_retain(stats, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_resource_device(again, &dev) == MEMPOOL_SUCCESS && dev == 0, "device %d", dev);
+  CHECK(mempool_resource_device(again, NULL) == MEMPOOL_ERROR_INVALID_ARGUMENT, "null out");
+  CHECK(mempool_allocate(stats, 512, NULL, &p) == MEMPOOL_SUCCESS && p != NULL, "allocate");
+  mempool_resource_destroy(stats); /* the retained handle keeps the adaptor */
+  CHECK(mempool_statistics_get(again, &s) == MEMPOOL_SUCCESS && s.current_bytes == 512, "stats through retained");
+  CHECK(mempool_deallocate(again, p, 512, NULL) == MEMPOOL_SUCCESS, "freed through the retained handle");
+  stats = again;
   CHECK(mempool_set_current_device_resource(0, stats) == MEMPOOL_SUCCESS, "set current");
   CHECK(mempool_get_current_device_resource(0, &cur) == MEMPOOL_SUCCESS, "get current");
   /* The handle to the current resource reads the statistics adaptor set as current. */
-  CHECK(mempool_statistics_get(cur, &s) == MEMPOOL_SUCCESS && s.total_count == 1, "stats through current");
+  CHECK(mempool_statistics_get(cur, &s) == MEMPOOL_SUCCESS && s.total_count == 2, "stats through current");
+  CHECK(mempool_resource_is_equal(cur, stats, &eq) == MEMPOOL_SUCCESS && eq == 1, "current is the one set");
   /* Handles know their device: a resource of device 0 is refused for device 1 (whether or not it exists). */
   mempool_resource_t* wrong = (mempool_resource_t*)0x1;
   CHECK(mempool_set_current_device_resource(1, stats) == MEMPOOL_ERROR_INVALID_ARGUMENT, "other device");
   CHECK(strstr(mempool_last_error(), "device 0, not on device 1") != NULL, "message names both devices");
   CHECK(mempool_pool_resource_create(base, 1, 0, 0, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "pool device");
   CHECK(wrong == (mempool_resource_t*)0x1, "no handle");
+  /* Binning (mempool's default stack: bins 8 to 20 over the pool) and arena; their refusals. */
+  mempool_resource_t *bins = NULL, *arena = NULL;
+  CHECK(mempool_binning_resource_create(pool, 8, 20, &bins) == MEMPOOL_SUCCESS, "binning");
+  CHECK(mempool_arena_resource_create(base, 8 << 20, &arena) == MEMPOOL_SUCCESS, "arena");
+  for (int i = 0; i < 2; i++) {
+    mempool_resource_t* each = i == 0 ? bins : arena;
+    void* a = NULL;
+    void* b = NULL;
+    CHECK(mempool_allocate(each, 100, NULL, &a) == MEMPOOL_SUCCESS && a != NULL, "small");
+    CHECK(mempool_allocate(each, 2 << 20, NULL, &b) == MEMPOOL_SUCCESS && b != NULL && b != a, "large");
+    CHECK(mempool_deallocate(each, a, 100, NULL) == MEMPOOL_SUCCESS, "free small");
+    CHECK(mempool_deallocate(each, b, 2 << 20, NULL) == MEMPOOL_SUCCESS, "free large");
+  }
+  CHECK(mempool_allocate(arena, 16 << 20, NULL, &p) == MEMPOOL_ERROR_OUT_OF_MEMORY, "over the arena");
+  CHECK(mempool_binning_resource_create(pool, 21, 20, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "min > max");
+  CHECK(strstr(mempool_last_error(), "21..=20") != NULL, "message names the exponents");
+  CHECK(mempool_binning_resource_create(pool, -1, 20, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "negative");
+  CHECK(mempool_binning_resource_create(pool, 8, 41, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "over 40");
+  CHECK(mempool_arena_resource_create(base, 0, &wrong) == MEMPOOL_ERROR_INVALID_ARGUMENT, "arena of 0");
+  CHECK(wrong == (mempool_resource_t*)0x1, "no handle");
+  mempool_resource_destroy(bins);
+  mempool_resource_destroy(arena);
   void* t = mempool_torch_alloc_nullable(4096, 0, NULL);
   CHECK(t != NULL, "torch alloc");
   CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.current_bytes == 4096, "torch through stats");
@@ -242,7 +295,7 @@ static int gpu(void) {
   CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.current_bytes == 0, "freed");
   mempool_torch_free(t, 4096, 0, NULL);
   CHECK(strstr(mempool_last_error(), "did not hand out") != NULL, "double free refused");
-  CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.total_count == 2, "counts");
+  CHECK(mempool_statistics_get(stats, &s) == MEMPOOL_SUCCESS && s.total_count == 3, "counts");
   mempool_resource_destroy(cur);
   mempool_resource_destroy(stats);
   mempool_resource_destroy(pool);

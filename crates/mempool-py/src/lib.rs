@@ -91,6 +91,44 @@ fn _last_error() -> String {
     mempool_capi::error::last_error()
 }
 
+/// The C entry points the RMM bridge (`mempool_rmm_bridge`, docs/rmm.md) calls, by name, as addresses in this
+/// module's shared object: it calls them directly, never entering Python per allocation, and shares this
+/// module's registry. A bridge built for a later mempool names the entry point it misses.
+///
+/// The first pair is `("abi", N)`: N counts changes to these entry points' signatures or meaning (1: as
+/// `include/mempool.h` declares them now); a bridge built for another N refuses to load.
+#[pyfunction]
+fn _capi_functions() -> Vec<(&'static str, usize)> {
+    use mempool_capi::ffi;
+    vec![
+        ("abi", 1),
+        ("mempool_allocate", ffi::mempool_allocate as *const () as usize),
+        ("mempool_deallocate", ffi::mempool_deallocate as *const () as usize),
+        (
+            "mempool_resource_destroy",
+            ffi::mempool_resource_destroy as *const () as usize,
+        ),
+        (
+            "mempool_resource_retain",
+            ffi::mempool_resource_retain as *const () as usize,
+        ),
+        (
+            "mempool_resource_is_equal",
+            ffi::mempool_resource_is_equal as *const () as usize,
+        ),
+        (
+            "mempool_resource_device",
+            ffi::mempool_resource_device as *const () as usize,
+        ),
+        (
+            "mempool_get_current_device_resource",
+            ffi::mempool_get_current_device_resource as *const () as usize,
+        ),
+        ("mempool_status_name", ffi::mempool_status_name as *const () as usize),
+        ("mempool_last_error", ffi::mempool_last_error as *const () as usize),
+    ]
+}
+
 #[pymodule]
 #[pyo3(name = "_lib")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -129,6 +167,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_current_device, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(_shared_object_path, m)?)?;
+    m.add_function(wrap_pyfunction!(_capi_functions, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_alloc_raises, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_allocator_state, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_counters, m)?)?;
@@ -138,6 +177,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cupy::register(m)?;
     m.add_function(wrap_pyfunction!(memory::_memory_snapshot_json, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_page, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::_memory_cluster_check, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_record, m)?)?;
     m.add_function(wrap_pyfunction!(memory::_memory_oom_retry, m)?)?;
     errors::register(m)?;

@@ -1,5 +1,5 @@
 //! `mempool.memory`'s functions: snapshots of a resource stack as JSON text, the viewer page around a
-//! snapshot, and the two stack settings of issue 26 (a recorded history, retry once on out of memory).
+//! snapshot, the check of a cluster document, and the two stack settings of issue 26 (a recorded history, retry once on out of memory).
 //! The Python module (`python/mempool/memory.py`) wraps them.
 
 use pyo3::prelude::*;
@@ -29,6 +29,17 @@ pub fn _memory_snapshot_json(py: Python<'_>, mr: Option<&Bound<'_, PyResource>>,
 #[pyfunction]
 pub fn _memory_page(json: &str) -> PyResult<String> {
     observe::page_from_json(json).py()
+}
+
+/// Checks the cluster document `json` as `observe::read_cluster_json` does (the schema and version, unique
+/// worker names, every worker's snapshot); a `ValueError` says why it is not one, naming the worker at fault.
+#[pyfunction]
+pub fn _memory_cluster_check(py: Python<'_>, json: &str) -> PyResult<()> {
+    match py.detach(|| observe::read_cluster_json(json)) {
+        Ok(_) => Ok(()),
+        Err(mempool_rmm::Error::Unsupported { reason, .. }) => Err(pyo3::exceptions::PyValueError::new_err(reason)),
+        Err(e) => Err(pyo3::exceptions::PyValueError::new_err(e.to_string())),
+    }
 }
 
 /// A resource over `mr` that records its allocations and frees in a history of `capacity` events.

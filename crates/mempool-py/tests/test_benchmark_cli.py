@@ -61,7 +61,8 @@ def test_list_names_every_configuration():
     assert p.returncode == 0, p.stderr
     names = [ln.split()[0] for ln in p.stdout.splitlines()]
     for want in ("python-floor", "torch-caching", "torch-async", "torch-mempool-pool", "torch-mempool-binning",
-                 "cupy-pool", "cupy-async", "cupy-mempool-pool", "mempool-default", "mempool-pool", "rmm-async"):
+                 "cupy-pool", "cupy-async", "cupy-mempool-pool", "mempool-default", "mempool-pool", "rmm-async",
+                 "rmm-pool", "rmm-mempool-stack"):
         assert want in names, f"--list lacks {want}: {names}"
 
 

@@ -56,6 +56,12 @@ impl PyResource {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+    /// A new handle of mempool's C ABI (`mempool_resource_t*`, as an address) to this resource, for the RMM
+    /// bridge (docs/rmm.md): whoever takes it releases it with `mempool_resource_destroy` (an address from
+    /// `mempool._lib._capi_functions()`). The resource lives while the handle does.
+    fn _capi_handle(&self) -> usize {
+        mempool_capi::ffi::new_handle(self.inner.clone(), self.device) as usize
+    }
     /// The garbage collector sees the upstream (fixed for the resource's life, so nothing to clear:
     /// cycles through it are broken by the objects that can clear, such as a failure callback).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

@@ -8,7 +8,8 @@ pub const SCHEMA: &str = "mempool.snapshot";
 pub const VERSION: u32 = 1;
 
 /// A snapshot of a resource stack: its resources with their statistics and chunks, the live
-/// allocations, and the recent history (columnar). See docs/observe.md for every field.
+/// allocations, and the recent history (columnar). See docs/observe.md for every field. A reader takes
+/// a missing `devices`, `tags`, `streams`, `live` or `history` as empty, as the viewer does.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     /// Always [`SCHEMA`].
@@ -20,20 +21,25 @@ pub struct Snapshot {
     /// `rust`, `python`, or `replay:<file name>`.
     pub source: String,
     /// The devices of the stack (may be empty).
+    #[serde(default)]
     pub devices: Vec<DeviceInfo>,
     /// Tag (label) names by index.
+    #[serde(default)]
     pub tags: Vec<String>,
     /// Streams by index.
+    #[serde(default)]
     pub streams: Vec<StreamInfo>,
     /// The resources of the stack, top first.
     pub resources: Vec<ResourceInfo>,
     /// Live allocations.
+    #[serde(default)]
     pub live: Vec<LiveAllocation>,
     /// Whether `live` may miss allocations (made before the history's window, in a stack with no
     /// suballocator that lists them).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub live_truncated: bool,
     /// The recent history.
+    #[serde(default)]
     pub history: HistoryColumns,
 }
 
@@ -153,8 +159,10 @@ pub struct LiveAllocation {
     pub t_ns: Option<u64>,
 }
 
-/// The history, one array per field, all of the same length, oldest event first.
+/// The history, one array per field, all of the same length, oldest event first. A reader takes a
+/// missing field as empty (or 0): an empty history may leave its columns out.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct HistoryColumns {
     /// Events the ring holds at most.
     pub capacity: u64,

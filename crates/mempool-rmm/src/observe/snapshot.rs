@@ -479,6 +479,31 @@ mod tests {
         let newer = json.replacen("\"version\":1", "\"version\":2", 1);
         let e = read_json(&newer).unwrap_err().to_string();
         assert!(e.contains("version Some(2)"), "{e}");
+        // the checks the viewer makes: one length for every history column, every column when there are events
+        let ragged = json.replacen("\"thread\":[", "\"thread\":[7,", 1);
+        let e = read_json(&ragged).unwrap_err().to_string();
+        assert!(
+            e.contains("history columns differ in length: `thread` has 3 entries, `t_ns` has 2"),
+            "{e}"
+        );
+        let mut v2 = v.clone();
+        v2["history"].as_object_mut().unwrap().remove("tag");
+        let e = read_json(&v2.to_string()).unwrap_err().to_string();
+        assert!(e.contains("history has 2 events but no `tag` column"), "{e}");
+        let mut bare = snap.clone();
+        bare.history = HistoryColumns::default();
+        let mut v3: serde_json::Value = serde_json::from_str(&to_json(&bare)).unwrap();
+        v3["history"] = serde_json::json!({"t_ns": []});
+        assert_eq!(
+            read_json(&v3.to_string()).unwrap(),
+            bare,
+            "an empty history may leave its columns out"
+        );
+        assert!(crate::observe::page::check(&snap).is_ok());
+        let mut short = snap.clone();
+        short.history.op.pop();
+        let e = crate::observe::page::check(&short).unwrap_err().to_string();
+        assert!(e.contains("`op` has 1 entries, `t_ns` has 2"), "{e}");
         // SAFETY: `p` came from `mr.allocate` with this size and is freed once.
         unsafe { mr.deallocate(p, 4096, stream(0)) }.unwrap();
     }

@@ -4,7 +4,8 @@ page writer, which follows the embedding rule the Rust and Python producers foll
 
 `small()` has hand-checked numbers; `fragmented()` is a first-fit pool simulated over a few thousand
 operations until it fails an allocation with free space left; `big(n)` has `n` history events from a longer
-run (the ring dropped the older ones) and a pool of many chunks.
+run (the ring dropped the older ones) and a pool of many chunks. `cluster(...)` makes a cluster document of
+several snapshots; `three_workers()` is the one the cluster page's test opens.
 
 Run as a program to write the fragmented page (for the docs' screenshot): `python3 snapshots.py OUT.html`.
 """
@@ -300,6 +301,34 @@ def big(n=1_000_000, seed=11):
                  for r in range(2) for e in live[r]]
     streams = [{"id": s, "handle": hex(0x55D0C0 + 16 * s), "label": f"s{s}"} for s in range(4)]
     return base(resources, live_json, history, ["default", "weights", "kv-cache"], streams, "test:big")
+
+
+def cluster(workers, source="test"):
+    """A cluster document (docs/observe.md, "Cluster snapshots") of `workers`: (name, snapshot, identity) triples,
+    identity a dict of the fields beside the name (address, host, pid, device, device_name; missing ones null)."""
+    out = []
+    for name, snap, ident in workers:
+        w = {"name": name, "address": None, "host": None, "pid": None, "device": None, "device_name": None}
+        w.update(ident)
+        w["snapshot"] = snap
+        out.append(w)
+    return {"schema": "mempool.cluster-snapshot", "version": 1, "created_unix_ns": 1764212399000000000,
+            "source": source, "workers": out}
+
+
+def three_workers():
+    """Three workers on two hosts: the small snapshot, the fragmented pool (which failed an allocation) and the
+    frees on another stream; the first named by its address, as Dask names workers. The first one's driver pool
+    (its lowest resource) holds 8 MiB, more than its pool's 2 MiB chunk, as a driver pool that reserved ahead does:
+    the worker's held bytes are the lowest resource's."""
+    first = small()
+    first["resources"][1]["stats"].update(held_bytes=8 * MIB, peak_held_bytes=8 * MIB)
+    return cluster([
+        ("tcp://10.0.0.5:40123", first, {"address": "tcp://10.0.0.5:40123", "host": "node-a", "pid": 4242,
+                                          "device": 0, "device_name": "Simulated GPU"}),
+        ("worker-b", fragmented(), {"host": "node-a", "pid": 4243, "device": 1}),
+        ("worker-c", cross_stream(), {"host": "node-b"}),
+    ])
 
 
 if __name__ == "__main__":

@@ -376,12 +376,29 @@ def _setup_torch_rmm():
             "rmm_torch_allocator over rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource())")
 
 
-def _setup_rmm():
-    rmm = _need("rmm")
-    rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
-    rmm.DeviceBuffer(size=1)
-    return ("DeviceBuffer(size=n)", {"DeviceBuffer": rmm.DeviceBuffer}, {"rmm": _version(rmm)},
-            "rmm.mr.CudaAsyncMemoryResource()")
+def _setup_rmm(kind: str):
+    """``rmm.DeviceBuffer`` over RMM's CudaAsyncMemoryResource (``async``), RMM's PoolMemoryResource over
+    CudaMemoryResource (``pool``, RMM's usual pool) or, through the RMM bridge (docs/rmm.md), mempool's default
+    stack (``mempool-stack``)."""
+
+    def setup():
+        rmm = _need("rmm")
+        versions = {"rmm": _version(rmm)}
+        if kind == "async":
+            mr, label = rmm.mr.CudaAsyncMemoryResource(), "rmm.mr.CudaAsyncMemoryResource()"
+        elif kind == "pool":
+            mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource())
+            label = "rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource())"
+        else:
+            mempool_rmm = _need("mempool.rmm")
+            mr = mempool_rmm.MempoolResource()
+            label = "mempool.rmm.MempoolResource() (mempool's default stack, through the RMM bridge)"
+            versions["mempool"] = _version(_need("mempool"))
+        rmm.mr.set_current_device_resource(mr)
+        rmm.DeviceBuffer(size=1)
+        return ("DeviceBuffer(size=n)", {"DeviceBuffer": rmm.DeviceBuffer}, versions, label)
+
+    return setup
 
 
 class Config:
@@ -436,7 +453,11 @@ CONFIGS = (
            _setup_buffer("binning")),
     Config("mempool-stack", "`mempool.DeviceBuffer`, the default stack (`mempool.mr.default_stack()`)", ("mempool",),
            _setup_buffer("stack")),
-    Config("rmm-async", "`rmm.DeviceBuffer`, RMM's CudaAsyncMemoryResource", ("rmm",), _setup_rmm),
+    Config("rmm-async", "`rmm.DeviceBuffer`, RMM's CudaAsyncMemoryResource", ("rmm",), _setup_rmm("async")),
+    Config("rmm-pool", "`rmm.DeviceBuffer`, RMM's PoolMemoryResource over CudaMemoryResource", ("rmm",),
+           _setup_rmm("pool")),
+    Config("rmm-mempool-stack", "`rmm.DeviceBuffer`, mempool's default stack through the RMM bridge",
+           ("rmm", "mempool", "mempool_rmm_bridge"), _setup_rmm("mempool-stack")),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 

@@ -1,0 +1,208 @@
+"""Host tests of mempool.rmm and the RMM bridge (docs/rmm.md, "Python"): the options are checked before the
+GPU is touched, the bridge's class is RMM's kind of resource and refuses clearly without a GPU, and a missing
+or mismatched RMM is named. scripts/python-tests.sh installs RMM 26.10 and the bridge built against it.
+The GPU tests are crates/mempool-py/rmm-bridge/tests (scripts/rmm-gpu-tests.sh packs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mempool
+import mempool.rmm
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "error", "words"),
+    [
+        ("nope", {}, ValueError, ["unknown kind 'nope'", "default", "pool", "service"]),
+        (7, {}, ValueError, ["unknown kind 7"]),
+        ("pool", {"arena_size": 1}, TypeError, ["kind 'pool' takes", "initial_pool_size", "not arena_size"]),
+        ("cuda", {"initial_pool_size": 1}, TypeError, ["kind 'cuda' takes no options", "initial_pool_size"]),
+        ("pool", {"initial_pool_size": "1GiB"}, TypeError, ["initial_pool_size must be an int", "'1GiB'"]),
+        ("pool", {"initial_pool_size": -1}, ValueError, ["initial_pool_size must not be negative"]),
+        ("async", {"enable_ipc": 1}, TypeError, ["enable_ipc must be True or False"]),
+        ("service", {"tag": 1.5}, TypeError, ["tag must be a tag's name or number"]),
+        ("pool", {"initial_pool_size": True}, TypeError, ["initial_pool_size must be an int"]),
+    ],
+)
+def test_make_resource_checks_options_before_the_gpu(kind, options, error, words):
+    with pytest.raises(error) as e:
+        mempool.rmm.make_resource(kind, **options)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"limit": 0}, ["limit must be a positive number of bytes"]),
+        ({"limit": -5}, ["limit must be a positive number of bytes"]),
+        ({"device": -1}, ["device must be a device ordinal"]),
+        ({"statistics": "yes"}, ["statistics must be True or False"]),
+    ],
+)
+def test_make_resource_checks_its_own_arguments(kwargs, words):
+    with pytest.raises((ValueError, TypeError)) as e:
+        mempool.rmm.make_resource("default", **kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_every_kind_is_described():
+    assert set(mempool.rmm.KINDS) == {
+        "default", "current", "async", "pool", "binning", "arena", "cuda", "managed", "service"
+    }
+    for kind, (what, options) in mempool.rmm.KINDS.items():
+        assert what and isinstance(options, tuple), kind
+
+
+def test_without_a_gpu_making_a_resource_names_the_cause():
+    # The options are fine: the first driver call fails, with mempool's own error.
+    with pytest.raises(mempool.MempoolError) as e:
+        mempool.rmm.make_resource("pool", initial_pool_size=1 << 20)
+    assert type(e.value) in (mempool.DriverNotFoundError, mempool.NoDeviceError, mempool.DriverTooOldError)
+
+
+def test_the_bridge_class_is_an_rmm_resource():
+    import rmm
+
+    cls = mempool.rmm.MempoolResource
+    assert issubclass(cls, rmm.mr.DeviceMemoryResource)
+    assert cls.__module__ == "mempool_rmm_bridge._bridge"
+
+
+def test_the_bridge_refuses_clearly_without_a_gpu():
+    with pytest.raises(mempool.MempoolError) as e:
+        mempool.rmm.MempoolResource()
+    assert type(e.value) in (mempool.DriverNotFoundError, mempool.NoDeviceError, mempool.DriverTooOldError)
+    with pytest.raises(mempool.MempoolError):
+        mempool.rmm.MempoolResource(kind="async", release_threshold=1 << 30)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "words"),
+    [
+        ((), {"kind": "nope"}, ValueError, ["unknown kind 'nope'"]),
+        ((object(),), {}, TypeError, ["wraps a mempool.mr resource, not object"]),
+        ((), {"kind": "pool", "bogus": 1}, TypeError, ["not bogus"]),
+    ],
+)
+def test_the_bridge_checks_its_arguments(args, kwargs, error, words):
+    with pytest.raises(error) as e:
+        mempool.rmm.MempoolResource(*args, **kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_the_bridge_is_a_class_path_with_keyword_options():
+    # What cudf-polars' memory resource configuration and dask-cuda do with a qualified name.
+    import importlib
+
+    module, _, name = "mempool.rmm.MempoolResource".rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert cls is mempool.rmm.MempoolResource
+    with pytest.raises(mempool.MempoolError):
+        cls(**{"kind": "binning", "initial_pool_size": 1 << 24})
+
+
+def test_a_missing_rmm_is_named():
+    r = run_python(
+        """
+        import sys
+        sys.modules["rmm"] = None  # as if RMM were not installed
+        import mempool.rmm
+        mempool.rmm.make_resource  # the module itself works without RMM
+        try:
+            mempool.rmm.MempoolResource
+        except ImportError as e:
+            print("ImportError:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: mempool_rmm_bridge needs RMM 26.10" in r.stdout
+    assert "pip install rmm-cu13==26.10.*" in r.stdout
+
+
+def test_a_missing_bridge_is_named():
+    r = run_python(
+        """
+        import sys
+        sys.modules["mempool_rmm_bridge"] = None  # as if the bridge were not installed
+        import mempool.rmm
+        try:
+            mempool.rmm.as_rmm_resource
+            mempool.rmm.MempoolResource
+        except ImportError as e:
+            print("ImportError:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "mempool.rmm needs the RMM bridge" in r.stdout
+    assert "scripts/build-rmm-bridge.sh" in r.stdout
+
+
+def test_another_rmm_release_is_refused():
+    r = run_python(
+        """
+        import rmm
+        rmm.__version__ = "26.12.00"
+        import mempool.rmm
+        try:
+            mempool.rmm.MempoolResource
+        except ImportError as e:
+            print("ImportError:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "built against RMM 26.10" in r.stdout
+    assert "RMM 26.12.00 is installed" in r.stdout
+
+
+def test_unknown_attributes_are_attribute_errors():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        mempool.rmm.Nope  # noqa: B018
+
+
+def rmm_doc_blocks() -> list[str]:
+    """The ```python blocks of docs/rmm.md (MEMPOOL_DOCS names docs/python.md's folder when the tests run
+    from an installed wheel elsewhere)."""
+    import os
+    import re
+    from pathlib import Path
+
+    env = os.environ.get("MEMPOOL_DOCS")
+    path = Path(env).with_name("rmm.md") if env else Path(__file__).resolve().parents[3] / "docs" / "rmm.md"
+    text = path.read_text()
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```$", text, re.S | re.M)]
+
+
+def test_the_docs_python_blocks_compile():
+    blocks = rmm_doc_blocks()
+    assert len(blocks) >= 2, "docs/rmm.md shows the Python bridge in a block or more"
+    for i, code in enumerate(blocks):
+        compile(code, f"docs/rmm.md python block {i + 1}", "exec")
+    assert any("MempoolResource" in b and "set_current_device_resource" in b for b in blocks)
+
+
+def test_a_bridge_for_other_entry_points_is_refused():
+    import mempool_rmm_bridge._bridge as bridge
+
+    good = mempool._lib._capi_functions()
+    assert good[0] == ("abi", bridge.CAPI_ABI)
+    with pytest.raises(ImportError, match="calls version 1 of mempool's C entry points.*gives version 2"):
+        bridge._set_functions([("abi", 2)] + good[1:])
+    with pytest.raises(ImportError, match="gives none"):
+        bridge._set_functions(good[1:])
+    with pytest.raises(ImportError, match="does not give the entry point mempool_deallocate"):
+        bridge._set_functions([p for p in good if p[0] != "mempool_deallocate"])
+    bridge._set_functions(good)  # back to the real table
