@@ -3,7 +3,8 @@
 # tests and its documents' blocks, and the two benchmarks, from the wheels that scripts/dask-wheels.sh put in
 # .dask-wheels/ (with the mempool wheel built into it: see that script). Each step fits one 10-minute call:
 #
-#   bash scripts/dask-gpu-tests.sh install     # a venv in .dask-venv (system site packages: CuPy, PyTorch)
+#   bash scripts/dask-gpu-tests.sh install     # a venv in .dask-venv (system site packages: CuPy, PyTorch),
+#                                              #   with RMM and the bridge from target/rmm-gpu when unpacked
 #   bash scripts/dask-gpu-tests.sh tests       # test_dask_gpu.py, test_dask_docs.py, test_dask.py, the Ray block
 #   bash scripts/dask-gpu-tests.sh shuffle     # 64 x 256 MiB between two workers: default comm, then handles
 #   bash scripts/dask-gpu-tests.sh bdb         # the workload under mempool's stack and pool (and RMM's pool,
@@ -38,10 +39,26 @@ install)
     --force-reinstall --no-deps "$(ls -t "$wheels"/mempool-*.whl | head -1)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-index --find-links "$wheels" \
     dask-cuda==26.10.0 dask==2026.7.1 distributed==2026.7.1 pytest pytest-timeout
+  # RMM 26.10 and the RMM bridge, from the pack of scripts/rmm-gpu-tests.sh (carry target/rmm-gpu.tgz and
+  # unpack it first): the baseline of RMM's pool (dask-cuda's rmm_pool_size) and the plugin's "rmm" hook.
+  rmm_wheels=${RMM_WHEELS:-$root/target/rmm-gpu/python/wheels}
+  if ls "$rmm_wheels"/rmm_cu13-*.whl > /dev/null 2>&1; then
+    extra=()
+    "$venv/bin/python" -c 'import cuda.pathfinder' 2>/dev/null || extra=("$rmm_wheels"/cuda_pathfinder-*.whl)
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+      "$rmm_wheels"/rmm_cu13-*.whl "$rmm_wheels"/librmm_cu13-*.whl "$rmm_wheels"/rapids_logger-*.whl \
+      "$rmm_wheels"/mempool_rmm_bridge-*.whl "${extra[@]}"
+  else
+    echo "dask-gpu-tests.sh: no RMM wheels in $rmm_wheels: RMM's pool and the 'rmm' hook are left out"
+  fi
   "$venv/bin/python" - <<'PY'
 import importlib
-for m in ("mempool", "mempool.dask", "dask_cuda", "distributed", "cupy", "torch"):
-    mod = importlib.import_module(m)
+for m in ("mempool", "mempool.dask", "dask_cuda", "distributed", "cupy", "torch", "rmm", "mempool_rmm_bridge"):
+    try:
+        mod = importlib.import_module(m)
+    except ImportError as e:
+        print(m, "does not import:", e)
+        continue
     print(m, getattr(mod, "__version__", ""), getattr(mod, "__file__", ""))
 from mempool import mr
 print("devices:", mr.device_count())

@@ -24,7 +24,7 @@ import mempool.dask as md  # noqa: E402
 from mempool.benchmarks import bdb  # noqa: E402
 from mempool.dask import framing, plugin, transfer  # noqa: E402
 from mempool.dask.preload import dask_setup, plugin_from_options  # noqa: E402
-from mempool.dask.spec import ResourceSpec, format_size, parse_size  # noqa: E402
+from mempool.spec import ResourceSpec, format_size, parse_size  # noqa: E402
 
 GiB = 1 << 30
 
@@ -194,8 +194,7 @@ def test_parse_frameworks():
     assert md.parse_frameworks(["Numba"]) == ("numba",)
     with pytest.raises(ValueError, match="unknown framework 'jax'"):
         md.parse_frameworks("cupy,jax")
-    with pytest.raises(ValueError, match="'rmm' cannot be hooked yet: mempool has no Python RMM bridge"):
-        md.parse_frameworks(["rmm"])
+    assert md.parse_frameworks(["rmm", "cupy"]) == ("rmm", "cupy")  # RMM through the bridge (docs/rmm.md)
     with pytest.raises(ValueError, match="'cupy' is listed twice"):
         md.parse_frameworks("cupy,cupy")
     with pytest.raises(TypeError, match="frameworks"):
@@ -221,7 +220,7 @@ def test_plugin_options_name_and_pickling():
 
 
 def test_a_missing_framework_is_named_before_the_gpu_is_touched(monkeypatch):
-    monkeypatch.setattr(plugin, "_importable", lambda module: module != "cupy")
+    monkeypatch.setattr(plugin, "_importable", lambda modules: "cupy" not in modules)
     with pytest.raises(ImportError, match=r"framework\(s\) cupy asked for but not installed"):
         md.setup_worker(ResourceSpec(kind="pool"), frameworks=("cupy", "torch"))
     assert md.current_setup()["spec"] is None  # nothing was built
@@ -242,7 +241,7 @@ def test_setup_worker_refuses_bad_arguments_before_the_gpu():
 
 def test_a_hook_that_fails_is_an_error_when_asked_for_and_a_note_under_auto(monkeypatch):
     """What happens after the resource is built, with the build and the hooks replaced (no GPU here)."""
-    monkeypatch.setattr(plugin, "_importable", lambda module: True)
+    monkeypatch.setattr(plugin, "_importable", lambda modules: True)
     monkeypatch.setattr(plugin, "device_total_memory", lambda device: 80 * GiB)
     import types
 
@@ -252,16 +251,17 @@ def test_a_hook_that_fails_is_an_error_when_asked_for_and_a_note_under_auto(monk
     monkeypatch.setattr(mempool.mr, "set_per_device_resource", lambda device, res: None)
     monkeypatch.setattr(plugin, "_STATE", plugin._State())
 
-    def hook(f, cupy_allocator):
+    def hook(f, cupy_allocator, device, resource):
+        assert device == 0 and resource.name == "FakeResource"
         if f == "torch":
             raise RuntimeError("PyTorch has already started CUDA in this worker")
-        return "c" if f == "cupy" else "emm"
+        return {"cupy": "c", "rmm": "bridge"}.get(f, "emm")
 
     monkeypatch.setattr(plugin, "_hook", hook)
     with pytest.raises(RuntimeError, match="pointing torch at the resource failed: PyTorch has already started"):
         md.setup_worker(ResourceSpec(kind="pool"), frameworks=["cupy", "torch"])
     state = md.setup_worker(ResourceSpec(kind="pool"), frameworks="auto")
-    assert state["hooked"] == {"cupy": "c", "numba": "emm"}
+    assert state["hooked"] == {"cupy": "c", "numba": "emm", "rmm": "bridge"}
     assert "already started CUDA" in state["not_hooked"]["torch"]
     again = md.setup_worker(ResourceSpec(kind="pool"), frameworks="auto")
     assert again["resource_id"] == state["resource_id"] and again["setups"] == state["setups"] + 1
@@ -282,7 +282,7 @@ def test_registering_on_a_cluster_fails_at_registration_with_the_workers_error(n
     framework), so a misconfiguration shows before the first task."""
     from distributed import Client, LocalCluster
 
-    monkeypatch.setattr(plugin, "_importable", lambda module: module != "torch")
+    monkeypatch.setattr(plugin, "_importable", lambda modules: "torch" not in modules)
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         with pytest.raises(ImportError, match="torch asked for but not installed on worker "):
             md.register(client, kind="pool", frameworks=["torch"])

@@ -32,6 +32,7 @@ from mempool.benchmarks.dask_gpu import (  # noqa: E402
     task_make_cupy as _make_cupy,
     task_make_torch as _make_torch,
     task_orphan_share as _orphan_share,
+    task_rmm_alloc as _rmm_alloc,
     task_set_stash_ttl as _set_ttl,
     task_sleep as _sleep,
     task_torch_alloc as _torch_alloc,
@@ -99,6 +100,25 @@ def test_cupy_and_torch_tasks_allocate_from_it(cluster):
         assert after[w]["statistics"]["peak_bytes"] >= 64 * MiB
 
 
+
+
+def test_rmm_through_the_bridge_allocates_from_the_workers_resource(cluster):
+    """frameworks=["rmm"]: RMM's current device resource on each worker is the worker's mempool resource
+    through the RMM bridge (docs/rmm.md), so what allocates through RMM (cudf, rmm.DeviceBuffer) counts in
+    mempool's statistics. Needs RMM and mempool-rmm-bridge on the workers (scripts/dask-gpu-tests.sh
+    install takes them from target/rmm-gpu); fails without them."""
+    from mempool.dask import MempoolSetup, worker_statistics
+
+    cluster.register_plugin(MempoolSetup(kind="pool", initial_pool_size="256MiB", frameworks=["rmm", "cupy"]))
+    before = worker_statistics(cluster)
+    for w in _workers(cluster):
+        assert before[w]["hooked"]["rmm"] == "bridge", before[w]
+        got = cluster.submit(_rmm_alloc, 48 * MiB, workers=[w], pure=False).result()
+        assert got == {"size": 48 * MiB, "same": True, "rmm_resource": "MempoolResource"}, (w, got)
+    after = worker_statistics(cluster)
+    for w in _workers(cluster):
+        grew = after[w]["statistics"]["total_bytes"] - before[w]["statistics"]["total_bytes"]
+        assert grew >= 48 * MiB, (w, before[w]["statistics"], after[w]["statistics"])
 
 
 def test_a_worker_killed_mid_task_is_replaced_and_set_up_again(cluster):

@@ -24,46 +24,35 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("kind", "options", "error", "words"),
     [
-        ("nope", {}, ValueError, ["unknown kind 'nope'", "default", "pool", "service"]),
-        (7, {}, ValueError, ["unknown kind 7"]),
-        ("pool", {"arena_size": 1}, TypeError, ["kind 'pool' takes", "initial_pool_size", "not arena_size"]),
-        ("cuda", {"initial_pool_size": 1}, TypeError, ["kind 'cuda' takes no options", "initial_pool_size"]),
-        ("pool", {"initial_pool_size": "1GiB"}, TypeError, ["initial_pool_size must be an int", "'1GiB'"]),
-        ("pool", {"initial_pool_size": -1}, ValueError, ["initial_pool_size must not be negative"]),
-        ("async", {"enable_ipc": 1}, TypeError, ["enable_ipc must be True or False"]),
-        ("service", {"tag": 1.5}, TypeError, ["tag must be a tag's name or number"]),
-        ("pool", {"initial_pool_size": True}, TypeError, ["initial_pool_size must be an int"]),
+        ("nope", {}, ValueError, ["unknown resource kind 'nope'", "default", "pool", "service"]),
+        (7, {}, TypeError, ["kind: expected one of", "got 7"]),
+        ("pool", {"arena_size": 1}, ValueError, ["arena_size=1 does not apply to kind 'pool'"]),
+        ("cuda", {"initial_pool_size": 1}, ValueError, ["initial_pool_size=1 does not apply to kind 'cuda'"]),
+        ("pool", {"initial_pool_size": "1 parsec"}, ValueError, ["unknown unit 'parsec'"]),
+        ("pool", {"initial_pool_size": -1}, ValueError, ["initial_pool_size: a size cannot be negative"]),
+        ("async", {"enable_ipc": "maybe"}, ValueError, ["enable_ipc: expected true or false"]),
+        ("service", {"tag": 1.5}, ValueError, ["tag: expected a non-empty name"]),
+        ("pool", {"bogus": 1}, ValueError, ["unknown resource option 'bogus'", "initial_pool_size"]),
+        ("default", {"limit": 0}, ValueError, ["limit: must be more than 0 bytes"]),
+        ("default", {"device": -1}, ValueError, ["device: must be in"]),
+        ("pool", {"initial_pool_size": "2GiB", "maximum_pool_size": "1GiB"}, ValueError,
+         ["initial_pool_size 2.00 GiB", "larger than maximum_pool_size 1.00 GiB"]),
+        ("binning", {"bins": (21, 20)}, ValueError, ["bins: the smallest exponent 21 is larger than the largest 20"]),
+        ("current", {"initial_pool_size": 1}, ValueError, ["kind 'current' takes no options"]),
     ],
 )
 def test_make_resource_checks_options_before_the_gpu(kind, options, error, words):
+    # mempool.spec's checks (the ones mempool.dask's workers use), made before anything touches the GPU.
     with pytest.raises(error) as e:
         mempool.rmm.make_resource(kind, **options)
     for w in words:
-        assert w in str(e.value)
+        assert w in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "words"),
-    [
-        ({"limit": 0}, ["limit must be a positive number of bytes"]),
-        ({"limit": -5}, ["limit must be a positive number of bytes"]),
-        ({"device": -1}, ["device must be a device ordinal"]),
-        ({"statistics": "yes"}, ["statistics must be True or False"]),
-    ],
-)
-def test_make_resource_checks_its_own_arguments(kwargs, words):
-    with pytest.raises((ValueError, TypeError)) as e:
-        mempool.rmm.make_resource("default", **kwargs)
-    for w in words:
-        assert w in str(e.value)
-
-
-def test_every_kind_is_described():
+def test_every_kind_is_known():
     assert set(mempool.rmm.KINDS) == {
         "default", "current", "async", "pool", "binning", "arena", "cuda", "managed", "service"
     }
-    for kind, (what, options) in mempool.rmm.KINDS.items():
-        assert what and isinstance(options, tuple), kind
 
 
 def test_without_a_gpu_making_a_resource_names_the_cause():
@@ -92,9 +81,9 @@ def test_the_bridge_refuses_clearly_without_a_gpu():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "words"),
     [
-        ((), {"kind": "nope"}, ValueError, ["unknown kind 'nope'"]),
+        ((), {"kind": "nope"}, ValueError, ["unknown resource kind 'nope'"]),
         ((object(),), {}, TypeError, ["wraps a mempool.mr resource, not object"]),
-        ((), {"kind": "pool", "bogus": 1}, TypeError, ["not bogus"]),
+        ((), {"kind": "pool", "bogus": 1}, ValueError, ["unknown resource option 'bogus'"]),
     ],
 )
 def test_the_bridge_checks_its_arguments(args, kwargs, error, words):
@@ -112,7 +101,7 @@ def test_the_bridge_is_a_class_path_with_keyword_options():
     cls = getattr(importlib.import_module(module), name)
     assert cls is mempool.rmm.MempoolResource
     with pytest.raises(mempool.MempoolError):
-        cls(**{"kind": "binning", "initial_pool_size": 1 << 24})
+        cls(**{"kind": "binning", "initial_pool_size": "16MiB", "bins": "8-20"})
 
 
 def test_a_missing_rmm_is_named():

@@ -16,7 +16,7 @@ or the RMM release it was built for). Engines that make their resource from a qu
 (cudf-polars' memory resource configuration) name ``mempool.rmm.MempoolResource`` with keyword options.
 
 What this module does without RMM: :func:`make_resource` builds the mempool resource a ``kind`` and options
-describe, checking them first.
+describe (``mempool.spec``, as ``mempool.dask`` does for each worker), checking them first.
 """
 
 from __future__ import annotations
@@ -24,122 +24,32 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import mr as _mr
+from .spec import KINDS as SPEC_KINDS
+from .spec import ResourceSpec, build
 
 __all__ = ["KINDS", "MempoolResource", "as_rmm_resource", "make_resource"]
 
-# kind -> (what it is, the options it takes besides device, statistics and limit)
-KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "default": (
-        "mempool's default stack: binning over the pool suballocator over the driver's pool",
-        ("initial_pool_size", "maximum_pool_size"),
-    ),
-    "current": ("the device's current mempool resource (mempool.mr.get_current_device_resource)", ()),
-    "async": (
-        "the driver's stream-ordered pool (CudaAsyncMemoryResource)",
-        ("initial_pool_size", "release_threshold", "enable_ipc"),
-    ),
-    "pool": (
-        "the pool suballocator over the driver's pool (PoolMemoryResource)",
-        ("initial_pool_size", "maximum_pool_size"),
-    ),
-    "binning": (
-        "size-class bins over the pool suballocator (BinningMemoryResource)",
-        ("min_size_exponent", "max_size_exponent", "initial_pool_size", "maximum_pool_size"),
-    ),
-    "arena": (
-        "per-thread arenas over the driver's pool (ArenaMemoryResource)",
-        ("arena_size", "dump_log_on_failure"),
-    ),
-    "cuda": ("cudaMalloc/cudaFree without a pool (CudaMemoryResource)", ()),
-    "managed": ("managed memory (ManagedMemoryResource)", ()),
-    "service": (
-        "a tag of the service resource (ServiceMemoryResource(...).tagged(tag))",
-        ("tag", "max_tags", "chunk_size", "region_size", "watermark", "shareable"),
-    ),
-}
+#: What ``kind`` may name: the kinds of ``mempool.spec.ResourceSpec``, and ``"current"``, the device's current
+#: mempool resource as it is.
+KINDS = SPEC_KINDS + ("current",)
 
 
-def _check_options(kind: str, options: dict[str, Any]) -> None:
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}: one of {', '.join(sorted(KINDS))}")
-    allowed = KINDS[kind][1]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        takes = ", ".join(allowed) if allowed else "no options"
-        raise TypeError(
-            f"kind {kind!r} takes {takes} (besides device, statistics and limit), not {', '.join(unknown)}"
-        )
-    for name, value in options.items():
-        if name in ("enable_ipc", "dump_log_on_failure", "shareable"):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, not {value!r}")
-        elif name == "tag":
-            if not isinstance(value, (str, int)) or isinstance(value, bool):
-                raise TypeError(f"tag must be a tag's name or number, not {value!r}")
-        elif value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise TypeError(f"{name} must be an int or None, not {value!r}")
-        elif name not in ("min_size_exponent", "max_size_exponent") and value is not None and value < 0:
-            raise ValueError(f"{name} must not be negative, not {value}")
-
-
-def make_resource(
-    kind: str = "default",
-    *,
-    device: Optional[int] = None,
-    statistics: bool = False,
-    limit: Optional[int] = None,
-    **options: Any,
-) -> _mr.DeviceMemoryResource:
-    """The mempool resource ``kind`` names (see ``KINDS``), made on ``device`` (default: the current device)
-    with ``options``; with ``limit``, under a ``LimitingResourceAdaptor`` of that many bytes; with
-    ``statistics``, under a ``StatisticsResourceAdaptor`` (outermost). The kind and the options are checked
-    before anything touches the GPU: an unknown kind is ValueError, an option the kind does not take or of
-    the wrong type TypeError."""
-    _check_options(kind, options)
-    if not isinstance(statistics, bool):
-        raise TypeError(f"statistics must be True or False, not {statistics!r}")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
-        raise ValueError(f"limit must be a positive number of bytes or None, not {limit!r}")
-    if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
-        raise ValueError(f"device must be a device ordinal or None, not {device!r}")
-    o = dict(options)
-    if kind == "default":
-        r: _mr.DeviceMemoryResource = _mr.default_stack(
-            None, o.get("initial_pool_size"), o.get("maximum_pool_size"), device=device
-        )
-    elif kind == "current":
-        r = _mr.get_per_device_resource(device if device is not None else _mr.get_current_device())
-    elif kind == "async":
-        r = _mr.CudaAsyncMemoryResource(
-            o.get("initial_pool_size"), o.get("release_threshold"), bool(o.get("enable_ipc", False)), device=device
-        )
-    elif kind == "pool":
-        r = _mr.PoolMemoryResource(
-            _mr.CudaAsyncMemoryResource(device=device), o.get("initial_pool_size"), o.get("maximum_pool_size")
-        )
-    elif kind == "binning":
-        pool = _mr.PoolMemoryResource(
-            _mr.CudaAsyncMemoryResource(device=device), o.get("initial_pool_size"), o.get("maximum_pool_size")
-        )
-        lo, hi = o.get("min_size_exponent"), o.get("max_size_exponent")
-        r = _mr.BinningMemoryResource(pool, -1 if lo is None else lo, -1 if hi is None else hi)
-    elif kind == "arena":
-        r = _mr.ArenaMemoryResource(
-            _mr.CudaAsyncMemoryResource(device=device), o.get("arena_size"), bool(o.get("dump_log_on_failure", False))
-        )
-    elif kind == "cuda":
-        r = _mr.CudaMemoryResource(device=device)
-    elif kind == "managed":
-        r = _mr.ManagedMemoryResource(device=device)
-    else:  # service
-        service_options = {k: v for k, v in o.items() if k != "tag" and v is not None}
-        service = _mr.ServiceMemoryResource(device, **service_options)
-        r = service.tagged(o.get("tag", "default"))
-    if limit is not None:
-        r = _mr.LimitingResourceAdaptor(r, limit)
-    if statistics:
-        r = _mr.StatisticsResourceAdaptor(r)
-    return r
+def make_resource(kind: str = "default", *, device: Optional[int] = None, statistics: bool = False, **options: Any):
+    """The mempool resource ``kind`` and ``options`` describe, made on ``device`` (default: the current
+    device): the kinds and options of ``mempool.spec.ResourceSpec`` (docs/rmm.md has the table; sizes in
+    bytes, as ``"4GiB"``, or as a fraction of the device's memory, ``"0.5"``), except that ``statistics``
+    (a ``StatisticsResourceAdaptor`` on top) is off unless asked for; or ``"current"``, the device's current
+    mempool resource, which takes no options. Everything that can be checked without the GPU is checked
+    first: an unknown kind or option, or a value it cannot take, raises ``ValueError`` (``TypeError`` for a
+    wrong type) naming it."""
+    if kind == "current":
+        if options or statistics:
+            raise ValueError(f"kind 'current' takes no options (given: {', '.join(sorted(options)) or 'statistics'})")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise ValueError(f"device: expected a non-negative ordinal, got {device!r}")
+        return _mr.get_per_device_resource(device if device is not None else _mr.get_current_device())
+    spec = ResourceSpec.coerce(kind=kind, device=device, statistics=statistics, **options)
+    return build(spec, spec.device if spec.device is not None else _mr.get_current_device())
 
 
 def _resource_and_handle(

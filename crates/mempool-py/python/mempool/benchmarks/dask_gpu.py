@@ -192,6 +192,17 @@ def task_torch_alloc(n):
     return float(t.sum().item())
 
 
+def task_rmm_alloc(n):
+    """``n`` bytes through RMM's current device resource (``rmm.DeviceBuffer``), written and read back:
+    with the plugin's ``"rmm"`` hook, from the worker's mempool resource through the RMM bridge."""
+    import rmm
+
+    data = bytes(range(256)) * (n // 256)
+    buf = rmm.DeviceBuffer.to_device(data)
+    ok = buf.tobytes() == data
+    return {"size": buf.size, "same": ok, "rmm_resource": type(rmm.mr.get_current_device_resource()).__name__}
+
+
 def task_sleep(s):
     time.sleep(s)
     return s

@@ -26,7 +26,7 @@ from mempool.dask.plugin import (
     setup_worker,
     worker_statistics,
 )
-from mempool.dask.spec import KINDS, ResourceSpec, build, device_total_memory, format_size, parse_size
+from mempool.spec import KINDS, ResourceSpec, build, device_total_memory, format_size, parse_size
 
 __all__ = [
     "FRAMEWORKS",

@@ -30,7 +30,7 @@ except ImportError as _e:  # Ray or plain processes: setup_worker and the spec n
         """Stands in for distributed's, which is not installed: ``MempoolSetup`` refuses to be made."""
 
 
-from mempool.dask.spec import ResourceSpec, build, device_total_memory, format_size
+from mempool.spec import ResourceSpec, build, device_total_memory, format_size
 
 logger = logging.getLogger("mempool.dask")
 
@@ -44,13 +44,14 @@ __all__ = [
     "worker_statistics",
 ]
 
-#: The frameworks a worker can point at its resource. ``rmm`` is accepted by name and refused: mempool has
-#: no Python RMM bridge yet (see ``parse_frameworks``).
+#: The frameworks a worker can point at its resource. ``rmm`` is RMM's current device resource, through the
+#: RMM bridge (``mempool.rmm.MempoolResource``, docs/rmm.md): cudf, RMM's CuPy and PyTorch hooks and anything
+#: else that allocates through RMM then allocate from the worker's mempool resource.
 FRAMEWORKS = ("cupy", "torch", "numba", "rmm")
-#: The module each framework is imported as.
-_MODULES = {"cupy": "cupy", "torch": "torch", "numba": "numba.cuda", "rmm": "rmm"}
+#: The modules each framework needs (all importable for it to count as installed).
+_MODULES = {"cupy": ("cupy",), "torch": ("torch",), "numba": ("numba",), "rmm": ("rmm", "mempool_rmm_bridge")}
 #: What "auto" tries, in order.
-_AUTO = ("cupy", "torch", "numba")
+_AUTO = ("cupy", "torch", "numba", "rmm")
 
 #: The plugin's name on the workers: registering a second ``MempoolSetup`` replaces the first (Dask calls
 #: the old one's ``teardown``, then the new one's ``setup``), never adds a second.
@@ -79,20 +80,15 @@ def parse_frameworks(value: Union[str, Iterable[str], None]) -> Union[str, tuple
     for n in names:
         if n not in FRAMEWORKS:
             raise ValueError(f"frameworks: unknown framework {n!r}; the frameworks are {', '.join(FRAMEWORKS)} or 'auto'")
-        if n == "rmm":
-            raise ValueError(
-                "frameworks: 'rmm' cannot be hooked yet: mempool has no Python RMM bridge (RMM's Python API "
-                "cannot allocate from a mempool resource); leave 'rmm' out"
-            )
         if n in out:
             raise ValueError(f"frameworks: {n!r} is listed twice")
         out.append(n)
     return tuple(out)
 
 
-def _importable(module: str) -> bool:
+def _importable(modules: tuple) -> bool:
     try:
-        return importlib.util.find_spec(module.split(".")[0]) is not None
+        return all(importlib.util.find_spec(m.split(".")[0]) is not None for m in modules)
     except (ImportError, ValueError):
         return False
 
@@ -105,7 +101,8 @@ class _State:
         self.spec: Optional[ResourceSpec] = None
         self.device: Optional[int] = None
         self.resource: Any = None
-        self.hooked: dict = {}  # framework -> what was set ("c", "python", "pluggable", "emm")
+        self.hooked: dict = {}  # framework -> what was set ("c", "python", "pluggable", "emm", "bridge")
+        self.hooked_resource: dict = {}  # framework -> the resource it was pointed at
         self.not_hooked: dict = {}  # framework -> why "auto" left it alone
         self.ipc: Any = None  # mempool.dask.transfer.Endpoint when handles are on
         self.setups = 0
@@ -131,8 +128,8 @@ def current_setup() -> dict:
     }
 
 
-def _hook(framework: str, cupy_allocator: str) -> str:
-    """Points ``framework`` at the current device resource; returns how."""
+def _hook(framework: str, cupy_allocator: str, device: int, resource: Any) -> str:
+    """Points ``framework`` at ``resource``, ``device``'s current resource; returns how."""
     if framework == "cupy":
         import cupy
 
@@ -163,6 +160,13 @@ def _hook(framework: str, cupy_allocator: str) -> str:
 
         cuda.set_memory_manager(MempoolNumbaManager)
         return "emm"
+    if framework == "rmm":
+        import rmm
+
+        from mempool.rmm import MempoolResource
+
+        rmm.mr.set_per_device_resource(device, MempoolResource(resource))
+        return "bridge"
     raise AssertionError(framework)
 
 
@@ -223,10 +227,12 @@ def setup_worker(
             s.spec, s.device, s.resource = spec, device, resource
             logger.info("mempool.dask: device %d now allocates from %s (%s)", device, resource.name, spec.to_dict())
         for f in wanted:
-            if f in s.hooked:
+            # RMM's resource follows the worker's: a new spec's resource is made RMM's current one again.
+            if f in s.hooked and not (f == "rmm" and s.hooked_resource.get(f) is not s.resource):
                 continue
             try:
-                s.hooked[f] = _hook(f, cupy_allocator)
+                s.hooked[f] = _hook(f, cupy_allocator, device, s.resource)
+                s.hooked_resource[f] = s.resource
                 s.not_hooked.pop(f, None)
             except Exception as e:
                 if frameworks != "auto":

@@ -1,5 +1,6 @@
-"""What a Dask worker's memory resource is: ``ResourceSpec`` (a kind and its options), the size parser,
-and ``build``, which makes the resource on a device.
+"""A memory resource described: ``ResourceSpec`` (a kind and its options), the size parser, and ``build``,
+which makes the resource on a device. ``mempool.dask`` builds each worker's resource from one, and
+``mempool.rmm.MempoolResource(kind=..., **options)`` takes the same kinds and options.
 
 Everything but ``build`` and ``device_total_memory`` is pure Python: a spec is parsed and checked before
 anything touches the GPU, and every refusal is a ``ValueError`` (``TypeError`` for a value of the wrong
@@ -17,7 +18,8 @@ Kinds (the resources of ``mempool.mr``):
 ``binning`` ``BinningMemoryResource`` (``bins``: the power-of-two exponents) over a pool over ``upstream``
 ``arena``   ``ArenaMemoryResource`` over ``upstream`` (``arena_size``)
 ``default`` the default stack, ``mempool.mr.default_stack``: bins up to 1 MiB over a pool over ``upstream``
-``service`` ``ServiceMemoryResource`` (``chunk_size``, ``max_tags``), one tag ``tag`` allocated from
+``service`` ``ServiceMemoryResource`` (``chunk_size``, ``max_tags``), one tag ``tag`` (default ``default``)
+            allocated from
 =========== ==================================================================================================
 
 ``upstream`` is ``async`` (the default: a driver pool, with ``release_threshold`` and ``enable_ipc``),
@@ -359,7 +361,7 @@ def device_total_memory(device: int) -> int:
     """The total memory of ``device`` (an ordinal among the visible devices) in bytes, from the driver
     (``cuDeviceTotalMem``, through ctypes). Raises ``mempool.DriverNotFoundError`` without a driver and
     ``mempool.NoDeviceError`` for a device that does not exist."""
-    from .._errors import DriverError, DriverNotFoundError, NoDeviceError
+    from ._errors import DriverError, DriverNotFoundError, NoDeviceError
 
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -388,7 +390,7 @@ def device_total_memory(device: int) -> int:
 def build(spec: ResourceSpec, device: int, total_memory: Optional[int] = None):
     """Makes ``spec``'s resource on ``device`` (not made current) and returns it. ``total_memory``
     (default: the device's, from the driver) resolves fractions and bounds every size."""
-    from .. import mr
+    from . import mr
 
     if total_memory is None:
         total_memory = device_total_memory(device)
@@ -433,7 +435,7 @@ def build(spec: ResourceSpec, device: int, total_memory: Optional[int] = None):
         if sizes["chunk_size"] is not None:
             kw["chunk_size"] = sizes["chunk_size"]
         service = mr.ServiceMemoryResource(device, **kw)
-        res = service.tagged(service.tag(spec.tag or "dask"))
+        res = service.tagged(service.tag(spec.tag or "default"))
     else:  # __post_init__ refused it
         raise AssertionError(kind)
     if sizes["limit"] is not None:
