@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import struct
+import types
 
 import pytest
 
@@ -927,3 +928,65 @@ def test_a_real_cluster_carries_handles_to_advertised_fetchers_and_values_to_oth
         y = client.submit(_make_wire, 7, workers=[a], pure=False)
         assert client.submit(_payload, y, workers=[b], pure=False).result() == bytes(range(7)) * 3
         assert ep.offers == [ep.advert()] and ep.counters["offers_sent"] == 1
+
+
+# -------------------------------------------------------------------------------------------------
+# One view of the cluster's memory.
+# -------------------------------------------------------------------------------------------------
+
+
+def _tiny_snapshot(live_bytes: int) -> dict:
+    """A version-1 snapshot of one resource holding one live allocation of ``live_bytes`` (no GPU needed)."""
+    cols = {"t_ns": [0], "op": [0], "resource": [0], "address": [0x1000], "size": [live_bytes], "stream": [0],
+            "tag": [0], "thread": [1]}
+    return {
+        "schema": "mempool.snapshot", "version": 1, "created_unix_ns": 1764212345000000000, "source": "test",
+        "devices": [{"ordinal": 0, "name": "Simulated GPU", "total_bytes": 80 << 30, "free_bytes": 60 << 30}],
+        "tags": ["default"], "streams": [{"id": 0, "handle": "0x0", "label": "default"}],
+        "resources": [{"id": 0, "parent": None, "name": "log", "kind": "RmmLog", "device": None,
+                       "stats": {"live_bytes": live_bytes, "peak_live_bytes": live_bytes, "held_bytes": None,
+                                 "peak_held_bytes": None, "allocations": 1, "frees": 0, "live_count": 1},
+                       "per_stream": [{"stream": 0, "live_bytes": live_bytes, "free_bytes": 0}], "chunks": []}],
+        "live": [{"resource": 0, "address": 0x1000, "size": live_bytes, "stream": 0, "tag": 0, "t_ns": 0}],
+        "history": dict(cols, capacity=1, recorded=1, dropped=0),
+    }
+
+
+def test_cluster_snapshot_gathers_every_worker_into_one_document_and_page(monkeypatch, tmp_path):
+    """mempool.dask.cluster_snapshot on a real (in-process) Dask cluster, the snapshot call replaced (no GPU
+    here): one entry per worker address, with host, pid and device, checked by mempool's own checks, and the
+    page written."""
+    import json
+    import socket
+
+    from distributed import Client, LocalCluster
+
+    import mempool.memory
+    import mempool.mr
+
+    sizes = iter([3 << 20, 5 << 20, 7 << 20])
+    monkeypatch.setattr(mempool.memory, "snapshot", lambda mr=None, device=None: _tiny_snapshot(next(sizes)))
+    monkeypatch.setattr(mempool.mr, "get_per_device_resource", lambda device: types.SimpleNamespace(name="Fake"))
+    with LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        page = tmp_path / "cluster.html"
+        doc = md.cluster_snapshot(client, page)
+        addrs = sorted(client.scheduler_info()["workers"])
+    assert doc["schema"] == "mempool.cluster-snapshot" and doc["source"] == "dask"
+    assert sorted(w["name"] for w in doc["workers"]) == addrs
+    for w in doc["workers"]:
+        assert w["address"] == w["name"] and w["host"] == socket.gethostname() and w["pid"] == os.getpid()
+        assert w["device"] == 0 and w["device_name"] == "Simulated GPU"
+    assert sorted(w["snapshot"]["live"][0]["size"] for w in doc["workers"]) == [3 << 20, 5 << 20]
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html") or "<html" in text[:200]
+    for a in addrs:
+        assert json.dumps(a)[1:-1] in text
+
+
+def test_cluster_snapshot_without_workers_says_so():
+    class NoWorkers:
+        def run(self, f, workers=None):
+            return {}
+
+    with pytest.raises(ValueError, match="no workers to take snapshots of"):
+        md.cluster_snapshot(NoWorkers())

@@ -121,6 +121,22 @@ def test_rmm_through_the_bridge_allocates_from_the_workers_resource(cluster):
         assert grew >= 48 * MiB, (w, before[w]["statistics"], after[w]["statistics"])
 
 
+def test_one_snapshot_of_the_cluster(cluster, tmp_path):
+    """mempool.dask.cluster_snapshot: both workers' snapshots in one checked document and one page."""
+    from mempool.dask import MempoolSetup, cluster_snapshot
+
+    cluster.register_plugin(MempoolSetup(kind="pool", initial_pool_size="128MiB", frameworks=["cupy"]))
+    page = tmp_path / "cluster.html"
+    doc = cluster_snapshot(cluster, page)
+    assert sorted(w["name"] for w in doc["workers"]) == _workers(cluster)
+    assert len({w["pid"] for w in doc["workers"]}) == 2
+    for w in doc["workers"]:
+        assert w["device"] == 0 and w["device_name"], w
+        names = {r["name"] for r in w["snapshot"]["resources"]}
+        assert any("Pool" in n for n in names), names
+    assert page.stat().st_size > 10_000
+
+
 def test_a_worker_killed_mid_task_is_replaced_and_set_up_again(cluster):
     from mempool.dask import MempoolSetup, worker_statistics
 

@@ -5,7 +5,8 @@
   makes it current, and points CuPy, PyTorch and Numba at it; ``ipc=True`` sends CuPy arrays and PyTorch
   tensors between workers of one host as ``mempool.ipc`` handles (``mempool.dask.transfer``).
 - ``register(client, ...)``: registers it on every worker, now and later; ``worker_statistics(client)``:
-  every worker's resource, hooks and statistics.
+  every worker's resource, hooks and statistics; ``cluster_snapshot(client, path)``: every worker's snapshot
+  in one document and one page (docs/observe.md, "Cluster snapshots").
 - ``mempool.dask.preload``: the same as a preload module, ``--preload mempool.dask.preload`` with
   ``--preload-argv "--mempool-kind pool ..."``.
 - ``ResourceSpec``, ``parse_size``: the spec and the sizes, checked without a GPU.
@@ -20,6 +21,7 @@ from mempool.dask.plugin import (
     FRAMEWORKS,
     PLUGIN_NAME,
     MempoolSetup,
+    cluster_snapshot,
     current_setup,
     parse_frameworks,
     register,
@@ -35,6 +37,7 @@ __all__ = [
     "MempoolSetup",
     "ResourceSpec",
     "build",
+    "cluster_snapshot",
     "current_setup",
     "device_total_memory",
     "format_size",

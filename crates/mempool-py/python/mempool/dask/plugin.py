@@ -37,6 +37,7 @@ logger = logging.getLogger("mempool.dask")
 __all__ = [
     "FRAMEWORKS",
     "MempoolSetup",
+    "cluster_snapshot",
     "current_setup",
     "parse_frameworks",
     "register",
@@ -361,6 +362,46 @@ def worker_statistics(client: Any, workers: Optional[list] = None) -> dict:
     resource, its statistics (bytes and counts: current, peak, total; when the spec keeps ``statistics``
     on) and the handle endpoint's counters (``ipc_stats``, with its exporter's)."""
     return client.run(_statistics, workers=workers)
+
+
+def _snapshot() -> dict:
+    """This process's snapshot of its device's current resource, with who took it (runs on a worker)."""
+    import socket
+
+    from mempool import memory, mr
+
+    s = _STATE
+    device = s.device if s.device is not None else 0
+    snap = memory.snapshot(device=device)
+    name = None
+    for d in snap.get("devices") or []:
+        if d.get("ordinal") == device:
+            name = d.get("name")
+    return {"snapshot": snap, "host": socket.gethostname(), "pid": os.getpid(), "device": device,
+            "device_name": name, "resource": mr.get_per_device_resource(device).name}
+
+
+def cluster_snapshot(client: Any, path: Any = None, workers: Optional[list] = None) -> dict:
+    """Every worker's (or those of ``workers``') snapshot of its device's current resource, gathered into
+    one cluster document (``mempool.memory.cluster_snapshot``: the schema ``mempool.cluster-snapshot`` of
+    docs/observe.md, one entry per worker address, with its host, pid and device); with ``path``, also
+    written there (the viewer's page showing every worker when it ends in ``.html``, else JSON). A worker
+    whose snapshot fails makes this raise with that worker's error."""
+    from mempool import memory
+
+    replies = client.run(_snapshot, workers=workers)
+    if not replies:
+        raise ValueError("cluster_snapshot: the client has no workers to take snapshots of")
+    snaps = {addr: r["snapshot"] for addr, r in replies.items()}
+    ids = {
+        addr: {"address": addr, "host": r["host"], "pid": r["pid"], "device": r["device"],
+               "device_name": r["device_name"]}
+        for addr, r in replies.items()
+    }
+    doc = memory.cluster_snapshot(snaps, identities=ids, source="dask")
+    if path is not None:
+        memory.write_cluster_snapshot(doc, path)
+    return doc
 
 
 def register(client: Any, plugin: Optional[MempoolSetup] = None, **kwargs: Any) -> dict:
