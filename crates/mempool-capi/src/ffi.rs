@@ -7,13 +7,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, Weak};
 
 use mempool_core::{DeviceAddr, StreamRef};
-use mempool_rmm::adaptors::{AddedBinsAdaptor, LimitingAdaptor, StatisticsAdaptor};
-use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, PoolOptions};
+use mempool_rmm::adaptors::{LimitingAdaptor, StatisticsAdaptor};
+use mempool_rmm::suballoc::{ArenaOptions, PoolOptions};
 use mempool_rmm::{
-    ArenaResource, AsyncOptions, AsyncResource, BinningResource, CudaResource, ManagedResource, PoolResource,
-    ServiceResource, SharedResource, Tag,
+    ArenaResource, AsyncOptions, AsyncResource, CudaResource, ManagedResource, PoolResource, ServiceResource,
+    SharedResource, Tag,
 };
 
+use crate::build;
 use crate::device;
 use crate::error::{self, Error, Result, Status};
 use crate::registry;
@@ -297,20 +298,13 @@ pub unsafe extern "C" fn mempool_binning_resource_create(
     guard(|| {
         // SAFETY: point 1: a live handle; the reference does not outlive this call.
         let h = unsafe { handle(upstream, "upstream") }?;
-        if min_size_exponent < 0 || min_size_exponent > max_size_exponent || max_size_exponent > 40 {
-            return Err(Error::InvalidArgument(format!(
-                "bin exponents {min_size_exponent}..={max_size_exponent}: need 0 <= min <= max <= 40"
-            )));
-        }
-        let options = BinningOptions {
-            min_size_exponent: min_size_exponent.max(8) as u32,
-            max_size_exponent: max_size_exponent.max(8) as u32,
-            blocks_per_chunk: 128,
-            ..BinningOptions::default()
-        };
         let dev = device::device(h.device)?;
-        let bins: SharedResource = Arc::new(BinningResource::new(h.shared.clone(), &dev, options)?);
-        let mr: SharedResource = Arc::new(AddedBinsAdaptor::over_binning(bins, &options));
+        let mr: SharedResource = Arc::new(build::rmm_binning(
+            h.shared.clone(),
+            &dev,
+            min_size_exponent,
+            max_size_exponent,
+        )?);
         // SAFETY: point 1.
         unsafe { put_handle(out, plain(mr, h.device)) }
     })

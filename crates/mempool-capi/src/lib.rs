@@ -22,6 +22,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod build;
 pub mod cupy;
 pub mod cupy_param;
 #[cfg(test)]

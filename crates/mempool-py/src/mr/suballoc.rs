@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::PyTraverseError;
 
 use mempool_rmm::adaptors::AddedBinsAdaptor;
-use mempool_rmm::suballoc::{ArenaOptions, BinningOptions, FixedSizeOptions, PoolOptions};
-use mempool_rmm::{ArenaResource, BinningResource, FixedSizeResource, PoolResource, SharedResource};
+use mempool_rmm::suballoc::{ArenaOptions, FixedSizeOptions, PoolOptions};
+use mempool_rmm::{ArenaResource, FixedSizeResource, PoolResource, SharedResource};
 
 use super::base::{half_free, upstream_device, PyResource};
 use crate::errors::IntoPy;
@@ -131,20 +131,8 @@ impl BinningMemoryResource {
     ) -> PyResult<PyClassInitializer<Self>> {
         let upstream = upstream_mr.get().inner.clone();
         let typed = if min_size_exponent >= 0 && max_size_exponent >= 0 {
-            if min_size_exponent > max_size_exponent || max_size_exponent > 40 {
-                return Err(PyValueError::new_err(format!(
-                    "bin exponents {min_size_exponent}..={max_size_exponent}: need min <= max <= 40"
-                )));
-            }
-            let options = BinningOptions {
-                min_size_exponent: min_size_exponent.max(8) as u32,
-                max_size_exponent: max_size_exponent.max(8) as u32,
-                blocks_per_chunk: 128,
-                ..BinningOptions::default()
-            };
             let dev = upstream_device(upstream_mr)?;
-            let bins: SharedResource = Arc::new(BinningResource::new(upstream, &dev, options).py()?);
-            AddedBinsAdaptor::over_binning(bins, &options)
+            mempool_capi::build::rmm_binning(upstream, &dev, min_size_exponent, max_size_exponent).py()?
         } else {
             AddedBinsAdaptor::new(upstream)
         };
