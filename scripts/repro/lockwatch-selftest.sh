@@ -4,7 +4,7 @@
 # under it that stop on purpose, and checks that each dump names what happened:
 #   - a lock-order cycle: each holder is named, and what it waits on;
 #   - a rwlock held by a thread that has exited;
-#   - a recursive mutex destroyed while a thread waited to take it (glibc's kind -1, as in issue 33), with
+#   - a recursive (robust) mutex destroyed while a thread waits to take it (glibc's kind -1, as in issue 33), with
 #     the stacks of its initialization and destruction.
 # Prints 'lockwatch self-test: N passed, N failed'. Needs gcc and glibc (run by scripts/test.sh).
 set -u
@@ -24,14 +24,19 @@ static void *cycle_a(void *x) { pthread_rwlock_rdlock(&rw); sleep(1); pthread_mu
 static void *cycle_b(void *x) { pthread_mutex_lock(&m); sleep(1); pthread_rwlock_wrlock(&rw); return x; }
 static void *exit_reader(void *x) { pthread_rwlock_rdlock(&leaked); return x; }
 static void *late_writer(void *x) { sleep(1); pthread_rwlock_wrlock(&leaked); return x; }
-/* The destroyed case: two threads wait on rm while the destroyer holds it; the destroyer unlocks and at
- * once destroys it (the race issue 33 hit: a woken waiter takes the destroyed mutex, the other goes on
- * waiting, and that wait triggers the dump, 1.5 s after it began, about 1.1 s after the destroy). A machine
- * loaded enough to delay the destroy past the dump, or to let the woken waiter take rm first (glibc then
- * refuses the destroy), fails one try: check runs a case up to three times. */
-static void *destroyer(void *x) { pthread_mutex_lock(rm); usleep(600000); pthread_mutex_unlock(rm); pthread_mutex_destroy(rm); return x; }
-static void *waiter(void *x) { usleep(100000); pthread_mutex_lock(rm); sleep(100); return x; }
-static void *late(void *x) { usleep(200000); pthread_mutex_lock(rm); return x; }
+/* The destroyed case, ordered so that no machine's load can reorder it: the destroyer locks rm, the waiter
+ * starts to wait on it, and once it waits the destroyer destroys rm while holding it (glibc allows that for a robust
+ * mutex; issue 33's mutex was destroyed between its unlock and a woken waiter's return, a race that cannot be
+ * staged reliably). The waiter's wait, 2.5 s in, triggers the dump, about 2 s after the destroy. */
+static void *destroyer(void *x) {
+  pthread_mutex_lock(rm);
+  /* The waiter is committed to wait once it set the futex's waiters bit in the lock word (glibc's robust
+   * mutex: owner tid | FUTEX_WAITERS): from then on the destroy cannot make it return. */
+  while (!(__atomic_load_n(&rm->__data.__lock, __ATOMIC_ACQUIRE) & 0x80000000)) usleep(10000);
+  if (pthread_mutex_destroy(rm) != 0) fprintf(stderr, "cases: the destroy was refused\n");
+  sleep(100); return x;
+}
+static void *waiter(void *x) { usleep(100000); pthread_mutex_lock(rm); return x; }
 int main(int argc, char **argv) {
   pthread_t t[3];
   if (argc < 2) return 2;
@@ -41,10 +46,11 @@ int main(int argc, char **argv) {
     pthread_create(&t[0], 0, exit_reader, 0); pthread_join(t[0], 0); pthread_create(&t[1], 0, late_writer, 0);
   } else {
     pthread_mutexattr_t a; pthread_mutexattr_init(&a); pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
     rm = malloc(sizeof *rm); pthread_mutex_init(rm, &a);
-    pthread_create(&t[0], 0, destroyer, 0); pthread_create(&t[1], 0, waiter, 0); pthread_create(&t[2], 0, late, 0);
+    pthread_create(&t[0], 0, destroyer, 0); pthread_create(&t[1], 0, waiter, 0);
   }
-  sleep(4);
+  sleep(5);
   return 0;
 }
 C
@@ -53,10 +59,11 @@ pass=0 fail=0
 check() { # case description pattern...
   local case=$1 what=$2; shift 2
   local ok=0 p dump try
-  # Up to three tries: only the destroyed case can lose its race (see cases.c); the others are deadlocks.
+  # Up to three tries: every case is ordered (deadlocks, flags), so a retry is only for a machine so loaded
+  # that a dump comes later than the program's 5 s.
   for try in 1 2 3; do
     rm -f "$work"/lockwatch-*.txt
-    LD_PRELOAD="$work/lockwatch.so" LOCKWATCH_DIR="$work" LOCKWATCH_SECS=1.5 "$work/cases" "$case" > /dev/null 2>&1
+    LD_PRELOAD="$work/lockwatch.so" LOCKWATCH_DIR="$work" LOCKWATCH_SECS=2.5 "$work/cases" "$case" > /dev/null 2>&1
     dump=$(ls "$work"/lockwatch-*-1.txt 2>/dev/null | head -1)
     ok=1
     if [ -z "$dump" ]; then ok=0; else for p in "$@"; do grep -qE -- "$p" "$dump" || { ok=0; [ "$try" = 3 ] && echo "  missing: $p"; }; done; fi
@@ -69,7 +76,7 @@ check cycle "a lock-order cycle names both holders and what each waits on" \
 check exited "a rwlock held by an exited thread" \
   'held R by exited tid [0-9]+' 'EXITED'
 check destroyed "a mutex destroyed while waited on, with its init and destroy stacks" \
-  'glibc: mutex lock=2 owner=[0-9]+ count=1 kind=-1' 'last initialized by tid' 'last destroyed by tid' \
+  'glibc: mutex lock=-?[0-9]+ owner=[0-9]+ count=1 kind=-1' 'last initialized by tid' 'last destroyed by tid' \
   'pthread_mutex_destroy'
 echo "lockwatch self-test: $pass passed, $fail failed"
 [ "$fail" = 0 ]
