@@ -22,7 +22,9 @@ mkdir -p "$out"
 rm -f "$out"/mempool_rmm_bridge-*.whl
 src=crates/mempool-py/rmm-bridge
 rm -rf "$src/build" "$src"/*.egg-info "$src/mempool_rmm_bridge/_bridge.cpp"
-MEMPOOL_INCLUDE=$PWD/crates/mempool-capi/include "$py" -m pip wheel -q --disable-pip-version-check \
+# LDSHARED: the build Python's own (sysconfig) adds its lib folder to the module's RUNPATH; the bridge needs
+# only the RUNPATH setup.py gives it (RMM's and the CUDA runtime's wheels, beside it in site-packages).
+LDSHARED="${CXX:-g++} -shared" MEMPOOL_INCLUDE=$PWD/crates/mempool-capi/include "$py" -m pip wheel -q --disable-pip-version-check \
   --no-build-isolation --no-deps "$src" -w "$out"
 rm -rf "$src/build" "$src"/*.egg-info "$src/mempool_rmm_bridge/_bridge.cpp"
 ls "$out"/mempool_rmm_bridge-*.whl
