@@ -104,57 +104,43 @@ def test_the_bridge_is_a_class_path_with_keyword_options():
         cls(**{"kind": "binning", "initial_pool_size": "16MiB", "bins": "8-20"})
 
 
-def test_a_missing_rmm_is_named():
+def import_error_of(prelude: str, names: str = "mempool.rmm.MempoolResource") -> str:
+    """What a fresh interpreter prints when, after ``prelude``, evaluating ``names`` raises ImportError."""
     r = run_python(
-        """
-        import sys
-        sys.modules["rmm"] = None  # as if RMM were not installed
-        import mempool.rmm
-        mempool.rmm.make_resource  # the module itself works without RMM
-        try:
-            mempool.rmm.MempoolResource
-        except ImportError as e:
-            print("ImportError:", e)
-        """
+        prelude
+        + f"""
+import mempool.rmm
+try:
+    {names}
+except ImportError as e:
+    print("ImportError:", e)
+"""
     )
     assert r.returncode == 0, r.stderr
-    assert "ImportError: mempool_rmm_bridge needs RMM 26.10" in r.stdout
-    assert "pip install rmm-cu13==26.10.*" in r.stdout
+    return r.stdout
+
+
+def test_a_missing_rmm_is_named():
+    # as if RMM were not installed; the module itself works without it
+    out = import_error_of('import sys\nsys.modules["rmm"] = None', "mempool.rmm.make_resource; mempool.rmm.MempoolResource")
+    assert "ImportError: mempool_rmm_bridge needs RMM 26.10" in out
+    assert "pip install rmm-cu13==26.10.*" in out
 
 
 def test_a_missing_bridge_is_named():
-    r = run_python(
-        """
-        import sys
-        sys.modules["mempool_rmm_bridge"] = None  # as if the bridge were not installed
-        import mempool.rmm
-        try:
-            mempool.rmm.as_rmm_resource
-            mempool.rmm.MempoolResource
-        except ImportError as e:
-            print("ImportError:", e)
-        """
+    # as if the bridge were not installed
+    out = import_error_of(
+        'import sys\nsys.modules["mempool_rmm_bridge"] = None',
+        "mempool.rmm.as_rmm_resource; mempool.rmm.MempoolResource",
     )
-    assert r.returncode == 0, r.stderr
-    assert "mempool.rmm needs the RMM bridge" in r.stdout
-    assert "scripts/build-rmm-bridge.sh" in r.stdout
+    assert "mempool.rmm needs the RMM bridge" in out
+    assert "scripts/build-rmm-bridge.sh" in out
 
 
 def test_another_rmm_release_is_refused():
-    r = run_python(
-        """
-        import rmm
-        rmm.__version__ = "26.12.00"
-        import mempool.rmm
-        try:
-            mempool.rmm.MempoolResource
-        except ImportError as e:
-            print("ImportError:", e)
-        """
-    )
-    assert r.returncode == 0, r.stderr
-    assert "built against RMM 26.10" in r.stdout
-    assert "RMM 26.12.00 is installed" in r.stdout
+    out = import_error_of('import rmm\nrmm.__version__ = "26.12.00"')
+    assert "built against RMM 26.10" in out
+    assert "RMM 26.12.00 is installed" in out
 
 
 def test_unknown_attributes_are_attribute_errors():

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import snapshots as S
-from test_viewer import OUT, Dom, assert_ready, browser, expected_pool, html_attrs, open_page
+from test_viewer import OUT, Dom, assert_error_page, assert_ready, browser, expected_pool, html_attrs, open_page
 
 
 def summary(snap):
@@ -206,11 +206,7 @@ def bad(mutate):
 ])
 def test_unreadable_cluster_says_why(tmp_path, name, text, expected):
     dom = open_page(tmp_path, name, S.page(text))
-    assert html_attrs(dom).get("data-state") == "error"
-    err = dom.by_id("error")
-    assert "shown" in err.classes
-    assert expected in err.text(), err.text()
-    assert "shown" not in dom.by_id("content").classes
+    assert_error_page(dom, expected)
     assert "shown" not in dom.by_id("cluster-meta").classes
 
 

@@ -354,13 +354,18 @@ def chromium_version():
                                                            if k != "thread"})),
      "history has 6 events but no \"thread\" column"),
 ])
-def test_unreadable_snapshot_says_why(tmp_path, name, text, expected):
-    dom = open_page(tmp_path, name, S.page(text))
+def assert_error_page(dom, expected):
+    """The page refused its document: the error box is shown and says ``expected``, the content is hidden."""
     assert html_attrs(dom).get("data-state") == "error"
     err = dom.by_id("error")
     assert "shown" in err.classes
     assert expected in err.text(), err.text()
     assert "shown" not in dom.by_id("content").classes
+
+
+def test_unreadable_snapshot_says_why(tmp_path, name, text, expected):
+    dom = open_page(tmp_path, name, S.page(text))
+    assert_error_page(dom, expected)
 
 
 def test_bare_viewer_offers_a_file(tmp_path):
