@@ -344,6 +344,15 @@ def chromium_version():
     return r.stdout.strip()
 
 
+def assert_error_page(dom, expected):
+    """The page refused its document: the error box is shown and says ``expected``, the content is hidden."""
+    assert html_attrs(dom).get("data-state") == "error"
+    err = dom.by_id("error")
+    assert "shown" in err.classes
+    assert expected in err.text(), err.text()
+    assert "shown" not in dom.by_id("content").classes
+
+
 @pytest.mark.parametrize("name,text,expected", [
     ("bad-json", '{"schema": "mempool.snapshot", "version": 1, "resources": [', "not valid JSON"),
     ("version-2", json.dumps(dict(S.small(), version=2)), "version 2; this viewer reads version 1 only"),
@@ -354,15 +363,6 @@ def chromium_version():
                                                            if k != "thread"})),
      "history has 6 events but no \"thread\" column"),
 ])
-def assert_error_page(dom, expected):
-    """The page refused its document: the error box is shown and says ``expected``, the content is hidden."""
-    assert html_attrs(dom).get("data-state") == "error"
-    err = dom.by_id("error")
-    assert "shown" in err.classes
-    assert expected in err.text(), err.text()
-    assert "shown" not in dom.by_id("content").classes
-
-
 def test_unreadable_snapshot_says_why(tmp_path, name, text, expected):
     dom = open_page(tmp_path, name, S.page(text))
     assert_error_page(dom, expected)
